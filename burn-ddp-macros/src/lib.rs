@@ -1,0 +1,1 @@
+//! The `#[ddp]` attribute for burn-ddp.
