@@ -1,0 +1,356 @@
+//! The process group: who this process is in the job, and the collectives it can call.
+//!
+//! - `rank.rs`: [`Rank`], [`WorldSize`], [`LocalRank`], [`CollectiveSeq`] newtypes
+//! - `store/`: the key-value store on rank 0 that bootstraps the job
+//! - `auth.rs`: job-token handshake for every connection
+//! - `rendezvous.rs`: joining the job
+//! - `abort.rs`: [`AbortRecord`], the job's first failure, shared through the store
+
+mod abort;
+pub(crate) mod auth;
+mod rank;
+mod rendezvous;
+pub(crate) mod store;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use abort::{AbortRecord, StallDiagnosis};
+pub use rank::{CollectiveSeq, LocalRank, Rank, RankList, WorldSize};
+
+use crate::comm::{Communicator, Element, LocalCommunicator, ReduceOp, TcpCommunicator};
+use crate::config::{GroupConfig, JobToken, Timeouts};
+use crate::{DdpError, Result};
+
+pub use self::store::Store;
+use self::store::{StoreClient, StoreServer};
+
+/// How long rank 0 keeps the store up at exit for ranks that are still finishing.
+const DEPARTURE_GRACE: Duration = Duration::from_secs(30);
+
+struct Inner {
+    rank: Rank,
+    world: WorldSize,
+    local_rank: LocalRank,
+    local_world: WorldSize,
+    timeouts: Timeouts,
+    token: JobToken,
+    // Field order is drop order: links close first (so peers blocked on this rank fail at once),
+    // then the store connection says goodbye, then rank 0's server stops.
+    comm: Box<dyn Communicator>,
+    store: Option<Arc<StoreClient>>,
+    server: Option<StoreServer>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(store) = &self.store {
+            if std::thread::panicking() {
+                let record = AbortRecord {
+                    reporter: self.rank,
+                    culprit: Some(self.rank),
+                    collective: None,
+                    reason: format!("rank {} panicked; see its output", self.rank),
+                };
+                let _ = store.abort(record);
+            }
+            self.comm.abort();
+            if let Some(server) = &self.server {
+                server.wait_for_departures(self.rank, DEPARTURE_GRACE.min(self.timeouts.store));
+            }
+            store.bye(Duration::from_secs(2));
+        }
+    }
+}
+
+/// A group of processes (or threads) that run collectives together.
+///
+/// Cheap to clone; all clones share the same connections. Collectives from several threads are
+/// serialised in call order, and every rank must issue the same collectives in the same order.
+///
+/// ```no_run
+/// use burn_ddp::{ProcessGroup, ReduceOp};
+///
+/// let pg = ProcessGroup::from_env()?; // RANK, WORLD_SIZE, MASTER_ADDR, ... as torchrun sets them
+/// let mut grads = vec![1.0f32; 1024];
+/// pg.all_reduce(&mut grads, ReduceOp::Mean)?;
+/// # Ok::<(), burn_ddp::DdpError>(())
+/// ```
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.inner.rank)
+            .field("world_size", &self.inner.world)
+            .field("local_rank", &self.inner.local_rank)
+            .field("transport", &self.inner.comm.transport())
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    /// Joins the job described by the environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+    /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as set by `burn-ddp run`, torchrun or
+    /// Slurm's `srun`). Without any of them, this is a single-process group.
+    ///
+    /// # Errors
+    /// Invalid environment values (naming the variable), and every error of [`ProcessGroup::init`].
+    pub fn from_env() -> Result<Self> {
+        let cfg = crate::launch::env::group_config_from_env()?;
+        Self::init(cfg)
+    }
+
+    /// Joins the job described by `config`: rank 0 serves the rendezvous store, every rank
+    /// connects, and the ring transport is opened. A world of one needs no network.
+    ///
+    /// # Errors
+    /// `RankOutOfRange`, `PortInUse`, `MasterUnreachable`, `TokenMismatch`, `WorldSizeMismatch`,
+    /// `DuplicateRank`, `RendezvousTimeout`, ... each naming the fix.
+    pub fn init(config: GroupConfig) -> Result<Self> {
+        config.validate()?;
+        if config.world_size == WorldSize::ONE {
+            return Ok(Self::single_with(config.timeouts));
+        }
+        let deadline = Instant::now() + config.timeouts.rendezvous;
+        let joined = rendezvous::join(&config, deadline)?;
+        let comm = TcpCommunicator::connect(
+            Arc::clone(&joined.client),
+            config.rank,
+            config.world_size,
+            &config.token,
+            "tcp/0",
+            deadline,
+            config.timeouts.collective,
+        )
+        .inspect_err(|e| rendezvous::publish(&joined.client, config.rank, None, e))?;
+        tracing::info!(
+            "[rank {}] process group ready: {} ranks over tcp (store {})",
+            config.rank,
+            config.world_size,
+            joined.client.addr()
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                rank: config.rank,
+                world: config.world_size,
+                local_rank: config.local_rank,
+                local_world: config.local_world_size,
+                timeouts: config.timeouts,
+                token: config.token,
+                comm: Box::new(comm),
+                store: Some(joined.client),
+                server: joined.server,
+            }),
+        })
+    }
+
+    /// A group of one process: every collective returns at once (a mean divides by one).
+    pub fn single() -> Self {
+        Self::single_with(Timeouts::default())
+    }
+
+    fn single_with(timeouts: Timeouts) -> Self {
+        let comm = LocalCommunicator::group(WorldSize::ONE, timeouts.collective)
+            .pop()
+            .map(|c| Box::new(c) as Box<dyn Communicator>);
+        let comm = match comm {
+            Some(c) => c,
+            None => unreachable!("a local group of one has one communicator"),
+        };
+        Self {
+            inner: Arc::new(Inner {
+                rank: Rank::ZERO,
+                world: WorldSize::ONE,
+                local_rank: LocalRank(0),
+                local_world: WorldSize::ONE,
+                timeouts,
+                token: JobToken::new("single"),
+                comm,
+                store: None,
+                server: None,
+            }),
+        }
+    }
+
+    /// A group of `world` ranks inside this process, one per thread (hand each thread one
+    /// element). Collectives go through shared memory.
+    pub fn local(world: WorldSize, timeouts: Timeouts) -> Vec<Self> {
+        LocalCommunicator::group(world, timeouts.collective)
+            .into_iter()
+            .map(|comm| {
+                let rank = comm.rank();
+                Self {
+                    inner: Arc::new(Inner {
+                        rank,
+                        world,
+                        local_rank: LocalRank(rank.0),
+                        local_world: world,
+                        timeouts,
+                        token: JobToken::new("local"),
+                        comm: Box::new(comm),
+                        store: None,
+                        server: None,
+                    }),
+                }
+            })
+            .collect()
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> Rank {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> WorldSize {
+        self.inner.world
+    }
+
+    /// This process's rank on its node.
+    pub fn local_rank(&self) -> LocalRank {
+        self.inner.local_rank
+    }
+
+    /// Number of ranks on this node.
+    pub fn local_world_size(&self) -> WorldSize {
+        self.inner.local_world
+    }
+
+    /// Whether this is rank 0 (the one that logs, renders and writes checkpoints).
+    pub fn is_main(&self) -> bool {
+        self.inner.rank.is_zero()
+    }
+
+    /// The deadlines this group uses.
+    pub fn timeouts(&self) -> Timeouts {
+        self.inner.timeouts
+    }
+
+    /// The transport's name (`"tcp"`, `"local"`).
+    pub fn transport(&self) -> &'static str {
+        self.inner.comm.transport()
+    }
+
+    pub(crate) fn token(&self) -> &JobToken {
+        &self.inner.token
+    }
+
+    pub(crate) fn store_client(&self) -> Option<&StoreClient> {
+        self.inner.store.as_deref()
+    }
+
+    /// The job's rendezvous store, for small coordination data of your own (keys are kept apart
+    /// from burn-ddp's). `None` for groups without a store: [`ProcessGroup::single`] and
+    /// in-process groups from [`ProcessGroup::local`].
+    pub fn store(&self) -> Option<Store<'_>> {
+        self.store_client().map(Store::new)
+    }
+
+    /// Reduces `buf` across all ranks, in place: every rank ends with the same values.
+    ///
+    /// # Errors
+    /// A dead or stalled peer, a collective mismatch, the deadline, or an earlier failure; the
+    /// error names the rank at fault.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.inner
+            .comm
+            .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf` (all must have the same length).
+    ///
+    /// # Errors
+    /// `InvalidRoot`, and the errors of [`ProcessGroup::all_reduce`].
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: Rank) -> Result<()> {
+        if !self.inner.world.contains(root) {
+            return Err(DdpError::InvalidRoot {
+                rank: self.inner.rank,
+                root,
+                world: self.inner.world,
+            });
+        }
+        self.inner
+            .comm
+            .broadcast(bytemuck::cast_slice_mut(buf), T::DTYPE, root)
+    }
+
+    /// Gathers every rank's `send` into `recv` (`world_size * send.len()` elements, rank order).
+    ///
+    /// # Errors
+    /// `BufferSize` if `recv` has the wrong length, and the errors of [`ProcessGroup::all_reduce`].
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let expected = send.len() * self.inner.world.as_usize();
+        if recv.len() != expected {
+            return Err(DdpError::BufferSize {
+                rank: self.inner.rank,
+                op: crate::comm::CollectiveOp::AllGather,
+                what: "recv (world_size x send)",
+                expected,
+                got: recv.len(),
+            });
+        }
+        self.inner.comm.all_gather(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
+    }
+
+    /// Reduces `send` (`world_size` blocks of `recv.len()` elements) across ranks; rank r
+    /// receives block r of the result.
+    ///
+    /// # Errors
+    /// `BufferSize` if `send` has the wrong length, and the errors of [`ProcessGroup::all_reduce`].
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let expected = recv.len() * self.inner.world.as_usize();
+        if send.len() != expected {
+            return Err(DdpError::BufferSize {
+                rank: self.inner.rank,
+                op: crate::comm::CollectiveOp::ReduceScatter,
+                what: "send (world_size x recv)",
+                expected,
+                got: send.len(),
+            });
+        }
+        self.inner.comm.reduce_scatter(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+        )
+    }
+
+    /// Returns once every rank has called `barrier`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce`].
+    pub fn barrier(&self) -> Result<()> {
+        self.inner.comm.barrier()
+    }
+
+    /// Marks the group failed and closes its connections, so that every peer stops promptly.
+    pub fn abort(&self) {
+        self.inner.comm.abort();
+    }
+
+    /// The job's abort record, if some rank has published one.
+    ///
+    /// # Errors
+    /// The store is unreachable.
+    pub fn abort_record(&self) -> Result<Option<AbortRecord>> {
+        match self.store_client() {
+            Some(s) => s.abort_record(),
+            None => Ok(None),
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! The key-value store that bootstraps a job, served by rank 0 (like c10d's `TCPStore`).
+//!
+//! - `protocol.rs`: request and reply messages and their bounded decoding
+//! - `server.rs`: the server thread(s) on rank 0
+//! - `client.rs`: a rank's connection to it
+//!
+//! Every connection is authenticated with the job token (`group::auth`). Membership connections
+//! (one per rank) tell the store who joined; a member that disconnects without saying goodbye
+//! aborts the job, so every other rank learns at once which rank died.
+
+mod client;
+mod handle;
+pub(crate) mod protocol;
+mod server;
+
+pub(crate) use client::{resolve_bind, StoreClient, WaitOutcome};
+pub use handle::Store;
+pub(crate) use server::StoreServer;
+
+#[cfg(test)]
+mod tests;
