@@ -1,0 +1,426 @@
+//! The one place that reads the environment: turns the variables set by `burn-ddp run`, torchrun
+//! or Slurm into a [`GroupConfig`].
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `RANK`, `WORLD_SIZE` | global rank and job size (torchrun) | single process when neither is set |
+//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
+//! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | `127.0.0.1`, `29500` |
+//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_STEP_NODELIST` | Slurm fallback (`srun`) | |
+//! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then `SLURM_JOB_ID.SLURM_STEP_ID` |
+//! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
+//! | `BURN_DDP_RENDEZVOUS_TIMEOUT`, `BURN_DDP_STORE_TIMEOUT`, `BURN_DDP_COLLECTIVE_TIMEOUT` | one deadline each | `BURN_DDP_TIMEOUT` |
+
+use std::time::Duration;
+
+use crate::config::{GroupConfig, JobToken, MasterAddr, Timeouts, DEFAULT_MASTER_PORT};
+use crate::group::{LocalRank, Rank, WorldSize};
+use crate::{DdpError, Result};
+
+/// Variables of the torchrun contract.
+pub const RANK: &str = "RANK";
+/// Job size.
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank on this node.
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Ranks on this node.
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Host of rank 0's store.
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of rank 0's store.
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// The job secret.
+pub const JOB_TOKEN: &str = "BURN_DDP_JOB_TOKEN";
+/// All deadlines at once.
+pub const TIMEOUT: &str = "BURN_DDP_TIMEOUT";
+/// Rendezvous deadline.
+pub const RENDEZVOUS_TIMEOUT: &str = "BURN_DDP_RENDEZVOUS_TIMEOUT";
+/// Store request deadline.
+pub const STORE_TIMEOUT: &str = "BURN_DDP_STORE_TIMEOUT";
+/// Collective deadline.
+pub const COLLECTIVE_TIMEOUT: &str = "BURN_DDP_COLLECTIVE_TIMEOUT";
+
+/// Reads the process environment into a [`GroupConfig`].
+///
+/// # Errors
+/// `MissingEnv`/`InvalidEnv` naming the variable, or `RankOutOfRange`.
+pub fn group_config_from_env() -> Result<GroupConfig> {
+    group_config_from(|k| std::env::var(k).ok())
+}
+
+/// Like [`group_config_from_env`], reading variables through `get` (for tests and embedding).
+///
+/// # Errors
+/// As [`group_config_from_env`].
+pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupConfig> {
+    let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+    let timeouts = timeouts(&get)?;
+
+    let (rank, world, local_rank, local_world, default_master) =
+        if get(RANK).is_some() || get(WORLD_SIZE).is_some() {
+            let rank = Rank(parse_u32(&get, RANK, "a non-negative integer")?.ok_or(
+                DdpError::MissingEnv {
+                    var: RANK,
+                    hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
+                },
+            )?);
+            let world = world(&get, WORLD_SIZE)?.ok_or(DdpError::MissingEnv {
+                var: WORLD_SIZE,
+                hint: "RANK is set, so the job size WORLD_SIZE must be set too",
+            })?;
+            let local_world = world_or(&get, LOCAL_WORLD_SIZE, world)?;
+            let local_rank = LocalRank(
+                parse_u32(&get, LOCAL_RANK, "a non-negative integer")?
+                    .unwrap_or(rank.0 % local_world.get()),
+            );
+            (rank, world, local_rank, local_world, None)
+        } else if get("SLURM_PROCID").is_some() {
+            slurm(&get)?
+        } else {
+            return Ok(
+                GroupConfig::new(Rank(0), WorldSize::ONE, JobToken::new("single"))
+                    .with_timeouts(timeouts),
+            );
+        };
+
+    let host = get(MASTER_ADDR)
+        .or(default_master)
+        .unwrap_or_else(|| "127.0.0.1".to_string());
+    let port = match get(MASTER_PORT) {
+        None => DEFAULT_MASTER_PORT,
+        Some(v) => v.trim().parse().map_err(|_| DdpError::InvalidEnv {
+            var: MASTER_PORT,
+            value: v.clone(),
+            expected: "a TCP port number (1-65535)",
+        })?,
+    };
+    let master = MasterAddr::new(host, port);
+    let token = token(&get, &master, world);
+    let cfg = GroupConfig::new(rank, world, token)
+        .with_master(master)
+        .with_local(local_rank, local_world)
+        .with_timeouts(timeouts);
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+type Row = (Rank, WorldSize, LocalRank, WorldSize, Option<String>);
+
+fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Row> {
+    let rank = Rank(parse_u32(get, "SLURM_PROCID", "a non-negative integer")?.unwrap_or(0));
+    let world = world(get, "SLURM_NTASKS")?.ok_or(DdpError::MissingEnv {
+        var: "SLURM_NTASKS",
+        hint: "launch with `srun --ntasks=N` (or set RANK and WORLD_SIZE yourself)",
+    })?;
+    let local_rank =
+        LocalRank(parse_u32(get, "SLURM_LOCALID", "a non-negative integer")?.unwrap_or(0));
+    let node = parse_u32(get, "SLURM_NODEID", "a non-negative integer")?.unwrap_or(0);
+    let per_node = get("SLURM_STEP_TASKS_PER_NODE")
+        .or_else(|| get("SLURM_TASKS_PER_NODE"))
+        .and_then(|spec| tasks_on_node(&spec, node as usize))
+        .or_else(|| {
+            get("SLURM_NTASKS_PER_NODE")
+                .and_then(|v| v.trim().parse().ok())
+                .and_then(WorldSize::new)
+        })
+        .unwrap_or(world);
+    let master = get("SLURM_STEP_NODELIST")
+        .or_else(|| get("SLURM_JOB_NODELIST"))
+        .and_then(|list| first_host(&list));
+    Ok((rank, world, local_rank, per_node, master))
+}
+
+/// The number of tasks on node `node` from Slurm's `2(x3),1` notation.
+pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Option<WorldSize> {
+    let mut seen = 0usize;
+    for part in spec.split(',') {
+        let part = part.trim();
+        let (count, repeat) = match part.split_once("(x") {
+            Some((c, r)) => (c, r.trim_end_matches(')').parse::<usize>().ok()?),
+            None => (part, 1),
+        };
+        let count: u32 = count.parse().ok()?;
+        if node < seen + repeat {
+            return WorldSize::new(count);
+        }
+        seen += repeat;
+    }
+    None
+}
+
+/// The first host of a Slurm host list (`node[01-04,07],gpu5` -> `node01`).
+pub(crate) fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let mut depth = 0;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                ',' if depth == 0 => return true,
+                _ => {}
+            }
+            false
+        })
+        .map(|(i, _)| i)
+        .unwrap_or(list.len());
+    let first = &list[..end];
+    match first.split_once('[') {
+        None => (!first.is_empty()).then(|| first.to_string()),
+        Some((prefix, rest)) => {
+            let inner = rest.trim_end_matches(']');
+            let range = inner.split(',').next()?;
+            let start = range.split('-').next()?;
+            Some(format!("{prefix}{start}"))
+        }
+    }
+}
+
+fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr, world: WorldSize) -> JobToken {
+    if let Some(t) = get(JOB_TOKEN) {
+        return JobToken::new(t);
+    }
+    if let Some(id) = get("TORCHELASTIC_RUN_ID").filter(|v| v != "none") {
+        return JobToken::new(format!("torchelastic:{id}"));
+    }
+    if let Some(job) = get("SLURM_JOB_ID") {
+        let step = get("SLURM_STEP_ID").unwrap_or_default();
+        return JobToken::new(format!("slurm:{job}.{step}"));
+    }
+    // No secret was provided: this still keeps two jobs of different shapes apart, but anyone
+    // who can guess the address and world size can join. `burn-ddp run` always sets a token.
+    tracing::debug!("no {JOB_TOKEN} set; using a token derived from the master address");
+    JobToken::new(format!("burn-ddp:{master}:{world}"))
+}
+
+fn parse_u32(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    expected: &'static str,
+) -> Result<Option<u32>> {
+    match get(var) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| DdpError::InvalidEnv {
+                var,
+                value: v.clone(),
+                expected,
+            }),
+    }
+}
+
+fn world(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<WorldSize>> {
+    match parse_u32(get, var, "a positive integer")? {
+        None => Ok(None),
+        Some(n) => WorldSize::new(n).map(Some).ok_or(DdpError::InvalidEnv {
+            var,
+            value: n.to_string(),
+            expected: "a positive integer",
+        }),
+    }
+}
+
+fn world_or(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    default: WorldSize,
+) -> Result<WorldSize> {
+    Ok(world(get, var)?.unwrap_or(default))
+}
+
+/// Parses `90`, `2.5`, `2.5s`, `500ms`, `10m`, `1h`.
+pub(crate) fn parse_duration(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    let (num, scale) = if let Some(n) = v.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = v.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = v.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = v.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (v, 1.0)
+    };
+    let secs: f64 = num.trim().parse().ok()?;
+    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs * scale))
+}
+
+fn duration(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<Duration>> {
+    match get(var) {
+        None => Ok(None),
+        Some(v) => parse_duration(&v).map(Some).ok_or(DdpError::InvalidEnv {
+            var,
+            value: v.clone(),
+            expected: "a positive duration such as 90, 2.5s, 500ms or 10m",
+        }),
+    }
+}
+
+fn timeouts(get: &impl Fn(&str) -> Option<String>) -> Result<Timeouts> {
+    let base = duration(get, TIMEOUT)?
+        .map(Timeouts::uniform)
+        .unwrap_or_default();
+    Ok(Timeouts {
+        rendezvous: duration(get, RENDEZVOUS_TIMEOUT)?.unwrap_or(base.rendezvous),
+        store: duration(get, STORE_TIMEOUT)?.unwrap_or(base.store),
+        collective: duration(get, COLLECTIVE_TIMEOUT)?.unwrap_or(base.collective),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn empty_environment_is_a_single_process() {
+        let cfg = group_config_from(env(&[])).unwrap();
+        assert_eq!(cfg.world_size, WorldSize::ONE);
+        assert_eq!(cfg.rank, Rank(0));
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let cfg = group_config_from(env(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "node01"),
+            ("MASTER_PORT", "1234"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(5));
+        assert_eq!(cfg.world_size.get(), 8);
+        assert_eq!(cfg.local_rank, LocalRank(1));
+        assert_eq!(cfg.local_world_size.get(), 4);
+        assert_eq!(cfg.master, MasterAddr::new("node01", 1234));
+        assert_eq!(cfg.token, JobToken::new("torchelastic:abc"));
+    }
+
+    #[test]
+    fn defaults_fill_in_local_values_and_master() {
+        let cfg = group_config_from(env(&[("RANK", "1"), ("WORLD_SIZE", "2")])).unwrap();
+        assert_eq!(cfg.local_rank, LocalRank(1));
+        assert_eq!(cfg.local_world_size.get(), 2);
+        assert_eq!(cfg.master, MasterAddr::new("127.0.0.1", 29500));
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let e = group_config_from(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("RANK=\"x\""), "{e}");
+        let e = group_config_from(env(&[("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(matches!(e, DdpError::MissingEnv { var: "RANK", .. }), "{e}");
+        let e = group_config_from(env(&[("RANK", "0")])).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DdpError::MissingEnv {
+                    var: "WORLD_SIZE",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = group_config_from(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(matches!(e, DdpError::RankOutOfRange { .. }), "{e}");
+        let e = group_config_from(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err();
+        assert!(e.to_string().contains("WORLD_SIZE"), "{e}");
+        let e = group_config_from(env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_PORT", "99999"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("MASTER_PORT"), "{e}");
+        let e = group_config_from(env(&[("BURN_DDP_TIMEOUT", "soon")])).unwrap_err();
+        assert!(e.to_string().contains("BURN_DDP_TIMEOUT"), "{e}");
+    }
+
+    #[test]
+    fn slurm_fallback() {
+        let cfg = group_config_from(env(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_STEP_NODELIST", "gpu[07-08]"),
+            ("SLURM_JOB_ID", "991"),
+            ("SLURM_STEP_ID", "0"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(6));
+        assert_eq!(cfg.world_size.get(), 8);
+        assert_eq!(cfg.local_rank, LocalRank(2));
+        assert_eq!(cfg.local_world_size.get(), 4);
+        assert_eq!(cfg.master, MasterAddr::new("gpu07", 29500));
+        assert_eq!(cfg.token, JobToken::new("slurm:991.0"));
+    }
+
+    #[test]
+    fn torchrun_variables_win_over_slurm() {
+        let cfg = group_config_from(env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "7"),
+            ("SLURM_NTASKS", "16"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(1));
+        assert_eq!(cfg.world_size.get(), 2);
+    }
+
+    #[test]
+    fn slurm_task_counts() {
+        assert_eq!(tasks_on_node("2(x3),1", 0).map(|w| w.get()), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 2).map(|w| w.get()), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3).map(|w| w.get()), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(tasks_on_node("garbage", 0), None);
+    }
+
+    #[test]
+    fn slurm_host_lists() {
+        assert_eq!(first_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(first_host("gpu5,node[1-2]").as_deref(), Some("gpu5"));
+        assert_eq!(first_host("a").as_deref(), Some("a"));
+        assert_eq!(first_host("").as_deref(), None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2.5s"), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("10m"), Some(Duration::from_secs(600)));
+        assert_eq!(parse_duration("-1"), None);
+        assert_eq!(parse_duration("x"), None);
+    }
+
+    #[test]
+    fn timeouts_from_environment() {
+        let cfg = group_config_from(env(&[
+            ("BURN_DDP_TIMEOUT", "20"),
+            ("BURN_DDP_COLLECTIVE_TIMEOUT", "3s"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.timeouts.rendezvous, Duration::from_secs(20));
+        assert_eq!(cfg.timeouts.collective, Duration::from_secs(3));
+    }
+}
