@@ -1,0 +1,228 @@
+//! Every collective, every element type, every reduce operation, sizes 0, 1, odd and 64 MiB,
+//! in real processes over the TCP transport (world sizes 1 to 4), checked against references
+//! computed in the test.
+
+mod common;
+
+use burn_ddp::{Element, ProcessGroup, Rank, ReduceOp};
+use half::{bf16, f16};
+
+/// Test element: built from small integers so that every reduction order gives exact results.
+trait TestElem: Element + PartialEq + std::fmt::Debug + Copy {
+    fn from_i64(v: i64) -> Self;
+    /// The mean of a sum of `w` values, rounded the way the transport does.
+    fn mean(sum: i64, w: u32) -> Self;
+}
+
+macro_rules! float_elem {
+    ($($t:ty => $from:expr),*) => {$(
+        impl TestElem for $t {
+            fn from_i64(v: i64) -> Self { ($from)(v as f64) }
+            fn mean(sum: i64, w: u32) -> Self { ($from)((sum as f32 / w as f32) as f64) }
+        }
+    )*};
+}
+float_elem!(
+    f32 => |v: f64| v as f32,
+    f16 => |v: f64| f16::from_f64(v),
+    bf16 => |v: f64| bf16::from_f64(v)
+);
+
+impl TestElem for f64 {
+    fn from_i64(v: i64) -> Self {
+        v as f64
+    }
+    fn mean(sum: i64, w: u32) -> Self {
+        sum as f64 / w as f64
+    }
+}
+
+macro_rules! int_elem {
+    ($($t:ty),*) => {$(
+        impl TestElem for $t {
+            fn from_i64(v: i64) -> Self { v as $t }
+            fn mean(sum: i64, w: u32) -> Self { (sum / w as i64) as $t }
+        }
+    )*};
+}
+int_elem!(i32, i64);
+
+/// The pattern repeats every `PERIOD` elements, so fills and references are table lookups.
+const PERIOD: usize = 11;
+
+/// What rank `r` contributes at index `i`: small integers in [-5, 5].
+fn pattern(r: u32, i: usize) -> i64 {
+    ((r as i64 * 7 + (i % PERIOD) as i64 * 3) % 11) - 5
+}
+
+fn fill<T: TestElem>(r: u32, n: usize) -> Vec<T> {
+    let table: Vec<T> = (0..PERIOD).map(|i| T::from_i64(pattern(r, i))).collect();
+    repeat(&table, n)
+}
+
+/// `table` repeated to `n` elements (built by doubling: no per-element arithmetic).
+fn repeat<T: Copy>(table: &[T], n: usize) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    v.extend_from_slice(&table[..table.len().min(n)]);
+    while v.len() < n {
+        let take = v.len().min(n - v.len());
+        v.extend_from_within(..take);
+    }
+    v
+}
+
+/// The reduction of every rank's pattern at each index of one period.
+fn expected_table<T: TestElem>(op: ReduceOp, world: u32) -> Vec<T> {
+    (0..PERIOD)
+        .map(|i| {
+            let values = (0..world).map(|r| pattern(r, i));
+            match op {
+                ReduceOp::Sum => T::from_i64(values.sum()),
+                ReduceOp::Mean => T::mean(values.sum(), world),
+                ReduceOp::Max => T::from_i64(values.max().unwrap()),
+                ReduceOp::Min => T::from_i64(values.min().unwrap()),
+            }
+        })
+        .collect()
+}
+
+/// Checks `got[i] == table[(i + offset) % PERIOD]`.
+fn check<T: TestElem>(what: &str, got: &[T], table: &[T], offset: usize) {
+    let rotated: Vec<T> = (0..PERIOD).map(|i| table[(i + offset) % PERIOD]).collect();
+    let want = repeat(&rotated, got.len().min(PERIOD << 12));
+    let mismatch = got
+        .chunks(want.len().max(1))
+        .enumerate()
+        .find(|(_, c)| *c != &want[..c.len()])
+        .map(|(k, c)| k * want.len() + c.iter().zip(&want).position(|(a, b)| a != b).unwrap_or(0));
+    if let Some(i) = mismatch {
+        panic!(
+            "{what} ({} x {:?}): element {i} is {:?}, expected {:?}",
+            got.len(),
+            T::DTYPE,
+            got[i],
+            table[(i + offset) % PERIOD]
+        );
+    }
+}
+
+const BIG: usize = 64 << 20;
+
+fn sizes<T>() -> Vec<usize> {
+    vec![0, 1, 7, 1001, BIG / std::mem::size_of::<T>()]
+}
+
+fn collectives<T: TestElem>(pg: &ProcessGroup) {
+    let r = pg.rank().0;
+    let w = pg.world_size().get();
+    let name = format!("{:?}", T::DTYPE);
+    for n in sizes::<T>() {
+        let big = n * std::mem::size_of::<T>() >= BIG;
+        let ops: &[ReduceOp] = if big {
+            &[ReduceOp::Sum]
+        } else {
+            &[ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min]
+        };
+        for &op in ops {
+            let mut buf = fill::<T>(r, n);
+            pg.all_reduce(&mut buf, op).unwrap();
+            check(
+                &format!("{name} all_reduce {op}"),
+                &buf,
+                &expected_table(op, w),
+                0,
+            );
+        }
+
+        let root = Rank(w - 1);
+        let mut buf = fill::<T>(r, n);
+        pg.broadcast(&mut buf, root).unwrap();
+        check(
+            &format!("{name} broadcast"),
+            &buf,
+            &fill::<T>(root.0, PERIOD),
+            0,
+        );
+
+        let send = fill::<T>(r, n);
+        let mut recv = vec![T::from_i64(0); n * w as usize];
+        pg.all_gather(&send, &mut recv).unwrap();
+        for (from, block) in recv.chunks(n.max(1)).enumerate() {
+            check(
+                &format!("{name} all_gather block {from}"),
+                block,
+                &fill::<T>(from as u32, PERIOD),
+                0,
+            );
+        }
+
+        // Reduce-scatter: each rank receives a block of n / w (rounded down) elements.
+        let block = n / w as usize;
+        for &op in ops {
+            let send = fill::<T>(r, block * w as usize);
+            let mut recv = vec![T::from_i64(0); block];
+            pg.reduce_scatter(&send, &mut recv, op).unwrap();
+            check(
+                &format!("{name} reduce_scatter {op}"),
+                &recv,
+                &expected_table(op, w),
+                r as usize * block,
+            );
+        }
+    }
+    pg.barrier().unwrap();
+}
+
+fn all_types(pg: ProcessGroup) {
+    collectives::<f32>(&pg);
+    collectives::<f64>(&pg);
+    collectives::<f16>(&pg);
+    collectives::<bf16>(&pg);
+    collectives::<i32>(&pg);
+    collectives::<i64>(&pg);
+    // Mismatched lengths are reported locally, before anything is sent.
+    let mut small = vec![0f32; 3];
+    let err = pg.all_gather(&[1f32; 2], &mut small).unwrap_err();
+    assert!(err.to_string().contains("expected"), "{err}");
+    let err = pg.broadcast(&mut small, Rank(99)).unwrap_err();
+    assert!(err.to_string().contains("root"), "{err}");
+    // The group is still usable after those local errors.
+    pg.barrier().unwrap();
+}
+
+#[test]
+fn collectives_world_1() {
+    // No network at all: a world of one.
+    all_types(ProcessGroup::single());
+}
+
+#[test]
+fn collectives_world_2() {
+    common::multi_process(2, "collectives_world_2", all_types);
+}
+
+#[test]
+fn collectives_world_3() {
+    common::multi_process(3, "collectives_world_3", all_types);
+}
+
+#[test]
+fn collectives_world_4() {
+    common::multi_process(4, "collectives_world_4", all_types);
+}
+
+#[test]
+fn collectives_between_threads() {
+    use std::time::Duration;
+    let groups = ProcessGroup::local(
+        burn_ddp::WorldSize::new(3).unwrap(),
+        burn_ddp::Timeouts::uniform(Duration::from_secs(60)),
+    );
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|pg| std::thread::spawn(move || all_types(pg)))
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

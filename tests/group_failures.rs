@@ -1,0 +1,337 @@
+//! Failure modes of a job, each in real processes: every surviving rank must end with a distinct,
+//! clear error within the test's bound, never a hang or a panic in the library.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use burn_ddp::{DdpError, ProcessGroup, Rank, ReduceOp};
+use common::Job;
+
+fn rank() -> u32 {
+    std::env::var("RANK").unwrap().parse().unwrap()
+}
+
+/// Prints the error (so it shows in the parent's report) and returns its text.
+fn show(e: &DdpError) -> String {
+    let s = e.to_string();
+    println!("rank {} error: {s}", rank());
+    s
+}
+
+fn assert_fast(out: &common::Outcomes, bound: Duration) {
+    for o in &out.0 {
+        assert!(
+            o.elapsed < bound,
+            "rank {} took {:?} (bound {bound:?}):\n{}",
+            o.rank,
+            o.elapsed,
+            out.report()
+        );
+    }
+}
+
+#[test]
+fn rank_killed_mid_collective() {
+    const NAME: &str = "rank_killed_mid_collective";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        if pg.rank() == Rank(1) {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                let me = rustix::process::getpid();
+                let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+            });
+        }
+        let mut buf = vec![1.0f32; 16 << 20];
+        let err = (0..10_000)
+            .map(|_| pg.all_reduce(&mut buf, ReduceOp::Sum))
+            .find_map(Result::err)
+            .expect("the collectives cannot all succeed once rank 1 is dead");
+        let text = show(&err);
+        match &err {
+            DdpError::PeerLost { peer, .. } => assert_eq!(*peer, Rank(1), "{text}"),
+            DdpError::JobAborted { record, during, .. } => {
+                assert_eq!(record.culprit, Some(Rank(1)), "{text}");
+                assert!(during.is_some(), "{text}");
+            }
+            other => panic!("unexpected error: {other}"),
+        }
+        // Every survivor names the operation it was in and its sequence number.
+        assert!(text.contains("all_reduce #"), "{text}");
+        // Further calls fail at once, naming the first failure.
+        let again = pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(again, DdpError::GroupAborted { .. }), "{again}");
+        return;
+    }
+    // A 10-minute collective timeout: only prompt failure detection can meet the bound.
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .run();
+    assert!(!out.rank(1).ok(), "{}", out.report());
+    assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn rank_panics_between_collectives() {
+    const NAME: &str = "rank_panics_between_collectives";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = [1.0f32; 4];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        if pg.rank() == Rank(1) {
+            panic!("simulated bug in user code");
+        }
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let text = show(&err);
+        assert!(text.contains("rank 1"), "{text}");
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .run();
+    assert!(!out.rank(1).ok() && out.rank(0).ok(), "{}", out.report());
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn rank_never_arrives_at_rendezvous() {
+    const NAME: &str = "rank_never_arrives_at_rendezvous";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        match err {
+            DdpError::RendezvousTimeout { missing, .. } => {
+                assert_eq!(missing.0, vec![Rank(2)], "{text}")
+            }
+            // The other waiting rank gave up first and published why.
+            DdpError::JobAborted { .. } => assert!(text.contains("missing [2]"), "{text}"),
+            other => panic!("unexpected: {other}"),
+        }
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .skip(2)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn rank_never_arrives_at_collective() {
+    const NAME: &str = "rank_never_arrives_at_collective";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = vec![1.0f32; 1 << 20];
+        if pg.rank() == Rank(2) {
+            // Stuck elsewhere (data loading, a deadlock in user code) long past the timeout.
+            std::thread::sleep(Duration::from_secs(6));
+            let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+            show(&err);
+            return;
+        }
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let text = show(&err);
+        match &err {
+            DdpError::CollectiveTimeout { diagnosis, .. } => {
+                assert_eq!(diagnosis.culprit(), Rank(2), "{text}");
+                assert!(text.contains("rank 2 never reached it"), "{text}");
+            }
+            // The other waiting rank may learn it from the first one's report.
+            DdpError::JobAborted { record, .. } => {
+                assert_eq!(record.culprit, Some(Rank(2)), "{text}")
+            }
+            other => panic!("unexpected: {other}"),
+        }
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "2")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(30));
+}
+
+#[test]
+fn wrong_token_is_refused_on_both_sides() {
+    const NAME: &str = "wrong_token_is_refused_on_both_sides";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        if rank() == 1 {
+            assert!(matches!(err, DdpError::TokenMismatch { .. }), "{text}");
+        } else {
+            assert!(matches!(err, DdpError::RendezvousTimeout { .. }), "{text}");
+            assert!(text.contains("wrong job token"), "{text}");
+        }
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
+        .rank_env(1, "BURN_DDP_JOB_TOKEN", "intruder")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn rank_at_or_above_world_size() {
+    const NAME: &str = "rank_at_or_above_world_size";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        if std::env::var("LOCAL_RANK").unwrap() == "1" {
+            assert!(matches!(err, DdpError::RankOutOfRange { .. }), "{text}");
+            assert!(text.contains("rank 2 is outside the world of 2"), "{text}");
+        } else {
+            assert!(matches!(err, DdpError::RendezvousTimeout { .. }), "{text}");
+        }
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
+        .rank_env(1, "RANK", 2)
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn two_ranks_claim_the_same_rank() {
+    const NAME: &str = "two_ranks_claim_the_same_rank";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        match &err {
+            DdpError::DuplicateRank { claimed, .. } => assert_eq!(*claimed, Rank(1)),
+            DdpError::JobAborted { .. } => {
+                assert!(text.contains("claimed by two processes"), "{text}")
+            }
+            other => panic!("unexpected: {other}"),
+        }
+        return;
+    }
+    // A long rendezvous timeout: the conflict must end the rendezvous at once, not by timing out.
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
+        .rank_env(2, "RANK", 1)
+        .run();
+    out.assert_all_ok();
+    let duplicates = out
+        .0
+        .iter()
+        .filter(|o| o.output.contains("claimed by two processes"))
+        .count();
+    assert_eq!(duplicates, 3, "{}", out.report());
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn world_size_mismatch() {
+    const NAME: &str = "world_size_mismatch";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        if rank() == 1 {
+            assert!(matches!(err, DdpError::WorldSizeMismatch { .. }), "{text}");
+        } else {
+            assert!(text.contains("WORLD_SIZE=3"), "{text}");
+        }
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
+        .rank_env(1, "WORLD_SIZE", 3)
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn master_unreachable() {
+    const NAME: &str = "master_unreachable";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{text}");
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .skip(0)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "2")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn port_already_in_use_by_another_job() {
+    const NAME: &str = "port_already_in_use_by_another_job";
+    if common::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err();
+        let text = show(&err);
+        if rank() == 0 {
+            assert!(matches!(err, DdpError::PortInUse { .. }), "{text}");
+        } else {
+            // Rank 1 reaches the other job's store, which does not hold this job's token.
+            assert!(matches!(err, DdpError::TokenMismatch { .. }), "{text}");
+        }
+        return;
+    }
+    // Job A: a rank 0 in this process, waiting for a rank 1 that never comes.
+    let port = burn_ddp::launch::spawn::free_port().unwrap();
+    let cfg = burn_ddp::GroupConfig::new(
+        Rank(0),
+        burn_ddp::WorldSize::new(2).unwrap(),
+        burn_ddp::JobToken::new("job-a"),
+    )
+    .with_master(burn_ddp::MasterAddr::new("127.0.0.1", port))
+    .with_timeouts(burn_ddp::Timeouts::uniform(Duration::from_secs(8)));
+    let job_a = std::thread::spawn(move || ProcessGroup::init(cfg));
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let out = Job::new(2, NAME)
+        .master_port(port)
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "5")
+        .run();
+    out.assert_all_ok();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{}",
+        out.report()
+    );
+    // Job A saw the stranger and says so when it gives up.
+    let a = job_a.join().unwrap().unwrap_err();
+    assert!(a.to_string().contains("wrong job token"), "{a}");
+}
+
+#[test]
+fn mismatched_collectives_are_reported_not_hung() {
+    const NAME: &str = "mismatched_collectives_are_reported_not_hung";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = vec![1.0f32; 10];
+        let err = if pg.rank() == Rank(0) {
+            pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err()
+        } else {
+            pg.broadcast(&mut x, Rank(0)).unwrap_err()
+        };
+        let text = show(&err);
+        assert!(
+            matches!(
+                err,
+                DdpError::CollectiveMismatch { .. } | DdpError::JobAborted { .. }
+            ),
+            "{text}"
+        );
+        assert!(text.contains("mismatch"), "{text}");
+        return;
+    }
+    let out = Job::new(2, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
