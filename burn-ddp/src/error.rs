@@ -411,6 +411,39 @@ pub enum DdpError {
         detail: String,
     },
 
+    /// The ranks' models differ: a parameter's name, shape or dtype is not the same everywhere.
+    #[error("[rank {rank}] the model differs between ranks at parameter {index} `{param}`: {detail}. Every rank must build the same model (same layer sizes, same order of fields)")]
+    ModelMismatch {
+        /// This rank.
+        rank: Rank,
+        /// Position of the first mismatching parameter in visit order.
+        index: usize,
+        /// Its name on rank 0.
+        param: String,
+        /// What differs, and on which ranks.
+        detail: String,
+    },
+
+    /// The gradient communication thread did not answer in time.
+    #[error("[rank {rank}] gradient synchronisation got no answer within {waited:?} (the communication thread is stuck)")]
+    GradSyncTimeout {
+        /// This rank.
+        rank: Rank,
+        /// How long it waited.
+        waited: Duration,
+    },
+
+    /// A model's parameters could not be read, written or (de)serialised.
+    #[error("[rank {rank}] {what}: {reason}")]
+    Model {
+        /// This rank.
+        rank: Rank,
+        /// What was being done.
+        what: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
+
     /// The bandwidth tool found corrupted results.
     #[error("the all-reduce benchmark found {wrong} wrong elements: the transport corrupted data (please report this)")]
     WrongResults {
@@ -472,6 +505,9 @@ impl DdpError {
             | Protocol { rank, .. }
             | StoreRefused { rank, .. }
             | StoreRequest { rank, .. }
+            | ModelMismatch { rank, .. }
+            | GradSyncTimeout { rank, .. }
+            | Model { rank, .. }
             | PeerLost { rank, .. }
             | JobAborted { rank, .. }
             | CollectiveTimeout { rank, .. }

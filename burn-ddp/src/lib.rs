@@ -41,17 +41,21 @@
 )]
 #![deny(unused_must_use)]
 
+mod backend;
 pub mod comm;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod ddp;
 mod error;
 pub mod group;
 pub mod launch;
 pub(crate) mod wire;
 
+pub use backend::Ddp;
 pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
+pub use ddp::{Compression, DdpConfig, DdpSession, GradReduction, NoSyncGuard, ParamInfo};
 pub use error::{DdpError, Result};
 pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};
 pub use wire::WireError;

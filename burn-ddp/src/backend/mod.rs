@@ -1,0 +1,68 @@
+//! `Ddp<B>`: a Burn backend decorator that adds gradient synchronisation to any backend `B`.
+//!
+//! Every tensor operation is `B`'s own (the forwards in `forward.rs` are generated from Burn's
+//! trait sources by `scripts/gen_forward.py`), so `Ddp<B>` computes exactly what `B` computes, with
+//! `B`'s kernels. What `Ddp` adds is Burn's `DistributedBackend` hooks: under `Autodiff<Ddp<B>>`,
+//! Burn hands each parameter's gradient to [`Ddp::submit_gradient_sync`] as soon as it is final,
+//! and calls [`Ddp::submit_sync_collective`] at the end of `backward()`. Those hooks feed the
+//! session's reducer (`crate::ddp`), which buckets, all-reduces while backward continues, and
+//! writes the averaged gradients back before `backward()` returns.
+
+mod convert;
+mod forward;
+
+use core::marker::PhantomData;
+
+use burn_backend::distributed::{
+    CollectiveTensor, DistributedBackend, DistributedParams, ReduceOperation, TensorRef,
+};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, BackendTypes, DeviceId};
+
+use crate::ddp::hooks;
+
+/// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with
+/// gradients averaged across the ranks of the installed [`crate::DdpSession`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ddp<B>(PhantomData<B>);
+
+impl<B: Backend> BackendTypes for Ddp<B> {
+    type Device = B::Device;
+    type FloatTensorPrimitive = B::FloatTensorPrimitive;
+    type FloatElem = B::FloatElem;
+    type IntTensorPrimitive = B::IntTensorPrimitive;
+    type IntElem = B::IntElem;
+    type BoolTensorPrimitive = B::BoolTensorPrimitive;
+    type BoolElem = B::BoolElem;
+    type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
+}
+
+impl<B: Backend> DistributedBackend for Ddp<B> {
+    fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
+        hooks::begin_backward(params.iter().map(|p| p.param_id));
+    }
+
+    fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
+        // The pointer is into the gradient container of the running backward pass; it stays
+        // valid until `backward()` returns, after `submit_sync_collective`.
+        hooks::gradient_ready::<B>(tensor.0, params.param_id);
+    }
+
+    fn submit_sync_collective(_device: &Self::Device) {
+        hooks::finish_backward::<B>();
+    }
+
+    fn all_reduce(
+        tensor: FloatTensor<Self>,
+        op: ReduceOperation,
+        _device_ids: Vec<DeviceId>,
+    ) -> CollectiveTensor<Self> {
+        CollectiveTensor::new(hooks::all_reduce_tensor::<B>(tensor, op))
+    }
+
+    fn sync_collective(_device: &Self::Device) {
+        // Collectives complete before `all_reduce` returns: nothing is in flight here.
+    }
+}
+
+const _: () = assert!(forward::FORWARDED > 400);

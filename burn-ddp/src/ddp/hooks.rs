@@ -1,0 +1,171 @@
+//! What `Ddp<B>`'s `DistributedBackend` hooks do. They run in the thread that calls
+//! `backward()`, cannot return errors (Burn's hook signatures), and so record failures in the
+//! session, where `DdpSession::check` and `DdpSession::backward` report them.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn_backend::distributed::{DistributedParamId, ReduceOperation};
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
+
+use super::reducer::{self, Origin};
+use super::{current, GradReduction};
+use crate::error::DdpError;
+
+static WARNED_NO_SESSION: AtomicBool = AtomicBool::new(false);
+
+fn warn_no_session() {
+    if !WARNED_NO_SESSION.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "a backward pass has parameters marked for synchronisation but no DdpSession is \
+             installed in this thread or process: gradients stay local"
+        );
+    }
+}
+
+/// Reads a float tensor as f32 values.
+fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
+    let data = read_sync(B::float_into_data(tensor)).map_err(|e| e.to_string())?;
+    let data = if data.dtype == DType::F32 {
+        data
+    } else {
+        data.convert_dtype(DType::F32)
+    };
+    data.into_vec::<f32>().map_err(|e| format!("{e:?}"))
+}
+
+/// `register_sync_parameters`: a backward pass starts; `used` get gradients in it.
+pub(crate) fn begin_backward(used: impl Iterator<Item = DistributedParamId>) {
+    let Some(session) = current() else {
+        warn_no_session();
+        return;
+    };
+    let mut r = session.reducer();
+    if r.active() {
+        r.begin(used);
+    }
+}
+
+/// `submit_gradient_sync`: the gradient of `id` is final.
+pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: DistributedParamId) {
+    let Some(session) = current() else {
+        return;
+    };
+    let mut r = session.reducer();
+    if !r.active() {
+        return;
+    }
+    let Some(slot) = r.slot_of(id) else {
+        return;
+    };
+    // SAFETY: Burn passes a pointer into the gradient container of the backward pass that is
+    // running in this thread; the container outlives the pass, and nothing else touches the
+    // entry until `backward()` returns. Cloning a primitive shares or copies its storage.
+    let tensor = unsafe { (*ptr).clone() };
+    let expected = r.slot_info(slot).map_or(0, |s| s.info.numel);
+    match read_f32::<B>(tensor) {
+        Ok(values) if values.len() == expected => {
+            r.fill(slot, &values, Origin { ptr: ptr as usize });
+        }
+        Ok(values) => {
+            let name = r
+                .slot_info(slot)
+                .map(|s| s.info.name.clone())
+                .unwrap_or_default();
+            let rank = session.pg.rank();
+            r.record_error(DdpError::Model {
+                rank,
+                what: "reading a gradient",
+                reason: format!(
+                    "the gradient of `{name}` has {} elements, the parameter {expected}",
+                    values.len()
+                ),
+            });
+        }
+        Err(reason) => {
+            let rank = session.pg.rank();
+            r.record_error(DdpError::Model {
+                rank,
+                what: "reading a gradient",
+                reason,
+            });
+        }
+    }
+}
+
+/// `submit_sync_collective`: backward is done; finish every bucket and write the results back.
+pub(crate) fn finish_backward<B: Backend>() {
+    let Some(session) = current() else {
+        return;
+    };
+    let mut r = session.reducer();
+    match r.finish() {
+        Ok(results) => {
+            for (origin, _slot, values) in results {
+                let ptr = origin.ptr as *mut FloatTensor<B>;
+                // SAFETY: as in `gradient_ready`: the container entry is alive and unaliased
+                // until `backward()` returns, which happens after this hook.
+                unsafe {
+                    let old = &*ptr;
+                    let device = B::float_device(old);
+                    let data = TensorData::new(values, old.shape());
+                    let dtype = old.dtype();
+                    let data = if dtype == DType::F32 {
+                        data
+                    } else {
+                        data.convert_dtype(dtype)
+                    };
+                    *ptr = B::float_from_data(data, &device);
+                }
+            }
+        }
+        Err(e) => r.record_error(e),
+    }
+}
+
+/// `DistributedBackend::all_reduce` on one tensor, through the installed session's group.
+/// Without a session (or after a failure, which the session then reports) the tensor is
+/// returned unchanged.
+pub(crate) fn all_reduce_tensor<B: Backend>(
+    tensor: FloatTensor<B>,
+    op: ReduceOperation,
+) -> FloatTensor<B> {
+    let Some(session) = current() else {
+        warn_no_session();
+        return tensor;
+    };
+    let device = B::float_device(&tensor);
+    let shape = tensor.shape();
+    let dtype = tensor.dtype();
+    let reduction = match op {
+        ReduceOperation::Sum => GradReduction::Sum,
+        ReduceOperation::Mean => GradReduction::Mean,
+    };
+    let mut values = match read_f32::<B>(tensor.clone()) {
+        Ok(v) => v,
+        Err(reason) => {
+            session.reducer().record_error(DdpError::Model {
+                rank: session.pg.rank(),
+                what: "reading a tensor to all-reduce",
+                reason,
+            });
+            return tensor;
+        }
+    };
+    if let Err(e) = reducer::reduce(
+        &session.pg,
+        &mut values,
+        reduction,
+        super::Compression::None,
+    ) {
+        session.reducer().record_error(e);
+        return tensor;
+    }
+    let data = TensorData::new(values, shape);
+    let data = if dtype == DType::F32 {
+        data
+    } else {
+        data.convert_dtype(dtype)
+    };
+    B::float_from_data(data, &device)
+}

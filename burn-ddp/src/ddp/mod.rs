@@ -1,0 +1,277 @@
+//! Data-parallel training: the session that owns the gradient reducer, and how a model joins it.
+//!
+//! - `hooks.rs`: what `Ddp<B>`'s `DistributedBackend` hooks do (find the session, copy gradients
+//!   into buckets, write the averaged gradients back)
+//! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
+//! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
+//!
+//! A session is installed when it is created: for the whole process when its group spans
+//! processes, for the creating thread when it is an in-process group (one thread per rank).
+
+pub(crate) mod hooks;
+mod model;
+mod reducer;
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use crate::error::{DdpError, Result};
+use crate::group::ProcessGroup;
+
+pub use model::ParamInfo;
+pub(crate) use reducer::Reducer;
+
+/// How gradients are combined across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradReduction {
+    /// The average over ranks (PyTorch DDP's behaviour): the same update as one process on the
+    /// whole batch when the loss is a mean over the batch.
+    #[default]
+    Mean,
+    /// The sum over ranks.
+    Sum,
+}
+
+/// Wire format of gradient buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Full precision (f32).
+    #[default]
+    None,
+    /// Buckets travel and are reduced as IEEE half precision (like PyTorch's fp16 comm hook).
+    F16,
+    /// Buckets travel and are reduced as bfloat16 (like PyTorch's bf16 comm hook).
+    Bf16,
+}
+
+/// Options of a [`DdpSession`]. The defaults are PyTorch DDP's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DdpConfig {
+    /// Largest bucket, in bytes of f32 gradient (PyTorch's `bucket_cap_mb`, 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// Largest first bucket (the last parameters, whose gradients are ready first), 1 MiB, so
+    /// that communication starts early in backward.
+    pub first_bucket_cap_bytes: usize,
+    /// Mean or sum.
+    pub reduction: GradReduction,
+    /// Bucket compression.
+    pub compression: Compression,
+    /// All-reduce buckets while backward runs (default). `false` all-reduces every bucket, in
+    /// order, after backward: slower, but simple to reason about when debugging.
+    pub overlap: bool,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_bytes: 25 << 20,
+            first_bucket_cap_bytes: 1 << 20,
+            reduction: GradReduction::Mean,
+            compression: Compression::None,
+            overlap: true,
+        }
+    }
+}
+
+impl DdpConfig {
+    /// Sets the bucket cap in MiB (PyTorch's `bucket_cap_mb`).
+    pub fn with_bucket_cap_mb(mut self, mib: f64) -> Self {
+        self.bucket_cap_bytes = (mib * (1 << 20) as f64) as usize;
+        self
+    }
+
+    /// Sets the reduction.
+    pub fn with_reduction(mut self, reduction: GradReduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+
+    /// Sets the compression.
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// Chooses between overlapped (default) and after-backward synchronisation.
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.bucket_cap_bytes < 4 || self.first_bucket_cap_bytes < 4 {
+            return Err(DdpError::InvalidConfig {
+                field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
+                reason: "a bucket must hold at least one f32 gradient (4 bytes)",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A data-parallel training session: the process group, the gradient reducer, and the hooks that
+/// `Autodiff<Ddp<B>>` calls during backward.
+///
+/// ```no_run
+/// # use burn::backend::{Autodiff, NdArray};
+/// # use burn::module::Module;
+/// # fn model<B: burn::tensor::backend::Backend>() -> burn::nn::Linear<B> { unimplemented!() }
+/// use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
+/// type B = Autodiff<Ddp<NdArray>>;
+///
+/// # fn main() -> burn_ddp::Result<()> {
+/// let session = DdpSession::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+/// let model = session.prepare(model::<B>())?; // same model on every rank, rank 0's weights
+/// // ... forward on this rank's shard of the batch, then:
+/// // let grads = session.backward(loss)?;      // gradients averaged over all ranks
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct DdpSession {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) pg: ProcessGroup,
+    pub(crate) config: DdpConfig,
+    reducer: Mutex<Reducer>,
+}
+
+impl Shared {
+    pub(crate) fn reducer(&self) -> MutexGuard<'_, Reducer> {
+        // A panic while the reducer is locked (in a user's backward) leaves a step half done;
+        // the next `begin` discards it, so the state is safe to reuse.
+        self.reducer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+static GLOBAL: RwLock<Option<Arc<Shared>>> = RwLock::new(None);
+
+thread_local! {
+    static LOCAL: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+}
+
+/// The session the hooks of this thread use: the thread's own, else the process's.
+pub(crate) fn current() -> Option<Arc<Shared>> {
+    LOCAL
+        .with(|l| l.borrow().clone())
+        .or_else(|| GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone())
+}
+
+impl DdpSession {
+    /// Creates the session and installs it: for this process when `pg` spans processes, for
+    /// this thread when `pg` is a rank of an in-process group ([`ProcessGroup::local`]).
+    ///
+    /// # Errors
+    /// An invalid configuration.
+    pub fn new(pg: ProcessGroup, config: DdpConfig) -> Result<Self> {
+        config.validate()?;
+        let reducer = Reducer::new(&pg, &config)?;
+        let shared = Arc::new(Shared {
+            pg,
+            config,
+            reducer: Mutex::new(reducer),
+        });
+        if shared.pg.transport() == "local" {
+            LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));
+        } else {
+            *GLOBAL.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&shared));
+        }
+        Ok(Self { shared })
+    }
+
+    /// The session's process group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.shared.pg
+    }
+
+    /// The session's configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.shared.config
+    }
+
+    /// The error of the last gradient synchronisation, if it failed. Burn's hooks cannot return
+    /// errors, so a failed all-reduce during `backward()` is kept here (the gradients are then
+    /// this rank's own, not averaged). [`DdpSession::backward`] checks it for you.
+    ///
+    /// # Errors
+    /// The failure of the last synchronisation.
+    pub fn check(&self) -> Result<()> {
+        match self.shared.reducer().take_error() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs `loss.backward()` with gradient synchronisation and reports its failure, if any.
+    ///
+    /// # Errors
+    /// A failed all-reduce (a dead or stalled rank, a timeout), naming the rank at fault.
+    pub fn backward<B: burn::tensor::backend::AutodiffBackend>(
+        &self,
+        loss: burn::tensor::Tensor<B, 1>,
+    ) -> Result<B::Gradients> {
+        let grads = loss.backward();
+        self.check()?;
+        Ok(grads)
+    }
+
+    /// Suspends gradient synchronisation until the guard is dropped (PyTorch's `no_sync`), for
+    /// gradient accumulation: run the micro-steps under the guard, accumulate their
+    /// `GradientsParams`, then average the sum once with [`DdpSession::sync_gradients`].
+    pub fn no_sync(&self) -> NoSyncGuard<'_> {
+        self.shared.reducer().set_enabled(false);
+        NoSyncGuard { session: self }
+    }
+
+    /// Parameters of the prepared model, in the order the reducer knows them.
+    pub fn params(&self) -> Vec<ParamInfo> {
+        self.shared.reducer().params()
+    }
+
+    /// Parameters that had no gradient on this rank in the last backward but a non-zero average
+    /// (other ranks used them). Their average is not applied by the overlapped path, which can
+    /// only write gradients that exist; [`DdpSession::sync_gradients`] applies them.
+    pub fn unsynced_params(&self) -> Vec<String> {
+        self.shared.reducer().foreign().to_vec()
+    }
+
+    /// Bucket layout of the prepared model: for each bucket, in launch order, the names of its
+    /// parameters.
+    pub fn buckets(&self) -> Vec<Vec<String>> {
+        self.shared.reducer().bucket_names()
+    }
+}
+
+impl Drop for DdpSession {
+    fn drop(&mut self) {
+        // The last handle uninstalls the session (the hooks' own Arc clones are transient).
+        if Arc::strong_count(&self.shared) > 2 {
+            return;
+        }
+        LOCAL.with(|l| {
+            let mut l = l.borrow_mut();
+            if l.as_ref().is_some_and(|s| Arc::ptr_eq(s, &self.shared)) {
+                *l = None;
+            }
+        });
+        let mut g = GLOBAL.write().unwrap_or_else(|p| p.into_inner());
+        if g.as_ref().is_some_and(|s| Arc::ptr_eq(s, &self.shared)) {
+            *g = None;
+        }
+    }
+}
+
+/// While alive, backward passes keep their gradients local. See [`DdpSession::no_sync`].
+#[derive(Debug)]
+#[must_use = "synchronisation resumes when the guard is dropped"]
+pub struct NoSyncGuard<'a> {
+    session: &'a DdpSession,
+}
+
+impl Drop for NoSyncGuard<'_> {
+    fn drop(&mut self) {
+        self.session.shared.reducer().set_enabled(true);
+    }
+}

@@ -1,0 +1,388 @@
+//! How a model joins a session: `prepare` (check, broadcast, mark, plan) and the plain,
+//! after-backward path `sync_gradients`.
+
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Tensor, TensorData};
+use burn_backend::distributed::DistributedParamId;
+
+use super::reducer::{self, Plan};
+use super::DdpSession;
+use crate::error::{DdpError, Result};
+use crate::group::{ProcessGroup, Rank};
+
+/// What the reducer knows of one parameter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamInfo {
+    /// Path in the module tree, e.g. `fc1.weight`.
+    pub name: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Element type, as Burn names it.
+    pub dtype: String,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+impl ParamInfo {
+    fn line(&self) -> String {
+        format!("{}\t{:?}\t{}", self.name, self.shape, self.dtype)
+    }
+}
+
+#[derive(Default)]
+struct Path(Vec<String>);
+
+impl Path {
+    fn info<B: Backend, const D: usize>(&self, tensor: &Tensor<B, D>) -> ParamInfo {
+        let shape = tensor.dims().to_vec();
+        ParamInfo {
+            name: self.0.join("."),
+            numel: shape.iter().product(),
+            shape,
+            dtype: format!("{:?}", tensor.dtype()),
+        }
+    }
+}
+
+/// Lists float parameters in visit order: (info, id, requires grad).
+struct Describe {
+    path: Path,
+    out: Vec<(ParamInfo, ParamId, bool)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Describe {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        self.out
+            .push((self.path.info(&t), param.id, t.is_require_grad()));
+    }
+}
+
+fn describe<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamInfo, ParamId, bool)> {
+    let mut d = Describe {
+        path: Path::default(),
+        out: Vec::new(),
+    };
+    model.visit(&mut d);
+    d.out
+}
+
+/// Marks trainable parameters for synchronisation (Burn then hands their gradients to `Ddp`).
+struct Mark;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Mark {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let tensor = if tensor.is_require_grad() {
+            tensor.set_distributed(DistributedParamId::from(id.val()))
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+fn pack(bytes: &[u8], words: usize) -> Vec<i64> {
+    let mut out = vec![0i64; words];
+    for (w, chunk) in out.iter_mut().zip(bytes.chunks(8)) {
+        let mut b = [0u8; 8];
+        b[..chunk.len()].copy_from_slice(chunk);
+        *w = i64::from_le_bytes(b);
+    }
+    out
+}
+
+fn unpack(words: &[i64], len: usize) -> Vec<u8> {
+    let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    out.truncate(len);
+    out
+}
+
+/// Every rank's `bytes`, through the group's collectives (no store needed).
+fn all_gather_bytes(pg: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+    let world = pg.world_size().as_usize();
+    let mut lens = vec![0i64; world];
+    pg.all_gather(&[bytes.len() as i64], &mut lens)?;
+    let max = lens.iter().copied().max().unwrap_or(0).max(0) as usize;
+    let words = max.div_ceil(8);
+    let mine = pack(bytes, words);
+    let mut all = vec![0i64; words * world];
+    pg.all_gather(&mine, &mut all)?;
+    Ok((0..world)
+        .map(|r| unpack(&all[r * words..(r + 1) * words], lens[r].max(0) as usize))
+        .collect())
+}
+
+/// Rank 0's `bytes` on every rank.
+fn broadcast_bytes(pg: &ProcessGroup, bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let mut len = [bytes.len() as i64];
+    pg.broadcast(&mut len, Rank(0))?;
+    let len = len[0].max(0) as usize;
+    let mut words = pack(&bytes, len.div_ceil(8));
+    pg.broadcast(&mut words, Rank(0))?;
+    Ok(unpack(&words, len))
+}
+
+fn ranks_text(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    if ranks.len() == 1 {
+        format!("rank {}", list[0])
+    } else {
+        format!("ranks {}", list.join(", "))
+    }
+}
+
+/// Finds the first parameter whose description differs between ranks.
+fn first_mismatch(rank: Rank, lists: &[Vec<String>]) -> Result<()> {
+    let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
+    for i in 0..longest {
+        let at = |r: usize| lists[r].get(i).map(String::as_str);
+        if (0..lists.len()).all(|r| at(r) == at(0)) {
+            continue;
+        }
+        // Group the ranks by what they have at position i.
+        let mut groups: Vec<(Option<&str>, Vec<usize>)> = Vec::new();
+        for r in 0..lists.len() {
+            match groups.iter_mut().find(|(v, _)| *v == at(r)) {
+                Some((_, rs)) => rs.push(r),
+                None => groups.push((at(r), vec![r])),
+            }
+        }
+        let show = |v: Option<&str>| match v {
+            Some(line) => {
+                let mut parts = line.split('\t');
+                let name = parts.next().unwrap_or("");
+                let shape = parts.next().unwrap_or("");
+                let dtype = parts.next().unwrap_or("");
+                format!("`{name}` with shape {shape} and dtype {dtype}")
+            }
+            None => "no parameter (the model has fewer parameters)".to_owned(),
+        };
+        let detail = groups
+            .iter()
+            .map(|(v, rs)| {
+                format!(
+                    "{} {} {}",
+                    ranks_text(rs),
+                    if rs.len() == 1 { "has" } else { "have" },
+                    show(*v)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        let param = at(0)
+            .and_then(|l| l.split('\t').next())
+            .unwrap_or("(none on rank 0)")
+            .to_owned();
+        return Err(DdpError::ModelMismatch {
+            rank,
+            index: i,
+            param,
+            detail,
+        });
+    }
+    Ok(())
+}
+
+impl DdpSession {
+    /// Makes `model` a data-parallel model of this session, on every rank:
+    ///
+    /// 1. checks that every rank has the same parameters (names, shapes, dtypes), failing with
+    ///    the first parameter that differs and the ranks on each side;
+    /// 2. loads rank 0's parameters and buffers on every other rank (the whole module record),
+    ///    so all ranks start from the same weights;
+    /// 3. marks the trainable parameters so that `Autodiff<Ddp<B>>` hands their gradients to
+    ///    the reducer, and builds the bucket plan.
+    ///
+    /// Every rank must call it, with the same model architecture.
+    ///
+    /// # Errors
+    /// [`DdpError::ModelMismatch`]; collective failures; a record that cannot be (de)serialised.
+    pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
+        let pg = &self.shared.pg;
+        let rank = pg.rank();
+        let desc = describe::<B, M>(&model);
+        let text: String = desc.iter().map(|(i, _, _)| i.line() + "\n").collect();
+        let lists: Vec<Vec<String>> = all_gather_bytes(pg, text.as_bytes())?
+            .into_iter()
+            .map(|b| {
+                String::from_utf8_lossy(&b)
+                    .lines()
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .collect();
+        first_mismatch(rank, &lists)?;
+
+        let model = if pg.world_size().as_usize() > 1 {
+            let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+            let bytes = if rank == Rank(0) {
+                Recorder::<B>::record(&recorder, model.clone().into_record(), ()).map_err(|e| {
+                    DdpError::Model {
+                        rank,
+                        what: "serialising rank 0's model",
+                        reason: e.to_string(),
+                    }
+                })?
+            } else {
+                Vec::new()
+            };
+            let bytes = broadcast_bytes(pg, bytes)?;
+            if rank == Rank(0) {
+                model
+            } else {
+                let device = model.devices().into_iter().next().unwrap_or_default();
+                let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
+                    DdpError::Model {
+                        rank,
+                        what: "loading rank 0's model",
+                        reason: e.to_string(),
+                    }
+                })?;
+                model.load_record(record)
+            }
+        } else {
+            model
+        };
+
+        let model = model.map(&mut Mark);
+        let params = describe::<B, M>(&model)
+            .into_iter()
+            .filter(|(_, _, grad)| *grad)
+            .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
+            .collect();
+        let plan = Plan::build(params, &self.shared.config);
+        tracing::debug!(
+            "[rank {rank}] ddp: {} parameters in {} buckets",
+            plan.slots.len(),
+            plan.buckets.len()
+        );
+        self.shared.reducer().set_plan(plan);
+        Ok(model)
+    }
+
+    /// Averages `grads` across ranks after backward, bucket by bucket in a fixed order: the
+    /// plain path, for gradients accumulated under [`DdpSession::no_sync`] (or whenever you
+    /// prefer to synchronise explicitly). Parameters that have a gradient on some ranks only
+    /// get the average on every rank.
+    ///
+    /// # Errors
+    /// Collective failures, naming the rank at fault.
+    pub fn sync_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let pg = &self.shared.pg;
+        let config = &self.shared.config;
+        let desc: Vec<(ParamInfo, ParamId)> = describe::<B, M>(model)
+            .into_iter()
+            .filter(|(_, _, g)| *g)
+            .map(|(i, id, _)| (i, id))
+            .collect();
+        let plan = Plan::build(
+            desc.iter()
+                .map(|(i, id)| (i.clone(), DistributedParamId::from(id.val())))
+                .collect(),
+            config,
+        );
+        let mut take = Take {
+            grads: &mut grads,
+            values: Vec::new(),
+        };
+        model.visit(&mut TakeVisitor::<B> {
+            inner: &mut take,
+            _b: Default::default(),
+        });
+        let values = take.values;
+        let mut present = vec![false; plan.slots.len()];
+        let mut buckets: Vec<Vec<f32>> = plan.buckets.iter().map(|(_, l)| vec![0.0; *l]).collect();
+        for (i, slot) in plan.slots.iter().enumerate() {
+            if let Some(Some(v)) = values.get(i) {
+                buckets[slot.bucket][slot.offset..slot.offset + v.len()].copy_from_slice(v);
+                present[i] = true;
+            }
+        }
+        for b in &mut buckets {
+            reducer::reduce(pg, b, config.reduction, config.compression)?;
+        }
+        let mut put = Put {
+            grads: &mut grads,
+            plan: &plan,
+            buckets: &buckets,
+            present: &present,
+            index: 0,
+        };
+        model.visit(&mut PutVisitor::<B> {
+            inner: &mut put,
+            _b: Default::default(),
+        });
+        Ok(grads)
+    }
+}
+
+struct Take<'a> {
+    grads: &'a mut GradientsParams,
+    values: Vec<Option<Vec<f32>>>,
+}
+
+struct TakeVisitor<'a, 'b, B> {
+    inner: &'a mut Take<'b>,
+    _b: core::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeVisitor<'_, '_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !param.val().is_require_grad() {
+            return;
+        }
+        let g = self.inner.grads.remove::<B::InnerBackend, D>(param.id);
+        let v = g.and_then(|t| t.into_data().convert::<f32>().into_vec::<f32>().ok());
+        self.inner.values.push(v);
+    }
+}
+
+struct Put<'a> {
+    grads: &'a mut GradientsParams,
+    plan: &'a Plan,
+    buckets: &'a [Vec<f32>],
+    present: &'a [bool],
+    index: usize,
+}
+
+struct PutVisitor<'a, 'b, B> {
+    inner: &'a mut Put<'b>,
+    _b: core::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for PutVisitor<'_, '_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let p = param.val();
+        if !p.is_require_grad() {
+            return;
+        }
+        let put = &mut *self.inner;
+        let i = put.index;
+        put.index += 1;
+        let Some(slot) = put.plan.slots.get(i) else {
+            return;
+        };
+        let values = &put.buckets[slot.bucket][slot.offset..slot.offset + slot.info.numel];
+        if !put.present[i] && values.iter().all(|v| *v == 0.0) {
+            return;
+        }
+        let device = p.device();
+        let data = TensorData::new(values.to_vec(), p.dims()).convert_dtype(p.dtype());
+        let t = Tensor::<B::InnerBackend, D>::from_data(data, &device);
+        put.grads.register::<B::InnerBackend, D>(param.id, t);
+    }
+}

@@ -1,0 +1,563 @@
+//! The gradient reducer: a fixed bucket plan, and per backward pass the bucket buffers that fill
+//! as gradients become final.
+//!
+//! Invariant that keeps ranks in step: buckets are launched strictly in index order, on every
+//! rank, and every bucket is launched in every synchronised backward — parameters that get no
+//! gradient on this rank count as ready (zeros) from the start. The communication thread runs
+//! the all-reduces one after another in the order they were launched.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread::{self, JoinHandle};
+use std::time::Duration;
+
+use burn_backend::distributed::DistributedParamId;
+use half::{bf16, f16};
+
+use super::{Compression, DdpConfig, GradReduction, ParamInfo};
+use crate::error::{DdpError, Result};
+use crate::group::ProcessGroup;
+use crate::ReduceOp;
+
+/// Extra wait, beyond the collective timeout, for the communication thread's answer.
+const ANSWER_SLACK: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone)]
+pub(crate) struct Slot {
+    pub info: ParamInfo,
+    pub bucket: usize,
+    /// Offset in the bucket, in elements.
+    pub offset: usize,
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Plan {
+    pub slots: Vec<Slot>,
+    pub by_id: HashMap<DistributedParamId, usize>,
+    /// Slots of each bucket, and its length in elements.
+    pub buckets: Vec<(Vec<usize>, usize)>,
+}
+
+impl Plan {
+    /// Buckets in reverse parameter order (gradients of the last layers are final first), the
+    /// first capped at `first_cap` bytes and the others at `cap` bytes; a parameter larger than
+    /// the cap gets a bucket of its own.
+    pub(crate) fn build(params: Vec<(ParamInfo, DistributedParamId)>, config: &DdpConfig) -> Self {
+        let mut plan = Plan::default();
+        let mut current: Vec<usize> = Vec::new();
+        let mut len = 0usize;
+        let n = params.len();
+        for (info, id) in params {
+            plan.by_id.insert(id, plan.slots.len());
+            plan.slots.push(Slot {
+                info,
+                bucket: 0,
+                offset: 0,
+            });
+        }
+        for idx in (0..n).rev() {
+            let numel = plan.slots[idx].info.numel;
+            let cap = if plan.buckets.is_empty() {
+                config.first_bucket_cap_bytes
+            } else {
+                config.bucket_cap_bytes
+            } / 4;
+            if !current.is_empty() && len + numel > cap {
+                plan.buckets.push((std::mem::take(&mut current), len));
+                len = 0;
+            }
+            let bucket = plan.buckets.len();
+            plan.slots[idx].bucket = bucket;
+            plan.slots[idx].offset = len;
+            current.push(idx);
+            len += numel;
+        }
+        if !current.is_empty() {
+            plan.buckets.push((current, len));
+        }
+        plan
+    }
+}
+
+/// Where a gradient came from, to write the result back.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Origin {
+    /// Address of the backend's tensor primitive inside the running backward's gradient container.
+    pub ptr: usize,
+}
+
+#[derive(Debug)]
+struct Step {
+    buffers: Vec<Option<Vec<f32>>>,
+    pending: Vec<usize>,
+    ready: Vec<bool>,
+    origin: Vec<Option<Origin>>,
+    next_launch: usize,
+    results: Vec<Option<Vec<f32>>>,
+    outstanding: usize,
+}
+
+struct Job {
+    bucket: usize,
+    data: Vec<f32>,
+}
+
+struct Done {
+    bucket: usize,
+    result: Result<Vec<f32>>,
+}
+
+#[derive(Debug)]
+struct Comm {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Job(bucket {}, {} elements)",
+            self.bucket,
+            self.data.len()
+        )
+    }
+}
+
+/// The reducer of one session.
+#[derive(Debug)]
+pub(crate) struct Reducer {
+    pg: ProcessGroup,
+    reduction: GradReduction,
+    compression: Compression,
+    overlap: bool,
+    plan: Option<Plan>,
+    step: Option<Step>,
+    error: Option<DdpError>,
+    enabled: bool,
+    spare: Vec<Vec<f32>>,
+    comm: Option<Comm>,
+    /// Parameters with no local gradient that got a non-zero average in the last backward.
+    foreign: Vec<String>,
+}
+
+impl Reducer {
+    pub(crate) fn new(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
+        Ok(Self {
+            pg: pg.clone(),
+            reduction: config.reduction,
+            compression: config.compression,
+            overlap: config.overlap,
+            plan: None,
+            step: None,
+            error: None,
+            enabled: true,
+            spare: Vec::new(),
+            comm: None,
+            foreign: Vec::new(),
+        })
+    }
+
+    pub(crate) fn set_plan(&mut self, plan: Plan) {
+        self.discard_step();
+        self.plan = Some(plan);
+    }
+
+    pub(crate) fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+    }
+
+    pub(crate) fn take_error(&mut self) -> Option<DdpError> {
+        self.error.take()
+    }
+
+    pub(crate) fn record_error(&mut self, e: DdpError) {
+        tracing::error!("gradient synchronisation failed: {e}");
+        if self.error.is_none() {
+            self.error = Some(e);
+        }
+    }
+
+    pub(crate) fn params(&self) -> Vec<ParamInfo> {
+        self.plan
+            .as_ref()
+            .map(|p| p.slots.iter().map(|s| s.info.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    pub(crate) fn bucket_names(&self) -> Vec<Vec<String>> {
+        self.plan
+            .as_ref()
+            .map(|p| {
+                p.buckets
+                    .iter()
+                    .map(|(slots, _)| {
+                        slots
+                            .iter()
+                            .map(|&i| p.slots[i].info.name.clone())
+                            .collect()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Parameters that had no gradient on this rank but a non-zero one on others, last backward.
+    pub(crate) fn foreign(&self) -> &[String] {
+        &self.foreign
+    }
+
+    /// Whether a backward pass should be synchronised now.
+    pub(crate) fn active(&self) -> bool {
+        self.enabled && self.plan.is_some() && self.error.is_none()
+    }
+
+    /// Starts a backward pass in which the parameters `used` will receive gradients.
+    pub(crate) fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>) {
+        self.discard_step();
+        let Some(plan) = self.plan.as_ref() else {
+            return;
+        };
+        let mut used_slots = vec![false; plan.slots.len()];
+        for id in used {
+            if let Some(&i) = plan.by_id.get(&id) {
+                used_slots[i] = true;
+            }
+        }
+        let mut buffers = Vec::with_capacity(plan.buckets.len());
+        for (_, len) in &plan.buckets {
+            let mut b = self
+                .spare
+                .iter()
+                .position(|s| s.capacity() >= *len)
+                .map(|i| self.spare.swap_remove(i))
+                .unwrap_or_default();
+            b.clear();
+            b.resize(*len, 0.0);
+            buffers.push(Some(b));
+        }
+        let mut pending: Vec<usize> = plan.buckets.iter().map(|(s, _)| s.len()).collect();
+        let mut ready = vec![false; plan.slots.len()];
+        for (i, slot) in plan.slots.iter().enumerate() {
+            if !used_slots[i] {
+                ready[i] = true;
+                pending[slot.bucket] -= 1;
+            }
+        }
+        let n = plan.buckets.len();
+        self.step = Some(Step {
+            buffers,
+            pending,
+            ready,
+            origin: vec![None; plan.slots.len()],
+            next_launch: 0,
+            results: (0..n).map(|_| None).collect(),
+            outstanding: 0,
+        });
+        if self.overlap {
+            self.launch_ready();
+        }
+    }
+
+    /// Where gradient `id` goes in its bucket: (slot, bucket buffer, offset), or `None` if it
+    /// is not synchronised in this pass.
+    pub(crate) fn slot_of(&self, id: DistributedParamId) -> Option<usize> {
+        let step = self.step.as_ref()?;
+        let i = *self.plan.as_ref()?.by_id.get(&id)?;
+        (!step.ready[i]).then_some(i)
+    }
+
+    pub(crate) fn slot_info(&self, slot: usize) -> Option<&Slot> {
+        self.plan.as_ref()?.slots.get(slot)
+    }
+
+    /// Copies a final gradient (as f32) into its bucket and launches what became ready.
+    pub(crate) fn fill(&mut self, slot: usize, values: &[f32], origin: Origin) {
+        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
+            return;
+        };
+        let s = &plan.slots[slot];
+        if let Some(buf) = step.buffers[s.bucket].as_mut() {
+            buf[s.offset..s.offset + values.len()].copy_from_slice(values);
+        }
+        step.ready[slot] = true;
+        step.origin[slot] = Some(origin);
+        step.pending[s.bucket] -= 1;
+        if self.overlap {
+            self.launch_ready();
+        }
+    }
+
+    fn launch_ready(&mut self) {
+        let Some(step) = self.step.as_mut() else {
+            return;
+        };
+        while step.next_launch < step.pending.len() && step.pending[step.next_launch] == 0 {
+            let bucket = step.next_launch;
+            step.next_launch += 1;
+            let Some(data) = step.buffers[bucket].take() else {
+                continue;
+            };
+            if self.comm.is_none() {
+                match Comm::start(self.pg.clone(), self.reduction, self.compression) {
+                    Ok(c) => self.comm = Some(c),
+                    Err(e) => {
+                        self.error.get_or_insert(e);
+                        return;
+                    }
+                }
+            }
+            let sent = self
+                .comm
+                .as_ref()
+                .and_then(|c| c.jobs.as_ref())
+                .map(|tx| tx.send(Job { bucket, data }).is_ok())
+                .unwrap_or(false);
+            if sent {
+                step.outstanding += 1;
+            } else {
+                self.error.get_or_insert(DdpError::NotInitialized {
+                    what: "the gradient communication thread (it stopped)",
+                });
+                return;
+            }
+        }
+    }
+
+    /// Ends the backward pass: launches every bucket (in order), waits for all of them and
+    /// returns, for each slot with a local gradient, its origin and averaged values.
+    pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, usize, Vec<f32>)>> {
+        let Some(mut step) = self.step.take() else {
+            return Ok(Vec::new());
+        };
+        let plan = self.plan.clone().unwrap_or_default();
+        // Gradients announced but never delivered count as zeros, so that no rank waits forever.
+        for (i, slot) in plan.slots.iter().enumerate() {
+            if !step.ready[i] {
+                step.ready[i] = true;
+                step.pending[slot.bucket] -= 1;
+            }
+        }
+        let result = if self.overlap {
+            self.step = Some(step);
+            self.launch_ready();
+            let mut step = self.step.take().expect("the step was just put back");
+            self.collect(&mut step).map(|()| step)
+        } else {
+            self.run_inline(&mut step).map(|()| step)
+        };
+        let step = result?;
+        let mut out = Vec::new();
+        self.foreign.clear();
+        let mut results = step.results;
+        for (i, slot) in plan.slots.iter().enumerate() {
+            let Some(bucket) = results[slot.bucket].as_ref() else {
+                continue;
+            };
+            let values = &bucket[slot.offset..slot.offset + slot.info.numel];
+            match step.origin[i] {
+                Some(origin) => out.push((origin, i, values.to_vec())),
+                None => {
+                    if values.iter().any(|v| *v != 0.0) {
+                        self.foreign.push(slot.info.name.clone());
+                    }
+                }
+            }
+        }
+        if !self.foreign.is_empty() {
+            tracing::warn!(
+                "[rank {}] parameters without a gradient on this rank got one on other ranks: {:?}; \
+                 their averaged gradient is not applied here (use DdpSession::sync_gradients)",
+                self.pg.rank(),
+                self.foreign
+            );
+        }
+        for b in results.iter_mut() {
+            if let Some(v) = b.take() {
+                self.spare.push(v);
+            }
+        }
+        Ok(out)
+    }
+
+    fn collect(&mut self, step: &mut Step) -> Result<()> {
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        let mut first_error = None;
+        while step.outstanding > 0 {
+            let Some(comm) = self.comm.as_ref() else {
+                break;
+            };
+            match comm.done.recv_timeout(wait) {
+                Ok(Done { bucket, result }) => {
+                    step.outstanding -= 1;
+                    match result {
+                        Ok(v) => step.results[bucket] = Some(v),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    first_error.get_or_insert(DdpError::GradSyncTimeout {
+                        rank: self.pg.rank(),
+                        waited: wait,
+                    });
+                    break;
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    first_error.get_or_insert(DdpError::NotInitialized {
+                        what: "the gradient communication thread (it stopped)",
+                    });
+                    break;
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn run_inline(&mut self, step: &mut Step) -> Result<()> {
+        for (bucket, data) in step.buffers.iter_mut().enumerate() {
+            if let Some(mut data) = data.take() {
+                reduce(&self.pg, &mut data, self.reduction, self.compression)?;
+                step.results[bucket] = Some(data);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops a backward pass that never finished (its backward panicked), draining the
+    /// communication thread so that the next pass starts clean.
+    fn discard_step(&mut self) {
+        if let Some(mut step) = self.step.take() {
+            if step.outstanding > 0 {
+                let _ = self.collect(&mut step);
+            }
+        }
+    }
+}
+
+impl Drop for Reducer {
+    fn drop(&mut self) {
+        self.discard_step();
+        if let Some(mut comm) = self.comm.take() {
+            comm.jobs = None;
+            if let Some(t) = comm.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Comm {
+    fn start(pg: ProcessGroup, reduction: GradReduction, compression: Compression) -> Result<Self> {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (tx, done) = mpsc::channel::<Done>();
+        let thread = thread::Builder::new()
+            .name(format!("burn-ddp-grad-{}", pg.rank()))
+            .spawn(move || {
+                for Job { bucket, mut data } in rx {
+                    let result = reduce(&pg, &mut data, reduction, compression).map(|()| data);
+                    if tx.send(Done { bucket, result }).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// All-reduces one bucket in place, compressed if asked.
+pub(crate) fn reduce(
+    pg: &ProcessGroup,
+    data: &mut [f32],
+    reduction: GradReduction,
+    compression: Compression,
+) -> Result<()> {
+    let op = match reduction {
+        GradReduction::Mean => ReduceOp::Mean,
+        GradReduction::Sum => ReduceOp::Sum,
+    };
+    match compression {
+        Compression::None => pg.all_reduce(data, op),
+        Compression::F16 => {
+            let mut c: Vec<f16> = data.iter().map(|&v| f16::from_f32(v)).collect();
+            pg.all_reduce(&mut c, op)?;
+            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
+            Ok(())
+        }
+        Compression::Bf16 => {
+            let mut c: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+            pg.all_reduce(&mut c, op)?;
+            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, numel: usize) -> ParamInfo {
+        ParamInfo {
+            name: name.into(),
+            shape: vec![numel],
+            dtype: "F32".into(),
+            numel,
+        }
+    }
+
+    #[test]
+    fn buckets_run_in_reverse_order_with_a_small_first_bucket() {
+        let cfg = DdpConfig {
+            bucket_cap_bytes: 40,
+            first_bucket_cap_bytes: 8,
+            ..DdpConfig::default()
+        };
+        let params = (0..6)
+            .map(|i| {
+                (
+                    info(&format!("p{i}"), 2),
+                    DistributedParamId::from(i as u64),
+                )
+            })
+            .collect();
+        let plan = Plan::build(params, &cfg);
+        let names: Vec<Vec<&str>> = plan
+            .buckets
+            .iter()
+            .map(|(s, _)| {
+                s.iter()
+                    .map(|&i| plan.slots[i].info.name.as_str())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(names, vec![vec!["p5"], vec!["p4", "p3", "p2", "p1", "p0"]]);
+        assert_eq!(plan.slots[3].offset, 2);
+    }
+
+    #[test]
+    fn a_parameter_larger_than_the_cap_gets_its_own_bucket() {
+        let cfg = DdpConfig {
+            bucket_cap_bytes: 16,
+            first_bucket_cap_bytes: 16,
+            ..DdpConfig::default()
+        };
+        let params = vec![
+            (info("a", 1), DistributedParamId::from(1)),
+            (info("big", 100), DistributedParamId::from(2)),
+            (info("c", 1), DistributedParamId::from(3)),
+        ];
+        let plan = Plan::build(params, &cfg);
+        let lens: Vec<usize> = plan.buckets.iter().map(|(_, l)| *l).collect();
+        assert_eq!(lens, vec![1, 100, 1]);
+    }
+}

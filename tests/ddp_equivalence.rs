@@ -1,0 +1,326 @@
+//! `Autodiff<Ddp<NdArray>>` on W processes, each with a batch of `b`, must train exactly like one
+//! process on the whole batch of `W·b`: after 20 optimizer steps every parameter matches within
+//! 1e-5 relative (f32). Real processes, real TCP, real Burn training.
+//!
+//! The reference runs in every rank's process on the same backend without a session (nothing is
+//! marked, so nothing is synchronised), from the weights that `prepare` broadcast.
+
+mod common;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Distribution, Tensor, TensorData};
+use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, ProcessGroup};
+
+type B = Autodiff<Ddp<NdArray>>;
+
+const STEPS: usize = 20;
+const PER_RANK: usize = 4;
+const IN: usize = 8;
+const OUT: usize = 3;
+
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    /// Never used in `forward`: gets no gradient on any rank.
+    unused: Linear<B>,
+    act: Relu,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(IN, 16).init(device),
+            fc2: LinearConfig::new(16, OUT).init(device),
+            unused: LinearConfig::new(IN, 5).init(device),
+            act: Relu::new(),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+struct ConvNet<B: Backend> {
+    conv: Conv2d<B>,
+    fc: Linear<B>,
+    act: Relu,
+}
+
+impl<B: Backend> ConvNet<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            conv: Conv2dConfig::new([1, 4], [3, 3]).init(device),
+            fc: LinearConfig::new(4 * 2 * 2, OUT).init(device),
+            act: Relu::new(),
+        }
+    }
+}
+
+trait Net<B: Backend>: Module<B> {
+    fn build(device: &B::Device) -> Self;
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1>;
+}
+
+impl<B: Backend> Net<B> for Mlp<B> {
+    fn build(device: &B::Device) -> Self {
+        Self::new(device)
+    }
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let h = self.act.forward(self.fc1.forward(x));
+        let out = self.fc2.forward(h);
+        (out - y).powi_scalar(2).mean()
+    }
+}
+
+impl<B: Backend> Net<B> for ConvNet<B> {
+    fn build(device: &B::Device) -> Self {
+        Self::new(device)
+    }
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let n = x.dims()[0];
+        let img = x.reshape([n, 1, 4, 2]).repeat_dim(3, 2); // [n, 1, 4, 4]
+        let h = self.act.forward(self.conv.forward(img)); // [n, 4, 2, 2]
+        let out = self.fc.forward(h.reshape([n, 16]));
+        (out - y).powi_scalar(2).mean()
+    }
+}
+
+/// The whole batch of step `step`: the same on every rank.
+fn batch(step: usize, world: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let device = Default::default();
+    let n = world * PER_RANK;
+    <B as Backend>::seed(&device, 1000 + step as u64);
+    let x = Tensor::<B, 2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<B, 2>::random([n, OUT], Distribution::Normal(0.0, 1.0), &device);
+    (x, y)
+}
+
+fn shard(t: Tensor<B, 2>, rank: usize) -> Tensor<B, 2> {
+    t.narrow(0, rank * PER_RANK, PER_RANK)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Opt {
+    Sgd,
+    Adam,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Plain,
+    /// 4 micro-steps under `no_sync`, then one `sync_gradients`.
+    Accumulate,
+}
+
+fn params(m: &impl Module<B>) -> Vec<f32> {
+    let mut out = Vec::new();
+    struct Collect<'a>(&'a mut Vec<f32>);
+    impl burn::module::ModuleVisitor<B> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
+            self.0.extend(
+                p.val()
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    m.visit(&mut Collect(&mut out));
+    out
+}
+
+fn train<M: Net<B> + AutodiffModule<B>>(
+    pg: ProcessGroup,
+    opt: Opt,
+    mode: Mode,
+    config: DdpConfig,
+    tolerance: Tolerance,
+) {
+    match opt {
+        Opt::Sgd => run::<M, _>(pg, mode, config, tolerance, || SgdConfig::new().init()),
+        Opt::Adam => run::<M, _>(pg, mode, config, tolerance, || AdamConfig::new().init()),
+    }
+}
+
+/// `|ddp - single| <= rel * max(|single|, floor)`: relative, except for values near zero, where
+/// a relative difference says nothing (summing per-rank means rounds differently from one mean).
+#[derive(Clone, Copy, Debug)]
+struct Tolerance {
+    rel: f32,
+    floor: f32,
+}
+
+/// f32: 1e-5 relative, for values of magnitude 0.05 and more (5e-7 absolute below). The
+/// parameters here start at magnitudes up to 0.35; Adam normalises each update, so the rounding
+/// difference between a sum of per-rank means and one mean shows most on the smallest values.
+const F32: Tolerance = Tolerance {
+    rel: 1e-5,
+    floor: 0.05,
+};
+
+fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
+    pg: ProcessGroup,
+    mode: Mode,
+    config: DdpConfig,
+    tolerance: Tolerance,
+    make_opt: impl Fn() -> O,
+) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = Default::default();
+    <B as Backend>::seed(&device, 7 + rank as u64); // different init per rank: prepare must fix it
+    let session = DdpSession::new(pg, config).unwrap();
+    let mut model = session.prepare(M::build(&device)).unwrap();
+    let mut reference = M::build(&device).load_record(model.clone().into_record());
+    assert_eq!(params(&model), params(&reference));
+    let mut opt_ddp = make_opt();
+    let mut opt_ref = make_opt();
+    let lr = 0.05;
+    for step in 0..STEPS {
+        match mode {
+            Mode::Plain => {
+                let (x, y) = batch(step, world);
+                let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
+                let grads = session.backward(loss).unwrap();
+                let grads = GradientsParams::from_grads(grads, &model);
+                model = opt_ddp.step(lr, model, grads);
+
+                let loss = reference.loss(x, y);
+                let grads = GradientsParams::from_grads(loss.backward(), &reference);
+                reference = opt_ref.step(lr, reference, grads);
+            }
+            Mode::Accumulate => {
+                let mut acc = GradientsAccumulator::<M>::new();
+                let mut acc_ref = GradientsAccumulator::<M>::new();
+                for micro in 0..4 {
+                    let (x, y) = batch(step * 4 + micro, world);
+                    let grads = {
+                        let _guard = session.no_sync();
+                        let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
+                        session.backward(loss).unwrap()
+                    };
+                    acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                    let loss = reference.loss(x, y);
+                    acc_ref.accumulate(
+                        &reference,
+                        GradientsParams::from_grads(loss.backward(), &reference),
+                    );
+                }
+                let grads = session.sync_gradients(&model, acc.grads()).unwrap();
+                model = opt_ddp.step(lr, model, grads);
+                reference = opt_ref.step(lr, reference, acc_ref.grads());
+            }
+        }
+    }
+    let (got, want) = (params(&model), params(&reference));
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f32;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(tolerance.floor);
+        worst = worst.max(rel);
+        assert!(
+            rel <= tolerance.rel,
+            "rank {rank}: parameter element {i}: ddp {g} vs single process {w} (relative {rel:e}, {tolerance:?})"
+        );
+    }
+    println!(
+        "rank {rank}: worst relative difference {worst:e} over {} values",
+        got.len()
+    );
+    let _ = session.group().barrier();
+}
+
+macro_rules! equivalence {
+    ($($name:ident: $net:ident, $opt:expr, $mode:expr, $config:expr, $tol:expr, [$($w:literal),*];)*) => {$(
+        #[test]
+        fn $name() {
+            $(
+                let name = concat!(stringify!($name), "_w", $w);
+                if let Some(pg) = common::child_group(name) {
+                    train::<$net<B>>(pg, $opt, $mode, $config, $tol);
+                    return;
+                }
+                if !common::is_any_child() {
+                    common::Job::new($w, name)
+                        .function(stringify!($name))
+                        .run()
+                        .assert_all_ok();
+                }
+            )*
+        }
+    )*};
+}
+
+equivalence! {
+    mlp_sgd: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [1, 2, 3];
+    mlp_adam: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [1, 2, 3];
+    conv_sgd: ConvNet, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [2, 3];
+    conv_adam_after_backward: ConvNet, Opt::Adam, Mode::Plain, DdpConfig::default().with_overlap(false), F32, [2];
+    mlp_small_buckets: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }, F32, [3];
+    mlp_accumulate_4: Mlp, Opt::Sgd, Mode::Accumulate, DdpConfig::default(), F32, [2, 3];
+    // bf16 buckets keep 8 bits of mantissa: each averaged gradient is off by up to 2^-8
+    // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
+    // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
+    mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [2];
+}
+
+#[test]
+fn mismatched_models_fail_at_prepare_naming_the_parameter() {
+    const NAME: &str = "mismatched_models_fail_at_prepare_naming_the_parameter";
+    if let Some(pg) = common::child_group(NAME) {
+        let device = Default::default();
+        let rank = pg.rank().index();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let hidden = if rank == 1 { 17 } else { 16 };
+        let model = Mlp::<B> {
+            fc1: LinearConfig::new(IN, hidden).init(&device),
+            fc2: LinearConfig::new(hidden, OUT).init(&device),
+            unused: LinearConfig::new(IN, 5).init(&device),
+            act: Relu::new(),
+        };
+        let err = session.prepare(model).unwrap_err();
+        let text = err.to_string();
+        println!("rank {rank} error: {text}");
+        assert!(
+            matches!(err, burn_ddp::DdpError::ModelMismatch { .. }),
+            "{text}"
+        );
+        assert!(text.contains("fc1.weight"), "{text}");
+        assert!(text.contains("rank 1 has"), "{text}");
+        assert!(text.contains("ranks 0, 2 have"), "{text}");
+        return;
+    }
+    if !common::is_any_child() {
+        common::Job::new(3, NAME).run().assert_all_ok();
+    }
+}
+
+#[test]
+fn an_unused_parameter_stays_untouched_and_nothing_hangs() {
+    const NAME: &str = "an_unused_parameter_stays_untouched_and_nothing_hangs";
+    if let Some(pg) = common::child_group(NAME) {
+        let device = Default::default();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
+        let before = model.unused.weight.val().into_data();
+        let (x, y) = batch(0, 2);
+        let grads = session.backward(model.loss(x, y)).unwrap();
+        let grads = GradientsParams::from_grads(grads, &model);
+        assert!(grads
+            .get::<<B as AutodiffBackend>::InnerBackend, 2>(model.unused.weight.id)
+            .is_none());
+        let mut opt = SgdConfig::new().init();
+        let model = opt.step(0.1, model, grads);
+        assert_eq!(model.unused.weight.val().into_data(), before);
+        let _: TensorData = before;
+        return;
+    }
+    if !common::is_any_child() {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
