@@ -115,7 +115,9 @@ impl DdpConfig {
 /// ```no_run
 /// # use burn::backend::{Autodiff, NdArray};
 /// # use burn::module::Module;
-/// # fn model<B: burn::tensor::backend::Backend>() -> burn::nn::Linear<B> { unimplemented!() }
+/// # fn model<B: burn::tensor::backend::Backend>() -> burn::nn::Linear<B> {
+/// #     burn::nn::LinearConfig::new(4, 4).init(&Default::default())
+/// # }
 /// use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 /// type B = Autodiff<Ddp<NdArray>>;
 ///
