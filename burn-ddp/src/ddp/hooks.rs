@@ -26,12 +26,19 @@ fn warn_no_session() {
 /// Reads a float tensor as f32 values.
 fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
     let data = read_sync(B::float_into_data(tensor)).map_err(|e| e.to_string())?;
-    let data = if data.dtype == DType::F32 {
-        data
-    } else {
-        data.convert_dtype(DType::F32)
-    };
-    data.into_vec::<f32>().map_err(|e| format!("{e:?}"))
+    data.convert_dtype(DType::F32)
+        .into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// The inverse of `read_f32`: a tensor of `shape` and `dtype` on `device` holding `values`.
+fn write_f32<B: Backend>(
+    values: Vec<f32>,
+    shape: burn_backend::Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> FloatTensor<B> {
+    B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
 }
 
 /// `register_sync_parameters`: a backward pass starts; `used` get gradients in it.
@@ -101,21 +108,13 @@ pub(crate) fn finish_backward<B: Backend>() {
     let mut r = session.reducer();
     match r.finish() {
         Ok(results) => {
-            for (origin, _slot, values) in results {
+            for (origin, values) in results {
                 let ptr = origin.ptr as *mut FloatTensor<B>;
                 // SAFETY: as in `gradient_ready`: the container entry is alive and unaliased
                 // until `backward()` returns, which happens after this hook.
                 unsafe {
                     let old = &*ptr;
-                    let device = B::float_device(old);
-                    let data = TensorData::new(values, old.shape());
-                    let dtype = old.dtype();
-                    let data = if dtype == DType::F32 {
-                        data
-                    } else {
-                        data.convert_dtype(dtype)
-                    };
-                    *ptr = B::float_from_data(data, &device);
+                    *ptr = write_f32::<B>(values, old.shape(), old.dtype(), &B::float_device(old));
                 }
             }
         }
@@ -161,11 +160,5 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
         session.reducer().record_error(e);
         return tensor;
     }
-    let data = TensorData::new(values, shape);
-    let data = if dtype == DType::F32 {
-        data
-    } else {
-        data.convert_dtype(dtype)
-    };
-    B::float_from_data(data, &device)
+    write_f32::<B>(values, shape, dtype, &device)
 }

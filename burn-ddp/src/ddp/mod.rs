@@ -169,7 +169,7 @@ impl DdpSession {
     /// An invalid configuration.
     pub fn new(pg: ProcessGroup, config: DdpConfig) -> Result<Self> {
         config.validate()?;
-        let reducer = Reducer::new(&pg, &config)?;
+        let reducer = Reducer::new(&pg, &config);
         let shared = Arc::new(Shared {
             pg,
             config,

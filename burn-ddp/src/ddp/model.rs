@@ -1,6 +1,8 @@
 //! How a model joins a session: `prepare` (check, broadcast, mark, plan) and the plain,
 //! after-backward path `sync_gradients`.
 
+use core::marker::PhantomData;
+
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -284,25 +286,20 @@ impl DdpSession {
     ) -> Result<GradientsParams> {
         let pg = &self.shared.pg;
         let config = &self.shared.config;
-        let desc: Vec<(ParamInfo, ParamId)> = describe::<B, M>(model)
-            .into_iter()
-            .filter(|(_, _, g)| *g)
-            .map(|(i, id, _)| (i, id))
-            .collect();
         let plan = Plan::build(
-            desc.iter()
-                .map(|(i, id)| (i.clone(), DistributedParamId::from(id.val())))
+            describe::<B, M>(model)
+                .into_iter()
+                .filter(|(_, _, grad)| *grad)
+                .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
                 .collect(),
             config,
         );
-        let mut take = Take {
+        let mut take = Take::<B> {
             grads: &mut grads,
             values: Vec::new(),
+            _b: PhantomData,
         };
-        model.visit(&mut TakeVisitor::<B> {
-            inner: &mut take,
-            _b: Default::default(),
-        });
+        model.visit(&mut take);
         let values = take.values;
         let mut present = vec![false; plan.slots.len()];
         let mut buckets: Vec<Vec<f32>> = plan.buckets.iter().map(|(_, l)| vec![0.0; *l]).collect();
@@ -315,74 +312,64 @@ impl DdpSession {
         for b in &mut buckets {
             reducer::reduce(pg, b, config.reduction, config.compression)?;
         }
-        let mut put = Put {
+        model.visit(&mut Put::<B> {
             grads: &mut grads,
             plan: &plan,
             buckets: &buckets,
             present: &present,
             index: 0,
-        };
-        model.visit(&mut PutVisitor::<B> {
-            inner: &mut put,
-            _b: Default::default(),
+            _b: PhantomData,
         });
         Ok(grads)
     }
 }
 
-struct Take<'a> {
+/// Takes the trainable parameters' gradients out of `grads`, as f32, in visit order.
+struct Take<'a, B> {
     grads: &'a mut GradientsParams,
     values: Vec<Option<Vec<f32>>>,
+    _b: PhantomData<B>,
 }
 
-struct TakeVisitor<'a, 'b, B> {
-    inner: &'a mut Take<'b>,
-    _b: core::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for TakeVisitor<'_, '_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if !param.val().is_require_grad() {
             return;
         }
-        let g = self.inner.grads.remove::<B::InnerBackend, D>(param.id);
+        let g = self.grads.remove::<B::InnerBackend, D>(param.id);
         let v = g.and_then(|t| t.into_data().convert::<f32>().into_vec::<f32>().ok());
-        self.inner.values.push(v);
+        self.values.push(v);
     }
 }
 
-struct Put<'a> {
+/// Puts the averaged gradients back into `grads`, in visit order.
+struct Put<'a, B> {
     grads: &'a mut GradientsParams,
     plan: &'a Plan,
     buckets: &'a [Vec<f32>],
     present: &'a [bool],
     index: usize,
+    _b: PhantomData<B>,
 }
 
-struct PutVisitor<'a, 'b, B> {
-    inner: &'a mut Put<'b>,
-    _b: core::marker::PhantomData<B>,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for PutVisitor<'_, '_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let p = param.val();
         if !p.is_require_grad() {
             return;
         }
-        let put = &mut *self.inner;
-        let i = put.index;
-        put.index += 1;
-        let Some(slot) = put.plan.slots.get(i) else {
+        let i = self.index;
+        self.index += 1;
+        let Some(slot) = self.plan.slots.get(i) else {
             return;
         };
-        let values = &put.buckets[slot.bucket][slot.offset..slot.offset + slot.info.numel];
-        if !put.present[i] && values.iter().all(|v| *v == 0.0) {
+        let values = &self.buckets[slot.bucket][slot.offset..slot.offset + slot.info.numel];
+        if !self.present[i] && values.iter().all(|v| *v == 0.0) {
             return;
         }
         let device = p.device();
         let data = TensorData::new(values.to_vec(), p.dims()).convert_dtype(p.dtype());
         let t = Tensor::<B::InnerBackend, D>::from_data(data, &device);
-        put.grads.register::<B::InnerBackend, D>(param.id, t);
+        self.grads.register::<B::InnerBackend, D>(param.id, t);
     }
 }

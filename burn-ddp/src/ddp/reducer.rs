@@ -143,8 +143,8 @@ pub(crate) struct Reducer {
 }
 
 impl Reducer {
-    pub(crate) fn new(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
-        Ok(Self {
+    pub(crate) fn new(pg: &ProcessGroup, config: &DdpConfig) -> Self {
+        Self {
             pg: pg.clone(),
             reduction: config.reduction,
             compression: config.compression,
@@ -156,7 +156,7 @@ impl Reducer {
             spare: Vec::new(),
             comm: None,
             foreign: Vec::new(),
-        })
+        }
     }
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
@@ -327,11 +327,11 @@ impl Reducer {
 
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
-    pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, usize, Vec<f32>)>> {
-        let Some(mut step) = self.step.take() else {
+    pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, Vec<f32>)>> {
+        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
+            self.step = None;
             return Ok(Vec::new());
         };
-        let plan = self.plan.clone().unwrap_or_default();
         // Gradients announced but never delivered count as zeros, so that no rank waits forever.
         for (i, slot) in plan.slots.iter().enumerate() {
             if !step.ready[i] {
@@ -339,25 +339,29 @@ impl Reducer {
                 step.pending[slot.bucket] -= 1;
             }
         }
-        let result = if self.overlap {
-            self.step = Some(step);
+        if self.overlap {
             self.launch_ready();
-            let mut step = self.step.take().expect("the step was just put back");
-            self.collect(&mut step).map(|()| step)
-        } else {
-            self.run_inline(&mut step).map(|()| step)
+        }
+        let Some(mut step) = self.step.take() else {
+            return Ok(Vec::new());
         };
-        let step = result?;
+        if self.overlap {
+            self.collect(&mut step)?;
+        } else {
+            self.run_inline(&mut step)?;
+        }
+        let Some(plan) = self.plan.as_ref() else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
         self.foreign.clear();
-        let mut results = step.results;
         for (i, slot) in plan.slots.iter().enumerate() {
-            let Some(bucket) = results[slot.bucket].as_ref() else {
+            let Some(bucket) = step.results[slot.bucket].as_ref() else {
                 continue;
             };
             let values = &bucket[slot.offset..slot.offset + slot.info.numel];
             match step.origin[i] {
-                Some(origin) => out.push((origin, i, values.to_vec())),
+                Some(origin) => out.push((origin, values.to_vec())),
                 None => {
                     if values.iter().any(|v| *v != 0.0) {
                         self.foreign.push(slot.info.name.clone());
@@ -373,11 +377,7 @@ impl Reducer {
                 self.foreign
             );
         }
-        for b in results.iter_mut() {
-            if let Some(v) = b.take() {
-                self.spare.push(v);
-            }
-        }
+        self.spare.extend(step.results.into_iter().flatten());
         Ok(out)
     }
 
