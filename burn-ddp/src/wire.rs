@@ -139,19 +139,26 @@ pub(crate) fn encode_header(kind: u8, len: u32) -> [u8; HEADER_LEN] {
     h
 }
 
+/// Checks the first five bytes every burn-ddp header starts with: `magic`, then the protocol
+/// version. `h` must hold at least five bytes.
+pub(crate) fn check_preamble(h: &[u8], magic: [u8; 4]) -> Result<(), WireError> {
+    let mut found = [0u8; 4];
+    found.copy_from_slice(&h[..4]);
+    if found != magic {
+        return Err(WireError::BadMagic { found });
+    }
+    if h[4] != PROTOCOL_VERSION {
+        return Err(WireError::VersionMismatch { theirs: h[4] });
+    }
+    Ok(())
+}
+
 /// Decodes and validates a frame header against a payload limit.
 ///
 /// # Errors
 /// Bad magic, another protocol version, non-zero reserved bytes, or a length above `max_len`.
 pub(crate) fn decode_header(h: &[u8; HEADER_LEN], max_len: u32) -> Result<FrameHeader, WireError> {
-    let mut magic = [0u8; 4];
-    magic.copy_from_slice(&h[..4]);
-    if magic != MAGIC {
-        return Err(WireError::BadMagic { found: magic });
-    }
-    if h[4] != PROTOCOL_VERSION {
-        return Err(WireError::VersionMismatch { theirs: h[4] });
-    }
+    check_preamble(h, MAGIC)?;
     let reserved = u16::from_le_bytes([h[6], h[7]]);
     if reserved != 0 {
         return Err(WireError::Reserved { found: reserved });

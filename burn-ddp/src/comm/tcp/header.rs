@@ -10,7 +10,7 @@
 
 use crate::comm::{CollectiveDesc, CollectiveOp, DType, ReduceOp};
 use crate::group::{CollectiveSeq, Rank};
-use crate::wire::{WireError, PROTOCOL_VERSION};
+use crate::wire::{self, WireError, PROTOCOL_VERSION};
 
 /// Length of the header on the wire.
 pub(crate) const LEN: usize = 32;
@@ -35,14 +35,7 @@ pub(crate) fn encode(seq: CollectiveSeq, desc: &CollectiveDesc) -> [u8; LEN] {
 /// # Errors
 /// Bad magic, another protocol version, unknown codes, or non-zero reserved bytes.
 pub(crate) fn decode(h: &[u8; LEN]) -> Result<(CollectiveSeq, CollectiveDesc), WireError> {
-    let mut magic = [0u8; 4];
-    magic.copy_from_slice(&h[..4]);
-    if magic != MAGIC {
-        return Err(WireError::BadMagic { found: magic });
-    }
-    if h[4] != PROTOCOL_VERSION {
-        return Err(WireError::VersionMismatch { theirs: h[4] });
-    }
+    wire::check_preamble(h, MAGIC)?;
     let op = CollectiveOp::from_code(h[5]).ok_or(WireError::InvalidValue {
         what: "collective op",
     })?;
