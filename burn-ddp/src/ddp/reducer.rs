@@ -208,9 +208,13 @@ impl Reducer {
         &self.foreign
     }
 
-    /// Whether a backward pass should be synchronised now.
+    /// Whether a backward pass should be synchronised now. At world size 1 the average is the
+    /// gradient itself, so nothing is copied (compression, too, is skipped there).
     pub(crate) fn active(&self) -> bool {
-        self.enabled && self.plan.is_some() && self.error.is_none()
+        self.enabled
+            && self.plan.is_some()
+            && self.error.is_none()
+            && self.pg.world_size().get() > 1
     }
 
     /// Starts a backward pass in which the parameters `used` will receive gradients.
