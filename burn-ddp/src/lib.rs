@@ -53,6 +53,8 @@ pub mod launch;
 pub(crate) mod wire;
 
 pub use backend::Ddp;
+#[cfg(feature = "cuda")]
+pub use backend::DdpCuda;
 pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use ddp::{Compression, DdpConfig, DdpSession, GradReduction, NoSyncGuard, ParamInfo};

@@ -66,3 +66,18 @@ impl<B: Backend> DistributedBackend for Ddp<B> {
 }
 
 const _: () = assert!(forward::FORWARDED > 400);
+
+/// `Ddp` over Burn's CUDA backend (`Autodiff<DdpCuda>` is the training backend).
+///
+/// Gradients of CUDA tensors currently travel through the host transport; NCCL comes with the
+/// CUDA communicator.
+#[cfg(feature = "cuda")]
+pub type DdpCuda = Ddp<burn::backend::Cuda>;
+
+// `Ddp<Cuda>` must stay a complete backend, and `Autodiff` of it a training backend: this fails
+// to compile (in every CI run, which builds the `cuda` feature) if a forward goes missing.
+#[cfg(feature = "cuda")]
+const _: fn() = || {
+    fn training_backend<B: burn::tensor::backend::AutodiffBackend>() {}
+    training_backend::<burn::backend::Autodiff<DdpCuda>>();
+};
