@@ -1,0 +1,399 @@
+//! Step-time benchmarks of the `Ddp<B>` decorator and its reducer, each a ratio against a
+//! baseline measured in the same run, interleaved round by round:
+//!
+//! - `overhead`: `Autodiff<Ddp<NdArray>>` at world size 1 vs plain `Autodiff<NdArray>` (built by
+//!   `benches/plain-autodiff` without Burn's `distributed` feature);
+//! - `buckets`: 2 ranks, 200 parameters of 4 KiB: bucketed sync vs one all-reduce per parameter
+//!   (how Burn's own DDP synchronises), each against the same steps with no sync at all;
+//! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank.
+//!
+//! ```text
+//! cargo bench --bench ddp_step                       # all three
+//! cargo bench --bench ddp_step -- overhead --rounds 9
+//! ```
+//! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
+
+#[path = "common/step_model.rs"]
+mod step_model;
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::AutodiffModule;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn_ddp::launch::spawn::{self, LocalJob, Output};
+use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
+
+use step_model::{print_result, time_steps, Trainer, Which, RESULT_TAG};
+
+type B = Autodiff<Ddp<NdArray>>;
+
+/// Set in worker processes: what to run (`overhead`, `buckets` or `scaling`).
+const WORKER: &str = "BURN_DDP_BENCH_WORKER";
+const WARMUP: usize = 5;
+
+// ---------------------------------------------------------------- workers
+
+struct DdpTrainer {
+    session: DdpSession,
+    sync: bool,
+}
+
+impl Trainer<B> for DdpTrainer {
+    fn prepare<M: AutodiffModule<B>>(&mut self, model: M) -> M {
+        self.session.prepare(model).expect("prepare")
+    }
+    fn backward(&mut self, loss: Tensor<B, 1>) -> <B as AutodiffBackend>::Gradients {
+        if self.sync {
+            self.session.backward(loss).expect("synchronised backward")
+        } else {
+            let _local = self.session.no_sync();
+            loss.backward()
+        }
+    }
+}
+
+fn worker_steps(pg: &ProcessGroup, config: DdpConfig, sync: bool, spec: &Spec) -> Vec<f64> {
+    let session = DdpSession::new(pg.clone(), config).expect("session");
+    let mut trainer = DdpTrainer { session, sync };
+    time_steps::<B>(spec.which, spec.batch, WARMUP, spec.steps, &mut trainer)
+}
+
+/// One all-reduce per parameter: every bucket holds one 4 KiB gradient.
+fn per_parameter() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_bytes: 4,
+        first_bucket_cap_bytes: 4,
+        ..DdpConfig::default()
+    }
+}
+
+fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
+    let pg = if std::env::var_os("RANK").is_some() {
+        ProcessGroup::from_env()?
+    } else {
+        ProcessGroup::single()
+    };
+    let report = |label: &str, t: &[f64]| {
+        if pg.is_main() {
+            print_result(label, t);
+        }
+    };
+    match kind {
+        "overhead" | "scaling" => {
+            report("ddp", &worker_steps(&pg, DdpConfig::default(), true, spec));
+        }
+        "buckets" => {
+            for _ in 0..spec.rounds {
+                report(
+                    "local",
+                    &worker_steps(&pg, DdpConfig::default(), false, spec),
+                );
+                report(
+                    "bucketed",
+                    &worker_steps(&pg, DdpConfig::default(), true, spec),
+                );
+                report("per-param", &worker_steps(&pg, per_parameter(), true, spec));
+            }
+        }
+        other => anyhow::bail!("unknown worker kind {other}"),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- driver
+
+#[derive(Debug, Clone, Copy)]
+struct Spec {
+    which: Which,
+    batch: usize,
+    steps: usize,
+    rounds: usize,
+}
+
+impl Spec {
+    fn to_env(self, kind: &str) -> String {
+        format!(
+            "{kind}:{}:{}:{}:{}",
+            self.which.name(),
+            self.batch,
+            self.steps,
+            self.rounds
+        )
+    }
+
+    fn from_env(s: &str) -> Option<(String, Self)> {
+        let mut it = s.split(':');
+        let kind = it.next()?.to_string();
+        let spec = Self {
+            which: Which::parse(it.next()?)?,
+            batch: it.next()?.parse().ok()?,
+            steps: it.next()?.parse().ok()?,
+            rounds: it.next()?.parse().ok()?,
+        };
+        Some((kind, spec))
+    }
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Step times per label, from every result line of `output`.
+fn parse(output: &str) -> BTreeMap<String, Vec<Vec<f64>>> {
+    let mut out: BTreeMap<String, Vec<Vec<f64>>> = BTreeMap::new();
+    for line in output.lines() {
+        let Some(rest) = line.strip_prefix(RESULT_TAG) else {
+            continue;
+        };
+        let mut parts = rest.split_whitespace();
+        let (Some(label), Some(list)) = (parts.next(), parts.next()) else {
+            continue;
+        };
+        let times = list.split(',').filter_map(|t| t.parse().ok()).collect();
+        out.entry(label.to_string()).or_default().push(times);
+    }
+    out
+}
+
+/// Median over rounds of each round's median step time.
+fn summary(rounds: &[Vec<f64>]) -> f64 {
+    median(&rounds.iter().map(|r| median(r)).collect::<Vec<_>>())
+}
+
+fn single_thread_env() -> Vec<(OsString, OsString)> {
+    vec![
+        ("RAYON_NUM_THREADS".into(), "1".into()),
+        ("OMP_NUM_THREADS".into(), "1".into()),
+    ]
+}
+
+/// Runs this binary as a job of `nproc` ranks in worker mode; returns rank 0's output.
+fn run_job(nproc: u32, kind: &str, spec: Spec) -> anyhow::Result<String> {
+    let exe = std::env::current_exe()?;
+    let mut job = LocalJob::standalone(exe, Vec::new(), nproc)?;
+    job.output = Output::Capture;
+    job.env = single_thread_env();
+    job.env.push((WORKER.into(), spec.to_env(kind).into()));
+    let exits = spawn::run(&job)?.into_result()?;
+    Ok(exits
+        .into_iter()
+        .find(|e| e.rank.0 == 0)
+        .map(|e| e.output)
+        .unwrap_or_default())
+}
+
+fn build_baseline(root: &Path) -> anyhow::Result<PathBuf> {
+    let manifest = root.join("benches/plain-autodiff/Cargo.toml");
+    let target = root.join("target/plain-autodiff");
+    eprintln!("building the plain Autodiff<NdArray> baseline (benches/plain-autodiff) ...");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--release", "--quiet", "--manifest-path"])
+        .arg(&manifest)
+        .arg("--target-dir")
+        .arg(&target)
+        .status()?;
+    anyhow::ensure!(status.success(), "building the baseline failed ({status})");
+    Ok(target.join("release/plain-autodiff"))
+}
+
+fn run_baseline(bin: &Path, spec: Spec) -> anyhow::Result<String> {
+    let out = Command::new(bin)
+        .args([
+            spec.which.name().to_string(),
+            spec.batch.to_string(),
+            WARMUP.to_string(),
+            spec.steps.to_string(),
+        ])
+        .envs(single_thread_env())
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "the baseline failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn bench_overhead(root: &Path, rounds: usize) -> anyhow::Result<()> {
+    let baseline = build_baseline(root)?;
+    println!("\n## overhead: Autodiff<Ddp<NdArray>> at world size 1 vs plain Autodiff<NdArray>");
+    println!("| model | plain step (ms) | Ddp step (ms) | overhead |");
+    println!("|---|---|---|---|");
+    for (which, batch, steps) in [(Which::Mlp, 64, 150), (Which::Many, 32, 40)] {
+        let spec = Spec {
+            which,
+            batch,
+            steps,
+            rounds: 1,
+        };
+        let mut plain = Vec::new();
+        let mut ddp = Vec::new();
+        for round in 0..rounds {
+            // Alternate the order so drift in the machine's speed hits both sides alike.
+            let (a, b) = if round % 2 == 0 {
+                let a = run_baseline(&baseline, spec)?;
+                (a, run_job(1, "overhead", spec)?)
+            } else {
+                let b = run_job(1, "overhead", spec)?;
+                (run_baseline(&baseline, spec)?, b)
+            };
+            plain.extend(parse(&a).remove("plain").unwrap_or_default());
+            ddp.extend(parse(&b).remove("ddp").unwrap_or_default());
+        }
+        anyhow::ensure!(
+            plain.len() == rounds && ddp.len() == rounds,
+            "missing results"
+        );
+        let (p, d) = (summary(&plain), summary(&ddp));
+        println!(
+            "| {} (batch {batch}) | {:.3} | {:.3} | {:+.2} % |",
+            which.name(),
+            p * 1e3,
+            d * 1e3,
+            (d / p - 1.0) * 100.0
+        );
+    }
+    Ok(())
+}
+
+fn bench_buckets(rounds: usize) -> anyhow::Result<()> {
+    let spec = Spec {
+        which: Which::Many,
+        batch: 32,
+        steps: 40,
+        rounds,
+    };
+    let out = run_job(2, "buckets", spec)?;
+    let res = parse(&out);
+    let get = |l: &str| -> anyhow::Result<f64> {
+        let r = res
+            .get(l)
+            .ok_or_else(|| anyhow::anyhow!("no {l} results"))?;
+        Ok(summary(r))
+    };
+    let (local, bucketed, per_param) = (get("local")?, get("bucketed")?, get("per-param")?);
+    println!("\n## buckets: 2 ranks, 200 parameters of 4 KiB, step time");
+    println!("| variant | step (ms) | sync cost over no-sync step (ms) |");
+    println!("|---|---|---|");
+    println!("| no sync | {:.3} | — |", local * 1e3);
+    println!(
+        "| bucketed (25 MiB cap: 1 all-reduce) | {:.3} | {:.3} |",
+        bucketed * 1e3,
+        (bucketed - local) * 1e3
+    );
+    println!(
+        "| one all-reduce per parameter (200) | {:.3} | {:.3} |",
+        per_param * 1e3,
+        (per_param - local) * 1e3
+    );
+    println!(
+        "bucketed vs per-parameter: sync cost {:.1}× lower, step {:.2}× faster",
+        (per_param - local) / (bucketed - local),
+        per_param / bucketed
+    );
+    Ok(())
+}
+
+fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
+    let spec = Spec {
+        which: Which::Mlp,
+        batch: 64,
+        steps: 40,
+        rounds: 1,
+    };
+    let mut one = Vec::new();
+    let mut two = Vec::new();
+    for round in 0..rounds {
+        let order: [u32; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
+        for world in order {
+            let mut r = parse(&run_job(world, "scaling", spec)?)
+                .remove("ddp")
+                .unwrap_or_default();
+            if world == 1 { &mut one } else { &mut two }.append(&mut r);
+        }
+    }
+    let (t1, t2) = (summary(&one), summary(&two));
+    println!("\n## weak scaling: MLP, batch 64 per rank, 1 compute thread per rank");
+    println!("| ranks | step (ms) | samples/s |");
+    println!("|---|---|---|");
+    println!("| 1 | {:.3} | {:.0} |", t1 * 1e3, 64.0 / t1);
+    println!("| 2 | {:.3} | {:.0} |", t2 * 1e3, 128.0 / t2);
+    println!(
+        "weak-scaling efficiency (t1 / t2): {:.1} %",
+        t1 / t2 * 100.0
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    if let Ok(spec) = std::env::var(WORKER) {
+        let Some((kind, spec)) = Spec::from_env(&spec) else {
+            eprintln!("bad {WORKER}: {spec}");
+            return ExitCode::FAILURE;
+        };
+        return match worker(&kind, &spec) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("worker failed: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    // `cargo bench` appends `--bench`; the rest are bench names and `--rounds N`.
+    let mut names = Vec::new();
+    let mut rounds = 5;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--bench" => {}
+            "--rounds" => match args.next().and_then(|n| n.parse().ok()) {
+                Some(n) if n > 0 => rounds = n,
+                _ => {
+                    eprintln!("--rounds needs a positive number");
+                    return ExitCode::FAILURE;
+                }
+            },
+            "overhead" | "buckets" | "scaling" => names.push(a),
+            other => {
+                eprintln!(
+                    "unknown argument {other}: expected overhead, buckets, scaling, --rounds N"
+                );
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    if names.is_empty() {
+        names = vec!["overhead".into(), "buckets".into(), "scaling".into()];
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    println!("# burn-ddp step benchmarks ({rounds} rounds, medians of per-round medians)");
+    for name in names {
+        let r = match name.as_str() {
+            "overhead" => bench_overhead(root, rounds),
+            "buckets" => bench_buckets(rounds),
+            _ => bench_scaling(rounds),
+        };
+        if let Err(e) = r {
+            eprintln!("{name} failed: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
