@@ -312,33 +312,38 @@ fn bench_buckets(rounds: usize) -> anyhow::Result<()> {
 }
 
 fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
-    let spec = Spec {
-        which: Which::Mlp,
-        batch: 64,
-        steps: 40,
-        rounds: 1,
-    };
-    let mut one = Vec::new();
-    let mut two = Vec::new();
-    for round in 0..rounds {
-        let order: [u32; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
-        for world in order {
-            let mut r = parse(&run_job(world, "scaling", spec)?)
-                .remove("ddp")
-                .unwrap_or_default();
-            if world == 1 { &mut one } else { &mut two }.append(&mut r);
+    println!("\n## weak scaling: MLP, same batch per rank, 1 compute thread per rank");
+    println!("| batch per rank | 1 rank step (ms) | 2 ranks step (ms) | samples/s 1 → 2 | efficiency (t1 / t2) |");
+    println!("|---|---|---|---|---|");
+    for batch in [64, 256] {
+        let spec = Spec {
+            which: Which::Mlp,
+            batch,
+            steps: 40,
+            rounds: 1,
+        };
+        let mut one = Vec::new();
+        let mut two = Vec::new();
+        for round in 0..rounds {
+            let order: [u32; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
+            for world in order {
+                let mut r = parse(&run_job(world, "scaling", spec)?)
+                    .remove("ddp")
+                    .unwrap_or_default();
+                if world == 1 { &mut one } else { &mut two }.append(&mut r);
+            }
         }
+        let (t1, t2) = (summary(&one), summary(&two));
+        let b = batch as f64;
+        println!(
+            "| {batch} | {:.3} | {:.3} | {:.0} → {:.0} | {:.1} % |",
+            t1 * 1e3,
+            t2 * 1e3,
+            b / t1,
+            2.0 * b / t2,
+            t1 / t2 * 100.0
+        );
     }
-    let (t1, t2) = (summary(&one), summary(&two));
-    println!("\n## weak scaling: MLP, batch 64 per rank, 1 compute thread per rank");
-    println!("| ranks | step (ms) | samples/s |");
-    println!("|---|---|---|");
-    println!("| 1 | {:.3} | {:.0} |", t1 * 1e3, 64.0 / t1);
-    println!("| 2 | {:.3} | {:.0} |", t2 * 1e3, 128.0 / t2);
-    println!(
-        "weak-scaling efficiency (t1 / t2): {:.1} %",
-        t1 / t2 * 100.0
-    );
     Ok(())
 }
 
