@@ -25,6 +25,7 @@
 //! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
 //! - [`launch`] — the environment contract and the `burn-ddp` launcher
 //! - [`config`] — configuration types
+//! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
 //! - `cuda` — CUDA and NCCL through cudarc (feature `cuda`)
 //!
 //! ## Never a silent hang
@@ -44,6 +45,7 @@
 mod backend;
 pub mod comm;
 pub mod config;
+pub mod data;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod ddp;
@@ -57,6 +59,7 @@ pub use backend::Ddp;
 pub use backend::DdpCuda;
 pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
+pub use data::DistributedSampler;
 pub use ddp::{Compression, DdpConfig, DdpSession, GradReduction, NoSyncGuard, ParamInfo};
 pub use error::{DdpError, Result};
 pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};

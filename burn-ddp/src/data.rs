@@ -1,0 +1,325 @@
+//! Sharding a Burn dataset over the ranks of a job: [`DistributedSampler`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataset::Dataset;
+
+use crate::group::{ProcessGroup, Rank, WorldSize};
+
+/// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
+/// as a Burn [`Dataset`] that wraps another.
+///
+/// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
+/// left in order with [`with_shuffle(false)`](Self::with_shuffle)), made a multiple of the world
+/// size, and dealt out with a stride: rank `r` gets positions `r, r + W, r + 2W, ...`. So every
+/// rank computes the same permutation without communicating, shards are disjoint, and every rank
+/// has the same number of items, hence of batches — no rank waits in a collective for a batch
+/// another rank never has.
+///
+/// Making the length a multiple of `W`: by default the permutation is padded with its own first
+/// items (PyTorch's default; a few items are seen twice per epoch); with
+/// [`with_drop_last(true)`](Self::with_drop_last) the tail is dropped instead (a few items are
+/// skipped this epoch, different ones each epoch when shuffling).
+///
+/// Call [`set_epoch`](Self::set_epoch) at the start of every epoch, as in PyTorch, or the same
+/// order repeats. Burn's data loaders share the dataset through an `Arc`, so `set_epoch` takes
+/// `&self`.
+///
+/// ```
+/// use burn::data::dataset::{Dataset, InMemDataset};
+/// use burn_ddp::{DistributedSampler, Rank, WorldSize};
+///
+/// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
+/// let world = WorldSize::new(3).unwrap();
+/// let shard = DistributedSampler::with_replicas(data, Rank(1), world).with_seed(42);
+/// shard.set_epoch(3);
+/// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
+/// ```
+#[derive(Debug)]
+pub struct DistributedSampler<D> {
+    dataset: D,
+    rank: u32,
+    world: u32,
+    seed: u64,
+    shuffle: bool,
+    drop_last: bool,
+    epoch: AtomicU64,
+    /// This rank's indices for the epoch they were computed for.
+    cache: Mutex<Option<(u64, Arc<[usize]>)>>,
+}
+
+impl<D> DistributedSampler<D> {
+    /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch: shuffled,
+    /// seed 0, padded (not `drop_last`), epoch 0.
+    pub fn new(dataset: D, group: &ProcessGroup) -> Self {
+        Self::with_replicas(dataset, group.rank(), group.world_size())
+    }
+
+    /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
+    ///
+    /// # Panics
+    /// If `rank` is not below `world` — a programming error, not a runtime condition.
+    pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Self {
+        assert!(
+            rank.0 < world.get(),
+            "DistributedSampler: rank {} is not below the world size {}",
+            rank.0,
+            world.get()
+        );
+        Self {
+            dataset,
+            rank: rank.0,
+            world: world.get(),
+            seed: 0,
+            shuffle: true,
+            drop_last: false,
+            epoch: AtomicU64::new(0),
+            cache: Mutex::new(None),
+        }
+    }
+
+    /// The seed of the shuffle; must be the same on every rank.
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self.invalidate();
+        self
+    }
+
+    /// Whether to permute the indices every epoch (default `true`). Validation sets usually
+    /// don't.
+    pub fn with_shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self.invalidate();
+        self
+    }
+
+    /// Drop the tail instead of padding to a multiple of the world size (default `false`).
+    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self.invalidate();
+        self
+    }
+
+    /// Sets the epoch, which selects the permutation. Same value on every rank.
+    pub fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Relaxed)
+    }
+
+    /// The wrapped dataset.
+    pub fn inner(&self) -> &D {
+        &self.dataset
+    }
+
+    fn invalidate(&mut self) {
+        *self.cache.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+}
+
+impl<D> DistributedSampler<D> {
+    /// Items per rank for a dataset of `n` items.
+    fn per_rank(&self, n: usize) -> usize {
+        let w = self.world as usize;
+        if self.drop_last {
+            n / w
+        } else {
+            n.div_ceil(w)
+        }
+    }
+
+    /// This rank's indices into the wrapped dataset for the current epoch, in order.
+    pub fn indices<I>(&self) -> Arc<[usize]>
+    where
+        D: Dataset<I>,
+    {
+        self.indices_for(self.dataset.len())
+    }
+
+    fn indices_for(&self, n: usize) -> Arc<[usize]> {
+        let epoch = self.epoch();
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((e, idx)) = cache.as_ref() {
+            if *e == epoch && idx.len() == self.per_rank(n) {
+                return Arc::clone(idx);
+            }
+        }
+        let idx: Arc<[usize]> = shard(
+            n,
+            self.rank as usize,
+            self.world as usize,
+            self.shuffle.then_some((self.seed, epoch)),
+            self.drop_last,
+        )
+        .into();
+        *cache = Some((epoch, Arc::clone(&idx)));
+        idx
+    }
+}
+
+/// Rank `rank`'s indices among `0..n` in a world of `world`, shuffled with `(seed, epoch)` if
+/// given.
+fn shard(
+    n: usize,
+    rank: usize,
+    world: usize,
+    shuffle: Option<(u64, u64)>,
+    drop_last: bool,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if let Some((seed, epoch)) = shuffle {
+        permute(&mut order, seed, epoch);
+    }
+    let total = if drop_last {
+        n / world * world
+    } else {
+        n.div_ceil(world) * world
+    };
+    // Padding repeats the permutation from its start (cycling when n < world).
+    (rank..total).step_by(world).map(|i| order[i % n]).collect()
+}
+
+/// Fisher–Yates with SplitMix64: a generator with a fixed definition, so that every rank (and
+/// every build, on any machine) derives the same permutation from `(seed, epoch)`.
+fn permute(v: &mut [usize], seed: u64, epoch: u64) {
+    let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    for i in (1..v.len()).rev() {
+        // Lemire's multiply-shift: an index in 0..=i without modulo bias worth measuring.
+        let j = ((u128::from(next()) * (i as u128 + 1)) >> 64) as usize;
+        v.swap(i, j);
+    }
+}
+
+impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
+    fn get(&self, index: usize) -> Option<I> {
+        let idx = self.indices_for(self.dataset.len());
+        self.dataset.get(*idx.get(index)?)
+    }
+
+    fn len(&self) -> usize {
+        self.per_rank(self.dataset.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::data::dataset::InMemDataset;
+    use proptest::prelude::*;
+
+    fn samplers(
+        n: usize,
+        world: u32,
+        seed: u64,
+        drop_last: bool,
+    ) -> Vec<DistributedSampler<InMemDataset<usize>>> {
+        let w = WorldSize::new(world).unwrap();
+        (0..world)
+            .map(|r| {
+                DistributedSampler::with_replicas(InMemDataset::new((0..n).collect()), Rank(r), w)
+                    .with_seed(seed)
+                    .with_drop_last(drop_last)
+            })
+            .collect()
+    }
+
+    fn items(s: &DistributedSampler<InMemDataset<usize>>) -> Vec<usize> {
+        (0..s.len()).map(|i| s.get(i).unwrap()).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn shards_are_equal_sized_disjoint_and_complete(
+            n in 0usize..300, world in 1u32..9, seed in any::<u64>(), epoch in 0u64..1000,
+            drop_last in any::<bool>(),
+        ) {
+            let ss = samplers(n, world, seed, drop_last);
+            ss.iter().for_each(|s| s.set_epoch(epoch));
+            let w = world as usize;
+            let per = if drop_last { n / w } else { n.div_ceil(w) };
+            let mut count = vec![0usize; n];
+            for s in &ss {
+                prop_assert_eq!(s.len(), per);
+                let it = items(s);
+                prop_assert_eq!(it.len(), per);
+                prop_assert_eq!(s.get(per), None);
+                for i in it {
+                    count[i] += 1;
+                }
+            }
+            if drop_last {
+                // Disjoint: nobody appears twice; exactly n - n % w items are used.
+                prop_assert!(count.iter().all(|&c| c <= 1));
+                prop_assert_eq!(count.iter().sum::<usize>(), per * w);
+            } else {
+                // Complete: everyone appears; only the padding (fewer than w items, or the
+                // cycling of a dataset smaller than the world) appears again.
+                prop_assert!(count.iter().all(|&c| c >= 1));
+                prop_assert_eq!(count.iter().sum::<usize>(), per * w);
+                if n >= w {
+                    prop_assert!(count.iter().all(|&c| c <= 2));
+                    prop_assert_eq!(count.iter().filter(|&&c| c == 2).count(), per * w - n);
+                }
+            }
+        }
+
+        #[test]
+        fn same_seed_and_epoch_give_the_same_shard_anywhere(
+            n in 1usize..300, world in 1u32..9, seed in any::<u64>(), epoch in any::<u64>(),
+        ) {
+            // Two independent instances (two processes, two builds) agree.
+            let a = samplers(n, world, seed, false);
+            let b = samplers(n, world, seed, false);
+            for (x, y) in a.iter().zip(&b) {
+                x.set_epoch(epoch);
+                y.set_epoch(epoch);
+                prop_assert_eq!(items(x), items(y));
+            }
+        }
+
+        #[test]
+        fn every_epoch_reshuffles(n in 20usize..300, world in 1u32..5, seed in any::<u64>(), epoch in 0u64..1_000_000) {
+            let ss = samplers(n, world, seed, true);
+            let s = &ss[0];
+            s.set_epoch(epoch);
+            let first = items(s);
+            s.set_epoch(epoch + 1);
+            prop_assert_ne!(first, items(s));
+        }
+    }
+
+    #[test]
+    fn without_shuffle_shards_are_strided() {
+        let w = WorldSize::new(3).unwrap();
+        let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(1), w)
+            .with_shuffle(false);
+        assert_eq!(items(&s), vec![1, 4, 7]);
+        let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(2), w)
+            .with_shuffle(false);
+        // Padded with the first item.
+        assert_eq!(items(&s), vec![2, 5, 0]);
+    }
+
+    #[test]
+    fn the_permutation_is_fixed_forever() {
+        // SplitMix64-based Fisher–Yates: these values must never change, or resumed multi-node
+        // jobs built at different times would disagree about their shards.
+        let mut v: Vec<usize> = (0..10).collect();
+        permute(&mut v, 42, 3);
+        assert_eq!(v, PERMUTATION_42_3);
+    }
+
+    // Computed independently from the SplitMix64 and Lemire definitions (a short Python script).
+    const PERMUTATION_42_3: [usize; 10] = [8, 2, 0, 4, 6, 3, 7, 5, 1, 9];
+}
