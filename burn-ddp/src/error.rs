@@ -474,6 +474,26 @@ pub enum DdpError {
         status: String,
     },
 
+    /// Writing or reading a checkpoint failed.
+    #[error("checkpoint {path}: {what} failed: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// The step that failed.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+
+    /// The function a rank ran under [`spawn`](crate::launch::spawn()) returned an error.
+    #[error("rank {rank} failed: {message}")]
+    RankError {
+        /// The rank.
+        rank: Rank,
+        /// The error, as text.
+        message: String,
+    },
+
     /// The launcher was asked to stop (SIGINT/SIGTERM/SIGHUP) and stopped every rank.
     #[error("interrupted: every rank was stopped")]
     Interrupted,
@@ -516,7 +536,8 @@ impl DdpError {
             | InvalidRoot { rank, .. }
             | GroupAborted { rank, .. }
             | Spawn { rank, .. }
-            | RankFailed { rank, .. } => Some(*rank),
+            | RankFailed { rank, .. }
+            | RankError { rank, .. } => Some(*rank),
             _ => None,
         }
     }

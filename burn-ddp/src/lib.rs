@@ -25,6 +25,7 @@
 //! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
 //! - [`launch`] — the environment contract and the `burn-ddp` launcher
 //! - [`config`] — configuration types
+//! - [`checkpoint`] — atomic checkpoint files
 //! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
 //! - `cuda` — CUDA and NCCL through cudarc (feature `cuda`)
 //!
@@ -43,11 +44,12 @@
 #![deny(unused_must_use)]
 
 mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
-pub mod data;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod data;
 mod ddp;
 mod error;
 pub mod group;
@@ -63,4 +65,5 @@ pub use data::DistributedSampler;
 pub use ddp::{Compression, DdpConfig, DdpSession, GradReduction, NoSyncGuard, ParamInfo};
 pub use error::{DdpError, Result};
 pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};
+pub use launch::spawn;
 pub use wire::WireError;

@@ -2,8 +2,6 @@
 
 use std::ffi::OsString;
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -161,18 +159,6 @@ pub fn init_logging() {
         .try_init();
 }
 
-fn stop_flag() -> Result<Arc<AtomicBool>> {
-    let flag = Arc::new(AtomicBool::new(false));
-    for sig in [
-        signal_hook::consts::SIGINT,
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGHUP,
-    ] {
-        signal_hook::flag::register(sig, Arc::clone(&flag))?;
-    }
-    Ok(flag)
-}
-
 fn run(args: RunArgs) -> Result<ExitCode> {
     if args.node_rank >= args.nnodes {
         return Err(DdpError::InvalidConfig {
@@ -221,7 +207,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         },
         grace: Duration::from_secs_f64(args.grace.max(0.0)),
         deadline: None,
-        stop: Some(stop_flag()?),
+        stop: Some(spawn::stop_flag()?),
     };
     spawn::run(&job)?.into_result()?;
     Ok(ExitCode::SUCCESS)
@@ -258,7 +244,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode> {
     let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
     let mut job = LocalJob::standalone(exe, argv, args.nproc)?;
     job.output = Output::Inherit;
-    job.stop = Some(stop_flag()?);
+    job.stop = Some(spawn::stop_flag()?);
     spawn::run(&job)?.into_result()?;
     Ok(ExitCode::SUCCESS)
 }

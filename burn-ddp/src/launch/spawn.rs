@@ -380,3 +380,19 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
         .collect();
     Ok(JobReport { exits, failure })
 }
+
+/// A flag that SIGINT, SIGTERM and SIGHUP set, for [`LocalJob::stop`].
+///
+/// # Errors
+/// The handlers could not be installed.
+pub(crate) fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, Arc::clone(&flag))?;
+    }
+    Ok(flag)
+}

@@ -1,0 +1,129 @@
+//! Writing checkpoints so that a crash never leaves a truncated file behind.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+use burn::module::Module;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::Backend;
+
+use crate::{DdpError, Result};
+
+/// Writes `bytes` to `path` atomically: into a temporary file in the same directory, flushed to
+/// disk, then renamed over `path` (and the directory synced). A reader sees the old file or the
+/// new one, never a mix; a crash mid-write leaves the old file intact.
+///
+/// # Errors
+/// The I/O error, with the path.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let io = |what: &'static str, e: std::io::Error| DdpError::Checkpoint {
+        path: path.display().to_string(),
+        what,
+        reason: e.to_string(),
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    fs::create_dir_all(dir).map_err(|e| io("creating its directory", e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(|e| io("creating the temporary file", e))?;
+        f.write_all(bytes).map_err(|e| io("writing", e))?;
+        f.sync_all().map_err(|e| io("flushing to disk", e))?;
+        fs::rename(&tmp, path).map_err(|e| io("renaming into place", e))?;
+        // The rename is durable once the directory entry is.
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Saves `module`'s record (full precision, Burn's binary format) atomically at `path`.
+///
+/// # Errors
+/// Serialising the record or writing the file failed.
+pub fn save_module<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<()> {
+    let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
+        .record(module.clone().into_record(), ())
+        .map_err(|e| DdpError::Checkpoint {
+            path: path.display().to_string(),
+            what: "serialising the module",
+            reason: e.to_string(),
+        })?;
+    write_atomic(path, &bytes)
+}
+
+/// Loads a record written by [`save_module`] into `module`.
+///
+/// # Errors
+/// The file is missing, unreadable or not a record of this module.
+pub fn load_module<B: Backend, M: Module<B>>(
+    module: M,
+    path: &Path,
+    device: &B::Device,
+) -> Result<M> {
+    let err = |what: &'static str, reason: String| DdpError::Checkpoint {
+        path: path.display().to_string(),
+        what,
+        reason,
+    };
+    let bytes = fs::read(path).map_err(|e| err("reading", e.to_string()))?;
+    let record = BinBytesRecorder::<FullPrecisionSettings>::default()
+        .load(bytes, device)
+        .map_err(|e| {
+            err(
+                "decoding (is it a checkpoint of this model?)",
+                e.to_string(),
+            )
+        })?;
+    Ok(module.load_record(record))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-{}", std::process::id()));
+        let path = dir.join("latest.bin");
+        write_atomic(&path, b"first").unwrap();
+        write_atomic(&path, b"second").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"second");
+        let names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("latest.bin")]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_failed_write_keeps_the_old_file() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-fail-{}", std::process::id()));
+        let path = dir.join("latest.bin");
+        write_atomic(&path, b"good").unwrap();
+        // Renaming a file over a non-empty directory fails after the data was written.
+        let blocker = dir.join("blocked");
+        fs::create_dir_all(blocker.join("inner")).unwrap();
+        let err = write_atomic(&blocker, b"new").unwrap_err().to_string();
+        assert!(err.contains("renaming into place"), "{err}");
+        assert_eq!(fs::read(&path).unwrap(), b"good");
+        let tmp_left = fs::read_dir(&dir)
+            .unwrap()
+            .any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
+        assert!(!tmp_left);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
