@@ -6,6 +6,7 @@
 //! | `RANK`, `WORLD_SIZE` | global rank and job size (torchrun) | single process when neither is set |
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
 //! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | `127.0.0.1`, `29500` |
+//! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
 //! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_STEP_NODELIST` | Slurm fallback (`srun`) | |
 //! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then `SLURM_JOB_ID.SLURM_STEP_ID` |
 //! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
@@ -29,6 +30,9 @@ pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
 /// Port of rank 0's store.
 pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Port of burn-ddp's store when it must differ from `MASTER_PORT` (default under torchrun:
+/// `MASTER_PORT + 1`, since torchrun's agent serves its own store on `MASTER_PORT`).
+pub const STORE_PORT: &str = "BURN_DDP_STORE_PORT";
 /// The job secret.
 pub const JOB_TOKEN: &str = "BURN_DDP_JOB_TOKEN";
 /// All deadlines at once.
@@ -86,13 +90,36 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
     let host = get(MASTER_ADDR)
         .or(default_master)
         .unwrap_or_else(|| "127.0.0.1".to_string());
-    let port = match get(MASTER_PORT) {
-        None => DEFAULT_MASTER_PORT,
-        Some(v) => v.trim().parse().map_err(|_| DdpError::InvalidEnv {
-            var: MASTER_PORT,
-            value: v.clone(),
-            expected: "a TCP port number (1-65535)",
-        })?,
+    let parse_port = |var: &'static str, v: String| -> Result<u16> {
+        v.trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(DdpError::InvalidEnv {
+                var,
+                value: v,
+                expected: "a TCP port number (1-65535)",
+            })
+    };
+    let port = match (get(STORE_PORT), get(MASTER_PORT)) {
+        (Some(v), _) => parse_port(STORE_PORT, v)?,
+        (None, None) => DEFAULT_MASTER_PORT,
+        (None, Some(v)) => {
+            let port = parse_port(MASTER_PORT, v.clone())?;
+            // torchrun's agent already serves its own store on MASTER_PORT (its workers connect
+            // to it); ours takes the next port, the same choice on every node.
+            let agent_store =
+                get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+            if agent_store {
+                port.checked_add(1).ok_or(DdpError::InvalidEnv {
+                    var: MASTER_PORT,
+                    value: v,
+                    expected: "a port below 65535 under torchrun (burn-ddp's store uses MASTER_PORT + 1; or set BURN_DDP_STORE_PORT)",
+                })?
+            } else {
+                port
+            }
+        }
     };
     let master = MasterAddr::new(host, port);
     let token = token(&get, &master, world);
@@ -290,6 +317,24 @@ mod tests {
         let cfg = group_config_from(env(&[])).unwrap();
         assert_eq!(cfg.world_size, WorldSize::ONE);
         assert_eq!(cfg.rank, Rank(0));
+    }
+
+    #[test]
+    fn under_torchruns_agent_store_the_next_port_is_used() {
+        let vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "33491"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ];
+        let cfg = group_config_from(env(&vars)).unwrap();
+        assert_eq!(cfg.master, MasterAddr::new("localhost", 33492));
+        let mut with_override = vars.to_vec();
+        with_override.push(("BURN_DDP_STORE_PORT", "40000"));
+        let cfg = group_config_from(env(&with_override)).unwrap();
+        assert_eq!(cfg.master, MasterAddr::new("localhost", 40000));
     }
 
     #[test]
