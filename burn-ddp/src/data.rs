@@ -140,6 +140,15 @@ impl<D> DistributedSampler<D> {
         self.indices_for(self.dataset.len())
     }
 
+    /// Whether this rank's item `index` is padding (a repeat added to even out the shards),
+    /// for evaluations that must count every item once.
+    pub fn is_padding<I>(&self, index: usize) -> bool
+    where
+        D: Dataset<I>,
+    {
+        self.rank as usize + index * self.world as usize >= self.dataset.len()
+    }
+
     fn indices_for(&self, n: usize) -> Arc<[usize]> {
         let epoch = self.epoch();
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());

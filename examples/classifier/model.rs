@@ -1,0 +1,37 @@
+//! A small convolutional classifier for 28×28 grey images.
+
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::prelude::*;
+
+#[derive(Module, Debug)]
+pub struct Cnn<B: Backend> {
+    conv1: Conv2d<B>,
+    conv2: Conv2d<B>,
+    pool: MaxPool2d,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    act: Relu,
+}
+
+impl<B: Backend> Cnn<B> {
+    pub fn new(classes: usize, device: &B::Device) -> Self {
+        Self {
+            conv1: Conv2dConfig::new([1, 8], [3, 3]).init(device),
+            conv2: Conv2dConfig::new([8, 16], [3, 3]).init(device),
+            pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
+            fc1: LinearConfig::new(16 * 5 * 5, 64).init(device),
+            fc2: LinearConfig::new(64, classes).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    /// `[n, 1, 28, 28]` → logits `[n, classes]`.
+    pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+        let x = self.pool.forward(self.act.forward(self.conv1.forward(x))); // [n, 8, 13, 13]
+        let x = self.pool.forward(self.act.forward(self.conv2.forward(x))); // [n, 16, 5, 5]
+        let x = x.flatten(1, 3);
+        self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+}

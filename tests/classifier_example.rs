@@ -1,0 +1,184 @@
+//! End to end: the `classifier` example (built by `cargo test` with the other examples) trains a
+//! few steps on 2 real processes, started the way a user starts it — its own `burn_ddp::spawn`,
+//! i.e. the launcher's supervision code — and a killed rank ends the job promptly.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn example() -> PathBuf {
+    // target/<profile>/deps/<this test> -> target/<profile>/examples/classifier
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = profile_dir.join("examples").join("classifier");
+    if !path.exists() {
+        // `cargo test` builds the examples; `cargo test --test classifier_example` does not.
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--example", "classifier"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "building the classifier example failed");
+    }
+    path
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+#[test]
+fn two_ranks_agree_and_only_rank_0_writes() {
+    let out = scratch("classifier");
+    let run = Command::new(example())
+        .args([
+            "--nproc",
+            "2",
+            "--max-steps",
+            "6",
+            "--batch-size",
+            "16",
+            "--log-every",
+            "3",
+        ])
+        .args([
+            "--train-size",
+            "400",
+            "--test-size",
+            "64",
+            "--print-digest",
+            "--out",
+        ])
+        .arg(&out)
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+
+    let digest = |rank: u32| -> String {
+        let prefix = format!("[rank {rank}] parameter digest: ");
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{stdout}"))
+            .to_string()
+    };
+    assert_eq!(
+        digest(0),
+        digest(1),
+        "the ranks' parameters differ:\n{stdout}"
+    );
+
+    // Rank 0 reports; rank 1 prints only its digest.
+    assert!(
+        stdout.contains("[rank 0] final test accuracy: "),
+        "{stdout}"
+    );
+    let rank1: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("[rank 1]"))
+        .collect();
+    assert_eq!(
+        rank1.len(),
+        1,
+        "rank 1 printed more than its digest: {rank1:?}"
+    );
+
+    let mut files: Vec<String> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["checkpoint.bin", "train.log"]);
+    let log = std::fs::read_to_string(out.join("train.log")).unwrap();
+    assert!(log.contains("final test accuracy"), "{log}");
+    assert!(
+        !log.contains("[rank"),
+        "the log holds one rank's lines, unprefixed: {log}"
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// Pids of `parent`'s direct children.
+fn children(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{parent}/task"))
+        .into_iter()
+        .flatten()
+    {
+        let path = task.unwrap().path().join("children");
+        if let Ok(s) = std::fs::read_to_string(path) {
+            out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+fn rank_of(pid: u32) -> Option<u32> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+#[test]
+fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
+    let out = scratch("classifier-kill");
+    let job = Command::new(example())
+        .args([
+            "--nproc",
+            "2",
+            "--epochs",
+            "100",
+            "--train-size",
+            "400",
+            "--test-size",
+            "64",
+        ])
+        .arg("--out")
+        .arg(&out)
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until both ranks train (rank 0 has logged a step).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let victim = loop {
+        assert!(Instant::now() < deadline, "the job never started training");
+        let log = std::fs::read_to_string(out.join("train.log")).unwrap_or_default();
+        let ranks: Vec<(u32, u32)> = children(job.id())
+            .into_iter()
+            .filter_map(|p| Some((p, rank_of(p)?)))
+            .collect();
+        if log.contains("epoch 1/") && ranks.len() == 2 {
+            break ranks.into_iter().find(|&(_, r)| r == 1).unwrap().0;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let killed_at = Instant::now();
+    Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .unwrap();
+    let result = job.wait_with_output().unwrap();
+    let took = killed_at.elapsed();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(
+        !result.status.success(),
+        "the job succeeded after a rank was killed"
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert!(
+        stderr.contains("rank 1") && stderr.contains("SIGKILL"),
+        "the failure does not name rank 1 and how it died:\n{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&out);
+}
