@@ -59,10 +59,14 @@ pub(crate) mod wire;
 pub use backend::Ddp;
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;
+/// `#[ddp]`: see [`DdpModule`].
+pub use burn_ddp_macros::ddp;
 pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use data::DistributedSampler;
-pub use ddp::{Compression, DdpConfig, DdpSession, GradReduction, NoSyncGuard, ParamInfo};
+pub use ddp::{
+    Compression, DdpConfig, DdpModule, DdpSession, GradReduction, NoSyncGuard, ParamInfo,
+};
 pub use error::{DdpError, Result};
 pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};
 pub use launch::spawn;

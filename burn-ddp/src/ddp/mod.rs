@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 
-pub use model::ParamInfo;
+pub use model::{DdpModule, ParamInfo};
 pub(crate) use reducer::Reducer;
 
 /// How gradients are combined across ranks.
@@ -138,6 +138,8 @@ pub(crate) struct Shared {
     pub(crate) pg: ProcessGroup,
     pub(crate) config: DdpConfig,
     reducer: Mutex<Reducer>,
+    /// Top-level fields of the prepared model that are not synchronised (`#[ddp(skip)]`).
+    pub(crate) skip: Mutex<Vec<String>>,
 }
 
 impl Shared {
@@ -174,6 +176,7 @@ impl DdpSession {
             pg,
             config,
             reducer: Mutex::new(reducer),
+            skip: Mutex::new(Vec::new()),
         });
         if shared.pg.transport() == "local" {
             LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));

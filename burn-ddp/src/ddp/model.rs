@@ -34,10 +34,30 @@ impl ParamInfo {
     }
 }
 
+/// What `#[ddp]` generates for a module struct; [`DdpSession::prepare_module`] uses it.
+///
+/// Implement it by hand only if you cannot use the attribute.
+pub trait DdpModule {
+    /// The struct's name, for messages.
+    const DDP_NAME: &'static str;
+    /// Its fields, in declaration order (Burn visits parameters in this order, which fixes
+    /// the order of gradient buckets on every rank).
+    const DDP_FIELDS: &'static [&'static str];
+    /// The fields marked `#[ddp(skip)]`: their parameters are rank-local — not compared
+    /// across ranks, not overwritten by rank 0's, never synchronised (PyTorch's
+    /// `_set_params_and_buffers_to_ignore_for_model`). Frozen or per-rank parts go here.
+    const DDP_SKIP: &'static [&'static str];
+}
+
 #[derive(Default)]
 struct Path(Vec<String>);
 
 impl Path {
+    /// Whether the parameter at this path lies under one of the `skip` top-level fields.
+    fn skipped(&self, skip: &[String]) -> bool {
+        self.0.first().is_some_and(|f| skip.iter().any(|s| s == f))
+    }
+
     fn info<B: Backend, const D: usize>(&self, tensor: &Tensor<B, D>) -> ParamInfo {
         let shape = tensor.dims().to_vec();
         ParamInfo {
@@ -78,19 +98,82 @@ fn describe<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamInfo, ParamId, boo
     d.out
 }
 
-/// Marks trainable parameters for synchronisation (Burn then hands their gradients to `Ddp`).
-struct Mark;
+/// Marks trainable parameters for synchronisation (Burn then hands their gradients to `Ddp`),
+/// except those under skipped fields.
+struct Mark<'a> {
+    path: Path,
+    skip: &'a [String],
+}
 
-impl<B: AutodiffBackend> ModuleMapper<B> for Mark {
+impl<B: AutodiffBackend> ModuleMapper<B> for Mark<'_> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let tensor = if tensor.is_require_grad() {
+        let tensor = if tensor.is_require_grad() && !self.path.skipped(self.skip) {
             tensor.set_distributed(DistributedParamId::from(id.val()))
         } else {
             tensor
         };
         Param::from_mapped_value(id, tensor, mapper)
     }
+}
+
+/// Copies the values of parameters under skipped fields, by path.
+struct Save<'a> {
+    path: Path,
+    skip: &'a [String],
+    saved: Vec<(String, TensorData)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Save<'_> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.path.skipped(self.skip) {
+            self.saved
+                .push((self.path.0.join("."), param.val().into_data()));
+        }
+    }
+}
+
+/// Puts back what `Save` copied (after rank 0's record was loaded over everything).
+struct Restore {
+    path: Path,
+    saved: Vec<(String, TensorData)>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Restore {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let name = self.path.0.join(".");
+        let Some(i) = self.saved.iter().position(|(n, _)| *n == name) else {
+            return param;
+        };
+        let (_, data) = self.saved.swap_remove(i);
+        let (id, tensor, mapper) = param.consume();
+        let grad = tensor.is_require_grad();
+        let local = Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(grad);
+        Param::from_mapped_value(id, local, mapper)
+    }
+}
+
+fn is_skipped(name: &str, skip: &[String]) -> bool {
+    let field = name.split('.').next().unwrap_or_default();
+    skip.iter().any(|s| s == field)
 }
 
 fn pack(bytes: &[u8], words: usize) -> Vec<i64> {
@@ -210,10 +293,42 @@ impl DdpSession {
     /// # Errors
     /// [`DdpError::ModelMismatch`]; collective failures; a record that cannot be (de)serialised.
     pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
+        self.prepare_skipping(model, &[])
+    }
+
+    /// [`prepare`](Self::prepare) for a `#[ddp]` struct: its `#[ddp(skip)]` fields stay
+    /// rank-local (see [`DdpModule::DDP_SKIP`]).
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    pub fn prepare_module<B: AutodiffBackend, M: AutodiffModule<B> + DdpModule>(
+        &self,
+        model: M,
+    ) -> Result<M> {
+        tracing::debug!(
+            "ddp: preparing {} (fields {:?}, skipped {:?})",
+            M::DDP_NAME,
+            M::DDP_FIELDS,
+            M::DDP_SKIP
+        );
+        self.prepare_skipping(model, M::DDP_SKIP)
+    }
+
+    fn prepare_skipping<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: M,
+        skip: &[&str],
+    ) -> Result<M> {
+        let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
+        *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let pg = &self.shared.pg;
         let rank = pg.rank();
         let desc = describe::<B, M>(&model);
-        let text: String = desc.iter().map(|(i, _, _)| i.line() + "\n").collect();
+        let text: String = desc
+            .iter()
+            .filter(|(i, _, _)| !is_skipped(&i.name, &skip))
+            .map(|(i, _, _)| i.line() + "\n")
+            .collect();
         let lists: Vec<Vec<String>> = all_gather_bytes(pg, text.as_bytes())?
             .into_iter()
             .map(|b| {
@@ -242,6 +357,12 @@ impl DdpSession {
             if rank == Rank(0) {
                 model
             } else {
+                let mut save = Save {
+                    path: Path::default(),
+                    skip: &skip,
+                    saved: Vec::new(),
+                };
+                model.visit(&mut save);
                 let device = model.devices().into_iter().next().unwrap_or_default();
                 let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
                     DdpError::Model {
@@ -250,16 +371,22 @@ impl DdpSession {
                         reason: e.to_string(),
                     }
                 })?;
-                model.load_record(record)
+                model.load_record(record).map(&mut Restore {
+                    path: Path::default(),
+                    saved: save.saved,
+                })
             }
         } else {
             model
         };
 
-        let model = model.map(&mut Mark);
+        let model = model.map(&mut Mark {
+            path: Path::default(),
+            skip: &skip,
+        });
         let params = describe::<B, M>(&model)
             .into_iter()
-            .filter(|(_, _, grad)| *grad)
+            .filter(|(info, _, grad)| *grad && !is_skipped(&info.name, &skip))
             .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
             .collect();
         let plan = Plan::build(params, &self.shared.config);
@@ -286,16 +413,27 @@ impl DdpSession {
     ) -> Result<GradientsParams> {
         let pg = &self.shared.pg;
         let config = &self.shared.config;
+        let skip = self
+            .shared
+            .skip
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let synced: Vec<(ParamInfo, ParamId, bool)> = describe::<B, M>(model)
+            .into_iter()
+            .filter(|(info, _, grad)| *grad && !is_skipped(&info.name, &skip))
+            .collect();
+        let ids: Vec<ParamId> = synced.iter().map(|(_, id, _)| *id).collect();
         let plan = Plan::build(
-            describe::<B, M>(model)
+            synced
                 .into_iter()
-                .filter(|(_, _, grad)| *grad)
                 .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
                 .collect(),
             config,
         );
         let mut take = Take::<B> {
             grads: &mut grads,
+            ids: &ids,
             values: Vec::new(),
             _b: PhantomData,
         };
@@ -314,6 +452,7 @@ impl DdpSession {
         }
         model.visit(&mut Put::<B> {
             grads: &mut grads,
+            ids: &ids,
             plan: &plan,
             buckets: &buckets,
             present: &present,
@@ -327,13 +466,15 @@ impl DdpSession {
 /// Takes the trainable parameters' gradients out of `grads`, as f32, in visit order.
 struct Take<'a, B> {
     grads: &'a mut GradientsParams,
+    /// The synchronised parameters, in visit order.
+    ids: &'a [ParamId],
     values: Vec<Option<Vec<f32>>>,
     _b: PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !param.val().is_require_grad() {
+        if !self.ids.contains(&param.id) {
             return;
         }
         let g = self.grads.remove::<B::InnerBackend, D>(param.id);
@@ -345,6 +486,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
 /// Puts the averaged gradients back into `grads`, in visit order.
 struct Put<'a, B> {
     grads: &'a mut GradientsParams,
+    ids: &'a [ParamId],
     plan: &'a Plan,
     buckets: &'a [Vec<f32>],
     present: &'a [bool],
@@ -354,10 +496,10 @@ struct Put<'a, B> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let p = param.val();
-        if !p.is_require_grad() {
+        if !self.ids.contains(&param.id) {
             return;
         }
+        let p = param.val();
         let i = self.index;
         self.index += 1;
         let Some(slot) = self.plan.slots.get(i) else {
