@@ -1,0 +1,7 @@
+#[burn_ddp_macros::ddp]
+#[derive(Debug)]
+struct Net {
+    body: u32,
+}
+
+fn main() {}

@@ -1,0 +1,10 @@
+// Stands in for burn::module::Module (this crate does not depend on Burn); #[ddp] only looks at the name.
+use std::hash::Hash as Module;
+
+#[burn_ddp_macros::ddp(bucket_cap_mb = 25)]
+#[derive(Debug, Module)]
+struct Net {
+    body: u32,
+}
+
+fn main() {}

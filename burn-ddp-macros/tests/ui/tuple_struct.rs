@@ -1,0 +1,5 @@
+#[burn_ddp_macros::ddp]
+#[derive(Debug)]
+struct Net(u32, u32);
+
+fn main() {}
