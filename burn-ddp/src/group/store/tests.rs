@@ -167,7 +167,16 @@ fn wrong_token_is_refused_and_recorded() {
     let a = join(server.addr(), 0, 2);
     // A stranger does not abort the job, but it is recorded for diagnostics.
     assert_eq!(a.abort_record().unwrap(), None);
-    let refusals = a.refusals().unwrap();
+    // The server records the refusal just after sending it, so the stranger can hear of it
+    // first: wait (bounded) for the record.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let refusals = loop {
+        let r = a.refusals().unwrap();
+        if !r.is_empty() || std::time::Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
     assert_eq!(refusals.len(), 1, "{refusals:?}");
 }
 
