@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use burn::data::dataset::Dataset;
 
 use crate::group::{ProcessGroup, Rank, WorldSize};
+use crate::{DdpError, Result};
 
 /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
 /// as a Burn [`Dataset`] that wraps another.
@@ -32,9 +33,10 @@ use crate::group::{ProcessGroup, Rank, WorldSize};
 ///
 /// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
 /// let world = WorldSize::new(3).unwrap();
-/// let shard = DistributedSampler::with_replicas(data, Rank(1), world).with_seed(42);
+/// let shard = DistributedSampler::with_replicas(data, Rank(1), world)?.with_seed(42);
 /// shard.set_epoch(3);
 /// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
+/// # Ok::<(), burn_ddp::DdpError>(())
 /// ```
 #[derive(Debug)]
 pub struct DistributedSampler<D> {
@@ -53,24 +55,25 @@ impl<D> DistributedSampler<D> {
     /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch: shuffled,
     /// seed 0, padded (not `drop_last`), epoch 0.
     pub fn new(dataset: D, group: &ProcessGroup) -> Self {
-        Self::with_replicas(dataset, group.rank(), group.world_size())
+        Self::build(dataset, group.rank().0, group.world_size().get())
     }
 
     /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
     ///
-    /// # Panics
-    /// If `rank` is not below `world` — a programming error, not a runtime condition.
-    pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Self {
-        assert!(
-            rank.0 < world.get(),
-            "DistributedSampler: rank {} is not below the world size {}",
-            rank.0,
-            world.get()
-        );
+    /// # Errors
+    /// `RankOutOfRange` if `rank` is not below `world`.
+    pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Result<Self> {
+        if rank.0 >= world.get() {
+            return Err(DdpError::RankOutOfRange { rank, world });
+        }
+        Ok(Self::build(dataset, rank.0, world.get()))
+    }
+
+    fn build(dataset: D, rank: u32, world: u32) -> Self {
         Self {
             dataset,
-            rank: rank.0,
-            world: world.get(),
+            rank,
+            world,
             seed: 0,
             shuffle: true,
             drop_last: false,
@@ -237,6 +240,7 @@ mod tests {
         (0..world)
             .map(|r| {
                 DistributedSampler::with_replicas(InMemDataset::new((0..n).collect()), Rank(r), w)
+                    .unwrap()
                     .with_seed(seed)
                     .with_drop_last(drop_last)
             })
@@ -312,12 +316,24 @@ mod tests {
     fn without_shuffle_shards_are_strided() {
         let w = WorldSize::new(3).unwrap();
         let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(1), w)
+            .unwrap()
             .with_shuffle(false);
         assert_eq!(items(&s), vec![1, 4, 7]);
         let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(2), w)
+            .unwrap()
             .with_shuffle(false);
         // Padded with the first item.
         assert_eq!(items(&s), vec![2, 5, 0]);
+    }
+
+    #[test]
+    fn a_rank_outside_the_world_is_an_error() {
+        let w = WorldSize::new(2).unwrap();
+        let Err(err) = DistributedSampler::with_replicas(InMemDataset::new(vec![1u8]), Rank(2), w)
+        else {
+            panic!("rank 2 of 2 was accepted");
+        };
+        assert!(matches!(err, DdpError::RankOutOfRange { .. }), "{err}");
     }
 
     #[test]
