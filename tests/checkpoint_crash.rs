@@ -88,7 +88,8 @@ fn killed_writer_leaves_a_loadable_checkpoint() {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .filter(|n| n.contains(".tmp-"))
             .collect();
-        // A killed writer may leave its temporary behind; it is never mistaken for the checkpoint.
+        // A killed writer may leave its temporary behind; it is never mistaken for the
+        // checkpoint, and the next write removes it.
         torn += usize::from(!temporaries.is_empty());
         for t in temporaries {
             std::fs::remove_file(dir.join(t)).unwrap();

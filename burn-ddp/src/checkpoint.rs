@@ -41,12 +41,27 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
         }
+        remove_stale_temporaries(dir, &name);
         Ok(())
     })();
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+/// Removes temporaries of `name` left by writers that were killed mid-write (one process
+/// writes a given checkpoint, so after its own rename no other temporary of it is live).
+fn remove_stale_temporaries(dir: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Saves `module`'s record (full precision, Burn's binary format) atomically at `path`.
@@ -106,6 +121,23 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("latest.bin")]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_killed_writers_temporary_is_removed_by_the_next_write() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-stale-{}", std::process::id()));
+        let path = dir.join("latest.bin");
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join(".latest.bin.tmp-999999"), b"torn").unwrap();
+        fs::write(dir.join(".other.bin.tmp-999999"), b"not ours").unwrap();
+        write_atomic(&path, b"new").unwrap();
+        let mut names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".other.bin.tmp-999999", "latest.bin"]);
         fs::remove_dir_all(&dir).unwrap();
     }
 
