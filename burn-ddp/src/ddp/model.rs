@@ -55,7 +55,7 @@ struct Path(Vec<String>);
 impl Path {
     /// Whether the parameter at this path lies under one of the `skip` top-level fields.
     fn skipped(&self, skip: &[String]) -> bool {
-        self.0.first().is_some_and(|f| skip.iter().any(|s| s == f))
+        self.0.first().is_some_and(|f| is_skipped(f, skip))
     }
 
     fn info<B: Backend, const D: usize>(&self, tensor: &Tensor<B, D>) -> ParamInfo {
@@ -171,6 +171,7 @@ impl<B: Backend> ModuleMapper<B> for Restore {
     }
 }
 
+/// Whether the parameter at dotted path `name` lies under one of the `skip` top-level fields.
 fn is_skipped(name: &str, skip: &[String]) -> bool {
     let field = name.split('.').next().unwrap_or_default();
     skip.iter().any(|s| s == field)

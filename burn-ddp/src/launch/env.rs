@@ -52,6 +52,17 @@ pub fn group_config_from_env() -> Result<GroupConfig> {
     group_config_from(|k| std::env::var(k).ok())
 }
 
+/// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`
+/// or [`spawn`](crate::launch::spawn())), rather than as a single process.
+pub fn launched() -> bool {
+    launched_from(&|k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
+}
+
+/// [`launched`], reading non-empty variables through `get`.
+fn launched_from(get: &impl Fn(&str) -> Option<String>) -> bool {
+    get(RANK).is_some() || get(WORLD_SIZE).is_some() || get("SLURM_PROCID").is_some()
+}
+
 /// Like [`group_config_from_env`], reading variables through `get` (for tests and embedding).
 ///
 /// # Errors
@@ -60,6 +71,12 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
     let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
     let timeouts = timeouts(&get)?;
 
+    if !launched_from(&get) {
+        return Ok(
+            GroupConfig::new(Rank(0), WorldSize::ONE, JobToken::new("single"))
+                .with_timeouts(timeouts),
+        );
+    }
     let (rank, world, local_rank, local_world, default_master) =
         if get(RANK).is_some() || get(WORLD_SIZE).is_some() {
             let rank = Rank(parse_u32(&get, RANK, "a non-negative integer")?.ok_or(
@@ -78,13 +95,8 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                     .unwrap_or(rank.0 % local_world.get()),
             );
             (rank, world, local_rank, local_world, None)
-        } else if get("SLURM_PROCID").is_some() {
-            slurm(&get)?
         } else {
-            return Ok(
-                GroupConfig::new(Rank(0), WorldSize::ONE, JobToken::new("single"))
-                    .with_timeouts(timeouts),
-            );
+            slurm(&get)?
         };
 
     let host = get(MASTER_ADDR)
@@ -317,6 +329,18 @@ mod tests {
         let cfg = group_config_from(env(&[])).unwrap();
         assert_eq!(cfg.world_size, WorldSize::ONE);
         assert_eq!(cfg.rank, Rank(0));
+    }
+
+    #[test]
+    fn launched_means_the_variables_group_config_reads() {
+        let launched = |vars: &[(&str, &str)]| {
+            let get = env(vars);
+            launched_from(&|k: &str| get(k).filter(|v| !v.trim().is_empty()))
+        };
+        assert!(!launched(&[]));
+        assert!(!launched(&[("RANK", " ")]));
+        assert!(launched(&[("WORLD_SIZE", "2")]));
+        assert!(launched(&[("SLURM_PROCID", "0")]));
     }
 
     #[test]

@@ -20,9 +20,8 @@ pub mod spawn;
 /// `burn-ddp run` does — output prefixed with `[rank N]`, every rank stopped as soon as one
 /// fails, Ctrl-C forwarded.
 ///
-/// When the program already runs as one rank of a job (`RANK` or `SLURM_PROCID` is set:
-/// under `burn-ddp run`, torchrun or `srun`, or as a child of `spawn`), nothing is spawned: it
-/// joins that job and calls `f`, whatever `nproc` says. So one program runs unchanged with
+/// When the program already runs as one rank of a job ([`env::launched`]: under `burn-ddp run`,
+/// torchrun or `srun`, or as a child of `spawn`), nothing is spawned: it joins that job and calls `f`, whatever `nproc` says. So one program runs unchanged with
 /// `cargo run`, under a launcher, or under Slurm.
 ///
 /// ```no_run
@@ -49,10 +48,7 @@ pub fn spawn<E: Display>(
     nproc: u32,
     f: impl FnOnce(ProcessGroup) -> std::result::Result<(), E>,
 ) -> Result<()> {
-    let launched = [env::RANK, "SLURM_PROCID"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some());
-    if launched {
+    if env::launched() {
         let group = ProcessGroup::from_env()?;
         let rank = group.rank();
         return f(group).map_err(|e| DdpError::RankError {
