@@ -1,6 +1,6 @@
-//! End to end: the `classifier` example (built by `cargo test` with the other examples) trains a
-//! few steps on 2 real processes, started the way a user starts it — its own `burn_ddp::spawn`,
-//! i.e. the launcher's supervision code — and a killed rank ends the job promptly.
+//! End to end: the `classifier` example (built by `cargo test` with the other examples) trains
+//! with Burn's Learner and `DdpStrategy` on 2 real processes, started through `burn-ddp run` and
+//! through its own `burn_ddp::spawn`, and a killed rank ends the job promptly.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -29,29 +29,56 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
+fn launcher() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = profile_dir.join("burn-ddp");
+    if !path.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "burn-ddp", "--bin", "burn-ddp"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "building the launcher failed");
+    }
+    path
+}
+
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Through `burn-ddp run`, the example trains with Burn's Learner and `DdpStrategy`; each rank
+/// gets its own `--out` (`{rank}`), so what a rank writes shows in its own directory.
 #[test]
 fn two_ranks_agree_and_only_rank_0_writes() {
     let out = scratch("classifier");
-    let run = Command::new(example())
-        .args([
-            "--nproc",
-            "2",
-            "--max-steps",
-            "6",
-            "--batch-size",
-            "16",
-            "--log-every",
-            "3",
-        ])
+    let run = Command::new(launcher())
+        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+        .arg(example())
+        .args(["--epochs", "1", "--batch-size", "16"])
         .args([
             "--train-size",
-            "400",
+            "192",
             "--test-size",
             "64",
             "--print-digest",
             "--out",
         ])
-        .arg(&out)
+        .arg(out.join("rank-{rank}"))
         .env_remove("RANK")
         .env_remove("SLURM_PROCID")
         .output()
@@ -74,10 +101,14 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         "the ranks' parameters differ:\n{stdout}"
     );
 
-    // Rank 0 reports; rank 1 prints only its digest.
+    // Rank 0 reports progress (global metrics) and the result; rank 1 prints only its digest.
     assert!(
         stdout.contains("[rank 0] final test accuracy: "),
         "{stdout}"
+    );
+    assert!(
+        stdout.contains("[rank 0] [train] epoch 1/1  items 192/192"),
+        "progress counts every rank's items: {stdout}"
     );
     let rank1: Vec<&str> = stdout
         .lines()
@@ -89,17 +120,22 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         "rank 1 printed more than its digest: {rank1:?}"
     );
 
-    let mut files: Vec<String> = std::fs::read_dir(&out)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    files.sort();
-    assert_eq!(files, ["checkpoint.bin", "train.log"]);
-    let log = std::fs::read_to_string(out.join("train.log")).unwrap();
-    assert!(log.contains("final test accuracy"), "{log}");
+    assert_eq!(
+        files_under(&out.join("rank-0")),
+        [
+            "checkpoint/model-1.bin",
+            "checkpoint/optim-1.bin",
+            "checkpoint/scheduler-1.bin",
+            "train/epoch-1/Accuracy.log",
+            "train/epoch-1/Loss.log",
+            "valid/epoch-1/Accuracy.log",
+            "valid/epoch-1/Loss.log",
+        ]
+    );
     assert!(
-        !log.contains("[rank"),
-        "the log holds one rank's lines, unprefixed: {log}"
+        !out.join("rank-1").exists(),
+        "rank 1 wrote files: {:?}",
+        files_under(&out.join("rank-1"))
     );
     std::fs::remove_dir_all(&out).unwrap();
 }
@@ -145,6 +181,7 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
         .env_remove("RANK")
         .env_remove("SLURM_PROCID")
         .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
+        .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -153,12 +190,13 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
     let deadline = Instant::now() + Duration::from_secs(120);
     let victim = loop {
         assert!(Instant::now() < deadline, "the job never started training");
-        let log = std::fs::read_to_string(out.join("train.log")).unwrap_or_default();
+        // Rank 0 has logged metrics of a training step.
+        let training = out.join("train/epoch-1/Loss.log").exists();
         let ranks: Vec<(u32, u32)> = children(job.id())
             .into_iter()
             .filter_map(|p| Some((p, rank_of(p)?)))
             .collect();
-        if log.contains("epoch 1/") && ranks.len() == 2 {
+        if training && ranks.len() == 2 {
             break ranks.into_iter().find(|&(_, r)| r == 1).unwrap().0;
         }
         std::thread::sleep(Duration::from_millis(200));

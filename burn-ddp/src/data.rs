@@ -46,6 +46,7 @@ pub struct DistributedSampler<D> {
     seed: u64,
     shuffle: bool,
     drop_last: bool,
+    even: bool,
     epoch: AtomicU64,
     /// This rank's indices for the epoch they were computed for.
     cache: Mutex<Option<(u64, Arc<[usize]>)>>,
@@ -77,6 +78,7 @@ impl<D> DistributedSampler<D> {
             seed: 0,
             shuffle: true,
             drop_last: false,
+            even: true,
             epoch: AtomicU64::new(0),
             cache: Mutex::new(None),
         }
@@ -100,6 +102,17 @@ impl<D> DistributedSampler<D> {
     /// Drop the tail instead of padding to a multiple of the world size (default `false`).
     pub fn with_drop_last(mut self, drop_last: bool) -> Self {
         self.drop_last = drop_last;
+        self.invalidate();
+        self
+    }
+
+    /// Whether every rank gets the same number of items (default `true`, by padding or
+    /// dropping as [`with_drop_last`](Self::with_drop_last) says). With `false`, every item is
+    /// dealt exactly once and shards differ in length by at most one: for validation, whose
+    /// metrics should count every item once (the training strategy goes on while any rank
+    /// has a batch). Training needs even shards, since every step is a collective.
+    pub fn with_even_shards(mut self, even: bool) -> Self {
+        self.even = even;
         self.invalidate();
         self
     }
@@ -128,7 +141,9 @@ impl<D> DistributedSampler<D> {
     /// Items per rank for a dataset of `n` items.
     fn per_rank(&self, n: usize) -> usize {
         let w = self.world as usize;
-        if self.drop_last {
+        if !self.even {
+            n.saturating_sub(self.rank as usize).div_ceil(w)
+        } else if self.drop_last {
             n / w
         } else {
             n.div_ceil(w)
@@ -165,11 +180,39 @@ impl<D> DistributedSampler<D> {
             self.rank as usize,
             self.world as usize,
             self.shuffle.then_some((self.seed, epoch)),
-            self.drop_last,
+            if self.even {
+                Tail::Even {
+                    drop_last: self.drop_last,
+                }
+            } else {
+                Tail::Uneven
+            },
         )
         .into();
         *cache = Some((epoch, Arc::clone(&idx)));
         idx
+    }
+}
+
+/// How the end of the permutation is dealt.
+#[derive(Debug, Clone, Copy)]
+enum Tail {
+    /// Same count on every rank: drop the tail, or pad with the first items.
+    Even { drop_last: bool },
+    /// Every item once; the first `n % world` ranks get one more.
+    Uneven,
+}
+
+/// Something whose contents depend on the epoch: a [`DistributedSampler`], for the training
+/// strategy to set at the start of every epoch.
+pub trait DataEpoch: Send + Sync {
+    /// Selects the epoch (the same value on every rank).
+    fn set_epoch(&self, epoch: u64);
+}
+
+impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
+    fn set_epoch(&self, epoch: u64) {
+        DistributedSampler::set_epoch(self, epoch);
     }
 }
 
@@ -180,16 +223,16 @@ fn shard(
     rank: usize,
     world: usize,
     shuffle: Option<(u64, u64)>,
-    drop_last: bool,
+    tail: Tail,
 ) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
     if let Some((seed, epoch)) = shuffle {
         permute(&mut order, seed, epoch);
     }
-    let total = if drop_last {
-        n / world * world
-    } else {
-        n.div_ceil(world) * world
+    let total = match tail {
+        Tail::Uneven => n,
+        Tail::Even { drop_last: true } => n / world * world,
+        Tail::Even { drop_last: false } => n.div_ceil(world) * world,
     };
     // Padding repeats the permutation from its start (cycling when n < world).
     (rank..total).step_by(world).map(|i| order[i % n]).collect()

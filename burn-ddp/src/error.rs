@@ -444,6 +444,19 @@ pub enum DdpError {
         reason: String,
     },
 
+    /// Training under [`DdpStrategy`](crate::train::DdpStrategy) stopped because a rank failed
+    /// (a data error, a panic in a training step, a lost peer): every rank reports the rank at
+    /// fault.
+    #[error("[rank {rank}] training stopped: rank {culprit} failed: {reason}")]
+    TrainingFailed {
+        /// This rank.
+        rank: Rank,
+        /// The rank that failed.
+        culprit: Rank,
+        /// What went wrong there.
+        reason: String,
+    },
+
     /// The bandwidth tool found corrupted results.
     #[error("the all-reduce benchmark found {wrong} wrong elements: the transport corrupted data (please report this)")]
     WrongResults {
@@ -528,6 +541,7 @@ impl DdpError {
             | ModelMismatch { rank, .. }
             | GradSyncTimeout { rank, .. }
             | Model { rank, .. }
+            | TrainingFailed { rank, .. }
             | PeerLost { rank, .. }
             | JobAborted { rank, .. }
             | CollectiveTimeout { rank, .. }

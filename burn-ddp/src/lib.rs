@@ -54,6 +54,8 @@ mod ddp;
 mod error;
 pub mod group;
 pub mod launch;
+#[cfg(feature = "train")]
+pub mod train;
 pub(crate) mod wire;
 
 pub use backend::Ddp;
@@ -63,7 +65,7 @@ pub use backend::DdpCuda;
 pub use burn_ddp_macros::ddp;
 pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
-pub use data::DistributedSampler;
+pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
     Compression, DdpConfig, DdpModule, DdpSession, GradReduction, NoSyncGuard, ParamInfo,
 };

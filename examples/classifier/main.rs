@@ -7,31 +7,31 @@
 //! burn-ddp run --nproc-per-node 2 -- target/release/examples/classifier   # same, via the launcher
 //! ```
 //!
-//! Each rank trains on its shard of every epoch (`DistributedSampler`); gradients are averaged
-//! during backward (`Autodiff<Ddp<NdArray>>`); loss and accuracy are reduced over all ranks;
-//! rank 0 alone prints, logs and writes the checkpoint.
+//! Burn's `SupervisedTraining` (the Learner) drives training through burn-ddp's `DdpStrategy`:
+//! each rank trains on its shard of every epoch (`DistributedSampler`); gradients are averaged
+//! during backward (`Autodiff<Ddp<NdArray>>`); the dashboard on rank 0 (progress lines when its
+//! output is not a terminal) shows loss and accuracy of the whole job; rank 0 alone writes the
+//! logs, metrics and checkpoints into `--out`. `--resume` continues from the newest complete
+//! checkpoint.
 
 mod data;
 mod model;
 
-use std::fs::OpenOptions;
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::Dataset;
-use burn::module::AutodiffModule;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn_ddp::{
-    checkpoint, Ddp, DdpConfig, DdpSession, DistributedSampler, ProcessGroup, ReduceOp,
-};
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{Learner, SupervisedTraining};
+use burn_ddp::train::{DdpStrategy, DdpTraining};
+use burn_ddp::{Ddp, DdpConfig, DdpSession, DistributedSampler, ProcessGroup, ReduceOp};
 use clap::Parser;
 
 use data::ImageBatcher;
@@ -65,60 +65,32 @@ struct Args {
     /// Train on MNIST: a directory with the four uncompressed IDX files.
     #[arg(long)]
     mnist: Option<PathBuf>,
-    /// Where rank 0 writes `checkpoint.bin` and `train.log`.
+    /// Rank 0's directory for logs, metrics and checkpoints (`{rank}` is replaced by the rank,
+    /// to see what each rank writes).
     #[arg(long, default_value = "target/classifier-run")]
     out: PathBuf,
-    /// Stop after this many steps (for quick checks).
+    /// Resume from the newest complete checkpoint in `<out>/checkpoint`.
     #[arg(long)]
-    max_steps: Option<usize>,
-    /// Print progress every N steps.
-    #[arg(long, default_value_t = 25)]
-    log_every: usize,
+    resume: bool,
     /// Every rank prints a digest of its final parameters (to check that they agree).
     #[arg(long)]
     print_digest: bool,
 }
 
-/// Rank 0's output: the terminal and `train.log`.
-struct Log {
-    file: Option<std::fs::File>,
-}
-
-impl Log {
-    fn line(&mut self, text: &str) {
-        println!("{text}");
-        if let Some(f) = self.file.as_mut() {
-            let _ = writeln!(f, "{text}");
-        }
-    }
-}
-
-/// Sums `values` over all ranks.
-fn global(pg: &ProcessGroup, values: [f64; 3]) -> Result<[f64; 3], burn_ddp::DdpError> {
-    let mut v = values;
-    pg.all_reduce(&mut v, ReduceOp::Sum)?;
-    Ok(v)
-}
-
 fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
     let main = pg.is_main();
     let world = pg.world_size().get() as usize;
+    let out = PathBuf::from(
+        args.out
+            .to_string_lossy()
+            .replace("{rank}", &pg.rank().to_string()),
+    );
     let data = match &args.mnist {
         Some(dir) => data::mnist(dir)?,
         None => data::generated(args.train_size, args.test_size, args.seed),
     };
-    let mut log = Log { file: None };
     if main {
-        std::fs::create_dir_all(&args.out)?;
-        let path = args.out.join("train.log");
-        log.file = Some(
-            OpenOptions::new()
-                .create(true)
-                .write(true)
-                .truncate(true)
-                .open(path)?,
-        );
-        log.line(&format!(
+        println!(
             "{}: {} training / {} test images, {} classes; {world} ranks × batch {} = global batch {}",
             data.name,
             data.train.len(),
@@ -126,19 +98,21 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>
             data.classes,
             args.batch_size,
             world * args.batch_size
-        ));
+        );
     }
 
-    let session = DdpSession::new(pg.clone(), DdpConfig::default())?;
     let device = Default::default();
     <B as Backend>::seed(&device, args.seed);
-    // Same architecture everywhere; `prepare` checks it and copies rank 0's weights.
-    let mut model = session.prepare(Cnn::<B>::new(data.classes, &device))?;
-    let mut optim = AdamConfig::new().init();
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let model = Cnn::<B>::new(data.classes, &device);
 
+    // Training shards: reshuffled every epoch, the same length on every rank. Validation
+    // shards: every test image exactly once.
     let train_set = Arc::new(DistributedSampler::new(data.train, &pg).with_seed(args.seed));
-    let test_set = Arc::new(DistributedSampler::new(data.test, &pg).with_shuffle(false));
+    let test_set = Arc::new(
+        DistributedSampler::new(data.test, &pg)
+            .with_shuffle(false)
+            .with_even_shards(false),
+    );
     let train_loader = DataLoaderBuilder::new(ImageBatcher)
         .batch_size(args.batch_size)
         .build(Arc::clone(&train_set));
@@ -146,79 +120,35 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>
         .batch_size(256)
         .build(Arc::clone(&test_set));
 
+    let session = DdpSession::new(pg.clone(), DdpConfig::default())?;
+    let ddp = DdpStrategy::<NdArray>::new(session, device)
+        .with_sampler(train_set)
+        .with_sampler(test_set)
+        .with_checkpoints(out.join("checkpoint"), 2)
+        .with_resume(args.resume);
+
     let started = Instant::now();
-    let mut step = 0usize;
-    let mut test_acc = 0.0;
-    'epochs: for epoch in 1..=args.epochs {
-        train_set.set_epoch(epoch as u64);
-        let batches = train_set.len().div_ceil(args.batch_size);
-        let (mut loss_sum, mut correct, mut seen) = (0.0, 0.0, 0.0);
-        let epoch_start = Instant::now();
-        for (i, batch) in train_loader.iter().enumerate() {
-            let n = batch.targets.dims()[0] as f64;
-            let logits = model.forward(batch.images);
-            let loss = loss_fn.forward(logits.clone(), batch.targets.clone());
-            loss_sum += f64::from(loss.clone().into_scalar()) * n;
-            correct += f64::from(
-                logits
-                    .argmax(1)
-                    .squeeze::<1>()
-                    .equal(batch.targets)
-                    .int()
-                    .sum()
-                    .into_scalar() as i32,
-            );
-            seen += n;
-            let grads = session.backward(loss)?;
-            let grads = GradientsParams::from_grads(grads, &model);
-            model = optim.step(args.lr, model, grads);
-            step += 1;
-            let last = i + 1 == batches;
-            let stop = args.max_steps.is_some_and(|m| step >= m);
-            if (i + 1) % args.log_every == 0 || last || stop {
-                let [l, c, s] = global(&pg, [loss_sum, correct, seen])?;
-                if main {
-                    log.line(&format!(
-                        "epoch {epoch}/{} [{:>4}/{batches}] loss {:.4}  train acc {:5.1}%  {:.0} img/s",
-                        args.epochs,
-                        i + 1,
-                        l / s,
-                        100.0 * c / s,
-                        s / epoch_start.elapsed().as_secs_f64()
-                    ));
-                }
-            }
-            if stop {
-                break 'epochs;
-            }
-        }
-        test_acc = evaluate(&model.valid(), &test_loader, &test_set, &pg)?;
-        if main {
-            log.line(&format!(
-                "epoch {epoch}: test accuracy {:.2}%",
-                100.0 * test_acc
-            ));
-            checkpoint::save_module(&model, &args.out.join("checkpoint.bin"))?;
-        }
-    }
-    if args.max_steps.is_some() {
-        test_acc = evaluate(&model.valid(), &test_loader, &test_set, &pg)?;
-        if main {
-            checkpoint::save_module(&model, &args.out.join("checkpoint.bin"))?;
-        }
-    }
+    let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
+        .metric_train_numeric(AccuracyMetric::new())
+        .metric_valid_numeric(AccuracyMetric::new())
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(args.epochs)
+        .summary()
+        .launch_ddp(Learner::new(model, AdamConfig::new().init(), args.lr), &ddp)?;
+
+    let accuracy = evaluate(&result.model, &test_loader, &pg)?;
     if main {
-        log.line(&format!(
-            "final test accuracy: {:.2}% ({} steps, {:.1} s, checkpoint in {})",
-            100.0 * test_acc,
-            step,
+        println!(
+            "final test accuracy: {:.2}% ({:.1} s; logs, metrics and checkpoints in {})",
+            100.0 * accuracy,
             started.elapsed().as_secs_f64(),
-            args.out.join("checkpoint.bin").display()
-        ));
+            out.display()
+        );
     }
     if args.print_digest {
-        let bytes =
-            BinBytesRecorder::<FullPrecisionSettings>::default().record(model.into_record(), ())?;
+        let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
+            .record(result.model.into_record(), ())?;
         let mut h = std::hash::DefaultHasher::new();
         std::hash::Hasher::write(&mut h, &bytes);
         println!("parameter digest: {:016x}", std::hash::Hasher::finish(&h));
@@ -226,33 +156,32 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>
     Ok(())
 }
 
-/// Accuracy over the whole test set: each rank scores its shard (padding excluded), then the
-/// counts are summed over ranks.
+/// Accuracy over the whole test set: each rank scores its shard, the counts are summed.
 fn evaluate(
     model: &Cnn<Inner>,
-    loader: &Arc<dyn burn::data::dataloader::DataLoader<Inner, data::Batch<Inner>>>,
-    set: &DistributedSampler<burn::data::dataset::InMemDataset<data::Item>>,
+    loader: &Arc<dyn DataLoader<Inner, data::Batch<Inner>>>,
     pg: &ProcessGroup,
 ) -> Result<f64, burn_ddp::DdpError> {
-    let (mut correct, mut total) = (0.0, 0.0);
-    let mut index = 0;
+    let mut counts = [0.0f64; 2];
     for batch in loader.iter() {
-        let pred = model.forward(batch.images).argmax(1).squeeze::<1>();
-        let hits = pred
+        let n = batch.targets.dims()[0];
+        let hits = model
+            .forward(batch.images)
+            .argmax(1)
+            .squeeze::<1>()
             .equal(batch.targets)
-            .into_data()
-            .to_vec::<bool>()
-            .unwrap_or_default();
-        for hit in hits {
-            if !set.is_padding(index) {
-                correct += f64::from(u8::from(hit));
-                total += 1.0;
-            }
-            index += 1;
-        }
+            .int()
+            .sum()
+            .into_scalar();
+        counts[0] += hits as f64;
+        counts[1] += n as f64;
     }
-    let [c, t, _] = global(pg, [correct, total, 0.0])?;
-    Ok(if t > 0.0 { c / t } else { 0.0 })
+    pg.all_reduce(&mut counts, ReduceOp::Sum)?;
+    Ok(if counts[1] > 0.0 {
+        counts[0] / counts[1]
+    } else {
+        0.0
+    })
 }
 
 fn main() -> ExitCode {

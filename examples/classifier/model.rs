@@ -1,10 +1,19 @@
-//! A small convolutional classifier for 28×28 grey images.
+//! A small convolutional classifier for 28×28 grey images, with the steps burn-train's Learner
+//! calls.
 
 use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use burn_ddp::ddp;
 
+use crate::data::Batch;
+
+/// `#[ddp]`: the parameters burn-ddp synchronises, in a stable order (all of them here).
+#[ddp]
 #[derive(Module, Debug)]
 pub struct Cnn<B: Backend> {
     conv1: Conv2d<B>,
@@ -33,5 +42,33 @@ impl<B: Backend> Cnn<B> {
         let x = self.pool.forward(self.act.forward(self.conv2.forward(x))); // [n, 16, 5, 5]
         let x = x.flatten(1, 3);
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))
+    }
+
+    pub fn classify(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        let output = self.forward(batch.images);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), batch.targets.clone());
+        ClassificationOutput::new(loss, output, batch.targets)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Cnn<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let item = self.classify(batch);
+        // With `Autodiff<Ddp<_>>`, this backward all-reduces the gradients as they are made.
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl<B: Backend> InferenceStep for Cnn<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        self.classify(batch)
     }
 }

@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 
+pub(crate) use model::{all_gather_bytes, broadcast_bytes};
 pub use model::{DdpModule, ParamInfo};
 pub(crate) use reducer::Reducer;
 

@@ -194,7 +194,7 @@ fn unpack(words: &[i64], len: usize) -> Vec<u8> {
 }
 
 /// Every rank's `bytes`, through the group's collectives (no store needed).
-fn all_gather_bytes(pg: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+pub(crate) fn all_gather_bytes(pg: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
     let world = pg.world_size().as_usize();
     let mut lens = vec![0i64; world];
     pg.all_gather(&[bytes.len() as i64], &mut lens)?;
@@ -209,7 +209,7 @@ fn all_gather_bytes(pg: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
 }
 
 /// Rank 0's `bytes` on every rank.
-fn broadcast_bytes(pg: &ProcessGroup, bytes: Vec<u8>) -> Result<Vec<u8>> {
+pub(crate) fn broadcast_bytes(pg: &ProcessGroup, bytes: Vec<u8>) -> Result<Vec<u8>> {
     let mut len = [bytes.len() as i64];
     pg.broadcast(&mut len, Rank(0))?;
     let len = len[0].max(0) as usize;

@@ -53,7 +53,8 @@ pub struct RunArgs {
     /// BURN_DDP_JOB_TOKEN, or a fresh random token on a single node.
     #[arg(long)]
     rdzv_id: Option<String>,
-    /// Do not prefix output lines with `[rank N]`.
+    /// Do not prefix output lines with `[rank N]`. (On a terminal, rank 0 writes to it
+    /// unprefixed anyway, so that Burn's dashboard can draw; the other ranks are prefixed.)
     #[arg(long)]
     no_prefix: bool,
     /// Seconds the other ranks get to exit after one failed, before they are killed.
@@ -203,7 +204,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         output: if args.no_prefix {
             Output::Inherit
         } else {
-            Output::Prefixed
+            Output::auto()
         },
         grace: Duration::from_secs_f64(args.grace.max(0.0)),
         deadline: None,

@@ -30,6 +30,22 @@ pub enum Output {
     Prefixed,
     /// Captured; returned in [`RankExit::output`] (for tests).
     Capture,
+    /// Rank 0 writes to the launcher's terminal directly, so that Burn's dashboard can take
+    /// it; the other ranks' lines are prefixed. Chosen by [`Output::auto`] when stdout is a
+    /// terminal.
+    Dashboard,
+}
+
+impl Output {
+    /// [`Dashboard`](Self::Dashboard) when the launcher's stdout is a terminal, else
+    /// [`Prefixed`](Self::Prefixed).
+    pub fn auto() -> Self {
+        if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            Output::Dashboard
+        } else {
+            Output::Prefixed
+        }
+    }
 }
 
 /// A node's worth of ranks to start.
@@ -80,7 +96,7 @@ impl LocalJob {
             node_rank: 0,
             master: MasterAddr::new("127.0.0.1", free_port()?),
             token: JobToken::generate(),
-            output: Output::Prefixed,
+            output: Output::auto(),
             grace: Duration::from_secs(5),
             deadline: None,
             stop: None,
@@ -255,7 +271,9 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
         cmd.args(&job.args)
             .envs(job.rank_env(local))
             .stdin(Stdio::null());
-        if job.output != Output::Inherit {
+        let direct =
+            job.output == Output::Inherit || (job.output == Output::Dashboard && rank == Rank(0));
+        if !direct {
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
         // SAFETY: the closure runs in the child between fork and exec and only makes one
