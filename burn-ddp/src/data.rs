@@ -331,6 +331,31 @@ mod tests {
         }
 
         #[test]
+        fn uneven_shards_deal_every_item_exactly_once(
+            n in 0usize..300, world in 1u32..9, seed in any::<u64>(), epoch in 0u64..1000,
+            shuffle in any::<bool>(),
+        ) {
+            let ss: Vec<_> = samplers(n, world, seed, false)
+                .into_iter()
+                .map(|s| s.with_even_shards(false).with_shuffle(shuffle))
+                .collect();
+            let mut count = vec![0usize; n];
+            let lens: Vec<usize> = ss.iter().map(|s| { s.set_epoch(epoch); s.len() }).collect();
+            for s in &ss {
+                let it = items(s);
+                prop_assert_eq!(it.len(), s.len());
+                prop_assert_eq!(s.get(s.len()), None);
+                for i in it {
+                    count[i] += 1;
+                }
+            }
+            prop_assert!(count.iter().all(|&c| c == 1));
+            // Rank 0 has the most; no two ranks differ by more than one item.
+            prop_assert!(lens.windows(2).all(|p| p[0] >= p[1] && p[0] - p[1] <= 1));
+            prop_assert!(lens.first().is_none_or(|&l0| lens.iter().all(|&l| l0 - l <= 1)));
+        }
+
+        #[test]
         fn same_seed_and_epoch_give_the_same_shard_anywhere(
             n in 1usize..300, world in 1u32..9, seed in any::<u64>(), epoch in any::<u64>(),
         ) {
