@@ -335,3 +335,104 @@ fn mismatched_collectives_are_reported_not_hung() {
     out.assert_all_ok();
     assert_fast(&out, Duration::from_secs(20));
 }
+
+/// Rank 2 is alive (its heartbeat beats) but stops calling collectives — a deadlock or an
+/// endless loop in user code. The others are told within the stall bound, not the 10-minute
+/// collective timeout, with the rank, its host and its last completed collective.
+#[test]
+fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
+    const NAME: &str = "rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = vec![1.0f32; 1024];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        if pg.rank() == Rank(2) {
+            std::thread::sleep(Duration::from_secs(15));
+            let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+            show(&err);
+            return;
+        }
+        let started = Instant::now();
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let took = started.elapsed();
+        let text = show(&err);
+        match &err {
+            DdpError::RankUnresponsive {
+                culprit,
+                last_completed,
+                host,
+                ..
+            } => {
+                assert_eq!(*culprit, Rank(2), "{text}");
+                assert_eq!(*last_completed, 1, "{text}");
+                assert!(!host.is_empty() && host != "?", "{text}");
+                assert!(text.contains("has not reached collective #2"), "{text}");
+            }
+            DdpError::JobAborted { record, .. } => {
+                assert_eq!(record.culprit, Some(Rank(2)), "{text}")
+            }
+            other => panic!("unexpected: {other}"),
+        }
+        assert!(took < Duration::from_secs(10), "took {took:?}: {text}");
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_STALL_TIMEOUT", "3")
+        .run();
+    out.assert_all_ok();
+}
+
+/// Rank 1 freezes (SIGSTOP: a hung node, a swapped-out process): its heartbeat stops, and the
+/// others are told within the heartbeat bound.
+#[test]
+fn frozen_rank_is_reported_within_the_heartbeat_bound() {
+    const NAME: &str = "frozen_rank_is_reported_within_the_heartbeat_bound";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let store = pg.store().unwrap();
+        let mut x = vec![1.0f32; 1024];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        if pg.rank() == Rank(1) {
+            let me = rustix::process::getpid();
+            store
+                .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
+                .unwrap();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+            unreachable!("rank 1 is killed while stopped");
+        }
+        let started = Instant::now();
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let took = started.elapsed();
+        let text = show(&err);
+        match &err {
+            DdpError::RankUnresponsive { culprit, .. } => {
+                assert_eq!(*culprit, Rank(1), "{text}");
+                assert!(text.contains("sent no heartbeat"), "{text}");
+            }
+            DdpError::JobAborted { record, .. } => {
+                assert_eq!(record.culprit, Some(Rank(1)), "{text}")
+            }
+            other => panic!("unexpected: {other}"),
+        }
+        assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
+        if pg.rank() == Rank(0) {
+            // Clean up the frozen process.
+            let pid: i32 = String::from_utf8(store.get("frozen-pid").unwrap())
+                .unwrap()
+                .parse()
+                .unwrap();
+            let pid = rustix::process::Pid::from_raw(pid).unwrap();
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_STALL_TIMEOUT", "600")
+        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
+        .timeout(Duration::from_secs(60))
+        .run();
+    assert!(!out.rank(1).ok(), "{}", out.report());
+    assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
+}

@@ -20,15 +20,30 @@ pub struct Timeouts {
     pub store: Duration,
     /// One collective operation, from its start on this rank to its completion.
     pub collective: Duration,
+    /// A rank whose heartbeat stops changing for this long while another waits for it in a
+    /// collective is reported dead or frozen (default 15 s).
+    pub heartbeat: Duration,
+    /// A rank that is alive but has not reached a collective others have waited in for this
+    /// long, without progressing, is reported stuck (default 60 s: long enough for rank-0-only
+    /// work such as writing a checkpoint; raise it if such work takes longer).
+    pub stall: Duration,
 }
 
 impl Timeouts {
-    /// The same deadline for everything (handy in tests and scripts).
+    /// The heartbeat bound's default.
+    pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);
+    /// The stall bound's default.
+    pub const DEFAULT_STALL: Duration = Duration::from_secs(60);
+
+    /// The same deadline for everything (handy in tests and scripts); the liveness bounds keep
+    /// their defaults where those are shorter.
     pub fn uniform(d: Duration) -> Self {
         Self {
             rendezvous: d,
             store: d,
             collective: d,
+            heartbeat: d.min(Self::DEFAULT_HEARTBEAT),
+            stall: d.min(Self::DEFAULT_STALL),
         }
     }
 }

@@ -444,6 +444,26 @@ pub enum DdpError {
         reason: String,
     },
 
+    /// The heartbeat watcher found a rank dead, frozen or stuck while this rank waited in a
+    /// collective (long before the collective timeout).
+    #[error("[rank {rank}] {op} #{seq}: rank {culprit} (host {host}) {what}; its last completed collective was #{last_completed}")]
+    RankUnresponsive {
+        /// This rank.
+        rank: Rank,
+        /// The rank at fault.
+        culprit: Rank,
+        /// Its host, as it reported it.
+        host: String,
+        /// The last collective it completed.
+        last_completed: u64,
+        /// The collective this rank waited in.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: u64,
+        /// What was seen.
+        what: String,
+    },
+
     /// Training under [`DdpStrategy`](crate::train::DdpStrategy) stopped because a rank failed
     /// (a data error, a panic in a training step, a lost peer): every rank reports the rank at
     /// fault.
@@ -542,6 +562,7 @@ impl DdpError {
             | GradSyncTimeout { rank, .. }
             | Model { rank, .. }
             | TrainingFailed { rank, .. }
+            | RankUnresponsive { rank, .. }
             | PeerLost { rank, .. }
             | JobAborted { rank, .. }
             | CollectiveTimeout { rank, .. }

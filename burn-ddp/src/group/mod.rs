@@ -125,7 +125,7 @@ impl ProcessGroup {
             &config.token,
             "tcp/0",
             deadline,
-            config.timeouts.collective,
+            config.timeouts,
         )
         .inspect_err(|e| rendezvous::publish(&joined.client, config.rank, None, e))?;
         tracing::info!(

@@ -11,6 +11,9 @@
 //! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then `SLURM_JOB_ID.SLURM_STEP_ID` |
 //! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
 //! | `BURN_DDP_RENDEZVOUS_TIMEOUT`, `BURN_DDP_STORE_TIMEOUT`, `BURN_DDP_COLLECTIVE_TIMEOUT` | one deadline each | `BURN_DDP_TIMEOUT` |
+//! | `BURN_DDP_HEARTBEAT_TIMEOUT` | silence after which a rank is reported dead or frozen | 15 s (or `BURN_DDP_TIMEOUT` if shorter) |
+//! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 60 s (or `BURN_DDP_TIMEOUT` if shorter) |
+//! | `BURN_DDP_DEBUG_DESYNC=1` | check before every collective that all ranks call the same one | off |
 
 use std::time::Duration;
 
@@ -43,6 +46,10 @@ pub const RENDEZVOUS_TIMEOUT: &str = "BURN_DDP_RENDEZVOUS_TIMEOUT";
 pub const STORE_TIMEOUT: &str = "BURN_DDP_STORE_TIMEOUT";
 /// Collective deadline.
 pub const COLLECTIVE_TIMEOUT: &str = "BURN_DDP_COLLECTIVE_TIMEOUT";
+/// Heartbeat silence bound.
+pub const HEARTBEAT_TIMEOUT: &str = "BURN_DDP_HEARTBEAT_TIMEOUT";
+/// Stall bound.
+pub const STALL_TIMEOUT: &str = "BURN_DDP_STALL_TIMEOUT";
 
 /// Reads the process environment into a [`GroupConfig`].
 ///
@@ -308,6 +315,8 @@ fn timeouts(get: &impl Fn(&str) -> Option<String>) -> Result<Timeouts> {
         rendezvous: duration(get, RENDEZVOUS_TIMEOUT)?.unwrap_or(base.rendezvous),
         store: duration(get, STORE_TIMEOUT)?.unwrap_or(base.store),
         collective: duration(get, COLLECTIVE_TIMEOUT)?.unwrap_or(base.collective),
+        heartbeat: duration(get, HEARTBEAT_TIMEOUT)?.unwrap_or(base.heartbeat),
+        stall: duration(get, STALL_TIMEOUT)?.unwrap_or(base.stall),
     })
 }
 

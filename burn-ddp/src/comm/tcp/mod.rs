@@ -9,6 +9,7 @@
 //! within moments with an error that names the rank at fault.
 
 mod header;
+pub(crate) mod heartbeat;
 mod link;
 pub(crate) mod ring;
 
@@ -17,10 +18,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use self::heartbeat::{Bounds, Progress, Watcher};
 use self::link::{LinkSetup, Ring};
 use self::ring::{Links, Plan, RingError, Side};
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, ReduceOp};
-use crate::config::JobToken;
+use crate::config::{JobToken, MasterAddr, Timeouts};
+use crate::group::auth::Purpose;
 use crate::group::store::{StoreClient, WaitOutcome};
 use crate::group::{AbortRecord, CollectiveSeq, Rank, RankList, StallDiagnosis, WorldSize};
 use crate::{DdpError, Result};
@@ -50,6 +53,10 @@ pub struct TcpCommunicator {
     abort: Arc<AtomicBool>,
     /// Clones of the link sockets, so `abort` can close them while a collective holds the state.
     handles: Vec<TcpStream>,
+    /// This rank's progress, which the heartbeat publishes.
+    progress: Arc<Progress>,
+    /// The heartbeat thread (absent if its store connection could not be opened).
+    watcher: Option<Watcher>,
 }
 
 impl TcpCommunicator {
@@ -61,7 +68,7 @@ impl TcpCommunicator {
         token: &JobToken,
         tag: &str,
         rendezvous_deadline: Instant,
-        collective_timeout: Duration,
+        timeouts: Timeouts,
     ) -> Result<Self> {
         let ring = link::open_ring(&LinkSetup {
             store: &store,
@@ -77,10 +84,48 @@ impl TcpCommunicator {
             prev.set_nonblocking(true)?;
             handles.push(prev.try_clone()?);
         }
+        let abort = Arc::new(AtomicBool::new(false));
+        let progress = Arc::new(Progress::new());
+        let master = MasterAddr::new(store.addr().ip().to_string(), store.addr().port());
+        let watcher = match StoreClient::connect(
+            &master,
+            Purpose::StoreAux,
+            rank,
+            world,
+            token,
+            timeouts.heartbeat,
+            rendezvous_deadline,
+        ) {
+            Ok(aux) => {
+                let mut links = Vec::new();
+                for h in &handles {
+                    links.push(h.try_clone()?);
+                }
+                Some(Watcher::start(
+                    aux,
+                    rank,
+                    world,
+                    Bounds {
+                        silence: timeouts.heartbeat,
+                        stall: timeouts.stall,
+                    },
+                    Arc::clone(&progress),
+                    Arc::clone(&abort),
+                    links,
+                ))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "[rank {rank}] no heartbeat (its store connection failed: {e}); failures \
+                     of other ranks are detected by the collective timeout only"
+                );
+                None
+            }
+        };
         Ok(Self {
             rank,
             world,
-            timeout: collective_timeout,
+            timeout: timeouts.collective,
             store,
             state: Mutex::new(State {
                 ring,
@@ -89,8 +134,10 @@ impl TcpCommunicator {
                 scratch: vec![0u64; ring::SCRATCH / 8],
                 work: Vec::new(),
             }),
-            abort: Arc::new(AtomicBool::new(false)),
+            abort,
             handles,
+            progress,
+            watcher,
         })
     }
 
@@ -133,7 +180,9 @@ impl TcpCommunicator {
         let _enter = span.enter();
         let deadline = Instant::now() + self.timeout;
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
+        self.progress.enter(seq);
         let result = ring::run(links, buf, plan, seq, desc, scratch, deadline, &self.abort);
+        self.progress.leave(seq, result.is_ok());
         match result {
             Ok(()) => Ok(()),
             Err(e) => Err(self.fail(st, desc, seq, e)),
@@ -149,6 +198,18 @@ impl TcpCommunicator {
         e: RingError,
     ) -> DdpError {
         let op = desc.op;
+        if let Some(v) = self.watcher.as_ref().and_then(Watcher::verdict) {
+            let err = DdpError::RankUnresponsive {
+                rank: self.rank,
+                culprit: v.culprit,
+                host: v.host,
+                last_completed: v.last_completed.0,
+                op,
+                seq: seq.0,
+                what: v.what,
+            };
+            return self.publish(st, op, seq, Some(v.culprit), err);
+        }
         // A neighbour that closed its links may only be reacting to a failure elsewhere; the
         // store holds the first report, which names the real culprit.
         let published = match &e {
@@ -238,6 +299,19 @@ impl TcpCommunicator {
                 None,
             ),
         };
+        self.publish(st, op, seq, culprit, err)
+    }
+
+    /// Publishes this rank's failure (unless it only repeats another rank's), marks the group
+    /// failed and closes the links.
+    fn publish(
+        &self,
+        st: &mut State,
+        op: CollectiveOp,
+        seq: CollectiveSeq,
+        culprit: Option<Rank>,
+        err: DdpError,
+    ) -> DdpError {
         let record = AbortRecord {
             reporter: self.rank,
             culprit,
