@@ -436,3 +436,59 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
     assert!(!out.rank(1).ok(), "{}", out.report());
     assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
 }
+
+/// With `BURN_DDP_DEBUG_DESYNC=1` every rank stops before the first collective that differs,
+/// and says what each side called and from which line.
+#[test]
+fn desync_debug_mode_shows_both_calls_and_their_lines() {
+    const NAME: &str = "desync_debug_mode_shows_both_calls_and_their_lines";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = vec![1.0f32; 1024];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        let err = if pg.rank() == Rank(2) {
+            pg.broadcast(&mut x, Rank(0)).unwrap_err()
+        } else {
+            pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err()
+        };
+        let text = show(&err);
+        let DdpError::Desync {
+            call,
+            ours,
+            peer,
+            theirs,
+            ..
+        } = &err
+        else {
+            panic!("unexpected: {text}");
+        };
+        assert_eq!(*call, 2, "{text}");
+        let (mine, other) = if pg.rank() == Rank(2) {
+            assert_eq!(*peer, Rank(0), "{text}");
+            (
+                "broadcast(1024 x float, root 0)",
+                "all_reduce(1024 x float, sum)",
+            )
+        } else {
+            assert_eq!(*peer, Rank(2), "{text}");
+            (
+                "all_reduce(1024 x float, sum)",
+                "broadcast(1024 x float, root 0)",
+            )
+        };
+        assert!(ours.starts_with(mine), "{text}");
+        assert!(theirs.starts_with(other), "{text}");
+        assert!(
+            ours.contains("tests/group_failures.rs:")
+                && theirs.contains("tests/group_failures.rs:"),
+            "{text}"
+        );
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_DEBUG_DESYNC", "1")
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "20")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}

@@ -444,6 +444,21 @@ pub enum DdpError {
         reason: String,
     },
 
+    /// `BURN_DDP_DEBUG_DESYNC`: the ranks were about to call different collectives.
+    #[error("[rank {rank}] collectives out of step at call {call} (BURN_DDP_DEBUG_DESYNC): this rank calls {ours}; rank {peer} calls {theirs}. Every rank must call the same collectives in the same order")]
+    Desync {
+        /// This rank.
+        rank: Rank,
+        /// The checked call's number on this rank (1 = the first collective).
+        call: u64,
+        /// What this rank calls, and from where.
+        ours: String,
+        /// The rank compared with.
+        peer: Rank,
+        /// What it calls, and from where.
+        theirs: String,
+    },
+
     /// The heartbeat watcher found a rank dead, frozen or stuck while this rank waited in a
     /// collective (long before the collective timeout).
     #[error("[rank {rank}] {op} #{seq}: rank {culprit} (host {host}) {what}; its last completed collective was #{last_completed}")]
@@ -563,6 +578,7 @@ impl DdpError {
             | Model { rank, .. }
             | TrainingFailed { rank, .. }
             | RankUnresponsive { rank, .. }
+            | Desync { rank, .. }
             | PeerLost { rank, .. }
             | JobAborted { rank, .. }
             | CollectiveTimeout { rank, .. }

@@ -8,6 +8,7 @@
 
 mod abort;
 pub(crate) mod auth;
+mod desync;
 mod rank;
 mod rendezvous;
 pub(crate) mod store;
@@ -17,9 +18,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use abort::{AbortRecord, StallDiagnosis};
+use desync::DesyncCheck;
+pub use desync::DEBUG_DESYNC;
 pub use rank::{CollectiveSeq, LocalRank, Rank, RankList, WorldSize};
 
-use crate::comm::{Communicator, Element, LocalCommunicator, ReduceOp, TcpCommunicator};
+use crate::comm::{
+    CollectiveDesc, CollectiveOp, Communicator, Element, LocalCommunicator, ReduceOp,
+    TcpCommunicator,
+};
 use crate::config::{GroupConfig, JobToken, Timeouts};
 use crate::{DdpError, Result};
 
@@ -36,6 +42,8 @@ struct Inner {
     local_world: WorldSize,
     timeouts: Timeouts,
     token: JobToken,
+    /// `BURN_DDP_DEBUG_DESYNC`: compare every collective across all ranks before running it.
+    desync: Option<DesyncCheck>,
     // Field order is drop order: links close first (so peers blocked on this rank fail at once),
     // then the store connection says goodbye, then rank 0's server stops.
     comm: Box<dyn Communicator>,
@@ -142,6 +150,7 @@ impl ProcessGroup {
                 local_world: config.local_world_size,
                 timeouts: config.timeouts,
                 token: config.token,
+                desync: DesyncCheck::from_env(),
                 comm: Box::new(comm),
                 store: Some(joined.client),
                 server: joined.server,
@@ -170,6 +179,7 @@ impl ProcessGroup {
                 local_world: WorldSize::ONE,
                 timeouts,
                 token: JobToken::new("single"),
+                desync: None,
                 comm,
                 store: None,
                 server: None,
@@ -192,6 +202,7 @@ impl ProcessGroup {
                         local_world: world,
                         timeouts,
                         token: JobToken::new("local"),
+                        desync: DesyncCheck::from_env(),
                         comm: Box::new(comm),
                         store: None,
                         server: None,
@@ -256,7 +267,9 @@ impl ProcessGroup {
     /// # Errors
     /// A dead or stalled peer, a collective mismatch, the deadline, or an earlier failure; the
     /// error names the rank at fault.
+    #[track_caller]
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.desync(CollectiveDesc::new(CollectiveOp::AllReduce, T::DTYPE, buf.len()).reduce(op))?;
         self.inner
             .comm
             .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
@@ -266,6 +279,7 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// `InvalidRoot`, and the errors of [`ProcessGroup::all_reduce`].
+    #[track_caller]
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: Rank) -> Result<()> {
         if !self.inner.world.contains(root) {
             return Err(DdpError::InvalidRoot {
@@ -274,6 +288,7 @@ impl ProcessGroup {
                 world: self.inner.world,
             });
         }
+        self.desync(CollectiveDesc::new(CollectiveOp::Broadcast, T::DTYPE, buf.len()).root(root))?;
         self.inner
             .comm
             .broadcast(bytemuck::cast_slice_mut(buf), T::DTYPE, root)
@@ -283,6 +298,7 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// `BufferSize` if `recv` has the wrong length, and the errors of [`ProcessGroup::all_reduce`].
+    #[track_caller]
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let expected = send.len() * self.inner.world.as_usize();
         if recv.len() != expected {
@@ -294,6 +310,11 @@ impl ProcessGroup {
                 got: recv.len(),
             });
         }
+        self.desync(CollectiveDesc::new(
+            CollectiveOp::AllGather,
+            T::DTYPE,
+            send.len(),
+        ))?;
         self.inner.comm.all_gather(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
@@ -306,6 +327,7 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// `BufferSize` if `send` has the wrong length, and the errors of [`ProcessGroup::all_reduce`].
+    #[track_caller]
     pub fn reduce_scatter<T: Element>(
         &self,
         send: &[T],
@@ -322,6 +344,9 @@ impl ProcessGroup {
                 got: send.len(),
             });
         }
+        self.desync(
+            CollectiveDesc::new(CollectiveOp::ReduceScatter, T::DTYPE, recv.len()).reduce(op),
+        )?;
         self.inner.comm.reduce_scatter(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
@@ -334,8 +359,23 @@ impl ProcessGroup {
     ///
     /// # Errors
     /// As [`ProcessGroup::all_reduce`].
+    #[track_caller]
     pub fn barrier(&self) -> Result<()> {
+        self.desync(CollectiveDesc::new(
+            CollectiveOp::Barrier,
+            crate::comm::DType::I64,
+            0,
+        ))?;
         self.inner.comm.barrier()
+    }
+
+    /// The desync check of `BURN_DDP_DEBUG_DESYNC` (nothing when it is off).
+    #[track_caller]
+    fn desync(&self, desc: CollectiveDesc) -> Result<()> {
+        match &self.inner.desync {
+            Some(check) => check.check(&*self.inner.comm, &desc, std::panic::Location::caller()),
+            None => Ok(()),
+        }
     }
 
     /// Marks the group failed and closes its connections, so that every peer stops promptly.
