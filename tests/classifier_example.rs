@@ -220,3 +220,117 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
     );
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Runs the example through `burn-ddp run` (2 ranks, 3 short epochs, resuming from its
+/// checkpoints when restarted); if `victim` is given, kills that rank with SIGKILL once the
+/// checkpoint of epoch 1 is complete. Returns (success, stdout, stderr, seconds from the kill to
+/// the launcher's exit).
+fn elastic_run(
+    out: &std::path::Path,
+    max_restarts: u32,
+    victim: Option<u32>,
+) -> (bool, String, String, Duration) {
+    let mut job = Command::new(launcher())
+        .args([
+            "run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+        ])
+        .arg(max_restarts.to_string())
+        .arg("--")
+        .arg(example())
+        .args(["--epochs", "3", "--batch-size", "16", "--train-size", "768"])
+        .args(["--test-size", "64", "--resume", "--print-digest", "--out"])
+        .arg(out)
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut killed_at = None;
+    if let Some(victim) = victim {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let pid = loop {
+            assert!(Instant::now() < deadline, "epoch 1 never finished");
+            let ready = out.join("checkpoint/scheduler-1.bin").exists();
+            let ranks: Vec<(u32, u32)> = children(job.id())
+                .into_iter()
+                .filter_map(|p| Some((p, rank_of(p)?)))
+                .collect();
+            if let Some(&(pid, _)) = ranks.iter().find(|&&(_, r)| r == victim) {
+                if ready {
+                    break pid;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap();
+        killed_at = Some(Instant::now());
+    }
+    let result = job.wait_with_output().unwrap();
+    let took = killed_at.map(|t| t.elapsed()).unwrap_or_default();
+    (
+        result.status.success(),
+        String::from_utf8_lossy(&result.stdout).into_owned(),
+        String::from_utf8_lossy(&result.stderr).into_owned(),
+        took,
+    )
+}
+
+fn digests(stdout: &str) -> Vec<String> {
+    (0..2)
+        .map(|rank| {
+            let prefix = format!("[rank {rank}] parameter digest: ");
+            stdout
+                .lines()
+                .filter_map(|l| l.strip_prefix(&prefix))
+                .last()
+                .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{stdout}"))
+                .to_string()
+        })
+        .collect()
+}
+
+/// Each rank in turn is killed during training: without restarts the launcher fails within 30 s
+/// naming it; with `--max-restarts 1` the group restarts, resumes from the newest complete
+/// checkpoint and ends with exactly the parameters of a run that was never interrupted.
+#[test]
+fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
+    let base = scratch("elastic");
+    let (ok, stdout, stderr, _) = elastic_run(&base.join("unbroken"), 0, None);
+    assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+    let unbroken = digests(&stdout);
+    assert_eq!(unbroken[0], unbroken[1], "{stdout}");
+
+    for victim in [0, 1] {
+        let (ok, stdout, stderr, took) =
+            elastic_run(&base.join(format!("fail-{victim}")), 0, Some(victim));
+        assert!(!ok, "rank {victim} was killed, yet:\n{stdout}\n{stderr}");
+        assert!(took < Duration::from_secs(30), "took {took:?}");
+        assert!(
+            stderr.contains(&format!("rank {victim} (pid")) && stderr.contains("SIGKILL"),
+            "the failure does not name rank {victim} and how it died:\n{stderr}"
+        );
+
+        let (ok, stdout, stderr, _) =
+            elastic_run(&base.join(format!("restart-{victim}")), 1, Some(victim));
+        assert!(ok, "stdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(
+            stderr.contains("restarting the whole group (restart 1 of 1)"),
+            "{stderr}"
+        );
+        assert_eq!(
+            digests(&stdout),
+            unbroken,
+            "killed rank {victim}, restarted: parameters differ from the unbroken run"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}

@@ -52,6 +52,9 @@ pub mod cuda;
 pub mod data;
 mod ddp;
 mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 pub mod launch;
 #[cfg(feature = "train")]

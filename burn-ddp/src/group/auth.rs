@@ -95,7 +95,7 @@ pub(crate) enum RefuseReason {
 }
 
 impl RefuseReason {
-    fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut w = Writer::new();
         match self {
             RefuseReason::WrongToken => w.u8(1),
@@ -113,7 +113,7 @@ impl RefuseReason {
         w.finish()
     }
 
-    fn decode(payload: &[u8]) -> std::result::Result<Self, WireError> {
+    pub(crate) fn decode(payload: &[u8]) -> std::result::Result<Self, WireError> {
         let mut r = Reader::new(payload);
         let reason = match r.u8("refuse reason")? {
             1 => RefuseReason::WrongToken,

@@ -60,6 +60,12 @@ pub struct RunArgs {
     /// Seconds the other ranks get to exit after one failed, before they are killed.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
+    /// Restart the whole group up to this many times after a rank fails (torchrun's
+    /// `--max-restarts`). Each attempt sees `BURN_DDP_RESTART_COUNT` and
+    /// `TORCHELASTIC_RESTART_COUNT`; `DdpStrategy` then resumes from the newest complete
+    /// checkpoint. With several nodes, every node's launcher must be given the same value.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
@@ -192,7 +198,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
             })
         }
     };
-    let job = LocalJob {
+    let mut job = LocalJob {
         program: program.into(),
         args: rest,
         env: Vec::new(),
@@ -210,8 +216,31 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         deadline: None,
         stop: Some(spawn::stop_flag()?),
     };
-    spawn::run(&job)?.into_result()?;
-    Ok(ExitCode::SUCCESS)
+    let base_env = job.env.clone();
+    let mut attempt = 0;
+    loop {
+        job.env = base_env.clone();
+        for var in [super::env::RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"] {
+            job.env.push((var.into(), attempt.to_string().into()));
+        }
+        job.env.push((
+            "TORCHELASTIC_MAX_RESTARTS".into(),
+            args.max_restarts.to_string().into(),
+        ));
+        match spawn::run(&job)?.into_result() {
+            Ok(_) => return Ok(ExitCode::SUCCESS),
+            Err(DdpError::Interrupted) => return Err(DdpError::Interrupted),
+            Err(e) if attempt < args.max_restarts => {
+                eprintln!(
+                    "burn-ddp run: {e}; restarting the whole group (restart {} of {})",
+                    attempt + 1,
+                    args.max_restarts
+                );
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 fn bench(args: BenchArgs) -> Result<ExitCode> {

@@ -46,6 +46,9 @@ pub const RENDEZVOUS_TIMEOUT: &str = "BURN_DDP_RENDEZVOUS_TIMEOUT";
 pub const STORE_TIMEOUT: &str = "BURN_DDP_STORE_TIMEOUT";
 /// Collective deadline.
 pub const COLLECTIVE_TIMEOUT: &str = "BURN_DDP_COLLECTIVE_TIMEOUT";
+/// How many times `burn-ddp run --max-restarts` restarted the group before this attempt (0 at
+/// first); torchrun's `TORCHELASTIC_RESTART_COUNT` is read too.
+pub const RESTART_COUNT: &str = "BURN_DDP_RESTART_COUNT";
 /// Heartbeat silence bound.
 pub const HEARTBEAT_TIMEOUT: &str = "BURN_DDP_HEARTBEAT_TIMEOUT";
 /// Stall bound.
@@ -57,6 +60,14 @@ pub const STALL_TIMEOUT: &str = "BURN_DDP_STALL_TIMEOUT";
 /// `MissingEnv`/`InvalidEnv` naming the variable, or `RankOutOfRange`.
 pub fn group_config_from_env() -> Result<GroupConfig> {
     group_config_from(|k| std::env::var(k).ok())
+}
+
+/// How many times the launcher restarted the group before this attempt (0: the first).
+pub fn restart_count() -> u32 {
+    [RESTART_COUNT, "TORCHELASTIC_RESTART_COUNT"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`

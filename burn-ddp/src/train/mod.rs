@@ -46,6 +46,16 @@ use burn::train::{
 };
 
 pub use checkpoint::newest_complete;
+
+/// For the fuzz target: decode, and re-encode what decodes.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_decode_parts(data: &[u8]) {
+    if let Some(parts) = Part::decode(data) {
+        let mut again = Vec::new();
+        Part::encode(&parts, &mut again);
+        assert_eq!(again, data, "item round trip");
+    }
+}
 pub use item::{DistributedItem, Part};
 pub use render::{Headless, NoMetricLogger, ProgressLines};
 
@@ -130,10 +140,17 @@ impl<B: Backend> DdpStrategy<B> {
     }
 
     /// Whether to resume from the newest complete checkpoint in the checkpoint directory
-    /// (default `false`; an explicit `SupervisedTraining::checkpoint(epoch)` wins).
+    /// (default `false`, but a group restarted by `burn-ddp run --max-restarts` always resumes;
+    /// an explicit `SupervisedTraining::checkpoint(epoch)` wins).
     pub fn with_resume(mut self, resume: bool) -> Self {
         self.resume = resume;
         self
+    }
+
+    /// Whether training resumes from the newest complete checkpoint: when asked to, and
+    /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
+    fn resumes(&self) -> bool {
+        self.resume || crate::launch::env::restart_count() > 0
     }
 
     /// The session.
@@ -242,12 +259,15 @@ impl<B: Backend> DdpStrategy<B> {
                 });
                 Flow::Stop
             }
-            Err(e) => {
-                interrupter.stop(Some(&e.to_string()));
-                self.fail(e);
-                Flow::Stop
-            }
+            Err(e) => self.stop_with(e, interrupter),
         }
+    }
+
+    /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
+    fn stop_with(&self, e: DdpError, interrupter: &burn::train::Interrupter) -> Flow {
+        interrupter.stop(Some(&e.to_string()));
+        self.fail(e);
+        Flow::Stop
     }
 
     /// A failure of this rank alone, in the middle of a step (the others may be inside a
@@ -295,6 +315,34 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| p.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| String::from("(no message)"))
+}
+
+/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
+/// for (the interrupter), or a data error (a panic while loading it).
+fn next_batch<I>(
+    iter: &mut dyn burn::data::dataloader::DataLoaderIterator<I>,
+    interrupter: &burn::train::Interrupter,
+    split: &str,
+) -> (Option<I>, Vote) {
+    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
+        Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
+        Ok(Some(_)) => (
+            None,
+            Vote::Stop(
+                interrupter
+                    .get_message()
+                    .unwrap_or_else(|| "interrupted".into()),
+            ),
+        ),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => (
+            None,
+            Vote::Failed(format!(
+                "loading a {split} batch panicked: {}",
+                panic_text(&*p)
+            )),
+        ),
+    }
 }
 
 type TrainOut<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
@@ -443,7 +491,7 @@ impl<B: Backend> DdpStrategy<B> {
     fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
         let mine = match (explicit, &self.checkpoints) {
             (Some(e), _) => e as i64,
-            (None, Some(dir)) if self.resume && self.is_main() => {
+            (None, Some(dir)) if self.resumes() && self.is_main() => {
                 checkpoint::newest_complete(dir).map_or(0, |e| e as i64)
             }
             _ => 0,
@@ -532,25 +580,7 @@ impl<B: Backend> DdpStrategy<B> {
         let mut accumulator = GradientsAccumulator::new();
         let mut accumulated = 0;
         loop {
-            let (item, vote) = match catch_unwind(AssertUnwindSafe(|| iter.next())) {
-                Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
-                Ok(Some(_)) => (
-                    None,
-                    Vote::Stop(
-                        interrupter
-                            .get_message()
-                            .unwrap_or_else(|| "interrupted".into()),
-                    ),
-                ),
-                Ok(None) => (None, Vote::NoItem),
-                Err(p) => (
-                    None,
-                    Vote::Failed(format!(
-                        "loading a training batch panicked: {}",
-                        panic_text(&*p)
-                    )),
-                ),
-            };
+            let (item, vote) = next_batch(&mut *iter, interrupter, "training");
             let decision = self.agree(vote);
             if let Ok(Decision::Go { all_items, .. }) = &decision {
                 if !all_items {
@@ -590,9 +620,7 @@ impl<B: Backend> DdpStrategy<B> {
                 }
             };
             if let Err(e) = self.session.check() {
-                interrupter.stop(Some(&e.to_string()));
-                self.fail(e);
-                return Flow::Stop;
+                return self.stop_with(e, interrupter);
             }
             match accumulation {
                 Some(k) => {
@@ -604,11 +632,7 @@ impl<B: Backend> DdpStrategy<B> {
                             .sync_gradients(&learner.model(), accumulator.grads());
                         match grads {
                             Ok(g) => learner.optimizer_step(g),
-                            Err(e) => {
-                                interrupter.stop(Some(&e.to_string()));
-                                self.fail(e);
-                                return Flow::Stop;
-                            }
+                            Err(e) => return self.stop_with(e, interrupter),
                         }
                         accumulated = 0;
                     }
@@ -626,11 +650,7 @@ impl<B: Backend> DdpStrategy<B> {
                     )))
                 }
                 Ok(None) => {}
-                Err(e) => {
-                    interrupter.stop(Some(&e.to_string()));
-                    self.fail(e);
-                    return Flow::Stop;
-                }
+                Err(e) => return self.stop_with(e, interrupter),
             }
         }
         if self.is_main() {
@@ -656,25 +676,7 @@ impl<B: Backend> DdpStrategy<B> {
         let mut iter = loader.iter();
         let mut iteration = 0;
         loop {
-            let (item, vote) = match catch_unwind(AssertUnwindSafe(|| iter.next())) {
-                Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
-                Ok(Some(_)) => (
-                    None,
-                    Vote::Stop(
-                        interrupter
-                            .get_message()
-                            .unwrap_or_else(|| "interrupted".into()),
-                    ),
-                ),
-                Ok(None) => (None, Vote::NoItem),
-                Err(p) => (
-                    None,
-                    Vote::Failed(format!(
-                        "loading a validation batch panicked: {}",
-                        panic_text(&*p)
-                    )),
-                ),
-            };
+            let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
             let decision = self.agree(vote);
             // Shards may differ by one item: go on while any rank has a batch.
             if let Ok(Decision::Go {
@@ -704,11 +706,7 @@ impl<B: Backend> DdpStrategy<B> {
                     TrainingItem::new(merged, progress, global.clone(), Some(iteration), None),
                 )),
                 Ok(None) => {}
-                Err(e) => {
-                    interrupter.stop(Some(&e.to_string()));
-                    self.fail(e);
-                    return Flow::Stop;
-                }
+                Err(e) => return self.stop_with(e, interrupter),
             }
         }
         if self.is_main() {

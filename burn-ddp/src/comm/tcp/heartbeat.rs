@@ -107,6 +107,14 @@ impl Beat {
     }
 }
 
+/// For the fuzz target: decode, and re-encode what decodes.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_decode(data: &[u8]) {
+    if let Some(b) = Beat::decode(data) {
+        assert_eq!(Beat::decode(&b.encode()), Some(b), "heartbeat round trip");
+    }
+}
+
 pub(crate) fn key(rank: Rank) -> String {
     format!("heartbeat/{rank}")
 }

@@ -8,7 +8,7 @@
 //! publishes an [`AbortRecord`] in the store and closes every link, so that the other ranks stop
 //! within moments with an error that names the rank at fault.
 
-mod header;
+pub(crate) mod header;
 pub(crate) mod heartbeat;
 mod link;
 pub(crate) mod ring;
