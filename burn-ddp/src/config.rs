@@ -24,7 +24,7 @@ pub struct Timeouts {
     /// collective is reported dead or frozen (default 15 s).
     pub heartbeat: Duration,
     /// A rank that is alive but has not reached a collective others have waited in for this
-    /// long, without progressing, is reported stuck (default 60 s: long enough for rank-0-only
+    /// long, without progressing, is reported stuck (default 3 min: long enough for rank-0-only
     /// work such as writing a checkpoint; raise it if such work takes longer).
     pub stall: Duration,
 }
@@ -33,7 +33,7 @@ impl Timeouts {
     /// The heartbeat bound's default.
     pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);
     /// The stall bound's default.
-    pub const DEFAULT_STALL: Duration = Duration::from_secs(60);
+    pub const DEFAULT_STALL: Duration = Duration::from_secs(180);
 
     /// The same deadline for everything (handy in tests and scripts); the liveness bounds keep
     /// their defaults where those are shorter.

@@ -12,7 +12,7 @@
 //! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
 //! | `BURN_DDP_RENDEZVOUS_TIMEOUT`, `BURN_DDP_STORE_TIMEOUT`, `BURN_DDP_COLLECTIVE_TIMEOUT` | one deadline each | `BURN_DDP_TIMEOUT` |
 //! | `BURN_DDP_HEARTBEAT_TIMEOUT` | silence after which a rank is reported dead or frozen | 15 s (or `BURN_DDP_TIMEOUT` if shorter) |
-//! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 60 s (or `BURN_DDP_TIMEOUT` if shorter) |
+//! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 3 min (or `BURN_DDP_TIMEOUT` if shorter) |
 //! | `BURN_DDP_DEBUG_DESYNC=1` | check before every collective that all ranks call the same one | off |
 
 use std::time::Duration;
