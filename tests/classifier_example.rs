@@ -223,7 +223,7 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
 
 /// Runs the example through `burn-ddp run` (2 ranks, 3 short epochs, resuming from its
 /// checkpoints when restarted); if `victim` is given, kills that rank with SIGKILL once the
-/// checkpoint of epoch 1 is complete. Returns (success, stdout, stderr, seconds from the kill to
+/// checkpoint of epoch 1 is complete (all three records). Returns (success, stdout, stderr, seconds from the kill to
 /// the launcher's exit).
 fn elastic_run(
     out: &std::path::Path,
@@ -247,6 +247,7 @@ fn elastic_run(
         .env_remove("RANK")
         .env_remove("SLURM_PROCID")
         .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
+        .env("RUST_LOG", "burn_ddp=info") // to see where training resumed
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -256,7 +257,10 @@ fn elastic_run(
         let deadline = Instant::now() + Duration::from_secs(300);
         let pid = loop {
             assert!(Instant::now() < deadline, "epoch 1 never finished");
-            let ready = out.join("checkpoint/scheduler-1.bin").exists();
+            // The three records are written by three threads: wait for the whole epoch.
+            let ready = ["model", "optim", "scheduler"]
+                .iter()
+                .all(|p| out.join(format!("checkpoint/{p}-1.bin")).exists());
             let ranks: Vec<(u32, u32)> = children(job.id())
                 .into_iter()
                 .filter_map(|p| Some((p, rank_of(p)?)))
@@ -326,6 +330,16 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
             stderr.contains("restarting the whole group (restart 1 of 1)"),
             "{stderr}"
         );
+        // The restarted group resumed (a full rerun would end the same way, being
+        // deterministic): both ranks loaded a checkpoint written before the kill.
+        for rank in 0..2 {
+            assert!(
+                stderr.contains(&format!(
+                    "[rank {rank}] resumed from the checkpoint of epoch"
+                )),
+                "rank {rank} did not resume:\n{stderr}"
+            );
+        }
         assert_eq!(
             digests(&stdout),
             unbroken,

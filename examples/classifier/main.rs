@@ -25,9 +25,9 @@ use std::time::Instant;
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::Dataset;
+use burn::module::{ModuleVisitor, Param};
 use burn::optim::AdamConfig;
 use burn::prelude::*;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
 use burn_ddp::train::{DdpStrategy, DdpTraining};
@@ -147,13 +147,24 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>
         );
     }
     if args.print_digest {
-        let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
-            .record(result.model.into_record(), ())?;
-        let mut h = std::hash::DefaultHasher::new();
-        std::hash::Hasher::write(&mut h, &bytes);
-        println!("parameter digest: {:016x}", std::hash::Hasher::finish(&h));
+        println!("parameter digest: {:016x}", digest(&result.model));
     }
     Ok(())
+}
+
+/// A hash of the parameters' values, bit for bit, in visit order (not of the record, which
+/// also holds the parameters' random ids).
+fn digest(model: &Cnn<Inner>) -> u64 {
+    struct Values(std::hash::DefaultHasher);
+    impl ModuleVisitor<Inner> for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Inner, D>>) {
+            let data = param.val().into_data();
+            std::hash::Hasher::write(&mut self.0, data.as_bytes());
+        }
+    }
+    let mut v = Values(std::hash::DefaultHasher::new());
+    model.visit(&mut v);
+    std::hash::Hasher::finish(&v.0)
 }
 
 /// Accuracy over the whole test set: each rank scores its shard, the counts are summed.
