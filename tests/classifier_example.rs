@@ -230,7 +230,7 @@ fn elastic_run(
     max_restarts: u32,
     victim: Option<u32>,
 ) -> (bool, String, String, Duration) {
-    let mut job = Command::new(launcher())
+    let job = Command::new(launcher())
         .args([
             "run",
             "--standalone",
@@ -294,8 +294,8 @@ fn digests(stdout: &str) -> Vec<String> {
             let prefix = format!("[rank {rank}] parameter digest: ");
             stdout
                 .lines()
-                .filter_map(|l| l.strip_prefix(&prefix))
-                .last()
+                .rev()
+                .find_map(|l| l.strip_prefix(&prefix))
                 .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{stdout}"))
                 .to_string()
         })
