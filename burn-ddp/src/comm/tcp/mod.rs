@@ -211,13 +211,15 @@ impl TcpCommunicator {
             return self.publish(st, op, seq, Some(v.culprit), err);
         }
         // A neighbour that closed its links may only be reacting to a failure elsewhere; the
-        // store holds the first report, which names the real culprit.
+        // store holds the first report, which names the real culprit. That report may carry this
+        // rank's number without coming from this collective: the store hosted here records a
+        // rank whose connection dropped, and the others may have seen it and left first.
         let published = match &e {
             RingError::Closed(..) | RingError::Aborted => self.store.abort_record().ok().flatten(),
             _ => None,
         };
         let (err, culprit) = match (published, e) {
-            (Some(record), _) if record.reporter != self.rank => {
+            (Some(record), _) if record.reporter != self.rank || record.culprit.is_some() => {
                 let culprit = record.culprit;
                 (
                     DdpError::JobAborted {
