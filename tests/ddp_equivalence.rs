@@ -2,12 +2,16 @@
 //! process on the whole batch of `W·b`: after 20 optimizer steps every parameter matches within
 //! 1e-5 relative (f32). Real processes, real TCP, real Burn training.
 //!
+//! With `--features cuda` the backend is `Autodiff<Ddp<Cuda>>` (scripts/gpu-check.sh runs it with
+//! `BURN_DDP_GRAD_TRANSPORT=host` for several processes sharing one GPU, and `=nccl` at world
+//! size 1, which takes the zero-copy device path).
+//!
 //! The reference runs in every rank's process on the same backend without a session (nothing is
 //! marked, so nothing is synchronised), from the weights that `prepare` broadcast.
 
 mod common;
 
-use burn::backend::{Autodiff, NdArray};
+use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
@@ -16,7 +20,11 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, ProcessGroup};
 
-type B = Autodiff<Ddp<NdArray>>;
+// `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
+#[cfg(not(feature = "cuda"))]
+type B = Autodiff<Ddp<burn::backend::NdArray>>;
+#[cfg(feature = "cuda")]
+type B = Autodiff<Ddp<burn::backend::Cuda>>;
 
 const STEPS: usize = 20;
 const PER_RANK: usize = 4;
@@ -245,7 +253,7 @@ macro_rules! equivalence {
                     train::<$net<B>>(pg, $opt, $mode, $config, $tol);
                     return;
                 }
-                if !common::is_any_child() {
+                if !common::is_any_child() && common::world_selected($w) {
                     common::Job::new($w, name)
                         .function(stringify!($name))
                         .run()

@@ -405,10 +405,60 @@ pub enum DdpError {
     },
 
     /// The NCCL library could not be loaded (the `cuda` feature loads it at run time).
-    #[error("NCCL is not available: {detail}. Install NCCL 2.x (the `libnccl2` package, or `pip install nvidia-nccl-cu12`) and make `libnccl.so.2` findable through LD_LIBRARY_PATH")]
+    #[error("NCCL is not available: {detail}")]
     NcclUnavailable {
-        /// What was tried.
+        /// What was tried, and what to install or link.
         detail: String,
+    },
+
+    /// The CUDA driver failed or is missing.
+    #[error("[rank {rank}] CUDA: {what} failed: {detail}")]
+    Cuda {
+        /// This rank.
+        rank: Rank,
+        /// The call that failed.
+        what: String,
+        /// The driver's error, and what to check.
+        detail: String,
+    },
+
+    /// This process's local rank has no GPU.
+    #[error("[rank {rank}] no GPU for local rank {local_rank}: this node shows {count} CUDA device(s){visible}. Start at most {count} rank(s) per node (`--nproc-per-node {count}`), or give each rank its own GPU through CUDA_VISIBLE_DEVICES")]
+    NoGpuForRank {
+        /// This rank.
+        rank: Rank,
+        /// Its local rank (the GPU it would use).
+        local_rank: LocalRank,
+        /// Devices visible to this process.
+        count: usize,
+        /// `" (CUDA_VISIBLE_DEVICES=...)"` when set.
+        visible: String,
+    },
+
+    /// An NCCL call failed.
+    #[error("[rank {rank}] NCCL {call} failed: {code}{detail}. {hint}")]
+    Nccl {
+        /// This rank.
+        rank: Rank,
+        /// The NCCL call and what it was doing (`ncclAllReduce (all_reduce #12, 4096 x float)`).
+        call: String,
+        /// NCCL's result code and its text.
+        code: String,
+        /// `ncclGetLastError`'s message, when NCCL gave one (starts with ": ").
+        detail: String,
+        /// What usually causes it and what to do.
+        hint: &'static str,
+    },
+
+    /// An NCCL operation did not complete in time; the communicator was aborted.
+    #[error("[rank {rank}] NCCL {what} did not complete within {waited:?}; the communicator was aborted (ncclCommAbort) so that nothing waits forever. A rank that died or stalls, or ranks that call different collectives, cause this: look at the other ranks' output, and run with BURN_DDP_DEBUG_DESYNC=1 to compare the calls. Raise BURN_DDP_COLLECTIVE_TIMEOUT if the work is only slow")]
+    NcclTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The operation (`all_reduce #12`, `communicator creation`).
+        what: String,
+        /// The deadline.
+        waited: Duration,
     },
 
     /// The ranks' models differ: a parameter's name, shape or dtype is not the same everywhere.
@@ -588,7 +638,11 @@ impl DdpError {
             | GroupAborted { rank, .. }
             | Spawn { rank, .. }
             | RankFailed { rank, .. }
-            | RankError { rank, .. } => Some(*rank),
+            | RankError { rank, .. }
+            | Cuda { rank, .. }
+            | NoGpuForRank { rank, .. }
+            | Nccl { rank, .. }
+            | NcclTimeout { rank, .. } => Some(*rank),
             _ => None,
         }
     }

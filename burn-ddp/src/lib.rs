@@ -70,7 +70,8 @@ pub use comm::{CollectiveOp, DType, Element, ReduceOp};
 pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
-    Compression, DdpConfig, DdpModule, DdpSession, GradReduction, NoSyncGuard, ParamInfo,
+    Compression, DdpConfig, DdpModule, DdpSession, GradReduction, GradTransport, NoSyncGuard,
+    ParamInfo,
 };
 pub use error::{DdpError, Result};
 pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};

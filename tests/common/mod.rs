@@ -24,6 +24,15 @@ pub fn is_any_child() -> bool {
     std::env::var_os(CHILD).is_some()
 }
 
+/// Whether tests that run at several world sizes should run `world` (`BURN_DDP_TEST_WORLDS`,
+/// a comma-separated list, when set: the GPU checks run NCCL at 1 and the host path at 2 and 3).
+pub fn world_selected(world: usize) -> bool {
+    match std::env::var("BURN_DDP_TEST_WORLDS") {
+        Ok(list) => list.split(',').any(|w| w.trim().parse() == Ok(world)),
+        Err(_) => true,
+    }
+}
+
 /// In a child process of test `name`: `true`.
 pub fn is_child(name: &str) -> bool {
     std::env::var(CHILD).is_ok_and(|v| v == name)

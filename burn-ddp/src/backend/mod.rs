@@ -39,7 +39,7 @@ impl<B: Backend> BackendTypes for Ddp<B> {
 
 impl<B: Backend> DistributedBackend for Ddp<B> {
     fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
-        hooks::begin_backward(params.iter().map(|p| p.param_id));
+        hooks::begin_backward::<B>(params.iter().map(|p| p.param_id));
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {
@@ -69,8 +69,8 @@ const _: () = assert!(forward::FORWARDED > 400);
 
 /// `Ddp` over Burn's CUDA backend (`Autodiff<DdpCuda>` is the training backend).
 ///
-/// Gradients of CUDA tensors currently travel through the host transport; NCCL comes with the
-/// CUDA communicator.
+/// Gradient buckets stay on the GPU and are all-reduced in place by NCCL (see
+/// [`GradTransport`](crate::GradTransport) for the host-staged alternative).
 #[cfg(feature = "cuda")]
 pub type DdpCuda = Ddp<burn::backend::Cuda>;
 

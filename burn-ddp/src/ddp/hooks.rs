@@ -47,15 +47,16 @@ fn write_f32<B: Backend>(
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
 }
 
-/// `register_sync_parameters`: a backward pass starts; `used` get gradients in it.
-pub(crate) fn begin_backward(used: impl Iterator<Item = DistributedParamId>) {
+/// `register_sync_parameters`: a backward pass over `B` starts; `used` get gradients in it.
+pub(crate) fn begin_backward<B: Backend>(used: impl Iterator<Item = DistributedParamId>) {
     let Some(session) = current() else {
         warn_no_session();
         return;
     };
     let mut r = session.reducer();
     if r.active() {
-        r.begin(used);
+        let device = r.use_device::<B>();
+        r.begin(used, device);
     }
 }
 
@@ -75,6 +76,14 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
     // running in this thread; the container outlives the pass, and nothing else touches the
     // entry until `backward()` returns. Cloning a primitive shares or copies its storage.
     let tensor = unsafe { (*ptr).clone() };
+    #[cfg(feature = "cuda")]
+    let tensor = match r.device_pass() {
+        true => match crate::cuda::grad::to_cuda::<B>(tensor) {
+            Ok(t) => return r.fill_device(slot, t, Origin { ptr: ptr as usize }),
+            Err(t) => t,
+        },
+        false => tensor,
+    };
     let expected = r.slot_info(slot).map_or(0, |s| s.info.numel);
     match read_f32::<B>(tensor) {
         Ok(values) if values.len() == expected => {
@@ -112,6 +121,22 @@ pub(crate) fn finish_backward<B: Backend>() {
         return;
     };
     let mut r = session.reducer();
+    #[cfg(feature = "cuda")]
+    if r.device_pass() {
+        match r.finish_device() {
+            Ok(results) => {
+                for (origin, t) in results {
+                    let ptr = origin.ptr as *mut FloatTensor<B>;
+                    if let Some(t) = crate::cuda::grad::from_cuda::<B>(t) {
+                        // SAFETY: as below.
+                        unsafe { *ptr = t };
+                    }
+                }
+            }
+            Err(e) => r.record_error(e),
+        }
+        return;
+    }
     match r.finish() {
         Ok(results) => {
             for (origin, values) in results {

@@ -45,6 +45,50 @@ pub enum Compression {
     Bf16,
 }
 
+/// How gradient buckets of GPU tensors travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradTransport {
+    /// NCCL for Burn's CUDA backend when NCCL can be loaded (with the `cuda` feature), with a
+    /// warning and the host-staged transport otherwise; the host transport for other backends.
+    /// `BURN_DDP_GRAD_TRANSPORT=host|nccl|auto` overrides it.
+    #[default]
+    Auto,
+    /// Gradients are read to host memory and reduced by the process group's transport (TCP
+    /// between processes). Works for every backend, and lets several ranks share one GPU, which
+    /// NCCL refuses.
+    Host,
+    /// Buckets stay on the GPU and NCCL reduces them in place (`Autodiff<Ddp<Cuda>>` with the
+    /// `cuda` feature). Fails with a clear error where that is impossible, instead of falling
+    /// back.
+    Nccl,
+}
+
+impl GradTransport {
+    /// The transport after applying `BURN_DDP_GRAD_TRANSPORT`, if set.
+    ///
+    /// # Errors
+    /// The variable holds something other than `auto`, `host` or `nccl`.
+    pub fn from_env_or(self) -> Result<Self> {
+        match std::env::var("BURN_DDP_GRAD_TRANSPORT") {
+            Ok(v) => Self::parse(&v).ok_or(DdpError::InvalidEnv {
+                var: "BURN_DDP_GRAD_TRANSPORT",
+                value: v,
+                expected: "auto, host or nccl",
+            }),
+            Err(_) => Ok(self),
+        }
+    }
+
+    fn parse(v: &str) -> Option<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(Self::Auto),
+            "host" | "tcp" => Some(Self::Host),
+            "nccl" => Some(Self::Nccl),
+            _ => None,
+        }
+    }
+}
+
 /// Options of a [`DdpSession`]. The defaults are PyTorch DDP's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DdpConfig {
@@ -60,6 +104,8 @@ pub struct DdpConfig {
     /// All-reduce buckets while backward runs (default). `false` all-reduces every bucket, in
     /// order, after backward: slower, but simple to reason about when debugging.
     pub overlap: bool,
+    /// How buckets of GPU gradients travel (NCCL or host-staged).
+    pub transport: GradTransport,
 }
 
 impl Default for DdpConfig {
@@ -70,6 +116,7 @@ impl Default for DdpConfig {
             reduction: GradReduction::Mean,
             compression: Compression::None,
             overlap: true,
+            transport: GradTransport::Auto,
         }
     }
 }
@@ -96,6 +143,12 @@ impl DdpConfig {
     /// Chooses between overlapped (default) and after-backward synchronisation.
     pub fn with_overlap(mut self, overlap: bool) -> Self {
         self.overlap = overlap;
+        self
+    }
+
+    /// Chooses how GPU gradient buckets travel.
+    pub fn with_transport(mut self, transport: GradTransport) -> Self {
+        self.transport = transport;
         self
     }
 
@@ -170,8 +223,9 @@ impl DdpSession {
     ///
     /// # Errors
     /// An invalid configuration.
-    pub fn new(pg: ProcessGroup, config: DdpConfig) -> Result<Self> {
+    pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
         config.validate()?;
+        config.transport = config.transport.from_env_or()?;
         let reducer = Reducer::new(&pg, &config);
         let shared = Arc::new(Shared {
             pg,
@@ -279,5 +333,18 @@ pub struct NoSyncGuard<'a> {
 impl Drop for NoSyncGuard<'_> {
     fn drop(&mut self) {
         self.session.shared.reducer().set_enabled(true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_names_parse() {
+        assert_eq!(GradTransport::parse("NCCL"), Some(GradTransport::Nccl));
+        assert_eq!(GradTransport::parse(" host"), Some(GradTransport::Host));
+        assert_eq!(GradTransport::parse("auto"), Some(GradTransport::Auto));
+        assert_eq!(GradTransport::parse("gloo"), None);
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use burn_backend::distributed::DistributedParamId;
 use half::{bf16, f16};
 
-use super::{Compression, DdpConfig, GradReduction, ParamInfo};
+use super::{Compression, DdpConfig, GradReduction, GradTransport, ParamInfo};
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::ReduceOp;
@@ -95,6 +95,9 @@ struct Step {
     next_launch: usize,
     results: Vec<Option<Vec<f32>>>,
     outstanding: usize,
+    /// This pass keeps its buckets on the GPU (NCCL).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::grad::DeviceStep>,
 }
 
 struct Job {
@@ -140,6 +143,13 @@ pub(crate) struct Reducer {
     comm: Option<Comm>,
     /// Parameters with no local gradient that got a non-zero average in the last backward.
     foreign: Vec<String>,
+    transport: GradTransport,
+    /// The NCCL communicator of the device path, once created.
+    #[cfg(feature = "cuda")]
+    nccl: Option<std::sync::Arc<crate::cuda::NcclComm>>,
+    /// The device path was ruled out for this session (and why was said once).
+    #[cfg(feature = "cuda")]
+    nccl_refused: bool,
 }
 
 impl Reducer {
@@ -156,7 +166,87 @@ impl Reducer {
             spare: Vec::new(),
             comm: None,
             foreign: Vec::new(),
+            transport: config.transport,
+            #[cfg(feature = "cuda")]
+            nccl: None,
+            #[cfg(feature = "cuda")]
+            nccl_refused: false,
         }
+    }
+
+    /// Whether this backward pass over backend `B` keeps its buckets on the GPU, creating the
+    /// NCCL communicator the first time (collectively: every rank takes the same decision).
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+    pub(crate) fn use_device<B: burn_backend::Backend>(&mut self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            use crate::cuda::grad::is_cuda;
+            if !is_cuda::<B>() || self.transport == GradTransport::Host {
+                if self.transport == GradTransport::Nccl && !self.nccl_refused {
+                    self.nccl_refused = true;
+                    self.record_error(DdpError::InvalidConfig {
+                        field: "DdpConfig::transport",
+                        reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA                                  backend); other backends use GradTransport::Host or Auto",
+                    });
+                }
+                return false;
+            }
+            if self.nccl.is_some() {
+                return true;
+            }
+            if self.nccl_refused {
+                return false;
+            }
+            match self.open_nccl() {
+                Ok(comm) => {
+                    self.nccl = Some(std::sync::Arc::new(comm));
+                    true
+                }
+                Err(e) if self.transport == GradTransport::Nccl => {
+                    self.nccl_refused = true;
+                    self.record_error(e);
+                    false
+                }
+                Err(e) => {
+                    self.nccl_refused = true;
+                    tracing::warn!(
+                        "[rank {}] gradients of CUDA tensors go through the host-staged                          transport: {e}",
+                        self.pg.rank()
+                    );
+                    false
+                }
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            if self.transport == GradTransport::Nccl && self.error.is_none() {
+                self.record_error(DdpError::InvalidConfig {
+                    field: "DdpConfig::transport",
+                    reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
+                });
+            }
+            false
+        }
+    }
+
+    /// Agrees with every rank whether NCCL can be used (a rank without the library would
+    /// otherwise leave the others waiting in a communicator it never joins), then creates it.
+    #[cfg(feature = "cuda")]
+    fn open_nccl(&self) -> Result<crate::cuda::NcclComm> {
+        let local = match crate::cuda::nccl_version() {
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        let mut vote = [i64::from(local.is_ok())];
+        self.pg.all_reduce(&mut vote, ReduceOp::Min)?;
+        local?;
+        if vote[0] == 0 {
+            return Err(DdpError::NcclUnavailable {
+                detail: "another rank cannot load NCCL (see its warning); every rank uses the                          host-staged transport so that they stay in step"
+                    .into(),
+            });
+        }
+        crate::cuda::NcclComm::new(&self.pg)
     }
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
@@ -210,15 +300,20 @@ impl Reducer {
 
     /// Whether a backward pass should be synchronised now. At world size 1 the average is the
     /// gradient itself, so nothing is copied (compression, too, is skipped there).
+    ///
+    /// An explicit `GradTransport::Nccl` synchronises at world size 1 too: NCCL refuses two
+    /// ranks on one GPU, so a one-GPU machine can only exercise the device path that way.
     pub(crate) fn active(&self) -> bool {
         self.enabled
             && self.plan.is_some()
             && self.error.is_none()
-            && self.pg.world_size().get() > 1
+            && (self.pg.world_size().get() > 1
+                || (cfg!(feature = "cuda") && self.transport == GradTransport::Nccl))
     }
 
-    /// Starts a backward pass in which the parameters `used` will receive gradients.
-    pub(crate) fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>) {
+    /// Starts a backward pass in which the parameters `used` will receive gradients; `device`:
+    /// its buckets stay on the GPU (see [`Reducer::use_device`]).
+    pub(crate) fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>, device: bool) {
         self.discard_step();
         let Some(plan) = self.plan.as_ref() else {
             return;
@@ -230,7 +325,7 @@ impl Reducer {
             }
         }
         let mut buffers = Vec::with_capacity(plan.buckets.len());
-        for (_, len) in &plan.buckets {
+        for (_, len) in plan.buckets.iter().filter(|_| !device) {
             let mut b = self
                 .spare
                 .iter()
@@ -250,7 +345,14 @@ impl Reducer {
             }
         }
         let n = plan.buckets.len();
+        if device {
+            buffers = (0..n).map(|_| None).collect();
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = device;
         self.step = Some(Step {
+            #[cfg(feature = "cuda")]
+            device: device.then(|| crate::cuda::grad::DeviceStep::new(plan.slots.len(), n)),
             buffers,
             pending,
             ready,
@@ -294,6 +396,11 @@ impl Reducer {
     }
 
     fn launch_ready(&mut self) {
+        #[cfg(feature = "cuda")]
+        if self.step.as_ref().is_some_and(|s| s.device.is_some()) {
+            self.launch_ready_device();
+            return;
+        }
         let Some(step) = self.step.as_mut() else {
             return;
         };
@@ -327,6 +434,114 @@ impl Reducer {
                 return;
             }
         }
+    }
+
+    /// Whether the running pass keeps its buckets on the GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_pass(&self) -> bool {
+        self.step.as_ref().is_some_and(|s| s.device.is_some())
+    }
+
+    /// The device path's [`Reducer::fill`]: keeps a final CUDA gradient for its bucket and
+    /// queues what became ready.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fill_device(
+        &mut self,
+        slot: usize,
+        grad: burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
+        origin: Origin,
+    ) {
+        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
+            return;
+        };
+        let Some(dev) = step.device.as_mut() else {
+            return;
+        };
+        dev.keep(slot, grad);
+        step.ready[slot] = true;
+        step.origin[slot] = Some(origin);
+        step.pending[plan.slots[slot].bucket] -= 1;
+        if self.overlap {
+            self.launch_ready_device();
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn launch_ready_device(&mut self) {
+        let op = match self.reduction {
+            GradReduction::Mean => ReduceOp::Mean,
+            GradReduction::Sum => ReduceOp::Sum,
+        };
+        let (Some(plan), Some(step), Some(comm)) =
+            (self.plan.as_ref(), self.step.as_mut(), self.nccl.as_ref())
+        else {
+            return;
+        };
+        let Some(dev) = step.device.as_mut() else {
+            return;
+        };
+        while self.error.is_none()
+            && step.next_launch < step.pending.len()
+            && step.pending[step.next_launch] == 0
+        {
+            let bucket = step.next_launch;
+            step.next_launch += 1;
+            let slots: Vec<(usize, usize)> = plan.buckets[bucket]
+                .0
+                .iter()
+                .map(|&i| (i, plan.slots[i].info.numel))
+                .collect();
+            if let Err(e) = dev.launch(comm, bucket, &slots, op, self.compression) {
+                tracing::error!("gradient synchronisation failed: {e}");
+                self.error = Some(e);
+            }
+        }
+    }
+
+    /// The device path's [`Reducer::finish`]: queues the remaining buckets, waits for NCCL and
+    /// returns each local gradient's origin with its averaged value (on the GPU).
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn finish_device(
+        &mut self,
+    ) -> Result<
+        Vec<(
+            Origin,
+            burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
+        )>,
+    > {
+        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
+            for (i, slot) in plan.slots.iter().enumerate() {
+                if !step.ready[i] {
+                    step.ready[i] = true;
+                    step.pending[slot.bucket] -= 1;
+                }
+            }
+        }
+        self.launch_ready_device();
+        let Some(mut step) = self.step.take() else {
+            return Ok(Vec::new());
+        };
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let (Some(plan), Some(comm), Some(dev)) =
+            (self.plan.as_ref(), self.nccl.as_ref(), step.device.as_mut())
+        else {
+            return Ok(Vec::new());
+        };
+        let slots = plan
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| step.origin[*i].is_some())
+            .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel));
+        let reduced = dev.finish(comm, slots)?;
+        self.foreign.clear();
+        Ok(reduced
+            .into_iter()
+            .filter_map(|(slot, t)| step.origin[slot].map(|o| (o, t)))
+            .collect())
     }
 
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and

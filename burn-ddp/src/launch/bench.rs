@@ -32,6 +32,9 @@ pub struct AllReduceBench {
     pub target: Duration,
     /// Skip the single-stream TCP measurement.
     pub skip_loopback: bool,
+    /// Measure NCCL on each rank's GPU instead of the process group's transport (`cuda`
+    /// feature).
+    pub nccl: bool,
 }
 
 impl Default for AllReduceBench {
@@ -44,6 +47,7 @@ impl Default for AllReduceBench {
             op: ReduceOp::Sum,
             target: Duration::from_millis(400),
             skip_loopback: false,
+            nccl: false,
         }
     }
 }
@@ -181,6 +185,143 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<B
             .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
             .count() as i64];
         pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+
+        let algbw = bytes as f64 / secs[0] / 1e9;
+        let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
+        rows.push(BenchRow {
+            bytes,
+            count,
+            seconds: secs[0],
+            algbw,
+            busbw,
+            wrong: wrong[0].max(0) as u64,
+        });
+        if pg.is_main() {
+            print_row(rows.last().copied(), opts);
+        }
+    }
+    Ok(rows)
+}
+
+/// The sweep over NCCL: buffers on each rank's GPU, `iters` all-reduces queued back to back and
+/// waited for once (as nccl-tests does), results checked on the host afterwards.
+#[cfg(feature = "cuda")]
+fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
+    let comm = crate::cuda::NcclComm::new(pg)?;
+    if pg.is_main() {
+        println!(
+            "# burn-ddp bench all-reduce: {} ranks, NCCL {} on GPU {} (rank 0), {} {}, in place",
+            pg.world_size(),
+            comm.version(),
+            comm.context().ordinal(),
+            dtype_name(opts.dtype),
+            opts.op
+        );
+        println!("#");
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>10} {:>8} {:>8} {:>7}",
+            "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"
+        );
+    }
+    let rows = match opts.dtype {
+        BenchDType::F32 => sweep_nccl::<f32>(pg, &comm, opts),
+        BenchDType::F64 => sweep_nccl::<f64>(pg, &comm, opts),
+        BenchDType::F16 => sweep_nccl::<f16>(pg, &comm, opts),
+        BenchDType::BF16 => sweep_nccl::<bf16>(pg, &comm, opts),
+        BenchDType::I32 => sweep_nccl::<i32>(pg, &comm, opts),
+        BenchDType::I64 => sweep_nccl::<i64>(pg, &comm, opts),
+    }?;
+    if pg.is_main() {
+        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+        let avg = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
+        println!(
+            "# Out of bounds values : {wrong} {}",
+            if wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+        if wrong > 0 {
+            return Err(DdpError::WrongResults { wrong });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> Result<()> {
+    Err(DdpError::NcclUnavailable {
+        detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with                  `--features cuda` to measure NCCL"
+            .into(),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
+    pg: &ProcessGroup,
+    comm: &crate::cuda::NcclComm,
+    opts: &AllReduceBench,
+) -> Result<Vec<BenchRow>> {
+    use cudarc::driver::DevicePtrMut;
+
+    let elem = std::mem::size_of::<T>();
+    let world = pg.world_size().get();
+    let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
+    let rank = pg.rank();
+    let cuda = |what: &str, e| crate::cuda::driver_error_for(rank, what, e);
+    let max_count = opts.max_bytes / elem;
+    let host: Vec<T> = (0..max_count)
+        .map(|i| T::from_i32(pattern(rank.0, i)))
+        .collect();
+    let mut dev = comm
+        .stream()
+        .clone_htod(&host)
+        .map_err(|e| cuda("copying the benchmark buffer to the GPU", e))?;
+    let mut rows = Vec::new();
+    for bytes in sizes(opts, elem) {
+        let count = bytes / elem;
+        let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
+        let run = |n: usize| -> Result<f64> {
+            let t = Instant::now();
+            for _ in 0..n {
+                // SAFETY: `ptr` is `dev`'s allocation of `max_count` >= `count` elements on the
+                // communicator's GPU, alive until the end of this loop body; `wait` below
+                // completes the work before anything reads it.
+                unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
+            }
+            comm.wait()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(2)?;
+        let mut est = [run(1)?];
+        pg.all_reduce(&mut est, ReduceOp::Max)?;
+        let iters = (opts.target.as_secs_f64() / est[0].max(1e-7)).clamp(3.0, 500.0) as usize;
+        pg.barrier()?;
+        let mut secs = [run(iters)? / iters as f64];
+        pg.all_reduce(&mut secs, ReduceOp::Max)?;
+        drop(_sync);
+
+        // Correctness on fresh data.
+        comm.stream()
+            .memcpy_htod(&host, &mut dev)
+            .map_err(|e| cuda("resetting the benchmark buffer", e))?;
+        {
+            let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
+            // SAFETY: as above.
+            unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
+        }
+        comm.wait()?;
+        let back: Vec<T> = comm
+            .stream()
+            .clone_dtoh(&dev)
+            .map_err(|e| cuda("reading the result", e))?;
+        let mut wrong = [back[..count]
+            .iter()
+            .enumerate()
+            .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
+            .count() as i64];
+        pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        comm.stream()
+            .memcpy_htod(&host, &mut dev)
+            .map_err(|e| cuda("resetting the benchmark buffer", e))?;
 
         let algbw = bytes as f64 / secs[0] / 1e9;
         let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
@@ -383,6 +524,9 @@ fn compare<T: BenchElem>(
 /// Any collective or setup error.
 pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
     let pg = ProcessGroup::from_env()?;
+    if opts.nccl {
+        return run_nccl(&pg, opts);
+    }
     let world = pg.world_size();
     let reference = REFERENCE.min(opts.max_bytes);
     let mut link = if world.get() >= 2 && !opts.skip_loopback {

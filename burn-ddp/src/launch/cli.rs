@@ -122,6 +122,16 @@ pub struct BenchArgs {
     /// Skip the single-stream TCP measurement.
     #[arg(long)]
     no_loopback: bool,
+    /// Transport to measure: the process group's (TCP between processes), or NCCL on each
+    /// rank's GPU (`LOCAL_RANK`; needs the `cuda` feature).
+    #[arg(long, value_enum, default_value = "host")]
+    transport: TransportArg,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TransportArg {
+    Host,
+    Nccl,
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -264,6 +274,7 @@ fn bench(args: BenchArgs) -> Result<ExitCode> {
         },
         target: Duration::from_millis(args.target_ms),
         skip_loopback: args.no_loopback,
+        nccl: matches!(args.transport, TransportArg::Nccl),
     };
     if std::env::var_os(super::env::RANK).is_some() {
         super::bench::run_worker(&opts)?;

@@ -1,0 +1,811 @@
+//! [`NcclComm`]: an NCCL communicator for one rank of a [`ProcessGroup`], on the GPU of the
+//! rank's `LOCAL_RANK`.
+//!
+//! - Created once per group and reused. Rank 0 makes the NCCL unique id and shares it through
+//!   the job's rendezvous store (in-process groups: a broadcast over the group).
+//! - Collectives are queued on the communicator's own stream (not the default stream, not Burn's
+//!   compute stream); [`NcclComm::wait`] waits for them with the collective deadline.
+//! - Nothing blocks without a deadline: creation runs on a helper thread the caller waits for;
+//!   waits poll the stream, NCCL's asynchronous error and the job's abort record. A deadline, an
+//!   error or another rank's failure aborts the communicator (`ncclCommAbort`), which frees the
+//!   GPU from kernels that wait for a dead peer; later calls fail at once.
+
+use std::ffi::{c_void, CStr};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::nccl::result;
+use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
+
+use super::library::{nccl_version, NcclVersion};
+use super::status::{driver_error, nccl_error};
+use super::wait::{wait_for, Poll, Stop};
+use crate::comm::{CollectiveOp, DType, Element, ReduceOp};
+use crate::error::{DdpError, Result};
+use crate::group::{AbortRecord, CollectiveSeq, ProcessGroup, Rank, WorldSize};
+
+/// How often a wait asks the store whether another rank reported a failure.
+const JOB_CHECK: Duration = Duration::from_millis(500);
+
+/// Communicators created by this process, to give each its own key in the store (every rank
+/// creates its communicators in the same order).
+static CREATED: AtomicU64 = AtomicU64::new(0);
+
+/// NCCL's element type for `dtype`.
+pub(crate) fn nccl_dtype(dtype: DType) -> ncclDataType_t {
+    match dtype {
+        DType::F32 => ncclDataType_t::ncclFloat32,
+        DType::F64 => ncclDataType_t::ncclFloat64,
+        DType::F16 => ncclDataType_t::ncclFloat16,
+        DType::BF16 => ncclDataType_t::ncclBfloat16,
+        DType::I32 => ncclDataType_t::ncclInt32,
+        DType::I64 => ncclDataType_t::ncclInt64,
+        DType::U8 => ncclDataType_t::ncclUint8,
+    }
+}
+
+/// NCCL's reduction for `op` on `dtype`, or why this NCCL cannot do it.
+pub(crate) fn nccl_op(
+    op: ReduceOp,
+    dtype: DType,
+    version: NcclVersion,
+) -> std::result::Result<ncclRedOp_t, String> {
+    Ok(match op {
+        ReduceOp::Sum => ncclRedOp_t::ncclSum,
+        ReduceOp::Max => ncclRedOp_t::ncclMax,
+        ReduceOp::Min => ncclRedOp_t::ncclMin,
+        ReduceOp::Mean => {
+            if !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
+                return Err(format!(
+                    "mean of {dtype} values: NCCL averages floating-point types only; reduce with \
+                     ReduceOp::Sum and divide by the world size"
+                ));
+            }
+            if !version.has_avg() {
+                return Err(format!(
+                    "mean needs ncclAvg (NCCL 2.10 or newer); this process loaded NCCL {version}"
+                ));
+            }
+            ncclRedOp_t::ncclAvg
+        }
+    })
+}
+
+/// The raw communicator handle.
+struct Handle(sys::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; `NcclComm` serialises them behind its mutex.
+unsafe impl Send for Handle {}
+
+#[derive(Default)]
+struct State {
+    seq: u64,
+    /// What failed first; every later call reports it.
+    failed: Option<String>,
+    /// The last operation queued, for messages.
+    last: Option<(CollectiveOp, CollectiveSeq, String)>,
+}
+
+/// An NCCL communicator for one rank, bound to one GPU. See the module documentation.
+pub struct NcclComm {
+    handle: Mutex<(Handle, State)>,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    pg: ProcessGroup,
+    rank: Rank,
+    world: WorldSize,
+    version: NcclVersion,
+    timeout: Duration,
+}
+
+impl fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world)
+            .field("device", &self.ctx.ordinal())
+            .field("nccl", &self.version.to_string())
+            .finish()
+    }
+}
+
+impl NcclComm {
+    /// Creates the communicator of `pg` on the GPU of this rank's `LOCAL_RANK`. Every rank of
+    /// the group must call it (collectively, like any collective).
+    ///
+    /// # Errors
+    /// NCCL missing ([`DdpError::NcclUnavailable`], saying what to install or link), no GPU for
+    /// this local rank, NCCL or driver failures with their text, or the rendezvous deadline.
+    pub fn new(pg: &ProcessGroup) -> Result<Self> {
+        let ctx = super::device::context_for(pg.rank(), pg.local_rank())?;
+        Self::on(pg, ctx)
+    }
+
+    /// As [`NcclComm::new`], on the GPU of `ctx` (which must be the same on no two ranks).
+    ///
+    /// # Errors
+    /// As [`NcclComm::new`].
+    pub fn on(pg: &ProcessGroup, ctx: Arc<CudaContext>) -> Result<Self> {
+        let version = nccl_version()?;
+        let rank = pg.rank();
+        let world = pg.world_size();
+        let timeouts = pg.timeouts();
+        ctx.bind_to_thread()
+            .map_err(|e| driver_error(rank, "binding the CUDA context", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| driver_error(rank, "creating the NCCL stream", e))?;
+        let id = share_unique_id(pg)?;
+        let nranks = i32::try_from(world.get()).map_err(|_| DdpError::InvalidConfig {
+            field: "WORLD_SIZE",
+            reason: "NCCL takes at most 2^31 - 1 ranks",
+        })?;
+        // `ncclCommInitRank` blocks until every rank has joined: run it where the caller can stop
+        // waiting for it.
+        let (tx, rx) = mpsc::channel();
+        let init_ctx = Arc::clone(&ctx);
+        std::thread::Builder::new()
+            .name(format!("burn-ddp-nccl-init-{rank}"))
+            .spawn(move || {
+                let mut comm = std::mem::MaybeUninit::<sys::ncclComm_t>::uninit();
+                let r = init_ctx
+                    .bind_to_thread()
+                    .map_err(|e| driver_error(rank, "binding the CUDA context", e))
+                    .and_then(|()| {
+                        // SAFETY: `comm` is written by NCCL on success; the id came from rank 0's
+                        // `ncclGetUniqueId`; rank and size are validated.
+                        unsafe {
+                            result::comm_init_rank(comm.as_mut_ptr(), nranks, id, rank.0 as i32)
+                        }
+                        .map_err(|e| nccl_error(rank, "ncclCommInitRank", e.0, None))
+                    })
+                    // SAFETY: initialised by the successful call above.
+                    .map(|_| Handle(unsafe { comm.assume_init() }));
+                if let Err(Ok(handle)) = tx.send(r).map_err(|e| e.0) {
+                    // Nobody waits any more (the caller timed out): release what was made.
+                    // SAFETY: a valid communicator nobody else holds.
+                    let _ = unsafe { result::comm_abort(handle.0) };
+                }
+            })?;
+        let wait = timeouts
+            .rendezvous
+            .max(timeouts.collective.min(timeouts.rendezvous * 4));
+        let handle = match rx.recv_timeout(wait) {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(DdpError::NcclTimeout {
+                    rank,
+                    what: "communicator creation (ncclCommInitRank)".into(),
+                    waited: wait,
+                })
+            }
+        };
+        tracing::info!(
+            "[rank {rank}] NCCL {version} communicator ready on GPU {} ({} ranks)",
+            ctx.ordinal(),
+            world
+        );
+        Ok(Self {
+            handle: Mutex::new((handle, State::default())),
+            stream,
+            ctx,
+            pg: pg.clone(),
+            rank,
+            world,
+            version,
+            timeout: timeouts.collective,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> WorldSize {
+        self.world
+    }
+
+    /// The NCCL version in use.
+    pub fn version(&self) -> NcclVersion {
+        self.version
+    }
+
+    /// The stream the collectives run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The GPU's context (its primary context: the one Burn's CUDA backend uses too).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn lock(&self) -> MutexGuard<'_, (Handle, State)> {
+        self.handle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues one NCCL call on the stream; `f` gets the communicator and the stream.
+    fn launch(
+        &self,
+        op: CollectiveOp,
+        what: String,
+        call: &'static str,
+        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), ncclResult_t>,
+    ) -> Result<CollectiveSeq> {
+        let mut guard = self.lock();
+        let (handle, state) = &mut *guard;
+        if let Some(first) = &state.failed {
+            return Err(DdpError::GroupAborted {
+                rank: self.rank,
+                first: Box::new(AbortRecord {
+                    reporter: self.rank,
+                    culprit: None,
+                    collective: state.last.as_ref().map(|l| (l.0, l.1)),
+                    reason: first.clone(),
+                }),
+            });
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver_error(self.rank, "binding the CUDA context", e))?;
+        state.seq += 1;
+        let seq = CollectiveSeq(state.seq);
+        let what = format!("{op} {seq}, {what}");
+        if let Err(code) = f(handle.0, self.stream.cu_stream() as sys::cudaStream_t) {
+            let e = nccl_error(
+                self.rank,
+                format!("{call} ({what})"),
+                code,
+                last_error(handle.0),
+            );
+            state.failed = Some(e.to_string());
+            // SAFETY: a valid communicator, used by no other thread (we hold the lock).
+            let _ = unsafe { result::comm_abort(handle.0) };
+            handle.0 = std::ptr::null_mut();
+            return Err(e);
+        }
+        state.last = Some((op, seq, what));
+        Ok(seq)
+    }
+
+    /// Marks the communicator failed and aborts it (`ncclCommAbort`): kernels waiting for peers
+    /// stop, later calls fail at once naming `reason`.
+    fn fail(&self, reason: String) {
+        let mut guard = self.lock();
+        let (handle, state) = &mut *guard;
+        state.failed.get_or_insert(reason);
+        if !handle.0.is_null() {
+            // SAFETY: a valid communicator; we hold the lock.
+            let _ = unsafe { result::comm_abort(handle.0) };
+            handle.0 = std::ptr::null_mut();
+        }
+    }
+
+    /// Aborts the communicator (as after a failure). Every later call fails.
+    pub fn abort(&self) {
+        self.fail(format!("rank {} aborted its NCCL communicator", self.rank));
+    }
+
+    /// Waits, with the collective deadline, for everything queued so far on the stream.
+    ///
+    /// # Errors
+    /// The deadline ([`DdpError::NcclTimeout`]), an NCCL or CUDA error, or a failure another
+    /// rank published; the communicator is then aborted.
+    pub fn wait(&self) -> Result<()> {
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| driver_error(self.rank, "cuEventRecord on the NCCL stream", e))?;
+        let deadline = Instant::now() + self.timeout;
+        let outcome = wait_for(
+            deadline,
+            JOB_CHECK,
+            || match event.try_is_complete() {
+                Ok(true) => Poll::Done,
+                Ok(false) => match self.async_error() {
+                    Some(e) => Poll::Failed(e),
+                    None => Poll::Pending,
+                },
+                Err(e) => Poll::Failed(driver_error(self.rank, "waiting for NCCL's stream", e)),
+            },
+            || {
+                let record = self.pg.abort_record().ok().flatten()?;
+                Some(DdpError::JobAborted {
+                    rank: self.rank,
+                    during: self.lock().1.last.as_ref().map(|l| (l.0, l.1)),
+                    record,
+                })
+            },
+        );
+        let what = || {
+            self.lock()
+                .1
+                .last
+                .as_ref()
+                .map(|l| l.2.clone())
+                .unwrap_or_else(|| "the queued work".into())
+        };
+        match outcome {
+            Ok(()) => Ok(()),
+            Err(Stop::TimedOut) => {
+                let e = DdpError::NcclTimeout {
+                    rank: self.rank,
+                    what: what(),
+                    waited: self.timeout,
+                };
+                self.publish(&e);
+                self.fail(e.to_string());
+                Err(e)
+            }
+            Err(Stop::Failed(e)) => {
+                self.publish(&e);
+                self.fail(e.to_string());
+                Err(e)
+            }
+            Err(Stop::Aborted(e)) => {
+                self.fail(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells the other ranks (through the store) that this rank's NCCL work failed.
+    fn publish(&self, e: &DdpError) {
+        if let Some(store) = self.pg.store_client() {
+            let last = self.lock().1.last.as_ref().map(|l| (l.0, l.1));
+            let _ = store.abort(AbortRecord {
+                reporter: self.rank,
+                culprit: None,
+                collective: last,
+                reason: e.to_string(),
+            });
+        }
+    }
+
+    /// NCCL's asynchronous error, if the communicator has one.
+    fn async_error(&self) -> Option<DdpError> {
+        let guard = self.lock();
+        let handle = guard.0 .0;
+        if handle.is_null() {
+            return None;
+        }
+        let mut code = ncclResult_t::ncclSuccess;
+        // SAFETY: a valid communicator; `code` is written by NCCL.
+        let r = unsafe { sys::ncclCommGetAsyncError(handle, &mut code) };
+        let code = if r == ncclResult_t::ncclSuccess {
+            code
+        } else {
+            r
+        };
+        match code {
+            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => None,
+            code => Some(nccl_error(
+                self.rank,
+                "asynchronous error (ncclCommGetAsyncError)",
+                code,
+                last_error(handle),
+            )),
+        }
+    }
+
+    fn check_len(
+        &self,
+        op: CollectiveOp,
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    ) -> Result<()> {
+        if expected == got {
+            return Ok(());
+        }
+        Err(DdpError::BufferSize {
+            rank: self.rank,
+            op,
+            what,
+            expected,
+            got,
+        })
+    }
+
+    /// Queues an all-reduce of `count` elements from `send` into `recv` (equal for in place).
+    ///
+    /// # Safety
+    /// `send` and `recv` must be device pointers on this communicator's GPU to at least
+    /// `count` elements of `dtype`, and stay valid until [`NcclComm::wait`] returns. Work that
+    /// writes `send` must be complete (or ordered before this stream); nothing may read `recv`
+    /// before the wait.
+    ///
+    /// # Errors
+    /// The reduction is not available for `dtype`, or NCCL refuses the call.
+    pub unsafe fn all_reduce_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<CollectiveSeq> {
+        let red = nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
+            rank: self.rank,
+            call: "ncclAllReduce".into(),
+            code: "not supported".into(),
+            detail: format!(": {reason}"),
+            hint: "",
+        })?;
+        self.launch(
+            CollectiveOp::AllReduce,
+            format!("{count} x {dtype}, {op}"),
+            "ncclAllReduce",
+            |comm, stream| {
+                // SAFETY: the caller's contract covers the pointers; comm and stream are live.
+                unsafe {
+                    result::all_reduce(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        nccl_dtype(dtype),
+                        red,
+                        comm,
+                        stream,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| e.0)
+            },
+        )
+    }
+
+    /// Queues a broadcast of `count` elements from `root`'s `send` into every rank's `recv`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_reduce_raw`].
+    ///
+    /// # Errors
+    /// `root` outside the group, or NCCL refuses the call.
+    pub unsafe fn broadcast_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        root: Rank,
+    ) -> Result<CollectiveSeq> {
+        if root.0 >= self.world.get() {
+            return Err(DdpError::InvalidRoot {
+                rank: self.rank,
+                root,
+                world: self.world,
+            });
+        }
+        self.launch(
+            CollectiveOp::Broadcast,
+            format!("{count} x {dtype}, root {root}"),
+            "ncclBroadcast",
+            |comm, stream| {
+                // SAFETY: as in `all_reduce_raw`.
+                unsafe {
+                    result::broadcast(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        nccl_dtype(dtype),
+                        root.0 as i32,
+                        comm,
+                        stream,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| e.0)
+            },
+        )
+    }
+
+    /// Queues an all-gather: `send` holds `count` elements, `recv` `world * count`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_reduce_raw`], with `recv` holding `world * count` elements.
+    ///
+    /// # Errors
+    /// NCCL refuses the call.
+    pub unsafe fn all_gather_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+    ) -> Result<CollectiveSeq> {
+        self.launch(
+            CollectiveOp::AllGather,
+            format!("{count} x {dtype} per rank"),
+            "ncclAllGather",
+            |comm, stream| {
+                // SAFETY: as in `all_reduce_raw`.
+                unsafe {
+                    result::all_gather(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        nccl_dtype(dtype),
+                        comm,
+                        stream,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| e.0)
+            },
+        )
+    }
+
+    /// Queues a reduce-scatter: `send` holds `world * count` elements, `recv` `count`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::all_reduce_raw`], with `send` holding `world * count` elements.
+    ///
+    /// # Errors
+    /// The reduction is not available for `dtype`, or NCCL refuses the call.
+    pub unsafe fn reduce_scatter_raw(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<CollectiveSeq> {
+        let red = nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
+            rank: self.rank,
+            call: "ncclReduceScatter".into(),
+            code: "not supported".into(),
+            detail: format!(": {reason}"),
+            hint: "",
+        })?;
+        self.launch(
+            CollectiveOp::ReduceScatter,
+            format!("{count} x {dtype} per rank, {op}"),
+            "ncclReduceScatter",
+            |comm, stream| {
+                // SAFETY: as in `all_reduce_raw`.
+                unsafe {
+                    result::reduce_scatter(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        nccl_dtype(dtype),
+                        red,
+                        comm,
+                        stream,
+                    )
+                }
+                .map(|_| ())
+                .map_err(|e| e.0)
+            },
+        )
+    }
+
+    /// All-reduces `buf` in place and waits for the result.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_reduce_raw`] and [`NcclComm::wait`].
+    pub fn all_reduce<T: Element + DeviceRepr>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let count = buf.len();
+        {
+            let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: `buf` is a live allocation of `count` T on this GPU (cudarc orders its
+            // earlier writes before this stream); it is borrowed until the wait below.
+            unsafe { self.all_reduce_raw(ptr, ptr, count, T::DTYPE, op) }?;
+        }
+        self.wait()
+    }
+
+    /// Copies `root`'s `buf` to every rank and waits for it.
+    ///
+    /// # Errors
+    /// As [`NcclComm::broadcast_raw`] and [`NcclComm::wait`].
+    pub fn broadcast<T: Element + DeviceRepr>(
+        &self,
+        buf: &mut CudaSlice<T>,
+        root: Rank,
+    ) -> Result<()> {
+        let count = buf.len();
+        {
+            let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+            // SAFETY: as in `all_reduce`.
+            unsafe { self.broadcast_raw(ptr, ptr, count, T::DTYPE, root) }?;
+        }
+        self.wait()
+    }
+
+    /// Concatenates every rank's `send` into `recv` (`world * send.len()`), in rank order.
+    ///
+    /// # Errors
+    /// `recv` of the wrong length, and as [`NcclComm::all_gather_raw`] and [`NcclComm::wait`].
+    pub fn all_gather<T: Element + DeviceRepr>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+    ) -> Result<()> {
+        let count = send.len();
+        self.check_len(
+            CollectiveOp::AllGather,
+            "recv",
+            count * self.world.get() as usize,
+            recv.len(),
+        )?;
+        {
+            let (s, _s) = send.device_ptr(&self.stream);
+            let (r, _r) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: as in `all_reduce`; lengths checked above.
+            unsafe { self.all_gather_raw(s, r, count, T::DTYPE) }?;
+        }
+        self.wait()
+    }
+
+    /// Reduces `send` (`world` blocks of `recv.len()`) across ranks; rank r receives block r.
+    ///
+    /// # Errors
+    /// `send` of the wrong length, and as [`NcclComm::reduce_scatter_raw`] and
+    /// [`NcclComm::wait`].
+    pub fn reduce_scatter<T: Element + DeviceRepr>(
+        &self,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let count = recv.len();
+        self.check_len(
+            CollectiveOp::ReduceScatter,
+            "send",
+            count * self.world.get() as usize,
+            send.len(),
+        )?;
+        {
+            let (s, _s) = send.device_ptr(&self.stream);
+            let (r, _r) = recv.device_ptr_mut(&self.stream);
+            // SAFETY: as in `all_reduce`; lengths checked above.
+            unsafe { self.reduce_scatter_raw(s, r, count, T::DTYPE, op) }?;
+        }
+        self.wait()
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let mut guard = self.lock();
+        let (handle, _) = &mut *guard;
+        if handle.0.is_null() {
+            return;
+        }
+        // Finished work can be torn down cleanly; anything still queued (a peer gone) would make
+        // `ncclCommDestroy` wait for it, so abort instead.
+        let idle = self
+            .stream
+            .record_event(None)
+            .ok()
+            .is_some_and(|e| e.try_is_complete().unwrap_or(false));
+        // SAFETY: a valid communicator that nothing else uses any more.
+        let _ = unsafe {
+            if idle {
+                result::comm_destroy(handle.0)
+            } else {
+                result::comm_abort(handle.0)
+            }
+        };
+        handle.0 = std::ptr::null_mut();
+    }
+}
+
+/// `ncclGetLastError`'s text for `comm`.
+fn last_error(comm: sys::ncclComm_t) -> Option<String> {
+    // SAFETY: NCCL returns a pointer to a NUL-terminated string it owns (or null); `comm` may be
+    // null (the last error of the process).
+    unsafe {
+        let p = sys::ncclGetLastError(comm);
+        (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+    }
+}
+
+/// Rank 0 creates the NCCL unique id; every rank returns it. Through the store when the group
+/// has one (under a key per communicator), else by a broadcast over the group.
+fn share_unique_id(pg: &ProcessGroup) -> Result<sys::ncclUniqueId> {
+    let rank = pg.rank();
+    let n = CREATED.fetch_add(1, Ordering::SeqCst);
+    let key = format!("nccl/{n}/unique-id");
+    let mine = if rank == Rank(0) {
+        let id = result::get_uniqueid().map_err(|e| {
+            nccl_error(
+                rank,
+                "ncclGetUniqueId",
+                e.0,
+                last_error(std::ptr::null_mut()),
+            )
+        })?;
+        Some(id_to_bytes(&id))
+    } else {
+        None
+    };
+    let bytes = match (pg.store_client(), mine) {
+        (Some(store), Some(bytes)) => {
+            store.set(&key, &bytes)?;
+            bytes
+        }
+        (Some(store), None) => store.get_timeout(&key, pg.timeouts().rendezvous)?,
+        (None, mine) => crate::ddp::broadcast_bytes(pg, mine.unwrap_or_default())?,
+    };
+    id_from_bytes(&bytes).ok_or_else(|| DdpError::Nccl {
+        rank,
+        call: "sharing the unique id".into(),
+        code: "malformed".into(),
+        detail: format!(
+            ": rank 0's NCCL unique id has {} bytes, not 128",
+            bytes.len()
+        ),
+        hint: "every rank must run the same burn-ddp version",
+    })
+}
+
+pub(crate) fn id_to_bytes(id: &sys::ncclUniqueId) -> Vec<u8> {
+    id.internal.iter().map(|&c| c as u8).collect()
+}
+
+pub(crate) fn id_from_bytes(bytes: &[u8]) -> Option<sys::ncclUniqueId> {
+    let internal: [std::ffi::c_char; 128] =
+        std::array::from_fn(|i| bytes.get(i).copied().unwrap_or(0) as std::ffi::c_char);
+    (bytes.len() == 128).then_some(sys::ncclUniqueId { internal })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_and_op_maps_to_nccl() {
+        let v = NcclVersion::from_code(22_304);
+        for dtype in [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::I32,
+            DType::I64,
+            DType::U8,
+        ] {
+            let t = nccl_dtype(dtype);
+            assert_ne!(t, ncclDataType_t::ncclNumTypes);
+            for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min] {
+                assert!(nccl_op(op, dtype, v).is_ok(), "{op} {dtype}");
+            }
+        }
+        assert_eq!(nccl_dtype(DType::BF16), ncclDataType_t::ncclBfloat16);
+        assert_eq!(
+            nccl_op(ReduceOp::Mean, DType::BF16, v),
+            Ok(ncclRedOp_t::ncclAvg)
+        );
+        let int_mean = nccl_op(ReduceOp::Mean, DType::I64, v).unwrap_err();
+        assert!(int_mean.contains("ReduceOp::Sum"), "{int_mean}");
+        let old = nccl_op(ReduceOp::Mean, DType::F32, NcclVersion::from_code(2_804)).unwrap_err();
+        assert!(old.contains("NCCL 2.8.4"), "{old}");
+    }
+
+    #[test]
+    fn unique_ids_survive_the_store_and_bad_ones_are_refused() {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        for (i, c) in id.internal.iter_mut().enumerate() {
+            *c = (i as u8).wrapping_mul(37) as std::ffi::c_char;
+        }
+        let bytes = id_to_bytes(&id);
+        assert_eq!(bytes.len(), 128);
+        assert_eq!(id_from_bytes(&bytes).map(|b| b.internal), Some(id.internal));
+        assert!(id_from_bytes(&bytes[..127]).is_none());
+        assert!(id_from_bytes(&[]).is_none());
+    }
+}
