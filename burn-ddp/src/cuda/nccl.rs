@@ -288,6 +288,13 @@ impl NcclComm {
         }
     }
 
+    /// Publishes `e` as this rank's failure (so the other ranks stop waiting) and aborts the
+    /// communicator.
+    pub(crate) fn fail_with(&self, e: &DdpError) {
+        self.publish(e);
+        self.fail(e.to_string());
+    }
+
     /// Aborts the communicator (as after a failure). Every later call fails.
     pub fn abort(&self) {
         self.fail(format!("rank {} aborted its NCCL communicator", self.rank));

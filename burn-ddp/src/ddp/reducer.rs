@@ -523,6 +523,12 @@ impl Reducer {
             return Ok(Vec::new());
         };
         if let Some(e) = self.error.take() {
+            // Buckets already queued may still be in flight, and the ranks are out of step: stop
+            // NCCL (and tell the others) before the step's buffers are released.
+            if let Some(comm) = self.nccl.as_ref() {
+                comm.fail_with(&e);
+            }
+            drop(step);
             return Err(e);
         }
         let (Some(plan), Some(comm), Some(dev)) =
@@ -654,6 +660,16 @@ impl Reducer {
         if let Some(mut step) = self.step.take() {
             if step.outstanding > 0 {
                 let _ = self.collect(&mut step);
+            }
+            // NCCL may still write into the step's device buckets: wait (bounded) before they
+            // are released, so the memory is not reused under it.
+            #[cfg(feature = "cuda")]
+            if step.device.is_some() {
+                if let Some(comm) = self.nccl.as_ref() {
+                    if let Err(e) = comm.wait() {
+                        self.record_error(e);
+                    }
+                }
             }
         }
     }
