@@ -187,20 +187,7 @@ impl DeviceStep {
         let device = self.device.clone().unwrap_or(cubecl::cuda::CudaDevice {
             index: comm.context().ordinal(),
         });
-        self.launch_on(comm, bucket, slots, op, compression, &device, rank)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn launch_on(
-        &mut self,
-        comm: &NcclComm,
-        bucket: usize,
-        slots: &[(usize, usize)],
-        op: ReduceOp,
-        compression: crate::Compression,
-        device: &<Cuda as burn_backend::BackendTypes>::Device,
-        rank: Rank,
-    ) -> Result<()> {
+        let device = &device;
         let parts: Vec<CudaFloat> = slots
             .iter()
             .map(|&(slot, numel)| {

@@ -421,6 +421,17 @@ impl NcclComm {
         })
     }
 
+    /// NCCL's reduction for `op` on `dtype`, or an error saying why it is not available.
+    fn reduction(&self, op: ReduceOp, dtype: DType, call: &str) -> Result<ncclRedOp_t> {
+        nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
+            rank: self.rank,
+            call: call.into(),
+            code: "not supported".into(),
+            detail: format!(": {reason}"),
+            hint: "",
+        })
+    }
+
     /// Queues an all-reduce of `count` elements from `send` into `recv` (equal for in place).
     ///
     /// # Safety
@@ -439,13 +450,7 @@ impl NcclComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<CollectiveSeq> {
-        let red = nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
-            rank: self.rank,
-            call: "ncclAllReduce".into(),
-            code: "not supported".into(),
-            detail: format!(": {reason}"),
-            hint: "",
-        })?;
+        let red = self.reduction(op, dtype, "ncclAllReduce")?;
         self.launch(
             CollectiveOp::AllReduce,
             format!("{count} x {dtype}, {op}"),
@@ -565,13 +570,7 @@ impl NcclComm {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<CollectiveSeq> {
-        let red = nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
-            rank: self.rank,
-            call: "ncclReduceScatter".into(),
-            code: "not supported".into(),
-            detail: format!(": {reason}"),
-            hint: "",
-        })?;
+        let red = self.reduction(op, dtype, "ncclReduceScatter")?;
         self.launch(
             CollectiveOp::ReduceScatter,
             format!("{count} x {dtype} per rank, {op}"),

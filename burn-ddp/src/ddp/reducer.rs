@@ -186,7 +186,8 @@ impl Reducer {
                     self.nccl_refused = true;
                     self.record_error(DdpError::InvalidConfig {
                         field: "DdpConfig::transport",
-                        reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA                                  backend); other backends use GradTransport::Host or Auto",
+                        reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA \
+                                 backend); other backends use GradTransport::Host or Auto",
                     });
                 }
                 return false;
@@ -210,7 +211,8 @@ impl Reducer {
                 Err(e) => {
                     self.nccl_refused = true;
                     tracing::warn!(
-                        "[rank {}] gradients of CUDA tensors go through the host-staged                          transport: {e}",
+                        "[rank {}] gradients of CUDA tensors go through the host-staged \
+                         transport: {e}",
                         self.pg.rank()
                     );
                     false
@@ -242,7 +244,8 @@ impl Reducer {
         local?;
         if vote[0] == 0 {
             return Err(DdpError::NcclUnavailable {
-                detail: "another rank cannot load NCCL (see its warning); every rank uses the                          host-staged transport so that they stay in step"
+                detail: "another rank cannot load NCCL (see its warning); every rank uses the \
+                         host-staged transport so that they stay in step"
                     .into(),
             });
         }

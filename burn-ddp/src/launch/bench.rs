@@ -144,8 +144,6 @@ fn sizes(opts: &AllReduceBench, elem: usize) -> Vec<usize> {
 
 fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<BenchRow>> {
     let elem = std::mem::size_of::<T>();
-    let world = pg.world_size().get();
-    let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
     let max_count = opts.max_bytes / elem;
     // Touch every page before timing anything.
     let mut buf: Vec<T> = huge_filled(max_count, T::from_i32(1));
@@ -179,28 +177,41 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<B
             *x = T::from_i32(pattern(pg.rank().0, i));
         }
         pg.all_reduce(slice, opts.op)?;
-        let mut wrong = [slice
-            .iter()
-            .enumerate()
-            .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
-            .count() as i64];
-        pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
-
-        let algbw = bytes as f64 / secs[0] / 1e9;
-        let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
-        rows.push(BenchRow {
-            bytes,
-            count,
-            seconds: secs[0],
-            algbw,
-            busbw,
-            wrong: wrong[0].max(0) as u64,
-        });
-        if pg.is_main() {
-            print_row(rows.last().copied(), opts);
-        }
+        rows.push(row(pg, opts, bytes, secs[0], slice)?);
     }
     Ok(rows)
+}
+
+/// The table row of one size: counts wrong results on every rank (`result` holds this rank's
+/// reduced values), prints it on rank 0.
+fn row<T: BenchElem>(
+    pg: &ProcessGroup,
+    opts: &AllReduceBench,
+    bytes: usize,
+    seconds: f64,
+    result: &[T],
+) -> Result<BenchRow> {
+    let world = pg.world_size().get();
+    let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
+    let mut wrong = [result
+        .iter()
+        .enumerate()
+        .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
+        .count() as i64];
+    pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+    let algbw = bytes as f64 / seconds / 1e9;
+    let r = BenchRow {
+        bytes,
+        count: result.len(),
+        seconds,
+        algbw,
+        busbw: algbw * 2.0 * (world as f64 - 1.0) / world as f64,
+        wrong: wrong[0].max(0) as u64,
+    };
+    if pg.is_main() {
+        print_row(Some(r), opts);
+    }
+    Ok(r)
 }
 
 /// The sweep over NCCL: buffers on each rank's GPU, `iters` all-reduces queued back to back and
@@ -249,7 +260,8 @@ fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
 #[cfg(not(feature = "cuda"))]
 fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> Result<()> {
     Err(DdpError::NcclUnavailable {
-        detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with                  `--features cuda` to measure NCCL"
+        detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with \
+                         `--features cuda` to measure NCCL"
             .into(),
     })
 }
@@ -263,8 +275,6 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
     use cudarc::driver::DevicePtrMut;
 
     let elem = std::mem::size_of::<T>();
-    let world = pg.world_size().get();
-    let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
     let rank = pg.rank();
     let cuda = |what: &str, e| crate::cuda::driver_error_for(rank, what, e);
     let max_count = opts.max_bytes / elem;
@@ -313,29 +323,10 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
             .stream()
             .clone_dtoh(&dev)
             .map_err(|e| cuda("reading the result", e))?;
-        let mut wrong = [back[..count]
-            .iter()
-            .enumerate()
-            .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
-            .count() as i64];
-        pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        rows.push(row(pg, opts, bytes, secs[0], &back[..count])?);
         comm.stream()
             .memcpy_htod(&host, &mut dev)
             .map_err(|e| cuda("resetting the benchmark buffer", e))?;
-
-        let algbw = bytes as f64 / secs[0] / 1e9;
-        let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
-        rows.push(BenchRow {
-            bytes,
-            count,
-            seconds: secs[0],
-            algbw,
-            busbw,
-            wrong: wrong[0].max(0) as u64,
-        });
-        if pg.is_main() {
-            print_row(rows.last().copied(), opts);
-        }
     }
     Ok(rows)
 }
