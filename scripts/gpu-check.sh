@@ -6,7 +6,8 @@
 # 2. 2 processes sharing one GPU through the host-staged transport: the decorator's equivalence
 #    tests on Autodiff<Ddp<Cuda>>
 # 3. the zero-copy device path (GradTransport::Nccl) at world size 1: the same equivalence tests
-# 4. burn-ddp bench all-reduce over NCCL (1 rank: one GPU) and over the host transport (2 ranks)
+# 4. the decorator's step overhead on CUDA vs plain Autodiff<Cuda> (benches/cuda_step.rs)
+# 5. burn-ddp bench all-reduce over NCCL (1 rank: one GPU) and over the host transport (2 ranks)
 # On a machine without a GPU it stops at the first step, saying what is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +64,7 @@ run host-staged-2-processes-one-gpu env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TE
 run zero-copy-nccl-world-1 env BURN_DDP_GRAD_TRANSPORT=nccl BURN_DDP_TEST_WORLDS=1 \
     cargo test --release --features cuda --test ddp_equivalence -- --nocapture \
     --skip an_unused_parameter --skip mismatched_models
+run step-overhead cargo bench --features cuda --bench cuda_step -- --rounds 5
 run bench-all-reduce-nccl target/release/burn-ddp bench all-reduce --nproc 1 --transport nccl --min-bytes 1M --max-bytes 1G
 run bench-all-reduce-host-2-ranks target/release/burn-ddp bench all-reduce --nproc 2 --min-bytes 1M --max-bytes 64M
 
