@@ -26,6 +26,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// How often the accept loop checks for shutdown.
 const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// How long rank 0 keeps the store up at exit after a failure, for the surviving ranks to read
+/// the abort record (which names the culprit) instead of finding the store gone.
+const ABORT_GRACE: Duration = Duration::from_secs(3);
 
 #[derive(Debug, Default)]
 struct State {
@@ -138,12 +141,19 @@ impl StoreServer {
     /// Waits (at most `timeout`) until every rank other than `keep` has left or disconnected,
     /// so that rank 0 does not pull the store from under ranks that are still finishing.
     pub(crate) fn wait_for_departures(&self, keep: Rank, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
+        let mut deadline = Instant::now() + timeout;
         let mut st = self.shared.lock();
+        let mut aborted = false;
         loop {
             let pending = st.members.keys().filter(|r| **r != keep).count();
-            if pending == 0 || st.abort.is_some() {
+            if pending == 0 {
                 return;
+            }
+            // After a failure the others only need the store to read the abort record (it names
+            // the culprit): keep it up briefly, not for the whole grace.
+            if st.abort.is_some() && !aborted {
+                aborted = true;
+                deadline = deadline.min(Instant::now() + ABORT_GRACE);
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
