@@ -468,7 +468,7 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(|_| ())
+                .map(drop)
                 .map_err(|e| e.0)
             },
         )
@@ -513,7 +513,7 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(|_| ())
+                .map(drop)
                 .map_err(|e| e.0)
             },
         )
@@ -549,7 +549,7 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(|_| ())
+                .map(drop)
                 .map_err(|e| e.0)
             },
         )
@@ -588,7 +588,7 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(|_| ())
+                .map(drop)
                 .map_err(|e| e.0)
             },
         )

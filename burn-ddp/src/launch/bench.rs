@@ -182,6 +182,19 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<B
     Ok(rows)
 }
 
+/// Prints the table's footer (nccl-tests' wrong-value count and average bus bandwidth) and
+/// returns the number of wrong values.
+fn print_summary(rows: &[BenchRow]) -> u64 {
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let avg = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
+    println!(
+        "# Out of bounds values : {wrong} {}",
+        if wrong == 0 { "OK" } else { "FAILED" }
+    );
+    println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+    wrong
+}
+
 /// The table row of one size: counts wrong results on every rank (`result` holds this rank's
 /// reduced values), prints it on rank 0.
 fn row<T: BenchElem>(
@@ -243,13 +256,7 @@ fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
         BenchDType::I64 => sweep_nccl::<i64>(pg, &comm, opts),
     }?;
     if pg.is_main() {
-        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
-        let avg = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+        let wrong = print_summary(&rows);
         if wrong > 0 {
             return Err(DdpError::WrongResults { wrong });
         }
@@ -570,13 +577,7 @@ pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
         None
     };
     if pg.is_main() {
-        let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
-        let avg = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
-        println!(
-            "# Out of bounds values : {wrong} {}",
-            if wrong == 0 { "OK" } else { "FAILED" }
-        );
-        println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+        let wrong = print_summary(&rows);
         if let Some((stream, ring)) = comparison {
             println!("#");
             println!(
