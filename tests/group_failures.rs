@@ -399,7 +399,7 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
                 .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
                 .unwrap();
             let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
-            unreachable!("rank 1 is killed while stopped");
+            stay_stopped();
         }
         let started = Instant::now();
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
@@ -411,13 +411,87 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
                 assert!(text.contains("sent no heartbeat"), "{text}");
             }
             DdpError::JobAborted { record, .. } => {
-                assert_eq!(record.culprit, Some(Rank(1)), "{text}")
+                assert_eq!(record.culprit, Some(Rank(1)), "{text}");
+                assert!(record.reason.contains("sent no heartbeat"), "{text}");
             }
             other => panic!("unexpected: {other}"),
         }
         assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
         if pg.rank() == Rank(0) {
             // Clean up the frozen process.
+            let pid: i32 = String::from_utf8(store.get("frozen-pid").unwrap())
+                .unwrap()
+                .parse()
+                .unwrap();
+            let pid = rustix::process::Pid::from_raw(pid).unwrap();
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_STALL_TIMEOUT", "600")
+        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
+        .timeout(Duration::from_secs(60))
+        .run();
+    assert!(!out.rank(1).ok(), "{}", out.report());
+    assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
+}
+
+/// What a rank does after sending itself SIGSTOP: the stop takes effect asynchronously (the
+/// signal can still be pending when `kill` returns), so it must not go on to anything the
+/// others could notice; it is killed by the test while stopped.
+fn stay_stopped() -> ! {
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// A rank that freezes while the others wait on it outside the host collectives (as NCCL
+/// waits do, through `ProcessGroup::waiting_on_peers`) is named in the abort record within the
+/// heartbeat bound.
+#[test]
+fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
+    const NAME: &str = "frozen_rank_is_reported_while_the_others_wait_outside_the_collectives";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let store = pg.store().unwrap();
+        let mut x = vec![1.0f32; 1024];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        if pg.rank() == Rank(1) {
+            let me = rustix::process::getpid();
+            store
+                .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
+                .unwrap();
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+            stay_stopped();
+        }
+        let started = Instant::now();
+        let record = {
+            let _waiting = pg.waiting_on_peers();
+            loop {
+                if let Some(r) = pg.abort_record().unwrap() {
+                    break r;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(40),
+                    "nobody named the frozen rank"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        let took = started.elapsed();
+        assert_eq!(record.culprit, Some(Rank(1)), "{record:?}");
+        assert!(
+            record.reason.contains("sent no heartbeat")
+                && record.reason.contains("outside the host collectives"),
+            "{record:?}"
+        );
+        assert!(took < Duration::from_secs(12), "took {took:?}: {record:?}");
+        // The group is aborted: the next collective fails at once, naming rank 1.
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        assert!(show(&err).contains("rank 1"), "{}", show(&err));
+        if pg.rank() == Rank(0) {
             let pid: i32 = String::from_utf8(store.get("frozen-pid").unwrap())
                 .unwrap()
                 .parse()

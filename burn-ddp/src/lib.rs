@@ -74,6 +74,6 @@ pub use ddp::{
     ParamInfo,
 };
 pub use error::{DdpError, Result};
-pub use group::{LocalRank, ProcessGroup, Rank, WorldSize};
+pub use group::{LocalRank, PeerWait, ProcessGroup, Rank, WorldSize};
 pub use launch::spawn;
 pub use wire::WireError;

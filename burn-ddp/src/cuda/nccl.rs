@@ -175,14 +175,33 @@ impl NcclComm {
         let wait = timeouts
             .rendezvous
             .max(timeouts.collective.min(timeouts.rendezvous * 4));
-        let handle = match rx.recv_timeout(wait) {
-            Ok(r) => r?,
-            Err(_) => {
-                return Err(DdpError::NcclTimeout {
-                    rank,
-                    what: "communicator creation (ncclCommInitRank)".into(),
-                    waited: wait,
-                })
+        let handle = {
+            // A rank that dies or freezes before joining is named by the heartbeat (in the
+            // abort record) long before the deadline.
+            let _watched = pg.waiting_on_peers();
+            let deadline = Instant::now() + wait;
+            loop {
+                match rx
+                    .recv_timeout(JOB_CHECK.min(deadline.saturating_duration_since(Instant::now())))
+                {
+                    Ok(r) => break r?,
+                    Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {
+                        if let Some(record) = pg.abort_record().ok().flatten() {
+                            return Err(DdpError::JobAborted {
+                                rank,
+                                during: None,
+                                record,
+                            });
+                        }
+                    }
+                    Err(_) => {
+                        return Err(DdpError::NcclTimeout {
+                            rank,
+                            what: "communicator creation (ncclCommInitRank)".into(),
+                            waited: wait,
+                        })
+                    }
+                }
             }
         };
         tracing::info!(
@@ -311,6 +330,9 @@ impl NcclComm {
             .record_event(None)
             .map_err(|e| driver_error(self.rank, "cuEventRecord on the NCCL stream", e))?;
         let deadline = Instant::now() + self.timeout;
+        // The heartbeat names a peer that dies or freezes meanwhile in the abort record, which
+        // the wait below polls: well before the deadline.
+        let _watched = self.pg.waiting_on_peers();
         let outcome = wait_for(
             deadline,
             JOB_CHECK,

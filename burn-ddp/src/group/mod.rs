@@ -22,6 +22,7 @@ use desync::DesyncCheck;
 pub use desync::DEBUG_DESYNC;
 pub use rank::{CollectiveSeq, LocalRank, Rank, RankList, WorldSize};
 
+use crate::comm::tcp::heartbeat::Progress;
 use crate::comm::{
     CollectiveDesc, CollectiveOp, Communicator, Element, LocalCommunicator, ReduceOp,
     TcpCommunicator,
@@ -47,6 +48,8 @@ struct Inner {
     // Field order is drop order: links close first (so peers blocked on this rank fail at once),
     // then the store connection says goodbye, then rank 0's server stops.
     comm: Box<dyn Communicator>,
+    /// What the heartbeat publishes and judges (TCP groups only).
+    progress: Option<Arc<Progress>>,
     store: Option<Arc<StoreClient>>,
     server: Option<StoreServer>,
 }
@@ -151,6 +154,7 @@ impl ProcessGroup {
                 timeouts: config.timeouts,
                 token: config.token,
                 desync: DesyncCheck::from_env(),
+                progress: Some(comm.progress()),
                 comm: Box::new(comm),
                 store: Some(joined.client),
                 server: joined.server,
@@ -181,6 +185,7 @@ impl ProcessGroup {
                 token: JobToken::new("single"),
                 desync: None,
                 comm,
+                progress: None,
                 store: None,
                 server: None,
             }),
@@ -204,6 +209,7 @@ impl ProcessGroup {
                         token: JobToken::new("local"),
                         desync: DesyncCheck::from_env(),
                         comm: Box::new(comm),
+                        progress: None,
                         store: None,
                         server: None,
                     }),
@@ -383,6 +389,24 @@ impl ProcessGroup {
         self.inner.comm.abort();
     }
 
+    /// Marks this rank as waiting on its peers outside burn-ddp's host collectives (NCCL work,
+    /// or your own out-of-band exchange) until the guard is dropped.
+    ///
+    /// Meanwhile the heartbeat watches the other ranks as it does during a collective: a rank
+    /// whose heartbeat stops for the heartbeat bound (dead or frozen), or rank 0's store going
+    /// silent, is named in the job's abort record, and the group's host connections are closed.
+    /// A waiter that polls [`ProcessGroup::abort_record`] therefore stops within that bound
+    /// instead of at its own timeout. Groups without a heartbeat (one process, threads) ignore
+    /// it. Guards may nest.
+    pub fn waiting_on_peers(&self) -> PeerWait {
+        if let Some(p) = &self.inner.progress {
+            p.enter_outside();
+        }
+        PeerWait {
+            progress: self.inner.progress.clone(),
+        }
+    }
+
     /// The job's abort record, if some rank has published one.
     ///
     /// # Errors
@@ -391,6 +415,21 @@ impl ProcessGroup {
         match self.store_client() {
             Some(s) => s.abort_record(),
             None => Ok(None),
+        }
+    }
+}
+
+/// Returned by [`ProcessGroup::waiting_on_peers`]; the wait ends when it is dropped.
+#[derive(Debug)]
+#[must_use = "the wait is watched only while the guard lives"]
+pub struct PeerWait {
+    progress: Option<Arc<Progress>>,
+}
+
+impl Drop for PeerWait {
+    fn drop(&mut self) {
+        if let Some(p) = &self.progress {
+            p.leave_outside();
         }
     }
 }

@@ -27,6 +27,18 @@ pub(crate) struct Progress {
     pub(crate) completed: AtomicU64,
     /// When the collective in progress began.
     since: Mutex<Instant>,
+    /// Waits on the peers outside the host collectives (NCCL work) in progress, and when the
+    /// first of them began.
+    outside: Mutex<(u32, Instant)>,
+}
+
+/// What this rank is waiting for, as the watcher judges it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// Host collective `#seq`, for this long.
+    Collective(u64, Duration),
+    /// Work shared with the peers outside the host collectives (NCCL), for this long.
+    Outside(Duration),
 }
 
 impl Progress {
@@ -35,6 +47,7 @@ impl Progress {
             entered: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             since: Mutex::new(Instant::now()),
+            outside: Mutex::new((0, Instant::now())),
         }
     }
 
@@ -50,12 +63,29 @@ impl Progress {
         self.entered.store(0, Ordering::SeqCst);
     }
 
-    fn waiting_for(&self) -> Option<(u64, Duration)> {
+    /// This rank starts waiting on its peers outside the host collectives.
+    pub(crate) fn enter_outside(&self) {
+        let mut o = self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        if o.0 == 0 {
+            o.1 = Instant::now();
+        }
+        o.0 += 1;
+    }
+
+    /// The end of a wait begun with [`Progress::enter_outside`].
+    pub(crate) fn leave_outside(&self) {
+        let mut o = self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        o.0 = o.0.saturating_sub(1);
+    }
+
+    fn waiting(&self) -> Option<Waiting> {
         let seq = self.entered.load(Ordering::SeqCst);
-        (seq != 0).then(|| {
+        if seq != 0 {
             let since = *self.since.lock().unwrap_or_else(|p| p.into_inner());
-            (seq, since.elapsed())
-        })
+            return Some(Waiting::Collective(seq, since.elapsed()));
+        }
+        let o = *self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        (o.0 > 0).then(|| Waiting::Outside(o.1.elapsed()))
     }
 }
 
@@ -304,12 +334,22 @@ impl Watch {
                 }
             }
         }
-        let (seq, waited) = self.progress.waiting_for()?;
-        self.judge(seq, waited, now)
+        let waiting = self.progress.waiting()?;
+        self.judge(waiting, now)
     }
 
-    /// While this rank waits in collective `seq`: who is to blame, if anyone yet.
-    fn judge(&self, seq: u64, waited: Duration, now: Instant) -> Option<Verdict> {
+    /// While this rank waits (in a host collective, or on work outside them): who is to
+    /// blame, if anyone yet. Outside the host collectives there is no sequence number to
+    /// compare, so only silence (a dead or frozen rank, or rank 0's store gone) is judged.
+    fn judge(&self, waiting: Waiting, now: Instant) -> Option<Verdict> {
+        let (seq, waited) = match waiting {
+            Waiting::Collective(seq, waited) => (Some(seq), waited),
+            Waiting::Outside(waited) => (None, waited),
+        };
+        let during = match seq {
+            Some(seq) => format!("in collective #{seq}"),
+            None => "for work shared with it outside the host collectives (NCCL)".to_string(),
+        };
         // Rank 0 serves the store: a store that stopped answering is rank 0 gone.
         if self.rank != Rank(0) && now.duration_since(self.store_ok) > self.bounds.silence {
             let s = self.seen.get(&Rank(0));
@@ -331,12 +371,14 @@ impl Watch {
                     host: s.value.host.clone(),
                     last_completed: CollectiveSeq(s.value.completed),
                     what: format!(
-                        "sent no heartbeat for {:.0?} (dead or frozen) while this rank waited \
-                         in collective #{seq}",
-                        quiet
+                        "sent no heartbeat for {quiet:.0?} (dead or frozen) while this rank \
+                         waited {during}"
                     ),
                 });
             }
+            let Some(seq) = seq else {
+                continue;
+            };
             let elsewhere = s.value.entered != seq && s.value.completed < seq;
             let still = now.duration_since(s.moved);
             if elsewhere && waited > self.bounds.stall && still > self.bounds.stall {

@@ -141,6 +141,11 @@ impl TcpCommunicator {
         })
     }
 
+    /// This rank's progress, as the heartbeat publishes and judges it.
+    pub(crate) fn progress(&self) -> Arc<Progress> {
+        Arc::clone(&self.progress)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state's invariants are re-established at the start of every collective.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
