@@ -389,18 +389,7 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
 fn frozen_rank_is_reported_within_the_heartbeat_bound() {
     const NAME: &str = "frozen_rank_is_reported_within_the_heartbeat_bound";
     if common::is_child(NAME) {
-        let pg = ProcessGroup::from_env().unwrap();
-        let store = pg.store().unwrap();
-        let mut x = vec![1.0f32; 1024];
-        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-        if pg.rank() == Rank(1) {
-            let me = rustix::process::getpid();
-            store
-                .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
-                .unwrap();
-            let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
-            stay_stopped();
-        }
+        let (pg, mut x) = join_then_freeze_rank_1();
         let started = Instant::now();
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
         let took = started.elapsed();
@@ -417,18 +406,49 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
             other => panic!("unexpected: {other}"),
         }
         assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
-        if pg.rank() == Rank(0) {
-            // Clean up the frozen process.
-            let pid: i32 = String::from_utf8(store.get("frozen-pid").unwrap())
-                .unwrap()
-                .parse()
-                .unwrap();
-            let pid = rustix::process::Pid::from_raw(pid).unwrap();
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-        }
+        kill_frozen_rank_1(&pg);
         return;
     }
-    let out = Job::new(3, NAME)
+    run_with_rank_1_frozen(NAME);
+}
+
+/// Joins the 3-rank job and completes one all-reduce; then rank 1 freezes itself (SIGSTOP: a hung
+/// node, a swapped-out process) and never returns, after leaving its pid in the store for
+/// [`kill_frozen_rank_1`]. The others get the group and a buffer.
+fn join_then_freeze_rank_1() -> (ProcessGroup, Vec<f32>) {
+    let pg = ProcessGroup::from_env().unwrap();
+    let mut x = vec![1.0f32; 1024];
+    pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    if pg.rank() == Rank(1) {
+        let me = rustix::process::getpid();
+        pg.store()
+            .unwrap()
+            .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
+            .unwrap();
+        let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+        // The stop takes effect asynchronously (SIGSTOP can still be pending when `kill`
+        // returns), so do nothing the others could notice until it does; the test kills it.
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    (pg, x)
+}
+
+/// Rank 0 kills the process [`join_then_freeze_rank_1`] froze.
+fn kill_frozen_rank_1(pg: &ProcessGroup) {
+    if pg.rank() == Rank(0) {
+        let pid = pg.store().unwrap().get("frozen-pid").unwrap();
+        let pid: i32 = String::from_utf8(pid).unwrap().parse().unwrap();
+        let pid = rustix::process::Pid::from_raw(pid).unwrap();
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+    }
+}
+
+/// Runs test `name` on 3 ranks with a 3 s heartbeat bound (the collective and stall bounds at
+/// 10 min, so only the heartbeat can end it in time): rank 1 must fail (killed), the others pass.
+fn run_with_rank_1_frozen(name: &str) {
+    let out = Job::new(3, name)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_STALL_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
@@ -438,15 +458,6 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
     assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
 }
 
-/// What a rank does after sending itself SIGSTOP: the stop takes effect asynchronously (the
-/// signal can still be pending when `kill` returns), so it must not go on to anything the
-/// others could notice; it is killed by the test while stopped.
-fn stay_stopped() -> ! {
-    loop {
-        std::thread::sleep(Duration::from_secs(1));
-    }
-}
-
 /// A rank that freezes while the others wait on it outside the host collectives (as NCCL
 /// waits do, through `ProcessGroup::waiting_on_peers`) is named in the abort record within the
 /// heartbeat bound.
@@ -454,18 +465,7 @@ fn stay_stopped() -> ! {
 fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
     const NAME: &str = "frozen_rank_is_reported_while_the_others_wait_outside_the_collectives";
     if common::is_child(NAME) {
-        let pg = ProcessGroup::from_env().unwrap();
-        let store = pg.store().unwrap();
-        let mut x = vec![1.0f32; 1024];
-        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
-        if pg.rank() == Rank(1) {
-            let me = rustix::process::getpid();
-            store
-                .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
-                .unwrap();
-            let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
-            stay_stopped();
-        }
+        let (pg, mut x) = join_then_freeze_rank_1();
         let started = Instant::now();
         let record = {
             let _waiting = pg.waiting_on_peers();
@@ -491,24 +491,10 @@ fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
         // The group is aborted: the next collective fails at once, naming rank 1.
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
         assert!(show(&err).contains("rank 1"), "{}", show(&err));
-        if pg.rank() == Rank(0) {
-            let pid: i32 = String::from_utf8(store.get("frozen-pid").unwrap())
-                .unwrap()
-                .parse()
-                .unwrap();
-            let pid = rustix::process::Pid::from_raw(pid).unwrap();
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-        }
+        kill_frozen_rank_1(&pg);
         return;
     }
-    let out = Job::new(3, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_STALL_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .timeout(Duration::from_secs(60))
-        .run();
-    assert!(!out.rank(1).ok(), "{}", out.report());
-    assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
+    run_with_rank_1_frozen(NAME);
 }
 
 /// With `BURN_DDP_DEBUG_DESYNC=1` every rank stops before the first collective that differs,
