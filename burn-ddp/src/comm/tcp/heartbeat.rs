@@ -346,7 +346,7 @@ impl Watch {
             Waiting::Collective(seq, waited) => (Some(seq), waited),
             Waiting::Outside(waited) => (None, waited),
         };
-        let during = match seq {
+        let during = || match seq {
             Some(seq) => format!("in collective #{seq}"),
             None => "for work shared with it outside the host collectives (NCCL)".to_string(),
         };
@@ -372,7 +372,8 @@ impl Watch {
                     last_completed: CollectiveSeq(s.value.completed),
                     what: format!(
                         "sent no heartbeat for {quiet:.0?} (dead or frozen) while this rank \
-                         waited {during}"
+                         waited {}",
+                        during()
                     ),
                 });
             }
