@@ -175,33 +175,45 @@ impl NcclComm {
         let wait = timeouts
             .rendezvous
             .max(timeouts.collective.min(timeouts.rendezvous * 4));
-        let handle = {
-            // A rank that dies or freezes before joining is named by the heartbeat (in the
-            // abort record) long before the deadline.
-            let _watched = pg.waiting_on_peers();
-            let deadline = Instant::now() + wait;
-            loop {
-                match rx
-                    .recv_timeout(JOB_CHECK.min(deadline.saturating_duration_since(Instant::now())))
-                {
-                    Ok(r) => break r?,
-                    Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < deadline => {
-                        if let Some(record) = pg.abort_record().ok().flatten() {
-                            return Err(DdpError::JobAborted {
-                                rank,
-                                during: None,
-                                record,
-                            });
-                        }
-                    }
-                    Err(_) => {
-                        return Err(DdpError::NcclTimeout {
-                            rank,
-                            what: "communicator creation (ncclCommInitRank)".into(),
-                            waited: wait,
-                        })
-                    }
+        // A rank that dies or freezes before joining is named by the heartbeat (in the abort
+        // record) long before the deadline.
+        let _watched = pg.waiting_on_peers();
+        let mut made = None;
+        let outcome = wait_for(
+            Instant::now() + wait,
+            JOB_CHECK,
+            || match rx.try_recv() {
+                Ok(r) => {
+                    made = Some(r);
+                    Poll::Done
                 }
+                Err(mpsc::TryRecvError::Empty) => Poll::Pending,
+                Err(mpsc::TryRecvError::Disconnected) => Poll::Failed(DdpError::Nccl {
+                    rank,
+                    call: "ncclCommInitRank".into(),
+                    code: "no result".into(),
+                    detail: ": the thread creating the communicator ended without one".into(),
+                    hint: "",
+                }),
+            },
+            || {
+                let record = pg.abort_record().ok().flatten()?;
+                Some(DdpError::JobAborted {
+                    rank,
+                    during: None,
+                    record,
+                })
+            },
+        );
+        let handle = match (outcome, made) {
+            (Ok(()), Some(r)) => r?,
+            (Err(Stop::Failed(e) | Stop::Aborted(e)), _) => return Err(e),
+            (Err(Stop::TimedOut), _) | (Ok(()), None) => {
+                return Err(DdpError::NcclTimeout {
+                    rank,
+                    what: "communicator creation (ncclCommInitRank)".into(),
+                    waited: wait,
+                })
             }
         };
         tracing::info!(
