@@ -118,3 +118,34 @@ fn wrong_buffer_lengths_are_errors() {
     let e = comm.all_gather(&send, &mut recv).unwrap_err();
     assert!(e.to_string().contains("recv"), "{e}");
 }
+
+#[test]
+fn communicators_are_created_warmed_up_and_finalized_again_and_again() {
+    // Non-blocking creation polled to completion, a warm-up all-reduce, and the finalize on drop
+    // (each must end well inside its deadline, or the communicator would be aborted instead).
+    let pg = ProcessGroup::single();
+    for round in 0..3 {
+        let started = std::time::Instant::now();
+        let comm = NcclComm::new(&pg).unwrap_or_else(|e| panic!("round {round}: {e}"));
+        comm.warm_up()
+            .unwrap_or_else(|e| panic!("round {round}: warm-up: {e}"));
+        drop(comm);
+        println!(
+            "round {round}: created, warmed up and finalized in {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[test]
+fn a_gpu_other_than_the_ranks_own_is_refused_naming_both() {
+    let pg = ProcessGroup::single();
+    let count = burn_ddp::cuda::device_count(pg.rank()).expect("device count");
+    // One visible GPU: ordinal 0 is this rank's whatever LOCAL_RANK says; ordinal `count` is
+    // another (or none), and must be refused before NCCL ever sees it.
+    let e = NcclComm::on_device(&pg, count).unwrap_err();
+    println!("{e}");
+    assert!(e.to_string().contains("GPU"), "{e}");
+    let device = burn_ddp::cuda::rank_device(&pg).expect("rank device");
+    assert_eq!(device.index, 0);
+}

@@ -435,6 +435,20 @@ pub enum DdpError {
         visible: String,
     },
 
+    /// The GPU that holds this rank's tensors is not the GPU its `LOCAL_RANK` names, or gradients
+    /// arrived on another GPU than the one NCCL was set up on.
+    #[error("[rank {rank}] {what} are on GPU {found}, but {expected_why}: NCCL would read memory of another device. Build the model on this rank's GPU (`burn_ddp::cuda::rank_device(&group)` gives it), or give each process one GPU through CUDA_VISIBLE_DEVICES")]
+    DeviceMismatch {
+        /// This rank.
+        rank: Rank,
+        /// What was found where (`the model's parameters`, `the gradients of this backward`).
+        what: &'static str,
+        /// The GPU (ordinal among the visible devices) it is on.
+        found: usize,
+        /// Which GPU was expected, and why (`LOCAL_RANK 1 means GPU 1 of the 2 this process sees`).
+        expected_why: String,
+    },
+
     /// An NCCL call failed.
     #[error("[rank {rank}] NCCL {call} failed: {code}{detail}. {hint}")]
     Nccl {
@@ -641,6 +655,7 @@ impl DdpError {
             | RankError { rank, .. }
             | Cuda { rank, .. }
             | NoGpuForRank { rank, .. }
+            | DeviceMismatch { rank, .. }
             | Nccl { rank, .. }
             | NcclTimeout { rank, .. } => Some(*rank),
             _ => None,

@@ -38,8 +38,8 @@ impl<B: Backend> BackendTypes for Ddp<B> {
 }
 
 impl<B: Backend> DistributedBackend for Ddp<B> {
-    fn register_sync_parameters(_device: &Self::Device, params: Vec<DistributedParams>) {
-        hooks::begin_backward::<B>(params.iter().map(|p| p.param_id));
+    fn register_sync_parameters(device: &Self::Device, params: Vec<DistributedParams>) {
+        hooks::begin_backward::<B>(device, params.iter().map(|p| p.param_id));
     }
 
     fn submit_gradient_sync(tensor: TensorRef<Self>, params: DistributedParams) {

@@ -1,22 +1,29 @@
 //! The zero-copy gradient path of `Autodiff<Ddp<Cuda>>`: buckets live on the GPU and NCCL reads
-//! and writes Burn's own device memory.
+//! Burn's own device memory; no byte of a gradient crosses to the host.
 //!
 //! Per bucket, when its last gradient is final (in bucket order, as on the host path):
 //! 1. its gradients are packed into one contiguous device tensor by Burn itself (`cat` of the
 //!    flattened gradients, zeros for parameters without a gradient on this rank; a cast for
-//!    compression): one device-to-device copy, as PyTorch DDP's bucket copy;
+//!    compression): one device-to-device copy, as PyTorch DDP's bucket copy. A bucket of one
+//!    gradient is that gradient itself when it is one contiguous span, else a contiguous copy
+//!    (a strided or expanded view);
 //! 2. Burn's queued compute is flushed and completed (`Backend::sync`): the gradients exist
 //!    before NCCL reads them (cubecl does not expose its stream, so an event cannot order the
 //!    two streams instead);
-//! 3. the bucket's device pointer comes from cubecl's resource (resolving Burn's fusion tensor
-//!    first when Burn runs with `fusion`), checked against the bucket's size, and an in-place
-//!    all-reduce is queued on the communicator's stream. The resource guard and the tensor stay
-//!    in the step until the reduction is complete, so the memory cannot be reused meanwhile.
+//! 3. the device pointers come from cubecl's resources (resolving Burn's fusion tensors first
+//!    when Burn runs with `fusion`), checked against the bucket's element count and type, and an
+//!    all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
+//!    bucket and writes a fresh output buffer of its own. NCCL never writes memory Burn may
+//!    still read: Burn's autodiff hands the same buffer to two parents (`add` with equal
+//!    shapes), so a single gradient's buffer can be an input of later backward kernels. Both
+//!    buffers stay pinned in the step until the reduction is complete.
 //!
 //! Backward continues while NCCL runs. At the end of backward every queued reduction is waited
 //! for (with the collective deadline), then each gradient is replaced by its slice of the
-//! reduced bucket (a view: no copy), so the optimizer only ever sees averaged values. No byte
-//! of a gradient crosses to the host.
+//! reduced output (a view), so the optimizer only ever sees averaged values.
+//!
+//! The path takes Burn's `Cuda` with its default element types (`Cuda<f32, i32>`, what
+//! `burn::backend::Cuda` means); other element types use the host-staged transport.
 
 use std::any::Any;
 
@@ -39,9 +46,22 @@ type Gpu = Cuda;
 type CudaFloat = FloatTensor<Cuda>;
 type Fused = burn_fusion::FusionTensor<burn_cubecl::fusion::FusionCubeRuntime<CudaRuntime>>;
 
-/// Whether `B` is Burn's CUDA backend (with or without `fusion`), whose tensors this path takes.
+/// Whether `B` is Burn's CUDA backend with its default element types (`Cuda<f32, i32>`, with or
+/// without `fusion`), whose tensors this path takes. Other element types use the host path.
 pub(crate) fn is_cuda<B: Backend>() -> bool {
     std::any::TypeId::of::<B>() == std::any::TypeId::of::<Cuda>()
+}
+
+/// Whether `B` is `Ddp<Cuda>` (the inner backend of `Autodiff<Ddp<Cuda>>`).
+pub(crate) fn is_ddp_cuda<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<crate::Ddp<Cuda>>()
+}
+
+/// The GPU ordinal of a Burn device, if it is a CUDA device.
+pub(crate) fn cuda_ordinal<D: 'static>(device: &D) -> Option<usize> {
+    (device as &dyn Any)
+        .downcast_ref::<cubecl::cuda::CudaDevice>()
+        .map(|d| d.index)
 }
 
 /// `t` as a CUDA tensor, if `B` is [`Cuda`].
@@ -88,6 +108,37 @@ struct Pinned {
     _resource: Box<dyn Any>,
 }
 
+/// The device pointer of `cube` (contiguous, on this GPU), pinned, checked to hold `count`
+/// elements of `dtype`.
+fn pin(
+    rank: Rank,
+    cube: CubeTensor<CudaRuntime>,
+    count: usize,
+    dtype: DType,
+    what: &str,
+) -> Result<(u64, Pinned)> {
+    if !cube.is_contiguous() {
+        return Err(layout_error(rank, format!("the {what} is not contiguous")));
+    }
+    check_elements(cube.meta.shape().num_elements(), cube.dtype, count, dtype)
+        .map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
+        layout_error(
+            rank,
+            format!("cubecl has no resource for the {what}: {e:?}"),
+        )
+    })?;
+    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+    check_span(bytes, count, dtype).map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    Ok((
+        ptr,
+        Pinned {
+            _tensor: cube,
+            _resource: Box::new(resource),
+        },
+    ))
+}
+
 // SAFETY: the guard only holds cubecl's reference to the allocation and a copy of its pointer;
 // it is never dereferenced, only dropped, which cubecl allows from any thread (its server
 // processes the release).
@@ -109,6 +160,31 @@ pub(crate) fn check_span(
     }
 }
 
+/// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` x `dtype`.
+pub(crate) fn check_elements(
+    numel: usize,
+    burn: BurnDType,
+    count: usize,
+    dtype: DType,
+) -> std::result::Result<(), String> {
+    if numel != count {
+        return Err(format!("it has {numel} elements, the bucket plan {count}"));
+    }
+    if burn != bucket_burn_dtype(dtype) {
+        return Err(format!("its elements are {burn:?}, the bucket's {dtype}"));
+    }
+    Ok(())
+}
+
+fn bucket_burn_dtype(dtype: DType) -> BurnDType {
+    match dtype {
+        DType::F16 => BurnDType::F16,
+        DType::BF16 => BurnDType::BF16,
+        DType::F64 => BurnDType::F64,
+        _ => BurnDType::F32,
+    }
+}
+
 /// The bucket element type for a compression setting.
 pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
     match c {
@@ -118,10 +194,15 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
     }
 }
 
-/// One bucket queued on the NCCL stream.
+/// What a finished device pass gives back: each local gradient's reduced value by slot, and the
+/// slots without a local gradient that got a non-zero average.
+pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<usize>);
+
+/// One bucket queued on the NCCL stream: its output (what the gradients become), and both
+/// buffers pinned until the reduction is complete.
 struct Queued {
-    tensor: CudaFloat,
-    _pin: Pinned,
+    output: CudaFloat,
+    _pins: [Pinned; 2],
 }
 
 /// The device state of one backward pass.
@@ -157,12 +238,30 @@ impl DeviceStep {
         }
     }
 
-    /// Keeps slot `slot`'s final gradient (flattened) for its bucket.
-    pub(crate) fn keep(&mut self, slot: usize, grad: CudaFloat) {
+    /// Keeps slot `slot`'s final gradient (flattened) for its bucket, after checking it has
+    /// `numel` elements of a float type (as the host path does).
+    pub(crate) fn keep(
+        &mut self,
+        slot: usize,
+        grad: CudaFloat,
+        numel: usize,
+    ) -> std::result::Result<(), String> {
         let shape = grad.shape();
         let dtype = grad.dtype();
+        if shape.num_elements() != numel {
+            return Err(format!(
+                "the gradient has {} elements, the parameter {numel}",
+                shape.num_elements()
+            ));
+        }
+        if !matches!(
+            dtype,
+            BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
+        ) {
+            return Err(format!("the gradient's elements are {dtype:?}, not floats"));
+        }
         self.device.get_or_insert_with(|| Gpu::float_device(&grad));
-        let flat = Gpu::float_reshape(grad, Shape::new([shape.num_elements()]));
+        let flat = Gpu::float_reshape(grad, Shape::new([numel]));
         let flat = if dtype == BurnDType::F32 {
             flat
         } else {
@@ -170,6 +269,7 @@ impl DeviceStep {
         };
         self.grads[slot] = Some(flat);
         self.shapes[slot] = Some((shape, dtype));
+        Ok(())
     }
 
     /// Packs bucket `bucket` (its slots in offset order, with their lengths) and queues its
@@ -211,67 +311,87 @@ impl DeviceStep {
         } else {
             Gpu::float_cast(packed, float_dtype(burn_dtype))
         };
+        // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
+        // copied (a fresh tensor, cat and cast results are contiguous already).
+        let input = burn_cubecl::kernel::into_contiguous(packed.resolve());
+        let output = Gpu::float_empty(Shape::new([count]), device, float_dtype(burn_dtype));
+        let output_cube = output.clone().resolve();
         // The gradients must exist before NCCL reads them.
         Gpu::sync(device).map_err(|e| DdpError::Cuda {
             rank,
             what: "completing Burn's queued work before the bucket's all-reduce".into(),
             detail: format!("{e:?}"),
         })?;
-        let cube = packed.clone().resolve();
-        if !cube.is_contiguous() {
-            return Err(layout_error(
-                rank,
-                "the packed bucket is not contiguous".into(),
-            ));
-        }
-        let resource = cube
-            .client
-            .get_resource(cube.handle.clone())
-            .map_err(|e| layout_error(rank, format!("cubecl has no resource for it: {e:?}")))?;
-        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-        check_span(bytes, count, dtype).map_err(|m| layout_error(rank, m))?;
-        // SAFETY: `ptr` addresses `bytes` >= count * size bytes of this GPU's memory, written by
-        // work that `sync` above completed; the tensor and its resource are pinned in the step
-        // until `finish` has waited for the stream.
-        unsafe { comm.all_reduce_raw(ptr, ptr, count, dtype, op) }?;
+        let (send, send_pin) = pin(rank, input, count, dtype, "packed bucket")?;
+        let (recv, recv_pin) = pin(rank, output_cube, count, dtype, "bucket's output buffer")?;
+        // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked
+        // by `pin`), distinct allocations (`recv` is fresh); the input was written by work that
+        // `sync` above completed; both are pinned in the step until `finish` (or the reducer's
+        // discard path) has waited for the stream.
+        unsafe { comm.all_reduce_raw(send, recv, count, dtype, op) }?;
         self.queued[bucket] = Some(Queued {
-            tensor: packed,
-            _pin: Pinned {
-                _tensor: cube,
-                _resource: Box::new(resource),
-            },
+            output,
+            _pins: [send_pin, recv_pin],
         });
         Ok(())
     }
 
     /// Waits for every queued reduction and returns, per slot with a local gradient, the
-    /// reduced values (a view of the bucket, shaped and typed as the gradient was).
+    /// reduced values (a view of the bucket's output, shaped and typed as the gradient was),
+    /// and the slots without a local gradient whose average is not zero (other ranks used those
+    /// parameters; the caller reports them, as the host path does). `slots`: (slot, bucket,
+    /// offset, length).
     pub(crate) fn finish(
         &mut self,
         comm: &NcclComm,
         slots: impl Iterator<Item = (usize, usize, usize, usize)>,
-    ) -> Result<Vec<(usize, CudaFloat)>> {
+    ) -> Result<Reduced> {
         comm.wait()?;
         let mut out = Vec::new();
+        let mut foreign = Vec::new();
         for (slot, bucket, offset, numel) in slots {
-            let (Some(q), Some((shape, dtype))) = (&self.queued[bucket], self.shapes[slot].clone())
-            else {
+            let Some(q) = &self.queued[bucket] else {
                 continue;
             };
             let part = Gpu::float_slice(
-                q.tensor.clone(),
+                q.output.clone(),
                 &[burn_backend::Slice::from(offset..offset + numel)],
             );
-            let part = if part.dtype() == dtype {
-                part
-            } else {
-                Gpu::float_cast(part, float_dtype(dtype))
-            };
-            out.push((slot, Gpu::float_reshape(part, shape)));
+            match self.shapes[slot].clone() {
+                Some((shape, dtype)) => {
+                    let part = if part.dtype() == dtype {
+                        part
+                    } else {
+                        Gpu::float_cast(part, float_dtype(dtype))
+                    };
+                    out.push((slot, Gpu::float_reshape(part, shape)));
+                }
+                // No gradient here: one scalar read tells whether other ranks had one.
+                None => {
+                    if nonzero(part).map_err(|reason| DdpError::Model {
+                        rank: comm.rank(),
+                        what: "reading a reduced bucket",
+                        reason,
+                    })? {
+                        foreign.push(slot);
+                    }
+                }
+            }
         }
         self.queued.iter_mut().for_each(|q| *q = None);
-        Ok(out)
+        Ok((out, foreign))
     }
+}
+
+/// Whether any element of `t` is not zero (one scalar copied to the host).
+fn nonzero(t: CudaFloat) -> std::result::Result<bool, String> {
+    let max = Gpu::float_max(Gpu::float_abs(t));
+    let data = burn_backend::read_sync(Gpu::float_into_data(max)).map_err(|e| e.to_string())?;
+    let values = data
+        .convert_dtype(BurnDType::F32)
+        .into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))?;
+    Ok(values.iter().any(|v| *v != 0.0))
 }
 
 fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {
@@ -301,6 +421,30 @@ mod tests {
         assert!(check_span(4096, 2048, DType::F16).is_ok());
         let e = check_span(4092, 1024, DType::F32).unwrap_err();
         assert!(e.contains("4092 bytes but 1024 x float need 4096"), "{e}");
+    }
+
+    #[test]
+    fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {
+        assert!(check_elements(1024, BurnDType::F32, 1024, DType::F32).is_ok());
+        assert!(check_elements(8, BurnDType::BF16, 8, DType::BF16).is_ok());
+        let e = check_elements(1023, BurnDType::F32, 1024, DType::F32).unwrap_err();
+        assert!(e.contains("1023 elements, the bucket plan 1024"), "{e}");
+        let e = check_elements(8, BurnDType::F32, 8, DType::F16).unwrap_err();
+        assert!(e.contains("F32"), "{e}");
+    }
+
+    #[test]
+    fn cuda_devices_give_their_ordinal_and_others_none() {
+        assert_eq!(
+            cuda_ordinal(&cubecl::cuda::CudaDevice { index: 3 }),
+            Some(3)
+        );
+        assert_eq!(
+            cuda_ordinal(&burn::backend::ndarray::NdArrayDevice::Cpu),
+            None
+        );
+        assert!(is_ddp_cuda::<crate::Ddp<Cuda>>());
+        assert!(!is_ddp_cuda::<Cuda>());
     }
 
     #[test]

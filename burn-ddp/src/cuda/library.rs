@@ -51,6 +51,12 @@ impl NcclVersion {
     pub fn has_bf16(self) -> bool {
         (self.major, self.minor) >= (2, 10)
     }
+
+    /// Non-blocking communicators (`ncclCommInitRankConfig`, `ncclCommFinalize`), which burn-ddp
+    /// needs so that no NCCL call can hang without a deadline, exist since NCCL 2.14.
+    pub fn has_nonblocking(self) -> bool {
+        (self.major, self.minor) >= (2, 14)
+    }
 }
 
 impl fmt::Display for NcclVersion {

@@ -2,7 +2,8 @@
 //! path of `Autodiff<Ddp<Cuda>>`.
 //!
 //! - `library.rs`: finding `libnccl` (and what to install or link when it is missing)
-//! - `device.rs`: the GPU of a rank (`LOCAL_RANK`), the CUDA driver
+//! - `device.rs`: the GPU of a rank (its tensors' device, checked against `LOCAL_RANK`), the
+//!   CUDA driver
 //! - `status.rs`: NCCL and driver errors as text with advice
 //! - `wait.rs`: waiting for GPU work with a deadline
 //! - `nccl.rs`: [`NcclComm`], collectives on device memory
@@ -19,7 +20,8 @@ mod nccl;
 mod status;
 mod wait;
 
-pub use device::{context_for, device_count, driver_present};
+pub(crate) use device::{context as context_of, ordinal_for};
+pub use device::{context_for, device_count, driver_present, rank_device};
 pub use library::{nccl_present, nccl_version, NcclVersion};
 pub use nccl::NcclComm;
 

@@ -1,24 +1,28 @@
-//! [`NcclComm`]: an NCCL communicator for one rank of a [`ProcessGroup`], on the GPU of the
-//! rank's `LOCAL_RANK`.
+//! [`NcclComm`]: an NCCL communicator for one rank of a [`ProcessGroup`], on the GPU that holds
+//! the rank's tensors (by default the one its `LOCAL_RANK` names).
 //!
 //! - Created once per group and reused. Rank 0 makes the NCCL unique id and shares it through
 //!   the job's rendezvous store (in-process groups: a broadcast over the group).
 //! - Collectives are queued on the communicator's own stream (not the default stream, not Burn's
 //!   compute stream); [`NcclComm::wait`] waits for them with the collective deadline.
-//! - Nothing blocks without a deadline: creation runs on a helper thread the caller waits for;
-//!   waits poll the stream, NCCL's asynchronous error and the job's abort record. A deadline, an
-//!   error or another rank's failure aborts the communicator (`ncclCommAbort`), which frees the
-//!   GPU from kernels that wait for a dead peer; later calls fail at once.
+//! - Nothing blocks without a deadline. The communicator is *non-blocking*
+//!   (`ncclCommInitRankConfig` with `blocking = 0`): creation, and any call during which NCCL
+//!   still connects to peers (NCCL 2.19+ connects inside the first collective of each algorithm),
+//!   return `ncclInProgress` at once and are polled (`ncclCommGetAsyncError`) with a deadline,
+//!   the job's abort record and the heartbeat watching, and no lock held while waiting. A
+//!   deadline, an error or another rank's failure aborts the communicator (`ncclCommAbort`),
+//!   which frees the GPU from kernels that wait for a dead peer; later calls fail at once.
+//!   Dropping it finalizes with a deadline too (`ncclCommFinalize`, then destroy; abort if a peer
+//!   never answers).
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
-use cudarc::nccl::result;
+use cudarc::nccl::result::{self, NcclStatus};
 use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 
 use super::library::{nccl_version, NcclVersion};
@@ -30,6 +34,9 @@ use crate::group::{AbortRecord, CollectiveSeq, ProcessGroup, Rank, WorldSize};
 
 /// How often a wait asks the store whether another rank reported a failure.
 const JOB_CHECK: Duration = Duration::from_millis(500);
+
+/// Longest wait for `ncclCommFinalize` when a communicator is dropped; past it, it is aborted.
+const FINALIZE_LIMIT: Duration = Duration::from_secs(30);
 
 /// Communicators created by this process, to give each its own key in the store (every rank
 /// creates its communicators in the same order).
@@ -75,11 +82,49 @@ pub(crate) fn nccl_op(
     })
 }
 
-/// The raw communicator handle.
+/// `ncclConfig_t` as NCCL 2.17 laid it out (`nccl.h`'s `NCCL_CONFIG_INITIALIZER` fills it the
+/// same way). NCCL copies a config by its leading `size` field and defaults every field past it,
+/// so this layout, which holds all we set, works with every NCCL from 2.17 on, whatever layout
+/// the cudarc bindings were generated from.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: c_uint,
+    version: c_uint,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+/// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default".
+const CONFIG_UNDEF: c_int = c_int::MIN;
+
+impl Config {
+    /// A non-blocking communicator, everything else NCCL's default.
+    fn non_blocking() -> Self {
+        Self {
+            size: std::mem::size_of::<Self>(),
+            magic: 0xcafe_beef,
+            version: 21_700, // NCCL_VERSION(2, 17, 0)
+            blocking: 0,
+            cga_cluster_size: CONFIG_UNDEF,
+            min_ctas: CONFIG_UNDEF,
+            max_ctas: CONFIG_UNDEF,
+            net_name: std::ptr::null(),
+            split_share: CONFIG_UNDEF,
+        }
+    }
+}
+
+/// The raw communicator handle; null once aborted or destroyed.
 struct Handle(sys::ncclComm_t);
 
-// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
-// concurrent; `NcclComm` serialises them behind its mutex.
+// SAFETY: an NCCL communicator may be used from any thread; `NcclComm` serialises the calls that
+// need it (its `issue` lock), and `ncclCommGetAsyncError` / `ncclCommAbort` are documented as
+// callable concurrently with a call in progress on a non-blocking communicator.
 unsafe impl Send for Handle {}
 
 #[derive(Default)]
@@ -93,7 +138,11 @@ struct State {
 
 /// An NCCL communicator for one rank, bound to one GPU. See the module documentation.
 pub struct NcclComm {
+    /// The handle and the state; held only for the length of one NCCL call, never while waiting.
     handle: Mutex<(Handle, State)>,
+    /// Held from issuing a call until NCCL has taken it (`ncclInProgress` settled), so that no
+    /// second call reaches the communicator meanwhile (NCCL's rule for non-blocking ones).
+    issue: Mutex<()>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     pg: ProcessGroup,
@@ -115,15 +164,26 @@ impl fmt::Debug for NcclComm {
 }
 
 impl NcclComm {
-    /// Creates the communicator of `pg` on the GPU of this rank's `LOCAL_RANK`. Every rank of
-    /// the group must call it (collectively, like any collective).
+    /// Creates the communicator of `pg` on this rank's GPU: the only one it sees, or the one its
+    /// `LOCAL_RANK` names (see [`rank_device`](super::rank_device)). Every rank of the group must
+    /// call it (collectively, like any collective).
     ///
     /// # Errors
     /// NCCL missing ([`DdpError::NcclUnavailable`], saying what to install or link), no GPU for
-    /// this local rank, NCCL or driver failures with their text, or the rendezvous deadline.
+    /// this rank, NCCL or driver failures with their text, or the rendezvous deadline.
     pub fn new(pg: &ProcessGroup) -> Result<Self> {
-        let ctx = super::device::context_for(pg.rank(), pg.local_rank())?;
-        Self::on(pg, ctx)
+        let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), None)?;
+        Self::on(pg, super::device::context(pg.rank(), ordinal)?)
+    }
+
+    /// As [`NcclComm::new`], on GPU `ordinal` (where this rank's tensors are), checked against
+    /// the GPU its `LOCAL_RANK` names when the process sees several.
+    ///
+    /// # Errors
+    /// As [`NcclComm::new`], and [`DdpError::DeviceMismatch`] naming both GPUs.
+    pub fn on_device(pg: &ProcessGroup, ordinal: usize) -> Result<Self> {
+        let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), Some(ordinal))?;
+        Self::on(pg, super::device::context(pg.rank(), ordinal)?)
     }
 
     /// As [`NcclComm::new`], on the GPU of `ctx` (which must be the same on no two ranks).
@@ -133,6 +193,15 @@ impl NcclComm {
     pub fn on(pg: &ProcessGroup, ctx: Arc<CudaContext>) -> Result<Self> {
         let version = nccl_version()?;
         let rank = pg.rank();
+        if !version.has_nonblocking() {
+            return Err(DdpError::NcclUnavailable {
+                detail: format!(
+                    "this process loaded NCCL {version}; burn-ddp needs 2.14 or newer \
+                     (non-blocking communicators, so that no NCCL call can hang without a \
+                     deadline). Install a newer NCCL (pip install nvidia-nccl-cu12 or -cu13)"
+                ),
+            });
+        }
         let world = pg.world_size();
         let timeouts = pg.timeouts();
         ctx.bind_to_thread()
@@ -145,84 +214,23 @@ impl NcclComm {
             field: "WORLD_SIZE",
             reason: "NCCL takes at most 2^31 - 1 ranks",
         })?;
-        // `ncclCommInitRank` blocks until every rank has joined: run it where the caller can stop
-        // waiting for it.
-        let (tx, rx) = mpsc::channel();
-        let init_ctx = Arc::clone(&ctx);
-        std::thread::Builder::new()
-            .name(format!("burn-ddp-nccl-init-{rank}"))
-            .spawn(move || {
-                let mut comm = std::mem::MaybeUninit::<sys::ncclComm_t>::uninit();
-                let r = init_ctx
-                    .bind_to_thread()
-                    .map_err(|e| driver_error(rank, "binding the CUDA context", e))
-                    .and_then(|()| {
-                        // SAFETY: `comm` is written by NCCL on success; the id came from rank 0's
-                        // `ncclGetUniqueId`; rank and size are validated.
-                        unsafe {
-                            result::comm_init_rank(comm.as_mut_ptr(), nranks, id, rank.0 as i32)
-                        }
-                        .map_err(|e| nccl_error(rank, "ncclCommInitRank", e.0, None))
-                    })
-                    // SAFETY: initialised by the successful call above.
-                    .map(|_| Handle(unsafe { comm.assume_init() }));
-                if let Err(Ok(handle)) = tx.send(r).map_err(|e| e.0) {
-                    // Nobody waits any more (the caller timed out): release what was made.
-                    // SAFETY: a valid communicator nobody else holds.
-                    let _ = unsafe { result::comm_abort(handle.0) };
-                }
-            })?;
-        let wait = timeouts
-            .rendezvous
-            .max(timeouts.collective.min(timeouts.rendezvous * 4));
-        // A rank that dies or freezes before joining is named by the heartbeat (in the abort
-        // record) long before the deadline.
-        let _watched = pg.waiting_on_peers();
-        let mut made = None;
-        let outcome = wait_for(
-            Instant::now() + wait,
-            JOB_CHECK,
-            || match rx.try_recv() {
-                Ok(r) => {
-                    made = Some(r);
-                    Poll::Done
-                }
-                Err(mpsc::TryRecvError::Empty) => Poll::Pending,
-                Err(mpsc::TryRecvError::Disconnected) => Poll::Failed(DdpError::Nccl {
-                    rank,
-                    call: "ncclCommInitRank".into(),
-                    code: "no result".into(),
-                    detail: ": the thread creating the communicator ended without one".into(),
-                    hint: "",
-                }),
-            },
-            || {
-                let record = pg.abort_record().ok().flatten()?;
-                Some(DdpError::JobAborted {
-                    rank,
-                    during: None,
-                    record,
-                })
-            },
-        );
-        let handle = match (outcome, made) {
-            (Ok(()), Some(r)) => r?,
-            (Err(Stop::Failed(e) | Stop::Aborted(e)), _) => return Err(e),
-            (Err(Stop::TimedOut), _) | (Ok(()), None) => {
-                return Err(DdpError::NcclTimeout {
-                    rank,
-                    what: "communicator creation (ncclCommInitRank)".into(),
-                    waited: wait,
-                })
-            }
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        let mut config = Config::non_blocking();
+        // SAFETY: `raw` is written by NCCL; the id came from rank 0's `ncclGetUniqueId`; rank and
+        // size are validated; `config` is a complete 2.17-layout config (see `Config`) that
+        // outlives the call. Non-blocking: returns at once, creation goes on inside NCCL.
+        let code = unsafe {
+            sys::ncclCommInitRankConfig(
+                &mut raw,
+                nranks,
+                id,
+                rank.0 as i32,
+                (&mut config as *mut Config).cast::<sys::ncclConfig_t>(),
+            )
         };
-        tracing::info!(
-            "[rank {rank}] NCCL {version} communicator ready on GPU {} ({} ranks)",
-            ctx.ordinal(),
-            world
-        );
-        Ok(Self {
-            handle: Mutex::new((handle, State::default())),
+        let comm = Self {
+            handle: Mutex::new((Handle(raw), State::default())),
+            issue: Mutex::new(()),
             stream,
             ctx,
             pg: pg.clone(),
@@ -230,7 +238,27 @@ impl NcclComm {
             world,
             version,
             timeout: timeouts.collective,
-        })
+        };
+        if !matches!(
+            code,
+            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress
+        ) {
+            let e = nccl_error(rank, "ncclCommInitRankConfig", code, last_error(raw));
+            comm.fail(e.to_string());
+            return Err(e);
+        }
+        // Every rank must join before creation completes: a rank that dies or freezes first is
+        // named by the heartbeat (in the abort record) long before the deadline.
+        let wait = timeouts
+            .rendezvous
+            .max(timeouts.collective.min(timeouts.rendezvous * 4));
+        comm.settle("communicator creation (ncclCommInitRankConfig)", wait)?;
+        tracing::info!(
+            "[rank {rank}] NCCL {version} communicator ready on GPU {} ({} ranks)",
+            comm.ctx.ordinal(),
+            world
+        );
+        Ok(comm)
     }
 
     /// This rank.
@@ -258,52 +286,129 @@ impl NcclComm {
         &self.ctx
     }
 
+    /// The GPU ordinal (among the visible devices) this communicator works on.
+    pub fn device_ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
     fn lock(&self) -> MutexGuard<'_, (Handle, State)> {
         self.handle.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues one NCCL call on the stream; `f` gets the communicator and the stream.
+    /// The error every call after a failure returns.
+    fn failed_error(&self, state: &State, first: &str) -> DdpError {
+        DdpError::GroupAborted {
+            rank: self.rank,
+            first: Box::new(AbortRecord {
+                reporter: self.rank,
+                culprit: None,
+                collective: state.last.as_ref().map(|l| (l.0, l.1)),
+                reason: first.to_owned(),
+            }),
+        }
+    }
+
+    /// Issues one NCCL call on the stream; `f` gets the communicator and the stream. If NCCL
+    /// answers `ncclInProgress` (it is still connecting to peers), waits for it to take the call,
+    /// with the collective deadline and without holding the handle's lock.
     fn launch(
         &self,
         op: CollectiveOp,
         what: String,
         call: &'static str,
-        f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<(), ncclResult_t>,
+        f: impl FnOnce(
+            sys::ncclComm_t,
+            sys::cudaStream_t,
+        ) -> std::result::Result<NcclStatus, result::NcclError>,
     ) -> Result<CollectiveSeq> {
-        let mut guard = self.lock();
-        let (handle, state) = &mut *guard;
-        if let Some(first) = &state.failed {
-            return Err(DdpError::GroupAborted {
-                rank: self.rank,
-                first: Box::new(AbortRecord {
-                    reporter: self.rank,
-                    culprit: None,
-                    collective: state.last.as_ref().map(|l| (l.0, l.1)),
-                    reason: first.clone(),
-                }),
-            });
+        let _issuing = self.issue.lock().unwrap_or_else(|p| p.into_inner());
+        let (seq, what, status) = {
+            let mut guard = self.lock();
+            let (handle, state) = &mut *guard;
+            if let Some(first) = &state.failed {
+                return Err(self.failed_error(state, first));
+            }
+            self.ctx
+                .bind_to_thread()
+                .map_err(|e| driver_error(self.rank, "binding the CUDA context", e))?;
+            state.seq += 1;
+            let seq = CollectiveSeq(state.seq);
+            let what = format!("{op} {seq}, {what}");
+            match f(handle.0, self.stream.cu_stream() as sys::cudaStream_t) {
+                Ok(status) => {
+                    state.last = Some((op, seq, what.clone()));
+                    (seq, what, status)
+                }
+                Err(code) => {
+                    let e = nccl_error(
+                        self.rank,
+                        format!("{call} ({what})"),
+                        code.0,
+                        last_error(handle.0),
+                    );
+                    drop(guard);
+                    self.fail(e.to_string());
+                    return Err(e);
+                }
+            }
+        };
+        if matches!(status, NcclStatus::InProgress) {
+            self.settle(&what, self.timeout)?;
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver_error(self.rank, "binding the CUDA context", e))?;
-        state.seq += 1;
-        let seq = CollectiveSeq(state.seq);
-        let what = format!("{op} {seq}, {what}");
-        if let Err(code) = f(handle.0, self.stream.cu_stream() as sys::cudaStream_t) {
-            let e = nccl_error(
-                self.rank,
-                format!("{call} ({what})"),
-                code,
-                last_error(handle.0),
-            );
-            state.failed = Some(e.to_string());
-            // SAFETY: a valid communicator, used by no other thread (we hold the lock).
-            let _ = unsafe { result::comm_abort(handle.0) };
-            handle.0 = std::ptr::null_mut();
-            return Err(e);
-        }
-        state.last = Some((op, seq, what));
         Ok(seq)
+    }
+
+    /// Waits until NCCL has finished what `what` started on the host side (`ncclInProgress`
+    /// became `ncclSuccess`): polls `ncclCommGetAsyncError` with a deadline of `limit`, the job's
+    /// abort record, and the heartbeat's verdict on the peers. On a failure or the deadline, the
+    /// failure is published and the communicator aborted.
+    fn settle(&self, what: &str, limit: Duration) -> Result<()> {
+        let _watched = self.pg.waiting_on_peers();
+        let outcome = wait_for(
+            Instant::now() + limit,
+            JOB_CHECK,
+            || self.async_state(),
+            || self.abort_elsewhere(),
+        );
+        self.conclude(outcome, || what.to_owned(), limit)
+    }
+
+    /// Turns the end of a wait into the caller's result; failures abort the communicator.
+    fn conclude(
+        &self,
+        outcome: std::result::Result<(), Stop>,
+        what: impl FnOnce() -> String,
+        waited: Duration,
+    ) -> Result<()> {
+        let e = match outcome {
+            Ok(()) => return Ok(()),
+            Err(Stop::TimedOut) => {
+                let e = DdpError::NcclTimeout {
+                    rank: self.rank,
+                    what: what(),
+                    waited,
+                };
+                self.publish(&e);
+                e
+            }
+            Err(Stop::Failed(e)) => {
+                self.publish(&e);
+                e
+            }
+            Err(Stop::Aborted(e)) => e,
+        };
+        self.fail(e.to_string());
+        Err(e)
+    }
+
+    /// Another rank's failure, as the job's abort record holds it.
+    fn abort_elsewhere(&self) -> Option<DdpError> {
+        let record = self.pg.abort_record().ok().flatten()?;
+        Some(DdpError::JobAborted {
+            rank: self.rank,
+            during: self.lock().1.last.as_ref().map(|l| (l.0, l.1)),
+            record,
+        })
     }
 
     /// Marks the communicator failed and aborts it (`ncclCommAbort`): kernels waiting for peers
@@ -313,7 +418,8 @@ impl NcclComm {
         let (handle, state) = &mut *guard;
         state.failed.get_or_insert(reason);
         if !handle.0.is_null() {
-            // SAFETY: a valid communicator; we hold the lock.
+            // SAFETY: a valid communicator; aborting is allowed while a non-blocking call on it
+            // is in progress (that is what it is for).
             let _ = unsafe { result::comm_abort(handle.0) };
             handle.0 = std::ptr::null_mut();
         }
@@ -341,29 +447,21 @@ impl NcclComm {
             .stream
             .record_event(None)
             .map_err(|e| driver_error(self.rank, "cuEventRecord on the NCCL stream", e))?;
-        let deadline = Instant::now() + self.timeout;
         // The heartbeat names a peer that dies or freezes meanwhile in the abort record, which
         // the wait below polls: well before the deadline.
         let _watched = self.pg.waiting_on_peers();
         let outcome = wait_for(
-            deadline,
+            Instant::now() + self.timeout,
             JOB_CHECK,
             || match event.try_is_complete() {
                 Ok(true) => Poll::Done,
-                Ok(false) => match self.async_error() {
-                    Some(e) => Poll::Failed(e),
-                    None => Poll::Pending,
+                Ok(false) => match self.async_state() {
+                    Poll::Failed(e) => Poll::Failed(e),
+                    Poll::Done | Poll::Pending => Poll::Pending,
                 },
                 Err(e) => Poll::Failed(driver_error(self.rank, "waiting for NCCL's stream", e)),
             },
-            || {
-                let record = self.pg.abort_record().ok().flatten()?;
-                Some(DdpError::JobAborted {
-                    rank: self.rank,
-                    during: self.lock().1.last.as_ref().map(|l| (l.0, l.1)),
-                    record,
-                })
-            },
+            || self.abort_elsewhere(),
         );
         let what = || {
             self.lock()
@@ -373,28 +471,21 @@ impl NcclComm {
                 .map(|l| l.2.clone())
                 .unwrap_or_else(|| "the queued work".into())
         };
-        match outcome {
-            Ok(()) => Ok(()),
-            Err(Stop::TimedOut) => {
-                let e = DdpError::NcclTimeout {
-                    rank: self.rank,
-                    what: what(),
-                    waited: self.timeout,
-                };
-                self.publish(&e);
-                self.fail(e.to_string());
-                Err(e)
-            }
-            Err(Stop::Failed(e)) => {
-                self.publish(&e);
-                self.fail(e.to_string());
-                Err(e)
-            }
-            Err(Stop::Aborted(e)) => {
-                self.fail(e.to_string());
-                Err(e)
-            }
-        }
+        self.conclude(outcome, what, self.timeout)
+    }
+
+    /// One all-reduce of a few KiB, waited for: NCCL (2.19+) connects peers inside the first
+    /// collective of each algorithm, so doing it here, with its deadline, moves that out of the
+    /// first backward pass and proves the communicator works end to end.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_reduce`].
+    pub fn warm_up(&self) -> Result<()> {
+        let mut buf = self
+            .stream
+            .alloc_zeros::<f32>(1024)
+            .map_err(|e| driver_error(self.rank, "allocating the warm-up buffer", e))?;
+        self.all_reduce(&mut buf, ReduceOp::Sum)
     }
 
     /// Tells the other ranks (through the store) that this rank's NCCL work failed.
@@ -410,15 +501,18 @@ impl NcclComm {
         }
     }
 
-    /// NCCL's asynchronous error, if the communicator has one.
-    fn async_error(&self) -> Option<DdpError> {
+    /// Where the communicator's host-side work stands (`ncclCommGetAsyncError`): done
+    /// (`ncclSuccess`), still going (`ncclInProgress`), or failed.
+    fn async_state(&self) -> Poll {
         let guard = self.lock();
         let handle = guard.0 .0;
         if handle.is_null() {
-            return None;
+            let first = guard.1.failed.clone().unwrap_or_else(|| "aborted".into());
+            return Poll::Failed(self.failed_error(&guard.1, &first));
         }
         let mut code = ncclResult_t::ncclSuccess;
-        // SAFETY: a valid communicator; `code` is written by NCCL.
+        // SAFETY: a valid communicator; `code` is written by NCCL. Thread-safe by NCCL's
+        // contract for non-blocking communicators.
         let r = unsafe { sys::ncclCommGetAsyncError(handle, &mut code) };
         let code = if r == ncclResult_t::ncclSuccess {
             code
@@ -426,8 +520,9 @@ impl NcclComm {
             r
         };
         match code {
-            ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress => None,
-            code => Some(nccl_error(
+            ncclResult_t::ncclSuccess => Poll::Done,
+            ncclResult_t::ncclInProgress => Poll::Pending,
+            code => Poll::Failed(nccl_error(
                 self.rank,
                 "asynchronous error (ncclCommGetAsyncError)",
                 code,
@@ -502,8 +597,6 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(drop)
-                .map_err(|e| e.0)
             },
         )
     }
@@ -547,8 +640,6 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(drop)
-                .map_err(|e| e.0)
             },
         )
     }
@@ -583,8 +674,6 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(drop)
-                .map_err(|e| e.0)
             },
         )
     }
@@ -622,8 +711,6 @@ impl NcclComm {
                         stream,
                     )
                 }
-                .map(drop)
-                .map_err(|e| e.0)
             },
         )
     }
@@ -720,21 +807,35 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let mut guard = self.lock();
-        let (handle, _) = &mut *guard;
-        if handle.0.is_null() {
+        let raw = self.lock().0 .0;
+        if raw.is_null() {
             return;
         }
-        // Finished work can be torn down cleanly; anything still queued (a peer gone) would make
-        // `ncclCommDestroy` wait for it, so abort instead.
+        // Finished work is torn down cleanly: `ncclCommFinalize` (non-blocking, waited for with
+        // a deadline), then `ncclCommDestroy`. Work still queued (a peer gone), a finalize that
+        // fails or outlasts its deadline: abort, which never waits for peers.
         let idle = self
             .stream
             .record_event(None)
             .ok()
             .is_some_and(|e| e.try_is_complete().unwrap_or(false));
-        // SAFETY: a valid communicator that nothing else uses any more.
+        let finalized = idle
+            && self.ctx.bind_to_thread().is_ok()
+            // SAFETY: a valid communicator that nothing else uses any more.
+            && unsafe { sys::ncclCommFinalize(raw) }.result().is_ok()
+            && wait_for(
+                Instant::now() + self.timeout.min(FINALIZE_LIMIT),
+                FINALIZE_LIMIT,
+                || self.async_state(),
+                || None,
+            )
+            .is_ok();
+        let mut guard = self.lock();
+        let handle = &mut guard.0;
+        // SAFETY: a valid communicator that nothing else uses any more; after a completed
+        // finalize, destroy only frees local resources.
         let _ = unsafe {
-            if idle {
+            if finalized {
                 result::comm_destroy(handle.0)
             } else {
                 result::comm_abort(handle.0)
@@ -834,6 +935,58 @@ mod tests {
         assert!(int_mean.contains("ReduceOp::Sum"), "{int_mean}");
         let old = nccl_op(ReduceOp::Mean, DType::F32, NcclVersion::from_code(2_804)).unwrap_err();
         assert!(old.contains("NCCL 2.8.4"), "{old}");
+    }
+
+    /// At world size 1 every reduction is the identity, so no GPU run can tell a Max mapped to
+    /// Sum: the table itself is checked, down to the values of NCCL's `nccl.h` enums, which is
+    /// what crosses the C ABI.
+    #[test]
+    fn the_op_and_type_tables_are_ncclh() {
+        let v = NcclVersion::from_code(22_304);
+        let ops = [
+            (ReduceOp::Sum, ncclRedOp_t::ncclSum, 0),
+            (ReduceOp::Max, ncclRedOp_t::ncclMax, 2),
+            (ReduceOp::Min, ncclRedOp_t::ncclMin, 3),
+            (ReduceOp::Mean, ncclRedOp_t::ncclAvg, 4),
+        ];
+        for (op, want, value) in ops {
+            let got = nccl_op(op, DType::F32, v).unwrap();
+            assert_eq!(got, want, "{op}");
+            assert_eq!(got as u32, value, "{op}: nccl.h's value");
+        }
+        let types = [
+            (DType::U8, 1),
+            (DType::I32, 2),
+            (DType::I64, 4),
+            (DType::F16, 6),
+            (DType::F32, 7),
+            (DType::F64, 8),
+            (DType::BF16, 9),
+        ];
+        for (dtype, value) in types {
+            assert_eq!(nccl_dtype(dtype) as u32, value, "{dtype}: nccl.h's value");
+        }
+    }
+
+    #[test]
+    fn the_config_is_ncclh_2_17s_non_blocking_initializer() {
+        let c = Config::non_blocking();
+        // size_t size; unsigned magic, version; int blocking, cgaClusterSize, minCTAs, maxCTAs;
+        // const char* netName; int splitShare (padded to 8).
+        assert_eq!(c.size, 48);
+        assert_eq!(std::mem::size_of::<Config>(), 48);
+        assert_eq!(std::mem::offset_of!(Config, net_name), 32);
+        assert_eq!(std::mem::offset_of!(Config, split_share), 40);
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafe_beef, 21_700, 0));
+        assert_eq!(c.min_ctas, i32::MIN);
+        assert!(c.net_name.is_null());
+        // cudarc's binding of the newest layout starts the same way: NCCL reads a config by
+        // these leading fields.
+        assert_eq!(std::mem::offset_of!(sys::ncclConfig_t, blocking), 16);
+        assert_eq!(std::mem::offset_of!(sys::ncclConfig_t, netName), 32);
+        assert!(std::mem::size_of::<sys::ncclConfig_t>() >= 48);
+        assert!(NcclVersion::from_code(21_400).has_nonblocking());
+        assert!(!NcclVersion::from_code(21_304).has_nonblocking());
     }
 
     #[test]

@@ -47,16 +47,24 @@ fn write_f32<B: Backend>(
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
 }
 
-/// `register_sync_parameters`: a backward pass over `B` starts; `used` get gradients in it.
-pub(crate) fn begin_backward<B: Backend>(used: impl Iterator<Item = DistributedParamId>) {
+/// `register_sync_parameters`: a backward pass over `B` starts on `device`; `used` get gradients
+/// in it.
+pub(crate) fn begin_backward<B: Backend>(
+    device: &B::Device,
+    used: impl Iterator<Item = DistributedParamId>,
+) {
     let Some(session) = current() else {
         warn_no_session();
         return;
     };
     let mut r = session.reducer();
     if r.active() {
-        let device = r.use_device::<B>();
-        r.begin(used, device);
+        let on_gpu = r.use_device::<B>(device);
+        // `use_device` may have recorded an error (gradients on another GPU than NCCL's): then
+        // this pass is not synchronised, and `DdpSession::backward` reports the error.
+        if r.active() {
+            r.begin(used, on_gpu);
+        }
     }
 }
 

@@ -396,7 +396,20 @@ impl DdpSession {
             plan.slots.len(),
             plan.buckets.len()
         );
-        self.shared.reducer().set_plan(plan);
+        let mut reducer = self.shared.reducer();
+        reducer.set_plan(plan);
+        // `Autodiff<Ddp<Cuda>>`: NCCL is set up now, on the model's GPU, with a deadline and a
+        // warm-up all-reduce, rather than in the first backward (at peak memory, under Burn's
+        // locks).
+        #[cfg(feature = "cuda")]
+        if crate::cuda::grad::is_ddp_cuda::<B::InnerBackend>() {
+            let ordinal = model
+                .devices()
+                .first()
+                .and_then(crate::cuda::grad::cuda_ordinal);
+            reducer.connect_cuda(ordinal)?;
+        }
+        drop(reducer);
         Ok(model)
     }
 

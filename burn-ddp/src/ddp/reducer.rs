@@ -174,13 +174,14 @@ impl Reducer {
         }
     }
 
-    /// Whether this backward pass over backend `B` keeps its buckets on the GPU, creating the
-    /// NCCL communicator the first time (collectively: every rank takes the same decision).
+    /// Whether this backward pass over backend `B`, whose tensors are on `device`, keeps its
+    /// buckets on the GPU. The NCCL communicator was set up by `prepare`
+    /// ([`Reducer::connect_cuda`]); gradients on another GPU than its are an error.
     #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-    pub(crate) fn use_device<B: burn_backend::Backend>(&mut self) -> bool {
+    pub(crate) fn use_device<B: burn_backend::Backend>(&mut self, device: &B::Device) -> bool {
         #[cfg(feature = "cuda")]
         {
-            use crate::cuda::grad::is_cuda;
+            use crate::cuda::grad::{cuda_ordinal, is_cuda};
             if !is_cuda::<B>() || self.transport == GradTransport::Host {
                 if self.transport == GradTransport::Nccl && !self.nccl_refused {
                     self.nccl_refused = true;
@@ -192,35 +193,38 @@ impl Reducer {
                 }
                 return false;
             }
-            if self.nccl.is_some() {
-                return true;
-            }
-            if self.nccl_refused {
-                return false;
-            }
-            match self.open_nccl() {
-                Ok(comm) => {
-                    self.nccl = Some(std::sync::Arc::new(comm));
-                    true
+            let ordinal = cuda_ordinal(device);
+            if self.nccl.is_none() && !self.nccl_refused {
+                // Not set up by `prepare` (a model prepared on another backend, then moved):
+                // every rank gets here in the same backward, so the set-up stays collective.
+                if let Err(e) = self.connect_cuda(ordinal) {
+                    self.record_error(e);
+                    return false;
                 }
-                Err(e) if self.transport == GradTransport::Nccl => {
-                    self.nccl_refused = true;
+            }
+            let Some(comm) = self.nccl.as_ref() else {
+                return false;
+            };
+            match ordinal {
+                Some(o) if o != comm.device_ordinal() => {
+                    let e = DdpError::DeviceMismatch {
+                        rank: self.pg.rank(),
+                        what: "the gradients of this backward pass",
+                        found: o,
+                        expected_why: format!(
+                            "NCCL was set up on GPU {} (where the model was at `prepare`)",
+                            comm.device_ordinal()
+                        ),
+                    };
                     self.record_error(e);
                     false
                 }
-                Err(e) => {
-                    self.nccl_refused = true;
-                    tracing::warn!(
-                        "[rank {}] gradients of CUDA tensors go through the host-staged \
-                         transport: {e}",
-                        self.pg.rank()
-                    );
-                    false
-                }
+                _ => true,
             }
         }
         #[cfg(not(feature = "cuda"))]
         {
+            let _ = device;
             if self.transport == GradTransport::Nccl && self.error.is_none() {
                 self.record_error(DdpError::InvalidConfig {
                     field: "DdpConfig::transport",
@@ -231,25 +235,104 @@ impl Reducer {
         }
     }
 
-    /// Agrees with every rank whether NCCL can be used (a rank without the library would
-    /// otherwise leave the others waiting in a communicator it never joins), then creates it.
+    /// Sets up the NCCL transport for a model on GPU `ordinal` (its parameters' device; `None`:
+    /// the rank's default GPU), collectively, at `prepare`: every rank must take the same
+    /// decision, or some would wait in NCCL for ranks that use the host transport.
+    ///
+    /// 1. each rank checks it can: NCCL loads (2.14+), and its GPU is the one its `LOCAL_RANK`
+    ///    names (a model on another GPU is an error on every transport);
+    /// 2. one vote (a host all-reduce): all can, some cannot load NCCL (`Auto`: every rank uses
+    ///    the host-staged transport, with a warning), or a rank has an error (every rank fails);
+    /// 3. the communicator is created (non-blocking, with the rendezvous deadline) and one small
+    ///    all-reduce connects its peers (NCCL 2.19+ connects lazily, inside a first collective);
+    /// 4. a second vote: if any rank failed there, every rank drops NCCL together (`Auto`) or
+    ///    fails (`Nccl`).
+    ///
+    /// # Errors
+    /// A rank's GPU is not its local rank's; with `GradTransport::Nccl`, any rank that cannot
+    /// use NCCL.
     #[cfg(feature = "cuda")]
-    fn open_nccl(&self) -> Result<crate::cuda::NcclComm> {
-        let local = match crate::cuda::nccl_version() {
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        };
-        let mut vote = [i64::from(local.is_ok())];
-        self.pg.all_reduce(&mut vote, ReduceOp::Min)?;
-        local?;
-        if vote[0] == 0 {
-            return Err(DdpError::NcclUnavailable {
-                detail: "another rank cannot load NCCL (see its warning); every rank uses the \
-                         host-staged transport so that they stay in step"
-                    .into(),
-            });
+    pub(crate) fn connect_cuda(&mut self, ordinal: Option<usize>) -> Result<()> {
+        const FAILED: i64 = 0;
+        const NO_NCCL: i64 = 1;
+        const READY: i64 = 2;
+        if self.transport == GradTransport::Host
+            || !(self.pg.world_size().get() > 1 || self.transport == GradTransport::Nccl)
+            || self.nccl.is_some()
+        {
+            return Ok(());
         }
-        crate::cuda::NcclComm::new(&self.pg)
+        let pg = self.pg.clone();
+        let rank = pg.rank();
+        let local = crate::cuda::nccl_version()
+            .and_then(|v| {
+                v.has_nonblocking()
+                    .then_some(())
+                    .ok_or_else(|| DdpError::NcclUnavailable {
+                        detail: format!("this process loaded NCCL {v}; burn-ddp needs 2.14+"),
+                    })
+            })
+            .and_then(|()| crate::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
+        let mine = match &local {
+            Ok(_) => READY,
+            Err(DdpError::NcclUnavailable { .. } | DdpError::Cuda { .. }) => NO_NCCL,
+            Err(_) => FAILED,
+        };
+        let mut vote = [mine];
+        pg.all_reduce(&mut vote, ReduceOp::Min)?;
+        let refuse = |me: &mut Self, why: DdpError| -> Result<()> {
+            me.nccl_refused = true;
+            if me.transport == GradTransport::Nccl {
+                return Err(why);
+            }
+            tracing::warn!("[rank {rank}] gradients of CUDA tensors go through the host-staged transport: {why}");
+            Ok(())
+        };
+        let ordinal = match (local, vote[0]) {
+            (Err(e), _) if mine == FAILED => return Err(e),
+            (_, FAILED) => {
+                return Err(DdpError::Model {
+                    rank,
+                    what: "choosing the GPUs for NCCL",
+                    reason: "another rank failed (see its error)".into(),
+                })
+            }
+            (Err(e), _) => return refuse(self, e),
+            (Ok(_), NO_NCCL) => {
+                return refuse(
+                    self,
+                    DdpError::NcclUnavailable {
+                        detail: "another rank cannot use NCCL (see its warning); every rank uses \
+                                 the host-staged transport so that they stay in step"
+                            .into(),
+                    },
+                )
+            }
+            (Ok(o), _) => o,
+        };
+        let made = crate::cuda::NcclComm::on(&pg, crate::cuda::context_of(rank, ordinal)?)
+            .and_then(|c| c.warm_up().map(|()| c));
+        let mut vote = [i64::from(made.is_ok())];
+        pg.all_reduce(&mut vote, ReduceOp::Min)?;
+        match made {
+            Ok(comm) if vote[0] == 1 => {
+                self.nccl = Some(std::sync::Arc::new(comm));
+                Ok(())
+            }
+            Ok(comm) => {
+                comm.abort();
+                refuse(
+                    self,
+                    DdpError::NcclUnavailable {
+                        detail: "another rank could not create its NCCL communicator (see its \
+                                 error); every rank uses the host-staged transport so that they \
+                                 stay in step"
+                            .into(),
+                    },
+                )
+            }
+            Err(e) => refuse(self, e),
+        }
     }
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
@@ -460,7 +543,16 @@ impl Reducer {
         let Some(dev) = step.device.as_mut() else {
             return;
         };
-        dev.keep(slot, grad);
+        let info = &plan.slots[slot].info;
+        if let Err(reason) = dev.keep(slot, grad, info.numel) {
+            let e = DdpError::Model {
+                rank: self.pg.rank(),
+                what: "reading a gradient",
+                reason: format!("`{}`: {reason}", info.name),
+            };
+            tracing::error!("gradient synchronisation failed: {e}");
+            self.error.get_or_insert(e);
+        }
         step.ready[slot] = true;
         step.origin[slot] = Some(origin);
         step.pending[plan.slots[slot].bucket] -= 1;
@@ -496,7 +588,7 @@ impl Reducer {
                 .collect();
             if let Err(e) = dev.launch(comm, bucket, &slots, op, self.compression) {
                 tracing::error!("gradient synchronisation failed: {e}");
-                self.error = Some(e);
+                self.error.get_or_insert(e);
             }
         }
     }
@@ -543,14 +635,31 @@ impl Reducer {
             .slots
             .iter()
             .enumerate()
-            .filter(|(i, _)| step.origin[*i].is_some())
             .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel));
-        let reduced = dev.finish(comm, slots)?;
-        self.foreign.clear();
-        Ok(reduced
+        let (reduced, foreign) = dev.finish(comm, slots)?;
+        let foreign = foreign
+            .into_iter()
+            .map(|i| plan.slots[i].info.name.clone())
+            .collect();
+        let reduced = reduced
             .into_iter()
             .filter_map(|(slot, t)| step.origin[slot].map(|o| (o, t)))
-            .collect())
+            .collect();
+        self.foreign = foreign;
+        self.warn_foreign();
+        Ok(reduced)
+    }
+
+    /// Says which parameters had no local gradient but got one elsewhere (last backward).
+    fn warn_foreign(&self) {
+        if !self.foreign.is_empty() {
+            tracing::warn!(
+                "[rank {}] parameters without a gradient on this rank got one on other ranks: {:?}; \
+                 their averaged gradient is not applied here (use DdpSession::sync_gradients)",
+                self.pg.rank(),
+                self.foreign
+            );
+        }
     }
 
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and
@@ -597,14 +706,7 @@ impl Reducer {
                 }
             }
         }
-        if !self.foreign.is_empty() {
-            tracing::warn!(
-                "[rank {}] parameters without a gradient on this rank got one on other ranks: {:?}; \
-                 their averaged gradient is not applied here (use DdpSession::sync_gradients)",
-                self.pg.rank(),
-                self.foreign
-            );
-        }
+        self.warn_foreign();
         self.spare.extend(step.results.into_iter().flatten());
         Ok(out)
     }

@@ -70,6 +70,11 @@ pub fn restart_count() -> u32 {
         .unwrap_or(0)
 }
 
+/// `CUDA_VISIBLE_DEVICES`, when set (for choosing a rank's GPU, and in messages about it).
+pub fn cuda_visible_devices() -> Option<String> {
+    std::env::var("CUDA_VISIBLE_DEVICES").ok()
+}
+
 /// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`
 /// or [`spawn`](crate::launch::spawn())), rather than as a single process.
 pub fn launched() -> bool {
