@@ -7,16 +7,17 @@
 //!    compression): one device-to-device copy, as PyTorch DDP's bucket copy. A bucket of one
 //!    gradient is that gradient itself when it is one contiguous span, else a contiguous copy
 //!    (a strided or expanded view);
-//! 2. Burn's queued compute is flushed and completed (`Backend::sync`): the gradients exist
-//!    before NCCL reads them (cubecl does not expose its stream, so an event cannot order the
-//!    two streams instead);
-//! 3. the device pointers come from cubecl's resources (resolving Burn's fusion tensors first
-//!    when Burn runs with `fusion`), checked against the bucket's element count and type, and an
-//!    all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
+//! 2. backward hands both tensors (still queued work) to the launcher thread with its cubecl
+//!    `StreamId` and goes on at once. The launcher, running as that stream, resolves them (Burn's
+//!    fusion tensors to cubecl's), waits for cubecl's stream (cubecl does not expose it, so an
+//!    event cannot order the two streams instead; the wait blocks the launcher, not backward),
+//!    and takes the device pointers from cubecl's resources, checked against the bucket's element
+//!    count and type;
+//! 3. the all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
 //!    bucket and writes a fresh output buffer of its own. NCCL never writes memory Burn may
 //!    still read: Burn's autodiff hands the same buffer to two parents (`add` with equal
 //!    shapes), so a single gradient's buffer can be an input of later backward kernels. Both
-//!    buffers stay pinned in the step until the reduction is complete.
+//!    buffers stay pinned until the reduction is complete.
 //!
 //! Backward continues while NCCL runs. At the end of backward every queued reduction is waited
 //! for (with the collective deadline), then each gradient is replaced by its slice of the
@@ -26,6 +27,10 @@
 //! `burn::backend::Cuda` means); other element types use the host-staged transport.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use burn::backend::Cuda;
 use burn_backend::ops::FloatTensorOps;
@@ -33,7 +38,8 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType as BurnDType, Shape, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
-use cubecl::cuda::CudaRuntime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::stream_id::StreamId;
 
 use super::NcclComm;
 use crate::comm::{DType, ReduceOp};
@@ -198,32 +204,179 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
 /// slots without a local gradient that got a non-zero average.
 pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<usize>);
 
-/// One bucket queued on the NCCL stream: its output (what the gradients become), and both
-/// buffers pinned until the reduction is complete.
-struct Queued {
+/// One bucket for the launcher thread: its packed input and fresh output (both still queued work
+/// on Burn's stream `stream`), and how to reduce it.
+struct Job {
+    pass: u64,
+    bucket: usize,
+    input: CudaFloat,
     output: CudaFloat,
-    _pins: [Pinned; 2],
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    stream: StreamId,
+    device: CudaDevice,
 }
 
+/// A bucket the launcher queued on NCCL's stream (its two buffers pinned), or why it could not.
+struct Launched {
+    pass: u64,
+    result: Result<[Pinned; 2]>,
+}
+
+/// The device path's communication thread. Backward hands it each bucket as soon as the bucket
+/// is packed (queued work, not yet done); the thread waits for Burn's stream there — it runs on
+/// the producing thread's cubecl `StreamId`, so the sync covers exactly the stream that computes
+/// the gradients, and it blocks this thread, not backward — then pins both buffers and queues the
+/// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
+/// NCCL calls in the same order.
+pub(crate) struct Launcher {
+    jobs: Option<mpsc::Sender<Job>>,
+    done: mpsc::Receiver<Launched>,
+    thread: Option<JoinHandle<()>>,
+    rank: Rank,
+}
+
+impl std::fmt::Debug for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launcher")
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl Launcher {
+    pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
+        let rank = comm.rank();
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let (tx, done) = mpsc::channel::<Launched>();
+        let thread = std::thread::Builder::new()
+            .name(format!("burn-ddp-nccl-{rank}"))
+            .spawn(move || {
+                for job in rx {
+                    let pass = job.pass;
+                    let result = job.stream.executes(|| enqueue(&comm, job));
+                    if tx.send(Launched { pass, result }).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Self {
+            jobs: Some(jobs),
+            done,
+            thread: Some(thread),
+            rank,
+        })
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        self.jobs
+            .as_ref()
+            .and_then(|tx| tx.send(job).ok())
+            .ok_or(DdpError::NotInitialized {
+                what: "the NCCL launcher thread (it stopped)",
+            })
+    }
+
+    /// The next result of pass `pass` (older passes' stragglers are dropped), waiting at most
+    /// `wait`.
+    fn receive(&self, pass: u64, wait: Duration) -> Result<Result<[Pinned; 2]>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.done.recv_timeout(left) {
+                Ok(l) if l.pass == pass => return Ok(l.result),
+                Ok(_) => continue,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(DdpError::GradSyncTimeout {
+                        rank: self.rank,
+                        waited: wait,
+                    })
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(DdpError::NotInitialized {
+                        what: "the NCCL launcher thread (it stopped)",
+                    })
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Launcher {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// On the launcher thread, on Burn's stream: completes the bucket's inputs, pins them and
+/// queues the all-reduce.
+fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
+    let rank = comm.rank();
+    // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
+    // copied (a fresh tensor, cat and cast results are contiguous already).
+    let input = burn_cubecl::kernel::into_contiguous(job.input.resolve());
+    let output = job.output.resolve();
+    // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
+    // so this sync stands in for an event between the two streams). Resolving drained Burn's
+    // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
+    // the fusion server (and so backward) for as long as the GPU takes.
+    <Cube as Backend>::sync(&job.device).map_err(|e| DdpError::Cuda {
+        rank,
+        what: "completing Burn's queued work before the bucket's all-reduce".into(),
+        detail: format!("{e:?}"),
+    })?;
+    let (send, send_pin) = pin(
+        rank,
+        input,
+        job.count,
+        job.dtype,
+        &format!("packed bucket {}", job.bucket),
+    )?;
+    let (recv, recv_pin) = pin(
+        rank,
+        output,
+        job.count,
+        job.dtype,
+        &format!("output buffer of bucket {}", job.bucket),
+    )?;
+    // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
+    // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
+    // above completed; both stay pinned until the step that receives them has waited for NCCL's
+    // stream (`DeviceStep::finish`, or the reducer's discard path).
+    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype, job.op) }?;
+    Ok([send_pin, recv_pin])
+}
+
+/// Numbers the device passes, so that a late answer of an abandoned pass is recognised.
+static PASSES: AtomicU64 = AtomicU64::new(0);
+
 /// The device state of one backward pass.
-#[derive(Default)]
 pub(crate) struct DeviceStep {
+    pass: u64,
     /// Each slot's flattened gradient, until its bucket is packed.
     grads: Vec<Option<CudaFloat>>,
     /// Each slot's original shape and dtype (to write the result back).
     shapes: Vec<Option<(Shape, BurnDType)>>,
-    queued: Vec<Option<Queued>>,
-    device: Option<<Cuda as burn_backend::BackendTypes>::Device>,
+    /// Each launched bucket's output (what its gradients become).
+    outputs: Vec<Option<CudaFloat>>,
+    /// Buckets handed to the launcher whose answer has not come back yet.
+    in_flight: usize,
+    /// Buffers NCCL works on, kept until its stream has been waited for.
+    pins: Vec<[Pinned; 2]>,
+    device: Option<CudaDevice>,
 }
 
 impl std::fmt::Debug for DeviceStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceStep")
+            .field("pass", &self.pass)
             .field("grads", &self.grads.iter().filter(|g| g.is_some()).count())
-            .field(
-                "queued",
-                &self.queued.iter().filter(|q| q.is_some()).count(),
-            )
+            .field("in_flight", &self.in_flight)
+            .field("queued", &self.pins.len())
             .finish()
     }
 }
@@ -231,9 +384,12 @@ impl std::fmt::Debug for DeviceStep {
 impl DeviceStep {
     pub(crate) fn new(slots: usize, buckets: usize) -> Self {
         Self {
+            pass: PASSES.fetch_add(1, Ordering::Relaxed),
             grads: (0..slots).map(|_| None).collect(),
             shapes: vec![None; slots],
-            queued: (0..buckets).map(|_| None).collect(),
+            outputs: (0..buckets).map(|_| None).collect(),
+            in_flight: 0,
+            pins: Vec::new(),
             device: None,
         }
     }
@@ -272,27 +428,25 @@ impl DeviceStep {
         Ok(())
     }
 
-    /// Packs bucket `bucket` (its slots in offset order, with their lengths) and queues its
-    /// all-reduce on `comm`'s stream.
+    /// Packs bucket `bucket` (its slots in offset order, with their lengths) into a fresh
+    /// tensor, with a fresh output beside it (both queued work on Burn's stream: nothing waits
+    /// here), and hands both to the launcher, which queues the all-reduce once they exist.
     pub(crate) fn launch(
         &mut self,
-        comm: &NcclComm,
+        launcher: &Launcher,
+        ordinal: usize,
         bucket: usize,
         slots: &[(usize, usize)],
         op: ReduceOp,
         compression: crate::Compression,
     ) -> Result<()> {
-        let rank = comm.rank();
         // No gradient at all on this rank yet: the bucket is zeros on the communicator's GPU.
-        let device = self.device.clone().unwrap_or(cubecl::cuda::CudaDevice {
-            index: comm.context().ordinal(),
-        });
-        let device = &device;
+        let device = self.device.clone().unwrap_or(CudaDevice { index: ordinal });
         let parts: Vec<CudaFloat> = slots
             .iter()
             .map(|&(slot, numel)| {
                 self.grads[slot].take().unwrap_or_else(|| {
-                    Gpu::float_zeros(Shape::new([numel]), device, burn_backend::FloatDType::F32)
+                    Gpu::float_zeros(Shape::new([numel]), &device, burn_backend::FloatDType::F32)
                 })
             })
             .collect();
@@ -306,34 +460,51 @@ impl DeviceStep {
             Gpu::float_cat(parts, 0)
         };
         let (dtype, burn_dtype) = bucket_dtype(compression);
-        let packed = if burn_dtype == BurnDType::F32 {
+        let input = if burn_dtype == BurnDType::F32 {
             packed
         } else {
             Gpu::float_cast(packed, float_dtype(burn_dtype))
         };
-        // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
-        // copied (a fresh tensor, cat and cast results are contiguous already).
-        let input = burn_cubecl::kernel::into_contiguous(packed.resolve());
-        let output = Gpu::float_empty(Shape::new([count]), device, float_dtype(burn_dtype));
-        let output_cube = output.clone().resolve();
-        // The gradients must exist before NCCL reads them.
-        Gpu::sync(device).map_err(|e| DdpError::Cuda {
-            rank,
-            what: "completing Burn's queued work before the bucket's all-reduce".into(),
-            detail: format!("{e:?}"),
+        let output = Gpu::float_empty(Shape::new([count]), &device, float_dtype(burn_dtype));
+        launcher.send(Job {
+            pass: self.pass,
+            bucket,
+            input,
+            output: output.clone(),
+            count,
+            dtype,
+            op,
+            stream: StreamId::current(),
+            device,
         })?;
-        let (send, send_pin) = pin(rank, input, count, dtype, "packed bucket")?;
-        let (recv, recv_pin) = pin(rank, output_cube, count, dtype, "bucket's output buffer")?;
-        // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked
-        // by `pin`), distinct allocations (`recv` is fresh); the input was written by work that
-        // `sync` above completed; both are pinned in the step until `finish` (or the reducer's
-        // discard path) has waited for the stream.
-        unsafe { comm.all_reduce_raw(send, recv, count, dtype, op) }?;
-        self.queued[bucket] = Some(Queued {
-            output,
-            _pins: [send_pin, recv_pin],
-        });
+        self.in_flight += 1;
+        self.outputs[bucket] = Some(output);
         Ok(())
+    }
+
+    /// Waits (at most `wait` per bucket) until the launcher has answered for every bucket
+    /// handed to it; keeps what it queued pinned. The first failure is returned after all
+    /// answers are in (or one never comes).
+    pub(crate) fn collect(&mut self, launcher: &Launcher, wait: Duration) -> Result<()> {
+        let mut first = None;
+        while self.in_flight > 0 {
+            match launcher.receive(self.pass, wait) {
+                Ok(result) => {
+                    self.in_flight -= 1;
+                    match result {
+                        Ok(pins) => self.pins.push(pins),
+                        Err(e) => {
+                            first.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                    break;
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
     }
 
     /// Waits for every queued reduction and returns, per slot with a local gradient, the
@@ -344,17 +515,21 @@ impl DeviceStep {
     pub(crate) fn finish(
         &mut self,
         comm: &NcclComm,
+        launcher: &Launcher,
+        wait: Duration,
         slots: impl Iterator<Item = (usize, usize, usize, usize)>,
     ) -> Result<Reduced> {
+        self.collect(launcher, wait)?;
         comm.wait()?;
+        self.pins.clear();
         let mut out = Vec::new();
         let mut foreign = Vec::new();
         for (slot, bucket, offset, numel) in slots {
-            let Some(q) = &self.queued[bucket] else {
+            let Some(output) = &self.outputs[bucket] else {
                 continue;
             };
             let part = Gpu::float_slice(
-                q.output.clone(),
+                output.clone(),
                 &[burn_backend::Slice::from(offset..offset + numel)],
             );
             match self.shapes[slot].clone() {
@@ -378,7 +553,7 @@ impl DeviceStep {
                 }
             }
         }
-        self.queued.iter_mut().for_each(|q| *q = None);
+        self.outputs.iter_mut().for_each(|o| *o = None);
         Ok((out, foreign))
     }
 }

@@ -150,6 +150,9 @@ pub(crate) struct Reducer {
     /// The device path was ruled out for this session (and why was said once).
     #[cfg(feature = "cuda")]
     nccl_refused: bool,
+    /// The device path's communication thread (with the communicator).
+    #[cfg(feature = "cuda")]
+    launcher: Option<crate::cuda::grad::Launcher>,
 }
 
 impl Reducer {
@@ -171,6 +174,8 @@ impl Reducer {
             nccl: None,
             #[cfg(feature = "cuda")]
             nccl_refused: false,
+            #[cfg(feature = "cuda")]
+            launcher: None,
         }
     }
 
@@ -316,7 +321,11 @@ impl Reducer {
         pg.all_reduce(&mut vote, ReduceOp::Min)?;
         match made {
             Ok(comm) if vote[0] == 1 => {
-                self.nccl = Some(std::sync::Arc::new(comm));
+                let comm = std::sync::Arc::new(comm);
+                self.launcher = Some(crate::cuda::grad::Launcher::start(std::sync::Arc::clone(
+                    &comm,
+                ))?);
+                self.nccl = Some(comm);
                 Ok(())
             }
             Ok(comm) => {
@@ -567,9 +576,12 @@ impl Reducer {
             GradReduction::Mean => ReduceOp::Mean,
             GradReduction::Sum => ReduceOp::Sum,
         };
-        let (Some(plan), Some(step), Some(comm)) =
-            (self.plan.as_ref(), self.step.as_mut(), self.nccl.as_ref())
-        else {
+        let (Some(plan), Some(step), Some(comm), Some(launcher)) = (
+            self.plan.as_ref(),
+            self.step.as_mut(),
+            self.nccl.as_ref(),
+            self.launcher.as_ref(),
+        ) else {
             return;
         };
         let Some(dev) = step.device.as_mut() else {
@@ -586,7 +598,8 @@ impl Reducer {
                 .iter()
                 .map(|&i| (i, plan.slots[i].info.numel))
                 .collect();
-            if let Err(e) = dev.launch(comm, bucket, &slots, op, self.compression) {
+            let ordinal = comm.device_ordinal();
+            if let Err(e) = dev.launch(launcher, ordinal, bucket, &slots, op, self.compression) {
                 tracing::error!("gradient synchronisation failed: {e}");
                 self.error.get_or_insert(e);
             }
@@ -623,12 +636,22 @@ impl Reducer {
             if let Some(comm) = self.nccl.as_ref() {
                 comm.fail_with(&e);
             }
+            // The launcher may still hold buckets of this pass: take its answers (their pins)
+            // before the step's buffers go.
+            let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+            if let (Some(launcher), Some(dev)) = (self.launcher.as_ref(), step.device.as_mut()) {
+                let _ = dev.collect(launcher, wait);
+            }
             drop(step);
             return Err(e);
         }
-        let (Some(plan), Some(comm), Some(dev)) =
-            (self.plan.as_ref(), self.nccl.as_ref(), step.device.as_mut())
-        else {
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        let (Some(plan), Some(comm), Some(launcher), Some(dev)) = (
+            self.plan.as_ref(),
+            self.nccl.as_ref(),
+            self.launcher.as_ref(),
+            step.device.as_mut(),
+        ) else {
             return Ok(Vec::new());
         };
         let slots = plan
@@ -636,7 +659,7 @@ impl Reducer {
             .iter()
             .enumerate()
             .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel));
-        let (reduced, foreign) = dev.finish(comm, slots)?;
+        let (reduced, foreign) = dev.finish(comm, launcher, wait, slots)?;
         let foreign = foreign
             .into_iter()
             .map(|i| plan.slots[i].info.name.clone())
@@ -769,11 +792,14 @@ impl Reducer {
             // NCCL may still write into the step's device buckets: wait (bounded) before they
             // are released, so the memory is not reused under it.
             #[cfg(feature = "cuda")]
-            if step.device.is_some() {
-                if let Some(comm) = self.nccl.as_ref() {
-                    if let Err(e) = comm.wait() {
-                        self.record_error(e);
-                    }
+            if let (Some(dev), Some(comm), Some(launcher)) = (
+                step.device.as_mut(),
+                self.nccl.as_ref(),
+                self.launcher.as_ref(),
+            ) {
+                let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+                if let Err(e) = dev.collect(launcher, wait).and_then(|()| comm.wait()) {
+                    self.record_error(e);
                 }
             }
         }
