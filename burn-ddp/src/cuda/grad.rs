@@ -43,6 +43,7 @@ use cubecl::stream_id::StreamId;
 
 use super::NcclComm;
 use crate::comm::{DType, ReduceOp};
+use crate::ddp::reducer::{BucketTransport, Links};
 use crate::error::{DdpError, Result};
 use crate::group::Rank;
 
@@ -431,7 +432,7 @@ impl DeviceStep {
     /// Packs bucket `bucket` (its slots in offset order, with their lengths) into a fresh
     /// tensor, with a fresh output beside it (both queued work on Burn's stream: nothing waits
     /// here), and hands both to the launcher, which queues the all-reduce once they exist.
-    pub(crate) fn launch(
+    fn queue(
         &mut self,
         launcher: &Launcher,
         ordinal: usize,
@@ -555,6 +556,26 @@ impl DeviceStep {
         }
         self.outputs.iter_mut().for_each(|o| *o = None);
         Ok((out, foreign))
+    }
+}
+
+impl BucketTransport for DeviceStep {
+    fn launch(
+        &mut self,
+        links: &mut Links<'_>,
+        bucket: usize,
+        slots: &[(usize, usize)],
+    ) -> Result<()> {
+        let (comm, launcher) = links.nccl()?;
+        let ordinal = comm.device_ordinal();
+        self.queue(
+            launcher,
+            ordinal,
+            bucket,
+            slots,
+            links.op(),
+            links.compression(),
+        )
     }
 }
 

@@ -10,7 +10,7 @@
 
 pub(crate) mod hooks;
 mod model;
-mod reducer;
+pub(crate) mod reducer;
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};

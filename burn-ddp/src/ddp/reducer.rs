@@ -1,10 +1,13 @@
-//! The gradient reducer: a fixed bucket plan, and per backward pass the bucket buffers that fill
-//! as gradients become final.
+//! The gradient reducer: a fixed bucket plan, and per backward pass the buckets that fill as
+//! gradients become final.
 //!
 //! Invariant that keeps ranks in step: buckets are launched strictly in index order, on every
 //! rank, and every bucket is launched in every synchronised backward — parameters that get no
-//! gradient on this rank count as ready (zeros) from the start. The communication thread runs
-//! the all-reduces one after another in the order they were launched.
+//! gradient on this rank count as ready (zeros) from the start. One state machine
+//! ([`Reducer::launch_ready`]) enforces it for both transports: host-staged buckets go to the
+//! communication thread, which all-reduces them one after another in launch order; device
+//! buckets (`cuda/grad.rs`) go to the NCCL launcher thread, likewise in order. They differ only
+//! in [`BucketTransport::launch`] and in how a pass collects its results.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -86,18 +89,120 @@ pub(crate) struct Origin {
     pub ptr: usize,
 }
 
+/// One backward pass: which slots are final, which bucket launches next, and the buckets
+/// themselves. The launch rule is the same for every transport (see [`Reducer::launch_ready`]).
 #[derive(Debug)]
 struct Step {
-    buffers: Vec<Option<Vec<f32>>>,
     pending: Vec<usize>,
     ready: Vec<bool>,
     origin: Vec<Option<Origin>>,
     next_launch: usize,
+    buckets: Buckets,
+}
+
+/// The buckets of one pass, by how they travel.
+#[derive(Debug)]
+enum Buckets {
+    /// Host-staged: f32 buffers filled from each gradient, reduced by the communication thread
+    /// over the process group's transport.
+    Host(HostBuckets),
+    /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`cuda/grad.rs`).
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::grad::DeviceStep),
+}
+
+impl Buckets {
+    fn transport(&mut self) -> &mut dyn BucketTransport {
+        match self {
+            Buckets::Host(h) => h,
+            #[cfg(feature = "cuda")]
+            Buckets::Device(d) => d,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct HostBuckets {
+    buffers: Vec<Option<Vec<f32>>>,
     results: Vec<Option<Vec<f32>>>,
     outstanding: usize,
-    /// This pass keeps its buckets on the GPU (NCCL).
+}
+
+/// What launching a bucket needs from the reducer: the transports' long-lived parts.
+pub(crate) struct Links<'a> {
+    pg: &'a ProcessGroup,
+    reduction: GradReduction,
+    compression: Compression,
+    comm: &'a mut Option<Comm>,
     #[cfg(feature = "cuda")]
-    device: Option<crate::cuda::grad::DeviceStep>,
+    nccl: Option<(&'a crate::cuda::NcclComm, &'a crate::cuda::grad::Launcher)>,
+}
+
+#[cfg(feature = "cuda")]
+impl Links<'_> {
+    pub(crate) fn op(&self) -> ReduceOp {
+        match self.reduction {
+            GradReduction::Mean => ReduceOp::Mean,
+            GradReduction::Sum => ReduceOp::Sum,
+        }
+    }
+
+    pub(crate) fn compression(&self) -> Compression {
+        self.compression
+    }
+
+    /// The NCCL communicator and its launcher thread (set up by `prepare`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn nccl(&self) -> Result<(&crate::cuda::NcclComm, &crate::cuda::grad::Launcher)> {
+        self.nccl.ok_or(DdpError::NotInitialized {
+            what: "the NCCL communicator of the device path",
+        })
+    }
+}
+
+/// How a complete bucket travels: the one thing the host and the device paths do differently
+/// in the reducer's state machine.
+pub(crate) trait BucketTransport {
+    /// Hands over bucket `bucket`, whose slots (with their lengths, in offset order) are all
+    /// final. Buckets come strictly in index order.
+    fn launch(
+        &mut self,
+        links: &mut Links<'_>,
+        bucket: usize,
+        slots: &[(usize, usize)],
+    ) -> Result<()>;
+}
+
+impl BucketTransport for HostBuckets {
+    fn launch(
+        &mut self,
+        links: &mut Links<'_>,
+        bucket: usize,
+        _slots: &[(usize, usize)],
+    ) -> Result<()> {
+        let Some(data) = self.buffers[bucket].take() else {
+            return Ok(());
+        };
+        if links.comm.is_none() {
+            *links.comm = Some(Comm::start(
+                links.pg.clone(),
+                links.reduction,
+                links.compression,
+            )?);
+        }
+        let sent = links
+            .comm
+            .as_ref()
+            .and_then(|c| c.jobs.as_ref())
+            .is_some_and(|tx| tx.send(Job { bucket, data }).is_ok());
+        if !sent {
+            return Err(DdpError::NotInitialized {
+                what: "the gradient communication thread (it stopped)",
+            });
+        }
+        self.outstanding += 1;
+        Ok(())
+    }
 }
 
 struct Job {
@@ -419,18 +524,6 @@ impl Reducer {
                 used_slots[i] = true;
             }
         }
-        let mut buffers = Vec::with_capacity(plan.buckets.len());
-        for (_, len) in plan.buckets.iter().filter(|_| !device) {
-            let mut b = self
-                .spare
-                .iter()
-                .position(|s| s.capacity() >= *len)
-                .map(|i| self.spare.swap_remove(i))
-                .unwrap_or_default();
-            b.clear();
-            b.resize(*len, 0.0);
-            buffers.push(Some(b));
-        }
         let mut pending: Vec<usize> = plan.buckets.iter().map(|(s, _)| s.len()).collect();
         let mut ready = vec![false; plan.slots.len()];
         for (i, slot) in plan.slots.iter().enumerate() {
@@ -440,21 +533,42 @@ impl Reducer {
             }
         }
         let n = plan.buckets.len();
-        if device {
-            buffers = (0..n).map(|_| None).collect();
-        }
+        #[cfg(feature = "cuda")]
+        let device_buckets =
+            device.then(|| Buckets::Device(crate::cuda::grad::DeviceStep::new(ready.len(), n)));
         #[cfg(not(feature = "cuda"))]
-        let _ = device;
+        let device_buckets = {
+            let _ = device;
+            None
+        };
+        let buckets = match device_buckets {
+            Some(b) => b,
+            None => {
+                let mut buffers = Vec::with_capacity(n);
+                for (_, len) in &plan.buckets {
+                    let mut b = self
+                        .spare
+                        .iter()
+                        .position(|s| s.capacity() >= *len)
+                        .map(|i| self.spare.swap_remove(i))
+                        .unwrap_or_default();
+                    b.clear();
+                    b.resize(*len, 0.0);
+                    buffers.push(Some(b));
+                }
+                Buckets::Host(HostBuckets {
+                    buffers,
+                    results: (0..n).map(|_| None).collect(),
+                    outstanding: 0,
+                })
+            }
+        };
         self.step = Some(Step {
-            #[cfg(feature = "cuda")]
-            device: device.then(|| crate::cuda::grad::DeviceStep::new(plan.slots.len(), n)),
-            buffers,
+            origin: vec![None; ready.len()],
             pending,
             ready,
-            origin: vec![None; plan.slots.len()],
             next_launch: 0,
-            results: (0..n).map(|_| None).collect(),
-            outstanding: 0,
+            buckets,
         });
         if self.overlap {
             self.launch_ready();
@@ -475,122 +589,50 @@ impl Reducer {
 
     /// Copies a final gradient (as f32) into its bucket and launches what became ready.
     pub(crate) fn fill(&mut self, slot: usize, values: &[f32], origin: Origin) {
+        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
+            let s = &plan.slots[slot];
+            // Without the `cuda` feature every pass is a host pass.
+            #[allow(irrefutable_let_patterns)]
+            if let Buckets::Host(host) = &mut step.buckets {
+                if let Some(buf) = host.buffers[s.bucket].as_mut() {
+                    buf[s.offset..s.offset + values.len()].copy_from_slice(values);
+                }
+            }
+        }
+        self.mark_ready(slot, origin);
+    }
+
+    /// Slot `slot`'s gradient is final (its value is with the bucket): counts it, and launches
+    /// what became ready.
+    fn mark_ready(&mut self, slot: usize, origin: Origin) {
         let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
             return;
         };
-        let s = &plan.slots[slot];
-        if let Some(buf) = step.buffers[s.bucket].as_mut() {
-            buf[s.offset..s.offset + values.len()].copy_from_slice(values);
-        }
         step.ready[slot] = true;
         step.origin[slot] = Some(origin);
-        step.pending[s.bucket] -= 1;
+        step.pending[plan.slots[slot].bucket] -= 1;
         if self.overlap {
             self.launch_ready();
         }
     }
 
+    /// The launch rule, for every transport: buckets strictly in index order, each as soon as
+    /// all its slots are final, so every rank launches the same buckets in the same order. A
+    /// failed launch is recorded and the later buckets still go, keeping the ranks in step
+    /// until the failure is reported.
     fn launch_ready(&mut self) {
-        #[cfg(feature = "cuda")]
-        if self.step.as_ref().is_some_and(|s| s.device.is_some()) {
-            self.launch_ready_device();
-            return;
-        }
-        let Some(step) = self.step.as_mut() else {
-            return;
-        };
-        while step.next_launch < step.pending.len() && step.pending[step.next_launch] == 0 {
-            let bucket = step.next_launch;
-            step.next_launch += 1;
-            let Some(data) = step.buffers[bucket].take() else {
-                continue;
-            };
-            if self.comm.is_none() {
-                match Comm::start(self.pg.clone(), self.reduction, self.compression) {
-                    Ok(c) => self.comm = Some(c),
-                    Err(e) => {
-                        self.error.get_or_insert(e);
-                        return;
-                    }
-                }
-            }
-            let sent = self
-                .comm
-                .as_ref()
-                .and_then(|c| c.jobs.as_ref())
-                .map(|tx| tx.send(Job { bucket, data }).is_ok())
-                .unwrap_or(false);
-            if sent {
-                step.outstanding += 1;
-            } else {
-                self.error.get_or_insert(DdpError::NotInitialized {
-                    what: "the gradient communication thread (it stopped)",
-                });
-                return;
-            }
-        }
-    }
-
-    /// Whether the running pass keeps its buckets on the GPU.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_pass(&self) -> bool {
-        self.step.as_ref().is_some_and(|s| s.device.is_some())
-    }
-
-    /// The device path's [`Reducer::fill`]: keeps a final CUDA gradient for its bucket and
-    /// queues what became ready.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn fill_device(
-        &mut self,
-        slot: usize,
-        grad: burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
-        origin: Origin,
-    ) {
         let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
             return;
         };
-        let Some(dev) = step.device.as_mut() else {
-            return;
+        let mut links = Links {
+            pg: &self.pg,
+            reduction: self.reduction,
+            compression: self.compression,
+            comm: &mut self.comm,
+            #[cfg(feature = "cuda")]
+            nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
         };
-        let info = &plan.slots[slot].info;
-        if let Err(reason) = dev.keep(slot, grad, info.numel) {
-            let e = DdpError::Model {
-                rank: self.pg.rank(),
-                what: "reading a gradient",
-                reason: format!("`{}`: {reason}", info.name),
-            };
-            tracing::error!("gradient synchronisation failed: {e}");
-            self.error.get_or_insert(e);
-        }
-        step.ready[slot] = true;
-        step.origin[slot] = Some(origin);
-        step.pending[plan.slots[slot].bucket] -= 1;
-        if self.overlap {
-            self.launch_ready_device();
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn launch_ready_device(&mut self) {
-        let op = match self.reduction {
-            GradReduction::Mean => ReduceOp::Mean,
-            GradReduction::Sum => ReduceOp::Sum,
-        };
-        let (Some(plan), Some(step), Some(comm), Some(launcher)) = (
-            self.plan.as_ref(),
-            self.step.as_mut(),
-            self.nccl.as_ref(),
-            self.launcher.as_ref(),
-        ) else {
-            return;
-        };
-        let Some(dev) = step.device.as_mut() else {
-            return;
-        };
-        while self.error.is_none()
-            && step.next_launch < step.pending.len()
-            && step.pending[step.next_launch] == 0
-        {
+        while step.next_launch < step.pending.len() && step.pending[step.next_launch] == 0 {
             let bucket = step.next_launch;
             step.next_launch += 1;
             let slots: Vec<(usize, usize)> = plan.buckets[bucket]
@@ -598,15 +640,64 @@ impl Reducer {
                 .iter()
                 .map(|&i| (i, plan.slots[i].info.numel))
                 .collect();
-            let ordinal = comm.device_ordinal();
-            if let Err(e) = dev.launch(launcher, ordinal, bucket, &slots, op, self.compression) {
+            if let Err(e) = step.buckets.transport().launch(&mut links, bucket, &slots) {
                 tracing::error!("gradient synchronisation failed: {e}");
                 self.error.get_or_insert(e);
             }
         }
     }
 
-    /// The device path's [`Reducer::finish`]: queues the remaining buckets, waits for NCCL and
+    /// Whether the running pass keeps its buckets on the GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_pass(&self) -> bool {
+        self.step
+            .as_ref()
+            .is_some_and(|s| matches!(s.buckets, Buckets::Device(_)))
+    }
+
+    /// The device path's [`Reducer::fill`]: keeps a final CUDA gradient for its bucket and
+    /// launches what became ready.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn fill_device(
+        &mut self,
+        slot: usize,
+        grad: burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
+        origin: Origin,
+    ) {
+        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
+            if let Buckets::Device(dev) = &mut step.buckets {
+                let info = &plan.slots[slot].info;
+                if let Err(reason) = dev.keep(slot, grad, info.numel) {
+                    let e = DdpError::Model {
+                        rank: self.pg.rank(),
+                        what: "reading a gradient",
+                        reason: format!("`{}`: {reason}", info.name),
+                    };
+                    tracing::error!("gradient synchronisation failed: {e}");
+                    self.error.get_or_insert(e);
+                }
+            }
+        }
+        self.mark_ready(slot, origin);
+    }
+
+    /// Ends the pass, for every transport: gradients announced but never delivered count as
+    /// zeros (so that no rank waits forever), every bucket is launched in order, and the pass is
+    /// taken out of the reducer.
+    fn close(&mut self) -> Option<Step> {
+        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
+            for (i, slot) in plan.slots.iter().enumerate() {
+                if !step.ready[i] {
+                    step.ready[i] = true;
+                    step.pending[slot.bucket] -= 1;
+                }
+            }
+        }
+        self.launch_ready();
+        self.step.take()
+    }
+
+    /// The device path's [`Reducer::finish`]: launches the remaining buckets, waits for NCCL and
     /// returns each local gradient's origin with its averaged value (on the GPU).
     #[cfg(feature = "cuda")]
     #[allow(clippy::type_complexity)]
@@ -618,39 +709,30 @@ impl Reducer {
             burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
         )>,
     > {
-        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
-            for (i, slot) in plan.slots.iter().enumerate() {
-                if !step.ready[i] {
-                    step.ready[i] = true;
-                    step.pending[slot.bucket] -= 1;
-                }
-            }
-        }
-        self.launch_ready_device();
-        let Some(mut step) = self.step.take() else {
+        let Some(mut step) = self.close() else {
+            return Ok(Vec::new());
+        };
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        let Buckets::Device(dev) = &mut step.buckets else {
+            // A host pass ends in `finish`.
             return Ok(Vec::new());
         };
         if let Some(e) = self.error.take() {
             // Buckets already queued may still be in flight, and the ranks are out of step: stop
-            // NCCL (and tell the others) before the step's buffers are released.
+            // NCCL (and tell the others), and take the launcher's answers (their pins), before
+            // the step's buffers go.
             if let Some(comm) = self.nccl.as_ref() {
                 comm.fail_with(&e);
             }
-            // The launcher may still hold buckets of this pass: take its answers (their pins)
-            // before the step's buffers go.
-            let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-            if let (Some(launcher), Some(dev)) = (self.launcher.as_ref(), step.device.as_mut()) {
+            if let Some(launcher) = self.launcher.as_ref() {
                 let _ = dev.collect(launcher, wait);
             }
-            drop(step);
             return Err(e);
         }
-        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-        let (Some(plan), Some(comm), Some(launcher), Some(dev)) = (
+        let (Some(plan), Some(comm), Some(launcher)) = (
             self.plan.as_ref(),
             self.nccl.as_ref(),
             self.launcher.as_ref(),
-            step.device.as_mut(),
         ) else {
             return Ok(Vec::new());
         };
@@ -688,39 +770,30 @@ impl Reducer {
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
     pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, Vec<f32>)>> {
-        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
-            self.step = None;
+        let Some(step) = self.close() else {
             return Ok(Vec::new());
         };
-        // Gradients announced but never delivered count as zeros, so that no rank waits forever.
-        for (i, slot) in plan.slots.iter().enumerate() {
-            if !step.ready[i] {
-                step.ready[i] = true;
-                step.pending[slot.bucket] -= 1;
-            }
-        }
-        if self.overlap {
-            self.launch_ready();
-        }
-        let Some(mut step) = self.step.take() else {
+        let Step {
+            origin, buckets, ..
+        } = step;
+        #[allow(irrefutable_let_patterns)] // without `cuda`, every pass is a host pass
+        let Buckets::Host(mut host) = buckets
+        else {
+            // A device pass ends in `finish_device`.
             return Ok(Vec::new());
         };
-        if self.overlap {
-            self.collect(&mut step)?;
-        } else {
-            self.run_inline(&mut step)?;
-        }
+        self.collect(&mut host)?;
         let Some(plan) = self.plan.as_ref() else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         self.foreign.clear();
         for (i, slot) in plan.slots.iter().enumerate() {
-            let Some(bucket) = step.results[slot.bucket].as_ref() else {
+            let Some(bucket) = host.results[slot.bucket].as_ref() else {
                 continue;
             };
             let values = &bucket[slot.offset..slot.offset + slot.info.numel];
-            match step.origin[i] {
+            match origin[i] {
                 Some(origin) => out.push((origin, values.to_vec())),
                 None => {
                     if values.iter().any(|v| *v != 0.0) {
@@ -730,22 +803,23 @@ impl Reducer {
             }
         }
         self.warn_foreign();
-        self.spare.extend(step.results.into_iter().flatten());
+        self.spare.extend(host.results.into_iter().flatten());
         Ok(out)
     }
 
-    fn collect(&mut self, step: &mut Step) -> Result<()> {
+    /// Takes the communication thread's answers for every bucket of a host pass.
+    fn collect(&mut self, host: &mut HostBuckets) -> Result<()> {
         let wait = self.pg.timeouts().collective + ANSWER_SLACK;
         let mut first_error = None;
-        while step.outstanding > 0 {
+        while host.outstanding > 0 {
             let Some(comm) = self.comm.as_ref() else {
                 break;
             };
             match comm.done.recv_timeout(wait) {
                 Ok(Done { bucket, result }) => {
-                    step.outstanding -= 1;
+                    host.outstanding -= 1;
                     match result {
-                        Ok(v) => step.results[bucket] = Some(v),
+                        Ok(v) => host.results[bucket] = Some(v),
                         Err(e) => {
                             first_error.get_or_insert(e);
                         }
@@ -772,34 +846,27 @@ impl Reducer {
         }
     }
 
-    fn run_inline(&mut self, step: &mut Step) -> Result<()> {
-        for (bucket, data) in step.buffers.iter_mut().enumerate() {
-            if let Some(mut data) = data.take() {
-                reduce(&self.pg, &mut data, self.reduction, self.compression)?;
-                step.results[bucket] = Some(data);
-            }
-        }
-        Ok(())
-    }
-
-    /// Drops a backward pass that never finished (its backward panicked), draining the
-    /// communication thread so that the next pass starts clean.
+    /// Drops a backward pass that never finished (its backward panicked), draining what its
+    /// transport still does so that the next pass starts clean.
     fn discard_step(&mut self) {
-        if let Some(mut step) = self.step.take() {
-            if step.outstanding > 0 {
-                let _ = self.collect(&mut step);
+        let Some(mut step) = self.step.take() else {
+            return;
+        };
+        match &mut step.buckets {
+            Buckets::Host(host) => {
+                if host.outstanding > 0 {
+                    let _ = self.collect(host);
+                }
             }
-            // NCCL may still write into the step's device buckets: wait (bounded) before they
-            // are released, so the memory is not reused under it.
+            // NCCL may still write into the step's device buckets: take the launcher's answers
+            // and wait (bounded) before they are released, so the memory is not reused under it.
             #[cfg(feature = "cuda")]
-            if let (Some(dev), Some(comm), Some(launcher)) = (
-                step.device.as_mut(),
-                self.nccl.as_ref(),
-                self.launcher.as_ref(),
-            ) {
-                let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                if let Err(e) = dev.collect(launcher, wait).and_then(|()| comm.wait()) {
-                    self.record_error(e);
+            Buckets::Device(dev) => {
+                if let (Some(comm), Some(launcher)) = (self.nccl.as_ref(), self.launcher.as_ref()) {
+                    let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+                    if let Err(e) = dev.collect(launcher, wait).and_then(|()| comm.wait()) {
+                        self.record_error(e);
+                    }
                 }
             }
         }
