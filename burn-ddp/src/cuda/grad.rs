@@ -29,7 +29,6 @@
 use std::any::Any;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use burn::backend::Cuda;
@@ -44,6 +43,7 @@ use cubecl::stream_id::StreamId;
 use super::NcclComm;
 use crate::comm::{DType, ReduceOp};
 use crate::ddp::reducer::{BucketTransport, Links};
+use crate::ddp::worker::Worker;
 use crate::error::{DdpError, Result};
 use crate::group::Rank;
 
@@ -232,9 +232,7 @@ struct Launched {
 /// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
 pub(crate) struct Launcher {
-    jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<Launched>,
-    thread: Option<JoinHandle<()>>,
+    worker: Worker<Job, Launched>,
     rank: Rank,
 }
 
@@ -249,34 +247,21 @@ impl std::fmt::Debug for Launcher {
 impl Launcher {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
         let rank = comm.rank();
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let (tx, done) = mpsc::channel::<Launched>();
-        let thread = std::thread::Builder::new()
-            .name(format!("burn-ddp-nccl-{rank}"))
-            .spawn(move || {
-                for job in rx {
-                    let pass = job.pass;
-                    let result = job.stream.executes(|| enqueue(&comm, job));
-                    if tx.send(Launched { pass, result }).is_err() {
-                        break;
-                    }
-                }
-            })?;
-        Ok(Self {
-            jobs: Some(jobs),
-            done,
-            thread: Some(thread),
-            rank,
-        })
+        let worker = Worker::start(format!("burn-ddp-nccl-{rank}"), move |job: Job| {
+            let pass = job.pass;
+            let result = job.stream.executes(|| enqueue(&comm, job));
+            Launched { pass, result }
+        })?;
+        Ok(Self { worker, rank })
     }
 
     fn send(&self, job: Job) -> Result<()> {
-        self.jobs
-            .as_ref()
-            .and_then(|tx| tx.send(job).ok())
-            .ok_or(DdpError::NotInitialized {
-                what: "the NCCL launcher thread (it stopped)",
-            })
+        if self.worker.send(job) {
+            return Ok(());
+        }
+        Err(DdpError::NotInitialized {
+            what: "the NCCL launcher thread (it stopped)",
+        })
     }
 
     /// The next result of pass `pass` (older passes' stragglers are dropped), waiting at most
@@ -285,7 +270,7 @@ impl Launcher {
         let deadline = Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.done.recv_timeout(left) {
+            match self.worker.receive(left) {
                 Ok(l) if l.pass == pass => return Ok(l.result),
                 Ok(_) => continue,
                 Err(mpsc::RecvTimeoutError::Timeout) => {
@@ -300,15 +285,6 @@ impl Launcher {
                     })
                 }
             }
-        }
-    }
-}
-
-impl Drop for Launcher {
-    fn drop(&mut self) {
-        self.jobs = None;
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
         }
     }
 }

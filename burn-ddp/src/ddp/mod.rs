@@ -3,6 +3,7 @@
 //! - `hooks.rs`: what `Ddp<B>`'s `DistributedBackend` hooks do (find the session, copy gradients
 //!   into buckets, write the averaged gradients back)
 //! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
+//! - `worker.rs`: the in-order thread each transport's communication runs on
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
 //!
 //! A session is installed when it is created: for the whole process when its group spans
@@ -11,6 +12,7 @@
 pub(crate) mod hooks;
 mod model;
 pub(crate) mod reducer;
+pub(crate) mod worker;
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};

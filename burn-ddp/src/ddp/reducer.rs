@@ -10,8 +10,7 @@
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
 use std::collections::HashMap;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::thread::{self, JoinHandle};
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
 use burn_backend::distributed::DistributedParamId;
@@ -184,7 +183,7 @@ impl BucketTransport for HostBuckets {
             return Ok(());
         };
         if links.comm.is_none() {
-            *links.comm = Some(Comm::start(
+            *links.comm = Some(start_comm(
                 links.pg.clone(),
                 links.reduction,
                 links.compression,
@@ -193,8 +192,7 @@ impl BucketTransport for HostBuckets {
         let sent = links
             .comm
             .as_ref()
-            .and_then(|c| c.jobs.as_ref())
-            .is_some_and(|tx| tx.send(Job { bucket, data }).is_ok());
+            .is_some_and(|c| c.send(Job { bucket, data }));
         if !sent {
             return Err(DdpError::NotInitialized {
                 what: "the gradient communication thread (it stopped)",
@@ -215,12 +213,8 @@ struct Done {
     result: Result<Vec<f32>>,
 }
 
-#[derive(Debug)]
-struct Comm {
-    jobs: Option<Sender<Job>>,
-    done: Receiver<Done>,
-    thread: Option<JoinHandle<()>>,
-}
+/// The host transport's communication thread: all-reduces buckets one after another.
+type Comm = super::worker::Worker<Job, Done>;
 
 impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -815,7 +809,7 @@ impl Reducer {
             let Some(comm) = self.comm.as_ref() else {
                 break;
             };
-            match comm.done.recv_timeout(wait) {
+            match comm.receive(wait) {
                 Ok(Done { bucket, result }) => {
                     host.outstanding -= 1;
                     match result {
@@ -876,35 +870,24 @@ impl Reducer {
 impl Drop for Reducer {
     fn drop(&mut self) {
         self.discard_step();
-        if let Some(mut comm) = self.comm.take() {
-            comm.jobs = None;
-            if let Some(t) = comm.thread.take() {
-                let _ = t.join();
-            }
-        }
+        // Then the communication threads stop and are joined (the workers' own drop).
     }
 }
 
-impl Comm {
-    fn start(pg: ProcessGroup, reduction: GradReduction, compression: Compression) -> Result<Self> {
-        let (jobs, rx) = mpsc::channel::<Job>();
-        let (tx, done) = mpsc::channel::<Done>();
-        let thread = thread::Builder::new()
-            .name(format!("burn-ddp-grad-{}", pg.rank()))
-            .spawn(move || {
-                for Job { bucket, mut data } in rx {
-                    let result = reduce(&pg, &mut data, reduction, compression).map(|()| data);
-                    if tx.send(Done { bucket, result }).is_err() {
-                        break;
-                    }
-                }
-            })?;
-        Ok(Self {
-            jobs: Some(jobs),
-            done,
-            thread: Some(thread),
-        })
-    }
+/// Starts the host transport's communication thread.
+fn start_comm(
+    pg: ProcessGroup,
+    reduction: GradReduction,
+    compression: Compression,
+) -> Result<Comm> {
+    let name = format!("burn-ddp-grad-{}", pg.rank());
+    Ok(super::worker::Worker::start(
+        name,
+        move |Job { bucket, mut data }| {
+            let result = reduce(&pg, &mut data, reduction, compression).map(|()| data);
+            Done { bucket, result }
+        },
+    )?)
 }
 
 /// All-reduces one bucket in place, compressed if asked.
