@@ -42,6 +42,7 @@ use cubecl::stream_id::StreamId;
 
 use super::NcclComm;
 use crate::comm::{DType, ReduceOp};
+use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
 use crate::ddp::worker::Worker;
 use crate::error::{DdpError, Result};
@@ -121,14 +122,19 @@ fn pin(
     rank: Rank,
     cube: CubeTensor<CudaRuntime>,
     count: usize,
-    dtype: DType,
+    (dtype, burn_dtype): (DType, BurnDType),
     what: &str,
 ) -> Result<(u64, Pinned)> {
     if !cube.is_contiguous() {
         return Err(layout_error(rank, format!("the {what} is not contiguous")));
     }
-    check_elements(cube.meta.shape().num_elements(), cube.dtype, count, dtype)
-        .map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    check_elements(
+        cube.meta.shape().num_elements(),
+        cube.dtype,
+        count,
+        burn_dtype,
+    )
+    .map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
     let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
         layout_error(
             rank,
@@ -167,29 +173,21 @@ pub(crate) fn check_span(
     }
 }
 
-/// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` x `dtype`.
+/// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` elements
+/// of Burn type `want`.
 pub(crate) fn check_elements(
     numel: usize,
     burn: BurnDType,
     count: usize,
-    dtype: DType,
+    want: BurnDType,
 ) -> std::result::Result<(), String> {
     if numel != count {
         return Err(format!("it has {numel} elements, the bucket plan {count}"));
     }
-    if burn != bucket_burn_dtype(dtype) {
-        return Err(format!("its elements are {burn:?}, the bucket's {dtype}"));
+    if burn != want {
+        return Err(format!("its elements are {burn:?}, the bucket's {want:?}"));
     }
     Ok(())
-}
-
-fn bucket_burn_dtype(dtype: DType) -> BurnDType {
-    match dtype {
-        DType::F16 => BurnDType::F16,
-        DType::BF16 => BurnDType::BF16,
-        DType::F64 => BurnDType::F64,
-        _ => BurnDType::F32,
-    }
 }
 
 /// The bucket element type for a compression setting.
@@ -213,7 +211,8 @@ struct Job {
     input: CudaFloat,
     output: CudaFloat,
     count: usize,
-    dtype: DType,
+    /// The bucket's element type, for NCCL and for Burn.
+    dtype: (DType, BurnDType),
     op: ReduceOp,
     stream: StreamId,
     device: CudaDevice,
@@ -324,7 +323,7 @@ fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
     // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
     // above completed; both stay pinned until the step that receives them has waited for NCCL's
     // stream (`DeviceStep::finish`, or the reducer's discard path).
-    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype, job.op) }?;
+    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
     Ok([send_pin, recv_pin])
 }
 
@@ -449,7 +448,7 @@ impl DeviceStep {
             input,
             output: output.clone(),
             count,
-            dtype,
+            dtype: (dtype, burn_dtype),
             op,
             stream: StreamId::current(),
             device,
@@ -557,13 +556,8 @@ impl BucketTransport for DeviceStep {
 
 /// Whether any element of `t` is not zero (one scalar copied to the host).
 fn nonzero(t: CudaFloat) -> std::result::Result<bool, String> {
-    let max = Gpu::float_max(Gpu::float_abs(t));
-    let data = burn_backend::read_sync(Gpu::float_into_data(max)).map_err(|e| e.to_string())?;
-    let values = data
-        .convert_dtype(BurnDType::F32)
-        .into_vec::<f32>()
-        .map_err(|e| format!("{e:?}"))?;
-    Ok(values.iter().any(|v| *v != 0.0))
+    let max = read_f32::<Gpu>(Gpu::float_max(Gpu::float_abs(t)))?;
+    Ok(max.iter().any(|v| *v != 0.0))
 }
 
 fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {
@@ -597,11 +591,11 @@ mod tests {
 
     #[test]
     fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {
-        assert!(check_elements(1024, BurnDType::F32, 1024, DType::F32).is_ok());
-        assert!(check_elements(8, BurnDType::BF16, 8, DType::BF16).is_ok());
-        let e = check_elements(1023, BurnDType::F32, 1024, DType::F32).unwrap_err();
+        assert!(check_elements(1024, BurnDType::F32, 1024, BurnDType::F32).is_ok());
+        assert!(check_elements(8, BurnDType::BF16, 8, BurnDType::BF16).is_ok());
+        let e = check_elements(1023, BurnDType::F32, 1024, BurnDType::F32).unwrap_err();
         assert!(e.contains("1023 elements, the bucket plan 1024"), "{e}");
-        let e = check_elements(8, BurnDType::F32, 8, DType::F16).unwrap_err();
+        let e = check_elements(8, BurnDType::F32, 8, BurnDType::F16).unwrap_err();
         assert!(e.contains("F32"), "{e}");
     }
 

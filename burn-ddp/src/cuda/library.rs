@@ -95,6 +95,26 @@ pub fn nccl_version() -> Result<NcclVersion> {
     Ok(NcclVersion::from_code(code))
 }
 
+/// The loaded NCCL's version, if burn-ddp can use it: 2.14 or newer (non-blocking
+/// communicators, so that no NCCL call can hang without a deadline).
+///
+/// # Errors
+/// As [`nccl_version`], and [`DdpError::NcclUnavailable`] for an older NCCL, saying what to
+/// install.
+pub(crate) fn usable_nccl() -> Result<NcclVersion> {
+    let version = nccl_version()?;
+    if !version.has_nonblocking() {
+        return Err(DdpError::NcclUnavailable {
+            detail: format!(
+                "this process loaded NCCL {version}; burn-ddp needs 2.14 or newer (non-blocking \
+                 communicators, so that no NCCL call can hang without a deadline). Install a \
+                 newer NCCL (pip install nvidia-nccl-cu12 or -cu13)"
+            ),
+        });
+    }
+    Ok(version)
+}
+
 /// Directories where NCCL's runtime library is commonly installed: `LD_LIBRARY_PATH`, the
 /// system library directories, the CUDA toolkit, and pip's `nvidia/nccl/lib` in the active
 /// virtual environment and the system's Python installations.

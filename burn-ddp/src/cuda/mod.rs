@@ -20,8 +20,9 @@ mod nccl;
 mod status;
 mod wait;
 
-pub(crate) use device::{context as context_of, ordinal_for};
+pub(crate) use device::ordinal_for;
 pub use device::{context_for, device_count, driver_present, rank_device};
+pub(crate) use library::usable_nccl;
 pub use library::{nccl_present, nccl_version, NcclVersion};
 pub use nccl::NcclComm;
 

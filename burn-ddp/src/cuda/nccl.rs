@@ -25,7 +25,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut
 use cudarc::nccl::result::{self, NcclStatus};
 use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 
-use super::library::{nccl_version, NcclVersion};
+use super::library::{usable_nccl, NcclVersion};
 use super::status::{driver_error, nccl_error};
 use super::wait::{wait_for, Poll, Stop};
 use crate::comm::{CollectiveOp, DType, Element, ReduceOp};
@@ -191,17 +191,8 @@ impl NcclComm {
     /// # Errors
     /// As [`NcclComm::new`].
     pub fn on(pg: &ProcessGroup, ctx: Arc<CudaContext>) -> Result<Self> {
-        let version = nccl_version()?;
+        let version = usable_nccl()?;
         let rank = pg.rank();
-        if !version.has_nonblocking() {
-            return Err(DdpError::NcclUnavailable {
-                detail: format!(
-                    "this process loaded NCCL {version}; burn-ddp needs 2.14 or newer \
-                     (non-blocking communicators, so that no NCCL call can hang without a \
-                     deadline). Install a newer NCCL (pip install nvidia-nccl-cu12 or -cu13)"
-                ),
-            });
-        }
         let world = pg.world_size();
         let timeouts = pg.timeouts();
         ctx.bind_to_thread()

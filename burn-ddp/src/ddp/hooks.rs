@@ -24,7 +24,7 @@ fn warn_no_session() {
 }
 
 /// Reads a float tensor as f32 values, in row-major order.
-fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
+pub(crate) fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
     // Reshaping to 1-D first hands `into_data` a fresh, contiguous tensor that nothing else
     // shares. Backends take their slow path otherwise: NdArray reads a shared or transposed
     // array (every Linear weight gradient is one) element by element through a dynamic index,

@@ -368,15 +368,8 @@ impl Reducer {
         }
         let pg = self.pg.clone();
         let rank = pg.rank();
-        let local = crate::cuda::nccl_version()
-            .and_then(|v| {
-                v.has_nonblocking()
-                    .then_some(())
-                    .ok_or_else(|| DdpError::NcclUnavailable {
-                        detail: format!("this process loaded NCCL {v}; burn-ddp needs 2.14+"),
-                    })
-            })
-            .and_then(|()| crate::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
+        let local = crate::cuda::usable_nccl()
+            .and_then(|_| crate::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
         let mine = match &local {
             Ok(_) => READY,
             Err(DdpError::NcclUnavailable { .. } | DdpError::Cuda { .. }) => NO_NCCL,
@@ -414,8 +407,10 @@ impl Reducer {
             }
             (Ok(o), _) => o,
         };
-        let made = crate::cuda::NcclComm::on(&pg, crate::cuda::context_of(rank, ordinal)?)
-            .and_then(|c| c.warm_up().map(|()| c));
+        // Every failure here goes to the second vote (none returns early): the other ranks wait
+        // in it.
+        let made =
+            crate::cuda::NcclComm::on_device(&pg, ordinal).and_then(|c| c.warm_up().map(|()| c));
         let mut vote = [i64::from(made.is_ok())];
         pg.all_reduce(&mut vote, ReduceOp::Min)?;
         match made {
