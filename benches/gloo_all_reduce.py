@@ -3,7 +3,7 @@
 Needs PyTorch (any build; only its CPU Gloo backend is used):
 
     torchrun --standalone --nproc-per-node 2 benches/gloo_all_reduce.py
-    cargo run --release -p burn-ddp -- bench all-reduce -b 1K -e 64M -f 8
+    cargo run --release -p burn-ddp-comm -- bench all-reduce -b 1K -e 64M -f 8
 
 Prints, per message size, the mean time of back-to-back in-place float32 sum all-reduces and the
 bus bandwidth (busbw = algbw * 2(n-1)/n, as nccl-tests defines it).

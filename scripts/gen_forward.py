@@ -234,7 +234,7 @@ def generate() -> str:
         "",
         "extern crate alloc;",
         "",
-        "use super::Ddp;",
+        "use crate::ddp::Ddp;",
         "",
     ]
     count = 0

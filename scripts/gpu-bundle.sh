@@ -65,7 +65,7 @@ PY
 build_variant plain burn-ddp-workspace/cuda
 build_variant fusion burn-ddp-workspace/fusion
 say "building the bandwidth tool (burn-ddp)"
-cargo build --release --locked -p burn-ddp --features cuda --bin burn-ddp
+cargo build --release --locked -p burn-ddp-comm --features cuda,cli --bin burn-ddp
 cp target/release/burn-ddp "$STAGE/bin/burn-ddp"
 
 strip "$STAGE"/bin/*/* "$STAGE/bin/burn-ddp"

@@ -35,7 +35,7 @@ fn launcher() -> PathBuf {
     let path = profile_dir.join("burn-ddp");
     if !path.exists() {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "burn-ddp", "--bin", "burn-ddp"])
+            .args(["build", "-p", "burn-ddp-comm", "--bin", "burn-ddp"])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .unwrap();

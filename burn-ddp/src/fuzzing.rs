@@ -1,69 +1,12 @@
-//! Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`; not a public API): every
-//! decoder of bytes that arrive from the network. Each one must refuse bad input with an error,
-//! never panic or allocate what the input claims, and give back what it was given when the
-//! input is valid.
+//! Entry points for the fuzz targets in `fuzz/` (feature `fuzzing`; not a public API): the
+//! decoders of the communication layer (from burn-ddp-comm), and the metric items ranks send to
+//! rank 0 during training.
 
-use crate::comm::tcp::header;
-use crate::group::auth::RefuseReason;
-use crate::group::store::protocol::{Reply, Request, MAX_FRAME};
-use crate::group::AbortRecord;
-use crate::wire::{self, Reader, Writer};
-
-/// Store traffic: a frame (header and payload) as read from a socket, then the request or
-/// reply it carries.
-pub fn store_frame(data: &[u8]) {
-    let mut stream = data;
-    let Ok((kind, payload)) = wire::read_frame(&mut stream, MAX_FRAME) else {
-        return;
-    };
-    if let Ok(req) = Request::decode(kind, &payload) {
-        let (k, p) = req.encode();
-        assert_eq!(Request::decode(k, &p).ok(), Some(req), "request round trip");
-    }
-    if let Ok(rep) = Reply::decode(kind, &payload) {
-        let (k, p) = rep.encode();
-        assert_eq!(Reply::decode(k, &p).ok(), Some(rep), "reply round trip");
-    }
-}
-
-/// The header at the start of every collective on a ring link.
-pub fn transport_header(data: &[u8]) {
-    let Some(h) = data.get(..header::LEN) else {
-        return;
-    };
-    let mut buf = [0u8; header::LEN];
-    buf.copy_from_slice(h);
-    if let Ok((seq, desc)) = header::decode(&buf) {
-        assert_eq!(header::encode(seq, &desc), buf, "header round trip");
-    }
-}
-
-/// Handshake refusals and the abort records the store hands out.
-pub fn handshake_and_abort(data: &[u8]) {
-    if let Ok(reason) = RefuseReason::decode(data) {
-        assert_eq!(
-            RefuseReason::decode(&reason.encode()).ok(),
-            Some(reason),
-            "refusal round trip"
-        );
-    }
-    let mut r = Reader::new(data);
-    if let Ok(record) = AbortRecord::decode(&mut r) {
-        let mut w = Writer::new();
-        record.encode(&mut w);
-        let bytes = w.finish();
-        let mut r = Reader::new(&bytes);
-        assert_eq!(
-            AbortRecord::decode(&mut r).ok(),
-            Some(record),
-            "abort round trip"
-        );
-    }
-}
+pub use burn_ddp_comm::fuzzing::{handshake_and_abort, store_frame, transport_header};
 
 /// Heartbeats read from the store, and the metric items ranks send to rank 0.
 pub fn heartbeat_and_items(data: &[u8]) {
-    crate::comm::tcp::heartbeat::fuzz_decode(data);
+    burn_ddp_comm::fuzzing::heartbeat(data);
     #[cfg(feature = "train")]
     crate::train::fuzz_decode_parts(data);
 }

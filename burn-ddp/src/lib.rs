@@ -19,15 +19,43 @@
 //! # Ok::<(), burn_ddp::DdpError>(())
 //! ```
 //!
+//! ## Two crates
+//!
+//! Everything that moves bytes and manages processes — ranks, the rendezvous store, the TCP and
+//! NCCL communicators, the process group, the launcher — lives in
+//! [`burn_ddp_comm`], which does not depend on Burn. This crate
+//! adds the Burn integration and re-exports what its users need, so `burn_ddp::ProcessGroup`,
+//! `burn_ddp::group`, `burn_ddp::launch`, ... keep working.
+//!
 //! ## Modules
 //!
-//! - [`group`] — ranks, the process group, the rendezvous store
-//! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
-//! - [`launch`] — the environment contract and the `burn-ddp` launcher
-//! - [`config`] — configuration types
-//! - [`checkpoint`] — atomic checkpoint files
+//! Burn integration (this crate):
+//!
+//! - `backend/` — [`Ddp`], the backend decorator (`forward.rs`: the generated forwarding,
+//!   `convert.rs`: tensor conversions, `mod.rs`: the gradient hooks)
+//! - `ddp/` — [`DdpSession`], [`DdpConfig`], [`DdpModule`] (`model.rs`: checks and broadcast of
+//!   the model, `reducer.rs`: the bucketed reducer, `hooks.rs`: the gradient hooks,
+//!   `worker.rs`: in-order work thread)
+//! - [`checkpoint`] — saving and loading Burn modules atomically
 //! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
-//! - `cuda` — CUDA and NCCL through cudarc (feature `cuda`)
+//! - `train` — [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner (feature `train`)
+//! - `cuda` — the zero-copy NCCL gradient path of `Autodiff<Ddp<Cuda>>` (feature `cuda`)
+//!
+//! Re-exported from burn-ddp-comm:
+//!
+//! - [`group`] — the process group: rendezvous, collectives, heartbeat, store handle
+//! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
+//! - [`types`] — ranks, collective descriptions, abort records
+//! - [`config`] — configuration types, and [`config::env`], the one module that reads the
+//!   environment
+//! - [`launch`] — `spawn`, the launcher and the bandwidth tool
+//!
+//! ## Features
+//!
+//! - `train` (default): [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner.
+//! - `cuda`: NCCL through cudarc for `Autodiff<Ddp<Cuda>>`; `fusion`: the same with Burn's
+//!   fusion and autotuning (what `burn = { features = ["cuda"] }` gives).
+//! - `fuzzing`: entry points for the fuzz targets (not a public API).
 //!
 //! ## Never a silent hang
 //!
@@ -35,6 +63,7 @@
 //! change). A rank that dies, stalls or calls a different collective is reported on every other
 //! rank by name, with the collective's sequence number.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -45,35 +74,29 @@
 
 mod backend;
 pub mod checkpoint;
-pub mod comm;
-pub mod config;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 pub mod data;
 mod ddp;
-mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod group;
-pub mod launch;
 #[cfg(feature = "train")]
+#[cfg_attr(docsrs, doc(cfg(feature = "train")))]
 pub mod train;
-pub(crate) mod wire;
 
-pub use backend::Ddp;
+pub use burn_ddp_comm::{comm, config, group, launch, types};
+
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;
+pub use burn_ddp_comm::{
+    spawn, CollectiveOp, DType, DdpError, Element, GradTransport, GroupConfig, JobToken, LocalRank,
+    MasterAddr, PeerWait, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WireError, WorldSize,
+};
 /// `#[ddp]`: see [`DdpModule`].
 pub use burn_ddp_macros::ddp;
-pub use comm::{CollectiveOp, DType, Element, ReduceOp};
-pub use config::{GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
-    Compression, DdpConfig, DdpModule, DdpSession, GradReduction, GradTransport, NoSyncGuard,
-    ParamInfo,
+    Compression, Ddp, DdpConfig, DdpModule, DdpSession, GradReduction, NoSyncGuard, ParamInfo,
 };
-pub use error::{DdpError, Result};
-pub use group::{LocalRank, PeerWait, ProcessGroup, Rank, WorldSize};
-pub use launch::spawn;
-pub use wire::WireError;

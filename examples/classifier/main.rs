@@ -195,9 +195,20 @@ fn evaluate(
     })
 }
 
+/// burn-ddp's warnings and errors on stderr (`RUST_LOG=info` shows more).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    burn_ddp::launch::cli::init_logging();
+    init_logging();
     match burn_ddp::spawn(args.nproc, |pg| train(&args, pg)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

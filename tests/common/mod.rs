@@ -43,13 +43,18 @@ pub fn child_group(name: &str) -> Option<ProcessGroup> {
     if !is_child(name) {
         return None;
     }
-    let _ = tracing_subscriber_init();
+    init_logging();
     Some(ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining the job failed: {e}")))
 }
 
-fn tracing_subscriber_init() -> Option<()> {
-    burn_ddp::launch::cli::init_logging();
-    Some(())
+/// burn-ddp's warnings and errors on stderr, as a rank's output (`RUST_LOG` changes the level).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// How one rank of a test job ended.

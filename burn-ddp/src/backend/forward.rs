@@ -15,7 +15,7 @@ use burn_backend::tensor::Device;
 
 extern crate alloc;
 
-use super::Ddp;
+use crate::ddp::Ddp;
 
 impl<B: Backend> FloatTensorOps<Self> for Ddp<B> {
     #[inline(always)]

@@ -1,17 +1,19 @@
-//! `Ddp<B>`: a Burn backend decorator that adds gradient synchronisation to any backend `B`.
+//! How [`Ddp<B>`](crate::Ddp), the backend decorator, implements Burn's backend traits.
+//!
+//! - `forward.rs`: every tensor operation forwarded to `B` (generated)
+//! - `convert.rs`: the conversions those forwards need
+//! - `mod.rs`: the `DistributedBackend` hooks
 //!
 //! Every tensor operation is `B`'s own (the forwards in `forward.rs` are generated from Burn's
 //! trait sources by `scripts/gen_forward.py`), so `Ddp<B>` computes exactly what `B` computes, with
 //! `B`'s kernels. What `Ddp` adds is Burn's `DistributedBackend` hooks: under `Autodiff<Ddp<B>>`,
 //! Burn hands each parameter's gradient to [`Ddp::submit_gradient_sync`] as soon as it is final,
 //! and calls [`Ddp::submit_sync_collective`] at the end of `backward()`. Those hooks feed the
-//! session's reducer (`crate::ddp`), which buckets, all-reduces while backward continues, and
+//! session's reducer (`ddp/`), which buckets, all-reduces while backward continues, and
 //! writes the averaged gradients back before `backward()` returns.
 
 mod convert;
 mod forward;
-
-use core::marker::PhantomData;
 
 use burn_backend::distributed::{
     CollectiveTensor, DistributedBackend, DistributedParams, ReduceOperation, TensorRef,
@@ -19,12 +21,7 @@ use burn_backend::distributed::{
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, BackendTypes, DeviceId};
 
-use crate::ddp::hooks;
-
-/// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with
-/// gradients averaged across the ranks of the installed [`crate::DdpSession`].
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Ddp<B>(PhantomData<B>);
+use crate::ddp::{hooks, Ddp};
 
 impl<B: Backend> BackendTypes for Ddp<B> {
     type Device = B::Device;

@@ -1,31 +1,30 @@
-//! CUDA support through cudarc (feature `cuda`): NCCL communicators, and the zero-copy gradient
-//! path of `Autodiff<Ddp<Cuda>>`.
+//! CUDA support (feature `cuda`): [`rank_device`], the Burn device of a rank, and everything of
+//! `burn_ddp_comm::cuda` (finding `libnccl`, choosing a rank's GPU, [`NcclComm`]) re-exported.
 //!
-//! - `library.rs`: finding `libnccl` (and what to install or link when it is missing)
-//! - `device.rs`: the GPU of a rank (its tensors' device, checked against `LOCAL_RANK`), the
-//!   CUDA driver
-//! - `status.rs`: NCCL and driver errors as text with advice
-//! - `wait.rs`: waiting for GPU work with a deadline
-//! - `nccl.rs`: [`NcclComm`], collectives on device memory
-//! - `grad.rs`: the zero-copy gradient buckets of `Autodiff<Ddp<Cuda>>`
-//!
-//! cudarc loads `libcuda` and `libnccl` when first used, so burn-ddp builds on machines without a
-//! CUDA toolkit; every entry point here checks for the libraries first and turns their absence
-//! into an error instead of cudarc's panic.
+//! - `mod.rs`: this module (the zero-copy gradient path of `Autodiff<Ddp<Cuda>>` itself is
+//!   part of the reducer: `ddp/gpu.rs`)
 
-mod device;
-pub(crate) mod grad;
-mod library;
-mod nccl;
-mod status;
-mod wait;
+pub use burn_ddp_comm::cuda::*;
 
-pub(crate) use device::ordinal_for;
-pub use device::{context_for, device_count, driver_present, rank_device};
-pub(crate) use library::usable_nccl;
-pub use library::{nccl_present, nccl_version, NcclVersion};
-pub use nccl::NcclComm;
+use cubecl::cuda::CudaDevice;
 
-/// The cudarc version burn-ddp uses (for [`NcclComm`]'s `CudaSlice` buffers).
-pub use cudarc;
-pub(crate) use status::driver_error as driver_error_for;
+use crate::{ProcessGroup, Result};
+
+/// The Burn CUDA device of this rank: where to build its model and put its batches
+/// (`Autodiff<Ddp<Cuda>>`'s device). One visible GPU per process: that GPU; several: the one
+/// `LOCAL_RANK` names.
+///
+/// ```no_run
+/// # fn main() -> burn_ddp::Result<()> {
+/// let group = burn_ddp::ProcessGroup::from_env()?;
+/// let device = burn_ddp::cuda::rank_device(&group)?; // burn::backend::cuda::CudaDevice
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// No driver, or no GPU for this rank.
+pub fn rank_device(pg: &ProcessGroup) -> Result<CudaDevice> {
+    Ok(CudaDevice {
+        index: rank_ordinal(pg)?,
+    })
+}

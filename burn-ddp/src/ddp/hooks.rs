@@ -10,7 +10,7 @@ use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
 
 use super::reducer::{self, Origin};
 use super::{current, GradReduction};
-use crate::error::DdpError;
+use crate::DdpError;
 
 static WARNED_NO_SESSION: AtomicBool = AtomicBool::new(false);
 
@@ -86,7 +86,7 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
     let tensor = unsafe { (*ptr).clone() };
     #[cfg(feature = "cuda")]
     let tensor = match r.device_pass() {
-        true => match crate::cuda::grad::to_cuda::<B>(tensor) {
+        true => match super::gpu::to_cuda::<B>(tensor) {
             Ok(t) => return r.fill_device(slot, t, Origin { ptr: ptr as usize }),
             Err(t) => t,
         },
@@ -135,7 +135,7 @@ pub(crate) fn finish_backward<B: Backend>() {
             Ok(results) => {
                 for (origin, t) in results {
                     let ptr = origin.ptr as *mut FloatTensor<B>;
-                    if let Some(t) = crate::cuda::grad::from_cuda::<B>(t) {
+                    if let Some(t) = super::gpu::from_cuda::<B>(t) {
                         // SAFETY: as below.
                         unsafe { *ptr = t };
                     }

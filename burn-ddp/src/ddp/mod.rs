@@ -1,28 +1,47 @@
-//! Data-parallel training: the session that owns the gradient reducer, and how a model joins it.
+//! Data-parallel training: the [`Ddp`] backend type, the session that owns the gradient reducer,
+//! and how a model joins it. (How `Ddp<B>` implements Burn's backend traits is `backend/`, one
+//! layer up: it calls the hooks here.)
 //!
+//! - `mod.rs`: [`Ddp`], [`DdpSession`], [`DdpConfig`] and its options
 //! - `hooks.rs`: what `Ddp<B>`'s `DistributedBackend` hooks do (find the session, copy gradients
 //!   into buckets, write the averaged gradients back)
 //! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
 //! - `worker.rs`: the in-order thread each transport's communication runs on
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
+//! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
+//!   packed and all-reduced by NCCL on the GPU
 //!
 //! A session is installed when it is created: for the whole process when its group spans
 //! processes, for the creating thread when it is an in-process group (one thread per rank).
 
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu;
 pub(crate) mod hooks;
 mod model;
 pub(crate) mod reducer;
 pub(crate) mod worker;
 
 use std::cell::RefCell;
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
+use crate::GradTransport;
+use crate::{DdpError, Result};
 
-pub(crate) use model::{all_gather_bytes, broadcast_bytes};
 pub use model::{DdpModule, ParamInfo};
 pub(crate) use reducer::Reducer;
+
+/// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with
+/// gradients averaged across the ranks of the installed [`DdpSession`].
+///
+/// Every tensor operation is `B`'s own, so `Ddp<B>` computes exactly what `B` computes, with
+/// `B`'s kernels. What `Ddp` adds is Burn's `DistributedBackend` hooks: under `Autodiff<Ddp<B>>`,
+/// Burn hands each parameter's gradient to the session's reducer as soon as it is final, which
+/// buckets, all-reduces while backward continues, and writes the averaged gradients back before
+/// `backward()` returns.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Ddp<B>(PhantomData<B>);
 
 /// How gradients are combined across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -45,50 +64,6 @@ pub enum Compression {
     F16,
     /// Buckets travel and are reduced as bfloat16 (like PyTorch's bf16 comm hook).
     Bf16,
-}
-
-/// How gradient buckets of GPU tensors travel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GradTransport {
-    /// NCCL for Burn's CUDA backend when NCCL can be loaded (with the `cuda` feature), with a
-    /// warning and the host-staged transport otherwise; the host transport for other backends.
-    /// `BURN_DDP_GRAD_TRANSPORT=host|nccl|auto` overrides it.
-    #[default]
-    Auto,
-    /// Gradients are read to host memory and reduced by the process group's transport (TCP
-    /// between processes). Works for every backend, and lets several ranks share one GPU, which
-    /// NCCL refuses.
-    Host,
-    /// Buckets stay on the GPU and NCCL reduces them in place (`Autodiff<Ddp<Cuda>>` with the
-    /// `cuda` feature). Fails with a clear error where that is impossible, instead of falling
-    /// back.
-    Nccl,
-}
-
-impl GradTransport {
-    /// The transport after applying `BURN_DDP_GRAD_TRANSPORT`, if set.
-    ///
-    /// # Errors
-    /// The variable holds something other than `auto`, `host` or `nccl`.
-    pub fn from_env_or(self) -> Result<Self> {
-        match std::env::var("BURN_DDP_GRAD_TRANSPORT") {
-            Ok(v) => Self::parse(&v).ok_or(DdpError::InvalidEnv {
-                var: "BURN_DDP_GRAD_TRANSPORT",
-                value: v,
-                expected: "auto, host or nccl",
-            }),
-            Err(_) => Ok(self),
-        }
-    }
-
-    fn parse(v: &str) -> Option<Self> {
-        match v.trim().to_ascii_lowercase().as_str() {
-            "auto" | "" => Some(Self::Auto),
-            "host" | "tcp" => Some(Self::Host),
-            "nccl" => Some(Self::Nccl),
-            _ => None,
-        }
-    }
 }
 
 /// Options of a [`DdpSession`]. The defaults are PyTorch DDP's.
@@ -227,7 +202,7 @@ impl DdpSession {
     /// An invalid configuration.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
         config.validate()?;
-        config.transport = config.transport.from_env_or()?;
+        config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         let reducer = Reducer::new(&pg, &config);
         let shared = Arc::new(Shared {
             pg,

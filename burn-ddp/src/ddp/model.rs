@@ -12,8 +12,8 @@ use burn_backend::distributed::DistributedParamId;
 
 use super::reducer::{self, Plan};
 use super::DdpSession;
-use crate::error::{DdpError, Result};
-use crate::group::{ProcessGroup, Rank};
+use crate::group::Rank;
+use crate::{DdpError, Result};
 
 /// What the reducer knows of one parameter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -177,47 +177,6 @@ fn is_skipped(name: &str, skip: &[String]) -> bool {
     skip.iter().any(|s| s == field)
 }
 
-fn pack(bytes: &[u8], words: usize) -> Vec<i64> {
-    let mut out = vec![0i64; words];
-    for (w, chunk) in out.iter_mut().zip(bytes.chunks(8)) {
-        let mut b = [0u8; 8];
-        b[..chunk.len()].copy_from_slice(chunk);
-        *w = i64::from_le_bytes(b);
-    }
-    out
-}
-
-fn unpack(words: &[i64], len: usize) -> Vec<u8> {
-    let mut out: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    out.truncate(len);
-    out
-}
-
-/// Every rank's `bytes`, through the group's collectives (no store needed).
-pub(crate) fn all_gather_bytes(pg: &ProcessGroup, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-    let world = pg.world_size().as_usize();
-    let mut lens = vec![0i64; world];
-    pg.all_gather(&[bytes.len() as i64], &mut lens)?;
-    let max = lens.iter().copied().max().unwrap_or(0).max(0) as usize;
-    let words = max.div_ceil(8);
-    let mine = pack(bytes, words);
-    let mut all = vec![0i64; words * world];
-    pg.all_gather(&mine, &mut all)?;
-    Ok((0..world)
-        .map(|r| unpack(&all[r * words..(r + 1) * words], lens[r].max(0) as usize))
-        .collect())
-}
-
-/// Rank 0's `bytes` on every rank.
-pub(crate) fn broadcast_bytes(pg: &ProcessGroup, bytes: Vec<u8>) -> Result<Vec<u8>> {
-    let mut len = [bytes.len() as i64];
-    pg.broadcast(&mut len, Rank(0))?;
-    let len = len[0].max(0) as usize;
-    let mut words = pack(&bytes, len.div_ceil(8));
-    pg.broadcast(&mut words, Rank(0))?;
-    Ok(unpack(&words, len))
-}
-
 fn ranks_text(ranks: &[usize]) -> String {
     let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
     if ranks.len() == 1 {
@@ -330,7 +289,8 @@ impl DdpSession {
             .filter(|(i, _, _)| !is_skipped(&i.name, &skip))
             .map(|(i, _, _)| i.line() + "\n")
             .collect();
-        let lists: Vec<Vec<String>> = all_gather_bytes(pg, text.as_bytes())?
+        let lists: Vec<Vec<String>> = pg
+            .all_gather_bytes(text.as_bytes())?
             .into_iter()
             .map(|b| {
                 String::from_utf8_lossy(&b)
@@ -354,7 +314,7 @@ impl DdpSession {
             } else {
                 Vec::new()
             };
-            let bytes = broadcast_bytes(pg, bytes)?;
+            let bytes = pg.broadcast_bytes(bytes, Rank(0))?;
             if rank == Rank(0) {
                 model
             } else {
@@ -402,11 +362,8 @@ impl DdpSession {
         // warm-up all-reduce, rather than in the first backward (at peak memory, under Burn's
         // locks).
         #[cfg(feature = "cuda")]
-        if crate::cuda::grad::is_ddp_cuda::<B::InnerBackend>() {
-            let ordinal = model
-                .devices()
-                .first()
-                .and_then(crate::cuda::grad::cuda_ordinal);
+        if super::gpu::is_ddp_cuda::<B::InnerBackend>() {
+            let ordinal = model.devices().first().and_then(super::gpu::cuda_ordinal);
             reducer.connect_cuda(ordinal)?;
         }
         drop(reducer);

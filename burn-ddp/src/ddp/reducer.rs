@@ -17,9 +17,9 @@ use burn_backend::distributed::DistributedParamId;
 use half::{bf16, f16};
 
 use super::{Compression, DdpConfig, GradReduction, GradTransport, ParamInfo};
-use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::ReduceOp;
+use crate::{DdpError, Result};
 
 /// Extra wait, beyond the collective timeout, for the communication thread's answer.
 const ANSWER_SLACK: Duration = Duration::from_secs(30);
@@ -107,7 +107,7 @@ enum Buckets {
     Host(HostBuckets),
     /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`cuda/grad.rs`).
     #[cfg(feature = "cuda")]
-    Device(crate::cuda::grad::DeviceStep),
+    Device(super::gpu::DeviceStep),
 }
 
 impl Buckets {
@@ -134,7 +134,7 @@ pub(crate) struct Links<'a> {
     compression: Compression,
     comm: &'a mut Option<Comm>,
     #[cfg(feature = "cuda")]
-    nccl: Option<(&'a crate::cuda::NcclComm, &'a crate::cuda::grad::Launcher)>,
+    nccl: Option<(&'a burn_ddp_comm::cuda::NcclComm, &'a super::gpu::Launcher)>,
 }
 
 #[cfg(feature = "cuda")]
@@ -152,7 +152,7 @@ impl Links<'_> {
 
     /// The NCCL communicator and its launcher thread (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    pub(crate) fn nccl(&self) -> Result<(&crate::cuda::NcclComm, &crate::cuda::grad::Launcher)> {
+    pub(crate) fn nccl(&self) -> Result<(&burn_ddp_comm::cuda::NcclComm, &super::gpu::Launcher)> {
         self.nccl.ok_or(DdpError::NotInitialized {
             what: "the NCCL communicator of the device path",
         })
@@ -245,13 +245,13 @@ pub(crate) struct Reducer {
     transport: GradTransport,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
-    nccl: Option<std::sync::Arc<crate::cuda::NcclComm>>,
+    nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
     /// The device path was ruled out for this session (and why was said once).
     #[cfg(feature = "cuda")]
     nccl_refused: bool,
     /// The device path's communication thread (with the communicator).
     #[cfg(feature = "cuda")]
-    launcher: Option<crate::cuda::grad::Launcher>,
+    launcher: Option<super::gpu::Launcher>,
 }
 
 impl Reducer {
@@ -285,7 +285,7 @@ impl Reducer {
     pub(crate) fn use_device<B: burn_backend::Backend>(&mut self, device: &B::Device) -> bool {
         #[cfg(feature = "cuda")]
         {
-            use crate::cuda::grad::{cuda_ordinal, is_cuda};
+            use super::gpu::{cuda_ordinal, is_cuda};
             if !is_cuda::<B>() || self.transport == GradTransport::Host {
                 if self.transport == GradTransport::Nccl && !self.nccl_refused {
                     self.nccl_refused = true;
@@ -368,8 +368,8 @@ impl Reducer {
         }
         let pg = self.pg.clone();
         let rank = pg.rank();
-        let local = crate::cuda::usable_nccl()
-            .and_then(|_| crate::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
+        let local = burn_ddp_comm::cuda::usable_nccl()
+            .and_then(|_| burn_ddp_comm::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
         let mine = match &local {
             Ok(_) => READY,
             Err(DdpError::NcclUnavailable { .. } | DdpError::Cuda { .. }) => NO_NCCL,
@@ -409,16 +409,14 @@ impl Reducer {
         };
         // Every failure here goes to the second vote (none returns early): the other ranks wait
         // in it.
-        let made =
-            crate::cuda::NcclComm::on_device(&pg, ordinal).and_then(|c| c.warm_up().map(|()| c));
+        let made = burn_ddp_comm::cuda::NcclComm::on_device(&pg, ordinal)
+            .and_then(|c| c.warm_up().map(|()| c));
         let mut vote = [i64::from(made.is_ok())];
         pg.all_reduce(&mut vote, ReduceOp::Min)?;
         match made {
             Ok(comm) if vote[0] == 1 => {
                 let comm = std::sync::Arc::new(comm);
-                self.launcher = Some(crate::cuda::grad::Launcher::start(std::sync::Arc::clone(
-                    &comm,
-                ))?);
+                self.launcher = Some(super::gpu::Launcher::start(std::sync::Arc::clone(&comm))?);
                 self.nccl = Some(comm);
                 Ok(())
             }
@@ -524,7 +522,7 @@ impl Reducer {
         let n = plan.buckets.len();
         #[cfg(feature = "cuda")]
         let device_buckets =
-            device.then(|| Buckets::Device(crate::cuda::grad::DeviceStep::new(ready.len(), n)));
+            device.then(|| Buckets::Device(super::gpu::DeviceStep::new(ready.len(), n)));
         #[cfg(not(feature = "cuda"))]
         let device_buckets = {
             let _ = device;

@@ -10,7 +10,6 @@ use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{Checkpointer, CheckpointerError};
 
 use crate::checkpoint::write_atomic;
-use crate::ddp::broadcast_bytes;
 use crate::group::ProcessGroup;
 use crate::Rank;
 
@@ -93,7 +92,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for RankCheckpointer {
         } else {
             Vec::new()
         };
-        let mut bytes = broadcast_bytes(&self.pg, mine).map_err(failed)?;
+        let mut bytes = self.pg.broadcast_bytes(mine, Rank(0)).map_err(failed)?;
         match bytes.first() {
             Some(1) => {
                 bytes.remove(0);

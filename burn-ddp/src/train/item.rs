@@ -4,7 +4,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput};
 
-use crate::ddp::all_gather_bytes;
 use crate::group::ProcessGroup;
 use crate::{DdpError, Rank, Result};
 
@@ -317,7 +316,7 @@ pub(crate) fn gather<I: DistributedItem>(
     if let Some(item) = item {
         Part::encode(&item.into_parts(), &mut bytes);
     }
-    let all = all_gather_bytes(pg, &bytes)?;
+    let all = pg.all_gather_bytes(&bytes)?;
     if pg.rank() != Rank(0) {
         return Ok(None);
     }

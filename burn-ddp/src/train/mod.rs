@@ -59,7 +59,6 @@ pub(crate) fn fuzz_decode_parts(data: &[u8]) {
 pub use item::{DistributedItem, Part};
 pub use render::{Headless, NoMetricLogger, ProgressLines};
 
-use crate::ddp::all_gather_bytes;
 use crate::{DataEpoch, Ddp, DdpError, DdpModule, DdpSession, Rank, ReduceOp, Result};
 
 /// burn-train's `SupervisedLearningStrategy` for one process per rank (or one thread per rank
@@ -150,7 +149,7 @@ impl<B: Backend> DdpStrategy<B> {
     /// Whether training resumes from the newest complete checkpoint: when asked to, and
     /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
     fn resumes(&self) -> bool {
-        self.resume || crate::launch::env::restart_count() > 0
+        self.resume || self.session.group().restart_count() > 0
     }
 
     /// The session.
@@ -224,7 +223,7 @@ impl<B: Backend> DdpStrategy<B> {
             Vote::Stop(m) | Vote::Failed(m) => m.as_bytes(),
             _ => &[],
         };
-        let reasons = all_gather_bytes(pg, mine)?;
+        let reasons = pg.all_gather_bytes(mine)?;
         let (culprit, reason) = reasons
             .iter()
             .enumerate()
@@ -755,7 +754,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
                 training.renderer(ProgressLines::default())
             };
             if tracing::dispatcher::has_been_set() {
-                // The program logs already (burn_ddp::launch::cli::init_logging, say); Burn's
+                // The program logs already (a tracing subscriber of its own, say); Burn's
                 // file logger could not install itself and would only warn.
                 training.with_application_logger(None)
             } else {

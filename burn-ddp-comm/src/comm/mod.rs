@@ -1,0 +1,103 @@
+//! Communicators: how bytes move between the ranks of a group.
+//!
+//! - `types.rs`: [`DType`], [`ReduceOp`], [`CollectiveOp`], [`CollectiveDesc`], [`Element`]
+//! - `reduce.rs`: element-wise reduction kernels shared by the host transports
+//! - `tcp/`: ring collectives between processes over TCP
+//! - `local.rs`: collectives between the threads of one process
+//!
+//! Every implementation of [`Communicator`] works on host memory, checks that all ranks call
+//! the same collective (a [`CollectiveDesc`] per call), and never waits without a deadline.
+//! The typed, user-facing API is on [`ProcessGroup`](crate::ProcessGroup).
+
+use std::fmt;
+
+use crate::types::{CollectiveSeq, Rank, WorldSize};
+use crate::Result;
+
+mod local;
+pub(crate) mod memory;
+pub(crate) mod reduce;
+pub(crate) mod tcp;
+
+pub use crate::types::{CollectiveDesc, CollectiveOp, DType, Element, ReduceOp};
+pub use local::LocalCommunicator;
+pub use tcp::TcpCommunicator;
+
+/// Collectives on host memory. Buffers are raw bytes holding whole elements of the given
+/// [`DType`]; lengths are validated by [`ProcessGroup`](crate::ProcessGroup) before they get here.
+///
+/// All ranks must call the same collectives in the same order. Implementations compare each
+/// call's [`CollectiveDesc`] across ranks and fail with `CollectiveMismatch` when they differ.
+pub trait Communicator: Send + Sync + fmt::Debug {
+    /// This rank.
+    fn rank(&self) -> Rank;
+
+    /// Number of ranks.
+    fn world_size(&self) -> WorldSize;
+
+    /// Short name of the transport (`"tcp"`, `"local"`).
+    fn transport(&self) -> &'static str;
+
+    /// Reduces `buf` across ranks in place.
+    ///
+    /// # Errors
+    /// Peer failure, timeout, mismatch, or an earlier failure of this group.
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()>;
+
+    /// Copies `root`'s `buf` to every rank.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn broadcast(&self, buf: &mut [u8], dtype: DType, root: Rank) -> Result<()>;
+
+    /// Concatenates every rank's `send` into `recv` (`world_size * send.len()` bytes), in rank order.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn all_gather(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()>;
+
+    /// Reduces `send` (`world_size` blocks of `recv.len()` bytes) across ranks; rank r receives
+    /// block r of the result.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn reduce_scatter(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()>;
+
+    /// Returns once every rank has entered the barrier.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn barrier(&self) -> Result<()>;
+
+    /// Marks the group failed and releases its connections so that peers fail fast too.
+    /// Later calls return `GroupAborted`.
+    fn abort(&self);
+}
+
+/// A watch on the other ranks that the process group hands a communicator (its heartbeat, see
+/// `group/heartbeat.rs`). The communicator reports when each collective starts and ends; when a
+/// collective fails, the watch says whether it had found a peer dead or stuck, and stopped the
+/// collective for that reason.
+pub(crate) trait PeerWatch: Send + Sync + fmt::Debug {
+    /// Collective `seq` starts on this rank.
+    fn enter(&self, seq: CollectiveSeq);
+    /// Collective `seq` ended on this rank, completed if `ok`.
+    fn leave(&self, seq: CollectiveSeq, ok: bool);
+    /// Why the watch stopped this rank's collectives, if it did.
+    fn verdict(&self) -> Option<Verdict>;
+}
+
+/// Why a [`PeerWatch`] stopped this rank's collectives: the rank at fault, as its heartbeat showed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Verdict {
+    pub(crate) culprit: Rank,
+    pub(crate) host: String,
+    pub(crate) last_completed: CollectiveSeq,
+    pub(crate) what: String,
+}

@@ -1,0 +1,461 @@
+//! Ring collectives between processes over TCP.
+//!
+//! - `header.rs`: the header that opens each collective (sequence number + descriptor)
+//! - `ring.rs`: collective plans and the streaming engine
+//! - `link.rs`: connection setup through the store
+//!
+//! A failure on any link (a peer died, a deadline passed, a mismatch) poisons the communicator,
+//! publishes an [`AbortRecord`] in the store and closes every link, so that the other ranks stop
+//! within moments with an error that names the rank at fault.
+
+pub(crate) mod header;
+mod link;
+pub(crate) mod ring;
+
+use std::net::{Shutdown, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use self::link::{LinkSetup, Ring};
+use self::ring::{Links, Plan, RingError, Side};
+use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp};
+use crate::config::{JobToken, Timeouts};
+use crate::store::{StoreClient, WaitOutcome};
+use crate::types::{AbortRecord, CollectiveSeq, Rank, RankList, StallDiagnosis, WorldSize};
+use crate::{DdpError, Result};
+
+/// How long a timed-out rank waits for the others to report that they timed out too.
+const STALL_GRACE: Duration = Duration::from_secs(2);
+
+#[derive(Debug)]
+struct State {
+    ring: Ring,
+    seq: u64,
+    failed: Option<AbortRecord>,
+    /// Receive scratch for reductions (u64 for alignment).
+    scratch: Vec<u64>,
+    /// Work buffer of reduce-scatter (kept to avoid reallocating per call).
+    work: Vec<u8>,
+}
+
+/// Collectives between processes over a TCP ring (see the module docs).
+#[derive(Debug)]
+pub struct TcpCommunicator {
+    rank: Rank,
+    world: WorldSize,
+    timeout: Duration,
+    store: Arc<StoreClient>,
+    state: Mutex<State>,
+    abort: Arc<AtomicBool>,
+    /// Clones of the link sockets, so `abort` can close them while a collective holds the state.
+    handles: Vec<TcpStream>,
+    /// The process group's heartbeat, once handed over ([`TcpCommunicator::watch_with`]).
+    watch: Option<Arc<dyn PeerWatch>>,
+}
+
+/// What stops a [`TcpCommunicator`]'s collectives from outside: its abort flag and clones of its
+/// link sockets. The heartbeat holds one, and uses it when it finds a peer dead or stuck.
+#[derive(Debug)]
+pub(crate) struct LinkStopper {
+    abort: Arc<AtomicBool>,
+    links: Vec<TcpStream>,
+}
+
+impl LinkStopper {
+    /// Marks the communicator aborted and shuts its links, which ends the collective in progress
+    /// at once.
+    pub(crate) fn stop(&self) {
+        self.abort.store(true, Ordering::SeqCst);
+        for l in &self.links {
+            let _ = l.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl TcpCommunicator {
+    /// Opens the ring links of a group of `world >= 2` ranks through the store.
+    pub(crate) fn connect(
+        store: Arc<StoreClient>,
+        rank: Rank,
+        world: WorldSize,
+        token: &JobToken,
+        tag: &str,
+        rendezvous_deadline: Instant,
+        timeouts: Timeouts,
+    ) -> Result<Self> {
+        let ring = link::open_ring(&LinkSetup {
+            store: &store,
+            rank,
+            world,
+            token,
+            tag,
+            deadline: rendezvous_deadline,
+        })?;
+        ring.next.set_nonblocking(true)?;
+        let mut handles = vec![ring.next.try_clone()?];
+        if let Some(prev) = &ring.prev {
+            prev.set_nonblocking(true)?;
+            handles.push(prev.try_clone()?);
+        }
+        let abort = Arc::new(AtomicBool::new(false));
+        Ok(Self {
+            rank,
+            world,
+            timeout: timeouts.collective,
+            store,
+            state: Mutex::new(State {
+                ring,
+                seq: 0,
+                failed: None,
+                scratch: vec![0u64; ring::SCRATCH / 8],
+                work: Vec::new(),
+            }),
+            abort,
+            handles,
+            watch: None,
+        })
+    }
+
+    /// Hands this communicator the group's watch on the other ranks: it is told of every
+    /// collective, and names the culprit when it stopped one.
+    pub(crate) fn watch_with(&mut self, watch: Arc<dyn PeerWatch>) {
+        self.watch = Some(watch);
+    }
+
+    /// A handle that stops this communicator's collectives from another thread.
+    ///
+    /// # Errors
+    /// A link socket could not be cloned.
+    pub(crate) fn stopper(&self) -> Result<LinkStopper> {
+        let mut links = Vec::with_capacity(self.handles.len());
+        for h in &self.handles {
+            links.push(h.try_clone()?);
+        }
+        Ok(LinkStopper {
+            abort: Arc::clone(&self.abort),
+            links,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state's invariants are re-established at the start of every collective.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn neighbour(&self, side: Side) -> Rank {
+        let (next, prev) = ring::neighbours(self.rank, self.world.get());
+        match side {
+            Side::Next => next,
+            Side::Prev => prev,
+        }
+    }
+
+    /// Runs `plan` over `buf` as collective `desc`.
+    fn run(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        buf: &mut [u8],
+        plan: &Plan,
+    ) -> Result<()> {
+        if let Some(first) = &st.failed {
+            return Err(DdpError::GroupAborted {
+                rank: self.rank,
+                first: Box::new(first.clone()),
+            });
+        }
+        st.seq += 1;
+        let seq = CollectiveSeq(st.seq);
+        let links = Links {
+            next: &st.ring.next,
+            prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
+            same: st.ring.prev.is_none(),
+        };
+        let span =
+            tracing::trace_span!("collective", rank = self.rank.0, seq = seq.0, op = %desc.op);
+        let _enter = span.enter();
+        let deadline = Instant::now() + self.timeout;
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
+        if let Some(w) = &self.watch {
+            w.enter(seq);
+        }
+        let result = ring::run(links, buf, plan, seq, desc, scratch, deadline, &self.abort);
+        if let Some(w) = &self.watch {
+            w.leave(seq, result.is_ok());
+        }
+        match result {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(st, desc, seq, e)),
+        }
+    }
+
+    /// Turns an engine failure into the error to report, publishes it, and closes the links.
+    fn fail(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        seq: CollectiveSeq,
+        e: RingError,
+    ) -> DdpError {
+        let op = desc.op;
+        if let Some(v) = self.watch.as_ref().and_then(|w| w.verdict()) {
+            let err = DdpError::RankUnresponsive {
+                rank: self.rank,
+                culprit: v.culprit,
+                host: v.host,
+                last_completed: v.last_completed.0,
+                op,
+                seq: seq.0,
+                what: v.what,
+            };
+            return self.publish(st, op, seq, Some(v.culprit), err);
+        }
+        // A neighbour that closed its links may only be reacting to a failure elsewhere; the
+        // store holds the first report, which names the real culprit. That report may carry this
+        // rank's number without coming from this collective: the store hosted here records a
+        // rank whose connection dropped, and the others may have seen it and left first.
+        let published = match &e {
+            RingError::Closed(..) | RingError::Aborted => self.store.abort_record().ok().flatten(),
+            _ => None,
+        };
+        let (err, culprit) = match (published, e) {
+            (Some(record), _) if record.reporter != self.rank || record.culprit.is_some() => {
+                let culprit = record.culprit;
+                (
+                    DdpError::JobAborted {
+                        rank: self.rank,
+                        during: Some((op, seq)),
+                        record,
+                    },
+                    culprit,
+                )
+            }
+            (_, RingError::Closed(side, io)) => {
+                let peer = self.neighbour(side);
+                (
+                    DdpError::PeerLost {
+                        rank: self.rank,
+                        peer,
+                        op,
+                        seq,
+                        cause: io.kind(),
+                    },
+                    Some(peer),
+                )
+            }
+            (_, RingError::Timeout(side)) => {
+                let diagnosis = self.diagnose_stall(seq, self.neighbour(side));
+                let culprit = diagnosis.culprit();
+                (
+                    DdpError::CollectiveTimeout {
+                        rank: self.rank,
+                        op,
+                        seq,
+                        waited: self.timeout,
+                        diagnosis,
+                    },
+                    Some(culprit),
+                )
+            }
+            (_, RingError::Mismatch(their_seq, theirs)) => {
+                let peer = self.neighbour(Side::Prev);
+                (
+                    DdpError::CollectiveMismatch {
+                        rank: self.rank,
+                        peer,
+                        seq,
+                        their_seq,
+                        ours: *desc,
+                        theirs,
+                    },
+                    None,
+                )
+            }
+            (_, RingError::Protocol(error)) => {
+                let peer = st
+                    .ring
+                    .prev
+                    .as_ref()
+                    .unwrap_or(&st.ring.next)
+                    .peer_addr()
+                    .unwrap_or_else(|_| self.store.addr());
+                (
+                    DdpError::Protocol {
+                        rank: self.rank,
+                        peer,
+                        error,
+                    },
+                    Some(self.neighbour(Side::Prev)),
+                )
+            }
+            (_, RingError::Aborted) => (
+                DdpError::GroupAborted {
+                    rank: self.rank,
+                    first: Box::new(AbortRecord {
+                        reporter: self.rank,
+                        culprit: None,
+                        collective: Some((op, seq)),
+                        reason: "the group was aborted locally".into(),
+                    }),
+                },
+                None,
+            ),
+        };
+        self.publish(st, op, seq, culprit, err)
+    }
+
+    /// Publishes this rank's failure (unless it only repeats another rank's), marks the group
+    /// failed and closes the links.
+    fn publish(
+        &self,
+        st: &mut State,
+        op: CollectiveOp,
+        seq: CollectiveSeq,
+        culprit: Option<Rank>,
+        err: DdpError,
+    ) -> DdpError {
+        let record = AbortRecord {
+            reporter: self.rank,
+            culprit,
+            collective: Some((op, seq)),
+            reason: err.to_string(),
+        };
+        if !matches!(err, DdpError::JobAborted { .. }) {
+            if let Err(store_err) = self.store.abort(record.clone()) {
+                tracing::debug!(
+                    "[rank {}] could not publish the failure: {store_err}",
+                    self.rank
+                );
+            }
+        }
+        tracing::error!("{err}");
+        st.failed = Some(record);
+        self.close_links();
+        err
+    }
+
+    /// After a timeout: records in the store that this rank waited at `seq`, gives the other
+    /// ranks a moment to do the same, and names those that did not: they never got there.
+    fn diagnose_stall(&self, seq: CollectiveSeq, neighbour: Rank) -> StallDiagnosis {
+        let key = |r: Rank| format!("stall/{}/{r}", seq.0);
+        if self.store.set(&key(self.rank), b"waited").is_err() {
+            return StallDiagnosis::Unknown { neighbour };
+        }
+        let keys: Vec<String> = self.world.ranks().map(key).collect();
+        match self.store.wait(&keys, STALL_GRACE) {
+            Ok(WaitOutcome::Ready) => StallDiagnosis::AllWaiting { neighbour },
+            Ok(WaitOutcome::Missing(missing)) => StallDiagnosis::Stalled(RankList(
+                self.world
+                    .ranks()
+                    .filter(|r| missing.contains(&key(*r)))
+                    .collect(),
+            )),
+            // The store reports the abort another rank already published (it names the culprit).
+            Err(DdpError::JobAborted { record, .. }) => match record.culprit {
+                Some(c) => StallDiagnosis::Stalled(RankList(vec![c])),
+                None => StallDiagnosis::Unknown { neighbour },
+            },
+            Err(_) => StallDiagnosis::Unknown { neighbour },
+        }
+    }
+
+    fn close_links(&self) {
+        for h in &self.handles {
+            let _ = h.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Communicator for TcpCommunicator {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    fn world_size(&self) -> WorldSize {
+        self.world
+    }
+
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
+        let count = buf.len() / dtype.size();
+        let desc = CollectiveDesc::new(CollectiveOp::AllReduce, dtype, count).reduce(op);
+        let plan = ring::all_reduce(self.rank.index(), self.world.as_usize(), count, dtype, op);
+        let mut st = self.lock();
+        self.run(&mut st, &desc, buf, &plan)
+    }
+
+    fn broadcast(&self, buf: &mut [u8], dtype: DType, root: Rank) -> Result<()> {
+        let count = buf.len() / dtype.size();
+        let desc = CollectiveDesc::new(CollectiveOp::Broadcast, dtype, count).root(root);
+        let plan = ring::broadcast(
+            self.rank.index(),
+            self.world.as_usize(),
+            root.index(),
+            buf.len(),
+        );
+        let mut st = self.lock();
+        self.run(&mut st, &desc, buf, &plan)
+    }
+
+    fn all_gather(&self, send: &[u8], recv: &mut [u8], dtype: DType) -> Result<()> {
+        let block = send.len();
+        let r = self.rank.index();
+        recv[r * block..(r + 1) * block].copy_from_slice(send);
+        let desc = CollectiveDesc::new(CollectiveOp::AllGather, dtype, block / dtype.size());
+        let plan = ring::all_gather(r, self.world.as_usize(), block);
+        let mut st = self.lock();
+        self.run(&mut st, &desc, recv, &plan)
+    }
+
+    fn reduce_scatter(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let block = recv.len() / dtype.size();
+        let desc = CollectiveDesc::new(CollectiveOp::ReduceScatter, dtype, block).reduce(op);
+        let plan = ring::reduce_scatter(self.rank.index(), self.world.as_usize(), block, dtype, op);
+        let mut st = self.lock();
+        let mut work = std::mem::take(&mut st.work);
+        work.clear();
+        work.extend_from_slice(send);
+        let result = self.run(&mut st, &desc, &mut work, &plan);
+        if result.is_ok() {
+            let r = self.rank.index();
+            recv.copy_from_slice(&work[r * recv.len()..(r + 1) * recv.len()]);
+        }
+        st.work = work;
+        result
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let mut one = 1i32.to_le_bytes();
+        let desc = CollectiveDesc::new(CollectiveOp::Barrier, DType::I32, 1);
+        let plan = ring::all_reduce(
+            self.rank.index(),
+            self.world.as_usize(),
+            1,
+            DType::I32,
+            ReduceOp::Sum,
+        );
+        let mut st = self.lock();
+        self.run(&mut st, &desc, &mut one, &plan)
+    }
+
+    fn abort(&self) {
+        self.abort.store(true, Ordering::SeqCst);
+        self.close_links();
+    }
+}
+
+impl Drop for TcpCommunicator {
+    fn drop(&mut self) {
+        self.close_links();
+    }
+}

@@ -1,0 +1,643 @@
+//! The one place that reads the environment: turns the variables set by `burn-ddp run`, torchrun
+//! or Slurm into a [`GroupConfig`], and resolves every other setting a variable can change.
+//! Library code elsewhere calls a function here instead of `std::env::var`.
+//!
+//! Precedence, for every setting that also has a configuration field: the explicit
+//! configuration, then the variable, then the default. [`GroupConfig::debug_desync`] `= Some(_)`
+//! wins over `BURN_DDP_DEBUG_DESYNC`; [`GradTransport::Host`] or [`GradTransport::Nccl`] win
+//! over `BURN_DDP_GRAD_TRANSPORT`, which replaces only [`GradTransport::Auto`].
+//!
+//! | variable | meaning | default |
+//! |---|---|---|
+//! | `RANK`, `WORLD_SIZE` | global rank and job size (torchrun) | single process when neither is set |
+//! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
+//! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | `127.0.0.1`, `29500` |
+//! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
+//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_STEP_NODELIST` | Slurm fallback (`srun`) | |
+//! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then `SLURM_JOB_ID.SLURM_STEP_ID` |
+//! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
+//! | `BURN_DDP_RENDEZVOUS_TIMEOUT`, `BURN_DDP_STORE_TIMEOUT`, `BURN_DDP_COLLECTIVE_TIMEOUT` | one deadline each | `BURN_DDP_TIMEOUT` |
+//! | `BURN_DDP_HEARTBEAT_TIMEOUT` | silence after which a rank is reported dead or frozen | 15 s (or `BURN_DDP_TIMEOUT` if shorter) |
+//! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 3 min (or `BURN_DDP_TIMEOUT` if shorter) |
+//! | `BURN_DDP_DEBUG_DESYNC=1` | check before every collective that all ranks call the same one (`1`/`true`/`yes`/`on`, `0`/`false`/`no`/`off`) | off |
+//! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT` | which attempt of a restarted job this is | 0 |
+//! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
+//! | `CUDA_VISIBLE_DEVICES` | the GPUs this process sees (read for choosing and naming a rank's GPU) | all |
+//! | `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` | where to look for `libnccl` when it is missing, for the message | |
+//! | `OMP_NUM_THREADS` | left as set; the launcher sets it to 1 for several ranks per node when unset | |
+
+use std::time::Duration;
+
+use std::ffi::OsString;
+
+use crate::config::{
+    GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
+};
+use crate::types::{LocalRank, Rank, WorldSize};
+use crate::{DdpError, Result};
+
+/// Variables of the torchrun contract.
+pub const RANK: &str = "RANK";
+/// Job size.
+pub const WORLD_SIZE: &str = "WORLD_SIZE";
+/// Rank on this node.
+pub const LOCAL_RANK: &str = "LOCAL_RANK";
+/// Ranks on this node.
+pub const LOCAL_WORLD_SIZE: &str = "LOCAL_WORLD_SIZE";
+/// Host of rank 0's store.
+pub const MASTER_ADDR: &str = "MASTER_ADDR";
+/// Port of rank 0's store.
+pub const MASTER_PORT: &str = "MASTER_PORT";
+/// Port of burn-ddp's store when it must differ from `MASTER_PORT` (default under torchrun:
+/// `MASTER_PORT + 1`, since torchrun's agent serves its own store on `MASTER_PORT`).
+pub const STORE_PORT: &str = "BURN_DDP_STORE_PORT";
+/// The job secret.
+pub const JOB_TOKEN: &str = "BURN_DDP_JOB_TOKEN";
+/// All deadlines at once.
+pub const TIMEOUT: &str = "BURN_DDP_TIMEOUT";
+/// Rendezvous deadline.
+pub const RENDEZVOUS_TIMEOUT: &str = "BURN_DDP_RENDEZVOUS_TIMEOUT";
+/// Store request deadline.
+pub const STORE_TIMEOUT: &str = "BURN_DDP_STORE_TIMEOUT";
+/// Collective deadline.
+pub const COLLECTIVE_TIMEOUT: &str = "BURN_DDP_COLLECTIVE_TIMEOUT";
+/// How many times `burn-ddp run --max-restarts` restarted the group before this attempt (0 at
+/// first); torchrun's `TORCHELASTIC_RESTART_COUNT` is read too.
+pub const RESTART_COUNT: &str = "BURN_DDP_RESTART_COUNT";
+/// Heartbeat silence bound.
+pub const HEARTBEAT_TIMEOUT: &str = "BURN_DDP_HEARTBEAT_TIMEOUT";
+/// Stall bound.
+pub const STALL_TIMEOUT: &str = "BURN_DDP_STALL_TIMEOUT";
+
+/// Reads the process environment into a [`GroupConfig`].
+///
+/// # Errors
+/// `MissingEnv`/`InvalidEnv` naming the variable, or `RankOutOfRange`.
+pub fn group_config_from_env() -> Result<GroupConfig> {
+    group_config_from(|k| std::env::var(k).ok())
+}
+
+/// The variable that turns on the check before every collective ([`GroupConfig::debug_desync`]).
+pub const DEBUG_DESYNC: &str = "BURN_DDP_DEBUG_DESYNC";
+/// How GPU gradient buckets travel ([`GradTransport`]).
+pub const GRAD_TRANSPORT: &str = "BURN_DDP_GRAD_TRANSPORT";
+/// torchrun's restart counter, read when [`RESTART_COUNT`] is not set.
+pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
+
+/// How many times the launcher restarted the group before this attempt (0: the first).
+pub fn restart_count() -> u32 {
+    restart_count_from(&|k: &str| std::env::var(k).ok())
+}
+
+fn restart_count_from(get: &impl Fn(&str) -> Option<String>) -> u32 {
+    [RESTART_COUNT, TORCHELASTIC_RESTART_COUNT]
+        .iter()
+        .find_map(|v| get(v)?.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether to check before every collective that all ranks call the same one: `explicit` if
+/// set, else `BURN_DDP_DEBUG_DESYNC`, else off.
+///
+/// # Errors
+/// `InvalidEnv` when the variable holds something other than a yes or a no.
+pub fn debug_desync(explicit: Option<bool>) -> Result<bool> {
+    match explicit {
+        Some(on) => Ok(on),
+        None => debug_desync_from(&|k: &str| std::env::var(k).ok()),
+    }
+}
+
+fn debug_desync_from(get: &impl Fn(&str) -> Option<String>) -> Result<bool> {
+    let Some(v) = get(DEBUG_DESYNC) else {
+        return Ok(false);
+    };
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" | "detail" => Ok(true),
+        "" | "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(DdpError::InvalidEnv {
+            var: DEBUG_DESYNC,
+            value: v,
+            expected: "1, true, yes or on (or 0, false, no, off)",
+        }),
+    }
+}
+
+/// The gradient transport: `explicit` when it is `Host` or `Nccl`, else
+/// `BURN_DDP_GRAD_TRANSPORT` when set, else `Auto`.
+///
+/// # Errors
+/// `InvalidEnv` when the variable holds something other than `auto`, `host` or `nccl`.
+pub fn grad_transport(explicit: GradTransport) -> Result<GradTransport> {
+    grad_transport_from(explicit, &|k: &str| std::env::var(k).ok())
+}
+
+fn grad_transport_from(
+    explicit: GradTransport,
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<GradTransport> {
+    if explicit != GradTransport::Auto {
+        return Ok(explicit);
+    }
+    match get(GRAD_TRANSPORT) {
+        None => Ok(GradTransport::Auto),
+        Some(v) => GradTransport::parse(&v).ok_or(DdpError::InvalidEnv {
+            var: GRAD_TRANSPORT,
+            value: v,
+            expected: "auto, host or nccl",
+        }),
+    }
+}
+
+/// `BURN_DDP_JOB_TOKEN`, when set and not empty (the launcher's default job token).
+pub fn job_token() -> Option<String> {
+    std::env::var(JOB_TOKEN).ok().filter(|t| !t.is_empty())
+}
+
+/// Whether `RANK` is set: the process runs as one rank of a job rather than as its launcher.
+pub fn rank_is_set() -> bool {
+    std::env::var_os(RANK).is_some()
+}
+
+/// Whether the user chose `OMP_NUM_THREADS` (the launcher then leaves it alone).
+pub fn omp_num_threads_set() -> bool {
+    std::env::var_os("OMP_NUM_THREADS").is_some()
+}
+
+/// Where to look for a missing `libnccl`: the directories of `LD_LIBRARY_PATH`, and the
+/// active virtual environment (`VIRTUAL_ENV`, else `CONDA_PREFIX`) and home directory.
+#[derive(Debug, Clone, Default)]
+pub struct LibrarySearch {
+    /// `LD_LIBRARY_PATH`, split.
+    pub ld_library_path: Vec<std::path::PathBuf>,
+    /// The active Python environment's prefix.
+    pub python_env: Option<OsString>,
+    /// `HOME`.
+    pub home: Option<OsString>,
+}
+
+/// Reads [`LibrarySearch`] from the environment.
+pub fn library_search() -> LibrarySearch {
+    LibrarySearch {
+        ld_library_path: std::env::var_os("LD_LIBRARY_PATH")
+            .map(|v| std::env::split_paths(&v).collect())
+            .unwrap_or_default(),
+        python_env: std::env::var_os("VIRTUAL_ENV").or_else(|| std::env::var_os("CONDA_PREFIX")),
+        home: std::env::var_os("HOME"),
+    }
+}
+
+/// `CUDA_VISIBLE_DEVICES`, when set (for choosing a rank's GPU, and in messages about it).
+pub fn cuda_visible_devices() -> Option<String> {
+    std::env::var("CUDA_VISIBLE_DEVICES").ok()
+}
+
+/// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`
+/// or [`spawn`](crate::launch::spawn())), rather than as a single process.
+pub fn launched() -> bool {
+    launched_from(&|k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
+}
+
+/// [`launched`], reading non-empty variables through `get`.
+fn launched_from(get: &impl Fn(&str) -> Option<String>) -> bool {
+    get(RANK).is_some() || get(WORLD_SIZE).is_some() || get("SLURM_PROCID").is_some()
+}
+
+/// Like [`group_config_from_env`], reading variables through `get` (for tests and embedding).
+///
+/// # Errors
+/// As [`group_config_from_env`].
+pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupConfig> {
+    let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+    let timeouts = timeouts(&get)?;
+
+    if !launched_from(&get) {
+        return Ok(
+            GroupConfig::new(Rank(0), WorldSize::ONE, JobToken::new("single"))
+                .with_timeouts(timeouts)
+                .with_restart_count(restart_count_from(&get)),
+        );
+    }
+    let (rank, world, local_rank, local_world, default_master) =
+        if get(RANK).is_some() || get(WORLD_SIZE).is_some() {
+            let rank = Rank(parse_u32(&get, RANK, "a non-negative integer")?.ok_or(
+                DdpError::MissingEnv {
+                    var: RANK,
+                    hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
+                },
+            )?);
+            let world = world(&get, WORLD_SIZE)?.ok_or(DdpError::MissingEnv {
+                var: WORLD_SIZE,
+                hint: "RANK is set, so the job size WORLD_SIZE must be set too",
+            })?;
+            let local_world = world_or(&get, LOCAL_WORLD_SIZE, world)?;
+            let local_rank = LocalRank(
+                parse_u32(&get, LOCAL_RANK, "a non-negative integer")?
+                    .unwrap_or(rank.0 % local_world.get()),
+            );
+            (rank, world, local_rank, local_world, None)
+        } else {
+            slurm(&get)?
+        };
+
+    let host = get(MASTER_ADDR)
+        .or(default_master)
+        .unwrap_or_else(|| "127.0.0.1".to_string());
+    let parse_port = |var: &'static str, v: String| -> Result<u16> {
+        v.trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or(DdpError::InvalidEnv {
+                var,
+                value: v,
+                expected: "a TCP port number (1-65535)",
+            })
+    };
+    let port = match (get(STORE_PORT), get(MASTER_PORT)) {
+        (Some(v), _) => parse_port(STORE_PORT, v)?,
+        (None, None) => DEFAULT_MASTER_PORT,
+        (None, Some(v)) => {
+            let port = parse_port(MASTER_PORT, v.clone())?;
+            // torchrun's agent already serves its own store on MASTER_PORT (its workers connect
+            // to it); ours takes the next port, the same choice on every node.
+            let agent_store =
+                get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+            if agent_store {
+                port.checked_add(1).ok_or(DdpError::InvalidEnv {
+                    var: MASTER_PORT,
+                    value: v,
+                    expected: "a port below 65535 under torchrun (burn-ddp's store uses MASTER_PORT + 1; or set BURN_DDP_STORE_PORT)",
+                })?
+            } else {
+                port
+            }
+        }
+    };
+    let master = MasterAddr::new(host, port);
+    let token = token(&get, &master, world);
+    let mut cfg = GroupConfig::new(rank, world, token)
+        .with_master(master)
+        .with_local(local_rank, local_world)
+        .with_timeouts(timeouts)
+        .with_restart_count(restart_count_from(&get));
+    cfg.debug_desync = get(DEBUG_DESYNC)
+        .is_some()
+        .then(|| debug_desync_from(&get))
+        .transpose()?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+type Row = (Rank, WorldSize, LocalRank, WorldSize, Option<String>);
+
+fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Row> {
+    let rank = Rank(parse_u32(get, "SLURM_PROCID", "a non-negative integer")?.unwrap_or(0));
+    let world = world(get, "SLURM_NTASKS")?.ok_or(DdpError::MissingEnv {
+        var: "SLURM_NTASKS",
+        hint: "launch with `srun --ntasks=N` (or set RANK and WORLD_SIZE yourself)",
+    })?;
+    let local_rank =
+        LocalRank(parse_u32(get, "SLURM_LOCALID", "a non-negative integer")?.unwrap_or(0));
+    let node = parse_u32(get, "SLURM_NODEID", "a non-negative integer")?.unwrap_or(0);
+    let per_node = get("SLURM_STEP_TASKS_PER_NODE")
+        .or_else(|| get("SLURM_TASKS_PER_NODE"))
+        .and_then(|spec| tasks_on_node(&spec, node as usize))
+        .or_else(|| {
+            get("SLURM_NTASKS_PER_NODE")
+                .and_then(|v| v.trim().parse().ok())
+                .and_then(WorldSize::new)
+        })
+        .unwrap_or(world);
+    let master = get("SLURM_STEP_NODELIST")
+        .or_else(|| get("SLURM_JOB_NODELIST"))
+        .and_then(|list| first_host(&list));
+    Ok((rank, world, local_rank, per_node, master))
+}
+
+/// The number of tasks on node `node` from Slurm's `2(x3),1` notation.
+pub(crate) fn tasks_on_node(spec: &str, node: usize) -> Option<WorldSize> {
+    let mut seen = 0usize;
+    for part in spec.split(',') {
+        let part = part.trim();
+        let (count, repeat) = match part.split_once("(x") {
+            Some((c, r)) => (c, r.trim_end_matches(')').parse::<usize>().ok()?),
+            None => (part, 1),
+        };
+        let count: u32 = count.parse().ok()?;
+        if node < seen + repeat {
+            return WorldSize::new(count);
+        }
+        seen += repeat;
+    }
+    None
+}
+
+/// The first host of a Slurm host list (`node[01-04,07],gpu5` -> `node01`).
+pub(crate) fn first_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let mut depth = 0;
+    let end = list
+        .char_indices()
+        .find(|&(_, c)| {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                ',' if depth == 0 => return true,
+                _ => {}
+            }
+            false
+        })
+        .map(|(i, _)| i)
+        .unwrap_or(list.len());
+    let first = &list[..end];
+    match first.split_once('[') {
+        None => (!first.is_empty()).then(|| first.to_string()),
+        Some((prefix, rest)) => {
+            let inner = rest.trim_end_matches(']');
+            let range = inner.split(',').next()?;
+            let start = range.split('-').next()?;
+            Some(format!("{prefix}{start}"))
+        }
+    }
+}
+
+fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr, world: WorldSize) -> JobToken {
+    if let Some(t) = get(JOB_TOKEN) {
+        return JobToken::new(t);
+    }
+    if let Some(id) = get("TORCHELASTIC_RUN_ID").filter(|v| v != "none") {
+        return JobToken::new(format!("torchelastic:{id}"));
+    }
+    if let Some(job) = get("SLURM_JOB_ID") {
+        let step = get("SLURM_STEP_ID").unwrap_or_default();
+        return JobToken::new(format!("slurm:{job}.{step}"));
+    }
+    // No secret was provided: this still keeps two jobs of different shapes apart, but anyone
+    // who can guess the address and world size can join. `burn-ddp run` always sets a token.
+    tracing::debug!("no {JOB_TOKEN} set; using a token derived from the master address");
+    JobToken::new(format!("burn-ddp:{master}:{world}"))
+}
+
+fn parse_u32(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    expected: &'static str,
+) -> Result<Option<u32>> {
+    match get(var) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| DdpError::InvalidEnv {
+                var,
+                value: v.clone(),
+                expected,
+            }),
+    }
+}
+
+fn world(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<WorldSize>> {
+    match parse_u32(get, var, "a positive integer")? {
+        None => Ok(None),
+        Some(n) => WorldSize::new(n).map(Some).ok_or(DdpError::InvalidEnv {
+            var,
+            value: n.to_string(),
+            expected: "a positive integer",
+        }),
+    }
+}
+
+fn world_or(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    default: WorldSize,
+) -> Result<WorldSize> {
+    Ok(world(get, var)?.unwrap_or(default))
+}
+
+/// Parses `90`, `2.5`, `2.5s`, `500ms`, `10m`, `1h`.
+pub(crate) fn parse_duration(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    let (num, scale) = if let Some(n) = v.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = v.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = v.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = v.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (v, 1.0)
+    };
+    let secs: f64 = num.trim().parse().ok()?;
+    (secs.is_finite() && secs > 0.0).then(|| Duration::from_secs_f64(secs * scale))
+}
+
+fn duration(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<Duration>> {
+    match get(var) {
+        None => Ok(None),
+        Some(v) => parse_duration(&v).map(Some).ok_or(DdpError::InvalidEnv {
+            var,
+            value: v.clone(),
+            expected: "a positive duration such as 90, 2.5s, 500ms or 10m",
+        }),
+    }
+}
+
+fn timeouts(get: &impl Fn(&str) -> Option<String>) -> Result<Timeouts> {
+    let base = duration(get, TIMEOUT)?
+        .map(Timeouts::uniform)
+        .unwrap_or_default();
+    Ok(Timeouts {
+        rendezvous: duration(get, RENDEZVOUS_TIMEOUT)?.unwrap_or(base.rendezvous),
+        store: duration(get, STORE_TIMEOUT)?.unwrap_or(base.store),
+        collective: duration(get, COLLECTIVE_TIMEOUT)?.unwrap_or(base.collective),
+        heartbeat: duration(get, HEARTBEAT_TIMEOUT)?.unwrap_or(base.heartbeat),
+        stall: duration(get, STALL_TIMEOUT)?.unwrap_or(base.stall),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| m.get(k).cloned()
+    }
+
+    #[test]
+    fn empty_environment_is_a_single_process() {
+        let cfg = group_config_from(env(&[])).unwrap();
+        assert_eq!(cfg.world_size, WorldSize::ONE);
+        assert_eq!(cfg.rank, Rank(0));
+    }
+
+    #[test]
+    fn launched_means_the_variables_group_config_reads() {
+        let launched = |vars: &[(&str, &str)]| {
+            let get = env(vars);
+            launched_from(&|k: &str| get(k).filter(|v| !v.trim().is_empty()))
+        };
+        assert!(!launched(&[]));
+        assert!(!launched(&[("RANK", " ")]));
+        assert!(launched(&[("WORLD_SIZE", "2")]));
+        assert!(launched(&[("SLURM_PROCID", "0")]));
+    }
+
+    #[test]
+    fn under_torchruns_agent_store_the_next_port_is_used() {
+        let vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "localhost"),
+            ("MASTER_PORT", "33491"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ];
+        let cfg = group_config_from(env(&vars)).unwrap();
+        assert_eq!(cfg.master, MasterAddr::new("localhost", 33492));
+        let mut with_override = vars.to_vec();
+        with_override.push(("BURN_DDP_STORE_PORT", "40000"));
+        let cfg = group_config_from(env(&with_override)).unwrap();
+        assert_eq!(cfg.master, MasterAddr::new("localhost", 40000));
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let cfg = group_config_from(env(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "node01"),
+            ("MASTER_PORT", "1234"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(5));
+        assert_eq!(cfg.world_size.get(), 8);
+        assert_eq!(cfg.local_rank, LocalRank(1));
+        assert_eq!(cfg.local_world_size.get(), 4);
+        assert_eq!(cfg.master, MasterAddr::new("node01", 1234));
+        assert_eq!(cfg.token, JobToken::new("torchelastic:abc"));
+    }
+
+    #[test]
+    fn defaults_fill_in_local_values_and_master() {
+        let cfg = group_config_from(env(&[("RANK", "1"), ("WORLD_SIZE", "2")])).unwrap();
+        assert_eq!(cfg.local_rank, LocalRank(1));
+        assert_eq!(cfg.local_world_size.get(), 2);
+        assert_eq!(cfg.master, MasterAddr::new("127.0.0.1", 29500));
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let e = group_config_from(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(e.to_string().contains("RANK=\"x\""), "{e}");
+        let e = group_config_from(env(&[("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(matches!(e, DdpError::MissingEnv { var: "RANK", .. }), "{e}");
+        let e = group_config_from(env(&[("RANK", "0")])).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                DdpError::MissingEnv {
+                    var: "WORLD_SIZE",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = group_config_from(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
+        assert!(matches!(e, DdpError::RankOutOfRange { .. }), "{e}");
+        let e = group_config_from(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err();
+        assert!(e.to_string().contains("WORLD_SIZE"), "{e}");
+        let e = group_config_from(env(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_PORT", "99999"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("MASTER_PORT"), "{e}");
+        let e = group_config_from(env(&[("BURN_DDP_TIMEOUT", "soon")])).unwrap_err();
+        assert!(e.to_string().contains("BURN_DDP_TIMEOUT"), "{e}");
+    }
+
+    #[test]
+    fn slurm_fallback() {
+        let cfg = group_config_from(env(&[
+            ("SLURM_PROCID", "6"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "2"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+            ("SLURM_STEP_NODELIST", "gpu[07-08]"),
+            ("SLURM_JOB_ID", "991"),
+            ("SLURM_STEP_ID", "0"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(6));
+        assert_eq!(cfg.world_size.get(), 8);
+        assert_eq!(cfg.local_rank, LocalRank(2));
+        assert_eq!(cfg.local_world_size.get(), 4);
+        assert_eq!(cfg.master, MasterAddr::new("gpu07", 29500));
+        assert_eq!(cfg.token, JobToken::new("slurm:991.0"));
+    }
+
+    #[test]
+    fn torchrun_variables_win_over_slurm() {
+        let cfg = group_config_from(env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("SLURM_PROCID", "7"),
+            ("SLURM_NTASKS", "16"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.rank, Rank(1));
+        assert_eq!(cfg.world_size.get(), 2);
+    }
+
+    #[test]
+    fn slurm_task_counts() {
+        assert_eq!(tasks_on_node("2(x3),1", 0).map(|w| w.get()), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 2).map(|w| w.get()), Some(2));
+        assert_eq!(tasks_on_node("2(x3),1", 3).map(|w| w.get()), Some(1));
+        assert_eq!(tasks_on_node("2(x3),1", 4), None);
+        assert_eq!(tasks_on_node("garbage", 0), None);
+    }
+
+    #[test]
+    fn slurm_host_lists() {
+        assert_eq!(first_host("node[01-04,07],gpu5").as_deref(), Some("node01"));
+        assert_eq!(first_host("gpu5,node[1-2]").as_deref(), Some("gpu5"));
+        assert_eq!(first_host("a").as_deref(), Some("a"));
+        assert_eq!(first_host("").as_deref(), None);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("90"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_duration("2.5s"), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_duration("10m"), Some(Duration::from_secs(600)));
+        assert_eq!(parse_duration("-1"), None);
+        assert_eq!(parse_duration("x"), None);
+    }
+
+    #[test]
+    fn timeouts_from_environment() {
+        let cfg = group_config_from(env(&[
+            ("BURN_DDP_TIMEOUT", "20"),
+            ("BURN_DDP_COLLECTIVE_TIMEOUT", "3s"),
+        ]))
+        .unwrap();
+        assert_eq!(cfg.timeouts.rendezvous, Duration::from_secs(20));
+        assert_eq!(cfg.timeouts.collective, Duration::from_secs(3));
+    }
+}

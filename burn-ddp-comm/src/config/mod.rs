@@ -1,0 +1,291 @@
+//! Configuration of a process group: who this process is, where the master is, how long to wait.
+//!
+//! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`]
+//! - `env.rs`: [`env`], the one module of burn-ddp that reads environment variables: it turns
+//!   `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... into a [`GroupConfig`], and resolves each setting
+//!   that a variable can change (explicit configuration first, then the variable, then the
+//!   default).
+
+pub mod env;
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::types::{LocalRank, Rank, WorldSize};
+
+/// The torchrun default for `MASTER_PORT`.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Deadlines for every blocking wait. The defaults are 10 minutes, PyTorch's NCCL default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Joining the job: reaching the store on rank 0 and waiting for every rank to arrive.
+    pub rendezvous: Duration,
+    /// A single request to the key-value store (including `wait` for a key).
+    pub store: Duration,
+    /// One collective operation, from its start on this rank to its completion.
+    pub collective: Duration,
+    /// A rank whose heartbeat stops changing for this long while another waits for it in a
+    /// collective is reported dead or frozen (default 15 s).
+    pub heartbeat: Duration,
+    /// A rank that is alive but has not reached a collective others have waited in for this
+    /// long, without progressing, is reported stuck (default 3 min: long enough for rank-0-only
+    /// work such as writing a checkpoint; raise it if such work takes longer).
+    pub stall: Duration,
+}
+
+impl Timeouts {
+    /// The heartbeat bound's default.
+    pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);
+    /// The stall bound's default.
+    pub const DEFAULT_STALL: Duration = Duration::from_secs(180);
+
+    /// The same deadline for everything (handy in tests and scripts); the liveness bounds keep
+    /// their defaults where those are shorter.
+    pub fn uniform(d: Duration) -> Self {
+        Self {
+            rendezvous: d,
+            store: d,
+            collective: d,
+            heartbeat: d.min(Self::DEFAULT_HEARTBEAT),
+            stall: d.min(Self::DEFAULT_STALL),
+        }
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self::uniform(Duration::from_secs(600))
+    }
+}
+
+/// The secret shared by the processes of one job.
+///
+/// Peers prove knowledge of it (HMAC challenge-response, the token itself never crosses the
+/// network), so a stranger or a second job on the same port is refused. `Debug` does not print it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobToken(String);
+
+impl JobToken {
+    /// Wraps a token string.
+    pub fn new(token: impl Into<String>) -> Self {
+        Self(token.into())
+    }
+
+    /// A fresh random token (what the launcher gives each job).
+    pub fn generate() -> Self {
+        use rand::Rng;
+        let bytes: [u8; 16] = rand::rng().random();
+        Self(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    }
+
+    /// The token's bytes, as used in the HMAC.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// The token string (to hand to child processes).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("JobToken(<redacted>)")
+    }
+}
+
+/// Where rank 0 serves the rendezvous store (`MASTER_ADDR:MASTER_PORT`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MasterAddr {
+    /// Host name or IP address.
+    pub host: String,
+    /// TCP port.
+    pub port: u16,
+}
+
+impl MasterAddr {
+    /// A master address from host and port.
+    pub fn new(host: impl Into<String>, port: u16) -> Self {
+        Self {
+            host: host.into(),
+            port,
+        }
+    }
+}
+
+impl fmt::Display for MasterAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') && !self.host.starts_with('[') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// How gradient buckets of GPU tensors travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradTransport {
+    /// NCCL for Burn's CUDA backend when NCCL can be loaded (with the `cuda` feature), with a
+    /// warning and the host-staged transport otherwise; the host transport for other backends.
+    /// `Auto` is also the only choice that `BURN_DDP_GRAD_TRANSPORT=host|nccl|auto` may
+    /// replace: an explicit `Host` or `Nccl` wins over the environment.
+    #[default]
+    Auto,
+    /// Gradients are read to host memory and reduced by the process group's transport (TCP
+    /// between processes). Works for every backend, and lets several ranks share one GPU, which
+    /// NCCL refuses.
+    Host,
+    /// Buckets stay on the GPU and NCCL reduces them there (`Autodiff<Ddp<Cuda>>` with the
+    /// `cuda` feature). Fails with a clear error where that is impossible, instead of falling
+    /// back.
+    Nccl,
+}
+
+impl GradTransport {
+    /// Parses `auto`, `host` (or `tcp`) and `nccl`, in any case.
+    pub fn parse(v: &str) -> Option<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(Self::Auto),
+            "host" | "tcp" => Some(Self::Host),
+            "nccl" => Some(Self::Nccl),
+            _ => None,
+        }
+    }
+}
+
+/// Everything a process needs to join a job.
+#[derive(Debug, Clone)]
+pub struct GroupConfig {
+    /// This process's global rank.
+    pub rank: Rank,
+    /// Number of processes in the job.
+    pub world_size: WorldSize,
+    /// This process's rank on its node (selects the GPU).
+    pub local_rank: LocalRank,
+    /// Number of processes on this node.
+    pub local_world_size: WorldSize,
+    /// The rendezvous store served by rank 0.
+    pub master: MasterAddr,
+    /// The job's shared secret.
+    pub token: JobToken,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+    /// Check before every collective that all ranks call the same one (costs one small
+    /// all-gather per collective). `None`: `BURN_DDP_DEBUG_DESYNC` decides, off when unset.
+    pub debug_desync: Option<bool>,
+    /// How many times the launcher restarted the job before this attempt (0: the first). Read
+    /// from `BURN_DDP_RESTART_COUNT` (or torchrun's `TORCHELASTIC_RESTART_COUNT`) by
+    /// [`env::group_config_from_env`].
+    pub restart_count: u32,
+}
+
+impl GroupConfig {
+    /// A single-node configuration: local rank = rank, master on `127.0.0.1:29500`.
+    pub fn new(rank: Rank, world_size: WorldSize, token: JobToken) -> Self {
+        Self {
+            rank,
+            world_size,
+            local_rank: LocalRank(rank.0),
+            local_world_size: world_size,
+            master: MasterAddr::new("127.0.0.1", DEFAULT_MASTER_PORT),
+            token,
+            timeouts: Timeouts::default(),
+            debug_desync: None,
+            restart_count: 0,
+        }
+    }
+
+    /// Turns the cross-rank check before every collective on or off, whatever
+    /// `BURN_DDP_DEBUG_DESYNC` says.
+    pub fn with_debug_desync(mut self, on: bool) -> Self {
+        self.debug_desync = Some(on);
+        self
+    }
+
+    /// Sets which attempt of a restarted job this is.
+    pub fn with_restart_count(mut self, restart_count: u32) -> Self {
+        self.restart_count = restart_count;
+        self
+    }
+
+    /// Sets the master address.
+    pub fn with_master(mut self, master: MasterAddr) -> Self {
+        self.master = master;
+        self
+    }
+
+    /// Sets the deadlines.
+    pub fn with_timeouts(mut self, timeouts: Timeouts) -> Self {
+        self.timeouts = timeouts;
+        self
+    }
+
+    /// Sets the node-local rank and node size.
+    pub fn with_local(mut self, local_rank: LocalRank, local_world_size: WorldSize) -> Self {
+        self.local_rank = local_rank;
+        self.local_world_size = local_world_size;
+        self
+    }
+
+    /// Checks the invariants between the fields.
+    ///
+    /// # Errors
+    /// [`DdpError::RankOutOfRange`](crate::DdpError::RankOutOfRange) or
+    /// [`DdpError::LocalRankOutOfRange`](crate::DdpError::LocalRankOutOfRange) naming the field.
+    pub fn validate(&self) -> crate::Result<()> {
+        if !self.world_size.contains(self.rank) {
+            return Err(crate::DdpError::RankOutOfRange {
+                rank: self.rank,
+                world: self.world_size,
+            });
+        }
+        if self.local_rank.0 >= self.local_world_size.get() {
+            return Err(crate::DdpError::LocalRankOutOfRange {
+                rank: self.rank,
+                local_rank: self.local_rank,
+                local_world: self.local_world_size,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_is_redacted_in_debug() {
+        let t = JobToken::new("secret-value");
+        assert!(!format!("{t:?}").contains("secret"));
+    }
+
+    #[test]
+    fn generated_tokens_differ() {
+        assert_ne!(JobToken::generate(), JobToken::generate());
+    }
+
+    #[test]
+    fn master_display_brackets_ipv6() {
+        assert_eq!(MasterAddr::new("::1", 5).to_string(), "[::1]:5");
+        assert_eq!(MasterAddr::new("node01", 29500).to_string(), "node01:29500");
+    }
+
+    #[test]
+    fn validate_names_the_bad_field() {
+        let w = WorldSize::new(2).unwrap();
+        let cfg = GroupConfig::new(Rank(2), w, JobToken::new("t"));
+        assert!(matches!(
+            cfg.validate(),
+            Err(crate::DdpError::RankOutOfRange { .. })
+        ));
+        let cfg = GroupConfig::new(Rank(1), w, JobToken::new("t")).with_local(LocalRank(3), w);
+        assert!(matches!(
+            cfg.validate(),
+            Err(crate::DdpError::LocalRankOutOfRange { .. })
+        ));
+    }
+}

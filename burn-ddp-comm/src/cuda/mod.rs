@@ -1,0 +1,26 @@
+//! CUDA through cudarc (feature `cuda`): NCCL communicators on device memory.
+//!
+//! - `library.rs`: finding `libnccl` (and what to install or link when it is missing)
+//! - `device.rs`: the GPU of a rank (its tensors' device, checked against `LOCAL_RANK`), the
+//!   CUDA driver
+//! - `status.rs`: NCCL and driver errors as text with advice
+//! - `wait.rs`: waiting for GPU work with a deadline
+//! - `nccl.rs`: [`NcclComm`], collectives on device memory
+//!
+//! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
+//! a CUDA toolkit; every entry point here checks for the libraries first and turns their absence
+//! into an error instead of cudarc's panic.
+
+mod device;
+mod library;
+mod nccl;
+mod status;
+mod wait;
+
+pub use device::{context_for, device_count, driver_present, ordinal_for, rank_ordinal};
+pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
+pub use nccl::NcclComm;
+
+/// The cudarc version this crate uses (for [`NcclComm`]'s `CudaSlice` buffers).
+pub use cudarc;
+pub(crate) use status::driver_error as driver_error_for;

@@ -1,0 +1,671 @@
+//! [`DdpError`]: every way burn-ddp can fail, each message saying what happened, the values seen
+//! (and on which rank), and what to change.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::types::{
+    AbortRecord, CollectiveSeq, LocalRank, Rank, RankList, StallDiagnosis, WorldSize,
+};
+use crate::types::{CollectiveDesc, CollectiveOp};
+use crate::wire::WireError;
+
+/// `Result` with [`DdpError`].
+pub type Result<T, E = DdpError> = std::result::Result<T, E>;
+
+/// Every error burn-ddp reports. Messages start with the rank that saw the problem.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DdpError {
+    // === Configuration ===
+    /// A required environment variable is not set.
+    #[error("environment variable {var} is not set. {hint}")]
+    MissingEnv {
+        /// The variable.
+        var: &'static str,
+        /// How to provide it.
+        hint: &'static str,
+    },
+
+    /// An environment variable holds a value that cannot be used.
+    #[error("environment variable {var}={value:?} is invalid: expected {expected}")]
+    InvalidEnv {
+        /// The variable.
+        var: &'static str,
+        /// What it held.
+        value: String,
+        /// What it should hold.
+        expected: &'static str,
+    },
+
+    /// The rank does not belong to the world.
+    #[error(
+        "rank {rank} is outside the world of {world} processes (valid ranks are 0..{world}). \
+         Check RANK and WORLD_SIZE: every process must use the same WORLD_SIZE and a distinct RANK below it"
+    )]
+    RankOutOfRange {
+        /// The rank given.
+        rank: Rank,
+        /// The world size given.
+        world: WorldSize,
+    },
+
+    /// The local rank does not belong to the node.
+    #[error(
+        "[rank {rank}] LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}. \
+         Check the launcher's --nproc-per-node"
+    )]
+    LocalRankOutOfRange {
+        /// The global rank.
+        rank: Rank,
+        /// The local rank given.
+        local_rank: LocalRank,
+        /// The node size given.
+        local_world: WorldSize,
+    },
+
+    /// A configuration value is out of its valid range.
+    #[error("invalid configuration: {field} {reason}")]
+    InvalidConfig {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    // === Rendezvous ===
+    /// Rank 0 cannot serve the store because the port is taken.
+    #[error(
+        "[rank {rank}] cannot serve the rendezvous store on {addr}: the port is already in use \
+         (another job, or an earlier run still shutting down). Pick another MASTER_PORT \
+         (or `burn-ddp run --standalone`) or stop the other job"
+    )]
+    PortInUse {
+        /// The rank (0).
+        rank: Rank,
+        /// The address it tried to bind.
+        addr: SocketAddr,
+    },
+
+    /// Rank 0 cannot bind the store address for another reason.
+    #[error(
+        "[rank {rank}] cannot serve the rendezvous store on {addr}: {source}. MASTER_ADDR must be \
+         an address of rank 0's own machine"
+    )]
+    StoreBind {
+        /// The rank (0).
+        rank: Rank,
+        /// The address it tried to bind.
+        addr: SocketAddr,
+        /// The OS error.
+        source: io::Error,
+    },
+
+    /// `MASTER_ADDR` does not resolve.
+    #[error("[rank {rank}] cannot resolve MASTER_ADDR {host:?}: {source}. Use an IP address or a host name every node can resolve")]
+    MasterUnresolvable {
+        /// This rank.
+        rank: Rank,
+        /// The host name.
+        host: String,
+        /// The resolver error.
+        source: io::Error,
+    },
+
+    /// Nobody answered at the master address within the rendezvous deadline.
+    #[error(
+        "[rank {rank}] the rendezvous store at {addr} was unreachable for {waited:?} (last error: {last_error}). \
+         Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point to it, and that no firewall \
+         blocks the port; or raise the rendezvous timeout (BURN_DDP_RENDEZVOUS_TIMEOUT)"
+    )]
+    MasterUnreachable {
+        /// This rank.
+        rank: Rank,
+        /// The master address.
+        addr: String,
+        /// How long it tried.
+        waited: Duration,
+        /// The last connection error.
+        last_error: io::Error,
+    },
+
+    /// Not every rank joined within the rendezvous deadline.
+    #[error(
+        "[rank {rank}] rendezvous at {addr} timed out after {waited:?}: {joined}/{world} ranks joined, \
+         missing {missing}{refused_note}. Check that every rank uses the same MASTER_ADDR/MASTER_PORT, \
+         WORLD_SIZE and job token (BURN_DDP_JOB_TOKEN), or raise the rendezvous timeout"
+    )]
+    RendezvousTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The master address.
+        addr: String,
+        /// How long it waited.
+        waited: Duration,
+        /// How many ranks had joined.
+        joined: usize,
+        /// The expected world size.
+        world: WorldSize,
+        /// The ranks that never joined.
+        missing: RankList,
+        /// A note on refused connections, if any ("; 1 connection was refused ...").
+        refused_note: String,
+    },
+
+    /// The peer does not share our job token.
+    #[error(
+        "[rank {rank}] {peer} refused the handshake: it does not hold this job's token. It belongs to \
+         another job, or this process was started with a different BURN_DDP_JOB_TOKEN; start every rank \
+         from the same launcher (or give them the same token)"
+    )]
+    TokenMismatch {
+        /// This rank.
+        rank: Rank,
+        /// The peer.
+        peer: SocketAddr,
+    },
+
+    /// The peer speaks another version of the protocol.
+    #[error(
+        "[rank {rank}] {peer} speaks burn-ddp protocol version {theirs}, this process speaks {ours}. \
+         Build every rank from the same burn-ddp version"
+    )]
+    ProtocolMismatch {
+        /// This rank.
+        rank: Rank,
+        /// The peer.
+        peer: SocketAddr,
+        /// Our version.
+        ours: u8,
+        /// Theirs.
+        theirs: u8,
+    },
+
+    /// Ranks disagree on the world size.
+    #[error(
+        "[rank {rank}] WORLD_SIZE mismatch: rank {other} uses WORLD_SIZE={theirs}, this process uses {ours}. \
+         Every process of a job must be started with the same WORLD_SIZE"
+    )]
+    WorldSizeMismatch {
+        /// This rank.
+        rank: Rank,
+        /// The other rank.
+        other: Rank,
+        /// Our world size.
+        ours: WorldSize,
+        /// Theirs.
+        theirs: WorldSize,
+    },
+
+    /// Two processes claimed the same rank.
+    #[error(
+        "[rank {rank}] rank {claimed} was claimed by two processes ({first} and {second}). \
+         Give every process a distinct RANK (and check that two jobs do not share MASTER_PORT)"
+    )]
+    DuplicateRank {
+        /// This rank.
+        rank: Rank,
+        /// The rank claimed twice.
+        claimed: Rank,
+        /// Address of the first claimant.
+        first: SocketAddr,
+        /// Address of the second claimant.
+        second: SocketAddr,
+    },
+
+    /// A store request did not complete in time.
+    #[error("[rank {rank}] store {op} of key {key:?} timed out after {waited:?}. Some rank did not publish it; raise the store timeout if that rank is just slow")]
+    StoreTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The store operation.
+        op: &'static str,
+        /// The key.
+        key: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+
+    /// A peer's published transport address does not answer.
+    #[error(
+        "[rank {rank}] cannot connect to rank {peer} at {addr} (last error: {last_error}) after {waited:?}. \
+         Check that the ranks can reach each other on that interface (firewalls, BURN_DDP_SOCKET_IFADDR)"
+    )]
+    PeerUnreachable {
+        /// This rank.
+        rank: Rank,
+        /// The peer.
+        peer: Rank,
+        /// The address it published.
+        addr: SocketAddr,
+        /// How long this rank tried.
+        waited: Duration,
+        /// The last connection error.
+        last_error: io::Error,
+    },
+
+    /// The connection to the store broke.
+    #[error(
+        "[rank {rank}] lost the connection to the rendezvous store at {addr} ({source}): rank 0, which \
+         hosts it, has exited or crashed. See rank 0's output for the cause"
+    )]
+    StoreLost {
+        /// This rank.
+        rank: Rank,
+        /// The store address.
+        addr: SocketAddr,
+        /// The I/O error.
+        source: io::Error,
+    },
+
+    /// A peer sent bytes that are not a valid frame.
+    #[error("[rank {rank}] {peer} sent a malformed frame: {error}")]
+    Protocol {
+        /// This rank.
+        rank: Rank,
+        /// The peer.
+        peer: SocketAddr,
+        /// What was wrong.
+        error: WireError,
+    },
+
+    /// The store refused a request for a reason it gave.
+    #[error("[rank {rank}] the store refused the request: {reason}")]
+    StoreRefused {
+        /// This rank.
+        rank: Rank,
+        /// The store's explanation.
+        reason: String,
+    },
+
+    /// The store could not carry out one request; the connection and the job go on.
+    #[error("[rank {rank}] store `{op}` on key {key:?} failed: {reason}")]
+    StoreRequest {
+        /// This rank.
+        rank: Rank,
+        /// The request.
+        op: &'static str,
+        /// The key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+
+    // === Collectives ===
+    /// A neighbour closed its connection in the middle of a collective.
+    #[error(
+        "[rank {rank}] rank {peer} closed its connection during {op} {seq} ({cause}): it exited or crashed. \
+         See rank {peer}'s output for the cause"
+    )]
+    PeerLost {
+        /// This rank.
+        rank: Rank,
+        /// The rank that disappeared.
+        peer: Rank,
+        /// The collective in progress.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: CollectiveSeq,
+        /// What the socket reported.
+        cause: io::ErrorKind,
+    },
+
+    /// Another rank reported a failure and aborted the job.
+    #[error("[rank {rank}] {}the job was aborted: {record}", during_prefix(.during))]
+    JobAborted {
+        /// This rank.
+        rank: Rank,
+        /// The collective this rank was in when it learnt of the abort, if any.
+        during: Option<(CollectiveOp, CollectiveSeq)>,
+        /// What the first failing rank reported.
+        record: AbortRecord,
+    },
+
+    /// A collective did not complete within its deadline.
+    #[error(
+        "[rank {rank}] {op} {seq} timed out after {waited:?}: {diagnosis}. Every rank must call the \
+         same collectives in the same order; if the stalled rank is just slow (data loading, a \
+         long validation), raise the collective timeout (BURN_DDP_COLLECTIVE_TIMEOUT)"
+    )]
+    CollectiveTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The collective.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: CollectiveSeq,
+        /// How long it waited.
+        waited: Duration,
+        /// Which ranks were found stalled (or which neighbour this rank waited on).
+        diagnosis: StallDiagnosis,
+    },
+
+    /// Two ranks called different collectives at the same point of the sequence.
+    #[error(
+        "[rank {rank}] collective mismatch at {seq}: this rank called {ours}, rank {peer} called {theirs} \
+         (at its {their_seq}). Every rank must call the same collectives, with the same sizes and types, \
+         in the same order"
+    )]
+    CollectiveMismatch {
+        /// This rank.
+        rank: Rank,
+        /// The other rank.
+        peer: Rank,
+        /// Our sequence number.
+        seq: CollectiveSeq,
+        /// Theirs.
+        their_seq: CollectiveSeq,
+        /// What we called.
+        ours: CollectiveDesc,
+        /// What they called.
+        theirs: CollectiveDesc,
+    },
+
+    /// A buffer passed to a collective has the wrong length.
+    #[error("[rank {rank}] {op}: {what} has {got} elements, expected {expected}")]
+    BufferSize {
+        /// This rank.
+        rank: Rank,
+        /// The collective.
+        op: CollectiveOp,
+        /// Which buffer.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+
+    /// The root of a broadcast is not a rank of the group.
+    #[error("[rank {rank}] broadcast root {root} is outside the world of {world}")]
+    InvalidRoot {
+        /// This rank.
+        rank: Rank,
+        /// The root given.
+        root: Rank,
+        /// The world size.
+        world: WorldSize,
+    },
+
+    /// An earlier failure left the group unusable.
+    #[error("[rank {rank}] the process group is unusable after an earlier failure: {first}")]
+    GroupAborted {
+        /// This rank.
+        rank: Rank,
+        /// The first failure.
+        first: Box<AbortRecord>,
+    },
+
+    /// Something was used before `ProcessGroup::init`.
+    #[error("{what} is not initialised: create the process group (ProcessGroup::from_env or ProcessGroup::init) before training")]
+    NotInitialized {
+        /// What was used.
+        what: &'static str,
+    },
+
+    /// The NCCL library could not be loaded (the `cuda` feature loads it at run time).
+    #[error("NCCL is not available: {detail}")]
+    NcclUnavailable {
+        /// What was tried, and what to install or link.
+        detail: String,
+    },
+
+    /// The CUDA driver failed or is missing.
+    #[error("[rank {rank}] CUDA: {what} failed: {detail}")]
+    Cuda {
+        /// This rank.
+        rank: Rank,
+        /// The call that failed.
+        what: String,
+        /// The driver's error, and what to check.
+        detail: String,
+    },
+
+    /// This process's local rank has no GPU.
+    #[error("[rank {rank}] no GPU for local rank {local_rank}: this node shows {count} CUDA device(s){visible}. Start at most {count} rank(s) per node (`--nproc-per-node {count}`), or give each rank its own GPU through CUDA_VISIBLE_DEVICES")]
+    NoGpuForRank {
+        /// This rank.
+        rank: Rank,
+        /// Its local rank (the GPU it would use).
+        local_rank: LocalRank,
+        /// Devices visible to this process.
+        count: usize,
+        /// `" (CUDA_VISIBLE_DEVICES=...)"` when set.
+        visible: String,
+    },
+
+    /// The GPU that holds this rank's tensors is not the GPU its `LOCAL_RANK` names, or gradients
+    /// arrived on another GPU than the one NCCL was set up on.
+    #[error("[rank {rank}] {what} are on GPU {found}, but {expected_why}: NCCL would read memory of another device. Build the model on this rank's GPU (`burn_ddp::cuda::rank_device(&group)` gives it), or give each process one GPU through CUDA_VISIBLE_DEVICES")]
+    DeviceMismatch {
+        /// This rank.
+        rank: Rank,
+        /// What was found where (`the model's parameters`, `the gradients of this backward`).
+        what: &'static str,
+        /// The GPU (ordinal among the visible devices) it is on.
+        found: usize,
+        /// Which GPU was expected, and why (`LOCAL_RANK 1 means GPU 1 of the 2 this process sees`).
+        expected_why: String,
+    },
+
+    /// An NCCL call failed.
+    #[error("[rank {rank}] NCCL {call} failed: {code}{detail}. {hint}")]
+    Nccl {
+        /// This rank.
+        rank: Rank,
+        /// The NCCL call and what it was doing (`ncclAllReduce (all_reduce #12, 4096 x float)`).
+        call: String,
+        /// NCCL's result code and its text.
+        code: String,
+        /// `ncclGetLastError`'s message, when NCCL gave one (starts with ": ").
+        detail: String,
+        /// What usually causes it and what to do.
+        hint: &'static str,
+    },
+
+    /// An NCCL operation did not complete in time; the communicator was aborted.
+    #[error("[rank {rank}] NCCL {what} did not complete within {waited:?}; the communicator was aborted (ncclCommAbort) so that nothing waits forever. A rank that died or stalls, or ranks that call different collectives, cause this: look at the other ranks' output, and run with BURN_DDP_DEBUG_DESYNC=1 to compare the calls. Raise BURN_DDP_COLLECTIVE_TIMEOUT if the work is only slow")]
+    NcclTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The operation (`all_reduce #12`, `communicator creation`).
+        what: String,
+        /// The deadline.
+        waited: Duration,
+    },
+
+    /// The ranks' models differ: a parameter's name, shape or dtype is not the same everywhere.
+    #[error("[rank {rank}] the model differs between ranks at parameter {index} `{param}`: {detail}. Every rank must build the same model (same layer sizes, same order of fields)")]
+    ModelMismatch {
+        /// This rank.
+        rank: Rank,
+        /// Position of the first mismatching parameter in visit order.
+        index: usize,
+        /// Its name on rank 0.
+        param: String,
+        /// What differs, and on which ranks.
+        detail: String,
+    },
+
+    /// The gradient communication thread did not answer in time.
+    #[error("[rank {rank}] gradient synchronisation got no answer within {waited:?} (the communication thread is stuck)")]
+    GradSyncTimeout {
+        /// This rank.
+        rank: Rank,
+        /// How long it waited.
+        waited: Duration,
+    },
+
+    /// A model's parameters could not be read, written or (de)serialised.
+    #[error("[rank {rank}] {what}: {reason}")]
+    Model {
+        /// This rank.
+        rank: Rank,
+        /// What was being done.
+        what: &'static str,
+        /// Why it failed.
+        reason: String,
+    },
+
+    /// `BURN_DDP_DEBUG_DESYNC`: the ranks were about to call different collectives.
+    #[error("[rank {rank}] collectives out of step at call {call} (BURN_DDP_DEBUG_DESYNC): this rank calls {ours}; rank {peer} calls {theirs}. Every rank must call the same collectives in the same order")]
+    Desync {
+        /// This rank.
+        rank: Rank,
+        /// The checked call's number on this rank (1 = the first collective).
+        call: u64,
+        /// What this rank calls, and from where.
+        ours: String,
+        /// The rank compared with.
+        peer: Rank,
+        /// What it calls, and from where.
+        theirs: String,
+    },
+
+    /// The heartbeat watcher found a rank dead, frozen or stuck while this rank waited in a
+    /// collective (long before the collective timeout).
+    #[error("[rank {rank}] {op} #{seq}: rank {culprit} (host {host}) {what}; its last completed collective was #{last_completed}")]
+    RankUnresponsive {
+        /// This rank.
+        rank: Rank,
+        /// The rank at fault.
+        culprit: Rank,
+        /// Its host, as it reported it.
+        host: String,
+        /// The last collective it completed.
+        last_completed: u64,
+        /// The collective this rank waited in.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: u64,
+        /// What was seen.
+        what: String,
+    },
+
+    /// Training under [`DdpStrategy`](crate::train::DdpStrategy) stopped because a rank failed
+    /// (a data error, a panic in a training step, a lost peer): every rank reports the rank at
+    /// fault.
+    #[error("[rank {rank}] training stopped: rank {culprit} failed: {reason}")]
+    TrainingFailed {
+        /// This rank.
+        rank: Rank,
+        /// The rank that failed.
+        culprit: Rank,
+        /// What went wrong there.
+        reason: String,
+    },
+
+    /// The bandwidth tool found corrupted results.
+    #[error("the all-reduce benchmark found {wrong} wrong elements: the transport corrupted data (please report this)")]
+    WrongResults {
+        /// How many elements differed, over all ranks.
+        wrong: u64,
+    },
+
+    // === Launcher ===
+    /// A rank process could not be started.
+    #[error("cannot start rank {rank} ({program}): {source}")]
+    Spawn {
+        /// The rank.
+        rank: Rank,
+        /// The program.
+        program: String,
+        /// The OS error.
+        source: io::Error,
+    },
+
+    /// A rank process failed.
+    #[error("rank {rank} (pid {pid}) {status}; the other ranks were stopped")]
+    RankFailed {
+        /// The rank.
+        rank: Rank,
+        /// Its process id.
+        pid: u32,
+        /// How it ended ("exited with status 3", "was killed by signal 9 (SIGKILL)").
+        status: String,
+    },
+
+    /// Writing or reading a checkpoint failed.
+    #[error("checkpoint {path}: {what} failed: {reason}")]
+    Checkpoint {
+        /// The file.
+        path: String,
+        /// The step that failed.
+        what: &'static str,
+        /// Why.
+        reason: String,
+    },
+
+    /// The function a rank ran under [`spawn`](crate::launch::spawn()) returned an error.
+    #[error("rank {rank} failed: {message}")]
+    RankError {
+        /// The rank.
+        rank: Rank,
+        /// The error, as text.
+        message: String,
+    },
+
+    /// The launcher was asked to stop (SIGINT/SIGTERM/SIGHUP) and stopped every rank.
+    #[error("interrupted: every rank was stopped")]
+    Interrupted,
+
+    /// An I/O error outside the cases above.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl DdpError {
+    /// The rank that reported this error, when it names one.
+    pub fn rank(&self) -> Option<Rank> {
+        use DdpError::*;
+        match self {
+            RankOutOfRange { rank, .. }
+            | LocalRankOutOfRange { rank, .. }
+            | PortInUse { rank, .. }
+            | StoreBind { rank, .. }
+            | MasterUnresolvable { rank, .. }
+            | MasterUnreachable { rank, .. }
+            | RendezvousTimeout { rank, .. }
+            | TokenMismatch { rank, .. }
+            | ProtocolMismatch { rank, .. }
+            | WorldSizeMismatch { rank, .. }
+            | DuplicateRank { rank, .. }
+            | StoreTimeout { rank, .. }
+            | StoreLost { rank, .. }
+            | PeerUnreachable { rank, .. }
+            | Protocol { rank, .. }
+            | StoreRefused { rank, .. }
+            | StoreRequest { rank, .. }
+            | ModelMismatch { rank, .. }
+            | GradSyncTimeout { rank, .. }
+            | Model { rank, .. }
+            | TrainingFailed { rank, .. }
+            | RankUnresponsive { rank, .. }
+            | Desync { rank, .. }
+            | PeerLost { rank, .. }
+            | JobAborted { rank, .. }
+            | CollectiveTimeout { rank, .. }
+            | CollectiveMismatch { rank, .. }
+            | BufferSize { rank, .. }
+            | InvalidRoot { rank, .. }
+            | GroupAborted { rank, .. }
+            | Spawn { rank, .. }
+            | RankFailed { rank, .. }
+            | RankError { rank, .. }
+            | Cuda { rank, .. }
+            | NoGpuForRank { rank, .. }
+            | DeviceMismatch { rank, .. }
+            | Nccl { rank, .. }
+            | NcclTimeout { rank, .. } => Some(*rank),
+            _ => None,
+        }
+    }
+}
+
+fn during_prefix(during: &Option<(CollectiveOp, CollectiveSeq)>) -> String {
+    match during {
+        Some((op, seq)) => format!("{op} {seq} stopped: "),
+        None => String::new(),
+    }
+}

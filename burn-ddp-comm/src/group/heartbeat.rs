@@ -1,0 +1,492 @@
+//! Liveness: every rank publishes a heartbeat in the store — a beat counter, the last collective
+//! it completed, the one it is in, its host — and watches everyone else's. A rank that waits in a
+//! collective longer than the stall bound while another rank is silent (dead, frozen) or alive
+//! but not in this collective and not progressing, aborts its collective with an error naming
+//! that rank, its host and the last collective it completed: long before the collective timeout.
+//!
+//! The heartbeat is a service of the process group: the group starts it once the TCP
+//! communicator is connected, and hands it to the communicator as its [`PeerWatch`].
+//!
+//! The watcher uses its own store connection (an auxiliary one, not a membership claim) and its
+//! own thread, so it beats while the rank computes. Times are taken on this machine's clock
+//! only (when a peer's heartbeat last *changed*), so clocks need not agree across nodes.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::comm::tcp::LinkStopper;
+use crate::comm::{PeerWatch, Verdict};
+use crate::config::{JobToken, MasterAddr, Timeouts};
+use crate::store::auth::Purpose;
+
+use crate::group::{AbortRecord, CollectiveSeq, Rank, WorldSize};
+use crate::store::StoreClient;
+
+/// What this rank is doing, shared between the collectives and the watcher.
+#[derive(Debug)]
+pub(crate) struct Progress {
+    /// The collective in progress (0: none).
+    pub(crate) entered: AtomicU64,
+    /// The last collective completed.
+    pub(crate) completed: AtomicU64,
+    /// When the collective in progress began.
+    since: Mutex<Instant>,
+    /// Waits on the peers outside the host collectives (NCCL work) in progress, and when the
+    /// first of them began.
+    outside: Mutex<(u32, Instant)>,
+}
+
+/// What this rank is waiting for, as the watcher judges it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// Host collective `#seq`, for this long.
+    Collective(u64, Duration),
+    /// Work shared with the peers outside the host collectives (NCCL), for this long.
+    Outside(Duration),
+}
+
+impl Progress {
+    pub(crate) fn new() -> Self {
+        Self {
+            entered: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            since: Mutex::new(Instant::now()),
+            outside: Mutex::new((0, Instant::now())),
+        }
+    }
+
+    pub(crate) fn enter(&self, seq: CollectiveSeq) {
+        *self.since.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        self.entered.store(seq.0, Ordering::SeqCst);
+    }
+
+    pub(crate) fn leave(&self, seq: CollectiveSeq, ok: bool) {
+        if ok {
+            self.completed.store(seq.0, Ordering::SeqCst);
+        }
+        self.entered.store(0, Ordering::SeqCst);
+    }
+
+    /// This rank starts waiting on its peers outside the host collectives.
+    pub(crate) fn enter_outside(&self) {
+        let mut o = self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        if o.0 == 0 {
+            o.1 = Instant::now();
+        }
+        o.0 += 1;
+    }
+
+    /// The end of a wait begun with [`Progress::enter_outside`].
+    pub(crate) fn leave_outside(&self) {
+        let mut o = self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        o.0 = o.0.saturating_sub(1);
+    }
+
+    fn waiting(&self) -> Option<Waiting> {
+        let seq = self.entered.load(Ordering::SeqCst);
+        if seq != 0 {
+            let since = *self.since.lock().unwrap_or_else(|p| p.into_inner());
+            return Some(Waiting::Collective(seq, since.elapsed()));
+        }
+        let o = *self.outside.lock().unwrap_or_else(|p| p.into_inner());
+        (o.0 > 0).then(|| Waiting::Outside(o.1.elapsed()))
+    }
+}
+
+/// One peer's heartbeat as last read, when it last changed (it beats) and when its progress
+/// last changed (it completed or entered a collective), on our clock.
+#[derive(Debug)]
+struct Seen {
+    value: Beat,
+    changed: Instant,
+    moved: Instant,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Beat {
+    beat: u64,
+    completed: u64,
+    entered: u64,
+    host: String,
+}
+
+impl Beat {
+    fn encode(&self) -> Vec<u8> {
+        format!(
+            "{} {} {} {}",
+            self.beat, self.completed, self.entered, self.host
+        )
+        .into_bytes()
+    }
+
+    /// Parses a heartbeat; `None` for anything malformed (it came over the network).
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut it = text.splitn(4, ' ');
+        Some(Self {
+            beat: it.next()?.parse().ok()?,
+            completed: it.next()?.parse().ok()?,
+            entered: it.next()?.parse().ok()?,
+            host: it.next().unwrap_or("?").chars().take(256).collect(),
+        })
+    }
+}
+
+/// For the fuzz target: decode, and re-encode what decodes.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_decode(data: &[u8]) {
+    if let Some(b) = Beat::decode(data) {
+        assert_eq!(Beat::decode(&b.encode()), Some(b), "heartbeat round trip");
+    }
+}
+
+pub(crate) fn key(rank: Rank) -> String {
+    format!("heartbeat/{rank}")
+}
+
+/// This machine's host name, for error messages.
+pub(crate) fn host_name() -> String {
+    let name = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    if name.is_empty() {
+        String::from("?")
+    } else {
+        name
+    }
+}
+
+/// The bounds of the watcher.
+#[derive(Debug, Clone, Copy)]
+struct Bounds {
+    /// A peer whose heartbeat does not change for this long is dead or frozen.
+    silence: Duration,
+    /// A collective that waited this long on a live peer that is elsewhere, not progressing.
+    stall: Duration,
+}
+
+/// A rank's heartbeat: what it is doing ([`Progress`]) and the thread that publishes it and
+/// watches the other ranks. Stops when dropped.
+#[derive(Debug)]
+pub(crate) struct Heartbeat {
+    progress: Arc<Progress>,
+    watcher: Watcher,
+}
+
+impl Heartbeat {
+    /// Starts the heartbeat of `rank` on its own store connection to `store`'s server. A
+    /// verdict stops the communicator's collectives through `stopper`. `None` (with a warning)
+    /// when that connection cannot be opened: failures of other ranks are then detected by the
+    /// collective timeout only.
+    pub(crate) fn start(
+        store: &StoreClient,
+        rank: Rank,
+        world: WorldSize,
+        token: &JobToken,
+        timeouts: Timeouts,
+        deadline: Instant,
+        stopper: LinkStopper,
+    ) -> Option<Self> {
+        let master = MasterAddr::new(store.addr().ip().to_string(), store.addr().port());
+        match StoreClient::connect(
+            &master,
+            Purpose::StoreAux,
+            rank,
+            world,
+            token,
+            timeouts.heartbeat,
+            deadline,
+        ) {
+            Ok(aux) => {
+                let progress = Arc::new(Progress::new());
+                let bounds = Bounds {
+                    silence: timeouts.heartbeat,
+                    stall: timeouts.stall,
+                };
+                let watcher =
+                    Watcher::start(aux, rank, world, bounds, Arc::clone(&progress), stopper);
+                Some(Self { progress, watcher })
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "[rank {rank}] no heartbeat (its store connection failed: {e}); failures \
+                     of other ranks are detected by the collective timeout only"
+                );
+                None
+            }
+        }
+    }
+
+    /// What this rank is doing, as the heartbeat publishes and judges it.
+    pub(crate) fn progress(&self) -> Arc<Progress> {
+        Arc::clone(&self.progress)
+    }
+}
+
+impl PeerWatch for Heartbeat {
+    fn enter(&self, seq: CollectiveSeq) {
+        self.progress.enter(seq);
+    }
+
+    fn leave(&self, seq: CollectiveSeq, ok: bool) {
+        self.progress.leave(seq, ok);
+    }
+
+    fn verdict(&self) -> Option<Verdict> {
+        self.watcher.verdict()
+    }
+}
+
+impl Bounds {
+    fn interval(&self) -> Duration {
+        (self.silence.min(self.stall) / 5).clamp(Duration::from_millis(50), Duration::from_secs(2))
+    }
+}
+
+/// The watcher thread; stops when dropped.
+#[derive(Debug)]
+struct Watcher {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+    verdict: Arc<Mutex<Option<Verdict>>>,
+}
+
+impl Watcher {
+    /// Starts beating and watching. `stopper` is the communicator's: a verdict stops its
+    /// collectives, which ends the one in progress at once.
+    fn start(
+        store: StoreClient,
+        rank: Rank,
+        world: WorldSize,
+        bounds: Bounds,
+        progress: Arc<Progress>,
+        stopper: LinkStopper,
+    ) -> Self {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let verdict = Arc::new(Mutex::new(None));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            let verdict = Arc::clone(&verdict);
+            std::thread::Builder::new()
+                .name(format!("burn-ddp-heartbeat-{rank}"))
+                .spawn(move || {
+                    let mut watch = Watch {
+                        store,
+                        rank,
+                        world,
+                        bounds,
+                        progress,
+                        host: host_name(),
+                        beat: 0,
+                        seen: HashMap::new(),
+                        store_ok: Instant::now(),
+                    };
+                    let (lock, cv) = &*stop;
+                    loop {
+                        if let Some(v) = watch.tick() {
+                            tracing::error!(
+                                "[rank {rank}] rank {} ({}) {}; aborting the collective",
+                                v.culprit,
+                                v.host,
+                                v.what
+                            );
+                            // Published before the links close, so that the ranks that see
+                            // them close find the culprit in the store, not this rank.
+                            let _ = watch.store.abort(AbortRecord {
+                                reporter: rank,
+                                culprit: Some(v.culprit),
+                                collective: None,
+                                reason: format!(
+                                    "rank {} (host {}) {}; its last completed collective was #{}",
+                                    v.culprit, v.host, v.what, v.last_completed.0
+                                ),
+                            });
+                            *verdict.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+                            stopper.stop();
+                            return;
+                        }
+                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                        let (guard, _) = cv
+                            .wait_timeout_while(guard, bounds.interval(), |stopped| !*stopped)
+                            .unwrap_or_else(|p| p.into_inner());
+                        if *guard {
+                            return;
+                        }
+                    }
+                })
+                .ok()
+        };
+        Self {
+            stop,
+            thread,
+            verdict,
+        }
+    }
+
+    fn verdict(&self) -> Option<Verdict> {
+        self.verdict
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.stop;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Watch {
+    store: StoreClient,
+    rank: Rank,
+    world: WorldSize,
+    bounds: Bounds,
+    progress: Arc<Progress>,
+    host: String,
+    beat: u64,
+    seen: HashMap<Rank, Seen>,
+    /// When the store last answered.
+    store_ok: Instant,
+}
+
+impl Watch {
+    fn tick(&mut self) -> Option<Verdict> {
+        self.beat += 1;
+        let mine = Beat {
+            beat: self.beat,
+            completed: self.progress.completed.load(Ordering::SeqCst),
+            entered: self.progress.entered.load(Ordering::SeqCst),
+            host: self.host.clone(),
+        };
+        let now = Instant::now();
+        if self.store.set(&key(self.rank), &mine.encode()).is_ok() {
+            self.store_ok = now;
+        }
+        for r in self.world.ranks().filter(|r| *r != self.rank) {
+            let Ok(bytes) = self.store.get_timeout(&key(r), Duration::from_millis(1)) else {
+                continue; // not published yet, or the store is busy: judged below
+            };
+            let Some(beat) = Beat::decode(&bytes) else {
+                continue;
+            };
+            match self.seen.get_mut(&r) {
+                Some(s) if s.value == beat => {}
+                Some(s) => {
+                    if (s.value.completed, s.value.entered) != (beat.completed, beat.entered) {
+                        s.moved = now;
+                    }
+                    s.value = beat;
+                    s.changed = now;
+                }
+                None => {
+                    self.seen.insert(
+                        r,
+                        Seen {
+                            value: beat,
+                            changed: now,
+                            moved: now,
+                        },
+                    );
+                }
+            }
+        }
+        let waiting = self.progress.waiting()?;
+        self.judge(waiting, now)
+    }
+
+    /// While this rank waits (in a host collective, or on work outside them): who is to
+    /// blame, if anyone yet. Outside the host collectives there is no sequence number to
+    /// compare, so only silence (a dead or frozen rank, or rank 0's store gone) is judged.
+    fn judge(&self, waiting: Waiting, now: Instant) -> Option<Verdict> {
+        let (seq, waited) = match waiting {
+            Waiting::Collective(seq, waited) => (Some(seq), waited),
+            Waiting::Outside(waited) => (None, waited),
+        };
+        let during = || match seq {
+            Some(seq) => format!("in collective #{seq}"),
+            None => "for work shared with it outside the host collectives (NCCL)".to_string(),
+        };
+        // Rank 0 serves the store: a store that stopped answering is rank 0 gone.
+        if self.rank != Rank(0) && now.duration_since(self.store_ok) > self.bounds.silence {
+            let s = self.seen.get(&Rank(0));
+            return Some(Verdict {
+                culprit: Rank(0),
+                host: s.map_or_else(|| "?".into(), |s| s.value.host.clone()),
+                last_completed: CollectiveSeq(s.map_or(0, |s| s.value.completed)),
+                what: format!(
+                    "stopped answering (its store has not replied for {:.0?})",
+                    now.duration_since(self.store_ok)
+                ),
+            });
+        }
+        for (r, s) in &self.seen {
+            let quiet = now.duration_since(s.changed);
+            if quiet > self.bounds.silence && waited > self.bounds.silence {
+                return Some(Verdict {
+                    culprit: *r,
+                    host: s.value.host.clone(),
+                    last_completed: CollectiveSeq(s.value.completed),
+                    what: format!(
+                        "sent no heartbeat for {quiet:.0?} (dead or frozen) while this rank \
+                         waited {}",
+                        during()
+                    ),
+                });
+            }
+            let Some(seq) = seq else {
+                continue;
+            };
+            let elsewhere = s.value.entered != seq && s.value.completed < seq;
+            let still = now.duration_since(s.moved);
+            if elsewhere && waited > self.bounds.stall && still > self.bounds.stall {
+                return Some(Verdict {
+                    culprit: *r,
+                    host: s.value.host.clone(),
+                    last_completed: CollectiveSeq(s.value.completed),
+                    what: format!(
+                        "is alive but has not reached collective #{seq} for {waited:.0?} (it is \
+                         stuck outside the collectives, or called a different number of them)"
+                    ),
+                });
+            }
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn heartbeats_round_trip() {
+        let b = Beat {
+            beat: 7,
+            completed: 41,
+            entered: 42,
+            host: "node 3".into(),
+        };
+        assert_eq!(Beat::decode(&b.encode()), Some(b));
+        assert_eq!(Beat::decode(b"x 1 2 h"), None);
+        assert_eq!(Beat::decode(b"1 2"), None);
+    }
+
+    proptest! {
+        /// Heartbeats come from the network: anything decodes or is refused, never panics.
+        #[test]
+        fn decoding_arbitrary_heartbeats_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..128)) {
+            let _ = Beat::decode(&bytes);
+        }
+    }
+}

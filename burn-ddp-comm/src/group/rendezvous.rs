@@ -1,0 +1,110 @@
+//! Joining a job: rank 0 serves the store, every rank connects to it, waits until all ranks have
+//! joined, then opens the transport.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{AbortRecord, Rank, RankList};
+use crate::config::GroupConfig;
+use crate::store::auth::Purpose;
+use crate::store::{protocol, resolve_bind, StoreClient, StoreServer, WaitOutcome};
+use crate::{DdpError, Result};
+
+/// The store side of a joined job.
+#[derive(Debug)]
+pub(crate) struct Joined {
+    pub client: Arc<StoreClient>,
+    pub server: Option<StoreServer>,
+}
+
+/// Publishes `err` as the job's abort record (best effort: the first record wins).
+pub(crate) fn publish(client: &StoreClient, rank: Rank, culprit: Option<Rank>, err: &DdpError) {
+    let record = AbortRecord {
+        reporter: rank,
+        culprit,
+        collective: None,
+        reason: err.to_string(),
+    };
+    if let Err(e) = client.abort(record) {
+        tracing::debug!("[rank {rank}] could not publish the failure: {e}");
+    }
+}
+
+/// Serves (rank 0) and joins the store, then waits for every rank.
+///
+/// # Errors
+/// `PortInUse`/`StoreBind` on rank 0; `MasterUnreachable`, `TokenMismatch`, `ProtocolMismatch`,
+/// `WorldSizeMismatch`, `DuplicateRank`; `RendezvousTimeout` naming the ranks that never came;
+/// `JobAborted` when another rank's misconfiguration ended the rendezvous.
+pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
+    let started = Instant::now();
+    let server = if cfg.rank.is_zero() {
+        let addr = resolve_bind(&cfg.master, cfg.rank)?;
+        Some(StoreServer::bind(
+            addr,
+            cfg.rank,
+            cfg.world_size,
+            cfg.token.clone(),
+        )?)
+    } else {
+        None
+    };
+    let client = StoreClient::connect(
+        &cfg.master,
+        Purpose::Store,
+        cfg.rank,
+        cfg.world_size,
+        &cfg.token,
+        cfg.timeouts.store,
+        deadline,
+    )?;
+    let keys: Vec<String> = cfg.world_size.ranks().map(protocol::joined_key).collect();
+    let left = deadline.saturating_duration_since(Instant::now());
+    match client.wait(&keys, left)? {
+        WaitOutcome::Ready => {}
+        WaitOutcome::Missing(missing) => {
+            let missing: Vec<Rank> = cfg
+                .world_size
+                .ranks()
+                .filter(|r| missing.contains(&protocol::joined_key(*r)))
+                .collect();
+            let refusals = client.refusals().unwrap_or_default();
+            let refused_note = if refusals.is_empty() {
+                String::new()
+            } else {
+                let list: Vec<String> = refusals
+                    .iter()
+                    .map(|(addr, why)| format!("{addr}: {why}"))
+                    .collect();
+                format!(
+                    "; the store refused {} connection(s) ({})",
+                    refusals.len(),
+                    list.join("; ")
+                )
+            };
+            let culprit = missing.first().copied();
+            let err = DdpError::RendezvousTimeout {
+                rank: cfg.rank,
+                addr: cfg.master.to_string(),
+                waited: started.elapsed(),
+                joined: cfg.world_size.as_usize() - missing.len(),
+                world: cfg.world_size,
+                missing: RankList(missing),
+                refused_note,
+            };
+            // The ranks still waiting learn why at once (and rank 0's store may be about to go).
+            publish(&client, cfg.rank, culprit, &err);
+            return Err(err);
+        }
+    }
+    tracing::debug!(
+        "[rank {}] joined the job at {} ({} ranks)",
+        cfg.rank,
+        cfg.master,
+        cfg.world_size
+    );
+    Ok(Joined {
+        client: Arc::new(client),
+        server,
+    })
+}

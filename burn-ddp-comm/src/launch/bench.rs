@@ -1,0 +1,595 @@
+//! `burn-ddp bench all-reduce`: bus bandwidth of the host transport, in the format of nccl-tests,
+//! next to the single-stream TCP throughput measured between the same processes in the same run.
+//!
+//! Run standalone, it starts `--nproc` local ranks; run under a launcher (`RANK` set), it is one
+//! rank of that job, so the same command measures a multi-node job.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+
+use crate::comm::memory::huge_filled;
+use crate::comm::{Element, ReduceOp};
+use crate::store::auth::{self, Purpose};
+use crate::{DdpError, ProcessGroup, Result};
+
+/// Options of the all-reduce sweep.
+#[derive(Debug, Clone)]
+pub struct AllReduceBench {
+    /// Smallest message, bytes.
+    pub min_bytes: usize,
+    /// Largest message, bytes.
+    pub max_bytes: usize,
+    /// Size multiplier between steps.
+    pub step_factor: usize,
+    /// Element type.
+    pub dtype: BenchDType,
+    /// Reduce operation.
+    pub op: ReduceOp,
+    /// Target measuring time per size; iterations adapt to it.
+    pub target: Duration,
+    /// Skip the single-stream TCP measurement.
+    pub skip_loopback: bool,
+    /// Measure NCCL on each rank's GPU instead of the process group's transport (`cuda`
+    /// feature).
+    pub nccl: bool,
+}
+
+impl Default for AllReduceBench {
+    fn default() -> Self {
+        Self {
+            min_bytes: 1 << 10,
+            max_bytes: 256 << 20,
+            step_factor: 2,
+            dtype: BenchDType::F32,
+            op: ReduceOp::Sum,
+            target: Duration::from_millis(400),
+            skip_loopback: false,
+            nccl: false,
+        }
+    }
+}
+
+/// Element types the bandwidth tool can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchDType {
+    /// f32
+    F32,
+    /// f64
+    F64,
+    /// f16
+    F16,
+    /// bf16
+    BF16,
+    /// i32
+    I32,
+    /// i64
+    I64,
+}
+
+/// One line of the result table.
+#[derive(Debug, Clone, Copy)]
+pub struct BenchRow {
+    /// Message size in bytes.
+    pub bytes: usize,
+    /// Elements.
+    pub count: usize,
+    /// Seconds per all-reduce (slowest rank).
+    pub seconds: f64,
+    /// Bytes / time, GB/s.
+    pub algbw: f64,
+    /// algbw * 2(n-1)/n, GB/s.
+    pub busbw: f64,
+    /// Elements that differed from the expected result, over all ranks.
+    pub wrong: u64,
+}
+
+trait BenchElem: Element + Copy {
+    fn from_i32(v: i32) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! bench_elem {
+    ($($t:ty => $from:expr, $to:expr;)*) => {$(
+        impl BenchElem for $t {
+            fn from_i32(v: i32) -> Self { ($from)(v) }
+            fn to_f64(self) -> f64 { ($to)(self) }
+        }
+    )*};
+}
+
+bench_elem! {
+    f32 => |v: i32| v as f32, |x: f32| x as f64;
+    f64 => |v: i32| v as f64, |x: f64| x;
+    f16 => |v: i32| f16::from_f32(v as f32), |x: f16| x.to_f64();
+    bf16 => |v: i32| bf16::from_f32(v as f32), |x: bf16| x.to_f64();
+    i32 => |v: i32| v, |x: i32| x as f64;
+    i64 => |v: i32| v as i64, |x: i64| x as f64;
+}
+
+/// The value rank `r` contributes at index `i`, and the expected result of the reduction.
+fn pattern(r: u32, i: usize) -> i32 {
+    (r as i32 + 1) * ((i % 7) as i32 + 1)
+}
+
+fn expected(op: ReduceOp, world: u32, i: usize, integer: bool) -> f64 {
+    let base = ((i % 7) + 1) as f64;
+    let w = world as f64;
+    match op {
+        ReduceOp::Sum => base * w * (w + 1.0) / 2.0,
+        ReduceOp::Mean => {
+            let sum = base * w * (w + 1.0) / 2.0;
+            if integer {
+                (sum / w).trunc()
+            } else {
+                sum / w
+            }
+        }
+        ReduceOp::Max => base * w,
+        ReduceOp::Min => base,
+    }
+}
+
+fn sizes(opts: &AllReduceBench, elem: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut s = opts.min_bytes.max(elem);
+    while s <= opts.max_bytes {
+        out.push(s / elem * elem);
+        s = s.saturating_mul(opts.step_factor.max(2));
+    }
+    out
+}
+
+fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<BenchRow>> {
+    let elem = std::mem::size_of::<T>();
+    let max_count = opts.max_bytes / elem;
+    // Touch every page before timing anything.
+    let mut buf: Vec<T> = huge_filled(max_count, T::from_i32(1));
+    let mut rows = Vec::new();
+    for bytes in sizes(opts, elem) {
+        let count = bytes / elem;
+        let slice = &mut buf[..count];
+        // Warm up and estimate; every rank must run the same number of iterations.
+        for _ in 0..2 {
+            pg.all_reduce(slice, opts.op)?;
+        }
+        let t = Instant::now();
+        pg.all_reduce(slice, opts.op)?;
+        let mut est = [t.elapsed().as_secs_f64()];
+        pg.all_reduce(&mut est, ReduceOp::Max)?;
+        let iters = (opts.target.as_secs_f64() / est[0].max(1e-7)).clamp(3.0, 500.0) as usize;
+
+        for (i, x) in slice.iter_mut().enumerate() {
+            *x = T::from_i32(pattern(pg.rank().0, i));
+        }
+        pg.barrier()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            pg.all_reduce(slice, opts.op)?;
+        }
+        let mut secs = [t.elapsed().as_secs_f64() / iters as f64];
+        pg.all_reduce(&mut secs, ReduceOp::Max)?;
+
+        // Correctness on fresh data.
+        for (i, x) in slice.iter_mut().enumerate() {
+            *x = T::from_i32(pattern(pg.rank().0, i));
+        }
+        pg.all_reduce(slice, opts.op)?;
+        rows.push(row(pg, opts, bytes, secs[0], slice)?);
+    }
+    Ok(rows)
+}
+
+/// Prints the table's footer (nccl-tests' wrong-value count and average bus bandwidth) and
+/// returns the number of wrong values.
+fn print_summary(rows: &[BenchRow]) -> u64 {
+    let wrong: u64 = rows.iter().map(|r| r.wrong).sum();
+    let avg = rows.iter().map(|r| r.busbw).sum::<f64>() / rows.len().max(1) as f64;
+    println!(
+        "# Out of bounds values : {wrong} {}",
+        if wrong == 0 { "OK" } else { "FAILED" }
+    );
+    println!("# Avg bus bandwidth    : {avg:.3} GB/s");
+    wrong
+}
+
+/// The table row of one size: counts wrong results on every rank (`result` holds this rank's
+/// reduced values), prints it on rank 0.
+fn row<T: BenchElem>(
+    pg: &ProcessGroup,
+    opts: &AllReduceBench,
+    bytes: usize,
+    seconds: f64,
+    result: &[T],
+) -> Result<BenchRow> {
+    let world = pg.world_size().get();
+    let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
+    let mut wrong = [result
+        .iter()
+        .enumerate()
+        .filter(|(i, x)| x.to_f64() != expected(opts.op, world, *i, integer))
+        .count() as i64];
+    pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+    let algbw = bytes as f64 / seconds / 1e9;
+    let r = BenchRow {
+        bytes,
+        count: result.len(),
+        seconds,
+        algbw,
+        busbw: algbw * 2.0 * (world as f64 - 1.0) / world as f64,
+        wrong: wrong[0].max(0) as u64,
+    };
+    if pg.is_main() {
+        print_row(Some(r), opts);
+    }
+    Ok(r)
+}
+
+/// The sweep over NCCL: buffers on each rank's GPU, `iters` all-reduces queued back to back and
+/// waited for once (as nccl-tests does), results checked on the host afterwards.
+#[cfg(feature = "cuda")]
+fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
+    let comm = crate::cuda::NcclComm::new(pg)?;
+    if pg.is_main() {
+        println!(
+            "# burn-ddp bench all-reduce: {} ranks, NCCL {} on GPU {} (rank 0), {} {}, in place",
+            pg.world_size(),
+            comm.version(),
+            comm.context().ordinal(),
+            dtype_name(opts.dtype),
+            opts.op
+        );
+        println!("#");
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>10} {:>8} {:>8} {:>7}",
+            "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"
+        );
+    }
+    let rows = match opts.dtype {
+        BenchDType::F32 => sweep_nccl::<f32>(pg, &comm, opts),
+        BenchDType::F64 => sweep_nccl::<f64>(pg, &comm, opts),
+        BenchDType::F16 => sweep_nccl::<f16>(pg, &comm, opts),
+        BenchDType::BF16 => sweep_nccl::<bf16>(pg, &comm, opts),
+        BenchDType::I32 => sweep_nccl::<i32>(pg, &comm, opts),
+        BenchDType::I64 => sweep_nccl::<i64>(pg, &comm, opts),
+    }?;
+    if pg.is_main() {
+        let wrong = print_summary(&rows);
+        if wrong > 0 {
+            return Err(DdpError::WrongResults { wrong });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> Result<()> {
+    Err(DdpError::NcclUnavailable {
+        detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with \
+                         `--features cuda` to measure NCCL"
+            .into(),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
+    pg: &ProcessGroup,
+    comm: &crate::cuda::NcclComm,
+    opts: &AllReduceBench,
+) -> Result<Vec<BenchRow>> {
+    use cudarc::driver::DevicePtrMut;
+
+    let elem = std::mem::size_of::<T>();
+    let rank = pg.rank();
+    let cuda = |what: &str, e| crate::cuda::driver_error_for(rank, what, e);
+    let max_count = opts.max_bytes / elem;
+    let host: Vec<T> = (0..max_count)
+        .map(|i| T::from_i32(pattern(rank.0, i)))
+        .collect();
+    let mut dev = comm
+        .stream()
+        .clone_htod(&host)
+        .map_err(|e| cuda("copying the benchmark buffer to the GPU", e))?;
+    let mut rows = Vec::new();
+    for bytes in sizes(opts, elem) {
+        let count = bytes / elem;
+        let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
+        let run = |n: usize| -> Result<f64> {
+            let t = Instant::now();
+            for _ in 0..n {
+                // SAFETY: `ptr` is `dev`'s allocation of `max_count` >= `count` elements on the
+                // communicator's GPU, alive until the end of this loop body; `wait` below
+                // completes the work before anything reads it.
+                unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
+            }
+            comm.wait()?;
+            Ok(t.elapsed().as_secs_f64())
+        };
+        run(2)?;
+        let mut est = [run(1)?];
+        pg.all_reduce(&mut est, ReduceOp::Max)?;
+        let iters = (opts.target.as_secs_f64() / est[0].max(1e-7)).clamp(3.0, 500.0) as usize;
+        pg.barrier()?;
+        let mut secs = [run(iters)? / iters as f64];
+        pg.all_reduce(&mut secs, ReduceOp::Max)?;
+        drop(_sync);
+
+        // Correctness on fresh data.
+        comm.stream()
+            .memcpy_htod(&host, &mut dev)
+            .map_err(|e| cuda("resetting the benchmark buffer", e))?;
+        {
+            let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
+            // SAFETY: as above.
+            unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
+        }
+        comm.wait()?;
+        let back: Vec<T> = comm
+            .stream()
+            .clone_dtoh(&dev)
+            .map_err(|e| cuda("reading the result", e))?;
+        rows.push(row(pg, opts, bytes, secs[0], &back[..count])?);
+        comm.stream()
+            .memcpy_htod(&host, &mut dev)
+            .map_err(|e| cuda("resetting the benchmark buffer", e))?;
+    }
+    Ok(rows)
+}
+
+fn dtype_name(d: BenchDType) -> &'static str {
+    match d {
+        BenchDType::F32 => "float",
+        BenchDType::F64 => "double",
+        BenchDType::F16 => "half",
+        BenchDType::BF16 => "bfloat16",
+        BenchDType::I32 => "int32",
+        BenchDType::I64 => "int64",
+    }
+}
+
+fn print_row(row: Option<BenchRow>, opts: &AllReduceBench) {
+    if let Some(r) = row {
+        println!(
+            "{:>12} {:>12} {:>8} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>7}",
+            r.bytes,
+            r.count,
+            dtype_name(opts.dtype),
+            opts.op.name(),
+            r.seconds * 1e6,
+            r.algbw,
+            r.busbw,
+            r.wrong
+        );
+    }
+}
+
+/// One TCP connection from rank 0 to rank 1, set up and authenticated like a transport link,
+/// used to measure what a single stream achieves between the same two processes.
+struct StreamLink {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    sender: bool,
+}
+
+const CACHED_CHUNK: usize = 1 << 20;
+
+impl StreamLink {
+    /// Opens the link on ranks 0 and 1 (`None` elsewhere).
+    fn open(pg: &ProcessGroup, message_bytes: usize) -> Result<Option<Self>> {
+        let Some(store) = pg.store_client() else {
+            return Ok(None);
+        };
+        let rank = pg.rank();
+        let deadline = Instant::now() + pg.timeouts().rendezvous;
+        let token = pg.token();
+        let stream = match rank.0 {
+            1 => {
+                let ip = store.local_addr()?.ip();
+                let listener = TcpListener::bind(SocketAddr::new(ip, 0))?;
+                store.set(
+                    "bench/stream",
+                    listener.local_addr()?.to_string().as_bytes(),
+                )?;
+                let (mut s, _) = listener.accept()?;
+                auth::server_handshake(&mut s, &[Purpose::Bench], token, deadline).map_err(
+                    |e| DdpError::StoreRefused {
+                        rank,
+                        reason: format!("bench link handshake failed: {e}"),
+                    },
+                )?;
+                auth::welcome(&mut s)?;
+                s
+            }
+            0 => {
+                let raw = store.get("bench/stream")?;
+                let addr: SocketAddr =
+                    String::from_utf8_lossy(&raw)
+                        .parse()
+                        .map_err(|_| DdpError::StoreRefused {
+                            rank,
+                            reason: "rank 1 published an invalid bench address".into(),
+                        })?;
+                let mut s = TcpStream::connect(addr)?;
+                auth::client_handshake(
+                    &mut s,
+                    Purpose::Bench,
+                    token,
+                    rank,
+                    pg.world_size(),
+                    deadline,
+                )?;
+                s
+            }
+            _ => return Ok(None),
+        };
+        stream.set_nodelay(true)?;
+        Ok(Some(Self {
+            stream,
+            buf: huge_filled(message_bytes, 1u8),
+            sender: rank.is_zero(),
+        }))
+    }
+
+    /// Moves one whole message from rank 0's buffer into rank 1's; rank 0 returns the seconds.
+    fn transfer(&mut self) -> Result<Option<f64>> {
+        let mut ack = [0u8; 1];
+        if self.sender {
+            let t = Instant::now();
+            self.stream.write_all(&self.buf)?;
+            self.stream.read_exact(&mut ack)?;
+            Ok(Some(t.elapsed().as_secs_f64()))
+        } else {
+            self.stream.read_exact(&mut self.buf)?;
+            self.stream.write_all(&ack)?;
+            Ok(None)
+        }
+    }
+
+    /// iperf-style: resends one cache-resident 1 MiB chunk `total` bytes' worth; GB/s on rank 0.
+    fn cached(&mut self, total: usize) -> Result<Option<f64>> {
+        let mut ack = [0u8; 1];
+        if self.sender {
+            let t = Instant::now();
+            let mut left = total;
+            while left > 0 {
+                let n = CACHED_CHUNK.min(left).min(self.buf.len());
+                self.stream.write_all(&self.buf[..n])?;
+                left -= n;
+            }
+            self.stream.read_exact(&mut ack)?;
+            Ok(Some(total as f64 / t.elapsed().as_secs_f64() / 1e9))
+        } else {
+            let mut left = total;
+            let chunk = CACHED_CHUNK.min(self.buf.len());
+            while left > 0 {
+                let n = self.stream.read(&mut self.buf[..chunk.min(left)])?;
+                if n == 0 {
+                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                }
+                left -= n;
+            }
+            self.stream.write_all(&ack)?;
+            Ok(None)
+        }
+    }
+}
+
+/// The reference message size for the comparison with a single stream.
+const REFERENCE: usize = 64 << 20;
+/// Interleaved rounds of the comparison.
+const ROUNDS: usize = 9;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Alternates one single-stream transfer and one all-reduce of the same size, `ROUNDS` times,
+/// so that both see the same machine conditions; returns (stream GB/s, all-reduce busbw GB/s)
+/// medians on rank 0.
+fn compare<T: BenchElem>(
+    pg: &ProcessGroup,
+    link: &mut Option<StreamLink>,
+    bytes: usize,
+) -> Result<Option<(f64, f64)>> {
+    let count = bytes / std::mem::size_of::<T>();
+    let world = pg.world_size().get() as f64;
+    let mut buf: Vec<T> = huge_filled(count, T::from_i32(1));
+    let mut stream = Vec::new();
+    let mut ring = Vec::new();
+    pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+    for _ in 0..ROUNDS {
+        if let Some(l) = link.as_mut() {
+            if let Some(s) = l.transfer()? {
+                stream.push(bytes as f64 / s / 1e9);
+            }
+        }
+        pg.barrier()?;
+        let t = Instant::now();
+        pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+        let mut secs = [t.elapsed().as_secs_f64()];
+        pg.all_reduce(&mut secs, ReduceOp::Max)?;
+        ring.push(bytes as f64 / secs[0] / 1e9 * 2.0 * (world - 1.0) / world);
+    }
+    Ok((!stream.is_empty()).then(|| (median(stream), median(ring))))
+}
+
+/// Runs the benchmark as one rank of the job in the environment and prints the table on rank 0.
+///
+/// # Errors
+/// Any collective or setup error.
+pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
+    let pg = ProcessGroup::from_env()?;
+    if opts.nccl {
+        return run_nccl(&pg, opts);
+    }
+    let world = pg.world_size();
+    let reference = REFERENCE.min(opts.max_bytes);
+    let mut link = if world.get() >= 2 && !opts.skip_loopback {
+        StreamLink::open(&pg, reference)?
+    } else {
+        None
+    };
+    let cached = match link.as_mut() {
+        Some(l) => l.cached(reference.max(256 << 20))?,
+        None => None,
+    };
+    pg.barrier()?;
+    if pg.is_main() {
+        println!(
+            "# burn-ddp bench all-reduce: {} ranks, {} transport, {} {}, in place",
+            world,
+            pg.transport(),
+            dtype_name(opts.dtype),
+            opts.op
+        );
+        if let Some(c) = cached {
+            println!("# single TCP stream rank 0 -> rank 1, resending a cache-resident 1 MiB buffer (iperf-style): {c:.2} GB/s");
+        }
+        println!("#");
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>10} {:>8} {:>8} {:>7}",
+            "size", "count", "type", "redop", "time", "algbw", "busbw", "#wrong"
+        );
+        println!(
+            "# {:>10} {:>12} {:>8} {:>6} {:>10} {:>8} {:>8} {:>7}",
+            "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+    }
+    macro_rules! with_type {
+        ($f:ident $(, $arg:expr)*) => {
+            match opts.dtype {
+                BenchDType::F32 => $f::<f32>($($arg),*),
+                BenchDType::F64 => $f::<f64>($($arg),*),
+                BenchDType::F16 => $f::<f16>($($arg),*),
+                BenchDType::BF16 => $f::<bf16>($($arg),*),
+                BenchDType::I32 => $f::<i32>($($arg),*),
+                BenchDType::I64 => $f::<i64>($($arg),*),
+            }
+        };
+    }
+    let rows = with_type!(sweep, &pg, opts)?;
+    let comparison = if world.get() >= 2 && !opts.skip_loopback {
+        with_type!(compare, &pg, &mut link, reference)?
+    } else {
+        None
+    };
+    if pg.is_main() {
+        let wrong = print_summary(&rows);
+        if let Some((stream, ring)) = comparison {
+            println!("#");
+            println!(
+                "# {} MiB, {ROUNDS} interleaved rounds (medians): single TCP stream rank 0 -> rank 1 {stream:.3} GB/s, \
+                 all-reduce busbw {ring:.3} GB/s = {:.0}% of the single stream",
+                reference >> 20,
+                100.0 * ring / stream
+            );
+        }
+        if wrong > 0 {
+            return Err(DdpError::WrongResults { wrong });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,294 @@
+//! The `burn-ddp` command line: `run` (a torchrun-like launcher) and `bench all-reduce`.
+
+use std::ffi::OsString;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use super::bench::{AllReduceBench, BenchDType};
+use super::spawn::{self, LocalJob, Output};
+use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
+use crate::{DdpError, ReduceOp, Result};
+
+/// Distributed data parallel training for Burn.
+#[derive(Debug, Parser)]
+#[command(name = "burn-ddp", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a job's ranks on this node (like `torchrun --no-python`).
+    Run(RunArgs),
+    /// Measure the collectives' bandwidth (like nccl-tests).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// Options of `burn-ddp run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Processes to start on this node (one per GPU).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    nproc_per_node: u32,
+    /// Number of nodes in the job.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    nnodes: u32,
+    /// This node's index, 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// Address of node 0, where rank 0 serves the rendezvous store.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store.
+    #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
+    master_port: u16,
+    /// Single node: pick a free port on 127.0.0.1 (ignores --master-addr/--master-port).
+    #[arg(long)]
+    standalone: bool,
+    /// Job id shared by the launchers of every node; becomes the job token. Defaults to
+    /// BURN_DDP_JOB_TOKEN, or a fresh random token on a single node.
+    #[arg(long)]
+    rdzv_id: Option<String>,
+    /// Do not prefix output lines with `[rank N]`. (On a terminal, rank 0 writes to it
+    /// unprefixed anyway, so that Burn's dashboard can draw; the other ranks are prefixed.)
+    #[arg(long)]
+    no_prefix: bool,
+    /// Seconds the other ranks get to exit after one failed, before they are killed.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// Restart the whole group up to this many times after a rank fails (torchrun's
+    /// `--max-restarts`). Each attempt sees `BURN_DDP_RESTART_COUNT` and
+    /// `TORCHELASTIC_RESTART_COUNT`; `DdpStrategy` then resumes from the newest complete
+    /// checkpoint. With several nodes, every node's launcher must be given the same value.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    command: Vec<OsString>,
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// All-reduce bus bandwidth over message sizes, next to the single-stream TCP throughput.
+    AllReduce(BenchArgs),
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DTypeArg {
+    F32,
+    F64,
+    F16,
+    Bf16,
+    I32,
+    I64,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum OpArg {
+    Sum,
+    Mean,
+    Max,
+    Min,
+}
+
+/// Options of `burn-ddp bench all-reduce`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Local ranks to start (ignored when RANK is set: then this process is one rank of a job).
+    #[arg(long, short = 'n', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    nproc: u32,
+    /// Smallest message size (bytes; K, M, G suffixes).
+    #[arg(long, short = 'b', default_value = "1K", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Largest message size.
+    #[arg(long, short = 'e', default_value = "256M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Multiplier between sizes.
+    #[arg(long, short = 'f', default_value_t = 2)]
+    step_factor: usize,
+    /// Element type.
+    #[arg(long, short = 'd', value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// Reduce operation.
+    #[arg(long, short = 'o', value_enum, default_value = "sum")]
+    op: OpArg,
+    /// Milliseconds of measurement per size.
+    #[arg(long, default_value_t = 400)]
+    target_ms: u64,
+    /// Skip the single-stream TCP measurement.
+    #[arg(long)]
+    no_loopback: bool,
+    /// Transport to measure: the process group's (TCP between processes), or NCCL on each
+    /// rank's GPU (`LOCAL_RANK`; needs the `cuda` feature).
+    #[arg(long, value_enum, default_value = "host")]
+    transport: TransportArg,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TransportArg {
+    Host,
+    Nccl,
+}
+
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1usize << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (examples: 4096, 64K, 256M, 1G)"))
+}
+
+/// Entry point of the `burn-ddp` binary.
+pub fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Run(args) => run(args),
+        Command::Bench(BenchCommand::AllReduce(args)) => bench(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("burn-ddp: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logs to stderr, `warn` by default; `RUST_LOG` overrides.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+fn run(args: RunArgs) -> Result<ExitCode> {
+    if args.node_rank >= args.nnodes {
+        return Err(DdpError::InvalidConfig {
+            field: "--node-rank",
+            reason: "must be below --nnodes",
+        });
+    }
+    let (program, rest) = match args.command.split_first() {
+        Some((p, r)) => (p.clone(), r.to_vec()),
+        None => {
+            return Err(DdpError::InvalidConfig {
+                field: "command",
+                reason: "is required: burn-ddp run [OPTIONS] -- PROGRAM [ARGS]",
+            })
+        }
+    };
+    let master = if args.standalone {
+        MasterAddr::new("127.0.0.1", spawn::free_port()?)
+    } else {
+        MasterAddr::new(args.master_addr, args.master_port)
+    };
+    let token = match (args.rdzv_id, super::env::job_token()) {
+        (Some(id), _) => JobToken::new(format!("rdzv:{id}")),
+        (None, Some(t)) => JobToken::new(t),
+        _ if args.nnodes == 1 => JobToken::generate(),
+        _ => {
+            return Err(DdpError::MissingEnv {
+                var: super::env::JOB_TOKEN,
+                hint: "with --nnodes > 1 every node's launcher needs the same job token: pass --rdzv-id <ID> (or set BURN_DDP_JOB_TOKEN) on every node",
+            })
+        }
+    };
+    let mut job = LocalJob {
+        program: program.into(),
+        args: rest,
+        env: Vec::new(),
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master,
+        token,
+        output: if args.no_prefix {
+            Output::Inherit
+        } else {
+            Output::auto()
+        },
+        grace: Duration::from_secs_f64(args.grace.max(0.0)),
+        deadline: None,
+        stop: Some(spawn::stop_flag()?),
+    };
+    let base_env = job.env.clone();
+    let mut attempt = 0;
+    loop {
+        job.env = base_env.clone();
+        for var in [
+            super::env::RESTART_COUNT,
+            super::env::TORCHELASTIC_RESTART_COUNT,
+        ] {
+            job.env.push((var.into(), attempt.to_string().into()));
+        }
+        job.env.push((
+            "TORCHELASTIC_MAX_RESTARTS".into(),
+            args.max_restarts.to_string().into(),
+        ));
+        match spawn::run(&job)?.into_result() {
+            Ok(_) => return Ok(ExitCode::SUCCESS),
+            Err(DdpError::Interrupted) => return Err(DdpError::Interrupted),
+            Err(e) if attempt < args.max_restarts => {
+                eprintln!(
+                    "burn-ddp run: {e}; restarting the whole group (restart {} of {})",
+                    attempt + 1,
+                    args.max_restarts
+                );
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn bench(args: BenchArgs) -> Result<ExitCode> {
+    let opts = AllReduceBench {
+        min_bytes: args.min_bytes,
+        max_bytes: args.max_bytes,
+        step_factor: args.step_factor,
+        dtype: match args.dtype {
+            DTypeArg::F32 => BenchDType::F32,
+            DTypeArg::F64 => BenchDType::F64,
+            DTypeArg::F16 => BenchDType::F16,
+            DTypeArg::Bf16 => BenchDType::BF16,
+            DTypeArg::I32 => BenchDType::I32,
+            DTypeArg::I64 => BenchDType::I64,
+        },
+        op: match args.op {
+            OpArg::Sum => ReduceOp::Sum,
+            OpArg::Mean => ReduceOp::Mean,
+            OpArg::Max => ReduceOp::Max,
+            OpArg::Min => ReduceOp::Min,
+        },
+        target: Duration::from_millis(args.target_ms),
+        skip_loopback: args.no_loopback,
+        nccl: matches!(args.transport, TransportArg::Nccl),
+    };
+    if super::env::rank_is_set() {
+        super::bench::run_worker(&opts)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    // Standalone: start `nproc` ranks of this same command on this machine.
+    let exe = std::env::current_exe()?;
+    let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut job = LocalJob::standalone(exe, argv, args.nproc)?;
+    job.output = Output::Inherit;
+    job.stop = Some(spawn::stop_flag()?);
+    spawn::run(&job)?.into_result()?;
+    Ok(ExitCode::SUCCESS)
+}

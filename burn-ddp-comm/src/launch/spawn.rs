@@ -1,0 +1,416 @@
+//! Starting the ranks of one node as child processes and supervising them (the core of
+//! `burn-ddp run`, of the bandwidth tool and of the multi-process test harness).
+//!
+//! Each child gets the torchrun environment. The supervisor polls the children every
+//! 100 ms; the first one that fails gets named, and the others get SIGTERM, then SIGKILL after a
+//! grace period, so a job never outlives one of its ranks by more than the grace period.
+
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crate::config::env;
+use crate::config::{JobToken, MasterAddr};
+use crate::types::Rank;
+use crate::{DdpError, Result};
+
+/// Where the children's output goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// Children write to the launcher's stdout/stderr directly.
+    Inherit,
+    /// Each line is prefixed with `[rank N] ` (torchrun's `--tee` with a prefix).
+    Prefixed,
+    /// Captured; returned in [`RankExit::output`] (for tests).
+    Capture,
+    /// Rank 0 writes to the launcher's terminal directly, so that Burn's dashboard can take
+    /// it; the other ranks' lines are prefixed. Chosen by [`Output::auto`] when stdout is a
+    /// terminal.
+    Dashboard,
+}
+
+impl Output {
+    /// [`Dashboard`](Self::Dashboard) when the launcher's stdout is a terminal, else
+    /// [`Prefixed`](Self::Prefixed).
+    pub fn auto() -> Self {
+        if std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+            Output::Dashboard
+        } else {
+            Output::Prefixed
+        }
+    }
+}
+
+/// A node's worth of ranks to start.
+#[derive(Debug, Clone)]
+pub struct LocalJob {
+    /// The program to run.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank.
+    pub env: Vec<(OsString, OsString)>,
+    /// Ranks on this node.
+    pub nproc_per_node: u32,
+    /// Number of nodes.
+    pub nnodes: u32,
+    /// This node's index.
+    pub node_rank: u32,
+    /// Rank 0's store.
+    pub master: MasterAddr,
+    /// The job secret.
+    pub token: JobToken,
+    /// Where output goes.
+    pub output: Output,
+    /// How long the others get between SIGTERM and SIGKILL once a rank failed.
+    pub grace: Duration,
+    /// Kill everything if the job runs longer than this.
+    pub deadline: Option<Duration>,
+    /// Set from outside (a signal handler) to stop every rank.
+    pub stop: Option<Arc<AtomicBool>>,
+}
+
+impl LocalJob {
+    /// A single-node job of `nproc` ranks running `program args`, on a free local port.
+    ///
+    /// # Errors
+    /// No free port could be found.
+    pub fn standalone(
+        program: impl Into<PathBuf>,
+        args: Vec<OsString>,
+        nproc: u32,
+    ) -> Result<Self> {
+        Ok(Self {
+            program: program.into(),
+            args,
+            env: Vec::new(),
+            nproc_per_node: nproc,
+            nnodes: 1,
+            node_rank: 0,
+            master: MasterAddr::new("127.0.0.1", free_port()?),
+            token: JobToken::generate(),
+            output: Output::auto(),
+            grace: Duration::from_secs(5),
+            deadline: None,
+            stop: None,
+        })
+    }
+
+    /// The environment of local rank `local`.
+    pub fn rank_env(&self, local: u32) -> Vec<(OsString, OsString)> {
+        let world = self.nproc_per_node * self.nnodes;
+        let rank = self.node_rank * self.nproc_per_node + local;
+        let mut vars: Vec<(OsString, OsString)> = [
+            (env::RANK, rank.to_string()),
+            (env::WORLD_SIZE, world.to_string()),
+            (env::LOCAL_RANK, local.to_string()),
+            (env::LOCAL_WORLD_SIZE, self.nproc_per_node.to_string()),
+            ("GROUP_RANK", self.node_rank.to_string()),
+            ("ROLE_RANK", rank.to_string()),
+            ("ROLE_WORLD_SIZE", world.to_string()),
+            (env::MASTER_ADDR, self.master.host.clone()),
+            (env::MASTER_PORT, self.master.port.to_string()),
+            (env::JOB_TOKEN, self.token.expose().to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+        .collect();
+        // As torchrun: one compute thread per process unless the user chose otherwise, so N
+        // ranks do not oversubscribe the cores N times over.
+        if self.nproc_per_node > 1 && !env::omp_num_threads_set() {
+            vars.push(("OMP_NUM_THREADS".into(), "1".into()));
+        }
+        vars.extend(self.env.iter().cloned());
+        vars
+    }
+}
+
+/// How one rank ended.
+#[derive(Debug)]
+pub struct RankExit {
+    /// Its global rank.
+    pub rank: Rank,
+    /// Its exit status.
+    pub status: ExitStatus,
+    /// Whether the launcher stopped it after another rank failed.
+    pub stopped: bool,
+    /// Captured stdout and stderr (only with [`Output::Capture`]).
+    pub output: String,
+}
+
+/// How the job ended: every rank's exit, and the first failure if any.
+#[derive(Debug)]
+pub struct JobReport {
+    /// One entry per local rank.
+    pub exits: Vec<RankExit>,
+    /// The first rank that failed, with how (what `burn-ddp run` reports).
+    pub failure: Option<DdpError>,
+}
+
+impl JobReport {
+    /// `Ok` if every rank succeeded, the first failure otherwise.
+    ///
+    /// # Errors
+    /// `RankFailed` naming the first rank that failed.
+    pub fn into_result(self) -> Result<Vec<RankExit>> {
+        match self.failure {
+            Some(e) => Err(e),
+            None => Ok(self.exits),
+        }
+    }
+}
+
+/// Picks a free TCP port on the loopback interface.
+///
+/// # Errors
+/// The OS refused to bind.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Describes an exit status the way a user reads it.
+pub fn describe(status: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(code) = status.code() {
+        return format!("exited with status {code}");
+    }
+    match status.signal() {
+        Some(sig) => format!("was killed by signal {sig} ({})", signal_name(sig)),
+        None => "ended for an unknown reason".to_string(),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        11 => "SIGSEGV",
+        13 => "SIGPIPE",
+        15 => "SIGTERM",
+        _ => "signal",
+    }
+}
+
+struct Running {
+    rank: Rank,
+    child: Child,
+    exit: Option<ExitStatus>,
+    stopped: bool,
+    readers: Vec<JoinHandle<String>>,
+}
+
+fn forward(
+    rank: Rank,
+    stream: impl Read + Send + 'static,
+    output: Output,
+    to_stderr: bool,
+) -> JoinHandle<String> {
+    thread::spawn(move || {
+        let mut captured = String::new();
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    let text = String::from_utf8_lossy(&line);
+                    let text = text.trim_end_matches('\n');
+                    match output {
+                        Output::Capture => {
+                            captured.push_str(text);
+                            captured.push('\n');
+                        }
+                        _ => {
+                            let msg = format!("[rank {rank}] {text}\n");
+                            let _ = if to_stderr {
+                                std::io::stderr().lock().write_all(msg.as_bytes())
+                            } else {
+                                std::io::stdout().lock().write_all(msg.as_bytes())
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        captured
+    })
+}
+
+fn signal(child: &Child, sig: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(child.id())
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, sig);
+    }
+}
+
+/// Starts the ranks of `job` on this node and supervises them until all have ended.
+///
+/// # Errors
+/// `Spawn` if a rank cannot be started (the ones already started are killed).
+pub fn run(job: &LocalJob) -> Result<JobReport> {
+    let mut running: Vec<Running> = Vec::new();
+    for local in 0..job.nproc_per_node {
+        let rank = Rank(job.node_rank * job.nproc_per_node + local);
+        let mut cmd = Command::new(&job.program);
+        cmd.args(&job.args)
+            .envs(job.rank_env(local))
+            .stdin(Stdio::null());
+        let direct =
+            job.output == Output::Inherit || (job.output == Output::Dashboard && rank == Rank(0));
+        if !direct {
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+        // SAFETY: the closure runs in the child between fork and exec and only makes one
+        // async-signal-safe system call (prctl), touching no memory shared with the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                // If the launcher dies (even by SIGKILL), its ranks die with it instead of
+                // lingering in a collective forever.
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))
+                .map_err(std::io::Error::from)
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(source) => {
+                for r in &mut running {
+                    let _ = r.child.kill();
+                    let _ = r.child.wait();
+                }
+                return Err(DdpError::Spawn {
+                    rank,
+                    program: job.program.display().to_string(),
+                    source,
+                });
+            }
+        };
+        let mut readers = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            readers.push(forward(rank, out, job.output, false));
+        }
+        if let Some(err) = child.stderr.take() {
+            readers.push(forward(rank, err, job.output, true));
+        }
+        running.push(Running {
+            rank,
+            child,
+            exit: None,
+            stopped: false,
+            readers,
+        });
+    }
+
+    let started = Instant::now();
+    let mut failure: Option<DdpError> = None;
+    let mut term_sent: Option<Instant> = None;
+    let mut killed = false;
+    loop {
+        for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+            if let Ok(Some(status)) = r.child.try_wait() {
+                r.exit = Some(status);
+                if !status.success() && failure.is_none() && !r.stopped {
+                    failure = Some(DdpError::RankFailed {
+                        rank: r.rank,
+                        pid: r.child.id(),
+                        status: describe(status),
+                    });
+                }
+            }
+        }
+        if running.iter().all(|r| r.exit.is_some()) {
+            break;
+        }
+        let overdue = job.deadline.is_some_and(|d| started.elapsed() > d);
+        let stopped = job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if (failure.is_some() || overdue || stopped) && term_sent.is_none() {
+            if overdue && failure.is_none() {
+                tracing::error!(
+                    "job exceeded its deadline of {:?}; stopping every rank",
+                    job.deadline
+                );
+            }
+            if stopped && failure.is_none() {
+                failure = Some(DdpError::Interrupted);
+            }
+            for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+                r.stopped = true;
+                signal(&r.child, rustix::process::Signal::TERM);
+            }
+            term_sent = Some(Instant::now());
+        }
+        if let Some(t) = term_sent {
+            if !killed && t.elapsed() >= job.grace {
+                for r in running.iter_mut().filter(|r| r.exit.is_none()) {
+                    let _ = r.child.kill();
+                }
+                killed = true;
+            }
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+    if failure.is_none() {
+        if let Some(limit) = job.deadline.filter(|d| started.elapsed() > *d) {
+            failure = Some(DdpError::RankFailed {
+                rank: Rank(job.node_rank * job.nproc_per_node),
+                pid: running.first().map(|r| r.child.id()).unwrap_or(0),
+                status: format!("did not finish within {limit:?}"),
+            });
+        }
+    }
+
+    let exits = running
+        .into_iter()
+        .map(|r| {
+            let output = r
+                .readers
+                .into_iter()
+                .filter_map(|h| h.join().ok())
+                .collect::<Vec<_>>()
+                .join("");
+            RankExit {
+                rank: r.rank,
+                // Every child has exited when the loop above ends.
+                status: r
+                    .exit
+                    .unwrap_or_else(|| std::os::unix::process::ExitStatusExt::from_raw(0)),
+                stopped: r.stopped,
+                output,
+            }
+        })
+        .collect();
+    Ok(JobReport { exits, failure })
+}
+
+/// A flag that SIGINT, SIGTERM and SIGHUP set, for [`LocalJob::stop`].
+///
+/// # Errors
+/// The handlers could not be installed.
+pub(crate) fn stop_flag() -> Result<Arc<AtomicBool>> {
+    let flag = Arc::new(AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, Arc::clone(&flag))?;
+    }
+    Ok(flag)
+}

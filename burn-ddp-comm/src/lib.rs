@@ -1,0 +1,81 @@
+//! # burn-ddp-comm
+//!
+//! The communication layer of [burn-ddp](https://docs.rs/burn-ddp), with no dependency on Burn:
+//! everything that moves bytes between processes and manages them. burn-ddp builds its Burn
+//! integration (`Ddp<B>`, the gradient reducer, `DdpStrategy`) on top of it, and one copy of this
+//! crate serves every Burn release burn-ddp supports.
+//!
+//! 1. Join the job: [`ProcessGroup::from_env`] reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... as
+//!    set by `burn-ddp run`, `torchrun --no-python` or Slurm's `srun`.
+//! 2. Run collectives: [`ProcessGroup::all_reduce`], [`ProcessGroup::broadcast`],
+//!    [`ProcessGroup::all_gather`], [`ProcessGroup::reduce_scatter`], [`ProcessGroup::barrier`],
+//!    and on bytes [`ProcessGroup::broadcast_bytes`], [`ProcessGroup::all_gather_bytes`].
+//!
+//! ```no_run
+//! use burn_ddp_comm::{ProcessGroup, ReduceOp};
+//!
+//! let pg = ProcessGroup::from_env()?;
+//! let mut x = vec![pg.rank().0 as f32; 4];
+//! pg.all_reduce(&mut x, ReduceOp::Sum)?;
+//! # Ok::<(), burn_ddp_comm::DdpError>(())
+//! ```
+//!
+//! ## Layers
+//!
+//! Each module uses only the ones above it in this list:
+//!
+//! - `wire` — byte framing and the protocol version (internal)
+//! - [`types`] — ranks, collective descriptions, element types, abort records
+//! - [`error`] and [`config`] — the one error type, the settings, and [`config::env`], the only
+//!   module that reads environment variables
+//! - `store` — the authenticated rendezvous store ([`group::Store`]) and the job's abort record
+//! - [`comm`] — communicators: the TCP ring between processes, shared memory between threads
+//! - [`group`] — the process group: rendezvous, desync checks, heartbeats, byte collectives
+//! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
+//! - [`launch`] — `spawn`, the `burn-ddp` launcher, the bandwidth tool
+//! - [`checkpoint`] — atomic checkpoint files
+//!
+//! ## Features
+//!
+//! - `cuda`: NCCL communicators over cudarc (loaded at run time: builds without a CUDA toolkit).
+//! - `cli`: the `burn-ddp` command (`run`, `bench all-reduce`); brings clap and
+//!   tracing-subscriber.
+//! - `fuzzing`: entry points for the fuzz targets (not a public API).
+//!
+//! ## Never a silent hang
+//!
+//! Every blocking wait has a deadline ([`Timeouts`], 10 minutes by default, `BURN_DDP_TIMEOUT` to
+//! change). A rank that dies, stalls or calls a different collective is reported on every other
+//! rank by name, with the collective's sequence number.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(unused_must_use)]
+
+pub mod checkpoint;
+pub mod comm;
+pub mod config;
+#[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
+pub mod cuda;
+pub mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod group;
+pub mod launch;
+mod store;
+pub mod types;
+mod wire;
+
+pub use config::{GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
+pub use error::{DdpError, Result};
+pub use group::{PeerWait, ProcessGroup};
+pub use launch::spawn;
+pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};
+pub use wire::WireError;

@@ -1,0 +1,550 @@
+//! Mutual authentication of a new TCP connection with the job token.
+//!
+//! Both ends prove that they hold the token without sending it (HMAC-SHA256 over fresh nonces):
+//!
+//! ```text
+//! client                                   server
+//!   HELLO  {purpose, nonce_c, rank, world}  ->
+//!       <- CHALLENGE {nonce_s, mac_s = HMAC(token, "server" | purpose | nonce_c | nonce_s)}
+//!   (client checks mac_s: a stranger's server is detected here)
+//!   PROOF  {mac_c = HMAC(token, "client" | purpose | nonce_c | nonce_s | rank | world)} ->
+//!       <- WELCOME {}  or  REFUSE {reason}
+//! ```
+//!
+//! A peer with another protocol version fails at the frame header (`VersionMismatch`), which both
+//! sides report as `DdpError::ProtocolMismatch`.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
+use crate::config::JobToken;
+use crate::types::{Rank, WorldSize};
+use crate::wire::{self, FrameError, Reader, WireError, Writer};
+use crate::{DdpError, Result};
+
+/// Largest handshake frame.
+const MAX_HANDSHAKE_FRAME: u32 = 4096;
+
+const HELLO: u8 = 0x01;
+const CHALLENGE: u8 = 0x02;
+const PROOF: u8 = 0x03;
+const WELCOME: u8 = 0x04;
+const REFUSE: u8 = 0x05;
+
+/// What a connection is for; part of the MAC so a transport handshake cannot be replayed to the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Purpose {
+    /// A rank joining the key-value store.
+    Store = 1,
+    /// A data-plane link between two ranks.
+    Transport = 2,
+    /// The bandwidth tool's loopback measurement link.
+    Bench = 3,
+    /// An auxiliary store connection of a rank (watchdog, heartbeats); not a membership claim.
+    StoreAux = 4,
+}
+
+impl Purpose {
+    fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            1 => Purpose::Store,
+            2 => Purpose::Transport,
+            3 => Purpose::Bench,
+            4 => Purpose::StoreAux,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a server refused a client, as sent on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum RefuseReason {
+    /// The client's proof did not verify.
+    WrongToken,
+    /// The client's world size differs from the server's.
+    WorldSize {
+        /// The server's rank.
+        server_rank: Rank,
+        /// The server's world size.
+        server_world: WorldSize,
+    },
+    /// Another live connection already claimed this rank.
+    DuplicateRank {
+        /// Address of the first claimant.
+        first: SocketAddr,
+        /// Address of this (second) claimant.
+        second: SocketAddr,
+    },
+    /// The rank is outside the world.
+    RankOutOfRange {
+        /// The server's world size.
+        world: WorldSize,
+    },
+    /// The transport expected another rank on this link.
+    UnexpectedPeer {
+        /// The rank it expected.
+        expected: Rank,
+    },
+    /// The server has reached its connection limit.
+    Busy,
+}
+
+impl RefuseReason {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::new();
+        match self {
+            RefuseReason::WrongToken => w.u8(1),
+            RefuseReason::WorldSize {
+                server_rank,
+                server_world,
+            } => w.u8(2).u32(server_rank.0).u32(server_world.get()),
+            RefuseReason::DuplicateRank { first, second } => {
+                w.u8(3).str(&first.to_string()).str(&second.to_string())
+            }
+            RefuseReason::RankOutOfRange { world } => w.u8(4).u32(world.get()),
+            RefuseReason::UnexpectedPeer { expected } => w.u8(5).u32(expected.0),
+            RefuseReason::Busy => w.u8(6),
+        };
+        w.finish()
+    }
+
+    pub(crate) fn decode(payload: &[u8]) -> std::result::Result<Self, WireError> {
+        let mut r = Reader::new(payload);
+        let reason = match r.u8("refuse reason")? {
+            1 => RefuseReason::WrongToken,
+            2 => RefuseReason::WorldSize {
+                server_rank: Rank(r.u32("server rank")?),
+                server_world: world(r.u32("server world")?)?,
+            },
+            3 => RefuseReason::DuplicateRank {
+                first: addr(r.str("first claimant")?)?,
+                second: addr(r.str("second claimant")?)?,
+            },
+            4 => RefuseReason::RankOutOfRange {
+                world: world(r.u32("world")?)?,
+            },
+            5 => RefuseReason::UnexpectedPeer {
+                expected: Rank(r.u32("expected rank")?),
+            },
+            6 => RefuseReason::Busy,
+            _ => {
+                return Err(WireError::InvalidValue {
+                    what: "refuse reason",
+                })
+            }
+        };
+        r.finish()?;
+        Ok(reason)
+    }
+}
+
+fn world(n: u32) -> std::result::Result<WorldSize, WireError> {
+    WorldSize::new(n).ok_or(WireError::InvalidValue { what: "world size" })
+}
+
+fn addr(s: &str) -> std::result::Result<SocketAddr, WireError> {
+    s.parse().map_err(|_| WireError::InvalidValue {
+        what: "socket address",
+    })
+}
+
+type HmacSha256 = Hmac<Sha256>;
+
+fn mac(token: &JobToken, parts: &[&[u8]]) -> HmacSha256 {
+    // HMAC accepts keys of any length; `new_from_slice` cannot fail for HMAC.
+    let mut m = match HmacSha256::new_from_slice(token.as_bytes()) {
+        Ok(m) => m,
+        Err(_) => unreachable!("HMAC-SHA256 accepts keys of every length"),
+    };
+    for p in parts {
+        m.update(p);
+    }
+    m
+}
+
+fn nonce() -> [u8; 32] {
+    use rand::Rng;
+    rand::rng().random()
+}
+
+/// What the server learned about a client that proved it holds the token.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientHello {
+    /// What the connection is for.
+    pub purpose: Purpose,
+    /// The rank the client claims.
+    pub rank: Rank,
+    /// The world size the client was started with.
+    pub world: WorldSize,
+}
+
+/// Sets the socket timeouts so that no read or write outlives `deadline`.
+fn arm(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    stream.set_read_timeout(Some(left))?;
+    stream.set_write_timeout(Some(left))
+}
+
+fn client_error(rank: Rank, peer: SocketAddr, e: FrameError) -> DdpError {
+    match e {
+        FrameError::Wire(WireError::VersionMismatch { theirs }) => DdpError::ProtocolMismatch {
+            rank,
+            peer,
+            ours: wire::PROTOCOL_VERSION,
+            theirs,
+        },
+        FrameError::Wire(error) => DdpError::Protocol { rank, peer, error },
+        FrameError::Io(e) => DdpError::Io(e),
+    }
+}
+
+/// Runs the client side of the handshake on a connected stream.
+///
+/// # Errors
+/// `TokenMismatch` if the server does not hold the token (or refuses ours), `ProtocolMismatch`,
+/// the refusal translated to its `DdpError` (`WorldSizeMismatch`, `DuplicateRank`, ...), or I/O
+/// errors (including the deadline, as `WouldBlock`/`TimedOut`).
+pub(crate) fn client_handshake(
+    stream: &mut TcpStream,
+    purpose: Purpose,
+    token: &JobToken,
+    rank: Rank,
+    world: WorldSize,
+    deadline: Instant,
+) -> Result<()> {
+    let peer = stream.peer_addr()?;
+    arm(stream, deadline)?;
+    let nonce_c = nonce();
+    let mut w = Writer::new();
+    w.u8(purpose as u8)
+        .raw(&nonce_c)
+        .u32(rank.0)
+        .u32(world.get());
+    wire::write_frame(stream, HELLO, &w.finish())?;
+
+    let (kind, payload) =
+        wire::read_frame(stream, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
+    if kind == REFUSE {
+        return Err(refusal(rank, world, peer, &payload));
+    }
+    if kind != CHALLENGE {
+        return Err(client_error(
+            rank,
+            peer,
+            FrameError::Wire(WireError::UnknownKind { kind }),
+        ));
+    }
+    let mut r = Reader::new(&payload);
+    let parsed = (|| -> std::result::Result<_, WireError> {
+        let nonce_s = r.array::<32>("server nonce")?;
+        let mac_s = r.array::<32>("server mac")?;
+        Ok((nonce_s, mac_s))
+    })();
+    let (nonce_s, mac_s) = parsed.map_err(|e| client_error(rank, peer, FrameError::Wire(e)))?;
+    let p = [purpose as u8];
+    if mac(token, &[b"burn-ddp/server", &p, &nonce_c, &nonce_s])
+        .verify_slice(&mac_s)
+        .is_err()
+    {
+        // Tell the server why we hang up, so that it can report the stranger precisely.
+        let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+        return Err(DdpError::TokenMismatch { rank, peer });
+    }
+    let proof = mac(
+        token,
+        &[
+            b"burn-ddp/client",
+            &p,
+            &nonce_c,
+            &nonce_s,
+            &rank.0.to_le_bytes(),
+            &world.get().to_le_bytes(),
+        ],
+    )
+    .finalize()
+    .into_bytes();
+    wire::write_frame(stream, PROOF, &proof)?;
+
+    let (kind, payload) =
+        wire::read_frame(stream, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
+    match kind {
+        WELCOME => {
+            stream.set_read_timeout(None)?;
+            stream.set_write_timeout(None)?;
+            Ok(())
+        }
+        REFUSE => Err(refusal(rank, world, peer, &payload)),
+        kind => Err(client_error(
+            rank,
+            peer,
+            FrameError::Wire(WireError::UnknownKind { kind }),
+        )),
+    }
+}
+
+fn refusal(rank: Rank, world: WorldSize, peer: SocketAddr, payload: &[u8]) -> DdpError {
+    match RefuseReason::decode(payload) {
+        Ok(RefuseReason::WrongToken) => DdpError::TokenMismatch { rank, peer },
+        Ok(RefuseReason::WorldSize {
+            server_rank,
+            server_world,
+        }) => DdpError::WorldSizeMismatch {
+            rank,
+            other: server_rank,
+            ours: world,
+            theirs: server_world,
+        },
+        Ok(RefuseReason::DuplicateRank { first, second }) => DdpError::DuplicateRank {
+            rank,
+            claimed: rank,
+            first,
+            second,
+        },
+        Ok(RefuseReason::RankOutOfRange { world }) => DdpError::RankOutOfRange { rank, world },
+        Ok(RefuseReason::UnexpectedPeer { expected }) => DdpError::StoreRefused {
+            rank,
+            reason: format!("{peer} expected rank {expected} on this link, not rank {rank}"),
+        },
+        Ok(RefuseReason::Busy) => DdpError::StoreRefused {
+            rank,
+            reason: format!("{peer} has too many open connections"),
+        },
+        Err(error) => DdpError::Protocol { rank, peer, error },
+    }
+}
+
+/// Why the server side of a handshake failed.
+#[derive(Debug)]
+pub(crate) enum ServerHandshakeError {
+    /// The client is not a burn-ddp peer of this version, or sent garbage.
+    Wire(WireError),
+    /// The client does not hold the token (already told so).
+    WrongToken,
+    /// The connection failed or timed out.
+    Io(io::Error),
+}
+
+impl std::fmt::Display for ServerHandshakeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerHandshakeError::Wire(e) => write!(f, "invalid handshake: {e}"),
+            ServerHandshakeError::WrongToken => f.write_str("it does not hold this job's token"),
+            ServerHandshakeError::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<FrameError> for ServerHandshakeError {
+    fn from(e: FrameError) -> Self {
+        match e {
+            FrameError::Io(e) => ServerHandshakeError::Io(e),
+            FrameError::Wire(e) => ServerHandshakeError::Wire(e),
+        }
+    }
+}
+
+/// Runs the server side of the handshake up to (and including) the proof check.
+/// The caller then admits the client with [`welcome`] or refuses it with [`refuse`].
+///
+/// On a wrong token the client is told (`REFUSE WrongToken`) before this returns.
+pub(crate) fn server_handshake(
+    stream: &mut TcpStream,
+    accepted: &[Purpose],
+    token: &JobToken,
+    deadline: Instant,
+) -> std::result::Result<ClientHello, ServerHandshakeError> {
+    arm(stream, deadline).map_err(ServerHandshakeError::Io)?;
+    let (kind, payload) = match wire::read_frame(stream, MAX_HANDSHAKE_FRAME) {
+        Ok(f) => f,
+        Err(FrameError::Wire(e @ WireError::VersionMismatch { .. })) => {
+            // Tell the peer which version we speak; it reports ProtocolMismatch.
+            let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+            return Err(ServerHandshakeError::Wire(e));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if kind != HELLO {
+        return Err(ServerHandshakeError::Wire(WireError::UnknownKind { kind }));
+    }
+    let mut r = Reader::new(&payload);
+    let hello = (|| -> std::result::Result<_, WireError> {
+        let p = r.u8("purpose")?;
+        let nonce_c = r.array::<32>("client nonce")?;
+        let rank = Rank(r.u32("rank")?);
+        let world = world(r.u32("world size")?)?;
+        Ok((p, nonce_c, rank, world))
+    })();
+    let (p, nonce_c, rank, world) = hello.map_err(ServerHandshakeError::Wire)?;
+    let purpose = match Purpose::from_code(p) {
+        Some(purpose) if accepted.contains(&purpose) => purpose,
+        _ => {
+            return Err(ServerHandshakeError::Wire(WireError::InvalidValue {
+                what: "connection purpose",
+            }))
+        }
+    };
+    let nonce_s = nonce();
+    let pb = [p];
+    let mac_s = mac(token, &[b"burn-ddp/server", &pb, &nonce_c, &nonce_s])
+        .finalize()
+        .into_bytes();
+    let mut w = Writer::new();
+    w.raw(&nonce_s).raw(&mac_s);
+    wire::write_frame(stream, CHALLENGE, &w.finish()).map_err(ServerHandshakeError::Io)?;
+
+    let (kind, payload) = wire::read_frame(stream, MAX_HANDSHAKE_FRAME)?;
+    if kind == REFUSE {
+        // The client could not verify our proof: it holds another token.
+        return Err(ServerHandshakeError::WrongToken);
+    }
+    if kind != PROOF {
+        return Err(ServerHandshakeError::Wire(WireError::UnknownKind { kind }));
+    }
+    let ok = mac(
+        token,
+        &[
+            b"burn-ddp/client",
+            &pb,
+            &nonce_c,
+            &nonce_s,
+            &rank.0.to_le_bytes(),
+            &world.get().to_le_bytes(),
+        ],
+    )
+    .verify_slice(&payload)
+    .is_ok();
+    if !ok {
+        let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+        return Err(ServerHandshakeError::WrongToken);
+    }
+    Ok(ClientHello {
+        purpose,
+        rank,
+        world,
+    })
+}
+
+/// Admits a client after a successful [`server_handshake`].
+pub(crate) fn welcome(stream: &mut TcpStream) -> io::Result<()> {
+    wire::write_frame(stream, WELCOME, &[])?;
+    stream.set_read_timeout(None)?;
+    stream.set_write_timeout(None)
+}
+
+/// Refuses a client after a successful [`server_handshake`], telling it why.
+pub(crate) fn refuse(stream: &mut TcpStream, reason: &RefuseReason) -> io::Result<()> {
+    wire::write_frame(stream, REFUSE, &reason.encode())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::thread;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        (c, s)
+    }
+
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn same_token_is_welcomed() {
+        let (mut c, mut s) = pair();
+        let server = thread::spawn(move || {
+            let hello =
+                server_handshake(&mut s, &[Purpose::Store], &JobToken::new("t"), deadline())
+                    .unwrap();
+            welcome(&mut s).unwrap();
+            hello.rank
+        });
+        client_handshake(
+            &mut c,
+            Purpose::Store,
+            &JobToken::new("t"),
+            Rank(3),
+            WorldSize::new(4).unwrap(),
+            deadline(),
+        )
+        .unwrap();
+        assert_eq!(server.join().unwrap(), Rank(3));
+    }
+
+    #[test]
+    fn wrong_token_fails_on_both_sides() {
+        let (mut c, mut s) = pair();
+        let server = thread::spawn(move || {
+            server_handshake(&mut s, &[Purpose::Store], &JobToken::new("a"), deadline())
+        });
+        let err = client_handshake(
+            &mut c,
+            Purpose::Store,
+            &JobToken::new("b"),
+            Rank(1),
+            WorldSize::new(2).unwrap(),
+            deadline(),
+        )
+        .unwrap_err();
+        assert!(matches!(err, DdpError::TokenMismatch { .. }), "{err}");
+        // The client detects the foreign server first and tells it why it leaves.
+        assert!(matches!(
+            server.join().unwrap(),
+            Err(ServerHandshakeError::WrongToken)
+        ));
+    }
+
+    #[test]
+    fn purposes_are_not_interchangeable() {
+        let (mut c, mut s) = pair();
+        let server = thread::spawn(move || {
+            server_handshake(&mut s, &[Purpose::Store], &JobToken::new("t"), deadline())
+        });
+        let _ = client_handshake(
+            &mut c,
+            Purpose::Transport,
+            &JobToken::new("t"),
+            Rank(1),
+            WorldSize::new(2).unwrap(),
+            deadline(),
+        );
+        assert!(matches!(
+            server.join().unwrap(),
+            Err(ServerHandshakeError::Wire(WireError::InvalidValue { .. }))
+        ));
+    }
+
+    #[test]
+    fn refuse_reasons_round_trip() {
+        let reasons = [
+            RefuseReason::WrongToken,
+            RefuseReason::WorldSize {
+                server_rank: Rank(0),
+                server_world: WorldSize::new(4).unwrap(),
+            },
+            RefuseReason::DuplicateRank {
+                first: "127.0.0.1:1".parse().unwrap(),
+                second: "127.0.0.1:2".parse().unwrap(),
+            },
+            RefuseReason::RankOutOfRange {
+                world: WorldSize::new(2).unwrap(),
+            },
+            RefuseReason::UnexpectedPeer { expected: Rank(2) },
+            RefuseReason::Busy,
+        ];
+        for r in reasons {
+            assert_eq!(RefuseReason::decode(&r.encode()).unwrap(), r);
+        }
+    }
+}

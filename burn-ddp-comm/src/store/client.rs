@@ -1,0 +1,366 @@
+//! The store client: one authenticated connection to rank 0's store, requests serialised.
+
+use std::io::{self, ErrorKind};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::protocol::{Reply, Request, MAX_FRAME};
+use crate::config::{JobToken, MasterAddr};
+use crate::store::auth::{self, Purpose};
+use crate::types::{AbortRecord, Rank, WorldSize};
+use crate::wire::{self, FrameError, WireError};
+use crate::{DdpError, Result};
+
+/// Extra time a client waits for the reply to a blocking request beyond the request's own
+/// deadline (the server answers `Timeout` at the deadline).
+const REPLY_SLACK: Duration = Duration::from_secs(5);
+/// Wait used for requests on a failure path (publishing or reading the abort record): they never
+/// block on the server, and a failing job must not linger on them.
+const FAILURE_WAIT: Duration = Duration::from_secs(1);
+
+/// The outcome of a [`StoreClient::wait`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WaitOutcome {
+    /// Every key exists.
+    Ready,
+    /// The deadline passed; these keys are still missing.
+    Missing(Vec<String>),
+}
+
+/// A connection to the store.
+#[derive(Debug)]
+pub(crate) struct StoreClient {
+    addr: SocketAddr,
+    rank: Rank,
+    timeout: Duration,
+    stream: Mutex<TcpStream>,
+}
+
+impl StoreClient {
+    /// Connects to the store at `master`, retrying until `deadline` while nobody listens there.
+    ///
+    /// # Errors
+    /// `MasterUnresolvable`, `MasterUnreachable` at the deadline, or the handshake's definitive
+    /// errors (`TokenMismatch`, `ProtocolMismatch`, `WorldSizeMismatch`, `DuplicateRank`, ...).
+    pub(crate) fn connect(
+        master: &MasterAddr,
+        purpose: Purpose,
+        rank: Rank,
+        world: WorldSize,
+        token: &JobToken,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        let addrs = resolve(master, rank)?;
+        let mut backoff = Duration::from_millis(20);
+        let mut last_error = io::Error::new(ErrorKind::TimedOut, "no connection attempt finished");
+        loop {
+            for addr in &addrs {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                let attempt = left.min(Duration::from_secs(2));
+                match TcpStream::connect_timeout(addr, attempt) {
+                    Ok(mut stream) => {
+                        stream.set_nodelay(true)?;
+                        let hs_deadline = deadline.min(Instant::now() + Duration::from_secs(30));
+                        match auth::client_handshake(
+                            &mut stream,
+                            purpose,
+                            token,
+                            rank,
+                            world,
+                            hs_deadline,
+                        ) {
+                            Ok(()) => {
+                                return Ok(Self {
+                                    addr: *addr,
+                                    rank,
+                                    timeout,
+                                    stream: Mutex::new(stream),
+                                })
+                            }
+                            // The server went away mid-handshake (e.g. still starting): retry.
+                            Err(DdpError::Io(e)) => last_error = e,
+                            Err(definitive) => return Err(definitive),
+                        }
+                    }
+                    Err(e) => last_error = e,
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(DdpError::MasterUnreachable {
+                    rank,
+                    addr: master.to_string(),
+                    waited: started.elapsed(),
+                    last_error,
+                });
+            }
+            thread::sleep(backoff.min(left));
+            backoff = (backoff * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// The store's address.
+    pub(crate) fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The store's address.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This end's address of the store connection: the interface that reaches the master, which
+    /// is also the one the transport listens on.
+    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.lock().local_addr()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, TcpStream> {
+        // The stream holds no invariant a panic could break mid-way that a later request would
+        // trust: each request writes a whole frame and reads a whole reply.
+        self.stream.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lost(&self, source: io::Error) -> DdpError {
+        DdpError::StoreLost {
+            rank: self.rank,
+            addr: self.addr,
+            source,
+        }
+    }
+
+    /// Sends a request and reads its reply; `wait` bounds the reply time.
+    fn call(
+        &self,
+        request: &Request,
+        op: &'static str,
+        key: &str,
+        wait: Duration,
+    ) -> Result<Reply> {
+        let mut stream = self.lock();
+        let (k, payload) = request.encode();
+        stream.set_write_timeout(Some(self.timeout))?;
+        wire::write_frame(&mut *stream, k, &payload).map_err(|e| self.lost(e))?;
+        stream.set_read_timeout(Some(wait + REPLY_SLACK))?;
+        let (k, payload) = match wire::read_frame(&mut *stream, MAX_FRAME) {
+            Ok(f) => f,
+            Err(FrameError::Io(e))
+                if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+            {
+                return Err(DdpError::StoreTimeout {
+                    rank: self.rank,
+                    op,
+                    key: key.to_owned(),
+                    waited: wait + REPLY_SLACK,
+                })
+            }
+            Err(FrameError::Io(e)) => return Err(self.lost(e)),
+            Err(FrameError::Wire(error)) => {
+                return Err(DdpError::Protocol {
+                    rank: self.rank,
+                    peer: self.addr,
+                    error,
+                })
+            }
+        };
+        let reply = Reply::decode(k, &payload).map_err(|error| DdpError::Protocol {
+            rank: self.rank,
+            peer: self.addr,
+            error,
+        })?;
+        match reply {
+            Reply::Aborted(record) => Err(DdpError::JobAborted {
+                rank: self.rank,
+                during: None,
+                record,
+            }),
+            Reply::Error(reason) => Err(DdpError::StoreRefused {
+                rank: self.rank,
+                reason,
+            }),
+            Reply::Rejected(reason) => Err(DdpError::StoreRequest {
+                rank: self.rank,
+                op,
+                key: key.to_owned(),
+                reason,
+            }),
+            other => Ok(other),
+        }
+    }
+
+    fn unexpected(&self, reply: &Reply) -> DdpError {
+        let _ = reply;
+        DdpError::Protocol {
+            rank: self.rank,
+            peer: self.addr,
+            error: WireError::InvalidValue {
+                what: "reply kind for this request",
+            },
+        }
+    }
+
+    /// Stores `value` under `key`.
+    pub(crate) fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        let req = Request::Set {
+            key: key.to_owned(),
+            value: value.to_vec(),
+        };
+        match self.call(&req, "set", key, self.timeout)? {
+            Reply::Ok => Ok(()),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Returns the value of `key`, waiting up to the store timeout for it to appear.
+    pub(crate) fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.get_timeout(key, self.timeout)
+    }
+
+    /// Returns the value of `key`, waiting up to `timeout` for it to appear.
+    pub(crate) fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let req = Request::Get {
+            key: key.to_owned(),
+            timeout,
+        };
+        match self.call(&req, "get", key, timeout)? {
+            Reply::Value(v) => Ok(v),
+            Reply::Timeout { .. } => Err(DdpError::StoreTimeout {
+                rank: self.rank,
+                op: "get",
+                key: key.to_owned(),
+                waited: timeout,
+            }),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Adds `delta` to the counter `key` and returns the new value.
+    pub(crate) fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let req = Request::Add {
+            key: key.to_owned(),
+            delta,
+        };
+        match self.call(&req, "add", key, self.timeout)? {
+            Reply::Int(v) => Ok(v),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Waits up to `timeout` for every key to exist.
+    pub(crate) fn wait(&self, keys: &[String], timeout: Duration) -> Result<WaitOutcome> {
+        let req = Request::Wait {
+            keys: keys.to_vec(),
+            timeout,
+        };
+        let first = keys.first().map(String::as_str).unwrap_or("");
+        match self.call(&req, "wait", first, timeout)? {
+            Reply::Ok => Ok(WaitOutcome::Ready),
+            Reply::Timeout { missing } => Ok(WaitOutcome::Missing(missing)),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Sets `key` to `desired` if it currently equals `expected` (`None` = absent) and returns
+    /// the value after the operation.
+    pub(crate) fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> Result<Vec<u8>> {
+        let req = Request::CompareSet {
+            key: key.to_owned(),
+            expected: expected.map(<[u8]>::to_vec),
+            desired: desired.to_vec(),
+        };
+        match self.call(&req, "compare_set", key, self.timeout)? {
+            Reply::Value(v) => Ok(v),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Removes `key`; returns whether it existed.
+    pub(crate) fn delete(&self, key: &str) -> Result<bool> {
+        let req = Request::Delete {
+            key: key.to_owned(),
+        };
+        match self.call(&req, "delete", key, self.timeout)? {
+            Reply::Bool(b) => Ok(b),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Publishes the job's first failure (ignored if one is already recorded).
+    pub(crate) fn abort(&self, record: AbortRecord) -> Result<()> {
+        match self.call(&Request::Abort { record }, "abort", "", FAILURE_WAIT) {
+            Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The job's abort record, if any.
+    pub(crate) fn abort_record(&self) -> Result<Option<AbortRecord>> {
+        match self.call(&Request::GetAbort, "get_abort", "", FAILURE_WAIT) {
+            Ok(Reply::NoAbort) => Ok(None),
+            Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
+            Ok(other) => Err(self.unexpected(&other)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Connections the store refused so far: (peer, reason).
+    pub(crate) fn refusals(&self) -> Result<Vec<(String, String)>> {
+        match self.call(&Request::Refusals, "refusals", "", self.timeout)? {
+            Reply::Refusals(list) => Ok(list),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
+    /// Tells the store this rank leaves cleanly. Best effort, bounded by `timeout`.
+    pub(crate) fn bye(&self, timeout: Duration) {
+        let mut stream = self.lock();
+        let (k, p) = Request::Bye.encode();
+        let _ = stream.set_write_timeout(Some(timeout));
+        let _ = stream.set_read_timeout(Some(timeout));
+        if wire::write_frame(&mut *stream, k, &p).is_ok() {
+            let _ = wire::read_frame(&mut *stream, MAX_FRAME);
+        }
+    }
+}
+
+fn resolve(master: &MasterAddr, rank: Rank) -> Result<Vec<SocketAddr>> {
+    let addrs: Vec<SocketAddr> = (master.host.as_str(), master.port)
+        .to_socket_addrs()
+        .map_err(|source| DdpError::MasterUnresolvable {
+            rank,
+            host: master.host.clone(),
+            source,
+        })?
+        .collect();
+    if addrs.is_empty() {
+        return Err(DdpError::MasterUnresolvable {
+            rank,
+            host: master.host.clone(),
+            source: io::Error::new(ErrorKind::NotFound, "no address"),
+        });
+    }
+    Ok(addrs)
+}
+
+/// Resolves the master address to the address rank 0 binds.
+pub(crate) fn resolve_bind(master: &MasterAddr, rank: Rank) -> Result<SocketAddr> {
+    let addrs = resolve(master, rank)?;
+    // Prefer IPv4 (what most clusters' host names resolve to first for clients too).
+    Ok(addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .copied()
+        .unwrap_or(addrs[0]))
+}

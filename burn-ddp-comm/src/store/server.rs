@@ -1,0 +1,600 @@
+//! The store server, run by rank 0 on `MASTER_ADDR:MASTER_PORT`.
+//!
+//! One thread accepts; one thread serves each connection. Shared state is a map behind a mutex
+//! with a condition variable for blocking `get`/`wait`. A connection that sends anything invalid
+//! (garbage, a truncated or oversized frame, a wrong token) is answered if possible, logged,
+//! and closed; the server keeps serving everyone else.
+
+use std::collections::HashMap;
+use std::io::{self, ErrorKind};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::protocol::{self, Reply, Request, MAX_FRAME};
+use crate::config::JobToken;
+use crate::store::auth::{self, Purpose, RefuseReason, ServerHandshakeError};
+use crate::types::{AbortRecord, Rank, WorldSize};
+use crate::wire::{self, FrameError};
+use crate::{DdpError, Result};
+
+/// How long a new connection may take to authenticate.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stopping server lets blocked requests send their last reply.
+const REPLY_GRACE: Duration = Duration::from_millis(500);
+/// How often the accept loop checks for shutdown.
+const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// How long rank 0 keeps the store up at exit after a failure, for the surviving ranks to read
+/// the abort record (which names the culprit) instead of finding the store gone.
+const ABORT_GRACE: Duration = Duration::from_secs(3);
+
+#[derive(Debug, Default)]
+struct State {
+    map: HashMap<String, Vec<u8>>,
+    /// Live membership connections: rank -> (peer address, connection id).
+    members: HashMap<Rank, (SocketAddr, u64)>,
+    /// Ranks that said goodbye or disconnected, with the address they had.
+    departed: HashMap<Rank, SocketAddr>,
+    refusals: Vec<(String, String)>,
+    abort: Option<AbortRecord>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    changed: Condvar,
+    token: JobToken,
+    world: WorldSize,
+    rank: Rank,
+    shutdown: AtomicBool,
+    next_conn: AtomicU64,
+    /// Requests blocked in `get`/`wait` that still owe their client a reply.
+    blocked: AtomicUsize,
+    conns: Mutex<HashMap<u64, TcpStream>>,
+    max_conns: usize,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A poisoned lock only means a serving thread panicked mid-update of plain data;
+        // the map is still consistent enough to keep serving.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn abort(&self, st: &mut State, record: AbortRecord) {
+        if st.abort.is_none() {
+            tracing::error!("[rank {}] store: job aborted: {record}", self.rank);
+            st.abort = Some(record);
+        }
+        self.changed.notify_all();
+    }
+
+    fn refuse(&self, peer: SocketAddr, why: String) {
+        tracing::warn!(
+            "[rank {}] store: refused connection from {peer}: {why}",
+            self.rank
+        );
+        self.lock().refusals.push((peer.to_string(), why));
+    }
+}
+
+/// A running store server. Dropping it stops the server and closes every connection.
+#[derive(Debug)]
+pub(crate) struct StoreServer {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl StoreServer {
+    /// Binds `addr` and starts serving.
+    ///
+    /// # Errors
+    /// `PortInUse` if another process holds the port, `StoreBind` for other bind failures.
+    pub(crate) fn bind(
+        addr: SocketAddr,
+        rank: Rank,
+        world: WorldSize,
+        token: JobToken,
+    ) -> Result<Self> {
+        let listener = bind_listener(addr).map_err(|source| {
+            if source.kind() == ErrorKind::AddrInUse {
+                DdpError::PortInUse { rank, addr }
+            } else {
+                DdpError::StoreBind { rank, addr, source }
+            }
+        })?;
+        let addr = listener.local_addr()?;
+        listener.set_nonblocking(true)?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            changed: Condvar::new(),
+            token,
+            world,
+            rank,
+            shutdown: AtomicBool::new(false),
+            next_conn: AtomicU64::new(0),
+            blocked: AtomicUsize::new(0),
+            conns: Mutex::new(HashMap::new()),
+            max_conns: world.as_usize().saturating_mul(4).saturating_add(64),
+        });
+        let s = Arc::clone(&shared);
+        let accept = thread::Builder::new()
+            .name("burn-ddp-store".into())
+            .spawn(move || accept_loop(listener, s))?;
+        tracing::debug!("[rank {rank}] store: serving on {addr}");
+        Ok(Self {
+            addr,
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// The address the server listens on.
+    #[cfg(test)]
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits (at most `timeout`) until every rank other than `keep` has left or disconnected,
+    /// so that rank 0 does not pull the store from under ranks that are still finishing.
+    pub(crate) fn wait_for_departures(&self, keep: Rank, timeout: Duration) {
+        let mut deadline = Instant::now() + timeout;
+        let mut st = self.shared.lock();
+        let mut aborted = false;
+        loop {
+            let pending = st.members.keys().filter(|r| **r != keep).count();
+            if pending == 0 {
+                return;
+            }
+            // After a failure the others only need the store to read the abort record (it names
+            // the culprit): keep it up briefly, not for the whole grace.
+            if st.abort.is_some() && !aborted {
+                aborted = true;
+                deadline = deadline.min(Instant::now() + ABORT_GRACE);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::warn!(
+                    "[rank {}] store: shutting down while {pending} rank(s) are still connected",
+                    self.shared.rank
+                );
+                return;
+            }
+            st = match self.shared.changed.wait_timeout(st, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, Ordering::SeqCst);
+        self.shared.changed.notify_all();
+        // Let blocked requests answer (with the abort record, if any) before the sockets close.
+        let deadline = Instant::now() + REPLY_GRACE;
+        while self.shared.blocked.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(5));
+        }
+        tracing::debug!("store on {} stopping", self.addr);
+        if let Ok(conns) = self.shared.conns.lock() {
+            for c in conns.values() {
+                let _ = c.shutdown(Shutdown::Both);
+            }
+        }
+        if let Some(h) = self.accept.take() {
+            if h.join().is_err() {
+                tracing::error!("[rank {}] store: accept thread panicked", self.shared.rank);
+            }
+        }
+    }
+}
+
+fn bind_listener(addr: SocketAddr) -> io::Result<TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
+    // Lets a restarted job reuse the port while old connections linger in TIME_WAIT; a port held
+    // by a live listener still fails with AddrInUse.
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    while !shared.shutdown.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+                let n = shared.conns.lock().map(|c| c.len()).unwrap_or(0);
+                if n >= shared.max_conns {
+                    shared.refuse(
+                        peer,
+                        format!("connection limit of {} reached", shared.max_conns),
+                    );
+                    continue;
+                }
+                if let Ok(clone) = stream.try_clone() {
+                    if let Ok(mut conns) = shared.conns.lock() {
+                        conns.insert(id, clone);
+                    }
+                }
+                let s = Arc::clone(&shared);
+                let spawned = thread::Builder::new()
+                    .name("burn-ddp-store-conn".into())
+                    .spawn(move || {
+                        serve(stream, peer, id, &s);
+                        if let Ok(mut conns) = s.conns.lock() {
+                            conns.remove(&id);
+                        }
+                    });
+                if let Err(e) = spawned {
+                    tracing::error!(
+                        "[rank {}] store: cannot spawn a connection thread: {e}",
+                        shared.rank
+                    );
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                let fd = PollFd::new(&listener, PollFlags::IN);
+                let t = Timespec::try_from(ACCEPT_POLL).unwrap_or(Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 100_000_000,
+                });
+                let _ = poll(&mut [fd], Some(&t));
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!("[rank {}] store: accept failed: {e}", shared.rank);
+                thread::sleep(ACCEPT_POLL);
+            }
+        }
+    }
+}
+
+/// Serves one connection until it closes, misbehaves, or the server shuts down.
+fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &Shared) {
+    if stream.set_nonblocking(false).is_err() {
+        return;
+    }
+    let _ = stream.set_nodelay(true);
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let hello = match auth::server_handshake(
+        &mut stream,
+        &[Purpose::Store, Purpose::StoreAux],
+        &shared.token,
+        deadline,
+    ) {
+        Ok(h) => h,
+        Err(ServerHandshakeError::WrongToken) => {
+            shared.refuse(
+                peer,
+                "wrong job token (another job, or a different BURN_DDP_JOB_TOKEN)".into(),
+            );
+            return;
+        }
+        Err(ServerHandshakeError::Wire(e)) => {
+            shared.refuse(peer, format!("not a burn-ddp peer of this version ({e})"));
+            return;
+        }
+        Err(ServerHandshakeError::Io(e)) => {
+            if !shared.shutdown.load(Ordering::SeqCst) {
+                shared.refuse(peer, format!("handshake failed: {e}"));
+            }
+            return;
+        }
+    };
+
+    let member = match admit(&mut stream, peer, conn, hello, shared) {
+        Some(member) => member,
+        None => return,
+    };
+    let mut said_bye = false;
+    let outcome = request_loop(&mut stream, peer, shared, member, &mut said_bye);
+
+    let mut st = shared.lock();
+    if let Some(rank) = member {
+        if st.members.get(&rank).map(|m| m.1) == Some(conn) {
+            st.members.remove(&rank);
+            st.departed.insert(rank, peer);
+            let shutting_down = shared.shutdown.load(Ordering::SeqCst);
+            if !said_bye && !shutting_down {
+                let why = match &outcome {
+                    Err(FrameError::Io(e)) if e.kind() == ErrorKind::UnexpectedEof => {
+                        "its process exited or crashed".to_string()
+                    }
+                    Err(e) => e.to_string(),
+                    Ok(()) => "it closed the connection".to_string(),
+                };
+                let record = AbortRecord {
+                    reporter: shared.rank,
+                    culprit: Some(rank),
+                    collective: None,
+                    reason: format!(
+                        "rank {rank} ({peer}) lost its connection to the store without leaving: {why}"
+                    ),
+                };
+                shared.abort(&mut st, record);
+            }
+        }
+    }
+    shared.changed.notify_all();
+}
+
+/// Applies membership rules to an authenticated client. Returns `None` when it was refused,
+/// `Some(Some(rank))` for a member and `Some(None)` for an auxiliary connection.
+fn admit(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    conn: u64,
+    hello: auth::ClientHello,
+    shared: &Shared,
+) -> Option<Option<Rank>> {
+    let mut st = shared.lock();
+    let refusal = if hello.world != shared.world {
+        Some((
+            RefuseReason::WorldSize {
+                server_rank: shared.rank,
+                server_world: shared.world,
+            },
+            format!(
+                "rank {} was started with WORLD_SIZE={} but rank {} has WORLD_SIZE={}; every process of a job must use the same WORLD_SIZE",
+                hello.rank, hello.world, shared.rank, shared.world
+            ),
+        ))
+    } else if !shared.world.contains(hello.rank) {
+        Some((
+            RefuseReason::RankOutOfRange {
+                world: shared.world,
+            },
+            format!(
+                "a process at {peer} claimed rank {}, outside WORLD_SIZE={}",
+                hello.rank, shared.world
+            ),
+        ))
+    } else if hello.purpose == Purpose::Store {
+        if let Some((first, _)) = st.members.get(&hello.rank) {
+            let first = *first;
+            Some((
+                RefuseReason::DuplicateRank {
+                    first,
+                    second: peer,
+                },
+                format!(
+                    "rank {} was claimed by two processes ({first} and {peer}); give every process a distinct RANK",
+                    hello.rank
+                ),
+            ))
+        } else if let Some(first) = st.departed.get(&hello.rank) {
+            let first = *first;
+            Some((
+                RefuseReason::DuplicateRank {
+                    first,
+                    second: peer,
+                },
+                format!(
+                    "rank {} was claimed again by {peer} after {first} left; a job cannot re-admit a rank (restart the whole job)",
+                    hello.rank
+                ),
+            ))
+        } else {
+            None
+        }
+    } else {
+        None
+    };
+
+    if let Some((reason, message)) = refusal {
+        let _ = auth::refuse(stream, &reason);
+        st.refusals.push((peer.to_string(), message.clone()));
+        tracing::warn!("[rank {}] store: refused {peer}: {message}", shared.rank);
+        let record = AbortRecord {
+            reporter: shared.rank,
+            culprit: Some(hello.rank),
+            collective: None,
+            reason: message,
+        };
+        shared.abort(&mut st, record);
+        return None;
+    }
+    if auth::welcome(stream).is_err() {
+        return None;
+    }
+    if hello.purpose == Purpose::Store {
+        st.members.insert(hello.rank, (peer, conn));
+        st.map.insert(
+            protocol::joined_key(hello.rank),
+            peer.to_string().into_bytes(),
+        );
+        shared.changed.notify_all();
+        tracing::debug!(
+            "[rank {}] store: rank {} joined from {peer}",
+            shared.rank,
+            hello.rank
+        );
+        Some(Some(hello.rank))
+    } else {
+        Some(None)
+    }
+}
+
+fn request_loop(
+    stream: &mut TcpStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    member: Option<Rank>,
+    said_bye: &mut bool,
+) -> std::result::Result<(), FrameError> {
+    loop {
+        let (kind, payload) = wire::read_frame(stream, MAX_FRAME)?;
+        let request = match Request::decode(kind, &payload) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(
+                    "[rank {}] store: malformed request from {peer}: {e}; closing that connection",
+                    shared.rank
+                );
+                let (k, p) = Reply::Error(format!("malformed request: {e}")).encode();
+                let _ = wire::write_frame(stream, k, &p);
+                return Err(FrameError::Wire(e));
+            }
+        };
+        let bye = matches!(request, Request::Bye);
+        let blocking = matches!(request, Request::Get { .. } | Request::Wait { .. });
+        if blocking {
+            shared.blocked.fetch_add(1, Ordering::SeqCst);
+        }
+        let reply = handle(request, shared, member);
+        let (k, p) = reply.encode();
+        let written = wire::write_frame(stream, k, &p);
+        if blocking {
+            shared.blocked.fetch_sub(1, Ordering::SeqCst);
+        }
+        written?;
+        if bye {
+            *said_bye = true;
+            return Ok(());
+        }
+    }
+}
+
+fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
+    let mut st = shared.lock();
+    match request {
+        Request::Set { key, value } => {
+            st.map.insert(key, value);
+            shared.changed.notify_all();
+            Reply::Ok
+        }
+        Request::Get { key, timeout } => {
+            let deadline = Instant::now() + timeout;
+            loop {
+                if let Some(v) = st.map.get(&key) {
+                    return Reply::Value(v.clone());
+                }
+                match wait(shared, st, deadline) {
+                    Ok(g) => st = g,
+                    Err(reply) => {
+                        return reply.unwrap_or(Reply::Timeout { missing: vec![key] });
+                    }
+                }
+            }
+        }
+        Request::Add { key, delta } => {
+            let current = match st.map.get(&key) {
+                None => 0,
+                Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
+                    Ok(bytes) => i64::from_le_bytes(bytes),
+                    Err(_) => {
+                        return Reply::Rejected(format!(
+                            "`add` on key {key:?}, which holds a {}-byte value, not a counter \
+                             set by `add`; use a different key",
+                            v.len()
+                        ))
+                    }
+                },
+            };
+            let next = current.wrapping_add(delta);
+            st.map.insert(key, next.to_le_bytes().to_vec());
+            shared.changed.notify_all();
+            Reply::Int(next)
+        }
+        Request::Wait { keys, timeout } => {
+            let deadline = Instant::now() + timeout;
+            loop {
+                if keys.iter().all(|k| st.map.contains_key(k)) {
+                    return Reply::Ok;
+                }
+                match wait(shared, st, deadline) {
+                    Ok(g) => st = g,
+                    Err(reply) => {
+                        return reply.unwrap_or_else(|| {
+                            let st = shared.lock();
+                            Reply::Timeout {
+                                missing: keys
+                                    .iter()
+                                    .filter(|k| !st.map.contains_key(*k))
+                                    .cloned()
+                                    .collect(),
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            let current = st.map.get(&key).cloned();
+            if current == expected {
+                st.map.insert(key, desired.clone());
+                shared.changed.notify_all();
+                Reply::Value(desired)
+            } else {
+                Reply::Value(current.unwrap_or_default())
+            }
+        }
+        Request::Delete { key } => Reply::Bool(st.map.remove(&key).is_some()),
+        Request::Abort { record } => {
+            shared.abort(&mut st, record);
+            Reply::Ok
+        }
+        Request::GetAbort => match &st.abort {
+            Some(r) => Reply::Aborted(r.clone()),
+            None => Reply::NoAbort,
+        },
+        Request::Refusals => Reply::Refusals(st.refusals.clone()),
+        Request::Bye => {
+            if let Some(rank) = member {
+                if let Some((addr, _)) = st.members.remove(&rank) {
+                    st.departed.insert(rank, addr);
+                }
+                shared.changed.notify_all();
+            }
+            Reply::Ok
+        }
+    }
+}
+
+/// Waits for a change until `deadline`. `Err(Some(reply))` when the wait must end with that
+/// reply (abort or shutdown), `Err(None)` on timeout.
+fn wait<'a>(
+    shared: &'a Shared,
+    st: MutexGuard<'a, State>,
+    deadline: Instant,
+) -> std::result::Result<MutexGuard<'a, State>, Option<Reply>> {
+    if let Some(r) = &st.abort {
+        return Err(Some(Reply::Aborted(r.clone())));
+    }
+    if shared.shutdown.load(Ordering::SeqCst) {
+        return Err(Some(Reply::Aborted(AbortRecord {
+            reporter: shared.rank,
+            culprit: Some(shared.rank),
+            collective: None,
+            reason: format!(
+                "rank {} stopped the rendezvous store (it is exiting); see its output for why",
+                shared.rank
+            ),
+        })));
+    }
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(None);
+    }
+    let g = match shared.changed.wait_timeout(st, left) {
+        Ok((g, _)) => g,
+        Err(p) => p.into_inner().0,
+    };
+    if let Some(r) = &g.abort {
+        return Err(Some(Reply::Aborted(r.clone())));
+    }
+    Ok(g)
+}

@@ -1,0 +1,360 @@
+//! Store tests on real sockets: the server, clients, and a raw socket that misbehaves.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use super::protocol::{self, Request};
+use super::{Store, StoreClient, StoreServer, WaitOutcome};
+use crate::config::{JobToken, MasterAddr};
+use crate::store::auth::Purpose;
+use crate::types::{Rank, WorldSize};
+use crate::wire;
+use crate::DdpError;
+
+fn world(n: u32) -> WorldSize {
+    WorldSize::new(n).unwrap()
+}
+
+fn serve(n: u32) -> StoreServer {
+    StoreServer::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        Rank(0),
+        world(n),
+        JobToken::new("secret"),
+    )
+    .unwrap()
+}
+
+fn join_as(
+    addr: SocketAddr,
+    purpose: Purpose,
+    rank: u32,
+    n: u32,
+    token: &str,
+) -> crate::Result<StoreClient> {
+    StoreClient::connect(
+        &MasterAddr::new(addr.ip().to_string(), addr.port()),
+        purpose,
+        Rank(rank),
+        world(n),
+        &JobToken::new(token),
+        Duration::from_secs(5),
+        Instant::now() + Duration::from_secs(5),
+    )
+}
+
+fn join(addr: SocketAddr, rank: u32, n: u32) -> StoreClient {
+    join_as(addr, Purpose::Store, rank, n, "secret").unwrap()
+}
+
+#[test]
+fn set_get_add_wait_compare_delete() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let b = join(server.addr(), 1, 2);
+    a.set("k", b"v").unwrap();
+    assert_eq!(b.get("k").unwrap(), b"v");
+    assert_eq!(a.add("n", 2).unwrap(), 2);
+    assert_eq!(b.add("n", -5).unwrap(), -3);
+    assert_eq!(
+        b.wait(&["k".into()], Duration::from_millis(10)).unwrap(),
+        WaitOutcome::Ready
+    );
+    assert_eq!(
+        b.wait(&["k".into(), "z".into()], Duration::from_millis(50))
+            .unwrap(),
+        WaitOutcome::Missing(vec!["z".into()])
+    );
+    assert_eq!(a.compare_set("c", None, b"1").unwrap(), b"1");
+    assert_eq!(a.compare_set("c", None, b"2").unwrap(), b"1");
+    assert_eq!(a.compare_set("c", Some(b"1"), b"3").unwrap(), b"3");
+    assert!(a.delete("c").unwrap());
+    assert!(!a.delete("c").unwrap());
+    // Both members are listed as joined.
+    assert_eq!(
+        a.wait(
+            &[protocol::joined_key(Rank(0)), protocol::joined_key(Rank(1))],
+            Duration::from_secs(1)
+        )
+        .unwrap(),
+        WaitOutcome::Ready
+    );
+}
+
+#[test]
+fn add_on_a_value_that_is_not_a_counter_is_refused_and_the_connection_lives_on() {
+    let server = serve(1);
+    let a = join(server.addr(), 0, 1);
+    a.set("v", b"abc").unwrap();
+    match a.add("v", 1) {
+        Err(DdpError::StoreRequest {
+            op, key, reason, ..
+        }) => {
+            assert_eq!((op, key.as_str()), ("add", "v"));
+            assert!(reason.contains("3-byte"), "{reason}");
+        }
+        other => panic!("expected StoreRequest, got {other:?}"),
+    }
+    assert_eq!(a.get("v").unwrap(), b"abc", "the value must not be lost");
+    assert_eq!(a.add("n", 1).unwrap(), 1);
+}
+
+#[test]
+fn user_keys_are_kept_apart_from_internal_keys() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let b = join(server.addr(), 1, 2);
+    let (sa, sb) = (Store::new(&a), Store::new(&b));
+    sa.set(&protocol::joined_key(Rank(5)), b"x").unwrap();
+    // The user's key did not land on the internal one.
+    assert_eq!(
+        b.wait(&[protocol::joined_key(Rank(5))], Duration::from_millis(20))
+            .unwrap(),
+        WaitOutcome::Missing(vec![protocol::joined_key(Rank(5))])
+    );
+    assert_eq!(sb.get(&protocol::joined_key(Rank(5))).unwrap(), b"x");
+    assert_eq!(sa.add("arrived", 1).unwrap(), 1);
+    assert_eq!(sb.add("arrived", 1).unwrap(), 2);
+    sb.wait(&["arrived"], Duration::from_millis(50)).unwrap();
+    match sb.wait(&["arrived", "never"], Duration::from_millis(20)) {
+        Err(DdpError::StoreTimeout { op, key, .. }) => {
+            assert_eq!((op, key.as_str()), ("wait", "never"))
+        }
+        other => panic!("expected StoreTimeout, got {other:?}"),
+    }
+    assert_eq!(sa.compare_set("c", None, b"1").unwrap(), b"1");
+    assert!(sb.delete("c").unwrap());
+    assert!(matches!(
+        sa.get_timeout("c", Duration::from_millis(20)),
+        Err(DdpError::StoreTimeout { .. })
+    ));
+}
+
+#[test]
+fn blocking_get_wakes_on_set() {
+    let server = serve(2);
+    let addr = server.addr();
+    let waiter = thread::spawn(move || {
+        let b = join(addr, 1, 2);
+        b.get("late").unwrap()
+    });
+    let a = join(addr, 0, 2);
+    thread::sleep(Duration::from_millis(100));
+    a.set("late", b"here").unwrap();
+    assert_eq!(waiter.join().unwrap(), b"here");
+}
+
+#[test]
+fn get_times_out_with_the_key_name() {
+    let server = serve(1);
+    let a = join(server.addr(), 0, 1);
+    let err = a
+        .get_timeout("never", Duration::from_millis(50))
+        .unwrap_err();
+    assert!(
+        matches!(err, DdpError::StoreTimeout { ref key, .. } if key == "never"),
+        "{err}"
+    );
+}
+
+#[test]
+fn wrong_token_is_refused_and_recorded() {
+    let server = serve(2);
+    let err = join_as(server.addr(), Purpose::Store, 1, 2, "other-job").unwrap_err();
+    assert!(matches!(err, DdpError::TokenMismatch { .. }), "{err}");
+    let a = join(server.addr(), 0, 2);
+    // A stranger does not abort the job, but it is recorded for diagnostics.
+    assert_eq!(a.abort_record().unwrap(), None);
+    // The server records the refusal just after sending it, so the stranger can hear of it
+    // first: wait (bounded) for the record.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let refusals = loop {
+        let r = a.refusals().unwrap();
+        if !r.is_empty() || std::time::Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(refusals.len(), 1, "{refusals:?}");
+}
+
+#[test]
+fn duplicate_rank_is_refused_and_aborts_the_rendezvous() {
+    let server = serve(3);
+    let first = join(server.addr(), 1, 3);
+    let err = join_as(server.addr(), Purpose::Store, 1, 3, "secret").unwrap_err();
+    assert!(matches!(err, DdpError::DuplicateRank { .. }), "{err}");
+    // Everyone waiting is released with the explanation instead of timing out.
+    let err = first
+        .wait(&[protocol::joined_key(Rank(2))], Duration::from_secs(30))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("claimed by two processes"),
+        "{err}"
+    );
+}
+
+#[test]
+fn world_size_mismatch_is_refused() {
+    let server = serve(2);
+    let err = join_as(server.addr(), Purpose::Store, 1, 3, "secret").unwrap_err();
+    assert!(matches!(err, DdpError::WorldSizeMismatch { .. }), "{err}");
+}
+
+#[test]
+fn auxiliary_connections_do_not_claim_the_rank() {
+    let server = serve(2);
+    let _member = join(server.addr(), 1, 2);
+    let aux = join_as(server.addr(), Purpose::StoreAux, 1, 2, "secret").unwrap();
+    aux.set("x", b"1").unwrap();
+}
+
+#[test]
+fn unclean_disconnect_aborts_and_names_the_rank() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let b = join(server.addr(), 1, 2);
+    drop(b); // no goodbye: as if the process died
+    let err = a.get_timeout("never", Duration::from_secs(10)).unwrap_err();
+    match err {
+        DdpError::JobAborted { record, .. } => assert_eq!(record.culprit, Some(Rank(1))),
+        other => panic!("{other}"),
+    }
+}
+
+#[test]
+fn goodbye_is_not_a_failure() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let b = join(server.addr(), 1, 2);
+    b.bye(Duration::from_secs(1));
+    drop(b);
+    thread::sleep(Duration::from_millis(100));
+    assert_eq!(a.abort_record().unwrap(), None);
+    server.wait_for_departures(Rank(0), Duration::from_secs(1));
+}
+
+/// Opens a raw TCP connection and authenticates it like a real client would, so that the
+/// garbage that follows reaches the request decoder.
+fn raw_authenticated(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    crate::store::auth::client_handshake(
+        &mut s,
+        Purpose::StoreAux,
+        &JobToken::new("secret"),
+        Rank(0),
+        world(2),
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    s
+}
+
+fn assert_still_serving(addr: SocketAddr) {
+    let c = join_as(addr, Purpose::StoreAux, 0, 2, "secret").unwrap();
+    c.set("alive", b"yes").unwrap();
+    assert_eq!(c.get("alive").unwrap(), b"yes");
+}
+
+#[test]
+fn survives_garbage_before_the_handshake() {
+    let server = serve(2);
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut sink = Vec::new();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.read_to_end(&mut sink); // the server closes the connection
+    assert_still_serving(server.addr());
+}
+
+#[test]
+fn survives_oversized_frames() {
+    let server = serve(2);
+    // Before authentication.
+    let mut s = TcpStream::connect(server.addr()).unwrap();
+    s.write_all(&wire::encode_header(0x01, u32::MAX)).unwrap();
+    // After authentication: a request announcing 4 GiB.
+    let mut s2 = raw_authenticated(server.addr());
+    s2.write_all(&wire::encode_header(0x10, u32::MAX)).unwrap();
+    let mut sink = Vec::new();
+    s2.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s2.read_to_end(&mut sink);
+    assert_still_serving(server.addr());
+    drop(s);
+}
+
+#[test]
+fn survives_truncated_and_malformed_requests() {
+    let server = serve(2);
+    // A header that promises 100 bytes, then only 3, then the client goes away.
+    let mut s = raw_authenticated(server.addr());
+    s.write_all(&wire::encode_header(0x10, 100)).unwrap();
+    s.write_all(b"abc").unwrap();
+    drop(s);
+    // A well-framed request whose payload is nonsense: answered with an error, then closed.
+    let mut s = raw_authenticated(server.addr());
+    wire::write_frame(&mut s, 0x10, &[0xff, 0xff, 0xff, 0xff, 1]).unwrap();
+    let (kind, payload) = wire::read_frame(&mut s, 1 << 20).unwrap();
+    let reply = protocol::Reply::decode(kind, &payload).unwrap();
+    assert!(matches!(reply, protocol::Reply::Error(_)), "{reply:?}");
+    // An unknown request kind.
+    let mut s = raw_authenticated(server.addr());
+    wire::write_frame(&mut s, 0x7f, &[]).unwrap();
+    let (kind, payload) = wire::read_frame(&mut s, 1 << 20).unwrap();
+    assert!(matches!(
+        protocol::Reply::decode(kind, &payload).unwrap(),
+        protocol::Reply::Error(_)
+    ));
+    // Random bytes of every length.
+    for len in [1usize, 11, 12, 13, 64, 4096] {
+        let mut s = raw_authenticated(server.addr());
+        let junk: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+        let _ = s.write_all(&junk);
+    }
+    assert_still_serving(server.addr());
+    // A valid request still works on a fresh connection.
+    let mut s = raw_authenticated(server.addr());
+    let (k, p) = Request::Set {
+        key: "raw".into(),
+        value: b"ok".to_vec(),
+    }
+    .encode();
+    wire::write_frame(&mut s, k, &p).unwrap();
+    let (kind, payload) = wire::read_frame(&mut s, 1 << 20).unwrap();
+    assert_eq!(
+        protocol::Reply::decode(kind, &payload).unwrap(),
+        protocol::Reply::Ok
+    );
+}
+
+#[test]
+fn port_in_use_is_reported() {
+    let server = serve(2);
+    let err = StoreServer::bind(server.addr(), Rank(0), world(2), JobToken::new("x")).unwrap_err();
+    assert!(matches!(err, DdpError::PortInUse { .. }), "{err}");
+}
+
+#[test]
+fn unreachable_master_times_out_with_the_address() {
+    // Bind then drop a listener to get a port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let started = Instant::now();
+    let err = StoreClient::connect(
+        &MasterAddr::new("127.0.0.1", port),
+        Purpose::Store,
+        Rank(1),
+        world(2),
+        &JobToken::new("t"),
+        Duration::from_secs(1),
+        Instant::now() + Duration::from_millis(600),
+    )
+    .unwrap_err();
+    assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+}

@@ -1,5 +1,0 @@
-//! The `burn-ddp` command: `burn-ddp run` (launcher) and `burn-ddp bench all-reduce`.
-
-fn main() -> std::process::ExitCode {
-    burn_ddp::launch::cli::main()
-}

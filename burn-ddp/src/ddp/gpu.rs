@@ -1,0 +1,637 @@
+//! The zero-copy gradient path of `Autodiff<Ddp<Cuda>>`: buckets live on the GPU and NCCL reads
+//! Burn's own device memory; no byte of a gradient crosses to the host.
+//!
+//! Per bucket, when its last gradient is final (in bucket order, as on the host path):
+//! 1. its gradients are packed into one contiguous device tensor by Burn itself (`cat` of the
+//!    flattened gradients, zeros for parameters without a gradient on this rank; a cast for
+//!    compression): one device-to-device copy, as PyTorch DDP's bucket copy. A bucket of one
+//!    gradient is that gradient itself when it is one contiguous span, else a contiguous copy
+//!    (a strided or expanded view);
+//! 2. backward hands both tensors (still queued work) to the launcher thread with its cubecl
+//!    `StreamId` and goes on at once. The launcher, running as that stream, resolves them (Burn's
+//!    fusion tensors to cubecl's), waits for cubecl's stream (cubecl does not expose it, so an
+//!    event cannot order the two streams instead; the wait blocks the launcher, not backward),
+//!    and takes the device pointers from cubecl's resources, checked against the bucket's element
+//!    count and type;
+//! 3. the all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
+//!    bucket and writes a fresh output buffer of its own. NCCL never writes memory Burn may
+//!    still read: Burn's autodiff hands the same buffer to two parents (`add` with equal
+//!    shapes), so a single gradient's buffer can be an input of later backward kernels. Both
+//!    buffers stay pinned until the reduction is complete.
+//!
+//! Backward continues while NCCL runs. At the end of backward every queued reduction is waited
+//! for (with the collective deadline), then each gradient is replaced by its slice of the
+//! reduced output (a view), so the optimizer only ever sees averaged values.
+//!
+//! The path takes Burn's `Cuda` with its default element types (`Cuda<f32, i32>`, what
+//! `burn::backend::Cuda` means); other element types use the host-staged transport.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use burn::backend::Cuda;
+use burn_backend::ops::FloatTensorOps;
+use burn_backend::tensor::FloatTensor;
+use burn_backend::{Backend, DType as BurnDType, Shape, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeBackend;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::stream_id::StreamId;
+
+use crate::comm::{DType, ReduceOp};
+use crate::ddp::hooks::read_f32;
+use crate::ddp::reducer::{BucketTransport, Links};
+use crate::ddp::worker::Worker;
+use crate::group::Rank;
+use crate::{DdpError, Result};
+use burn_ddp_comm::cuda::NcclComm;
+
+type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
+/// `Cuda` with its default element types (an alias in type position applies them).
+type Gpu = Cuda;
+type CudaFloat = FloatTensor<Cuda>;
+type Fused = burn_fusion::FusionTensor<burn_cubecl::fusion::FusionCubeRuntime<CudaRuntime>>;
+
+/// Whether `B` is Burn's CUDA backend with its default element types (`Cuda<f32, i32>`, with or
+/// without `fusion`), whose tensors this path takes. Other element types use the host path.
+pub(crate) fn is_cuda<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<Cuda>()
+}
+
+/// Whether `B` is `Ddp<Cuda>` (the inner backend of `Autodiff<Ddp<Cuda>>`).
+pub(crate) fn is_ddp_cuda<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<crate::Ddp<Cuda>>()
+}
+
+/// The GPU ordinal of a Burn device, if it is a CUDA device.
+pub(crate) fn cuda_ordinal<D: 'static>(device: &D) -> Option<usize> {
+    (device as &dyn Any)
+        .downcast_ref::<cubecl::cuda::CudaDevice>()
+        .map(|d| d.index)
+}
+
+/// `t` as a CUDA tensor, if `B` is [`Cuda`].
+pub(crate) fn to_cuda<B: Backend>(
+    t: FloatTensor<B>,
+) -> std::result::Result<CudaFloat, FloatTensor<B>> {
+    let boxed: Box<dyn Any> = Box::new(t);
+    match boxed.downcast::<CudaFloat>() {
+        Ok(t) => Ok(*t),
+        Err(back) => Err(*back
+            .downcast::<FloatTensor<B>>()
+            .unwrap_or_else(|_| unreachable!("a box holds the type it was made from"))),
+    }
+}
+
+/// The inverse of [`to_cuda`] (`None` if `B` is not [`Cuda`]).
+pub(crate) fn from_cuda<B: Backend>(t: CudaFloat) -> Option<FloatTensor<B>> {
+    let boxed: Box<dyn Any> = Box::new(t);
+    boxed.downcast::<FloatTensor<B>>().ok().map(|t| *t)
+}
+
+/// The cubecl tensor behind a Burn CUDA tensor (resolving the fusion stream first, which
+/// materialises the tensor).
+trait Resolve {
+    fn resolve(self) -> CubeTensor<CudaRuntime>;
+}
+
+impl Resolve for CubeTensor<CudaRuntime> {
+    fn resolve(self) -> CubeTensor<CudaRuntime> {
+        self
+    }
+}
+
+impl Resolve for Fused {
+    fn resolve(self) -> CubeTensor<CudaRuntime> {
+        let client = self.client.clone();
+        client.resolve_tensor_float::<Cube>(self)
+    }
+}
+
+/// Keeps a device allocation alive (and unreused) while NCCL works on it.
+struct Pinned {
+    _tensor: CubeTensor<CudaRuntime>,
+    _resource: Box<dyn Any>,
+}
+
+/// The device pointer of `cube` (contiguous, on this GPU), pinned, checked to hold `count`
+/// elements of `dtype`.
+fn pin(
+    rank: Rank,
+    cube: CubeTensor<CudaRuntime>,
+    count: usize,
+    (dtype, burn_dtype): (DType, BurnDType),
+    what: &str,
+) -> Result<(u64, Pinned)> {
+    if !cube.is_contiguous() {
+        return Err(layout_error(rank, format!("the {what} is not contiguous")));
+    }
+    check_elements(
+        cube.meta.shape().num_elements(),
+        cube.dtype,
+        count,
+        burn_dtype,
+    )
+    .map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
+        layout_error(
+            rank,
+            format!("cubecl has no resource for the {what}: {e:?}"),
+        )
+    })?;
+    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+    check_span(bytes, count, dtype).map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    Ok((
+        ptr,
+        Pinned {
+            _tensor: cube,
+            _resource: Box::new(resource),
+        },
+    ))
+}
+
+// SAFETY: the guard only holds cubecl's reference to the allocation and a copy of its pointer;
+// it is never dereferenced, only dropped, which cubecl allows from any thread (its server
+// processes the release).
+unsafe impl Send for Pinned {}
+
+/// Checks that a device resource of `bytes` bytes holds `count` elements of `dtype`.
+pub(crate) fn check_span(
+    bytes: u64,
+    count: usize,
+    dtype: DType,
+) -> std::result::Result<(), String> {
+    let need = count as u64 * dtype.size() as u64;
+    if bytes >= need {
+        Ok(())
+    } else {
+        Err(format!(
+            "the bucket's device buffer has {bytes} bytes but {count} x {dtype} need {need}"
+        ))
+    }
+}
+
+/// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` elements
+/// of Burn type `want`.
+pub(crate) fn check_elements(
+    numel: usize,
+    burn: BurnDType,
+    count: usize,
+    want: BurnDType,
+) -> std::result::Result<(), String> {
+    if numel != count {
+        return Err(format!("it has {numel} elements, the bucket plan {count}"));
+    }
+    if burn != want {
+        return Err(format!("its elements are {burn:?}, the bucket's {want:?}"));
+    }
+    Ok(())
+}
+
+/// The bucket element type for a compression setting.
+pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
+    match c {
+        crate::Compression::None => (DType::F32, BurnDType::F32),
+        crate::Compression::F16 => (DType::F16, BurnDType::F16),
+        crate::Compression::Bf16 => (DType::BF16, BurnDType::BF16),
+    }
+}
+
+/// What a finished device pass gives back: each local gradient's reduced value by slot, and the
+/// slots without a local gradient that got a non-zero average.
+pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<usize>);
+
+/// One bucket for the launcher thread: its packed input and fresh output (both still queued work
+/// on Burn's stream `stream`), and how to reduce it.
+struct Job {
+    pass: u64,
+    bucket: usize,
+    input: CudaFloat,
+    output: CudaFloat,
+    count: usize,
+    /// The bucket's element type, for NCCL and for Burn.
+    dtype: (DType, BurnDType),
+    op: ReduceOp,
+    stream: StreamId,
+    device: CudaDevice,
+}
+
+/// A bucket the launcher queued on NCCL's stream (its two buffers pinned), or why it could not.
+struct Launched {
+    pass: u64,
+    result: Result<[Pinned; 2]>,
+}
+
+/// The device path's communication thread. Backward hands it each bucket as soon as the bucket
+/// is packed (queued work, not yet done); the thread waits for Burn's stream there — it runs on
+/// the producing thread's cubecl `StreamId`, so the sync covers exactly the stream that computes
+/// the gradients, and it blocks this thread, not backward — then pins both buffers and queues the
+/// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
+/// NCCL calls in the same order.
+pub(crate) struct Launcher {
+    worker: Worker<Job, Launched>,
+    rank: Rank,
+}
+
+impl std::fmt::Debug for Launcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Launcher")
+            .field("rank", &self.rank)
+            .finish()
+    }
+}
+
+impl Launcher {
+    pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
+        let rank = comm.rank();
+        let worker = Worker::start(format!("burn-ddp-nccl-{rank}"), move |job: Job| {
+            let pass = job.pass;
+            let result = job.stream.executes(|| enqueue(&comm, job));
+            Launched { pass, result }
+        })?;
+        Ok(Self { worker, rank })
+    }
+
+    fn send(&self, job: Job) -> Result<()> {
+        if self.worker.send(job) {
+            return Ok(());
+        }
+        Err(DdpError::NotInitialized {
+            what: "the NCCL launcher thread (it stopped)",
+        })
+    }
+
+    /// The next result of pass `pass` (older passes' stragglers are dropped), waiting at most
+    /// `wait`.
+    fn receive(&self, pass: u64, wait: Duration) -> Result<Result<[Pinned; 2]>> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.worker.receive(left) {
+                Ok(l) if l.pass == pass => return Ok(l.result),
+                Ok(_) => continue,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    return Err(DdpError::GradSyncTimeout {
+                        rank: self.rank,
+                        waited: wait,
+                    })
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(DdpError::NotInitialized {
+                        what: "the NCCL launcher thread (it stopped)",
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// On the launcher thread, on Burn's stream: completes the bucket's inputs, pins them and
+/// queues the all-reduce.
+fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
+    let rank = comm.rank();
+    // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
+    // copied (a fresh tensor, cat and cast results are contiguous already).
+    let input = burn_cubecl::kernel::into_contiguous(job.input.resolve());
+    let output = job.output.resolve();
+    // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
+    // so this sync stands in for an event between the two streams). Resolving drained Burn's
+    // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
+    // the fusion server (and so backward) for as long as the GPU takes.
+    <Cube as Backend>::sync(&job.device).map_err(|e| DdpError::Cuda {
+        rank,
+        what: "completing Burn's queued work before the bucket's all-reduce".into(),
+        detail: format!("{e:?}"),
+    })?;
+    let (send, send_pin) = pin(
+        rank,
+        input,
+        job.count,
+        job.dtype,
+        &format!("packed bucket {}", job.bucket),
+    )?;
+    let (recv, recv_pin) = pin(
+        rank,
+        output,
+        job.count,
+        job.dtype,
+        &format!("output buffer of bucket {}", job.bucket),
+    )?;
+    // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
+    // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
+    // above completed; both stay pinned until the step that receives them has waited for NCCL's
+    // stream (`DeviceStep::finish`, or the reducer's discard path).
+    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
+    Ok([send_pin, recv_pin])
+}
+
+/// Numbers the device passes, so that a late answer of an abandoned pass is recognised.
+static PASSES: AtomicU64 = AtomicU64::new(0);
+
+/// The device state of one backward pass.
+pub(crate) struct DeviceStep {
+    pass: u64,
+    /// Each slot's flattened gradient, until its bucket is packed.
+    grads: Vec<Option<CudaFloat>>,
+    /// Each slot's original shape and dtype (to write the result back).
+    shapes: Vec<Option<(Shape, BurnDType)>>,
+    /// Each launched bucket's output (what its gradients become).
+    outputs: Vec<Option<CudaFloat>>,
+    /// Buckets handed to the launcher whose answer has not come back yet.
+    in_flight: usize,
+    /// Buffers NCCL works on, kept until its stream has been waited for.
+    pins: Vec<[Pinned; 2]>,
+    device: Option<CudaDevice>,
+}
+
+impl std::fmt::Debug for DeviceStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceStep")
+            .field("pass", &self.pass)
+            .field("grads", &self.grads.iter().filter(|g| g.is_some()).count())
+            .field("in_flight", &self.in_flight)
+            .field("queued", &self.pins.len())
+            .finish()
+    }
+}
+
+impl DeviceStep {
+    pub(crate) fn new(slots: usize, buckets: usize) -> Self {
+        Self {
+            pass: PASSES.fetch_add(1, Ordering::Relaxed),
+            grads: (0..slots).map(|_| None).collect(),
+            shapes: vec![None; slots],
+            outputs: (0..buckets).map(|_| None).collect(),
+            in_flight: 0,
+            pins: Vec::new(),
+            device: None,
+        }
+    }
+
+    /// Keeps slot `slot`'s final gradient (flattened) for its bucket, after checking it has
+    /// `numel` elements of a float type (as the host path does).
+    pub(crate) fn keep(
+        &mut self,
+        slot: usize,
+        grad: CudaFloat,
+        numel: usize,
+    ) -> std::result::Result<(), String> {
+        let shape = grad.shape();
+        let dtype = grad.dtype();
+        if shape.num_elements() != numel {
+            return Err(format!(
+                "the gradient has {} elements, the parameter {numel}",
+                shape.num_elements()
+            ));
+        }
+        if !matches!(
+            dtype,
+            BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
+        ) {
+            return Err(format!("the gradient's elements are {dtype:?}, not floats"));
+        }
+        self.device.get_or_insert_with(|| Gpu::float_device(&grad));
+        let flat = Gpu::float_reshape(grad, Shape::new([numel]));
+        let flat = if dtype == BurnDType::F32 {
+            flat
+        } else {
+            Gpu::float_cast(flat, burn_backend::FloatDType::F32)
+        };
+        self.grads[slot] = Some(flat);
+        self.shapes[slot] = Some((shape, dtype));
+        Ok(())
+    }
+
+    /// Packs bucket `bucket` (its slots in offset order, with their lengths) into a fresh
+    /// tensor, with a fresh output beside it (both queued work on Burn's stream: nothing waits
+    /// here), and hands both to the launcher, which queues the all-reduce once they exist.
+    fn queue(
+        &mut self,
+        launcher: &Launcher,
+        ordinal: usize,
+        bucket: usize,
+        slots: &[(usize, usize)],
+        op: ReduceOp,
+        compression: crate::Compression,
+    ) -> Result<()> {
+        // No gradient at all on this rank yet: the bucket is zeros on the communicator's GPU.
+        let device = self.device.clone().unwrap_or(CudaDevice { index: ordinal });
+        let parts: Vec<CudaFloat> = slots
+            .iter()
+            .map(|&(slot, numel)| {
+                self.grads[slot].take().unwrap_or_else(|| {
+                    Gpu::float_zeros(Shape::new([numel]), &device, burn_backend::FloatDType::F32)
+                })
+            })
+            .collect();
+        let count: usize = slots.iter().map(|s| s.1).sum();
+        let packed = if parts.len() == 1 {
+            parts
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| unreachable!("one part"))
+        } else {
+            Gpu::float_cat(parts, 0)
+        };
+        let (dtype, burn_dtype) = bucket_dtype(compression);
+        let input = if burn_dtype == BurnDType::F32 {
+            packed
+        } else {
+            Gpu::float_cast(packed, float_dtype(burn_dtype))
+        };
+        let output = Gpu::float_empty(Shape::new([count]), &device, float_dtype(burn_dtype));
+        launcher.send(Job {
+            pass: self.pass,
+            bucket,
+            input,
+            output: output.clone(),
+            count,
+            dtype: (dtype, burn_dtype),
+            op,
+            stream: StreamId::current(),
+            device,
+        })?;
+        self.in_flight += 1;
+        self.outputs[bucket] = Some(output);
+        Ok(())
+    }
+
+    /// Waits (at most `wait` per bucket) until the launcher has answered for every bucket
+    /// handed to it; keeps what it queued pinned. The first failure is returned after all
+    /// answers are in (or one never comes).
+    pub(crate) fn collect(&mut self, launcher: &Launcher, wait: Duration) -> Result<()> {
+        let mut first = None;
+        while self.in_flight > 0 {
+            match launcher.receive(self.pass, wait) {
+                Ok(result) => {
+                    self.in_flight -= 1;
+                    match result {
+                        Ok(pins) => self.pins.push(pins),
+                        Err(e) => {
+                            first.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(e) => {
+                    first.get_or_insert(e);
+                    break;
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    /// Waits for every queued reduction and returns, per slot with a local gradient, the
+    /// reduced values (a view of the bucket's output, shaped and typed as the gradient was),
+    /// and the slots without a local gradient whose average is not zero (other ranks used those
+    /// parameters; the caller reports them, as the host path does). `slots`: (slot, bucket,
+    /// offset, length).
+    pub(crate) fn finish(
+        &mut self,
+        comm: &NcclComm,
+        launcher: &Launcher,
+        wait: Duration,
+        slots: impl Iterator<Item = (usize, usize, usize, usize)>,
+    ) -> Result<Reduced> {
+        self.collect(launcher, wait)?;
+        comm.wait()?;
+        self.pins.clear();
+        let mut out = Vec::new();
+        let mut foreign = Vec::new();
+        for (slot, bucket, offset, numel) in slots {
+            let Some(output) = &self.outputs[bucket] else {
+                continue;
+            };
+            let part = Gpu::float_slice(
+                output.clone(),
+                &[burn_backend::Slice::from(offset..offset + numel)],
+            );
+            match self.shapes[slot].clone() {
+                Some((shape, dtype)) => {
+                    let part = if part.dtype() == dtype {
+                        part
+                    } else {
+                        Gpu::float_cast(part, float_dtype(dtype))
+                    };
+                    out.push((slot, Gpu::float_reshape(part, shape)));
+                }
+                // No gradient here: one scalar read tells whether other ranks had one.
+                None => {
+                    if nonzero(part).map_err(|reason| DdpError::Model {
+                        rank: comm.rank(),
+                        what: "reading a reduced bucket",
+                        reason,
+                    })? {
+                        foreign.push(slot);
+                    }
+                }
+            }
+        }
+        self.outputs.iter_mut().for_each(|o| *o = None);
+        Ok((out, foreign))
+    }
+}
+
+impl BucketTransport for DeviceStep {
+    fn launch(
+        &mut self,
+        links: &mut Links<'_>,
+        bucket: usize,
+        slots: &[(usize, usize)],
+    ) -> Result<()> {
+        let (comm, launcher) = links.nccl()?;
+        let ordinal = comm.device_ordinal();
+        self.queue(
+            launcher,
+            ordinal,
+            bucket,
+            slots,
+            links.op(),
+            links.compression(),
+        )
+    }
+}
+
+/// Whether any element of `t` is not zero (one scalar copied to the host).
+fn nonzero(t: CudaFloat) -> std::result::Result<bool, String> {
+    let max = read_f32::<Gpu>(Gpu::float_max(Gpu::float_abs(t)))?;
+    Ok(max.iter().any(|v| *v != 0.0))
+}
+
+fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {
+    match d {
+        BurnDType::F64 => burn_backend::FloatDType::F64,
+        BurnDType::F16 => burn_backend::FloatDType::F16,
+        BurnDType::BF16 => burn_backend::FloatDType::BF16,
+        _ => burn_backend::FloatDType::F32,
+    }
+}
+
+fn layout_error(rank: Rank, reason: String) -> DdpError {
+    DdpError::Model {
+        rank,
+        what: "handing a gradient bucket to NCCL",
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bucket_must_fit_its_device_buffer() {
+        assert!(check_span(4096, 1024, DType::F32).is_ok());
+        assert!(check_span(4096, 2048, DType::F16).is_ok());
+        let e = check_span(4092, 1024, DType::F32).unwrap_err();
+        assert!(e.contains("4092 bytes but 1024 x float need 4096"), "{e}");
+    }
+
+    #[test]
+    fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {
+        assert!(check_elements(1024, BurnDType::F32, 1024, BurnDType::F32).is_ok());
+        assert!(check_elements(8, BurnDType::BF16, 8, BurnDType::BF16).is_ok());
+        let e = check_elements(1023, BurnDType::F32, 1024, BurnDType::F32).unwrap_err();
+        assert!(e.contains("1023 elements, the bucket plan 1024"), "{e}");
+        let e = check_elements(8, BurnDType::F32, 8, BurnDType::F16).unwrap_err();
+        assert!(e.contains("F32"), "{e}");
+    }
+
+    #[test]
+    fn cuda_devices_give_their_ordinal_and_others_none() {
+        assert_eq!(
+            cuda_ordinal(&cubecl::cuda::CudaDevice { index: 3 }),
+            Some(3)
+        );
+        assert_eq!(
+            cuda_ordinal(&burn::backend::ndarray::NdArrayDevice::Cpu),
+            None
+        );
+        assert!(is_ddp_cuda::<crate::Ddp<Cuda>>());
+        assert!(!is_ddp_cuda::<Cuda>());
+    }
+
+    #[test]
+    fn compression_picks_the_bucket_type() {
+        assert_eq!(
+            bucket_dtype(crate::Compression::None),
+            (DType::F32, BurnDType::F32)
+        );
+        assert_eq!(
+            bucket_dtype(crate::Compression::Bf16),
+            (DType::BF16, BurnDType::BF16)
+        );
+        assert_eq!(float_dtype(BurnDType::F16), burn_backend::FloatDType::F16);
+    }
+
+    #[test]
+    fn only_burns_cuda_backend_takes_the_device_path() {
+        assert!(is_cuda::<Cuda>());
+        assert!(!is_cuda::<crate::Ddp<Cuda>>());
+        assert!(
+            !is_cuda::<Cube>() || std::any::TypeId::of::<Cube>() == std::any::TypeId::of::<Cuda>()
+        );
+    }
+}
