@@ -2,9 +2,101 @@
 //! with Burn's Learner and `DdpStrategy` on 2 real processes, started through `burn-ddp run` and
 //! through its own `burn_ddp::spawn`, and a killed rank ends the job promptly.
 
+use std::io::Read;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+/// A job started by a test, with a deadline. Its output is read on threads; it is stopped when
+/// it outlives its deadline, and when the test ends or fails first (SIGTERM, which the launcher
+/// and `spawn` forward to their ranks; SIGKILL 10 s later), so no job outlives its test.
+struct Job {
+    child: Child,
+    readers: Option<(JoinHandle<Vec<u8>>, JoinHandle<Vec<u8>>)>,
+    deadline: Instant,
+}
+
+impl Job {
+    fn start(cmd: &mut Command, limit: Duration) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let read = |mut pipe: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = pipe.read_to_end(&mut buf);
+                buf
+            })
+        };
+        let out = read(Box::new(child.stdout.take().unwrap()));
+        let err = read(Box::new(child.stderr.take().unwrap()));
+        Self {
+            child,
+            readers: Some((out, err)),
+            deadline: Instant::now() + limit,
+        }
+    }
+
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the job to end, at most until its deadline (then it is stopped and the test
+    /// fails with what it printed).
+    fn finish(mut self) -> Output {
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() >= self.deadline {
+                let status = self.stop();
+                let (out, err) = self.output();
+                panic!(
+                    "the job passed its deadline and was stopped ({status:?})\nstdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let (stdout, stderr) = self.output();
+        Output {
+            status,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn output(&mut self) -> (Vec<u8>, Vec<u8>) {
+        let (out, err) = self.readers.take().unwrap();
+        (out.join().unwrap(), err.join().unwrap())
+    }
+
+    fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)?;
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let grace = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < grace {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        self.child.wait().ok()
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.stop();
+        }
+    }
+}
 
 fn example() -> PathBuf {
     // target/<profile>/deps/<this test> -> target/<profile>/examples/classifier
@@ -66,8 +158,11 @@ fn files_under(dir: &std::path::Path) -> Vec<String> {
 #[test]
 fn two_ranks_agree_and_only_rank_0_writes() {
     let out = scratch("classifier");
-    let run = Command::new(launcher())
-        .args(["run", "--standalone", "--nproc-per-node", "2", "--"])
+    // A fresh run starts clean: files of an older run in the same directory are gone after it.
+    std::fs::create_dir_all(out.join("rank-0/train/epoch-2")).unwrap();
+    std::fs::write(out.join("rank-0/train/epoch-2/Loss.log"), "stale").unwrap();
+    let mut cmd = Command::new(launcher());
+    cmd.args(["run", "--standalone", "--nproc-per-node", "2", "--"])
         .arg(example())
         .args(["--epochs", "1", "--batch-size", "16"])
         .args([
@@ -80,9 +175,8 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         ])
         .arg(out.join("rank-{rank}"))
         .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .output()
-        .unwrap();
+        .env_remove("SLURM_PROCID");
+    let run = Job::start(&mut cmd, Duration::from_secs(600)).finish();
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
@@ -165,27 +259,24 @@ fn rank_of(pid: u32) -> Option<u32> {
 #[test]
 fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
     let out = scratch("classifier-kill");
-    let job = Command::new(example())
-        .args([
-            "--nproc",
-            "2",
-            "--epochs",
-            "100",
-            "--train-size",
-            "400",
-            "--test-size",
-            "64",
-        ])
-        .arg("--out")
-        .arg(&out)
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut cmd = Command::new(example());
+    cmd.args([
+        "--nproc",
+        "2",
+        "--epochs",
+        "100",
+        "--train-size",
+        "400",
+        "--test-size",
+        "64",
+    ])
+    .arg("--out")
+    .arg(&out)
+    .env_remove("RANK")
+    .env_remove("SLURM_PROCID")
+    .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
+    .env_remove("RUST_LOG");
+    let job = Job::start(&mut cmd, Duration::from_secs(600));
     // Wait until both ranks train (rank 0 has logged a step).
     let deadline = Instant::now() + Duration::from_secs(120);
     let victim = loop {
@@ -206,7 +297,7 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
         .args(["-9", &victim.to_string()])
         .status()
         .unwrap();
-    let result = job.wait_with_output().unwrap();
+    let result = job.finish();
     let took = killed_at.elapsed();
     let stderr = String::from_utf8_lossy(&result.stderr);
     assert!(
@@ -230,8 +321,8 @@ fn elastic_run(
     max_restarts: u32,
     victim: Option<u32>,
 ) -> (bool, String, String, Duration) {
-    let job = Command::new(launcher())
-        .args([
+    let mut cmd = Command::new(launcher());
+    cmd.args([
             "run",
             "--standalone",
             "--nproc-per-node",
@@ -248,10 +339,8 @@ fn elastic_run(
         .env_remove("SLURM_PROCID")
         .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
         .env("RUST_LOG", "burn_ddp=info") // to see where training resumed
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        ;
+    let job = Job::start(&mut cmd, Duration::from_secs(900));
     let mut killed_at = None;
     if let Some(victim) = victim {
         let deadline = Instant::now() + Duration::from_secs(300);
@@ -278,7 +367,7 @@ fn elastic_run(
             .unwrap();
         killed_at = Some(Instant::now());
     }
-    let result = job.wait_with_output().unwrap();
+    let result = job.finish();
     let took = killed_at.map(|t| t.elapsed()).unwrap_or_default();
     (
         result.status.success(),

@@ -194,24 +194,6 @@ enum Mode {
     Accumulate,
 }
 
-fn params(m: &impl Module<B>) -> Vec<f32> {
-    let mut out = Vec::new();
-    struct Collect<'a>(&'a mut Vec<f32>);
-    impl burn::module::ModuleVisitor<B> for Collect<'_> {
-        fn visit_float<const D: usize>(&mut self, p: &burn::module::Param<Tensor<B, D>>) {
-            self.0.extend(
-                p.val()
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec::<f32>()
-                    .unwrap(),
-            );
-        }
-    }
-    m.visit(&mut Collect(&mut out));
-    out
-}
-
 fn train<M: Net<B> + AutodiffModule<B>>(
     pg: ProcessGroup,
     opt: Opt,
@@ -255,7 +237,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     let session = DdpSession::new(pg, config).unwrap();
     let mut model = session.prepare(M::build(&device)).unwrap();
     let mut reference = M::build(&device).load_record(model.clone().into_record());
-    assert_eq!(params(&model), params(&reference));
+    assert_eq!(common::params(&model), common::params(&reference));
     let mut opt_ddp = make_opt();
     let mut opt_ref = make_opt();
     let lr = 0.05;
@@ -295,7 +277,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
             }
         }
     }
-    let (got, want) = (params(&model), params(&reference));
+    let (got, want) = (common::params(&model), common::params(&reference));
     assert_eq!(got.len(), want.len());
     let mut worst = 0.0f32;
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {

@@ -3,6 +3,8 @@
 //! from rank 0's checkpoints, and stop decisions (quit, early stop, data error) taken by every
 //! rank.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
@@ -181,7 +183,7 @@ impl Run {
                 <B as Backend>::seed(&device, self.seed + u64::from(r));
                 let model = Reg::<B>::new(&device);
                 // Parameters are initialised lazily, on first use: draw them now.
-                let _ = params(&burn::module::AutodiffModule::valid(&model));
+                let _ = common::params(&burn::module::AutodiffModule::valid(&model));
                 model
             })
             .collect();
@@ -252,29 +254,8 @@ impl Run {
         }
         let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
         let result = training.launch_ddp(learner, &ddp)?;
-        Ok(params(&result.model))
+        Ok(common::params(&result.model))
     }
-}
-
-fn params<M: Module<Ddp<NdArray>>>(m: &M) -> Vec<f32> {
-    let mut out = Vec::new();
-    struct V<'a>(&'a mut Vec<f32>);
-    impl burn::module::ModuleVisitor<Ddp<NdArray>> for V<'_> {
-        fn visit_float<const D: usize>(
-            &mut self,
-            p: &burn::module::Param<Tensor<Ddp<NdArray>, D>>,
-        ) {
-            self.0.extend(
-                p.val()
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec::<f32>()
-                    .unwrap(),
-            );
-        }
-    }
-    m.visit(&mut V(&mut out));
-    out
 }
 
 fn scratch(name: &str) -> PathBuf {

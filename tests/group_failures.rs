@@ -290,7 +290,15 @@ fn port_already_in_use_by_another_job() {
     .with_master(burn_ddp::MasterAddr::new("127.0.0.1", port))
     .with_timeouts(burn_ddp::Timeouts::uniform(Duration::from_secs(8)));
     let job_a = std::thread::spawn(move || ProcessGroup::init(cfg));
-    std::thread::sleep(Duration::from_millis(300));
+    // Until job A's store listens on the port (binding it then fails).
+    let listening = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        assert!(
+            Instant::now() < listening,
+            "job A's store never listened on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let started = Instant::now();
     let out = Job::new(2, NAME)
         .master_port(port)
@@ -364,7 +372,7 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
                 ..
             } => {
                 assert_eq!(*culprit, Rank(2), "{text}");
-                assert_eq!(*last_completed, 1, "{text}");
+                assert_eq!(*last_completed, burn_ddp::types::CollectiveSeq(1), "{text}");
                 assert!(!host.is_empty() && host != "?", "{text}");
                 assert!(text.contains("has not reached collective #2"), "{text}");
             }
@@ -522,7 +530,7 @@ fn desync_debug_mode_shows_both_calls_and_their_lines() {
         else {
             panic!("unexpected: {text}");
         };
-        assert_eq!(*call, 2, "{text}");
+        assert_eq!(*call, burn_ddp::types::CollectiveSeq(2), "{text}");
         let (mine, other) = if pg.rank() == Rank(2) {
             assert_eq!(*peer, Rank(0), "{text}");
             (

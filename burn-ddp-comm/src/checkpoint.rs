@@ -13,10 +13,10 @@ use crate::{DdpError, Result};
 /// # Errors
 /// The I/O error, with the path.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let io = |what: &'static str, e: std::io::Error| DdpError::Checkpoint {
-        path: path.display().to_string(),
+    let io = |what: &'static str, source: std::io::Error| DdpError::CheckpointIo {
+        path: path.to_path_buf(),
         what,
-        reason: e.to_string(),
+        source,
     };
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

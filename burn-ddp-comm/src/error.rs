@@ -397,10 +397,31 @@ pub enum DdpError {
         first: Box<AbortRecord>,
     },
 
-    /// Something was used before `ProcessGroup::init`.
-    #[error("{what} is not initialised: create the process group (ProcessGroup::from_env or ProcessGroup::init) before training")]
+    /// Something was used before it was set up.
+    #[error("{what} is not set up: {fix}")]
     NotInitialized {
         /// What was used.
+        what: &'static str,
+        /// What sets it up.
+        fix: &'static str,
+    },
+
+    /// A thread that this rank's collectives depend on (the gradient communication thread, the
+    /// NCCL launcher) is gone: an earlier error ended it, or it panicked.
+    #[error("[rank {rank}] {what} has stopped, so this step cannot finish: an earlier error ended it (the first error this rank reported says which) or it panicked. The group cannot continue: let the job end, and restart it (burn-ddp run --max-restarts)")]
+    WorkerStopped {
+        /// This rank.
+        rank: Rank,
+        /// The thread (`the gradient communication thread`).
+        what: &'static str,
+    },
+
+    /// An invariant of burn-ddp itself does not hold: a bug.
+    #[error("[rank {rank}] internal error in burn-ddp: {what}. Please report it, with the output of every rank")]
+    Internal {
+        /// This rank.
+        rank: Rank,
+        /// What did not hold.
         what: &'static str,
     },
 
@@ -456,12 +477,33 @@ pub enum DdpError {
         rank: Rank,
         /// The NCCL call and what it was doing (`ncclAllReduce (all_reduce #12, 4096 x float)`).
         call: String,
-        /// NCCL's result code and its text.
+        /// The `ncclResult_t` NCCL returned: its name and NCCL's text for it.
         code: String,
         /// `ncclGetLastError`'s message, when NCCL gave one (starts with ": ").
         detail: String,
         /// What usually causes it and what to do.
         hint: &'static str,
+    },
+
+    /// The loaded NCCL cannot run a collective as asked (an operation or element type it does
+    /// not support).
+    #[error("[rank {rank}] NCCL cannot run {what}: {reason}")]
+    NcclUnsupported {
+        /// This rank.
+        rank: Rank,
+        /// The collective (`all_reduce #3 (mean of bfloat16)`).
+        what: String,
+        /// Why, and what would work.
+        reason: String,
+    },
+
+    /// Rank 0's NCCL unique id arrived with the wrong size.
+    #[error("[rank {rank}] rank 0's NCCL unique id has {len} bytes, not 128: every rank must run the same burn-ddp version")]
+    NcclIdMalformed {
+        /// This rank.
+        rank: Rank,
+        /// The size that arrived.
+        len: usize,
     },
 
     /// An NCCL operation did not complete in time; the communicator was aborted.
@@ -497,6 +539,20 @@ pub enum DdpError {
         waited: Duration,
     },
 
+    /// A gradient's size is not its parameter's (a custom op or backend produced a gradient of
+    /// the wrong shape).
+    #[error("[rank {rank}] the gradient of `{param}` has {got} elements, but the parameter has {expected}: the operation that produced it returned a gradient of the wrong shape")]
+    GradientSize {
+        /// This rank.
+        rank: Rank,
+        /// The parameter's name.
+        param: String,
+        /// The parameter's element count.
+        expected: usize,
+        /// The gradient's element count.
+        got: usize,
+    },
+
     /// A model's parameters could not be read, written or (de)serialised.
     #[error("[rank {rank}] {what}: {reason}")]
     Model {
@@ -513,8 +569,8 @@ pub enum DdpError {
     Desync {
         /// This rank.
         rank: Rank,
-        /// The checked call's number on this rank (1 = the first collective).
-        call: u64,
+        /// The checked call on this rank (`#1` = the first collective).
+        call: CollectiveSeq,
         /// What this rank calls, and from where.
         ours: String,
         /// The rank compared with.
@@ -525,7 +581,7 @@ pub enum DdpError {
 
     /// The heartbeat watcher found a rank dead, frozen or stuck while this rank waited in a
     /// collective (long before the collective timeout).
-    #[error("[rank {rank}] {op} #{seq}: rank {culprit} (host {host}) {what}; its last completed collective was #{last_completed}")]
+    #[error("[rank {rank}] {op} {seq}: rank {culprit} (host {host}) {what}; its last completed collective was {last_completed}")]
     RankUnresponsive {
         /// This rank.
         rank: Rank,
@@ -534,16 +590,16 @@ pub enum DdpError {
         /// Its host, as it reported it.
         host: String,
         /// The last collective it completed.
-        last_completed: u64,
+        last_completed: CollectiveSeq,
         /// The collective this rank waited in.
         op: CollectiveOp,
         /// Its sequence number.
-        seq: u64,
+        seq: CollectiveSeq,
         /// What was seen.
         what: String,
     },
 
-    /// Training under [`DdpStrategy`](crate::train::DdpStrategy) stopped because a rank failed
+    /// Training under burn-ddp's `DdpStrategy` stopped because a rank failed
     /// (a data error, a panic in a training step, a lost peer): every rank reports the rank at
     /// fault.
     #[error("[rank {rank}] training stopped: rank {culprit} failed: {reason}")]
@@ -586,7 +642,19 @@ pub enum DdpError {
         status: String,
     },
 
-    /// Writing or reading a checkpoint failed.
+    /// Reading or writing a checkpoint file failed.
+    #[error("checkpoint {}: {what} failed: {source}", path.display())]
+    CheckpointIo {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The step that failed (`writing`, `renaming into place`).
+        what: &'static str,
+        /// The operating system's error.
+        source: io::Error,
+    },
+
+    /// A checkpoint could not be made or used (serialising, or a file that is not a record of
+    /// this model).
     #[error("checkpoint {path}: {what} failed: {reason}")]
     Checkpoint {
         /// The file.
@@ -598,12 +666,12 @@ pub enum DdpError {
     },
 
     /// The function a rank ran under [`spawn`](crate::launch::spawn()) returned an error.
-    #[error("rank {rank} failed: {message}")]
+    #[error("rank {rank} failed: {source}")]
     RankError {
         /// The rank.
         rank: Rank,
-        /// The error, as text.
-        message: String,
+        /// The function's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 
     /// The launcher was asked to stop (SIGINT/SIGTERM/SIGHUP) and stopped every rank.
@@ -640,6 +708,11 @@ impl DdpError {
             | ModelMismatch { rank, .. }
             | GradSyncTimeout { rank, .. }
             | Model { rank, .. }
+            | GradientSize { rank, .. }
+            | WorkerStopped { rank, .. }
+            | Internal { rank, .. }
+            | NcclUnsupported { rank, .. }
+            | NcclIdMalformed { rank, .. }
             | TrainingFailed { rank, .. }
             | RankUnresponsive { rank, .. }
             | Desync { rank, .. }

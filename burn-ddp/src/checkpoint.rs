@@ -41,7 +41,11 @@ pub fn load_module<B: Backend, M: Module<B>>(
         what,
         reason,
     };
-    let bytes = fs::read(path).map_err(|e| err("reading", e.to_string()))?;
+    let bytes = fs::read(path).map_err(|source| DdpError::CheckpointIo {
+        path: path.to_path_buf(),
+        what: "reading",
+        source,
+    })?;
     let record = BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)
         .map_err(|e| {

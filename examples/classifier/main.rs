@@ -69,7 +69,8 @@ struct Args {
     /// to see what each rank writes).
     #[arg(long, default_value = "target/classifier-run")]
     out: PathBuf,
-    /// Resume from the newest complete checkpoint in `<out>/checkpoint`.
+    /// Resume from the newest complete checkpoint in `<out>/checkpoint` (without it, a run
+    /// starts by clearing `<out>`).
     #[arg(long)]
     resume: bool,
     /// Every rank prints a digest of its final parameters (to check that they agree).
@@ -77,7 +78,7 @@ struct Args {
     print_digest: bool,
 }
 
-fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
+fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let main = pg.is_main();
     let world = pg.world_size().get() as usize;
     let out = PathBuf::from(
@@ -85,6 +86,18 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>
             .to_string_lossy()
             .replace("{rank}", &pg.rank().to_string()),
     );
+    // A fresh run starts in an empty directory, as Burn's examples do (otherwise Burn's summary
+    // would count the epochs of an older run). A resumed or restarted run keeps it: that is
+    // where its checkpoints are. Only the rank that writes there clears it.
+    let resuming = args.resume || pg.restart_count() > 0;
+    let writes_here = main || args.out.to_string_lossy().contains("{rank}");
+    if !resuming && writes_here {
+        match std::fs::remove_dir_all(&out) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("clearing {}: {e}", out.display()).into()),
+        }
+    }
     let data = match &args.mnist {
         Some(dir) => data::mnist(dir)?,
         None => data::generated(args.train_size, args.test_size, args.seed),

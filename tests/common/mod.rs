@@ -12,6 +12,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 use burn_ddp::launch::spawn::{describe, LocalJob, Output};
 use burn_ddp::ProcessGroup;
 
@@ -304,4 +307,24 @@ pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {
         return;
     }
     Job::new(world, name).run().assert_all_ok();
+}
+
+/// Every float parameter of `m`, flattened, in the order Burn visits them (to compare models
+/// across ranks or runs).
+pub fn params<B: Backend, M: Module<B>>(m: &M) -> Vec<f32> {
+    struct Collect<'a>(&'a mut Vec<f32>);
+    impl<B: Backend> ModuleVisitor<B> for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.extend(
+                p.val()
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut out = Vec::new();
+    m.visit(&mut Collect(&mut out));
+    out
 }

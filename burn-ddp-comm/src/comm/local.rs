@@ -169,8 +169,9 @@ impl LocalCommunicator {
         let posts = match &st.published {
             Some(p) => Arc::clone(p),
             None => {
-                return Err(DdpError::NotInitialized {
-                    what: "local collective round",
+                return Err(DdpError::Internal {
+                    rank: self.rank,
+                    what: "an in-process collective round completed without its contributions",
                 })
             }
         };

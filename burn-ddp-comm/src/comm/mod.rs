@@ -1,7 +1,8 @@
 //! Communicators: how bytes move between the ranks of a group.
 //!
-//! - `types.rs`: [`DType`], [`ReduceOp`], [`CollectiveOp`], [`CollectiveDesc`], [`Element`]
-//! - `reduce.rs`: element-wise reduction kernels shared by the host transports
+//! - `mod.rs`: the [`Communicator`] trait, the `PeerWatch` a communicator is handed (the heartbeat)
+//! - `memory.rs`: large host buffers for the collectives (transparent huge pages, touched up front)
+//! - `reduce.rs`: element-wise reduction kernels shared by the host transports, and `split`
 //! - `tcp/`: ring collectives between processes over TCP
 //! - `local.rs`: collectives between the threads of one process
 //!

@@ -166,7 +166,7 @@ impl fmt::Debug for NcclComm {
 
 impl NcclComm {
     /// Creates the communicator of `pg` on this rank's GPU: the only one it sees, or the one its
-    /// `LOCAL_RANK` names (see [`rank_device`](super::rank_device)). Every rank of the group must
+    /// `LOCAL_RANK` names (see [`rank_ordinal`](super::rank_ordinal)). Every rank of the group must
     /// call it (collectively, like any collective).
     ///
     /// # Errors
@@ -544,12 +544,10 @@ impl NcclComm {
 
     /// NCCL's reduction for `op` on `dtype`, or an error saying why it is not available.
     fn reduction(&self, op: ReduceOp, dtype: DType, call: &str) -> Result<ncclRedOp_t> {
-        nccl_op(op, dtype, self.version).map_err(|reason| DdpError::Nccl {
+        nccl_op(op, dtype, self.version).map_err(|reason| DdpError::NcclUnsupported {
             rank: self.rank,
-            call: call.into(),
-            code: "not supported".into(),
-            detail: format!(": {reason}"),
-            hint: "",
+            what: call.into(),
+            reason,
         })
     }
 
@@ -874,15 +872,9 @@ fn share_unique_id(pg: &ProcessGroup) -> Result<sys::ncclUniqueId> {
         (Some(store), None) => store.get_timeout(&key, pg.timeouts().rendezvous)?,
         (None, mine) => pg.broadcast_bytes(mine.unwrap_or_default(), Rank(0))?,
     };
-    id_from_bytes(&bytes).ok_or_else(|| DdpError::Nccl {
+    id_from_bytes(&bytes).ok_or(DdpError::NcclIdMalformed {
         rank,
-        call: "sharing the unique id".into(),
-        code: "malformed".into(),
-        detail: format!(
-            ": rank 0's NCCL unique id has {} bytes, not 128",
-            bytes.len()
-        ),
-        hint: "every rank must run the same burn-ddp version",
+        len: bytes.len(),
     })
 }
 

@@ -118,7 +118,10 @@ mod tests {
             || Poll::Pending,
             || {
                 checks.set(checks.get() + 1);
-                (checks.get() == 3).then_some(DdpError::NotInitialized { what: "x" })
+                (checks.get() == 3).then_some(DdpError::Internal {
+                    rank: Rank(0),
+                    what: "x",
+                })
             },
         );
         assert!(matches!(r, Err(Stop::Aborted(_))), "{r:?}");

@@ -8,7 +8,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::comm::Communicator;
-use crate::types::{CollectiveDesc, DType, Rank};
+use crate::types::{CollectiveDesc, CollectiveSeq, DType, Rank};
 use crate::{DdpError, Result};
 
 /// Bytes of one rank's view: the descriptor, then the text for the message.
@@ -63,7 +63,7 @@ impl DesyncCheck {
         let peer = if rank.index() == odd { 0 } else { odd };
         Err(DdpError::Desync {
             rank,
-            call,
+            call: CollectiveSeq(call),
             ours: text,
             peer: Rank(peer as u32),
             theirs: text_of(peer),

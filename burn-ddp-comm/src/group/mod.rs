@@ -1,10 +1,12 @@
 //! The process group: who this process is in the job, and the collectives it can call.
 //!
-//! - `rank.rs`: [`Rank`], [`WorldSize`], [`LocalRank`], [`CollectiveSeq`] newtypes
-//! - `store/`: the key-value store on rank 0 that bootstraps the job
-//! - `auth.rs`: job-token handshake for every connection
-//! - `rendezvous.rs`: joining the job
-//! - `abort.rs`: [`AbortRecord`], the job's first failure, shared through the store
+//! - `mod.rs`: [`ProcessGroup`], its collectives (typed and on bytes), [`PeerWait`]
+//! - `rendezvous.rs`: joining the job through the store on rank 0
+//! - `desync.rs`: the check before every collective (`BURN_DDP_DEBUG_DESYNC`)
+//! - `heartbeat.rs`: the heartbeat, a group service handed to the TCP communicator
+//!
+//! The ids ([`Rank`], [`WorldSize`], ...) and [`AbortRecord`] are defined in [`crate::types`] and
+//! re-exported here; the store is `store/`.
 
 mod desync;
 pub(crate) mod heartbeat;

@@ -7,8 +7,6 @@
 //! The environment contract (torchrun and Slurm variables) lives in [`crate::config::env`], the
 //! one module that reads the environment; `launch::env` is the same module.
 
-use std::fmt::Display;
-
 use crate::{DdpError, ProcessGroup, Result};
 
 pub mod bench;
@@ -46,10 +44,10 @@ pub use crate::config::env;
 /// ```
 ///
 /// # Errors
-/// In a rank: joining the job failed, or `f` failed (`RankError`, with its message). In the
+/// In a rank: joining the job failed, or `f` failed (`RankError`, with its error as the source). In the
 /// supervisor: a rank could not be started, or failed (`RankFailed`, naming it and how it
 /// ended), or the job was interrupted.
-pub fn spawn<E: Display>(
+pub fn spawn<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     nproc: u32,
     f: impl FnOnce(ProcessGroup) -> std::result::Result<(), E>,
 ) -> Result<()> {
@@ -58,7 +56,7 @@ pub fn spawn<E: Display>(
         let rank = group.rank();
         return f(group).map_err(|e| DdpError::RankError {
             rank,
-            message: e.to_string(),
+            source: e.into(),
         });
     }
     if nproc == 0 {

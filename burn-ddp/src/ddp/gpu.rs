@@ -258,8 +258,9 @@ impl Launcher {
         if self.worker.send(job) {
             return Ok(());
         }
-        Err(DdpError::NotInitialized {
-            what: "the NCCL launcher thread (it stopped)",
+        Err(DdpError::WorkerStopped {
+            rank: self.rank,
+            what: "the NCCL launcher thread",
         })
     }
 
@@ -279,8 +280,9 @@ impl Launcher {
                     })
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(DdpError::NotInitialized {
-                        what: "the NCCL launcher thread (it stopped)",
+                    return Err(DdpError::WorkerStopped {
+                        rank: self.rank,
+                        what: "the NCCL launcher thread",
                     })
                 }
             }
@@ -372,25 +374,39 @@ impl DeviceStep {
 
     /// Keeps slot `slot`'s final gradient (flattened) for its bucket, after checking it has
     /// `numel` elements of a float type (as the host path does).
+    ///
+    /// # Errors
+    /// `GradientSize` or `Model` (a gradient that is not of floats), naming the parameter.
     pub(crate) fn keep(
         &mut self,
+        rank: Rank,
         slot: usize,
         grad: CudaFloat,
-        numel: usize,
-    ) -> std::result::Result<(), String> {
+        param: &crate::ParamInfo,
+    ) -> Result<()> {
+        let numel = param.numel;
         let shape = grad.shape();
         let dtype = grad.dtype();
         if shape.num_elements() != numel {
-            return Err(format!(
-                "the gradient has {} elements, the parameter {numel}",
-                shape.num_elements()
-            ));
+            return Err(DdpError::GradientSize {
+                rank,
+                param: param.name.clone(),
+                expected: numel,
+                got: shape.num_elements(),
+            });
         }
         if !matches!(
             dtype,
             BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
         ) {
-            return Err(format!("the gradient's elements are {dtype:?}, not floats"));
+            return Err(DdpError::Model {
+                rank,
+                what: "reading a gradient",
+                reason: format!(
+                    "the gradient of `{}` holds {dtype:?}, not floats",
+                    param.name
+                ),
+            });
         }
         self.device.get_or_insert_with(|| Gpu::float_device(&grad));
         let flat = Gpu::float_reshape(grad, Shape::new([numel]));

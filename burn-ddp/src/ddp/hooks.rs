@@ -103,13 +103,11 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
                 .map(|s| s.info.name.clone())
                 .unwrap_or_default();
             let rank = session.pg.rank();
-            r.record_error(DdpError::Model {
+            r.record_error(DdpError::GradientSize {
                 rank,
-                what: "reading a gradient",
-                reason: format!(
-                    "the gradient of `{name}` has {} elements, the parameter {expected}",
-                    values.len()
-                ),
+                param: name,
+                expected,
+                got: values.len(),
             });
         }
         Err(reason) => {

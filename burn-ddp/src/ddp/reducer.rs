@@ -6,7 +6,7 @@
 //! gradient on this rank count as ready (zeros) from the start. One state machine
 //! ([`Reducer::launch_ready`]) enforces it for both transports: host-staged buckets go to the
 //! communication thread, which all-reduces them one after another in launch order; device
-//! buckets (`cuda/grad.rs`) go to the NCCL launcher thread, likewise in order. They differ only
+//! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
 use std::collections::HashMap;
@@ -105,7 +105,7 @@ enum Buckets {
     /// Host-staged: f32 buffers filled from each gradient, reduced by the communication thread
     /// over the process group's transport.
     Host(HostBuckets),
-    /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`cuda/grad.rs`).
+    /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`gpu.rs`).
     #[cfg(feature = "cuda")]
     Device(super::gpu::DeviceStep),
 }
@@ -155,6 +155,7 @@ impl Links<'_> {
     pub(crate) fn nccl(&self) -> Result<(&burn_ddp_comm::cuda::NcclComm, &super::gpu::Launcher)> {
         self.nccl.ok_or(DdpError::NotInitialized {
             what: "the NCCL communicator of the device path",
+            fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
         })
     }
 }
@@ -194,8 +195,9 @@ impl BucketTransport for HostBuckets {
             .as_ref()
             .is_some_and(|c| c.send(Job { bucket, data }));
         if !sent {
-            return Err(DdpError::NotInitialized {
-                what: "the gradient communication thread (it stopped)",
+            return Err(DdpError::WorkerStopped {
+                rank: links.pg.rank(),
+                what: "the gradient communication thread",
             });
         }
         self.outstanding += 1;
@@ -654,12 +656,7 @@ impl Reducer {
         if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
             if let Buckets::Device(dev) = &mut step.buckets {
                 let info = &plan.slots[slot].info;
-                if let Err(reason) = dev.keep(slot, grad, info.numel) {
-                    let e = DdpError::Model {
-                        rank: self.pg.rank(),
-                        what: "reading a gradient",
-                        reason: format!("`{}`: {reason}", info.name),
-                    };
+                if let Err(e) = dev.keep(self.pg.rank(), slot, grad, info) {
                     tracing::error!("gradient synchronisation failed: {e}");
                     self.error.get_or_insert(e);
                 }
@@ -820,8 +817,9 @@ impl Reducer {
                     break;
                 }
                 Err(RecvTimeoutError::Disconnected) => {
-                    first_error.get_or_insert(DdpError::NotInitialized {
-                        what: "the gradient communication thread (it stopped)",
+                    first_error.get_or_insert(DdpError::WorkerStopped {
+                        rank: self.pg.rank(),
+                        what: "the gradient communication thread",
                     });
                     break;
                 }

@@ -204,9 +204,9 @@ impl TcpCommunicator {
                 rank: self.rank,
                 culprit: v.culprit,
                 host: v.host,
-                last_completed: v.last_completed.0,
+                last_completed: v.last_completed,
                 op,
-                seq: seq.0,
+                seq,
                 what: v.what,
             };
             return self.publish(st, op, seq, Some(v.culprit), err);
