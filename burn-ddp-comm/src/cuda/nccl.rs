@@ -714,14 +714,28 @@ impl NcclComm {
         buf: &mut CudaSlice<T>,
         op: ReduceOp,
     ) -> Result<()> {
-        let count = buf.len();
-        {
-            let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
-            // SAFETY: `buf` is a live allocation of `count` T on this GPU (cudarc orders its
-            // earlier writes before this stream); it is borrowed until the wait below.
-            unsafe { self.all_reduce_raw(ptr, ptr, count, T::DTYPE, op) }?;
-        }
+        self.queue_all_reduce(buf, op)?;
         self.wait()
+    }
+
+    /// Queues an in-place all-reduce of `buf` (a `CudaSlice` or a view of one) on this
+    /// communicator's stream and returns at once; [`NcclComm::wait`] completes it. Safe for the
+    /// reason cudarc's own NCCL calls are: the write is recorded on `buf`, and cudarc orders
+    /// every later use of its memory, and its release, after this stream's work.
+    ///
+    /// # Errors
+    /// As [`NcclComm::all_reduce_raw`].
+    pub fn queue_all_reduce<T: Element + DeviceRepr, B: DevicePtrMut<T>>(
+        &self,
+        buf: &mut B,
+        op: ReduceOp,
+    ) -> Result<CollectiveSeq> {
+        let count = buf.len();
+        let (ptr, _record) = buf.device_ptr_mut(&self.stream);
+        // SAFETY: `buf` is a live allocation of `count` T on this GPU: cudarc orders its earlier
+        // writes before this stream, and `_record` records this stream's write on it, so nothing
+        // reads it or frees it before the all-reduce is done.
+        unsafe { self.all_reduce_raw(ptr, ptr, count, T::DTYPE, op) }
     }
 
     /// Copies `root`'s `buf` to every rank and waits for it.

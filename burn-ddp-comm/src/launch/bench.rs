@@ -13,6 +13,7 @@ use half::{bf16, f16};
 use crate::comm::memory::huge_filled;
 use crate::comm::{Element, ReduceOp};
 use crate::store::auth::{self, Purpose};
+use crate::types::Rank;
 use crate::{DdpError, ProcessGroup, Result};
 
 /// Options of the all-reduce sweep.
@@ -279,8 +280,6 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
     comm: &crate::cuda::NcclComm,
     opts: &AllReduceBench,
 ) -> Result<Vec<BenchRow>> {
-    use cudarc::driver::DevicePtrMut;
-
     let elem = std::mem::size_of::<T>();
     let rank = pg.rank();
     let cuda = |what: &str, e| crate::cuda::driver_error_for(rank, what, e);
@@ -295,14 +294,10 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
     let mut rows = Vec::new();
     for bytes in sizes(opts, elem) {
         let count = bytes / elem;
-        let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
-        let run = |n: usize| -> Result<f64> {
+        let mut run = |n: usize| -> Result<f64> {
             let t = Instant::now();
             for _ in 0..n {
-                // SAFETY: `ptr` is `dev`'s allocation of `max_count` >= `count` elements on the
-                // communicator's GPU, alive until the end of this loop body; `wait` below
-                // completes the work before anything reads it.
-                unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
+                comm.queue_all_reduce(&mut dev.slice_mut(..count), opts.op)?;
             }
             comm.wait()?;
             Ok(t.elapsed().as_secs_f64())
@@ -314,17 +309,12 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
         pg.barrier()?;
         let mut secs = [run(iters)? / iters as f64];
         pg.all_reduce(&mut secs, ReduceOp::Max)?;
-        drop(_sync);
 
         // Correctness on fresh data.
         comm.stream()
             .memcpy_htod(&host, &mut dev)
             .map_err(|e| cuda("resetting the benchmark buffer", e))?;
-        {
-            let (ptr, _sync) = dev.device_ptr_mut(comm.stream());
-            // SAFETY: as above.
-            unsafe { comm.all_reduce_raw(ptr, ptr, count, T::DTYPE, opts.op) }?;
-        }
+        comm.queue_all_reduce(&mut dev.slice_mut(..count), opts.op)?;
         comm.wait()?;
         let back: Vec<T> = comm
             .stream()
@@ -366,10 +356,12 @@ fn print_row(row: Option<BenchRow>, opts: &AllReduceBench) {
 }
 
 /// One TCP connection from rank 0 to rank 1, set up and authenticated like a transport link,
-/// used to measure what a single stream achieves between the same two processes.
+/// used to measure what a single stream achieves between the same two processes. Every step
+/// has a deadline: setting up, the rendezvous one; each transfer, the collective one.
 struct StreamLink {
     stream: TcpStream,
     buf: Vec<u8>,
+    rank: Rank,
     sender: bool,
 }
 
@@ -384,15 +376,19 @@ impl StreamLink {
         let rank = pg.rank();
         let deadline = Instant::now() + pg.timeouts().rendezvous;
         let token = pg.token();
+        let fail = |what: &'static str| {
+            move |source: std::io::Error| DdpError::BenchLink { rank, what, source }
+        };
         let stream = match rank.0 {
             1 => {
                 let ip = store.local_addr()?.ip();
-                let listener = TcpListener::bind(SocketAddr::new(ip, 0))?;
+                let listener =
+                    TcpListener::bind(SocketAddr::new(ip, 0)).map_err(fail("listening"))?;
                 store.set(
                     "bench/stream",
                     listener.local_addr()?.to_string().as_bytes(),
                 )?;
-                let (mut s, _) = listener.accept()?;
+                let mut s = accept_until(&listener, deadline).map_err(fail("accepting rank 0"))?;
                 auth::server_handshake(&mut s, &[Purpose::Bench], token, deadline).map_err(
                     |e| DdpError::StoreRefused {
                         rank,
@@ -404,14 +400,15 @@ impl StreamLink {
             }
             0 => {
                 let raw = store.get("bench/stream")?;
-                let addr: SocketAddr =
-                    String::from_utf8_lossy(&raw)
-                        .parse()
-                        .map_err(|_| DdpError::StoreRefused {
-                            rank,
-                            reason: "rank 1 published an invalid bench address".into(),
-                        })?;
-                let mut s = TcpStream::connect(addr)?;
+                let addr: SocketAddr = String::from_utf8_lossy(&raw).parse().map_err(|_| {
+                    fail("reading rank 1's address")(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        "rank 1 published an address that does not parse",
+                    ))
+                })?;
+                let left = deadline.saturating_duration_since(Instant::now());
+                let mut s = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+                    .map_err(fail("connecting to rank 1"))?;
                 auth::client_handshake(
                     &mut s,
                     Purpose::Bench,
@@ -424,25 +421,37 @@ impl StreamLink {
             }
             _ => return Ok(None),
         };
-        stream.set_nodelay(true)?;
+        let each = Some(pg.timeouts().collective);
+        stream
+            .set_nodelay(true)
+            .and_then(|()| stream.set_read_timeout(each))
+            .and_then(|()| stream.set_write_timeout(each))
+            .map_err(fail("setting up the socket"))?;
         Ok(Some(Self {
             stream,
             buf: huge_filled(message_bytes, 1u8),
+            rank,
             sender: rank.is_zero(),
         }))
+    }
+
+    fn error(&self, what: &'static str) -> impl Fn(std::io::Error) -> DdpError {
+        let rank = self.rank;
+        move |source| DdpError::BenchLink { rank, what, source }
     }
 
     /// Moves one whole message from rank 0's buffer into rank 1's; rank 0 returns the seconds.
     fn transfer(&mut self) -> Result<Option<f64>> {
         let mut ack = [0u8; 1];
+        let fail = self.error("moving a message");
         if self.sender {
             let t = Instant::now();
-            self.stream.write_all(&self.buf)?;
-            self.stream.read_exact(&mut ack)?;
+            self.stream.write_all(&self.buf).map_err(&fail)?;
+            self.stream.read_exact(&mut ack).map_err(&fail)?;
             Ok(Some(t.elapsed().as_secs_f64()))
         } else {
-            self.stream.read_exact(&mut self.buf)?;
-            self.stream.write_all(&ack)?;
+            self.stream.read_exact(&mut self.buf).map_err(&fail)?;
+            self.stream.write_all(&ack).map_err(&fail)?;
             Ok(None)
         }
     }
@@ -450,28 +459,55 @@ impl StreamLink {
     /// iperf-style: resends one cache-resident 1 MiB chunk `total` bytes' worth; GB/s on rank 0.
     fn cached(&mut self, total: usize) -> Result<Option<f64>> {
         let mut ack = [0u8; 1];
+        let fail = self.error("streaming a cached chunk");
         if self.sender {
             let t = Instant::now();
             let mut left = total;
             while left > 0 {
                 let n = CACHED_CHUNK.min(left).min(self.buf.len());
-                self.stream.write_all(&self.buf[..n])?;
+                self.stream.write_all(&self.buf[..n]).map_err(&fail)?;
                 left -= n;
             }
-            self.stream.read_exact(&mut ack)?;
+            self.stream.read_exact(&mut ack).map_err(&fail)?;
             Ok(Some(total as f64 / t.elapsed().as_secs_f64() / 1e9))
         } else {
             let mut left = total;
             let chunk = CACHED_CHUNK.min(self.buf.len());
             while left > 0 {
-                let n = self.stream.read(&mut self.buf[..chunk.min(left)])?;
+                let n = self
+                    .stream
+                    .read(&mut self.buf[..chunk.min(left)])
+                    .map_err(&fail)?;
                 if n == 0 {
-                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                    return Err(fail(std::io::ErrorKind::UnexpectedEof.into()));
                 }
                 left -= n;
             }
-            self.stream.write_all(&ack)?;
+            self.stream.write_all(&ack).map_err(&fail)?;
             Ok(None)
+        }
+    }
+}
+
+/// The first connection to `listener` before `deadline`.
+fn accept_until(listener: &TcpListener, deadline: Instant) -> std::io::Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "rank 0 did not connect before the rendezvous deadline",
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e),
         }
     }
 }
