@@ -8,12 +8,16 @@ use std::process::{Child, Command, Output, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// The thread that reads one of a job's pipes to its end.
+type Reader = JoinHandle<Vec<u8>>;
+
 /// A job started by a test, with a deadline. Its output is read on threads; it is stopped when
 /// it outlives its deadline, and when the test ends or fails first (SIGTERM, which the launcher
 /// and `spawn` forward to their ranks; SIGKILL 10 s later), so no job outlives its test.
 struct Job {
     child: Child,
-    readers: Option<(JoinHandle<Vec<u8>>, JoinHandle<Vec<u8>>)>,
+    /// stdout's and stderr's.
+    readers: Option<(Reader, Reader)>,
     deadline: Instant,
 }
 
