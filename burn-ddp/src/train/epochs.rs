@@ -1,0 +1,422 @@
+//! The epoch loops of [`DdpStrategy`]: burn-train's `SupervisedLearningStrategy` (start,
+//! resume, fit), one training epoch and one validation epoch, each step preceded by the ranks'
+//! vote (`consensus.rs`).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use burn::backend::Autodiff;
+use burn::data::dataloader::Progress;
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsAccumulator;
+use burn::tensor::backend::Backend;
+use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, KeepLastNCheckpoints};
+use burn::train::EventProcessorTraining;
+use burn::train::{
+    InferenceStep, Learner, LearnerEvent, LearnerModelRecord, LearnerOptimizerRecord,
+    LearnerSchedulerRecord, LearningCheckpointer, LearningComponentsTypes, LearningResult,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingComponents, TrainingItem, TrainingModel, ValidLoader,
+};
+
+use super::consensus::{panic_text, Decision, Flow, Vote};
+use super::{checkpoint, item, DdpStrategy, DistributedItem};
+use crate::{Ddp, DdpError, DdpModule, Rank, Result};
+
+/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
+/// for (the interrupter), or a data error (a panic while loading it).
+fn next_batch<I>(
+    iter: &mut dyn burn::data::dataloader::DataLoaderIterator<I>,
+    interrupter: &burn::train::Interrupter,
+    split: &str,
+) -> (Option<I>, Vote) {
+    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
+        Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
+        Ok(Some(_)) => (
+            None,
+            Vote::Stop(
+                interrupter
+                    .get_message()
+                    .unwrap_or_else(|| "interrupted".into()),
+            ),
+        ),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => (
+            None,
+            Vote::Failed(format!(
+                "loading a {split} batch panicked: {}",
+                panic_text(&*p)
+            )),
+        ),
+    }
+}
+
+type TrainOut<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
+type ValidOut<LC> = <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
+
+impl<B, LC> SupervisedLearningStrategy<LC> for DdpStrategy<B>
+where
+    B: Backend,
+    LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
+    LC::TrainingModel: DdpModule,
+    TrainOut<LC>: DistributedItem<Backend = Autodiff<Ddp<B>>>,
+    ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+{
+    fn train(
+        &self,
+        mut learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        mut components: TrainingComponents<LC>,
+    ) -> LearningResult<LC::InferenceModel> {
+        learner.fork(&self.device);
+        if !self.is_main() {
+            // The summary reads rank 0's metric logs.
+            components.summary = None;
+        }
+        if let Some(dir) = &self.checkpoints {
+            let pg = self.session.group().clone();
+            let part = |name| checkpoint::RankCheckpointer {
+                dir: dir.clone(),
+                name,
+                pg: pg.clone(),
+            };
+            let interrupter = components.interrupter.clone();
+            components.checkpointer = Some(LearningCheckpointer::new(
+                AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
+                AsyncCheckpointer::new(part("optim")).with_interrupter(interrupter.clone()),
+                AsyncCheckpointer::new(part("scheduler")).with_interrupter(interrupter),
+                Box::new(KeepLastNCheckpoints::new(self.keep)),
+            ));
+        }
+
+        let start = match self.resume_point(components.checkpoint) {
+            Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
+                Ok(()) => epoch + 1,
+                Err(e) => return self.abandon(e, learner, components),
+            },
+            Ok(None) => 1,
+            Err(e) => return self.abandon(e, learner, components),
+        };
+        match self.session.prepare_module(learner.model()) {
+            Ok(model) => learner.load_model(model.into_record()),
+            Err(e) => return self.abandon(e, learner, components),
+        }
+
+        let summary_config = components.summary.clone();
+        if self.is_main() {
+            components
+                .event_processor
+                .process_train(LearnerEvent::Start);
+        }
+        let (model, mut processor) = self.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            start,
+        );
+        let summary = summary_config.and_then(|s| s.init().ok());
+        processor.process_train(LearnerEvent::End(summary));
+        LearningResult {
+            model: model.valid(),
+            renderer: processor.renderer(),
+        }
+    }
+
+    fn fit(
+        &self,
+        components: TrainingComponents<LC>,
+        mut learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        let dataloader_train = dataloader_train.to_device(&self.device);
+        let dataloader_valid = dataloader_valid.to_device(&self.device);
+        let mut processor = components.event_processor;
+        let mut checkpointer = components.checkpointer;
+        let mut early_stopping = components.early_stopping;
+        let interrupter = components.interrupter;
+        let epochs = components.num_epochs;
+
+        for epoch in starting_epoch..=epochs {
+            self.set_epoch(epoch);
+            let global = Progress {
+                items_processed: epoch,
+                items_total: epochs,
+            };
+            if self.train_epoch(
+                &mut learner,
+                &dataloader_train,
+                &global,
+                components.grad_accumulation,
+                &mut processor,
+                &interrupter,
+            ) == Flow::Stop
+            {
+                break;
+            }
+            if self.valid_epoch(
+                &learner,
+                &dataloader_valid,
+                &global,
+                &mut processor,
+                &interrupter,
+            ) == Flow::Stop
+            {
+                break;
+            }
+            let mut vote = Vote::Item;
+            if self.is_main() {
+                if let Some(c) = &mut checkpointer {
+                    c.checkpoint(&learner, epoch, &components.event_store);
+                }
+                if let Some(es) = &mut early_stopping {
+                    if es.should_stop(epoch, &components.event_store) {
+                        vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+                    }
+                }
+            }
+            if interrupter.should_stop() {
+                vote = Vote::Stop(interrupter.get_message().unwrap_or_default());
+            }
+            if self.settle(self.agree(vote), &interrupter) == Flow::Stop {
+                break;
+            }
+        }
+        // Dropping the checkpointer waits for rank 0's last write.
+        drop(checkpointer);
+        (learner.model(), processor)
+    }
+}
+
+impl<B: Backend> DdpStrategy<B> {
+    /// The epoch to resume from, the same on every rank: an explicit one, else (with
+    /// `with_resume`) the newest complete checkpoint rank 0 finds.
+    fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
+        let mine = match (explicit, &self.checkpoints) {
+            (Some(e), _) => e as i64,
+            (None, Some(dir)) if self.resumes() && self.is_main() => {
+                checkpoint::newest_complete(dir).map_or(0, |e| e as i64)
+            }
+            _ => 0,
+        };
+        let mut epoch = [mine];
+        self.session.group().broadcast(&mut epoch, Rank(0))?;
+        Ok((epoch[0] > 0).then_some(epoch[0] as usize))
+    }
+
+    fn restore<LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>>(
+        &self,
+        learner: &mut Learner<LC>,
+        epoch: usize,
+    ) -> Result<()> {
+        let Some(dir) = &self.checkpoints else {
+            return Err(DdpError::Checkpoint {
+                path: format!("epoch {epoch}"),
+                what: "resuming",
+                reason: format!(
+                    "asks to resume from epoch {epoch}, but the strategy has no checkpoint \
+                     directory: call DdpStrategy::with_checkpoints"
+                ),
+            });
+        };
+        let part = |name| checkpoint::RankCheckpointer {
+            dir: dir.clone(),
+            name,
+            pg: self.session.group().clone(),
+        };
+        let err =
+            |name: &str, e: burn::train::checkpoint::CheckpointerError| DdpError::Checkpoint {
+                path: checkpoint::path(dir, name, epoch).display().to_string(),
+                what: "restoring",
+                reason: e.to_string(),
+            };
+        let model: LearnerModelRecord<LC> = part("model")
+            .restore(epoch, &self.device)
+            .map_err(|e| err("model", e))?;
+        let optim: LearnerOptimizerRecord<LC> = part("optim")
+            .restore(epoch, &self.device)
+            .map_err(|e| err("optim", e))?;
+        let sched: LearnerSchedulerRecord<LC> = part("scheduler")
+            .restore(epoch, &self.device)
+            .map_err(|e| err("scheduler", e))?;
+        learner.load_model(model);
+        learner.load_optim(optim);
+        learner.load_scheduler(sched);
+        tracing::info!(
+            "[rank {}] resumed from the checkpoint of epoch {epoch}",
+            self.rank()
+        );
+        Ok(())
+    }
+
+    /// Training cannot start on this rank: record why and return the untrained model.
+    fn abandon<LC: LearningComponentsTypes>(
+        &self,
+        e: DdpError,
+        learner: Learner<LC>,
+        components: TrainingComponents<LC>,
+    ) -> LearningResult<LC::InferenceModel> {
+        components.interrupter.stop(Some(&e.to_string()));
+        self.fail(e);
+        LearningResult {
+            model: learner.model().valid(),
+            renderer: components.event_processor.renderer(),
+        }
+    }
+
+    fn train_epoch<LC>(
+        &self,
+        learner: &mut Learner<LC>,
+        loader: &TrainLoader<LC>,
+        global: &Progress,
+        accumulation: Option<usize>,
+        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        interrupter: &burn::train::Interrupter,
+    ) -> Flow
+    where
+        LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
+        TrainOut<LC>: DistributedItem<Backend = Autodiff<Ddp<B>>>,
+    {
+        let epoch = global.items_processed;
+        let mut iter = loader.iter();
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::new();
+        let mut accumulated = 0;
+        loop {
+            let (item, vote) = next_batch(&mut *iter, interrupter, "training");
+            let decision = self.agree(vote);
+            if let Ok(Decision::Go { all_items, .. }) = &decision {
+                if !all_items {
+                    if item.is_some() {
+                        tracing::warn!(
+                            "[rank {}] epoch {epoch}: another rank ran out of training batches \
+                             first; the rest of this rank's are skipped (use a \
+                             DistributedSampler so that every rank has as many)",
+                            self.rank()
+                        );
+                    }
+                    break;
+                }
+            }
+            if self.settle(decision, interrupter) == Flow::Stop {
+                return Flow::Stop;
+            }
+            let Some(item) = item else { break };
+            iteration += 1;
+            learner.lr_step();
+            let progress = self.global(iter.progress());
+            let step = catch_unwind(AssertUnwindSafe(|| match accumulation {
+                Some(_) => {
+                    let _local = self.session.no_sync();
+                    learner.train_step(item)
+                }
+                None => learner.train_step(item),
+            }));
+            let out = match step {
+                Ok(out) => out,
+                Err(p) => {
+                    self.fail_alone(
+                        &format!("the training step panicked: {}", panic_text(&*p)),
+                        interrupter,
+                    );
+                    return Flow::Stop;
+                }
+            };
+            if let Err(e) = self.session.check() {
+                return self.stop_with(e, interrupter);
+            }
+            match accumulation {
+                Some(k) => {
+                    accumulator.accumulate(&learner.model(), out.grads);
+                    accumulated += 1;
+                    if accumulated >= k {
+                        let grads = self
+                            .session
+                            .sync_gradients(&learner.model(), accumulator.grads());
+                        match grads {
+                            Ok(g) => learner.optimizer_step(g),
+                            Err(e) => return self.stop_with(e, interrupter),
+                        }
+                        accumulated = 0;
+                    }
+                }
+                None => learner.optimizer_step(out.grads),
+            }
+            match item::gather(self.session.group(), Some(out.item), &self.device) {
+                Ok(Some(merged)) => {
+                    processor.process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
+                        merged,
+                        progress,
+                        global.clone(),
+                        Some(iteration),
+                        Some(learner.lr_current()),
+                    )))
+                }
+                Ok(None) => {}
+                Err(e) => return self.stop_with(e, interrupter),
+            }
+        }
+        if self.is_main() {
+            processor.process_train(LearnerEvent::EndEpoch(epoch));
+        }
+        Flow::Continue
+    }
+
+    fn valid_epoch<LC>(
+        &self,
+        learner: &Learner<LC>,
+        loader: &ValidLoader<LC>,
+        global: &Progress,
+        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        interrupter: &burn::train::Interrupter,
+    ) -> Flow
+    where
+        LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
+        ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+    {
+        let epoch = global.items_processed;
+        let model = learner.model().valid();
+        let mut iter = loader.iter();
+        let mut iteration = 0;
+        loop {
+            let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
+            let decision = self.agree(vote);
+            // Shards may differ by one item: go on while any rank has a batch.
+            if let Ok(Decision::Go {
+                any_item: false, ..
+            }) = &decision
+            {
+                break;
+            }
+            if self.settle(decision, interrupter) == Flow::Stop {
+                return Flow::Stop;
+            }
+            iteration += 1;
+            let progress = self.global(iter.progress());
+            let out = match item.map(|i| catch_unwind(AssertUnwindSafe(|| model.step(i)))) {
+                Some(Ok(out)) => Some(out),
+                Some(Err(p)) => {
+                    self.fail_alone(
+                        &format!("the validation step panicked: {}", panic_text(&*p)),
+                        interrupter,
+                    );
+                    return Flow::Stop;
+                }
+                None => None,
+            };
+            match item::gather(self.session.group(), out, &self.device) {
+                Ok(Some(merged)) => processor.process_valid(LearnerEvent::ProcessedItem(
+                    TrainingItem::new(merged, progress, global.clone(), Some(iteration), None),
+                )),
+                Ok(None) => {}
+                Err(e) => return self.stop_with(e, interrupter),
+            }
+        }
+        if self.is_main() {
+            processor.process_valid(LearnerEvent::EndEpoch(epoch));
+        }
+        Flow::Continue
+    }
+}
