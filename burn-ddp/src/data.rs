@@ -59,6 +59,16 @@ impl<D> DistributedSampler<D> {
         Self::build(dataset, group.rank().0, group.world_size().get())
     }
 
+    /// The share of `dataset` of this process's rank for validation or evaluation: every item
+    /// exactly once over all ranks, in order (no shuffle, shards that differ by at most one
+    /// item). The same as `new(..).with_shuffle(false).with_even_shards(false)`; its epoch never
+    /// matters, so it need not be registered with `DdpStrategy::with_sampler`.
+    pub fn evaluation(dataset: D, group: &ProcessGroup) -> Self {
+        Self::new(dataset, group)
+            .with_shuffle(false)
+            .with_even_shards(false)
+    }
+
     /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
     ///
     /// # Errors

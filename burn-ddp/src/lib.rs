@@ -98,5 +98,16 @@ pub use burn_ddp_comm::{
 pub use burn_ddp_macros::ddp;
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
-    Compression, Ddp, DdpConfig, DdpModule, DdpSession, GradReduction, NoSyncGuard, ParamInfo,
+    Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
+    NoSyncGuard, ParamInfo,
 };
+
+/// What a training program needs, in one import: `use burn_ddp::prelude::*;`.
+pub mod prelude {
+    #[cfg(feature = "train")]
+    pub use crate::train::{DdpStrategy, DdpTraining};
+    pub use crate::{
+        ddp, Ddp, DdpAutodiffBackend, DdpConfig, DdpError, DdpModule, DdpSession,
+        DistributedSampler, ProcessGroup,
+    };
+}

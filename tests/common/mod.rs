@@ -5,6 +5,8 @@
 //! the torchrun environment; the child sees `BURN_DDP_TEST_CHILD=<test name>` and runs the body.
 #![allow(dead_code)]
 
+pub mod spawned;
+
 use std::collections::HashMap;
 use std::ffi::OsString;
 use std::io::Read;

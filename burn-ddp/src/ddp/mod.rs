@@ -43,6 +43,24 @@ pub(crate) use reducer::Reducer;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Ddp<B>(PhantomData<B>);
 
+/// The training backends `Autodiff<Ddp<B>>`, as one bound that generic training code can name:
+/// where Burn's examples write `fn run<B: AutodiffBackend>(device: B::Device)`, write
+/// `fn run<B: DdpAutodiffBackend>(device: B::Device)`, and the body keeps compiling
+/// (`B::InnerBackend` is `Ddp<B::Base>`; `DdpStrategy<B::Base>` trains it).
+pub trait DdpAutodiffBackend:
+    burn::tensor::backend::AutodiffBackend<InnerBackend = Ddp<<Self as DdpAutodiffBackend>::Base>>
+    + burn_backend::BackendTypes<
+        Device = <<Self as DdpAutodiffBackend>::Base as burn_backend::BackendTypes>::Device,
+    >
+{
+    /// The backend under `Ddp` (`NdArray`, `Cuda`, ...).
+    type Base: burn_backend::Backend;
+}
+
+impl<B: burn_backend::Backend> DdpAutodiffBackend for burn::backend::Autodiff<Ddp<B>> {
+    type Base = B;
+}
+
 /// How gradients are combined across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GradReduction {

@@ -4,11 +4,10 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use burn::backend::Autodiff;
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, KeepLastNCheckpoints};
 use burn::train::EventProcessorTraining;
 use burn::train::{
@@ -17,6 +16,7 @@ use burn::train::{
     SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
     TrainingComponents, TrainingItem, TrainingModel, ValidLoader,
 };
+use burn_backend::BackendTypes;
 
 use super::consensus::{panic_text, Decision, Flow, Vote};
 use super::{checkpoint, item, DdpStrategy, DistributedItem};
@@ -56,9 +56,10 @@ type ValidOut<LC> = <<LC as LearningComponentsTypes>::InferenceModel as Inferenc
 impl<B, LC> SupervisedLearningStrategy<LC> for DdpStrategy<B>
 where
     B: Backend,
-    LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     LC::TrainingModel: DdpModule,
-    TrainOut<LC>: DistributedItem<Backend = Autodiff<Ddp<B>>>,
+    TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
     ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
 {
     fn train(
@@ -206,11 +207,11 @@ impl<B: Backend> DdpStrategy<B> {
         Ok((epoch[0] > 0).then_some(epoch[0] as usize))
     }
 
-    fn restore<LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>>(
-        &self,
-        learner: &mut Learner<LC>,
-        epoch: usize,
-    ) -> Result<()> {
+    fn restore<LC>(&self, learner: &mut Learner<LC>, epoch: usize) -> Result<()>
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    {
         let Some(dir) = &self.checkpoints else {
             return Err(DdpError::Checkpoint {
                 path: format!("epoch {epoch}"),
@@ -276,8 +277,9 @@ impl<B: Backend> DdpStrategy<B> {
         interrupter: &burn::train::Interrupter,
     ) -> Flow
     where
-        LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
-        TrainOut<LC>: DistributedItem<Backend = Autodiff<Ddp<B>>>,
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+        TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
     {
         let epoch = global.items_processed;
         let mut iter = loader.iter();
@@ -373,7 +375,8 @@ impl<B: Backend> DdpStrategy<B> {
         interrupter: &burn::train::Interrupter,
     ) -> Flow
     where
-        LC: LearningComponentsTypes<Backend = Autodiff<Ddp<B>>>,
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
         ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
     {
         let epoch = global.items_processed;

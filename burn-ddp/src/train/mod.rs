@@ -124,6 +124,18 @@ impl<B: Backend> DdpStrategy<B> {
         }
     }
 
+    /// The strategy with [`DdpConfig::default`](crate::DdpConfig) (PyTorch DDP's defaults) on
+    /// process group `pg`, training on `device`.
+    ///
+    /// # Errors
+    /// As [`DdpSession::new`].
+    pub fn for_group(pg: crate::ProcessGroup, device: B::Device) -> Result<Self> {
+        Ok(Self::new(
+            DdpSession::new(pg, crate::DdpConfig::default())?,
+            device,
+        ))
+    }
+
     /// A sampler whose epoch the strategy sets at the start of every epoch (the training and
     /// the validation samplers; share them with the data loaders through an `Arc`).
     pub fn with_sampler(mut self, sampler: Arc<dyn DataEpoch>) -> Self {
@@ -188,7 +200,8 @@ impl<B: Backend> DdpStrategy<B> {
         self.session.group().rank()
     }
 
-    fn is_main(&self) -> bool {
+    /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
+    pub fn is_main(&self) -> bool {
         self.rank() == Rank(0)
     }
 
@@ -228,6 +241,28 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
     ) -> Result<LearningResult<LC::InferenceModel>>
     where
         DdpStrategy<B>: SupervisedLearningStrategy<LC>;
+
+    /// [`launch_ddp`](Self::launch_ddp) for programs whose work after training is rank 0's
+    /// alone (saving the model, Burn's evaluator, which writes into the training directory):
+    /// every rank trains; rank 0 gets the result, the other ranks `None`, so that
+    /// `let Some(result) = training.launch_ddp_main(learner, &ddp)? else { return Ok(()) };`
+    /// keeps the rest of the program on rank 0.
+    ///
+    /// # Errors
+    /// As [`launch_ddp`](Self::launch_ddp), on every rank.
+    fn launch_ddp_main<B: Backend>(
+        self,
+        learner: Learner<LC>,
+        ddp: &DdpStrategy<B>,
+    ) -> Result<Option<LearningResult<LC::InferenceModel>>>
+    where
+        Self: Sized,
+        DdpStrategy<B>: SupervisedLearningStrategy<LC>,
+    {
+        let main = ddp.is_main();
+        let result = self.launch_ddp(learner, ddp)?;
+        Ok(main.then_some(result))
+    }
 }
 
 impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC> {

@@ -1,0 +1,163 @@
+//! The "after" of `docs/guide.md`: `examples/learner_before.rs` on several processes, changed
+//! as the guide says (`tests/migration.rs` counts the lines). Every rank trains on its shard of
+//! the data with gradients averaged during backward; rank 0 shows Burn's dashboard, writes the
+//! metrics and runs Burn's evaluator, as the single process did.
+//!
+//! `cargo build --release --example learner_after`, then
+//! `cargo run --release -p burn-ddp-comm -- run --nproc-per-node 2 -- target/release/examples/learner_after`
+//! (or under torchrun or Slurm).
+
+use burn::backend::{Autodiff, NdArray};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamConfig;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{
+    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, SupervisedTraining,
+    TrainOutput, TrainStep,
+};
+use burn_ddp::prelude::*;
+
+const ARTIFACT_DIR: &str = "target/learner-example";
+
+#[ddp]
+#[derive(Module, Debug)]
+pub struct Model<B: Backend> {
+    hidden: Linear<B>,
+    output: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(2, 32).init(device),
+            output: LinearConfig::new(32, 2).init(device),
+            activation: Relu::new(),
+        }
+    }
+
+    pub fn forward_classification(&self, batch: PointBatch<B>) -> ClassificationOutput<B> {
+        let hidden = self.activation.forward(self.hidden.forward(batch.points));
+        let output = self.output.forward(hidden);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), batch.targets.clone());
+        ClassificationOutput::new(loss, output, batch.targets)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Model<B> {
+    type Input = PointBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: PointBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let item = self.forward_classification(batch);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl<B: Backend> InferenceStep for Model<B> {
+    type Input = PointBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: PointBatch<B>) -> ClassificationOutput<B> {
+        self.forward_classification(batch)
+    }
+}
+
+/// A point in the plane and whether it lies inside the unit circle.
+#[derive(Clone, Debug)]
+pub struct Point {
+    xy: [f32; 2],
+    inside: bool,
+}
+
+/// `n` points on a deterministic grid-like spiral over `[-1.5, 1.5]²`.
+fn points(n: usize, offset: usize) -> InMemDataset<Point> {
+    let items = (offset..offset + n)
+        .map(|i| {
+            let t = i as f32 * 0.618_034;
+            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+            let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
+            Point { xy, inside }
+        })
+        .collect();
+    InMemDataset::new(items)
+}
+
+#[derive(Clone, Debug)]
+pub struct PointBatch<B: Backend> {
+    points: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+}
+
+#[derive(Clone, Default)]
+struct PointBatcher;
+
+impl<B: Backend> Batcher<B, Point, PointBatch<B>> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &B::Device) -> PointBatch<B> {
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
+        let labels: Vec<i64> = items.iter().map(|p| i64::from(p.inside)).collect();
+        PointBatch {
+            points: Tensor::<B, 1>::from_floats(xy.as_slice(), device).reshape([items.len(), 2]),
+            targets: Tensor::from_ints(labels.as_slice(), device),
+        }
+    }
+}
+
+fn create_artifact_dir(artifact_dir: &str) {
+    // Remove existing artifacts before to get an accurate learner summary
+    std::fs::remove_dir_all(artifact_dir).ok();
+    std::fs::create_dir_all(artifact_dir).ok();
+}
+
+pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
+    let pg = ProcessGroup::from_env().expect("joining the job");
+    pg.is_main().then(|| create_artifact_dir(ARTIFACT_DIR));
+    B::seed(&device, 42);
+    let model = Model::<B>::new(&device);
+
+    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), &pg));
+    let dataset_valid = points(512, 10_000);
+    let dataloader_train = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(64)
+        .build(dataset_train.clone());
+    let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(128)
+        .build(DistributedSampler::evaluation(dataset_valid, &pg));
+
+    let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
+        .metric_train_numeric(AccuracyMetric::new())
+        .metric_valid_numeric(AccuracyMetric::new())
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(3)
+        .summary();
+    let ddp = DdpStrategy::<B::Base>::for_group(pg, device.clone()).expect("a process group");
+    let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+    let result = training.launch_ddp_main(learner, &ddp.with_sampler(dataset_train));
+    let result = result.expect("training failed");
+    let Some(result) = result else { return }; // the other ranks are done
+
+    let dataloader_test = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(128)
+        .build(points(512, 20_000));
+    let evaluator = EvaluatorBuilder::new(ARTIFACT_DIR)
+        .renderer(result.renderer)
+        .metric_numeric(AccuracyMetric::new())
+        .metric_numeric(LossMetric::new())
+        .build(result.model);
+    let renderer = evaluator.eval("test", dataloader_test);
+    drop(renderer);
+    println!("done: {ARTIFACT_DIR}");
+}
+
+fn main() {
+    run::<Autodiff<Ddp<NdArray>>>(Default::default());
+}

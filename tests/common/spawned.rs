@@ -1,0 +1,135 @@
+//! A job started by a test (a launcher, an example), with a deadline, stopped when the test ends.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The thread that reads one of a job's pipes to its end.
+type Reader = JoinHandle<Vec<u8>>;
+
+/// A job started by a test, with a deadline. Its output is read on threads; it is stopped when
+/// it outlives its deadline, and when the test ends or fails first (SIGTERM, which the launcher
+/// and `spawn` forward to their ranks; SIGKILL 10 s later), so no job outlives its test.
+pub struct Spawned {
+    child: Child,
+    /// stdout's and stderr's.
+    readers: Option<(Reader, Reader)>,
+    deadline: Instant,
+}
+
+impl Spawned {
+    pub fn start(cmd: &mut Command, limit: Duration) -> Self {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let read = |mut pipe: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let _ = pipe.read_to_end(&mut buf);
+                buf
+            })
+        };
+        let out = read(Box::new(child.stdout.take().unwrap()));
+        let err = read(Box::new(child.stderr.take().unwrap()));
+        Self {
+            child,
+            readers: Some((out, err)),
+            deadline: Instant::now() + limit,
+        }
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the job to end, at most until its deadline (then it is stopped and the test
+    /// fails with what it printed).
+    pub fn finish(mut self) -> Output {
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() >= self.deadline {
+                let status = self.stop();
+                let (out, err) = self.output();
+                panic!(
+                    "the job passed its deadline and was stopped ({status:?})\nstdout:\n{}\nstderr:\n{}",
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&err)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let (stdout, stderr) = self.output();
+        Output {
+            status,
+            stdout,
+            stderr,
+        }
+    }
+
+    fn output(&mut self) -> (Vec<u8>, Vec<u8>) {
+        let (out, err) = self.readers.take().unwrap();
+        (out.join().unwrap(), err.join().unwrap())
+    }
+
+    fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)?;
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let grace = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < grace {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        self.child.wait().ok()
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.stop();
+        }
+    }
+}
+
+/// The built example `name` (`cargo test` builds the examples; `cargo test --test X` does not,
+/// so it is built here when missing).
+pub fn example(name: &str) -> PathBuf {
+    // target/<profile>/deps/<this test> -> target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = profile_dir.join("examples").join(name);
+    if !path.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "building the {name} example failed");
+    }
+    path
+}
+
+/// The `burn-ddp` launcher (built from burn-ddp-comm when missing).
+pub fn launcher() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let path = profile_dir.join("burn-ddp");
+    if !path.exists() {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "-p", "burn-ddp-comm", "--bin", "burn-ddp"])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap();
+        assert!(status.success(), "building the launcher failed");
+    }
+    path
+}
