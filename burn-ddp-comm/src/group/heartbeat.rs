@@ -21,9 +21,8 @@ use crate::comm::tcp::LinkStopper;
 use crate::comm::{PeerWatch, Verdict};
 use crate::config::{JobToken, MasterAddr, Timeouts};
 use crate::store::auth::Purpose;
-
-use crate::group::{AbortRecord, CollectiveSeq, Rank, WorldSize};
 use crate::store::StoreClient;
+use crate::types::{AbortRecord, CollectiveSeq, Rank, WorldSize};
 
 /// What this rank is doing, shared between the collectives and the watcher.
 #[derive(Debug)]

@@ -47,15 +47,16 @@ pub struct TcpCommunicator {
     timeout: Duration,
     store: Arc<StoreClient>,
     state: Mutex<State>,
-    abort: Arc<AtomicBool>,
-    /// Clones of the link sockets, so `abort` can close them while a collective holds the state.
-    handles: Vec<TcpStream>,
+    /// The abort flag and clones of the link sockets, so that `abort` can close them while a
+    /// collective holds the state.
+    links: LinkStopper,
     /// The process group's heartbeat, once handed over ([`TcpCommunicator::watch_with`]).
     watch: Option<Arc<dyn PeerWatch>>,
 }
 
-/// What stops a [`TcpCommunicator`]'s collectives from outside: its abort flag and clones of its
-/// link sockets. The heartbeat holds one, and uses it when it finds a peer dead or stuck.
+/// What stops a [`TcpCommunicator`]'s collectives: its abort flag and clones of its link
+/// sockets. The communicator holds one; the heartbeat holds another
+/// ([`TcpCommunicator::stopper`]), and uses it when it finds a peer dead or stuck.
 #[derive(Debug)]
 pub(crate) struct LinkStopper {
     abort: Arc<AtomicBool>,
@@ -67,9 +68,26 @@ impl LinkStopper {
     /// at once.
     pub(crate) fn stop(&self) {
         self.abort.store(true, Ordering::SeqCst);
+        self.close();
+    }
+
+    /// Shuts the links (without marking the communicator aborted).
+    fn close(&self) {
         for l in &self.links {
             let _ = l.shutdown(Shutdown::Both);
         }
+    }
+
+    /// Another handle on the same flag and links.
+    fn try_clone(&self) -> std::io::Result<Self> {
+        let mut links = Vec::with_capacity(self.links.len());
+        for l in &self.links {
+            links.push(l.try_clone()?);
+        }
+        Ok(Self {
+            abort: Arc::clone(&self.abort),
+            links,
+        })
     }
 }
 
@@ -98,7 +116,6 @@ impl TcpCommunicator {
             prev.set_nonblocking(true)?;
             handles.push(prev.try_clone()?);
         }
-        let abort = Arc::new(AtomicBool::new(false));
         Ok(Self {
             rank,
             world,
@@ -111,8 +128,10 @@ impl TcpCommunicator {
                 scratch: vec![0u64; ring::SCRATCH / 8],
                 work: Vec::new(),
             }),
-            abort,
-            handles,
+            links: LinkStopper {
+                abort: Arc::new(AtomicBool::new(false)),
+                links: handles,
+            },
             watch: None,
         })
     }
@@ -128,14 +147,7 @@ impl TcpCommunicator {
     /// # Errors
     /// A link socket could not be cloned.
     pub(crate) fn stopper(&self) -> Result<LinkStopper> {
-        let mut links = Vec::with_capacity(self.handles.len());
-        for h in &self.handles {
-            links.push(h.try_clone()?);
-        }
-        Ok(LinkStopper {
-            abort: Arc::clone(&self.abort),
-            links,
-        })
+        Ok(self.links.try_clone()?)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -180,7 +192,16 @@ impl TcpCommunicator {
         if let Some(w) = &self.watch {
             w.enter(seq);
         }
-        let result = ring::run(links, buf, plan, seq, desc, scratch, deadline, &self.abort);
+        let result = ring::run(
+            links,
+            buf,
+            plan,
+            seq,
+            desc,
+            scratch,
+            deadline,
+            &self.links.abort,
+        );
         if let Some(w) = &self.watch {
             w.leave(seq, result.is_ok());
         }
@@ -331,7 +352,7 @@ impl TcpCommunicator {
         }
         tracing::error!("{err}");
         st.failed = Some(record);
-        self.close_links();
+        self.links.close();
         err
     }
 
@@ -357,12 +378,6 @@ impl TcpCommunicator {
                 None => StallDiagnosis::Unknown { neighbour },
             },
             Err(_) => StallDiagnosis::Unknown { neighbour },
-        }
-    }
-
-    fn close_links(&self) {
-        for h in &self.handles {
-            let _ = h.shutdown(Shutdown::Both);
         }
     }
 }
@@ -449,13 +464,12 @@ impl Communicator for TcpCommunicator {
     }
 
     fn abort(&self) {
-        self.abort.store(true, Ordering::SeqCst);
-        self.close_links();
+        self.links.stop();
     }
 }
 
 impl Drop for TcpCommunicator {
     fn drop(&mut self) {
-        self.close_links();
+        self.links.close();
     }
 }
