@@ -18,6 +18,7 @@ const CORE: &[(&str, u8)] = &[
     ("store", 4),
     ("comm", 5),
     ("group", 6),
+    ("grad", 7),
     ("cuda", 7),
     ("launch", 8),
     ("fuzzing", 9),

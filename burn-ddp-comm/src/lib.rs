@@ -31,6 +31,8 @@
 //! - `store` — the authenticated rendezvous store ([`group::Store`]) and the job's abort record
 //! - [`comm`] — communicators: the TCP ring between processes, shared memory between threads
 //! - [`group`] — the process group: rendezvous, desync checks, heartbeats, byte collectives
+//! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
+//!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
 //! - [`launch`] — `spawn`, the `burn-ddp` launcher, the bandwidth tool
 //! - [`checkpoint`] — atomic checkpoint files
@@ -67,6 +69,7 @@ pub mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod grad;
 pub mod group;
 pub mod launch;
 mod store;
@@ -75,6 +78,7 @@ mod wire;
 
 pub use config::{GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use error::{DdpError, Result};
+pub use grad::{Compression, DdpConfig, GradReduction, ParamInfo};
 pub use group::{PeerWait, ProcessGroup};
 pub use launch::spawn;
 pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 /// A named thread running `f` on each job sent to it; answers come back in job order. Dropping
 /// it closes the job channel and joins the thread (after the job in hand).
-pub(crate) struct Worker<J, R> {
+pub struct Worker<J, R> {
     jobs: Option<Sender<J>>,
     done: Receiver<R>,
     thread: Option<JoinHandle<()>>,
@@ -23,7 +23,11 @@ impl<J, R> std::fmt::Debug for Worker<J, R> {
 }
 
 impl<J: Send + 'static, R: Send + 'static> Worker<J, R> {
-    pub(crate) fn start(
+    /// Starts the thread.
+    ///
+    /// # Errors
+    /// The operating system's, if the thread cannot be spawned.
+    pub fn start(
         name: String,
         mut f: impl FnMut(J) -> R + Send + 'static,
     ) -> std::io::Result<Self> {
@@ -44,12 +48,12 @@ impl<J: Send + 'static, R: Send + 'static> Worker<J, R> {
     }
 
     /// Hands `job` over; `false` if the thread has stopped.
-    pub(crate) fn send(&self, job: J) -> bool {
+    pub fn send(&self, job: J) -> bool {
         self.jobs.as_ref().is_some_and(|tx| tx.send(job).is_ok())
     }
 
     /// The next answer, waiting at most `wait`.
-    pub(crate) fn receive(&self, wait: Duration) -> Result<R, RecvTimeoutError> {
+    pub fn receive(&self, wait: Duration) -> Result<R, RecvTimeoutError> {
         self.done.recv_timeout(wait)
     }
 }

@@ -43,7 +43,7 @@ use cubecl::stream_id::StreamId;
 use crate::comm::{DType, ReduceOp};
 use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
-use crate::ddp::worker::Worker;
+use burn_ddp_comm::grad::Worker;
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::NcclComm;

@@ -8,7 +8,7 @@ use burn_backend::distributed::{DistributedParamId, ReduceOperation};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
 
-use super::reducer::{self, Origin};
+use super::reducer::Origin;
 use super::{current, GradReduction};
 use crate::DdpError;
 
@@ -188,7 +188,7 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
             return tensor;
         }
     };
-    if let Err(e) = reducer::reduce(
+    if let Err(e) = burn_ddp_comm::grad::reduce_bucket(
         &session.pg,
         &mut values,
         reduction,

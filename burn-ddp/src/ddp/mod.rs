@@ -6,7 +6,6 @@
 //! - `hooks.rs`: what `Ddp<B>`'s `DistributedBackend` hooks do (find the session, copy gradients
 //!   into buckets, write the averaged gradients back)
 //! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
-//! - `worker.rs`: the in-order thread each transport's communication runs on
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
 //! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
 //!   packed and all-reduced by NCCL on the GPU
@@ -19,17 +18,18 @@ pub(crate) mod gpu;
 pub(crate) mod hooks;
 mod model;
 pub(crate) mod reducer;
-pub(crate) mod worker;
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use crate::group::ProcessGroup;
-use crate::GradTransport;
-use crate::{DdpError, Result};
+use burn_ddp_comm::grad::HostSync;
 
-pub use model::{DdpModule, ParamInfo};
+use crate::group::ProcessGroup;
+use crate::Result;
+
+pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo};
+pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 
 /// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with
@@ -59,103 +59,6 @@ pub trait DdpAutodiffBackend:
 
 impl<B: burn_backend::Backend> DdpAutodiffBackend for burn::backend::Autodiff<Ddp<B>> {
     type Base = B;
-}
-
-/// How gradients are combined across ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GradReduction {
-    /// The average over ranks (PyTorch DDP's behaviour): the same update as one process on the
-    /// whole batch when the loss is a mean over the batch.
-    #[default]
-    Mean,
-    /// The sum over ranks.
-    Sum,
-}
-
-/// Wire format of gradient buckets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Compression {
-    /// Full precision (f32).
-    #[default]
-    None,
-    /// Buckets travel and are reduced as IEEE half precision (like PyTorch's fp16 comm hook).
-    F16,
-    /// Buckets travel and are reduced as bfloat16 (like PyTorch's bf16 comm hook).
-    Bf16,
-}
-
-/// Options of a [`DdpSession`]. The defaults are PyTorch DDP's.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DdpConfig {
-    /// Largest bucket, in bytes of f32 gradient (PyTorch's `bucket_cap_mb`, 25 MiB).
-    pub bucket_cap_bytes: usize,
-    /// Largest first bucket (the last parameters, whose gradients are ready first), 1 MiB, so
-    /// that communication starts early in backward.
-    pub first_bucket_cap_bytes: usize,
-    /// Mean or sum.
-    pub reduction: GradReduction,
-    /// Bucket compression.
-    pub compression: Compression,
-    /// All-reduce buckets while backward runs (default). `false` all-reduces every bucket, in
-    /// order, after backward: slower, but simple to reason about when debugging.
-    pub overlap: bool,
-    /// How buckets of GPU gradients travel (NCCL or host-staged).
-    pub transport: GradTransport,
-}
-
-impl Default for DdpConfig {
-    fn default() -> Self {
-        Self {
-            bucket_cap_bytes: 25 << 20,
-            first_bucket_cap_bytes: 1 << 20,
-            reduction: GradReduction::Mean,
-            compression: Compression::None,
-            overlap: true,
-            transport: GradTransport::Auto,
-        }
-    }
-}
-
-impl DdpConfig {
-    /// Sets the bucket cap in MiB (PyTorch's `bucket_cap_mb`).
-    pub fn with_bucket_cap_mb(mut self, mib: f64) -> Self {
-        self.bucket_cap_bytes = (mib * (1 << 20) as f64) as usize;
-        self
-    }
-
-    /// Sets the reduction.
-    pub fn with_reduction(mut self, reduction: GradReduction) -> Self {
-        self.reduction = reduction;
-        self
-    }
-
-    /// Sets the compression.
-    pub fn with_compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
-        self
-    }
-
-    /// Chooses between overlapped (default) and after-backward synchronisation.
-    pub fn with_overlap(mut self, overlap: bool) -> Self {
-        self.overlap = overlap;
-        self
-    }
-
-    /// Chooses how GPU gradient buckets travel.
-    pub fn with_transport(mut self, transport: GradTransport) -> Self {
-        self.transport = transport;
-        self
-    }
-
-    fn validate(&self) -> Result<()> {
-        if self.bucket_cap_bytes < 4 || self.first_bucket_cap_bytes < 4 {
-            return Err(DdpError::InvalidConfig {
-                field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
-                reason: "a bucket must hold at least one f32 gradient (4 bytes)",
-            });
-        }
-        Ok(())
-    }
 }
 
 /// A data-parallel training session: the process group, the gradient reducer, and the hooks that
@@ -189,6 +92,8 @@ pub(crate) struct Shared {
     reducer: Mutex<Reducer>,
     /// Top-level fields of the prepared model that are not synchronised (`#[ddp(skip)]`).
     pub(crate) skip: Mutex<Vec<String>>,
+    /// The communication thread of [`DdpSession::sync_gradients`], started on first use.
+    host: Mutex<Option<HostSync>>,
 }
 
 impl Shared {
@@ -196,6 +101,15 @@ impl Shared {
         // A panic while the reducer is locked (in a user's backward) leaves a step half done;
         // the next `begin` discards it, so the state is safe to reuse.
         self.reducer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The after-backward path's communication thread, started on first use.
+    pub(crate) fn host(&self) -> Result<MutexGuard<'_, Option<HostSync>>> {
+        let mut host = self.host.lock().unwrap_or_else(|p| p.into_inner());
+        if host.is_none() {
+            *host = Some(HostSync::start(&self.pg, &self.config)?);
+        }
+        Ok(host)
     }
 }
 
@@ -227,6 +141,7 @@ impl DdpSession {
             config,
             reducer: Mutex::new(reducer),
             skip: Mutex::new(Vec::new()),
+            host: Mutex::new(None),
         });
         if shared.pg.transport() == "local" {
             LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));
@@ -333,7 +248,7 @@ impl Drop for NoSyncGuard<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use crate::GradTransport;
 
     #[test]
     fn transport_names_parse() {

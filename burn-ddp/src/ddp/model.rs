@@ -10,29 +10,12 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedParamId;
 
-use super::reducer::{self, Plan};
-use super::DdpSession;
+use burn_ddp_comm::grad::{check_same_params, BucketOrder, BucketPlan, HostStep, Reduced};
+
+use super::reducer;
+use super::{DdpSession, ParamInfo};
 use crate::group::Rank;
 use crate::{DdpError, Result};
-
-/// What the reducer knows of one parameter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParamInfo {
-    /// Path in the module tree, e.g. `fc1.weight`.
-    pub name: String,
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Element type, as Burn names it.
-    pub dtype: String,
-    /// Number of elements.
-    pub numel: usize,
-}
-
-impl ParamInfo {
-    fn line(&self) -> String {
-        format!("{}\t{:?}\t{}", self.name, self.shape, self.dtype)
-    }
-}
 
 /// What `#[ddp]` generates for a module struct; [`DdpSession::prepare_module`] uses it.
 ///
@@ -59,13 +42,11 @@ impl Path {
     }
 
     fn info<B: Backend, const D: usize>(&self, tensor: &Tensor<B, D>) -> ParamInfo {
-        let shape = tensor.dims().to_vec();
-        ParamInfo {
-            name: self.0.join("."),
-            numel: shape.iter().product(),
-            shape,
-            dtype: format!("{:?}", tensor.dtype()),
-        }
+        ParamInfo::new(
+            self.0.join("."),
+            tensor.dims().to_vec(),
+            format!("{:?}", tensor.dtype()),
+        )
     }
 }
 
@@ -177,67 +158,6 @@ fn is_skipped(name: &str, skip: &[String]) -> bool {
     skip.iter().any(|s| s == field)
 }
 
-fn ranks_text(ranks: &[usize]) -> String {
-    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-    if ranks.len() == 1 {
-        format!("rank {}", list[0])
-    } else {
-        format!("ranks {}", list.join(", "))
-    }
-}
-
-/// Finds the first parameter whose description differs between ranks.
-fn first_mismatch(rank: Rank, lists: &[Vec<String>]) -> Result<()> {
-    let longest = lists.iter().map(Vec::len).max().unwrap_or(0);
-    for i in 0..longest {
-        let at = |r: usize| lists[r].get(i).map(String::as_str);
-        if (0..lists.len()).all(|r| at(r) == at(0)) {
-            continue;
-        }
-        // Group the ranks by what they have at position i.
-        let mut groups: Vec<(Option<&str>, Vec<usize>)> = Vec::new();
-        for r in 0..lists.len() {
-            match groups.iter_mut().find(|(v, _)| *v == at(r)) {
-                Some((_, rs)) => rs.push(r),
-                None => groups.push((at(r), vec![r])),
-            }
-        }
-        let show = |v: Option<&str>| match v {
-            Some(line) => {
-                let mut parts = line.split('\t');
-                let name = parts.next().unwrap_or("");
-                let shape = parts.next().unwrap_or("");
-                let dtype = parts.next().unwrap_or("");
-                format!("`{name}` with shape {shape} and dtype {dtype}")
-            }
-            None => "no parameter (the model has fewer parameters)".to_owned(),
-        };
-        let detail = groups
-            .iter()
-            .map(|(v, rs)| {
-                format!(
-                    "{} {} {}",
-                    ranks_text(rs),
-                    if rs.len() == 1 { "has" } else { "have" },
-                    show(*v)
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("; ");
-        let param = at(0)
-            .and_then(|l| l.split('\t').next())
-            .unwrap_or("(none on rank 0)")
-            .to_owned();
-        return Err(DdpError::ModelMismatch {
-            rank,
-            index: i,
-            param,
-            detail,
-        });
-    }
-    Ok(())
-}
-
 impl DdpSession {
     /// Makes `model` a data-parallel model of this session, on every rank:
     ///
@@ -283,23 +203,12 @@ impl DdpSession {
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let pg = &self.shared.pg;
         let rank = pg.rank();
-        let desc = describe::<B, M>(&model);
-        let text: String = desc
-            .iter()
-            .filter(|(i, _, _)| !is_skipped(&i.name, &skip))
-            .map(|(i, _, _)| i.line() + "\n")
-            .collect();
-        let lists: Vec<Vec<String>> = pg
-            .all_gather_bytes(text.as_bytes())?
+        let compared: Vec<ParamInfo> = describe::<B, M>(&model)
             .into_iter()
-            .map(|b| {
-                String::from_utf8_lossy(&b)
-                    .lines()
-                    .map(str::to_owned)
-                    .collect()
-            })
+            .filter(|(i, _, _)| !is_skipped(&i.name, &skip))
+            .map(|(i, _, _)| i)
             .collect();
-        first_mismatch(rank, &lists)?;
+        check_same_params(pg, &compared)?;
 
         let model = if pg.world_size().as_usize() > 1 {
             let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
@@ -350,7 +259,7 @@ impl DdpSession {
             .filter(|(info, _, grad)| *grad && !is_skipped(&info.name, &skip))
             .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
             .collect();
-        let plan = Plan::build(params, &self.shared.config);
+        let plan = reducer::plan(params, &self.shared.config);
         tracing::debug!(
             "[rank {rank}] ddp: {} parameters in {} buckets",
             plan.slots.len(),
@@ -390,99 +299,92 @@ impl DdpSession {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let synced: Vec<(ParamInfo, ParamId, bool)> = describe::<B, M>(model)
-            .into_iter()
-            .filter(|(info, _, grad)| *grad && !is_skipped(&info.name, &skip))
-            .collect();
-        let ids: Vec<ParamId> = synced.iter().map(|(_, id, _)| *id).collect();
-        let plan = Plan::build(
-            synced
+        let plan = BucketPlan::build(
+            describe::<B, M>(model)
                 .into_iter()
-                .map(|(info, id, _)| (info, DistributedParamId::from(id.val())))
+                .filter(|(info, _, grad)| *grad && !is_skipped(&info.name, &skip))
+                .map(|(info, id, _)| (info, id))
                 .collect(),
             config,
+            BucketOrder::Forward,
         );
+        let mut host = self.shared.host()?;
+        let Some(host) = host.as_mut() else {
+            return Err(DdpError::Internal {
+                rank: pg.rank(),
+                what: "the host gradient transport was not started",
+            });
+        };
+        let mut step = host.begin(&plan)?;
         let mut take = Take::<B> {
             grads: &mut grads,
-            ids: &ids,
-            values: Vec::new(),
+            plan: &plan,
+            step: &mut step,
+            error: None,
             _b: PhantomData,
         };
         model.visit(&mut take);
-        let values = take.values;
-        let mut present = vec![false; plan.slots.len()];
-        let mut buckets: Vec<Vec<f32>> = plan.buckets.iter().map(|(_, l)| vec![0.0; *l]).collect();
-        for (i, slot) in plan.slots.iter().enumerate() {
-            if let Some(Some(v)) = values.get(i) {
-                buckets[slot.bucket][slot.offset..slot.offset + v.len()].copy_from_slice(v);
-                present[i] = true;
-            }
+        if let Some(e) = take.error {
+            return Err(e);
         }
-        for b in &mut buckets {
-            reducer::reduce(pg, b, config.reduction, config.compression)?;
-        }
+        let reduced = step.finish()?;
         model.visit(&mut Put::<B> {
             grads: &mut grads,
-            ids: &ids,
             plan: &plan,
-            buckets: &buckets,
-            present: &present,
-            index: 0,
+            reduced: &reduced,
             _b: PhantomData,
         });
         Ok(grads)
     }
 }
 
-/// Takes the trainable parameters' gradients out of `grads`, as f32, in visit order.
-struct Take<'a, B> {
+/// Packs the synchronised parameters' gradients (as f32, in visit order) into the step's
+/// buckets; a bucket leaves as soon as it is full.
+struct Take<'a, 'p, B> {
     grads: &'a mut GradientsParams,
-    /// The synchronised parameters, in visit order.
-    ids: &'a [ParamId],
-    values: Vec<Option<Vec<f32>>>,
+    plan: &'a BucketPlan<ParamId>,
+    step: &'a mut HostStep<'p, ParamId>,
+    error: Option<DdpError>,
     _b: PhantomData<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, '_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !self.ids.contains(&param.id) {
+        let Some(&slot) = self.plan.by_id.get(&param.id) else {
+            return;
+        };
+        if self.error.is_some() {
             return;
         }
         let g = self.grads.remove::<B::InnerBackend, D>(param.id);
         let v = g.and_then(|t| t.into_data().convert::<f32>().into_vec::<f32>().ok());
-        self.values.push(v);
+        if let Err(e) = self.step.push(slot, v.as_deref()) {
+            self.error = Some(e);
+        }
     }
 }
 
-/// Puts the averaged gradients back into `grads`, in visit order.
+/// Puts the reduced gradients back into `grads`: every parameter some rank had a gradient for.
 struct Put<'a, B> {
     grads: &'a mut GradientsParams,
-    ids: &'a [ParamId],
-    plan: &'a Plan,
-    buckets: &'a [Vec<f32>],
-    present: &'a [bool],
-    index: usize,
+    plan: &'a BucketPlan<ParamId>,
+    reduced: &'a Reduced,
     _b: PhantomData<B>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !self.ids.contains(&param.id) {
-            return;
-        }
-        let p = param.val();
-        let i = self.index;
-        self.index += 1;
-        let Some(slot) = self.plan.slots.get(i) else {
+        let Some(values) = self
+            .plan
+            .by_id
+            .get(&param.id)
+            .and_then(|&slot| self.reduced.get(slot))
+        else {
             return;
         };
-        let values = &self.buckets[slot.bucket][slot.offset..slot.offset + slot.info.numel];
-        if !self.present[i] && values.iter().all(|v| *v == 0.0) {
-            return;
-        }
-        let device = p.device();
+        let p = param.val();
         let data = TensorData::new(values.to_vec(), p.dims()).convert_dtype(p.dtype());
-        let t = Tensor::<B::InnerBackend, D>::from_data(data, &device);
+        let t = Tensor::<B::InnerBackend, D>::from_data(data, &p.device());
         self.grads.register::<B::InnerBackend, D>(param.id, t);
     }
 }

@@ -9,76 +9,30 @@
 //! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
-use std::collections::HashMap;
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
 use burn_backend::distributed::DistributedParamId;
-use half::{bf16, f16};
 
-use super::{Compression, DdpConfig, GradReduction, GradTransport, ParamInfo};
+use burn_ddp_comm::grad::{self, BucketOrder, BucketPlan, Slot, Worker};
+
+use super::{Compression, DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
+#[cfg(feature = "cuda")]
 use crate::ReduceOp;
+use crate::GradTransport;
 use crate::{DdpError, Result};
 
 /// Extra wait, beyond the collective timeout, for the communication thread's answer.
 const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
-#[derive(Debug, Clone)]
-pub(crate) struct Slot {
-    pub info: ParamInfo,
-    pub bucket: usize,
-    /// Offset in the bucket, in elements.
-    pub offset: usize,
-}
+/// The reducer's bucket plan: buckets from the last parameter to the first, keyed by Burn's
+/// distributed parameter id.
+pub(crate) type Plan = BucketPlan<DistributedParamId>;
 
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Plan {
-    pub slots: Vec<Slot>,
-    pub by_id: HashMap<DistributedParamId, usize>,
-    /// Slots of each bucket, and its length in elements.
-    pub buckets: Vec<(Vec<usize>, usize)>,
-}
-
-impl Plan {
-    /// Buckets in reverse parameter order (gradients of the last layers are final first), the
-    /// first capped at `first_cap` bytes and the others at `cap` bytes; a parameter larger than
-    /// the cap gets a bucket of its own.
-    pub(crate) fn build(params: Vec<(ParamInfo, DistributedParamId)>, config: &DdpConfig) -> Self {
-        let mut plan = Plan::default();
-        let mut current: Vec<usize> = Vec::new();
-        let mut len = 0usize;
-        let n = params.len();
-        for (info, id) in params {
-            plan.by_id.insert(id, plan.slots.len());
-            plan.slots.push(Slot {
-                info,
-                bucket: 0,
-                offset: 0,
-            });
-        }
-        for idx in (0..n).rev() {
-            let numel = plan.slots[idx].info.numel;
-            let cap = if plan.buckets.is_empty() {
-                config.first_bucket_cap_bytes
-            } else {
-                config.bucket_cap_bytes
-            } / 4;
-            if !current.is_empty() && len + numel > cap {
-                plan.buckets.push((std::mem::take(&mut current), len));
-                len = 0;
-            }
-            let bucket = plan.buckets.len();
-            plan.slots[idx].bucket = bucket;
-            plan.slots[idx].offset = len;
-            current.push(idx);
-            len += numel;
-        }
-        if !current.is_empty() {
-            plan.buckets.push((current, len));
-        }
-        plan
-    }
+/// The plan of `params` (visit order) for the overlapped path.
+pub(crate) fn plan(params: Vec<(ParamInfo, DistributedParamId)>, config: &DdpConfig) -> Plan {
+    BucketPlan::build(params, config, BucketOrder::Reverse)
 }
 
 /// Where a gradient came from, to write the result back.
@@ -140,10 +94,7 @@ pub(crate) struct Links<'a> {
 #[cfg(feature = "cuda")]
 impl Links<'_> {
     pub(crate) fn op(&self) -> ReduceOp {
-        match self.reduction {
-            GradReduction::Mean => ReduceOp::Mean,
-            GradReduction::Sum => ReduceOp::Sum,
-        }
+        self.reduction.op()
     }
 
     pub(crate) fn compression(&self) -> Compression {
@@ -216,7 +167,7 @@ struct Done {
 }
 
 /// The host transport's communication thread: all-reduces buckets one after another.
-type Comm = super::worker::Worker<Job, Done>;
+type Comm = Worker<Job, Done>;
 
 impl std::fmt::Debug for Job {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -468,17 +419,7 @@ impl Reducer {
     pub(crate) fn bucket_names(&self) -> Vec<Vec<String>> {
         self.plan
             .as_ref()
-            .map(|p| {
-                p.buckets
-                    .iter()
-                    .map(|(slots, _)| {
-                        slots
-                            .iter()
-                            .map(|&i| p.slots[i].info.name.clone())
-                            .collect()
-                    })
-                    .collect()
-            })
+            .map(BucketPlan::bucket_names)
             .unwrap_or_default()
     }
 
@@ -872,99 +813,11 @@ fn start_comm(
     compression: Compression,
 ) -> Result<Comm> {
     let name = format!("burn-ddp-grad-{}", pg.rank());
-    Ok(super::worker::Worker::start(
+    Ok(Worker::start(
         name,
         move |Job { bucket, mut data }| {
-            let result = reduce(&pg, &mut data, reduction, compression).map(|()| data);
+            let result = grad::reduce_bucket(&pg, &mut data, reduction, compression).map(|()| data);
             Done { bucket, result }
         },
     )?)
-}
-
-/// All-reduces one bucket in place, compressed if asked.
-pub(crate) fn reduce(
-    pg: &ProcessGroup,
-    data: &mut [f32],
-    reduction: GradReduction,
-    compression: Compression,
-) -> Result<()> {
-    let op = match reduction {
-        GradReduction::Mean => ReduceOp::Mean,
-        GradReduction::Sum => ReduceOp::Sum,
-    };
-    match compression {
-        Compression::None => pg.all_reduce(data, op),
-        Compression::F16 => {
-            let mut c: Vec<f16> = data.iter().map(|&v| f16::from_f32(v)).collect();
-            pg.all_reduce(&mut c, op)?;
-            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
-            Ok(())
-        }
-        Compression::Bf16 => {
-            let mut c: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
-            pg.all_reduce(&mut c, op)?;
-            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
-            Ok(())
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn info(name: &str, numel: usize) -> ParamInfo {
-        ParamInfo {
-            name: name.into(),
-            shape: vec![numel],
-            dtype: "F32".into(),
-            numel,
-        }
-    }
-
-    #[test]
-    fn buckets_run_in_reverse_order_with_a_small_first_bucket() {
-        let cfg = DdpConfig {
-            bucket_cap_bytes: 40,
-            first_bucket_cap_bytes: 8,
-            ..DdpConfig::default()
-        };
-        let params = (0..6)
-            .map(|i| {
-                (
-                    info(&format!("p{i}"), 2),
-                    DistributedParamId::from(i as u64),
-                )
-            })
-            .collect();
-        let plan = Plan::build(params, &cfg);
-        let names: Vec<Vec<&str>> = plan
-            .buckets
-            .iter()
-            .map(|(s, _)| {
-                s.iter()
-                    .map(|&i| plan.slots[i].info.name.as_str())
-                    .collect()
-            })
-            .collect();
-        assert_eq!(names, vec![vec!["p5"], vec!["p4", "p3", "p2", "p1", "p0"]]);
-        assert_eq!(plan.slots[3].offset, 2);
-    }
-
-    #[test]
-    fn a_parameter_larger_than_the_cap_gets_its_own_bucket() {
-        let cfg = DdpConfig {
-            bucket_cap_bytes: 16,
-            first_bucket_cap_bytes: 16,
-            ..DdpConfig::default()
-        };
-        let params = vec![
-            (info("a", 1), DistributedParamId::from(1)),
-            (info("big", 100), DistributedParamId::from(2)),
-            (info("c", 1), DistributedParamId::from(3)),
-        ];
-        let plan = Plan::build(params, &cfg);
-        let lens: Vec<usize> = plan.buckets.iter().map(|(_, l)| *l).collect();
-        assert_eq!(lens, vec![1, 100, 1]);
-    }
 }

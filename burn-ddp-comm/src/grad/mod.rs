@@ -1,0 +1,136 @@
+//! Gradient synchronisation without Burn: what both Burn lines (0.21's `Ddp<B>` and 0.22's
+//! gradient sync) share.
+//!
+//! - `mod.rs`: [`DdpConfig`] and its options ([`GradReduction`], [`Compression`])
+//! - `plan.rs`: [`ParamInfo`] and the [`BucketPlan`]: which parameter goes in which bucket
+//! - `check.rs`: [`check_same_params`], the cross-rank check of a model's parameters
+//! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
+//!   next is packed, and read back; [`reduce_bucket`] for one bucket
+//! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
+
+mod check;
+mod host;
+mod plan;
+mod worker;
+
+pub use check::check_same_params;
+pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
+pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
+pub use worker::Worker;
+
+use crate::config::GradTransport;
+use crate::types::ReduceOp;
+use crate::{DdpError, Result};
+
+/// How gradients are combined across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GradReduction {
+    /// The average over ranks (PyTorch DDP's behaviour): the same update as one process on the
+    /// whole batch when the loss is a mean over the batch.
+    #[default]
+    Mean,
+    /// The sum over ranks.
+    Sum,
+}
+
+impl GradReduction {
+    /// The collective's reduce operation.
+    pub fn op(self) -> ReduceOp {
+        match self {
+            Self::Mean => ReduceOp::Mean,
+            Self::Sum => ReduceOp::Sum,
+        }
+    }
+}
+
+/// Wire format of gradient buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compression {
+    /// Full precision (f32).
+    #[default]
+    None,
+    /// Buckets travel and are reduced as IEEE half precision (like PyTorch's fp16 comm hook).
+    F16,
+    /// Buckets travel and are reduced as bfloat16 (like PyTorch's bf16 comm hook).
+    Bf16,
+}
+
+/// Options of gradient synchronisation (burn-ddp's `DdpSession` on Burn 0.21, `GradSync` on
+/// Burn 0.22). The defaults are PyTorch DDP's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DdpConfig {
+    /// Largest bucket, in bytes of f32 gradient (PyTorch's `bucket_cap_mb`, 25 MiB).
+    pub bucket_cap_bytes: usize,
+    /// Largest first bucket (the last parameters, whose gradients are ready first), 1 MiB, so
+    /// that communication starts early in backward.
+    pub first_bucket_cap_bytes: usize,
+    /// Mean or sum.
+    pub reduction: GradReduction,
+    /// Bucket compression.
+    pub compression: Compression,
+    /// All-reduce buckets while backward runs (default). `false` all-reduces every bucket, in
+    /// order, after backward: slower, but simple to reason about when debugging. (Burn 0.22
+    /// cannot overlap backward: its line always synchronises after it.)
+    pub overlap: bool,
+    /// How buckets of GPU gradients travel (NCCL or host-staged).
+    pub transport: GradTransport,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_bytes: 25 << 20,
+            first_bucket_cap_bytes: 1 << 20,
+            reduction: GradReduction::Mean,
+            compression: Compression::None,
+            overlap: true,
+            transport: GradTransport::Auto,
+        }
+    }
+}
+
+impl DdpConfig {
+    /// Sets the bucket cap in MiB (PyTorch's `bucket_cap_mb`).
+    pub fn with_bucket_cap_mb(mut self, mib: f64) -> Self {
+        self.bucket_cap_bytes = (mib * (1 << 20) as f64) as usize;
+        self
+    }
+
+    /// Sets the reduction.
+    pub fn with_reduction(mut self, reduction: GradReduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+
+    /// Sets the compression.
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// Chooses between overlapped (default) and after-backward synchronisation.
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
+        self
+    }
+
+    /// Chooses how GPU gradient buckets travel.
+    pub fn with_transport(mut self, transport: GradTransport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Checks the options.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidConfig`] for a bucket cap below one f32.
+    pub fn validate(&self) -> Result<()> {
+        if self.bucket_cap_bytes < 4 || self.first_bucket_cap_bytes < 4 {
+            return Err(DdpError::InvalidConfig {
+                field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
+                reason: "a bucket must hold at least one f32 gradient (4 bytes)",
+            });
+        }
+        Ok(())
+    }
+}
