@@ -1,0 +1,298 @@
+//! Test harnesses without Burn (both Burn lines' tests use this file): run a test body in
+//! several real processes (like PyTorch's `MultiProcessTestCase`) with a hard deadline, and
+//! report which rank failed.
+//!
+//! A multi-process test re-executes the test binary once per rank with `--exact <test name>` and
+//! the torchrun environment; the child sees `BURN_DDP_TEST_CHILD=<test name>` and runs the body.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::io::Read;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use burn_ddp_comm::launch::spawn::{describe, LocalJob, Output};
+use burn_ddp_comm::ProcessGroup;
+
+/// Environment variable that marks a child process and names its test.
+pub const CHILD: &str = "BURN_DDP_TEST_CHILD";
+
+/// In a child process of any test: `true`.
+#[allow(dead_code)]
+pub fn is_any_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// Whether tests that run at several world sizes should run `world` (`BURN_DDP_TEST_WORLDS`,
+/// a comma-separated list, when set: the GPU checks run NCCL at 1 and the host path at 2 and 3).
+pub fn world_selected(world: usize) -> bool {
+    match std::env::var("BURN_DDP_TEST_WORLDS") {
+        Ok(list) => list.split(',').any(|w| w.trim().parse() == Ok(world)),
+        Err(_) => true,
+    }
+}
+
+/// In a child process of test `name`: `true`.
+pub fn is_child(name: &str) -> bool {
+    std::env::var(CHILD).is_ok_and(|v| v == name)
+}
+
+/// In a child process of test `name`: its process group.
+pub fn child_group(name: &str) -> Option<ProcessGroup> {
+    if !is_child(name) {
+        return None;
+    }
+    burn_ddp_comm::launch::cli::init_logging();
+    Some(ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining the job failed: {e}")))
+}
+
+/// How one rank of a test job ended.
+#[derive(Debug)]
+pub struct Outcome {
+    pub rank: u32,
+    pub status: ExitStatus,
+    pub output: String,
+    pub elapsed: Duration,
+}
+
+impl Outcome {
+    pub fn ok(&self) -> bool {
+        self.status.success()
+    }
+}
+
+/// The outcomes of every rank.
+#[derive(Debug)]
+pub struct Outcomes(pub Vec<Outcome>);
+
+impl Outcomes {
+    /// Panics, with every rank's output, unless every rank succeeded.
+    pub fn assert_all_ok(&self) {
+        // A child that matched no test function would "pass" without running anything.
+        if self
+            .0
+            .iter()
+            .all(|o| o.ok() && o.output.contains("test result: ok. 1 passed"))
+        {
+            return;
+        }
+        panic!("{}", self.report());
+    }
+
+    /// Every rank's status and output.
+    pub fn report(&self) -> String {
+        let mut s = String::new();
+        for o in &self.0 {
+            s.push_str(&format!(
+                "---- rank {} {} after {:?} ----\n{}\n",
+                o.rank,
+                describe(o.status),
+                o.elapsed,
+                o.output
+            ));
+        }
+        s
+    }
+
+    pub fn rank(&self, r: u32) -> &Outcome {
+        self.0.iter().find(|o| o.rank == r).expect("no such rank")
+    }
+}
+
+/// A multi-process test job.
+pub struct Job {
+    world: u32,
+    test: String,
+    timeout: Duration,
+    env: Vec<(String, String)>,
+    per_rank: HashMap<u32, Vec<(String, String)>>,
+    skip: Vec<u32>,
+    master_port: Option<u16>,
+    /// The test function the children run, when it is not `test` itself.
+    function: Option<String>,
+}
+
+impl Job {
+    /// `world` ranks running test `test` of this binary.
+    pub fn new(world: u32, test: &str) -> Self {
+        Self {
+            world,
+            test: test.to_string(),
+            timeout: Duration::from_secs(120),
+            env: vec![("RUST_BACKTRACE".into(), "0".into())],
+            per_rank: HashMap::new(),
+            skip: Vec::new(),
+            master_port: None,
+            function: None,
+        }
+    }
+
+    /// Children run test function `f` (for tests that start several jobs, each tagged by `test`).
+    #[allow(dead_code)]
+    pub fn function(mut self, f: &str) -> Self {
+        self.function = Some(f.to_string());
+        self
+    }
+
+    /// Sets a variable for every rank.
+    pub fn env(mut self, k: &str, v: impl ToString) -> Self {
+        self.env.push((k.into(), v.to_string()));
+        self
+    }
+
+    /// Sets a variable for one rank (overrides the launcher's value).
+    pub fn rank_env(mut self, rank: u32, k: &str, v: impl ToString) -> Self {
+        self.per_rank
+            .entry(rank)
+            .or_default()
+            .push((k.into(), v.to_string()));
+        self
+    }
+
+    /// Does not start this rank (a rank that never arrives).
+    pub fn skip(mut self, rank: u32) -> Self {
+        self.skip.push(rank);
+        self
+    }
+
+    /// Uses this port for the store.
+    pub fn master_port(mut self, port: u16) -> Self {
+        self.master_port = Some(port);
+        self
+    }
+
+    /// Hard deadline for the whole job; exceeded, every rank is killed and the test fails.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = d;
+        self
+    }
+
+    /// Starts the ranks and waits for all of them (no fail-fast: every rank reports itself).
+    pub fn run(self) -> Outcomes {
+        let exe = std::env::current_exe().expect("test binary path");
+        let args: Vec<OsString> = vec![
+            self.function
+                .clone()
+                .unwrap_or_else(|| self.test.clone())
+                .into(),
+            "--exact".into(),
+            "--nocapture".into(),
+            "--test-threads=1".into(),
+        ];
+        let mut job =
+            LocalJob::standalone(exe.clone(), args.clone(), self.world).expect("free port");
+        job.output = Output::Capture;
+        if let Some(p) = self.master_port {
+            job.master.port = p;
+        }
+        let started = Instant::now();
+        let mut children: Vec<(
+            u32,
+            Child,
+            thread::JoinHandle<String>,
+            thread::JoinHandle<String>,
+        )> = Vec::new();
+        for local in 0..self.world {
+            if self.skip.contains(&local) {
+                continue;
+            }
+            let mut cmd = Command::new(&exe);
+            cmd.args(&args)
+                .envs(job.rank_env(local))
+                .env(CHILD, &self.test)
+                .envs(self.env.iter().map(|(k, v)| (k, v)))
+                .envs(
+                    self.per_rank
+                        .get(&local)
+                        .into_iter()
+                        .flatten()
+                        .map(|(k, v)| (k, v)),
+                )
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            let mut child = cmd.spawn().expect("spawn test child");
+            let mut out = child.stdout.take().expect("stdout");
+            let mut err = child.stderr.take().expect("stderr");
+            let o = thread::spawn(move || {
+                let mut s = String::new();
+                let _ = out.read_to_string(&mut s);
+                s
+            });
+            let e = thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                s
+            });
+            children.push((local, child, o, e));
+        }
+        let mut done: Vec<Option<(ExitStatus, Duration)>> = vec![None; children.len()];
+        while done.iter().any(Option::is_none) {
+            for (i, (_, child, _, _)) in children.iter_mut().enumerate() {
+                if done[i].is_none() {
+                    if let Ok(Some(st)) = child.try_wait() {
+                        done[i] = Some((st, started.elapsed()));
+                    }
+                }
+            }
+            if started.elapsed() > self.timeout {
+                for (_, child, _, _) in children.iter_mut() {
+                    let _ = child.kill();
+                }
+                let partial: Vec<String> = children
+                    .into_iter()
+                    .map(|(r, mut c, o, e)| {
+                        let _ = c.wait();
+                        format!(
+                            "---- rank {r} ----\n{}{}",
+                            o.join().unwrap_or_default(),
+                            e.join().unwrap_or_default()
+                        )
+                    })
+                    .collect();
+                panic!(
+                    "test job {} did not finish within {:?} (a hang); every rank was killed.\n{}",
+                    self.test,
+                    self.timeout,
+                    partial.join("\n")
+                );
+            }
+            thread::sleep(Duration::from_millis(20));
+        }
+        let outcomes = Outcomes(
+            children
+                .into_iter()
+                .zip(done)
+                .map(|((rank, _, o, e), d)| {
+                    let (status, elapsed) = d.expect("every child has exited");
+                    Outcome {
+                        rank,
+                        status,
+                        elapsed,
+                        output: format!(
+                            "{}{}",
+                            o.join().unwrap_or_default(),
+                            e.join().unwrap_or_default()
+                        ),
+                    }
+                })
+                .collect(),
+        );
+        if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
+            eprintln!("==== {} ====\n{}", self.test, outcomes.report());
+        }
+        outcomes
+    }
+}
+
+/// Runs `body` on every rank of a `world`-rank job of test `name`; all ranks must succeed.
+/// Returns `true` in the parent after the job passed, `false` in children (which already ran).
+pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {
+    if let Some(pg) = child_group(name) {
+        body(pg);
+        return;
+    }
+    Job::new(world, name).run().assert_all_ok();
+}
+
