@@ -1,0 +1,57 @@
+//! # burn-ddp for Burn 0.22.1
+//!
+//! Multi-process, multi-node data-parallel training for programs on **Burn 0.22.1**, on the same
+//! process group, launcher, store, transports, deadlines and errors as burn-ddp's Burn 0.21
+//! line (all from `burn-ddp-comm`).
+//!
+//! Burn 0.22 routes every tensor through its closed `Dispatch` enum, so a backend decorator
+//! such as burn-ddp's `Autodiff<Ddp<B>>` cannot exist there, and gradients cannot be reduced
+//! while backward still runs. This line works where 0.22 leaves room: **after backward**, on the
+//! `GradientsParams` handed to the optimizer.
+//!
+//! ```no_run
+//! use burn::module::Module;
+//! use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+//! use burn_ddp_burn022::{DdpConfig, GradSync, ProcessGroup};
+//! # fn model() -> burn::nn::Linear { burn::nn::LinearConfig::new(4, 1).init(&Default::default()) }
+//! # fn loss(m: &burn::nn::Linear) -> burn::Tensor<1> { unimplemented!() }
+//!
+//! # fn main() -> burn_ddp_burn022::Result<()> {
+//! // One process per rank, started by `burn-ddp run` (or torchrun, or srun).
+//! let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+//! let mut model = sync.prepare(model())?; // checked across ranks; rank 0's weights everywhere
+//! let mut optim = SgdConfig::new().init();
+//! // Per step, on this rank's shard of the global batch:
+//! let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+//! let grads = sync.sync(&model, grads)?; // the mean over every rank
+//! model = optim.step(0.1, model, grads);
+//! # Ok(()) }
+//! ```
+//!
+//! What [`GradSync::sync`] does: the gradients of the prepared model's trainable parameters,
+//! read in a fixed order, are packed into buckets (25 MiB, the first 1 MiB, as PyTorch DDP and
+//! the 0.21 line), and each bucket is all-reduced on a communication thread as soon as it is
+//! packed, while the next is being packed. Mean or sum; fp16/bf16 on the wire; a parameter that
+//! has a gradient on some ranks only gets the reduced value on every rank, one that no rank has
+//! a gradient for stays without one. For gradient accumulation, accumulate the micro-steps'
+//! gradients locally (Burn's `GradientsAccumulator`) and call `sync` once.
+//!
+//! Gradients travel host-staged (read from the device, reduced over the process group's TCP
+//! ring or in-process transport, written back to the device), on every backend.
+
+#![warn(
+    missing_docs,
+    missing_debug_implementations,
+    unreachable_pub,
+    rust_2018_idioms
+)]
+#![deny(unused_must_use)]
+
+mod sync;
+
+pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
+pub use burn_ddp_comm::{
+    spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken, MasterAddr,
+    ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
+};
+pub use sync::GradSync;

@@ -1,0 +1,355 @@
+//! Burn 0.22 on W processes, each with a batch of `b` and its gradients reduced by `GradSync`
+//! after backward, must train exactly like one process on the whole batch of `W·b`: after 20
+//! optimizer steps every parameter matches within 1e-5 relative (f32). Real processes, real
+//! TCP, real Burn training (Burn 0.22's Flex CPU backend).
+//!
+//! The reference runs in every rank's process, from the weights that `prepare` broadcast.
+
+#[path = "../../tests/common/procs.rs"]
+#[allow(dead_code)]
+mod procs;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
+
+const STEPS: usize = 20;
+const PER_RANK: usize = 4;
+const IN: usize = 8;
+const OUT: usize = 3;
+
+fn device() -> Device {
+    Device::default().autodiff()
+}
+
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+    /// Never used in `forward`: gets no gradient on any rank.
+    unused: Linear,
+    act: Relu,
+}
+
+impl Mlp {
+    fn new(device: &Device, hidden: usize) -> Self {
+        Self {
+            fc1: LinearConfig::new(IN, hidden).init(device),
+            fc2: LinearConfig::new(hidden, OUT).init(device),
+            unused: LinearConfig::new(IN, 5).init(device),
+            act: Relu::new(),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+struct ConvNet {
+    conv: Conv2d,
+    fc: Linear,
+    act: Relu,
+}
+
+trait Net: Module + Sized {
+    fn build(device: &Device) -> Self;
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1>;
+}
+
+impl Net for Mlp {
+    fn build(device: &Device) -> Self {
+        Self::new(device, 16)
+    }
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = self.act.forward(self.fc1.forward(x));
+        (self.fc2.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
+impl Net for ConvNet {
+    fn build(device: &Device) -> Self {
+        Self {
+            conv: Conv2dConfig::new([1, 4], [3, 3]).init(device),
+            fc: LinearConfig::new(4 * 2 * 2, OUT).init(device),
+            act: Relu::new(),
+        }
+    }
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let n = x.dims()[0];
+        let img = x.reshape([n, 1, 4, 2]).repeat_dim(3, 2); // [n, 1, 4, 4]
+        let h = self.act.forward(self.conv.forward(img)); // [n, 4, 2, 2]
+        (self.fc.forward(h.reshape([n, 16])) - y)
+            .powi_scalar(2)
+            .mean()
+    }
+}
+
+/// The whole batch of step `step`: the same on every rank.
+fn batch(step: usize, world: usize) -> (Tensor<2>, Tensor<2>) {
+    let device = device();
+    let n = world * PER_RANK;
+    device.seed(1000 + step as u64);
+    let x = Tensor::<2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<2>::random([n, OUT], Distribution::Normal(0.0, 1.0), &device);
+    (x, y)
+}
+
+fn shard(t: Tensor<2>, rank: usize, per: usize) -> Tensor<2> {
+    t.narrow(0, rank * per, per)
+}
+
+/// Every float parameter of `m`, flattened, in visit order.
+fn params<M: Module>(m: &M) -> Vec<f32> {
+    struct Collect<'a>(&'a mut Vec<f32>);
+    impl ModuleVisitor for Collect<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.0.extend(
+                p.val()
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap(),
+            );
+        }
+    }
+    let mut out = Vec::new();
+    m.visit(&mut Collect(&mut out));
+    out
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Opt {
+    Sgd,
+    Adam,
+}
+
+impl Opt {
+    fn init(self) -> ModuleOptimizer {
+        match self {
+            Opt::Sgd => SgdConfig::new().init(),
+            Opt::Adam => AdamConfig::new().init(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Plain,
+    /// 2 micro-steps accumulated locally, then one `sync`.
+    Accumulate,
+}
+
+/// `|ddp - single| <= rel * max(|single|, floor)`: relative, except near zero, where a relative
+/// difference says nothing (a mean of per-rank means rounds differently from one mean).
+#[derive(Clone, Copy, Debug)]
+struct Tolerance {
+    rel: f32,
+    floor: f32,
+}
+
+/// f32: 1e-5 relative, for values of magnitude 0.05 and more (5e-7 absolute below).
+const F32: Tolerance = Tolerance {
+    rel: 1e-5,
+    floor: 0.05,
+};
+
+fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol: Tolerance) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = device();
+    device.seed(7 + rank as u64); // a different init per rank: prepare must fix it
+    let mut sync = GradSync::new(pg, config).unwrap();
+    let mut model = sync.prepare(M::build(&device)).unwrap();
+    let mut reference = M::build(&device).load_record(model.clone().into_record());
+    assert_eq!(params(&model), params(&reference));
+    let (mut opt_ddp, mut opt_ref) = (opt.init(), opt.init());
+    let lr = 0.05;
+    for step in 0..STEPS {
+        match mode {
+            Mode::Plain => {
+                let (x, y) = batch(step, world);
+                let loss = model.loss(
+                    shard(x.clone(), rank, PER_RANK),
+                    shard(y.clone(), rank, PER_RANK),
+                );
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = sync.sync(&model, grads).unwrap();
+                model = opt_ddp.step(lr, model, grads);
+
+                let loss = reference.loss(x, y);
+                let grads = GradientsParams::from_grads(loss.backward(), &reference);
+                reference = opt_ref.step(lr, reference, grads);
+            }
+            Mode::Accumulate => {
+                // Micro-step k of rank r: rows [r·b + k·b/2, +b/2); the reference's micro-step k
+                // is the same rows of every rank together.
+                let half = PER_RANK / 2;
+                let (x, y) = batch(step, world);
+                let mut acc = GradientsAccumulator::<M>::new();
+                let mut acc_ref = GradientsAccumulator::<M>::new();
+                for micro in 0..2 {
+                    let mine =
+                        |t: &Tensor<2>| t.clone().narrow(0, rank * PER_RANK + micro * half, half);
+                    let loss = model.loss(mine(&x), mine(&y));
+                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                    let all = |t: &Tensor<2>| {
+                        Tensor::cat(
+                            (0..world)
+                                .map(|r| t.clone().narrow(0, r * PER_RANK + micro * half, half))
+                                .collect(),
+                            0,
+                        )
+                    };
+                    let loss = reference.loss(all(&x), all(&y));
+                    acc_ref.accumulate(
+                        &reference,
+                        GradientsParams::from_grads(loss.backward(), &reference),
+                    );
+                }
+                let grads = sync.sync(&model, acc.grads()).unwrap();
+                model = opt_ddp.step(lr, model, grads);
+                reference = opt_ref.step(lr, reference, acc_ref.grads());
+            }
+        }
+    }
+    let (got, want) = (params(&model), params(&reference));
+    assert_eq!(got.len(), want.len());
+    let mut worst = 0.0f32;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let rel = (g - w).abs() / w.abs().max(tol.floor);
+        worst = worst.max(rel);
+        assert!(
+            rel <= tol.rel,
+            "rank {rank}: parameter element {i}: ddp {g} vs single process {w} (relative {rel:e}, {tol:?})"
+        );
+    }
+    // Every rank holds the same model, bit for bit.
+    let mine: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = sync.group().all_gather_bytes(&mine).unwrap();
+    assert!(
+        all.iter().all(|b| *b == mine),
+        "rank {rank}: the ranks' models differ"
+    );
+    println!(
+        "rank {rank}: worst relative difference {worst:e} over {} values",
+        got.len()
+    );
+}
+
+macro_rules! equivalence {
+    ($($name:ident: $net:ident, $opt:expr, $mode:expr, $config:expr, $tol:expr, [$($w:literal),*];)*) => {$(
+        #[test]
+        fn $name() {
+            $(
+                let name = concat!(stringify!($name), "_w", $w);
+                if let Some(pg) = procs::child_group(name) {
+                    train::<$net>(pg, $opt, $mode, $config, $tol);
+                    return;
+                }
+                if !procs::is_any_child() && procs::world_selected($w) {
+                    procs::Job::new($w, name)
+                        .function(stringify!($name))
+                        .run()
+                        .assert_all_ok();
+                }
+            )*
+        }
+    )*};
+}
+
+equivalence! {
+    mlp_sgd: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [2, 3];
+    mlp_adam: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [2, 3];
+    conv_sgd: ConvNet, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [2, 3];
+    conv_adam: ConvNet, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [2];
+    mlp_small_buckets: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }, F32, [3];
+    mlp_accumulate_2: Mlp, Opt::Adam, Mode::Accumulate, DdpConfig::default(), F32, [2, 3];
+    // bf16 buckets keep 8 bits of mantissa: each averaged gradient is off by up to 2^-8
+    // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
+    // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
+    mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [2];
+}
+
+#[test]
+fn mismatched_models_fail_at_prepare_naming_the_parameter() {
+    const NAME: &str = "mismatched_models_fail_at_prepare_naming_the_parameter";
+    if let Some(pg) = procs::child_group(NAME) {
+        let rank = pg.rank().index();
+        let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+        let hidden = if rank == 1 { 17 } else { 16 };
+        let err = sync.prepare(Mlp::new(&device(), hidden)).unwrap_err();
+        let text = err.to_string();
+        println!("rank {rank} error: {text}");
+        assert!(matches!(err, DdpError::ModelMismatch { .. }), "{text}");
+        assert!(text.contains("fc1.weight"), "{text}");
+        assert!(text.contains("rank 1 has"), "{text}");
+        assert!(text.contains("ranks 0, 2 have"), "{text}");
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(3, NAME).run().assert_all_ok();
+    }
+}
+
+/// `fc2` is used on rank 1 only: every rank gets its gradient divided by the world size (the
+/// mean over ranks, zeros for the ranks that did not use it); `unused` gets none anywhere.
+#[test]
+fn a_parameter_used_on_one_rank_gets_the_mean_everywhere() {
+    const NAME: &str = "a_parameter_used_on_one_rank_gets_the_mean_everywhere";
+    if let Some(pg) = procs::child_group(NAME) {
+        let rank = pg.rank().index();
+        let world = pg.world_size().as_usize();
+        let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+        let model = sync.prepare(Mlp::build(&device())).unwrap();
+        let (x, y) = batch(0, world);
+        let loss_of = |r: usize| {
+            let (x, y) = (shard(x.clone(), r, PER_RANK), shard(y.clone(), r, PER_RANK));
+            if r == 1 {
+                model.loss(x, y)
+            } else {
+                // fc1 only: fc2 gets no gradient on this rank.
+                model
+                    .fc1
+                    .forward(x)
+                    .narrow(1, 0, OUT)
+                    .sub(y)
+                    .powi_scalar(2)
+                    .mean()
+            }
+        };
+        let grads = GradientsParams::from_grads(loss_of(rank).backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+        let got: Vec<f32> = grads
+            .get::<2>(model.fc2.weight.id)
+            .expect("fc2 has a gradient on every rank after sync")
+            .into_data()
+            .try_to_vec()
+            .unwrap();
+        let on_rank_1 = GradientsParams::from_grads(loss_of(1).backward(), &model)
+            .get::<2>(model.fc2.weight.id);
+        let want: Vec<f32> = on_rank_1.unwrap().into_data().try_to_vec().unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w / world as f32).abs() <= 1e-6 * w.abs().max(1.0),
+                "{g} vs {w}/{world}"
+            );
+        }
+        assert!(grads.get::<2>(model.unused.weight.id).is_none());
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(3, NAME).run().assert_all_ok();
+    }
+}
+
+#[test]
+fn sync_before_prepare_says_what_to_do() {
+    let mut sync = GradSync::new(ProcessGroup::single(), DdpConfig::default()).unwrap();
+    let model = Mlp::build(&device());
+    let err = sync.sync(&model, GradientsParams::new()).unwrap_err();
+    assert!(
+        err.to_string().contains("GradSync::prepare was not called"),
+        "{err}"
+    );
+}
