@@ -1,4 +1,4 @@
-//! The layers of `docs/design.md`, checked on the sources of both library crates:
+//! The layers of `docs/design.md`, checked on the sources of the library crates:
 //!
 //! - every `crate::<module>` a file names (in code, not comments) is its own module or one in a
 //!   lower layer, so the modules form no cycle;
@@ -34,6 +34,9 @@ const BURN: &[(&str, u8)] = &[
     ("train", 4),
     ("fuzzing", 5),
 ];
+
+/// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them).
+const BURN022: &[(&str, u8)] = &[("sync", 1)];
 
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
 const BELOW: u8 = 0;
@@ -238,7 +241,12 @@ fn modules_only_use_lower_layers() {
     problems.extend(check(&Crate {
         dir: "burn-ddp",
         layers: BURN,
-        foreign_modules: &["group", "comm", "config", "launch", "types"],
+        foreign_modules: &["group", "comm", "config", "grad", "launch", "types"],
+    }));
+    problems.extend(check(&Crate {
+        dir: "burn-ddp-burn022",
+        layers: BURN022,
+        foreign_modules: &["comm", "config", "grad", "group", "launch", "types"],
     }));
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
@@ -279,7 +287,7 @@ fn the_core_crate_names_no_burn_crate() {
 #[test]
 fn only_the_env_module_reads_the_environment() {
     let mut problems = Vec::new();
-    for dir in ["burn-ddp-comm/src", "burn-ddp/src"] {
+    for dir in ["burn-ddp-comm/src", "burn-ddp/src", "burn-ddp-burn022/src"] {
         let mut files = Vec::new();
         rust_files(&root().join(dir), &mut files);
         for file in files {

@@ -86,7 +86,7 @@ pub mod fuzzing;
 #[cfg_attr(docsrs, doc(cfg(feature = "train")))]
 pub mod train;
 
-pub use burn_ddp_comm::{comm, config, group, launch, types};
+pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;

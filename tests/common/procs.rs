@@ -295,4 +295,3 @@ pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {
     }
     Job::new(world, name).run().assert_all_ok();
 }
-

@@ -117,8 +117,14 @@ mod tests {
             panic!("{err:?}")
         };
         assert_eq!((*index, param.as_str()), (0, "fc.weight"));
-        assert!(detail.contains("ranks 0, 1 have `fc.weight` with shape [4, 2]"), "{detail}");
-        assert!(detail.contains("rank 2 has `fc.weight` with shape [4, 3]"), "{detail}");
+        assert!(
+            detail.contains("ranks 0, 1 have `fc.weight` with shape [4, 2]"),
+            "{detail}"
+        );
+        assert!(
+            detail.contains("rank 2 has `fc.weight` with shape [4, 3]"),
+            "{detail}"
+        );
     }
 
     #[test]

@@ -88,8 +88,7 @@ impl HostSync {
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
             move |Job { bucket, mut data }| {
-                let result =
-                    reduce_bucket(&comm, &mut data, reduction, compression).map(|()| data);
+                let result = reduce_bucket(&comm, &mut data, reduction, compression).map(|()| data);
                 Done { bucket, result }
             },
         )?;
@@ -136,7 +135,7 @@ impl HostSync {
     }
 
     /// Takes every outstanding answer into `results`, in order.
-    fn collect(&mut self, results: &mut Vec<Option<Vec<f32>>>) -> Result<()> {
+    fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
         let wait = self.pg.timeouts().collective + ANSWER_SLACK;
         let mut first_error = None;
         while self.outstanding > 0 {
@@ -400,7 +399,9 @@ mod tests {
             assert_eq!(r[0].as_deref(), Some(&[11.0; 3][..]));
             assert_eq!(r[4].as_deref(), Some(&[15.0; 3][..]));
             // only rank 2 had parameter 1: (21 + 1) / 3, on every rank.
-            let p1 = r[1].as_deref().expect("parameter 1 had a gradient on rank 2");
+            let p1 = r[1]
+                .as_deref()
+                .expect("parameter 1 had a gradient on rank 2");
             assert!(p1.iter().all(|v| (v - 22.0 / 3.0).abs() < 1e-5), "{p1:?}");
             assert_eq!(r[3], None);
         }

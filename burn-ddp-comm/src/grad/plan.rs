@@ -180,7 +180,11 @@ mod tests {
 
     #[test]
     fn a_parameter_larger_than_the_cap_gets_its_own_bucket() {
-        let params = vec![(info("a", 1), 1u64), (info("big", 100), 2), (info("c", 1), 3)];
+        let params = vec![
+            (info("a", 1), 1u64),
+            (info("big", 100), 2),
+            (info("c", 1), 3),
+        ];
         let plan = BucketPlan::build(params, &caps(16, 16), BucketOrder::Reverse);
         let lens: Vec<usize> = plan.buckets.iter().map(|(_, l)| *l).collect();
         assert_eq!(lens, vec![1, 100, 1]);

@@ -43,10 +43,10 @@ use cubecl::stream_id::StreamId;
 use crate::comm::{DType, ReduceOp};
 use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
-use burn_ddp_comm::grad::Worker;
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::NcclComm;
+use burn_ddp_comm::grad::Worker;
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).

@@ -18,9 +18,9 @@ use burn_ddp_comm::grad::{self, BucketOrder, BucketPlan, Slot, Worker};
 
 use super::{Compression, DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
+use crate::GradTransport;
 #[cfg(feature = "cuda")]
 use crate::ReduceOp;
-use crate::GradTransport;
 use crate::{DdpError, Result};
 
 /// Extra wait, beyond the collective timeout, for the communication thread's answer.
@@ -813,11 +813,8 @@ fn start_comm(
     compression: Compression,
 ) -> Result<Comm> {
     let name = format!("burn-ddp-grad-{}", pg.rank());
-    Ok(Worker::start(
-        name,
-        move |Job { bucket, mut data }| {
-            let result = grad::reduce_bucket(&pg, &mut data, reduction, compression).map(|()| data);
-            Done { bucket, result }
-        },
-    )?)
+    Ok(Worker::start(name, move |Job { bucket, mut data }| {
+        let result = grad::reduce_bucket(&pg, &mut data, reduction, compression).map(|()| data);
+        Done { bucket, result }
+    })?)
 }
