@@ -19,6 +19,7 @@ use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, ProcessGroup};
+use common::compare::{assert_close, Tolerance, F32};
 
 // `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
 #[cfg(not(feature = "cuda"))]
@@ -207,22 +208,6 @@ fn train<M: Net<B> + AutodiffModule<B>>(
     }
 }
 
-/// `|ddp - single| <= rel * max(|single|, floor)`: relative, except for values near zero, where
-/// a relative difference says nothing (summing per-rank means rounds differently from one mean).
-#[derive(Clone, Copy, Debug)]
-struct Tolerance {
-    rel: f32,
-    floor: f32,
-}
-
-/// f32: 1e-5 relative, for values of magnitude 0.05 and more (5e-7 absolute below). The
-/// parameters here start at magnitudes up to 0.35; Adam normalises each update, so the rounding
-/// difference between a sum of per-rank means and one mean shows most on the smallest values.
-const F32: Tolerance = Tolerance {
-    rel: 1e-5,
-    floor: 0.05,
-};
-
 fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     pg: ProcessGroup,
     mode: Mode,
@@ -278,20 +263,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
         }
     }
     let (got, want) = (common::params(&model), common::params(&reference));
-    assert_eq!(got.len(), want.len());
-    let mut worst = 0.0f32;
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(tolerance.floor);
-        worst = worst.max(rel);
-        assert!(
-            rel <= tolerance.rel,
-            "rank {rank}: parameter element {i}: ddp {g} vs single process {w} (relative {rel:e}, {tolerance:?})"
-        );
-    }
-    println!(
-        "rank {rank}: worst relative difference {worst:e} over {} values",
-        got.len()
-    );
+    assert_close(rank, &got, &want, tolerance);
     let _ = session.group().barrier();
 }
 

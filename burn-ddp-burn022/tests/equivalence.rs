@@ -9,12 +9,16 @@
 #[allow(dead_code)]
 mod procs;
 
+#[path = "../../tests/common/compare.rs"]
+mod compare;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
+use compare::{assert_close, Tolerance, F32};
 
 const STEPS: usize = 20;
 const PER_RANK: usize = 4;
@@ -140,20 +144,6 @@ enum Mode {
     Accumulate,
 }
 
-/// `|ddp - single| <= rel * max(|single|, floor)`: relative, except near zero, where a relative
-/// difference says nothing (a mean of per-rank means rounds differently from one mean).
-#[derive(Clone, Copy, Debug)]
-struct Tolerance {
-    rel: f32,
-    floor: f32,
-}
-
-/// f32: 1e-5 relative, for values of magnitude 0.05 and more (5e-7 absolute below).
-const F32: Tolerance = Tolerance {
-    rel: 1e-5,
-    floor: 0.05,
-};
-
 fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol: Tolerance) {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
@@ -214,26 +204,13 @@ fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol:
         }
     }
     let (got, want) = (params(&model), params(&reference));
-    assert_eq!(got.len(), want.len());
-    let mut worst = 0.0f32;
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(tol.floor);
-        worst = worst.max(rel);
-        assert!(
-            rel <= tol.rel,
-            "rank {rank}: parameter element {i}: ddp {g} vs single process {w} (relative {rel:e}, {tol:?})"
-        );
-    }
+    assert_close(rank, &got, &want, tol);
     // Every rank holds the same model, bit for bit.
     let mine: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
     let all = sync.group().all_gather_bytes(&mine).unwrap();
     assert!(
         all.iter().all(|b| *b == mine),
         "rank {rank}: the ranks' models differ"
-    );
-    println!(
-        "rank {rank}: worst relative difference {worst:e} over {} values",
-        got.len()
     );
 }
 

@@ -1,7 +1,8 @@
-//! Test helpers of the Burn 0.21 line: the process harness (`procs.rs`, shared with the Burn
-//! 0.22 line's tests), spawned jobs, and model parameters.
+//! Test helpers of the Burn 0.21 line: the process harness (`procs.rs`) and the model comparison
+//! (`compare.rs`), both shared with the Burn 0.22 line's tests; spawned jobs; model parameters.
 #![allow(dead_code)]
 
+pub mod compare;
 mod procs;
 pub mod spawned;
 
