@@ -19,6 +19,7 @@ const CORE: &[(&str, u8)] = &[
     ("comm", 5),
     ("group", 6),
     ("grad", 7),
+    ("data", 7),
     ("cuda", 7),
     ("launch", 8),
     ("fuzzing", 9),
@@ -36,7 +37,7 @@ const BURN: &[(&str, u8)] = &[
 ];
 
 /// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them).
-const BURN022: &[(&str, u8)] = &[("sync", 1)];
+const BURN022: &[(&str, u8)] = &[("data", 1), ("sync", 1)];
 
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
 const BELOW: u8 = 0;

@@ -36,6 +36,9 @@
 //! a gradient for stays without one. For gradient accumulation, accumulate the micro-steps'
 //! gradients locally (Burn's `GradientsAccumulator`) and call `sync` once.
 //!
+//! [`DistributedSampler`] gives each rank its share of a Burn 0.22 dataset, reshuffled every
+//! epoch (`set_epoch`), with the same permutation as the 0.21 line.
+//!
 //! Gradients travel host-staged (read from the device, reduced over the process group's TCP
 //! ring or in-process transport, written back to the device), on every backend.
 
@@ -47,11 +50,14 @@
 )]
 #![deny(unused_must_use)]
 
+mod data;
 mod sync;
 
+pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
     spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken, MasterAddr,
     ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
 };
+pub use data::DistributedSampler;
 pub use sync::GradSync;

@@ -31,6 +31,8 @@
 //! - `store` — the authenticated rendezvous store ([`group::Store`]) and the job's abort record
 //! - [`comm`] — communicators: the TCP ring between processes, shared memory between threads
 //! - [`group`] — the process group: rendezvous, desync checks, heartbeats, byte collectives
+//! - [`data`] — which items of a dataset are this rank's (`ShardPlan`, the logic of both Burn
+//!   lines' `DistributedSampler`)
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
 //!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
@@ -65,6 +67,7 @@ pub mod config;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
+pub mod data;
 pub mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]

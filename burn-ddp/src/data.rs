@@ -1,12 +1,14 @@
-//! Sharding a Burn dataset over the ranks of a job: [`DistributedSampler`].
+//! Sharding a Burn dataset over the ranks of a job: [`DistributedSampler`] (the dealing itself
+//! is burn-ddp-comm's `ShardPlan`, shared with the Burn 0.22 line).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::data::dataset::Dataset;
+pub use burn_ddp_comm::data::DataEpoch;
+use burn_ddp_comm::data::ShardPlan;
 
 use crate::group::{ProcessGroup, Rank, WorldSize};
-use crate::{DdpError, Result};
+use crate::Result;
 
 /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
 /// as a Burn [`Dataset`] that wraps another.
@@ -41,22 +43,17 @@ use crate::{DdpError, Result};
 #[derive(Debug)]
 pub struct DistributedSampler<D> {
     dataset: D,
-    rank: u32,
-    world: u32,
-    seed: u64,
-    shuffle: bool,
-    drop_last: bool,
-    even: bool,
-    epoch: AtomicU64,
-    /// This rank's indices for the epoch they were computed for.
-    cache: Mutex<Option<(u64, Arc<[usize]>)>>,
+    plan: ShardPlan,
 }
 
 impl<D> DistributedSampler<D> {
     /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch: shuffled,
     /// seed 0, padded (not `drop_last`), epoch 0.
     pub fn new(dataset: D, group: &ProcessGroup) -> Self {
-        Self::build(dataset, group.rank().0, group.world_size().get())
+        Self {
+            dataset,
+            plan: ShardPlan::new(group),
+        }
     }
 
     /// The share of `dataset` of this process's rank for validation or evaluation: every item
@@ -64,9 +61,10 @@ impl<D> DistributedSampler<D> {
     /// item). The same as `new(..).with_shuffle(false).with_even_shards(false)`; its epoch never
     /// matters, so it need not be registered with `DdpStrategy::with_sampler`.
     pub fn evaluation(dataset: D, group: &ProcessGroup) -> Self {
-        Self::new(dataset, group)
-            .with_shuffle(false)
-            .with_even_shards(false)
+        Self {
+            dataset,
+            plan: ShardPlan::evaluation(group),
+        }
     }
 
     /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
@@ -74,90 +72,17 @@ impl<D> DistributedSampler<D> {
     /// # Errors
     /// `RankOutOfRange` if `rank` is not below `world`.
     pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Result<Self> {
-        if rank.0 >= world.get() {
-            return Err(DdpError::RankOutOfRange { rank, world });
-        }
-        Ok(Self::build(dataset, rank.0, world.get()))
-    }
-
-    fn build(dataset: D, rank: u32, world: u32) -> Self {
-        Self {
+        Ok(Self {
             dataset,
-            rank,
-            world,
-            seed: 0,
-            shuffle: true,
-            drop_last: false,
-            even: true,
-            epoch: AtomicU64::new(0),
-            cache: Mutex::new(None),
-        }
+            plan: ShardPlan::with_replicas(rank, world)?,
+        })
     }
 
-    /// The seed of the shuffle; must be the same on every rank.
-    pub fn with_seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self.invalidate();
-        self
-    }
-
-    /// Whether to permute the indices every epoch (default `true`). Validation sets usually
-    /// don't.
-    pub fn with_shuffle(mut self, shuffle: bool) -> Self {
-        self.shuffle = shuffle;
-        self.invalidate();
-        self
-    }
-
-    /// Drop the tail instead of padding to a multiple of the world size (default `false`).
-    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
-        self.drop_last = drop_last;
-        self.invalidate();
-        self
-    }
-
-    /// Whether every rank gets the same number of items (default `true`, by padding or
-    /// dropping as [`with_drop_last`](Self::with_drop_last) says). With `false`, every item is
-    /// dealt exactly once and shards differ in length by at most one: for validation, whose
-    /// metrics should count every item once (the training strategy goes on while any rank
-    /// has a batch). Training needs even shards, since every step is a collective.
-    pub fn with_even_shards(mut self, even: bool) -> Self {
-        self.even = even;
-        self.invalidate();
-        self
-    }
-
-    /// Sets the epoch, which selects the permutation. Same value on every rank.
-    pub fn set_epoch(&self, epoch: u64) {
-        self.epoch.store(epoch, Ordering::Relaxed);
-    }
-
-    /// The current epoch.
-    pub fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::Relaxed)
-    }
+    burn_ddp_comm::shard_plan_builders!();
 
     /// The wrapped dataset.
     pub fn inner(&self) -> &D {
         &self.dataset
-    }
-
-    fn invalidate(&mut self) {
-        *self.cache.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
-    }
-}
-
-impl<D> DistributedSampler<D> {
-    /// Items per rank for a dataset of `n` items.
-    fn per_rank(&self, n: usize) -> usize {
-        let w = self.world as usize;
-        if !self.even {
-            n.saturating_sub(self.rank as usize).div_ceil(w)
-        } else if self.drop_last {
-            n / w
-        } else {
-            n.div_ceil(w)
-        }
     }
 
     /// This rank's indices into the wrapped dataset for the current epoch, in order.
@@ -165,7 +90,7 @@ impl<D> DistributedSampler<D> {
     where
         D: Dataset<I>,
     {
-        self.indices_for(self.dataset.len())
+        self.plan.indices(self.dataset.len())
     }
 
     /// Whether this rank's item `index` is padding (a repeat added to even out the shards),
@@ -174,106 +99,24 @@ impl<D> DistributedSampler<D> {
     where
         D: Dataset<I>,
     {
-        self.rank as usize + index * self.world as usize >= self.dataset.len()
+        self.plan.is_padding(self.dataset.len(), index)
     }
-
-    fn indices_for(&self, n: usize) -> Arc<[usize]> {
-        let epoch = self.epoch();
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((e, idx)) = cache.as_ref() {
-            if *e == epoch && idx.len() == self.per_rank(n) {
-                return Arc::clone(idx);
-            }
-        }
-        let idx: Arc<[usize]> = shard(
-            n,
-            self.rank as usize,
-            self.world as usize,
-            self.shuffle.then_some((self.seed, epoch)),
-            if self.even {
-                Tail::Even {
-                    drop_last: self.drop_last,
-                }
-            } else {
-                Tail::Uneven
-            },
-        )
-        .into();
-        *cache = Some((epoch, Arc::clone(&idx)));
-        idx
-    }
-}
-
-/// How the end of the permutation is dealt.
-#[derive(Debug, Clone, Copy)]
-enum Tail {
-    /// Same count on every rank: drop the tail, or pad with the first items.
-    Even { drop_last: bool },
-    /// Every item once; the first `n % world` ranks get one more.
-    Uneven,
-}
-
-/// Something whose contents depend on the epoch: a [`DistributedSampler`], for the training
-/// strategy to set at the start of every epoch.
-pub trait DataEpoch: Send + Sync {
-    /// Selects the epoch (the same value on every rank).
-    fn set_epoch(&self, epoch: u64);
 }
 
 impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
     fn set_epoch(&self, epoch: u64) {
-        DistributedSampler::set_epoch(self, epoch);
-    }
-}
-
-/// Rank `rank`'s indices among `0..n` in a world of `world`, shuffled with `(seed, epoch)` if
-/// given.
-fn shard(
-    n: usize,
-    rank: usize,
-    world: usize,
-    shuffle: Option<(u64, u64)>,
-    tail: Tail,
-) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    if let Some((seed, epoch)) = shuffle {
-        permute(&mut order, seed, epoch);
-    }
-    let total = match tail {
-        Tail::Uneven => n,
-        Tail::Even { drop_last: true } => n / world * world,
-        Tail::Even { drop_last: false } => n.div_ceil(world) * world,
-    };
-    // Padding repeats the permutation from its start (cycling when n < world).
-    (rank..total).step_by(world).map(|i| order[i % n]).collect()
-}
-
-/// Fisher–Yates with SplitMix64: a generator with a fixed definition, so that every rank (and
-/// every build, on any machine) derives the same permutation from `(seed, epoch)`.
-fn permute(v: &mut [usize], seed: u64, epoch: u64) {
-    let mut state = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    };
-    for i in (1..v.len()).rev() {
-        // Lemire's multiply-shift: an index in 0..=i without modulo bias worth measuring.
-        let j = ((u128::from(next()) * (i as u128 + 1)) >> 64) as usize;
-        v.swap(i, j);
+        self.plan.set_epoch(epoch);
     }
 }
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
     fn get(&self, index: usize) -> Option<I> {
-        let idx = self.indices_for(self.dataset.len());
-        self.dataset.get(*idx.get(index)?)
+        self.dataset
+            .get(self.plan.index(self.dataset.len(), index)?)
     }
 
     fn len(&self) -> usize {
-        self.per_rank(self.dataset.len())
+        self.plan.len(self.dataset.len())
     }
 }
 
@@ -281,148 +124,18 @@ impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
 mod tests {
     use super::*;
     use burn::data::dataset::InMemDataset;
-    use proptest::prelude::*;
-
-    fn samplers(
-        n: usize,
-        world: u32,
-        seed: u64,
-        drop_last: bool,
-    ) -> Vec<DistributedSampler<InMemDataset<usize>>> {
-        let w = WorldSize::new(world).unwrap();
-        (0..world)
-            .map(|r| {
-                DistributedSampler::with_replicas(InMemDataset::new((0..n).collect()), Rank(r), w)
-                    .unwrap()
-                    .with_seed(seed)
-                    .with_drop_last(drop_last)
-            })
-            .collect()
-    }
-
-    fn items(s: &DistributedSampler<InMemDataset<usize>>) -> Vec<usize> {
-        (0..s.len()).map(|i| s.get(i).unwrap()).collect()
-    }
-
-    proptest! {
-        #[test]
-        fn shards_are_equal_sized_disjoint_and_complete(
-            n in 0usize..300, world in 1u32..9, seed in any::<u64>(), epoch in 0u64..1000,
-            drop_last in any::<bool>(),
-        ) {
-            let ss = samplers(n, world, seed, drop_last);
-            ss.iter().for_each(|s| s.set_epoch(epoch));
-            let w = world as usize;
-            let per = if drop_last { n / w } else { n.div_ceil(w) };
-            let mut count = vec![0usize; n];
-            for s in &ss {
-                prop_assert_eq!(s.len(), per);
-                let it = items(s);
-                prop_assert_eq!(it.len(), per);
-                prop_assert_eq!(s.get(per), None);
-                for i in it {
-                    count[i] += 1;
-                }
-            }
-            if drop_last {
-                // Disjoint: nobody appears twice; exactly n - n % w items are used.
-                prop_assert!(count.iter().all(|&c| c <= 1));
-                prop_assert_eq!(count.iter().sum::<usize>(), per * w);
-            } else {
-                // Complete: everyone appears; only the padding (fewer than w items, or the
-                // cycling of a dataset smaller than the world) appears again.
-                prop_assert!(count.iter().all(|&c| c >= 1));
-                prop_assert_eq!(count.iter().sum::<usize>(), per * w);
-                if n >= w {
-                    prop_assert!(count.iter().all(|&c| c <= 2));
-                    prop_assert_eq!(count.iter().filter(|&&c| c == 2).count(), per * w - n);
-                }
-            }
-        }
-
-        #[test]
-        fn uneven_shards_deal_every_item_exactly_once(
-            n in 0usize..300, world in 1u32..9, seed in any::<u64>(), epoch in 0u64..1000,
-            shuffle in any::<bool>(),
-        ) {
-            let ss: Vec<_> = samplers(n, world, seed, false)
-                .into_iter()
-                .map(|s| s.with_even_shards(false).with_shuffle(shuffle))
-                .collect();
-            let mut count = vec![0usize; n];
-            let lens: Vec<usize> = ss.iter().map(|s| { s.set_epoch(epoch); s.len() }).collect();
-            for s in &ss {
-                let it = items(s);
-                prop_assert_eq!(it.len(), s.len());
-                prop_assert_eq!(s.get(s.len()), None);
-                for i in it {
-                    count[i] += 1;
-                }
-            }
-            prop_assert!(count.iter().all(|&c| c == 1));
-            // Rank 0 has the most; no two ranks differ by more than one item.
-            prop_assert!(lens.windows(2).all(|p| p[0] >= p[1] && p[0] - p[1] <= 1));
-            prop_assert!(lens.first().is_none_or(|&l0| lens.iter().all(|&l| l0 - l <= 1)));
-        }
-
-        #[test]
-        fn same_seed_and_epoch_give_the_same_shard_anywhere(
-            n in 1usize..300, world in 1u32..9, seed in any::<u64>(), epoch in any::<u64>(),
-        ) {
-            // Two independent instances (two processes, two builds) agree.
-            let a = samplers(n, world, seed, false);
-            let b = samplers(n, world, seed, false);
-            for (x, y) in a.iter().zip(&b) {
-                x.set_epoch(epoch);
-                y.set_epoch(epoch);
-                prop_assert_eq!(items(x), items(y));
-            }
-        }
-
-        #[test]
-        fn every_epoch_reshuffles(n in 20usize..300, world in 1u32..5, seed in any::<u64>(), epoch in 0u64..1_000_000) {
-            let ss = samplers(n, world, seed, true);
-            let s = &ss[0];
-            s.set_epoch(epoch);
-            let first = items(s);
-            s.set_epoch(epoch + 1);
-            prop_assert_ne!(first, items(s));
-        }
-    }
 
     #[test]
-    fn without_shuffle_shards_are_strided() {
+    fn the_sampler_is_a_dataset_of_this_ranks_items() {
         let w = WorldSize::new(3).unwrap();
-        let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(1), w)
-            .unwrap()
-            .with_shuffle(false);
-        assert_eq!(items(&s), vec![1, 4, 7]);
-        let s = DistributedSampler::with_replicas(InMemDataset::new((0..8).collect()), Rank(2), w)
-            .unwrap()
-            .with_shuffle(false);
-        // Padded with the first item.
-        assert_eq!(items(&s), vec![2, 5, 0]);
+        let s =
+            DistributedSampler::with_replicas(InMemDataset::new((10..18).collect()), Rank(2), w)
+                .unwrap()
+                .with_shuffle(false);
+        let items: Vec<u32> = (0..s.len()).map(|i| s.get(i).unwrap()).collect();
+        assert_eq!(items, vec![12, 15, 10]); // padded with the first item
+        assert!(s.is_padding(2) && !s.is_padding(1));
+        assert_eq!(s.get(3), None);
+        assert!(s.inner().len() == 8 && s.epoch() == 0);
     }
-
-    #[test]
-    fn a_rank_outside_the_world_is_an_error() {
-        let w = WorldSize::new(2).unwrap();
-        let Err(err) = DistributedSampler::with_replicas(InMemDataset::new(vec![1u8]), Rank(2), w)
-        else {
-            panic!("rank 2 of 2 was accepted");
-        };
-        assert!(matches!(err, DdpError::RankOutOfRange { .. }), "{err}");
-    }
-
-    #[test]
-    fn the_permutation_is_fixed_forever() {
-        // SplitMix64-based Fisher–Yates: these values must never change, or resumed multi-node
-        // jobs built at different times would disagree about their shards.
-        let mut v: Vec<usize> = (0..10).collect();
-        permute(&mut v, 42, 3);
-        assert_eq!(v, PERMUTATION_42_3);
-    }
-
-    // Computed independently from the SplitMix64 and Lemire definitions (a short Python script).
-    const PERMUTATION_42_3: [usize; 10] = [8, 2, 0, 4, 6, 3, 7, 5, 1, 9];
 }

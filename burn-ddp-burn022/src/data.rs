@@ -1,0 +1,153 @@
+//! Sharding a Burn 0.22 dataset over the ranks of a job: [`DistributedSampler`] (the dealing
+//! itself is burn-ddp-comm's `ShardPlan`, shared with the Burn 0.21 line).
+
+use std::sync::Arc;
+
+use burn::data::dataset::{Dataset, DatasetError};
+use burn_ddp_comm::data::{DataEpoch, ShardPlan};
+use burn_ddp_comm::{ProcessGroup, Rank, Result, WorldSize};
+
+/// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
+/// as a Burn 0.22 [`Dataset`] that wraps another.
+///
+/// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
+/// left in order with `with_shuffle(false)`), made a multiple of the world size (padded with the
+/// permutation's first items, or cut with `with_drop_last(true)`), and dealt out with a stride:
+/// rank `r` gets positions `r, r + W, r + 2W, ...`. Every rank computes the same permutation
+/// without communicating and has the same number of items, hence of batches. Call
+/// `set_epoch` at the start of every epoch, as in PyTorch, or the same order repeats.
+///
+/// The permutation is the same as the Burn 0.21 line's for the same seed and epoch.
+///
+/// ```
+/// use burn::data::dataset::{Dataset, InMemDataset};
+/// use burn_ddp_burn022::{DistributedSampler, Rank, WorldSize};
+///
+/// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
+/// let shard = DistributedSampler::with_replicas(data, Rank(1), WorldSize::new(3).unwrap())?
+///     .with_seed(42);
+/// shard.set_epoch(3);
+/// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
+/// # Ok::<(), burn_ddp_burn022::DdpError>(())
+/// ```
+#[derive(Debug)]
+pub struct DistributedSampler<D> {
+    dataset: D,
+    plan: ShardPlan,
+}
+
+impl<D> DistributedSampler<D> {
+    /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch: shuffled,
+    /// seed 0, padded (not `drop_last`), epoch 0.
+    pub fn new(dataset: D, group: &ProcessGroup) -> Self {
+        Self {
+            dataset,
+            plan: ShardPlan::new(group),
+        }
+    }
+
+    /// The share of `dataset` of this process's rank for validation or evaluation: every item
+    /// exactly once over all ranks, in order (no shuffle, shards that differ by at most one
+    /// item).
+    pub fn evaluation(dataset: D, group: &ProcessGroup) -> Self {
+        Self {
+            dataset,
+            plan: ShardPlan::evaluation(group),
+        }
+    }
+
+    /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
+    ///
+    /// # Errors
+    /// `RankOutOfRange` if `rank` is not below `world`.
+    pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Result<Self> {
+        Ok(Self {
+            dataset,
+            plan: ShardPlan::with_replicas(rank, world)?,
+        })
+    }
+
+    burn_ddp_comm::shard_plan_builders!();
+
+    /// The wrapped dataset.
+    pub fn inner(&self) -> &D {
+        &self.dataset
+    }
+
+    /// This rank's indices into the wrapped dataset for the current epoch, in order.
+    pub fn indices<I>(&self) -> Arc<[usize]>
+    where
+        D: Dataset<I>,
+    {
+        self.plan.indices(self.dataset.len())
+    }
+
+    /// Whether this rank's item `index` is padding (a repeat added to even out the shards),
+    /// for evaluations that must count every item once.
+    pub fn is_padding<I>(&self, index: usize) -> bool
+    where
+        D: Dataset<I>,
+    {
+        self.plan.is_padding(self.dataset.len(), index)
+    }
+}
+
+impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
+    fn set_epoch(&self, epoch: u64) {
+        self.plan.set_epoch(epoch);
+    }
+}
+
+impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
+    fn get(&self, index: usize) -> std::result::Result<I, DatasetError> {
+        let n = self.dataset.len();
+        match self.plan.index(n, index) {
+            Some(i) => self.dataset.get(i),
+            None => Err(DatasetError::new(std::io::Error::other(format!(
+                "item {index} of this rank's shard does not exist: the shard has {} items (of {n})",
+                self.plan.len(n)
+            )))),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.plan.len(self.dataset.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::data::dataset::InMemDataset;
+
+    #[test]
+    fn the_sampler_is_a_dataset_of_this_ranks_items() {
+        let w = WorldSize::new(3).unwrap();
+        let s =
+            DistributedSampler::with_replicas(InMemDataset::new((10..18).collect()), Rank(2), w)
+                .unwrap()
+                .with_shuffle(false);
+        let items: Vec<u32> = (0..s.len()).map(|i| s.get(i).unwrap()).collect();
+        assert_eq!(items, vec![12, 15, 10]); // padded with the first item
+        assert!(s.is_padding(2) && !s.is_padding(1));
+        let err = s.get(3).unwrap_err().to_string();
+        assert!(err.contains("the shard has 3 items (of 8)"), "{err}");
+    }
+
+    #[test]
+    fn both_burn_lines_deal_the_same_items() {
+        // The same seed and epoch give the same shard as ShardPlan (which the 0.21 line uses).
+        let w = WorldSize::new(4).unwrap();
+        let data: Vec<u32> = (0..37).collect();
+        for r in 0..4 {
+            let s = DistributedSampler::with_replicas(InMemDataset::new(data.clone()), Rank(r), w)
+                .unwrap()
+                .with_seed(9);
+            s.set_epoch(5);
+            let plan = ShardPlan::with_replicas(Rank(r), w).unwrap().with_seed(9);
+            plan.set_epoch(5);
+            let got: Vec<usize> = (0..s.len()).map(|i| s.get(i).unwrap() as usize).collect();
+            assert_eq!(&got[..], &*plan.indices(37));
+        }
+    }
+}
