@@ -5,16 +5,21 @@
 //!   `benches/plain-autodiff` without Burn's `distributed` feature);
 //! - `buckets`: 2 ranks, 200 parameters of 4 KiB: bucketed sync vs one all-reduce per parameter
 //!   (how Burn's own DDP synchronises), each against the same steps with no sync at all;
-//! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank.
+//! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank;
+//! - `lines`: 2 ranks, the MLP: the sync cost (step minus the no-sync step) of the Burn 0.22.1
+//!   line (`GradSync`, after backward, on Flex) against the 0.21 line (`Autodiff<Ddp<NdArray>>`,
+//!   overlapped with backward), each against its own no-sync steps.
 //!
 //! ```text
-//! cargo bench --bench ddp_step                       # all three
+//! cargo bench --bench ddp_step                       # all four
 //! cargo bench --bench ddp_step -- overhead --rounds 9
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
 #[path = "common/step_model.rs"]
 mod step_model;
+#[path = "common/step_model_022.rs"]
+mod step_model_022;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -98,6 +103,30 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                     &worker_steps(&pg, DdpConfig::default(), true, spec),
                 );
                 report("per-param", &worker_steps(&pg, per_parameter(), true, spec));
+            }
+        }
+        "lines" => {
+            for round in 0..spec.rounds {
+                // Alternate the order so drift in the machine's speed hits both lines alike.
+                let run_022 = |label: &str, sync: bool| {
+                    let t =
+                        step_model_022::time_steps_022(&pg, sync, spec.batch, WARMUP, spec.steps);
+                    report(label, &t);
+                };
+                let run_021 = |label: &str, sync: bool| {
+                    report(label, &worker_steps(&pg, DdpConfig::default(), sync, spec));
+                };
+                if round % 2 == 0 {
+                    run_021("local-021", false);
+                    run_021("overlap-021", true);
+                    run_022("local-022", false);
+                    run_022("after-022", true);
+                } else {
+                    run_022("after-022", true);
+                    run_022("local-022", false);
+                    run_021("overlap-021", true);
+                    run_021("local-021", false);
+                }
             }
         }
         other => anyhow::bail!("unknown worker kind {other}"),
@@ -347,6 +376,52 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn bench_lines(rounds: usize) -> anyhow::Result<()> {
+    let spec = Spec {
+        which: Which::Mlp,
+        batch: 64,
+        steps: 30,
+        rounds,
+    };
+    let out = run_job(2, "lines", spec)?;
+    let res = parse(&out);
+    let get = |l: &str| -> anyhow::Result<f64> {
+        let r = res
+            .get(l)
+            .ok_or_else(|| anyhow::anyhow!("no {l} results"))?;
+        Ok(summary(r))
+    };
+    let (l21, s21) = (get("local-021")?, get("overlap-021")?);
+    let (l22, s22) = (get("local-022")?, get("after-022")?);
+    println!("\n## lines: 2 ranks, MLP (535 k parameters), batch 64 per rank, step time");
+    println!("| line | no-sync step (ms) | synchronised step (ms) | sync cost (ms) |");
+    println!("|---|---|---|---|");
+    println!(
+        "| Burn 0.21, `Autodiff<Ddp<NdArray>>`, overlapped with backward | {:.3} | {:.3} | {:.3} |",
+        l21 * 1e3,
+        s21 * 1e3,
+        (s21 - l21) * 1e3
+    );
+    println!(
+        "| Burn 0.22.1, Flex + `GradSync` after backward | {:.3} | {:.3} | {:.3} |",
+        l22 * 1e3,
+        s22 * 1e3,
+        (s22 - l22) * 1e3
+    );
+    println!(
+        "0.22 line vs 0.21 line: sync cost {:.2}×, synchronised step {:.2}× (the backends differ: compare the sync costs)",
+        (s22 - l22) / (s21 - l21),
+        s22 / s21
+    );
+    println!(
+        "Burn 0.22.1's own DistributedDataParallel strategy is not in this table: it cannot run \
+         on CPU. burn-backend-extension 0.22.1 (src/catalog.rs) marks only Cube and Remote as \
+         distributed, and cubecl implements collectives on CUDA alone; Flex and NdArray have \
+         none."
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     if let Ok(spec) = std::env::var(WORKER) {
         let Some((kind, spec)) = Spec::from_env(&spec) else {
@@ -375,17 +450,22 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             },
-            "overhead" | "buckets" | "scaling" => names.push(a),
+            "overhead" | "buckets" | "scaling" | "lines" => names.push(a),
             other => {
                 eprintln!(
-                    "unknown argument {other}: expected overhead, buckets, scaling, --rounds N"
+                    "unknown argument {other}: expected overhead, buckets, scaling, lines, --rounds N"
                 );
                 return ExitCode::FAILURE;
             }
         }
     }
     if names.is_empty() {
-        names = vec!["overhead".into(), "buckets".into(), "scaling".into()];
+        names = vec![
+            "overhead".into(),
+            "buckets".into(),
+            "scaling".into(),
+            "lines".into(),
+        ];
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     println!("# burn-ddp step benchmarks ({rounds} rounds, medians of per-round medians)");
@@ -393,6 +473,7 @@ fn main() -> ExitCode {
         let r = match name.as_str() {
             "overhead" => bench_overhead(root, rounds),
             "buckets" => bench_buckets(rounds),
+            "lines" => bench_lines(rounds),
             _ => bench_scaling(rounds),
         };
         if let Err(e) = r {

@@ -1,0 +1,76 @@
+//! The `Mlp` of `step_model.rs`, on Burn 0.22.1 (`burn022`), trained with burn-ddp-burn022's
+//! `GradSync`: the other side of the `lines` comparison. Same shapes, same batch, same
+//! optimizer, same timing as `time_steps`.
+
+use std::time::Instant;
+
+// `#[derive(Module)]` names `burn::...`: in this module, that is Burn 0.22.1.
+use burn022 as burn;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Distribution, Tensor};
+use burn_ddp::ProcessGroup;
+use burn_ddp_burn022::{DdpConfig, GradSync};
+
+#[derive(Module, Debug)]
+struct Mlp {
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+    act: Relu,
+}
+
+impl Mlp {
+    fn new(device: &Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(784, 512).init(device),
+            fc2: LinearConfig::new(512, 256).init(device),
+            fc3: LinearConfig::new(256, 10).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = self.act.forward(self.fc1.forward(x));
+        let h = self.act.forward(self.fc2.forward(h));
+        (self.fc3.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
+/// `warmup + steps` SGD steps of the MLP on Burn 0.22's Flex backend, with the gradients
+/// reduced by `GradSync` after backward when `sync` (the model is prepared either way); the wall
+/// time of each timed step, in seconds.
+pub fn time_steps_022(
+    pg: &ProcessGroup,
+    sync: bool,
+    batch: usize,
+    warmup: usize,
+    steps: usize,
+) -> Vec<f64> {
+    let device = Device::default().autodiff();
+    device.seed(7);
+    let mut grad_sync = GradSync::new(pg.clone(), DdpConfig::default()).expect("GradSync");
+    let mut model = grad_sync.prepare(Mlp::new(&device)).expect("prepare");
+    let x = Tensor::<2>::random([batch, 784], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<2>::random([batch, 10], Distribution::Normal(0.0, 1.0), &device);
+    let mut optim = SgdConfig::new().init();
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..warmup + steps {
+        let start = Instant::now();
+        let loss = model.loss(x.clone(), y.clone());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = if sync {
+            grad_sync.sync(&model, grads).expect("sync")
+        } else {
+            grads
+        };
+        model = optim.step(1e-3, model, grads);
+        device.sync().expect("device sync");
+        if i >= warmup {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times
+}
