@@ -14,7 +14,9 @@
 //! use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 //! use burn_ddp_burn022::{DdpConfig, GradSync, ProcessGroup};
 //! # fn model() -> burn::nn::Linear { burn::nn::LinearConfig::new(4, 1).init(&Default::default()) }
-//! # fn loss(m: &burn::nn::Linear) -> burn::Tensor<1> { unimplemented!() }
+//! # fn loss(m: &burn::nn::Linear) -> burn::Tensor<1> {
+//! #     m.forward(burn::Tensor::<2>::zeros([2, 4], &Default::default())).mean()
+//! # }
 //!
 //! # fn main() -> burn_ddp_burn022::Result<()> {
 //! // One process per rank, started by `burn-ddp run` (or torchrun, or srun).

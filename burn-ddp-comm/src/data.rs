@@ -1,6 +1,7 @@
 //! Sharding a dataset over the ranks of a job, without Burn: [`ShardPlan`] says which items of
 //! a dataset of `n` items are this rank's in an epoch. Each Burn line wraps it in its own
-//! `DistributedSampler`, a Burn `Dataset` (the builder methods come from [`shard_plan_builders!`]).
+//! `DistributedSampler`, a Burn `Dataset`, whose methods come from
+//! [`distributed_sampler_api!`](crate::distributed_sampler_api).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -196,12 +197,48 @@ impl ShardPlan {
     }
 }
 
-/// The builder and epoch methods of a Burn line's `DistributedSampler<D>`, delegated to its
-/// `plan: ShardPlan` field, so that both lines offer the same API from one definition. Use it
-/// inside `impl<D> DistributedSampler<D> { ... }`.
+/// The methods of a Burn line's `DistributedSampler<D>` (a struct with fields `dataset: D` and
+/// `plan: ShardPlan`): constructors, builders, epoch and indices, delegated to the plan, so that
+/// both lines offer the same API from one definition. `$dataset` is that line's `Dataset` trait.
+/// Use it inside `impl<D> DistributedSampler<D> { ... }`.
 #[macro_export]
-macro_rules! shard_plan_builders {
-    () => {
+macro_rules! distributed_sampler_api {
+    ($dataset:path) => {
+        /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch:
+        /// shuffled, seed 0, padded (not `drop_last`), epoch 0.
+        pub fn new(dataset: D, group: &$crate::ProcessGroup) -> Self {
+            Self {
+                dataset,
+                plan: $crate::data::ShardPlan::new(group),
+            }
+        }
+
+        /// The share of `dataset` of this process's rank for validation or evaluation: every
+        /// item exactly once over all ranks, in order (no shuffle, shards that differ by at most
+        /// one item). The same as `new(..).with_shuffle(false).with_even_shards(false)`; its
+        /// epoch never matters, so a training strategy need not set it.
+        pub fn evaluation(dataset: D, group: &$crate::ProcessGroup) -> Self {
+            Self {
+                dataset,
+                plan: $crate::data::ShardPlan::evaluation(group),
+            }
+        }
+
+        /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
+        ///
+        /// # Errors
+        /// `RankOutOfRange` if `rank` is not below `world`.
+        pub fn with_replicas(
+            dataset: D,
+            rank: $crate::Rank,
+            world: $crate::WorldSize,
+        ) -> $crate::Result<Self> {
+            Ok(Self {
+                dataset,
+                plan: $crate::data::ShardPlan::with_replicas(rank, world)?,
+            })
+        }
+
         /// The seed of the shuffle; must be the same on every rank.
         pub fn with_seed(mut self, seed: u64) -> Self {
             self.plan = self.plan.with_seed(seed);
@@ -244,6 +281,28 @@ macro_rules! shard_plan_builders {
         /// How items are dealt to this rank.
         pub fn plan(&self) -> &$crate::data::ShardPlan {
             &self.plan
+        }
+
+        /// The wrapped dataset.
+        pub fn inner(&self) -> &D {
+            &self.dataset
+        }
+
+        /// This rank's indices into the wrapped dataset for the current epoch, in order.
+        pub fn indices<I>(&self) -> ::std::sync::Arc<[usize]>
+        where
+            D: $dataset,
+        {
+            self.plan.indices(self.dataset.len())
+        }
+
+        /// Whether this rank's item `index` is padding (a repeat added to even out the shards),
+        /// for evaluations that must count every item once.
+        pub fn is_padding<I>(&self, index: usize) -> bool
+        where
+            D: $dataset,
+        {
+            self.plan.is_padding(self.dataset.len(), index)
         }
     };
 }

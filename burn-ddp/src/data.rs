@@ -1,14 +1,9 @@
 //! Sharding a Burn dataset over the ranks of a job: [`DistributedSampler`] (the dealing itself
 //! is burn-ddp-comm's `ShardPlan`, shared with the Burn 0.22 line).
 
-use std::sync::Arc;
-
 use burn::data::dataset::Dataset;
 pub use burn_ddp_comm::data::DataEpoch;
 use burn_ddp_comm::data::ShardPlan;
-
-use crate::group::{ProcessGroup, Rank, WorldSize};
-use crate::Result;
 
 /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
 /// as a Burn [`Dataset`] that wraps another.
@@ -47,60 +42,7 @@ pub struct DistributedSampler<D> {
 }
 
 impl<D> DistributedSampler<D> {
-    /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch: shuffled,
-    /// seed 0, padded (not `drop_last`), epoch 0.
-    pub fn new(dataset: D, group: &ProcessGroup) -> Self {
-        Self {
-            dataset,
-            plan: ShardPlan::new(group),
-        }
-    }
-
-    /// The share of `dataset` of this process's rank for validation or evaluation: every item
-    /// exactly once over all ranks, in order (no shuffle, shards that differ by at most one
-    /// item). The same as `new(..).with_shuffle(false).with_even_shards(false)`; its epoch never
-    /// matters, so it need not be registered with `DdpStrategy::with_sampler`.
-    pub fn evaluation(dataset: D, group: &ProcessGroup) -> Self {
-        Self {
-            dataset,
-            plan: ShardPlan::evaluation(group),
-        }
-    }
-
-    /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
-    ///
-    /// # Errors
-    /// `RankOutOfRange` if `rank` is not below `world`.
-    pub fn with_replicas(dataset: D, rank: Rank, world: WorldSize) -> Result<Self> {
-        Ok(Self {
-            dataset,
-            plan: ShardPlan::with_replicas(rank, world)?,
-        })
-    }
-
-    burn_ddp_comm::shard_plan_builders!();
-
-    /// The wrapped dataset.
-    pub fn inner(&self) -> &D {
-        &self.dataset
-    }
-
-    /// This rank's indices into the wrapped dataset for the current epoch, in order.
-    pub fn indices<I>(&self) -> Arc<[usize]>
-    where
-        D: Dataset<I>,
-    {
-        self.plan.indices(self.dataset.len())
-    }
-
-    /// Whether this rank's item `index` is padding (a repeat added to even out the shards),
-    /// for evaluations that must count every item once.
-    pub fn is_padding<I>(&self, index: usize) -> bool
-    where
-        D: Dataset<I>,
-    {
-        self.plan.is_padding(self.dataset.len(), index)
-    }
+    burn_ddp_comm::distributed_sampler_api!(Dataset<I>);
 }
 
 impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
@@ -123,6 +65,7 @@ impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::group::{Rank, WorldSize};
     use burn::data::dataset::InMemDataset;
 
     #[test]
