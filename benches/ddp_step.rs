@@ -199,6 +199,14 @@ fn parse(output: &str) -> BTreeMap<String, Vec<Vec<f64>>> {
     out
 }
 
+/// [`summary`] of the results labelled `label`; an error if the job printed none.
+fn labelled(res: &BTreeMap<String, Vec<Vec<f64>>>, label: &str) -> anyhow::Result<f64> {
+    let r = res
+        .get(label)
+        .ok_or_else(|| anyhow::anyhow!("no {label} results"))?;
+    Ok(summary(r))
+}
+
 /// Median over rounds of each round's median step time.
 fn summary(rounds: &[Vec<f64>]) -> f64 {
     median(&rounds.iter().map(|r| median(r)).collect::<Vec<_>>())
@@ -311,12 +319,7 @@ fn bench_buckets(rounds: usize) -> anyhow::Result<()> {
     };
     let out = run_job(2, "buckets", spec)?;
     let res = parse(&out);
-    let get = |l: &str| -> anyhow::Result<f64> {
-        let r = res
-            .get(l)
-            .ok_or_else(|| anyhow::anyhow!("no {l} results"))?;
-        Ok(summary(r))
-    };
+    let get = |l: &str| labelled(&res, l);
     let (local, bucketed, per_param) = (get("local")?, get("bucketed")?, get("per-param")?);
     println!("\n## buckets: 2 ranks, 200 parameters of 4 KiB, step time");
     println!("| variant | step (ms) | sync cost over no-sync step (ms) |");
@@ -385,12 +388,7 @@ fn bench_lines(rounds: usize) -> anyhow::Result<()> {
     };
     let out = run_job(2, "lines", spec)?;
     let res = parse(&out);
-    let get = |l: &str| -> anyhow::Result<f64> {
-        let r = res
-            .get(l)
-            .ok_or_else(|| anyhow::anyhow!("no {l} results"))?;
-        Ok(summary(r))
-    };
+    let get = |l: &str| labelled(&res, l);
     let (l21, s21) = (get("local-021")?, get("overlap-021")?);
     let (l22, s22) = (get("local-022")?, get("after-022")?);
     println!("\n## lines: 2 ranks, MLP (535 k parameters), batch 64 per rank, step time");

@@ -234,8 +234,7 @@ impl<K> HostStep<'_, K> {
                     got: v.len(),
                 });
             }
-            let (slots, len) = &self.plan.buckets[s.bucket];
-            let flag = len + slots.iter().position(|&i| i == slot).unwrap_or(0);
+            let flag = self.plan.buckets[s.bucket].1 + s.position;
             if let Some(bucket) = self.buckets[s.bucket].as_mut() {
                 bucket[s.offset..s.offset + v.len()].copy_from_slice(v);
                 bucket[flag] = 1.0;
@@ -303,10 +302,8 @@ impl<K> HostStep<'_, K> {
             .plan
             .slots
             .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                let (slots, len) = &self.plan.buckets[s.bucket];
-                let flag = len + slots.iter().position(|&j| j == i).unwrap_or(0);
+            .map(|s| {
+                let flag = self.plan.buckets[s.bucket].1 + s.position;
                 (s.bucket, s.offset, s.info.numel, flag)
             })
             .collect();

@@ -56,6 +56,8 @@ pub struct Slot {
     pub bucket: usize,
     /// Offset in the bucket, in elements.
     pub offset: usize,
+    /// Its place among its bucket's parameters (the bucket's slot list, in fill order).
+    pub position: usize,
 }
 
 /// Parameters (slots, in visit order) grouped into buckets: the first capped at
@@ -93,6 +95,7 @@ impl<K: Hash + Eq> BucketPlan<K> {
                 info,
                 bucket: 0,
                 offset: 0,
+                position: 0,
             });
         }
         let sequence: Box<dyn Iterator<Item = usize>> = match order {
@@ -115,6 +118,7 @@ impl<K: Hash + Eq> BucketPlan<K> {
             let bucket = plan.buckets.len();
             plan.slots[idx].bucket = bucket;
             plan.slots[idx].offset = len;
+            plan.slots[idx].position = current.len();
             current.push(idx);
             len += numel;
         }
@@ -163,6 +167,7 @@ mod tests {
             vec![vec!["p5"], vec!["p4", "p3", "p2", "p1", "p0"]]
         );
         assert_eq!(plan.slots[3].offset, 2);
+        assert_eq!(plan.slots[3].position, 1);
         assert_eq!(plan.by_id[&3], 3);
     }
 
