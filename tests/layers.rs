@@ -21,6 +21,7 @@ const CORE: &[(&str, u8)] = &[
     ("grad", 7),
     ("data", 7),
     ("cuda", 7),
+    ("train", 7),
     ("launch", 8),
     ("fuzzing", 9),
 ];

@@ -65,3 +65,13 @@ pub fn handshake_and_abort(data: &[u8]) {
 pub fn heartbeat(data: &[u8]) {
     crate::group::heartbeat::fuzz_decode(data);
 }
+
+/// The output items ranks send to rank 0 for the metrics during training.
+pub fn output_items(data: &[u8]) {
+    use crate::train::parts::Part;
+    if let Some(parts) = Part::decode(data) {
+        let mut again = Vec::new();
+        Part::encode(&parts, &mut again);
+        assert_eq!(again, data, "item round trip");
+    }
+}

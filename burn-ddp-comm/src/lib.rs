@@ -35,6 +35,8 @@
 //!   lines' `DistributedSampler`)
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
 //!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
+//! - [`train`] — the Burn-free half of both lines' Learner strategy: the ranks' votes before
+//!   each step, output items gathered for the metrics, rank 0's checkpoint files
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
 //! - [`launch`] — `spawn`, the `burn-ddp` launcher, the bandwidth tool
 //! - [`checkpoint`] — atomic checkpoint files
@@ -76,6 +78,7 @@ pub mod grad;
 pub mod group;
 pub mod launch;
 mod store;
+pub mod train;
 pub mod types;
 mod wire;
 

@@ -7,6 +7,5 @@ pub use burn_ddp_comm::fuzzing::{handshake_and_abort, store_frame, transport_hea
 /// Heartbeats read from the store, and the metric items ranks send to rank 0.
 pub fn heartbeat_and_items(data: &[u8]) {
     burn_ddp_comm::fuzzing::heartbeat(data);
-    #[cfg(feature = "train")]
-    crate::train::fuzz_decode_parts(data);
+    burn_ddp_comm::fuzzing::output_items(data);
 }

@@ -8,7 +8,7 @@ use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::train::checkpoint::{AsyncCheckpointer, Checkpointer, KeepLastNCheckpoints};
+use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
 use burn::train::EventProcessorTraining;
 use burn::train::{
     InferenceStep, Learner, LearnerEvent, LearnerModelRecord, LearnerOptimizerRecord,
@@ -18,9 +18,12 @@ use burn::train::{
 };
 use burn_backend::BackendTypes;
 
-use super::consensus::{panic_text, Decision, Flow, Vote};
-use super::{checkpoint, item, DdpStrategy, DistributedItem};
-use crate::{Ddp, DdpError, DdpModule, Rank, Result};
+use burn_ddp_comm::train::files::{self, RecordFiles};
+use burn_ddp_comm::train::vote::{panic_text, Decision, Flow, Vote};
+
+use super::checkpoint::{self, RankCheckpointer};
+use super::{item, DdpStrategy, DistributedItem};
+use crate::{Ddp, DdpError, DdpModule, Result};
 
 /// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
 /// for (the interrupter), or a data error (a panic while loading it).
@@ -76,11 +79,7 @@ where
         }
         if let Some(dir) = &self.checkpoints {
             let pg = self.session.group().clone();
-            let part = |name| checkpoint::RankCheckpointer {
-                dir: dir.clone(),
-                name,
-                pg: pg.clone(),
-            };
+            let part = |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, pg.clone()));
             let interrupter = components.interrupter.clone();
             components.checkpointer = Some(LearningCheckpointer::new(
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
@@ -195,16 +194,12 @@ impl<B: Backend> DdpStrategy<B> {
     /// The epoch to resume from, the same on every rank: an explicit one, else (with
     /// `with_resume`) the newest complete checkpoint rank 0 finds.
     fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
-        let mine = match (explicit, &self.checkpoints) {
-            (Some(e), _) => e as i64,
-            (None, Some(dir)) if self.resumes() && self.is_main() => {
-                checkpoint::newest_complete(dir).map_or(0, |e| e as i64)
-            }
-            _ => 0,
-        };
-        let mut epoch = [mine];
-        self.session.group().broadcast(&mut epoch, Rank(0))?;
-        Ok((epoch[0] > 0).then_some(epoch[0] as usize))
+        files::resume_point(
+            self.session.group(),
+            explicit,
+            self.checkpoints.as_deref(),
+            self.resumes(),
+        )
     }
 
     fn restore<LC>(&self, learner: &mut Learner<LC>, epoch: usize) -> Result<()>
@@ -213,35 +208,15 @@ impl<B: Backend> DdpStrategy<B> {
         LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     {
         let Some(dir) = &self.checkpoints else {
-            return Err(DdpError::Checkpoint {
-                path: format!("epoch {epoch}"),
-                what: "resuming",
-                reason: format!(
-                    "asks to resume from epoch {epoch}, but the strategy has no checkpoint \
-                     directory: call DdpStrategy::with_checkpoints"
-                ),
-            });
+            return Err(files::no_directory(epoch, "DdpStrategy::with_checkpoints"));
         };
-        let part = |name| checkpoint::RankCheckpointer {
-            dir: dir.clone(),
-            name,
-            pg: self.session.group().clone(),
-        };
-        let err =
-            |name: &str, e: burn::train::checkpoint::CheckpointerError| DdpError::Checkpoint {
-                path: checkpoint::path(dir, name, epoch).display().to_string(),
-                what: "restoring",
-                reason: e.to_string(),
-            };
-        let model: LearnerModelRecord<LC> = part("model")
-            .restore(epoch, &self.device)
-            .map_err(|e| err("model", e))?;
-        let optim: LearnerOptimizerRecord<LC> = part("optim")
-            .restore(epoch, &self.device)
-            .map_err(|e| err("optim", e))?;
-        let sched: LearnerSchedulerRecord<LC> = part("scheduler")
-            .restore(epoch, &self.device)
-            .map_err(|e| err("scheduler", e))?;
+        let part = |name| RecordFiles::new(dir.clone(), name, self.session.group().clone());
+        let model: LearnerModelRecord<LC> =
+            checkpoint::restore(&part("model"), epoch, &self.device)?;
+        let optim: LearnerOptimizerRecord<LC> =
+            checkpoint::restore(&part("optim"), epoch, &self.device)?;
+        let sched: LearnerSchedulerRecord<LC> =
+            checkpoint::restore(&part("scheduler"), epoch, &self.device)?;
         learner.load_model(model);
         learner.load_optim(optim);
         learner.load_scheduler(sched);

@@ -38,7 +38,9 @@ mod render;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use burn_ddp_comm::train::vote::FailureSlot;
 
 use burn::data::dataloader::Progress;
 use burn::tensor::backend::Backend;
@@ -49,16 +51,7 @@ use burn::train::{
 
 pub use checkpoint::newest_complete;
 
-/// For the fuzz target: decode, and re-encode what decodes.
-#[cfg(feature = "fuzzing")]
-pub(crate) fn fuzz_decode_parts(data: &[u8]) {
-    if let Some(parts) = Part::decode(data) {
-        let mut again = Vec::new();
-        Part::encode(&parts, &mut again);
-        assert_eq!(again, data, "item round trip");
-    }
-}
-pub use item::{DistributedItem, Part};
+pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines};
 
 use crate::{DataEpoch, DdpError, DdpSession, Rank, Result};
@@ -93,7 +86,7 @@ pub struct DdpStrategy<B: Backend> {
     keep: usize,
     resume: bool,
     samplers: Vec<Arc<dyn DataEpoch>>,
-    failure: Arc<Mutex<Option<DdpError>>>,
+    failure: FailureSlot,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
@@ -120,7 +113,7 @@ impl<B: Backend> DdpStrategy<B> {
             keep: 2,
             resume: false,
             samplers: Vec::new(),
-            failure: Arc::new(Mutex::new(None)),
+            failure: FailureSlot::default(),
         }
     }
 
@@ -174,26 +167,15 @@ impl<B: Backend> DdpStrategy<B> {
     /// The error that stopped training, if any (also returned by
     /// [`DdpTraining::launch_ddp`]).
     pub fn failure(&self) -> Option<String> {
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(ToString::to_string)
+        self.failure.message()
     }
 
     fn take_failure(&self) -> Option<DdpError> {
-        self.failure
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+        self.failure.take()
     }
 
     fn fail(&self, e: DdpError) {
-        tracing::error!("{e}");
-        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(e);
-        }
+        self.failure.fail(e);
     }
 
     fn rank(&self) -> Rank {

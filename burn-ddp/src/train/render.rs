@@ -1,8 +1,7 @@
 //! What each rank shows and logs: rank 0 the dashboard (or [`ProgressLines`] when its output is
 //! not a terminal), the other ranks nothing ([`Headless`], [`NoMetricLogger`]).
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::train::logger::MetricLogger;
 use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
@@ -12,6 +11,7 @@ use burn::train::renderer::{
     MetricsRendererTraining, ProgressType, TrainingProgress,
 };
 use burn::train::LearnerSummary;
+use burn_ddp_comm::train::lines::ProgressText;
 
 /// A renderer that shows nothing: the dashboard of ranks other than 0.
 #[derive(Debug, Default, Clone, Copy)]
@@ -67,91 +67,47 @@ impl MetricLogger for NoMetricLogger {
 /// Rank 0's progress when its output is not a terminal (a log file, the launcher's pipe): one
 /// line every few seconds and one at the end of each epoch's training and validation, with the
 /// metrics of the whole job —
-/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...`.
-#[derive(Debug)]
-pub struct ProgressLines {
-    every: Duration,
-    last: Option<Instant>,
-    names: HashMap<MetricId, String>,
-    train: Vec<(MetricId, String)>,
-    valid: Vec<(MetricId, String)>,
-}
+/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...`
+/// (burn-ddp-comm's [`ProgressText`]).
+#[derive(Debug, Default)]
+pub struct ProgressLines(ProgressText<MetricId>);
 
 impl ProgressLines {
     /// A line at most every `every` (plus the epoch ends).
     pub fn new(every: Duration) -> Self {
-        Self {
-            every,
-            last: None,
-            names: HashMap::new(),
-            train: Vec::new(),
-            valid: Vec::new(),
-        }
+        Self(ProgressText::new(every))
     }
 
-    fn update(list: &mut Vec<(MetricId, String)>, state: MetricState) {
+    fn update(&mut self, train: bool, state: MetricState) {
         let entry = match state {
             MetricState::Generic(e) | MetricState::Numeric(e, _) => e,
         };
-        let text = entry.serialized_entry.formatted;
-        match list.iter_mut().find(|(id, _)| *id == entry.metric_id) {
-            Some(slot) => slot.1 = text,
-            None => list.push((entry.metric_id, text)),
-        }
+        self.0
+            .update(train, entry.metric_id, entry.serialized_entry.formatted);
     }
 
     fn line(&mut self, split: &str, item: &TrainingProgress) {
-        let done = item
-            .progress
-            .as_ref()
-            .is_some_and(|p| p.items_processed >= p.items_total);
-        let now = Instant::now();
-        if !done
-            && self
-                .last
-                .is_some_and(|t| now.duration_since(t) < self.every)
-        {
-            return;
-        }
-        self.last = Some(now);
-        let metrics = if split == "train" {
-            &self.train
-        } else {
-            &self.valid
-        };
-        let metrics: Vec<String> = metrics
-            .iter()
-            .map(|(id, text)| match self.names.get(id) {
-                Some(name) => format!("{name} {text}"),
-                None => text.clone(),
-            })
-            .collect();
         let items = item
             .progress
             .as_ref()
-            .map(|p| format!("items {}/{}  ", p.items_processed, p.items_total))
-            .unwrap_or_default();
-        println!(
-            "[{split}] epoch {}/{}  {items}{}",
+            .map(|p| (p.items_processed, p.items_total));
+        if let Some(line) = self.0.line(
+            split,
             item.global_progress.items_processed,
             item.global_progress.items_total,
-            metrics.join(" | ")
-        );
-    }
-}
-
-impl Default for ProgressLines {
-    fn default() -> Self {
-        Self::new(Duration::from_secs(5))
+            items,
+        ) {
+            println!("{line}");
+        }
     }
 }
 
 impl MetricsRendererTraining for ProgressLines {
     fn update_train(&mut self, state: MetricState) {
-        Self::update(&mut self.train, state);
+        self.update(true, state);
     }
     fn update_valid(&mut self, state: MetricState) {
-        Self::update(&mut self.valid, state);
+        self.update(false, state);
     }
     fn render_train(&mut self, item: TrainingProgress, _progress: Vec<ProgressType>) {
         self.line("train", &item);
@@ -163,7 +119,7 @@ impl MetricsRendererTraining for ProgressLines {
 
 impl MetricsRendererEvaluation for ProgressLines {
     fn update_test(&mut self, _name: EvaluationName, state: MetricState) {
-        Self::update(&mut self.valid, state);
+        self.update(false, state);
     }
     fn render_test(&mut self, item: EvaluationProgress, _progress: Vec<ProgressType>) {
         self.line("test", &TrainingProgress::from(&item));
@@ -173,6 +129,6 @@ impl MetricsRendererEvaluation for ProgressLines {
 impl MetricsRenderer for ProgressLines {
     fn manual_close(&mut self) {}
     fn register_metric(&mut self, definition: MetricDefinition) {
-        self.names.insert(definition.metric_id, definition.name);
+        self.0.name(definition.metric_id, definition.name);
     }
 }

@@ -1,0 +1,254 @@
+//! Checkpoints of a Learner (model, optimizer, LR scheduler records) on several processes:
+//! written by rank 0 alone, each file renamed into place once complete; restored on every
+//! rank from rank 0's files, which rank 0 reads and broadcasts (so nodes need no shared file
+//! system). Each Burn line turns its records into bytes and back; this module moves the bytes.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::checkpoint::write_atomic;
+use crate::{DdpError, ProcessGroup, Rank, Result};
+
+/// The three records of one epoch's checkpoint, in the order burn-train saves them.
+pub const PARTS: [&str; 3] = ["model", "optim", "scheduler"];
+
+/// The file of record `name` (`model`, `optim`, `scheduler`) of `epoch` in `dir`.
+pub fn path(dir: &Path, name: &str, epoch: usize) -> PathBuf {
+    dir.join(format!("{name}-{epoch}.bin"))
+}
+
+/// The newest epoch whose three records are all present. Each file is renamed into place only
+/// once complete, so a present file is a complete one; an epoch whose writer died between two
+/// records is skipped.
+pub fn newest_complete(dir: &Path) -> Option<usize> {
+    let entries = fs::read_dir(dir).ok()?;
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix("model-")?
+                .strip_suffix(".bin")?
+                .parse::<usize>()
+                .ok()
+        })
+        .filter(|epoch| PARTS.iter().all(|p| path(dir, p, *epoch).is_file()))
+        .max()
+}
+
+/// The epoch to resume from, the same on every rank (collective): `explicit` if given (rank
+/// 0's), else, when `resume`, the newest complete checkpoint rank 0 finds in `dir`.
+///
+/// # Errors
+/// The broadcast failed.
+pub fn resume_point(
+    pg: &ProcessGroup,
+    explicit: Option<usize>,
+    dir: Option<&Path>,
+    resume: bool,
+) -> Result<Option<usize>> {
+    let mine = match (explicit, dir) {
+        (Some(e), _) => e as i64,
+        (None, Some(dir)) if resume && pg.rank() == Rank(0) => {
+            newest_complete(dir).map_or(0, |e| e as i64)
+        }
+        _ => 0,
+    };
+    let mut epoch = [mine];
+    pg.broadcast(&mut epoch, Rank(0))?;
+    Ok((epoch[0] > 0).then_some(epoch[0] as usize))
+}
+
+/// The error of a resume asked for without a checkpoint directory.
+pub fn no_directory(epoch: usize, how: &str) -> DdpError {
+    DdpError::Checkpoint {
+        path: format!("epoch {epoch}"),
+        what: "resuming",
+        reason: format!(
+            "asks to resume from epoch {epoch}, but the strategy has no checkpoint \
+             directory: call {how}"
+        ),
+    }
+}
+
+/// One of the three records of every epoch, in one directory, for one rank of a group.
+#[derive(Debug, Clone)]
+pub struct RecordFiles {
+    dir: PathBuf,
+    name: &'static str,
+    pg: ProcessGroup,
+}
+
+impl RecordFiles {
+    /// Record `name` (one of [`PARTS`]) in `dir`, on `pg`.
+    pub fn new(dir: impl Into<PathBuf>, name: &'static str, pg: ProcessGroup) -> Self {
+        Self {
+            dir: dir.into(),
+            name,
+            pg,
+        }
+    }
+
+    /// The file of `epoch`.
+    pub fn path(&self, epoch: usize) -> PathBuf {
+        path(&self.dir, self.name, epoch)
+    }
+
+    /// Rank 0 writes the record of `epoch`, made by `bytes`, atomically; the other ranks do
+    /// nothing (and do not make it).
+    ///
+    /// # Errors
+    /// The record could not be made ([`DdpError::Checkpoint`]) or written
+    /// ([`DdpError::CheckpointIo`], with the path and the OS error).
+    pub fn save<E: std::fmt::Display>(
+        &self,
+        epoch: usize,
+        bytes: impl FnOnce() -> std::result::Result<Vec<u8>, E>,
+    ) -> Result<()> {
+        if self.pg.rank() != Rank(0) {
+            return Ok(());
+        }
+        let file = self.path(epoch);
+        let bytes = bytes().map_err(|e| DdpError::Checkpoint {
+            path: file.display().to_string(),
+            what: "serialising the record",
+            reason: e.to_string(),
+        })?;
+        write_atomic(&file, &bytes)
+    }
+
+    /// Rank 0 removes the record of `epoch` (absent is fine).
+    ///
+    /// # Errors
+    /// The file exists and cannot be removed.
+    pub fn delete(&self, epoch: usize) -> std::io::Result<()> {
+        if self.pg.rank() != Rank(0) {
+            return Ok(());
+        }
+        match fs::remove_file(self.path(epoch)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Collective: every rank gets the bytes of the record of `epoch`, which rank 0 reads and
+    /// sends.
+    ///
+    /// # Errors
+    /// Rank 0 cannot read the file (every rank gets its message, with the path); the
+    /// broadcast failed.
+    pub fn restore(&self, epoch: usize) -> Result<Vec<u8>> {
+        let file = self.path(epoch);
+        // First byte: 1 = the record follows, 0 = rank 0's error message follows.
+        let mine = if self.pg.rank() == Rank(0) {
+            match fs::read(&file) {
+                Ok(mut b) => {
+                    b.insert(0, 1);
+                    b
+                }
+                Err(e) => {
+                    let mut m = vec![0];
+                    m.extend_from_slice(format!("rank 0 cannot read it: {e}").as_bytes());
+                    m
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let mut bytes = self.pg.broadcast_bytes(mine, Rank(0))?;
+        match bytes.first() {
+            Some(1) => {
+                bytes.remove(0);
+                Ok(bytes)
+            }
+            _ => Err(DdpError::Checkpoint {
+                path: file.display().to_string(),
+                what: "restoring",
+                reason: String::from_utf8_lossy(bytes.get(1..).unwrap_or_default()).into_owned(),
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Timeouts, WorldSize};
+    use std::time::Duration;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn newest_complete_skips_epochs_missing_a_record() {
+        let dir = scratch("newest");
+        assert_eq!(newest_complete(&dir), None);
+        for epoch in [1, 2] {
+            for p in PARTS {
+                fs::write(path(&dir, p, epoch), b"x").unwrap();
+            }
+        }
+        // Epoch 3: the writer died after the model and the optimizer.
+        fs::write(path(&dir, "model", 3), b"x").unwrap();
+        fs::write(path(&dir, "optim", 3), b"x").unwrap();
+        // A killed writer's temporary is not a checkpoint.
+        fs::write(dir.join(".model-4.bin.tmp-77"), b"x").unwrap();
+        assert_eq!(newest_complete(&dir), Some(2));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Rank 0 alone writes; every rank restores rank 0's bytes; a missing file is an error on
+    /// every rank naming the file; the resume point is rank 0's.
+    #[test]
+    fn rank_0_writes_and_every_rank_restores_its_bytes() {
+        let dir = scratch("record-files");
+        let groups = ProcessGroup::local(
+            WorldSize::new(3).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        );
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|pg| {
+                    let dir = dir.clone();
+                    s.spawn(move || {
+                        let me = pg.rank().0 as u8;
+                        let files = RecordFiles::new(&dir, "model", pg.clone());
+                        files.save(1, || Ok::<_, String>(vec![me; 4])).unwrap();
+                        let got = files.restore(1).unwrap();
+                        let missing = files.restore(2).unwrap_err().to_string();
+                        for p in ["optim", "scheduler"] {
+                            RecordFiles::new(&dir, p, pg.clone())
+                                .save(1, || Ok::<_, String>(vec![0]))
+                                .unwrap();
+                        }
+                        let resume = resume_point(&pg, None, Some(&dir), true).unwrap();
+                        (got, missing, resume)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (got, missing, resume) in results {
+            assert_eq!(got, [0, 0, 0, 0]);
+            assert!(
+                missing.contains("model-2.bin") && missing.contains("rank 0 cannot read"),
+                "{missing}"
+            );
+            assert_eq!(resume, Some(1));
+        }
+        let err = RecordFiles::new(&dir, "model", ProcessGroup::single())
+            .save(3, || Err::<Vec<u8>, _>("no bytes"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("no bytes") && err.contains("model-3.bin"),
+            "{err}"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,121 @@
+//! What rank 0 prints when its output is not a terminal (a log file, the launcher's pipe): one
+//! line every few seconds and one at the end of each split, with the metrics of the whole job:
+//! `[train] epoch 1/3  items 6400/16000  Loss 0.412 | Accuracy 87.1 %`. Each Burn line's
+//! `ProgressLines` renderer feeds it burn-train's metric states and progress.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::time::{Duration, Instant};
+
+/// The text of the progress lines, for metrics identified by `K`.
+#[derive(Debug)]
+pub struct ProgressText<K> {
+    every: Duration,
+    last: Option<Instant>,
+    names: HashMap<K, String>,
+    train: Vec<(K, String)>,
+    valid: Vec<(K, String)>,
+}
+
+impl<K: Eq + Hash + Clone> ProgressText<K> {
+    /// A line at most every `every` (plus the ends of splits).
+    pub fn new(every: Duration) -> Self {
+        Self {
+            every,
+            last: None,
+            names: HashMap::new(),
+            train: Vec::new(),
+            valid: Vec::new(),
+        }
+    }
+
+    /// The display name of metric `id`.
+    pub fn name(&mut self, id: K, name: String) {
+        self.names.insert(id, name);
+    }
+
+    /// The latest formatted value of metric `id` in the training split (`train`) or the
+    /// validation and test splits.
+    pub fn update(&mut self, train: bool, id: K, text: String) {
+        let list = if train {
+            &mut self.train
+        } else {
+            &mut self.valid
+        };
+        match list.iter_mut().find(|(k, _)| *k == id) {
+            Some(slot) => slot.1 = text,
+            None => list.push((id, text)),
+        }
+    }
+
+    /// The line for `split` at `epoch` of `epochs` after `items` (processed, total), or `None`
+    /// when the last line is too recent (a split's last item always gets one).
+    pub fn line(
+        &mut self,
+        split: &str,
+        epoch: usize,
+        epochs: usize,
+        items: Option<(usize, usize)>,
+    ) -> Option<String> {
+        let done = items.is_some_and(|(n, total)| n >= total);
+        let now = Instant::now();
+        if !done
+            && self
+                .last
+                .is_some_and(|t| now.duration_since(t) < self.every)
+        {
+            return None;
+        }
+        self.last = Some(now);
+        let metrics = if split == "train" {
+            &self.train
+        } else {
+            &self.valid
+        };
+        let metrics: Vec<String> = metrics
+            .iter()
+            .map(|(id, text)| match self.names.get(id) {
+                Some(name) => format!("{name} {text}"),
+                None => text.clone(),
+            })
+            .collect();
+        let items = items
+            .map(|(n, total)| format!("items {n}/{total}  "))
+            .unwrap_or_default();
+        Some(format!(
+            "[{split}] epoch {epoch}/{epochs}  {items}{}",
+            metrics.join(" | ")
+        ))
+    }
+}
+
+impl<K: Eq + Hash + Clone> Default for ProgressText<K> {
+    fn default() -> Self {
+        Self::new(Duration::from_secs(5))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_throttled_but_every_split_end_is_printed() {
+        let mut p = ProgressText::new(Duration::from_secs(3600));
+        p.name(1, "Loss".into());
+        p.update(true, 1, "0.412".into());
+        p.update(true, 2, "87.1 %".into());
+        p.update(true, 1, "0.388".into());
+        assert_eq!(
+            p.line("train", 1, 3, Some((64, 640))).unwrap(),
+            "[train] epoch 1/3  items 64/640  Loss 0.388 | 87.1 %"
+        );
+        assert_eq!(p.line("train", 1, 3, Some((128, 640))), None);
+        assert!(p.line("train", 1, 3, Some((640, 640))).is_some());
+        p.update(false, 1, "0.5".into());
+        assert_eq!(
+            p.line("valid", 1, 3, Some((10, 10))).unwrap(),
+            "[valid] epoch 1/3  items 10/10  Loss 0.5"
+        );
+    }
+}

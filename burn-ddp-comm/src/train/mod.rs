@@ -1,0 +1,18 @@
+//! The Burn-free half of training with a Learner on several processes, shared by every Burn
+//! line's strategy (`burn_ddp::train::DdpStrategy` for Burn 0.21,
+//! `burn_ddp_burn022::train::DdpStrategy` for Burn 0.22.1):
+//!
+//! - [`vote`]: before every step each rank votes (a batch, none left, a stop, a failure) and
+//!   one small all-reduce turns the votes into the same [`Decision`](vote::Decision) everywhere;
+//! - [`parts`]: a step's output item as host [`Part`](parts::Part)s, gathered to rank 0 and
+//!   merged there so that the metrics are those of the whole job;
+//! - [`files`]: checkpoints written by rank 0 alone, atomically, and read back by rank 0 for
+//!   every rank (no shared file system needed).
+//!
+//! What each line adds is only what touches its Burn types: the epoch loops over burn-train's
+//! events, the tensors of an item, the records of a checkpoint.
+
+pub mod files;
+pub mod lines;
+pub mod parts;
+pub mod vote;

@@ -1,0 +1,314 @@
+//! Votes and decisions: before every step, each rank says whether it has a batch, wants to stop
+//! or failed, and one small all-reduce turns those votes into the same decision on every rank,
+//! so that no rank is left waiting in a collective that the others skipped.
+
+use std::sync::{Arc, Mutex};
+
+use crate::{DdpError, ProcessGroup, Rank, ReduceOp, Result};
+
+/// What one rank says before a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Vote {
+    /// It has a batch for this step.
+    Item,
+    /// Its loader is exhausted.
+    NoItem,
+    /// It asks every rank to stop (a quit in the dashboard, an early stop), and why.
+    Stop(String),
+    /// It failed (a data error, a checkpoint that could not be written), and how.
+    Failed(String),
+}
+
+/// What every rank decides together from the votes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Nobody stops: whether some rank, and whether every rank, has a batch.
+    Go {
+        /// Some rank has a batch.
+        any_item: bool,
+        /// Every rank has a batch.
+        all_items: bool,
+    },
+    /// A rank asked to stop (the first in rank order that did).
+    Stop {
+        /// The rank that asked.
+        culprit: Rank,
+        /// Its reason.
+        reason: String,
+    },
+    /// A rank failed (the first in rank order that did; a failure wins over a stop).
+    Failed {
+        /// The rank that failed.
+        culprit: Rank,
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// Whether a loop goes on after a decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flow {
+    /// Go on.
+    Continue,
+    /// Stop training on this rank (every rank decided the same).
+    Stop,
+}
+
+/// The message of a caught panic.
+pub fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| String::from("(no message)"))
+}
+
+/// The tags of a reason in the gathered votes.
+const STOP: u8 = b'S';
+const FAILED: u8 = b'F';
+
+/// One small all-reduce: every rank's vote, and what they decide together.
+///
+/// # Errors
+/// The collective failed (it names the rank at fault).
+pub fn agree(pg: &ProcessGroup, vote: &Vote) -> Result<Decision> {
+    let (has, stop, failed) = match vote {
+        Vote::Item => (1, 0, 0),
+        Vote::NoItem => (0, 0, 0),
+        Vote::Stop(_) => (0, 1, 0),
+        Vote::Failed(_) => (0, 0, 1),
+    };
+    // Max of (has, 1 - has, stop, failed): any rank has an item, any has none, any stops,
+    // any failed.
+    let mut flags = [has, 1 - has, stop, failed];
+    pg.all_reduce(&mut flags, ReduceOp::Max)?;
+    if flags[2] == 0 && flags[3] == 0 {
+        return Ok(Decision::Go {
+            any_item: flags[0] == 1,
+            all_items: flags[1] == 0,
+        });
+    }
+    // Each rank's reason, tagged with its kind, so that a failure names a rank that failed
+    // (not an earlier rank that only asked to stop).
+    let mine = match vote {
+        Vote::Stop(m) => [&[STOP][..], m.as_bytes()].concat(),
+        Vote::Failed(m) => [&[FAILED][..], m.as_bytes()].concat(),
+        _ => Vec::new(),
+    };
+    let reasons = pg.all_gather_bytes(&mine)?;
+    let failed = flags[3] == 1;
+    let wanted = if failed { FAILED } else { STOP };
+    let (culprit, reason) = reasons
+        .iter()
+        .enumerate()
+        .find_map(|(r, m)| match m.split_first() {
+            Some((&kind, text)) if kind == wanted => Some((
+                Rank::try_from(r).unwrap_or(Rank::ZERO),
+                String::from_utf8_lossy(text).into_owned(),
+            )),
+            _ => None,
+        })
+        .unwrap_or((Rank::ZERO, String::from("no reason given")));
+    Ok(if failed {
+        Decision::Failed { culprit, reason }
+    } else {
+        Decision::Stop { culprit, reason }
+    })
+}
+
+/// What a rank does with a decision (or with the error of the collective that should have
+/// made it): the message for its Learner's interrupter and the error training ends with.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Go on.
+    Go,
+    /// Stop without an error: the interrupter's message.
+    Stop(String),
+    /// Stop with an error: the interrupter's message, and the error to report.
+    Fail(String, DdpError),
+}
+
+impl Outcome {
+    /// The outcome on rank `me` of `decision`.
+    pub fn of(decision: Result<Decision>, me: Rank) -> Self {
+        match decision {
+            Ok(Decision::Go { .. }) => Outcome::Go,
+            Ok(Decision::Stop { culprit, reason }) => {
+                tracing::info!("[rank {me}] stopping: rank {culprit} asked: {reason}");
+                Outcome::Stop(format!("rank {culprit}: {reason}"))
+            }
+            Ok(Decision::Failed { culprit, reason }) => Outcome::Fail(
+                format!("rank {culprit} failed: {reason}"),
+                DdpError::TrainingFailed {
+                    rank: me,
+                    culprit,
+                    reason,
+                },
+            ),
+            Err(e) => Outcome::Fail(e.to_string(), e),
+        }
+    }
+}
+
+/// The first error that stopped training on this rank, shared by the clones of a strategy:
+/// set where training fails, taken where the program gets its result.
+#[derive(Debug, Clone, Default)]
+pub struct FailureSlot(Arc<Mutex<Option<DdpError>>>);
+
+impl FailureSlot {
+    /// Records `e` (logged as an error) unless an earlier error is already recorded.
+    pub fn fail(&self, e: DdpError) {
+        tracing::error!("{e}");
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+
+    /// The recorded error's message, if any.
+    pub fn message(&self) -> Option<String> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(ToString::to_string)
+    }
+
+    /// Takes the recorded error, leaving none.
+    pub fn take(&self) -> Option<DdpError> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Timeouts, WorldSize};
+    use std::time::Duration;
+
+    /// Every rank's decision when rank r votes `votes(r)`, on an in-process group of `world`.
+    fn decide(world: u32, votes: impl Fn(u32) -> Vote + Sync) -> Vec<Decision> {
+        let groups = ProcessGroup::local(
+            WorldSize::new(world).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        );
+        std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|pg| {
+                    let votes = &votes;
+                    s.spawn(move || agree(&pg, &votes(pg.rank().0)).unwrap())
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn all_same(ds: &[Decision]) -> &Decision {
+        assert!(
+            ds.windows(2).all(|w| w[0] == w[1]),
+            "ranks disagree: {ds:?}"
+        );
+        &ds[0]
+    }
+
+    #[test]
+    fn every_rank_with_a_batch_goes_on() {
+        let ds = decide(3, |_| Vote::Item);
+        assert_eq!(
+            all_same(&ds),
+            &Decision::Go {
+                any_item: true,
+                all_items: true
+            }
+        );
+    }
+
+    #[test]
+    fn a_rank_without_a_batch_is_seen_by_all() {
+        let ds = decide(3, |r| if r == 2 { Vote::NoItem } else { Vote::Item });
+        assert_eq!(
+            all_same(&ds),
+            &Decision::Go {
+                any_item: true,
+                all_items: false
+            }
+        );
+        let ds = decide(2, |_| Vote::NoItem);
+        assert_eq!(
+            all_same(&ds),
+            &Decision::Go {
+                any_item: false,
+                all_items: false
+            }
+        );
+    }
+
+    #[test]
+    fn one_rank_asking_to_stop_stops_every_rank_naming_it() {
+        let ds = decide(3, |r| match r {
+            1 => Vote::Stop("quit from the dashboard".into()),
+            _ => Vote::Item,
+        });
+        assert_eq!(
+            all_same(&ds),
+            &Decision::Stop {
+                culprit: Rank(1),
+                reason: "quit from the dashboard".into()
+            }
+        );
+    }
+
+    #[test]
+    fn a_failure_wins_over_a_stop_and_names_the_failed_rank() {
+        let ds = decide(4, |r| match r {
+            0 => Vote::Stop("early stop".into()),
+            2 => Vote::Failed("loading a batch panicked".into()),
+            3 => Vote::Failed("a second failure".into()),
+            _ => Vote::Item,
+        });
+        // The first rank that failed is named, not rank 0, which only asked to stop.
+        assert_eq!(
+            all_same(&ds),
+            &Decision::Failed {
+                culprit: Rank(2),
+                reason: "loading a batch panicked".into()
+            }
+        );
+    }
+
+    #[test]
+    fn outcomes_carry_the_culprit_and_keep_the_first_failure() {
+        let stop = Outcome::of(
+            Ok(Decision::Stop {
+                culprit: Rank(1),
+                reason: "quit".into(),
+            }),
+            Rank(0),
+        );
+        assert!(matches!(stop, Outcome::Stop(m) if m == "rank 1: quit"));
+        let Outcome::Fail(message, e) = Outcome::of(
+            Ok(Decision::Failed {
+                culprit: Rank(2),
+                reason: "bad batch".into(),
+            }),
+            Rank(0),
+        ) else {
+            panic!("a failure is a failure")
+        };
+        assert_eq!(message, "rank 2 failed: bad batch");
+        let slot = FailureSlot::default();
+        slot.fail(e);
+        slot.fail(DdpError::TrainingFailed {
+            rank: Rank(0),
+            culprit: Rank(3),
+            reason: "later".into(),
+        });
+        let kept = slot.message().unwrap();
+        assert!(
+            kept.contains("rank 2") && kept.contains("bad batch"),
+            "{kept}"
+        );
+        assert!(slot.take().is_some());
+        assert!(slot.take().is_none());
+    }
+}
