@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::spawned::Spawned as Job;
+use common::spawned::{children, rank_of, Spawned as Job};
 
 fn example() -> PathBuf {
     common::spawned::example("classifier")
@@ -120,28 +120,6 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         files_under(&out.join("rank-1"))
     );
     std::fs::remove_dir_all(&out).unwrap();
-}
-
-/// Pids of `parent`'s direct children.
-fn children(parent: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for task in std::fs::read_dir(format!("/proc/{parent}/task"))
-        .into_iter()
-        .flatten()
-    {
-        let path = task.unwrap().path().join("children");
-        if let Ok(s) = std::fs::read_to_string(path) {
-            out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
-        }
-    }
-    out
-}
-
-fn rank_of(pid: u32) -> Option<u32> {
-    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-    env.split(|&b| b == 0)
-        .find_map(|kv| kv.strip_prefix(b"RANK="))
-        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
 
 #[test]

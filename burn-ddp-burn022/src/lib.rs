@@ -54,6 +54,8 @@
 
 mod data;
 mod sync;
+#[cfg(feature = "train")]
+pub mod train;
 
 pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};

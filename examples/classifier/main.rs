@@ -15,6 +15,7 @@
 //! checkpoint.
 
 mod data;
+mod images;
 mod model;
 
 use std::path::PathBuf;

@@ -133,3 +133,26 @@ pub fn launcher() -> PathBuf {
     }
     path
 }
+
+/// Pids of `parent`'s direct children.
+pub fn children(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{parent}/task"))
+        .into_iter()
+        .flatten()
+    {
+        let path = task.unwrap().path().join("children");
+        if let Ok(s) = std::fs::read_to_string(path) {
+            out.extend(s.split_whitespace().filter_map(|p| p.parse::<u32>().ok()));
+        }
+    }
+    out
+}
+
+/// The `RANK` a process was started with.
+pub fn rank_of(pid: u32) -> Option<u32> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}

@@ -1,0 +1,240 @@
+//! Data-parallel training of an image classifier on CPU with burn-ddp's **Burn 0.22.1** line.
+//!
+//! ```text
+//! cargo run --release -p burn-ddp-burn022 --example classifier022        # 2 ranks, generated shapes
+//! cargo run --release -p burn-ddp-burn022 --example classifier022 -- --nproc 3 --epochs 2
+//! cargo run --release -p burn-ddp-burn022 --example classifier022 -- --mnist path/to/mnist
+//! burn-ddp run --nproc-per-node 2 -- target/release/examples/classifier022   # via the launcher
+//! ```
+//!
+//! Burn's `SupervisedTraining` (the Learner) drives training through burn-ddp's Burn 0.22
+//! `DdpStrategy`: each rank trains on its shard of every epoch (`DistributedSampler`); after
+//! each backward the gradients are averaged across the ranks (`GradSync`); the dashboard on
+//! rank 0 (progress lines when its output is not a terminal) shows loss and accuracy of the
+//! whole job; rank 0 alone writes the logs, metrics and checkpoints into `--out`. `--resume`
+//! continues from the newest complete checkpoint. The same program as the Burn 0.21 example
+//! (`examples/classifier/`), on the same images.
+
+#[path = "../../../examples/classifier/images.rs"]
+mod images;
+mod model;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use burn::data::dataset::{Dataset, InMemDataset};
+use burn::module::{ModuleVisitor, Param};
+use burn::optim::AdamConfig;
+use burn::prelude::*;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{Learner, SupervisedTraining};
+use burn_ddp_burn022::train::{DdpStrategy, DdpTraining};
+use burn_ddp_burn022::{DdpConfig, DistributedSampler, GradSync, ProcessGroup, ReduceOp};
+use clap::Parser;
+
+use model::{Batch, Cnn, ImageBatcher};
+
+#[derive(Debug, Parser)]
+#[command(about = "Data-parallel image classifier on CPU, Burn 0.22.1 (burn-ddp example)")]
+struct Args {
+    /// Ranks to start when not already launched by `burn-ddp run`, torchrun or srun.
+    #[arg(long, default_value_t = 2)]
+    nproc: u32,
+    #[arg(long, default_value_t = 3)]
+    epochs: usize,
+    /// Images per rank per step (the global batch is this times the number of ranks).
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Generated training images (ignored with --mnist).
+    #[arg(long, default_value_t = 8000)]
+    train_size: usize,
+    /// Generated test images (ignored with --mnist).
+    #[arg(long, default_value_t = 2000)]
+    test_size: usize,
+    /// Train on MNIST: a directory with the four uncompressed IDX files.
+    #[arg(long)]
+    mnist: Option<PathBuf>,
+    /// Rank 0's directory for logs, metrics and checkpoints (`{rank}` is replaced by the rank,
+    /// to see what each rank writes).
+    #[arg(long, default_value = "target/classifier022-run")]
+    out: PathBuf,
+    /// Resume from the newest complete checkpoint in `<out>/checkpoint` (without it, a run
+    /// starts by clearing `<out>`).
+    #[arg(long)]
+    resume: bool,
+    /// Every rank prints a digest of its final parameters (to check that they agree).
+    #[arg(long)]
+    print_digest: bool,
+}
+
+type Failure = Box<dyn std::error::Error + Send + Sync>;
+
+fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
+    let main = pg.is_main();
+    let world = pg.world_size().get() as usize;
+    let out = PathBuf::from(
+        args.out
+            .to_string_lossy()
+            .replace("{rank}", &pg.rank().to_string()),
+    );
+    // A fresh run starts in an empty directory (otherwise Burn's summary would count the
+    // epochs of an older run). A resumed or restarted run keeps it: its checkpoints are there.
+    let resuming = args.resume || pg.restart_count() > 0;
+    let writes_here = main || args.out.to_string_lossy().contains("{rank}");
+    if !resuming && writes_here {
+        match std::fs::remove_dir_all(&out) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("clearing {}: {e}", out.display()).into()),
+        }
+    }
+    let (train, test, classes, name) = match &args.mnist {
+        Some(dir) => {
+            let (train, test) = images::mnist(dir)?;
+            (train, test, 10, format!("MNIST from {}", dir.display()))
+        }
+        None => (
+            images::shapes(args.train_size, args.seed),
+            images::shapes(args.test_size, args.seed ^ 0x5EED),
+            images::SHAPES.len(),
+            format!("generated shapes ({})", images::SHAPES.join(", ")),
+        ),
+    };
+    let (train, test) = (InMemDataset::new(train), InMemDataset::new(test));
+    if main {
+        println!(
+            "{name}: {} training / {} test images, {classes} classes; {world} ranks × batch {} = \
+             global batch {}",
+            train.len(),
+            test.len(),
+            args.batch_size,
+            world * args.batch_size
+        );
+    }
+
+    let device = Device::default().autodiff();
+    device.seed(args.seed);
+    let model = Cnn::new(classes, &device);
+
+    // Training shards: reshuffled every epoch, the same length on every rank. Validation
+    // shards: every test image exactly once.
+    let train_set = Arc::new(DistributedSampler::new(train, &pg).with_seed(args.seed));
+    let test_set = Arc::new(
+        DistributedSampler::new(test, &pg)
+            .with_shuffle(false)
+            .with_even_shards(false),
+    );
+    let train_loader = DataLoaderBuilder::new(ImageBatcher)
+        .batch_size(args.batch_size)
+        .build(Arc::clone(&train_set));
+    let test_loader = DataLoaderBuilder::new(ImageBatcher)
+        .batch_size(256)
+        .build(Arc::clone(&test_set));
+
+    let sync = GradSync::new(pg.clone(), DdpConfig::default())?;
+    let ddp = DdpStrategy::new(sync, device)
+        .with_sampler(train_set)
+        .with_sampler(test_set)
+        .with_checkpoints(out.join("checkpoint"), 2)
+        .with_resume(args.resume);
+
+    let started = Instant::now();
+    let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
+        .metric_train_numeric(AccuracyMetric::new())
+        .metric_valid_numeric(AccuracyMetric::new())
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(args.epochs)
+        .summary()
+        .launch_ddp(Learner::new(model, AdamConfig::new().init(), args.lr), &ddp)?;
+    if let Some(e) = &result.error {
+        return Err(format!("training failed: {e}").into());
+    }
+
+    let accuracy = evaluate(&result.model, &*test_loader, &pg)?;
+    if main {
+        println!(
+            "final test accuracy: {:.2}% ({:.1} s; logs, metrics and checkpoints in {})",
+            100.0 * accuracy,
+            started.elapsed().as_secs_f64(),
+            out.display()
+        );
+    }
+    if args.print_digest {
+        println!("parameter digest: {:016x}", digest(&result.model));
+    }
+    Ok(())
+}
+
+/// A hash of the parameters' values, bit for bit, in visit order.
+fn digest(model: &Cnn) -> u64 {
+    struct Values(std::hash::DefaultHasher);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().into_data();
+            std::hash::Hasher::write(&mut self.0, data.as_bytes());
+        }
+    }
+    let mut v = Values(std::hash::DefaultHasher::new());
+    model.visit(&mut v);
+    std::hash::Hasher::finish(&v.0)
+}
+
+/// Accuracy over the whole test set: each rank scores its shard, the counts are summed.
+fn evaluate(
+    model: &Cnn,
+    loader: &dyn DataLoader<Batch>,
+    pg: &ProcessGroup,
+) -> Result<f64, Failure> {
+    let mut counts = [0.0f64; 2];
+    for batch in loader.iter() {
+        let batch = batch?;
+        let n = batch.targets.dims()[0];
+        let hits: i64 = model
+            .forward(batch.images)
+            .argmax(1)
+            .flatten::<1>(0, 1)
+            .equal(batch.targets)
+            .int()
+            .sum()
+            .into_scalar();
+        counts[0] += hits as f64;
+        counts[1] += n as f64;
+    }
+    pg.all_reduce(&mut counts, ReduceOp::Sum)?;
+    Ok(if counts[1] > 0.0 {
+        counts[0] / counts[1]
+    } else {
+        0.0
+    })
+}
+
+/// burn-ddp's warnings and errors on stderr (`RUST_LOG=info` shows more).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    init_logging();
+    match burn_ddp_burn022::spawn(args.nproc, |pg| train(&args, pg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("classifier022: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,499 @@
+//! The epoch loops of [`DdpStrategy`]: burn-train 0.22's `SupervisedLearningStrategy` (start,
+//! resume, fit), one training epoch and one validation epoch, each step preceded by the ranks'
+//! vote (burn-ddp-comm's `train::vote`).
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::MutexGuard;
+
+use burn::data::dataloader::{DataLoader, DataLoaderIterator};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::store::ModuleRecord;
+use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
+    ValidLoader,
+};
+use burn_ddp_comm::train::files::{self, RecordFiles};
+use burn_ddp_comm::train::vote::{agree, panic_text, Decision, Flow, Outcome, Vote};
+
+use super::checkpoint::{self, RankCheckpointer};
+use super::{item, DdpStrategy, DistributedItem};
+use crate::{DdpError, GradSync, ReduceOp, Result};
+
+/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
+/// for (the interrupter, or an error it holds, such as a checkpoint that could not be
+/// written), or a data error (an error or a panic while loading it).
+fn next_batch<I>(
+    iter: &mut dyn DataLoaderIterator<I>,
+    interrupter: &Interrupter,
+    split: &str,
+) -> (Option<I>, Vote) {
+    if interrupter.should_stop() {
+        return (None, interrupted(interrupter));
+    }
+    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
+        Ok(Some(Ok(item))) => (Some(item), Vote::Item),
+        Ok(Some(Err(e))) => (
+            None,
+            Vote::Failed(format!("loading a {split} batch failed: {e}")),
+        ),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => (
+            None,
+            Vote::Failed(format!(
+                "loading a {split} batch panicked: {}",
+                panic_text(&*p)
+            )),
+        ),
+    }
+}
+
+/// The vote of a rank whose interrupter was set: a failure if it holds an error (Burn's
+/// checkpointer and event processor report theirs there), else a stop with its message.
+fn interrupted(interrupter: &Interrupter) -> Vote {
+    match interrupter.error() {
+        Some(e) => Vote::Failed(e.to_string()),
+        None => Vote::Stop(
+            interrupter
+                .get_message()
+                .unwrap_or_else(|| "interrupted".into()),
+        ),
+    }
+}
+
+type TrainOut<M> = <M as TrainStep>::Output;
+type ValidOut<M> = <M as InferenceStep>::Output;
+
+impl<M> SupervisedLearningStrategy<M> for DdpStrategy
+where
+    M: LearnerModel,
+    TrainOut<M>: DistributedItem,
+    ValidOut<M>: DistributedItem,
+{
+    fn train(
+        &self,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        mut components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
+        learner.fork(&self.device);
+        if !self.is_main() {
+            // The summary reads rank 0's metric logs.
+            components.summary = None;
+        }
+        if let Some(dir) = &self.checkpoints {
+            let part =
+                |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, self.pg.clone()));
+            let interrupter = components.interrupter.clone();
+            components.checkpointer = Some(LearningCheckpointer::new(
+                AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
+                AsyncCheckpointer::new(part("optim")).with_interrupter(interrupter.clone()),
+                AsyncCheckpointer::new(part("scheduler")).with_interrupter(interrupter),
+                Box::new(KeepLastNCheckpoints::new(self.keep)),
+            ));
+        }
+
+        let start = match self.resume_point(components.checkpoint) {
+            Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
+                Ok(()) => epoch + 1,
+                Err(e) => return self.abandon(e, learner, components),
+            },
+            Ok(None) => 1,
+            Err(e) => return self.abandon(e, learner, components),
+        };
+        let prepared = self.lock_sync().prepare(learner.model());
+        match prepared {
+            Ok(model) => learner.load_model(model.into_record()),
+            Err(e) => return self.abandon(e, learner, components),
+        }
+
+        let summary_config = components.summary.clone();
+        let interrupter = components.interrupter.clone();
+        interrupter.fail_on_error(
+            components
+                .event_processor
+                .process_train(LearnerEvent::Start {
+                    total_epochs: components.num_epochs,
+                    starting_epoch: start,
+                    label: components.label.clone(),
+                }),
+        );
+        let (model, mut processor) = self.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            start,
+        );
+        let summary = summary_config.and_then(|s| s.init().ok());
+        interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));
+        interrupter.fail_on_error(processor.flush());
+        LearningResult {
+            model: model.valid(),
+            renderer: processor.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
+        }
+    }
+
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let loader_train = dataloader_train.to_device(&self.device);
+        let loader_valid = dataloader_valid.to_device(&self.device.clone().inner());
+        let mut processor = components.event_processor;
+        let mut checkpointer = components.checkpointer;
+        let mut early_stopping = components.early_stopping;
+        let interrupter = components.interrupter;
+        let epochs = components.num_epochs;
+        let mut sync = self.lock_sync();
+
+        // Every rank's items, for the progress of the whole job.
+        let mut totals = [
+            loader_train.num_items() as i64,
+            loader_valid.num_items() as i64,
+        ];
+        if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
+            self.stop_with(e, &interrupter);
+            return (learner.model(), processor);
+        }
+        let [train_total, valid_total] = totals.map(|t| t as usize);
+
+        for epoch in starting_epoch..=epochs {
+            self.set_epoch(epoch);
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: train_total,
+            }));
+            let flow = self.train_epoch(
+                epoch,
+                &mut learner,
+                &mut sync,
+                &*loader_train,
+                train_total,
+                components.grad_accumulation,
+                &mut processor,
+                &interrupter,
+            );
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+            if flow == Flow::Stop {
+                break;
+            }
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: valid_total,
+            }));
+            let flow = self.valid_epoch(
+                &learner,
+                &*loader_valid,
+                valid_total,
+                &mut processor,
+                &interrupter,
+            );
+            interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
+            if flow == Flow::Stop {
+                break;
+            }
+            let mut vote = Vote::Item;
+            if self.is_main() {
+                if checkpointer.is_some() || early_stopping.is_some() {
+                    // The metrics of this epoch, for the checkpointing strategy and the
+                    // early stop.
+                    interrupter.fail_on_error(processor.flush());
+                }
+                if let Some(c) = &mut checkpointer {
+                    c.checkpoint(&learner, epoch, &components.event_store);
+                }
+                if let Some(es) = &mut early_stopping {
+                    if es.should_stop(epoch, &components.event_store) {
+                        vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+                    }
+                }
+            }
+            if interrupter.should_stop() {
+                vote = interrupted(&interrupter);
+            }
+            if self.settle(agree(&self.pg, &vote), &interrupter) == Flow::Stop {
+                break;
+            }
+        }
+        // Dropping the checkpointer waits for rank 0's last write; one that failed is this
+        // rank's failure (after the last collective, so the job's exit status carries it).
+        drop(checkpointer);
+        if self.failure.message().is_none() {
+            if let Some(e) = interrupter.error() {
+                self.fail(DdpError::TrainingFailed {
+                    rank: self.rank(),
+                    culprit: self.rank(),
+                    reason: e.to_string(),
+                });
+            }
+        }
+        (learner.model(), processor)
+    }
+}
+
+impl DdpStrategy {
+    fn lock_sync(&self) -> MutexGuard<'_, GradSync> {
+        self.sync.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The epoch to resume from, the same on every rank: an explicit one, else (with
+    /// `with_resume`) the newest complete checkpoint rank 0 finds.
+    fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
+        files::resume_point(
+            &self.pg,
+            explicit,
+            self.checkpoints.as_deref(),
+            self.resumes(),
+        )
+    }
+
+    fn restore<M: LearnerModel>(&self, learner: &mut Learner<M>, epoch: usize) -> Result<()> {
+        let Some(dir) = &self.checkpoints else {
+            return Err(files::no_directory(epoch, "DdpStrategy::with_checkpoints"));
+        };
+        let part = |name| RecordFiles::new(dir.clone(), name, self.pg.clone());
+        let model: ModuleRecord = checkpoint::restore(&part("model"), epoch)?;
+        let optim = checkpoint::restore(&part("optim"), epoch)?;
+        let sched = checkpoint::restore(&part("scheduler"), epoch)?;
+        let model = learner
+            .model()
+            .try_load_record(model)
+            .map_err(|e| DdpError::Checkpoint {
+                path: part("model").path(epoch).display().to_string(),
+                what: "loading into the model",
+                reason: e.to_string(),
+            })?;
+        learner.load_model(model.into_record());
+        learner.load_optim(optim);
+        learner.load_scheduler(sched);
+        tracing::info!(
+            "[rank {}] resumed from the checkpoint of epoch {epoch}",
+            self.rank()
+        );
+        Ok(())
+    }
+
+    /// Training cannot start on this rank: record why and return the untrained model.
+    fn abandon<M: LearnerModel>(
+        &self,
+        e: DdpError,
+        learner: Learner<M>,
+        components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
+        let interrupter = components.interrupter;
+        interrupter.stop(Some(&e.to_string()));
+        self.fail(e);
+        LearningResult {
+            model: learner.model().valid(),
+            renderer: components.event_processor.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
+        }
+    }
+
+    /// Applies a decision on this rank.
+    fn settle(&self, decision: Result<Decision>, interrupter: &Interrupter) -> Flow {
+        match Outcome::of(decision, self.rank()) {
+            Outcome::Go => Flow::Continue,
+            Outcome::Stop(message) => {
+                interrupter.stop(Some(&message));
+                Flow::Stop
+            }
+            Outcome::Fail(message, e) => {
+                interrupter.stop(Some(&message));
+                self.fail(e);
+                Flow::Stop
+            }
+        }
+    }
+
+    /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
+    fn stop_with(&self, e: DdpError, interrupter: &Interrupter) -> Flow {
+        interrupter.stop(Some(&e.to_string()));
+        self.fail(e);
+        Flow::Stop
+    }
+
+    /// A failure of this rank alone, in the middle of a step (the others may be inside a
+    /// collective): abort the group so that they stop at once, naming this rank.
+    fn fail_alone(&self, what: &str, interrupter: &Interrupter) -> Flow {
+        let reason = what.to_owned();
+        interrupter.stop(Some(&reason));
+        self.fail(DdpError::TrainingFailed {
+            rank: self.rank(),
+            culprit: self.rank(),
+            reason,
+        });
+        self.pg.abort();
+        Flow::Stop
+    }
+
+    /// The gradients reduced across the ranks, then one scheduler and optimizer step.
+    fn step<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        sync: &mut GradSync,
+        grads: GradientsParams,
+    ) -> Result<()> {
+        let grads = sync.sync(&learner.model(), grads)?;
+        learner.lr_step();
+        learner.optimizer_step(grads);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn train_epoch<M>(
+        &self,
+        epoch: usize,
+        learner: &mut Learner<M>,
+        sync: &mut GradSync,
+        loader: &dyn DataLoader<<M as TrainStep>::Input>,
+        total: usize,
+        accumulation: Option<usize>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+    ) -> Flow
+    where
+        M: LearnerModel,
+        TrainOut<M>: DistributedItem,
+    {
+        let mut iter = loader.iter();
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::<M>::new();
+        let mut accumulated = 0;
+        loop {
+            let (item, vote) = next_batch(&mut *iter, interrupter, "training");
+            let decision = agree(&self.pg, &vote);
+            if let Ok(Decision::Go { all_items, .. }) = &decision {
+                if !all_items {
+                    if item.is_some() {
+                        tracing::warn!(
+                            "[rank {}] epoch {epoch}: another rank ran out of training batches \
+                             first; the rest of this rank's are skipped (use a \
+                             DistributedSampler so that every rank has as many)",
+                            self.rank()
+                        );
+                    }
+                    break;
+                }
+            }
+            if self.settle(decision, interrupter) == Flow::Stop {
+                return Flow::Stop;
+            }
+            let Some(item) = item else { break };
+            iteration += 1;
+            let progress = self.global(iter.progress(), total);
+            let out = match catch_unwind(AssertUnwindSafe(|| learner.train_step(item))) {
+                Ok(out) => out,
+                Err(p) => {
+                    return self.fail_alone(
+                        &format!("the training step panicked: {}", panic_text(&*p)),
+                        interrupter,
+                    )
+                }
+            };
+            let stepped = match accumulation {
+                Some(k) => {
+                    accumulator.accumulate(&learner.model(), out.grads);
+                    accumulated += 1;
+                    if accumulated >= k {
+                        accumulated = 0;
+                        self.step(learner, sync, accumulator.grads())
+                    } else {
+                        Ok(())
+                    }
+                }
+                None => self.step(learner, sync, out.grads),
+            };
+            if let Err(e) = stepped {
+                return self.stop_with(e, interrupter);
+            }
+            match item::gather(&self.pg, Some(out.item), &self.device.clone().inner()) {
+                Ok(Some(merged)) => interrupter.fail_on_error(processor.process_train(
+                    LearnerEvent::ProcessedItem(TrainingItem::new(
+                        merged,
+                        progress,
+                        Some(iteration),
+                        Some(learner.lr_current()),
+                    )),
+                )),
+                Ok(None) => {}
+                Err(e) => return self.stop_with(e, interrupter),
+            }
+        }
+        // The last micro-steps of the epoch: every rank ran as many (the loop goes on only
+        // while every rank has a batch), so every rank steps here, or none.
+        if accumulated > 0 {
+            if let Err(e) = self.step(learner, sync, accumulator.grads()) {
+                return self.stop_with(e, interrupter);
+            }
+        }
+        Flow::Continue
+    }
+
+    fn valid_epoch<M>(
+        &self,
+        learner: &Learner<M>,
+        loader: &dyn DataLoader<<M as InferenceStep>::Input>,
+        total: usize,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        interrupter: &Interrupter,
+    ) -> Flow
+    where
+        M: LearnerModel,
+        ValidOut<M>: DistributedItem,
+    {
+        let model = learner.model().valid();
+        let mut iter = loader.iter();
+        let mut iteration = 0;
+        loop {
+            let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
+            let decision = agree(&self.pg, &vote);
+            // Shards may differ by one item: go on while any rank has a batch.
+            if let Ok(Decision::Go {
+                any_item: false, ..
+            }) = &decision
+            {
+                break;
+            }
+            if self.settle(decision, interrupter) == Flow::Stop {
+                return Flow::Stop;
+            }
+            iteration += 1;
+            let progress = self.global(iter.progress(), total);
+            let out = match item
+                .map(|i| catch_unwind(AssertUnwindSafe(|| InferenceStep::step(&model, i))))
+            {
+                Some(Ok(out)) => Some(out),
+                Some(Err(p)) => {
+                    return self.fail_alone(
+                        &format!("the validation step panicked: {}", panic_text(&*p)),
+                        interrupter,
+                    )
+                }
+                None => None,
+            };
+            match item::gather(&self.pg, out, &self.device.clone().inner()) {
+                Ok(Some(merged)) => {
+                    interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(
+                        TrainingItem::new(merged, progress, Some(iteration), None),
+                    )))
+                }
+                Ok(None) => {}
+                Err(e) => return self.stop_with(e, interrupter),
+            }
+        }
+        Flow::Continue
+    }
+}

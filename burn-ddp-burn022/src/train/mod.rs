@@ -1,0 +1,280 @@
+//! Training with burn-train 0.22's `SupervisedTraining` (the Learner, its dashboard, metrics and
+//! checkpoints) on several processes: [`DdpStrategy`], a `SupervisedLearningStrategy` for
+//! `TrainingStrategy::Custom`.
+//!
+//! ```no_run
+//! # use burn::train::{Learner, LearnerModel, SupervisedTraining};
+//! # fn doc<M: LearnerModel>(training: SupervisedTraining<M>, learner: Learner<M>,
+//! #     ddp: burn_ddp_burn022::train::DdpStrategy) -> burn_ddp_burn022::Result<()>
+//! # where burn_ddp_burn022::train::DdpStrategy: burn::train::SupervisedLearningStrategy<M> {
+//! use burn_ddp_burn022::train::DdpTraining;
+//! // `ddp` = DdpStrategy::for_group(ProcessGroup::from_env()?, device)?, once per process.
+//! let result = training.launch_ddp(learner, &ddp)?; // an error if any rank failed
+//! # Ok(()) }
+//! ```
+//!
+//! - `mod.rs`: [`DdpStrategy`] (its options), [`DdpTraining::launch_ddp`]
+//! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the epoch loops
+//! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
+//! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
+//! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
+//!   [`ProgressLines`]
+//!
+//! What the strategy does on every rank, per step: one small all-reduce in which every rank
+//! says whether it has a batch, wants to stop (a quit in the dashboard, an interrupter) or
+//! failed (a data error, a checkpoint rank 0 could not write); then the training step
+//! (forward and backward on this rank's batch); then the gradients reduced across the ranks
+//! ([`GradSync`](crate::GradSync), after backward: Burn 0.22 leaves no way to start during it)
+//! and the optimizer step; then the step's output items gathered to rank 0, which merges them
+//! ([`DistributedItem`]) so that the dashboard's metrics are those of the whole job. Validation
+//! is sharded the same way and merged the same way. A decision to stop — by any rank, for any
+//! reason — is taken by every rank at the same step, so no rank is left waiting in a
+//! collective. The Burn-free half of all this is burn-ddp-comm's `train` module, shared with
+//! the Burn 0.21 line.
+
+mod checkpoint;
+mod epochs;
+mod item;
+mod render;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use burn::data::dataloader::Progress;
+use burn::tensor::Device;
+use burn::train::{
+    Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
+    TrainingStrategy,
+};
+use burn_ddp_comm::train::vote::FailureSlot;
+
+pub use burn_ddp_comm::train::files::newest_complete;
+pub use item::{DistributedItem, Part, TensorParts};
+pub use render::{Headless, NoMetricLogger, ProgressLines};
+
+use crate::{DataEpoch, DdpConfig, DdpError, GradSync, ProcessGroup, Rank, Result};
+
+/// burn-train 0.22's `SupervisedLearningStrategy` for one process per rank: use it through
+/// [`DdpTraining::launch_ddp`], or pass `TrainingStrategy::Custom(Arc::new(strategy))` to
+/// `SupervisedTraining` yourself.
+///
+/// The output items of the model's training and validation steps must be
+/// [`DistributedItem`]s (burn-train's classification and regression outputs are).
+///
+/// - **Start**: every rank resumes from the same checkpoint epoch (if any), then the model is
+///   checked across ranks and rank 0's weights are loaded everywhere
+///   ([`GradSync::prepare`]).
+/// - **Steps**: forward and backward on this rank's batch, the gradients reduced across every
+///   rank ([`GradSync::sync`]: bucketed, each bucket all-reduced while the next is packed), the
+///   optimizer step. With `grads_accumulation(k)` the micro-steps' gradients are summed
+///   locally and reduced once per optimizer step.
+/// - **Data**: build the data loaders over [`DistributedSampler`](crate::DistributedSampler)s
+///   (without the loader's own `shuffle`) and register them with
+///   [`with_sampler`](Self::with_sampler): the strategy sets their epoch.
+/// - **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,
+///   accuracy over it, item counts summed).
+/// - **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,
+///   atomically, model + optimizer + scheduler per epoch; [`with_resume`](Self::with_resume)
+///   restarts from the newest complete one, which rank 0 reads and sends to every rank. A
+///   checkpoint rank 0 cannot write fails the job, naming the file.
+/// - **LR schedule**: one scheduler step per optimizer step (every rank steps together).
+/// - **Stopping**: a dashboard quit, an early stop (decided on rank 0, which has the metrics),
+///   a data error or a failed rank stops every rank at the same step.
+#[derive(Clone)]
+pub struct DdpStrategy {
+    pg: ProcessGroup,
+    sync: Arc<Mutex<GradSync>>,
+    device: Device,
+    checkpoints: Option<PathBuf>,
+    keep: usize,
+    resume: bool,
+    samplers: Vec<Arc<dyn DataEpoch>>,
+    failure: FailureSlot,
+}
+
+impl std::fmt::Debug for DdpStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DdpStrategy")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("device", &self.device)
+            .field("checkpoints", &self.checkpoints)
+            .field("resume", &self.resume)
+            .field("samplers", &self.samplers.len())
+            .finish()
+    }
+}
+
+impl DdpStrategy {
+    /// The strategy of this process's rank, reducing gradients with `sync`, training on
+    /// `device` (made an autodiff device if it is not one).
+    pub fn new(sync: GradSync, device: Device) -> Self {
+        let device = if device.is_autodiff() {
+            device
+        } else {
+            device.autodiff()
+        };
+        Self {
+            pg: sync.group().clone(),
+            sync: Arc::new(Mutex::new(sync)),
+            device,
+            checkpoints: None,
+            keep: 2,
+            resume: false,
+            samplers: Vec::new(),
+            failure: FailureSlot::default(),
+        }
+    }
+
+    /// The strategy with [`DdpConfig::default`] (PyTorch DDP's bucket sizes, the mean) on
+    /// process group `pg`, training on `device`.
+    ///
+    /// # Errors
+    /// As [`GradSync::new`].
+    pub fn for_group(pg: ProcessGroup, device: Device) -> Result<Self> {
+        Ok(Self::new(GradSync::new(pg, DdpConfig::default())?, device))
+    }
+
+    /// A sampler whose epoch the strategy sets at the start of every epoch (the training and
+    /// the validation samplers; share them with the data loaders through an `Arc`).
+    pub fn with_sampler(mut self, sampler: Arc<dyn DataEpoch>) -> Self {
+        self.samplers.push(sampler);
+        self
+    }
+
+    /// Rank 0 writes a checkpoint (model, optimizer, scheduler) at the end of every epoch into
+    /// `dir` — `model-{epoch}.bin`, `optim-{epoch}.bin`, `scheduler-{epoch}.bin`, each renamed
+    /// into place once complete — keeping the newest `keep` epochs.
+    pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
+        self.checkpoints = Some(dir.into());
+        self.keep = keep.max(1);
+        self
+    }
+
+    /// Whether to resume from the newest complete checkpoint in the checkpoint directory
+    /// (default `false`, but a group restarted by `burn-ddp run --max-restarts` always resumes;
+    /// an explicit `SupervisedTraining::checkpoint(epoch)` wins).
+    pub fn with_resume(mut self, resume: bool) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// Whether training resumes from the newest complete checkpoint: when asked to, and
+    /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
+    fn resumes(&self) -> bool {
+        self.resume || self.pg.restart_count() > 0
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// The error that stopped training, if any (also returned by
+    /// [`DdpTraining::launch_ddp`]).
+    pub fn failure(&self) -> Option<String> {
+        self.failure.message()
+    }
+
+    fn fail(&self, e: DdpError) {
+        self.failure.fail(e);
+    }
+
+    fn rank(&self) -> Rank {
+        self.pg.rank()
+    }
+
+    /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
+    pub fn is_main(&self) -> bool {
+        self.rank() == Rank(0)
+    }
+
+    /// Progress of this rank's loader counted for the whole job (`total`: every rank's items):
+    /// every rank has as many items, or one fewer, by the sampler's construction.
+    fn global(&self, p: Progress, total: usize) -> Progress {
+        let w = self.pg.world_size().as_usize();
+        Progress::new((p.items_processed * w).min(total), total, p.unit)
+    }
+
+    fn set_epoch(&self, epoch: usize) {
+        for s in &self.samplers {
+            s.set_epoch(epoch as u64);
+        }
+    }
+}
+
+/// [`DdpStrategy`] on burn-train 0.22's `SupervisedTraining`: sets what each rank shows and
+/// logs, launches, and reports a failure of any rank as an error.
+pub trait DdpTraining<M: LearnerModel> {
+    /// Trains with `ddp`. Rank 0 shows Burn's dashboard when its output is a terminal and
+    /// [`ProgressLines`] otherwise, and writes the metrics (and Burn's `experiment.log`, unless
+    /// the program installed its own `tracing` subscriber) into the training directory; the
+    /// other ranks show nothing and write nothing there ([`Headless`], [`NoMetricLogger`], no
+    /// application log).
+    ///
+    /// # Errors
+    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`], naming it), a
+    /// collective failed, or a checkpoint could not be restored. (An error of Burn's own on
+    /// this rank, such as a metric that failed, stays in the result's `error`, as with
+    /// `launch`.)
+    fn launch_ddp(self, learner: Learner<M>, ddp: &DdpStrategy) -> Result<LearningResult<M>>
+    where
+        DdpStrategy: SupervisedLearningStrategy<M>;
+
+    /// [`launch_ddp`](Self::launch_ddp) for programs whose work after training is rank 0's
+    /// alone (saving the model, Burn's evaluator, which writes into the training directory):
+    /// every rank trains; rank 0 gets the result, the other ranks `None`, so that
+    /// `let Some(result) = training.launch_ddp_main(learner, &ddp)? else { return Ok(()) };`
+    /// keeps the rest of the program on rank 0.
+    ///
+    /// # Errors
+    /// As [`launch_ddp`](Self::launch_ddp), on every rank.
+    fn launch_ddp_main(
+        self,
+        learner: Learner<M>,
+        ddp: &DdpStrategy,
+    ) -> Result<Option<LearningResult<M>>>
+    where
+        Self: Sized,
+        DdpStrategy: SupervisedLearningStrategy<M>,
+    {
+        let main = ddp.is_main();
+        let result = self.launch_ddp(learner, ddp)?;
+        Ok(main.then_some(result))
+    }
+}
+
+impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
+    fn launch_ddp(self, learner: Learner<M>, ddp: &DdpStrategy) -> Result<LearningResult<M>>
+    where
+        DdpStrategy: SupervisedLearningStrategy<M>,
+    {
+        let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
+        let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
+        let training = if ddp.is_main() {
+            let training = if std::io::stdout().is_terminal() {
+                training
+            } else {
+                training.renderer(Box::new(ProgressLines::default()))
+            };
+            if tracing::dispatcher::has_been_set() {
+                // The program logs already (a tracing subscriber of its own, say); Burn's
+                // file logger could not install itself and would only warn.
+                training.with_application_logger(None)
+            } else {
+                training
+            }
+        } else {
+            training
+                .renderer(Box::new(Headless))
+                .with_application_logger(None)
+                .with_metric_logger(NoMetricLogger)
+        };
+        let result = training.launch(learner);
+        match ddp.failure.take() {
+            Some(e) => Err(e),
+            None => Ok(result),
+        }
+    }
+}
