@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod compare;
+pub mod diff;
 mod procs;
 pub mod spawned;
 

@@ -1,0 +1,153 @@
+//! The "before" of the guide's Burn 0.22 section: a Burn 0.22.1 program shaped like Burn's own
+//! examples, trained with Burn's Learner and dashboard, then evaluated by Burn's evaluator, all
+//! in one directory it starts by clearing. `learner022_after.rs` is the same program on several
+//! processes; `tests/migration022.rs` counts the lines between the two.
+//!
+//! It runs as it is: `cargo run --release -p burn-ddp-burn022 --example learner022_before`.
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamConfig;
+use burn::prelude::*;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{
+    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, SupervisedTraining,
+    TrainOutput, TrainStep,
+};
+
+const ARTIFACT_DIR: &str = "target/learner022-example";
+
+#[derive(Module, Debug)]
+pub struct Model {
+    hidden: Linear,
+    output: Linear,
+    activation: Relu,
+}
+
+impl Model {
+    pub fn new(device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(2, 32).init(device),
+            output: LinearConfig::new(32, 2).init(device),
+            activation: Relu::new(),
+        }
+    }
+
+    pub fn forward_classification(&self, batch: PointBatch) -> ClassificationOutput {
+        let hidden = self.activation.forward(self.hidden.forward(batch.points));
+        let output = self.output.forward(hidden);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), batch.targets.clone());
+        ClassificationOutput::new(loss, output, batch.targets)
+    }
+}
+
+impl TrainStep for Model {
+    type Input = PointBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: PointBatch) -> TrainOutput<ClassificationOutput> {
+        let item = self.forward_classification(batch);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl InferenceStep for Model {
+    type Input = PointBatch;
+    type Output = ClassificationOutput;
+
+    fn step(&self, batch: PointBatch) -> ClassificationOutput {
+        self.forward_classification(batch)
+    }
+}
+
+/// A point in the plane and whether it lies inside the unit circle.
+#[derive(Clone, Debug)]
+pub struct Point {
+    xy: [f32; 2],
+    inside: bool,
+}
+
+/// `n` points on a deterministic grid-like spiral over `[-1.5, 1.5]²`.
+fn points(n: usize, offset: usize) -> InMemDataset<Point> {
+    let items = (offset..offset + n)
+        .map(|i| {
+            let t = i as f32 * 0.618_034;
+            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+            let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
+            Point { xy, inside }
+        })
+        .collect();
+    InMemDataset::new(items)
+}
+
+#[derive(Clone, Debug)]
+pub struct PointBatch {
+    points: Tensor<2>,
+    targets: Tensor<1, Int>,
+}
+
+#[derive(Clone, Default)]
+struct PointBatcher;
+
+impl Batcher<Point, PointBatch> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &Device) -> PointBatch {
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
+        let labels: Vec<i64> = items.iter().map(|p| i64::from(p.inside)).collect();
+        PointBatch {
+            points: Tensor::<1>::from_floats(xy.as_slice(), device).reshape([items.len(), 2]),
+            targets: Tensor::from_ints(labels.as_slice(), device),
+        }
+    }
+}
+
+fn create_artifact_dir(artifact_dir: &str) {
+    // Remove existing artifacts before to get an accurate learner summary
+    std::fs::remove_dir_all(artifact_dir).ok();
+    std::fs::create_dir_all(artifact_dir).ok();
+}
+
+pub fn run(device: Device) {
+    create_artifact_dir(ARTIFACT_DIR);
+    device.seed(42);
+    let model = Model::new(&device);
+
+    let dataset_train = points(2048, 0);
+    let dataset_valid = points(512, 10_000);
+    let dataloader_train = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(64)
+        .shuffle(42)
+        .build(dataset_train);
+    let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(128)
+        .build(dataset_valid);
+
+    let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
+        .metric_train_numeric(AccuracyMetric::new())
+        .metric_valid_numeric(AccuracyMetric::new())
+        .metric_train_numeric(LossMetric::new())
+        .metric_valid_numeric(LossMetric::new())
+        .num_epochs(3)
+        .summary();
+    let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-2));
+
+    let dataloader_test = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(128)
+        .build(points(512, 20_000));
+    let evaluator = EvaluatorBuilder::new(ARTIFACT_DIR)
+        .renderer(result.renderer)
+        .metric_numeric(AccuracyMetric::new())
+        .metric_numeric(LossMetric::new())
+        .build(result.model);
+    let result = evaluator.eval("test", dataloader_test);
+    drop(result);
+    println!("done: {ARTIFACT_DIR}");
+}
+
+fn main() {
+    run(Device::default().autodiff());
+}
