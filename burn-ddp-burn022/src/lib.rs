@@ -41,6 +41,11 @@
 //! [`DistributedSampler`] gives each rank its share of a Burn 0.22 dataset, reshuffled every
 //! epoch (`set_epoch`), with the same permutation as the 0.21 line.
 //!
+//! With burn-train's `SupervisedTraining` (the Learner), [`train::DdpStrategy`] (feature
+//! `train`, on by default) does all of this for you, with rank 0's dashboard showing the whole
+//! job, sharded validation, rank-0 checkpoints, resume and collective stops:
+//! `training.launch_ddp(learner, &DdpStrategy::for_group(pg, device)?)`.
+//!
 //! Gradients travel host-staged (read from the device, reduced over the process group's TCP
 //! ring or in-process transport, written back to the device), on every backend.
 

@@ -24,7 +24,7 @@
 //! says whether it has a batch, wants to stop (a quit in the dashboard, an interrupter) or
 //! failed (a data error, a checkpoint rank 0 could not write); then the training step
 //! (forward and backward on this rank's batch); then the gradients reduced across the ranks
-//! ([`GradSync`](crate::GradSync), after backward: Burn 0.22 leaves no way to start during it)
+//! ([`GradSync`], after backward: Burn 0.22 leaves no way to start during it)
 //! and the optimizer step; then the step's output items gathered to rank 0, which merges them
 //! ([`DistributedItem`]) so that the dashboard's metrics are those of the whole job. Validation
 //! is sharded the same way and merged the same way. A decision to stop — by any rank, for any
