@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::spawned::{children, rank_of, Spawned as Job};
+use common::spawned::{children, files_under, rank_of, Spawned as Job};
 
 fn example() -> PathBuf {
     common::spawned::example("classifier")
@@ -22,23 +22,6 @@ fn scratch(name: &str) -> PathBuf {
 
 fn launcher() -> PathBuf {
     common::spawned::launcher()
-}
-
-fn files_under(dir: &std::path::Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p.strip_prefix(dir).unwrap().display().to_string());
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 /// Through `burn-ddp run`, the example trains with Burn's Learner and `DdpStrategy`; each rank

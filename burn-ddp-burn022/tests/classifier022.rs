@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use spawned::{children, rank_of, Spawned as Job};
+use spawned::{children, files_under, rank_of, Spawned as Job};
 
 fn example() -> PathBuf {
     spawned::example("classifier022")
@@ -59,23 +59,6 @@ fn digests(stdout: &str) -> Vec<String> {
                 .to_string()
         })
         .collect()
-}
-
-fn files_under(dir: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p.strip_prefix(dir).unwrap().display().to_string());
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 /// Through `burn-ddp run`: both ranks end with the same parameters; rank 0 prints the

@@ -156,3 +156,21 @@ pub fn rank_of(pid: u32) -> Option<u32> {
         .find_map(|kv| kv.strip_prefix(b"RANK="))
         .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
 }
+
+/// The files below `dir`, as sorted paths relative to it.
+pub fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p.strip_prefix(dir).unwrap().display().to_string());
+            }
+        }
+    }
+    out.sort();
+    out
+}

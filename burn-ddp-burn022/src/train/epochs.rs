@@ -16,7 +16,7 @@ use burn::train::{
     ValidLoader,
 };
 use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::vote::{agree, panic_text, Decision, Flow, Outcome, Vote};
+use burn_ddp_comm::train::vote::{self, agree, panic_text, Decision, Flow, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::{item, DdpStrategy, DistributedItem};
@@ -304,39 +304,17 @@ impl DdpStrategy {
 
     /// Applies a decision on this rank.
     fn settle(&self, decision: Result<Decision>, interrupter: &Interrupter) -> Flow {
-        match Outcome::of(decision, self.rank()) {
-            Outcome::Go => Flow::Continue,
-            Outcome::Stop(message) => {
-                interrupter.stop(Some(&message));
-                Flow::Stop
-            }
-            Outcome::Fail(message, e) => {
-                interrupter.stop(Some(&message));
-                self.fail(e);
-                Flow::Stop
-            }
-        }
+        vote::settle(decision, self.rank(), &self.failure, |m| {
+            interrupter.stop(Some(m))
+        })
     }
 
-    /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
     fn stop_with(&self, e: DdpError, interrupter: &Interrupter) -> Flow {
-        interrupter.stop(Some(&e.to_string()));
-        self.fail(e);
-        Flow::Stop
+        vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)))
     }
 
-    /// A failure of this rank alone, in the middle of a step (the others may be inside a
-    /// collective): abort the group so that they stop at once, naming this rank.
     fn fail_alone(&self, what: &str, interrupter: &Interrupter) -> Flow {
-        let reason = what.to_owned();
-        interrupter.stop(Some(&reason));
-        self.fail(DdpError::TrainingFailed {
-            rank: self.rank(),
-            culprit: self.rank(),
-            reason,
-        });
-        self.pg.abort();
-        Flow::Stop
+        vote::fail_alone(&self.pg, what, &self.failure, |m| interrupter.stop(Some(m)))
     }
 
     /// The gradients reduced across the ranks, then one scheduler and optimizer step.

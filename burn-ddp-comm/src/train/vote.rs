@@ -149,6 +149,53 @@ impl Outcome {
     }
 }
 
+/// Applies `decision` on rank `me`: a stop or a failure is passed to `interrupt` (the Learner's
+/// interrupter, with its message) and a failure is recorded in `failure`.
+pub fn settle(
+    decision: Result<Decision>,
+    me: Rank,
+    failure: &FailureSlot,
+    interrupt: impl FnOnce(&str),
+) -> Flow {
+    match Outcome::of(decision, me) {
+        Outcome::Go => Flow::Continue,
+        Outcome::Stop(message) => {
+            interrupt(&message);
+            Flow::Stop
+        }
+        Outcome::Fail(message, e) => {
+            interrupt(&message);
+            failure.fail(e);
+            Flow::Stop
+        }
+    }
+}
+
+/// Stops this rank on an error it got itself (a failed collective names the rank at fault).
+pub fn stop_with(e: DdpError, failure: &FailureSlot, interrupt: impl FnOnce(&str)) -> Flow {
+    interrupt(&e.to_string());
+    failure.fail(e);
+    Flow::Stop
+}
+
+/// A failure of this rank alone, in the middle of a step (the others may be inside a
+/// collective): the group is aborted so that they stop at once, naming this rank.
+pub fn fail_alone(
+    pg: &ProcessGroup,
+    what: &str,
+    failure: &FailureSlot,
+    interrupt: impl FnOnce(&str),
+) -> Flow {
+    interrupt(what);
+    failure.fail(DdpError::TrainingFailed {
+        rank: pg.rank(),
+        culprit: pg.rank(),
+        reason: what.to_owned(),
+    });
+    pg.abort();
+    Flow::Stop
+}
+
 /// The first error that stopped training on this rank, shared by the clones of a strategy:
 /// set where training fails, taken where the program gets its result.
 #[derive(Debug, Clone, Default)]

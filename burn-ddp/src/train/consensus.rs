@@ -3,7 +3,7 @@
 //! same step, so that no rank is left waiting in a collective that the others skipped.
 
 use burn::tensor::backend::Backend;
-use burn_ddp_comm::train::vote::{agree, Decision, Flow, Outcome, Vote};
+use burn_ddp_comm::train::vote::{self, agree, Decision, Flow, Vote};
 
 use super::DdpStrategy;
 use crate::{DdpError, Result};
@@ -20,37 +20,21 @@ impl<B: Backend> DdpStrategy<B> {
         decision: Result<Decision>,
         interrupter: &burn::train::Interrupter,
     ) -> Flow {
-        match Outcome::of(decision, self.rank()) {
-            Outcome::Go => Flow::Continue,
-            Outcome::Stop(message) => {
-                interrupter.stop(Some(&message));
-                Flow::Stop
-            }
-            Outcome::Fail(message, e) => {
-                interrupter.stop(Some(&message));
-                self.fail(e);
-                Flow::Stop
-            }
-        }
+        vote::settle(decision, self.rank(), &self.failure, |m| {
+            interrupter.stop(Some(m))
+        })
     }
 
     /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
     pub(super) fn stop_with(&self, e: DdpError, interrupter: &burn::train::Interrupter) -> Flow {
-        interrupter.stop(Some(&e.to_string()));
-        self.fail(e);
-        Flow::Stop
+        vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)))
     }
 
-    /// A failure of this rank alone, in the middle of a step (the others may be inside a
-    /// collective): abort the group so that they stop at once, naming this rank.
+    /// A failure of this rank alone, in the middle of a step: the group is aborted so that the
+    /// others stop at once, naming this rank.
     pub(super) fn fail_alone(&self, what: &str, interrupter: &burn::train::Interrupter) {
-        let reason = what.to_owned();
-        interrupter.stop(Some(&reason));
-        self.fail(DdpError::TrainingFailed {
-            rank: self.rank(),
-            culprit: self.rank(),
-            reason,
+        vote::fail_alone(self.session.group(), what, &self.failure, |m| {
+            interrupter.stop(Some(m))
         });
-        self.session.group().abort();
     }
 }
