@@ -16,7 +16,7 @@ use burn::train::{
     ValidLoader,
 };
 use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::vote::{self, agree, panic_text, Decision, Flow, Vote};
+use burn_ddp_comm::train::vote::{self, agree, panic_text, Decision, Flow, Split, Turn, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::{item, DdpStrategy, DistributedItem};
@@ -192,6 +192,7 @@ where
                 total_items: valid_total,
             }));
             let flow = self.valid_epoch(
+                epoch,
                 &learner,
                 &*loader_valid,
                 valid_total,
@@ -352,22 +353,17 @@ impl DdpStrategy {
         let mut accumulated = 0;
         loop {
             let (item, vote) = next_batch(&mut *iter, interrupter, "training");
-            let decision = agree(&self.pg, &vote);
-            if let Ok(Decision::Go { all_items, .. }) = &decision {
-                if !all_items {
-                    if item.is_some() {
-                        tracing::warn!(
-                            "[rank {}] epoch {epoch}: another rank ran out of training batches \
-                             first; the rest of this rank's are skipped (use a \
-                             DistributedSampler so that every rank has as many)",
-                            self.rank()
-                        );
-                    }
-                    break;
-                }
-            }
-            if self.settle(decision, interrupter) == Flow::Stop {
-                return Flow::Stop;
+            match vote::turn(
+                &self.pg,
+                &vote,
+                Split::Training,
+                epoch,
+                &self.failure,
+                |m| interrupter.stop(Some(m)),
+            ) {
+                Turn::Step => {}
+                Turn::End => break,
+                Turn::Stop => return Flow::Stop,
             }
             let Some(item) = item else { break };
             iteration += 1;
@@ -422,6 +418,7 @@ impl DdpStrategy {
 
     fn valid_epoch<M>(
         &self,
+        epoch: usize,
         learner: &Learner<M>,
         loader: &dyn DataLoader<<M as InferenceStep>::Input>,
         total: usize,
@@ -437,16 +434,17 @@ impl DdpStrategy {
         let mut iteration = 0;
         loop {
             let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
-            let decision = agree(&self.pg, &vote);
-            // Shards may differ by one item: go on while any rank has a batch.
-            if let Ok(Decision::Go {
-                any_item: false, ..
-            }) = &decision
-            {
-                break;
-            }
-            if self.settle(decision, interrupter) == Flow::Stop {
-                return Flow::Stop;
+            match vote::turn(
+                &self.pg,
+                &vote,
+                Split::Validation,
+                epoch,
+                &self.failure,
+                |m| interrupter.stop(Some(m)),
+            ) {
+                Turn::Step => {}
+                Turn::End => break,
+                Turn::Stop => return Flow::Stop,
             }
             iteration += 1;
             let progress = self.global(iter.progress(), total);

@@ -149,6 +149,65 @@ impl Outcome {
     }
 }
 
+/// The split an epoch loop runs over, which decides when its epoch ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Split {
+    /// Training: every rank steps together, so the epoch ends as soon as any rank runs out.
+    Training,
+    /// Validation: shards may differ by one item, so it goes on while any rank has a batch.
+    Validation,
+}
+
+/// What every rank does at one step of an epoch loop.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Turn {
+    /// Run the step (in validation, this rank may have no batch while others do).
+    Step,
+    /// The epoch is over.
+    End,
+    /// Training stops on every rank (the interrupter is set; a failure is recorded).
+    Stop,
+}
+
+/// One step's agreement in an epoch loop over `split`: every rank's `vote` (collective), the
+/// end of the epoch when the split says so, else [`settle`]. A training rank that still had a
+/// batch when another ran out is told so with a warning (its remaining batches are skipped).
+pub fn turn(
+    pg: &ProcessGroup,
+    vote: &Vote,
+    split: Split,
+    epoch: usize,
+    failure: &FailureSlot,
+    interrupt: impl FnOnce(&str),
+) -> Turn {
+    let decision = agree(pg, vote);
+    if let Ok(Decision::Go {
+        any_item,
+        all_items,
+    }) = &decision
+    {
+        match split {
+            Split::Training if !all_items => {
+                if *vote == Vote::Item {
+                    tracing::warn!(
+                        "[rank {}] epoch {epoch}: another rank ran out of training batches \
+                         first; the rest of this rank's are skipped (use a \
+                         DistributedSampler so that every rank has as many)",
+                        pg.rank()
+                    );
+                }
+                return Turn::End;
+            }
+            Split::Validation if !any_item => return Turn::End,
+            _ => {}
+        }
+    }
+    match settle(decision, pg.rank(), failure, interrupt) {
+        Flow::Continue => Turn::Step,
+        Flow::Stop => Turn::Stop,
+    }
+}
+
 /// Applies `decision` on rank `me`: a stop or a failure is passed to `interrupt` (the Learner's
 /// interrupter, with its message) and a failure is recorded in `failure`.
 pub fn settle(
@@ -321,6 +380,53 @@ mod tests {
                 reason: "loading a batch panicked".into()
             }
         );
+    }
+
+    /// Rank 2 has no batch left: training ends on every rank, validation goes on; a stop
+    /// vote stops both and reaches each rank's interrupter.
+    #[test]
+    fn turns_end_training_when_any_rank_runs_out_and_validation_when_all_do() {
+        let turns = |split: Split, votes: fn(u32) -> Vote| -> Vec<(Turn, Option<String>)> {
+            let groups = ProcessGroup::local(
+                WorldSize::new(3).unwrap(),
+                Timeouts::uniform(Duration::from_secs(20)),
+            );
+            std::thread::scope(|s| {
+                let handles: Vec<_> = groups
+                    .into_iter()
+                    .map(|pg| {
+                        s.spawn(move || {
+                            let mut told = None;
+                            let slot = FailureSlot::default();
+                            let t = turn(&pg, &votes(pg.rank().0), split, 1, &slot, |m| {
+                                told = Some(m.to_owned())
+                            });
+                            (t, told)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+        };
+        let short = |r: u32| if r == 2 { Vote::NoItem } else { Vote::Item };
+        assert!(turns(Split::Training, short)
+            .iter()
+            .all(|t| *t == (Turn::End, None)));
+        assert!(turns(Split::Validation, short)
+            .iter()
+            .all(|t| *t == (Turn::Step, None)));
+        assert!(turns(Split::Validation, |_| Vote::NoItem)
+            .iter()
+            .all(|t| *t == (Turn::End, None)));
+        let stop = |r: u32| match r {
+            1 => Vote::Stop("quit".into()),
+            _ => Vote::Item,
+        };
+        for split in [Split::Training, Split::Validation] {
+            assert!(turns(split, stop)
+                .iter()
+                .all(|t| *t == (Turn::Stop, Some("rank 1: quit".into()))));
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use burn::train::{
 use burn_backend::BackendTypes;
 
 use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::vote::{panic_text, Decision, Flow, Vote};
+use burn_ddp_comm::train::vote::{self, panic_text, Flow, Split, Turn, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::{item, DdpStrategy, DistributedItem};
@@ -263,22 +263,17 @@ impl<B: Backend> DdpStrategy<B> {
         let mut accumulated = 0;
         loop {
             let (item, vote) = next_batch(&mut *iter, interrupter, "training");
-            let decision = self.agree(vote);
-            if let Ok(Decision::Go { all_items, .. }) = &decision {
-                if !all_items {
-                    if item.is_some() {
-                        tracing::warn!(
-                            "[rank {}] epoch {epoch}: another rank ran out of training batches \
-                             first; the rest of this rank's are skipped (use a \
-                             DistributedSampler so that every rank has as many)",
-                            self.rank()
-                        );
-                    }
-                    break;
-                }
-            }
-            if self.settle(decision, interrupter) == Flow::Stop {
-                return Flow::Stop;
+            match vote::turn(
+                self.session.group(),
+                &vote,
+                Split::Training,
+                epoch,
+                &self.failure,
+                |m| interrupter.stop(Some(m)),
+            ) {
+                Turn::Step => {}
+                Turn::End => break,
+                Turn::Stop => return Flow::Stop,
             }
             let Some(item) = item else { break };
             iteration += 1;
@@ -360,16 +355,17 @@ impl<B: Backend> DdpStrategy<B> {
         let mut iteration = 0;
         loop {
             let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
-            let decision = self.agree(vote);
-            // Shards may differ by one item: go on while any rank has a batch.
-            if let Ok(Decision::Go {
-                any_item: false, ..
-            }) = &decision
-            {
-                break;
-            }
-            if self.settle(decision, interrupter) == Flow::Stop {
-                return Flow::Stop;
+            match vote::turn(
+                self.session.group(),
+                &vote,
+                Split::Validation,
+                epoch,
+                &self.failure,
+                |m| interrupter.stop(Some(m)),
+            ) {
+                Turn::Step => {}
+                Turn::End => break,
+                Turn::Stop => return Flow::Stop,
             }
             iteration += 1;
             let progress = self.global(iter.progress());
