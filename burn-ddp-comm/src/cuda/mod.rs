@@ -6,20 +6,23 @@
 //! - `status.rs`: NCCL and driver errors as text with advice
 //! - `wait.rs`: waiting for GPU work with a deadline
 //! - `nccl.rs`: [`NcclComm`], collectives on device memory
+//! - `connect.rs`: [`connect_for_grads`], the collective choice of NCCL for a model's gradients
 //!
 //! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
 //! a CUDA toolkit; every entry point here checks for the libraries first and turns their absence
 //! into an error instead of cudarc's panic.
 
+mod connect;
 mod device;
 mod library;
 mod nccl;
 mod status;
 mod wait;
 
+pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{context_for, device_count, driver_present, ordinal_for, rank_ordinal};
 pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
-pub use nccl::NcclComm;
+pub use nccl::{check_span, NcclComm};
 
 /// The cudarc version this crate uses (for [`NcclComm`]'s `CudaSlice` buffers).
 pub use cudarc;

@@ -100,6 +100,20 @@ struct Config {
     split_share: c_int,
 }
 
+/// Checks that a device buffer of `bytes` bytes holds a bucket of `count` elements of `dtype`
+/// (what the device paths check before handing a pointer to NCCL); the message says what does
+/// not fit.
+pub fn check_span(bytes: u64, count: usize, dtype: DType) -> std::result::Result<(), String> {
+    let need = count as u64 * dtype.size() as u64;
+    if bytes >= need {
+        Ok(())
+    } else {
+        Err(format!(
+            "the bucket's device buffer has {bytes} bytes but {count} x {dtype} need {need}"
+        ))
+    }
+}
+
 /// `NCCL_CONFIG_UNDEF_INT`: "use NCCL's default".
 const CONFIG_UNDEF: c_int = c_int::MIN;
 
@@ -905,6 +919,14 @@ pub(crate) fn id_from_bytes(bytes: &[u8]) -> Option<sys::ncclUniqueId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bucket_must_fit_its_device_buffer() {
+        assert!(check_span(4096, 1024, DType::F32).is_ok());
+        assert!(check_span(4096, 2048, DType::F16).is_ok());
+        let e = check_span(4092, 1024, DType::F32).unwrap_err();
+        assert!(e.contains("4092 bytes but 1024 x float need 4096"), "{e}");
+    }
 
     #[test]
     fn every_dtype_and_op_maps_to_nccl() {

@@ -7,14 +7,18 @@
 //! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
 //!   next is packed, and read back; [`reduce_bucket`] for one bucket
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
+//! - `launch.rs`: [`Launcher`] and [`InFlight`], the device transports' launcher thread and the
+//!   buckets a pass has handed it
 
 mod check;
 mod host;
+mod launch;
 mod plan;
 mod worker;
 
 pub use check::check_same_params;
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
+pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use worker::Worker;
 

@@ -27,9 +27,8 @@
 //! `burn::backend::Cuda` means); other element types use the host-staged transport.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use burn::backend::Cuda;
 use burn_backend::ops::FloatTensorOps;
@@ -45,8 +44,8 @@ use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
 use crate::group::Rank;
 use crate::{DdpError, Result};
-use burn_ddp_comm::cuda::NcclComm;
-use burn_ddp_comm::grad::Worker;
+use burn_ddp_comm::cuda::{check_span, NcclComm};
+use burn_ddp_comm::grad::{InFlight, Launcher as Thread};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
@@ -157,22 +156,6 @@ fn pin(
 // processes the release).
 unsafe impl Send for Pinned {}
 
-/// Checks that a device resource of `bytes` bytes holds `count` elements of `dtype`.
-pub(crate) fn check_span(
-    bytes: u64,
-    count: usize,
-    dtype: DType,
-) -> std::result::Result<(), String> {
-    let need = count as u64 * dtype.size() as u64;
-    if bytes >= need {
-        Ok(())
-    } else {
-        Err(format!(
-            "the bucket's device buffer has {bytes} bytes but {count} x {dtype} need {need}"
-        ))
-    }
-}
-
 /// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` elements
 /// of Burn type `want`.
 pub(crate) fn check_elements(
@@ -206,7 +189,6 @@ pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<usize>);
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued work
 /// on Burn's stream `stream`), and how to reduce it.
 struct Job {
-    pass: u64,
     bucket: usize,
     input: CudaFloat,
     output: CudaFloat,
@@ -218,75 +200,23 @@ struct Job {
     device: CudaDevice,
 }
 
-/// A bucket the launcher queued on NCCL's stream (its two buffers pinned), or why it could not.
-struct Launched {
-    pass: u64,
-    result: Result<[Pinned; 2]>,
-}
-
 /// The device path's communication thread. Backward hands it each bucket as soon as the bucket
 /// is packed (queued work, not yet done); the thread waits for Burn's stream there — it runs on
 /// the producing thread's cubecl `StreamId`, so the sync covers exactly the stream that computes
 /// the gradients, and it blocks this thread, not backward — then pins both buffers and queues the
 /// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
-pub(crate) struct Launcher {
-    worker: Worker<Job, Launched>,
-    rank: Rank,
-}
-
-impl std::fmt::Debug for Launcher {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Launcher")
-            .field("rank", &self.rank)
-            .finish()
-    }
-}
+#[derive(Debug)]
+pub(crate) struct Launcher(Thread<Job, [Pinned; 2]>);
 
 impl Launcher {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
         let rank = comm.rank();
-        let worker = Worker::start(format!("burn-ddp-nccl-{rank}"), move |job: Job| {
-            let pass = job.pass;
-            let result = job.stream.executes(|| enqueue(&comm, job));
-            Launched { pass, result }
-        })?;
-        Ok(Self { worker, rank })
-    }
-
-    fn send(&self, job: Job) -> Result<()> {
-        if self.worker.send(job) {
-            return Ok(());
-        }
-        Err(DdpError::WorkerStopped {
-            rank: self.rank,
-            what: "the NCCL launcher thread",
+        Thread::start(rank, move |job: Job| {
+            let stream = job.stream;
+            stream.executes(|| enqueue(&comm, job))
         })
-    }
-
-    /// The next result of pass `pass` (older passes' stragglers are dropped), waiting at most
-    /// `wait`.
-    fn receive(&self, pass: u64, wait: Duration) -> Result<Result<[Pinned; 2]>> {
-        let deadline = Instant::now() + wait;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.worker.receive(left) {
-                Ok(l) if l.pass == pass => return Ok(l.result),
-                Ok(_) => continue,
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    return Err(DdpError::GradSyncTimeout {
-                        rank: self.rank,
-                        waited: wait,
-                    })
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(DdpError::WorkerStopped {
-                        rank: self.rank,
-                        what: "the NCCL launcher thread",
-                    })
-                }
-            }
-        }
+        .map(Self)
     }
 }
 
@@ -329,32 +259,25 @@ fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
     Ok([send_pin, recv_pin])
 }
 
-/// Numbers the device passes, so that a late answer of an abandoned pass is recognised.
-static PASSES: AtomicU64 = AtomicU64::new(0);
-
 /// The device state of one backward pass.
 pub(crate) struct DeviceStep {
-    pass: u64,
     /// Each slot's flattened gradient, until its bucket is packed.
     grads: Vec<Option<CudaFloat>>,
     /// Each slot's original shape and dtype (to write the result back).
     shapes: Vec<Option<(Shape, BurnDType)>>,
     /// Each launched bucket's output (what its gradients become).
     outputs: Vec<Option<CudaFloat>>,
-    /// Buckets handed to the launcher whose answer has not come back yet.
-    in_flight: usize,
-    /// Buffers NCCL works on, kept until its stream has been waited for.
-    pins: Vec<[Pinned; 2]>,
+    /// Buckets handed to the launcher, and the buffers NCCL works on (kept until its stream
+    /// has been waited for).
+    in_flight: InFlight<[Pinned; 2]>,
     device: Option<CudaDevice>,
 }
 
 impl std::fmt::Debug for DeviceStep {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceStep")
-            .field("pass", &self.pass)
             .field("grads", &self.grads.iter().filter(|g| g.is_some()).count())
             .field("in_flight", &self.in_flight)
-            .field("queued", &self.pins.len())
             .finish()
     }
 }
@@ -362,12 +285,10 @@ impl std::fmt::Debug for DeviceStep {
 impl DeviceStep {
     pub(crate) fn new(slots: usize, buckets: usize) -> Self {
         Self {
-            pass: PASSES.fetch_add(1, Ordering::Relaxed),
             grads: (0..slots).map(|_| None).collect(),
             shapes: vec![None; slots],
             outputs: (0..buckets).map(|_| None).collect(),
-            in_flight: 0,
-            pins: Vec::new(),
+            in_flight: InFlight::new(),
             device: None,
         }
     }
@@ -458,18 +379,19 @@ impl DeviceStep {
             Gpu::float_cast(packed, float_dtype(burn_dtype))
         };
         let output = Gpu::float_empty(Shape::new([count]), &device, float_dtype(burn_dtype));
-        launcher.send(Job {
-            pass: self.pass,
-            bucket,
-            input,
-            output: output.clone(),
-            count,
-            dtype: (dtype, burn_dtype),
-            op,
-            stream: StreamId::current(),
-            device,
-        })?;
-        self.in_flight += 1;
+        self.in_flight.send(
+            &launcher.0,
+            Job {
+                bucket,
+                input,
+                output: output.clone(),
+                count,
+                dtype: (dtype, burn_dtype),
+                op,
+                stream: StreamId::current(),
+                device,
+            },
+        )?;
         self.outputs[bucket] = Some(output);
         Ok(())
     }
@@ -478,25 +400,7 @@ impl DeviceStep {
     /// handed to it; keeps what it queued pinned. The first failure is returned after all
     /// answers are in (or one never comes).
     pub(crate) fn collect(&mut self, launcher: &Launcher, wait: Duration) -> Result<()> {
-        let mut first = None;
-        while self.in_flight > 0 {
-            match launcher.receive(self.pass, wait) {
-                Ok(result) => {
-                    self.in_flight -= 1;
-                    match result {
-                        Ok(pins) => self.pins.push(pins),
-                        Err(e) => {
-                            first.get_or_insert(e);
-                        }
-                    }
-                }
-                Err(e) => {
-                    first.get_or_insert(e);
-                    break;
-                }
-            }
-        }
-        first.map_or(Ok(()), Err)
+        self.in_flight.collect(&launcher.0, wait)
     }
 
     /// Waits for every queued reduction and returns, per slot with a local gradient, the
@@ -513,7 +417,7 @@ impl DeviceStep {
     ) -> Result<Reduced> {
         self.collect(launcher, wait)?;
         comm.wait()?;
-        self.pins.clear();
+        self.in_flight.release();
         let mut out = Vec::new();
         let mut foreign = Vec::new();
         for (slot, bucket, offset, numel) in slots {
@@ -596,14 +500,6 @@ fn layout_error(rank: Rank, reason: String) -> DdpError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_bucket_must_fit_its_device_buffer() {
-        assert!(check_span(4096, 1024, DType::F32).is_ok());
-        assert!(check_span(4096, 2048, DType::F16).is_ok());
-        let e = check_span(4092, 1024, DType::F32).unwrap_err();
-        assert!(e.contains("4092 bytes but 1024 x float need 4096"), "{e}");
-    }
 
     #[test]
     fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {

@@ -293,99 +293,33 @@ impl Reducer {
     }
 
     /// Sets up the NCCL transport for a model on GPU `ordinal` (its parameters' device; `None`:
-    /// the rank's default GPU), collectively, at `prepare`: every rank must take the same
-    /// decision, or some would wait in NCCL for ranks that use the host transport.
-    ///
-    /// 1. each rank checks it can: NCCL loads (2.14+), and its GPU is the one its `LOCAL_RANK`
-    ///    names (a model on another GPU is an error on every transport);
-    /// 2. one vote (a host all-reduce): all can, some cannot load NCCL (`Auto`: every rank uses
-    ///    the host-staged transport, with a warning), or a rank has an error (every rank fails);
-    /// 3. the communicator is created (non-blocking, with the rendezvous deadline) and one small
-    ///    all-reduce connects its peers (NCCL 2.19+ connects lazily, inside a first collective);
-    /// 4. a second vote: if any rank failed there, every rank drops NCCL together (`Auto`) or
-    ///    fails (`Nccl`).
+    /// the rank's default GPU), collectively, at `prepare`, through
+    /// `burn_ddp_comm::cuda::connect_for_grads` (two votes, so that every rank takes the same
+    /// decision). Refused under `Auto`: every rank uses the host-staged transport.
     ///
     /// # Errors
     /// A rank's GPU is not its local rank's; with `GradTransport::Nccl`, any rank that cannot
     /// use NCCL.
     #[cfg(feature = "cuda")]
     pub(crate) fn connect_cuda(&mut self, ordinal: Option<usize>) -> Result<()> {
-        const FAILED: i64 = 0;
-        const NO_NCCL: i64 = 1;
-        const READY: i64 = 2;
-        if self.transport == GradTransport::Host
-            || !(self.pg.world_size().get() > 1 || self.transport == GradTransport::Nccl)
-            || self.nccl.is_some()
-        {
+        if !burn_ddp_comm::cuda::wants_nccl(&self.pg, self.transport) || self.nccl.is_some() {
             return Ok(());
         }
-        let pg = self.pg.clone();
-        let rank = pg.rank();
-        let local = burn_ddp_comm::cuda::usable_nccl()
-            .and_then(|_| burn_ddp_comm::cuda::ordinal_for(rank, pg.local_rank(), ordinal));
-        let mine = match &local {
-            Ok(_) => READY,
-            Err(DdpError::NcclUnavailable { .. } | DdpError::Cuda { .. }) => NO_NCCL,
-            Err(_) => FAILED,
-        };
-        let mut vote = [mine];
-        pg.all_reduce(&mut vote, ReduceOp::Min)?;
-        let refuse = |me: &mut Self, why: DdpError| -> Result<()> {
-            me.nccl_refused = true;
-            if me.transport == GradTransport::Nccl {
-                return Err(why);
-            }
-            tracing::warn!("[rank {rank}] gradients of CUDA tensors go through the host-staged transport: {why}");
-            Ok(())
-        };
-        let ordinal = match (local, vote[0]) {
-            (Err(e), _) if mine == FAILED => return Err(e),
-            (_, FAILED) => {
-                return Err(DdpError::Model {
-                    rank,
-                    what: "choosing the GPUs for NCCL",
-                    reason: "another rank failed (see its error)".into(),
-                })
-            }
-            (Err(e), _) => return refuse(self, e),
-            (Ok(_), NO_NCCL) => {
-                return refuse(
-                    self,
-                    DdpError::NcclUnavailable {
-                        detail: "another rank cannot use NCCL (see its warning); every rank uses \
-                                 the host-staged transport so that they stay in step"
-                            .into(),
-                    },
-                )
-            }
-            (Ok(o), _) => o,
-        };
-        // Every failure here goes to the second vote (none returns early): the other ranks wait
-        // in it.
-        let made = burn_ddp_comm::cuda::NcclComm::on_device(&pg, ordinal)
-            .and_then(|c| c.warm_up().map(|()| c));
-        let mut vote = [i64::from(made.is_ok())];
-        pg.all_reduce(&mut vote, ReduceOp::Min)?;
-        match made {
-            Ok(comm) if vote[0] == 1 => {
+        match burn_ddp_comm::cuda::connect_for_grads(&self.pg, self.transport, ordinal) {
+            Ok(Some(comm)) => {
                 let comm = std::sync::Arc::new(comm);
                 self.launcher = Some(super::gpu::Launcher::start(std::sync::Arc::clone(&comm))?);
                 self.nccl = Some(comm);
                 Ok(())
             }
-            Ok(comm) => {
-                comm.abort();
-                refuse(
-                    self,
-                    DdpError::NcclUnavailable {
-                        detail: "another rank could not create its NCCL communicator (see its \
-                                 error); every rank uses the host-staged transport so that they \
-                                 stay in step"
-                            .into(),
-                    },
-                )
+            Ok(None) => {
+                self.nccl_refused = true;
+                Ok(())
             }
-            Err(e) => refuse(self, e),
+            Err(e) => {
+                self.nccl_refused = true;
+                Err(e)
+            }
         }
     }
 
