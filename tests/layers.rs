@@ -38,7 +38,13 @@ const BURN: &[(&str, u8)] = &[
 ];
 
 /// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them).
-const BURN022: &[(&str, u8)] = &[("data", 1), ("sync", 1), ("train", 2)];
+const BURN022: &[(&str, u8)] = &[
+    ("data", 1),
+    ("grads", 1),
+    ("cuda", 2),
+    ("sync", 3),
+    ("train", 4),
+];
 
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
 const BELOW: u8 = 0;

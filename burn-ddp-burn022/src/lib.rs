@@ -46,8 +46,10 @@
 //! job, sharded validation, rank-0 checkpoints, resume and collective stops:
 //! `training.launch_ddp(learner, &DdpStrategy::for_group(pg, device)?)`.
 //!
-//! Gradients travel host-staged (read from the device, reduced over the process group's TCP
-//! ring or in-process transport, written back to the device), on every backend.
+//! How gradients travel: with the `cuda` feature, a model on a CUDA device has its buckets
+//! packed on the GPU and all-reduced by NCCL there, out of place (the `cuda` module); everything
+//! else is host-staged (read from the device, reduced over the process group's TCP ring or
+//! in-process transport, written back to the device), on every backend.
 
 #![warn(
     missing_docs,
@@ -57,7 +59,10 @@
 )]
 #![deny(unused_must_use)]
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod data;
+mod grads;
 mod sync;
 #[cfg(feature = "train")]
 pub mod train;

@@ -3,10 +3,13 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
-use burn_ddp_comm::grad::{
-    check_same_params, BucketOrder, BucketPlan, HostStep, HostSync, ParamInfo, Reduced,
-};
+#[cfg(feature = "cuda")]
+use burn::tensor::Device;
+use burn::tensor::{Bytes, Tensor, TensorData};
+use burn_ddp_comm::config::GradTransport;
+use burn_ddp_comm::grad::{check_same_params, BucketOrder, BucketPlan, HostSync, ParamInfo};
+
+use crate::grads::{put_grads, take_grads};
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
 /// Gradient synchronisation for one rank: [`prepare`](Self::prepare) the model once, then
@@ -19,6 +22,9 @@ pub struct GradSync {
     host: HostSync,
     /// The prepared model's trainable parameters (slot = position in visit order).
     plan: Option<BucketPlan<usize>>,
+    /// NCCL for a model on a GPU (set up by `prepare`).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::DevicePath>,
 }
 
 impl std::fmt::Debug for GradSync {
@@ -28,26 +34,53 @@ impl std::fmt::Debug for GradSync {
             .field("world_size", &self.pg.world_size())
             .field("config", &self.config)
             .field("params", &self.plan.as_ref().map_or(0, |p| p.slots.len()))
+            .field("nccl", &self.uses_nccl())
             .finish()
     }
 }
 
 impl GradSync {
     /// Gradient synchronisation over `pg` (this process's rank of the job), with `config`
-    /// (bucket sizes, mean or sum, compression; its `overlap` and `transport` do not apply to
-    /// this line: it reduces after backward, host-staged).
+    /// (bucket sizes, mean or sum, compression, transport; its `overlap` does not apply to this
+    /// line: it reduces after backward). With the `cuda` feature, a model on a CUDA device has
+    /// its gradients reduced by NCCL on the GPU (`GradTransport::Auto`, the default, falls back
+    /// to the host-staged transport with a warning where NCCL cannot be used on every rank;
+    /// `GradTransport::Nccl` fails instead); everything else is host-staged.
     ///
     /// # Errors
-    /// An invalid `config`; the communication thread cannot be started.
-    pub fn new(pg: ProcessGroup, config: DdpConfig) -> Result<Self> {
+    /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
+    /// `cuda` feature; the communication thread cannot be started.
+    pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
         config.validate()?;
+        config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
+        if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {
+            return Err(DdpError::InvalidConfig {
+                field: "DdpConfig::transport",
+                reason: "GradTransport::Nccl needs burn-ddp-burn022's `cuda` feature",
+            });
+        }
         let host = HostSync::start(&pg, &config)?;
         Ok(Self {
             pg,
             config,
             host,
             plan: None,
+            #[cfg(feature = "cuda")]
+            device: None,
         })
+    }
+
+    /// Whether gradients travel through NCCL on the GPU (a model on a CUDA device, prepared
+    /// with the `cuda` feature, NCCL usable on every rank), rather than host-staged.
+    pub fn uses_nccl(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.device.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
     }
 
     /// The process group.
@@ -83,11 +116,14 @@ impl GradSync {
     /// 1. checks that every rank has the same float parameters (names, shapes, dtypes, in
     ///    order), failing with the first that differs and what each rank has there;
     /// 2. loads rank 0's whole record (parameters and buffers) on every other rank;
-    /// 3. plans the buckets of its trainable parameters.
+    /// 3. plans the buckets of its trainable parameters;
+    /// 4. with the `cuda` feature, for a model on a CUDA device, sets NCCL up on every rank
+    ///    together (the first `prepare` only; see [`GradSync::new`] for the fallback rules).
     ///
     /// # Errors
-    /// [`DdpError::ModelMismatch`]; a record that cannot be written or read; collective
-    /// failures.
+    /// [`DdpError::ModelMismatch`]; a record that cannot be written or read; some ranks' models
+    /// on a CUDA device and others' not; NCCL set-up failures that `GradTransport::Auto` does
+    /// not fall back from; collective failures.
     pub fn prepare<M: Module>(&mut self, model: M) -> Result<M> {
         let rank = self.pg.rank();
         let described = describe(&model);
@@ -132,6 +168,12 @@ impl GradSync {
             plan.buckets.len()
         );
         self.plan = Some(plan);
+        #[cfg(feature = "cuda")]
+        if self.device.is_none() {
+            let device = first_device(&model);
+            self.device =
+                crate::cuda::DevicePath::connect(&self.pg, self.config.transport, device.as_ref())?;
+        }
         Ok(model)
     }
 
@@ -157,34 +199,48 @@ impl GradSync {
                     .into(),
             });
         };
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.device.as_ref() {
+            let how = (self.config.reduction, self.config.compression);
+            return device.sync(&self.pg, plan, how, model, grads);
+        }
         let mut step = self.host.begin(plan)?;
-        let mut take = Take {
-            grads: &mut grads,
-            plan,
-            step: &mut step,
-            path: Vec::new(),
-            index: 0,
-            targets: Vec::with_capacity(plan.slots.len()),
-            error: None,
-            rank,
-        };
-        model.visit(&mut take);
-        if let Some(e) = take.error {
-            return Err(e);
-        }
-        if take.index != plan.slots.len() {
-            return Err(changed(rank, "has fewer trainable parameters than"));
-        }
-        let targets = take.targets;
+        let targets = take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
+            let values = grad
+                .map(|g| {
+                    g.try_into_data()
+                        .map_err(|e| model_error(rank, "reading a gradient", e))?
+                        .convert::<f32>()
+                        .try_into_vec::<f32>()
+                        .map_err(|e| model_error(rank, "reading a gradient", format!("{e:?}")))
+                })
+                .transpose()?;
+            step.push(slot, values.as_deref())
+        })?;
         let reduced = step.finish()?;
-        model.visit(&mut Put {
-            grads: &mut grads,
-            reduced: &reduced,
-            targets: &targets,
-            index: 0,
+        put_grads(model, &mut grads, &targets, &mut |slot, target| {
+            let values = reduced.get(slot)?;
+            let data = TensorData::new(values.to_vec(), [values.len()]);
+            Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
         });
         Ok(grads)
     }
+}
+
+/// The device of `model`'s first trainable parameter.
+#[cfg(feature = "cuda")]
+fn first_device<M: Module>(model: &M) -> Option<Device> {
+    struct First(Option<Device>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() && param.is_require_grad() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
 }
 
 fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
@@ -192,17 +248,6 @@ fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> Ddp
         rank,
         what,
         reason: e.to_string(),
-    }
-}
-
-fn changed(rank: Rank, how: &str) -> DdpError {
-    DdpError::Model {
-        rank,
-        what: "synchronising gradients",
-        reason: format!(
-            "the model {how} the one given to GradSync::prepare (its trainable parameters must \
-             not change after prepare; call prepare again after freezing or adding layers)"
-        ),
     }
 }
 
@@ -235,114 +280,4 @@ fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
     };
     model.visit(&mut d);
     d.out
-}
-
-/// Where a reduced gradient goes back: the device and dtype of the gradient (or of the
-/// parameter, where this rank had none), and the shape.
-struct Target {
-    device: Device,
-    dtype: DType,
-    shape: Vec<usize>,
-}
-
-/// Packs the trainable parameters' gradients, as f32 in visit order, into the step's buckets;
-/// a bucket leaves for the communication thread as soon as it is full.
-struct Take<'a, 'p> {
-    grads: &'a mut GradientsParams,
-    plan: &'a BucketPlan<usize>,
-    step: &'a mut HostStep<'p, usize>,
-    path: Vec<String>,
-    index: usize,
-    targets: Vec<Target>,
-    error: Option<DdpError>,
-    rank: Rank,
-}
-
-impl Take<'_, '_> {
-    fn take<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Result<()> {
-        let slot = self.index;
-        self.index += 1;
-        let Some(expected) = self.plan.slots.get(slot) else {
-            return Err(changed(self.rank, "has more trainable parameters than"));
-        };
-        let name = self.path.join(".");
-        if expected.info.name != name {
-            return Err(changed(
-                self.rank,
-                &format!(
-                    "has `{name}` where `{}` was in",
-                    expected.info.name.as_str()
-                ),
-            ));
-        }
-        let values = match self.grads.remove::<D>(param.id) {
-            Some(g) => {
-                self.targets.push(Target {
-                    device: g.device(),
-                    dtype: g.dtype(),
-                    shape: g.dims().to_vec(),
-                });
-                let data = g
-                    .try_into_data()
-                    .map_err(|e| model_error(self.rank, "reading a gradient", e))?;
-                let values = data
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .map_err(|e| model_error(self.rank, "reading a gradient", format!("{e:?}")))?;
-                Some(values)
-            }
-            None => {
-                let p = param.val().inner();
-                self.targets.push(Target {
-                    device: p.device(),
-                    dtype: p.dtype(),
-                    shape: p.dims().to_vec(),
-                });
-                None
-            }
-        };
-        self.step.push(slot, values.as_deref())
-    }
-}
-
-impl ModuleVisitor for Take<'_, '_> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.push(name.to_owned());
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.pop();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.error.is_some() || !param.is_require_grad() {
-            return;
-        }
-        if let Err(e) = self.take(param) {
-            self.error = Some(e);
-        }
-    }
-}
-
-/// Registers the reduced gradients: every trainable parameter that some rank had a gradient
-/// for, on the device and in the dtype its gradient had.
-struct Put<'a> {
-    grads: &'a mut GradientsParams,
-    reduced: &'a Reduced,
-    targets: &'a [Target],
-    index: usize,
-}
-
-impl ModuleVisitor for Put<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.is_require_grad() {
-            return;
-        }
-        let slot = self.index;
-        self.index += 1;
-        let (Some(values), Some(target)) = (self.reduced.get(slot), self.targets.get(slot)) else {
-            return;
-        };
-        let data = TensorData::new(values.to_vec(), target.shape.clone());
-        let grad = Tensor::<D>::from_data(data, (&target.device, target.dtype));
-        self.grads.register::<D>(param.id, grad);
-    }
 }

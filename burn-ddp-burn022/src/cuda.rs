@@ -1,0 +1,560 @@
+//! NCCL for gradients of CUDA tensors (feature `cuda`): [`rank_device`], the Burn device of a
+//! rank, everything of `burn_ddp_comm::cuda` re-exported, and the device path of
+//! [`GradSync::sync`](crate::GradSync::sync).
+//!
+//! The device path, per step, after backward (the same device, stream and lifetime rules as
+//! the Burn 0.21 line's overlapped path):
+//! 1. each trainable parameter's gradient is flattened where it is; every bucket is packed into
+//!    one contiguous device tensor by Burn itself (`cat` of the flattened gradients, zeros for
+//!    parameters without a gradient on this rank, then one presence flag per parameter; a cast
+//!    for compression): one device-to-device copy, as PyTorch DDP's bucket copy;
+//! 2. as soon as a bucket is packed (still queued work), it goes with a fresh output buffer to
+//!    the launcher thread, with the cubecl `StreamId` of the thread that packed it, and packing
+//!    goes on with the next bucket. The launcher, running as that stream, takes both tensors
+//!    out of Burn's `Dispatch` (`Tensor::try_into_primitive::<Cube>`), resolves them (Burn's
+//!    fusion tensors to cubecl's), waits for cubecl's stream (cubecl does not expose it, so an
+//!    event cannot order the two streams instead), and takes the device pointers from cubecl's
+//!    resources, checked against the bucket's element count and type;
+//! 3. the all-reduce is queued on the communicator's stream *out of place*: NCCL reads the
+//!    packed bucket and writes the fresh output, never memory Burn may still read. Both buffers
+//!    stay pinned until NCCL's stream has been waited for (with the collective deadline).
+//!
+//! Then each parameter that some rank had a gradient for (its reduced flag is not zero) gets its
+//! slice of the reduced output (a view, cast back to its gradient's dtype); the flags are the
+//! only bytes read to the host.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::backend::{BackendTypes, Cube, DispatchDevice, StreamId};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::{DType as BurnDType, Device, Tensor};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{CubeBackend, CubeDevice};
+use burn_ddp_comm::comm::DType;
+use burn_ddp_comm::grad::{BucketPlan, InFlight, Launcher};
+use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
+use cubecl::cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
+
+pub use burn_ddp_comm::cuda::*;
+
+use crate::{DdpError, Result};
+
+/// Extra wait, beyond the collective timeout, for the launcher's answers.
+const ANSWER_SLACK: Duration = Duration::from_secs(30);
+
+/// The Burn CUDA device of this rank: where to build its model and put its batches. One
+/// visible GPU per process: that GPU; several: the one `LOCAL_RANK` names.
+///
+/// ```no_run
+/// # fn main() -> burn_ddp_burn022::Result<()> {
+/// let group = burn_ddp_burn022::ProcessGroup::from_env()?;
+/// let device = burn_ddp_burn022::cuda::rank_device(&group)?; // Device::cuda(ordinal)
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// No driver, or no GPU for this rank.
+pub fn rank_device(pg: &ProcessGroup) -> Result<Device> {
+    Ok(Device::cuda(rank_ordinal(pg)?))
+}
+
+/// The ordinal of the GPU `device` names, if it is a CUDA device (with or without autodiff).
+pub(crate) fn cuda_ordinal(device: &Device) -> Option<usize> {
+    match device.clone().inner().as_dispatch() {
+        DispatchDevice::Cube(CubeDevice::Cuda(d)) => Some(d.index),
+        _ => None,
+    }
+}
+
+/// Burn's float tensor primitive of the `Cube` backend: a cubecl tensor, or a fusion handle to
+/// one when Burn's `fusion` feature is on.
+type Primitive = <Cube as BackendTypes>::FloatTensorPrimitive;
+
+/// The cubecl tensor behind a `Cube` primitive (draining its fusion stream first, which
+/// materialises it). Generic over the backend `B` that resolves fusion handles, so that both
+/// impls compile whether or not Burn's `fusion` feature is on: it is always used with
+/// [`CubeBackend`], which is a fusion backend exactly when `Cube`'s primitive is a fusion
+/// handle.
+trait Resolve<B> {
+    fn resolve(self) -> CubeTensor;
+}
+
+impl<B> Resolve<B> for CubeTensor {
+    fn resolve(self) -> CubeTensor {
+        self
+    }
+}
+
+impl<R, B> Resolve<B> for burn_fusion::FusionTensor<R>
+where
+    R: burn_fusion::FusionRuntime,
+    B: burn_fusion::FusionBackend<FusionRuntime = R, FloatTensorPrimitive = CubeTensor>,
+{
+    fn resolve(self) -> CubeTensor {
+        let client = self.client.clone();
+        client.resolve_tensor_float::<B>(self)
+    }
+}
+
+/// The cubecl tensor behind `t` (a tensor on a CUDA device).
+fn cube_tensor(rank: Rank, t: Tensor<1>, what: &str) -> Result<CubeTensor> {
+    let primitive: Primitive = t
+        .try_into_primitive::<Cube>()
+        .map_err(|e| layout_error(rank, format!("the {what} is not a cubecl tensor: {e:?}")))?;
+    Ok(<Primitive as Resolve<CubeBackend>>::resolve(primitive))
+}
+
+/// Keeps a device allocation alive (and unreused) while NCCL works on it.
+struct Pinned {
+    _tensor: CubeTensor,
+    _resource: Box<dyn std::any::Any>,
+}
+
+// SAFETY: the guard only holds cubecl's reference to the allocation and a copy of its pointer;
+// it is never dereferenced, only dropped, which cubecl allows from any thread (its server
+// processes the release).
+unsafe impl Send for Pinned {}
+
+/// The device pointer of `cube` (contiguous, on this GPU), pinned, checked to hold `count`
+/// elements of `dtype`.
+fn pin(
+    rank: Rank,
+    cube: CubeTensor,
+    count: usize,
+    (dtype, burn_dtype): (DType, BurnDType),
+    what: &str,
+) -> Result<(u64, Pinned)> {
+    if !cube.is_contiguous() {
+        return Err(layout_error(rank, format!("the {what} is not contiguous")));
+    }
+    let numel = cube.meta.shape().num_elements();
+    if numel != count {
+        return Err(layout_error(
+            rank,
+            format!("the {what} has {numel} elements, the bucket plan {count}"),
+        ));
+    }
+    if cube.dtype != burn_dtype {
+        return Err(layout_error(
+            rank,
+            format!(
+                "the {what} holds {:?}, the bucket {burn_dtype:?}",
+                cube.dtype
+            ),
+        ));
+    }
+    let resource = cube
+        .client
+        .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
+        .map_err(|e| {
+            layout_error(
+                rank,
+                format!("cubecl has no CUDA resource for the {what}: {e:?}"),
+            )
+        })?;
+    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+    check_span(bytes, count, dtype).map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    Ok((
+        ptr,
+        Pinned {
+            _tensor: cube,
+            _resource: Box::new(resource),
+        },
+    ))
+}
+
+/// The bucket element type for a compression setting: NCCL's, and Burn's.
+fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
+    match c {
+        Compression::None => (DType::F32, BurnDType::F32),
+        Compression::F16 => (DType::F16, BurnDType::F16),
+        Compression::Bf16 => (DType::BF16, BurnDType::BF16),
+    }
+}
+
+/// One bucket for the launcher thread: its packed input and fresh output (both still queued
+/// work on the stream `stream`), and how to reduce it.
+struct Job {
+    bucket: usize,
+    input: Tensor<1>,
+    output: Tensor<1>,
+    count: usize,
+    dtype: (DType, BurnDType),
+    op: ReduceOp,
+    stream: StreamId,
+}
+
+/// On the launcher thread, running as the packing thread's stream: completes the bucket's
+/// input, pins both buffers and queues the all-reduce.
+fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
+    let rank = comm.rank();
+    let what = |which: &str| format!("{which} of bucket {}", job.bucket);
+    let input = cube_tensor(rank, job.input, &what("packed input"))?;
+    let output = cube_tensor(rank, job.output, &what("output buffer"))?;
+    // NCCL reads one contiguous span (cat and cast results are; a lone gradient may be a view).
+    let input = burn_cubecl::kernel::into_contiguous(input);
+    // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
+    // so this sync stands in for an event between the two streams). Resolving drained Burn's
+    // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's.
+    <CubeBackend as burn::backend::Backend>::sync(&input.device).map_err(|e| DdpError::Cuda {
+        rank,
+        what: "completing Burn's queued work before the bucket's all-reduce".into(),
+        detail: format!("{e:?}"),
+    })?;
+    let (send, send_pin) = pin(rank, input, job.count, job.dtype, &what("packed input"))?;
+    let (recv, recv_pin) = pin(rank, output, job.count, job.dtype, &what("output buffer"))?;
+    // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
+    // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
+    // above completed; both stay pinned until the step has waited for NCCL's stream.
+    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
+    Ok([send_pin, recv_pin])
+}
+
+/// The device path of one rank: the communicator and its launcher thread, on one GPU.
+pub(crate) struct DevicePath {
+    comm: Arc<NcclComm>,
+    launcher: Launcher<Job, [Pinned; 2]>,
+    device: Device,
+}
+
+impl std::fmt::Debug for DevicePath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DevicePath")
+            .field("comm", &self.comm)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+impl DevicePath {
+    /// The device path for a model on `device`, if gradient synchronisation over `pg` uses
+    /// NCCL for it (see [`connect_for_grads`]); `None`: host-staged. Collective: every rank
+    /// calls it in `prepare`, and learns whether the others' models are on a GPU too.
+    ///
+    /// # Errors
+    /// Some ranks' models are on a GPU and others' not; `transport` is `Nccl` for a model that
+    /// is not on a CUDA device; what [`connect_for_grads`] fails with.
+    pub(crate) fn connect(
+        pg: &ProcessGroup,
+        transport: burn_ddp_comm::config::GradTransport,
+        device: Option<&Device>,
+    ) -> Result<Option<Self>> {
+        use burn_ddp_comm::config::GradTransport;
+        if !wants_nccl(pg, transport) {
+            return Ok(None);
+        }
+        let rank = pg.rank();
+        let ordinal = device.and_then(cuda_ordinal);
+        let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
+        pg.all_reduce(&mut votes, ReduceOp::Sum)?;
+        if votes[0] > 0 && votes[1] > 0 {
+            return Err(DdpError::Model {
+                rank,
+                what: "choosing how gradients travel",
+                reason: format!(
+                    "{} rank(s) prepared a model on a CUDA device and {} on another device \
+                     (this rank: {}); put every rank's model on its GPU \
+                     (burn_ddp_burn022::cuda::rank_device), or every rank's on the CPU",
+                    votes[0],
+                    votes[1],
+                    device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"))
+                ),
+            });
+        }
+        let Some(ordinal) = ordinal else {
+            if transport == GradTransport::Nccl {
+                return Err(DdpError::InvalidConfig {
+                    field: "DdpConfig::transport",
+                    reason: "GradTransport::Nccl needs a model on a CUDA device \
+                             (Device::cuda, see burn_ddp_burn022::cuda::rank_device); other \
+                             devices use GradTransport::Host or Auto",
+                });
+            }
+            return Ok(None);
+        };
+        let Some(comm) = connect_for_grads(pg, transport, Some(ordinal))? else {
+            return Ok(None);
+        };
+        let comm = Arc::new(comm);
+        let queue = Arc::clone(&comm);
+        let launcher = Launcher::start(rank, move |job: Job| {
+            let stream = job.stream;
+            stream.executes(|| enqueue(&queue, job))
+        })?;
+        Ok(Some(Self {
+            comm,
+            launcher,
+            device: Device::cuda(ordinal),
+        }))
+    }
+
+    /// Reduces `grads` of `model` over the GPU path (see the module documentation).
+    ///
+    /// # Errors
+    /// A gradient on another device than the communicator's; a gradient of the wrong size; a
+    /// model that changed since `prepare`; NCCL failures, naming the rank at fault.
+    pub(crate) fn sync<M: Module>(
+        &self,
+        pg: &ProcessGroup,
+        plan: &BucketPlan<usize>,
+        (reduction, compression): (GradReduction, Compression),
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let rank = pg.rank();
+        let wait = pg.timeouts().collective + ANSWER_SLACK;
+        let mut step = Step {
+            path: self,
+            plan,
+            op: reduction.op(),
+            dtype: bucket_dtype(compression),
+            parts: (0..plan.slots.len()).map(|_| None).collect(),
+            missing: plan.buckets.iter().map(|(s, _)| s.len()).collect(),
+            outputs: (0..plan.buckets.len()).map(|_| None).collect(),
+            next_launch: 0,
+            in_flight: InFlight::new(),
+            rank,
+        };
+        let taken = crate::grads::take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
+            step.push(slot, grad)
+        })
+        .and_then(|targets| step.launch_rest().map(|()| targets));
+        let targets = match taken {
+            Ok(t) => t,
+            Err(e) => return Err(step.abandon(e, wait)),
+        };
+        if let Err(e) = step.in_flight.collect(&self.launcher, wait) {
+            return Err(step.abandon(e, wait));
+        }
+        self.comm.wait()?;
+        step.in_flight.release();
+        let reduced = step.reduced()?;
+        crate::grads::put_grads(model, &mut grads, &targets, &mut |slot, _| {
+            reduced[slot].clone()
+        });
+        Ok(grads)
+    }
+}
+
+/// One step of the device path: the flattened gradients until their bucket is packed, and the
+/// buckets' outputs.
+struct Step<'a> {
+    path: &'a DevicePath,
+    plan: &'a BucketPlan<usize>,
+    op: ReduceOp,
+    dtype: (DType, BurnDType),
+    /// Each slot's flattened f32 gradient (`None`: none on this rank, or packed already).
+    parts: Vec<Option<Tensor<1>>>,
+    /// Slots of each bucket not pushed yet.
+    missing: Vec<usize>,
+    /// Each launched bucket's output: its values, then one presence flag per slot.
+    outputs: Vec<Option<Tensor<1>>>,
+    next_launch: usize,
+    in_flight: InFlight<[Pinned; 2]>,
+    rank: Rank,
+}
+
+impl Step<'_> {
+    /// Keeps slot `slot`'s gradient (flattened; `None`: none on this rank) and launches every
+    /// bucket that is complete.
+    fn push(&mut self, slot: usize, grad: Option<Tensor<1>>) -> Result<()> {
+        if let Some(g) = grad {
+            let found = g.device();
+            let name = &self.plan.slots[slot].info.name;
+            match cuda_ordinal(&found) {
+                Some(o) if Some(o) == cuda_ordinal(&self.path.device) => {}
+                Some(o) => {
+                    return Err(DdpError::DeviceMismatch {
+                        rank: self.rank,
+                        what: "the gradients",
+                        found: o,
+                        expected_why: format!(
+                            "NCCL was set up on GPU {} (where the model was at `prepare`; \
+                             `{name}`'s gradient is on {found:?})",
+                            self.path.comm.device_ordinal()
+                        ),
+                    })
+                }
+                None => {
+                    return Err(DdpError::Model {
+                        rank: self.rank,
+                        what: "synchronising gradients",
+                        reason: format!(
+                            "the gradient of `{name}` is on {found:?}, not on a CUDA device, but \
+                             the model was on GPU {} at `prepare`, where NCCL was set up; keep \
+                             the model on that GPU for the whole training",
+                            self.path.comm.device_ordinal()
+                        ),
+                    })
+                }
+            }
+            let g = if g.dtype() == BurnDType::F32 {
+                g
+            } else {
+                g.cast(BurnDType::F32)
+            };
+            self.parts[slot] = Some(g);
+        }
+        let bucket = self.plan.slots[slot].bucket;
+        self.missing[bucket] -= 1;
+        self.launch_ready()
+    }
+
+    /// Launches every complete bucket whose predecessors have all left (index order on every
+    /// rank: every rank queues the same NCCL calls in the same order).
+    fn launch_ready(&mut self) -> Result<()> {
+        while self.next_launch < self.missing.len() && self.missing[self.next_launch] == 0 {
+            let bucket = self.next_launch;
+            self.next_launch += 1;
+            self.launch(bucket)?;
+        }
+        Ok(())
+    }
+
+    /// Packs bucket `bucket` and hands it to the launcher (nothing waits here).
+    fn launch(&mut self, bucket: usize) -> Result<()> {
+        let device = &self.path.device;
+        let (slots, len) = &self.plan.buckets[bucket];
+        let mut flags = vec![0.0f32; slots.len()];
+        let mut parts = Vec::with_capacity(slots.len() + 1);
+        for (position, &slot) in slots.iter().enumerate() {
+            let numel = self.plan.slots[slot].info.numel;
+            parts.push(match self.parts[slot].take() {
+                Some(g) => {
+                    flags[position] = 1.0;
+                    g
+                }
+                None => Tensor::<1>::zeros([numel], (device, BurnDType::F32)),
+            });
+        }
+        parts.push(Tensor::<1>::from_floats(flags.as_slice(), device));
+        let count = len + slots.len();
+        let packed = Tensor::cat(parts, 0);
+        let (dtype, burn_dtype) = self.dtype;
+        let input = if burn_dtype == BurnDType::F32 {
+            packed
+        } else {
+            packed.cast(burn_dtype)
+        };
+        let output = Tensor::<1>::empty([count], (device, burn_dtype));
+        self.outputs[bucket] = Some(output.clone());
+        self.in_flight.send(
+            &self.path.launcher,
+            Job {
+                bucket,
+                input,
+                output,
+                count,
+                dtype: (dtype, burn_dtype),
+                op: self.op,
+                stream: StreamId::current(),
+            },
+        )
+    }
+
+    /// Launches what is left: parameters the model visit never reached count as absent here.
+    fn launch_rest(&mut self) -> Result<()> {
+        for m in &mut self.missing {
+            *m = 0;
+        }
+        self.launch_ready()
+    }
+
+    /// After a failure: tells the other ranks (NCCL is stopped, their waits end with this
+    /// rank named) and takes the launcher's answers and NCCL's stream (bounded) before the
+    /// step's buffers go, so that their memory is not reused under NCCL.
+    fn abandon(mut self, e: DdpError, wait: Duration) -> DdpError {
+        if self.in_flight.waiting() > 0 || self.next_launch > 0 {
+            self.path.comm.fail_with(&e);
+            let _ = self.in_flight.collect(&self.path.launcher, wait);
+            let _ = self.path.comm.wait();
+        }
+        e
+    }
+
+    /// Each slot's reduced gradient (flattened f32 on the GPU), `None` where no rank had one:
+    /// the presence flags of every bucket, read to the host in one transfer.
+    fn reduced(&mut self) -> Result<Vec<Option<Tensor<1>>>> {
+        let plan = self.plan;
+        let mut outputs = Vec::with_capacity(self.outputs.len());
+        for o in &mut self.outputs {
+            outputs.push(o.take().ok_or(DdpError::Internal {
+                rank: self.rank,
+                what: "a gradient bucket was not launched",
+            })?);
+        }
+        let flags: Vec<Tensor<1>> = outputs
+            .iter()
+            .zip(&plan.buckets)
+            .map(|(o, (slots, len))| o.clone().slice(*len..len + slots.len()))
+            .collect();
+        let flags = Tensor::cat(flags, 0)
+            .cast(BurnDType::F32)
+            .try_into_data()
+            .map_err(|e| DdpError::Cuda {
+                rank: self.rank,
+                what: "reading the reduced buckets' presence flags".into(),
+                detail: format!("{e:?}"),
+            })?
+            .try_to_vec::<f32>()
+            .map_err(|e| DdpError::Model {
+                rank: self.rank,
+                what: "reading the reduced buckets' presence flags",
+                reason: format!("{e:?}"),
+            })?;
+        let mut first_flag = Vec::with_capacity(plan.buckets.len());
+        let mut at = 0;
+        for (slots, _) in &plan.buckets {
+            first_flag.push(at);
+            at += slots.len();
+        }
+        Ok(plan
+            .slots
+            .iter()
+            .map(|s| {
+                let had = flags[first_flag[s.bucket] + s.position] != 0.0;
+                had.then(|| {
+                    outputs[s.bucket]
+                        .clone()
+                        .slice(s.offset..s.offset + s.info.numel)
+                })
+            })
+            .collect())
+    }
+}
+
+fn layout_error(rank: Rank, reason: String) -> DdpError {
+    DdpError::Model {
+        rank,
+        what: "handing a gradient bucket to NCCL",
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compression_picks_the_bucket_type() {
+        assert_eq!(
+            bucket_dtype(Compression::None),
+            (DType::F32, BurnDType::F32)
+        );
+        assert_eq!(bucket_dtype(Compression::F16), (DType::F16, BurnDType::F16));
+        assert_eq!(
+            bucket_dtype(Compression::Bf16),
+            (DType::BF16, BurnDType::BF16)
+        );
+    }
+
+    #[test]
+    fn only_cuda_devices_have_an_ordinal() {
+        assert_eq!(cuda_ordinal(&Device::cuda(3)), Some(3));
+        assert_eq!(cuda_ordinal(&Device::cuda(1).autodiff()), Some(1));
+        assert_eq!(cuda_ordinal(&Device::flex()), None);
+    }
+}
