@@ -12,7 +12,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, Optimizer};
 use burn::prelude::*;
 use std::sync::Arc; // DDP: the sampler is shared with the data loader
 
@@ -99,8 +99,8 @@ fn train(pg: ProcessGroup) -> burn_ddp::Result<()> {
             let loss = (model.forward(batch.x) - batch.y).powi_scalar(2).mean();
             sum += f64::from(loss.clone().into_scalar());
             n += 1.0;
-            let grads = session.backward(loss)?; // DDP: was loss.backward()
-            let grads = GradientsParams::from_grads(grads, &model);
+            // DDP: was loss.backward() and GradientsParams::from_grads(grads, &model)
+            let grads = session.gradients(&model, loss)?;
             model = optim.step(1e-2, model, grads);
         }
         let mut mean = [sum, n];

@@ -362,3 +362,148 @@ fn an_unused_parameter_stays_untouched_and_nothing_hangs() {
         common::Job::new(2, NAME).run().assert_all_ok();
     }
 }
+
+/// A side branch that only some ranks' batches take (issue: replicas must not drift apart).
+#[derive(Module, Debug)]
+struct Branchy<B: Backend> {
+    main: Linear<B>,
+    side: Linear<B>,
+}
+
+impl<B: Backend> Branchy<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            main: LinearConfig::new(IN, OUT).init(device),
+            side: LinearConfig::new(IN, OUT).init(device),
+        }
+    }
+
+    /// The loss of one rank's shard; `side`: whether that rank's batch takes the branch.
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>, side: bool) -> Tensor<B, 1> {
+        let mut out = self.main.forward(x.clone());
+        if side {
+            out = out + self.side.forward(x).tanh();
+        }
+        (out - y).powi_scalar(2).mean()
+    }
+}
+
+/// `side_ranks` take the branch. DDP: each rank's loss on its shard, gradients through
+/// `DdpSession::gradients`. Reference, in one process: the mean over ranks of the same per-shard
+/// losses (the global batch's loss when each shard's loss is a mean), Adam for both.
+fn train_branchy(pg: ProcessGroup, config: DdpConfig, side_ranks: &[usize]) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = Default::default();
+    <B as Backend>::seed(&device, 7 + rank as u64);
+    let session = DdpSession::new(pg, config).unwrap();
+    let mut model = session.prepare(Branchy::<B>::new(&device)).unwrap();
+    let mut reference = Branchy::<B>::new(&device).load_record(model.clone().into_record());
+    let mut opt_ddp = AdamConfig::new().init();
+    let mut opt_ref = AdamConfig::new().init();
+    let lr = 0.05;
+    for step in 0..STEPS {
+        let (x, y) = batch(step, world);
+        let mine = side_ranks.contains(&rank);
+        let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank), mine);
+        let grads = session.gradients(&model, loss).unwrap();
+        assert!(
+            session.unsynced_params().is_empty(),
+            "{:?}",
+            session.unsynced_params()
+        );
+        model = opt_ddp.step(lr, model, grads);
+
+        let losses: Vec<Tensor<B, 1>> = (0..world)
+            .map(|r| {
+                let side = side_ranks.contains(&r);
+                reference.loss(shard(x.clone(), r), shard(y.clone(), r), side)
+            })
+            .collect();
+        let loss = Tensor::cat(losses, 0).mean();
+        // The reference's parameters came from the prepared model's record, marks included:
+        // keep the session out of its backward.
+        let grads = {
+            let _local = session.no_sync();
+            GradientsParams::from_grads(loss.backward(), &reference)
+        };
+        reference = opt_ref.step(lr, reference, grads);
+    }
+    let got = common::params(&model);
+    assert_close(rank, &got, &common::params(&reference), F32);
+    // Every rank bit-identical to rank 0.
+    let mine: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let first = session
+        .group()
+        .broadcast_bytes(mine.clone(), burn_ddp::Rank(0))
+        .unwrap();
+    assert!(
+        first == mine,
+        "rank {rank}'s parameters differ from rank 0's"
+    );
+    let _ = session.group().barrier();
+}
+
+macro_rules! branch_equivalence {
+    ($($name:ident: $world:literal, $side:expr, $config:expr;)*) => {$(
+        #[test]
+        fn $name() {
+            let name = stringify!($name);
+            if let Some(pg) = common::child_group(name) {
+                train_branchy(pg, $config, &$side);
+                return;
+            }
+            if !common::is_any_child() && common::world_selected($world) {
+                common::Job::new($world, name)
+                    .function(name)
+                    .run()
+                    .assert_all_ok();
+            }
+        }
+    )*};
+}
+
+branch_equivalence! {
+    branch_on_rank_0_only_overlapped: 2, [0], DdpConfig::default();
+    branch_on_rank_0_only_after_backward: 2, [0], DdpConfig::default().with_overlap(false);
+    branch_on_ranks_1_and_2_of_3_overlapped: 3, [1, 2], DdpConfig::default();
+    branch_on_ranks_1_and_2_of_3_after_backward: 3, [1, 2], DdpConfig::default().with_overlap(false);
+}
+
+#[test]
+fn foreign_gradients_left_out_of_the_optimizer_fail_the_next_step() {
+    const NAME: &str = "foreign_gradients_left_out_of_the_optimizer_fail_the_next_step";
+    if let Some(pg) = common::child_group(NAME) {
+        let device = Default::default();
+        let rank = pg.rank().index();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let model = session.prepare(Branchy::<B>::new(&device)).unwrap();
+        let (x, y) = batch(0, 2);
+        // Rank 0 takes the branch, rank 1 does not; the plain `backward` + `from_grads` leaves
+        // rank 1 without the branch's average, and its optimizer steps without it.
+        let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank), rank == 0);
+        let grads = GradientsParams::from_grads(session.backward(loss).unwrap(), &model);
+        let model = SgdConfig::new().init().step(0.1, model, grads);
+        if rank == 1 {
+            assert_eq!(
+                session.unsynced_params(),
+                vec!["side.weight".to_owned(), "side.bias".to_owned()]
+            );
+        }
+        let loss = model.loss(shard(x, rank), shard(y, rank), rank == 0);
+        let next = session.backward(loss);
+        if rank == 1 {
+            let Err(e) = next else {
+                panic!("rank 1's next backward succeeded after it dropped foreign gradients")
+            };
+            let e = e.to_string();
+            println!("rank 1 error: {e}");
+            assert!(e.contains("side.weight"), "{e}");
+            assert!(e.contains("DdpSession::complete"), "{e}");
+        }
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}

@@ -3,10 +3,9 @@
 //!
 //! Per bucket, when its last gradient is final (in bucket order, as on the host path):
 //! 1. its gradients are packed into one contiguous device tensor by Burn itself (`cat` of the
-//!    flattened gradients, zeros for parameters without a gradient on this rank; a cast for
-//!    compression): one device-to-device copy, as PyTorch DDP's bucket copy. A bucket of one
-//!    gradient is that gradient itself when it is one contiguous span, else a contiguous copy
-//!    (a strided or expanded view);
+//!    flattened gradients, zeros for parameters without a gradient on this rank, then one
+//!    presence flag per parameter; a cast for compression): one device-to-device copy, as
+//!    PyTorch DDP's bucket copy;
 //! 2. backward hands both tensors (still queued work) to the launcher thread with its cubecl
 //!    `StreamId` and goes on at once. The launcher, running as that stream, resolves them (Burn's
 //!    fusion tensors to cubecl's), waits for cubecl's stream (cubecl does not expose it, so an
@@ -21,7 +20,9 @@
 //!
 //! Backward continues while NCCL runs. At the end of backward every queued reduction is waited
 //! for (with the collective deadline), then each gradient is replaced by its slice of the
-//! reduced output (a view), so the optimizer only ever sees averaged values.
+//! reduced output (a view), so the optimizer only ever sees averaged values. Parameters without
+//! a gradient here whose reduced flag is not zero (other ranks used them) keep their slice for
+//! `DdpSession::complete`; the flags are the only bytes read to the host.
 //!
 //! The path takes Burn's `Cuda` with its default element types (`Cuda<f32, i32>`, what
 //! `burn::backend::Cuda` means); other element types use the host-staged transport.
@@ -183,8 +184,9 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
 }
 
 /// What a finished device pass gives back: each local gradient's reduced value by slot, and the
-/// slots without a local gradient that got a non-zero average.
-pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<usize>);
+/// slots without a local gradient that some other rank had one for, with their average
+/// (flattened, f32).
+pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<(usize, CudaFloat)>);
 
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued work
 /// on Burn's stream `stream`), and how to reduce it.
@@ -355,23 +357,28 @@ impl DeviceStep {
     ) -> Result<()> {
         // No gradient at all on this rank yet: the bucket is zeros on the communicator's GPU.
         let device = self.device.clone().unwrap_or(CudaDevice { index: ordinal });
-        let parts: Vec<CudaFloat> = slots
+        // Values, then one presence flag per parameter (1 where this rank has its gradient),
+        // reduced with them: every rank learns which parameters some rank had a gradient for.
+        let mut flags = vec![0.0f32; slots.len()];
+        let mut parts: Vec<CudaFloat> = slots
             .iter()
-            .map(|&(slot, numel)| {
-                self.grads[slot].take().unwrap_or_else(|| {
+            .enumerate()
+            .map(|(position, &(slot, numel))| match self.grads[slot].take() {
+                Some(g) => {
+                    flags[position] = 1.0;
+                    g
+                }
+                None => {
                     Gpu::float_zeros(Shape::new([numel]), &device, burn_backend::FloatDType::F32)
-                })
+                }
             })
             .collect();
-        let count: usize = slots.iter().map(|s| s.1).sum();
-        let packed = if parts.len() == 1 {
-            parts
-                .into_iter()
-                .next()
-                .unwrap_or_else(|| unreachable!("one part"))
-        } else {
-            Gpu::float_cat(parts, 0)
-        };
+        let count = slots.iter().map(|s| s.1).sum::<usize>() + slots.len();
+        parts.push(Gpu::float_from_data(
+            burn_backend::TensorData::new(flags, [slots.len()]),
+            &device,
+        ));
+        let packed = Gpu::float_cat(parts, 0);
         let (dtype, burn_dtype) = bucket_dtype(compression);
         let input = if burn_dtype == BurnDType::F32 {
             packed
@@ -413,14 +420,14 @@ impl DeviceStep {
         comm: &NcclComm,
         launcher: &Launcher,
         wait: Duration,
-        slots: impl Iterator<Item = (usize, usize, usize, usize)>,
+        slots: impl Iterator<Item = (usize, usize, usize, usize, usize)>,
     ) -> Result<Reduced> {
         self.collect(launcher, wait)?;
         comm.wait()?;
         self.in_flight.release();
         let mut out = Vec::new();
-        let mut foreign = Vec::new();
-        for (slot, bucket, offset, numel) in slots {
+        let mut absent = Vec::new();
+        for (slot, bucket, offset, numel, flag) in slots {
             let Some(output) = &self.outputs[bucket] else {
                 continue;
             };
@@ -437,19 +444,41 @@ impl DeviceStep {
                     };
                     out.push((slot, Gpu::float_reshape(part, shape)));
                 }
-                // No gradient here: one scalar read tells whether other ranks had one.
                 None => {
-                    if nonzero(part).map_err(|reason| DdpError::Model {
-                        rank: comm.rank(),
-                        what: "reading a reduced bucket",
-                        reason,
-                    })? {
-                        foreign.push(slot);
-                    }
+                    let f = Gpu::float_slice(
+                        output.clone(),
+                        &[burn_backend::Slice::from(flag..flag + 1)],
+                    );
+                    absent.push((slot, part, f));
                 }
             }
         }
         self.outputs.iter_mut().for_each(|o| *o = None);
+        if absent.is_empty() {
+            return Ok((out, Vec::new()));
+        }
+        // No gradient here: the reduced presence flags (one read for all of them) tell which
+        // parameters some other rank had a gradient for.
+        let flags: Vec<CudaFloat> = absent.iter().map(|(_, _, f)| f.clone()).collect();
+        let flags =
+            read_f32::<Gpu>(Gpu::float_cat(flags, 0)).map_err(|reason| DdpError::Model {
+                rank: comm.rank(),
+                what: "reading the reduced buckets' presence flags",
+                reason,
+            })?;
+        let foreign = absent
+            .into_iter()
+            .zip(flags)
+            .filter(|(_, f)| *f != 0.0)
+            .map(|((slot, part, _), _)| {
+                let part = if part.dtype() == BurnDType::F32 {
+                    part
+                } else {
+                    Gpu::float_cast(part, burn_backend::FloatDType::F32)
+                };
+                (slot, part)
+            })
+            .collect();
         Ok((out, foreign))
     }
 }
@@ -472,12 +501,6 @@ impl BucketTransport for DeviceStep {
             links.compression(),
         )
     }
-}
-
-/// Whether any element of `t` is not zero (one scalar copied to the host).
-fn nonzero(t: CudaFloat) -> std::result::Result<bool, String> {
-    let max = read_f32::<Gpu>(Gpu::float_max(Gpu::float_abs(t)))?;
-    Ok(max.iter().any(|v| *v != 0.0))
 }
 
 fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {

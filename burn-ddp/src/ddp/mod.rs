@@ -200,11 +200,10 @@ impl DdpSession {
         self.shared.reducer().params()
     }
 
-    /// Parameters that had no gradient on this rank in the last backward but a non-zero average
-    /// (other ranks used them). Their average is not applied by the overlapped path, which can
-    /// only write gradients that exist; [`DdpSession::sync_gradients`] applies them.
+    /// Parameters that had no gradient on this rank in the last backward but one on other
+    /// ranks, whose average [`DdpSession::complete`] has not registered yet.
     pub fn unsynced_params(&self) -> Vec<String> {
-        self.shared.reducer().foreign().to_vec()
+        self.shared.reducer().foreign()
     }
 
     /// Bucket layout of the prepared model: for each bucket, in launch order, the names of its

@@ -2,6 +2,7 @@
 //! after-backward path `sync_gradients`.
 
 use core::marker::PhantomData;
+use std::collections::HashMap;
 
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -335,6 +336,107 @@ impl DdpSession {
             _b: PhantomData,
         });
         Ok(grads)
+    }
+}
+
+impl DdpSession {
+    /// Registers in `grads` (this step's gradients of `model`, as `GradientsParams::from_grads`
+    /// makes them after a synchronised backward) the averaged gradient of every parameter that
+    /// had no gradient on this rank but one on some other rank (a branch this rank's batch did
+    /// not take). Burn's gradient container only holds gradients of this rank's own graph, so
+    /// the overlapped path cannot put them there during backward; without them this rank's
+    /// optimizer would skip parameters the others update, and the replicas would differ (PyTorch
+    /// DDP with `find_unused_parameters=True` averages them with zeros for the ranks that did
+    /// not use them; so does this). [`DdpSession::gradients`] does the whole step;
+    /// `DdpStrategy` calls this for you.
+    ///
+    /// A backward whose foreign gradients were not taken by the next backward is an error there
+    /// (never a silent divergence).
+    ///
+    /// # Errors
+    /// `model` is not the prepared model (it lacks a parameter the reducer has a gradient for).
+    pub fn complete<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let foreign = self.shared.reducer().take_foreign();
+        if foreign.is_empty() {
+            return Ok(grads);
+        }
+        let mut register = Register::<B> {
+            grads: &mut grads,
+            foreign: foreign.into_iter().map(|f| (f.id, f)).collect(),
+            _b: PhantomData,
+        };
+        model.visit(&mut register);
+        if !register.foreign.is_empty() {
+            let mut names: Vec<String> = register.foreign.into_values().map(|f| f.name).collect();
+            names.sort();
+            return Err(DdpError::Model {
+                rank: self.shared.pg.rank(),
+                what: "completing the step's gradients",
+                reason: format!(
+                    "the model given to DdpSession::complete has no parameter {names:?}, which \
+                     other ranks had gradients for: pass the prepared model"
+                ),
+            });
+        }
+        Ok(grads)
+    }
+
+    /// One synchronised backward of `loss`, as `GradientsParams` of `model` for the optimizer:
+    /// [`DdpSession::backward`], `GradientsParams::from_grads`, then
+    /// [`DdpSession::complete`].
+    ///
+    /// # Errors
+    /// As [`DdpSession::backward`] and [`DdpSession::complete`].
+    pub fn gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        loss: Tensor<B, 1>,
+    ) -> Result<GradientsParams> {
+        let grads = self.backward(loss)?;
+        self.complete(model, GradientsParams::from_grads(grads, model))
+    }
+}
+
+/// Registers the averaged gradients of parameters this rank had none for.
+struct Register<'a, B> {
+    grads: &'a mut GradientsParams,
+    foreign: HashMap<DistributedParamId, reducer::Foreign>,
+    _b: PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Register<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(f) = self
+            .foreign
+            .remove(&DistributedParamId::from(param.id.val()))
+        else {
+            return;
+        };
+        let p = param.val();
+        let (shape, dtype, device) = (p.dims(), p.dtype(), p.device());
+        let t = match f.values {
+            reducer::ForeignValues::Host(values) => Tensor::<B::InnerBackend, D>::from_data(
+                TensorData::new(values, shape).convert_dtype(dtype),
+                &device,
+            ),
+            #[cfg(feature = "cuda")]
+            reducer::ForeignValues::Device(t) => {
+                match super::gpu::from_cuda::<B::InnerBackend>(*t) {
+                    Some(t) => Tensor::<B::InnerBackend, 1>::from_primitive(
+                        burn::tensor::TensorPrimitive::Float(t),
+                    )
+                    .reshape(shape)
+                    .cast(dtype),
+                    // A device pass only runs on `Ddp<Cuda>`, whose tensors these are.
+                    None => return,
+                }
+            }
+        };
+        self.grads.register::<B::InnerBackend, D>(param.id, t);
     }
 }
 

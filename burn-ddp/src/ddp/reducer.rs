@@ -9,6 +9,7 @@
 //! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
+use std::collections::HashMap;
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
@@ -33,6 +34,25 @@ pub(crate) type Plan = BucketPlan<DistributedParamId>;
 /// The plan of `params` (visit order) for the overlapped path.
 pub(crate) fn plan(params: Vec<(ParamInfo, DistributedParamId)>, config: &DdpConfig) -> Plan {
     BucketPlan::build(params, config, BucketOrder::Reverse)
+}
+
+/// A parameter that had no gradient on this rank in the last backward, but one on some other
+/// rank: its averaged gradient (flattened, f32), which Burn's gradient container cannot take
+/// from a hook (it only holds gradients of this rank's graph), so that
+/// [`DdpSession::complete`](crate::DdpSession::complete) registers it.
+#[derive(Debug)]
+pub(crate) struct Foreign {
+    pub(crate) id: DistributedParamId,
+    pub(crate) name: String,
+    pub(crate) values: ForeignValues,
+}
+
+/// Where a [`Foreign`] gradient's values are.
+#[derive(Debug)]
+pub(crate) enum ForeignValues {
+    Host(Vec<f32>),
+    #[cfg(feature = "cuda")]
+    Device(Box<burn_backend::tensor::FloatTensor<burn::backend::Cuda>>),
 }
 
 /// Where a gradient came from, to write the result back.
@@ -193,8 +213,11 @@ pub(crate) struct Reducer {
     enabled: bool,
     spare: Vec<Vec<f32>>,
     comm: Option<Comm>,
-    /// Parameters with no local gradient that got a non-zero average in the last backward.
-    foreign: Vec<String>,
+    /// Parameters with no local gradient that some other rank had a gradient for, last
+    /// backward, until `DdpSession::complete` takes them.
+    foreign: Vec<Foreign>,
+    /// A failure to report after the running pass, which still runs (see [`Reducer::begin`]).
+    deferred: Option<DdpError>,
     transport: GradTransport,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
@@ -221,6 +244,7 @@ impl Reducer {
             spare: Vec::new(),
             comm: None,
             foreign: Vec::new(),
+            deferred: None,
             transport: config.transport,
             #[cfg(feature = "cuda")]
             nccl: None,
@@ -333,7 +357,7 @@ impl Reducer {
     }
 
     pub(crate) fn take_error(&mut self) -> Option<DdpError> {
-        self.error.take()
+        self.error.take().or_else(|| self.deferred.take())
     }
 
     pub(crate) fn record_error(&mut self, e: DdpError) {
@@ -357,9 +381,15 @@ impl Reducer {
             .unwrap_or_default()
     }
 
-    /// Parameters that had no gradient on this rank but a non-zero one on others, last backward.
-    pub(crate) fn foreign(&self) -> &[String] {
-        &self.foreign
+    /// Parameters that had no gradient on this rank but one on others, last backward (not yet
+    /// taken by `DdpSession::complete`).
+    pub(crate) fn foreign(&self) -> Vec<String> {
+        self.foreign.iter().map(|f| f.name.clone()).collect()
+    }
+
+    /// Takes the averaged gradients of the last backward's [`Foreign`] parameters.
+    pub(crate) fn take_foreign(&mut self) -> Vec<Foreign> {
+        std::mem::take(&mut self.foreign)
     }
 
     /// Whether a backward pass should be synchronised now. At world size 1 the average is the
@@ -379,6 +409,26 @@ impl Reducer {
     /// its buckets stay on the GPU (see [`Reducer::use_device`]).
     pub(crate) fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>, device: bool) {
         self.discard_step();
+        if !self.foreign.is_empty() {
+            // Reported after this pass (its collectives still run, so the other ranks are not
+            // left waiting): `check`, and so `DdpSession::backward`, return it.
+            let names = self.foreign();
+            self.foreign.clear();
+            let e = DdpError::Model {
+                rank: self.pg.rank(),
+                what: "synchronising gradients",
+                reason: format!(
+                    "in the previous step, parameters without a gradient on this rank had one on \
+                     other ranks ({names:?}), and their averaged gradient never reached this \
+                     rank's optimizer, so the replicas now differ. Take each step's gradients \
+                     through DdpSession::gradients(&model, loss), or pass them through \
+                     DdpSession::complete(&model, grads) before the optimizer step \
+                     (DdpStrategy does)"
+                ),
+            };
+            tracing::error!("{e}");
+            self.deferred.get_or_insert(e);
+        }
         let Some(plan) = self.plan.as_ref() else {
             return;
         };
@@ -408,16 +458,19 @@ impl Reducer {
         let buckets = match device_buckets {
             Some(b) => b,
             None => {
+                // Values, then one presence flag per parameter (1 where this rank has its
+                // gradient), reduced with them: every rank learns which parameters some rank had.
                 let mut buffers = Vec::with_capacity(n);
-                for (_, len) in &plan.buckets {
+                for (slots, len) in &plan.buckets {
+                    let size = len + slots.len();
                     let mut b = self
                         .spare
                         .iter()
-                        .position(|s| s.capacity() >= *len)
+                        .position(|s| s.capacity() >= size)
                         .map(|i| self.spare.swap_remove(i))
                         .unwrap_or_default();
                     b.clear();
-                    b.resize(*len, 0.0);
+                    b.resize(size, 0.0);
                     buffers.push(Some(b));
                 }
                 Buckets::Host(HostBuckets {
@@ -460,6 +513,7 @@ impl Reducer {
             if let Buckets::Host(host) = &mut step.buckets {
                 if let Some(buf) = host.buffers[s.bucket].as_mut() {
                     buf[s.offset..s.offset + values.len()].copy_from_slice(values);
+                    buf[plan.buckets[s.bucket].1 + s.position] = 1.0;
                 }
             }
         }
@@ -595,15 +649,22 @@ impl Reducer {
         ) else {
             return Ok(Vec::new());
         };
-        let slots = plan
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel));
+        let slots = plan.slots.iter().enumerate().map(|(i, s)| {
+            let flag = plan.buckets[s.bucket].1 + s.position;
+            (i, s.bucket, s.offset, s.info.numel, flag)
+        });
         let (reduced, foreign) = dev.finish(comm, launcher, wait, slots)?;
+        let ids: HashMap<usize, DistributedParamId> =
+            plan.by_id.iter().map(|(id, &slot)| (slot, *id)).collect();
         let foreign = foreign
             .into_iter()
-            .map(|i| plan.slots[i].info.name.clone())
+            .filter_map(|(slot, t)| {
+                Some(Foreign {
+                    id: *ids.get(&slot)?,
+                    name: plan.slots[slot].info.name.clone(),
+                    values: ForeignValues::Device(Box::new(t)),
+                })
+            })
             .collect();
         let reduced = reduced
             .into_iter()
@@ -617,11 +678,11 @@ impl Reducer {
     /// Says which parameters had no local gradient but got one elsewhere (last backward).
     fn warn_foreign(&self) {
         if !self.foreign.is_empty() {
-            tracing::warn!(
-                "[rank {}] parameters without a gradient on this rank got one on other ranks: {:?}; \
-                 their averaged gradient is not applied here (use DdpSession::sync_gradients)",
+            tracing::debug!(
+                "[rank {}] parameters without a gradient on this rank got one on other ranks: {:?} \
+                 (DdpSession::complete registers their average)",
                 self.pg.rank(),
-                self.foreign
+                self.foreign()
             );
         }
     }
@@ -647,6 +708,8 @@ impl Reducer {
         };
         let mut out = Vec::new();
         self.foreign.clear();
+        let ids: HashMap<usize, DistributedParamId> =
+            plan.by_id.iter().map(|(id, &slot)| (slot, *id)).collect();
         for (i, slot) in plan.slots.iter().enumerate() {
             let Some(bucket) = host.results[slot.bucket].as_ref() else {
                 continue;
@@ -655,8 +718,13 @@ impl Reducer {
             match origin[i] {
                 Some(origin) => out.push((origin, values.to_vec())),
                 None => {
-                    if values.iter().any(|v| *v != 0.0) {
-                        self.foreign.push(slot.info.name.clone());
+                    let flag = bucket[plan.buckets[slot.bucket].1 + slot.position];
+                    if let (true, Some(&id)) = (flag != 0.0, ids.get(&i)) {
+                        self.foreign.push(Foreign {
+                            id,
+                            name: slot.info.name.clone(),
+                            values: ForeignValues::Host(values.to_vec()),
+                        });
                     }
                 }
             }

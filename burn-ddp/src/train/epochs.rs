@@ -314,7 +314,11 @@ impl<B: Backend> DdpStrategy<B> {
                         accumulated = 0;
                     }
                 }
-                None => learner.optimizer_step(out.grads),
+                // Parameters this rank's batch did not use but others' did get the average.
+                None => match self.session.complete(&learner.model(), out.grads) {
+                    Ok(g) => learner.optimizer_step(g),
+                    Err(e) => return self.stop_with(e, interrupter),
+                },
             }
             match item::gather(self.session.group(), Some(out.item), &self.device) {
                 Ok(Some(merged)) => {
