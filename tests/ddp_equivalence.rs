@@ -507,3 +507,104 @@ fn foreign_gradients_left_out_of_the_optimizer_fail_the_next_step() {
         common::Job::new(2, NAME).run().assert_all_ok();
     }
 }
+
+#[test]
+fn diverged_replicas_fail_naming_the_parameter() {
+    const NAME: &str = "diverged_replicas_fail_naming_the_parameter";
+    if let Some(pg) = common::child_group(NAME) {
+        let device = Default::default();
+        let rank = pg.rank().index();
+        let config = DdpConfig::default().with_replica_check(2);
+        let session = DdpSession::new(pg, config).unwrap();
+        let mut model = session.prepare(Branchy::<B>::new(&device)).unwrap();
+        let mut opt = SgdConfig::new().init();
+        for step in 0..4 {
+            let (x, y) = batch(step, 2);
+            let loss = model.loss(shard(x, rank), shard(y, rank), true);
+            let grads = session.gradients(&model, loss);
+            match step {
+                // The replicas agree: the check of step 2 passes.
+                0 | 1 => model = opt.step(0.1, model, grads.unwrap()),
+                // Rank 1 changes one weight by itself (as a rank-local update would).
+                2 => {
+                    model = opt.step(0.1, model, grads.unwrap());
+                    if rank == 1 {
+                        model.side.bias = model.side.bias.map(|p| p.map(|b| b.add_scalar(1e-3)));
+                    }
+                }
+                // The check of step 4 names it on every rank.
+                _ => {
+                    let Err(e) = grads else {
+                        panic!("rank {rank}: diverged replicas went unnoticed")
+                    };
+                    let text = e.to_string();
+                    println!("rank {rank} error: {text}");
+                    assert!(
+                        matches!(e, burn_ddp::DdpError::ReplicasDiverged { step: 4, .. }),
+                        "{text}"
+                    );
+                    assert!(text.contains("`side.bias`"), "{text}");
+                    assert!(text.contains("rank 0 has digest"), "{text}");
+                    assert!(text.contains("rank 1 has digest"), "{text}");
+                }
+            }
+        }
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
+
+/// A model with BatchNorm: its running statistics are updated by each rank from its own batch.
+#[derive(Module, Debug)]
+struct Normed<B: Backend> {
+    fc: Linear<B>,
+    norm: burn::nn::BatchNorm<B>,
+}
+
+#[test]
+fn per_rank_buffers_do_not_trip_the_replica_check() {
+    const NAME: &str = "per_rank_buffers_do_not_trip_the_replica_check";
+    if let Some(pg) = common::child_group(NAME) {
+        let device = Default::default();
+        let rank = pg.rank().index();
+        let session = DdpSession::new(pg, DdpConfig::default().with_replica_check(1)).unwrap();
+        let mut model = session
+            .prepare(Normed::<B> {
+                fc: LinearConfig::new(IN, OUT).init(&device),
+                norm: burn::nn::BatchNormConfig::new(OUT).init(&device),
+            })
+            .unwrap();
+        let mut opt = SgdConfig::new().init();
+        for step in 0..4 {
+            let (x, y) = batch(step, 2);
+            let out = model.norm.forward(model.fc.forward(shard(x, rank)));
+            let loss = (out - shard(y, rank)).powi_scalar(2).mean();
+            let grads = session.gradients(&model, loss).unwrap();
+            model = opt.step(0.1, model, grads);
+        }
+        // The running mean differs between ranks (each saw its own shard); the check only
+        // compares what gradient synchronisation keeps equal.
+        let mean: Vec<u8> = model
+            .norm
+            .running_mean
+            .value()
+            .into_data()
+            .as_bytes()
+            .to_vec();
+        let first = session
+            .group()
+            .broadcast_bytes(mean.clone(), burn_ddp::Rank(0))
+            .unwrap();
+        assert!(
+            rank == 0 || first != mean,
+            "the test needs buffers that differ"
+        );
+        session.check_replicas(&model).unwrap();
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}

@@ -7,10 +7,12 @@ use burn::store::ModuleRecord;
 use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
-use burn_ddp_comm::grad::{check_same_params, BucketOrder, BucketPlan, HostSync, ParamInfo};
+use burn_ddp_comm::grad::{
+    check_same_params, digest, BucketOrder, BucketPlan, HostSync, ParamInfo, ReplicaCheck,
+};
+use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
 use crate::grads::{put_grads, take_grads};
-use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
 /// Gradient synchronisation for one rank: [`prepare`](Self::prepare) the model once, then
 /// [`sync`](Self::sync) the gradients of every step before the optimizer sees them.
@@ -22,6 +24,8 @@ pub struct GradSync {
     host: HostSync,
     /// The prepared model's trainable parameters (slot = position in visit order).
     plan: Option<BucketPlan<usize>>,
+    /// Counts synchronised steps for the periodic comparison of the replicas.
+    replicas: ReplicaCheck,
     /// NCCL for a model on a GPU (set up by `prepare`).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::DevicePath>,
@@ -62,6 +66,7 @@ impl GradSync {
         let host = HostSync::start(&pg, &config)?;
         Ok(Self {
             pg,
+            replicas: ReplicaCheck::new(config.check_replicas_every),
             config,
             host,
             plan: None,
@@ -181,9 +186,12 @@ impl GradSync {
     /// makes them) across every rank, and returns them for the optimizer: the mean (or sum, as
     /// configured) of every parameter that some rank has a gradient for.
     ///
+    /// Every `DdpConfig::check_replicas_every` calls, it first compares the ranks' parameters
+    /// ([`check_replicas`](Self::check_replicas)).
+    ///
     /// # Errors
-    /// [`prepare`](Self::prepare) was not called, or the model's trainable parameters changed
-    /// since; a gradient of the wrong size; collective failures, naming the rank at fault.
+    /// [`DdpError::ReplicasDiverged`]; [`prepare`](Self::prepare) was not called, or the
+    /// model's trainable parameters changed since; a gradient of the wrong size; collective failures, naming the rank at fault.
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
@@ -199,6 +207,9 @@ impl GradSync {
                     .into(),
             });
         };
+        if let Some(step) = self.replicas.due() {
+            ReplicaCheck::compare(&self.pg, step, &digests(plan, model))?;
+        }
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
             let how = (self.config.reduction, self.config.compression);
@@ -225,6 +236,53 @@ impl GradSync {
         });
         Ok(grads)
     }
+}
+
+impl GradSync {
+    /// Compares `model`'s trainable parameters across ranks (a digest of each, read to the
+    /// host; buffers such as BatchNorm's running statistics are per rank), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every rank
+    /// must call it at the same point; [`sync`](Self::sync) does every
+    /// `DdpConfig::check_replicas_every` steps.
+    ///
+    /// # Errors
+    /// [`DdpError::ReplicasDiverged`]; collective failures.
+    pub fn check_replicas<M: Module>(&self, model: &M) -> Result<()> {
+        let plan = self.plan.clone().unwrap_or_default();
+        ReplicaCheck::compare(&self.pg, 0, &digests(&plan, model))
+    }
+}
+
+/// The name and value digest of each parameter gradient synchronisation keeps equal (the
+/// prepared plan's, the same on every rank; not buffers such as BatchNorm's running statistics,
+/// which each rank updates from its own batches), in visit order.
+fn digests<M: Module>(plan: &BucketPlan<usize>, model: &M) -> Vec<(String, u64)> {
+    struct Digests {
+        path: Vec<String>,
+        synced: std::collections::HashSet<String>,
+        out: Vec<(String, u64)>,
+    }
+    impl ModuleVisitor for Digests {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let name = self.path.join(".");
+            if self.synced.contains(&name) {
+                let data = param.val().into_data();
+                self.out.push((name, digest(data.as_bytes())));
+            }
+        }
+    }
+    let mut d = Digests {
+        path: Vec::new(),
+        synced: plan.slots.iter().map(|s| s.info.name.clone()).collect(),
+        out: Vec::new(),
+    };
+    model.visit(&mut d);
+    d.out
 }
 
 /// The device of `model`'s first trainable parameter.

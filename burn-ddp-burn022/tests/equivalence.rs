@@ -330,3 +330,49 @@ fn sync_before_prepare_says_what_to_do() {
         "{err}"
     );
 }
+
+#[test]
+fn diverged_replicas_fail_naming_the_parameter() {
+    const NAME: &str = "diverged_replicas_fail_naming_the_parameter";
+    if let Some(pg) = procs::child_group(NAME) {
+        let rank = pg.rank().index();
+        let config = DdpConfig::default().with_replica_check(2);
+        let mut sync = GradSync::new(pg, config).unwrap();
+        let mut model = sync.prepare(Mlp::build(&device())).unwrap();
+        let mut opt = SgdConfig::new().init();
+        for step in 0..4 {
+            let (x, y) = batch(step, 2);
+            let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = sync.sync(&model, grads);
+            match step {
+                // The replicas agree: the check of step 2 passes.
+                0 | 1 => model = opt.step(0.1, model, grads.unwrap()),
+                // Rank 1 changes one weight by itself (as a rank-local update would).
+                2 => {
+                    model = opt.step(0.1, model, grads.unwrap());
+                    if rank == 1 {
+                        model.fc2.bias = model.fc2.bias.map(|p| p.map(|b| b.add_scalar(1e-3)));
+                    }
+                }
+                // The check of step 4 names it on every rank.
+                _ => {
+                    let Err(e) = grads else {
+                        panic!("rank {rank}: diverged replicas went unnoticed")
+                    };
+                    let text = e.to_string();
+                    assert!(
+                        matches!(e, DdpError::ReplicasDiverged { step: 4, .. }),
+                        "{text}"
+                    );
+                    assert!(text.contains("`fc2.bias`"), "{text}");
+                    assert!(text.contains("rank 1 has digest"), "{text}");
+                }
+            }
+        }
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(2, NAME).run().assert_all_ok();
+    }
+}

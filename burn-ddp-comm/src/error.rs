@@ -530,6 +530,22 @@ pub enum DdpError {
         detail: String,
     },
 
+    /// The ranks' parameters are no longer the same: some rank updated its replica
+    /// differently (see [`DdpConfig::check_replicas_every`](crate::DdpConfig)).
+    #[error("[rank {rank}] the replicas differ at synchronised step {step}: parameter {index} `{param}` {detail}. Every rank must apply the same averaged gradients: look for a parameter changed on some ranks only (a rank-local update, a gradient left out of the optimizer step), or non-deterministic operations on weights")]
+    ReplicasDiverged {
+        /// This rank.
+        rank: Rank,
+        /// The synchronised step the check ran at (1 = the first).
+        step: u64,
+        /// Position of the first differing parameter in visit order.
+        index: usize,
+        /// Its name.
+        param: String,
+        /// Which ranks hold which digest.
+        detail: String,
+    },
+
     /// The gradient communication thread did not answer in time.
     #[error("[rank {rank}] gradient synchronisation got no answer within {waited:?} (the communication thread is stuck)")]
     GradSyncTimeout {
@@ -719,6 +735,7 @@ impl DdpError {
             | StoreRequest { rank, .. }
             | ModelMismatch { rank, .. }
             | GradSyncTimeout { rank, .. }
+            | ReplicasDiverged { rank, .. }
             | Model { rank, .. }
             | GradientSize { rank, .. }
             | WorkerStopped { rank, .. }

@@ -1,9 +1,10 @@
-//! The cross-rank check of a model before training: every rank must have the same parameters,
-//! in the same order, with the same shapes and dtypes.
+//! The cross-rank checks of a model: before training, every rank must have the same parameters,
+//! in the same order, with the same shapes and dtypes ([`check_same_params`]); while training,
+//! their values must stay the same ([`ReplicaCheck`]).
 
 use super::ParamInfo;
 use crate::group::ProcessGroup;
-use crate::types::Rank;
+use crate::types::{Rank, ReduceOp};
 use crate::{DdpError, Result};
 
 /// Checks that every rank of `pg` has the same `params` (names, shapes, dtypes, in order).
@@ -88,6 +89,90 @@ fn first_mismatch(rank: Rank, lists: &[Vec<String>]) -> Result<()> {
     Ok(())
 }
 
+/// A 64-bit digest of a parameter's bytes, the same in every process: words of 8 bytes mixed
+/// by multiplication and rotation (several GB/s), then the length. For telling equal values
+/// from different ones, not against an adversary.
+pub fn digest(bytes: &[u8]) -> u64 {
+    const K: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+        h = (h ^ v).wrapping_mul(K).rotate_left(29);
+    }
+    for &b in words.remainder() {
+        h = (h ^ u64::from(b)).wrapping_mul(K).rotate_left(29);
+    }
+    (h ^ bytes.len() as u64).wrapping_mul(K)
+}
+
+/// The periodic comparison of the ranks' parameters: [`ReplicaCheck::due`] counts synchronised
+/// steps, [`ReplicaCheck::compare`] compares the digests of every parameter across ranks.
+#[derive(Debug, Clone)]
+pub struct ReplicaCheck {
+    every: u64,
+    steps: u64,
+}
+
+impl ReplicaCheck {
+    /// A check every `every` steps (0: never).
+    pub fn new(every: u64) -> Self {
+        Self { every, steps: 0 }
+    }
+
+    /// Counts one synchronised step; `Some(step)` when the ranks should compare now (every rank
+    /// counts the same steps, so they agree without talking).
+    pub fn due(&mut self) -> Option<u64> {
+        self.steps += 1;
+        (self.every > 0 && self.steps.is_multiple_of(self.every)).then_some(self.steps)
+    }
+
+    /// Compares `params` (name and [`digest`] of each parameter, in visit order) across the
+    /// ranks of `pg`: two all-reduces of one integer per parameter, and, if some differ, one
+    /// gather to say which ranks hold which value. Every rank must call it.
+    ///
+    /// # Errors
+    /// [`DdpError::ReplicasDiverged`] naming the first parameter that differs; collective
+    /// failures.
+    pub fn compare(pg: &ProcessGroup, step: u64, params: &[(String, u64)]) -> Result<()> {
+        let mut lo: Vec<i64> = params.iter().map(|(_, d)| *d as i64).collect();
+        let mut hi = lo.clone();
+        pg.all_reduce(&mut lo, ReduceOp::Min)?;
+        pg.all_reduce(&mut hi, ReduceOp::Max)?;
+        let Some(index) = (0..params.len()).find(|&i| lo[i] != hi[i]) else {
+            return Ok(());
+        };
+        let (name, mine) = &params[index];
+        let all = pg.all_gather_bytes(&mine.to_le_bytes())?;
+        let mut groups: Vec<(Vec<u8>, Vec<usize>)> = Vec::new();
+        for (r, d) in all.into_iter().enumerate() {
+            match groups.iter_mut().find(|(v, _)| *v == d) {
+                Some((_, rs)) => rs.push(r),
+                None => groups.push((d, vec![r])),
+            }
+        }
+        let detail = groups
+            .iter()
+            .map(|(d, rs)| {
+                let d = u64::from_le_bytes(d.as_slice().try_into().unwrap_or([0; 8]));
+                format!(
+                    "{} {} digest {d:016x}",
+                    ranks_text(rs),
+                    if rs.len() == 1 { "has" } else { "have" }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        Err(DdpError::ReplicasDiverged {
+            rank: pg.rank(),
+            step,
+            index,
+            param: name.clone(),
+            detail: format!("differs: {detail}"),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -133,5 +218,70 @@ mod tests {
         assert!(first_mismatch(Rank(0), &[lines(&[&a]), lines(&[&a])]).is_ok());
         let err = first_mismatch(Rank(0), &[lines(&[&a]), lines(&[])]).unwrap_err();
         assert!(err.to_string().contains("fewer parameters"), "{err}");
+    }
+
+    #[test]
+    fn digests_tell_values_apart_and_repeat() {
+        let a: Vec<u8> = (0..1003u32)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
+        let mut b = a.clone();
+        b[517] ^= 1;
+        assert_eq!(digest(&a), digest(&a.clone()));
+        assert_ne!(digest(&a), digest(&b));
+        assert_ne!(digest(&a[..8]), digest(&a[..9]));
+        assert_ne!(digest(&[]), digest(&[0]));
+    }
+
+    #[test]
+    fn a_check_is_due_every_n_steps_and_never_at_zero() {
+        let mut c = ReplicaCheck::new(3);
+        let due: Vec<Option<u64>> = (0..7).map(|_| c.due()).collect();
+        assert_eq!(due, [None, None, Some(3), None, None, Some(6), None]);
+        let mut never = ReplicaCheck::new(0);
+        assert!((0..10).all(|_| never.due().is_none()));
+    }
+
+    #[test]
+    fn diverged_replicas_are_named_by_parameter_and_ranks() {
+        use crate::types::WorldSize;
+        let groups = ProcessGroup::local(WorldSize::new(3).unwrap(), crate::Timeouts::default());
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|pg| {
+                    s.spawn(move || {
+                        let rank = pg.rank().index();
+                        let mut w = digest(b"weights");
+                        if rank == 2 {
+                            w ^= 1;
+                        }
+                        let params = vec![
+                            ("fc.bias".to_owned(), digest(b"bias")),
+                            ("fc.weight".to_owned(), w),
+                        ];
+                        ReplicaCheck::compare(&pg, 100, &params[..1])?;
+                        ReplicaCheck::compare(&pg, 100, &params)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in results {
+            let e = r.unwrap_err();
+            let DdpError::ReplicasDiverged {
+                step,
+                index,
+                param,
+                detail,
+                ..
+            } = &e
+            else {
+                panic!("{e:?}")
+            };
+            assert_eq!((*step, *index, param.as_str()), (100, 1, "fc.weight"));
+            assert!(detail.contains("ranks 0, 1 have digest"), "{detail}");
+            assert!(detail.contains("rank 2 has digest"), "{detail}");
+        }
     }
 }

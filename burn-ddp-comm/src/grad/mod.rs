@@ -3,7 +3,8 @@
 //!
 //! - `mod.rs`: [`DdpConfig`] and its options ([`GradReduction`], [`Compression`])
 //! - `plan.rs`: [`ParamInfo`] and the [`BucketPlan`]: which parameter goes in which bucket
-//! - `check.rs`: [`check_same_params`], the cross-rank check of a model's parameters
+//! - `check.rs`: [`check_same_params`], the cross-rank check of a model's parameters, and
+//!   [`ReplicaCheck`], the periodic comparison of their values
 //! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
 //!   next is packed, and read back; [`reduce_bucket`] for one bucket
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
@@ -16,7 +17,7 @@ mod launch;
 mod plan;
 mod worker;
 
-pub use check::check_same_params;
+pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
@@ -78,6 +79,11 @@ pub struct DdpConfig {
     pub overlap: bool,
     /// How buckets of GPU gradients travel (NCCL or host-staged).
     pub transport: GradTransport,
+    /// Every this many synchronised steps, the ranks compare digests of their parameters and
+    /// fail with [`DdpError::ReplicasDiverged`], naming the first parameter that differs, if
+    /// the replicas have drifted apart (0: never). Each check reads every parameter to the host
+    /// once and all-reduces two integers per parameter.
+    pub check_replicas_every: u64,
 }
 
 impl Default for DdpConfig {
@@ -89,6 +95,7 @@ impl Default for DdpConfig {
             compression: Compression::None,
             overlap: true,
             transport: GradTransport::Auto,
+            check_replicas_every: 100,
         }
     }
 }
@@ -115,6 +122,12 @@ impl DdpConfig {
     /// Chooses between overlapped (default) and after-backward synchronisation.
     pub fn with_overlap(mut self, overlap: bool) -> Self {
         self.overlap = overlap;
+        self
+    }
+
+    /// Compares the ranks' parameters every `steps` synchronised steps (0: never; default 100).
+    pub fn with_replica_check(mut self, steps: u64) -> Self {
+        self.check_replicas_every = steps;
         self
     }
 

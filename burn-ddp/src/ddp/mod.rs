@@ -94,6 +94,8 @@ pub(crate) struct Shared {
     pub(crate) skip: Mutex<Vec<String>>,
     /// The communication thread of [`DdpSession::sync_gradients`], started on first use.
     host: Mutex<Option<HostSync>>,
+    /// Counts synchronised steps for the periodic comparison of the replicas.
+    pub(crate) replicas: Mutex<burn_ddp_comm::grad::ReplicaCheck>,
 }
 
 impl Shared {
@@ -136,12 +138,14 @@ impl DdpSession {
         config.validate()?;
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         let reducer = Reducer::new(&pg, &config);
+        let replicas = burn_ddp_comm::grad::ReplicaCheck::new(config.check_replicas_every);
         let shared = Arc::new(Shared {
             pg,
             config,
             reducer: Mutex::new(reducer),
             skip: Mutex::new(Vec::new()),
             host: Mutex::new(None),
+            replicas: Mutex::new(replicas),
         });
         if shared.pg.transport() == "local" {
             LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));

@@ -351,15 +351,26 @@ impl DdpSession {
     /// `DdpStrategy` calls this for you.
     ///
     /// A backward whose foreign gradients were not taken by the next backward is an error there
-    /// (never a silent divergence).
+    /// (never a silent divergence). Every `DdpConfig::check_replicas_every` calls, it also
+    /// compares the ranks' parameters ([`DdpSession::check_replicas`]).
     ///
     /// # Errors
-    /// `model` is not the prepared model (it lacks a parameter the reducer has a gradient for).
+    /// `model` is not the prepared model (it lacks a parameter the reducer has a gradient for);
+    /// [`DdpError::ReplicasDiverged`].
     pub fn complete<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
+        let due = self
+            .shared
+            .replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .due();
+        if let Some(step) = due {
+            self.compare_replicas(model, step)?;
+        }
         let foreign = self.shared.reducer().take_foreign();
         if foreign.is_empty() {
             return Ok(grads);
@@ -398,6 +409,71 @@ impl DdpSession {
     ) -> Result<GradientsParams> {
         let grads = self.backward(loss)?;
         self.complete(model, GradientsParams::from_grads(grads, model))
+    }
+}
+
+impl DdpSession {
+    /// Compares `model`'s synchronised trainable parameters across ranks (a digest of each, read
+    /// to the host; buffers such as BatchNorm's running statistics are per rank), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
+    /// rank must call it at the same point; [`DdpSession::complete`] does every
+    /// `DdpConfig::check_replicas_every` steps. Rank-local fields (`#[ddp(skip)]`) are left out.
+    ///
+    /// # Errors
+    /// [`DdpError::ReplicasDiverged`]; a parameter that cannot be read; collective failures.
+    pub fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+    ) -> Result<()> {
+        self.compare_replicas(model, 0)
+    }
+
+    fn compare_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+        step: u64,
+    ) -> Result<()> {
+        // The parameters gradient synchronisation keeps equal: the prepared plan's (the same on
+        // every rank), not buffers such as BatchNorm's running statistics, which each rank
+        // updates from its own batches, nor rank-local fields.
+        let synced = self
+            .shared
+            .reducer()
+            .params()
+            .into_iter()
+            .map(|p| p.name)
+            .collect();
+        let mut d = Digests {
+            path: Path::default(),
+            synced,
+            out: Vec::new(),
+        };
+        model.visit(&mut d);
+        burn_ddp_comm::grad::ReplicaCheck::compare(&self.shared.pg, step, &d.out)
+    }
+}
+
+/// Each synchronised parameter's name and value digest, in visit order.
+struct Digests {
+    path: Path,
+    synced: std::collections::HashSet<String>,
+    out: Vec<(String, u64)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Digests {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let name = self.path.0.join(".");
+        if !self.synced.contains(&name) {
+            return;
+        }
+        let data = param.val().into_data();
+        self.out
+            .push((name, burn_ddp_comm::grad::digest(data.as_bytes())));
     }
 }
 
