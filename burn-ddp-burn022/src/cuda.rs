@@ -101,9 +101,9 @@ where
 
 /// The cubecl tensor behind `t` (a tensor on a CUDA device).
 fn cube_tensor(rank: Rank, t: Tensor<1>, what: &str) -> Result<CubeTensor> {
-    let primitive: Primitive = t
-        .try_into_primitive::<Cube>()
-        .map_err(|e| layout_error(rank, format!("the {what} is not a cubecl tensor: {e:?}")))?;
+    let primitive: Primitive = t.try_into_primitive::<Cube>().map_err(|e| {
+        DdpError::bucket_layout(rank, format!("the {what} is not a cubecl tensor: {e:?}"))
+    })?;
     Ok(<Primitive as Resolve<CubeBackend>>::resolve(primitive))
 }
 
@@ -128,17 +128,20 @@ fn pin(
     what: &str,
 ) -> Result<(u64, Pinned)> {
     if !cube.is_contiguous() {
-        return Err(layout_error(rank, format!("the {what} is not contiguous")));
+        return Err(DdpError::bucket_layout(
+            rank,
+            format!("the {what} is not contiguous"),
+        ));
     }
     let numel = cube.meta.shape().num_elements();
     if numel != count {
-        return Err(layout_error(
+        return Err(DdpError::bucket_layout(
             rank,
             format!("the {what} has {numel} elements, the bucket plan {count}"),
         ));
     }
     if cube.dtype != burn_dtype {
-        return Err(layout_error(
+        return Err(DdpError::bucket_layout(
             rank,
             format!(
                 "the {what} holds {:?}, the bucket {burn_dtype:?}",
@@ -150,13 +153,14 @@ fn pin(
         .client
         .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
         .map_err(|e| {
-            layout_error(
+            DdpError::bucket_layout(
                 rank,
                 format!("cubecl has no CUDA resource for the {what}: {e:?}"),
             )
         })?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    check_span(bytes, count, dtype).map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    check_span(bytes, count, dtype)
+        .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
     Ok((
         ptr,
         Pinned {
@@ -523,14 +527,6 @@ impl Step<'_> {
                 })
             })
             .collect())
-    }
-}
-
-fn layout_error(rank: Rank, reason: String) -> DdpError {
-    DdpError::Model {
-        rank,
-        what: "handing a gradient bucket to NCCL",
-        reason,
     }
 }
 

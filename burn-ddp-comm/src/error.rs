@@ -712,6 +712,16 @@ pub enum DdpError {
 }
 
 impl DdpError {
+    /// A gradient bucket that the device paths (both Burn lines) cannot hand to NCCL: a buffer
+    /// that is not contiguous, of the wrong size or type, or without a device pointer.
+    pub fn bucket_layout(rank: Rank, reason: String) -> Self {
+        DdpError::Model {
+            rank,
+            what: "handing a gradient bucket to NCCL",
+            reason,
+        }
+    }
+
     /// The rank that reported this error, when it names one.
     pub fn rank(&self) -> Option<Rank> {
         use DdpError::*;

@@ -126,7 +126,10 @@ fn pin(
     what: &str,
 ) -> Result<(u64, Pinned)> {
     if !cube.is_contiguous() {
-        return Err(layout_error(rank, format!("the {what} is not contiguous")));
+        return Err(DdpError::bucket_layout(
+            rank,
+            format!("the {what} is not contiguous"),
+        ));
     }
     check_elements(
         cube.meta.shape().num_elements(),
@@ -134,15 +137,16 @@ fn pin(
         count,
         burn_dtype,
     )
-    .map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
     let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
-        layout_error(
+        DdpError::bucket_layout(
             rank,
             format!("cubecl has no resource for the {what}: {e:?}"),
         )
     })?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    check_span(bytes, count, dtype).map_err(|m| layout_error(rank, format!("the {what}: {m}")))?;
+    check_span(bytes, count, dtype)
+        .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
     Ok((
         ptr,
         Pinned {
@@ -509,14 +513,6 @@ fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {
         BurnDType::F16 => burn_backend::FloatDType::F16,
         BurnDType::BF16 => burn_backend::FloatDType::BF16,
         _ => burn_backend::FloatDType::F32,
-    }
-}
-
-fn layout_error(rank: Rank, reason: String) -> DdpError {
-    DdpError::Model {
-        rank,
-        what: "handing a gradient bucket to NCCL",
-        reason,
     }
 }
 
