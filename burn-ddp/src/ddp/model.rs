@@ -292,6 +292,7 @@ impl DdpSession {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
+        self.replica_check_due(model)?;
         let pg = &self.shared.pg;
         let config = &self.shared.config;
         let skip = self
@@ -351,8 +352,9 @@ impl DdpSession {
     /// `DdpStrategy` calls this for you.
     ///
     /// A backward whose foreign gradients were not taken by the next backward is an error there
-    /// (never a silent divergence). Every `DdpConfig::check_replicas_every` calls, it also
-    /// compares the ranks' parameters ([`DdpSession::check_replicas`]).
+    /// (never a silent divergence). Every `DdpConfig::check_replicas_every` synchronised steps
+    /// (calls of this or of [`DdpSession::sync_gradients`]), it also compares the ranks'
+    /// parameters ([`DdpSession::check_replicas`]).
     ///
     /// # Errors
     /// `model` is not the prepared model (it lacks a parameter the reducer has a gradient for);
@@ -362,15 +364,7 @@ impl DdpSession {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        let due = self
-            .shared
-            .replicas
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .due();
-        if let Some(step) = due {
-            self.compare_replicas(model, step)?;
-        }
+        self.replica_check_due(model)?;
         let foreign = self.shared.reducer().take_foreign();
         if foreign.is_empty() {
             return Ok(grads);
@@ -413,10 +407,12 @@ impl DdpSession {
 }
 
 impl DdpSession {
-    /// Compares `model`'s synchronised trainable parameters across ranks (a digest of each, read
-    /// to the host; buffers such as BatchNorm's running statistics are per rank), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
-    /// rank must call it at the same point; [`DdpSession::complete`] does every
-    /// `DdpConfig::check_replicas_every` steps. Rank-local fields (`#[ddp(skip)]`) are left out.
+    /// Compares `model`'s synchronised parameters across ranks (a digest of each, read to the
+    /// host), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
+    /// rank must call it at the same point; [`DdpSession::complete`] and
+    /// [`DdpSession::sync_gradients`] do every `DdpConfig::check_replicas_every` steps. Buffers
+    /// (BatchNorm's running statistics, which each rank updates from its own batches) and
+    /// rank-local fields (`#[ddp(skip)]`) are left out.
     ///
     /// # Errors
     /// [`DdpError::ReplicasDiverged`]; a parameter that cannot be read; collective failures.
@@ -425,6 +421,21 @@ impl DdpSession {
         model: &M,
     ) -> Result<()> {
         self.compare_replicas(model, 0)
+    }
+
+    /// Counts one synchronised step ([`DdpSession::complete`] or
+    /// [`DdpSession::sync_gradients`]) and compares the replicas when a check is due.
+    fn replica_check_due<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: &M) -> Result<()> {
+        let due = self
+            .shared
+            .replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .due();
+        match due {
+            Some(step) => self.compare_replicas(model, step),
+            None => Ok(()),
+        }
     }
 
     fn compare_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
