@@ -133,22 +133,13 @@ fn pin(
             format!("the {what} is not contiguous"),
         ));
     }
-    let numel = cube.meta.shape().num_elements();
-    if numel != count {
-        return Err(DdpError::bucket_layout(
-            rank,
-            format!("the {what} has {numel} elements, the bucket plan {count}"),
-        ));
-    }
-    if cube.dtype != burn_dtype {
-        return Err(DdpError::bucket_layout(
-            rank,
-            format!(
-                "the {what} holds {:?}, the bucket {burn_dtype:?}",
-                cube.dtype
-            ),
-        ));
-    }
+    check_elements(
+        cube.meta.shape().num_elements(),
+        cube.dtype,
+        count,
+        burn_dtype,
+    )
+    .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
     let resource = cube
         .client
         .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
@@ -335,9 +326,9 @@ impl DevicePath {
         }
         self.comm.wait()?;
         step.in_flight.release();
-        let reduced = step.reduced()?;
+        let mut reduced = step.reduced()?;
         crate::grads::put_grads(model, &mut grads, &targets, &mut |slot, _| {
-            reduced[slot].clone()
+            reduced[slot].take()
         });
         Ok(grads)
     }
@@ -421,7 +412,7 @@ impl Step<'_> {
     /// Packs bucket `bucket` and hands it to the launcher (nothing waits here).
     fn launch(&mut self, bucket: usize) -> Result<()> {
         let device = &self.path.device;
-        let (slots, len) = &self.plan.buckets[bucket];
+        let slots = &self.plan.buckets[bucket].0;
         let mut flags = vec![0.0f32; slots.len()];
         let mut parts = Vec::with_capacity(slots.len() + 1);
         for (position, &slot) in slots.iter().enumerate() {
@@ -435,7 +426,7 @@ impl Step<'_> {
             });
         }
         parts.push(Tensor::<1>::from_floats(flags.as_slice(), device));
-        let count = len + slots.len();
+        let count = self.plan.buffer_len(bucket);
         let packed = Tensor::cat(parts, 0);
         let (dtype, burn_dtype) = self.dtype;
         let input = if burn_dtype == BurnDType::F32 {

@@ -191,7 +191,8 @@ impl GradSync {
     ///
     /// # Errors
     /// [`DdpError::ReplicasDiverged`]; [`prepare`](Self::prepare) was not called, or the
-    /// model's trainable parameters changed since; a gradient of the wrong size; collective failures, naming the rank at fault.
+    /// model's trainable parameters changed since; a gradient of the wrong size; collective
+    /// failures, naming the rank at fault.
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
@@ -208,7 +209,7 @@ impl GradSync {
             });
         };
         if let Some(step) = self.replicas.due() {
-            ReplicaCheck::compare(&self.pg, step, &digests(plan, model))?;
+            ReplicaCheck::compare(&self.pg, step, &digests(Some(plan), model))?;
         }
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
@@ -239,23 +240,23 @@ impl GradSync {
 }
 
 impl GradSync {
-    /// Compares `model`'s trainable parameters across ranks (a digest of each, read to the
-    /// host; buffers such as BatchNorm's running statistics are per rank), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every rank
-    /// must call it at the same point; [`sync`](Self::sync) does every
-    /// `DdpConfig::check_replicas_every` steps.
+    /// Compares `model`'s synchronised parameters across ranks (a digest of each, read to the
+    /// host), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
+    /// rank must call it at the same point; [`sync`](Self::sync) does every
+    /// `DdpConfig::check_replicas_every` steps. Buffers (BatchNorm's running statistics, which
+    /// each rank updates from its own batches) are left out.
     ///
     /// # Errors
     /// [`DdpError::ReplicasDiverged`]; collective failures.
     pub fn check_replicas<M: Module>(&self, model: &M) -> Result<()> {
-        let plan = self.plan.clone().unwrap_or_default();
-        ReplicaCheck::compare(&self.pg, 0, &digests(&plan, model))
+        ReplicaCheck::compare(&self.pg, 0, &digests(self.plan.as_ref(), model))
     }
 }
 
 /// The name and value digest of each parameter gradient synchronisation keeps equal (the
 /// prepared plan's, the same on every rank; not buffers such as BatchNorm's running statistics,
-/// which each rank updates from its own batches), in visit order.
-fn digests<M: Module>(plan: &BucketPlan<usize>, model: &M) -> Vec<(String, u64)> {
+/// which each rank updates from its own batches), in visit order; none before `prepare`.
+fn digests<M: Module>(plan: Option<&BucketPlan<usize>>, model: &M) -> Vec<(String, u64)> {
     struct Digests {
         path: Vec<String>,
         synced: std::collections::HashSet<String>,
@@ -278,7 +279,11 @@ fn digests<M: Module>(plan: &BucketPlan<usize>, model: &M) -> Vec<(String, u64)>
     }
     let mut d = Digests {
         path: Vec::new(),
-        synced: plan.slots.iter().map(|s| s.info.name.clone()).collect(),
+        synced: plan
+            .iter()
+            .flat_map(|p| &p.slots)
+            .map(|s| s.info.name.clone())
+            .collect(),
         out: Vec::new(),
     };
     model.visit(&mut d);

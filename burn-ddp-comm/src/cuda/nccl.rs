@@ -100,6 +100,23 @@ struct Config {
     split_share: c_int,
 }
 
+/// Checks that a tensor of `numel` elements of type `got` (the Burn line's dtype) is a bucket
+/// of `count` elements of type `want`; the message says what differs.
+pub fn check_elements<T: PartialEq + fmt::Debug>(
+    numel: usize,
+    got: T,
+    count: usize,
+    want: T,
+) -> std::result::Result<(), String> {
+    if numel != count {
+        return Err(format!("it has {numel} elements, the bucket plan {count}"));
+    }
+    if got != want {
+        return Err(format!("its elements are {got:?}, the bucket's {want:?}"));
+    }
+    Ok(())
+}
+
 /// Checks that a device buffer of `bytes` bytes holds a bucket of `count` elements of `dtype`
 /// (what the device paths check before handing a pointer to NCCL); the message says what does
 /// not fit.
@@ -919,6 +936,16 @@ pub(crate) fn id_from_bytes(bytes: &[u8]) -> Option<sys::ncclUniqueId> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {
+        assert!(check_elements(1024, DType::F32, 1024, DType::F32).is_ok());
+        assert!(check_elements(8, DType::BF16, 8, DType::BF16).is_ok());
+        let e = check_elements(1023, DType::F32, 1024, DType::F32).unwrap_err();
+        assert!(e.contains("1023 elements, the bucket plan 1024"), "{e}");
+        let e = check_elements(8, DType::F32, 8, DType::F16).unwrap_err();
+        assert!(e.contains("F32"), "{e}");
+    }
 
     #[test]
     fn a_bucket_must_fit_its_device_buffer() {

@@ -110,10 +110,8 @@ impl HostSync {
             let mut stale = Vec::new();
             self.collect(&mut stale)?;
         }
-        let buckets = plan
-            .buckets
-            .iter()
-            .map(|(slots, len)| Some(vec![0.0f32; len + slots.len()]))
+        let buckets = (0..plan.buckets.len())
+            .map(|b| Some(vec![0.0f32; plan.buffer_len(b)]))
             .collect();
         Ok(HostStep {
             missing: plan.buckets.iter().map(|(s, _)| s.len()).collect(),
@@ -234,7 +232,7 @@ impl<K> HostStep<'_, K> {
                     got: v.len(),
                 });
             }
-            let flag = self.plan.buckets[s.bucket].1 + s.position;
+            let flag = self.plan.flag_index(slot);
             if let Some(bucket) = self.buckets[s.bucket].as_mut() {
                 bucket[s.offset..s.offset + v.len()].copy_from_slice(v);
                 bucket[flag] = 1.0;
@@ -302,10 +300,8 @@ impl<K> HostStep<'_, K> {
             .plan
             .slots
             .iter()
-            .map(|s| {
-                let flag = self.plan.buckets[s.bucket].1 + s.position;
-                (s.bucket, s.offset, s.info.numel, flag)
-            })
+            .enumerate()
+            .map(|(i, s)| (s.bucket, s.offset, s.info.numel, self.plan.flag_index(i)))
             .collect();
         Ok(Reduced {
             buckets: values,

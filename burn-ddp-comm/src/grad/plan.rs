@@ -84,6 +84,23 @@ impl<K> Default for BucketPlan<K> {
     }
 }
 
+impl<K> BucketPlan<K> {
+    /// The length of bucket `bucket`'s buffer on the wire: its values, then one presence flag
+    /// per parameter (1 where a rank has the parameter's gradient), reduced with them, so every
+    /// rank learns which parameters some rank had a gradient for.
+    pub fn buffer_len(&self, bucket: usize) -> usize {
+        let (slots, len) = &self.buckets[bucket];
+        len + slots.len()
+    }
+
+    /// Where slot `slot`'s presence flag is in its bucket's buffer (see
+    /// [`BucketPlan::buffer_len`]).
+    pub fn flag_index(&self, slot: usize) -> usize {
+        let s = &self.slots[slot];
+        self.buckets[s.bucket].1 + s.position
+    }
+}
+
 impl<K: Hash + Eq> BucketPlan<K> {
     /// The plan of `params` (in visit order) under `config`'s caps, filled in `order`.
     pub fn build(params: Vec<(ParamInfo, K)>, config: &DdpConfig, order: BucketOrder) -> Self {

@@ -45,7 +45,7 @@ use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
 use crate::group::Rank;
 use crate::{DdpError, Result};
-use burn_ddp_comm::cuda::{check_span, NcclComm};
+use burn_ddp_comm::cuda::{check_elements, check_span, NcclComm};
 use burn_ddp_comm::grad::{InFlight, Launcher as Thread};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -160,23 +160,6 @@ fn pin(
 // it is never dereferenced, only dropped, which cubecl allows from any thread (its server
 // processes the release).
 unsafe impl Send for Pinned {}
-
-/// Checks that a tensor of `numel` elements of Burn type `burn` is a bucket of `count` elements
-/// of Burn type `want`.
-pub(crate) fn check_elements(
-    numel: usize,
-    burn: BurnDType,
-    count: usize,
-    want: BurnDType,
-) -> std::result::Result<(), String> {
-    if numel != count {
-        return Err(format!("it has {numel} elements, the bucket plan {count}"));
-    }
-    if burn != want {
-        return Err(format!("its elements are {burn:?}, the bucket's {want:?}"));
-    }
-    Ok(())
-}
 
 /// The bucket element type for a compression setting.
 pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
@@ -519,16 +502,6 @@ fn float_dtype(d: BurnDType) -> burn_backend::FloatDType {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_bucket_tensor_must_match_the_plan_in_count_and_type() {
-        assert!(check_elements(1024, BurnDType::F32, 1024, BurnDType::F32).is_ok());
-        assert!(check_elements(8, BurnDType::BF16, 8, BurnDType::BF16).is_ok());
-        let e = check_elements(1023, BurnDType::F32, 1024, BurnDType::F32).unwrap_err();
-        assert!(e.contains("1023 elements, the bucket plan 1024"), "{e}");
-        let e = check_elements(8, BurnDType::F32, 8, BurnDType::F16).unwrap_err();
-        assert!(e.contains("F32"), "{e}");
-    }
 
     #[test]
     fn cuda_devices_give_their_ordinal_and_others_none() {

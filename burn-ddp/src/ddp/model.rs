@@ -371,7 +371,7 @@ impl DdpSession {
         }
         let mut register = Register::<B> {
             grads: &mut grads,
-            foreign: foreign.into_iter().map(|f| (f.id, f)).collect(),
+            foreign,
             _b: PhantomData,
         };
         model.visit(&mut register);

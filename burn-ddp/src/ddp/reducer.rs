@@ -42,7 +42,7 @@ pub(crate) fn plan(params: Vec<(ParamInfo, DistributedParamId)>, config: &DdpCon
 /// [`DdpSession::complete`](crate::DdpSession::complete) registers it.
 #[derive(Debug)]
 pub(crate) struct Foreign {
-    pub(crate) id: DistributedParamId,
+    slot: usize,
     pub(crate) name: String,
     pub(crate) values: ForeignValues,
 }
@@ -387,9 +387,19 @@ impl Reducer {
         self.foreign.iter().map(|f| f.name.clone()).collect()
     }
 
-    /// Takes the averaged gradients of the last backward's [`Foreign`] parameters.
-    pub(crate) fn take_foreign(&mut self) -> Vec<Foreign> {
-        std::mem::take(&mut self.foreign)
+    /// Takes the averaged gradients of the last backward's [`Foreign`] parameters, by
+    /// parameter id.
+    pub(crate) fn take_foreign(&mut self) -> HashMap<DistributedParamId, Foreign> {
+        let foreign = std::mem::take(&mut self.foreign);
+        let Some(plan) = self.plan.as_ref().filter(|_| !foreign.is_empty()) else {
+            return HashMap::new();
+        };
+        let ids: HashMap<usize, DistributedParamId> =
+            plan.by_id.iter().map(|(id, &slot)| (slot, *id)).collect();
+        foreign
+            .into_iter()
+            .filter_map(|f| Some((*ids.get(&f.slot)?, f)))
+            .collect()
     }
 
     /// Whether a backward pass should be synchronised now. At world size 1 the average is the
@@ -458,11 +468,10 @@ impl Reducer {
         let buckets = match device_buckets {
             Some(b) => b,
             None => {
-                // Values, then one presence flag per parameter (1 where this rank has its
-                // gradient), reduced with them: every rank learns which parameters some rank had.
+                // Values, then the presence flags (`BucketPlan::buffer_len`).
                 let mut buffers = Vec::with_capacity(n);
-                for (slots, len) in &plan.buckets {
-                    let size = len + slots.len();
+                for bucket in 0..n {
+                    let size = plan.buffer_len(bucket);
                     let mut b = self
                         .spare
                         .iter()
@@ -513,7 +522,7 @@ impl Reducer {
             if let Buckets::Host(host) = &mut step.buckets {
                 if let Some(buf) = host.buffers[s.bucket].as_mut() {
                     buf[s.offset..s.offset + values.len()].copy_from_slice(values);
-                    buf[plan.buckets[s.bucket].1 + s.position] = 1.0;
+                    buf[plan.flag_index(slot)] = 1.0;
                 }
             }
         }
@@ -649,21 +658,18 @@ impl Reducer {
         ) else {
             return Ok(Vec::new());
         };
-        let slots = plan.slots.iter().enumerate().map(|(i, s)| {
-            let flag = plan.buckets[s.bucket].1 + s.position;
-            (i, s.bucket, s.offset, s.info.numel, flag)
-        });
+        let slots = plan
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel, plan.flag_index(i)));
         let (reduced, foreign) = dev.finish(comm, launcher, wait, slots)?;
-        let ids: HashMap<usize, DistributedParamId> =
-            plan.by_id.iter().map(|(id, &slot)| (slot, *id)).collect();
         let foreign = foreign
             .into_iter()
-            .filter_map(|(slot, t)| {
-                Some(Foreign {
-                    id: *ids.get(&slot)?,
-                    name: plan.slots[slot].info.name.clone(),
-                    values: ForeignValues::Device(Box::new(t)),
-                })
+            .map(|(slot, t)| Foreign {
+                slot,
+                name: plan.slots[slot].info.name.clone(),
+                values: ForeignValues::Device(Box::new(t)),
             })
             .collect();
         let reduced = reduced
@@ -708,8 +714,6 @@ impl Reducer {
         };
         let mut out = Vec::new();
         self.foreign.clear();
-        let ids: HashMap<usize, DistributedParamId> =
-            plan.by_id.iter().map(|(id, &slot)| (slot, *id)).collect();
         for (i, slot) in plan.slots.iter().enumerate() {
             let Some(bucket) = host.results[slot.bucket].as_ref() else {
                 continue;
@@ -718,10 +722,9 @@ impl Reducer {
             match origin[i] {
                 Some(origin) => out.push((origin, values.to_vec())),
                 None => {
-                    let flag = bucket[plan.buckets[slot.bucket].1 + slot.position];
-                    if let (true, Some(&id)) = (flag != 0.0, ids.get(&i)) {
+                    if bucket[plan.flag_index(i)] != 0.0 {
                         self.foreign.push(Foreign {
-                            id,
+                            slot: i,
                             name: slot.info.name.clone(),
                             values: ForeignValues::Host(values.to_vec()),
                         });
