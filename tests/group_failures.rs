@@ -99,6 +99,11 @@ fn rank_panics_between_collectives() {
 fn rank_never_arrives_at_rendezvous() {
     const NAME: &str = "rank_never_arrives_at_rendezvous";
     if common::is_child(NAME) {
+        // The warnings of the wait, on stderr for the parent to read.
+        let _ = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .try_init();
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         match err {
@@ -117,6 +122,16 @@ fn rank_never_arrives_at_rendezvous() {
         .run();
     out.assert_all_ok();
     assert_fast(&out, Duration::from_secs(20));
+    // While they wait, the ranks say who is missing (every second for a 3 s wait).
+    for o in &out.0 {
+        assert!(
+            o.output
+                .contains("waiting for rank(s) [2] to join the job at 127.0.0.1:"),
+            "rank {} never said whom it waits for:\n{}",
+            o.rank,
+            out.report()
+        );
+    }
 }
 
 #[test]
@@ -241,12 +256,19 @@ fn world_size_mismatch() {
         }
         return;
     }
-    let out = Job::new(2, NAME)
-        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
-        .rank_env(1, "WORLD_SIZE", 3)
-        .run();
-    out.assert_all_ok();
-    assert_fast(&out, Duration::from_secs(20));
+    // With the launcher's job token, and without one (the token derived from the master
+    // address must not turn the mismatch into a token mismatch).
+    for token in [true, false] {
+        let mut job = Job::new(2, NAME)
+            .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
+            .rank_env(1, "WORLD_SIZE", 3);
+        if !token {
+            job = job.unset("BURN_DDP_JOB_TOKEN");
+        }
+        let out = job.run();
+        out.assert_all_ok();
+        assert_fast(&out, Duration::from_secs(20));
+    }
 }
 
 #[test]
@@ -274,6 +296,8 @@ fn port_already_in_use_by_another_job() {
         let text = show(&err);
         if rank() == 0 {
             assert!(matches!(err, DdpError::PortInUse { .. }), "{text}");
+            // The port came from BURN_DDP_STORE_PORT, not MASTER_PORT: the error says so.
+            assert!(text.contains("(BURN_DDP_STORE_PORT="), "{text}");
         } else {
             // Rank 1 reaches the other job's store, which does not hold this job's token.
             assert!(matches!(err, DdpError::TokenMismatch { .. }), "{text}");
@@ -301,7 +325,7 @@ fn port_already_in_use_by_another_job() {
     }
     let started = Instant::now();
     let out = Job::new(2, NAME)
-        .master_port(port)
+        .env("BURN_DDP_STORE_PORT", port)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "5")
         .run();
     out.assert_all_ok();
@@ -418,6 +442,53 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
         return;
     }
     run_with_rank_1_frozen(NAME);
+}
+
+/// Rank 0 freezes (SIGSTOP), and with it the store it serves: the other ranks judge its silence
+/// by the same heartbeat bound as any rank's, and name it, although the store cannot carry the
+/// news (a store request that would hang is bounded by the heartbeat's check interval).
+#[test]
+fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
+    const NAME: &str = "frozen_rank_0_is_reported_within_the_heartbeat_bound";
+    if common::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let mut x = vec![1.0f32; 1024];
+        pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        let me = rustix::process::getpid();
+        let mut pid = [i64::from(me.as_raw_nonzero().get())];
+        pg.broadcast(&mut pid, Rank(0)).unwrap();
+        if pg.rank() == Rank(0) {
+            let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+        let started = Instant::now();
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let took = started.elapsed();
+        let text = show(&err);
+        match &err {
+            DdpError::RankUnresponsive { culprit, .. } => {
+                assert_eq!(*culprit, Rank(0), "{text}");
+                assert!(text.contains("stopped answering"), "{text}");
+            }
+            other => panic!("unexpected: {other}"),
+        }
+        // The bound (3 s) plus two checks of the heartbeat (each a 0.6 s wait and store
+        // requests of at most 0.3 s): 4.8 s, and a margin for a loaded machine.
+        assert!(took < Duration::from_secs(6), "took {took:?}: {text}");
+        let pid = rustix::process::Pid::from_raw(pid[0] as i32).unwrap();
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        return;
+    }
+    let out = Job::new(3, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_STALL_TIMEOUT", "600")
+        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
+        .timeout(Duration::from_secs(60))
+        .run();
+    assert!(!out.rank(0).ok(), "{}", out.report());
+    assert!(out.rank(1).ok() && out.rank(2).ok(), "{}", out.report());
 }
 
 /// Joins the 3-rank job and completes one all-reduce; then rank 1 freezes itself (SIGSTOP: a hung

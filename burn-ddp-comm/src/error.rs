@@ -74,11 +74,20 @@ pub enum DdpError {
         reason: &'static str,
     },
 
+    /// An option of a tool (the bandwidth tool's) is out of its valid range.
+    #[error("invalid option {option}: {reason}")]
+    InvalidOption {
+        /// The option.
+        option: &'static str,
+        /// What is wrong with its value, and what is accepted.
+        reason: String,
+    },
+
     // === Rendezvous ===
     /// Rank 0 cannot serve the store because the port is taken.
     #[error(
-        "[rank {rank}] cannot serve the rendezvous store on {addr}: the port is already in use \
-         (another job, or an earlier run still shutting down). Pick another MASTER_PORT \
+        "[rank {rank}] cannot serve the rendezvous store on {addr}{origin}: the port is already \
+         in use (another job, or an earlier run still shutting down). Pick another MASTER_PORT \
          (or `burn-ddp run --standalone`) or stop the other job"
     )]
     PortInUse {
@@ -86,6 +95,8 @@ pub enum DdpError {
         rank: Rank,
         /// The address it tried to bind.
         addr: SocketAddr,
+        /// Where the port came from, when not `MASTER_PORT` itself (` (…)`, or empty).
+        origin: String,
     },
 
     /// Rank 0 cannot bind the store address for another reason.

@@ -107,6 +107,7 @@ pub struct Job {
     timeout: Duration,
     env: Vec<(String, String)>,
     per_rank: HashMap<u32, Vec<(String, String)>>,
+    unset: Vec<String>,
     skip: Vec<u32>,
     master_port: Option<u16>,
     /// The test function the children run, when it is not `test` itself.
@@ -122,6 +123,7 @@ impl Job {
             timeout: Duration::from_secs(120),
             env: vec![("RUST_BACKTRACE".into(), "0".into())],
             per_rank: HashMap::new(),
+            unset: Vec::new(),
             skip: Vec::new(),
             master_port: None,
             function: None,
@@ -147,6 +149,13 @@ impl Job {
             .entry(rank)
             .or_default()
             .push((k.into(), v.to_string()));
+        self
+    }
+
+    /// Removes a variable the launcher would set (every rank).
+    #[allow(dead_code)]
+    pub fn unset(mut self, k: &str) -> Self {
+        self.unset.push(k.into());
         self
     }
 
@@ -212,6 +221,9 @@ impl Job {
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            for k in &self.unset {
+                cmd.env_remove(k);
+            }
             let mut child = cmd.spawn().expect("spawn test child");
             let mut out = child.stdout.take().expect("stdout");
             let mut err = child.stderr.take().expect("stderr");

@@ -11,6 +11,7 @@
 //! The typed, user-facing API is on [`ProcessGroup`](crate::ProcessGroup).
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::types::{CollectiveSeq, Rank, WorldSize};
 use crate::Result;
@@ -92,6 +93,8 @@ pub(crate) trait PeerWatch: Send + Sync + fmt::Debug {
     fn leave(&self, seq: CollectiveSeq, ok: bool);
     /// Why the watch stopped this rank's collectives, if it did.
     fn verdict(&self) -> Option<Verdict>;
+    /// How long after a peer falls silent the watch reaches its verdict, at most.
+    fn bound(&self) -> Duration;
 }
 
 /// Why a [`PeerWatch`] stopped this rank's collectives: the rank at fault, as its heartbeat showed.

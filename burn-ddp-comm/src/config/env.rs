@@ -254,8 +254,12 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                 expected: "a TCP port number (1-65535)",
             })
     };
+    let mut port_origin = None;
     let port = match (get(STORE_PORT), get(MASTER_PORT)) {
-        (Some(v), _) => parse_port(STORE_PORT, v)?,
+        (Some(v), _) => {
+            port_origin = Some(format!("{STORE_PORT}={v}"));
+            parse_port(STORE_PORT, v)?
+        }
         (None, None) => DEFAULT_MASTER_PORT,
         (None, Some(v)) => {
             let port = parse_port(MASTER_PORT, v.clone())?;
@@ -264,6 +268,10 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             let agent_store =
                 get("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
             if agent_store {
+                port_origin = Some(format!(
+                    "MASTER_PORT + 1: under torchrun its agent serves its own store on \
+                     MASTER_PORT={port}; set {STORE_PORT} to choose another port"
+                ));
                 port.checked_add(1).ok_or(DdpError::InvalidEnv {
                     var: MASTER_PORT,
                     value: v,
@@ -275,12 +283,13 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         }
     };
     let master = MasterAddr::new(host, port);
-    let token = token(&get, &master, world);
+    let token = token(&get, &master);
     let mut cfg = GroupConfig::new(rank, world, token)
         .with_master(master)
         .with_local(local_rank, local_world)
         .with_timeouts(timeouts)
         .with_restart_count(restart_count_from(&get));
+    cfg.port_origin = port_origin;
     cfg.debug_desync = get(DEBUG_DESYNC)
         .is_some()
         .then(|| debug_desync_from(&get))
@@ -362,7 +371,7 @@ pub(crate) fn first_host(list: &str) -> Option<String> {
     }
 }
 
-fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr, world: WorldSize) -> JobToken {
+fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr) -> JobToken {
     if let Some(t) = get(JOB_TOKEN) {
         return JobToken::new(t);
     }
@@ -373,10 +382,11 @@ fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr, world: Worl
         let step = get("SLURM_STEP_ID").unwrap_or_default();
         return JobToken::new(format!("slurm:{job}.{step}"));
     }
-    // No secret was provided: this still keeps two jobs of different shapes apart, but anyone
-    // who can guess the address and world size can join. `burn-ddp run` always sets a token.
+    // No secret was provided: anyone who can guess the address can join. `burn-ddp run`
+    // always sets a token. The world size is not part of it: a rank started with another one
+    // must be told that (WorldSizeMismatch), not that its token differs.
     tracing::debug!("no {JOB_TOKEN} set; using a token derived from the master address");
-    JobToken::new(format!("burn-ddp:{master}:{world}"))
+    JobToken::new(format!("burn-ddp:{master}"))
 }
 
 fn parse_u32(
@@ -503,10 +513,23 @@ mod tests {
         ];
         let cfg = group_config_from(env(&vars)).unwrap();
         assert_eq!(cfg.master, MasterAddr::new("localhost", 33492));
+        // Said when that port is taken.
+        let origin = cfg.port_origin.unwrap();
+        assert!(
+            origin.contains("MASTER_PORT + 1") && origin.contains("MASTER_PORT=33491"),
+            "{origin}"
+        );
         let mut with_override = vars.to_vec();
         with_override.push(("BURN_DDP_STORE_PORT", "40000"));
         let cfg = group_config_from(env(&with_override)).unwrap();
         assert_eq!(cfg.master, MasterAddr::new("localhost", 40000));
+        assert_eq!(
+            cfg.port_origin.as_deref(),
+            Some("BURN_DDP_STORE_PORT=40000")
+        );
+        // Without torchrun's agent store the port is MASTER_PORT itself.
+        let cfg = group_config_from(env(&vars[..5])).unwrap();
+        assert_eq!(cfg.port_origin, None);
     }
 
     #[test]

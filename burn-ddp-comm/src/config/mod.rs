@@ -180,6 +180,9 @@ pub struct GroupConfig {
     /// from `BURN_DDP_RESTART_COUNT` (or torchrun's `TORCHELASTIC_RESTART_COUNT`) by
     /// [`env::group_config_from_env`].
     pub restart_count: u32,
+    /// Where the store's port came from, when it is not `MASTER_PORT` itself (said in the
+    /// error when the port is taken).
+    pub port_origin: Option<String>,
 }
 
 impl GroupConfig {
@@ -195,6 +198,7 @@ impl GroupConfig {
             timeouts: Timeouts::default(),
             debug_desync: None,
             restart_count: 0,
+            port_origin: None,
         }
     }
 

@@ -174,6 +174,8 @@ struct Bounds {
 pub(crate) struct Heartbeat {
     progress: Arc<Progress>,
     watcher: Watcher,
+    /// The silence bound plus two checks, each at most an interval and two store requests.
+    bound: Duration,
 }
 
 impl Heartbeat {
@@ -191,24 +193,29 @@ impl Heartbeat {
         stopper: LinkStopper,
     ) -> Option<Self> {
         let master = MasterAddr::new(store.addr().ip().to_string(), store.addr().port());
-        match StoreClient::connect(
-            &master,
-            Purpose::StoreAux,
+        let bounds = Bounds {
+            silence: timeouts.heartbeat,
+            stall: timeouts.stall,
+        };
+        let link = AuxLink {
+            master,
             rank,
             world,
-            token,
-            timeouts.heartbeat,
-            deadline,
-        ) {
+            token: token.clone(),
+            // A quarter of the check interval per store request (a live store answers in
+            // milliseconds): a check stays short when the store falls silent.
+            io: (bounds.interval() / 4).max(Duration::from_millis(100)),
+        };
+        match link.connect(deadline) {
             Ok(aux) => {
                 let progress = Arc::new(Progress::new());
-                let bounds = Bounds {
-                    silence: timeouts.heartbeat,
-                    stall: timeouts.stall,
-                };
-                let watcher =
-                    Watcher::start(aux, rank, world, bounds, Arc::clone(&progress), stopper);
-                Some(Self { progress, watcher })
+                let bound = bounds.silence + 2 * (bounds.interval() + 2 * link.io);
+                let watcher = Watcher::start(aux, link, bounds, Arc::clone(&progress), stopper);
+                Some(Self {
+                    progress,
+                    watcher,
+                    bound,
+                })
             }
             Err(e) => {
                 tracing::warn!(
@@ -238,11 +245,42 @@ impl PeerWatch for Heartbeat {
     fn verdict(&self) -> Option<Verdict> {
         self.watcher.verdict()
     }
+
+    fn bound(&self) -> Duration {
+        self.bound
+    }
 }
 
 impl Bounds {
     fn interval(&self) -> Duration {
         (self.silence.min(self.stall) / 5).clamp(Duration::from_millis(50), Duration::from_secs(2))
+    }
+}
+
+/// How the watcher reaches the store: its own connection, whose every request is bounded by
+/// the check interval (not by the store timeout), so that a silent store (rank 0 frozen) is
+/// judged on time; a connection left out of step by a late reply is replaced.
+#[derive(Debug, Clone)]
+struct AuxLink {
+    master: MasterAddr,
+    rank: Rank,
+    world: WorldSize,
+    token: JobToken,
+    io: Duration,
+}
+
+impl AuxLink {
+    fn connect(&self, deadline: Instant) -> crate::Result<StoreClient> {
+        StoreClient::connect(
+            &self.master,
+            Purpose::StoreAux,
+            self.rank,
+            self.world,
+            &self.token,
+            self.io,
+            deadline,
+        )
+        .map(|c| c.with_reply_slack(self.io))
     }
 }
 
@@ -259,12 +297,12 @@ impl Watcher {
     /// collectives, which ends the one in progress at once.
     fn start(
         store: StoreClient,
-        rank: Rank,
-        world: WorldSize,
+        link: AuxLink,
         bounds: Bounds,
         progress: Arc<Progress>,
         stopper: LinkStopper,
     ) -> Self {
+        let (rank, world) = (link.rank, link.world);
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let verdict = Arc::new(Mutex::new(None));
         let thread = {
@@ -275,6 +313,7 @@ impl Watcher {
                 .spawn(move || {
                     let mut watch = Watch {
                         store,
+                        link,
                         rank,
                         world,
                         bounds,
@@ -294,16 +333,20 @@ impl Watcher {
                                 v.what
                             );
                             // Published before the links close, so that the ranks that see
-                            // them close find the culprit in the store, not this rank.
-                            let _ = watch.store.abort(AbortRecord {
-                                reporter: rank,
-                                culprit: Some(v.culprit),
-                                collective: None,
-                                reason: format!(
-                                    "rank {} (host {}) {}; its last completed collective was #{}",
-                                    v.culprit, v.host, v.what, v.last_completed.0
-                                ),
-                            });
+                            // them close find the culprit in the store, not this rank. Not when
+                            // the culprit is rank 0: its store went with it.
+                            if v.culprit != Rank(0) {
+                                let _ = watch.store.abort(AbortRecord {
+                                    reporter: rank,
+                                    culprit: Some(v.culprit),
+                                    collective: None,
+                                    reason: format!(
+                                        "rank {} (host {}) {}; its last completed collective \
+                                         was #{}",
+                                        v.culprit, v.host, v.what, v.last_completed.0
+                                    ),
+                                });
+                            }
                             *verdict.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
                             stopper.stop();
                             return;
@@ -347,6 +390,7 @@ impl Drop for Watcher {
 
 struct Watch {
     store: StoreClient,
+    link: AuxLink,
     rank: Rank,
     world: WorldSize,
     bounds: Bounds,
@@ -367,6 +411,13 @@ impl Watch {
             entered: self.progress.entered.load(Ordering::SeqCst),
             host: self.host.clone(),
         };
+        if self.store.is_broken() {
+            // One attempt per check, bounded by the check interval.
+            match self.link.connect(Instant::now() + self.link.io) {
+                Ok(store) => self.store = store,
+                Err(e) => tracing::debug!("[rank {}] heartbeat: reconnecting: {e}", self.rank),
+            }
+        }
         let now = Instant::now();
         if self.store.set(&key(self.rank), &mine.encode()).is_ok() {
             self.store_ok = now;

@@ -2,7 +2,7 @@
 //! joined, then opens the transport.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{AbortRecord, Rank, RankList};
 use crate::config::GroupConfig;
@@ -40,12 +40,15 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
     let started = Instant::now();
     let server = if cfg.rank.is_zero() {
         let addr = resolve_bind(&cfg.master, cfg.rank)?;
-        Some(StoreServer::bind(
-            addr,
-            cfg.rank,
-            cfg.world_size,
-            cfg.token.clone(),
-        )?)
+        let served = StoreServer::bind(addr, cfg.rank, cfg.world_size, cfg.token.clone());
+        Some(served.map_err(|e| match (e, &cfg.port_origin) {
+            (DdpError::PortInUse { rank, addr, .. }, Some(from)) => DdpError::PortInUse {
+                rank,
+                addr,
+                origin: format!(" ({from})"),
+            },
+            (e, _) => e,
+        })?)
     } else {
         None
     };
@@ -59,29 +62,55 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
         deadline,
     )?;
     let keys: Vec<String> = cfg.world_size.ranks().map(protocol::joined_key).collect();
-    let left = deadline.saturating_duration_since(Instant::now());
-    match client.wait(&keys, left)? {
+    let missing_ranks = |missing: &[String]| -> Vec<Rank> {
+        cfg.world_size
+            .ranks()
+            .filter(|r| missing.contains(&protocol::joined_key(*r)))
+            .collect()
+    };
+    let refused_note = || {
+        let refusals = client.refusals().unwrap_or_default();
+        if refusals.is_empty() {
+            String::new()
+        } else {
+            let list: Vec<String> = refusals
+                .iter()
+                .map(|(addr, why)| format!("{addr}: {why}"))
+                .collect();
+            format!(
+                "; the store refused {} connection(s) ({})",
+                refusals.len(),
+                list.join("; ")
+            )
+        }
+    };
+    // Who is still missing is said at intervals (a quarter of the wait, 1 s to 30 s), as
+    // torchrun does, instead of silence until the deadline.
+    let every = (deadline.saturating_duration_since(started) / 4)
+        .clamp(Duration::from_secs(1), Duration::from_secs(30));
+    let outcome = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match client.wait(&keys, left.min(every))? {
+            WaitOutcome::Missing(missing) if left > every => tracing::warn!(
+                "[rank {}] waiting for rank(s) {} to join the job at {} ({} of {} joined after \
+                 {:.0?}; giving up in {:.0?}){}",
+                cfg.rank,
+                RankList(missing_ranks(&missing)),
+                cfg.master,
+                keys.len() - missing.len(),
+                cfg.world_size,
+                started.elapsed(),
+                deadline.saturating_duration_since(Instant::now()),
+                refused_note()
+            ),
+            outcome => break outcome,
+        }
+    };
+    match outcome {
         WaitOutcome::Ready => {}
         WaitOutcome::Missing(missing) => {
-            let missing: Vec<Rank> = cfg
-                .world_size
-                .ranks()
-                .filter(|r| missing.contains(&protocol::joined_key(*r)))
-                .collect();
-            let refusals = client.refusals().unwrap_or_default();
-            let refused_note = if refusals.is_empty() {
-                String::new()
-            } else {
-                let list: Vec<String> = refusals
-                    .iter()
-                    .map(|(addr, why)| format!("{addr}: {why}"))
-                    .collect();
-                format!(
-                    "; the store refused {} connection(s) ({})",
-                    refusals.len(),
-                    list.join("; ")
-                )
-            };
+            let missing = missing_ranks(&missing);
+            let refused_note = refused_note();
             let culprit = missing.first().copied();
             let err = DdpError::RendezvousTimeout {
                 rank: cfg.rank,

@@ -70,6 +70,17 @@ pub enum BenchDType {
     I64,
 }
 
+impl BenchDType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F16 | Self::BF16 => 2,
+            Self::F32 | Self::I32 => 4,
+            Self::F64 | Self::I64 => 8,
+        }
+    }
+}
+
 /// One line of the result table.
 #[derive(Debug, Clone, Copy)]
 pub struct BenchRow {
@@ -130,6 +141,79 @@ fn expected(op: ReduceOp, world: u32, i: usize, integer: bool) -> f64 {
         }
         ReduceOp::Max => base * w,
         ReduceOp::Min => base,
+    }
+}
+
+/// The largest message the tool measures over the host transport: each rank holds one buffer
+/// of it (and the reference link two), so every accepted size runs in seconds, not minutes.
+pub const MAX_HOST_BYTES: usize = 1 << 30;
+/// The largest message over NCCL (one buffer of it on each GPU).
+pub const MAX_NCCL_BYTES: usize = 8 << 30;
+/// The longest measuring time per size.
+pub const MAX_TARGET: Duration = Duration::from_secs(10);
+
+impl AllReduceBench {
+    /// Checks the options: sizes from at least one element up to the transport's limit, the
+    /// smallest not above the largest, a step factor of at least 2 (so the sweep ends), a
+    /// measuring time from 1 ms to [`MAX_TARGET`].
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidOption`] naming the option, its value and what is accepted.
+    pub fn check(&self) -> Result<()> {
+        let bad = |option, reason: String| Err(DdpError::InvalidOption { option, reason });
+        let elem = self.dtype.size();
+        let (limit, transport) = if self.nccl {
+            (MAX_NCCL_BYTES, "NCCL")
+        } else {
+            (MAX_HOST_BYTES, "the host transport")
+        };
+        if self.max_bytes < elem {
+            return bad(
+                "--max-bytes",
+                format!(
+                    "{} bytes is less than one {:?} element ({elem} bytes)",
+                    self.max_bytes, self.dtype
+                ),
+            );
+        }
+        if self.max_bytes > limit {
+            return bad(
+                "--max-bytes",
+                format!(
+                    "{} bytes is above the {} bytes this tool measures over {transport}",
+                    self.max_bytes, limit
+                ),
+            );
+        }
+        if self.min_bytes > self.max_bytes {
+            return bad(
+                "--min-bytes",
+                format!(
+                    "{} bytes is above --max-bytes ({} bytes)",
+                    self.min_bytes, self.max_bytes
+                ),
+            );
+        }
+        if self.step_factor < 2 {
+            return bad(
+                "--step-factor",
+                format!(
+                    "{} would never reach --max-bytes: use 2 or more",
+                    self.step_factor
+                ),
+            );
+        }
+        if self.target.is_zero() || self.target > MAX_TARGET {
+            return bad(
+                "--target-ms",
+                format!(
+                    "{} ms is outside 1 ms to {} ms",
+                    self.target.as_millis(),
+                    MAX_TARGET.as_millis()
+                ),
+            );
+        }
+        Ok(())
     }
 }
 
@@ -555,8 +639,9 @@ fn compare<T: BenchElem>(
 /// Runs the benchmark as one rank of the job in the environment and prints the table on rank 0.
 ///
 /// # Errors
-/// Any collective or setup error.
+/// Options out of range ([`AllReduceBench::check`]), any collective or setup error.
 pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
+    opts.check()?;
     let pg = ProcessGroup::from_env()?;
     if opts.nccl {
         return run_nccl(&pg, opts);

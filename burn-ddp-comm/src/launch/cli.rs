@@ -99,15 +99,15 @@ enum OpArg {
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Local ranks to start (ignored when RANK is set: then this process is one rank of a job).
-    #[arg(long, short = 'n', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, short = 'n', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=256))]
     nproc: u32,
     /// Smallest message size (bytes; K, M, G suffixes).
     #[arg(long, short = 'b', default_value = "1K", value_parser = parse_size)]
     min_bytes: usize,
-    /// Largest message size.
+    /// Largest message size (at most 1G over the host transport, 8G over NCCL).
     #[arg(long, short = 'e', default_value = "256M", value_parser = parse_size)]
     max_bytes: usize,
-    /// Multiplier between sizes.
+    /// Multiplier between sizes (2 or more).
     #[arg(long, short = 'f', default_value_t = 2)]
     step_factor: usize,
     /// Element type.
@@ -116,7 +116,7 @@ pub struct BenchArgs {
     /// Reduce operation.
     #[arg(long, short = 'o', value_enum, default_value = "sum")]
     op: OpArg,
-    /// Milliseconds of measurement per size.
+    /// Milliseconds of measurement per size (1 to 10000).
     #[arg(long, default_value_t = 400)]
     target_ms: u64,
     /// Skip the single-stream TCP measurement.
@@ -171,6 +171,7 @@ pub fn init_logging() {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();
@@ -279,6 +280,8 @@ fn bench(args: BenchArgs) -> Result<ExitCode> {
         skip_loopback: args.no_loopback,
         nccl: matches!(args.transport, TransportArg::Nccl),
     };
+    // Refused here, before any rank starts.
+    opts.check()?;
     if super::env::rank_is_set() {
         super::bench::run_worker(&opts)?;
         return Ok(ExitCode::SUCCESS);

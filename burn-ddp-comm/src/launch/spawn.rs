@@ -353,6 +353,8 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
             for r in running.iter_mut().filter(|r| r.exit.is_none()) {
                 r.stopped = true;
                 signal(&r.child, rustix::process::Signal::TERM);
+                // A rank frozen by SIGSTOP acts on the SIGTERM only once continued.
+                signal(&r.child, rustix::process::Signal::CONT);
             }
             term_sent = Some(Instant::now());
         }
@@ -365,6 +367,12 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
             }
         }
         thread::sleep(Duration::from_millis(100));
+    }
+    if job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) && failure.is_some() {
+        // Ctrl-C reaches the ranks too (one process group), and they may die of it before
+        // this loop sees the flag: the job was interrupted, not failed (which a launcher with
+        // restarts left would answer by restarting).
+        failure = Some(DdpError::Interrupted);
     }
     if failure.is_none() {
         if let Some(limit) = job.deadline.filter(|d| started.elapsed() > *d) {

@@ -183,13 +183,42 @@ pub(crate) struct ClientHello {
     pub world: WorldSize,
 }
 
-/// Sets the socket timeouts so that no read or write outlives `deadline`.
-fn arm(stream: &TcpStream, deadline: Instant) -> io::Result<()> {
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
-    stream.set_read_timeout(Some(left))?;
-    stream.set_write_timeout(Some(left))
+/// The stream of a handshake: every read and write is bounded by what is left of one deadline
+/// for the whole handshake, so a peer that trickles its bytes cannot stretch it.
+struct Deadlined<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl Deadlined<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the handshake's deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl io::Read for Deadlined<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.stream.set_read_timeout(Some(self.left()?))?;
+        io::Read::read(&mut &*self.stream, buf)
+    }
+}
+
+impl io::Write for Deadlined<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.set_write_timeout(Some(self.left()?))?;
+        io::Write::write(&mut &*self.stream, buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        io::Write::flush(&mut &*self.stream)
+    }
 }
 
 fn client_error(rank: Rank, peer: SocketAddr, e: FrameError) -> DdpError {
@@ -220,17 +249,20 @@ pub(crate) fn client_handshake(
     deadline: Instant,
 ) -> Result<()> {
     let peer = stream.peer_addr()?;
-    arm(stream, deadline)?;
+    let mut io = Deadlined {
+        stream: &*stream,
+        deadline,
+    };
     let nonce_c = nonce();
     let mut w = Writer::new();
     w.u8(purpose as u8)
         .raw(&nonce_c)
         .u32(rank.0)
         .u32(world.get());
-    wire::write_frame(stream, HELLO, &w.finish())?;
+    wire::write_frame(&mut io, HELLO, &w.finish())?;
 
     let (kind, payload) =
-        wire::read_frame(stream, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
+        wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
     if kind == REFUSE {
         return Err(refusal(rank, world, peer, &payload));
     }
@@ -254,7 +286,7 @@ pub(crate) fn client_handshake(
         .is_err()
     {
         // Tell the server why we hang up, so that it can report the stranger precisely.
-        let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+        let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
         return Err(DdpError::TokenMismatch { rank, peer });
     }
     let proof = mac(
@@ -270,10 +302,10 @@ pub(crate) fn client_handshake(
     )
     .finalize()
     .into_bytes();
-    wire::write_frame(stream, PROOF, &proof)?;
+    wire::write_frame(&mut io, PROOF, &proof)?;
 
     let (kind, payload) =
-        wire::read_frame(stream, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
+        wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME).map_err(|e| client_error(rank, peer, e))?;
     match kind {
         WELCOME => {
             stream.set_read_timeout(None)?;
@@ -360,12 +392,15 @@ pub(crate) fn server_handshake(
     token: &JobToken,
     deadline: Instant,
 ) -> std::result::Result<ClientHello, ServerHandshakeError> {
-    arm(stream, deadline).map_err(ServerHandshakeError::Io)?;
-    let (kind, payload) = match wire::read_frame(stream, MAX_HANDSHAKE_FRAME) {
+    let mut io = Deadlined {
+        stream: &*stream,
+        deadline,
+    };
+    let (kind, payload) = match wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME) {
         Ok(f) => f,
         Err(FrameError::Wire(e @ WireError::VersionMismatch { .. })) => {
             // Tell the peer which version we speak; it reports ProtocolMismatch.
-            let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+            let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
             return Err(ServerHandshakeError::Wire(e));
         }
         Err(e) => return Err(e.into()),
@@ -397,9 +432,9 @@ pub(crate) fn server_handshake(
         .into_bytes();
     let mut w = Writer::new();
     w.raw(&nonce_s).raw(&mac_s);
-    wire::write_frame(stream, CHALLENGE, &w.finish()).map_err(ServerHandshakeError::Io)?;
+    wire::write_frame(&mut io, CHALLENGE, &w.finish()).map_err(ServerHandshakeError::Io)?;
 
-    let (kind, payload) = wire::read_frame(stream, MAX_HANDSHAKE_FRAME)?;
+    let (kind, payload) = wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME)?;
     if kind == REFUSE {
         // The client could not verify our proof: it holds another token.
         return Err(ServerHandshakeError::WrongToken);
@@ -421,7 +456,7 @@ pub(crate) fn server_handshake(
     .verify_slice(&payload)
     .is_ok();
     if !ok {
-        let _ = wire::write_frame(stream, REFUSE, &RefuseReason::WrongToken.encode());
+        let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
         return Err(ServerHandshakeError::WrongToken);
     }
     Ok(ClientHello {

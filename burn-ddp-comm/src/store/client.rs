@@ -2,6 +2,7 @@
 
 use std::io::{self, ErrorKind};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -35,6 +36,11 @@ pub(crate) struct StoreClient {
     addr: SocketAddr,
     rank: Rank,
     timeout: Duration,
+    /// Extra time for a reply beyond the request's own wait.
+    slack: Duration,
+    /// A request got no reply in time or its connection failed: a late reply could still
+    /// arrive and be taken for the next one's, so no request is sent on it again.
+    broken: AtomicBool,
     stream: Mutex<TcpStream>,
 }
 
@@ -81,6 +87,8 @@ impl StoreClient {
                                     addr: *addr,
                                     rank,
                                     timeout,
+                                    slack: REPLY_SLACK,
+                                    broken: AtomicBool::new(false),
                                     stream: Mutex::new(stream),
                                 })
                             }
@@ -106,7 +114,20 @@ impl StoreClient {
         }
     }
 
-    /// The store's address.
+    /// The client with `slack` as the extra time a reply may take beyond its request's wait
+    /// (default 5 s): short for a client that must notice a silent store quickly.
+    pub(crate) fn with_reply_slack(mut self, slack: Duration) -> Self {
+        self.slack = slack;
+        self
+    }
+
+    /// Whether a request failed in a way that leaves the connection unusable (no reply in time,
+    /// an I/O error): every later request fails at once; connect again.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::SeqCst)
+    }
+
+    /// This client's rank.
     pub(crate) fn rank(&self) -> Rank {
         self.rank
     }
@@ -136,7 +157,8 @@ impl StoreClient {
         }
     }
 
-    /// Sends a request and reads its reply; `wait` bounds the reply time.
+    /// Sends a request and reads its reply; `wait` (plus the client's slack) bounds the reply
+    /// time.
     fn call(
         &self,
         request: &Request,
@@ -144,30 +166,57 @@ impl StoreClient {
         key: &str,
         wait: Duration,
     ) -> Result<Reply> {
+        self.exchange(request, op, key, wait, self.slack)
+    }
+
+    /// A request on a failure path (the abort record), which the server answers at once: a
+    /// failing job must not linger on a store that went silent with its rank 0.
+    fn call_on_failure(&self, request: &Request, op: &'static str) -> Result<Reply> {
+        self.exchange(request, op, "", FAILURE_WAIT, FAILURE_WAIT.min(self.slack))
+    }
+
+    fn exchange(
+        &self,
+        request: &Request,
+        op: &'static str,
+        key: &str,
+        wait: Duration,
+        slack: Duration,
+    ) -> Result<Reply> {
         let mut stream = self.lock();
+        if self.is_broken() {
+            return Err(self.lost(io::Error::new(
+                ErrorKind::BrokenPipe,
+                "an earlier request on this connection failed or got no reply in time",
+            )));
+        }
         let (k, payload) = request.encode();
         stream.set_write_timeout(Some(self.timeout))?;
-        wire::write_frame(&mut *stream, k, &payload).map_err(|e| self.lost(e))?;
-        stream.set_read_timeout(Some(wait + REPLY_SLACK))?;
+        let broken = |e| {
+            self.broken.store(true, Ordering::SeqCst);
+            e
+        };
+        wire::write_frame(&mut *stream, k, &payload).map_err(|e| broken(self.lost(e)))?;
+        stream.set_read_timeout(Some(wait + slack))?;
         let (k, payload) = match wire::read_frame(&mut *stream, MAX_FRAME) {
             Ok(f) => f,
             Err(FrameError::Io(e))
                 if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
             {
-                return Err(DdpError::StoreTimeout {
+                return Err(broken(DdpError::StoreTimeout {
                     rank: self.rank,
                     op,
                     key: key.to_owned(),
-                    waited: wait + REPLY_SLACK,
-                })
+                    waited: wait + slack,
+                }))
             }
-            Err(FrameError::Io(e)) => return Err(self.lost(e)),
+            Err(FrameError::Io(e)) => return Err(broken(self.lost(e))),
             Err(FrameError::Wire(error)) => {
-                return Err(DdpError::Protocol {
+                return Err(broken(DdpError::Protocol {
                     rank: self.rank,
                     peer: self.addr,
                     error,
-                })
+                }))
             }
         };
         let reply = Reply::decode(k, &payload).map_err(|error| DdpError::Protocol {
@@ -299,7 +348,7 @@ impl StoreClient {
 
     /// Publishes the job's first failure (ignored if one is already recorded).
     pub(crate) fn abort(&self, record: AbortRecord) -> Result<()> {
-        match self.call(&Request::Abort { record }, "abort", "", FAILURE_WAIT) {
+        match self.call_on_failure(&Request::Abort { record }, "abort") {
             Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
             Err(e) => Err(e),
         }
@@ -307,7 +356,7 @@ impl StoreClient {
 
     /// The job's abort record, if any.
     pub(crate) fn abort_record(&self) -> Result<Option<AbortRecord>> {
-        match self.call(&Request::GetAbort, "get_abort", "", FAILURE_WAIT) {
+        match self.call_on_failure(&Request::GetAbort, "get_abort") {
             Ok(Reply::NoAbort) => Ok(None),
             Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
             Ok(other) => Err(self.unexpected(&other)),
@@ -326,6 +375,9 @@ impl StoreClient {
     /// Tells the store this rank leaves cleanly. Best effort, bounded by `timeout`.
     pub(crate) fn bye(&self, timeout: Duration) {
         let mut stream = self.lock();
+        if self.is_broken() {
+            return;
+        }
         let (k, p) = Request::Bye.encode();
         let _ = stream.set_write_timeout(Some(timeout));
         let _ = stream.set_read_timeout(Some(timeout));

@@ -4,8 +4,14 @@
 //! with a condition variable for blocking `get`/`wait`. A connection that sends anything invalid
 //! (garbage, a truncated or oversized frame, a wrong token) is answered if possible, logged,
 //! and closed; the server keeps serving everyone else.
+//!
+//! What an unauthenticated peer can hold is bounded: at most [`MAX_PENDING`] connections in
+//! their handshake at once (a new one closes the oldest: idle or trickling connections cannot
+//! keep a rank out), each for at most [`HANDSHAKE_TIMEOUT`] in all, with frames of at most a
+//! few hundred bytes. Authenticated connections (which hold the job token) have their own
+//! limit. Refusals are logged at a bounded rate and kept (for error messages) up to a bound.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -20,8 +26,16 @@ use crate::types::{AbortRecord, Rank, WorldSize};
 use crate::wire::{self, FrameError};
 use crate::{DdpError, Result};
 
-/// How long a new connection may take to authenticate.
+/// How long a new connection may take to authenticate, in all.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections in their handshake at once; a new one closes the oldest.
+pub(crate) const MAX_PENDING: usize = 64;
+/// Refusals kept for error messages (the first ones: they name the cause).
+const MAX_REFUSALS: usize = 64;
+/// Refusals logged one by one before the log is rate-limited.
+const LOGGED_REFUSALS: u64 = 10;
+/// At most one summary line of further refusals per this interval.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a stopping server lets blocked requests send their last reply.
 const REPLY_GRACE: Duration = Duration::from_millis(500);
 /// How often the accept loop checks for shutdown.
@@ -53,7 +67,38 @@ struct Shared {
     /// Requests blocked in `get`/`wait` that still owe their client a reply.
     blocked: AtomicUsize,
     conns: Mutex<HashMap<u64, TcpStream>>,
+    /// Connections still in their handshake, oldest first.
+    pending: Mutex<VecDeque<(u64, TcpStream)>>,
+    /// The limit of authenticated connections.
     max_conns: usize,
+    handshake: Duration,
+    refusal_log: Mutex<RefusalLog>,
+}
+
+/// The rate limit of the refusal log.
+#[derive(Debug)]
+struct RefusalLog {
+    total: u64,
+    /// Refusals not logged since the last summary line.
+    quiet: u64,
+    last_summary: Instant,
+}
+
+impl RefusalLog {
+    /// Whether to log this refusal; a summary of the ones not logged is due when `Some`.
+    fn admit(&mut self) -> (bool, Option<u64>) {
+        self.total += 1;
+        if self.total <= LOGGED_REFUSALS {
+            return (true, None);
+        }
+        self.quiet += 1;
+        if self.last_summary.elapsed() >= REFUSAL_LOG_INTERVAL {
+            self.last_summary = Instant::now();
+            let n = std::mem::take(&mut self.quiet);
+            return (false, Some(n));
+        }
+        (false, None)
+    }
 }
 
 impl Shared {
@@ -72,11 +117,39 @@ impl Shared {
     }
 
     fn refuse(&self, peer: SocketAddr, why: String) {
-        tracing::warn!(
-            "[rank {}] store: refused connection from {peer}: {why}",
-            self.rank
-        );
-        self.lock().refusals.push((peer.to_string(), why));
+        self.log_refusal(&format!("refused connection from {peer}: {why}"));
+        self.keep_refusal(&mut self.lock(), peer, why);
+    }
+
+    fn keep_refusal(&self, st: &mut State, peer: SocketAddr, why: String) {
+        if st.refusals.len() < MAX_REFUSALS {
+            st.refusals.push((peer.to_string(), why));
+        }
+    }
+
+    /// Logs a refusal: the first ones each, then one summary line per interval.
+    fn log_refusal(&self, line: &str) {
+        let (log, summary) = self
+            .refusal_log
+            .lock()
+            .map(|mut l| l.admit())
+            .unwrap_or((false, None));
+        if log {
+            tracing::warn!("[rank {}] store: {line}", self.rank);
+        } else if let Some(n) = summary {
+            tracing::warn!(
+                "[rank {}] store: {n} more connections refused (the last: {line}); further \
+                 refusals are summarised every {REFUSAL_LOG_INTERVAL:?}",
+                self.rank
+            );
+        }
+    }
+
+    /// A connection finished its handshake (or failed it): it no longer holds a pending slot.
+    fn handshake_over(&self, conn: u64) {
+        if let Ok(mut p) = self.pending.lock() {
+            p.retain(|(id, _)| *id != conn);
+        }
     }
 }
 
@@ -99,9 +172,24 @@ impl StoreServer {
         world: WorldSize,
         token: JobToken,
     ) -> Result<Self> {
+        Self::bind_with(addr, rank, world, token, HANDSHAKE_TIMEOUT)
+    }
+
+    /// [`bind`](Self::bind) with another bound on a connection's handshake.
+    pub(crate) fn bind_with(
+        addr: SocketAddr,
+        rank: Rank,
+        world: WorldSize,
+        token: JobToken,
+        handshake: Duration,
+    ) -> Result<Self> {
         let listener = bind_listener(addr).map_err(|source| {
             if source.kind() == ErrorKind::AddrInUse {
-                DdpError::PortInUse { rank, addr }
+                DdpError::PortInUse {
+                    rank,
+                    addr,
+                    origin: String::new(),
+                }
             } else {
                 DdpError::StoreBind { rank, addr, source }
             }
@@ -118,7 +206,14 @@ impl StoreServer {
             next_conn: AtomicU64::new(0),
             blocked: AtomicUsize::new(0),
             conns: Mutex::new(HashMap::new()),
+            pending: Mutex::new(VecDeque::new()),
             max_conns: world.as_usize().saturating_mul(4).saturating_add(64),
+            handshake,
+            refusal_log: Mutex::new(RefusalLog {
+                total: 0,
+                quiet: 0,
+                last_summary: Instant::now(),
+            }),
         });
         let s = Arc::clone(&shared);
         let accept = thread::Builder::new()
@@ -136,6 +231,14 @@ impl StoreServer {
     #[cfg(test)]
     pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections open (in their handshake or authenticated), and those in their handshake.
+    #[cfg(test)]
+    pub(crate) fn connections(&self) -> (usize, usize) {
+        let all = self.shared.conns.lock().map(|c| c.len()).unwrap_or(0);
+        let pending = self.shared.pending.lock().map(|p| p.len()).unwrap_or(0);
+        (all, pending)
     }
 
     /// Waits (at most `timeout`) until every rank other than `keep` has left or disconnected,
@@ -211,18 +314,35 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let n = shared.conns.lock().map(|c| c.len()).unwrap_or(0);
-                if n >= shared.max_conns {
+                let pending = shared.pending.lock().map(|p| p.len()).unwrap_or(0);
+                let all = shared.conns.lock().map(|c| c.len()).unwrap_or(0);
+                if all.saturating_sub(pending) >= shared.max_conns {
                     shared.refuse(
                         peer,
-                        format!("connection limit of {} reached", shared.max_conns),
+                        format!(
+                            "limit of {} authenticated connections reached",
+                            shared.max_conns
+                        ),
                     );
                     continue;
                 }
-                if let Ok(clone) = stream.try_clone() {
-                    if let Ok(mut conns) = shared.conns.lock() {
-                        conns.insert(id, clone);
+                let Ok(clone) = stream.try_clone() else {
+                    continue;
+                };
+                if let Ok(mut p) = shared.pending.lock() {
+                    if p.len() >= MAX_PENDING {
+                        // The oldest handshake in progress makes room: a flood of idle or
+                        // slow connections cannot hold every slot against a rank.
+                        if let Some((_, oldest)) = p.pop_front() {
+                            let _ = oldest.shutdown(Shutdown::Both);
+                        }
                     }
+                    if let Ok(c) = clone.try_clone() {
+                        p.push_back((id, c));
+                    }
+                }
+                if let Ok(mut conns) = shared.conns.lock() {
+                    conns.insert(id, clone);
                 }
                 let s = Arc::clone(&shared);
                 let spawned = thread::Builder::new()
@@ -264,13 +384,15 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &Shared) {
         return;
     }
     let _ = stream.set_nodelay(true);
-    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
-    let hello = match auth::server_handshake(
+    let deadline = Instant::now() + shared.handshake;
+    let handshake = auth::server_handshake(
         &mut stream,
         &[Purpose::Store, Purpose::StoreAux],
         &shared.token,
         deadline,
-    ) {
+    );
+    shared.handshake_over(conn);
+    let hello = match handshake {
         Ok(h) => h,
         Err(ServerHandshakeError::WrongToken) => {
             shared.refuse(
@@ -392,8 +514,8 @@ fn admit(
 
     if let Some((reason, message)) = refusal {
         let _ = auth::refuse(stream, &reason);
-        st.refusals.push((peer.to_string(), message.clone()));
-        tracing::warn!("[rank {}] store: refused {peer}: {message}", shared.rank);
+        shared.keep_refusal(&mut st, peer, message.clone());
+        shared.log_refusal(&format!("refused {peer}: {message}"));
         let record = AbortRecord {
             reporter: shared.rank,
             culprit: Some(hello.rank),
@@ -597,4 +719,27 @@ fn wait<'a>(
         return Err(Some(Reply::Aborted(r.clone())));
     }
     Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first refusals are logged one by one; then one summary line per interval, however
+    /// many refusals come.
+    #[test]
+    fn the_refusal_log_is_rate_limited() {
+        let mut log = RefusalLog {
+            total: 0,
+            quiet: 0,
+            last_summary: Instant::now(),
+        };
+        let logged = (0..LOGGED_REFUSALS).filter(|_| log.admit().0).count();
+        assert_eq!(logged as u64, LOGGED_REFUSALS);
+        let lines = (0..10_000).filter(|_| log.admit() != (false, None)).count();
+        assert_eq!(lines, 0, "a summary before its interval");
+        log.last_summary -= REFUSAL_LOG_INTERVAL;
+        assert_eq!(log.admit(), (false, Some(10_001)));
+        assert_eq!(log.admit(), (false, None));
+    }
 }

@@ -6,6 +6,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::protocol::{self, Request};
+use super::server::MAX_PENDING;
 use super::{Store, StoreClient, StoreServer, WaitOutcome};
 use crate::config::{JobToken, MasterAddr};
 use crate::store::auth::Purpose;
@@ -357,4 +358,63 @@ fn unreachable_master_times_out_with_the_address() {
     .unwrap_err();
     assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{err}");
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// Idle and trickling connections that never authenticate cannot keep a rank out: at most
+/// `MAX_PENDING` handshakes are held at once (a new connection closes the oldest), and each
+/// lasts at most the handshake bound in all, however slowly its bytes come. The connections
+/// the server holds (one thread each) stay bounded under a flood.
+#[test]
+fn unauthenticated_floods_cannot_keep_a_rank_out() {
+    let server = StoreServer::bind_with(
+        "127.0.0.1:0".parse().unwrap(),
+        Rank(0),
+        world(2),
+        JobToken::new("secret"),
+        Duration::from_secs(1),
+    )
+    .unwrap();
+    let addr = server.addr();
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    // A peer that sends one byte of a plausible hello every 100 ms.
+    let trickler = thread::spawn(move || {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let started = Instant::now();
+        for b in wire::encode_header(0x01, 60).iter().cycle() {
+            if s.write_all(&[*b]).is_err() || started.elapsed() > Duration::from_secs(20) {
+                break;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+        started.elapsed()
+    });
+    // Every evicted connection's thread ends: what the server holds is bounded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (all, pending) = server.connections();
+        assert!(pending <= MAX_PENDING, "{pending} handshakes held");
+        if all <= MAX_PENDING {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{all} connections still held");
+        thread::sleep(Duration::from_millis(20));
+    }
+    let started = Instant::now();
+    let a = join(addr, 0, 2);
+    let b = join(addr, 1, 2);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    a.set("k", b"v").unwrap();
+    assert_eq!(b.get("k").unwrap(), b"v");
+    let took = trickler.join().unwrap();
+    assert!(
+        took < Duration::from_secs(5),
+        "a trickling peer kept its handshake open for {took:?}"
+    );
+    drop(idle);
 }

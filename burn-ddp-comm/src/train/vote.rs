@@ -261,9 +261,10 @@ pub fn fail_alone(
 pub struct FailureSlot(Arc<Mutex<Option<DdpError>>>);
 
 impl FailureSlot {
-    /// Records `e` (logged as an error) unless an earlier error is already recorded.
+    /// Records `e` unless an earlier error is already recorded (logged at debug level: the
+    /// error reaches the program, which reports it).
     pub fn fail(&self, e: DdpError) {
-        tracing::error!("{e}");
+        tracing::debug!("{e}");
         let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(e);

@@ -361,7 +361,7 @@ impl Reducer {
     }
 
     pub(crate) fn record_error(&mut self, e: DdpError) {
-        tracing::error!("gradient synchronisation failed: {e}");
+        tracing::debug!("gradient synchronisation failed: {e}");
         if self.error.is_none() {
             self.error = Some(e);
         }
@@ -436,7 +436,7 @@ impl Reducer {
                      (DdpStrategy does)"
                 ),
             };
-            tracing::error!("{e}");
+            tracing::debug!("{e}");
             self.deferred.get_or_insert(e);
         }
         let Some(plan) = self.plan.as_ref() else {
@@ -568,7 +568,7 @@ impl Reducer {
                 .map(|&i| (i, plan.slots[i].info.numel))
                 .collect();
             if let Err(e) = step.buckets.transport().launch(&mut links, bucket, &slots) {
-                tracing::error!("gradient synchronisation failed: {e}");
+                tracing::debug!("gradient synchronisation failed: {e}");
                 self.error.get_or_insert(e);
             }
         }
@@ -595,7 +595,7 @@ impl Reducer {
             if let Buckets::Device(dev) = &mut step.buckets {
                 let info = &plan.slots[slot].info;
                 if let Err(e) = dev.keep(self.pg.rank(), slot, grad, info) {
-                    tracing::error!("gradient synchronisation failed: {e}");
+                    tracing::debug!("gradient synchronisation failed: {e}");
                     self.error.get_or_insert(e);
                 }
             }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
 use self::ring::{Links, Plan, RingError, Side};
-use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp};
+use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
 use crate::config::{JobToken, Timeouts};
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, CollectiveSeq, Rank, RankList, StallDiagnosis, WorldSize};
@@ -202,12 +202,27 @@ impl TcpCommunicator {
             deadline,
             &self.links.abort,
         );
+        // On failure the watch keeps judging this wait until the failure is named (`fail` may
+        // wait for its verdict), then the collective ends.
+        let result = result.map_err(|e| self.fail(st, desc, seq, e));
         if let Some(w) = &self.watch {
             w.leave(seq, result.is_ok());
         }
-        match result {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.fail(st, desc, seq, e)),
+        result
+    }
+
+    /// The watch's verdict, waited for up to its bound (`None` without a watch).
+    fn await_verdict(&self) -> Option<Verdict> {
+        let w = self.watch.as_ref()?;
+        let deadline = Instant::now() + w.bound();
+        loop {
+            if let Some(v) = w.verdict() {
+                return Some(v);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -220,7 +235,7 @@ impl TcpCommunicator {
         e: RingError,
     ) -> DdpError {
         let op = desc.op;
-        if let Some(v) = self.watch.as_ref().and_then(|w| w.verdict()) {
+        let unresponsive = |st: &mut State, v: Verdict| {
             let err = DdpError::RankUnresponsive {
                 rank: self.rank,
                 culprit: v.culprit,
@@ -230,14 +245,28 @@ impl TcpCommunicator {
                 seq,
                 what: v.what,
             };
-            return self.publish(st, op, seq, Some(v.culprit), err);
+            self.publish(st, op, seq, Some(v.culprit), err)
+        };
+        if let Some(v) = self.watch.as_ref().and_then(|w| w.verdict()) {
+            return unresponsive(st, v);
         }
         // A neighbour that closed its links may only be reacting to a failure elsewhere; the
         // store holds the first report, which names the real culprit. That report may carry this
         // rank's number without coming from this collective: the store hosted here records a
         // rank whose connection dropped, and the others may have seen it and left first.
         let published = match &e {
-            RingError::Closed(..) | RingError::Aborted => self.store.abort_record().ok().flatten(),
+            RingError::Closed(..) | RingError::Aborted => match self.store.abort_record() {
+                Ok(record) => record,
+                // The store is silent (rank 0 frozen): the neighbour left on its own heartbeat's
+                // verdict, and this rank's heartbeat reaches the same one within its bound.
+                Err(DdpError::StoreTimeout { .. }) => {
+                    if let Some(v) = self.await_verdict() {
+                        return unresponsive(st, v);
+                    }
+                    None
+                }
+                Err(_) => None,
+            },
             _ => None,
         };
         let (err, culprit) = match (published, e) {
@@ -350,7 +379,7 @@ impl TcpCommunicator {
                 );
             }
         }
-        tracing::error!("{err}");
+        tracing::debug!("{err}");
         st.failed = Some(record);
         self.links.close();
         err
