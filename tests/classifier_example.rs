@@ -90,6 +90,7 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         [
             "checkpoint/model-1.bin",
             "checkpoint/optim-1.bin",
+            "checkpoint/run.txt",
             "checkpoint/scheduler-1.bin",
             "train/epoch-1/Accuracy.log",
             "train/epoch-1/Loss.log",
@@ -285,4 +286,60 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
         );
     }
     let _ = std::fs::remove_dir_all(&base);
+}
+
+/// Ctrl-C reaches the launcher and its ranks (one process group): under `--max-restarts` the
+/// job stops, non-zero, and is not restarted, even when a rank dies of the signal before the
+/// launcher notices it.
+#[test]
+fn ctrl_c_under_max_restarts_stops_without_restarting() {
+    use std::os::unix::process::CommandExt;
+    let out = scratch("ctrl-c");
+    let mut cmd = Command::new(launcher());
+    cmd.args([
+        "run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        "--",
+    ])
+    .arg(example())
+    .args([
+        "--epochs",
+        "100",
+        "--train-size",
+        "400",
+        "--test-size",
+        "64",
+        "--out",
+    ])
+    .arg(&out)
+    .env_remove("RANK")
+    .env_remove("SLURM_PROCID")
+    .process_group(0);
+    let job = Job::start(&mut cmd, Duration::from_secs(300));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !out.join("train/epoch-1/Loss.log").exists() {
+        assert!(Instant::now() < deadline, "the job never started training");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // What a terminal does on Ctrl-C: SIGINT to the whole foreground process group.
+    let group = rustix::process::Pid::from_raw(job.id() as i32).unwrap();
+    rustix::process::kill_process_group(group, rustix::process::Signal::INT).unwrap();
+    let stopped_at = Instant::now();
+    let result = job.finish();
+    let stderr = String::from_utf8_lossy(&result.stderr);
+    assert!(!result.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("restarting"),
+        "a Ctrl-C restarted the job:\n{stderr}"
+    );
+    assert!(
+        stopped_at.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        stopped_at.elapsed()
+    );
+    let _ = std::fs::remove_dir_all(&out);
 }

@@ -103,6 +103,7 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         [
             "checkpoint/model-1.bin",
             "checkpoint/optim-1.bin",
+            "checkpoint/run.txt",
             "checkpoint/scheduler-1.bin",
             "train/epoch-1/Accuracy.log",
             "train/epoch-1/Loss.log",
@@ -200,15 +201,15 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-/// A checkpoint rank 0 cannot write (its directory is a file) fails the job with a non-zero
-/// exit that names rank 0, the file and the OS error, instead of ending training early with
-/// success.
+/// A checkpoint rank 0 cannot write (a directory stands where its file must go, which stops
+/// root too) fails the job with a non-zero exit that names rank 0, the file and the OS error,
+/// instead of ending training early with success.
 #[test]
 fn a_checkpoint_that_cannot_be_written_fails_the_job_naming_it() {
     let out = scratch("unwritable");
-    std::fs::create_dir_all(&out).unwrap();
-    std::fs::write(out.join("checkpoint"), b"in the way").unwrap();
-    // --resume keeps the directory (a fresh run would clear it first).
+    std::fs::create_dir_all(out.join("checkpoint/model-1.bin/x")).unwrap();
+    // --resume keeps the directory (a fresh run would clear it first); there is nothing to
+    // resume from.
     let job = launched(
         &["--epochs", "2", "--train-size", "192", "--resume"],
         &out,
@@ -223,8 +224,7 @@ fn a_checkpoint_that_cannot_be_written_fails_the_job_naming_it() {
     );
     assert!(
         stderr.contains("rank 0 failed")
-            && stderr.contains("/checkpoint/")
-            && stderr.contains("-1.bin")
+            && stderr.contains("checkpoint/model-1.bin")
             && stderr.contains("os error"),
         "the failure does not name the file and rank 0:\n{stderr}"
     );

@@ -153,3 +153,37 @@ fn idx(path: &Path, magic: u32) -> Result<Vec<u8>, String> {
         )),
     }
 }
+
+// ------------------------------------------------------------------ options
+
+/// A count that must be at least 1 (`--epochs`, `--batch-size`, the data sizes).
+pub fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("not a whole number: {e}")),
+    }
+}
+
+/// A finite number above 0 (`--lr`).
+pub fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(x) => Err(format!("must be a finite number above 0, not {x}")),
+        Err(e) => Err(format!("not a number: {e}")),
+    }
+}
+
+/// The training and test sets must hold something, and every rank needs a training image.
+pub fn check_sizes(train: usize, test: usize, world: usize) -> Result<(), String> {
+    if train < world {
+        return Err(format!(
+            "{train} training images cannot be shared by {world} ranks: every rank needs at \
+             least one (use more images, or fewer ranks)"
+        ));
+    }
+    if test == 0 {
+        return Err("the test set is empty: there is nothing to measure accuracy on".into());
+    }
+    Ok(())
+}

@@ -31,7 +31,7 @@ use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
-use burn_ddp::train::{DdpStrategy, DdpTraining};
+use burn_ddp::train::{DdpStrategy, DdpTraining, RunSettings};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, DistributedSampler, ProcessGroup, ReduceOp};
 use clap::Parser;
 
@@ -43,25 +43,28 @@ type B = Autodiff<Ddp<NdArray>>;
 type Inner = Ddp<NdArray>;
 
 #[derive(Debug, Parser)]
-#[command(about = "Data-parallel image classifier on CPU (burn-ddp example)")]
+#[command(
+    about = "Data-parallel image classifier on CPU (burn-ddp example)",
+    args_override_self = true
+)]
 struct Args {
     /// Ranks to start when not already launched by `burn-ddp run`, torchrun or srun.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     nproc: u32,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = images::at_least_one)]
     epochs: usize,
     /// Images per rank per step (the global batch is this times the number of ranks).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = images::at_least_one)]
     batch_size: usize,
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = 2e-3, value_parser = images::positive)]
     lr: f64,
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Generated training images (ignored with --mnist).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, value_parser = images::at_least_one)]
     train_size: usize,
     /// Generated test images (ignored with --mnist).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = images::at_least_one)]
     test_size: usize,
     /// Train on MNIST: a directory with the four uncompressed IDX files.
     #[arg(long)]
@@ -103,6 +106,7 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         Some(dir) => data::mnist(dir)?,
         None => data::generated(args.train_size, args.test_size, args.seed),
     };
+    images::check_sizes(data.train.len(), data.test.len(), world)?;
     if main {
         println!(
             "{}: {} training / {} test images, {} classes; {world} ranks × batch {} = global batch {}",
@@ -139,7 +143,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         .with_sampler(train_set)
         .with_sampler(test_set)
         .with_checkpoints(out.join("checkpoint"), 2)
-        .with_resume(args.resume);
+        .with_resume(args.resume)
+        .with_run_settings(run_settings(args));
 
     let started = Instant::now();
     let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
@@ -164,6 +169,23 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         println!("parameter digest: {:016x}", digest(&result.model));
     }
     Ok(())
+}
+
+/// What makes a checkpoint this run's: a resume with other values is refused. (`--epochs` may
+/// change: a finished run can be extended.)
+fn run_settings(args: &Args) -> RunSettings {
+    let data = match &args.mnist {
+        Some(dir) => format!("MNIST from {}", dir.display()),
+        None => format!(
+            "generated shapes, {} training / {} test",
+            args.train_size, args.test_size
+        ),
+    };
+    RunSettings::new()
+        .with("data", data)
+        .with("batch size", args.batch_size)
+        .with("learning rate", args.lr)
+        .with("seed", args.seed)
 }
 
 /// A hash of the parameters' values, bit for bit, in visit order (not of the record, which
@@ -193,7 +215,7 @@ fn evaluate(
         let hits = model
             .forward(batch.images)
             .argmax(1)
-            .squeeze::<1>()
+            .reshape([n])
             .equal(batch.targets)
             .int()
             .sum()
@@ -209,12 +231,15 @@ fn evaluate(
     })
 }
 
-/// burn-ddp's warnings and errors on stderr (`RUST_LOG=info` shows more).
+/// burn-ddp's warnings and errors on stderr, and what a run resumes (`RUST_LOG=info` shows
+/// more); colours only on a terminal.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,burn_ddp_comm::train::run=info")
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

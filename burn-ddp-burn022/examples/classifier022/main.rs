@@ -31,32 +31,35 @@ use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
-use burn_ddp_burn022::train::{DdpStrategy, DdpTraining};
+use burn_ddp_burn022::train::{DdpStrategy, DdpTraining, RunSettings};
 use burn_ddp_burn022::{DdpConfig, DistributedSampler, GradSync, ProcessGroup, ReduceOp};
 use clap::Parser;
 
 use model::{Batch, Cnn, ImageBatcher};
 
 #[derive(Debug, Parser)]
-#[command(about = "Data-parallel image classifier on CPU, Burn 0.22.1 (burn-ddp example)")]
+#[command(
+    about = "Data-parallel image classifier on CPU, Burn 0.22.1 (burn-ddp example)",
+    args_override_self = true
+)]
 struct Args {
     /// Ranks to start when not already launched by `burn-ddp run`, torchrun or srun.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     nproc: u32,
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = images::at_least_one)]
     epochs: usize,
     /// Images per rank per step (the global batch is this times the number of ranks).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = images::at_least_one)]
     batch_size: usize,
-    #[arg(long, default_value_t = 2e-3)]
+    #[arg(long, default_value_t = 2e-3, value_parser = images::positive)]
     lr: f64,
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Generated training images (ignored with --mnist).
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, value_parser = images::at_least_one)]
     train_size: usize,
     /// Generated test images (ignored with --mnist).
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, value_parser = images::at_least_one)]
     test_size: usize,
     /// Train on MNIST: a directory with the four uncompressed IDX files.
     #[arg(long)]
@@ -108,6 +111,7 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         ),
     };
     let (train, test) = (InMemDataset::new(train), InMemDataset::new(test));
+    images::check_sizes(train.len(), test.len(), world)?;
     if main {
         println!(
             "{name}: {} training / {} test images, {classes} classes; {world} ranks × batch {} = \
@@ -143,7 +147,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         .with_sampler(train_set)
         .with_sampler(test_set)
         .with_checkpoints(out.join("checkpoint"), 2)
-        .with_resume(args.resume);
+        .with_resume(args.resume)
+        .with_run_settings(run_settings(args));
 
     let started = Instant::now();
     let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
@@ -171,6 +176,23 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         println!("parameter digest: {:016x}", digest(&result.model));
     }
     Ok(())
+}
+
+/// What makes a checkpoint this run's: a resume with other values is refused. (`--epochs` may
+/// change: a finished run can be extended.)
+fn run_settings(args: &Args) -> RunSettings {
+    let data = match &args.mnist {
+        Some(dir) => format!("MNIST from {}", dir.display()),
+        None => format!(
+            "generated shapes, {} training / {} test",
+            args.train_size, args.test_size
+        ),
+    };
+    RunSettings::new()
+        .with("data", data)
+        .with("batch size", args.batch_size)
+        .with("learning rate", args.lr)
+        .with("seed", args.seed)
 }
 
 /// A hash of the parameters' values, bit for bit, in visit order.
@@ -216,12 +238,15 @@ fn evaluate(
     })
 }
 
-/// burn-ddp's warnings and errors on stderr (`RUST_LOG=info` shows more).
+/// burn-ddp's warnings and errors on stderr, and what a run resumes (`RUST_LOG=info` shows
+/// more); colours only on a terminal.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,burn_ddp_comm::train::run=info")
+    });
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

@@ -16,6 +16,7 @@ use burn::train::{
     ValidLoader,
 };
 use burn_ddp_comm::train::files::{self, RecordFiles};
+use burn_ddp_comm::train::run;
 use burn_ddp_comm::train::vote::{self, agree, panic_text, Decision, Flow, Split, Turn, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
@@ -96,7 +97,11 @@ where
             ));
         }
 
-        let start = match self.resume_point(components.checkpoint) {
+        let start = match self.start_epoch(
+            components.checkpoint,
+            components.num_epochs,
+            learner.model().num_params(),
+        ) {
             Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
                 Ok(()) => epoch + 1,
                 Err(e) => return self.abandon(e, learner, components),
@@ -227,18 +232,15 @@ where
                 break;
             }
         }
-        // Dropping the checkpointer waits for rank 0's last write; one that failed is this
-        // rank's failure (after the last collective, so the job's exit status carries it).
+        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
+        // rank, through one last vote (which every rank reaches: each left the loop on the same
+        // decision, or the group was aborted and the vote fails at once).
         drop(checkpointer);
-        if self.failure.message().is_none() {
-            if let Some(e) = interrupter.error() {
-                self.fail(DdpError::TrainingFailed {
-                    rank: self.rank(),
-                    culprit: self.rank(),
-                    reason: e.to_string(),
-                });
-            }
-        }
+        let last = match interrupter.error() {
+            Some(e) => Vote::Failed(e.to_string()),
+            None => Vote::Item,
+        };
+        self.settle(agree(&self.pg, &last), &interrupter);
         (learner.model(), processor)
     }
 }
@@ -248,14 +250,26 @@ impl DdpStrategy {
         self.sync.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The epoch to resume from, the same on every rank: an explicit one, else (with
-    /// `with_resume`) the newest complete checkpoint rank 0 finds.
-    fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
-        files::resume_point(
+    /// The checkpoint epoch to resume after, the same on every rank: an explicit one, else
+    /// (with `with_resume`) the newest complete checkpoint rank 0 finds, once rank 0 has
+    /// checked that it belongs to this run (burn-ddp-comm's [`run`]).
+    fn start_epoch(
+        &self,
+        explicit: Option<usize>,
+        epochs: usize,
+        parameters: usize,
+    ) -> Result<Option<usize>> {
+        let mut settings = self.run.clone();
+        settings.set(run::PARAMETERS, parameters);
+        run::start_epoch(
             &self.pg,
-            explicit,
-            self.checkpoints.as_deref(),
-            self.resumes(),
+            &run::StartAsk {
+                explicit,
+                dir: self.checkpoints.as_deref(),
+                resume: self.resumes(),
+                epochs,
+                settings: &settings,
+            },
         )
     }
 

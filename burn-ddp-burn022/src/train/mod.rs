@@ -50,6 +50,7 @@ use burn::train::{
 use burn_ddp_comm::train::vote::FailureSlot;
 
 pub use burn_ddp_comm::train::files::newest_complete;
+pub use burn_ddp_comm::train::run::RunSettings;
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines};
 
@@ -91,6 +92,7 @@ pub struct DdpStrategy {
     resume: bool,
     samplers: Vec<Arc<dyn DataEpoch>>,
     failure: FailureSlot,
+    run: RunSettings,
 }
 
 impl std::fmt::Debug for DdpStrategy {
@@ -124,6 +126,7 @@ impl DdpStrategy {
             resume: false,
             samplers: Vec::new(),
             failure: FailureSlot::default(),
+            run: RunSettings::new(),
         }
     }
 
@@ -149,6 +152,17 @@ impl DdpStrategy {
     pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
         self.checkpoints = Some(dir.into());
         self.keep = keep.max(1);
+        self
+    }
+
+    /// The settings that make a checkpoint this run's (learning rate, batch size, data, seed:
+    /// whatever a resume must not change), recorded by rank 0 in the checkpoint directory
+    /// (`run.txt`) with the model's number of parameters, the world size and the number of
+    /// epochs. A resume whose settings or model differ is refused, naming each difference; a
+    /// world size or a number of epochs that differ are allowed (and said). A fresh run
+    /// refuses a directory that holds another run's checkpoints.
+    pub fn with_run_settings(mut self, settings: RunSettings) -> Self {
+        self.run = settings;
         self
     }
 

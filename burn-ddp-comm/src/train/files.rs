@@ -35,29 +35,6 @@ pub fn newest_complete(dir: &Path) -> Option<usize> {
         .max()
 }
 
-/// The epoch to resume from, the same on every rank (collective): `explicit` if given (rank
-/// 0's), else, when `resume`, the newest complete checkpoint rank 0 finds in `dir`.
-///
-/// # Errors
-/// The broadcast failed.
-pub fn resume_point(
-    pg: &ProcessGroup,
-    explicit: Option<usize>,
-    dir: Option<&Path>,
-    resume: bool,
-) -> Result<Option<usize>> {
-    let mine = match (explicit, dir) {
-        (Some(e), _) => e as i64,
-        (None, Some(dir)) if resume && pg.rank() == Rank(0) => {
-            newest_complete(dir).map_or(0, |e| e as i64)
-        }
-        _ => 0,
-    };
-    let mut epoch = [mine];
-    pg.broadcast(&mut epoch, Rank(0))?;
-    Ok((epoch[0] > 0).then_some(epoch[0] as usize))
-}
-
 /// The error of a resume asked for without a checkpoint directory.
 pub fn no_directory(epoch: usize, how: &str) -> DdpError {
     DdpError::Checkpoint {
@@ -202,7 +179,7 @@ mod tests {
     }
 
     /// Rank 0 alone writes; every rank restores rank 0's bytes; a missing file is an error on
-    /// every rank naming the file; the resume point is rank 0's.
+    /// every rank naming the file.
     #[test]
     fn rank_0_writes_and_every_rank_restores_its_bytes() {
         let dir = scratch("record-files");
@@ -226,20 +203,18 @@ mod tests {
                                 .save(1, || Ok::<_, String>(vec![0]))
                                 .unwrap();
                         }
-                        let resume = resume_point(&pg, None, Some(&dir), true).unwrap();
-                        (got, missing, resume)
+                        (got, missing)
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        for (got, missing, resume) in results {
+        for (got, missing) in results {
             assert_eq!(got, [0, 0, 0, 0]);
             assert!(
                 missing.contains("model-2.bin") && missing.contains("rank 0 cannot read"),
                 "{missing}"
             );
-            assert_eq!(resume, Some(1));
         }
         let err = RecordFiles::new(&dir, "model", ProcessGroup::single())
             .save(3, || Err::<Vec<u8>, _>("no bytes"))

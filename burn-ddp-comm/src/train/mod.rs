@@ -7,7 +7,9 @@
 //! - [`parts`]: a step's output item as host [`Part`](parts::Part)s, gathered to rank 0 and
 //!   merged there so that the metrics are those of the whole job;
 //! - [`files`]: checkpoints written by rank 0 alone, atomically, and read back by rank 0 for
-//!   every rank (no shared file system needed).
+//!   every rank (no shared file system needed);
+//! - [`run`]: the run's settings recorded beside its checkpoints, and where a run starts
+//!   (a resume refuses checkpoints that are not the run's own).
 //!
 //! What each line adds is only what touches its Burn types: the epoch loops over burn-train's
 //! events, the tensors of an item, the records of a checkpoint.
@@ -15,4 +17,5 @@
 pub mod files;
 pub mod lines;
 pub mod parts;
+pub mod run;
 pub mod vote;

@@ -6,11 +6,27 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{Checkpointer, CheckpointerError};
 use burn_ddp_comm::train::files::RecordFiles;
+use burn_ddp_comm::train::vote::FailureSlot;
 
 pub use burn_ddp_comm::train::files::newest_complete;
 
-/// One of the three records, for burn-train's `AsyncCheckpointer`.
-pub(crate) struct RankCheckpointer(pub(crate) RecordFiles);
+/// One of the three records, for burn-train's `AsyncCheckpointer`. Burn's checkpointer thread
+/// turns an error into a stop of the interrupter, which would end training as if asked to; so
+/// the error is also kept in `failed`, where the epoch loops find it and fail the job.
+pub(crate) struct RankCheckpointer {
+    pub(crate) files: RecordFiles,
+    pub(crate) failed: FailureSlot,
+}
+
+impl RankCheckpointer {
+    fn keep<T>(&self, result: crate::Result<T>) -> Result<T, CheckpointerError> {
+        result.map_err(|e| {
+            let message = e.to_string();
+            self.failed.fail(e);
+            CheckpointerError::Unknown(message)
+        })
+    }
+}
 
 fn failed(e: impl std::fmt::Display) -> CheckpointerError {
     CheckpointerError::Unknown(e.to_string())
@@ -18,20 +34,27 @@ fn failed(e: impl std::fmt::Display) -> CheckpointerError {
 
 impl<R: Record<B>, B: Backend> Checkpointer<R, B> for RankCheckpointer {
     fn save(&self, epoch: usize, record: R) -> Result<(), CheckpointerError> {
-        self.0
-            .save(epoch, || {
-                BinBytesRecorder::<FullPrecisionSettings>::default().record(record, ())
-            })
-            .map_err(failed)
+        self.keep(self.files.save(epoch, || {
+            BinBytesRecorder::<FullPrecisionSettings>::default().record(record, ())
+        }))
     }
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {
-        self.0.delete(epoch).map_err(CheckpointerError::IOError)
+        let path = self.files.path(epoch);
+        self.keep(
+            self.files
+                .delete(epoch)
+                .map_err(|e| crate::DdpError::CheckpointIo {
+                    path,
+                    what: "deleting an old checkpoint",
+                    source: e,
+                }),
+        )
     }
 
     /// Collective: every rank restores the same epoch; rank 0 reads the file and sends it.
     fn restore(&self, epoch: usize, device: &B::Device) -> Result<R, CheckpointerError> {
-        restore(&self.0, epoch, device).map_err(failed)
+        restore(&self.files, epoch, device).map_err(failed)
     }
 }
 

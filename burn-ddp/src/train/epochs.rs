@@ -19,29 +19,28 @@ use burn::train::{
 use burn_backend::BackendTypes;
 
 use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::vote::{self, panic_text, Flow, Split, Turn, Vote};
+use burn_ddp_comm::train::run;
+use burn_ddp_comm::train::vote::{self, panic_text, FailureSlot, Flow, Split, Turn, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::{item, DdpStrategy, DistributedItem};
 use crate::{Ddp, DdpError, DdpModule, Result};
 
 /// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
-/// for (the interrupter), or a data error (a panic while loading it).
+/// for (the interrupter), or a failure (a checkpoint rank 0 could not write, a panic while
+/// loading the batch).
 fn next_batch<I>(
     iter: &mut dyn burn::data::dataloader::DataLoaderIterator<I>,
     interrupter: &burn::train::Interrupter,
+    written: &FailureSlot,
     split: &str,
 ) -> (Option<I>, Vote) {
+    if let Some(e) = written.message() {
+        return (None, Vote::Failed(e));
+    }
     match catch_unwind(AssertUnwindSafe(|| iter.next())) {
         Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
-        Ok(Some(_)) => (
-            None,
-            Vote::Stop(
-                interrupter
-                    .get_message()
-                    .unwrap_or_else(|| "interrupted".into()),
-            ),
-        ),
+        Ok(Some(_)) => (None, interrupted(interrupter, written)),
         Ok(None) => (None, Vote::NoItem),
         Err(p) => (
             None,
@@ -49,6 +48,19 @@ fn next_batch<I>(
                 "loading a {split} batch panicked: {}",
                 panic_text(&*p)
             )),
+        ),
+    }
+}
+
+/// The vote of a rank whose interrupter was set: a failure if a checkpoint could not be written
+/// (Burn's checkpointer reports it as a stop), else a stop with the interrupter's message.
+fn interrupted(interrupter: &burn::train::Interrupter, written: &FailureSlot) -> Vote {
+    match written.message() {
+        Some(e) => Vote::Failed(e),
+        None => Vote::Stop(
+            interrupter
+                .get_message()
+                .unwrap_or_else(|| "interrupted".into()),
         ),
     }
 }
@@ -79,7 +91,10 @@ where
         }
         if let Some(dir) = &self.checkpoints {
             let pg = self.session.group().clone();
-            let part = |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, pg.clone()));
+            let part = |name| RankCheckpointer {
+                files: RecordFiles::new(dir.clone(), name, pg.clone()),
+                failed: self.written.clone(),
+            };
             let interrupter = components.interrupter.clone();
             components.checkpointer = Some(LearningCheckpointer::new(
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
@@ -89,7 +104,11 @@ where
             ));
         }
 
-        let start = match self.resume_point(components.checkpoint) {
+        let start = match self.start_epoch(
+            components.checkpoint,
+            components.num_epochs,
+            learner.model().num_params(),
+        ) {
             Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
                 Ok(()) => epoch + 1,
                 Err(e) => return self.abandon(e, learner, components),
@@ -107,6 +126,18 @@ where
             components
                 .event_processor
                 .process_train(LearnerEvent::Start);
+            if start > 1 {
+                // burn-train's metric store numbers epochs from 1 and counts its own ends of
+                // epochs: without these, a resumed run's epochs would be logged as epoch 1, 2,
+                // … over the files of the epochs before the checkpoint.
+                let done = start - 1;
+                components
+                    .event_processor
+                    .process_train(LearnerEvent::EndEpoch(done));
+                components
+                    .event_processor
+                    .process_valid(LearnerEvent::EndEpoch(done));
+            }
         }
         let (model, mut processor) = self.fit(
             components,
@@ -178,27 +209,46 @@ where
                 }
             }
             if interrupter.should_stop() {
-                vote = Vote::Stop(interrupter.get_message().unwrap_or_default());
+                vote = interrupted(&interrupter, &self.written);
             }
             if self.settle(self.agree(vote), &interrupter) == Flow::Stop {
                 break;
             }
         }
-        // Dropping the checkpointer waits for rank 0's last write.
+        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
+        // rank, through one last vote (which every rank reaches: each left the loop on the same
+        // decision, or the group was aborted and the vote fails at once).
         drop(checkpointer);
+        let last = match self.written.message() {
+            Some(e) => Vote::Failed(e),
+            None => Vote::Item,
+        };
+        self.settle(self.agree(last), &interrupter);
         (learner.model(), processor)
     }
 }
 
 impl<B: Backend> DdpStrategy<B> {
-    /// The epoch to resume from, the same on every rank: an explicit one, else (with
-    /// `with_resume`) the newest complete checkpoint rank 0 finds.
-    fn resume_point(&self, explicit: Option<usize>) -> Result<Option<usize>> {
-        files::resume_point(
+    /// The checkpoint epoch to resume after, the same on every rank: an explicit one, else
+    /// (with `with_resume`) the newest complete checkpoint rank 0 finds, once rank 0 has
+    /// checked that it belongs to this run (burn-ddp-comm's [`run`]).
+    fn start_epoch(
+        &self,
+        explicit: Option<usize>,
+        epochs: usize,
+        parameters: usize,
+    ) -> Result<Option<usize>> {
+        let mut settings = self.run.clone();
+        settings.set(run::PARAMETERS, parameters);
+        run::start_epoch(
             self.session.group(),
-            explicit,
-            self.checkpoints.as_deref(),
-            self.resumes(),
+            &run::StartAsk {
+                explicit,
+                dir: self.checkpoints.as_deref(),
+                resume: self.resumes(),
+                epochs,
+                settings: &settings,
+            },
         )
     }
 
@@ -262,7 +312,7 @@ impl<B: Backend> DdpStrategy<B> {
         let mut accumulator = GradientsAccumulator::new();
         let mut accumulated = 0;
         loop {
-            let (item, vote) = next_batch(&mut *iter, interrupter, "training");
+            let (item, vote) = next_batch(&mut *iter, interrupter, &self.written, "training");
             match vote::turn(
                 self.session.group(),
                 &vote,
@@ -358,7 +408,7 @@ impl<B: Backend> DdpStrategy<B> {
         let mut iter = loader.iter();
         let mut iteration = 0;
         loop {
-            let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
+            let (item, vote) = next_batch(&mut *iter, interrupter, &self.written, "validation");
             match vote::turn(
                 self.session.group(),
                 &vote,

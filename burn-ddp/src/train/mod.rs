@@ -49,6 +49,7 @@ use burn::train::{
     SupervisedTraining,
 };
 
+pub use burn_ddp_comm::train::run::RunSettings;
 pub use checkpoint::newest_complete;
 
 pub use item::{DistributedItem, Part, TensorParts};
@@ -74,7 +75,8 @@ use crate::{DataEpoch, DdpError, DdpSession, Rank, Result};
 ///   accuracy over it, item counts summed); progress counts every rank's items.
 /// - **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,
 ///   atomically, model + optimizer + scheduler per epoch; [`with_resume`](Self::with_resume)
-///   restarts from the newest complete one, which rank 0 reads and sends to every rank.
+///   restarts from the newest complete one, which rank 0 reads and sends to every rank. A
+///   checkpoint rank 0 cannot write fails the job, naming the file and the OS error.
 /// - **LR schedule**: one scheduler step per global step (every rank steps together).
 /// - **Stopping**: a dashboard quit, an early stop (decided on rank 0, which has the metrics),
 ///   a data error or a failed rank stops every rank at the same step.
@@ -87,6 +89,9 @@ pub struct DdpStrategy<B: Backend> {
     resume: bool,
     samplers: Vec<Arc<dyn DataEpoch>>,
     failure: FailureSlot,
+    /// A checkpoint rank 0 could not write (or an old one it could not delete).
+    written: FailureSlot,
+    run: RunSettings,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
@@ -114,6 +119,8 @@ impl<B: Backend> DdpStrategy<B> {
             resume: false,
             samplers: Vec::new(),
             failure: FailureSlot::default(),
+            written: FailureSlot::default(),
+            run: RunSettings::new(),
         }
     }
 
@@ -142,6 +149,17 @@ impl<B: Backend> DdpStrategy<B> {
     pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
         self.checkpoints = Some(dir.into());
         self.keep = keep.max(1);
+        self
+    }
+
+    /// The settings that make a checkpoint this run's (learning rate, batch size, data, seed:
+    /// whatever a resume must not change), recorded by rank 0 in the checkpoint directory
+    /// (`run.txt`) with the model's number of parameters, the world size and the number of
+    /// epochs. A resume whose settings or model differ is refused, naming each difference; a
+    /// world size or a number of epochs that differ are allowed (and said). A fresh run
+    /// refuses a directory that holds another run's checkpoints.
+    pub fn with_run_settings(mut self, settings: RunSettings) -> Self {
+        self.run = settings;
         self
     }
 

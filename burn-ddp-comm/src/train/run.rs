@@ -1,0 +1,441 @@
+//! Which run a checkpoint directory belongs to, and where a run starts.
+//!
+//! Rank 0 records the run's settings in `run.txt` beside its checkpoints when training starts.
+//! A resume compares them with its own and refuses checkpoints written with other settings
+//! (or by a program that recorded none), naming each difference; a fresh run refuses a
+//! directory that already holds checkpoints, so that the epochs found there are always its
+//! own. The decision is rank 0's, sent to every rank ([`start_epoch`]).
+
+use std::fs;
+use std::path::Path;
+
+use crate::checkpoint::write_atomic;
+use crate::{DdpError, ProcessGroup, Rank, Result};
+
+use super::files::newest_complete;
+
+/// The file of the run's settings in the checkpoint directory.
+pub const RUN_FILE: &str = "run.txt";
+
+/// Recorded, not compared: a run may resume at another world size (the global batch changes
+/// with it; the message says so).
+pub const WORLD_SIZE: &str = "world size";
+/// Recorded, not compared: a run may be extended to more epochs.
+pub const EPOCHS: &str = "epochs";
+/// Recorded and compared: the number of the model's parameters (set by the strategy).
+pub const PARAMETERS: &str = "parameters";
+
+const UNCOMPARED: [&str; 2] = [WORLD_SIZE, EPOCHS];
+
+/// The settings of a run, recorded with its checkpoints and compared on resume: the program's
+/// (learning rate, batch size, data, seed: whatever makes a checkpoint belong to the run),
+/// plus the number of the model's parameters, the world size and the number of epochs, which
+/// the strategy adds. Keys and values are single lines (line breaks become spaces).
+///
+/// ```
+/// use burn_ddp_comm::train::run::RunSettings;
+/// let run = RunSettings::new().with("lr", 2e-3).with("batch size", 32);
+/// assert_eq!(run.get("batch size"), Some("32"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSettings(Vec<(String, String)>);
+
+fn one_line(s: &str) -> String {
+    s.replace(['\r', '\n'], " ").trim().to_owned()
+}
+
+impl RunSettings {
+    /// No settings.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The settings with `key` set to `value`.
+    #[must_use]
+    pub fn with(mut self, key: impl AsRef<str>, value: impl std::fmt::Display) -> Self {
+        self.set(key, value);
+        self
+    }
+
+    /// Sets `key` to `value` (replacing an earlier value). `=` in a key becomes `-`.
+    pub fn set(&mut self, key: impl AsRef<str>, value: impl std::fmt::Display) {
+        let key = one_line(key.as_ref()).replace('=', "-");
+        let value = one_line(&value.to_string());
+        match self.0.iter_mut().find(|(k, _)| *k == key) {
+            Some(entry) => entry.1 = value,
+            None => self.0.push((key, value)),
+        }
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether there are no settings.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn text(&self) -> String {
+        let mut text = String::from(
+            "# The settings of the run that wrote these checkpoints (burn-ddp); a resume with\n\
+             # other settings is refused.\n",
+        );
+        for (k, v) in &self.0 {
+            text.push_str(&format!("{k} = {v}\n"));
+        }
+        text
+    }
+
+    fn parse(text: &str) -> Self {
+        let mut settings = Self::new();
+        for line in text.lines().map(str::trim) {
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (k, v) = line.split_once('=').unwrap_or((line, ""));
+            settings.set(k, v);
+        }
+        settings
+    }
+
+    /// The compared settings on which `self` (this run) and `recorded` (the checkpoints' run)
+    /// differ, one line each.
+    pub fn differences(&self, recorded: &RunSettings) -> Vec<String> {
+        let mut keys: Vec<&str> = self.0.iter().map(|(k, _)| k.as_str()).collect();
+        for (k, _) in &recorded.0 {
+            if !keys.contains(&k.as_str()) {
+                keys.push(k);
+            }
+        }
+        keys.into_iter()
+            .filter(|k| !UNCOMPARED.contains(k))
+            .filter_map(|k| match (recorded.get(k), self.get(k)) {
+                (a, b) if a == b => None,
+                (Some(a), Some(b)) => Some(format!("{k} = {a} there, {b} here")),
+                (Some(a), None) => Some(format!("{k} = {a} there, not set here")),
+                (None, Some(b)) => Some(format!("{k} not set there, {b} here")),
+                (None, None) => None,
+            })
+            .collect()
+    }
+
+    /// The settings recorded in `dir` (`None` when it has no [`RUN_FILE`]).
+    ///
+    /// # Errors
+    /// The file exists but cannot be read.
+    pub fn read(dir: &Path) -> Result<Option<Self>> {
+        let file = dir.join(RUN_FILE);
+        match fs::read_to_string(&file) {
+            Ok(text) => Ok(Some(Self::parse(&text))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(DdpError::CheckpointIo {
+                path: file,
+                what: "reading the run's settings",
+                source,
+            }),
+        }
+    }
+
+    /// Records the settings in `dir` (made if missing), atomically.
+    ///
+    /// # Errors
+    /// The directory or the file cannot be written ([`DdpError::CheckpointIo`]).
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        fs::create_dir_all(dir).map_err(|source| DdpError::CheckpointIo {
+            path: dir.to_path_buf(),
+            what: "creating the checkpoint directory",
+            source,
+        })?;
+        write_atomic(&dir.join(RUN_FILE), self.text().as_bytes())
+    }
+}
+
+/// What decides where a run starts.
+#[derive(Debug, Clone, Copy)]
+pub struct StartAsk<'a> {
+    /// An epoch the program named (burn-train's `SupervisedTraining::checkpoint`).
+    pub explicit: Option<usize>,
+    /// The checkpoint directory, if the run writes checkpoints.
+    pub dir: Option<&'a Path>,
+    /// Resume from the newest complete checkpoint (asked for, or a restarted group).
+    pub resume: bool,
+    /// The run's number of epochs.
+    pub epochs: usize,
+    /// The run's settings (the strategy adds [`WORLD_SIZE`] and [`EPOCHS`]).
+    pub settings: &'a RunSettings,
+}
+
+/// Collective: the checkpoint epoch this run resumes after (`None`: it starts at epoch 1), the
+/// same on every rank. Rank 0 decides: it checks that the checkpoints belong to this run,
+/// says what it resumes (or that nothing is left to do), records the run's settings in the
+/// directory, and sends the outcome to every rank.
+///
+/// # Errors
+/// On every rank, when rank 0 refuses: the checkpoints were written with other settings or by
+/// a program that recorded none, a fresh run would mix its checkpoints with an earlier run's,
+/// or the settings cannot be recorded ([`DdpError::Checkpoint`] on rank 0,
+/// [`DdpError::TrainingFailed`] naming rank 0 on the others); or the broadcast failed.
+pub fn start_epoch(pg: &ProcessGroup, ask: &StartAsk<'_>) -> Result<Option<usize>> {
+    // First byte: 1 = the epoch follows (0 = none), 0 = rank 0's error message follows.
+    let (mine, own_error) = if pg.rank() == Rank(0) {
+        match decide(ask, pg.world_size().get()) {
+            Ok(epoch) => {
+                let mut b = vec![1];
+                b.extend_from_slice(&(epoch.unwrap_or(0) as u64).to_le_bytes());
+                (b, None)
+            }
+            Err(e) => {
+                let mut b = vec![0];
+                b.extend_from_slice(e.to_string().as_bytes());
+                (b, Some(e))
+            }
+        }
+    } else {
+        (Vec::new(), None)
+    };
+    let bytes = pg.broadcast_bytes(mine, Rank(0))?;
+    if let Some(e) = own_error {
+        return Err(e);
+    }
+    match bytes.split_first() {
+        Some((1, epoch)) if epoch.len() == 8 => {
+            let epoch = u64::from_le_bytes(epoch.try_into().unwrap_or_default()) as usize;
+            Ok((epoch > 0).then_some(epoch))
+        }
+        _ => Err(DdpError::TrainingFailed {
+            rank: pg.rank(),
+            culprit: Rank(0),
+            reason: String::from_utf8_lossy(bytes.get(1..).unwrap_or_default()).into_owned(),
+        }),
+    }
+}
+
+fn refused(dir: &Path, what: &'static str, reason: String) -> DdpError {
+    DdpError::Checkpoint {
+        path: dir.display().to_string(),
+        what,
+        reason,
+    }
+}
+
+/// Rank 0's decision (see [`start_epoch`]).
+fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
+    let Some(dir) = ask.dir else {
+        // Without a directory nothing is checked; a named epoch fails where it is restored.
+        return Ok(ask.explicit);
+    };
+    let newest = newest_complete(dir);
+    let epoch = match ask.explicit {
+        Some(e) => Some(e),
+        None if ask.resume => newest,
+        None => None,
+    };
+    match (epoch, newest) {
+        (None, Some(n)) if !ask.resume => {
+            return Err(refused(
+                dir,
+                "starting a fresh run",
+                format!(
+                    "it holds the checkpoints of an earlier run (the newest of epoch {n}); a \
+                     fresh run there would mix its epochs with that run's. Resume from them \
+                     (DdpStrategy::with_resume), or remove them, or write into another \
+                     directory"
+                ),
+            ))
+        }
+        (None, _) if ask.resume => tracing::info!(
+            "no complete checkpoint in {}: training starts at epoch 1 of {}",
+            dir.display(),
+            ask.epochs
+        ),
+        (None, _) => {}
+        (Some(e), _) => {
+            let recorded = RunSettings::read(dir)?.ok_or_else(|| {
+                refused(
+                    dir,
+                    "resuming",
+                    format!(
+                        "it holds checkpoints (epoch {e}) but no record of the run that wrote \
+                         them ({RUN_FILE}), so they cannot be told apart from another \
+                         program's; remove them, or write into another directory"
+                    ),
+                )
+            })?;
+            let differences = ask.settings.differences(&recorded);
+            if !differences.is_empty() {
+                return Err(refused(
+                    dir,
+                    "resuming",
+                    format!(
+                        "its checkpoints belong to a run with other settings ({}); resume \
+                         with the same settings, or start a fresh run in another directory",
+                        differences.join("; ")
+                    ),
+                ));
+            }
+            let world_then = recorded
+                .get(WORLD_SIZE)
+                .filter(|w| *w != world.to_string())
+                .map(|w| format!(", written at world size {w}: the global batch changes"))
+                .unwrap_or_default();
+            if e >= ask.epochs {
+                tracing::warn!(
+                    "nothing left to do: the checkpoint of epoch {e} in {} completes all {} \
+                     epochs of this run (ask for more epochs to train further)",
+                    dir.display(),
+                    ask.epochs
+                );
+            } else {
+                tracing::info!(
+                    "resuming after epoch {e} of {} from {}{world_then}",
+                    ask.epochs,
+                    dir.display()
+                );
+            }
+        }
+    }
+    let mut settings = ask.settings.clone();
+    settings.set(WORLD_SIZE, world);
+    settings.set(EPOCHS, ask.epochs);
+    settings.write(dir)?;
+    Ok(epoch)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::files::{path, PARTS};
+    use crate::{Timeouts, WorldSize};
+    use std::time::Duration;
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-run-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn checkpoint(dir: &Path, epoch: usize) {
+        for p in PARTS {
+            fs::write(path(dir, p, epoch), b"x").unwrap();
+        }
+    }
+
+    fn ask<'a>(dir: &'a Path, resume: bool, settings: &'a RunSettings) -> StartAsk<'a> {
+        StartAsk {
+            explicit: None,
+            dir: Some(dir),
+            resume,
+            epochs: 3,
+            settings,
+        }
+    }
+
+    #[test]
+    fn settings_round_trip_and_differences_skip_world_size_and_epochs() {
+        let a = RunSettings::new()
+            .with("lr", 0.002)
+            .with("data", "shapes\nx = 1")
+            .with(WORLD_SIZE, 2)
+            .with(EPOCHS, 3);
+        let back = RunSettings::parse(&a.text());
+        assert_eq!(back, a);
+        assert_eq!(back.get("data"), Some("shapes x = 1"));
+        let b = RunSettings::new()
+            .with("lr", 0.001)
+            .with("seed", 7)
+            .with(WORLD_SIZE, 4)
+            .with(EPOCHS, 9);
+        assert_eq!(
+            b.differences(&a),
+            [
+                "lr = 0.002 there, 0.001 here",
+                "seed not set there, 7 here",
+                "data = shapes x = 1 there, not set here"
+            ]
+        );
+        assert!(a.differences(&back).is_empty());
+    }
+
+    /// Rank 0's decisions: a fresh run records its settings and refuses a directory holding
+    /// another run's checkpoints; a resume uses its own run's newest epoch, refuses other
+    /// settings or an unrecorded run naming the difference, and is fine with nothing to do.
+    #[test]
+    fn rank_0_checks_that_the_checkpoints_are_this_runs() {
+        let dir = scratch("decide");
+        let mine = RunSettings::new().with("lr", 0.002);
+        assert_eq!(decide(&ask(&dir, false, &mine), 2).unwrap(), None);
+        let recorded = RunSettings::read(&dir).unwrap().unwrap();
+        assert_eq!(recorded.get(WORLD_SIZE), Some("2"));
+        assert_eq!(recorded.get(EPOCHS), Some("3"));
+
+        checkpoint(&dir, 1);
+        checkpoint(&dir, 2);
+        assert_eq!(decide(&ask(&dir, true, &mine), 3).unwrap(), Some(2));
+        assert_eq!(
+            RunSettings::read(&dir).unwrap().unwrap().get(WORLD_SIZE),
+            Some("3")
+        );
+        let fresh = decide(&ask(&dir, false, &mine), 2).unwrap_err().to_string();
+        assert!(
+            fresh.contains("earlier run") && fresh.contains("epoch 2"),
+            "{fresh}"
+        );
+
+        let other = RunSettings::new().with("lr", 0.01);
+        let err = decide(&ask(&dir, true, &other), 2).unwrap_err().to_string();
+        assert!(err.contains("lr = 0.002 there, 0.01 here"), "{err}");
+
+        // Finished: resumed, nothing to train (a warning), not refused.
+        checkpoint(&dir, 3);
+        assert_eq!(decide(&ask(&dir, true, &mine), 2).unwrap(), Some(3));
+
+        fs::remove_file(dir.join(RUN_FILE)).unwrap();
+        let err = decide(&ask(&dir, true, &mine), 2).unwrap_err().to_string();
+        assert!(err.contains("no record of the run"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The decision is rank 0's on every rank; a refusal names rank 0 on the others.
+    #[test]
+    fn every_rank_gets_rank_0s_decision() {
+        let dir = scratch("start");
+        checkpoint(&dir, 1);
+        RunSettings::new().with("lr", 1).write(&dir).unwrap();
+        let groups = ProcessGroup::local(
+            WorldSize::new(3).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        );
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|pg| {
+                    let dir = dir.clone();
+                    s.spawn(move || {
+                        // Only rank 0's settings and view of the directory count.
+                        let lr = if pg.rank() == Rank(0) { 1 } else { 5 };
+                        let settings = RunSettings::new().with("lr", lr);
+                        let ok = start_epoch(&pg, &ask(&dir, true, &settings)).unwrap();
+                        let other = RunSettings::new().with("lr", 2);
+                        let err = start_epoch(&pg, &ask(&dir, true, &other)).unwrap_err();
+                        (ok, err.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, (ok, err)) in results.into_iter().enumerate() {
+            assert_eq!(ok, Some(1));
+            assert!(err.contains("lr = 1 there, 2 here"), "{err}");
+            if rank > 0 {
+                assert!(err.contains("rank 0 failed"), "{err}");
+            }
+        }
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
