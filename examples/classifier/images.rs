@@ -174,6 +174,26 @@ pub fn positive(s: &str) -> Result<f64, String> {
     }
 }
 
+/// What makes a checkpoint a run's (`DdpStrategy::with_run_settings`): the data, the batch
+/// size, the learning rate and the seed. `sizes`: generated training and test images, batch size.
+pub fn settings(
+    mnist: Option<&Path>,
+    (train, test, batch): (usize, usize, usize),
+    lr: f64,
+    seed: u64,
+) -> [(&'static str, String); 4] {
+    let data = match mnist {
+        Some(dir) => format!("MNIST from {}", dir.display()),
+        None => format!("generated shapes, {train} training / {test} test"),
+    };
+    [
+        ("data", data),
+        ("batch size", batch.to_string()),
+        ("learning rate", lr.to_string()),
+        ("seed", seed.to_string()),
+    ]
+}
+
 /// The training and test sets must hold something, and every rank needs a training image.
 pub fn check_sizes(train: usize, test: usize, world: usize) -> Result<(), String> {
     if train < world {

@@ -174,18 +174,10 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
 /// What makes a checkpoint this run's: a resume with other values is refused. (`--epochs` may
 /// change: a finished run can be extended.)
 fn run_settings(args: &Args) -> RunSettings {
-    let data = match &args.mnist {
-        Some(dir) => format!("MNIST from {}", dir.display()),
-        None => format!(
-            "generated shapes, {} training / {} test",
-            args.train_size, args.test_size
-        ),
-    };
-    RunSettings::new()
-        .with("data", data)
-        .with("batch size", args.batch_size)
-        .with("learning rate", args.lr)
-        .with("seed", args.seed)
+    let sizes = (args.train_size, args.test_size, args.batch_size);
+    images::settings(args.mnist.as_deref(), sizes, args.lr, args.seed)
+        .into_iter()
+        .fold(RunSettings::new(), |s, (k, v)| s.with(k, v))
 }
 
 /// A hash of the parameters' values, bit for bit, in visit order (not of the record, which
