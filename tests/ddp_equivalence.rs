@@ -608,3 +608,73 @@ fn per_rank_buffers_do_not_trip_the_replica_check() {
         common::Job::new(2, NAME).run().assert_all_ok();
     }
 }
+
+/// 20 steps of the BatchNorm model with `sync_buffers` before each forward (PyTorch's
+/// `broadcast_buffers=True`): every rank ends with rank 0's running statistics, bit for bit, and
+/// the same parameters; rank 0's statistics moved (the test is not vacuous). With the switch
+/// off, `sync_buffers` leaves each rank its own.
+fn train_normed(pg: ProcessGroup, broadcast: bool) {
+    let device = Default::default();
+    let rank = pg.rank().index();
+    let config = DdpConfig::default().with_broadcast_buffers(broadcast);
+    let session = DdpSession::new(pg, config).unwrap();
+    let initial = burn::nn::BatchNormConfig::new(OUT).init::<B>(&device);
+    let initial_mean = initial.running_mean.value().into_data();
+    let mut model = session
+        .prepare(Normed::<B> {
+            fc: LinearConfig::new(IN, OUT).init(&device),
+            norm: initial,
+        })
+        .unwrap();
+    let mut opt = SgdConfig::new().init();
+    for step in 0..20 {
+        model = session.sync_buffers(model).unwrap();
+        let (x, y) = batch(step, 2);
+        let out = model.norm.forward(model.fc.forward(shard(x, rank)));
+        let loss = (out - shard(y, rank)).powi_scalar(2).mean();
+        let grads = session.gradients(&model, loss).unwrap();
+        model = opt.step(0.1, model, grads);
+    }
+    model = session.sync_buffers(model).unwrap();
+    session.check_replicas(&model).unwrap();
+    let mean = model.norm.running_mean.value_sync().into_data();
+    let var = model.norm.running_var.value_sync().into_data();
+    assert_ne!(mean, initial_mean, "the running mean never moved");
+    let mine: Vec<u8> = [mean.as_bytes(), var.as_bytes()].concat();
+    let first = session
+        .group()
+        .broadcast_bytes(mine.clone(), burn_ddp::Rank(0))
+        .unwrap();
+    if broadcast {
+        assert_eq!(first, mine, "rank {rank}'s buffers differ from rank 0's");
+    } else {
+        assert!(
+            rank == 0 || first != mine,
+            "rank {rank}'s buffers were replaced"
+        );
+    }
+}
+
+#[test]
+fn broadcast_buffers_give_every_rank_rank_0s_running_statistics() {
+    const NAME: &str = "broadcast_buffers_give_every_rank_rank_0s_running_statistics";
+    if let Some(pg) = common::child_group(NAME) {
+        train_normed(pg, true);
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
+
+#[test]
+fn without_broadcast_buffers_each_rank_keeps_its_own() {
+    const NAME: &str = "without_broadcast_buffers_each_rank_keeps_its_own";
+    if let Some(pg) = common::child_group(NAME) {
+        train_normed(pg, false);
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}

@@ -16,7 +16,7 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
-use burn::nn::{Linear, LinearConfig};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
@@ -39,6 +39,8 @@ type B = Autodiff<Ddp<NdArray>>;
 struct Reg<B: Backend> {
     fc1: Linear<B>,
     fc2: Linear<B>,
+    /// BatchNorm after `fc1`, for the buffer tests.
+    norm: Option<BatchNorm<B>>,
 }
 
 #[derive(Debug, Clone)]
@@ -48,15 +50,24 @@ struct Batch<B: Backend> {
 }
 
 impl<B: Backend> Reg<B> {
-    fn new(device: &B::Device) -> Self {
+    fn new(device: &B::Device, batch_norm: bool) -> Self {
         Self {
             fc1: LinearConfig::new(4, 8).init(device),
             fc2: LinearConfig::new(8, 1).init(device),
+            norm: batch_norm.then(|| BatchNormConfig::new(8).init(device)),
         }
     }
 
     fn regress(&self, b: Batch<B>) -> RegressionOutput<B> {
-        let out = self.fc2.forward(self.fc1.forward(b.x).tanh());
+        let h = self.fc1.forward(b.x);
+        let h = match &self.norm {
+            Some(norm) => {
+                let [n, c] = h.dims();
+                norm.forward(h.reshape([n, c, 1])).reshape([n, c])
+            }
+            None => h,
+        };
+        let out = self.fc2.forward(h.tanh());
         let loss = MseLoss::new().forward(out.clone(), b.y.clone(), Reduction::Mean);
         RegressionOutput::new(loss.reshape([1]), out, b.y)
     }
@@ -149,6 +160,8 @@ struct Run {
     early_stop_after: Option<usize>,
     quit_on_rank_0: bool,
     seed: u64,
+    batch_norm: bool,
+    broadcast_buffers: bool,
 }
 
 impl Run {
@@ -163,6 +176,8 @@ impl Run {
             early_stop_after: None,
             quit_on_rank_0: false,
             seed: 7,
+            batch_norm: false,
+            broadcast_buffers: true,
         }
     }
 
@@ -181,7 +196,7 @@ impl Run {
             .map(|r| {
                 // Different initial weights on every rank: the strategy must start from rank 0's.
                 <B as Backend>::seed(&device, self.seed + u64::from(r));
-                let model = Reg::<B>::new(&device);
+                let model = Reg::<B>::new(&device, self.batch_norm);
                 // Parameters are initialised lazily, on first use: draw them now.
                 let _ = common::params(&burn::module::AutodiffModule::valid(&model));
                 model
@@ -228,7 +243,8 @@ impl Run {
         let valid_loader = DataLoaderBuilder::<Ddp<NdArray>, _, _>::new(Rows)
             .batch_size(8)
             .build(Arc::clone(&valid));
-        let session = DdpSession::new(pg, DdpConfig::default())?;
+        let config = DdpConfig::default().with_broadcast_buffers(self.broadcast_buffers);
+        let session = DdpSession::new(pg, config)?;
         let ddp = DdpStrategy::<NdArray>::new(session, device)
             .with_sampler(train)
             .with_sampler(valid)
@@ -367,5 +383,26 @@ fn a_data_error_on_rank_1_stops_every_rank_naming_it() {
             other => panic!("rank {r}: expected TrainingFailed, got {other:?}"),
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// BatchNorm's running statistics, which each rank updates from its own shard, end equal on
+/// every rank (rank 0's, sent before every step and at the end of each epoch: PyTorch's
+/// `broadcast_buffers`), so validation and the checkpoint see one set; with the switch off they
+/// differ (the test is not vacuous).
+#[test]
+fn batch_norm_statistics_end_equal_on_every_rank() {
+    let dir = scratch("buffers");
+    let mut run = Run::new(2, 4, 2, &dir.join("on"));
+    run.batch_norm = true;
+    let on = ok(run.train());
+    assert_eq!(on[0], on[1], "the ranks' parameters or buffers differ");
+    run.broadcast_buffers = false;
+    run.dir = dir.join("off");
+    let off = ok(run.train());
+    assert_ne!(
+        off[0], off[1],
+        "without broadcasting, the buffers should differ"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

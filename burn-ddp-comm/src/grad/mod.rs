@@ -84,6 +84,10 @@ pub struct DdpConfig {
     /// the replicas have drifted apart (0: never). Each check reads every parameter to the host
     /// once and all-reduces two integers per parameter.
     pub check_replicas_every: u64,
+    /// Rank 0's buffers (float tensors that take no gradient: BatchNorm's running statistics)
+    /// are sent to every rank at each synchronisation of buffers (PyTorch's
+    /// `broadcast_buffers=True`, the default); `false` leaves each rank its own.
+    pub broadcast_buffers: bool,
 }
 
 impl Default for DdpConfig {
@@ -96,6 +100,7 @@ impl Default for DdpConfig {
             overlap: true,
             transport: GradTransport::Auto,
             check_replicas_every: 100,
+            broadcast_buffers: true,
         }
     }
 }
@@ -128,6 +133,13 @@ impl DdpConfig {
     /// Compares the ranks' parameters every `steps` synchronised steps (0: never; default 100).
     pub fn with_replica_check(mut self, steps: u64) -> Self {
         self.check_replicas_every = steps;
+        self
+    }
+
+    /// Whether rank 0's buffers replace every rank's at each synchronisation of buffers
+    /// (default `true`, as PyTorch's `broadcast_buffers`).
+    pub fn with_broadcast_buffers(mut self, on: bool) -> Self {
+        self.broadcast_buffers = on;
         self
     }
 

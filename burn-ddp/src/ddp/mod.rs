@@ -7,12 +7,14 @@
 //!   into buckets, write the averaged gradients back)
 //! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
+//! - `buffers.rs`: `DdpSession::sync_buffers` (rank 0's buffers on every rank)
 //! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
 //!   packed and all-reduced by NCCL on the GPU
 //!
 //! A session is installed when it is created: for the whole process when its group spans
 //! processes, for the creating thread when it is an in-process group (one thread per rank).
 
+mod buffers;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod hooks;

@@ -33,12 +33,13 @@ pub trait DdpModule {
     const DDP_SKIP: &'static [&'static str];
 }
 
+/// Where a visitor is in a module: the field names from the root.
 #[derive(Default)]
-struct Path(Vec<String>);
+pub(super) struct Path(pub(super) Vec<String>);
 
 impl Path {
     /// Whether the parameter at this path lies under one of the `skip` top-level fields.
-    fn skipped(&self, skip: &[String]) -> bool {
+    pub(super) fn skipped(&self, skip: &[String]) -> bool {
         self.0.first().is_some_and(|f| is_skipped(f, skip))
     }
 

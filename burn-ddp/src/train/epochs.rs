@@ -326,6 +326,9 @@ impl<B: Backend> DdpStrategy<B> {
                 Turn::Stop => return Flow::Stop,
             }
             let Some(item) = item else { break };
+            if let Err(e) = self.sync_buffers(learner) {
+                return self.stop_with(e, interrupter);
+            }
             iteration += 1;
             learner.lr_step();
             let progress = self.global(iter.progress());
@@ -384,10 +387,30 @@ impl<B: Backend> DdpStrategy<B> {
                 Err(e) => return self.stop_with(e, interrupter),
             }
         }
+        // Validation and the checkpoint see rank 0's buffers on every rank.
+        if let Err(e) = self.sync_buffers(learner) {
+            return self.stop_with(e, interrupter);
+        }
         if self.is_main() {
             processor.process_train(LearnerEvent::EndEpoch(epoch));
         }
         Flow::Continue
+    }
+
+    /// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
+    /// `DdpConfig::broadcast_buffers` is on (the default).
+    fn sync_buffers<LC>(&self, learner: &mut Learner<LC>) -> Result<()>
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    {
+        if !self.session.config().broadcast_buffers || self.session.group().world_size().get() == 1
+        {
+            return Ok(());
+        }
+        let model = self.session.sync_buffers(learner.model())?;
+        learner.load_model(model.into_record());
+        Ok(())
     }
 
     fn valid_epoch<LC>(
