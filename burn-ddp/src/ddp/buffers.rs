@@ -50,6 +50,27 @@ impl<B: Backend> ModuleVisitor<B> for Gather<'_> {
     }
 }
 
+/// Counts the buffers, reading nothing.
+struct Count<'a> {
+    path: Path,
+    skip: &'a [String],
+    count: usize,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Count<'_> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !param.val().is_require_grad() && !self.path.skipped(self.skip) {
+            self.count += 1;
+        }
+    }
+}
+
 /// Puts the broadcast values back, in the same order.
 struct Scatter<'a> {
     path: Path,
@@ -98,15 +119,10 @@ impl DdpSession {
     /// size fail in the broadcast, which compares lengths).
     pub fn sync_buffers<B: Backend, M: Module<B>>(&self, model: M) -> Result<M> {
         let pg = &self.shared.pg;
-        if !self.shared.config.broadcast_buffers || pg.world_size().get() == 1 {
+        if !self.buffers_to_sync(&model) {
             return Ok(model);
         }
-        let skip = self
-            .shared
-            .skip
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let skip = self.skip();
         // Burn's `RunningState` keeps its last update pending (per thread) until it is synced,
         // and folds a pending update in at the next forward: `into_record` syncs it (on a
         // clone, which shares the state), so that what is read is current and nothing local
@@ -119,10 +135,6 @@ impl DdpSession {
             unreadable: None,
         };
         model.visit(&mut gather);
-        if gather.values.is_empty() {
-            // The same on every rank: prepare checked that the models are.
-            return Ok(model);
-        }
         let mut values = gather.values;
         pg.broadcast(&mut values, Rank(0))?;
         if let Some(what) = gather.unreadable {
@@ -138,5 +150,32 @@ impl DdpSession {
             values: &values,
             at: 0,
         }))
+    }
+}
+
+impl DdpSession {
+    /// Whether [`DdpSession::sync_buffers`] has anything to do with `model`: broadcasting is on,
+    /// there are several ranks, and the model has buffers (the same answer on every rank:
+    /// `prepare` checked that the models are the same).
+    pub(crate) fn buffers_to_sync<B: Backend, M: Module<B>>(&self, model: &M) -> bool {
+        if !self.shared.config.broadcast_buffers || self.shared.pg.world_size().get() == 1 {
+            return false;
+        }
+        let skip = self.skip();
+        let mut count = Count {
+            path: Path::default(),
+            skip: &skip,
+            count: 0,
+        };
+        model.visit(&mut count);
+        count.count > 0
+    }
+
+    fn skip(&self) -> Vec<String> {
+        self.shared
+            .skip
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }

@@ -404,11 +404,11 @@ impl<B: Backend> DdpStrategy<B> {
         LC: LearningComponentsTypes,
         LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     {
-        if !self.session.config().broadcast_buffers || self.session.group().world_size().get() == 1
-        {
+        let model = learner.model();
+        if !self.session.buffers_to_sync(&model) {
             return Ok(());
         }
-        let model = self.session.sync_buffers(learner.model())?;
+        let model = self.session.sync_buffers(model)?;
         learner.load_model(model.into_record());
         Ok(())
     }
