@@ -259,8 +259,6 @@ impl DdpStrategy {
         epochs: usize,
         parameters: usize,
     ) -> Result<Option<usize>> {
-        let mut settings = self.run.clone();
-        settings.set(run::PARAMETERS, parameters);
         run::start_epoch(
             &self.pg,
             &run::StartAsk {
@@ -268,7 +266,8 @@ impl DdpStrategy {
                 dir: self.checkpoints.as_deref(),
                 resume: self.resumes(),
                 epochs,
-                settings: &settings,
+                parameters,
+                settings: &self.run,
             },
         )
     }

@@ -67,8 +67,8 @@ struct Shared {
     /// Requests blocked in `get`/`wait` that still owe their client a reply.
     blocked: AtomicUsize,
     conns: Mutex<HashMap<u64, TcpStream>>,
-    /// Connections still in their handshake, oldest first.
-    pending: Mutex<VecDeque<(u64, TcpStream)>>,
+    /// Connections still in their handshake, oldest first (their streams are in `conns`).
+    pending: Mutex<VecDeque<u64>>,
     /// The limit of authenticated connections.
     max_conns: usize,
     handshake: Duration,
@@ -148,7 +148,7 @@ impl Shared {
     /// A connection finished its handshake (or failed it): it no longer holds a pending slot.
     fn handshake_over(&self, conn: u64) {
         if let Ok(mut p) = self.pending.lock() {
-            p.retain(|(id, _)| *id != conn);
+            p.retain(|id| *id != conn);
         }
     }
 }
@@ -333,13 +333,19 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     if p.len() >= MAX_PENDING {
                         // The oldest handshake in progress makes room: a flood of idle or
                         // slow connections cannot hold every slot against a rank.
-                        if let Some((_, oldest)) = p.pop_front() {
-                            let _ = oldest.shutdown(Shutdown::Both);
+                        if let Some(oldest) = p.pop_front() {
+                            if let Some(s) = shared
+                                .conns
+                                .lock()
+                                .ok()
+                                .as_ref()
+                                .and_then(|c| c.get(&oldest))
+                            {
+                                let _ = s.shutdown(Shutdown::Both);
+                            }
                         }
                     }
-                    if let Ok(c) = clone.try_clone() {
-                        p.push_back((id, c));
-                    }
+                    p.push_back(id);
                 }
                 if let Ok(mut conns) = shared.conns.lock() {
                     conns.insert(id, clone);

@@ -22,7 +22,7 @@ pub const RUN_FILE: &str = "run.txt";
 pub const WORLD_SIZE: &str = "world size";
 /// Recorded, not compared: a run may be extended to more epochs.
 pub const EPOCHS: &str = "epochs";
-/// Recorded and compared: the number of the model's parameters (set by the strategy).
+/// Recorded and compared: the number of the model's parameters.
 pub const PARAMETERS: &str = "parameters";
 
 const UNCOMPARED: [&str; 2] = [WORLD_SIZE, EPOCHS];
@@ -166,7 +166,9 @@ pub struct StartAsk<'a> {
     pub resume: bool,
     /// The run's number of epochs.
     pub epochs: usize,
-    /// The run's settings (the strategy adds [`WORLD_SIZE`] and [`EPOCHS`]).
+    /// The number of the model's parameters.
+    pub parameters: usize,
+    /// The program's settings ([`PARAMETERS`], [`WORLD_SIZE`] and [`EPOCHS`] are added).
     pub settings: &'a RunSettings,
 }
 
@@ -229,6 +231,8 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
         // Without a directory nothing is checked; a named epoch fails where it is restored.
         return Ok(ask.explicit);
     };
+    let mut settings = ask.settings.clone();
+    settings.set(PARAMETERS, ask.parameters);
     let newest = newest_complete(dir);
     let epoch = match ask.explicit {
         Some(e) => Some(e),
@@ -266,7 +270,7 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
                     ),
                 )
             })?;
-            let differences = ask.settings.differences(&recorded);
+            let differences = settings.differences(&recorded);
             if !differences.is_empty() {
                 return Err(refused(
                     dir,
@@ -299,7 +303,6 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
             }
         }
     }
-    let mut settings = ask.settings.clone();
     settings.set(WORLD_SIZE, world);
     settings.set(EPOCHS, ask.epochs);
     settings.write(dir)?;
@@ -332,6 +335,7 @@ mod tests {
             dir: Some(dir),
             resume,
             epochs: 3,
+            parameters: 10,
             settings,
         }
     }
@@ -406,7 +410,12 @@ mod tests {
     fn every_rank_gets_rank_0s_decision() {
         let dir = scratch("start");
         checkpoint(&dir, 1);
-        RunSettings::new().with("lr", 1).write(&dir).unwrap();
+        // The record a run with these settings and a 10-parameter model writes.
+        RunSettings::new()
+            .with("lr", 1)
+            .with(PARAMETERS, 10)
+            .write(&dir)
+            .unwrap();
         let groups = ProcessGroup::local(
             WorldSize::new(3).unwrap(),
             Timeouts::uniform(Duration::from_secs(20)),

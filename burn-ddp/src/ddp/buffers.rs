@@ -118,10 +118,16 @@ impl DdpSession {
     /// other ranks are not left waiting); collective failures (ranks whose buffers differ in
     /// size fail in the broadcast, which compares lengths).
     pub fn sync_buffers<B: Backend, M: Module<B>>(&self, model: M) -> Result<M> {
-        let pg = &self.shared.pg;
         if !self.buffers_to_sync(&model) {
             return Ok(model);
         }
+        self.broadcast_buffers(model)
+    }
+
+    /// [`DdpSession::sync_buffers`] for a caller that has asked
+    /// [`DdpSession::buffers_to_sync`] already.
+    pub(crate) fn broadcast_buffers<B: Backend, M: Module<B>>(&self, model: M) -> Result<M> {
+        let pg = &self.shared.pg;
         let skip = self.skip();
         // Burn's `RunningState` keeps its last update pending (per thread) until it is synced,
         // and folds a pending update in at the next forward: `into_record` syncs it (on a

@@ -238,8 +238,6 @@ impl<B: Backend> DdpStrategy<B> {
         epochs: usize,
         parameters: usize,
     ) -> Result<Option<usize>> {
-        let mut settings = self.run.clone();
-        settings.set(run::PARAMETERS, parameters);
         run::start_epoch(
             self.session.group(),
             &run::StartAsk {
@@ -247,7 +245,8 @@ impl<B: Backend> DdpStrategy<B> {
                 dir: self.checkpoints.as_deref(),
                 resume: self.resumes(),
                 epochs,
-                settings: &settings,
+                parameters,
+                settings: &self.run,
             },
         )
     }
@@ -408,7 +407,7 @@ impl<B: Backend> DdpStrategy<B> {
         if !self.session.buffers_to_sync(&model) {
             return Ok(());
         }
-        let model = self.session.sync_buffers(model)?;
+        let model = self.session.broadcast_buffers(model)?;
         learner.load_model(model.into_record());
         Ok(())
     }
