@@ -59,6 +59,7 @@
 )]
 #![deny(unused_must_use)]
 
+mod buffers;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod data;

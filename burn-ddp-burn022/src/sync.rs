@@ -8,7 +8,8 @@ use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
-    check_same_params, digest, BucketOrder, BucketPlan, HostSync, ParamInfo, ReplicaCheck,
+    check_same_params, digest, BucketOrder, BucketPlan, HostSync, Join, JoinCall, ParamInfo,
+    ReplicaCheck,
 };
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
@@ -26,6 +27,8 @@ pub struct GradSync {
     plan: Option<BucketPlan<usize>>,
     /// Counts synchronised steps for the periodic comparison of the replicas.
     replicas: ReplicaCheck,
+    /// Uneven-input mode, inside [`GradSync::join`].
+    pub(crate) join: Option<Join>,
     /// NCCL for a model on a GPU (set up by `prepare`).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::DevicePath>,
@@ -70,6 +73,7 @@ impl GradSync {
             config,
             host,
             plan: None,
+            join: None,
             #[cfg(feature = "cuda")]
             device: None,
         })
@@ -135,30 +139,7 @@ impl GradSync {
         let all: Vec<ParamInfo> = described.iter().map(|(i, _)| i.clone()).collect();
         check_same_params(&self.pg, &all)?;
 
-        let model = if self.pg.world_size().as_usize() > 1 {
-            let bytes = if rank == Rank(0) {
-                model
-                    .clone()
-                    .into_record()
-                    .into_bytes()
-                    .map_err(|e| model_error(rank, "serialising rank 0's model", e))?
-                    .to_vec()
-            } else {
-                Vec::new()
-            };
-            let bytes = self.pg.broadcast_bytes(bytes, Rank(0))?;
-            if rank == Rank(0) {
-                model
-            } else {
-                let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
-                    .map_err(|e| model_error(rank, "reading rank 0's model", e))?;
-                model
-                    .try_load_record(record)
-                    .map_err(|e| model_error(rank, "loading rank 0's model", e))?
-            }
-        } else {
-            model
-        };
+        let model = self.load_from(model, Rank(0))?;
 
         let trainable = describe(&model)
             .into_iter()
@@ -196,6 +177,43 @@ impl GradSync {
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        self.require_plan()?;
+        let Some(join) = self.join.as_mut() else {
+            if let Some(step) = self.replicas.due() {
+                ReplicaCheck::compare(&self.pg, step, &digests(self.plan.as_ref(), model))?;
+            }
+            return self.reduce(model, grads);
+        };
+        // Inside a join: announced first; no comparison of replicas (the ranks that ran out
+        // no longer step), and the mean is over the ranks still training.
+        let round = join.step(&self.pg, JoinCall::Gradients)?;
+        let grads = self.reduce(model, grads)?;
+        Ok(match round.scale(self.config.reduction) {
+            Some(factor) => scale(model, grads, factor),
+            None => grads,
+        })
+    }
+
+    fn require_plan(&self) -> Result<()> {
+        if self.plan.is_none() {
+            return Err(DdpError::Model {
+                rank: self.pg.rank(),
+                what: "synchronising gradients",
+                reason: "GradSync::prepare was not called: prepare the model once, on every \
+                         rank, before training"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The gradient all-reduce of [`GradSync::sync`], without the comparison of replicas
+    /// and the announcement of a join.
+    fn reduce<M: Module>(
+        &mut self,
+        model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
         let rank = self.pg.rank();
@@ -208,9 +226,6 @@ impl GradSync {
                     .into(),
             });
         };
-        if let Some(step) = self.replicas.due() {
-            ReplicaCheck::compare(&self.pg, step, &digests(Some(plan), model))?;
-        }
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
             let how = (self.config.reduction, self.config.compression);
@@ -236,6 +251,172 @@ impl GradSync {
             Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
         });
         Ok(grads)
+    }
+}
+
+impl GradSync {
+    /// Trains with **uneven inputs** (PyTorch's `Join`): `train` runs this rank's loop, which
+    /// may have more or fewer batches than the other ranks'. Inside it, [`sync`](Self::sync)
+    /// and [`sync_buffers`](Self::sync_buffers) first tell every rank which ranks still train
+    /// (one small all-reduce). When `train` returns, this rank shadows the others' calls until
+    /// every rank has returned: it joins their gradient all-reduce with zeros and no presence,
+    /// and their broadcast of buffers. So:
+    ///
+    /// - a mean of gradients is over the ranks still training (the ranks that ran out are
+    ///   counted out of the average; PyTorch's `divide_by_initial_world_size=False`): with
+    ///   equal shards, a step in which only some ranks train is the step one process would
+    ///   take on those ranks' batches;
+    /// - buffers are broadcast by the lowest rank still training;
+    /// - at the end, every rank takes the whole model (parameters and buffers) of the rank that
+    ///   trained longest (the lowest such), so the replicas are equal again; `join` returns it.
+    ///
+    /// Optimizer state is each rank's own: a rank that ran out did not step, so a stateful
+    /// optimizer's moments (Adam's) lag by the steps it sat out, as with PyTorch's `Join`.
+    /// The periodic comparison of replicas pauses inside a join. Without `join`, ranks with
+    /// different numbers of batches fail: the first rank to finish leaves the job, and the
+    /// others' next collective names it.
+    ///
+    /// ```no_run
+    /// # use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    /// # use burn_ddp_burn022::{DdpConfig, GradSync, ProcessGroup};
+    /// # fn main() -> burn_ddp_burn022::Result<()> {
+    /// # let device = Default::default();
+    /// # let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+    /// # let model = sync.prepare(burn::nn::LinearConfig::new(4, 1).init(&device))?;
+    /// # let my_batches: Vec<burn::Tensor<2>> = Vec::new();
+    /// let mut optim = SgdConfig::new().init();
+    /// let model = sync.join(model, |sync, mut model| {
+    ///     for x in my_batches {                    // as many as this rank has
+    ///         let loss = model.forward(x).mean();
+    ///         let grads = GradientsParams::from_grads(loss.backward(), &model);
+    ///         let grads = sync.sync(&model, grads)?;
+    ///         model = optim.step(0.1, model, grads);
+    ///     }
+    ///     Ok(model)
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// What `train` returns (this rank then leaves the join at once, and the other ranks'
+    /// next collective fails naming it); ranks that make different calls inside the join
+    /// (naming who calls what); a nested `join`; collective failures.
+    pub fn join<M, F>(&mut self, model: M, train: F) -> Result<M>
+    where
+        M: Module,
+        F: FnOnce(&mut Self, M) -> Result<M>,
+    {
+        if self.join.is_some() {
+            return Err(DdpError::Model {
+                rank: self.pg.rank(),
+                what: "training with uneven inputs",
+                reason: "GradSync::join was called inside a join: call it once per loop".into(),
+            });
+        }
+        self.require_plan()?;
+        self.join = Some(Join::new());
+        let trained = train(self, model);
+        let finished = trained.and_then(|model| {
+            self.shadow(&model)?;
+            Ok(model)
+        });
+        let join = self.join.take();
+        let model = finished?;
+        let Some(join) = join else {
+            return Err(DdpError::Internal {
+                rank: self.pg.rank(),
+                what: "the join's state disappeared during the join",
+            });
+        };
+        let summary = join.finish(&self.pg)?;
+        if summary.calls.iter().any(|c| *c != summary.calls[0]) && self.pg.is_main() {
+            tracing::info!(
+                "uneven inputs: synchronising calls per rank {:?}; every rank takes rank {}'s \
+                 model",
+                summary.calls,
+                summary.authority
+            );
+        }
+        self.load_from(model, summary.authority)
+    }
+
+    /// After this rank's loop inside [`GradSync::join`]: the others' calls, shadowed until
+    /// every rank has run out.
+    fn shadow<M: Module>(&mut self, model: &M) -> Result<()> {
+        loop {
+            let Some(join) = self.join.as_mut() else {
+                return Ok(());
+            };
+            let Some(round) = join.next_shadow(&self.pg)? else {
+                return Ok(());
+            };
+            match round.call() {
+                Some(JoinCall::Gradients) => {
+                    self.reduce(model, GradientsParams::new())?;
+                }
+                Some(JoinCall::Buffers) => {
+                    self.broadcast_buffers(model.clone(), round.root())?;
+                }
+                Some(JoinCall::Backward) | None => {
+                    return Err(DdpError::Internal {
+                        rank: self.pg.rank(),
+                        what: "a join announced a call the Burn 0.22 line never makes",
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// `grads` of `model`'s trainable parameters multiplied by `factor`.
+fn scale<M: Module>(model: &M, mut grads: GradientsParams, factor: f32) -> GradientsParams {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale {
+        grads: &mut grads,
+        factor,
+    });
+    grads
+}
+
+impl GradSync {
+    /// `root`'s whole record (parameters and buffers) loaded into every other rank's `model`.
+    fn load_from<M: Module>(&self, model: M, root: Rank) -> Result<M> {
+        let rank = self.pg.rank();
+        if self.pg.world_size().as_usize() == 1 {
+            return Ok(model);
+        }
+        // Running statistics' pending updates folded in first (see `sync_buffers`): the
+        // record sent is current, and none left pending overwrites the one received.
+        drop(model.valid());
+        let bytes = if rank == root {
+            model
+                .clone()
+                .into_record()
+                .into_bytes()
+                .map_err(|e| model_error(rank, "serialising the model to send", e))?
+                .to_vec()
+        } else {
+            Vec::new()
+        };
+        let bytes = self.pg.broadcast_bytes(bytes, root)?;
+        if rank == root {
+            return Ok(model);
+        }
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| model_error(rank, "reading the model received", e))?;
+        model
+            .try_load_record(record)
+            .map_err(|e| model_error(rank, "loading the model received", e))
     }
 }
 

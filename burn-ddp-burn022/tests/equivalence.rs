@@ -376,3 +376,259 @@ fn diverged_replicas_fail_naming_the_parameter() {
         procs::Job::new(2, NAME).run().assert_all_ok();
     }
 }
+
+#[derive(Module, Debug)]
+struct Normed {
+    fc: Linear,
+    norm: burn::nn::BatchNorm,
+}
+
+/// 20 steps of a BatchNorm model with `sync_buffers` before each forward (PyTorch's
+/// `broadcast_buffers=True`): every rank ends with rank 0's running statistics, bit for bit, and
+/// the same parameters; rank 0's statistics moved (the test is not vacuous). With the switch
+/// off, `sync_buffers` leaves each rank its own.
+fn train_normed(pg: ProcessGroup, broadcast: bool) {
+    let rank = pg.rank().index();
+    let device = device();
+    let config = DdpConfig::default().with_broadcast_buffers(broadcast);
+    let mut sync = GradSync::new(pg, config).unwrap();
+    let initial = burn::nn::BatchNormConfig::new(OUT).init(&device);
+    let initial_mean = initial.running_mean.value().into_data();
+    let mut model = sync
+        .prepare(Normed {
+            fc: LinearConfig::new(IN, OUT).init(&device),
+            norm: initial,
+        })
+        .unwrap();
+    let mut opt = SgdConfig::new().init();
+    for step in 0..STEPS {
+        model = sync.sync_buffers(model).unwrap();
+        let (x, y) = batch(step, 2);
+        let out = model
+            .norm
+            .forward(model.fc.forward(shard(x, rank, PER_RANK)));
+        let loss = (out - shard(y, rank, PER_RANK)).powi_scalar(2).mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+        model = opt.step(0.1, model, grads);
+    }
+    model = sync.sync_buffers(model).unwrap();
+    sync.check_replicas(&model).unwrap();
+    let mean = model.norm.running_mean.value_sync().into_data();
+    let var = model.norm.running_var.value_sync().into_data();
+    assert_ne!(mean, initial_mean, "the running mean never moved");
+    let mine: Vec<u8> = [mean.as_bytes(), var.as_bytes()].concat();
+    let first = sync
+        .group()
+        .broadcast_bytes(mine.clone(), burn_ddp_burn022::Rank(0))
+        .unwrap();
+    if broadcast {
+        assert_eq!(first, mine, "rank {rank}'s buffers differ from rank 0's");
+        // The whole model, buffers included, is rank 0's.
+        let all = params(&model);
+        let bytes: Vec<u8> = all.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let first = sync
+            .group()
+            .broadcast_bytes(bytes.clone(), burn_ddp_burn022::Rank(0))
+            .unwrap();
+        assert_eq!(first, bytes, "rank {rank}'s model differs from rank 0's");
+    } else {
+        assert!(
+            rank == 0 || first != mine,
+            "rank {rank}'s buffers were replaced"
+        );
+    }
+}
+
+#[test]
+fn broadcast_buffers_give_every_rank_rank_0s_running_statistics() {
+    const NAME: &str = "broadcast_buffers_give_every_rank_rank_0s_running_statistics";
+    if let Some(pg) = procs::child_group(NAME) {
+        train_normed(pg, true);
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
+
+#[test]
+fn without_broadcast_buffers_each_rank_keeps_its_own() {
+    const NAME: &str = "without_broadcast_buffers_each_rank_keeps_its_own";
+    if let Some(pg) = procs::child_group(NAME) {
+        train_normed(pg, false);
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
+
+/// Uneven inputs under `GradSync::join`: rank r has `counts[r]` batches. What it is documented
+/// to match: one process with Adam that, at each step, trains on the shards of the ranks that
+/// still have a batch (the mean over those ranks), for as many steps as the longest rank. Every
+/// rank ends with that model (the longest rank's, broadcast at the end of the join).
+fn uneven(pg: ProcessGroup, counts: &[usize]) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+    let model = sync.prepare(Mlp::build(&device())).unwrap();
+    let start = model.clone();
+    let mut opt = Opt::Adam.init();
+    let trained = sync
+        .join(model, |sync, mut model| {
+            for step in 0..counts[rank] {
+                let (x, y) = batch(step, world);
+                let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = sync.sync(&model, grads)?;
+                model = opt.step(1e-2, model, grads);
+            }
+            Ok(model)
+        })
+        .unwrap();
+
+    let mut reference = start;
+    let mut opt = Opt::Adam.init();
+    let longest = counts.iter().copied().max().unwrap();
+    for step in 0..longest {
+        let (x, y) = batch(step, world);
+        let still: Vec<usize> = (0..world).filter(|&r| step < counts[r]).collect();
+        let xs = still
+            .iter()
+            .map(|&r| shard(x.clone(), r, PER_RANK))
+            .collect();
+        let ys = still
+            .iter()
+            .map(|&r| shard(y.clone(), r, PER_RANK))
+            .collect();
+        let loss = reference.loss(Tensor::cat(xs, 0), Tensor::cat(ys, 0));
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = opt.step(1e-2, reference, grads);
+    }
+    assert_close(rank, &params(&trained), &params(&reference), F32);
+    // And every rank holds the same model, bit for bit.
+    let mine: Vec<u8> = params(&trained)
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let all = sync.group().all_gather_bytes(&mine).unwrap();
+    assert!(
+        all.iter().all(|b| *b == mine),
+        "rank {rank}: the ranks' models differ"
+    );
+}
+
+#[test]
+fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training() {
+    for (world, counts) in [(2, &[10, 7][..]), (3, &[7, 10, 9][..])] {
+        let name = format!("uneven_inputs_w{world}");
+        if let Some(pg) = procs::child_group(&name) {
+            uneven(pg, counts);
+            return;
+        }
+        if !procs::is_any_child() && procs::world_selected(world) {
+            procs::Job::new(world as u32, &name)
+                .function(
+                    "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
+                )
+                .run()
+                .assert_all_ok();
+        }
+    }
+}
+
+/// A BatchNorm model with `sync_buffers` before every forward, rank 0 running out first: the
+/// buffers come from the lowest rank still training, and every rank ends with the same
+/// parameters and buffers.
+#[test]
+fn uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first() {
+    const NAME: &str = "uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first";
+    if let Some(pg) = procs::child_group(NAME) {
+        let rank = pg.rank().index();
+        let counts = [3, 8, 5];
+        let device = device();
+        let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+        let model = sync
+            .prepare(Normed {
+                fc: LinearConfig::new(IN, OUT).init(&device),
+                norm: burn::nn::BatchNormConfig::new(OUT).init(&device),
+            })
+            .unwrap();
+        let mut opt = SgdConfig::new().init();
+        let model = sync
+            .join(model, |sync, mut model| {
+                for step in 0..counts[rank] {
+                    model = sync.sync_buffers(model)?;
+                    let (x, y) = batch(step, 3);
+                    let out = model
+                        .norm
+                        .forward(model.fc.forward(shard(x, rank, PER_RANK)));
+                    let loss = (out - shard(y, rank, PER_RANK)).powi_scalar(2).mean();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    let grads = sync.sync(&model, grads)?;
+                    model = opt.step(0.1, model, grads);
+                }
+                Ok(model)
+            })
+            .unwrap();
+        let mean = model.norm.running_mean.value_sync().into_data();
+        let mine: Vec<u8> = params(&model)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .chain(mean.as_bytes().iter().copied())
+            .collect();
+        let all = sync.group().all_gather_bytes(&mine).unwrap();
+        assert!(
+            all.iter().all(|b| *b == mine),
+            "rank {rank}: the ranks' models or buffers differ"
+        );
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::Job::new(3, NAME).run().assert_all_ok();
+    }
+}
+
+/// Without `join`, 10 batches on rank 0 and 7 on rank 1: rank 1 finishes and leaves, and rank
+/// 0's next synchronisation fails naming rank 1 (no hang).
+#[test]
+fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
+    const NAME: &str = "uneven_inputs_without_join_fail_naming_the_rank_that_ran_out";
+    if let Some(pg) = procs::child_group(NAME) {
+        let rank = pg.rank().index();
+        let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+        let mut model = sync.prepare(Mlp::build(&device())).unwrap();
+        let mut opt = SgdConfig::new().init();
+        for step in 0..[10, 7][rank] {
+            let (x, y) = batch(step, 2);
+            let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            match sync.sync(&model, grads) {
+                Ok(grads) => model = opt.step(0.1, model, grads),
+                Err(e) => {
+                    let text = e.to_string();
+                    println!("rank {rank} at step {step}: {text}");
+                    assert_eq!((rank, step), (0, 7), "{text}");
+                    assert!(
+                        matches!(e, DdpError::PeerFinished { peer, .. } if peer.index() == 1),
+                        "{text}"
+                    );
+                    assert!(text.contains("rank 1 ended normally"), "{text}");
+                    assert!(text.contains("GradSync::join"), "{text}");
+                    return;
+                }
+            }
+        }
+        assert_eq!(
+            rank, 1,
+            "rank 0 finished 10 steps with a partner that took 7"
+        );
+        return;
+    }
+    if !procs::is_any_child() {
+        let out = procs::Job::new(2, NAME).run();
+        println!("{}", out.report());
+        out.assert_all_ok();
+    }
+}

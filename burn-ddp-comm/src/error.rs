@@ -322,6 +322,28 @@ pub enum DdpError {
         cause: io::ErrorKind,
     },
 
+    /// A neighbour finished normally (its process group was dropped without an error) while
+    /// this rank still ran collectives: the ranks made different numbers of calls, typically
+    /// because they had different numbers of batches.
+    #[error(
+        "[rank {rank}] rank {peer} ended normally (no panic, no failure reported) and left the \
+         job while this rank was in {op} {seq}: the ranks ran different numbers of steps (see \
+         rank {peer}'s output if it stopped on an error of its own). With uneven inputs (ranks with different \
+         numbers of batches), train inside `GradSync::join` (Burn 0.22) or `DdpSession::join` \
+         (Burn 0.21); otherwise give every rank the same number of steps (DistributedSampler \
+         gives every rank the same number of batches)"
+    )]
+    PeerFinished {
+        /// This rank.
+        rank: Rank,
+        /// The rank that finished.
+        peer: Rank,
+        /// The collective in progress.
+        op: CollectiveOp,
+        /// Its sequence number.
+        seq: CollectiveSeq,
+    },
+
     /// Another rank reported a failure and aborted the job.
     #[error("[rank {rank}] {}the job was aborted: {record}", during_prefix(.during))]
     JobAborted {
@@ -768,6 +790,7 @@ impl DdpError {
             | RankUnresponsive { rank, .. }
             | Desync { rank, .. }
             | PeerLost { rank, .. }
+            | PeerFinished { rank, .. }
             | JobAborted { rank, .. }
             | CollectiveTimeout { rank, .. }
             | CollectiveMismatch { rank, .. }

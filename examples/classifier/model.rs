@@ -1,10 +1,10 @@
-//! A small convolutional classifier for 28×28 grey images, with the steps burn-train's Learner
-//! calls.
+//! A small convolutional classifier for 28×28 grey images, with a BatchNorm (whose running
+//! statistics every rank keeps equal), and the steps burn-train's Learner calls.
 
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
@@ -17,6 +17,9 @@ use crate::data::Batch;
 #[derive(Module, Debug)]
 pub struct Cnn<B: Backend> {
     conv1: Conv2d<B>,
+    /// Running statistics that each rank updates from its own batches: burn-ddp sends rank 0's
+    /// to every rank before each step (PyTorch's `broadcast_buffers`).
+    norm1: BatchNorm<B>,
     conv2: Conv2d<B>,
     pool: MaxPool2d,
     fc1: Linear<B>,
@@ -28,6 +31,7 @@ impl<B: Backend> Cnn<B> {
     pub fn new(classes: usize, device: &B::Device) -> Self {
         Self {
             conv1: Conv2dConfig::new([1, 8], [3, 3]).init(device),
+            norm1: BatchNormConfig::new(8).init(device),
             conv2: Conv2dConfig::new([8, 16], [3, 3]).init(device),
             pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
             fc1: LinearConfig::new(16 * 5 * 5, 64).init(device),
@@ -38,7 +42,8 @@ impl<B: Backend> Cnn<B> {
 
     /// `[n, 1, 28, 28]` → logits `[n, classes]`.
     pub fn forward(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
-        let x = self.pool.forward(self.act.forward(self.conv1.forward(x))); // [n, 8, 13, 13]
+        let x = self.conv1.forward(x);
+        let x = self.pool.forward(self.act.forward(self.norm1.forward(x))); // [n, 8, 13, 13]
         let x = self.pool.forward(self.act.forward(self.conv2.forward(x))); // [n, 16, 5, 5]
         let x = x.flatten(1, 3);
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))

@@ -1,11 +1,12 @@
-//! A small convolutional classifier for 28×28 grey images (Burn 0.22 modules), with the steps
-//! burn-train's Learner calls, and its data batches.
+//! A small convolutional classifier for 28×28 grey images (Burn 0.22 modules), with a BatchNorm
+//! (whose running statistics every rank keeps equal), the steps burn-train's Learner calls, and
+//! its data batches.
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 
@@ -14,6 +15,9 @@ use crate::images::{Item, SIDE};
 #[derive(Module, Debug)]
 pub struct Cnn {
     conv1: Conv2d,
+    /// Running statistics that each rank updates from its own batches: burn-ddp sends rank 0's
+    /// to every rank before each step (PyTorch's `broadcast_buffers`).
+    norm1: BatchNorm,
     conv2: Conv2d,
     pool: MaxPool2d,
     fc1: Linear,
@@ -25,6 +29,7 @@ impl Cnn {
     pub fn new(classes: usize, device: &Device) -> Self {
         Self {
             conv1: Conv2dConfig::new([1, 8], [3, 3]).init(device),
+            norm1: BatchNormConfig::new(8).init(device),
             conv2: Conv2dConfig::new([8, 16], [3, 3]).init(device),
             pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
             fc1: LinearConfig::new(16 * 5 * 5, 64).init(device),
@@ -35,7 +40,8 @@ impl Cnn {
 
     /// `[n, 1, 28, 28]` → logits `[n, classes]`.
     pub fn forward(&self, x: Tensor<4>) -> Tensor<2> {
-        let x = self.pool.forward(self.act.forward(self.conv1.forward(x))); // [n, 8, 13, 13]
+        let x = self.conv1.forward(x);
+        let x = self.pool.forward(self.act.forward(self.norm1.forward(x))); // [n, 8, 13, 13]
         let x = self.pool.forward(self.act.forward(self.conv2.forward(x))); // [n, 16, 5, 5]
         let x = x.flatten(1, 3);
         self.fc2.forward(self.act.forward(self.fc1.forward(x)))

@@ -379,6 +379,9 @@ impl DdpStrategy {
                 Turn::Stop => return Flow::Stop,
             }
             let Some(item) = item else { break };
+            if let Err(e) = sync_buffers(learner, sync) {
+                return self.stop_with(e, interrupter);
+            }
             iteration += 1;
             let progress = self.global(iter.progress(), total);
             let out = match catch_unwind(AssertUnwindSafe(|| learner.train_step(item))) {
@@ -425,6 +428,10 @@ impl DdpStrategy {
             if let Err(e) = self.step(learner, sync, accumulator.grads()) {
                 return self.stop_with(e, interrupter);
             }
+        }
+        // Validation and the checkpoint see rank 0's buffers on every rank.
+        if let Err(e) = sync_buffers(learner, sync) {
+            return self.stop_with(e, interrupter);
         }
         Flow::Continue
     }
@@ -485,4 +492,16 @@ impl DdpStrategy {
         }
         Flow::Continue
     }
+}
+
+/// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
+/// `DdpConfig::broadcast_buffers` is on (the default).
+fn sync_buffers<M: LearnerModel>(learner: &mut Learner<M>, sync: &mut GradSync) -> Result<()> {
+    let model = learner.model();
+    if !sync.buffers_to_sync(&model) {
+        return Ok(());
+    }
+    let model = sync.sync_buffers(model)?;
+    learner.load_model(model.into_record());
+    Ok(())
 }

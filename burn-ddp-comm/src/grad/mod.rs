@@ -5,6 +5,8 @@
 //! - `plan.rs`: [`ParamInfo`] and the [`BucketPlan`]: which parameter goes in which bucket
 //! - `check.rs`: [`check_same_params`], the cross-rank check of a model's parameters, and
 //!   [`ReplicaCheck`], the periodic comparison of their values
+//! - `join.rs`: [`Join`], uneven inputs: ranks that ran out of batches shadow the others'
+//!   collectives until every rank has
 //! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
 //!   next is packed, and read back; [`reduce_bucket`] for one bucket
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
@@ -13,12 +15,14 @@
 
 mod check;
 mod host;
+mod join;
 mod launch;
 mod plan;
 mod worker;
 
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
+pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use worker::Worker;

@@ -267,6 +267,19 @@ impl StoreClient {
         }
     }
 
+    /// Stores `value` under `key`, waiting at most `wait` for the reply (a rank on its way
+    /// out must not linger on a silent store).
+    pub(crate) fn set_bounded(&self, key: &str, value: &[u8], wait: Duration) -> Result<()> {
+        let req = Request::Set {
+            key: key.to_owned(),
+            value: value.to_vec(),
+        };
+        match self.exchange(&req, "set", key, wait, Duration::ZERO)? {
+            Reply::Ok => Ok(()),
+            other => Err(self.unexpected(&other)),
+        }
+    }
+
     /// Returns the value of `key`, waiting up to the store timeout for it to appear.
     pub(crate) fn get(&self, key: &str) -> Result<Vec<u8>> {
         self.get_timeout(key, self.timeout)

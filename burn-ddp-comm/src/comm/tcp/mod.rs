@@ -27,6 +27,9 @@ use crate::{DdpError, Result};
 
 /// How long a timed-out rank waits for the others to report that they timed out too.
 const STALL_GRACE: Duration = Duration::from_secs(2);
+/// How long a rank whose neighbour closed its links looks for the neighbour's mark of a normal
+/// end in the store (set before the links close, so it is there already if it ever will be).
+const FINISHED_WAIT: Duration = Duration::from_millis(100);
 
 #[derive(Debug)]
 struct State {
@@ -283,6 +286,20 @@ impl TcpCommunicator {
             }
             (_, RingError::Closed(side, io)) => {
                 let peer = self.neighbour(side);
+                // A neighbour that ended normally left its mark in the store before closing.
+                let finished = self
+                    .store
+                    .get_timeout(&crate::group::finished_key(peer), FINISHED_WAIT)
+                    .is_ok();
+                if finished {
+                    let err = DdpError::PeerFinished {
+                        rank: self.rank,
+                        peer,
+                        op,
+                        seq,
+                    };
+                    return self.publish(st, op, seq, Some(peer), err);
+                }
                 (
                     DdpError::PeerLost {
                         rank: self.rank,
