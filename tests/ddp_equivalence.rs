@@ -678,3 +678,218 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
         common::Job::new(2, NAME).run().assert_all_ok();
     }
 }
+
+#[derive(Clone, Copy, PartialEq)]
+enum Sync {
+    /// Gradients reduced during backward (`session.gradients`).
+    Overlapped,
+    /// Backward under `no_sync`, then `session.sync_gradients`.
+    After,
+}
+
+/// Uneven inputs under `DdpSession::join`: rank r has `counts[r]` batches. What it is
+/// documented to match: one process with Adam that, at each step, trains on the shards of the
+/// ranks that still have a batch (the mean over those ranks), for as many steps as the longest
+/// rank. Every rank ends with that model (the longest rank's, loaded at the end of the join).
+fn uneven(pg: ProcessGroup, counts: &[usize], sync: Sync) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = Default::default();
+    let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+    let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
+    let mut reference = Mlp::<B>::new(&device).load_record(model.clone().into_record());
+    let mut opt = AdamConfig::new().init();
+    let trained = session
+        .join(model, |session, mut model| {
+            for step in 0..counts[rank] {
+                let (x, y) = batch(step, world);
+                let loss = model.loss(shard(x, rank), shard(y, rank));
+                let grads = match sync {
+                    Sync::Overlapped => session.gradients(&model, loss)?,
+                    Sync::After => {
+                        let grads = {
+                            let _local = session.no_sync();
+                            session.backward(loss)?
+                        };
+                        let grads = GradientsParams::from_grads(grads, &model);
+                        session.sync_gradients(&model, grads)?
+                    }
+                };
+                model = opt.step(1e-2, model, grads);
+            }
+            Ok(model)
+        })
+        .unwrap();
+
+    let mut opt = AdamConfig::new().init();
+    let longest = counts.iter().copied().max().unwrap();
+    for step in 0..longest {
+        let (x, y) = batch(step, world);
+        let still: Vec<usize> = (0..world).filter(|&r| step < counts[r]).collect();
+        let xs = still.iter().map(|&r| shard(x.clone(), r)).collect();
+        let ys = still.iter().map(|&r| shard(y.clone(), r)).collect();
+        let loss = reference.loss(Tensor::cat(xs, 0), Tensor::cat(ys, 0));
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = opt.step(1e-2, reference, grads);
+    }
+    let got = common::params(&trained);
+    assert_close(rank, &got, &common::params(&reference), F32);
+    let mine: Vec<u8> = got.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = session.group().all_gather_bytes(&mine).unwrap();
+    assert!(
+        all.iter().all(|b| *b == mine),
+        "rank {rank}: the ranks' models differ"
+    );
+    // The returned model is synchronised again: a plain step after the join still averages.
+    let (x, y) = batch(99, world);
+    let grads = session
+        .gradients(&trained, trained.loss(shard(x, rank), shard(y, rank)))
+        .unwrap();
+    let trained = AdamConfig::new().init().step(1e-2, trained, grads);
+    session.check_replicas(&trained).unwrap();
+}
+
+#[test]
+fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training() {
+    for (name, world, counts, sync) in [
+        ("uneven_w2", 2, &[10, 7][..], Sync::Overlapped),
+        ("uneven_w3", 3, &[7, 10, 9][..], Sync::Overlapped),
+        ("uneven_after_backward_w2", 2, &[4, 6][..], Sync::After),
+    ] {
+        if let Some(pg) = common::child_group(name) {
+            uneven(pg, counts, sync);
+            return;
+        }
+        if !common::is_any_child() && common::world_selected(world) {
+            common::Job::new(world as u32, name)
+                .function(
+                    "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
+                )
+                .run()
+                .assert_all_ok();
+        }
+    }
+}
+
+/// A BatchNorm model with `sync_buffers` before every forward, rank 0 running out first: the
+/// buffers come from the lowest rank still training, and every rank ends with the same
+/// parameters and buffers.
+#[test]
+fn uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first() {
+    const NAME: &str = "uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first";
+    if let Some(pg) = common::child_group(NAME) {
+        let rank = pg.rank().index();
+        let counts = [3, 8, 5];
+        let device = Default::default();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let model = session
+            .prepare(Normed::<B> {
+                fc: LinearConfig::new(IN, OUT).init(&device),
+                norm: burn::nn::BatchNormConfig::new(OUT).init(&device),
+            })
+            .unwrap();
+        let mut opt = SgdConfig::new().init();
+        let model = session
+            .join(model, |session, mut model| {
+                for step in 0..counts[rank] {
+                    model = session.sync_buffers(model)?;
+                    let (x, y) = batch(step, 3);
+                    let out = model.norm.forward(model.fc.forward(shard(x, rank)));
+                    let loss = (out - shard(y, rank)).powi_scalar(2).mean();
+                    let grads = session.gradients(&model, loss)?;
+                    model = opt.step(0.1, model, grads);
+                }
+                Ok(model)
+            })
+            .unwrap();
+        let mean = model.norm.running_mean.value_sync().into_data();
+        let mine: Vec<u8> = common::params(&model)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .chain(mean.as_bytes().iter().copied())
+            .collect();
+        let all = session.group().all_gather_bytes(&mine).unwrap();
+        assert!(
+            all.iter().all(|b| *b == mine),
+            "rank {rank}: the ranks' models or buffers differ"
+        );
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(3) {
+        common::Job::new(3, NAME).run().assert_all_ok();
+    }
+}
+
+/// Without `join`, 10 batches on rank 0 and 7 on rank 1: rank 1 finishes and leaves, and rank
+/// 0's next backward fails naming rank 1 and pointing to `join` (no hang).
+#[test]
+fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
+    const NAME: &str = "uneven_inputs_without_join_fail_naming_the_rank_that_ran_out";
+    if let Some(pg) = common::child_group(NAME) {
+        let rank = pg.rank().index();
+        let device = Default::default();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let mut model = session.prepare(Mlp::<B>::new(&device)).unwrap();
+        let mut opt = SgdConfig::new().init();
+        for step in 0..[10, 7][rank] {
+            let (x, y) = batch(step, 2);
+            let loss = model.loss(shard(x, rank), shard(y, rank));
+            match session.gradients(&model, loss) {
+                Ok(grads) => model = opt.step(0.1, model, grads),
+                Err(e) => {
+                    let text = e.to_string();
+                    println!("rank {rank} at step {step}: {text}");
+                    assert_eq!((rank, step), (0, 7), "{text}");
+                    assert!(
+                        matches!(e, burn_ddp::DdpError::PeerFinished { peer, .. } if peer.index() == 1),
+                        "{text}"
+                    );
+                    assert!(text.contains("DdpSession::join"), "{text}");
+                    return;
+                }
+            }
+        }
+        assert_eq!(
+            rank, 1,
+            "rank 0 finished 10 steps with a partner that took 7"
+        );
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}
+
+/// Inside a join, a step whose gradients skip `complete` (so the mean over the ranks still
+/// training is never applied) is an error at the next backward, on every rank.
+#[test]
+fn a_join_step_without_complete_is_an_error_at_the_next_backward() {
+    const NAME: &str = "a_join_step_without_complete_is_an_error_at_the_next_backward";
+    if let Some(pg) = common::child_group(NAME) {
+        let rank = pg.rank().index();
+        let device = Default::default();
+        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
+        let mut opt = SgdConfig::new().init();
+        let err = session
+            .join(model, |session, mut model| {
+                for step in 0..3 {
+                    let (x, y) = batch(step, 2);
+                    let grads = session.backward(model.loss(shard(x, rank), shard(y, rank)))?;
+                    let grads = GradientsParams::from_grads(grads, &model);
+                    model = opt.step(0.1, model, grads);
+                }
+                Ok(model)
+            })
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("did not go through DdpSession::complete"),
+            "{text}"
+        );
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
+    }
+}

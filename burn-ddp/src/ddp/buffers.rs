@@ -11,6 +11,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
+use burn_ddp_comm::grad::JoinCall;
+
 use super::model::Path;
 use super::DdpSession;
 use crate::group::Rank;
@@ -109,7 +111,8 @@ impl DdpSession {
     /// outside `#[ddp(skip)]` fields, in one broadcast. Call it where PyTorch would, before each
     /// training forward (`model = session.sync_buffers(model)?;`), or at least before
     /// validating and checkpointing; `DdpStrategy` does it before every training step and after
-    /// the last one of each epoch. Every rank must call it at the same point. It returns
+    /// the last one of each epoch. Inside [`DdpSession::join`] the lowest rank still training
+    /// sends them. Every rank must call it at the same point. It returns
     /// `model` unchanged when `DdpConfig::broadcast_buffers` is off, at world size 1, or when
     /// the model has no buffers.
     ///
@@ -121,12 +124,21 @@ impl DdpSession {
         if !self.buffers_to_sync(&model) {
             return Ok(model);
         }
-        self.broadcast_buffers(model)
+        // Inside a join: announced first, and sent by the lowest rank still training.
+        let root = match self.shared.announce(JoinCall::Buffers)? {
+            Some(round) => round.root(),
+            None => Rank(0),
+        };
+        self.broadcast_buffers(model, root)
     }
 
-    /// [`DdpSession::sync_buffers`] for a caller that has asked
-    /// [`DdpSession::buffers_to_sync`] already.
-    pub(crate) fn broadcast_buffers<B: Backend, M: Module<B>>(&self, model: M) -> Result<M> {
+    /// [`DdpSession::sync_buffers`] from `root`, for a caller that has asked
+    /// [`DdpSession::buffers_to_sync`] already (and without the announcement of a join).
+    pub(crate) fn broadcast_buffers<B: Backend, M: Module<B>>(
+        &self,
+        model: M,
+        root: Rank,
+    ) -> Result<M> {
         let pg = &self.shared.pg;
         let skip = self.skip();
         // Burn's `RunningState` keeps its last update pending (per thread) until it is synced,
@@ -142,7 +154,7 @@ impl DdpSession {
         };
         model.visit(&mut gather);
         let mut values = gather.values;
-        pg.broadcast(&mut values, Rank(0))?;
+        pg.broadcast(&mut values, root)?;
         if let Some(what) = gather.unreadable {
             return Err(DdpError::Model {
                 rank: pg.rank(),
@@ -177,7 +189,7 @@ impl DdpSession {
         count.count > 0
     }
 
-    fn skip(&self) -> Vec<String> {
+    pub(super) fn skip(&self) -> Vec<String> {
         self.shared
             .skip
             .lock()

@@ -59,6 +59,11 @@ pub(crate) fn begin_backward<B: Backend>(
     };
     let mut r = session.reducer();
     if r.active() {
+        // Inside a join, the ranks that ran out learn of this pass first (and shadow it).
+        if let Err(e) = session.announce(burn_ddp_comm::grad::JoinCall::Backward) {
+            r.record_error(e);
+            return;
+        }
         let on_gpu = r.use_device::<B>(device);
         // `use_device` may have recorded an error (gradients on another GPU than NCCL's): then
         // this pass is not synchronised, and `DdpSession::backward` reports the error.

@@ -8,6 +8,7 @@
 //! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
 //! - `buffers.rs`: `DdpSession::sync_buffers` (rank 0's buffers on every rank)
+//! - `join.rs`: `DdpSession::join` (uneven inputs: ranks that ran out shadow the others)
 //! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
 //!   packed and all-reduced by NCCL on the GPU
 //!
@@ -18,6 +19,7 @@ mod buffers;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod hooks;
+mod join;
 mod model;
 pub(crate) mod reducer;
 
@@ -98,6 +100,8 @@ pub(crate) struct Shared {
     host: Mutex<Option<HostSync>>,
     /// Counts synchronised steps for the periodic comparison of the replicas.
     pub(crate) replicas: Mutex<burn_ddp_comm::grad::ReplicaCheck>,
+    /// Uneven-input mode, inside [`DdpSession::join`].
+    join: Mutex<Option<join::JoinState>>,
 }
 
 impl Shared {
@@ -148,6 +152,7 @@ impl DdpSession {
             skip: Mutex::new(Vec::new()),
             host: Mutex::new(None),
             replicas: Mutex::new(replicas),
+            join: Mutex::new(None),
         });
         if shared.pg.transport() == "local" {
             LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));

@@ -11,7 +11,9 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedParamId;
 
-use burn_ddp_comm::grad::{check_same_params, BucketOrder, BucketPlan, HostStep, Reduced};
+use burn_ddp_comm::grad::{
+    check_same_params, BucketOrder, BucketPlan, HostStep, JoinCall, Reduced,
+};
 
 use super::reducer;
 use super::{DdpSession, ParamInfo};
@@ -83,9 +85,9 @@ fn describe<B: Backend, M: Module<B>>(model: &M) -> Vec<(ParamInfo, ParamId, boo
 
 /// Marks trainable parameters for synchronisation (Burn then hands their gradients to `Ddp`),
 /// except those under skipped fields.
-struct Mark<'a> {
-    path: Path,
-    skip: &'a [String],
+pub(super) struct Mark<'a> {
+    pub(super) path: Path,
+    pub(super) skip: &'a [String],
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Mark<'_> {
@@ -212,45 +214,7 @@ impl DdpSession {
             .collect();
         check_same_params(pg, &compared)?;
 
-        let model = if pg.world_size().as_usize() > 1 {
-            let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-            let bytes = if rank == Rank(0) {
-                Recorder::<B>::record(&recorder, model.clone().into_record(), ()).map_err(|e| {
-                    DdpError::Model {
-                        rank,
-                        what: "serialising rank 0's model",
-                        reason: e.to_string(),
-                    }
-                })?
-            } else {
-                Vec::new()
-            };
-            let bytes = pg.broadcast_bytes(bytes, Rank(0))?;
-            if rank == Rank(0) {
-                model
-            } else {
-                let mut save = Save {
-                    path: Path::default(),
-                    skip: &skip,
-                    saved: Vec::new(),
-                };
-                model.visit(&mut save);
-                let device = model.devices().into_iter().next().unwrap_or_default();
-                let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
-                    DdpError::Model {
-                        rank,
-                        what: "loading rank 0's model",
-                        reason: e.to_string(),
-                    }
-                })?;
-                model.load_record(record).map(&mut Restore {
-                    path: Path::default(),
-                    saved: save.saved,
-                })
-            }
-        } else {
-            model
-        };
+        let model = self.load_from::<B, M>(model, Rank(0), &skip)?;
 
         let model = model.map(&mut Mark {
             path: Path::default(),
@@ -281,6 +245,59 @@ impl DdpSession {
         Ok(model)
     }
 
+    /// `root`'s record (parameters and buffers, outside the `skip` fields, which keep this
+    /// rank's values) loaded into every other rank's `model`. The loaded tensors are not
+    /// marked for synchronisation: the caller marks them.
+    pub(super) fn load_from<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: M,
+        root: Rank,
+        skip: &[String],
+    ) -> Result<M> {
+        let pg = &self.shared.pg;
+        let rank = pg.rank();
+        if pg.world_size().as_usize() == 1 {
+            return Ok(model);
+        }
+        // Running statistics' pending updates folded in first (`into_record` syncs them, on a
+        // clone that shares them): the record sent is current, and none left pending
+        // overwrites the one received.
+        drop(model.clone().into_record());
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let bytes = if rank == root {
+            Recorder::<B>::record(&recorder, model.clone().into_record(), ()).map_err(|e| {
+                DdpError::Model {
+                    rank,
+                    what: "serialising the model to send",
+                    reason: e.to_string(),
+                }
+            })?
+        } else {
+            Vec::new()
+        };
+        let bytes = pg.broadcast_bytes(bytes, root)?;
+        if rank == root {
+            return Ok(model);
+        }
+        let mut save = Save {
+            path: Path::default(),
+            skip,
+            saved: Vec::new(),
+        };
+        model.visit(&mut save);
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let record =
+            Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
+                rank,
+                what: "loading the model received",
+                reason: e.to_string(),
+            })?;
+        Ok(model.load_record(record).map(&mut Restore {
+            path: Path::default(),
+            saved: save.saved,
+        }))
+    }
+
     /// Averages `grads` across ranks after backward, bucket by bucket in a fixed order: the
     /// plain path, for gradients accumulated under [`DdpSession::no_sync`] (or whenever you
     /// prefer to synchronise explicitly). Parameters that have a gradient on some ranks only
@@ -291,9 +308,27 @@ impl DdpSession {
     pub fn sync_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        // Inside a join: announced first; the mean is over the ranks still training.
+        let Some(round) = self.shared.announce(JoinCall::Gradients)? else {
+            self.replica_check_due(model)?;
+            return self.reduce_after_backward(model, grads);
+        };
+        let grads = self.reduce_after_backward(model, grads)?;
+        Ok(match round.scale(self.shared.config.reduction) {
+            Some(factor) => super::join::scale(model, grads, factor),
+            None => grads,
+        })
+    }
+
+    /// The all-reduce of [`DdpSession::sync_gradients`], without the comparison of replicas
+    /// and the announcement of a join.
+    pub(super) fn reduce_after_backward<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        self.replica_check_due(model)?;
         let pg = &self.shared.pg;
         let config = &self.shared.config;
         let skip = self
@@ -363,9 +398,25 @@ impl DdpSession {
     pub fn complete<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let grads = self.register_foreign(model, grads)?;
+        // Inside a join: the mean over the ranks still training.
+        if let Some(factor) = self.shared.take_scale() {
+            return Ok(super::join::scale(model, grads, factor));
+        }
+        Ok(grads)
+    }
+
+    /// [`DdpSession::complete`] without the join's mean: the foreign gradients registered.
+    fn register_foreign<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        self.replica_check_due(model)?;
+        if !self.shared.joining() {
+            self.replica_check_due(model)?;
+        }
         let foreign = self.shared.reducer().take_foreign();
         if foreign.is_empty() {
             return Ok(grads);

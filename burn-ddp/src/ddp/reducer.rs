@@ -693,6 +693,34 @@ impl Reducer {
         }
     }
 
+    /// Inside a join, on a rank that ran out of batches: the buckets of a synchronised backward
+    /// of the ranks still training, all zeros with no presence (on the GPU where theirs are:
+    /// the transport every rank took at `prepare`), reduced with theirs and the results
+    /// dropped.
+    ///
+    /// # Errors
+    /// Collective failures.
+    pub(crate) fn shadow(&mut self) -> Result<()> {
+        if !self.active() {
+            return Ok(());
+        }
+        #[cfg(feature = "cuda")]
+        let device = self.nccl.is_some() && self.transport != GradTransport::Host;
+        #[cfg(not(feature = "cuda"))]
+        let device = false;
+        self.begin(std::iter::empty(), device);
+        #[cfg(feature = "cuda")]
+        let result = match device {
+            true => self.finish_device().map(drop),
+            false => self.finish().map(drop),
+        };
+        #[cfg(not(feature = "cuda"))]
+        let result = self.finish().map(drop);
+        // The others' gradients are not this rank's to register: it no longer steps.
+        self.foreign.clear();
+        result
+    }
+
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
     pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, Vec<f32>)>> {

@@ -407,7 +407,9 @@ impl<B: Backend> DdpStrategy<B> {
         if !self.session.buffers_to_sync(&model) {
             return Ok(());
         }
-        let model = self.session.broadcast_buffers(model)?;
+        let model = self
+            .session
+            .broadcast_buffers(model, crate::group::Rank(0))?;
         learner.load_model(model.into_record());
         Ok(())
     }

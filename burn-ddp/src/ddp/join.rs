@@ -1,0 +1,248 @@
+//! `DdpSession::join`: uneven inputs (PyTorch's `Join`), on the protocol of
+//! `burn_ddp_comm::grad::Join`.
+//!
+//! Inside a join, each synchronising call of a rank that still trains is announced first: a
+//! synchronised backward (from the `begin_backward` hook, so the overlapped reducer works as
+//! usual), `sync_gradients`, `sync_buffers`. A rank that ran out shadows the announced calls
+//! (zeros for gradients, the broadcast of buffers from the lowest rank still training), and
+//! the mean of gradients is rescaled to the ranks still training by `complete` (or
+//! `sync_gradients`). At the end every rank loads the model of the rank that trained longest.
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn_ddp_comm::grad::{Join, JoinCall, Round};
+
+use super::model::{Mark, Path};
+use super::{DdpSession, Shared};
+use crate::{DdpError, Result};
+
+/// A rank's uneven-input mode: the protocol's state, and the factor of the last synchronised
+/// backward that `complete` has not applied yet.
+#[derive(Debug)]
+pub(crate) struct JoinState {
+    join: Join,
+    scale: Option<Option<f32>>,
+}
+
+impl Shared {
+    /// Inside a join, announces `call` (a rank that still trains) and returns the round;
+    /// `None` outside a join.
+    ///
+    /// # Errors
+    /// The protocol's (different calls on different ranks, collective failures); a synchronised
+    /// backward whose gradients never went through `complete` (after the announcement, so that
+    /// the ranks stay in step).
+    pub(crate) fn announce(&self, call: JoinCall) -> Result<Option<Round>> {
+        let mut state = self.join.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(state) = state.as_mut() else {
+            return Ok(None);
+        };
+        let round = state.join.step(&self.pg, call)?;
+        if call == JoinCall::Backward {
+            let factor = round.scale(self.config.reduction);
+            if state.scale.replace(factor).is_some() {
+                return Err(DdpError::Model {
+                    rank: self.pg.rank(),
+                    what: "training with uneven inputs",
+                    reason: "the gradients of the previous synchronised backward did not go \
+                             through DdpSession::complete: inside a join, take each step's \
+                             gradients with DdpSession::gradients(&model, loss), or pass them \
+                             through DdpSession::complete(&model, grads), so that the mean is \
+                             over the ranks still training"
+                        .into(),
+                });
+            }
+        }
+        Ok(Some(round))
+    }
+
+    /// Inside a join: the factor of the last synchronised backward, taken (`None`: nothing to
+    /// apply).
+    pub(crate) fn take_scale(&self) -> Option<f32> {
+        let mut state = self.join.lock().unwrap_or_else(|p| p.into_inner());
+        state.as_mut().and_then(|s| s.scale.take()).flatten()
+    }
+
+    /// Whether a join is running (the periodic comparison of replicas pauses then).
+    pub(crate) fn joining(&self) -> bool {
+        self.join
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+}
+
+/// `grads` of `model`'s parameters multiplied by `factor`.
+pub(crate) fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    mut grads: GradientsParams,
+    factor: f32,
+) -> GradientsParams {
+    struct Scale<'a, B> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+        _b: std::marker::PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale::<B> {
+        grads: &mut grads,
+        factor,
+        _b: std::marker::PhantomData,
+    });
+    grads
+}
+
+impl DdpSession {
+    /// Trains with **uneven inputs** (PyTorch's `Join`): `train` runs this rank's loop, which
+    /// may have more or fewer batches than the other ranks'. Inside it, every synchronised
+    /// backward, [`sync_gradients`](Self::sync_gradients) and
+    /// [`sync_buffers`](Self::sync_buffers) first tell every rank which ranks still train (one
+    /// small all-reduce). When `train` returns, this rank shadows the others' calls until every
+    /// rank has returned: it joins their gradient all-reduces with zeros and no presence, and
+    /// their broadcast of buffers. So:
+    ///
+    /// - a mean of gradients is over the ranks still training (the ranks that ran out are
+    ///   counted out of the average; PyTorch's `divide_by_initial_world_size=False`): with
+    ///   equal shards, a step in which only some ranks train is the step one process would
+    ///   take on those ranks' batches. Take each step's gradients with
+    ///   [`gradients`](Self::gradients) (or pass them through [`complete`](Self::complete)),
+    ///   which applies that mean; a step that skips it is an error at the next backward;
+    /// - buffers are broadcast by the lowest rank still training;
+    /// - at the end, every rank takes the whole model (parameters and buffers, not
+    ///   `#[ddp(skip)]` fields) of the rank that trained longest (the lowest such), so the
+    ///   replicas are equal again; `join` returns it.
+    ///
+    /// Optimizer state is each rank's own: a rank that ran out did not step, so a stateful
+    /// optimizer's moments (Adam's) lag by the steps it sat out, as with PyTorch's `Join`.
+    /// The periodic comparison of replicas pauses inside a join. Without `join`, ranks with
+    /// different numbers of batches fail: the first rank to finish leaves the job, and the
+    /// others' next collective names it ([`DdpError::PeerFinished`]).
+    ///
+    /// ```no_run
+    /// # use burn::backend::{Autodiff, NdArray};
+    /// # use burn::optim::{Optimizer, SgdConfig};
+    /// # use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
+    /// # type B = Autodiff<Ddp<NdArray>>;
+    /// # fn main() -> burn_ddp::Result<()> {
+    /// # let device = Default::default();
+    /// # let session = DdpSession::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+    /// # let model = session.prepare(burn::nn::LinearConfig::new(4, 1).init::<B>(&device))?;
+    /// # let my_batches: Vec<burn::tensor::Tensor<B, 2>> = Vec::new();
+    /// let mut optim = SgdConfig::new().init();
+    /// let model = session.join(model, |session, mut model| {
+    ///     for x in my_batches {                    // as many as this rank has
+    ///         let loss = model.forward(x).mean();
+    ///         let grads = session.gradients(&model, loss)?;
+    ///         model = optim.step(0.1, model, grads);
+    ///     }
+    ///     Ok(model)
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// What `train` returns (this rank then leaves the join at once, and the other ranks'
+    /// next collective fails naming it); ranks that make different calls inside the join
+    /// (naming who calls what); a nested `join`; `prepare` was not called; collective
+    /// failures.
+    pub fn join<B, M, F>(&self, model: M, train: F) -> Result<M>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        F: FnOnce(&Self, M) -> Result<M>,
+    {
+        let rank = self.shared.pg.rank();
+        {
+            let mut state = self.shared.join.lock().unwrap_or_else(|p| p.into_inner());
+            if state.is_some() {
+                return Err(DdpError::Model {
+                    rank,
+                    what: "training with uneven inputs",
+                    reason: "DdpSession::join was called inside a join: call it once per loop"
+                        .into(),
+                });
+            }
+            if self.shared.reducer().params().is_empty() {
+                return Err(DdpError::Model {
+                    rank,
+                    what: "training with uneven inputs",
+                    reason: "DdpSession::prepare was not called: prepare the model once, on \
+                             every rank, before the join"
+                        .into(),
+                });
+            }
+            *state = Some(JoinState {
+                join: Join::new(),
+                scale: None,
+            });
+        }
+        let trained = train(self, model);
+        let finished = trained.and_then(|model| {
+            self.shadow(&model)?;
+            Ok(model)
+        });
+        let state = self
+            .shared
+            .join
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let model = finished?;
+        let Some(state) = state else {
+            return Err(DdpError::Internal {
+                rank,
+                what: "the join's state disappeared during the join",
+            });
+        };
+        let summary = state.join.finish(&self.shared.pg)?;
+        if summary.calls.iter().any(|c| *c != summary.calls[0]) && self.shared.pg.is_main() {
+            tracing::info!(
+                "uneven inputs: synchronising calls per rank {:?}; every rank takes rank {}'s \
+                 model",
+                summary.calls,
+                summary.authority
+            );
+        }
+        let skip = self.skip();
+        let model = self.load_from::<B, M>(model, summary.authority, &skip)?;
+        Ok(model.map(&mut Mark {
+            path: Path::default(),
+            skip: &skip,
+        }))
+    }
+
+    /// After this rank's loop inside [`DdpSession::join`]: the others' calls, shadowed until
+    /// every rank has run out.
+    fn shadow<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: &M) -> Result<()> {
+        loop {
+            let round = {
+                let mut state = self.shared.join.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(state) = state.as_mut() else {
+                    return Ok(());
+                };
+                state.join.next_shadow(&self.shared.pg)?
+            };
+            let Some(round) = round else {
+                return Ok(());
+            };
+            match round.call() {
+                Some(JoinCall::Backward) => self.shared.reducer().shadow()?,
+                Some(JoinCall::Gradients) => {
+                    self.reduce_after_backward(model, GradientsParams::new())?;
+                }
+                Some(JoinCall::Buffers) => {
+                    self.broadcast_buffers(model.clone(), round.root())?;
+                }
+                None => return Ok(()),
+            }
+        }
+    }
+}
