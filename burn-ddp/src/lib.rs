@@ -99,7 +99,7 @@ pub use burn_ddp_macros::ddp;
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
     Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
-    NoSyncGuard, ParamInfo,
+    NoSyncGuard, ParamInfo, ZeroOptimizer,
 };
 
 /// What a training program needs, in one import: `use burn_ddp::prelude::*;`.

@@ -10,6 +10,8 @@
 //! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
 //!   next is packed, and read back; [`reduce_bucket`] for one bucket
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
+//! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
+//!   the stepped parameters
 //! - `launch.rs`: [`Launcher`] and [`InFlight`], the device transports' launcher thread and the
 //!   buckets a pass has handed it
 
@@ -19,6 +21,7 @@ mod join;
 mod launch;
 mod plan;
 mod worker;
+mod zero;
 
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
@@ -26,6 +29,7 @@ pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use worker::Worker;
+pub use zero::ZeroPlan;
 
 use crate::config::GradTransport;
 use crate::types::ReduceOp;

@@ -9,6 +9,7 @@
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
 //! - `buffers.rs`: `DdpSession::sync_buffers` (rank 0's buffers on every rank)
 //! - `join.rs`: `DdpSession::join` (uneven inputs: ranks that ran out shadow the others)
+//! - `zero.rs`: `DdpSession::zero`, the [`ZeroOptimizer`] (optimizer state sharded, ZeRO-1)
 //! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
 //!   packed and all-reduced by NCCL on the GPU
 //!
@@ -22,6 +23,7 @@ pub(crate) mod hooks;
 mod join;
 mod model;
 pub(crate) mod reducer;
+mod zero;
 
 use std::cell::RefCell;
 use std::marker::PhantomData;
@@ -35,6 +37,7 @@ use crate::Result;
 pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo};
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
+pub use zero::ZeroOptimizer;
 
 /// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with
 /// gradients averaged across the ranks of the installed [`DdpSession`].

@@ -1,0 +1,178 @@
+//! ZeRO stage 1 without Burn: which rank owns (steps, and keeps the optimizer state of) which
+//! parameter, and the all-gather that gives every rank the parameters the others stepped.
+//!
+//! Ownership is by parameter, balanced by size: the parameters, largest first (ties in their
+//! order), each go to the rank that owns the fewest elements so far (the lowest such). Every
+//! rank computes the same assignment from the same list, so no collective is needed, and a
+//! parameter's state lives on one rank only.
+
+use crate::group::ProcessGroup;
+use crate::types::Rank;
+use crate::{DdpError, Result};
+
+/// The owner of each parameter (by position in the list the ranks agreed on).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ZeroPlan {
+    owners: Vec<Rank>,
+    sizes: Vec<usize>,
+    world: usize,
+}
+
+impl ZeroPlan {
+    /// Assigns parameters of `sizes` elements (in an order every rank shares) to `world`
+    /// ranks, balanced by elements.
+    pub fn balance(sizes: &[usize], world: usize) -> Self {
+        let world = world.max(1);
+        let mut order: Vec<usize> = (0..sizes.len()).collect();
+        order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
+        let mut load = vec![0usize; world];
+        let mut owners = vec![Rank(0); sizes.len()];
+        for i in order {
+            let (rank, _) = load
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1.cmp(b.1).then(a.0.cmp(&b.0)))
+                .unwrap_or((0, &0));
+            owners[i] = Rank(rank as u32);
+            load[rank] += sizes[i];
+        }
+        Self {
+            owners,
+            sizes: sizes.to_vec(),
+            world,
+        }
+    }
+
+    /// The owner of parameter `i`.
+    pub fn owner(&self, i: usize) -> Rank {
+        self.owners.get(i).copied().unwrap_or(Rank(0))
+    }
+
+    /// The elements of parameter `i`.
+    pub fn size(&self, i: usize) -> usize {
+        self.sizes.get(i).copied().unwrap_or(0)
+    }
+
+    /// How many parameters there are.
+    pub fn len(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.owners.is_empty()
+    }
+
+    /// The elements `rank` owns.
+    pub fn elements_of(&self, rank: Rank) -> usize {
+        self.owners
+            .iter()
+            .zip(&self.sizes)
+            .filter(|(o, _)| **o == rank)
+            .map(|(_, s)| s)
+            .sum()
+    }
+
+    /// Every rank's owned parameters' values after its step, for every rank: `mine` holds this
+    /// rank's owned parameters' values, concatenated in list order; the result holds every
+    /// parameter's, in list order (one all-gather of equal, padded blocks).
+    ///
+    /// # Errors
+    /// `mine` is not as long as this rank's owned elements; collective failures.
+    pub fn all_gather(&self, pg: &ProcessGroup, mine: &[f32]) -> Result<Vec<f32>> {
+        let rank = pg.rank();
+        if pg.world_size().as_usize() != self.world {
+            return Err(DdpError::Internal {
+                rank,
+                what: "a ZeRO shard plan made for another world size",
+            });
+        }
+        let own = self.elements_of(rank);
+        if mine.len() != own {
+            return Err(DdpError::BufferSize {
+                rank,
+                op: crate::types::CollectiveOp::AllGather,
+                what: "this rank's stepped parameters",
+                expected: own,
+                got: mine.len(),
+            });
+        }
+        let block = (0..self.world)
+            .map(|r| self.elements_of(Rank(r as u32)))
+            .max()
+            .unwrap_or(0);
+        let mut send = mine.to_vec();
+        send.resize(block, 0.0);
+        let mut all = vec![0.0f32; block * self.world];
+        pg.all_gather(&send, &mut all)?;
+        // Each rank's block holds its parameters in list order: walk the list once, taking
+        // every parameter from its owner's block.
+        let mut next = vec![0usize; self.world];
+        let mut out = Vec::with_capacity(self.sizes.iter().sum());
+        for (owner, &size) in self.owners.iter().zip(&self.sizes) {
+            let r = owner.index();
+            let start = r * block + next[r];
+            out.extend_from_slice(&all[start..start + size]);
+            next[r] += size;
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Timeouts, WorldSize};
+
+    #[test]
+    fn balance_puts_the_largest_first_on_the_least_loaded() {
+        let plan = ZeroPlan::balance(&[10, 1, 7, 3, 3], 2);
+        // 10 → 0; 7 → 1; 3 (index 3) → 1; 3 (index 4) → 0; 1 → 1.
+        assert_eq!(
+            (0..5).map(|i| plan.owner(i).index()).collect::<Vec<_>>(),
+            [0, 1, 1, 1, 0]
+        );
+        assert_eq!(plan.elements_of(Rank(0)), 13);
+        assert_eq!(plan.elements_of(Rank(1)), 11);
+        // Many equal parameters split evenly.
+        let even = ZeroPlan::balance(&[64; 12], 3);
+        for r in 0..3 {
+            assert_eq!(even.elements_of(Rank(r)), 256);
+        }
+    }
+
+    #[test]
+    fn all_gather_puts_every_parameter_back_in_order() {
+        let sizes = [5, 2, 4, 1, 3];
+        let groups = ProcessGroup::local(WorldSize::new(3).unwrap(), Timeouts::default());
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                std::thread::spawn(move || {
+                    let plan = ZeroPlan::balance(&sizes, 3);
+                    // Parameter i's values are i*10 + k; each rank sends its own.
+                    let mine: Vec<f32> = (0..sizes.len())
+                        .filter(|&i| plan.owner(i) == pg.rank())
+                        .flat_map(|i| (0..sizes[i]).map(move |k| (i * 10 + k) as f32))
+                        .collect();
+                    plan.all_gather(&pg, &mine).unwrap()
+                })
+            })
+            .collect();
+        let want: Vec<f32> = (0..sizes.len())
+            .flat_map(|i| (0..sizes[i]).map(move |k| (i * 10 + k) as f32))
+            .collect();
+        for h in handles {
+            assert_eq!(h.join().unwrap(), want);
+        }
+    }
+
+    #[test]
+    fn a_wrong_length_is_refused_before_the_collective() {
+        let plan = ZeroPlan::balance(&[4, 4], 1);
+        let e = plan
+            .all_gather(&ProcessGroup::single(), &[0.0; 3])
+            .unwrap_err();
+        assert!(e.to_string().contains("expected 8"), "{e}");
+    }
+}

@@ -1,0 +1,409 @@
+//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`): the optimizer state sharded over the
+//! ranks, on the core's `ZeroPlan`.
+//!
+//! Every rank still all-reduces the whole gradient; each then steps only the parameters it owns
+//! with Burn's own optimizer (the gradients of the others are dropped before the step, so
+//! Burn's optimizer never creates state for them), and the stepped parameters are all-gathered,
+//! so every rank ends the step with the same model while holding about `1/N` of the optimizer
+//! state.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::LearningRate;
+use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorData};
+use burn_backend::distributed::DistributedParamId;
+use burn_ddp_comm::grad::ZeroPlan;
+
+use super::model::Path;
+use super::DdpSession;
+use crate::group::Rank;
+use crate::{DdpError, Result};
+
+/// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's
+/// `ZeroRedundancyOptimizer`); made by [`DdpSession::zero`].
+///
+/// Its [`step`](Optimizer::step) takes the averaged gradients of a synchronised backward (as
+/// every other optimizer), steps with the wrapped Burn optimizer the parameters this rank owns,
+/// and all-gathers the stepped parameters, so every rank holds the same model afterwards. A
+/// parameter is owned by one rank (balanced by size, largest first); rank-local (`#[ddp(skip)]`)
+/// parameters are stepped by every rank for itself.
+///
+/// Checkpoints: [`Optimizer::to_record`] and [`Optimizer::load_record`] are this rank's shard;
+/// [`gather_record`](Self::gather_record) (every rank) gives rank 0 the whole state, and
+/// [`load_full_record`](Self::load_full_record) loads a whole state on any world size, each
+/// rank keeping its own shard.
+pub struct ZeroOptimizer<O, M, B> {
+    inner: O,
+    session: DdpSession,
+    /// The synchronised parameters, in visit order, with their owner and size.
+    plan: ZeroPlan,
+    ids: Vec<ParamId>,
+    index: HashMap<ParamId, usize>,
+    _m: PhantomData<fn() -> (M, B)>,
+}
+
+impl<O: Clone, M, B> Clone for ZeroOptimizer<O, M, B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            session: self.session.clone(),
+            plan: self.plan.clone(),
+            ids: self.ids.clone(),
+            index: self.index.clone(),
+            _m: PhantomData,
+        }
+    }
+}
+
+impl<O, M, B> std::fmt::Debug for ZeroOptimizer<O, M, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rank = self.session.group().rank();
+        f.debug_struct("ZeroOptimizer")
+            .field("rank", &rank)
+            .field("params", &self.ids.len())
+            .field("owned_elements", &self.plan.elements_of(rank))
+            .finish()
+    }
+}
+
+/// The synchronised parameters of a model: (id, elements), in visit order.
+struct Synced<'a> {
+    path: Path,
+    skip: &'a [String],
+    out: Vec<(ParamId, usize)>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Synced<'_> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_owned());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if param.is_require_grad() && !self.path.skipped(self.skip) {
+            self.out.push((param.id, param.shape().num_elements()));
+        }
+    }
+}
+
+/// This rank's owned parameters' values, concatenated in list order.
+struct Gather<'a> {
+    owned: &'a dyn Fn(ParamId) -> bool,
+    values: Vec<f32>,
+    error: Option<String>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !(self.owned)(param.id) {
+            return;
+        }
+        let n = param.shape().num_elements();
+        match param.val().into_data().convert::<f32>().into_vec::<f32>() {
+            Ok(v) => self.values.extend(v),
+            Err(e) => {
+                self.values.extend(std::iter::repeat_n(0.0, n));
+                self.error.get_or_insert(format!("{e:?}"));
+            }
+        }
+    }
+}
+
+/// Writes every synchronised parameter's gathered value back (keeping its gradient
+/// requirement and its mark for synchronisation).
+struct Scatter<'a> {
+    index: &'a HashMap<ParamId, usize>,
+    /// Offset of each parameter (by list position) in `values`.
+    offsets: &'a [usize],
+    values: &'a [f32],
+}
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Scatter<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(&i) = self.index.get(&param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let Some(values) = self.values.get(self.offsets[i]..self.offsets[i] + n) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let distributed = tensor.is_distributed();
+        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
+        let mut fresh =
+            Tensor::<B, D>::from_inner(Tensor::from_data(data, &tensor.inner().device()));
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        if distributed {
+            fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+impl DdpSession {
+    /// `optim` (a Burn optimizer, e.g. `AdamConfig::new().init()`) with its state sharded over
+    /// the ranks (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`): each rank keeps the state
+    /// of the parameters it owns, about `1/N` of the whole. `model` is the prepared model (its
+    /// synchronised parameters are what is sharded); every rank must call this with the same
+    /// model. Use it as any optimizer: `model = optim.step(lr, model, grads)` after a
+    /// synchronised backward, on every rank.
+    ///
+    /// # Errors
+    /// `prepare` was not called.
+    pub fn zero<O, M, B>(&self, optim: O, model: &M) -> Result<ZeroOptimizer<O, M, B>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        if self.shared.reducer().params().is_empty() {
+            return Err(DdpError::Model {
+                rank: self.shared.pg.rank(),
+                what: "sharding the optimizer state",
+                reason: "DdpSession::prepare was not called: prepare the model first, then \
+                         DdpSession::zero(optimizer, &model)"
+                    .into(),
+            });
+        }
+        let skip = self.skip();
+        let mut synced = Synced {
+            path: Path::default(),
+            skip: &skip,
+            out: Vec::new(),
+        };
+        model.visit(&mut synced);
+        let sizes: Vec<usize> = synced.out.iter().map(|(_, n)| *n).collect();
+        let plan = ZeroPlan::balance(&sizes, self.shared.pg.world_size().as_usize());
+        let ids: Vec<ParamId> = synced.out.iter().map(|(id, _)| *id).collect();
+        let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        Ok(ZeroOptimizer {
+            inner: optim,
+            session: self.clone(),
+            plan,
+            ids,
+            index,
+            _m: PhantomData,
+        })
+    }
+}
+
+impl<O, M, B> ZeroOptimizer<O, M, B>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+{
+    fn rank(&self) -> Rank {
+        self.session.group().rank()
+    }
+
+    /// Whether this rank steps parameter `id` (and keeps its state): those it owns, and every
+    /// parameter that is not sharded (rank-local ones).
+    fn steps(&self, id: ParamId) -> bool {
+        match self.index.get(&id) {
+            Some(&i) => self.plan.owner(i) == self.rank(),
+            None => true,
+        }
+    }
+
+    /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
+    /// the number sharded over all ranks.
+    pub fn owned_elements(&self) -> (usize, usize) {
+        let total = (0..self.session.group().world_size().as_usize())
+            .map(|r| self.plan.elements_of(Rank(r as u32)))
+            .sum();
+        (self.plan.elements_of(self.rank()), total)
+    }
+
+    /// One step: the wrapped optimizer steps the parameters this rank owns (and rank-local
+    /// ones), then the stepped parameters are all-gathered. Every rank must call it.
+    ///
+    /// # Errors
+    /// A parameter that cannot be read as f32 (after the all-gather, so no rank is left
+    /// waiting); collective failures.
+    pub fn try_step(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M> {
+        for (i, id) in self.ids.iter().enumerate() {
+            if self.plan.owner(i) != self.rank() {
+                drop_grad::<B>(&mut grads, *id);
+            }
+        }
+        let module = self.inner.step(lr, module, grads);
+        self.gather_params(module)
+    }
+
+    fn gather_params(&self, module: M) -> Result<M> {
+        let pg = self.session.group();
+        if pg.world_size().as_usize() == 1 {
+            return Ok(module);
+        }
+        let rank = self.rank();
+        let owned = |id: ParamId| {
+            self.index
+                .get(&id)
+                .is_some_and(|&i| self.plan.owner(i) == rank)
+        };
+        let mut gather = Gather {
+            owned: &owned,
+            values: Vec::new(),
+            error: None,
+        };
+        module.visit(&mut gather);
+        let values = self.plan.all_gather(pg, &gather.values)?;
+        if let Some(e) = gather.error {
+            return Err(DdpError::Model {
+                rank,
+                what: "sharing the stepped parameters",
+                reason: format!("a parameter cannot be read as f32: {e}"),
+            });
+        }
+        let mut offsets = Vec::with_capacity(self.ids.len());
+        let mut at = 0;
+        for i in 0..self.ids.len() {
+            offsets.push(at);
+            at += self.plan.size(i);
+        }
+        Ok(module.map(&mut Scatter {
+            index: &self.index,
+            offsets: &offsets,
+            values: &values,
+        }))
+    }
+}
+
+impl<O, M, B, R> ZeroOptimizer<O, M, B>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+    // Burn's optimizers (`OptimizerAdaptor`) keep their state by parameter.
+    O::Record: IntoIterator<Item = (ParamId, R)> + FromIterator<(ParamId, R)>,
+{
+    /// The whole optimizer state, on rank 0 (`None` on the others): every rank's shard,
+    /// gathered (PyTorch's `consolidate_state_dict(to=0)` then `state_dict()`). Every rank must
+    /// call it; save what rank 0 gets.
+    ///
+    /// # Errors
+    /// A shard that cannot be (de)serialised; collective failures.
+    pub fn gather_record(&self) -> Result<Option<O::Record>> {
+        let rank = self.rank();
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let mine = Recorder::<B>::record(&recorder, self.inner.to_record(), ()).map_err(|e| {
+            DdpError::Model {
+                rank,
+                what: "serialising this rank's optimizer state",
+                reason: e.to_string(),
+            }
+        })?;
+        let all = self.session.group().all_gather_bytes(&mine)?;
+        if rank != Rank(0) {
+            return Ok(None);
+        }
+        let device = Default::default();
+        let mut whole: Vec<(ParamId, R)> = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        for (from, bytes) in all.into_iter().enumerate() {
+            let shard: O::Record =
+                Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
+                    rank,
+                    what: "reading another rank's optimizer state",
+                    reason: format!("rank {from}'s: {e}"),
+                })?;
+            // Rank-local parameters' state is every rank's own: rank 0's is kept.
+            for (id, state) in shard {
+                if seen.insert(id) {
+                    whole.push((id, state));
+                }
+            }
+        }
+        Ok(Some(whole.into_iter().collect()))
+    }
+
+    /// Loads a whole optimizer state (as [`gather_record`](Self::gather_record) gives, saved at
+    /// any world size; or a plain optimizer's record): this rank keeps the state of the
+    /// parameters it owns (and of rank-local ones), and drops the rest.
+    pub fn load_full_record(mut self, record: O::Record) -> Self {
+        let mine = record
+            .into_iter()
+            .filter(|(id, _)| self.steps(*id))
+            .collect();
+        self.inner = self.inner.load_record(mine);
+        self
+    }
+}
+
+impl<O, M, B> Optimizer<M, B> for ZeroOptimizer<O, M, B>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B>,
+{
+    /// This rank's shard of the state (see [`ZeroOptimizer::gather_record`] for the whole).
+    type Record = O::Record;
+
+    /// [`ZeroOptimizer::try_step`]. A failure (a dead rank) leaves `module` as this rank
+    /// stepped it and is reported by the session's next check (`DdpSession::check`, hence the
+    /// next synchronised backward): Burn's optimizer interface cannot return it.
+    fn step(&mut self, lr: LearningRate, module: M, grads: GradientsParams) -> M {
+        let before = module.clone();
+        match self.try_step(lr, module, grads) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("{e}");
+                self.session.shared.reducer().record_error(e);
+                before
+            }
+        }
+    }
+
+    /// As [`step`](Optimizer::step), for gradients on several devices (each rank's own
+    /// gradients of the parameters it does not own are dropped from every device).
+    fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
+        for (i, id) in self.ids.iter().enumerate() {
+            if self.plan.owner(i) != self.rank() {
+                for (g, _) in grads.grads.iter_mut() {
+                    drop_grad::<B>(g, *id);
+                }
+            }
+        }
+        let before = module.clone();
+        let stepped = self.inner.step_multi(lr, module, grads);
+        match self.gather_params(stepped) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("{e}");
+                self.session.shared.reducer().record_error(e);
+                before
+            }
+        }
+    }
+
+    fn to_record(&self) -> Self::Record {
+        self.inner.to_record()
+    }
+
+    fn load_record(mut self, record: Self::Record) -> Self {
+        self.inner = self.inner.load_record(record);
+        self
+    }
+}
+
+/// Removes parameter `id`'s gradient from `grads`. (Burn's container is keyed by id alone; the
+/// tensor's rank given to `remove` only types the value returned, which is dropped.)
+fn drop_grad<B: AutodiffBackend>(grads: &mut GradientsParams, id: ParamId) {
+    drop(grads.remove::<B::InnerBackend, 1>(id));
+}
