@@ -1096,3 +1096,178 @@ fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A linear layer, a SyncBatchNorm, a linear head: the head's gradients are final (and their
+/// buckets in flight) before backward reaches the normalization's all-reduces.
+#[derive(Module, Debug)]
+struct SyncNormed<B: Backend> {
+    fc: Linear<B>,
+    norm: burn_ddp::nn::SyncBatchNorm<B>,
+    head: Linear<B>,
+}
+
+/// [`SyncNormed`] with Burn's BatchNorm: the single-process reference (the same record).
+#[derive(Module, Debug)]
+struct Normed3<B: Backend> {
+    fc: Linear<B>,
+    norm: burn::nn::BatchNorm<B>,
+    head: Linear<B>,
+}
+
+/// `n` rows of inputs and targets for step `step`: the same on every rank.
+fn rows(step: usize, n: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let device = Default::default();
+    <B as Backend>::seed(&device, 5000 + step as u64);
+    let x = Tensor::<B, 2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<B, 2>::random([n, 4 * OUT], Distribution::Normal(0.5, 1.0), &device);
+    (x, y)
+}
+
+/// The normalized output: `[n, 4·OUT]` as `[n, OUT]` (1-D BatchNorm) or `[n, OUT, 2, 2]`
+/// (2-D), flattened back.
+fn normed_out<N>(
+    fc: &Linear<B>,
+    head: &Linear<B>,
+    x: Tensor<B, 2>,
+    spatial: bool,
+    norm: N,
+) -> Tensor<B, 2>
+where
+    N: Fn(Tensor<B, 4>) -> Tensor<B, 4>,
+{
+    let n = x.dims()[0];
+    let h = fc.forward(x); // [n, 4·OUT]
+    let h = if spatial {
+        norm(h.reshape([n, OUT, 2, 2])).reshape([n, 4 * OUT])
+    } else {
+        // [n, 4·OUT] with 4·OUT channels, through the 4-D closure as [n, 4·OUT, 1, 1].
+        norm(h.reshape([n, 4 * OUT, 1, 1])).reshape([n, 4 * OUT])
+    };
+    head.forward(h.tanh())
+}
+
+/// SyncBatchNorm on ranks with `sizes[r]` rows each must equal one process with Burn's
+/// BatchNorm on all the rows: the forward output and the synchronised gradients of the first
+/// step, then the parameters and running statistics after 20 SGD steps (1e-5 relative). The
+/// loss of rank r is its squared error summed over its rows, scaled so that the mean over the
+/// ranks is the global batch's mean.
+fn sync_norm(pg: ProcessGroup, sizes: &[usize], spatial: bool, config: DdpConfig) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = Default::default();
+    let channels = if spatial { OUT } else { 4 * OUT };
+    let session = DdpSession::new(pg, config).unwrap();
+    let mut model = session
+        .prepare(SyncNormed::<B> {
+            fc: LinearConfig::new(IN, 4 * OUT).init(&device),
+            norm: burn_ddp::nn::SyncBatchNormConfig::new(channels).init(&device),
+            head: LinearConfig::new(4 * OUT, 4 * OUT).init(&device),
+        })
+        .unwrap();
+    // The reference: Burn's BatchNorm, from SyncBatchNorm's record (the records are the same).
+    let mut reference = Normed3::<B> {
+        fc: LinearConfig::new(IN, 4 * OUT).init(&device),
+        norm: burn::nn::BatchNormConfig::new(channels).init(&device),
+        head: LinearConfig::new(4 * OUT, 4 * OUT).init(&device),
+    }
+    .load_record(load_bytes(record_bytes(model.clone().into_record())));
+    let total: usize = sizes.iter().sum();
+    let start: usize = sizes[..rank].iter().sum();
+    let mine = sizes[rank];
+    let elements = (total * 4 * OUT) as f64;
+    let mut opt = SgdConfig::new().init();
+    let mut opt_ref = SgdConfig::new().init();
+    for step in 0..STEPS {
+        let (x, y) = rows(step, total);
+        let out = normed_out(
+            &model.fc,
+            &model.head,
+            x.clone().narrow(0, start, mine),
+            spatial,
+            |h| model.norm.forward(h),
+        );
+        let loss = (out.clone() - y.clone().narrow(0, start, mine))
+            .powi_scalar(2)
+            .sum()
+            .mul_scalar(world as f64 / elements);
+        let grads = session.gradients(&model, loss).unwrap();
+
+        let out_ref = normed_out(&reference.fc, &reference.head, x, spatial, |h| {
+            reference.norm.forward(h)
+        });
+        let loss_ref = (out_ref.clone() - y).powi_scalar(2).mean();
+        let grads_ref = GradientsParams::from_grads(loss_ref.backward(), &reference);
+        if step == 0 {
+            let got: Vec<f32> = out.into_data().to_vec().unwrap();
+            let want: Vec<f32> = out_ref.narrow(0, start, mine).into_data().to_vec().unwrap();
+            assert_close(rank, &got, &want, F32);
+            let grad = |g: &GradientsParams, id| -> Vec<f32> {
+                g.get::<<B as AutodiffBackend>::InnerBackend, 2>(id)
+                    .unwrap()
+                    .into_data()
+                    .to_vec()
+                    .unwrap()
+            };
+            assert_close(
+                rank,
+                &grad(&grads, model.fc.weight.id),
+                &grad(&grads_ref, reference.fc.weight.id),
+                F32,
+            );
+        }
+        model = opt.step(0.1, model, grads);
+        reference = opt_ref.step(0.1, reference, grads_ref);
+    }
+    assert_close(
+        rank,
+        &common::params(&model),
+        &common::params(&reference),
+        F32,
+    );
+    let stats = |m: Vec<Tensor<B, 1>>| -> Vec<f32> {
+        m.into_iter()
+            .flat_map(|t| t.into_data().to_vec::<f32>().unwrap())
+            .collect()
+    };
+    assert_close(
+        rank,
+        &stats(vec![
+            model.norm.running_mean.value_sync(),
+            model.norm.running_var.value_sync(),
+        ]),
+        &stats(vec![
+            reference.norm.running_mean.value_sync(),
+            reference.norm.running_var.value_sync(),
+        ]),
+        F32,
+    );
+}
+
+#[test]
+fn sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch() {
+    let small = DdpConfig {
+        bucket_cap_bytes: 64,
+        first_bucket_cap_bytes: 16,
+        ..DdpConfig::default()
+    };
+    for (name, sizes, spatial, config) in [
+        ("sync_bn_1d_w2", &[4, 4][..], false, DdpConfig::default()),
+        ("sync_bn_2d_w2", &[4, 4][..], true, DdpConfig::default()),
+        // Different batch sizes, and small buckets in flight during backward.
+        ("sync_bn_2d_uneven_w3", &[3, 6, 4][..], true, small),
+    ] {
+        let world = sizes.len();
+        if let Some(pg) = common::child_group(name) {
+            sync_norm(pg, sizes, spatial, config);
+            return;
+        }
+        if !common::is_any_child() && common::world_selected(world) {
+            common::Job::new(world as u32, name)
+                .function(
+                    "sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch",
+                )
+                .run()
+                .assert_all_ok();
+        }
+    }
+}

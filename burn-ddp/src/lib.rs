@@ -35,7 +35,8 @@
 //!   `convert.rs`: tensor conversions, `mod.rs`: the gradient hooks)
 //! - `ddp/` — [`DdpSession`], [`DdpConfig`], [`DdpModule`] (`model.rs`: checks and broadcast of
 //!   the model, `reducer.rs`: the bucketed reducer, `hooks.rs`: the gradient hooks,
-//!   `worker.rs`: in-order work thread)
+//!   `buffers.rs`: `sync_buffers`, `join.rs`: uneven inputs, `zero.rs`: [`ZeroOptimizer`])
+//! - [`nn`] — [`SyncBatchNorm`](nn::SyncBatchNorm): BatchNorm over the global batch
 //! - [`checkpoint`] — saving and loading Burn modules atomically
 //! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
 //! - `train` — [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner (feature `train`)
@@ -82,6 +83,7 @@ mod ddp;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod nn;
 #[cfg(feature = "train")]
 #[cfg_attr(docsrs, doc(cfg(feature = "train")))]
 pub mod train;

@@ -182,7 +182,7 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
         ReduceOperation::Sum => GradReduction::Sum,
         ReduceOperation::Mean => GradReduction::Mean,
     };
-    let mut values = match read_f32::<B>(tensor.clone()) {
+    let values = match read_f32::<B>(tensor.clone()) {
         Ok(v) => v,
         Err(reason) => {
             session.reducer().record_error(DdpError::Model {
@@ -193,14 +193,24 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
             return tensor;
         }
     };
-    if let Err(e) = burn_ddp_comm::grad::reduce_bucket(
-        &session.pg,
-        &mut values,
-        reduction,
-        super::Compression::None,
-    ) {
-        session.reducer().record_error(e);
-        return tensor;
+    // During an overlapped backward, behind the buckets already handed to the communication
+    // thread (the same order on every rank); otherwise directly.
+    let routed = session.reducer().all_reduce_in_order(values, reduction);
+    let reduced = match routed {
+        Ok(result) => result,
+        Err(mut values) => burn_ddp_comm::grad::reduce_bucket(
+            &session.pg,
+            &mut values,
+            reduction,
+            super::Compression::None,
+        )
+        .map(|()| values),
+    };
+    match reduced {
+        Ok(values) => write_f32::<B>(values, shape, dtype, &device),
+        Err(e) => {
+            session.reducer().record_error(e);
+            tensor
+        }
     }
-    write_f32::<B>(values, shape, dtype, &device)
 }

@@ -161,10 +161,13 @@ impl BucketTransport for HostBuckets {
                 links.compression,
             )?);
         }
-        let sent = links
-            .comm
-            .as_ref()
-            .is_some_and(|c| c.send(Job { bucket, data }));
+        let sent = links.comm.as_ref().is_some_and(|c| {
+            c.send(Job {
+                bucket,
+                data,
+                plain: None,
+            })
+        });
         if !sent {
             return Err(DdpError::WorkerStopped {
                 rank: links.pg.rank(),
@@ -179,7 +182,13 @@ impl BucketTransport for HostBuckets {
 struct Job {
     bucket: usize,
     data: Vec<f32>,
+    /// Not a bucket: one all-reduce of a tensor during a backward pass (`all_reduce_in_order`),
+    /// uncompressed, with this reduction.
+    plain: Option<GradReduction>,
 }
+
+/// The bucket number of a [`Job`] that is not a bucket.
+const PLAIN: usize = usize::MAX;
 
 struct Done {
     bucket: usize,
@@ -765,6 +774,64 @@ impl Reducer {
         Ok(out)
     }
 
+    /// An all-reduce of `data` issued while this backward pass's host buckets are in flight
+    /// (a differentiable all-reduce's backward, e.g. `SyncBatchNorm`'s): it goes through the
+    /// communication thread behind them, so that every rank runs the collectives in the same
+    /// order; the answers of the buckets before it are kept for `finish`. It gives `data` back
+    /// untouched (`Err`) when no bucket is in flight: the caller all-reduces directly, and
+    /// nothing can overtake it.
+    pub(crate) fn all_reduce_in_order(
+        &mut self,
+        data: Vec<f32>,
+        reduction: GradReduction,
+    ) -> std::result::Result<Result<Vec<f32>>, Vec<f32>> {
+        let rank = self.pg.rank();
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        let Some(step) = self.step.as_mut() else {
+            return Err(data);
+        };
+        #[allow(irrefutable_let_patterns)] // without `cuda`, every pass is a host pass
+        let Buckets::Host(host) = &mut step.buckets
+        else {
+            return Err(data);
+        };
+        let Some(comm) = self.comm.as_ref().filter(|_| host.outstanding > 0) else {
+            return Err(data);
+        };
+        let stopped = || DdpError::WorkerStopped {
+            rank,
+            what: "the gradient communication thread",
+        };
+        if !comm.send(Job {
+            bucket: PLAIN,
+            data,
+            plain: Some(reduction),
+        }) {
+            return Ok(Err(stopped()));
+        }
+        loop {
+            match comm.receive(wait) {
+                Ok(Done {
+                    bucket: PLAIN,
+                    result,
+                }) => return Ok(result),
+                Ok(Done { bucket, result }) => {
+                    host.outstanding -= 1;
+                    match result {
+                        Ok(v) => host.results[bucket] = Some(v),
+                        Err(e) => {
+                            self.error.get_or_insert(e);
+                        }
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return Ok(Err(DdpError::GradSyncTimeout { rank, waited: wait }))
+                }
+                Err(RecvTimeoutError::Disconnected) => return Ok(Err(stopped())),
+            }
+        }
+    }
+
     /// Takes the communication thread's answers for every bucket of a host pass.
     fn collect(&mut self, host: &mut HostBuckets) -> Result<()> {
         let wait = self.pg.timeouts().collective + ANSWER_SLACK;
@@ -846,8 +913,19 @@ fn start_comm(
     compression: Compression,
 ) -> Result<Comm> {
     let name = format!("burn-ddp-grad-{}", pg.rank());
-    Ok(Worker::start(name, move |Job { bucket, mut data }| {
-        let result = grad::reduce_bucket(&pg, &mut data, reduction, compression).map(|()| data);
-        Done { bucket, result }
-    })?)
+    Ok(Worker::start(
+        name,
+        move |Job {
+                  bucket,
+                  mut data,
+                  plain,
+              }| {
+            let result = match plain {
+                Some(r) => grad::reduce_bucket(&pg, &mut data, r, Compression::None),
+                None => grad::reduce_bucket(&pg, &mut data, reduction, compression),
+            }
+            .map(|()| data);
+            Done { bucket, result }
+        },
+    )?)
 }
