@@ -71,8 +71,8 @@ pub mod train;
 pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
-    spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken, MasterAddr,
-    ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
+    grad::PowerSgd, spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken,
+    MasterAddr, ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
 };
 pub use data::DistributedSampler;
 pub use sync::GradSync;

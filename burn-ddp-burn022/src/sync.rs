@@ -58,8 +58,9 @@ impl GradSync {
     /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
     /// `cuda` feature; the communication thread cannot be started.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
-        config.validate()?;
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
+        config.transport = config.effective_transport();
+        config.validate()?;
         if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {
             return Err(DdpError::InvalidConfig {
                 field: "DdpConfig::transport",
@@ -90,6 +91,12 @@ impl GradSync {
         {
             false
         }
+    }
+
+    /// With PowerSGD on: (f32 elements all-reduced, elements the same buckets hold
+    /// uncompressed, steps) since the start, on this rank.
+    pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        self.host.power_sgd_totals()
     }
 
     /// The process group.

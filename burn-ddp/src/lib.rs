@@ -101,7 +101,7 @@ pub use burn_ddp_macros::ddp;
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
     Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
-    NoSyncGuard, ParamInfo, ZeroOptimizer,
+    NoSyncGuard, ParamInfo, PowerSgd, ZeroOptimizer,
 };
 
 /// What a training program needs, in one import: `use burn_ddp::prelude::*;`.

@@ -32,7 +32,7 @@ use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
 use burn_ddp::train::{DdpStrategy, DdpTraining, RunSettings};
-use burn_ddp::{Ddp, DdpConfig, DdpSession, DistributedSampler, ProcessGroup, ReduceOp};
+use burn_ddp::{Ddp, DdpConfig, DdpSession, DistributedSampler, PowerSgd, ProcessGroup, ReduceOp};
 use clap::Parser;
 
 use data::ImageBatcher;
@@ -80,6 +80,13 @@ struct Args {
     /// Every rank prints a digest of its final parameters (to check that they agree).
     #[arg(long)]
     print_digest: bool,
+    /// Compress the gradients with PowerSGD of this rank (off by default; a resume starts its
+    /// warm-up again).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    power_sgd: Option<u32>,
+    /// Uncompressed steps before PowerSGD starts.
+    #[arg(long, default_value_t = 100, requires = "power_sgd")]
+    power_sgd_start: u64,
 }
 
 fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -138,8 +145,13 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         .batch_size(256)
         .build(Arc::clone(&test_set));
 
-    let session = DdpSession::new(pg.clone(), DdpConfig::default())?;
-    let ddp = DdpStrategy::<NdArray>::new(session, device)
+    let config = match args.power_sgd {
+        Some(rank) => DdpConfig::default()
+            .with_power_sgd(PowerSgd::new(rank as usize).with_start_step(args.power_sgd_start)),
+        None => DdpConfig::default(),
+    };
+    let session = DdpSession::new(pg.clone(), config)?;
+    let ddp = DdpStrategy::<NdArray>::new(session.clone(), device)
         .with_sampler(train_set)
         .with_sampler(test_set)
         .with_checkpoints(out.join("checkpoint"), 2)
@@ -163,6 +175,17 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
             100.0 * accuracy,
             started.elapsed().as_secs_f64(),
             out.display()
+        );
+    }
+    if let (true, Some((sent, dense, steps))) = (main, session.power_sgd_totals()) {
+        let steps = steps.max(1);
+        println!(
+            "PowerSGD: {} of {} f32 all-reduced per step on average, {:.3} of uncompressed \
+             ({steps} steps, the first {} uncompressed)",
+            sent / steps,
+            dense / steps,
+            sent as f64 / dense.max(1) as f64,
+            args.power_sgd_start
         );
     }
     if args.print_digest {

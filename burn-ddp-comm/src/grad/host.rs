@@ -8,11 +8,15 @@
 //! gradient for: those get the reduced value on every rank; those no rank had stay absent.
 
 use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
 use std::time::Duration;
 
 use half::{bf16, f16};
 
-use super::{BucketPlan, Compression, DdpConfig, GradReduction, Worker};
+use super::{
+    BucketPlan, BucketShape, Compression, DdpConfig, GradReduction, PowerSgdState, PowerSgdStats,
+    Worker,
+};
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
 
@@ -50,6 +54,8 @@ pub fn reduce_bucket(
 struct Job {
     bucket: usize,
     data: Vec<f32>,
+    /// The bucket's layout, for PowerSGD (`None` without it).
+    shape: Option<BucketShape>,
 }
 
 struct Done {
@@ -65,6 +71,8 @@ pub struct HostSync {
     worker: Worker<Job, Done>,
     /// Buckets handed to the thread whose answers were not taken (a step abandoned midway).
     outstanding: usize,
+    /// What PowerSGD has sent, when it is on.
+    power_sgd: Option<Arc<PowerSgdStats>>,
 }
 
 impl std::fmt::Debug for HostSync {
@@ -85,10 +93,23 @@ impl HostSync {
         let reduction = config.reduction;
         let compression = config.compression;
         let comm = pg.clone();
+        let stats = config.power_sgd.map(|_| Arc::new(PowerSgdStats::default()));
+        let mut power = config
+            .power_sgd
+            .zip(stats.clone())
+            .map(|(p, s)| PowerSgdState::new(p, s));
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
-            move |Job { bucket, mut data }| {
-                let result = reduce_bucket(&comm, &mut data, reduction, compression).map(|()| data);
+            move |Job {
+                      bucket,
+                      mut data,
+                      shape,
+                  }| {
+                let result = match (power.as_mut(), shape) {
+                    (Some(p), Some(shape)) => p.reduce(&comm, bucket, &mut data, &shape, reduction),
+                    _ => reduce_bucket(&comm, &mut data, reduction, compression),
+                }
+                .map(|()| data);
                 Done { bucket, result }
             },
         )?;
@@ -96,7 +117,13 @@ impl HostSync {
             pg: pg.clone(),
             worker,
             outstanding: 0,
+            power_sgd: stats,
         })
+    }
+
+    /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
+    pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        self.power_sgd.as_ref().map(|s| s.totals())
     }
 
     /// Starts one synchronised step over `plan`: [`HostStep::push`] every parameter's
@@ -250,7 +277,16 @@ impl<K> HostStep<'_, K> {
             let Some(data) = self.buckets[bucket].take() else {
                 continue;
             };
-            if !self.sync.worker.send(Job { bucket, data }) {
+            let shape = self
+                .sync
+                .power_sgd
+                .is_some()
+                .then(|| self.plan.bucket_shape(bucket));
+            if !self.sync.worker.send(Job {
+                bucket,
+                data,
+                shape,
+            }) {
                 self.stopped = true;
                 return Err(self.sync.stopped());
             }

@@ -12,6 +12,8 @@
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
 //! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
 //!   the stepped parameters
+//! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
+//!   feedback
 //! - `launch.rs`: [`Launcher`] and [`InFlight`], the device transports' launcher thread and the
 //!   buckets a pass has handed it
 
@@ -20,6 +22,7 @@ mod host;
 mod join;
 mod launch;
 mod plan;
+mod powersgd;
 mod worker;
 mod zero;
 
@@ -28,6 +31,7 @@ pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
+pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;
 pub use zero::ZeroPlan;
 
@@ -70,7 +74,7 @@ pub enum Compression {
 
 /// Options of gradient synchronisation (burn-ddp's `DdpSession` on Burn 0.21, `GradSync` on
 /// Burn 0.22). The defaults are PyTorch DDP's.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DdpConfig {
     /// Largest bucket, in bytes of f32 gradient (PyTorch's `bucket_cap_mb`, 25 MiB).
     pub bucket_cap_bytes: usize,
@@ -96,6 +100,10 @@ pub struct DdpConfig {
     /// are sent to every rank at each synchronisation of buffers (PyTorch's
     /// `broadcast_buffers=True`, the default); `false` leaves each rank its own.
     pub broadcast_buffers: bool,
+    /// PowerSGD compression of the host-staged buckets (`None`: off, the default). Exclusive
+    /// with `compression`; buckets then always travel host-staged (`GradTransport::Nccl` is
+    /// refused with it).
+    pub power_sgd: Option<PowerSgd>,
 }
 
 impl Default for DdpConfig {
@@ -109,6 +117,7 @@ impl Default for DdpConfig {
             transport: GradTransport::Auto,
             check_replicas_every: 100,
             broadcast_buffers: true,
+            power_sgd: None,
         }
     }
 }
@@ -151,6 +160,22 @@ impl DdpConfig {
         self
     }
 
+    /// Compresses gradient buckets with PowerSGD (PyTorch's `powerSGD_hook`): see
+    /// [`PowerSgd`].
+    pub fn with_power_sgd(mut self, power_sgd: PowerSgd) -> Self {
+        self.power_sgd = Some(power_sgd);
+        self
+    }
+
+    /// The transport gradients take: `transport`, except that PowerSGD runs on the
+    /// host-staged buckets, so `Auto` means `Host` with it.
+    pub fn effective_transport(&self) -> GradTransport {
+        match (self.power_sgd, self.transport) {
+            (Some(_), GradTransport::Auto) => GradTransport::Host,
+            (_, t) => t,
+        }
+    }
+
     /// Chooses how GPU gradient buckets travel.
     pub fn with_transport(mut self, transport: GradTransport) -> Self {
         self.transport = transport;
@@ -167,6 +192,22 @@ impl DdpConfig {
                 field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
                 reason: "a bucket must hold at least one f32 gradient (4 bytes)",
             });
+        }
+        if let Some(p) = &self.power_sgd {
+            p.validate()?;
+            if self.compression != Compression::None {
+                return Err(DdpError::InvalidConfig {
+                    field: "DdpConfig::power_sgd",
+                    reason: "PowerSGD and fp16/bf16 compression cannot be combined: choose one",
+                });
+            }
+            if self.transport == GradTransport::Nccl {
+                return Err(DdpError::InvalidConfig {
+                    field: "DdpConfig::power_sgd",
+                    reason: "PowerSGD runs on host-staged buckets: use GradTransport::Host or \
+                             Auto with it, not Nccl",
+                });
+            }
         }
         Ok(())
     }

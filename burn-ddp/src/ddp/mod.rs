@@ -34,7 +34,7 @@ use burn_ddp_comm::grad::HostSync;
 use crate::group::ProcessGroup;
 use crate::Result;
 
-pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo};
+pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo, PowerSgd};
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 pub use zero::ZeroOptimizer;
@@ -144,8 +144,9 @@ impl DdpSession {
     /// # Errors
     /// An invalid configuration.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
-        config.validate()?;
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
+        config.transport = config.effective_transport();
+        config.validate()?;
         let reducer = Reducer::new(&pg, &config);
         let replicas = burn_ddp_comm::grad::ReplicaCheck::new(config.check_replicas_every);
         let shared = Arc::new(Shared {
@@ -207,6 +208,18 @@ impl DdpSession {
     pub fn no_sync(&self) -> NoSyncGuard<'_> {
         self.shared.reducer().set_enabled(false);
         NoSyncGuard { session: self }
+    }
+
+    /// With PowerSGD on (`DdpConfig::with_power_sgd`): (f32 elements all-reduced, elements the
+    /// same buckets hold uncompressed, steps) since the start, on this rank, for the reducer
+    /// of backward passes and for [`DdpSession::sync_gradients`] together.
+    pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        let mut totals = self.shared.reducer().power_sgd_totals()?;
+        let host = self.shared.host.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((sent, dense, steps)) = host.as_ref().and_then(HostSync::power_sgd_totals) {
+            totals = (totals.0 + sent, totals.1 + dense, totals.2 + steps);
+        }
+        Some(totals)
     }
 
     /// Parameters of the prepared model, in the order the reducer knows them.

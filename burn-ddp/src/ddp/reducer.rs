@@ -11,11 +11,15 @@
 
 use std::collections::HashMap;
 use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn_backend::distributed::DistributedParamId;
 
-use burn_ddp_comm::grad::{self, BucketOrder, BucketPlan, Slot, Worker};
+use burn_ddp_comm::grad::{
+    self, BucketOrder, BucketPlan, BucketShape, PowerSgd, PowerSgdState, PowerSgdStats, Slot,
+    Worker,
+};
 
 use super::{Compression, DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
@@ -107,6 +111,10 @@ pub(crate) struct Links<'a> {
     reduction: GradReduction,
     compression: Compression,
     comm: &'a mut Option<Comm>,
+    /// PowerSGD's settings and counts, when it is on (for the communication thread).
+    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
+    /// The layout of the bucket being launched, for PowerSGD.
+    shape: Option<BucketShape>,
     #[cfg(feature = "cuda")]
     nccl: Option<(&'a burn_ddp_comm::cuda::NcclComm, &'a super::gpu::Launcher)>,
 }
@@ -159,13 +167,16 @@ impl BucketTransport for HostBuckets {
                 links.pg.clone(),
                 links.reduction,
                 links.compression,
+                links.power_sgd.clone(),
             )?);
         }
+        let shape = links.shape.take();
         let sent = links.comm.as_ref().is_some_and(|c| {
             c.send(Job {
                 bucket,
                 data,
                 plain: None,
+                shape,
             })
         });
         if !sent {
@@ -185,6 +196,8 @@ struct Job {
     /// Not a bucket: one all-reduce of a tensor during a backward pass (`all_reduce_in_order`),
     /// uncompressed, with this reduction.
     plain: Option<GradReduction>,
+    /// The bucket's layout, for PowerSGD.
+    shape: Option<BucketShape>,
 }
 
 /// The bucket number of a [`Job`] that is not a bucket.
@@ -228,6 +241,8 @@ pub(crate) struct Reducer {
     /// A failure to report after the running pass, which still runs (see [`Reducer::begin`]).
     deferred: Option<DdpError>,
     transport: GradTransport,
+    /// PowerSGD's settings and counts, when it is on.
+    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
     nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
@@ -255,6 +270,9 @@ impl Reducer {
             foreign: Vec::new(),
             deferred: None,
             transport: config.transport,
+            power_sgd: config
+                .power_sgd
+                .map(|p| (p, Arc::new(PowerSgdStats::default()))),
             #[cfg(feature = "cuda")]
             nccl: None,
             #[cfg(feature = "cuda")]
@@ -565,12 +583,15 @@ impl Reducer {
             reduction: self.reduction,
             compression: self.compression,
             comm: &mut self.comm,
+            power_sgd: self.power_sgd.clone(),
+            shape: None,
             #[cfg(feature = "cuda")]
             nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
         };
         while step.next_launch < step.pending.len() && step.pending[step.next_launch] == 0 {
             let bucket = step.next_launch;
             step.next_launch += 1;
+            links.shape = links.power_sgd.is_some().then(|| plan.bucket_shape(bucket));
             let slots: Vec<(usize, usize)> = plan.buckets[bucket]
                 .0
                 .iter()
@@ -702,6 +723,11 @@ impl Reducer {
         }
     }
 
+    /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
+    pub(crate) fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        self.power_sgd.as_ref().map(|(_, s)| s.totals())
+    }
+
     /// Inside a join, on a rank that ran out of batches: the buckets of a synchronised backward
     /// of the ranks still training, all zeros with no presence (on the GPU where theirs are:
     /// the transport every rank took at `prepare`), reduced with theirs and the results
@@ -806,6 +832,7 @@ impl Reducer {
             bucket: PLAIN,
             data,
             plain: Some(reduction),
+            shape: None,
         }) {
             return Ok(Err(stopped()));
         }
@@ -911,18 +938,22 @@ fn start_comm(
     pg: ProcessGroup,
     reduction: GradReduction,
     compression: Compression,
+    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
 ) -> Result<Comm> {
     let name = format!("burn-ddp-grad-{}", pg.rank());
+    let mut power = power_sgd.map(|(p, stats)| PowerSgdState::new(p, stats));
     Ok(Worker::start(
         name,
         move |Job {
                   bucket,
                   mut data,
                   plain,
+                  shape,
               }| {
-            let result = match plain {
-                Some(r) => grad::reduce_bucket(&pg, &mut data, r, Compression::None),
-                None => grad::reduce_bucket(&pg, &mut data, reduction, compression),
+            let result = match (plain, power.as_mut(), shape) {
+                (Some(r), _, _) => grad::reduce_bucket(&pg, &mut data, r, Compression::None),
+                (None, Some(p), Some(shape)) => p.reduce(&pg, bucket, &mut data, &shape, reduction),
+                _ => grad::reduce_bucket(&pg, &mut data, reduction, compression),
             }
             .map(|()| data);
             Done { bucket, result }
