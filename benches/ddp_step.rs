@@ -8,10 +8,14 @@
 //! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank;
 //! - `lines`: 2 ranks, the MLP: the sync cost (step minus the no-sync step) of the Burn 0.22.1
 //!   line (`GradSync`, after backward, on Flex) against the 0.21 line (`Autodiff<Ddp<NdArray>>`,
-//!   overlapped with backward), each against its own no-sync steps.
+//!   overlapped with backward), each against its own no-sync steps;
+//! - `memory`: 2 ranks, 16 linear layers of 1024 × 1024 (67 MB of f32 parameters): the peak
+//!   resident memory of a process that trains 3 SGD steps with the default reducer and with
+//!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
+//!   process per run, since a peak only grows).
 //!
 //! ```text
-//! cargo bench --bench ddp_step                       # all four
+//! cargo bench --bench ddp_step                       # all five
 //! cargo bench --bench ddp_step -- overhead --rounds 9
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
@@ -129,9 +133,62 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 }
             }
         }
+        "memory-local" => report("peak", &[memory_run(&pg, DdpConfig::default(), false)?]),
+        "memory-sync" => report("peak", &[memory_run(&pg, DdpConfig::default(), true)?]),
+        "memory-view" => report(
+            "peak",
+            &[memory_run(
+                &pg,
+                DdpConfig::default().with_gradient_as_bucket_view(true),
+                true,
+            )?],
+        ),
         other => anyhow::bail!("unknown worker kind {other}"),
     }
     Ok(())
+}
+
+/// The `memory` model: 16 linear layers of 1024 × 1024 (67 MB of f32 parameters).
+#[derive(burn::module::Module, Debug)]
+struct Wide<B: burn::tensor::backend::Backend> {
+    layers: Vec<burn::nn::Linear<B>>,
+}
+
+/// Trains `Wide` for 3 SGD steps (synchronised or not) and returns this process's peak
+/// resident memory, in MiB (`VmHWM`).
+fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Result<f64> {
+    use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    let device = Default::default();
+    let session = DdpSession::new(pg.clone(), config)?;
+    let model = Wide::<B> {
+        layers: (0..16)
+            .map(|_| burn::nn::LinearConfig::new(1024, 1024).init(&device))
+            .collect(),
+    };
+    let mut model = session.prepare(model)?;
+    let mut optim = SgdConfig::new().init();
+    for _ in 0..3 {
+        let x = Tensor::<B, 2>::random([8, 1024], burn::tensor::Distribution::Default, &device);
+        let loss = model
+            .layers
+            .iter()
+            .fold(x, |h, l| l.forward(h).tanh())
+            .mean();
+        let grads = if sync {
+            session.gradients(&model, loss)?
+        } else {
+            let _local = session.no_sync();
+            GradientsParams::from_grads(loss.backward(), &model)
+        };
+        model = optim.step(1e-3, model, grads);
+    }
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM in /proc/self/status"))?;
+    Ok(kib / 1024.0)
 }
 
 // ---------------------------------------------------------------- driver
@@ -420,6 +477,48 @@ fn bench_lines(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn bench_memory(rounds: usize) -> anyhow::Result<()> {
+    let spec = Spec {
+        which: Which::Mlp,
+        batch: 8,
+        steps: 3,
+        rounds: 1,
+    };
+    let variants = ["memory-local", "memory-sync", "memory-view"];
+    let mut peaks: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for round in 0..rounds {
+        // Rotate the order so drift in the machine hits every variant alike.
+        for k in 0..variants.len() {
+            let v = variants[(round + k) % variants.len()];
+            let out = run_job(2, v, spec)?;
+            let peak = labelled(&parse(&out), "peak")?;
+            peaks.entry(v).or_default().push(peak);
+        }
+    }
+    let m = |v: &str| median(&peaks[v]);
+    let (local, sync, view) = (m("memory-local"), m("memory-sync"), m("memory-view"));
+    println!(
+        "\n## memory: 2 ranks, 16 × Linear(1024, 1024) = 67 MB of parameters, peak RSS of rank 0"
+    );
+    println!("| run | peak (MiB) | above the unsynchronised run (MiB) |");
+    println!("|---|---|---|");
+    println!("| no synchronisation | {local:.1} | — |");
+    println!(
+        "| synchronised (default) | {sync:.1} | {:.1} |",
+        sync - local
+    );
+    println!(
+        "| synchronised, gradient_as_bucket_view | {view:.1} | {:.1} |",
+        view - local
+    );
+    println!(
+        "gradient_as_bucket_view: {:.2}× the default's peak; synchronisation's extra memory {:.2}× the default's",
+        view / sync,
+        (view - local) / (sync - local)
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     if let Ok(spec) = std::env::var(WORKER) {
         let Some((kind, spec)) = Spec::from_env(&spec) else {
@@ -448,10 +547,11 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             },
-            "overhead" | "buckets" | "scaling" | "lines" => names.push(a),
+            "overhead" | "buckets" | "scaling" | "lines" | "memory" => names.push(a),
             other => {
                 eprintln!(
-                    "unknown argument {other}: expected overhead, buckets, scaling, lines, --rounds N"
+                    "unknown argument {other}: expected overhead, buckets, scaling, lines, \
+                     memory, --rounds N"
                 );
                 return ExitCode::FAILURE;
             }
@@ -463,6 +563,7 @@ fn main() -> ExitCode {
             "buckets".into(),
             "scaling".into(),
             "lines".into(),
+            "memory".into(),
         ];
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -472,6 +573,7 @@ fn main() -> ExitCode {
             "overhead" => bench_overhead(root, rounds),
             "buckets" => bench_buckets(rounds),
             "lines" => bench_lines(rounds),
+            "memory" => bench_memory(rounds),
             _ => bench_scaling(rounds),
         };
         if let Err(e) = r {

@@ -328,6 +328,12 @@ equivalence! {
     // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
     // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
     mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [1, 2];
+    // Gradients released into their buckets (`gradient_as_bucket_view`): one bucket, then
+    // buckets of one gradient (moved back without a copy) and of several, and a gradient whose
+    // buffer Burn shares with another branch of the graph.
+    mlp_adam_bucket_view: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default().with_gradient_as_bucket_view(true), F32, [2, 3];
+    mlp_small_buckets_bucket_view: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }.with_gradient_as_bucket_view(true), F32, [3];
+    shared_gradient_buffer_bucket_view: SharedGrad, Opt::Sgd, Mode::Plain, DdpConfig { first_bucket_cap_bytes: 4 * OUT, ..DdpConfig::default() }.with_gradient_as_bucket_view(true), F32, [2];
 }
 
 #[test]
@@ -1364,5 +1370,38 @@ fn power_sgd_keeps_the_replicas_equal_and_sends_less() {
             println!("{}", out.report());
             out.assert_all_ok();
         }
+    }
+}
+
+/// Under `gradient_as_bucket_view`, a backward whose all-reduce fails (rank 1 has left) still
+/// leaves every gradient in its shape (zeros), so a loop that steps before checking does not
+/// crash in the optimizer; the failure is what `check` returns, naming rank 1.
+#[test]
+fn a_failed_sync_with_bucket_view_leaves_gradients_of_the_right_shape() {
+    const NAME: &str = "a_failed_sync_with_bucket_view_leaves_gradients_of_the_right_shape";
+    if let Some(pg) = common::child_group(NAME) {
+        let rank = pg.rank().index();
+        let device = Default::default();
+        let config = DdpConfig::default().with_gradient_as_bucket_view(true);
+        let session = DdpSession::new(pg, config).unwrap();
+        let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
+        if rank == 1 {
+            return; // leaves the job
+        }
+        let (x, y) = batch(0, 2);
+        let grads = model.loss(shard(x, rank), shard(y, rank)).backward();
+        let grads = GradientsParams::from_grads(grads, &model);
+        let shape = grads
+            .get::<<B as AutodiffBackend>::InnerBackend, 2>(model.fc1.weight.id)
+            .unwrap()
+            .dims();
+        assert_eq!(shape, [IN, 16]);
+        let _ = SgdConfig::new().init().step(0.1, model, grads);
+        let err = session.check().unwrap_err().to_string();
+        assert!(err.contains("rank 1"), "{err}");
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::Job::new(2, NAME).run().assert_all_ok();
     }
 }

@@ -104,6 +104,11 @@ pub struct DdpConfig {
     /// with `compression`; buckets then always travel host-staged (`GradTransport::Nccl` is
     /// refused with it).
     pub power_sgd: Option<PowerSgd>,
+    /// No second copy of the gradients during synchronisation (PyTorch's
+    /// `gradient_as_bucket_view`, default off): on the Burn 0.21 line's host-staged
+    /// backward, each gradient's memory is released as soon as it is copied into its bucket,
+    /// and a bucket that holds one gradient becomes that gradient again without a copy.
+    pub gradient_as_bucket_view: bool,
 }
 
 impl Default for DdpConfig {
@@ -118,6 +123,7 @@ impl Default for DdpConfig {
             check_replicas_every: 100,
             broadcast_buffers: true,
             power_sgd: None,
+            gradient_as_bucket_view: false,
         }
     }
 }
@@ -164,6 +170,13 @@ impl DdpConfig {
     /// [`PowerSgd`].
     pub fn with_power_sgd(mut self, power_sgd: PowerSgd) -> Self {
         self.power_sgd = Some(power_sgd);
+        self
+    }
+
+    /// Whether gradients are released into their buckets (PyTorch's
+    /// `gradient_as_bucket_view`; see [`DdpConfig::gradient_as_bucket_view`]).
+    pub fn with_gradient_as_bucket_view(mut self, on: bool) -> Self {
+        self.gradient_as_bucket_view = on;
         self
     }
 

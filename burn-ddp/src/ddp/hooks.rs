@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::distributed::{DistributedParamId, ReduceOperation};
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
+use burn_backend::{read_sync, Backend, DType, Shape, TensorData, TensorMetadata};
 
 use super::reducer::Origin;
 use super::{current, GradReduction};
@@ -98,9 +98,17 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
         false => tensor,
     };
     let expected = r.slot_info(slot).map_or(0, |s| s.info.numel);
+    let (device, dtype) = (B::float_device(&tensor), tensor.dtype());
     match read_f32::<B>(tensor) {
         Ok(values) if values.len() == expected => {
             r.fill(slot, &values, Origin { ptr: ptr as usize });
+            if r.bucket_view() {
+                drop(values);
+                // The bucket holds the gradient now: release the container's copy (an empty
+                // tensor until `finish_backward` writes the reduced one back).
+                // SAFETY: as above; nothing reads the entry before `finish_backward`.
+                unsafe { *ptr = write_f32::<B>(Vec::new(), Shape::new([0]), dtype, &device) };
+            }
         }
         Ok(values) => {
             let name = r
@@ -150,13 +158,19 @@ pub(crate) fn finish_backward<B: Backend>() {
     }
     match r.finish() {
         Ok(results) => {
-            for (origin, values) in results {
+            for (origin, values, shape) in results {
                 let ptr = origin.ptr as *mut FloatTensor<B>;
                 // SAFETY: as in `gradient_ready`: the container entry is alive and unaliased
-                // until `backward()` returns, which happens after this hook.
+                // until `backward()` returns, which happens after this hook. (Its shape may be
+                // empty: released under `gradient_as_bucket_view`; the plan has the real one.)
                 unsafe {
                     let old = &*ptr;
-                    *ptr = write_f32::<B>(values, old.shape(), old.dtype(), &B::float_device(old));
+                    *ptr = write_f32::<B>(
+                        values,
+                        Shape::from(shape),
+                        old.dtype(),
+                        &B::float_device(old),
+                    );
                 }
             }
         }

@@ -59,6 +59,9 @@ pub(crate) enum ForeignValues {
     Device(Box<burn_backend::tensor::FloatTensor<burn::backend::Cuda>>),
 }
 
+/// A gradient's reduced values, where they go back, and its shape.
+pub(crate) type Reduced = (Origin, Vec<f32>, Vec<usize>);
+
 /// Where a gradient came from, to write the result back.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Origin {
@@ -243,6 +246,8 @@ pub(crate) struct Reducer {
     transport: GradTransport,
     /// PowerSGD's settings and counts, when it is on.
     power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
+    /// `DdpConfig::gradient_as_bucket_view`: gradients released into their buckets.
+    bucket_view: bool,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
     nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
@@ -273,6 +278,7 @@ impl Reducer {
             power_sgd: config
                 .power_sgd
                 .map(|p| (p, Arc::new(PowerSgdStats::default()))),
+            bucket_view: config.gradient_as_bucket_view,
             #[cfg(feature = "cuda")]
             nccl: None,
             #[cfg(feature = "cuda")]
@@ -758,7 +764,7 @@ impl Reducer {
 
     /// Ends the backward pass: launches every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
-    pub(crate) fn finish(&mut self) -> Result<Vec<(Origin, Vec<f32>)>> {
+    pub(crate) fn finish(&mut self) -> Result<Vec<Reduced>> {
         let Some(step) = self.close() else {
             return Ok(Vec::new());
         };
@@ -771,33 +777,70 @@ impl Reducer {
             // A device pass ends in `finish_device`.
             return Ok(Vec::new());
         };
-        self.collect(&mut host)?;
+        if let Err(e) = self.collect(&mut host) {
+            if !self.bucket_view {
+                return Err(e);
+            }
+            // The gradients were released into the buckets: they come back as zeros of their
+            // shape (never a tensor of the wrong shape), and `check` reports the failure.
+            self.error.get_or_insert(e);
+        }
         let Some(plan) = self.plan.as_ref() else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         self.foreign.clear();
-        for (i, slot) in plan.slots.iter().enumerate() {
-            let Some(bucket) = host.results[slot.bucket].as_ref() else {
+        // Bucket by bucket, each buffer reused or freed as soon as its values are out, so at
+        // most one bucket is alive beside the results.
+        for (b, (slots, _)) in plan.buckets.iter().enumerate() {
+            let Some(mut bucket) = host.results[b].take() else {
+                if self.bucket_view {
+                    for &i in slots {
+                        if let Some(o) = origin[i] {
+                            let info = &plan.slots[i].info;
+                            out.push((o, vec![0.0; info.numel], info.shape.clone()));
+                        }
+                    }
+                }
                 continue;
             };
-            let values = &bucket[slot.offset..slot.offset + slot.info.numel];
-            match origin[i] {
-                Some(origin) => out.push((origin, values.to_vec())),
-                None => {
-                    if bucket[plan.flag_index(i)] != 0.0 {
-                        self.foreign.push(Foreign {
-                            slot: i,
-                            name: slot.info.name.clone(),
-                            values: ForeignValues::Host(values.to_vec()),
-                        });
+            if let ([i], true) = (slots.as_slice(), self.bucket_view) {
+                if let Some(o) = origin[*i] {
+                    // The bucket becomes the gradient: no copy.
+                    let info = &plan.slots[*i].info;
+                    bucket.truncate(info.numel);
+                    out.push((o, bucket, info.shape.clone()));
+                    continue;
+                }
+            }
+            for &i in slots {
+                let slot = &plan.slots[i];
+                let values = &bucket[slot.offset..slot.offset + slot.info.numel];
+                match origin[i] {
+                    Some(o) => out.push((o, values.to_vec(), slot.info.shape.clone())),
+                    None => {
+                        if bucket[plan.flag_index(i)] != 0.0 {
+                            self.foreign.push(Foreign {
+                                slot: i,
+                                name: slot.info.name.clone(),
+                                values: ForeignValues::Host(values.to_vec()),
+                            });
+                        }
                     }
                 }
             }
+            // Kept for the next pass, unless the memory is the point.
+            if !self.bucket_view {
+                self.spare.push(bucket);
+            }
         }
         self.warn_foreign();
-        self.spare.extend(host.results.into_iter().flatten());
         Ok(out)
+    }
+
+    /// Whether gradients are released into their buckets (`DdpConfig::gradient_as_bucket_view`).
+    pub(crate) fn bucket_view(&self) -> bool {
+        self.bucket_view
     }
 
     /// An all-reduce of `data` issued while this backward pass's host buckets are in flight
