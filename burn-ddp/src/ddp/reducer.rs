@@ -834,6 +834,8 @@ impl Reducer {
                 self.spare.push(bucket);
             }
         }
+        // In the model's order (the buckets were walked in launch order).
+        self.foreign.sort_by_key(|f| f.slot);
         self.warn_foreign();
         Ok(out)
     }
