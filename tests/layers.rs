@@ -32,6 +32,7 @@ const BURN: &[(&str, u8)] = &[
     ("data", 1),
     ("ddp", 2),
     ("backend", 3),
+    ("nn", 3),
     ("cuda", 4),
     ("train", 4),
     ("fuzzing", 5),
@@ -43,6 +44,7 @@ const BURN022: &[(&str, u8)] = &[
     ("grads", 1),
     ("cuda", 2),
     ("sync", 3),
+    ("buffers", 4),
     ("train", 4),
 ];
 

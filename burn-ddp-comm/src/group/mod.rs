@@ -54,13 +54,6 @@ struct Inner {
     server: Option<StoreServer>,
 }
 
-/// The store key a rank sets when its group is dropped normally, before its links close: a
-/// neighbour still in a collective then reports that this rank finished (uneven inputs), not
-/// that it crashed.
-pub(crate) fn finished_key(rank: Rank) -> String {
-    format!("finished/{rank}")
-}
-
 /// How long a rank that ends normally waits for the store to take its mark of a normal end.
 const FINISHED_MARK_WAIT: Duration = Duration::from_secs(2);
 
@@ -68,7 +61,11 @@ impl Drop for Inner {
     fn drop(&mut self) {
         if let Some(store) = &self.store {
             if !std::thread::panicking() {
-                let _ = store.set_bounded(&finished_key(self.rank), b"1", FINISHED_MARK_WAIT);
+                let _ = store.set_bounded(
+                    &crate::store::finished_key(self.rank),
+                    b"1",
+                    FINISHED_MARK_WAIT,
+                );
             }
             if std::thread::panicking() {
                 let record = AbortRecord {

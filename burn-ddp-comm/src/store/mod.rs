@@ -20,5 +20,12 @@ pub(crate) use client::{resolve_bind, StoreClient, WaitOutcome};
 pub use handle::Store;
 pub(crate) use server::StoreServer;
 
+/// The store key a rank sets when its group is dropped normally, before its links close: a
+/// neighbour still in a collective then reports that this rank finished (uneven inputs), not
+/// that it crashed.
+pub(crate) fn finished_key(rank: crate::types::Rank) -> String {
+    format!("finished/{rank}")
+}
+
 #[cfg(test)]
 mod tests;

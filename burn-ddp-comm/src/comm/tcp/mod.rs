@@ -289,7 +289,7 @@ impl TcpCommunicator {
                 // A neighbour that ended normally left its mark in the store before closing.
                 let finished = self
                     .store
-                    .get_timeout(&crate::group::finished_key(peer), FINISHED_WAIT)
+                    .get_timeout(&crate::store::finished_key(peer), FINISHED_WAIT)
                     .is_ok();
                 if finished {
                     let err = DdpError::PeerFinished {
