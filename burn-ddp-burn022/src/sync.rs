@@ -204,16 +204,10 @@ impl GradSync {
     }
 
     fn require_plan(&self) -> Result<()> {
-        if self.plan.is_none() {
-            return Err(DdpError::Model {
-                rank: self.pg.rank(),
-                what: "synchronising gradients",
-                reason: "GradSync::prepare was not called: prepare the model once, on every \
-                         rank, before training"
-                    .into(),
-            });
+        match self.plan {
+            Some(_) => Ok(()),
+            None => Err(not_prepared(self.pg.rank())),
         }
-        Ok(())
     }
 
     /// The gradient all-reduce of [`GradSync::sync`], without the comparison of replicas
@@ -224,15 +218,7 @@ impl GradSync {
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
         let rank = self.pg.rank();
-        let Some(plan) = self.plan.as_ref() else {
-            return Err(DdpError::Model {
-                rank,
-                what: "synchronising gradients",
-                reason: "GradSync::prepare was not called: prepare the model once, on every \
-                         rank, before training"
-                    .into(),
-            });
-        };
+        let plan = self.plan.as_ref().ok_or_else(|| not_prepared(rank))?;
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
             let how = (self.config.reduction, self.config.compression);
@@ -336,14 +322,6 @@ impl GradSync {
             });
         };
         let summary = join.finish(&self.pg)?;
-        if summary.calls.iter().any(|c| *c != summary.calls[0]) && self.pg.is_main() {
-            tracing::info!(
-                "uneven inputs: synchronising calls per rank {:?}; every rank takes rank {}'s \
-                 model",
-                summary.calls,
-                summary.authority
-            );
-        }
         self.load_from(model, summary.authority)
     }
 
@@ -492,6 +470,17 @@ fn first_device<M: Module>(model: &M) -> Option<Device> {
     let mut first = First(None);
     model.visit(&mut first);
     first.0
+}
+
+/// The error for a call that needs [`GradSync::prepare`] first.
+fn not_prepared(rank: Rank) -> DdpError {
+    DdpError::Model {
+        rank,
+        what: "synchronising gradients",
+        reason: "GradSync::prepare was not called: prepare the model once, on every rank, \
+                 before training"
+            .into(),
+    }
 }
 
 fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {

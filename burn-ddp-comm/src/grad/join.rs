@@ -169,7 +169,8 @@ impl Join {
     }
 
     /// After [`Join::next_shadow`] returned `None` on every rank: how many calls each rank
-    /// made, and whose model every rank takes (one all-reduce).
+    /// made, and whose model every rank takes (one all-reduce; rank 0 logs it when the ranks
+    /// made different numbers).
     ///
     /// # Errors
     /// Collective failures.
@@ -187,6 +188,12 @@ impl Join {
             self.calls,
             self.shadowed
         );
+        if calls.iter().any(|c| *c != most) && pg.is_main() {
+            tracing::info!(
+                "uneven inputs: synchronising calls per rank {calls:?}; every rank takes rank \
+                 {authority}'s model"
+            );
+        }
         Ok(JoinSummary {
             calls,
             authority: Rank(authority as u32),

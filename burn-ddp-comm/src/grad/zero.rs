@@ -48,11 +48,6 @@ impl ZeroPlan {
         self.owners.get(i).copied().unwrap_or(Rank(0))
     }
 
-    /// The elements of parameter `i`.
-    pub fn size(&self, i: usize) -> usize {
-        self.sizes.get(i).copied().unwrap_or(0)
-    }
-
     /// How many parameters there are.
     pub fn len(&self) -> usize {
         self.owners.len()

@@ -203,14 +203,6 @@ impl DdpSession {
             });
         };
         let summary = state.join.finish(&self.shared.pg)?;
-        if summary.calls.iter().any(|c| *c != summary.calls[0]) && self.shared.pg.is_main() {
-            tracing::info!(
-                "uneven inputs: synchronising calls per rank {:?}; every rank takes rank {}'s \
-                 model",
-                summary.calls,
-                summary.authority
-            );
-        }
         let skip = self.skip();
         let model = self.load_from::<B, M>(model, summary.authority, &skip)?;
         Ok(model.map(&mut Mark {

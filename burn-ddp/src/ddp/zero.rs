@@ -43,6 +43,8 @@ pub struct ZeroOptimizer<O, M, B> {
     /// The synchronised parameters, in visit order, with their owner and size.
     plan: ZeroPlan,
     ids: Vec<ParamId>,
+    /// Offset of each parameter (by list position) in the all-gathered values.
+    offsets: Vec<usize>,
     index: HashMap<ParamId, usize>,
     _m: PhantomData<fn() -> (M, B)>,
 }
@@ -54,6 +56,7 @@ impl<O: Clone, M, B> Clone for ZeroOptimizer<O, M, B> {
             session: self.session.clone(),
             plan: self.plan.clone(),
             ids: self.ids.clone(),
+            offsets: self.offsets.clone(),
             index: self.index.clone(),
             _m: PhantomData,
         }
@@ -186,11 +189,20 @@ impl DdpSession {
         let plan = ZeroPlan::balance(&sizes, self.shared.pg.world_size().as_usize());
         let ids: Vec<ParamId> = synced.out.iter().map(|(id, _)| *id).collect();
         let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let offsets = sizes
+            .iter()
+            .scan(0, |at, n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect();
         Ok(ZeroOptimizer {
             inner: optim,
             session: self.clone(),
             plan,
             ids,
+            offsets,
             index,
             _m: PhantomData,
         })
@@ -271,15 +283,9 @@ where
                 reason: format!("a parameter cannot be read as f32: {e}"),
             });
         }
-        let mut offsets = Vec::with_capacity(self.ids.len());
-        let mut at = 0;
-        for i in 0..self.ids.len() {
-            offsets.push(at);
-            at += self.plan.size(i);
-        }
         Ok(module.map(&mut Scatter {
             index: &self.index,
-            offsets: &offsets,
+            offsets: &self.offsets,
             values: &values,
         }))
     }
