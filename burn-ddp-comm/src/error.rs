@@ -421,6 +421,66 @@ pub enum DdpError {
         world: WorldSize,
     },
 
+    /// A sub-group or point-to-point call got an argument that cannot work.
+    #[error("[rank {rank}] {what}: {reason}")]
+    InvalidGroupCall {
+        /// This rank.
+        rank: Rank,
+        /// The call (`new_group`, `send`, ...).
+        what: &'static str,
+        /// What is wrong, and what is accepted.
+        reason: String,
+    },
+
+    /// A point-to-point receive waited past its deadline for a message that never came.
+    #[error(
+        "[rank {rank}] recv from rank {peer} (tag {tag}) got nothing within {waited:?}: rank {peer} \
+         is alive but never sent it. Every recv needs a matching send with the same tag (check \
+         that both ranks run the same schedule); raise BURN_DDP_COLLECTIVE_TIMEOUT if the sender \
+         is only slow"
+    )]
+    P2pTimeout {
+        /// This rank.
+        rank: Rank,
+        /// The rank that should have sent.
+        peer: Rank,
+        /// The tag waited for.
+        tag: u32,
+        /// How long this rank waited.
+        waited: std::time::Duration,
+    },
+
+    /// A point-to-point message did not fit the receiver's buffer.
+    #[error(
+        "[rank {rank}] recv from rank {peer} (tag {tag}): the message is {theirs}, the receive \
+         buffer {ours}. The sender and the receiver disagree on the tensor's shape or element \
+         type"
+    )]
+    P2pMismatch {
+        /// This rank.
+        rank: Rank,
+        /// The sender.
+        peer: Rank,
+        /// The message's tag.
+        tag: u32,
+        /// The receive buffer (bytes and element type).
+        ours: String,
+        /// The message (bytes and element type).
+        theirs: String,
+    },
+
+    /// A failure in a sub-group (`ProcessGroup::new_group`, `ProcessGroup::split`): the group,
+    /// this rank's place in it, and the failure (whose ranks are the job's global ranks).
+    #[error("[group {group}, group rank {group_rank}] {inner}")]
+    InGroup {
+        /// The group: its name and its members' global ranks.
+        group: String,
+        /// This rank's rank in the group.
+        group_rank: Rank,
+        /// The failure, naming global ranks.
+        inner: Box<DdpError>,
+    },
+
     /// An earlier failure left the group unusable.
     #[error("[rank {rank}] the process group is unusable after an earlier failure: {first}")]
     GroupAborted {
@@ -804,7 +864,11 @@ impl DdpError {
             | NoGpuForRank { rank, .. }
             | DeviceMismatch { rank, .. }
             | Nccl { rank, .. }
-            | NcclTimeout { rank, .. } => Some(*rank),
+            | NcclTimeout { rank, .. }
+            | P2pTimeout { rank, .. }
+            | InvalidGroupCall { rank, .. }
+            | P2pMismatch { rank, .. } => Some(*rank),
+            InGroup { inner, .. } => inner.rank(),
             _ => None,
         }
     }

@@ -94,7 +94,8 @@ pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use backend::DdpCuda;
 pub use burn_ddp_comm::{
     spawn, CollectiveOp, DType, DdpError, Element, GradTransport, GroupConfig, JobToken, LocalRank,
-    MasterAddr, PeerWait, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WireError, WorldSize,
+    MasterAddr, P2pOp, PeerWait, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WireError,
+    WorldSize,
 };
 /// `#[ddp]`: see [`DdpModule`].
 pub use burn_ddp_macros::ddp;

@@ -5,6 +5,7 @@
 //! - `reduce.rs`: element-wise reduction kernels shared by the host transports, and `split`
 //! - `tcp/`: ring collectives between processes over TCP
 //! - `local.rs`: collectives between the threads of one process
+//! - `p2p.rs`: point-to-point messages (send/recv), between processes and between threads
 //!
 //! Every implementation of [`Communicator`] works on host memory, checks that all ranks call
 //! the same collective (a [`CollectiveDesc`] per call), and never waits without a deadline.
@@ -18,6 +19,7 @@ use crate::Result;
 
 mod local;
 pub(crate) mod memory;
+pub(crate) mod p2p;
 pub(crate) mod reduce;
 pub(crate) mod tcp;
 

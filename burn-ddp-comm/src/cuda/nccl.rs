@@ -15,9 +15,9 @@
 //!   Dropping it finalizes with a deadline too (`ncclCommFinalize`, then destroy; abort if a peer
 //!   never answers).
 
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -39,9 +39,38 @@ const JOB_CHECK: Duration = Duration::from_millis(500);
 /// Longest wait for `ncclCommFinalize` when a communicator is dropped; past it, it is aborted.
 const FINALIZE_LIMIT: Duration = Duration::from_secs(30);
 
-/// Communicators created by this process, to give each its own key in the store (every rank
-/// creates its communicators in the same order).
-static CREATED: AtomicU64 = AtomicU64::new(0);
+/// Communicators created by this process, by group (its store-key prefix), to give each its own
+/// key in the store: every rank of a group creates that group's communicators in the same order,
+/// whatever it creates for other groups.
+static CREATED: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
+
+/// One transfer of [`NcclComm::send_recv_raw`]: a device pointer, its element count and type,
+/// and the peer (a rank of the communicator's group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclP2p {
+    /// Send `count` elements at `ptr` to `peer`.
+    Send {
+        /// Device pointer.
+        ptr: u64,
+        /// Elements.
+        count: usize,
+        /// Their type.
+        dtype: DType,
+        /// The receiving rank.
+        peer: Rank,
+    },
+    /// Receive `count` elements from `peer` into `ptr`.
+    Recv {
+        /// Device pointer.
+        ptr: u64,
+        /// Elements.
+        count: usize,
+        /// Their type.
+        dtype: DType,
+        /// The sending rank.
+        peer: Rank,
+    },
+}
 
 /// NCCL's element type for `dtype`.
 pub(crate) fn nccl_dtype(dtype: DType) -> ncclDataType_t {
@@ -622,6 +651,155 @@ impl NcclComm {
         )
     }
 
+    /// Queues point-to-point transfers on device pointers as one NCCL group
+    /// (`ncclGroupStart`, `ncclSend`/`ncclRecv` per transfer, `ncclGroupEnd`): NCCL runs them
+    /// concurrently, so a rank may send to and receive from the same peer in one batch without
+    /// deadlock (PyTorch's `batch_isend_irecv`). [`NcclComm::wait`] completes them. Peers are
+    /// ranks of this communicator's group; every send needs the peer's matching receive (same
+    /// count and type) in its own batch.
+    ///
+    /// # Safety
+    /// Every pointer must be a device pointer on this communicator's GPU to at least its count of
+    /// elements of its type, and stay valid until [`NcclComm::wait`] returns; nothing may read a
+    /// receive buffer or write a send buffer before then.
+    ///
+    /// # Errors
+    /// A peer outside the group or this rank itself ([`DdpError::InvalidGroupCall`]); bfloat16
+    /// before NCCL 2.10; NCCL refuses a call.
+    pub unsafe fn send_recv_raw(&self, ops: &[NcclP2p]) -> Result<CollectiveSeq> {
+        for op in ops {
+            let (peer, dtype) = match *op {
+                NcclP2p::Send { peer, dtype, .. } | NcclP2p::Recv { peer, dtype, .. } => {
+                    (peer, dtype)
+                }
+            };
+            if peer.0 >= self.world.get() || peer == self.rank {
+                return Err(DdpError::InvalidGroupCall {
+                    rank: self.rank,
+                    what: "NCCL send/recv",
+                    reason: format!(
+                        "peer {peer} is this rank or outside the group of {} ranks",
+                        self.world
+                    ),
+                });
+            }
+            if dtype == DType::BF16 && !self.version.has_bf16() {
+                return Err(DdpError::NcclUnsupported {
+                    rank: self.rank,
+                    what: "ncclSend/ncclRecv".into(),
+                    reason: format!(
+                        "bfloat16 needs NCCL 2.10 or later, this is {}",
+                        self.version
+                    ),
+                });
+            }
+        }
+        let op = if ops.iter().all(|o| matches!(o, NcclP2p::Recv { .. })) {
+            CollectiveOp::Recv
+        } else {
+            CollectiveOp::Send
+        };
+        let what = ops
+            .iter()
+            .map(|o| match *o {
+                NcclP2p::Send {
+                    count, dtype, peer, ..
+                } => format!("send {count} x {dtype} to {peer}"),
+                NcclP2p::Recv {
+                    count, dtype, peer, ..
+                } => format!("recv {count} x {dtype} from {peer}"),
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        self.launch(op, what, "ncclSend/ncclRecv", |comm, stream| {
+            result::group_start()?;
+            let mut first = Ok(NcclStatus::Success);
+            for o in ops {
+                // SAFETY: the caller's contract covers the pointers; comm and stream are live.
+                let r = unsafe {
+                    match *o {
+                        NcclP2p::Send {
+                            ptr,
+                            count,
+                            dtype,
+                            peer,
+                        } => result::send(
+                            ptr as *const c_void,
+                            count,
+                            nccl_dtype(dtype),
+                            peer.0 as c_int,
+                            comm,
+                            stream,
+                        ),
+                        NcclP2p::Recv {
+                            ptr,
+                            count,
+                            dtype,
+                            peer,
+                        } => result::recv(
+                            ptr as *mut c_void,
+                            count,
+                            nccl_dtype(dtype),
+                            peer.0 as c_int,
+                            comm,
+                            stream,
+                        ),
+                    }
+                };
+                if first.is_ok() {
+                    if let Err(e) = r {
+                        first = Err(e);
+                    }
+                }
+            }
+            // The group is closed whatever happened inside it.
+            let end = result::group_end();
+            first.and(end)
+        })
+    }
+
+    /// Sends `buf` to rank `peer` of the group and waits for the transfer (the peer must call
+    /// [`NcclComm::recv`] with a buffer of the same length).
+    ///
+    /// # Errors
+    /// As [`NcclComm::send_recv_raw`] and [`NcclComm::wait`].
+    pub fn send<T: Element + DeviceRepr>(&self, buf: &CudaSlice<T>, peer: Rank) -> Result<()> {
+        let count = buf.len();
+        {
+            let (ptr, _sync) = buf.device_ptr(&self.stream);
+            let op = NcclP2p::Send {
+                ptr,
+                count,
+                dtype: T::DTYPE,
+                peer,
+            };
+            // SAFETY: `buf` is a live allocation of `count` T on this GPU; `_sync` orders its
+            // earlier writes before this stream and this stream's read before later writes.
+            unsafe { self.send_recv_raw(&[op]) }?;
+        }
+        self.wait()
+    }
+
+    /// Receives rank `peer`'s [`NcclComm::send`] into `buf` and waits for it.
+    ///
+    /// # Errors
+    /// As [`NcclComm::send_recv_raw`] and [`NcclComm::wait`].
+    pub fn recv<T: Element + DeviceRepr>(&self, buf: &mut CudaSlice<T>, peer: Rank) -> Result<()> {
+        let count = buf.len();
+        {
+            let (ptr, _sync) = buf.device_ptr_mut(&self.stream);
+            let op = NcclP2p::Recv {
+                ptr,
+                count,
+                dtype: T::DTYPE,
+                peer,
+            };
+            // SAFETY: as in `send`, for a write.
+            unsafe { self.send_recv_raw(&[op]) }?;
+        }
+        self.wait()
+    }
+
     /// Queues a broadcast of `count` elements from `root`'s `send` into every rank's `recv`.
     ///
     /// # Safety
@@ -894,8 +1072,16 @@ fn last_error(comm: sys::ncclComm_t) -> Option<String> {
 /// has one (under a key per communicator), else by a broadcast over the group.
 fn share_unique_id(pg: &ProcessGroup) -> Result<sys::ncclUniqueId> {
     let rank = pg.rank();
-    let n = CREATED.fetch_add(1, Ordering::SeqCst);
-    let key = format!("nccl/{n}/unique-id");
+    let n = {
+        let mut created = CREATED.lock().unwrap_or_else(|p| p.into_inner());
+        let count = created
+            .get_or_insert_with(HashMap::new)
+            .entry(pg.tag().to_string())
+            .or_insert(0);
+        *count += 1;
+        *count
+    };
+    let key = format!("{}/nccl/{n}/unique-id", pg.tag());
     let mine = if rank == Rank(0) {
         let id = result::get_uniqueid().map_err(|e| {
             nccl_error(

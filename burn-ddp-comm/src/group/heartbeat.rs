@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -168,11 +168,30 @@ struct Bounds {
     stall: Duration,
 }
 
+/// What a verdict stops: the world group's ring (owned) and the rings of the sub-groups that
+/// still exist.
+#[derive(Debug)]
+struct Stoppers {
+    world: LinkStopper,
+    subgroups: Mutex<Vec<Weak<LinkStopper>>>,
+}
+
+impl Stoppers {
+    fn stop(&self) {
+        self.world.stop();
+        let subs = self.subgroups.lock().unwrap_or_else(|p| p.into_inner());
+        for s in subs.iter().filter_map(Weak::upgrade) {
+            s.stop();
+        }
+    }
+}
+
 /// A rank's heartbeat: what it is doing ([`Progress`]) and the thread that publishes it and
 /// watches the other ranks. Stops when dropped.
 #[derive(Debug)]
 pub(crate) struct Heartbeat {
     progress: Arc<Progress>,
+    stoppers: Arc<Stoppers>,
     watcher: Watcher,
     /// The silence bound plus two checks, each at most an interval and two store requests.
     bound: Duration,
@@ -210,9 +229,20 @@ impl Heartbeat {
             Ok(aux) => {
                 let progress = Arc::new(Progress::new());
                 let bound = bounds.silence + 2 * (bounds.interval() + 2 * link.io);
-                let watcher = Watcher::start(aux, link, bounds, Arc::clone(&progress), stopper);
+                let stoppers = Arc::new(Stoppers {
+                    world: stopper,
+                    subgroups: Mutex::new(Vec::new()),
+                });
+                let watcher = Watcher::start(
+                    aux,
+                    link,
+                    bounds,
+                    Arc::clone(&progress),
+                    Arc::clone(&stoppers),
+                );
                 Some(Self {
                     progress,
+                    stoppers,
                     watcher,
                     bound,
                 })
@@ -230,6 +260,59 @@ impl Heartbeat {
     /// What this rank is doing, as the heartbeat publishes and judges it.
     pub(crate) fn progress(&self) -> Arc<Progress> {
         Arc::clone(&self.progress)
+    }
+
+    /// Stops the rings of every sub-group (when the world group is aborted).
+    pub(crate) fn stop_subgroups(&self) {
+        let subs = self
+            .stoppers
+            .subgroups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for s in subs.iter().filter_map(Weak::upgrade) {
+            s.stop();
+        }
+    }
+
+    /// A verdict stops `ring` too (a sub-group's) while it exists; stopped at once if a verdict
+    /// was already reached.
+    pub(crate) fn also_stop(&self, ring: Weak<LinkStopper>) {
+        let mut subs = self
+            .stoppers
+            .subgroups
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        subs.retain(|s| s.strong_count() > 0);
+        if self.watcher.verdict().is_some() {
+            if let Some(r) = ring.upgrade() {
+                r.stop();
+            }
+        }
+        subs.push(ring);
+    }
+}
+
+/// The heartbeat as a sub-group's ring sees it: its collectives count as waits on the peers
+/// outside the world group's collectives (whose sequence numbers the heartbeat publishes), so
+/// the heartbeat judges silence (a dead or frozen rank) during them, and its verdict is theirs.
+#[derive(Debug)]
+pub(crate) struct SubgroupWatch(pub(crate) Arc<Heartbeat>);
+
+impl PeerWatch for SubgroupWatch {
+    fn enter(&self, _seq: CollectiveSeq) {
+        self.0.progress.enter_outside();
+    }
+
+    fn leave(&self, _seq: CollectiveSeq, _ok: bool) {
+        self.0.progress.leave_outside();
+    }
+
+    fn verdict(&self) -> Option<Verdict> {
+        self.0.watcher.verdict()
+    }
+
+    fn bound(&self) -> Duration {
+        self.0.bound
     }
 }
 
@@ -300,7 +383,7 @@ impl Watcher {
         link: AuxLink,
         bounds: Bounds,
         progress: Arc<Progress>,
-        stopper: LinkStopper,
+        stoppers: Arc<Stoppers>,
     ) -> Self {
         let (rank, world) = (link.rank, link.world);
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
@@ -324,7 +407,15 @@ impl Watcher {
                         store_ok: Instant::now(),
                     };
                     let (lock, cv) = &*stop;
+                    let mut stopped_for_record = false;
                     loop {
+                        // A failure another rank published ends this rank's collectives too,
+                        // including those of groups that do not contain the culprit: they
+                        // fail at once naming it, instead of running on until they need it.
+                        if !stopped_for_record && watch.aborted_elsewhere() {
+                            stoppers.stop();
+                            stopped_for_record = true;
+                        }
                         if let Some(v) = watch.tick() {
                             tracing::error!(
                                 "[rank {rank}] rank {} ({}) {}; aborting the collective",
@@ -348,7 +439,7 @@ impl Watcher {
                                 });
                             }
                             *verdict.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
-                            stopper.stop();
+                            stoppers.stop();
                             return;
                         }
                         let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
@@ -403,6 +494,11 @@ struct Watch {
 }
 
 impl Watch {
+    /// Whether another rank published the job's abort record.
+    fn aborted_elsewhere(&self) -> bool {
+        matches!(self.store.abort_record(), Ok(Some(r)) if r.reporter != self.rank)
+    }
+
     fn tick(&mut self) -> Option<Verdict> {
         self.beat += 1;
         let mine = Beat {

@@ -4,13 +4,18 @@
 //! - `rendezvous.rs`: joining the job through the store on rank 0
 //! - `desync.rs`: the check before every collective (`BURN_DDP_DEBUG_DESYNC`)
 //! - `heartbeat.rs`: the heartbeat, a group service handed to the TCP communicator
+//! - `sub.rs`: sub-groups ([`ProcessGroup::new_group`], [`ProcessGroup::split`])
+//! - `p2p.rs`: point-to-point ([`ProcessGroup::send`], [`ProcessGroup::recv`],
+//!   [`ProcessGroup::batch_send_recv`])
 //!
 //! The ids ([`Rank`], [`WorldSize`], ...) and [`AbortRecord`] are defined in [`crate::types`] and
 //! re-exported here; the store is `store/`.
 
 mod desync;
 pub(crate) mod heartbeat;
+mod p2p;
 mod rendezvous;
+mod sub;
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,6 +26,9 @@ pub use crate::types::{
     AbortRecord, CollectiveSeq, LocalRank, Rank, RankList, StallDiagnosis, WorldSize,
 };
 use desync::DesyncCheck;
+use p2p::P2p;
+pub use p2p::P2pOp;
+use sub::SubInfo;
 
 use self::heartbeat::{Heartbeat, Progress};
 use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator};
@@ -45,8 +53,15 @@ struct Inner {
     restart_count: u32,
     /// `BURN_DDP_DEBUG_DESYNC`: compare every collective across all ranks before running it.
     desync: Option<DesyncCheck>,
+    /// The prefix of this group's store keys (`tcp/0` for the world group).
+    tag: String,
+    /// How many sub-groups were made from this group (their tags' numbers).
+    subgroups: std::sync::atomic::AtomicU64,
+    /// For a sub-group: its name, members and parent.
+    sub: Option<SubInfo>,
     // Field order is drop order: links close first (so peers blocked on this rank fail at once),
     // then the store connection says goodbye, then rank 0's server stops.
+    p2p: P2p,
     comm: Box<dyn Communicator>,
     /// The heartbeat, which the communicator was handed too (TCP groups only).
     heartbeat: Option<Arc<Heartbeat>>,
@@ -54,11 +69,19 @@ struct Inner {
     server: Option<StoreServer>,
 }
 
+/// The store-key prefix of the world group (its ring's keys, its point-to-point endpoints).
+const WORLD_TAG: &str = "tcp/0";
+
 /// How long a rank that ends normally waits for the store to take its mark of a normal end.
 const FINISHED_MARK_WAIT: Duration = Duration::from_secs(2);
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if self.sub.is_some() {
+            // A sub-group's links close with it; the job goes on.
+            self.p2p.close();
+            return;
+        }
         if let Some(store) = &self.store {
             if !std::thread::panicking() {
                 let _ = store.set_bounded(
@@ -77,6 +100,7 @@ impl Drop for Inner {
                 let _ = store.abort(record);
             }
             self.comm.abort();
+            self.p2p.close();
             if let Some(server) = &self.server {
                 server.wait_for_departures(self.rank, DEPARTURE_GRACE.min(self.timeouts.store));
             }
@@ -145,7 +169,7 @@ impl ProcessGroup {
             config.rank,
             config.world_size,
             &config.token,
-            "tcp/0",
+            WORLD_TAG,
             deadline,
             config.timeouts,
         )
@@ -179,6 +203,10 @@ impl ProcessGroup {
                 token: config.token,
                 restart_count: config.restart_count,
                 desync,
+                tag: WORLD_TAG.into(),
+                subgroups: Default::default(),
+                sub: None,
+                p2p: P2p::tcp(),
                 comm: Box::new(comm),
                 heartbeat,
                 store: Some(joined.client),
@@ -210,6 +238,10 @@ impl ProcessGroup {
                 token: JobToken::new("single"),
                 restart_count,
                 desync: None,
+                tag: WORLD_TAG.into(),
+                subgroups: Default::default(),
+                sub: None,
+                p2p: P2p::none(),
                 comm,
                 heartbeat: None,
                 store: None,
@@ -230,7 +262,8 @@ impl ProcessGroup {
         });
         LocalCommunicator::group(world, timeouts.collective)
             .into_iter()
-            .map(|comm| {
+            .zip(crate::comm::p2p::LocalP2p::group(world))
+            .map(|(comm, p2p)| {
                 let rank = comm.rank();
                 Self {
                     inner: Arc::new(Inner {
@@ -242,6 +275,10 @@ impl ProcessGroup {
                         token: JobToken::new("local"),
                         restart_count: 0,
                         desync: DesyncCheck::new(desync),
+                        tag: WORLD_TAG.into(),
+                        subgroups: Default::default(),
+                        sub: None,
+                        p2p: P2p::local(p2p),
                         comm: Box::new(comm),
                         heartbeat: None,
                         store: None,
@@ -293,6 +330,12 @@ impl ProcessGroup {
         self.inner.comm.transport()
     }
 
+    /// The prefix of this group's store keys (distinct for every sub-group).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn tag(&self) -> &str {
+        &self.inner.tag
+    }
+
     pub(crate) fn token(&self) -> &JobToken {
         &self.inner.token
     }
@@ -316,9 +359,11 @@ impl ProcessGroup {
     #[track_caller]
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.desync(CollectiveDesc::new(CollectiveOp::AllReduce, T::DTYPE, buf.len()).reduce(op))?;
-        self.inner
-            .comm
-            .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+        self.scoped(
+            self.inner
+                .comm
+                .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op),
+        )
     }
 
     /// Copies `root`'s `buf` into every rank's `buf` (all must have the same length).
@@ -335,9 +380,11 @@ impl ProcessGroup {
             });
         }
         self.desync(CollectiveDesc::new(CollectiveOp::Broadcast, T::DTYPE, buf.len()).root(root))?;
-        self.inner
-            .comm
-            .broadcast(bytemuck::cast_slice_mut(buf), T::DTYPE, root)
+        self.scoped(
+            self.inner
+                .comm
+                .broadcast(bytemuck::cast_slice_mut(buf), T::DTYPE, root),
+        )
     }
 
     /// Gathers every rank's `send` into `recv` (`world_size * send.len()` elements, rank order).
@@ -361,11 +408,11 @@ impl ProcessGroup {
             T::DTYPE,
             send.len(),
         ))?;
-        self.inner.comm.all_gather(
+        self.scoped(self.inner.comm.all_gather(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
             T::DTYPE,
-        )
+        ))
     }
 
     /// Every rank's `bytes`, in rank order; the ranks' lengths may differ. Two collectives: the
@@ -433,12 +480,12 @@ impl ProcessGroup {
         self.desync(
             CollectiveDesc::new(CollectiveOp::ReduceScatter, T::DTYPE, recv.len()).reduce(op),
         )?;
-        self.inner.comm.reduce_scatter(
+        self.scoped(self.inner.comm.reduce_scatter(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
             T::DTYPE,
             op,
-        )
+        ))
     }
 
     /// Returns once every rank has called `barrier`.
@@ -452,21 +499,30 @@ impl ProcessGroup {
             crate::comm::DType::I64,
             0,
         ))?;
-        self.inner.comm.barrier()
+        self.scoped(self.inner.comm.barrier())
     }
 
     /// The desync check of `BURN_DDP_DEBUG_DESYNC` (nothing when it is off).
     #[track_caller]
     fn desync(&self, desc: CollectiveDesc) -> Result<()> {
         match &self.inner.desync {
-            Some(check) => check.check(&*self.inner.comm, &desc, std::panic::Location::caller()),
+            Some(check) => {
+                self.scoped(check.check(&*self.inner.comm, &desc, std::panic::Location::caller()))
+            }
             None => Ok(()),
         }
     }
 
     /// Marks the group failed and closes its connections, so that every peer stops promptly.
+    /// Aborting the world group aborts its sub-groups too.
     pub fn abort(&self) {
         self.inner.comm.abort();
+        self.inner.p2p.close();
+        if self.inner.sub.is_none() {
+            if let Some(h) = &self.inner.heartbeat {
+                h.stop_subgroups();
+            }
+        }
     }
 
     /// Marks this rank as waiting on its peers outside burn-ddp's host collectives (NCCL work,

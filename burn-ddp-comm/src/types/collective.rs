@@ -136,6 +136,10 @@ pub enum CollectiveOp {
     ReduceScatter = 4,
     /// Returns once every rank has entered it.
     Barrier = 5,
+    /// A point-to-point message to one rank (`ProcessGroup::send`).
+    Send = 6,
+    /// A point-to-point message from one rank (`ProcessGroup::recv`).
+    Recv = 7,
 }
 
 impl CollectiveOp {
@@ -150,6 +154,8 @@ impl CollectiveOp {
             3 => CollectiveOp::AllGather,
             4 => CollectiveOp::ReduceScatter,
             5 => CollectiveOp::Barrier,
+            6 => CollectiveOp::Send,
+            7 => CollectiveOp::Recv,
             _ => return None,
         })
     }
@@ -162,6 +168,8 @@ impl CollectiveOp {
             CollectiveOp::AllGather => "all_gather",
             CollectiveOp::ReduceScatter => "reduce_scatter",
             CollectiveOp::Barrier => "barrier",
+            CollectiveOp::Send => "send",
+            CollectiveOp::Recv => "recv",
         }
     }
 }

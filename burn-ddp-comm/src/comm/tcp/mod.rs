@@ -45,14 +45,21 @@ struct State {
 /// Collectives between processes over a TCP ring (see the module docs).
 #[derive(Debug)]
 pub struct TcpCommunicator {
+    /// This rank's place in the ring (its rank in the group).
     rank: Rank,
     world: WorldSize,
+    /// This rank's global rank, which errors name.
+    me: Rank,
+    /// The members' global ranks, by place in the ring (`None`: the world group, place = rank).
+    members: Option<Arc<[Rank]>>,
+    /// The prefix of this ring's store keys.
+    tag: String,
     timeout: Duration,
     store: Arc<StoreClient>,
     state: Mutex<State>,
     /// The abort flag and clones of the link sockets, so that `abort` can close them while a
     /// collective holds the state.
-    links: LinkStopper,
+    links: Arc<LinkStopper>,
     /// The process group's heartbeat, once handed over ([`TcpCommunicator::watch_with`]).
     watch: Option<Arc<dyn PeerWatch>>,
 }
@@ -122,6 +129,9 @@ impl TcpCommunicator {
         Ok(Self {
             rank,
             world,
+            me: rank,
+            members: None,
+            tag: tag.to_string(),
             timeout: timeouts.collective,
             store,
             state: Mutex::new(State {
@@ -131,12 +141,28 @@ impl TcpCommunicator {
                 scratch: vec![0u64; ring::SCRATCH / 8],
                 work: Vec::new(),
             }),
-            links: LinkStopper {
+            links: Arc::new(LinkStopper {
                 abort: Arc::new(AtomicBool::new(false)),
                 links: handles,
-            },
+            }),
             watch: None,
         })
+    }
+
+    /// Makes this the ring of a sub-group whose places hold the global ranks `members` (errors
+    /// and abort records name global ranks).
+    pub(crate) fn with_members(mut self, members: Arc<[Rank]>) -> Self {
+        self.me = members[self.rank.index()];
+        self.members = Some(members);
+        self
+    }
+
+    /// The global rank at ring place `place`.
+    fn global(&self, place: Rank) -> Rank {
+        match &self.members {
+            Some(m) => m.get(place.index()).copied().unwrap_or(place),
+            None => place,
+        }
     }
 
     /// Hands this communicator the group's watch on the other ranks: it is told of every
@@ -153,6 +179,12 @@ impl TcpCommunicator {
         Ok(self.links.try_clone()?)
     }
 
+    /// A handle that stops this communicator's collectives while it exists (a sub-group's ring,
+    /// which the process's heartbeat stops on a verdict without keeping its sockets open).
+    pub(crate) fn weak_stopper(&self) -> std::sync::Weak<LinkStopper> {
+        Arc::downgrade(&self.links)
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // The state's invariants are re-established at the start of every collective.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -160,10 +192,10 @@ impl TcpCommunicator {
 
     fn neighbour(&self, side: Side) -> Rank {
         let (next, prev) = ring::neighbours(self.rank, self.world.get());
-        match side {
+        self.global(match side {
             Side::Next => next,
             Side::Prev => prev,
-        }
+        })
     }
 
     /// Runs `plan` over `buf` as collective `desc`.
@@ -176,7 +208,7 @@ impl TcpCommunicator {
     ) -> Result<()> {
         if let Some(first) = &st.failed {
             return Err(DdpError::GroupAborted {
-                rank: self.rank,
+                rank: self.me,
                 first: Box::new(first.clone()),
             });
         }
@@ -187,8 +219,7 @@ impl TcpCommunicator {
             prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
             same: st.ring.prev.is_none(),
         };
-        let span =
-            tracing::trace_span!("collective", rank = self.rank.0, seq = seq.0, op = %desc.op);
+        let span = tracing::trace_span!("collective", rank = self.me.0, seq = seq.0, op = %desc.op);
         let _enter = span.enter();
         let deadline = Instant::now() + self.timeout;
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
@@ -240,7 +271,7 @@ impl TcpCommunicator {
         let op = desc.op;
         let unresponsive = |st: &mut State, v: Verdict| {
             let err = DdpError::RankUnresponsive {
-                rank: self.rank,
+                rank: self.me,
                 culprit: v.culprit,
                 host: v.host,
                 last_completed: v.last_completed,
@@ -273,11 +304,11 @@ impl TcpCommunicator {
             _ => None,
         };
         let (err, culprit) = match (published, e) {
-            (Some(record), _) if record.reporter != self.rank || record.culprit.is_some() => {
+            (Some(record), _) if record.reporter != self.me || record.culprit.is_some() => {
                 let culprit = record.culprit;
                 (
                     DdpError::JobAborted {
-                        rank: self.rank,
+                        rank: self.me,
                         during: Some((op, seq)),
                         record,
                     },
@@ -293,7 +324,7 @@ impl TcpCommunicator {
                     .is_ok();
                 if finished {
                     let err = DdpError::PeerFinished {
-                        rank: self.rank,
+                        rank: self.me,
                         peer,
                         op,
                         seq,
@@ -302,7 +333,7 @@ impl TcpCommunicator {
                 }
                 (
                     DdpError::PeerLost {
-                        rank: self.rank,
+                        rank: self.me,
                         peer,
                         op,
                         seq,
@@ -316,7 +347,7 @@ impl TcpCommunicator {
                 let culprit = diagnosis.culprit();
                 (
                     DdpError::CollectiveTimeout {
-                        rank: self.rank,
+                        rank: self.me,
                         op,
                         seq,
                         waited: self.timeout,
@@ -329,7 +360,7 @@ impl TcpCommunicator {
                 let peer = self.neighbour(Side::Prev);
                 (
                     DdpError::CollectiveMismatch {
-                        rank: self.rank,
+                        rank: self.me,
                         peer,
                         seq,
                         their_seq,
@@ -349,7 +380,7 @@ impl TcpCommunicator {
                     .unwrap_or_else(|_| self.store.addr());
                 (
                     DdpError::Protocol {
-                        rank: self.rank,
+                        rank: self.me,
                         peer,
                         error,
                     },
@@ -358,9 +389,9 @@ impl TcpCommunicator {
             }
             (_, RingError::Aborted) => (
                 DdpError::GroupAborted {
-                    rank: self.rank,
+                    rank: self.me,
                     first: Box::new(AbortRecord {
-                        reporter: self.rank,
+                        reporter: self.me,
                         culprit: None,
                         collective: Some((op, seq)),
                         reason: "the group was aborted locally".into(),
@@ -383,7 +414,7 @@ impl TcpCommunicator {
         err: DdpError,
     ) -> DdpError {
         let record = AbortRecord {
-            reporter: self.rank,
+            reporter: self.me,
             culprit,
             collective: Some((op, seq)),
             reason: err.to_string(),
@@ -392,7 +423,7 @@ impl TcpCommunicator {
             if let Err(store_err) = self.store.abort(record.clone()) {
                 tracing::debug!(
                     "[rank {}] could not publish the failure: {store_err}",
-                    self.rank
+                    self.me
                 );
             }
         }
@@ -405,16 +436,17 @@ impl TcpCommunicator {
     /// After a timeout: records in the store that this rank waited at `seq`, gives the other
     /// ranks a moment to do the same, and names those that did not: they never got there.
     fn diagnose_stall(&self, seq: CollectiveSeq, neighbour: Rank) -> StallDiagnosis {
-        let key = |r: Rank| format!("stall/{}/{r}", seq.0);
-        if self.store.set(&key(self.rank), b"waited").is_err() {
+        let key = |r: Rank| format!("{}/stall/{}/{r}", self.tag, seq.0);
+        if self.store.set(&key(self.me), b"waited").is_err() {
             return StallDiagnosis::Unknown { neighbour };
         }
-        let keys: Vec<String> = self.world.ranks().map(key).collect();
+        let ranks: Vec<Rank> = self.world.ranks().map(|p| self.global(p)).collect();
+        let keys: Vec<String> = ranks.iter().map(|&r| key(r)).collect();
         match self.store.wait(&keys, STALL_GRACE) {
             Ok(WaitOutcome::Ready) => StallDiagnosis::AllWaiting { neighbour },
             Ok(WaitOutcome::Missing(missing)) => StallDiagnosis::Stalled(RankList(
-                self.world
-                    .ranks()
+                ranks
+                    .into_iter()
                     .filter(|r| missing.contains(&key(*r)))
                     .collect(),
             )),
