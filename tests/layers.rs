@@ -22,6 +22,7 @@ const CORE: &[(&str, u8)] = &[
     ("data", 7),
     ("cuda", 7),
     ("train", 7),
+    ("pipeline", 7),
     ("launch", 8),
     ("fuzzing", 9),
 ];
@@ -33,6 +34,7 @@ const BURN: &[(&str, u8)] = &[
     ("ddp", 2),
     ("backend", 3),
     ("nn", 3),
+    ("pipeline", 3),
     ("cuda", 4),
     ("train", 4),
     ("fuzzing", 5),

@@ -35,6 +35,7 @@
 //!   lines' `DistributedSampler`)
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
 //!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
+//! - [`pipeline`] — pipeline schedules (GPipe, 1F1B), micro-batches, activations on the wire
 //! - [`train`] — the Burn-free half of both lines' Learner strategy: the ranks' votes before
 //!   each step, output items gathered for the metrics, rank 0's checkpoint files
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
@@ -77,6 +78,7 @@ pub mod fuzzing;
 pub mod grad;
 pub mod group;
 pub mod launch;
+pub mod pipeline;
 mod store;
 pub mod train;
 pub mod types;

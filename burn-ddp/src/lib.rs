@@ -88,6 +88,8 @@ pub mod nn;
 #[cfg_attr(docsrs, doc(cfg(feature = "train")))]
 pub mod train;
 
+pub mod pipeline;
+
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 
 #[cfg(feature = "cuda")]

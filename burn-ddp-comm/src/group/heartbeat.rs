@@ -494,9 +494,11 @@ struct Watch {
 }
 
 impl Watch {
-    /// Whether another rank published the job's abort record.
+    /// Whether the job's abort record names a failure elsewhere (another rank reported it, or
+    /// the store on this rank recorded another rank's lost connection).
     fn aborted_elsewhere(&self) -> bool {
-        matches!(self.store.abort_record(), Ok(Some(r)) if r.reporter != self.rank)
+        matches!(self.store.abort_record(),
+            Ok(Some(r)) if r.reporter != self.rank || r.culprit.is_some_and(|c| c != self.rank))
     }
 
     fn tick(&mut self) -> Option<Verdict> {

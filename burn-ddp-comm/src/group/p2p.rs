@@ -343,7 +343,7 @@ impl ProcessGroup {
         if Instant::now() >= next_poll.get() {
             next_poll.set(Instant::now() + RECORD_POLL);
             if let Ok(Some(record)) = self.abort_record() {
-                if record.reporter != rank {
+                if record.reporter != rank || record.culprit.is_some() {
                     return Some(DdpError::JobAborted {
                         rank,
                         during: Some((op, seq)),
@@ -455,7 +455,7 @@ impl ProcessGroup {
         let rank = self.global_rank();
         let global_peer = self.to_global(peer);
         if let Ok(Some(record)) = self.abort_record() {
-            if record.reporter != rank {
+            if record.reporter != rank || record.culprit.is_some() {
                 return DdpError::JobAborted {
                     rank,
                     during: Some((op, seq)),

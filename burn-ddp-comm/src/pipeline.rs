@@ -1,0 +1,342 @@
+//! Pipeline parallelism without Burn: which micro-batch each stage runs forward or backward when
+//! (the GPipe and 1F1B schedules), how a batch is cut into micro-batches, the tags of the
+//! messages between stages, and the framing of an activation (shape and element type ahead of
+//! its bytes). The Burn lines run the schedule on their tensors (`burn_ddp::pipeline`).
+//!
+//! Stages exchange activations downstream and their gradients upstream with point-to-point
+//! messages ([`ProcessGroup::send_bytes`](crate::ProcessGroup::send_bytes)). Sends never wait
+//! for the receiver, so each stage simply runs its list of actions in order; the schedules below
+//! are deadlock-free under that rule (checked by a simulation in the tests).
+
+use std::ops::Range;
+
+use crate::types::Rank;
+use crate::{DdpError, Result};
+
+/// The order in which a stage runs its micro-batches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// All forwards, then all backwards (GPipe, Huang et al. 2019). Each stage holds the
+    /// activations of every micro-batch until its backward: memory grows with the number of
+    /// micro-batches.
+    GPipe,
+    /// One forward, one backward (PipeDream-Flush, Narayanan et al. 2021): after a warm-up of
+    /// `stages - stage - 1` forwards, each stage alternates, so it holds at most
+    /// `stages - stage` micro-batches' activations. Same bubble as GPipe, far less memory.
+    OneFOneB,
+}
+
+/// One step of a stage's schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// The forward of micro-batch `i`.
+    Forward(usize),
+    /// The backward of micro-batch `i`.
+    Backward(usize),
+}
+
+impl Schedule {
+    /// The actions of `stage` (0-based) of `stages`, for `micro_batches` micro-batches.
+    pub fn actions(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Action> {
+        let m = micro_batches;
+        match self {
+            Schedule::GPipe => (0..m)
+                .map(Action::Forward)
+                .chain((0..m).map(Action::Backward))
+                .collect(),
+            Schedule::OneFOneB => {
+                let warmup = stages.saturating_sub(stage + 1).min(m);
+                let mut out: Vec<Action> = (0..warmup).map(Action::Forward).collect();
+                let mut backward = 0;
+                for f in warmup..m {
+                    out.push(Action::Forward(f));
+                    out.push(Action::Backward(backward));
+                    backward += 1;
+                }
+                out.extend((backward..m).map(Action::Backward));
+                out
+            }
+        }
+    }
+
+    /// The most micro-batches whose activations `stage` holds at once (forward done, backward
+    /// not yet): what the schedule costs in activation memory.
+    pub fn in_flight(self, stage: usize, stages: usize, micro_batches: usize) -> usize {
+        let mut live = 0usize;
+        let mut most = 0;
+        for a in self.actions(stage, stages, micro_batches) {
+            match a {
+                Action::Forward(_) => {
+                    live += 1;
+                    most = most.max(live);
+                }
+                Action::Backward(_) => live = live.saturating_sub(1),
+            }
+        }
+        most
+    }
+
+    /// The name, as the command-line flags spell it (`gpipe`, `1f1b`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Schedule::GPipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+        }
+    }
+}
+
+impl std::str::FromStr for Schedule {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "gpipe" => Ok(Schedule::GPipe),
+            "1f1b" | "onefoneb" => Ok(Schedule::OneFOneB),
+            other => Err(format!("unknown schedule {other:?}: use gpipe or 1f1b")),
+        }
+    }
+}
+
+/// The fraction of the time a stage is busy when every forward and every backward of a
+/// micro-batch takes the same time on every stage: `m / (m + p - 1)` for both schedules (the
+/// bubble is `p - 1` slots of `m + p - 1`).
+pub fn ideal_busy_fraction(stages: usize, micro_batches: usize) -> f64 {
+    if stages == 0 || micro_batches == 0 {
+        return 0.0;
+    }
+    micro_batches as f64 / (micro_batches + stages - 1) as f64
+}
+
+/// The rows of each of `micro_batches` micro-batches of a batch of `batch` rows: as even as
+/// possible, the first ones one row longer when it does not divide.
+///
+/// # Errors
+/// [`DdpError::InvalidOption`] when there are fewer rows than micro-batches, or no micro-batch.
+pub fn micro_batches(batch: usize, micro_batches: usize) -> Result<Vec<Range<usize>>> {
+    if micro_batches == 0 || batch < micro_batches {
+        return Err(DdpError::InvalidOption {
+            option: "micro_batches",
+            reason: format!(
+                "{micro_batches} micro-batches of a batch of {batch} rows: use between 1 and the \
+                 batch size"
+            ),
+        });
+    }
+    let (base, extra) = (batch / micro_batches, batch % micro_batches);
+    let mut start = 0;
+    Ok((0..micro_batches)
+        .map(|i| {
+            let len = base + usize::from(i < extra);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect())
+}
+
+/// The tag of micro-batch `i`'s activation, sent from a stage to the next.
+pub fn activation_tag(i: usize) -> u32 {
+    (i as u32) & 0x7fff_ffff
+}
+
+/// The tag of the gradient of micro-batch `i`'s activation, sent from a stage to the previous.
+pub fn gradient_tag(i: usize) -> u32 {
+    activation_tag(i) | 0x8000_0000
+}
+
+/// The stage before and after `stage` of `stages`, as ranks of the pipeline's group.
+pub fn neighbours(stage: usize, stages: usize) -> (Option<Rank>, Option<Rank>) {
+    let prev = stage.checked_sub(1).map(|s| Rank(s as u32));
+    let next = (stage + 1 < stages).then(|| Rank(stage as u32 + 1));
+    (prev, next)
+}
+
+/// An activation (or its gradient) on the wire: its shape and element type, then its bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activation {
+    /// The tensor's shape.
+    pub shape: Vec<usize>,
+    /// The element type's code: the Burn line's own mapping (it is checked end to end only by
+    /// that line).
+    pub dtype: u8,
+    /// The elements, little-endian.
+    pub bytes: Vec<u8>,
+}
+
+/// Largest number of dimensions an activation may have on the wire.
+const MAX_DIMS: usize = 16;
+
+impl Activation {
+    /// The message: dimension count, type code, the dimensions (u64 little-endian), the bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(2 + 8 * self.shape.len() + self.bytes.len());
+        out.push(self.shape.len() as u8);
+        out.push(self.dtype);
+        for d in &self.shape {
+            out.extend_from_slice(&(*d as u64).to_le_bytes());
+        }
+        out.extend_from_slice(&self.bytes);
+        out
+    }
+
+    /// Decodes a message of [`Activation::encode`]; `None` for anything malformed.
+    pub fn decode(mut msg: Vec<u8>) -> Option<Self> {
+        let (&dims, rest) = msg.split_first()?;
+        let (&dtype, rest) = rest.split_first()?;
+        let dims = usize::from(dims);
+        if dims > MAX_DIMS || rest.len() < 8 * dims {
+            return None;
+        }
+        let shape: Vec<usize> = rest[..8 * dims]
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(c);
+                usize::try_from(u64::from_le_bytes(b)).ok()
+            })
+            .collect::<Option<_>>()?;
+        let header = 2 + 8 * dims;
+        let bytes = msg.split_off(header);
+        Some(Self {
+            shape,
+            dtype,
+            bytes,
+        })
+    }
+
+    /// The number of elements its shape holds.
+    pub fn elements(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Plays the actions of every stage with unit-time forwards and backwards under the rules of
+    /// the executor (a stage after the first needs the activation from the stage before; one
+    /// before the last needs the gradient from the stage after; sends never wait) and returns
+    /// the time of the last action, or `None` on a deadlock.
+    fn simulate(schedule: Schedule, stages: usize, m: usize) -> Option<usize> {
+        let plans: Vec<Vec<Action>> = (0..stages)
+            .map(|s| schedule.actions(s, stages, m))
+            .collect();
+        let mut next = vec![0usize; stages];
+        let mut act_done = vec![vec![None::<usize>; m]; stages];
+        let mut grad_done = vec![vec![None::<usize>; m]; stages];
+        let mut clock = vec![0usize; stages];
+        loop {
+            let mut moved = false;
+            for s in 0..stages {
+                let Some(&a) = plans[s].get(next[s]) else {
+                    continue;
+                };
+                let ready = match a {
+                    Action::Forward(i) if s > 0 => act_done[s - 1][i],
+                    Action::Forward(_) => Some(0),
+                    Action::Backward(i) if s + 1 < stages => grad_done[s + 1][i],
+                    Action::Backward(i) => act_done[s][i],
+                };
+                let Some(t) = ready else { continue };
+                let end = clock[s].max(t) + 1;
+                clock[s] = end;
+                match a {
+                    Action::Forward(i) => act_done[s][i] = Some(end),
+                    Action::Backward(i) => grad_done[s][i] = Some(end),
+                }
+                next[s] += 1;
+                moved = true;
+            }
+            if (0..stages).all(|s| next[s] == plans[s].len()) {
+                return clock.into_iter().max();
+            }
+            if !moved {
+                return None;
+            }
+        }
+    }
+
+    #[test]
+    fn both_schedules_run_every_micro_batch_forward_then_backward_once() {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for stages in 1..6 {
+                for m in 1..9 {
+                    for s in 0..stages {
+                        let a = schedule.actions(s, stages, m);
+                        assert_eq!(a.len(), 2 * m);
+                        for i in 0..m {
+                            let f = a.iter().position(|x| *x == Action::Forward(i)).unwrap();
+                            let b = a.iter().position(|x| *x == Action::Backward(i)).unwrap();
+                            assert!(f < b, "{schedule:?} stage {s}/{stages} m {m}: {a:?}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_schedules_never_deadlock_and_take_the_ideal_time() {
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
+            for stages in 1..6 {
+                for m in 1..12 {
+                    let t = simulate(schedule, stages, m)
+                        .unwrap_or_else(|| panic!("{schedule:?} {stages} stages, {m}: deadlock"));
+                    // 2m slots of work per stage, plus the bubble of 2(p - 1).
+                    assert_eq!(t, 2 * (m + stages - 1), "{schedule:?} p={stages} m={m}");
+                    let busy = (2 * m) as f64 / t as f64;
+                    assert!((busy - ideal_busy_fraction(stages, m)).abs() < 1e-12);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn one_f_one_b_bounds_the_activations_held() {
+        for stages in 1..6 {
+            for m in 1..12 {
+                for s in 0..stages {
+                    assert_eq!(Schedule::GPipe.in_flight(s, stages, m), m);
+                    assert_eq!(
+                        Schedule::OneFOneB.in_flight(s, stages, m),
+                        (stages - s).min(m),
+                        "p={stages} s={s} m={m}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn micro_batches_cover_the_batch_evenly() {
+        let r = micro_batches(10, 4).unwrap();
+        assert_eq!(r, vec![0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(micro_batches(4, 4).unwrap().len(), 4);
+        assert!(micro_batches(3, 4).is_err());
+        assert!(micro_batches(3, 0).is_err());
+    }
+
+    #[test]
+    fn tags_of_activations_and_gradients_never_collide() {
+        assert_ne!(activation_tag(5), gradient_tag(5));
+        assert_eq!(gradient_tag(5) & 0x7fff_ffff, activation_tag(5));
+    }
+
+    proptest! {
+        #[test]
+        fn activations_round_trip(shape in prop::collection::vec(0usize..9, 0..5), dtype: u8, bytes in prop::collection::vec(any::<u8>(), 0..64)) {
+            let a = Activation { shape, dtype, bytes };
+            prop_assert_eq!(Activation::decode(a.encode()), Some(a));
+        }
+
+        /// Messages come from the network: anything decodes or is refused, never panics.
+        #[test]
+        fn decoding_arbitrary_messages_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..96)) {
+            let _ = Activation::decode(bytes);
+        }
+    }
+}
