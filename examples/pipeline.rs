@@ -1,0 +1,229 @@
+//! Hybrid parallelism on CPU: an MLP image classifier split into pipeline stages, with the
+//! pipeline replicated data-parallel.
+//!
+//! ```text
+//! cargo run --release --example pipeline                        # 4 ranks: 2 stages x 2 replicas
+//! burn-ddp run --nproc-per-node 4 -- target/release/examples/pipeline   # same, via the launcher
+//! cargo run --release --example pipeline -- --nproc 4 --stages 4 --schedule gpipe   # 4 stages
+//! ```
+//!
+//! Ranks `r * stages .. (r + 1) * stages` form replica `r`'s pipeline; each holds only its own
+//! layers. Every step, the first stage cuts its batch into micro-batches and the 1F1B (or GPipe)
+//! schedule moves activations downstream and their gradients upstream; each stage's replicas then
+//! average that stage's gradients (a `DdpSession` on their sub-group) and step their optimizer.
+//! The data is sharded over the replicas: both stages of a pipeline see the same batch. The last
+//! stage of each replica reports loss and accuracy; replica 0's prints them.
+
+// The classifier's generated images (its MNIST loader and run settings are not used here).
+#[allow(dead_code)]
+#[path = "classifier/images.rs"]
+mod images;
+
+use std::ops::Range;
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamConfig, Optimizer};
+use burn::prelude::*;
+use burn::tensor::activation::relu;
+use burn_ddp::pipeline::{ideal_busy_fraction, HybridLayout, Pipeline, Schedule, StageInput};
+use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup, ReduceOp};
+use burn_ddp_comm::data::ShardPlan;
+use clap::Parser;
+
+type B = Autodiff<Ddp<NdArray>>;
+
+/// The widths of the whole model's layers: 784 pixels in, 4 classes out.
+const WIDTHS: [usize; 5] = [images::SIDE * images::SIDE, 256, 128, 64, 4];
+
+#[derive(Debug, Parser)]
+#[command(about = "Pipeline x data-parallel image classifier on CPU (burn-ddp example)")]
+struct Args {
+    /// Ranks to start when not already launched by `burn-ddp run`, torchrun or srun.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    nproc: u32,
+    /// Pipeline stages (1, 2 or 4: the model has 4 layers); the world size must be a multiple.
+    #[arg(long, default_value_t = 2)]
+    stages: usize,
+    /// `1f1b` or `gpipe`.
+    #[arg(long, default_value = "1f1b")]
+    schedule: Schedule,
+    /// Micro-batches per step.
+    #[arg(long, default_value_t = 4, value_parser = images::at_least_one)]
+    micro_batches: usize,
+    #[arg(long, default_value_t = 10, value_parser = images::at_least_one)]
+    epochs: usize,
+    /// Images per replica per step.
+    #[arg(long, default_value_t = 64, value_parser = images::at_least_one)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 1e-3, value_parser = images::positive)]
+    lr: f64,
+    /// Generated training images.
+    #[arg(long, default_value_t = 4000, value_parser = images::at_least_one)]
+    train_size: usize,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+/// Some consecutive layers of the model, with a ReLU after each but the model's last.
+#[derive(Module, Debug)]
+struct Stage<B: Backend> {
+    layers: Vec<Linear<B>>,
+}
+
+impl<B: Backend> Stage<B> {
+    fn forward(&self, mut x: Tensor<B, 2>, ends_model: bool) -> Tensor<B, 2> {
+        let n = self.layers.len();
+        for (i, l) in self.layers.iter().enumerate() {
+            x = l.forward(x);
+            if !(ends_model && i + 1 == n) {
+                x = relu(x);
+            }
+        }
+        x
+    }
+}
+
+fn train(args: &Args, world: ProcessGroup) -> burn_ddp::Result<()> {
+    let layers = WIDTHS.len() - 1;
+    if args.stages == 0 || layers % args.stages != 0 {
+        return Err(burn_ddp::DdpError::InvalidOption {
+            option: "--stages",
+            reason: format!(
+                "{} does not divide the model's {layers} layers",
+                args.stages
+            ),
+        });
+    }
+    let layout = HybridLayout::new(&world, args.stages)?;
+    let per = layers / args.stages;
+    let mine = layout.stage * per..(layout.stage + 1) * per;
+    let device = Default::default();
+    <B as Backend>::seed(&device, args.seed);
+    // Every rank draws the whole model's initial weights (the same everywhere) and keeps its
+    // stage's layers; the replica group's session checks and broadcasts them.
+    let stage = Stage::<B> {
+        layers: WIDTHS
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(&device))
+            .collect::<Vec<_>>()[mine.clone()]
+        .to_vec(),
+    };
+    let session = DdpSession::new(layout.replicas.clone(), DdpConfig::default())?;
+    let mut stage = session.prepare(stage)?;
+    let pipeline = Pipeline::new(layout.pipeline.clone(), args.schedule, args.micro_batches)?;
+    let ends_model = pipeline.is_last();
+    let mut optim = AdamConfig::new().init::<B, Stage<B>>();
+
+    let data = images::shapes(args.train_size, args.seed);
+    // Sharded over the replicas: the stages of one pipeline see the same items.
+    let plan = ShardPlan::new(&layout.replicas).with_seed(args.seed);
+    let report = layout.replica == 0 && ends_model;
+    if world.is_main() {
+        println!(
+            "pipeline: {} ranks = {} stages x {} replicas, {} with {} micro-batches (ideal busy \
+             fraction {:.2})",
+            world.world_size(),
+            args.stages,
+            layout.replica_count(),
+            args.schedule.name(),
+            args.micro_batches,
+            ideal_busy_fraction(args.stages, args.micro_batches)
+        );
+    }
+    let started = Instant::now();
+    for epoch in 0..args.epochs {
+        plan.set_epoch(epoch as u64);
+        let order = plan.indices(data.len());
+        let batches: Vec<&[usize]> = order
+            .chunks(args.batch_size)
+            .filter(|c| c.len() >= args.micro_batches)
+            .collect();
+        // (loss sum, correct, seen) on the last stage.
+        let stats = Mutex::new((0.0f64, 0.0f64, 0.0f64));
+        for ids in &batches {
+            let pixels: Vec<f32> = ids
+                .iter()
+                .flat_map(|&i| data[i].pixels.iter().copied())
+                .collect();
+            let labels: Vec<i64> = ids.iter().map(|&i| data[i].label as i64).collect();
+            let input = if pipeline.is_first() {
+                StageInput::Batch(Tensor::<B, 2>::from_data(
+                    TensorData::new(pixels, [ids.len(), WIDTHS[0]]),
+                    &device,
+                ))
+            } else {
+                StageInput::Rows(ids.len())
+            };
+            let targets = Tensor::<B, 1, Int>::from_data(TensorData::from(&labels[..]), &device);
+            let out = pipeline.step_synced(
+                &session,
+                &stage,
+                input,
+                |m: &Stage<B>, x| m.forward(x, ends_model),
+                |logits: Tensor<B, 2>, rows: Range<usize>| {
+                    let t = targets.clone().narrow(0, rows.start, rows.len());
+                    let correct = logits
+                        .clone()
+                        .argmax(1)
+                        .squeeze::<1>()
+                        .equal(t.clone())
+                        .int()
+                        .sum()
+                        .into_scalar()
+                        .elem::<f64>();
+                    let mut s = stats.lock().unwrap_or_else(|p| p.into_inner());
+                    s.1 += correct;
+                    s.2 += rows.len() as f64;
+                    CrossEntropyLossConfig::new()
+                        .init(&logits.device())
+                        .forward(logits, t)
+                },
+            )?;
+            if let Some(loss) = out.loss {
+                stats.lock().unwrap_or_else(|p| p.into_inner()).0 += loss;
+            }
+            stage = optim.step(args.lr, stage, out.grads);
+        }
+        // The last stages' numbers, averaged over the replicas (every rank takes part).
+        let (loss, correct, seen) = stats.into_inner().unwrap_or_else(|p| p.into_inner());
+        let mut totals = [loss, correct, seen];
+        world.all_reduce(&mut totals, ReduceOp::Sum)?;
+        if report {
+            let replicas = layout.replica_count() as f64;
+            println!(
+                "epoch {}/{}: loss {:.4}, train accuracy {:.2} %, {:.1} s",
+                epoch + 1,
+                args.epochs,
+                totals[0] / (batches.len() as f64 * replicas),
+                100.0 * totals[1] / totals[2].max(1.0),
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+    match burn_ddp::spawn(args.nproc, |pg| train(&args, pg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pipeline: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
