@@ -91,7 +91,7 @@ impl<B: Backend> Stage<B> {
 
 fn train(args: &Args, world: ProcessGroup) -> burn_ddp::Result<()> {
     let layers = WIDTHS.len() - 1;
-    if args.stages == 0 || layers % args.stages != 0 {
+    if args.stages == 0 || !layers.is_multiple_of(args.stages) {
         return Err(burn_ddp::DdpError::InvalidOption {
             option: "--stages",
             reason: format!(
