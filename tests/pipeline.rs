@@ -19,7 +19,6 @@ use burn::tensor::{Distribution, Tensor};
 use burn_ddp::pipeline::{HybridLayout, Pipeline, Schedule, StageInput};
 use burn_ddp::{Ddp, DdpConfig, DdpError, DdpSession, ProcessGroup, Rank, Timeouts, WorldSize};
 use common::compare::{assert_close, F32};
-use common::Job;
 
 // Burn 0.21 with its `distributed` feature (which burn-ddp needs) makes every autodiff backend
 // distributed: stages without replicas run on `Ddp<B>` as well, without a session.
@@ -324,20 +323,7 @@ fn a_killed_stage_stops_the_pipeline_naming_it() {
         assert!(named, "{text}");
         return;
     }
-    let out = Job::new(4, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .run();
-    assert!(!out.rank(2).ok(), "{}", out.report());
-    for r in [0, 1, 3] {
-        assert!(out.rank(r).ok(), "{}", out.report());
-        assert!(
-            out.rank(r).elapsed < Duration::from_secs(30),
-            "rank {r} took {:?}:\n{}",
-            out.rank(r).elapsed,
-            out.report()
-        );
-    }
+    common::assert_killed_rank_named_fast(4, NAME, 2);
 }
 
 /// The example: 2 stages x 2 replicas in 4 processes through `burn-ddp run`; the loss falls.
@@ -369,5 +355,41 @@ fn the_example_trains_two_stages_by_two_replicas_through_the_launcher() {
     assert!(
         losses[2] < losses[0],
         "the loss must fall: {losses:?}\n{stdout}"
+    );
+}
+
+/// Plain data parallelism on sub-groups: the world splits into two pairs, each trains its own
+/// model with the overlapped reducer (gradients averaged during backward) on its sub-group; each
+/// pair's model equals one process on the pair's global batch, and the pairs do not interfere.
+#[test]
+fn ddp_with_the_overlapped_reducer_runs_on_a_subgroup() {
+    common::multi_process(
+        4,
+        "ddp_with_the_overlapped_reducer_runs_on_a_subgroup",
+        |pg| {
+            let pair = pg.split(Some(pg.rank().0 / 2)).unwrap().unwrap();
+            let replica = pair.rank().index();
+            let session = DdpSession::new(pair, DdpConfig::default()).unwrap();
+            let device = Default::default();
+            let all = 0..WIDTHS.len() - 1;
+            let mut model = session
+                .prepare(Layers::<Hybrid>::full(&device).part(all.clone()))
+                .unwrap();
+            let mut opt = SgdConfig::new().init::<Hybrid, Layers<Hybrid>>();
+            for step in 0..STEPS {
+                let (x, t) = batch::<Hybrid>(step, replica, ROWS, &device);
+                let grads = session
+                    .gradients(&model, mse(model.forward(x, true), t))
+                    .unwrap();
+                model = opt.step(LR, model, grads);
+            }
+            let want = reference::<Hybrid>(2, all);
+            assert_close(
+                pg.rank().index(),
+                &common::params(&model),
+                &common::params(&want),
+                F32,
+            );
+        },
     );
 }

@@ -274,20 +274,7 @@ fn a_killed_stage_is_named_by_every_other_rank() {
         assert!(again.to_string().contains("rank 1"), "{again}");
         return;
     }
-    let out = Job::new(3, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .run();
-    assert!(!out.rank(1).ok(), "{}", out.report());
-    assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
-    for r in [0, 2] {
-        assert!(
-            out.rank(r).elapsed < Duration::from_secs(30),
-            "rank {r} took {:?}:\n{}",
-            out.rank(r).elapsed,
-            out.report()
-        );
-    }
+    common::assert_killed_rank_named_fast(3, NAME, 1);
 }
 
 /// A rank killed while a sub-group it is not in runs collectives, and while its own sub-group
@@ -318,18 +305,5 @@ fn a_killed_rank_is_named_in_its_subgroup() {
         }
         return;
     }
-    let out = Job::new(4, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .run();
-    assert!(!out.rank(3).ok(), "{}", out.report());
-    for r in 0..3 {
-        assert!(out.rank(r).ok(), "{}", out.report());
-        assert!(
-            out.rank(r).elapsed < Duration::from_secs(30),
-            "rank {r} took {:?}:\n{}",
-            out.rank(r).elapsed,
-            out.report()
-        );
-    }
+    common::assert_killed_rank_named_fast(4, NAME, 3);
 }

@@ -10,6 +10,8 @@
 //! 2. Run collectives: [`ProcessGroup::all_reduce`], [`ProcessGroup::broadcast`],
 //!    [`ProcessGroup::all_gather`], [`ProcessGroup::reduce_scatter`], [`ProcessGroup::barrier`],
 //!    and on bytes [`ProcessGroup::broadcast_bytes`], [`ProcessGroup::all_gather_bytes`].
+//! 3. Sub-groups ([`ProcessGroup::new_group`], [`ProcessGroup::split`]) and point-to-point
+//!    messages ([`ProcessGroup::send`], [`ProcessGroup::recv`], [`ProcessGroup::batch_send_recv`]).
 //!
 //! ```no_run
 //! use burn_ddp_comm::{ProcessGroup, ReduceOp};

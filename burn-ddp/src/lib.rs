@@ -37,6 +37,8 @@
 //!   the model, `reducer.rs`: the bucketed reducer, `hooks.rs`: the gradient hooks,
 //!   `buffers.rs`: `sync_buffers`, `join.rs`: uneven inputs, `zero.rs`: [`ZeroOptimizer`])
 //! - [`nn`] — [`SyncBatchNorm`](nn::SyncBatchNorm): BatchNorm over the global batch
+//! - [`pipeline`] — pipeline parallelism ([`Pipeline`](pipeline::Pipeline): GPipe and 1F1B over
+//!   micro-batches) and hybrid layouts ([`HybridLayout`](pipeline::HybridLayout))
 //! - [`checkpoint`] — saving and loading Burn modules atomically
 //! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
 //! - `train` — [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner (feature `train`)
@@ -44,7 +46,9 @@
 //!
 //! Re-exported from burn-ddp-comm:
 //!
-//! - [`group`] — the process group: rendezvous, collectives, heartbeat, store handle
+//! - [`group`] — the process group: rendezvous, collectives, heartbeat, store handle, sub-groups
+//!   ([`ProcessGroup::new_group`], [`ProcessGroup::split`]), point-to-point
+//!   ([`ProcessGroup::send`], [`ProcessGroup::recv`], [`ProcessGroup::batch_send_recv`])
 //! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
 //! - [`types`] — ranks, collective descriptions, abort records
 //! - [`config`] — configuration types, and [`config::env`], the one module that reads the

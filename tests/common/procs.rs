@@ -298,6 +298,28 @@ impl Job {
     }
 }
 
+/// Runs a `world`-rank job of test `name` in which rank `killed` kills itself (SIGKILL) mid-run,
+/// with a 10-minute collective deadline and a 3 s heartbeat bound, and asserts that it died and
+/// that every other rank ended successfully (having checked the error it got) within 30 s: only
+/// prompt failure detection can meet that.
+#[allow(dead_code)]
+pub fn assert_killed_rank_named_fast(world: u32, name: &str, killed: u32) {
+    let out = Job::new(world, name)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
+        .run();
+    assert!(!out.rank(killed).ok(), "{}", out.report());
+    for r in (0..world).filter(|&r| r != killed) {
+        assert!(out.rank(r).ok(), "{}", out.report());
+        assert!(
+            out.rank(r).elapsed < Duration::from_secs(30),
+            "rank {r} took {:?}:\n{}",
+            out.rank(r).elapsed,
+            out.report()
+        );
+    }
+}
+
 /// Runs `body` on every rank of a `world`-rank job of test `name`; all ranks must succeed.
 /// Returns `true` in the parent after the job passed, `false` in children (which already ran).
 pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {

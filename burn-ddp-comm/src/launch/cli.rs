@@ -75,6 +75,29 @@ pub struct RunArgs {
 enum BenchCommand {
     /// All-reduce bus bandwidth over message sizes, next to the single-stream TCP throughput.
     AllReduce(BenchArgs),
+    /// Point-to-point throughput (one way, both ways at once) next to the all-reduce bus
+    /// bandwidth of the same group, over message sizes.
+    P2p(P2pArgs),
+}
+
+/// Options of `burn-ddp bench p2p`.
+#[derive(Debug, Args)]
+pub struct P2pArgs {
+    /// Local ranks to start (ignored when RANK is set: then this process is one rank of a job).
+    #[arg(long, short = 'n', default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=256))]
+    nproc: u32,
+    /// Smallest message size (bytes; K, M, G suffixes).
+    #[arg(long, short = 'b', default_value = "64K", value_parser = parse_size)]
+    min_bytes: usize,
+    /// Largest message size (at most 1G); sizes grow 4x.
+    #[arg(long, short = 'e', default_value = "64M", value_parser = parse_size)]
+    max_bytes: usize,
+    /// Rounds per size (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Milliseconds of one burst of transfers (1 to 10000).
+    #[arg(long, default_value_t = 100)]
+    target_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -155,6 +178,7 @@ pub fn main() -> ExitCode {
     let result = match cli.command {
         Command::Run(args) => run(args),
         Command::Bench(BenchCommand::AllReduce(args)) => bench(args),
+        Command::Bench(BenchCommand::P2p(args)) => bench_p2p(args),
     };
     match result {
         Ok(code) => code,
@@ -257,6 +281,32 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     }
 }
 
+fn bench_p2p(args: P2pArgs) -> Result<ExitCode> {
+    let opts = super::p2p_bench::P2pBench {
+        min_bytes: args.min_bytes,
+        max_bytes: args.max_bytes,
+        rounds: args.rounds,
+        target: Duration::from_millis(args.target_ms),
+    };
+    opts.check()?;
+    if super::env::rank_is_set() {
+        super::p2p_bench::run_worker(&opts)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    standalone(args.nproc)
+}
+
+/// Starts `nproc` ranks of this same command on this machine and waits for them.
+fn standalone(nproc: u32) -> Result<ExitCode> {
+    let exe = std::env::current_exe()?;
+    let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
+    let mut job = LocalJob::standalone(exe, argv, nproc)?;
+    job.output = Output::Inherit;
+    job.stop = Some(spawn::stop_flag()?);
+    spawn::run(&job)?.into_result()?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn bench(args: BenchArgs) -> Result<ExitCode> {
     let opts = AllReduceBench {
         min_bytes: args.min_bytes,
@@ -287,11 +337,5 @@ fn bench(args: BenchArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     // Standalone: start `nproc` ranks of this same command on this machine.
-    let exe = std::env::current_exe()?;
-    let argv: Vec<OsString> = std::env::args_os().skip(1).collect();
-    let mut job = LocalJob::standalone(exe, argv, args.nproc)?;
-    job.output = Output::Inherit;
-    job.stop = Some(spawn::stop_flag()?);
-    spawn::run(&job)?.into_result()?;
-    Ok(ExitCode::SUCCESS)
+    standalone(args.nproc)
 }

@@ -1,7 +1,8 @@
 //! Starting jobs.
 //!
 //! - `spawn.rs`: starting and supervising a node's ranks
-//! - `bench.rs`: the bandwidth tool
+//! - `bench.rs`: the bandwidth tool (`burn-ddp bench all-reduce`)
+//! - `p2p_bench.rs`: point-to-point against all-reduce (`burn-ddp bench p2p`)
 //! - `cli.rs`: the `burn-ddp` command line (feature `cli`)
 //!
 //! The environment contract (torchrun and Slurm variables) lives in [`crate::config::env`], the
@@ -13,6 +14,7 @@ pub mod bench;
 #[cfg(feature = "cli")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 pub mod cli;
+pub mod p2p_bench;
 pub mod spawn;
 
 pub use crate::config::env;
