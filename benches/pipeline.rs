@@ -152,7 +152,7 @@ fn main() -> ExitCode {
         .position(|a| a == "--stages")
         .and_then(|i| args.get(i + 1)?.parse().ok())
         .unwrap_or(2u32);
-    if !(1..=LAYERS as u32).contains(&stages) || LAYERS as u32 % stages != 0 {
+    if !(1..=LAYERS as u32).contains(&stages) || !(LAYERS as u32).is_multiple_of(stages) {
         eprintln!("--stages must divide {LAYERS}");
         return ExitCode::FAILURE;
     }

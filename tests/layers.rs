@@ -47,6 +47,7 @@ const BURN022: &[(&str, u8)] = &[
     ("cuda", 2),
     ("sync", 3),
     ("buffers", 4),
+    ("pipeline", 4),
     ("train", 4),
 ];
 

@@ -64,6 +64,7 @@ mod buffers;
 pub mod cuda;
 mod data;
 mod grads;
+pub mod pipeline;
 mod sync;
 #[cfg(feature = "train")]
 pub mod train;

@@ -11,7 +11,7 @@
 use std::ops::Range;
 
 use crate::types::Rank;
-use crate::{DdpError, Result};
+use crate::{DdpError, ProcessGroup, Result};
 
 /// The order in which a stage runs its micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -209,6 +209,62 @@ impl Activation {
         self.shape
             .iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+}
+
+/// Where this rank sits in a job of `stages` x `replicas` ranks (hybrid parallelism): the ranks
+/// `r * stages .. (r + 1) * stages` form replica `r`'s pipeline (consecutive ranks, so a
+/// pipeline stays on one node when it fits), and the ranks holding stage `s` form its replica
+/// group, over which that stage's gradients are averaged.
+#[derive(Debug, Clone)]
+pub struct HybridLayout {
+    /// This rank's stage.
+    pub stage: usize,
+    /// This rank's replica (which pipeline).
+    pub replica: usize,
+    /// The ranks of this rank's pipeline, stage order.
+    pub pipeline: ProcessGroup,
+    /// The ranks holding this rank's stage, replica order.
+    pub replicas: ProcessGroup,
+}
+
+impl HybridLayout {
+    /// Splits `world` into pipelines of `stages` ranks. Every rank must call it.
+    ///
+    /// # Errors
+    /// A world size that `stages` does not divide, and the errors of [`ProcessGroup::split`].
+    pub fn new(world: &ProcessGroup, stages: usize) -> Result<Self> {
+        let n = world.world_size().as_usize();
+        if stages == 0 || !n.is_multiple_of(stages) {
+            return Err(DdpError::InvalidOption {
+                option: "stages",
+                reason: format!(
+                    "{stages} stages do not divide the world of {n} ranks: the world size must \
+                     be stages x replicas"
+                ),
+            });
+        }
+        let me = world.rank().index();
+        let (stage, replica) = (me % stages, me / stages);
+        let pipeline = world.split(Some(replica as u32))?;
+        let replicas = world.split(Some(stage as u32))?;
+        match (pipeline, replicas) {
+            (Some(pipeline), Some(replicas)) => Ok(Self {
+                stage,
+                replica,
+                pipeline,
+                replicas,
+            }),
+            _ => Err(DdpError::Internal {
+                rank: world.global_rank(),
+                what: "a rank that passed a color was left out of its group",
+            }),
+        }
+    }
+
+    /// The number of replicas (pipelines).
+    pub fn replica_count(&self) -> usize {
+        self.replicas.world_size().as_usize()
     }
 }
 
