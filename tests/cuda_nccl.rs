@@ -149,3 +149,18 @@ fn a_gpu_other_than_the_ranks_own_is_refused_naming_both() {
     let device = burn_ddp::cuda::rank_device(&pg).expect("rank device");
     assert_eq!(device.index, 0);
 }
+
+#[test]
+fn a_subgroup_gets_its_own_communicator_and_point_to_point_refuses_itself() {
+    let pg = ProcessGroup::single();
+    let sub = pg
+        .split(Some(0))
+        .unwrap()
+        .expect("the only rank is in its color's group");
+    let comm = NcclComm::new(&sub).unwrap_or_else(|e| panic!("no NCCL communicator: {e}"));
+    let mut d = upload(&comm, &[1.5f32, 2.5]);
+    comm.all_reduce(&mut d, ReduceOp::Sum).unwrap();
+    assert_eq!(download(&comm, &d), [1.5, 2.5]);
+    let e = comm.send(&d, Rank(0)).unwrap_err();
+    assert!(e.to_string().contains("is this rank"), "{e}");
+}
