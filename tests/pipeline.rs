@@ -31,6 +31,11 @@ const MICRO: usize = 4;
 const WIDTHS: [usize; 5] = [6, 8, 8, 8, 3];
 const LR: f64 = 0.1;
 
+/// The backend's random generator is one per process, and tests of this binary (and the stage
+/// threads of one of them) run concurrently: seeding and drawing happen under this lock, so each
+/// draw depends only on its seed.
+static RNG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A stack of linear layers with a ReLU after each, except after the model's last layer.
 #[derive(Module, Debug)]
 struct Layers<B: Backend> {
@@ -40,6 +45,7 @@ struct Layers<B: Backend> {
 impl<B: Backend> Layers<B> {
     /// The whole model, from a fixed seed (the same on every rank).
     fn full(device: &B::Device) -> Self {
+        let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
         B::seed(device, 7);
         let model = Self {
             layers: WIDTHS
@@ -80,6 +86,7 @@ fn batch<B: Backend>(
     rows: usize,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let _rng = RNG.lock().unwrap_or_else(|p| p.into_inner());
     B::seed(device, 1000 + 10 * step as u64 + replica as u64);
     (
         Tensor::random([rows, WIDTHS[0]], Distribution::Normal(0.0, 1.0), device),
