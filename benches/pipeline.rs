@@ -3,9 +3,13 @@
 //! micro-batches, each step's time against the unsplit model's step on the same batch in one
 //! process (measured first, in the same run).
 //!
-//! The measured busy fraction is `T1 / (p x Tp)` (the unsplit step divided evenly over `p`
-//! stages, over the pipeline's step): with free communication and no extra work it would be the
-//! ideal `m / (m + p - 1)`. burn-ddp's stages recompute a micro-batch's forward at its backward
+//! The measured busy fraction is `T1 / (p x Tp)`: `T1` is the unsplit model's step on the same
+//! batch cut into the same `m` micro-batches with their gradients accumulated (the same work,
+//! in one process, measured in the same run), divided evenly over `p` stages; `Tp` is the
+//! pipeline's step. With free communication and no extra work it would be the ideal
+//! `m / (m + p - 1)`. (On CPU a micro-batch's backward has a large fixed cost, full-size weight
+//! gradients whatever its rows, so `T1` grows with `m`: comparing against the same
+//! micro-batches keeps that out of the pipeline's score.) burn-ddp's stages recompute a micro-batch's forward at its backward
 //! unless the two run back to back (see `burn_ddp::pipeline`), which costs up to one forward per
 //! micro-batch: about a third of a step, so expect the ratio to the ideal to sit near 0.75 for
 //! many micro-batches on stages that recompute.
@@ -21,9 +25,9 @@ use std::time::Instant;
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::activation::relu;
-use burn::tensor::backend::Backend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::pipeline::{ideal_busy_fraction, Pipeline, Schedule, StageInput};
 use burn_ddp::{Ddp, ProcessGroup, ReduceOp};
@@ -75,36 +79,45 @@ fn median_step(mut step: impl FnMut()) -> f64 {
     t[t.len() / 2]
 }
 
+/// The unsplit model's step on the whole batch cut into `m` micro-batches whose gradients are
+/// accumulated: the same work as the pipeline's, in one process.
+fn unsplit_step<A: AutodiffBackend>(model: &Mlp<A>, m: usize, device: &A::Device) {
+    let mut acc = GradientsAccumulator::<Mlp<A>>::new();
+    let x = Tensor::<A, 2>::random([ROWS, WIDTH], Distribution::Default, device);
+    for r in burn_ddp_comm::pipeline::micro_batches(ROWS, m).unwrap_or_default() {
+        let g = loss(model.forward(x.clone().narrow(0, r.start, r.len()))).backward();
+        acc.accumulate(model, GradientsParams::from_grads(g, model));
+    }
+    let _ = acc.grads();
+}
+
 fn run(pg: ProcessGroup) -> burn_ddp::Result<()> {
     let p = pg.world_size().as_usize();
     let device = Default::default();
-    // The baseline: the unsplit model on the whole batch, on rank 0 alone.
-    let mut t1 = [0.0f64];
-    if pg.is_main() {
-        let model = Mlp::<B>::new(LAYERS, &device);
-        t1[0] = median_step(|| {
-            let x = Tensor::<B, 2>::random([ROWS, WIDTH], Distribution::Default, &device);
-            let g = loss(model.forward(x)).backward();
-            let _ = GradientsParams::from_grads(g, &model);
-        });
-    }
-    pg.broadcast(&mut t1, burn_ddp::Rank(0))?;
+    let full = Mlp::<B>::new(LAYERS, &device);
     if pg.is_main() {
         println!(
             "pipeline bench: {LAYERS} layers of {WIDTH} x {WIDTH}, batch {ROWS}, {p} stages (one \
-             process and one thread each); unsplit step {:.1} ms",
-            t1[0] * 1e3
+             process and one thread each); baseline: the unsplit model on rank 0 alone, the \
+             same micro-batches accumulated"
         );
         println!(
-            "{:>9} {:>6} {:>12} {:>14} {:>8} {:>10}",
-            "schedule", "micro", "step (ms)", "busy fraction", "ideal", "of ideal"
+            "{:>9} {:>6} {:>14} {:>12} {:>14} {:>8} {:>10}",
+            "schedule", "micro", "unsplit (ms)", "step (ms)", "busy fraction", "ideal", "of ideal"
         );
     }
     let stage = Mlp::<B>::new(LAYERS / p, &device);
-    for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
-        for m in [1, 2, 4, 8, 16] {
+    for m in [1, 2, 4, 8, 16] {
+        // The baseline for this number of micro-batches, on rank 0 while the others wait.
+        let mut t1 = [0.0f64];
+        if pg.is_main() {
+            t1[0] = median_step(|| unsplit_step(&full, m, &device));
+        }
+        pg.broadcast(&mut t1, burn_ddp::Rank(0))?;
+        for schedule in [Schedule::GPipe, Schedule::OneFOneB] {
             let pipeline = Pipeline::new(pg.clone(), schedule, m)?;
             let mut failed = None;
+            pg.barrier()?;
             let tp = median_step(|| {
                 let input = if pipeline.is_first() {
                     StageInput::Batch(Tensor::random(
@@ -128,9 +141,10 @@ fn run(pg: ProcessGroup) -> burn_ddp::Result<()> {
             let ideal = ideal_busy_fraction(p, m);
             if pg.is_main() {
                 println!(
-                    "{:>9} {:>6} {:>12.1} {:>14.3} {:>8.3} {:>10.2}",
+                    "{:>9} {:>6} {:>14.1} {:>12.1} {:>14.3} {:>8.3} {:>10.2}",
                     schedule.name(),
                     m,
+                    t1[0] * 1e3,
                     worst[0] * 1e3,
                     busy,
                     ideal,
