@@ -122,6 +122,18 @@ fn point_to_point_keeps_order_per_tag_and_never_deadlocks() {
             let me = pg.rank().0;
             let next = Rank((me + 1) % 3);
             let prev = Rank((me + 2) % 3);
+            // A send completes before its receiver reaches any point-to-point call (this is the
+            // job's first): rank 0 sends, then meets the others in a barrier; rank 1 receives
+            // only after it.
+            if me == 0 {
+                pg.send(&[42i64], Rank(1), 6).unwrap();
+            }
+            pg.barrier().unwrap();
+            if me == 1 {
+                let mut v = [0i64];
+                pg.recv(&mut v, Rank(0), 6).unwrap();
+                assert_eq!(v, [42]);
+            }
             // Every rank sends before it receives: sends do not wait for the receiver.
             for i in 0..20 {
                 pg.send(&[me as i32 * 100 + i], next, 1).unwrap();

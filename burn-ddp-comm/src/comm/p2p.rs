@@ -2,9 +2,9 @@
 //!
 //! Every rank has a [`Mailbox`] of the messages sent to it, queued by sender. Between threads of
 //! one process ([`LocalP2p`]) a send puts the message straight into the receiver's mailbox.
-//! Between processes ([`TcpP2p`]) every rank listens on an endpoint of its own (its address in the
-//! store under the group's tag); a sender opens one authenticated connection per receiver, on
-//! first use, and writes framed messages to it; on the receiver a thread per incoming connection
+//! Between processes ([`TcpP2p`]) every rank listens on an endpoint of its own, opened with the
+//! group (its address in the store under the group's tag); a sender opens one authenticated
+//! connection per receiver, on first use, and writes framed messages to it; on the receiver a thread per incoming connection
 //! reads them into the mailbox as they come. Receives therefore never wait on the order in which
 //! the two programs reach their calls: a send completes once its bytes are written, whether or
 //! not the receiver has reached its `recv`, so two ranks that send to each other at the same time
@@ -34,6 +34,9 @@ use crate::{DdpError, Result};
 
 /// How long one wait lasts before the caller's interrupt check runs again.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
+
+/// How often an idle endpoint looks for a new sender (the latency of a pair's first message).
+const ACCEPT_POLL: Duration = Duration::from_millis(20);
 
 /// The header before every message on a connection: tag, element type, sequence number, length.
 const MSG_HEADER: usize = 24;
@@ -427,12 +430,12 @@ fn accept_loop(
         let (mut s, peer) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(ACCEPT_POLL);
                 continue;
             }
             Err(e) => {
                 tracing::debug!("point-to-point endpoint: accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(ACCEPT_POLL);
                 continue;
             }
         };

@@ -187,6 +187,14 @@ impl ProcessGroup {
         if let Some(h) = &heartbeat {
             comm.watch_with(Arc::clone(h) as Arc<dyn crate::comm::PeerWatch>);
         }
+        let p2p = P2p::tcp(
+            &joined.client,
+            &config.token,
+            config.rank,
+            config.world_size,
+            WORLD_TAG,
+        )
+        .inspect_err(|e| rendezvous::publish(&joined.client, config.rank, None, e))?;
         tracing::info!(
             "[rank {}] process group ready: {} ranks over tcp (store {})",
             config.rank,
@@ -206,7 +214,7 @@ impl ProcessGroup {
                 tag: WORLD_TAG.into(),
                 subgroups: Default::default(),
                 sub: None,
-                p2p: P2p::tcp(),
+                p2p,
                 comm: Box::new(comm),
                 heartbeat,
                 store: Some(joined.client),

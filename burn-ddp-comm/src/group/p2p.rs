@@ -38,13 +38,8 @@ enum Kind {
     None,
     /// Threads of one process.
     Local(LocalP2p),
-    /// Processes: the endpoint, opened on first use, and the sequence numbers of the receives.
-    Tcp(Mutex<TcpState>),
-}
-
-#[derive(Debug, Default)]
-pub(super) struct TcpState {
-    endpoint: Option<Arc<TcpP2p>>,
+    /// Processes: this rank's endpoint.
+    Tcp(Arc<TcpP2p>),
 }
 
 impl P2p {
@@ -63,8 +58,17 @@ impl P2p {
         Self::new(Kind::Local(l))
     }
 
-    pub(super) fn tcp() -> Self {
-        Self::new(Kind::Tcp(Mutex::new(TcpState::default())))
+    /// A group of processes' transport with this rank's endpoint open and published: a sender
+    /// never waits for the receiver to reach its first point-to-point call.
+    pub(super) fn tcp(
+        store: &Arc<crate::store::StoreClient>,
+        token: &crate::config::JobToken,
+        place: Rank,
+        size: crate::types::WorldSize,
+        tag: &str,
+    ) -> Result<Self> {
+        let endpoint = TcpP2p::open(Arc::clone(store), token.clone(), place, size, tag)?;
+        Ok(Self::new(Kind::Tcp(Arc::new(endpoint))))
     }
 
     /// The number of the next message of `op` with `peer`.
@@ -76,10 +80,8 @@ impl P2p {
     }
 
     pub(super) fn close(&self) {
-        if let Kind::Tcp(st) = &self.kind {
-            if let Some(e) = &st.lock().unwrap_or_else(|p| p.into_inner()).endpoint {
-                e.close();
-            }
+        if let Kind::Tcp(e) = &self.kind {
+            e.close();
         }
     }
 }
@@ -293,29 +295,6 @@ impl ProcessGroup {
         })
     }
 
-    /// The process's endpoint, opened on first use.
-    fn endpoint(&self) -> Result<Option<Arc<TcpP2p>>> {
-        let Kind::Tcp(st) = &self.inner.p2p.kind else {
-            return Ok(None);
-        };
-        let mut st = st.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(e) = &st.endpoint {
-            return Ok(Some(Arc::clone(e)));
-        }
-        let Some(store) = &self.inner.store else {
-            return Ok(None);
-        };
-        let e = Arc::new(TcpP2p::open(
-            Arc::clone(store),
-            self.inner.token.clone(),
-            self.inner.rank,
-            self.inner.world,
-            &self.inner.tag,
-        )?);
-        st.endpoint = Some(Arc::clone(&e));
-        Ok(Some(e))
-    }
-
     /// What ends a wait early: the heartbeat's verdict, or a failure another rank published.
     fn interrupt(
         &self,
@@ -363,10 +342,7 @@ impl ProcessGroup {
                 Ok(())
             }
             Kind::None => Err(self.no_peers("send")),
-            Kind::Tcp(_) => {
-                let Some(endpoint) = self.endpoint()? else {
-                    return Err(self.no_peers("send"));
-                };
+            Kind::Tcp(endpoint) => {
                 let started = Instant::now();
                 let deadline = started + self.inner.timeouts.collective;
                 let next_poll = Cell::new(started + RECORD_POLL);
@@ -390,14 +366,10 @@ impl ProcessGroup {
     }
 
     fn receive(&self, src: Rank, tag: u32) -> Result<crate::comm::p2p::Message> {
-        let endpoint;
         let mailbox: &Mailbox = match &self.inner.p2p.kind {
             Kind::Local(l) => l.mailbox(),
             Kind::None => return Err(self.no_peers("recv")),
-            Kind::Tcp(_) => {
-                endpoint = self.endpoint()?.ok_or_else(|| self.no_peers("recv"))?;
-                endpoint.mailbox()
-            }
+            Kind::Tcp(endpoint) => endpoint.mailbox(),
         };
         let seq = self.inner.p2p.next(CollectiveOp::Recv, src);
         let started = Instant::now();

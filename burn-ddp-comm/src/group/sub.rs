@@ -204,7 +204,14 @@ impl ProcessGroup {
                 comm.watch_with(Arc::new(SubgroupWatch(Arc::clone(h))));
                 h.also_stop(comm.weak_stopper());
             }
-            (Box::new(comm), P2p::tcp())
+            let p2p = P2p::tcp(store, &inner.token, place, size, &tag).map_err(|e| {
+                DdpError::InGroup {
+                    group: name.clone(),
+                    group_rank: place,
+                    inner: Box::new(e),
+                }
+            })?;
+            (Box::new(comm), p2p)
         };
         tracing::debug!(
             "[rank {}] joined sub-group {name} as its rank {place}",
