@@ -13,23 +13,30 @@
 //! several graphs cannot wait for their backward at once).
 
 use std::collections::HashMap;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType as BurnDType, Device, Tensor, TensorData};
-use burn_ddp_comm::pipeline::{self as core, Action, Activation};
+use burn_ddp_comm::pipeline::{self as core, Action, Activation, StagePlan};
 pub use burn_ddp_comm::pipeline::{ideal_busy_fraction, HybridLayout, Schedule};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
 use crate::GradSync;
 
-/// One rank's stage of a pipeline (stage `s` is rank `s` of the pipeline's group).
+/// One rank's stage of a pipeline: the core's [`StagePlan`] (stage, schedule, group; its
+/// accessors are this type's through `Deref`) and the executor on Burn 0.22 tensors.
 #[derive(Debug, Clone)]
 pub struct Pipeline {
-    group: ProcessGroup,
-    schedule: Schedule,
-    micro_batches: usize,
+    plan: StagePlan,
+}
+
+impl Deref for Pipeline {
+    type Target = StagePlan;
+
+    fn deref(&self) -> &StagePlan {
+        &self.plan
+    }
 }
 
 /// What the first stage feeds the pipeline, and what the others know of the batch.
@@ -58,42 +65,9 @@ impl Pipeline {
     /// # Errors
     /// [`DdpError::InvalidOption`] for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
-        if micro_batches == 0 {
-            return Err(DdpError::InvalidOption {
-                option: "micro_batches",
-                reason: "0: a pipeline step needs at least one micro-batch".into(),
-            });
-        }
         Ok(Self {
-            group,
-            schedule,
-            micro_batches,
+            plan: StagePlan::new(group, schedule, micro_batches)?,
         })
-    }
-
-    /// This rank's stage (0: the first).
-    pub fn stage(&self) -> usize {
-        self.group.rank().index()
-    }
-
-    /// The number of stages.
-    pub fn stages(&self) -> usize {
-        self.group.world_size().as_usize()
-    }
-
-    /// Whether this is the first stage (it feeds the batch).
-    pub fn is_first(&self) -> bool {
-        self.stage() == 0
-    }
-
-    /// Whether this is the last stage (it computes the loss).
-    pub fn is_last(&self) -> bool {
-        self.stage() + 1 == self.stages()
-    }
-
-    /// The pipeline's group.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
     }
 
     /// One step's forwards and backwards of this stage over every micro-batch, in the order of
@@ -112,92 +86,64 @@ impl Pipeline {
         mut forward: impl FnMut(&M, Tensor<DI>) -> Tensor<DO>,
         mut loss: impl FnMut(Tensor<DO>, Range<usize>) -> Tensor<1>,
     ) -> Result<StepOutput> {
-        let rank = self.group.global_rank();
-        let (batch_rows, batch) = match (input, self.is_first()) {
-            (StageInput::Batch(t), true) => (t.dims()[0], Some(t)),
-            (StageInput::Rows(n), false) => (n, None),
-            (StageInput::Batch(_), false) => {
-                return Err(misuse(rank, "only the first stage feeds the batch: pass StageInput::Rows(batch size) on this stage"))
-            }
-            (StageInput::Rows(_), true) => {
-                return Err(misuse(rank, "the first stage must feed the batch: pass StageInput::Batch(tensor)"))
-            }
+        let rank = self.group().global_rank();
+        let (rows, batch) = match input {
+            StageInput::Batch(t) => (t.dims()[0], Some(t)),
+            StageInput::Rows(n) => (n, None),
         };
-        let ranges = core::micro_batches(batch_rows, self.micro_batches)?;
-        let (prev, next) = core::neighbours(self.stage(), self.stages());
+        let plan = self.plan.step_plan(rows, batch.is_some())?;
         type Kept<const DI: usize, const DO: usize> = (Tensor<DI>, Tensor<DO>);
         let mut live: HashMap<usize, (Tensor<DI>, Option<Kept<DI, DO>>)> = HashMap::new();
         let mut acc = GradientsAccumulator::<M>::new();
         let mut total_loss = 0.0f64;
-        let actions = self
-            .schedule
-            .actions(self.stage(), self.stages(), self.micro_batches);
-        for (k, &action) in actions.iter().enumerate() {
+        for (k, &action) in plan.actions.iter().enumerate() {
             match action {
                 Action::Forward(i) => {
-                    let rows = ranges[i].clone();
-                    let x =
-                        match (&batch, prev) {
-                            (Some(b), _) => b.clone().narrow(0, rows.start, rows.len()),
-                            (None, Some(p)) => {
-                                let msg = self.group.recv_bytes(p, core::activation_tag(i))?;
-                                decode::<DI>(rank, p, msg, device)?
-                            }
-                            (None, None) => return Err(DdpError::Internal {
-                                rank,
-                                what:
-                                    "a pipeline stage has neither the batch nor a stage before it",
-                            }),
-                        };
-                    let keep = actions.get(k + 1) == Some(&Action::Backward(i));
-                    let leaf = track(&x, keep && prev.is_some());
+                    let r = plan.ranges[i].clone();
+                    let x = match (&batch, plan.prev) {
+                        (Some(b), _) => b.clone().narrow(0, r.start, r.len()),
+                        (_, Some(p)) => {
+                            let a = self.plan.recv(p, i, false, DI, elem_size)?;
+                            tensor::<DI>(rank, a, device)?
+                        }
+                        (None, None) => return Err(self.plan.out_of_order()),
+                    };
+                    let keep = plan.backward_follows(k, i);
+                    let leaf = track(&x, keep && plan.prev.is_some());
                     let y = forward(module, leaf.clone());
-                    if let Some(n) = next {
-                        let bytes = encode(rank, y.clone())?;
-                        self.group.send_bytes(&bytes, n, core::activation_tag(i))?;
+                    if let Some(n) = plan.next {
+                        self.plan.send(&activation(rank, y.clone())?, n, i, false)?;
                     }
                     live.insert(i, (x, keep.then_some((leaf, y))));
                 }
                 Action::Backward(i) => {
-                    let Some((x, kept)) = live.remove(&i) else {
-                        return Err(DdpError::Internal {
-                            rank,
-                            what: "a pipeline backward ran before its forward",
-                        });
-                    };
+                    let (x, kept) = live.remove(&i).ok_or_else(|| self.plan.out_of_order())?;
+                    // Recomputed unless it ran just before (see the module docs).
                     let (x, y) = match kept {
                         Some(kept) => kept,
                         None => {
-                            let leaf = track(&x, prev.is_some());
+                            let leaf = track(&x, plan.prev.is_some());
                             let y = forward(module, leaf.clone());
                             (leaf, y)
                         }
                     };
-                    let surrogate = match next {
+                    let surrogate = match plan.next {
                         None => {
-                            let rows = ranges[i].clone();
-                            let share = rows.len() as f64 / batch_rows as f64;
-                            let l = loss(y, rows) * share;
+                            let l = loss(y, plan.ranges[i].clone()) * plan.share(i);
                             total_loss += l.clone().into_scalar::<f64>();
                             l
                         }
                         Some(n) => {
-                            let msg = self.group.recv_bytes(n, core::gradient_tag(i))?;
-                            let dy = decode::<DO>(rank, n, msg, device)?;
-                            (y * dy).sum()
+                            let a = self.plan.recv(n, i, true, DO, elem_size)?;
+                            (y * tensor::<DO>(rank, a, device)?).sum()
                         }
                     };
                     let grads = surrogate.backward();
-                    if let Some(p) = prev {
-                        let dx = x.grad(&grads).ok_or_else(|| {
-                            misuse(
-                                rank,
-                                "this stage's output does not depend on its input, so no \
-                                 gradient can flow to the stages before it",
-                            )
-                        })?;
-                        let bytes = encode(rank, dx)?;
-                        self.group.send_bytes(&bytes, p, core::gradient_tag(i))?;
+                    if let Some(p) = plan.prev {
+                        let dx = x
+                            .grad(&grads)
+                            .ok_or_else(|| self.plan.no_input_gradient())?;
+                        self.plan.send(&activation(rank, dx)?, p, i, true)?;
                     }
                     acc.accumulate(module, GradientsParams::from_grads(grads, module));
                 }
@@ -242,78 +188,67 @@ fn track<const D: usize>(x: &Tensor<D>, grad: bool) -> Tensor<D> {
     }
 }
 
-fn misuse(rank: Rank, reason: &str) -> DdpError {
-    DdpError::InvalidGroupCall {
-        rank,
-        what: "Pipeline::step",
-        reason: reason.into(),
+/// Burn 0.22's element type as the wire's float name.
+fn float_name(dtype: BurnDType) -> Option<&'static str> {
+    Some(match dtype {
+        BurnDType::F64 => "f64",
+        BurnDType::F32 => "f32",
+        BurnDType::F16 => "f16",
+        BurnDType::BF16 => "bf16",
+        _ => return None,
+    })
+}
+
+fn dtype_of(code: u8) -> BurnDType {
+    match core::float_of(code).map(|(name, _)| name) {
+        Some("f64") => BurnDType::F64,
+        Some("f16") => BurnDType::F16,
+        Some("bf16") => BurnDType::BF16,
+        _ => BurnDType::F32,
     }
 }
 
-fn dtype_code(dtype: BurnDType) -> Option<u8> {
-    Some(match dtype {
-        BurnDType::F64 => 1,
-        BurnDType::F32 => 2,
-        BurnDType::F16 => 3,
-        BurnDType::BF16 => 4,
-        _ => return None,
-    })
+fn elem_size(code: u8) -> Option<usize> {
+    core::float_of(code).map(|(_, size)| size)
 }
 
-fn dtype_of(code: u8) -> Option<BurnDType> {
-    Some(match code {
-        1 => BurnDType::F64,
-        2 => BurnDType::F32,
-        3 => BurnDType::F16,
-        4 => BurnDType::BF16,
-        _ => return None,
-    })
+fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
+    DdpError::Model { rank, what, reason }
 }
 
-fn encode<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Vec<u8>> {
-    let bad = |reason: String| DdpError::Model {
-        rank,
-        what: "sending an activation to a neighbouring stage",
-        reason,
-    };
-    let data = t.try_into_data().map_err(|e| bad(e.to_string()))?;
-    let dtype = dtype_code(data.dtype()).ok_or_else(|| {
-        bad(format!(
-            "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
-            data.dtype()
-        ))
-    })?;
+fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {
+    let what = "sending an activation to a neighbouring stage";
+    let data = t
+        .try_into_data()
+        .map_err(|e| model_error(rank, what, e.to_string()))?;
+    let dtype = float_name(data.dtype())
+        .and_then(core::float_code)
+        .ok_or_else(|| {
+            model_error(
+                rank,
+                what,
+                format!(
+                    "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
+                    data.dtype()
+                ),
+            )
+        })?;
     Ok(Activation {
         shape: data.shape().as_slice().to_vec(),
         dtype,
         bytes: data.as_bytes().to_vec(),
-    }
-    .encode())
+    })
 }
 
-fn decode<const D: usize>(
-    rank: Rank,
-    from: Rank,
-    msg: Vec<u8>,
-    device: &Device,
-) -> Result<Tensor<D>> {
-    let bad = |reason: String| DdpError::Model {
-        rank,
-        what: "receiving an activation from a neighbouring stage",
-        reason,
-    };
-    let a = Activation::decode(msg)
-        .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;
-    let dtype =
-        dtype_of(a.dtype).ok_or_else(|| bad(format!("unknown element type code {}", a.dtype)))?;
-    if a.shape.len() != D {
-        return Err(bad(format!(
-            "stage {from} sent a tensor of {} dimensions, this stage takes {D}: the stages' \
-             outputs and inputs must match",
-            a.shape.len()
-        )));
-    }
-    let data = TensorData::try_from_bytes_vec(a.bytes, a.shape, dtype)
-        .map_err(|e| bad(format!("{e:?}")))?;
+/// A received activation as a tensor on `device` (its length was checked on receipt).
+fn tensor<const D: usize>(rank: Rank, a: Activation, device: &Device) -> Result<Tensor<D>> {
+    let dtype = dtype_of(a.dtype);
+    let data = TensorData::try_from_bytes_vec(a.bytes, a.shape, dtype).map_err(|e| {
+        model_error(
+            rank,
+            "receiving an activation from a neighbouring stage",
+            format!("{e:?}"),
+        )
+    })?;
     Ok(Tensor::from_data(data, (device, dtype)))
 }

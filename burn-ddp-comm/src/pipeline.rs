@@ -16,9 +16,9 @@ use crate::{DdpError, ProcessGroup, Result};
 /// The order in which a stage runs its micro-batches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Schedule {
-    /// All forwards, then all backwards (GPipe, Huang et al. 2019). Each stage holds the
-    /// activations of every micro-batch until its backward: memory grows with the number of
-    /// micro-batches.
+    /// All forwards, then all backwards, last micro-batch first (GPipe, Huang et al. 2019).
+    /// Each stage holds the activations of every micro-batch until its backward: memory grows
+    /// with the number of micro-batches.
     GPipe,
     /// One forward, one backward (PipeDream-Flush, Narayanan et al. 2021): after a warm-up of
     /// `stages - stage - 1` forwards, each stage alternates, so it holds at most
@@ -40,9 +40,11 @@ impl Schedule {
     pub fn actions(self, stage: usize, stages: usize, micro_batches: usize) -> Vec<Action> {
         let m = micro_batches;
         match self {
+            // Backwards in reverse: the last micro-batch's backward directly follows its forward,
+            // so its graph is kept (the others are recomputed, see `StepPlan::backward_follows`).
             Schedule::GPipe => (0..m)
                 .map(Action::Forward)
-                .chain((0..m).map(Action::Backward))
+                .chain((0..m).rev().map(Action::Backward))
                 .collect(),
             Schedule::OneFOneB => {
                 let warmup = stages.saturating_sub(stage + 1).min(m);
@@ -212,6 +214,232 @@ impl Activation {
     }
 }
 
+/// One rank's stage of a pipeline, without Burn: its group (stage `s` is the group's rank `s`),
+/// the schedule and the number of micro-batches. Both Burn lines' `Pipeline` deref to it.
+#[derive(Debug, Clone)]
+pub struct StagePlan {
+    group: ProcessGroup,
+    schedule: Schedule,
+    micro_batches: usize,
+}
+
+/// What a stage needs to run one step: the batch's micro-batch ranges, its neighbours and its
+/// actions in order.
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    /// Rows of each micro-batch.
+    pub ranges: Vec<Range<usize>>,
+    /// The stage before this one (`None` on the first).
+    pub prev: Option<Rank>,
+    /// The stage after this one (`None` on the last).
+    pub next: Option<Rank>,
+    /// This stage's actions, in order.
+    pub actions: Vec<Action>,
+}
+
+impl StepPlan {
+    /// Whether the forward of micro-batch `i` at position `k` of the actions is directly
+    /// followed by its backward (then its graph is kept; otherwise it is recomputed).
+    pub fn backward_follows(&self, k: usize, i: usize) -> bool {
+        self.actions.get(k + 1) == Some(&Action::Backward(i))
+    }
+
+    /// The share of the batch's rows that micro-batch `i` holds (its loss is scaled by it).
+    pub fn share(&self, i: usize) -> f64 {
+        let total: usize = self.ranges.iter().map(|r| r.len()).sum();
+        self.ranges[i].len() as f64 / total.max(1) as f64
+    }
+}
+
+impl StagePlan {
+    /// This rank's stage of a pipeline over the ranks of `group`.
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidOption`] for zero micro-batches.
+    pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
+        if micro_batches == 0 {
+            return Err(DdpError::InvalidOption {
+                option: "micro_batches",
+                reason: "0: a pipeline step needs at least one micro-batch".into(),
+            });
+        }
+        Ok(Self {
+            group,
+            schedule,
+            micro_batches,
+        })
+    }
+
+    /// This rank's stage (0: the first).
+    pub fn stage(&self) -> usize {
+        self.group.rank().index()
+    }
+
+    /// The number of stages.
+    pub fn stages(&self) -> usize {
+        self.group.world_size().as_usize()
+    }
+
+    /// Whether this is the first stage (it feeds the batch).
+    pub fn is_first(&self) -> bool {
+        self.stage() == 0
+    }
+
+    /// Whether this is the last stage (it computes the loss).
+    pub fn is_last(&self) -> bool {
+        self.stage() + 1 == self.stages()
+    }
+
+    /// The schedule.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+
+    /// Micro-batches per step.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches
+    }
+
+    /// The pipeline's group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// The plan of one step over a batch of `rows` rows; `fed` says whether the caller gave
+    /// this stage the batch (only the first stage may, and it must).
+    ///
+    /// # Errors
+    /// [`DdpError::InvalidGroupCall`] when `fed` does not match the stage; the errors of
+    /// [`micro_batches`].
+    pub fn step_plan(&self, rows: usize, fed: bool) -> Result<StepPlan> {
+        let reason = match (fed, self.is_first()) {
+            (true, false) => Some(
+                "only the first stage feeds the batch: pass StageInput::Rows(batch size) on \
+                 this stage",
+            ),
+            (false, true) => {
+                Some("the first stage must feed the batch: pass StageInput::Batch(tensor)")
+            }
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            return Err(self.misuse(reason));
+        }
+        let (prev, next) = neighbours(self.stage(), self.stages());
+        Ok(StepPlan {
+            ranges: micro_batches(rows, self.micro_batches)?,
+            prev,
+            next,
+            actions: self
+                .schedule
+                .actions(self.stage(), self.stages(), self.micro_batches),
+        })
+    }
+
+    /// A misuse of the step by this rank's program.
+    pub fn misuse(&self, reason: &str) -> DdpError {
+        DdpError::InvalidGroupCall {
+            rank: self.group.global_rank(),
+            what: "Pipeline::step",
+            reason: reason.into(),
+        }
+    }
+
+    /// The error for a stage whose output does not depend on its input.
+    pub fn no_input_gradient(&self) -> DdpError {
+        self.misuse(
+            "this stage's output does not depend on its input, so no gradient can flow to the \
+             stages before it",
+        )
+    }
+
+    /// The error for a step whose actions went out of order (a bug of burn-ddp).
+    pub fn out_of_order(&self) -> DdpError {
+        DdpError::Internal {
+            rank: self.group.global_rank(),
+            what: "a pipeline backward ran before its forward",
+        }
+    }
+
+    /// Sends an encoded activation (or its gradient) of micro-batch `i` to `to`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::send_bytes`].
+    pub fn send(&self, a: &Activation, to: Rank, i: usize, gradient: bool) -> Result<()> {
+        let tag = if gradient {
+            gradient_tag(i)
+        } else {
+            activation_tag(i)
+        };
+        self.group.send_bytes(&a.encode(), to, tag)
+    }
+
+    /// Receives micro-batch `i`'s activation (or its gradient) from `from`, checked to have `dims`
+    /// dimensions and as many bytes as its shape and `elem_size` need.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::recv_bytes`]; [`DdpError::Model`] for a malformed message.
+    pub fn recv(
+        &self,
+        from: Rank,
+        i: usize,
+        gradient: bool,
+        dims: usize,
+        elem_size: impl Fn(u8) -> Option<usize>,
+    ) -> Result<Activation> {
+        let tag = if gradient {
+            gradient_tag(i)
+        } else {
+            activation_tag(i)
+        };
+        let msg = self.group.recv_bytes(from, tag)?;
+        let bad = |reason: String| DdpError::Model {
+            rank: self.group.global_rank(),
+            what: "receiving an activation from a neighbouring stage",
+            reason,
+        };
+        let a = Activation::decode(msg)
+            .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;
+        let size = elem_size(a.dtype)
+            .ok_or_else(|| bad(format!("unknown element type code {}", a.dtype)))?;
+        if a.shape.len() != dims {
+            return Err(bad(format!(
+                "stage {from} sent a tensor of {} dimensions, this stage takes {dims}: the \
+                 stages' outputs and inputs must match",
+                a.shape.len()
+            )));
+        }
+        let expected = a
+            .elements()
+            .and_then(|n| n.checked_mul(size))
+            .unwrap_or(usize::MAX);
+        if expected != a.bytes.len() {
+            return Err(bad(format!(
+                "shape {:?} needs {expected} bytes, the message has {}",
+                a.shape,
+                a.bytes.len()
+            )));
+        }
+        Ok(a)
+    }
+}
+
+/// The wire code of a float element type by its name (`f64`, `f32`, `f16`, `bf16`), and back:
+/// each Burn line maps its own `DType` through these.
+pub fn float_code(name: &str) -> Option<u8> {
+    FLOATS
+        .iter()
+        .position(|(n, _)| *n == name)
+        .map(|i| i as u8 + 1)
+}
+
+/// The name and element size of wire code `code` (see [`float_code`]).
+pub fn float_of(code: u8) -> Option<(&'static str, usize)> {
+    FLOATS.get(usize::from(code).checked_sub(1)?).copied()
+}
+
+const FLOATS: [(&str, usize); 4] = [("f64", 8), ("f32", 4), ("f16", 2), ("bf16", 2)];
+
 /// Where this rank sits in a job of `stages` x `replicas` ranks (hybrid parallelism): the ranks
 /// `r * stages .. (r + 1) * stages` form replica `r`'s pipeline (consecutive ranks, so a
 /// pipeline stays on one node when it fits), and the ranks holding stage `s` form its replica
@@ -374,6 +602,46 @@ mod tests {
         assert_eq!(micro_batches(4, 4).unwrap().len(), 4);
         assert!(micro_batches(3, 4).is_err());
         assert!(micro_batches(3, 0).is_err());
+    }
+
+    #[test]
+    fn float_codes_round_trip_and_unknown_ones_are_refused() {
+        for name in ["f64", "f32", "f16", "bf16"] {
+            let code = float_code(name).unwrap();
+            assert_eq!(float_of(code).map(|(n, _)| n), Some(name));
+        }
+        assert_eq!(float_of(2), Some(("f32", 4)));
+        assert_eq!(float_code("i32"), None);
+        assert_eq!(float_of(0), None);
+        assert_eq!(float_of(5), None);
+    }
+
+    #[test]
+    fn a_step_plan_keeps_graphs_only_when_the_backward_follows() {
+        let group = ProcessGroup::local(crate::WorldSize::new(2).unwrap(), Default::default());
+        let last = StagePlan::new(group[1].clone(), Schedule::OneFOneB, 3).unwrap();
+        let plan = last.step_plan(10, false).unwrap();
+        assert_eq!((plan.prev, plan.next), (Some(Rank(0)), None));
+        // The last stage under 1F1B: F0 B0 F1 B1 F2 B2, every forward kept.
+        assert!((0..3).all(|i| plan.backward_follows(2 * i, i)));
+        assert!((plan.share(0) - 0.4).abs() < 1e-12 && (plan.share(2) - 0.3).abs() < 1e-12);
+        let first = StagePlan::new(group[0].clone(), Schedule::GPipe, 3).unwrap();
+        let plan = first.step_plan(10, true).unwrap();
+        // GPipe: only the last forward is followed by its backward.
+        assert!(!plan.backward_follows(0, 0) && plan.backward_follows(2, 2));
+        let e = first.step_plan(10, false).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the first stage must feed the batch"),
+            "{e}"
+        );
+        let e = last.step_plan(10, true).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("only the first stage feeds the batch"),
+            "{e}"
+        );
+        assert!(StagePlan::new(group[0].clone(), Schedule::GPipe, 0).is_err());
     }
 
     #[test]

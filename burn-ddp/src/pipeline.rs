@@ -24,24 +24,31 @@
 //! with [`Pipeline::step_synced`], which averages each stage's gradients across its replicas.
 
 use std::collections::HashMap;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType as BurnDType, ElementConversion, Tensor, TensorData};
-use burn_ddp_comm::pipeline::{self as core, Action, Activation};
+use burn_ddp_comm::pipeline::{self as core, Action, Activation, StagePlan};
 pub use burn_ddp_comm::pipeline::{ideal_busy_fraction, HybridLayout, Schedule};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
 use crate::ddp::DdpSession;
 
-/// One rank's stage of a pipeline.
+/// One rank's stage of a pipeline: the core's [`StagePlan`] (stage, schedule, group; its
+/// accessors are this type's through `Deref`) and the executor on Burn 0.21 tensors.
 #[derive(Debug, Clone)]
 pub struct Pipeline {
-    group: ProcessGroup,
-    schedule: Schedule,
-    micro_batches: usize,
+    plan: StagePlan,
+}
+
+impl Deref for Pipeline {
+    type Target = StagePlan;
+
+    fn deref(&self) -> &StagePlan {
+        &self.plan
+    }
 }
 
 /// What the first stage feeds the pipeline, and what the others know of the batch.
@@ -70,52 +77,9 @@ impl Pipeline {
     /// # Errors
     /// [`DdpError::InvalidOption`] for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
-        if micro_batches == 0 {
-            return Err(DdpError::InvalidOption {
-                option: "micro_batches",
-                reason: "0: a pipeline step needs at least one micro-batch".into(),
-            });
-        }
         Ok(Self {
-            group,
-            schedule,
-            micro_batches,
+            plan: StagePlan::new(group, schedule, micro_batches)?,
         })
-    }
-
-    /// This rank's stage (0: the first).
-    pub fn stage(&self) -> usize {
-        self.group.rank().index()
-    }
-
-    /// The number of stages.
-    pub fn stages(&self) -> usize {
-        self.group.world_size().as_usize()
-    }
-
-    /// Whether this is the first stage (it feeds the batch).
-    pub fn is_first(&self) -> bool {
-        self.stage() == 0
-    }
-
-    /// Whether this is the last stage (it computes the loss).
-    pub fn is_last(&self) -> bool {
-        self.stage() + 1 == self.stages()
-    }
-
-    /// The schedule.
-    pub fn schedule(&self) -> Schedule {
-        self.schedule
-    }
-
-    /// Micro-batches per step.
-    pub fn micro_batches(&self) -> usize {
-        self.micro_batches
-    }
-
-    /// The pipeline's group.
-    pub fn group(&self) -> &ProcessGroup {
-        &self.group
     }
 
     /// One step's forwards and backwards of this stage over every micro-batch, in the order of
@@ -142,98 +106,71 @@ impl Pipeline {
         B: AutodiffBackend,
         M: AutodiffModule<B>,
     {
-        let rank = self.group.global_rank();
-        let (batch_rows, batch) = match (input, self.is_first()) {
-            (StageInput::Batch(t), true) => (t.dims()[0], Some(t)),
-            (StageInput::Rows(n), false) => (n, None),
-            (StageInput::Batch(_), false) => {
-                return Err(misuse(rank, "only the first stage feeds the batch: pass StageInput::Rows(batch size) on this stage"))
-            }
-            (StageInput::Rows(_), true) => {
-                return Err(misuse(rank, "the first stage must feed the batch: pass StageInput::Batch(tensor)"))
-            }
+        let rank = self.group().global_rank();
+        let (rows, batch) = match input {
+            StageInput::Batch(t) => (t.dims()[0], Some(t)),
+            StageInput::Rows(n) => (n, None),
         };
-        let ranges = core::micro_batches(batch_rows, self.micro_batches)?;
+        let plan = self.plan.step_plan(rows, batch.is_some())?;
         let device = module.devices().into_iter().next().unwrap_or_default();
-        let (prev, next) = core::neighbours(self.stage(), self.stages());
         // Per micro-batch in flight: this stage's input (untracked), and its output with the
         // graph behind it when its backward comes right after its forward.
         type Kept<B, const DI: usize, const DO: usize> = (Tensor<B, DI>, Tensor<B, DO>);
         let mut live: HashMap<usize, (Tensor<B, DI>, Option<Kept<B, DI, DO>>)> = HashMap::new();
         let mut acc = GradientsAccumulator::<M>::new();
         let mut total_loss = 0.0f64;
-        let actions = self
-            .schedule
-            .actions(self.stage(), self.stages(), self.micro_batches);
-        for (k, &action) in actions.iter().enumerate() {
+        for (k, &action) in plan.actions.iter().enumerate() {
             match action {
                 Action::Forward(i) => {
-                    let rows = ranges[i].clone();
-                    let x =
-                        match (&batch, prev) {
-                            (Some(b), _) => b.clone().narrow(0, rows.start, rows.len()),
-                            (None, Some(p)) => {
-                                let msg = self.group.recv_bytes(p, core::activation_tag(i))?;
-                                decode::<B, DI>(rank, p, msg, &device)?
-                            }
-                            (None, None) => return Err(DdpError::Internal {
-                                rank,
-                                what:
-                                    "a pipeline stage has neither the batch nor a stage before it",
-                            }),
-                        };
-                    let keep = actions.get(k + 1) == Some(&Action::Backward(i));
-                    let leaf = track(&x, keep && prev.is_some());
+                    let r = plan.ranges[i].clone();
+                    let x = match (&batch, plan.prev) {
+                        (Some(b), _) => b.clone().narrow(0, r.start, r.len()),
+                        (_, Some(p)) => {
+                            let a = self.plan.recv(p, i, false, DI, elem_size)?;
+                            tensor::<B, DI>(a, &device)
+                        }
+                        (None, None) => return Err(self.plan.out_of_order()),
+                    };
+                    let keep = plan.backward_follows(k, i);
+                    let leaf = track(&x, keep && plan.prev.is_some());
                     let y = forward(module, leaf.clone());
-                    if let Some(n) = next {
-                        let bytes = encode(rank, y.clone().into_data())?;
-                        self.group.send_bytes(&bytes, n, core::activation_tag(i))?;
+                    if let Some(n) = plan.next {
+                        self.plan
+                            .send(&activation(rank, y.clone().into_data())?, n, i, false)?;
                     }
                     live.insert(i, (x, keep.then_some((leaf, y))));
                 }
                 Action::Backward(i) => {
-                    let Some((x, kept)) = live.remove(&i) else {
-                        return Err(DdpError::Internal {
-                            rank,
-                            what: "a pipeline backward ran before its forward",
-                        });
-                    };
+                    let (x, kept) = live.remove(&i).ok_or_else(|| self.plan.out_of_order())?;
                     // Burn frees the graph steps of every graph that shares the parameters when
                     // one of them runs backward, so only the graph of this micro-batch may be
                     // alive here: recompute the forward unless it ran just before.
                     let (x, y) = match kept {
                         Some(kept) => kept,
                         None => {
-                            let leaf = track(&x, prev.is_some());
+                            let leaf = track(&x, plan.prev.is_some());
                             let y = forward(module, leaf.clone());
                             (leaf, y)
                         }
                     };
-                    let surrogate = match next {
+                    let surrogate = match plan.next {
                         None => {
-                            let rows = ranges[i].clone();
-                            let share = rows.len() as f64 / batch_rows as f64;
-                            let l = loss(y, rows) * share;
+                            let l = loss(y, plan.ranges[i].clone()) * plan.share(i);
                             total_loss += l.clone().into_scalar().elem::<f64>();
                             l
                         }
                         Some(n) => {
-                            let msg = self.group.recv_bytes(n, core::gradient_tag(i))?;
-                            let dy = decode::<B, DO>(rank, n, msg, &device)?;
-                            (y * dy).sum()
+                            let a = self.plan.recv(n, i, true, DO, elem_size)?;
+                            (y * tensor::<B, DO>(a, &device)).sum()
                         }
                     };
                     let grads = surrogate.backward();
-                    if let Some(p) = prev {
-                        let dx = x.grad(&grads).ok_or_else(|| {
-                            misuse(
-                                rank,
-                                "this stage's output does not depend on its input, so no \
-                                 gradient can flow to the stages before it",
-                            )
-                        })?;
-                        let bytes = encode(rank, dx.into_data())?;
-                        self.group.send_bytes(&bytes, p, core::gradient_tag(i))?;
+                    if let Some(p) = plan.prev {
+                        let dx = x
+                            .grad(&grads)
+                            .ok_or_else(|| self.plan.no_input_gradient())?;
+                        self.plan
+                            .send(&activation(rank, dx.into_data())?, p, i, true)?;
                     }
                     acc.accumulate(module, GradientsParams::from_grads(grads, module));
                 }
@@ -287,85 +224,50 @@ fn track<B: AutodiffBackend, const D: usize>(x: &Tensor<B, D>, grad: bool) -> Te
     }
 }
 
-fn misuse(rank: Rank, reason: &str) -> DdpError {
-    DdpError::InvalidGroupCall {
-        rank,
-        what: "Pipeline::step",
-        reason: reason.into(),
+/// Burn 0.21's element type as the wire's float name.
+fn float_name(dtype: BurnDType) -> Option<&'static str> {
+    Some(match dtype {
+        BurnDType::F64 => "f64",
+        BurnDType::F32 => "f32",
+        BurnDType::F16 => "f16",
+        BurnDType::BF16 => "bf16",
+        _ => return None,
+    })
+}
+
+fn dtype_of(code: u8) -> BurnDType {
+    match core::float_of(code).map(|(name, _)| name) {
+        Some("f64") => BurnDType::F64,
+        Some("f16") => BurnDType::F16,
+        Some("bf16") => BurnDType::BF16,
+        _ => BurnDType::F32,
     }
 }
 
-/// The wire code of an activation's element type.
-fn dtype_code(dtype: BurnDType) -> Option<u8> {
-    Some(match dtype {
-        BurnDType::F64 => 1,
-        BurnDType::F32 => 2,
-        BurnDType::F16 => 3,
-        BurnDType::BF16 => 4,
-        _ => return None,
-    })
+fn elem_size(code: u8) -> Option<usize> {
+    core::float_of(code).map(|(_, size)| size)
 }
 
-fn dtype_of(code: u8) -> Option<BurnDType> {
-    Some(match code {
-        1 => BurnDType::F64,
-        2 => BurnDType::F32,
-        3 => BurnDType::F16,
-        4 => BurnDType::BF16,
-        _ => return None,
-    })
-}
-
-fn encode(rank: Rank, data: TensorData) -> Result<Vec<u8>> {
-    let dtype = dtype_code(data.dtype).ok_or_else(|| DdpError::Model {
-        rank,
-        what: "sending an activation to the next stage",
-        reason: format!(
-            "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
-            data.dtype
-        ),
-    })?;
+fn activation(rank: Rank, data: TensorData) -> Result<Activation> {
+    let dtype = float_name(data.dtype)
+        .and_then(core::float_code)
+        .ok_or_else(|| DdpError::Model {
+            rank,
+            what: "sending an activation to a neighbouring stage",
+            reason: format!(
+                "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
+                data.dtype
+            ),
+        })?;
     Ok(Activation {
         shape: data.shape.as_slice().to_vec(),
         dtype,
         bytes: data.as_bytes().to_vec(),
-    }
-    .encode())
+    })
 }
 
-fn decode<B: Backend, const D: usize>(
-    rank: Rank,
-    from: Rank,
-    msg: Vec<u8>,
-    device: &B::Device,
-) -> Result<Tensor<B, D>> {
-    let bad = |reason: String| DdpError::Model {
-        rank,
-        what: "receiving an activation from a neighbouring stage",
-        reason,
-    };
-    let a = Activation::decode(msg)
-        .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;
-    let dtype =
-        dtype_of(a.dtype).ok_or_else(|| bad(format!("unknown element type code {}", a.dtype)))?;
-    if a.shape.len() != D {
-        return Err(bad(format!(
-            "stage {from} sent a tensor of {} dimensions, this stage takes {D}: the stages' \
-             outputs and inputs must match",
-            a.shape.len()
-        )));
-    }
-    let expected = a
-        .elements()
-        .and_then(|n| n.checked_mul(dtype.size()))
-        .unwrap_or(usize::MAX);
-    if expected != a.bytes.len() {
-        return Err(bad(format!(
-            "shape {:?} of {dtype:?} needs {expected} bytes, the message has {}",
-            a.shape,
-            a.bytes.len()
-        )));
-    }
-    let data = TensorData::from_bytes_vec(a.bytes, a.shape, dtype);
-    Ok(Tensor::from_data(data, device))
+/// A received activation as a tensor on `device` (its length was checked on receipt).
+fn tensor<B: Backend, const D: usize>(a: Activation, device: &B::Device) -> Tensor<B, D> {
+    let dtype = dtype_of(a.dtype);
+    Tensor::from_data(TensorData::from_bytes_vec(a.bytes, a.shape, dtype), device)
 }
