@@ -799,6 +799,17 @@ pub enum DdpError {
     #[error("interrupted: every rank was stopped")]
     Interrupted,
 
+    /// The elastic rendezvous of `burn-ddp run --nnodes MIN:MAX` could not form or keep a
+    /// job: too few nodes came, the nodes disagree on their settings, the rendezvous host was
+    /// lost, or the job used up its restarts.
+    #[error("elastic rendezvous at {addr}: {reason}")]
+    Elastic {
+        /// The rendezvous endpoint.
+        addr: String,
+        /// What went wrong, and what to do about it.
+        reason: String,
+    },
+
     /// An I/O error outside the cases above.
     #[error(transparent)]
     Io(#[from] io::Error),

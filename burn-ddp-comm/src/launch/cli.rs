@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use super::bench::{AllReduceBench, BenchDType};
+use super::elastic::{Elastic, NodeRange};
 use super::spawn::{self, LocalJob, Output};
 use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
@@ -34,18 +35,35 @@ pub struct RunArgs {
     /// Processes to start on this node (one per GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     nproc_per_node: u32,
-    /// Number of nodes in the job.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
-    nnodes: u32,
-    /// This node's index, 0..nnodes.
-    #[arg(long, default_value_t = 0)]
-    node_rank: u32,
-    /// Address of node 0, where rank 0 serves the rendezvous store.
+    /// Number of nodes in the job, or `MIN:MAX` for an elastic job (torchrun's syntax): it
+    /// starts once MIN nodes are there (and the join window has passed), admits up to MAX,
+    /// and restarts every rank at the new size when a node is lost or joins.
+    #[arg(long, default_value = "1")]
+    nnodes: NodeRange,
+    /// This node's index, 0..nnodes (assigned by the rendezvous in an elastic job).
+    #[arg(long)]
+    node_rank: Option<u32>,
+    /// Address of node 0, where rank 0 serves the rendezvous store (in an elastic job: the
+    /// node whose launcher hosts the rendezvous, and rank 0).
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store.
+    /// Port of the rendezvous store (in an elastic job: of the launchers' rendezvous; rank
+    /// 0's store takes the next port).
     #[arg(long, default_value_t = DEFAULT_MASTER_PORT)]
     master_port: u16,
+    /// Elastic job: seconds more nodes may join once MIN are there, before a round starts.
+    #[arg(long, default_value_t = 10.0)]
+    rdzv_join_window: f64,
+    /// Elastic job: seconds a round waits for MIN nodes before the job fails.
+    #[arg(long, default_value_t = 600.0)]
+    rdzv_timeout: f64,
+    /// Elastic job: seconds of silence after which a node's launcher is taken as lost.
+    #[arg(long, default_value_t = 10.0)]
+    node_timeout: f64,
+    /// Elastic job: this node's name in the rendezvous and the logs (default: host name and
+    /// launcher pid).
+    #[arg(long)]
+    node_id: Option<String>,
     /// Single node: pick a free port on 127.0.0.1 (ignores --master-addr/--master-port).
     #[arg(long)]
     standalone: bool,
@@ -201,8 +219,24 @@ pub fn init_logging() {
         .try_init();
 }
 
+fn seconds(field: &'static str, v: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(v).map_err(|_| DdpError::InvalidConfig {
+        field,
+        reason: "must be a number of seconds, 0 or more",
+    })
+}
+
 fn run(args: RunArgs) -> Result<ExitCode> {
-    if args.node_rank >= args.nnodes {
+    let range = args.nnodes;
+    if range.is_elastic() && args.node_rank.is_some() {
+        return Err(DdpError::InvalidConfig {
+            field: "--node-rank",
+            reason:
+                "is assigned by the rendezvous in an elastic job (--nnodes MIN:MAX): leave it out",
+        });
+    }
+    let node_rank = args.node_rank.unwrap_or(0);
+    if node_rank >= range.min {
         return Err(DdpError::InvalidConfig {
             field: "--node-rank",
             reason: "must be below --nnodes",
@@ -225,7 +259,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     let token = match (args.rdzv_id, super::env::job_token()) {
         (Some(id), _) => JobToken::new(format!("rdzv:{id}")),
         (None, Some(t)) => JobToken::new(t),
-        _ if args.nnodes == 1 => JobToken::generate(),
+        _ if range.max == 1 => JobToken::generate(),
         _ => {
             return Err(DdpError::MissingEnv {
                 var: super::env::JOB_TOKEN,
@@ -238,8 +272,8 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         args: rest,
         env: Vec::new(),
         nproc_per_node: args.nproc_per_node,
-        nnodes: args.nnodes,
-        node_rank: args.node_rank,
+        nnodes: range.min,
+        node_rank,
         master,
         token,
         output: if args.no_prefix {
@@ -247,10 +281,23 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         } else {
             Output::auto()
         },
-        grace: Duration::from_secs_f64(args.grace.max(0.0)),
+        grace: seconds("--grace", args.grace)?,
         deadline: None,
         stop: Some(spawn::stop_flag()?),
+        halt: None,
     };
+    if range.is_elastic() {
+        let elastic = Elastic {
+            nodes: range,
+            max_restarts: args.max_restarts,
+            join_window: seconds("--rdzv-join-window", args.rdzv_join_window)?,
+            rendezvous_timeout: seconds("--rdzv-timeout", args.rdzv_timeout)?,
+            node_timeout: seconds("--node-timeout", args.node_timeout)?,
+            node_id: args.node_id.unwrap_or_else(Elastic::default_node_id),
+        };
+        super::elastic::run(job, elastic)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let base_env = job.env.clone();
     let mut attempt = 0;
     loop {

@@ -1,6 +1,7 @@
 //! Starting jobs.
 //!
 //! - `spawn.rs`: starting and supervising a node's ranks
+//! - `elastic.rs`: elastic jobs (`burn-ddp run --nnodes MIN:MAX`): rendezvous in rounds
 //! - `bench.rs`: the bandwidth tool (`burn-ddp bench all-reduce`)
 //! - `p2p_bench.rs`: point-to-point against all-reduce (`burn-ddp bench p2p`)
 //! - `cli.rs`: the `burn-ddp` command line (feature `cli`)
@@ -14,6 +15,7 @@ pub mod bench;
 #[cfg(feature = "cli")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 pub mod cli;
+pub mod elastic;
 pub mod p2p_bench;
 pub mod spawn;
 

@@ -75,6 +75,10 @@ pub struct LocalJob {
     pub deadline: Option<Duration>,
     /// Set from outside (a signal handler) to stop every rank.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Set from outside to stop every rank because the job's membership changes (the elastic
+    /// launcher): neither a failure nor an interruption; [`JobReport::halted`] says it
+    /// happened.
+    pub halt: Option<Arc<AtomicBool>>,
 }
 
 impl LocalJob {
@@ -100,6 +104,7 @@ impl LocalJob {
             grace: Duration::from_secs(5),
             deadline: None,
             stop: None,
+            halt: None,
         })
     }
 
@@ -152,6 +157,8 @@ pub struct JobReport {
     pub exits: Vec<RankExit>,
     /// The first rank that failed, with how (what `burn-ddp run` reports).
     pub failure: Option<DdpError>,
+    /// Whether [`LocalJob::halt`] stopped the ranks (before all of them had ended).
+    pub halted: bool,
 }
 
 impl JobReport {
@@ -322,6 +329,7 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
     let mut failure: Option<DdpError> = None;
     let mut term_sent: Option<Instant> = None;
     let mut killed = false;
+    let mut halted = false;
     loop {
         for r in running.iter_mut().filter(|r| r.exit.is_none()) {
             if let Ok(Some(status)) = r.child.try_wait() {
@@ -340,7 +348,11 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
         }
         let overdue = job.deadline.is_some_and(|d| started.elapsed() > d);
         let stopped = job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
-        if (failure.is_some() || overdue || stopped) && term_sent.is_none() {
+        let halt = job.halt.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if halt && term_sent.is_none() && failure.is_none() {
+            halted = true;
+        }
+        if (failure.is_some() || overdue || stopped || halt) && term_sent.is_none() {
             if overdue && failure.is_none() {
                 tracing::error!(
                     "job exceeded its deadline of {:?}; stopping every rank",
@@ -404,7 +416,11 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
             }
         })
         .collect();
-    Ok(JobReport { exits, failure })
+    Ok(JobReport {
+        exits,
+        failure,
+        halted,
+    })
 }
 
 /// A flag that SIGINT, SIGTERM and SIGHUP set, for [`LocalJob::stop`].

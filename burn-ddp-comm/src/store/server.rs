@@ -71,6 +71,9 @@ struct Shared {
     pending: Mutex<VecDeque<u64>>,
     /// The limit of authenticated connections.
     max_conns: usize,
+    /// Whether a refused client aborts the job (a rank's store: yes; the elastic rendezvous,
+    /// where a misconfigured launcher must not end a running job: no).
+    refusal_aborts: bool,
     handshake: Duration,
     refusal_log: Mutex<RefusalLog>,
 }
@@ -175,6 +178,16 @@ impl StoreServer {
         Self::bind_with(addr, rank, world, token, HANDSHAKE_TIMEOUT)
     }
 
+    /// [`bind`](Self::bind) for the elastic launchers' rendezvous: a client it refuses (a
+    /// launcher with other settings) is told why, and the job goes on.
+    pub(crate) fn bind_rendezvous(
+        addr: SocketAddr,
+        world: WorldSize,
+        token: JobToken,
+    ) -> Result<Self> {
+        Self::bind_inner(addr, Rank(0), world, token, HANDSHAKE_TIMEOUT, false)
+    }
+
     /// [`bind`](Self::bind) with another bound on a connection's handshake.
     pub(crate) fn bind_with(
         addr: SocketAddr,
@@ -182,6 +195,17 @@ impl StoreServer {
         world: WorldSize,
         token: JobToken,
         handshake: Duration,
+    ) -> Result<Self> {
+        Self::bind_inner(addr, rank, world, token, handshake, true)
+    }
+
+    fn bind_inner(
+        addr: SocketAddr,
+        rank: Rank,
+        world: WorldSize,
+        token: JobToken,
+        handshake: Duration,
+        refusal_aborts: bool,
     ) -> Result<Self> {
         let listener = bind_listener(addr).map_err(|source| {
             if source.kind() == ErrorKind::AddrInUse {
@@ -208,6 +232,7 @@ impl StoreServer {
             conns: Mutex::new(HashMap::new()),
             pending: Mutex::new(VecDeque::new()),
             max_conns: world.as_usize().saturating_mul(4).saturating_add(64),
+            refusal_aborts,
             handshake,
             refusal_log: Mutex::new(RefusalLog {
                 total: 0,
@@ -522,13 +547,15 @@ fn admit(
         let _ = auth::refuse(stream, &reason);
         shared.keep_refusal(&mut st, peer, message.clone());
         shared.log_refusal(&format!("refused {peer}: {message}"));
-        let record = AbortRecord {
-            reporter: shared.rank,
-            culprit: Some(hello.rank),
-            collective: None,
-            reason: message,
-        };
-        shared.abort(&mut st, record);
+        if shared.refusal_aborts {
+            let record = AbortRecord {
+                reporter: shared.rank,
+                culprit: Some(hello.rank),
+                collective: None,
+                reason: message,
+            };
+            shared.abort(&mut st, record);
+        }
         return None;
     }
     if auth::welcome(stream).is_err() {

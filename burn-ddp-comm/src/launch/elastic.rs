@@ -1,0 +1,1194 @@
+//! Elastic jobs: `burn-ddp run --nnodes MIN:MAX` (torchrun's elastic launch).
+//!
+//! One launcher per node. The launcher that can bind the rendezvous endpoint
+//! (`--master-addr:--master-port`) is the *host*: it serves a rendezvous store there and runs
+//! the coordinator; every launcher, the host's included, takes part in *rounds*:
+//!
+//! 1. It arrives in the current round (a counter and a key per arrival: `nproc`, node id).
+//! 2. The coordinator closes the round once at least MIN nodes, the host among them, have
+//!    arrived, the join window has passed since then, and every node of the previous round has
+//!    arrived or is lost (its launcher silent for the node timeout); or at once when MAX have
+//!    arrived. It writes the round's plan: the nodes in node-rank order, the host first
+//!    (rank 0, and its store, live there), or why no job can be formed.
+//! 3. Each node in the plan starts its ranks with the round's world size, node rank and job
+//!    token (`<token>/round-<r>`, so a rank of an older round is refused), the round number as
+//!    the restart count (so every rank resumes from the newest complete checkpoint after the
+//!    first round) and the previous world size. Rank 0's store takes the next port.
+//! 4. A round ends when its ranks end. If a rank failed, its launcher moves the job to the next
+//!    round (a compare-and-set on the round number). The coordinator does too when a node of
+//!    the round goes silent, or when a node waits to join and the job has fewer than MAX
+//!    nodes. Every launcher watches the round number and stops its ranks when it moves.
+//!
+//! Every round after the first is a restart and counts against `--max-restarts`, whatever
+//! caused it (as the issue asks; torchrun does not count membership changes). Every wait has a
+//! deadline: the rendezvous timeout for too few nodes, the node timeout for a lost node.
+//!
+//! What this cannot survive: the loss of the host's node (the rendezvous and rank 0 live
+//! there), as with torchrun's c10d rendezvous.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use super::spawn::{self, LocalJob};
+use crate::config::{env, JobToken, MasterAddr};
+use crate::store::auth::Purpose;
+use crate::store::{resolve_bind, StoreClient, StoreServer};
+use crate::types::{Rank, WorldSize};
+use crate::{DdpError, Result};
+
+/// How often a launcher says it is alive, and the coordinator looks at the rendezvous.
+const BEAT: Duration = Duration::from_millis(250);
+/// How long one store request of the rendezvous may take.
+const REQUEST: Duration = Duration::from_secs(10);
+/// How long the host keeps the rendezvous up after its own ranks finished, for the other
+/// nodes to record that theirs did too.
+const FINISH_GRACE: Duration = Duration::from_secs(30);
+
+const ROUND: &str = "elastic/round";
+
+fn arrivals_key(round: u32) -> String {
+    format!("elastic/r{round}/arrivals")
+}
+fn arrival_key(round: u32, i: i64) -> String {
+    format!("elastic/r{round}/arrival/{i}")
+}
+fn plan_key(round: u32) -> String {
+    format!("elastic/r{round}/plan")
+}
+fn finished_key(round: u32) -> String {
+    format!("elastic/r{round}/finished")
+}
+fn why_key(round: u32) -> String {
+    format!("elastic/r{round}/why")
+}
+fn beat_key(node: &str) -> String {
+    format!("elastic/beat/{node}")
+}
+
+/// `--nnodes`: a number of nodes, or a range `MIN:MAX` for an elastic job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    /// The fewest nodes the job runs with.
+    pub min: u32,
+    /// The most nodes the job admits.
+    pub max: u32,
+}
+
+impl NodeRange {
+    /// Whether the job is elastic (`MIN < MAX`).
+    pub fn is_elastic(self) -> bool {
+        self.min != self.max
+    }
+}
+
+impl FromStr for NodeRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let count = |v: &str| v.trim().parse::<u32>().ok().filter(|n| *n >= 1);
+        let bad = || {
+            format!("{s:?} is neither a number of nodes (1 or more) nor a range MIN:MAX (e.g. 1:4)")
+        };
+        match s.split_once(':') {
+            None => count(s).map(|n| Self { min: n, max: n }).ok_or_else(bad),
+            Some((a, b)) => match (count(a), count(b)) {
+                (Some(min), Some(max)) if min <= max => Ok(Self { min, max }),
+                (Some(min), Some(max)) => Err(format!("MIN ({min}) is above MAX ({max})")),
+                _ => Err(bad()),
+            },
+        }
+    }
+}
+
+/// The settings of an elastic job (`burn-ddp run --nnodes MIN:MAX`).
+#[derive(Debug, Clone)]
+pub struct Elastic {
+    /// How many nodes the job may have.
+    pub nodes: NodeRange,
+    /// Rounds after the first that the job may start (each a restart of every rank).
+    pub max_restarts: u32,
+    /// Once MIN nodes are there, how long more may join before a round starts (torchrun's
+    /// last call).
+    pub join_window: Duration,
+    /// How long a round waits for MIN nodes before the job fails.
+    pub rendezvous_timeout: Duration,
+    /// A node whose launcher is silent this long is lost.
+    pub node_timeout: Duration,
+    /// This node's name in the rendezvous and in logs (unique per launcher).
+    pub node_id: String,
+}
+
+impl Elastic {
+    /// The default node id: host name and launcher process id.
+    pub fn default_node_id() -> String {
+        let name = rustix::system::uname();
+        format!(
+            "{}:{}",
+            name.nodename().to_string_lossy(),
+            std::process::id()
+        )
+    }
+}
+
+/// One round of an elastic job, as a node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Round {
+    /// The round number (0 for the first; also the restart count).
+    pub number: u32,
+    /// The round's nodes in node-rank order.
+    pub nodes: Vec<String>,
+    /// This node's rank among them.
+    pub node_rank: u32,
+    /// Ranks per node.
+    pub nproc_per_node: u32,
+    /// The world size of the round before, if any.
+    pub previous_world: Option<u32>,
+}
+
+impl Round {
+    /// The round's world size.
+    pub fn world(&self) -> u32 {
+        self.nodes.len() as u32 * self.nproc_per_node
+    }
+}
+
+/// How a round ended on this node.
+#[derive(Debug)]
+pub enum RoundEnd {
+    /// Every rank of this node finished.
+    Finished,
+    /// A rank of this node failed.
+    Failed(DdpError),
+    /// The job moved to another round; this node's ranks were stopped.
+    Halted,
+    /// The launcher was interrupted.
+    Interrupted,
+}
+
+/// What runs a round's ranks on this node (the launcher's processes; a test's stand-in).
+pub trait RoundRunner {
+    /// The ranks this node starts per round (announced at arrival; every node must agree).
+    fn nproc_per_node(&self) -> u32;
+
+    /// Runs `round` until its ranks end, or stops them once `halt` is set.
+    ///
+    /// # Errors
+    /// The ranks could not be started.
+    fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd>;
+}
+
+/// Runs the ranks of each round as child processes of this launcher.
+#[derive(Debug)]
+pub struct ProcessRunner {
+    /// The node's job; its world, node rank, token and restart count are set per round.
+    pub job: LocalJob,
+    /// `--max-restarts`, passed on as `TORCHELASTIC_MAX_RESTARTS`.
+    pub max_restarts: u32,
+}
+
+impl RoundRunner for ProcessRunner {
+    fn nproc_per_node(&self) -> u32 {
+        self.job.nproc_per_node
+    }
+
+    fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd> {
+        let mut job = self.job.clone();
+        job.nnodes = round.nodes.len() as u32;
+        job.node_rank = round.node_rank;
+        job.token = JobToken::new(format!(
+            "{}/round-{}",
+            self.job.token.expose(),
+            round.number
+        ));
+        job.halt = Some(Arc::clone(halt));
+        let store_port = self
+            .job
+            .master
+            .port
+            .checked_add(1)
+            .ok_or(DdpError::InvalidConfig {
+                field: "--master-port",
+                reason:
+                    "must be below 65535 for an elastic job (rank 0's store takes the next port)",
+            })?;
+        let round_no = round.number.to_string();
+        let mut vars = vec![
+            (env::RESTART_COUNT, round_no.clone()),
+            (env::TORCHELASTIC_RESTART_COUNT, round_no),
+            ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
+            (env::STORE_PORT, store_port.to_string()),
+        ];
+        if let Some(prev) = round.previous_world {
+            vars.push((env::PREVIOUS_WORLD_SIZE, prev.to_string()));
+        }
+        job.env
+            .extend(vars.into_iter().map(|(k, v)| (k.into(), v.into())));
+        let report = spawn::run(&job)?;
+        Ok(match report.failure {
+            None if report.halted => RoundEnd::Halted,
+            None => RoundEnd::Finished,
+            Some(DdpError::Interrupted) => RoundEnd::Interrupted,
+            Some(e) if report.halted => {
+                tracing::debug!("a rank failed while the round was being stopped: {e}");
+                RoundEnd::Halted
+            }
+            Some(e) => RoundEnd::Failed(e),
+        })
+    }
+}
+
+/// A round's plan, as the coordinator writes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Plan {
+    Nodes { nproc: u32, nodes: Vec<String> },
+    Failed(String),
+}
+
+impl Plan {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            Plan::Nodes { nproc, nodes } => format!("nodes\n{nproc}\n{}", nodes.join("\n")),
+            Plan::Failed(why) => format!("failed\n{why}"),
+        }
+        .into_bytes()
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = String::from_utf8_lossy(bytes);
+        let mut lines = text.split('\n');
+        match lines.next()? {
+            "nodes" => {
+                let nproc = lines.next()?.parse().ok()?;
+                let nodes: Vec<String> = lines.map(str::to_owned).collect();
+                (!nodes.is_empty()).then_some(Plan::Nodes { nproc, nodes })
+            }
+            "failed" => Some(Plan::Failed(lines.collect::<Vec<_>>().join("\n"))),
+            _ => None,
+        }
+    }
+}
+
+/// A connection to the rendezvous store, with errors that say what the launcher was doing.
+struct Rdzv {
+    client: StoreClient,
+    addr: String,
+}
+
+impl Rdzv {
+    fn connect(
+        endpoint: &MasterAddr,
+        max: u32,
+        token: &JobToken,
+        within: Duration,
+    ) -> Result<Self> {
+        let world = WorldSize::new(max).ok_or(DdpError::InvalidConfig {
+            field: "--nnodes",
+            reason: "MAX must be at least 1",
+        })?;
+        let client = StoreClient::connect(
+            endpoint,
+            Purpose::StoreAux,
+            Rank(0),
+            world,
+            token,
+            REQUEST,
+            Instant::now() + within,
+        )
+        .map_err(|e| match e {
+            DdpError::WorldSizeMismatch { theirs, .. } => DdpError::Elastic {
+                addr: endpoint.to_string(),
+                reason: format!(
+                    "the rendezvous host admits up to {theirs} nodes, this launcher up to {max}: \
+                     give every node's launcher the same --nnodes"
+                ),
+            },
+            other => other,
+        })?;
+        Ok(Self {
+            client,
+            addr: endpoint.to_string(),
+        })
+    }
+
+    fn lost(&self, doing: &str, e: DdpError) -> DdpError {
+        DdpError::Elastic {
+            addr: self.addr.clone(),
+            reason: format!(
+                "lost the rendezvous while {doing}: {e}; the job cannot go on without its \
+                 host's node (the launcher that serves the rendezvous, with rank 0)"
+            ),
+        }
+    }
+
+    fn round(&self) -> Result<u32> {
+        let v = self
+            .client
+            .get_timeout(ROUND, REQUEST)
+            .map_err(|e| self.lost("reading the round", e))?;
+        String::from_utf8_lossy(&v)
+            .parse()
+            .map_err(|_| DdpError::Elastic {
+                addr: self.addr.clone(),
+                reason: "the rendezvous holds a malformed round number".into(),
+            })
+    }
+
+    /// Moves the job from round `from` to the next one (no effect if it already moved),
+    /// recording `why` (the first reason recorded wins).
+    fn bump(&self, from: u32, why: &str) -> Result<u32> {
+        let _ = self
+            .client
+            .compare_set(&why_key(from), None, why.as_bytes())
+            .map_err(|e| self.lost("starting the next round", e))?;
+        let v = self
+            .client
+            .compare_set(
+                ROUND,
+                Some(from.to_string().as_bytes()),
+                (from + 1).to_string().as_bytes(),
+            )
+            .map_err(|e| self.lost("starting the next round", e))?;
+        Ok(String::from_utf8_lossy(&v).parse().unwrap_or(from + 1))
+    }
+
+    /// Why the job left round `round`, if it did.
+    fn why(&self, round: u32) -> Option<String> {
+        self.client
+            .get_timeout(&why_key(round), Duration::ZERO)
+            .ok()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    fn plan(&self, round: u32) -> Result<Option<Plan>> {
+        match self.client.get_timeout(&plan_key(round), Duration::ZERO) {
+            Ok(v) => Ok(Some(Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
+                addr: self.addr.clone(),
+                reason: format!("the plan of round {round} is malformed"),
+            })?)),
+            Err(DdpError::StoreTimeout { .. }) => Ok(None),
+            Err(e) => Err(self.lost("reading a round's plan", e)),
+        }
+    }
+
+    fn count(&self, key: &str) -> Result<i64> {
+        self.client
+            .add(key, 0)
+            .map_err(|e| self.lost("reading a counter", e))
+    }
+}
+
+/// Runs an elastic job on this node: serves the rendezvous if this node can bind its endpoint,
+/// takes part in rounds until the job finishes, fails, or runs out of restarts.
+///
+/// # Errors
+/// `Elastic` (too few nodes, settings that differ between nodes, restarts used up, the host
+/// lost), `Interrupted`, or the last rank failure when no restart is left.
+pub fn run(job: LocalJob, elastic: Elastic) -> Result<()> {
+    let endpoint = job.master.clone();
+    let token = job.token.clone();
+    let mut runner = ProcessRunner {
+        job,
+        max_restarts: elastic.max_restarts,
+    };
+    run_with(&endpoint, &token, &elastic, &mut runner).map(|_| ())
+}
+
+/// [`run`] with another runner of each round's ranks. Returns the round that finished.
+///
+/// # Errors
+/// As [`run`].
+pub fn run_with(
+    endpoint: &MasterAddr,
+    token: &JobToken,
+    elastic: &Elastic,
+    runner: &mut dyn RoundRunner,
+) -> Result<Round> {
+    let (endpoint, token) = (endpoint.clone(), token.clone());
+    let server = serve(&endpoint, elastic, &token)?;
+    let done = Arc::new(AtomicBool::new(false));
+    let coordinator = match &server {
+        Some(_) => {
+            let rdzv = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST)?;
+            rdzv.client
+                .set(ROUND, b"0")
+                .map_err(|e| rdzv.lost("opening round 0", e))?;
+            let cfg = elastic.clone();
+            let done = Arc::clone(&done);
+            Some(
+                thread::Builder::new()
+                    .name("burn-ddp-rdzv".into())
+                    .spawn(move || coordinate(&rdzv, &cfg, &done))?,
+            )
+        }
+        None => None,
+    };
+    let result = participate(&endpoint, &token, elastic, server.is_some(), runner);
+    if let (Ok(round), Some(_)) = (&result, &server) {
+        // The other nodes record their end in the rendezvous; keep it up for them.
+        if let Ok(rdzv) = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST) {
+            let deadline = Instant::now() + FINISH_GRACE;
+            while Instant::now() < deadline
+                && rdzv
+                    .count(&finished_key(round.number))
+                    .is_ok_and(|n| n < round.nodes.len() as i64)
+            {
+                thread::sleep(BEAT);
+            }
+        }
+    }
+    done.store(true, Ordering::SeqCst);
+    if let Some(h) = coordinator {
+        if let Ok(Err(e)) = h.join() {
+            tracing::warn!("elastic coordinator: {e}");
+        }
+    }
+    drop(server);
+    result
+}
+
+/// Serves the rendezvous when this node holds the endpoint's address and the port is free.
+fn serve(
+    endpoint: &MasterAddr,
+    elastic: &Elastic,
+    token: &JobToken,
+) -> Result<Option<StoreServer>> {
+    let addr = resolve_bind(endpoint, Rank(0))?;
+    let world = WorldSize::new(elastic.nodes.max).ok_or(DdpError::InvalidConfig {
+        field: "--nnodes",
+        reason: "MAX must be at least 1",
+    })?;
+    match StoreServer::bind_rendezvous(addr, world, token.clone()) {
+        Ok(s) => {
+            eprintln!(
+                "burn-ddp run: node {} hosts the elastic rendezvous on {addr}",
+                elastic.node_id
+            );
+            Ok(Some(s))
+        }
+        // Another launcher serves it (this machine), or the address is another node's.
+        Err(DdpError::PortInUse { .. } | DdpError::StoreBind { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// A launcher's part: arrive, run each round it is admitted to, move on when the job does.
+/// Returns the round that finished.
+///
+/// # Errors
+/// As [`run`].
+fn participate(
+    endpoint: &MasterAddr,
+    token: &JobToken,
+    elastic: &Elastic,
+    is_host: bool,
+    runner: &mut dyn RoundRunner,
+) -> Result<Round> {
+    let rdzv = Rdzv::connect(
+        endpoint,
+        elastic.nodes.max,
+        token,
+        elastic.rendezvous_timeout,
+    )?;
+    let _beat = Beat::start(endpoint, elastic, token)?;
+    let id = &elastic.node_id;
+    let nproc = runner.nproc_per_node();
+    let mut number = rdzv.round()?;
+    if rdzv.plan(number)?.is_some() {
+        // The job runs already: wait to be admitted in the next round.
+        number += 1;
+        eprintln!(
+            "burn-ddp run: node {id} asks to join the running job (round {})",
+            number - 1
+        );
+    }
+    let mut previous: Option<Round> = None;
+    let mut last_change: Option<String> = None;
+    loop {
+        if number > elastic.max_restarts {
+            let why = last_change
+                .take()
+                .unwrap_or_else(|| "the job's membership changed".into());
+            return Err(DdpError::Elastic {
+                addr: rdzv.addr.clone(),
+                reason: format!(
+                    "round {number} would be restart {number}, above --max-restarts {}; the \
+                     last change: {why}",
+                    elastic.max_restarts
+                ),
+            });
+        }
+        let i = rdzv
+            .client
+            .add(&arrivals_key(number), 1)
+            .map_err(|e| rdzv.lost("arriving", e))?
+            - 1;
+        rdzv.client
+            .set(&arrival_key(number, i), format!("{nproc}\t{id}").as_bytes())
+            .map_err(|e| rdzv.lost("arriving", e))?;
+        let plan = wait_plan(&rdzv, number, elastic)?;
+        let (plan_nproc, nodes) = match plan {
+            Plan::Failed(why) => {
+                return Err(DdpError::Elastic {
+                    addr: rdzv.addr.clone(),
+                    reason: why,
+                })
+            }
+            Plan::Nodes { nproc, nodes } => (nproc, nodes),
+        };
+        let Some(node_rank) = nodes.iter().position(|n| n == id) else {
+            eprintln!(
+                "burn-ddp run: round {number} started with its maximum of {} nodes without \
+                 node {id}; it waits for the next round",
+                elastic.nodes.max
+            );
+            number += 1;
+            continue;
+        };
+        debug_assert!(!is_host || node_rank == 0);
+        let round = Round {
+            number,
+            nodes,
+            node_rank: node_rank as u32,
+            nproc_per_node: plan_nproc,
+            previous_world: previous.as_ref().map(Round::world),
+        };
+        eprintln!(
+            "burn-ddp run: {}",
+            describe_change(previous.as_ref(), &round, id)
+        );
+        let halt = Arc::new(AtomicBool::new(false));
+        let watch = Watch::start(endpoint, elastic, token, number, &halt)?;
+        let end = runner.run_round(&round, &halt);
+        drop(watch);
+        match end? {
+            RoundEnd::Finished => {
+                let _ = rdzv.client.add(&finished_key(number), 1);
+                eprintln!("burn-ddp run: round {number} finished on node {id}");
+                return Ok(round);
+            }
+            RoundEnd::Interrupted => return Err(DdpError::Interrupted),
+            RoundEnd::Failed(e) => {
+                let why = format!("on node {id}: {e}");
+                eprintln!(
+                    "burn-ddp run: round {number} failed {why}; the job moves to round {}",
+                    number + 1
+                );
+                rdzv.bump(number, &why)?;
+                last_change = Some(why);
+            }
+            RoundEnd::Halted => {
+                let why = rdzv.why(number).unwrap_or_else(|| "unknown".into());
+                eprintln!(
+                    "burn-ddp run: the job left round {number} ({why}); node {id} stopped its \
+                     ranks"
+                );
+                last_change = Some(why);
+            }
+        }
+        number = rdzv.round()?.max(number + 1);
+        previous = Some(round);
+    }
+}
+
+/// Waits for the plan of round `number`, within the longest time the coordinator may take.
+fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &Elastic) -> Result<Plan> {
+    let started = Instant::now();
+    let limit = elastic.rendezvous_timeout + elastic.join_window + elastic.node_timeout + REQUEST;
+    let mut said = Instant::now();
+    loop {
+        match rdzv
+            .client
+            .get_timeout(&plan_key(number), Duration::from_secs(1))
+        {
+            Ok(v) => {
+                return Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
+                    addr: rdzv.addr.clone(),
+                    reason: format!("the plan of round {number} is malformed"),
+                })
+            }
+            Err(DdpError::StoreTimeout { .. }) => {}
+            Err(e) => return Err(rdzv.lost("waiting for a round to start", e)),
+        }
+        if started.elapsed() >= limit {
+            return Err(DdpError::Elastic {
+                addr: rdzv.addr.clone(),
+                reason: format!(
+                    "round {number} did not start within {limit:.0?}: the job runs with its \
+                     maximum of {} nodes (this node could join only when a node leaves), or \
+                     its host stopped coordinating",
+                    elastic.nodes.max
+                ),
+            });
+        }
+        if said.elapsed() >= Duration::from_secs(10) {
+            said = Instant::now();
+            eprintln!(
+                "burn-ddp run: node {} waits for round {number} to start ({:.0?} so far)",
+                elastic.node_id,
+                started.elapsed()
+            );
+        }
+    }
+}
+
+/// The line every launcher prints when a round starts: who left, who joined, the world size.
+fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String {
+    let first = round.node_rank * round.nproc_per_node;
+    let mut line = format!(
+        "round {}: {} node(s) [{}], world size {}",
+        round.number,
+        round.nodes.len(),
+        round.nodes.join(", "),
+        round.world()
+    );
+    if let Some(prev) = previous {
+        let left: Vec<&str> = prev
+            .nodes
+            .iter()
+            .filter(|n| !round.nodes.contains(n))
+            .map(String::as_str)
+            .collect();
+        let joined: Vec<&str> = round
+            .nodes
+            .iter()
+            .filter(|n| !prev.nodes.contains(n))
+            .map(String::as_str)
+            .collect();
+        line.push_str(&format!(
+            " (was {}); left: [{}]; joined: [{}]",
+            prev.world(),
+            left.join(", "),
+            joined.join(", ")
+        ));
+    }
+    line.push_str(&format!(
+        "; node {id} is node rank {}, ranks {first}..{}",
+        round.node_rank,
+        first + round.nproc_per_node
+    ));
+    line
+}
+
+/// A thread of the launcher's, stopped and joined on drop.
+struct Background {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A thread that keeps this launcher's beat counter moving (its sign of life).
+struct Beat;
+
+impl Beat {
+    fn start(endpoint: &MasterAddr, elastic: &Elastic, token: &JobToken) -> Result<Background> {
+        let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
+        let key = beat_key(&elastic.node_id);
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = thread::Builder::new()
+            .name("burn-ddp-beat".into())
+            .spawn(move || {
+                while !flag.load(Ordering::SeqCst) {
+                    if rdzv.client.add(&key, 1).is_err() {
+                        // The host is gone; the participant finds out on its next request.
+                        return;
+                    }
+                    thread::sleep(BEAT);
+                }
+            })?;
+        Ok(Background {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A thread that sets `halt` when the job leaves round `number`.
+struct Watch;
+
+impl Watch {
+    fn start(
+        endpoint: &MasterAddr,
+        elastic: &Elastic,
+        token: &JobToken,
+        number: u32,
+        halt: &Arc<AtomicBool>,
+    ) -> Result<Background> {
+        let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let halt = Arc::clone(halt);
+        let thread = thread::Builder::new()
+            .name("burn-ddp-watch".into())
+            .spawn(move || {
+                while !flag.load(Ordering::SeqCst) {
+                    match rdzv.round() {
+                        Ok(r) if r > number => {
+                            halt.store(true, Ordering::SeqCst);
+                            return;
+                        }
+                        Ok(_) => {}
+                        // The host is gone: the ranks find out by themselves (rank 0 is there).
+                        Err(_) => return,
+                    }
+                    thread::sleep(BEAT);
+                }
+            })?;
+        Ok(Background {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// The last time each node's beat counter was seen to move.
+#[derive(Debug, Default)]
+struct Beats {
+    seen: HashMap<String, (i64, Instant)>,
+}
+
+impl Beats {
+    fn observe<'a>(
+        &mut self,
+        rdzv: &Rdzv,
+        ids: impl IntoIterator<Item = &'a String>,
+    ) -> Result<()> {
+        for id in ids {
+            let v = rdzv.count(&beat_key(id))?;
+            let entry = self.seen.entry(id.clone()).or_insert((v, Instant::now()));
+            if entry.0 != v {
+                *entry = (v, Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    fn silent_for(&self, id: &str) -> Duration {
+        self.seen
+            .get(id)
+            .map(|(_, t)| t.elapsed())
+            .unwrap_or_default()
+    }
+}
+
+/// The host's coordinator: closes each round, then watches it for lost and waiting nodes.
+fn coordinate(rdzv: &Rdzv, cfg: &Elastic, done: &AtomicBool) -> Result<()> {
+    let mut beats = Beats::default();
+    let mut previous: Vec<String> = Vec::new();
+    let mut number = 0u32;
+    loop {
+        let Some(plan) = gather(rdzv, cfg, number, &previous, &mut beats, done)? else {
+            return Ok(());
+        };
+        rdzv.client
+            .set(&plan_key(number), &plan.encode())
+            .map_err(|e| rdzv.lost("writing a round's plan", e))?;
+        let Plan::Nodes { nodes, .. } = plan else {
+            return Ok(());
+        };
+        loop {
+            if done.load(Ordering::SeqCst) {
+                return Ok(());
+            }
+            if rdzv.round()? > number {
+                break;
+            }
+            beats.observe(rdzv, &nodes)?;
+            if let Some(lost) = nodes
+                .iter()
+                .find(|n| beats.silent_for(n) >= cfg.node_timeout)
+            {
+                let why = format!(
+                    "node {lost} was lost: its launcher has been silent for {:.1?}",
+                    beats.silent_for(lost)
+                );
+                eprintln!("burn-ddp run: {why}; the job moves to round {}", number + 1);
+                rdzv.bump(number, &why)?;
+                break;
+            }
+            if (nodes.len() as u32) < cfg.nodes.max && rdzv.count(&arrivals_key(number + 1))? > 0 {
+                let why = format!(
+                    "a node asks to join and the job has {} of at most {} nodes",
+                    nodes.len(),
+                    cfg.nodes.max
+                );
+                eprintln!("burn-ddp run: {why}; the job moves to round {}", number + 1);
+                rdzv.bump(number, &why)?;
+                break;
+            }
+            thread::sleep(BEAT);
+        }
+        previous = nodes;
+        number += 1;
+    }
+}
+
+/// Collects the arrivals of round `number` until the round can close; `None` once `done`.
+fn gather(
+    rdzv: &Rdzv,
+    cfg: &Elastic,
+    number: u32,
+    previous: &[String],
+    beats: &mut Beats,
+    done: &AtomicBool,
+) -> Result<Option<Plan>> {
+    let opened = Instant::now();
+    let mut arrived: Vec<(u32, String)> = Vec::new();
+    let mut enough_since: Option<Instant> = None;
+    loop {
+        if done.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let n = rdzv.count(&arrivals_key(number))?;
+        while (arrived.len() as i64) < n {
+            // An arrival counts itself first, then writes who it is.
+            let key = arrival_key(number, arrived.len() as i64);
+            let v = rdzv
+                .client
+                .get_timeout(&key, REQUEST)
+                .map_err(|e| rdzv.lost("reading an arrival", e))?;
+            let text = String::from_utf8_lossy(&v).into_owned();
+            let (nproc, id) = text
+                .split_once('\t')
+                .and_then(|(n, id)| Some((n.parse().ok()?, id.to_owned())))
+                .ok_or_else(|| DdpError::Elastic {
+                    addr: rdzv.addr.clone(),
+                    reason: format!("a malformed arrival in round {number}: {text:?}"),
+                })?;
+            arrived.push((nproc, id));
+        }
+        beats.observe(
+            rdzv,
+            previous.iter().chain(arrived.iter().map(|(_, id)| id)),
+        )?;
+        // The host first (rank 0 and its store live there), then in order of arrival.
+        let mut admitted: Vec<&(u32, String)> = arrived
+            .iter()
+            .filter(|(_, id)| *id == cfg.node_id)
+            .take(1)
+            .collect();
+        if !admitted.is_empty() {
+            for a in &arrived {
+                if admitted.len() as u32 >= cfg.nodes.max {
+                    break;
+                }
+                if !admitted.iter().any(|b| b.1 == a.1) {
+                    admitted.push(a);
+                }
+            }
+            let count = admitted.len() as u32;
+            let waiting_for: Vec<&String> = previous
+                .iter()
+                .filter(|p| !arrived.iter().any(|(_, id)| id == *p))
+                .filter(|p| beats.silent_for(p) < cfg.node_timeout)
+                .collect();
+            let ready = count >= cfg.nodes.max
+                || (count >= cfg.nodes.min
+                    && enough_since.get_or_insert_with(Instant::now).elapsed() >= cfg.join_window
+                    && waiting_for.is_empty());
+            if ready {
+                return Ok(Some(plan_of(&admitted)));
+            }
+        }
+        if opened.elapsed() >= cfg.rendezvous_timeout {
+            let ids: Vec<&str> = arrived.iter().map(|(_, id)| id.as_str()).collect();
+            return Ok(Some(Plan::Failed(format!(
+                "round {number}: {} of the at least {} node(s) arrived within {:.0?} ([{}]); \
+                 start more nodes' launchers, lower MIN in --nnodes, or raise --rdzv-timeout",
+                ids.len(),
+                cfg.nodes.min,
+                cfg.rendezvous_timeout,
+                ids.join(", ")
+            ))));
+        }
+        thread::sleep(BEAT / 2);
+    }
+}
+
+/// The plan for the admitted nodes, or why they cannot form a job.
+fn plan_of(admitted: &[&(u32, String)]) -> Plan {
+    let (nproc, first) = (admitted[0].0, &admitted[0].1);
+    if let Some((other_n, other)) = admitted.iter().map(|a| (a.0, &a.1)).find(|a| a.0 != nproc) {
+        return Plan::Failed(format!(
+            "node {first} starts {nproc} rank(s) per node and node {other} {other_n}: give \
+             every node's launcher the same --nproc-per-node"
+        ));
+    }
+    Plan::Nodes {
+        nproc,
+        nodes: admitted.iter().map(|a| a.1.clone()).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// What a stand-in node does in one round.
+    #[derive(Debug, Clone, Copy)]
+    enum Act {
+        /// Its ranks finish after this long (unless halted first).
+        Finish(u64),
+        /// A rank fails after this long (unless halted first).
+        Fail(u64),
+        /// The whole node disappears after this long (its launcher ends, its beat stops).
+        Vanish(u64),
+        /// Its ranks run until the job moves on.
+        UntilHalt,
+    }
+
+    struct Fake {
+        nproc: u32,
+        script: Vec<Act>,
+        seen: Arc<Mutex<Vec<Round>>>,
+    }
+
+    fn halted_within(halt: &AtomicBool, ms: u64) -> bool {
+        let end = Instant::now() + Duration::from_millis(ms);
+        while Instant::now() < end {
+            if halt.load(Ordering::SeqCst) {
+                return true;
+            }
+            thread::sleep(Duration::from_millis(10));
+        }
+        false
+    }
+
+    impl RoundRunner for Fake {
+        fn nproc_per_node(&self) -> u32 {
+            self.nproc
+        }
+
+        fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd> {
+            self.seen.lock().unwrap().push(round.clone());
+            let act = if self.script.is_empty() {
+                Act::UntilHalt
+            } else {
+                self.script.remove(0)
+            };
+            Ok(match act {
+                Act::Finish(ms) if !halted_within(halt, ms) => RoundEnd::Finished,
+                Act::Fail(ms) if !halted_within(halt, ms) => {
+                    RoundEnd::Failed(DdpError::RankFailed {
+                        rank: Rank(round.node_rank * round.nproc_per_node),
+                        pid: 0,
+                        status: "exited with status 1".into(),
+                    })
+                }
+                Act::Vanish(ms) => {
+                    halted_within(halt, ms);
+                    return Err(DdpError::Io(std::io::Error::other("the node vanished")));
+                }
+                Act::UntilHalt if !halted_within(halt, 60_000) => {
+                    panic!("round {} was never left", round.number)
+                }
+                _ => RoundEnd::Halted,
+            })
+        }
+    }
+
+    fn settings(id: &str, min: u32, max: u32, max_restarts: u32) -> Elastic {
+        Elastic {
+            nodes: NodeRange { min, max },
+            max_restarts,
+            join_window: Duration::from_millis(800),
+            rendezvous_timeout: Duration::from_secs(20),
+            node_timeout: Duration::from_millis(1500),
+            node_id: id.into(),
+        }
+    }
+
+    type Node = (thread::JoinHandle<Result<Round>>, Arc<Mutex<Vec<Round>>>);
+
+    fn node(endpoint: &MasterAddr, cfg: Elastic, nproc: u32, script: Vec<Act>) -> Node {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut fake = Fake {
+            nproc,
+            script,
+            seen: Arc::clone(&seen),
+        };
+        let endpoint = endpoint.clone();
+        let handle = thread::spawn(move || {
+            run_with(&endpoint, &JobToken::new("elastic-test"), &cfg, &mut fake)
+        });
+        (handle, seen)
+    }
+
+    /// Starts the host's launcher and waits until it serves the rendezvous, so that it is the
+    /// host (on one machine, the first launcher to bind the endpoint is).
+    fn host(cfg: Elastic, nproc: u32, script: Vec<Act>) -> (MasterAddr, Node) {
+        let endpoint = MasterAddr::new("127.0.0.1", spawn::free_port().unwrap());
+        let n = node(&endpoint, cfg, nproc, script);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", endpoint.port)).is_err() {
+            assert!(Instant::now() < deadline, "the host never served");
+            thread::sleep(Duration::from_millis(10));
+        }
+        (endpoint, n)
+    }
+
+    fn nodes_of(seen: &Arc<Mutex<Vec<Round>>>) -> Vec<(u32, Vec<String>, Option<u32>)> {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .map(|r| (r.number, r.nodes.clone(), r.previous_world))
+            .collect()
+    }
+
+    fn v(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn node_ranges_parse_like_torchrun() {
+        assert_eq!("3".parse(), Ok(NodeRange { min: 3, max: 3 }));
+        assert_eq!("1:4".parse(), Ok(NodeRange { min: 1, max: 4 }));
+        assert!(!NodeRange { min: 2, max: 2 }.is_elastic());
+        for bad in ["0", "0:2", "3:2", "a", "1:", ":2", "1:2:3", ""] {
+            let e = bad.parse::<NodeRange>().unwrap_err();
+            assert!(
+                e.contains("MIN") || e.contains("number of nodes"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn plans_survive_their_encoding() {
+        for plan in [
+            Plan::Nodes {
+                nproc: 2,
+                nodes: v(&["a:1", "b:2"]),
+            },
+            Plan::Failed("too few\nnodes".into()),
+        ] {
+            assert_eq!(Plan::decode(&plan.encode()), Some(plan));
+        }
+        assert_eq!(
+            Plan::decode(b"nodes\n2\n"),
+            Some(Plan::Nodes {
+                nproc: 2,
+                nodes: v(&[""])
+            })
+        );
+        assert_eq!(Plan::decode(b"nodes\nx\na"), None);
+        assert_eq!(Plan::decode(b"what"), None);
+    }
+
+    /// A, B train; B vanishes (its launcher gone): after the node timeout A goes on alone in
+    /// round 1. C starts: the job has fewer than MAX nodes, so it moves to round 2 with A and
+    /// C, which finish. Every round's membership and previous world size is as described.
+    #[test]
+    fn a_lost_node_is_dropped_and_a_newcomer_joins_in_the_next_round() {
+        let (endpoint, a) = host(
+            settings("a", 1, 3, 5),
+            1,
+            vec![Act::UntilHalt, Act::UntilHalt, Act::Finish(300)],
+        );
+        let b = node(&endpoint, settings("b", 1, 3, 5), 1, vec![Act::Vanish(300)]);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while a.1.lock().unwrap().len() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "A never reached round 1: {:?}",
+                nodes_of(&a.1)
+            );
+            thread::sleep(Duration::from_millis(20));
+        }
+        let c = node(&endpoint, settings("c", 1, 3, 5), 1, vec![Act::Finish(300)]);
+        let c_end = c.0.join().unwrap().unwrap();
+        let a_end = a.0.join().unwrap().unwrap();
+        let b_end = b.0.join().unwrap();
+        assert!(b_end.is_err(), "{b_end:?}");
+        assert_eq!(
+            nodes_of(&a.1),
+            vec![
+                (0, v(&["a", "b"]), None),
+                (1, v(&["a"]), Some(2)),
+                (2, v(&["a", "c"]), Some(1)),
+            ]
+        );
+        assert_eq!(nodes_of(&c.1), vec![(2, v(&["a", "c"]), None)]);
+        assert_eq!((a_end.node_rank, c_end.node_rank), (0, 1));
+        assert_eq!(c_end.world(), 2);
+    }
+
+    /// A rank failure on B moves both nodes to round 1 (restart 1), where they finish; with
+    /// no restart allowed, both fail naming the rank failure.
+    #[test]
+    fn a_failed_rank_restarts_every_node_within_max_restarts() {
+        let (endpoint, a) = host(
+            settings("a", 2, 3, 1),
+            1,
+            vec![Act::UntilHalt, Act::Finish(200)],
+        );
+        let b = node(
+            &endpoint,
+            settings("b", 2, 3, 1),
+            1,
+            vec![Act::Fail(300), Act::Finish(200)],
+        );
+        a.0.join().unwrap().unwrap();
+        b.0.join().unwrap().unwrap();
+        for seen in [&a.1, &b.1] {
+            let rounds: Vec<u32> = nodes_of(seen).iter().map(|r| r.0).collect();
+            assert_eq!(rounds, vec![0, 1]);
+        }
+
+        let (endpoint, a) = host(settings("a", 2, 3, 0), 1, vec![Act::UntilHalt]);
+        let b = node(&endpoint, settings("b", 2, 3, 0), 1, vec![Act::Fail(300)]);
+        for (n, name) in [(a, "a"), (b, "b")] {
+            let e = n.0.join().unwrap().unwrap_err().to_string();
+            assert!(
+                e.contains("above --max-restarts 0")
+                    && e.contains("rank 1 (pid 0) exited with status 1"),
+                "{name}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn too_few_nodes_fail_the_rendezvous_saying_how_many_came() {
+        let mut cfg = settings("a", 2, 3, 0);
+        cfg.rendezvous_timeout = Duration::from_secs(1);
+        let (_, a) = host(cfg, 1, vec![]);
+        let e = a.0.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("1 of the at least 2 node(s) arrived") && e.contains("[a]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn nodes_that_disagree_are_refused_naming_the_option() {
+        // Ranks per node.
+        let (endpoint, a) = host(settings("a", 1, 2, 0), 1, vec![]);
+        let b = node(&endpoint, settings("b", 1, 2, 0), 2, vec![]);
+        for n in [a, b] {
+            let e = n.0.join().unwrap().unwrap_err().to_string();
+            assert!(e.contains("same --nproc-per-node"), "{e}");
+        }
+        // The most nodes.
+        let (endpoint, a) = host(settings("a", 1, 2, 0), 1, vec![Act::Finish(3000)]);
+        let b = node(&endpoint, settings("b", 1, 3, 0), 1, vec![]);
+        let e = b.0.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("same --nnodes") && e.contains("up to 2 nodes"),
+            "{e}"
+        );
+        a.0.join().unwrap().unwrap();
+    }
+}
