@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod diff;
+pub mod netns;
 mod procs;
 pub mod spawned;
 

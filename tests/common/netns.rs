@@ -1,0 +1,197 @@
+//! Several "nodes" on one machine: Linux network namespaces, each with its own address on a
+//! virtual link to a bridge (a switch namespace of its own), created by the test and removed
+//! when it ends. A node's processes see only their namespace's network: `MASTER_ADDR` is not
+//! loopback, and cutting a node's link (or killing every process in it) acts on that node only.
+//!
+//! Needs root and iproute2's `ip`. Where namespaces cannot be made, [`Net::new`] panics saying
+//! why: such a test fails, it never passes without having run.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// The nodes of one test, on the subnet 10.77.0.0/24: node `i` has 10.77.0.{i+1}.
+pub struct Net {
+    prefix: String,
+    nodes: usize,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("`ip {}` could not run: {e}", args.join(" ")))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl Net {
+    /// Makes `nodes` namespaces linked by a bridge.
+    pub fn new(nodes: usize) -> Self {
+        let prefix = format!(
+            "bddp{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        let net = Self { prefix, nodes };
+        if let Err(e) = net.build() {
+            panic!(
+                "this test needs network namespaces (root and iproute2's `ip`), and this machine \
+                 could not make them: {e}"
+            );
+        }
+        net
+    }
+
+    fn switch(&self) -> String {
+        format!("{}-sw", self.prefix)
+    }
+
+    /// The namespace of node `i`.
+    pub fn ns(&self, i: usize) -> String {
+        format!("{}-n{i}", self.prefix)
+    }
+
+    /// The address of node `i`.
+    pub fn addr(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    fn build(&self) -> Result<(), String> {
+        let sw = self.switch();
+        ip(&["netns", "add", &sw])?;
+        ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        for i in 0..self.nodes {
+            let ns = self.ns(i);
+            let port = format!("p{i}");
+            ip(&["netns", "add", &ns])?;
+            ip(&[
+                "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns",
+                &sw,
+            ])?;
+            ip(&["-n", &sw, "link", "set", &port, "master", "br0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            let cidr = format!("{}/24", self.addr(i));
+            ip(&["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        }
+        Ok(())
+    }
+
+    /// Starts `program args` on node `i`, its stdout and stderr into `log`.
+    pub fn start(&self, i: usize, program: &Path, args: &[String], log: &Path) -> Child {
+        let out = File::create(log).unwrap();
+        Command::new("ip")
+            .args(["netns", "exec", &self.ns(i)])
+            .arg(program)
+            .args(args)
+            .env_remove("RANK")
+            .env_remove("SLURM_PROCID")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Kills every process of node `i` at once (SIGKILL), as if the machine died.
+    pub fn kill(&self, i: usize) {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.ns(i)])
+            .output()
+            .unwrap();
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let _ = Command::new("kill").args(["-9", pid]).status();
+        }
+    }
+
+    /// Sets node `i`'s link down (or up): its processes live on, cut off from the others.
+    pub fn link(&self, i: usize, up: bool) {
+        ip(&[
+            "-n",
+            &self.ns(i),
+            "link",
+            "set",
+            "eth0",
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for i in 0..self.nodes {
+            self.kill(i);
+        }
+        for i in 0..self.nodes {
+            let _ = ip(&["netns", "del", &self.ns(i)]);
+        }
+        let _ = ip(&["netns", "del", &self.switch()]);
+    }
+}
+
+/// Waits until `log` contains `needle` (or `deadline` passes: then panics with the log).
+pub fn wait_for(log: &Path, needle: &str, limit: Duration) -> Instant {
+    let deadline = Instant::now() + limit;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{needle:?} not in {} within {limit:?}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until every path exists.
+pub fn wait_for_files(paths: &[PathBuf], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !paths.iter().all(|p| p.exists()) {
+        assert!(
+            Instant::now() < deadline,
+            "{paths:?} not written within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to end within `limit` (else kills it and panics with `log`).
+pub fn finish(child: &mut Child, log: &Path, limit: Duration) -> (bool, String) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (
+                status.success(),
+                std::fs::read_to_string(log).unwrap_or_default(),
+            );
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{} did not end within {limit:?}:\n{}",
+                log.display(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -1,0 +1,296 @@
+//! Multi-node jobs for real: each node a Linux network namespace with its own address on a
+//! virtual link (`common/netns.rs`), the launcher and the classifier example in each, so that
+//! `MASTER_ADDR` is not loopback, the ranks pick the interface that reaches it, the job token
+//! crosses the link, and a node can be killed or cut off whole.
+//!
+//! - a fixed 2-node job trains exactly as 2 ranks on one machine;
+//! - an elastic job (`--nnodes 1:2`) loses a killed node, goes on alone from the newest
+//!   checkpoint, takes the restarted node back at the next round, and finishes;
+//! - an elastic job loses a node whose link goes down and finishes without it; the cut-off
+//!   node ends with an error saying it lost the rendezvous, no hang.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::netns::{finish, wait_for, wait_for_files, Net};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-mn-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The classifier's arguments: small, `--resume` (a restarted round resumes), a digest at the end.
+fn classifier_args(out: &Path, epochs: u32) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--epochs",
+        &epochs.to_string(),
+        "--batch-size",
+        "16",
+        "--train-size",
+        "768",
+        "--test-size",
+        "64",
+        "--resume",
+        "--print-digest",
+        "--out",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.push(out.display().to_string());
+    args
+}
+
+fn digest(log: &str, rank: u32) -> String {
+    let prefix = format!("[rank {rank}] parameter digest: ");
+    log.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{log}"))
+        .to_string()
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// The launcher arguments of node `node` of an elastic job on `net`, then the classifier's.
+fn elastic_args(net: &Net, node: &str, out: &Path, epochs: u32) -> Vec<String> {
+    let mut args = strings(&[
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--rdzv-join-window",
+        "2",
+        "--node-timeout",
+        "3",
+        "--master-port",
+        "29500",
+        "--rdzv-id",
+        "elastic-test",
+        "--node-id",
+        node,
+        "--master-addr",
+    ]);
+    args.push(net.addr(0));
+    args.push("--".into());
+    args.push(common::spawned::example("classifier").display().to_string());
+    args.extend(classifier_args(out, epochs));
+    args
+}
+
+/// `env` then the launcher: the environment every node's launcher gets.
+fn env_launcher(args: Vec<String>) -> (PathBuf, Vec<String>) {
+    let mut all = strings(&[
+        "RUST_LOG=burn_ddp=info",
+        // Failure detection, not the collective deadline, must bound every wait.
+        "BURN_DDP_TIMEOUT=10m",
+        "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
+    ]);
+    all.push(common::spawned::launcher().display().to_string());
+    all.extend(args);
+    (PathBuf::from("/usr/bin/env"), all)
+}
+
+/// Two nodes, one rank each, `MASTER_ADDR` on the first node's link: the job trains to the
+/// same parameters as 2 ranks on one machine (`--nproc 2`, loopback), bit for bit.
+#[test]
+fn two_nodes_on_a_virtual_link_train_exactly_like_one_machine() {
+    let net = Net::new(2);
+    let dir = scratch("fixed");
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let mut args = strings(&[
+            "run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-id",
+            "fixed-test",
+            "--master-port",
+            "29500",
+        ]);
+        args.extend(["--node-rank".into(), i.to_string()]);
+        args.extend(["--master-addr".into(), net.addr(0)]);
+        args.push("--".into());
+        args.push(common::spawned::example("classifier").display().to_string());
+        args.extend(classifier_args(&dir.join("out"), 2));
+        let log = dir.join(format!("node{i}.log"));
+        let (program, args) = env_launcher(args);
+        nodes.push((net.start(i, &program, &args, &log), log));
+    }
+    let logs: Vec<String> = nodes
+        .iter_mut()
+        .map(|(child, log)| {
+            let (ok, text) = finish(child, log, Duration::from_secs(300));
+            assert!(ok, "{}:\n{text}", log.display());
+            text
+        })
+        .collect();
+    let store = format!("store {}:29500", net.addr(0));
+    assert!(
+        logs[0].contains(&store) && logs[1].contains(&store),
+        "the ranks did not meet at {store}:\n{}\n{}",
+        logs[0],
+        logs[1]
+    );
+    let (d0, d1) = (digest(&logs[0], 0), digest(&logs[1], 1));
+    assert_eq!(d0, d1);
+
+    // The same job on one machine.
+    let local = Command::new(common::spawned::example("classifier"))
+        .args(["--nproc", "2"])
+        .args(classifier_args(&dir.join("local"), 2))
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&local.stdout);
+    assert!(local.status.success(), "{text}");
+    assert_eq!(digest(&text, 0), d0, "two nodes and one machine differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--nnodes 1:2` on two nodes. Node b is killed whole (launcher and rank) once the checkpoint
+/// of epoch 1 is complete: node a goes on alone (world size 1) from that checkpoint and writes
+/// the next one. Then node b is started again: it asks to join, the job restarts with both at
+/// the next round, resumes from the newest checkpoint, and finishes; both ranks end with the
+/// same parameters. Every launcher logs each round: who left, who joined, the world size.
+#[test]
+fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
+    let net = Net::new(2);
+    let dir = scratch("killed");
+    let out = dir.join("out");
+    let ckpt = |epoch: u32| -> Vec<PathBuf> {
+        ["model", "optim", "scheduler"]
+            .iter()
+            .map(|p| out.join(format!("checkpoint/{p}-{epoch}.bin")))
+            .collect()
+    };
+    let (prog, args) = env_launcher(elastic_args(&net, "a", &out, 5));
+    let (log_a, log_b, log_b2) = (dir.join("a.log"), dir.join("b.log"), dir.join("b2.log"));
+    let mut a = net.start(0, &prog, &args, &log_a);
+    let (prog_b, args_b) = env_launcher(elastic_args(&net, "b", &out, 5));
+    let mut b = net.start(1, &prog_b, &args_b, &log_b);
+    wait_for(
+        &log_a,
+        "round 0: 2 node(s) [a, b]",
+        Duration::from_secs(120),
+    );
+    wait_for_files(&ckpt(1), Duration::from_secs(300));
+
+    net.kill(1);
+    let killed = Instant::now();
+    let _ = b.wait();
+    let resumed = wait_for(
+        &log_a,
+        "[rank 0] resumed from the checkpoint of epoch 1",
+        Duration::from_secs(60),
+    );
+    eprintln!(
+        "node b killed: node a's rank resumed alone {:.1?} later",
+        resumed - killed
+    );
+    let text = std::fs::read_to_string(&log_a).unwrap();
+    assert!(
+        text.contains("node b was lost") || text.contains("round 0 failed on node a"),
+        "{text}"
+    );
+    assert!(
+        text.contains("round 1: 1 node(s) [a], world size 1 (was 2); left: [b]; joined: []"),
+        "{text}"
+    );
+    // Node a alone makes progress: the next checkpoint.
+    wait_for_files(&ckpt(2), Duration::from_secs(300));
+
+    let mut b2 = net.start(1, &prog_b, &args_b, &log_b2);
+    let (ok_b2, text_b2) = finish(&mut b2, &log_b2, Duration::from_secs(300));
+    let (ok_a, text_a) = finish(&mut a, &log_a, Duration::from_secs(300));
+    assert!(ok_a, "node a:\n{text_a}");
+    assert!(ok_b2, "restarted node b:\n{text_b2}");
+    assert!(
+        text_b2.contains("node b asks to join the running job"),
+        "{text_b2}"
+    );
+    assert!(
+        text_a.contains("a node asks to join and the job has 1 of at most 2 nodes"),
+        "{text_a}"
+    );
+    assert!(
+        text_a.contains("2 node(s) [a, b], world size 2 (was 1); left: []; joined: [b]"),
+        "{text_a}"
+    );
+    // The last round resumed from a checkpoint written while node a was alone.
+    let last_resume = text_a
+        .lines()
+        .rev()
+        .find_map(|l| l.split("resumed from the checkpoint of epoch ").nth(1))
+        .unwrap()
+        .trim()
+        .parse::<u32>()
+        .unwrap();
+    assert!(last_resume >= 2, "{text_a}");
+    assert!(text_a.contains("final test accuracy"), "{text_a}");
+    assert_eq!(digest(&text_a, 0), digest(&text_b2, 1));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--nnodes 1:2`; node b's link goes down (its processes live on, cut off): node a's
+/// rendezvous finds node b's launcher silent, and node a finishes alone from the newest
+/// checkpoint. Node b ends non-zero within a bound, saying it lost the rendezvous.
+#[test]
+fn elastic_job_drops_a_node_whose_link_goes_down() {
+    let net = Net::new(2);
+    let dir = scratch("cut");
+    let out = dir.join("out");
+    let (log_a, log_b) = (dir.join("a.log"), dir.join("b.log"));
+    let (prog, args) = env_launcher(elastic_args(&net, "a", &out, 3));
+    let mut a = net.start(0, &prog, &args, &log_a);
+    let (prog_b, args_b) = env_launcher(elastic_args(&net, "b", &out, 3));
+    let mut b = net.start(1, &prog_b, &args_b, &log_b);
+    wait_for(
+        &log_a,
+        "round 0: 2 node(s) [a, b]",
+        Duration::from_secs(120),
+    );
+    let records: Vec<PathBuf> = ["model", "optim", "scheduler"]
+        .iter()
+        .map(|p| out.join(format!("checkpoint/{p}-1.bin")))
+        .collect();
+    wait_for_files(&records, Duration::from_secs(300));
+
+    net.link(1, false);
+    let cut = Instant::now();
+    let resumed = wait_for(
+        &log_a,
+        "[rank 0] resumed from the checkpoint of epoch 1",
+        Duration::from_secs(60),
+    );
+    eprintln!(
+        "node b cut off: node a's rank resumed alone {:.1?} later",
+        resumed - cut
+    );
+    let (ok_a, text_a) = finish(&mut a, &log_a, Duration::from_secs(300));
+    assert!(ok_a, "node a:\n{text_a}");
+    assert!(
+        text_a.contains("round 1: 1 node(s) [a], world size 1 (was 2); left: [b]"),
+        "{text_a}"
+    );
+    assert!(text_a.contains("final test accuracy"), "{text_a}");
+    let (ok_b, text_b) = finish(&mut b, &log_b, Duration::from_secs(120));
+    let took = cut.elapsed();
+    assert!(!ok_b, "node b, cut off, succeeded:\n{text_b}");
+    assert!(text_b.contains("lost the rendezvous"), "{text_b}");
+    eprintln!("node b cut off: it ended {took:.1?} later, naming the lost rendezvous");
+    let _ = std::fs::remove_dir_all(&dir);
+}
