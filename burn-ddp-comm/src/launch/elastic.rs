@@ -42,6 +42,8 @@ use crate::{DdpError, Result};
 
 /// How often a launcher says it is alive, and the coordinator looks at the rendezvous.
 const BEAT: Duration = Duration::from_millis(250);
+/// How often a node waiting for a round's plan looks whether the job ended.
+const PLAN_POLL: Duration = Duration::from_millis(500);
 /// How long one store request of the rendezvous may take.
 const REQUEST: Duration = Duration::from_secs(10);
 /// How long the host keeps the rendezvous up after its own ranks finished, for the other
@@ -49,6 +51,8 @@ const REQUEST: Duration = Duration::from_secs(10);
 const FINISH_GRACE: Duration = Duration::from_secs(30);
 
 const ROUND: &str = "elastic/round";
+/// Set by the host when the job has ended (how), before the rendezvous closes.
+const END: &str = "elastic/end";
 
 fn arrivals_key(round: u32) -> String {
     format!("elastic/r{round}/arrivals")
@@ -427,6 +431,24 @@ pub fn run_with(
         None => None,
     };
     let result = participate(&endpoint, &token, elastic, server.is_some(), runner);
+    if server.is_some() {
+        // Nodes still waiting to be admitted learn that the job is over, and how.
+        if let Ok(rdzv) = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST) {
+            let how = match &result {
+                Ok(round) => format!("it finished in round {}", round.number),
+                Err(e) => format!("its host's node failed: {e}"),
+            };
+            let _ = rdzv.client.set(END, how.as_bytes());
+            // Waiting nodes look every PLAN_POLL: keep the rendezvous up long enough to be read.
+            let next = match &result {
+                Ok(round) => round.number + 1,
+                Err(_) => rdzv.round().map_or(0, |r| r + 1),
+            };
+            if rdzv.count(&arrivals_key(next)).is_ok_and(|n| n > 0) {
+                thread::sleep(PLAN_POLL * 3);
+            }
+        }
+    }
     if let (Ok(round), Some(_)) = (&result, &server) {
         // The other nodes record their end in the rendezvous; keep it up for them.
         if let Ok(rdzv) = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST) {
@@ -508,6 +530,17 @@ fn participate(
     let mut previous: Option<Round> = None;
     let mut last_change: Option<String> = None;
     loop {
+        if number > elastic.max_restarts && previous.is_none() && last_change.is_none() {
+            return Err(DdpError::Elastic {
+                addr: rdzv.addr.clone(),
+                reason: format!(
+                    "the job runs in round {}: admitting node {id} would take restart {number}, \
+                     above --max-restarts {}",
+                    number - 1,
+                    elastic.max_restarts
+                ),
+            });
+        }
         if number > elastic.max_restarts {
             let why = last_change
                 .take()
@@ -600,10 +633,7 @@ fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &Elastic) -> Result<Plan> {
     let limit = elastic.rendezvous_timeout + elastic.join_window + elastic.node_timeout + REQUEST;
     let mut said = Instant::now();
     loop {
-        match rdzv
-            .client
-            .get_timeout(&plan_key(number), Duration::from_secs(1))
-        {
+        match rdzv.client.get_timeout(&plan_key(number), PLAN_POLL) {
             Ok(v) => {
                 return Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
                     addr: rdzv.addr.clone(),
@@ -612,6 +642,16 @@ fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &Elastic) -> Result<Plan> {
             }
             Err(DdpError::StoreTimeout { .. }) => {}
             Err(e) => return Err(rdzv.lost("waiting for a round to start", e)),
+        }
+        if let Ok(how) = rdzv.client.get_timeout(END, Duration::ZERO) {
+            return Err(DdpError::Elastic {
+                addr: rdzv.addr.clone(),
+                reason: format!(
+                    "the job ended before node {} was admitted: {}",
+                    elastic.node_id,
+                    String::from_utf8_lossy(&how)
+                ),
+            });
         }
         if started.elapsed() >= limit {
             return Err(DdpError::Elastic {
@@ -818,7 +858,12 @@ fn coordinate(rdzv: &Rdzv, cfg: &Elastic, done: &AtomicBool) -> Result<()> {
                 rdzv.bump(number, &why)?;
                 break;
             }
-            if (nodes.len() as u32) < cfg.nodes.max && rdzv.count(&arrivals_key(number + 1))? > 0 {
+            // A node asking to join moves the job on only while restarts are left: a newcomer
+            // must not end a running job.
+            if (nodes.len() as u32) < cfg.nodes.max
+                && number < cfg.max_restarts
+                && rdzv.count(&arrivals_key(number + 1))? > 0
+            {
                 let why = format!(
                     "a node asks to join and the job has {} of at most {} nodes",
                     nodes.len(),
@@ -1158,6 +1203,54 @@ mod tests {
                 "{name}: {e}"
             );
         }
+    }
+
+    /// A node that asks to join a job with its maximum of nodes waits; when the job finishes
+    /// it is told so, at once, instead of waiting out its timeout.
+    #[test]
+    fn a_node_waiting_for_a_full_job_learns_that_it_ended() {
+        let (endpoint, a) = host(settings("a", 1, 2, 3), 1, vec![Act::Finish(4000)]);
+        let b = node(
+            &endpoint,
+            settings("b", 1, 2, 3),
+            1,
+            vec![Act::Finish(4000)],
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while a.1.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "round 0 never started");
+            thread::sleep(Duration::from_millis(20));
+        }
+        let started = Instant::now();
+        let c = node(&endpoint, settings("c", 1, 2, 3), 1, vec![]);
+        a.0.join().unwrap().unwrap();
+        b.0.join().unwrap().unwrap();
+        let e = c.0.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("the job ended before node c was admitted: it finished in round 0"),
+            "{e}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(15));
+        assert!(c.1.lock().unwrap().is_empty());
+    }
+
+    /// With no restart left, a node asking to join is refused, and the running job goes on.
+    #[test]
+    fn a_newcomer_never_ends_a_job_that_has_no_restart_left() {
+        let (endpoint, a) = host(settings("a", 1, 2, 0), 1, vec![Act::Finish(3000)]);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while a.1.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "round 0 never started");
+            thread::sleep(Duration::from_millis(20));
+        }
+        let c = node(&endpoint, settings("c", 1, 2, 0), 1, vec![]);
+        let e = c.0.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("admitting node c would take restart 1, above --max-restarts 0"),
+            "{e}"
+        );
+        let end = a.0.join().unwrap().unwrap();
+        assert_eq!((end.number, end.nodes.clone()), (0, v(&["a"])));
     }
 
     #[test]
