@@ -85,6 +85,8 @@ fn elastic_args(net: &Net, node: &str, out: &Path, epochs: u32) -> Vec<String> {
     args.push("--".into());
     args.push(common::spawned::example("classifier").display().to_string());
     args.extend(classifier_args(out, epochs));
+    // The elastic hook: the learning rate follows the world size.
+    args.push("--scale-lr".into());
     args
 }
 
@@ -99,6 +101,55 @@ fn env_launcher(args: Vec<String>) -> (PathBuf, Vec<String>) {
     all.push(common::spawned::launcher().display().to_string());
     all.extend(args);
     (PathBuf::from("/usr/bin/env"), all)
+}
+
+/// An elastic job of nodes a and b (`--nnodes 1:2`), started, with round 0 formed by both.
+struct ElasticPair {
+    net: Net,
+    dir: PathBuf,
+    out: PathBuf,
+    a: std::process::Child,
+    b: std::process::Child,
+    log_a: PathBuf,
+    log_b: PathBuf,
+    /// Node b's launcher command, to start it again.
+    b_cmd: (PathBuf, Vec<String>),
+}
+
+impl ElasticPair {
+    fn start(name: &str, epochs: u32) -> Self {
+        let net = Net::new(2);
+        let dir = scratch(name);
+        let out = dir.join("out");
+        let (log_a, log_b) = (dir.join("a.log"), dir.join("b.log"));
+        let (prog, args) = env_launcher(elastic_args(&net, "a", &out, epochs));
+        let a = net.start(0, &prog, &args, &log_a);
+        let b_cmd = env_launcher(elastic_args(&net, "b", &out, epochs));
+        let b = net.start(1, &b_cmd.0, &b_cmd.1, &log_b);
+        wait_for(
+            &log_a,
+            "round 0: 2 node(s) [a, b]",
+            Duration::from_secs(120),
+        );
+        Self {
+            net,
+            dir,
+            out,
+            a,
+            b,
+            log_a,
+            log_b,
+            b_cmd,
+        }
+    }
+
+    /// The three records of the checkpoint of `epoch`.
+    fn checkpoint(&self, epoch: u32) -> Vec<PathBuf> {
+        ["model", "optim", "scheduler"]
+            .iter()
+            .map(|p| self.out.join(format!("checkpoint/{p}-{epoch}.bin")))
+            .collect()
+    }
 }
 
 /// Two nodes, one rank each, `MASTER_ADDR` on the first node's link: the job trains to the
@@ -168,32 +219,14 @@ fn two_nodes_on_a_virtual_link_train_exactly_like_one_machine() {
 /// same parameters. Every launcher logs each round: who left, who joined, the world size.
 #[test]
 fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
-    let net = Net::new(2);
-    let dir = scratch("killed");
-    let out = dir.join("out");
-    let ckpt = |epoch: u32| -> Vec<PathBuf> {
-        ["model", "optim", "scheduler"]
-            .iter()
-            .map(|p| out.join(format!("checkpoint/{p}-{epoch}.bin")))
-            .collect()
-    };
-    let (prog, args) = env_launcher(elastic_args(&net, "a", &out, 5));
-    let (log_a, log_b, log_b2) = (dir.join("a.log"), dir.join("b.log"), dir.join("b2.log"));
-    let mut a = net.start(0, &prog, &args, &log_a);
-    let (prog_b, args_b) = env_launcher(elastic_args(&net, "b", &out, 5));
-    let mut b = net.start(1, &prog_b, &args_b, &log_b);
-    wait_for(
-        &log_a,
-        "round 0: 2 node(s) [a, b]",
-        Duration::from_secs(120),
-    );
-    wait_for_files(&ckpt(1), Duration::from_secs(300));
+    let mut job = ElasticPair::start("killed", 5);
+    wait_for_files(&job.checkpoint(1), Duration::from_secs(300));
 
-    net.kill(1);
+    job.net.kill(1);
     let killed = Instant::now();
-    let _ = b.wait();
+    let _ = job.b.wait();
     let resumed = wait_for(
-        &log_a,
+        &job.log_a,
         "[rank 0] resumed from the checkpoint of epoch 1",
         Duration::from_secs(60),
     );
@@ -201,7 +234,7 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
         "node b killed: node a's rank resumed alone {:.1?} later",
         resumed - killed
     );
-    let text = std::fs::read_to_string(&log_a).unwrap();
+    let text = std::fs::read_to_string(&job.log_a).unwrap();
     assert!(
         text.contains("node b was lost") || text.contains("round 0 failed on node a"),
         "{text}"
@@ -210,12 +243,17 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
         text.contains("round 1: 1 node(s) [a], world size 1 (was 2); left: [b]; joined: []"),
         "{text}"
     );
+    assert!(
+        text.contains("learning rate 1.00e-3: --lr 2.00e-3 scaled by world size 1 / 2"),
+        "{text}"
+    );
     // Node a alone makes progress: the next checkpoint.
-    wait_for_files(&ckpt(2), Duration::from_secs(300));
+    wait_for_files(&job.checkpoint(2), Duration::from_secs(300));
 
-    let mut b2 = net.start(1, &prog_b, &args_b, &log_b2);
+    let log_b2 = job.dir.join("b2.log");
+    let mut b2 = job.net.start(1, &job.b_cmd.0, &job.b_cmd.1, &log_b2);
     let (ok_b2, text_b2) = finish(&mut b2, &log_b2, Duration::from_secs(300));
-    let (ok_a, text_a) = finish(&mut a, &log_a, Duration::from_secs(300));
+    let (ok_a, text_a) = finish(&mut job.a, &job.log_a, Duration::from_secs(300));
     assert!(ok_a, "node a:\n{text_a}");
     assert!(ok_b2, "restarted node b:\n{text_b2}");
     assert!(
@@ -242,7 +280,7 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
     assert!(last_resume >= 2, "{text_a}");
     assert!(text_a.contains("final test accuracy"), "{text_a}");
     assert_eq!(digest(&text_a, 0), digest(&text_b2, 1));
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&job.dir);
 }
 
 /// `--nnodes 1:2`; node b's link goes down (its processes live on, cut off): node a's
@@ -250,29 +288,13 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
 /// checkpoint. Node b ends non-zero within a bound, saying it lost the rendezvous.
 #[test]
 fn elastic_job_drops_a_node_whose_link_goes_down() {
-    let net = Net::new(2);
-    let dir = scratch("cut");
-    let out = dir.join("out");
-    let (log_a, log_b) = (dir.join("a.log"), dir.join("b.log"));
-    let (prog, args) = env_launcher(elastic_args(&net, "a", &out, 3));
-    let mut a = net.start(0, &prog, &args, &log_a);
-    let (prog_b, args_b) = env_launcher(elastic_args(&net, "b", &out, 3));
-    let mut b = net.start(1, &prog_b, &args_b, &log_b);
-    wait_for(
-        &log_a,
-        "round 0: 2 node(s) [a, b]",
-        Duration::from_secs(120),
-    );
-    let records: Vec<PathBuf> = ["model", "optim", "scheduler"]
-        .iter()
-        .map(|p| out.join(format!("checkpoint/{p}-1.bin")))
-        .collect();
-    wait_for_files(&records, Duration::from_secs(300));
+    let mut job = ElasticPair::start("cut", 3);
+    wait_for_files(&job.checkpoint(1), Duration::from_secs(300));
 
-    net.link(1, false);
+    job.net.link(1, false);
     let cut = Instant::now();
     let resumed = wait_for(
-        &log_a,
+        &job.log_a,
         "[rank 0] resumed from the checkpoint of epoch 1",
         Duration::from_secs(60),
     );
@@ -280,19 +302,19 @@ fn elastic_job_drops_a_node_whose_link_goes_down() {
         "node b cut off: node a's rank resumed alone {:.1?} later",
         resumed - cut
     );
-    let (ok_a, text_a) = finish(&mut a, &log_a, Duration::from_secs(300));
+    let (ok_a, text_a) = finish(&mut job.a, &job.log_a, Duration::from_secs(300));
     assert!(ok_a, "node a:\n{text_a}");
     assert!(
         text_a.contains("round 1: 1 node(s) [a], world size 1 (was 2); left: [b]"),
         "{text_a}"
     );
     assert!(text_a.contains("final test accuracy"), "{text_a}");
-    let (ok_b, text_b) = finish(&mut b, &log_b, Duration::from_secs(120));
+    let (ok_b, text_b) = finish(&mut job.b, &job.log_b, Duration::from_secs(120));
     let took = cut.elapsed();
     assert!(!ok_b, "node b, cut off, succeeded:\n{text_b}");
     assert!(text_b.contains("lost the rendezvous"), "{text_b}");
     eprintln!("node b cut off: it ended {took:.1?} later, naming the lost rendezvous");
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&job.dir);
 }
 
 /// Bad elastic options are refused before anything starts, naming the option; too few nodes

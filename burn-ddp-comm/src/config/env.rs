@@ -21,7 +21,7 @@
 //! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 3 min (or `BURN_DDP_TIMEOUT` if shorter) |
 //! | `BURN_DDP_DEBUG_DESYNC=1` | check before every collective that all ranks call the same one (`1`/`true`/`yes`/`on`, `0`/`false`/`no`/`off`) | off |
 //! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT` | which attempt of a restarted job this is | 0 |
-//! | `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
+//! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
 //! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
 //! | `CUDA_VISIBLE_DEVICES` | the GPUs this process sees (read for choosing and naming a rank's GPU) | all |
 //! | `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` | where to look for `libnccl` when it is missing, for the message | |
@@ -86,18 +86,34 @@ pub const GRAD_TRANSPORT: &str = "BURN_DDP_GRAD_TRANSPORT";
 /// MIN:MAX`), set by the launcher from the second round on; see [`previous_world_size`].
 pub const PREVIOUS_WORLD_SIZE: &str = "BURN_DDP_PREVIOUS_WORLD_SIZE";
 
-/// In an elastic job restarted at another size, the world size it had before
-/// ([`PREVIOUS_WORLD_SIZE`]); `None` in the first round or outside an elastic job.
-///
-/// This is the hook for what a new world size should change: the per-rank batch stays the
-/// same, so the global batch scales with the world size, and a program that wants the same
-/// optimisation may scale its learning rate by `world / previous` (linear scaling), or keep
-/// the global batch by changing the per-rank batch instead.
-pub fn previous_world_size() -> Option<u32> {
-    std::env::var(PREVIOUS_WORLD_SIZE)
+/// The world size of an elastic job's first round, set by the launcher in every round; see
+/// [`first_world_size`].
+pub const FIRST_WORLD_SIZE: &str = "BURN_DDP_FIRST_WORLD_SIZE";
+
+fn world_var(var: &str) -> Option<u32> {
+    std::env::var(var)
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .filter(|n| *n > 0)
+}
+
+/// In an elastic job restarted at another size, the world size of the round before
+/// ([`PREVIOUS_WORLD_SIZE`], the same on every rank); `None` in the first round or outside an
+/// elastic job. For saying what changed.
+pub fn previous_world_size() -> Option<u32> {
+    world_var(PREVIOUS_WORLD_SIZE)
+}
+
+/// In an elastic job, the world size of its first round ([`FIRST_WORLD_SIZE`], the same on
+/// every rank, a node that joined later included); `None` outside an elastic job.
+///
+/// This is the hook for what a new world size should change. The per-rank batch stays the
+/// same, so the global batch scales with the world size. A program that wants the same
+/// optimisation per sample scales its learning rate by `world / first` (the linear scaling
+/// rule, from the learning rate it was given for the first round), or keeps the global batch
+/// by changing the per-rank batch instead.
+pub fn first_world_size() -> Option<u32> {
+    world_var(FIRST_WORLD_SIZE)
 }
 
 /// torchrun's restart counter, read when [`RESTART_COUNT`] is not set.

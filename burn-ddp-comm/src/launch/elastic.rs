@@ -13,7 +13,7 @@
 //! 3. Each node in the plan starts its ranks with the round's world size, node rank and job
 //!    token (`<token>/round-<r>`, so a rank of an older round is refused), the round number as
 //!    the restart count (so every rank resumes from the newest complete checkpoint after the
-//!    first round) and the previous world size. Rank 0's store takes the next port.
+//!    first round) and the first and previous rounds' world sizes. Rank 0's store takes the next port.
 //! 4. A round ends when its ranks end. If a rank failed, its launcher moves the job to the next
 //!    round (a compare-and-set on the round number). The coordinator does too when a node of
 //!    the round goes silent, or when a node waits to join and the job has fewer than MAX
@@ -149,7 +149,10 @@ pub struct Round {
     pub node_rank: u32,
     /// Ranks per node.
     pub nproc_per_node: u32,
-    /// The world size of the round before, if any.
+    /// The world size of the job's first round.
+    pub first_world: u32,
+    /// The world size of the job's round before this one, if any (the same on every node,
+    /// a node that joins included).
     pub previous_world: Option<u32>,
 }
 
@@ -226,6 +229,7 @@ impl RoundRunner for ProcessRunner {
             ("TORCHELASTIC_MAX_RESTARTS", self.max_restarts.to_string()),
             (env::STORE_PORT, store_port.to_string()),
         ];
+        vars.push((env::FIRST_WORLD_SIZE, round.first_world.to_string()));
         if let Some(prev) = round.previous_world {
             vars.push((env::PREVIOUS_WORLD_SIZE, prev.to_string()));
         }
@@ -248,14 +252,30 @@ impl RoundRunner for ProcessRunner {
 /// A round's plan, as the coordinator writes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Plan {
-    Nodes { nproc: u32, nodes: Vec<String> },
+    Nodes {
+        nproc: u32,
+        nodes: Vec<String>,
+        /// The world size of the job's first round.
+        first_world: u32,
+        /// The world size of the round before, if any.
+        previous_world: Option<u32>,
+    },
     Failed(String),
 }
 
 impl Plan {
     fn encode(&self) -> Vec<u8> {
         match self {
-            Plan::Nodes { nproc, nodes } => format!("nodes\n{nproc}\n{}", nodes.join("\n")),
+            Plan::Nodes {
+                nproc,
+                nodes,
+                first_world,
+                previous_world,
+            } => format!(
+                "nodes\n{nproc}\n{first_world}\n{}\n{}",
+                previous_world.map_or("-".into(), |w| w.to_string()),
+                nodes.join("\n")
+            ),
             Plan::Failed(why) => format!("failed\n{why}"),
         }
         .into_bytes()
@@ -267,8 +287,18 @@ impl Plan {
         match lines.next()? {
             "nodes" => {
                 let nproc = lines.next()?.parse().ok()?;
+                let first_world = lines.next()?.parse().ok()?;
+                let previous_world = match lines.next()? {
+                    "-" => None,
+                    w => Some(w.parse().ok()?),
+                };
                 let nodes: Vec<String> = lines.map(str::to_owned).collect();
-                (!nodes.is_empty()).then_some(Plan::Nodes { nproc, nodes })
+                (!nodes.is_empty()).then_some(Plan::Nodes {
+                    nproc,
+                    nodes,
+                    first_world,
+                    previous_world,
+                })
             }
             "failed" => Some(Plan::Failed(lines.collect::<Vec<_>>().join("\n"))),
             _ => None,
@@ -563,14 +593,19 @@ fn participate(
             .set(&arrival_key(number, i), format!("{nproc}\t{id}").as_bytes())
             .map_err(|e| rdzv.lost("arriving", e))?;
         let plan = wait_plan(&rdzv, number, elastic)?;
-        let (plan_nproc, nodes) = match plan {
+        let (plan_nproc, nodes, first_world, previous_world) = match plan {
             Plan::Failed(why) => {
                 return Err(DdpError::Elastic {
                     addr: rdzv.addr.clone(),
                     reason: why,
                 })
             }
-            Plan::Nodes { nproc, nodes } => (nproc, nodes),
+            Plan::Nodes {
+                nproc,
+                nodes,
+                first_world,
+                previous_world,
+            } => (nproc, nodes, first_world, previous_world),
         };
         let Some(node_rank) = nodes.iter().position(|n| n == id) else {
             eprintln!(
@@ -587,7 +622,8 @@ fn participate(
             nodes,
             node_rank: node_rank as u32,
             nproc_per_node: plan_nproc,
-            previous_world: previous.as_ref().map(Round::world),
+            first_world,
+            previous_world,
         };
         eprintln!(
             "burn-ddp run: {}",
@@ -685,6 +721,9 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
         round.nodes.join(", "),
         round.world()
     );
+    if let Some(w) = round.previous_world {
+        line.push_str(&format!(" (was {w})"));
+    }
     if let Some(prev) = previous {
         let left: Vec<&str> = prev
             .nodes
@@ -699,8 +738,7 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
             .map(String::as_str)
             .collect();
         line.push_str(&format!(
-            " (was {}); left: [{}]; joined: [{}]",
-            prev.world(),
+            "; left: [{}]; joined: [{}]",
             left.join(", "),
             joined.join(", ")
         ));
@@ -827,17 +865,25 @@ impl Beats {
 fn coordinate(rdzv: &Rdzv, cfg: &Elastic, done: &AtomicBool) -> Result<()> {
     let mut beats = Beats::default();
     let mut previous: Vec<String> = Vec::new();
+    let mut worlds: Option<(u32, u32)> = None; // (first, previous)
     let mut number = 0u32;
     loop {
-        let Some(plan) = gather(rdzv, cfg, number, &previous, &mut beats, done)? else {
+        let Some(plan) = gather(rdzv, cfg, number, &previous, worlds, &mut beats, done)? else {
             return Ok(());
         };
         rdzv.client
             .set(&plan_key(number), &plan.encode())
             .map_err(|e| rdzv.lost("writing a round's plan", e))?;
-        let Plan::Nodes { nodes, .. } = plan else {
+        let Plan::Nodes {
+            nodes,
+            nproc,
+            first_world,
+            ..
+        } = plan
+        else {
             return Ok(());
         };
+        worlds = Some((first_world, nodes.len() as u32 * nproc));
         loop {
             if done.load(Ordering::SeqCst) {
                 return Ok(());
@@ -886,6 +932,7 @@ fn gather(
     cfg: &Elastic,
     number: u32,
     previous: &[String],
+    worlds: Option<(u32, u32)>,
     beats: &mut Beats,
     done: &AtomicBool,
 ) -> Result<Option<Plan>> {
@@ -944,7 +991,7 @@ fn gather(
                     && enough_since.get_or_insert_with(Instant::now).elapsed() >= cfg.join_window
                     && waiting_for.is_empty());
             if ready {
-                return Ok(Some(plan_of(&admitted)));
+                return Ok(Some(plan_of(&admitted, worlds)));
             }
         }
         if opened.elapsed() >= cfg.rendezvous_timeout {
@@ -963,7 +1010,8 @@ fn gather(
 }
 
 /// The plan for the admitted nodes, or why they cannot form a job.
-fn plan_of(admitted: &[&(u32, String)]) -> Plan {
+/// `worlds`: the job's first and latest world sizes, once it has run.
+fn plan_of(admitted: &[&(u32, String)], worlds: Option<(u32, u32)>) -> Plan {
     let (nproc, first) = (admitted[0].0, &admitted[0].1);
     if let Some((other_n, other)) = admitted.iter().map(|a| (a.0, &a.1)).find(|a| a.0 != nproc) {
         return Plan::Failed(format!(
@@ -971,9 +1019,12 @@ fn plan_of(admitted: &[&(u32, String)]) -> Plan {
              every node's launcher the same --nproc-per-node"
         ));
     }
+    let world = admitted.len() as u32 * nproc;
     Plan::Nodes {
         nproc,
         nodes: admitted.iter().map(|a| a.1.clone()).collect(),
+        first_world: worlds.map_or(world, |w| w.0),
+        previous_world: worlds.map(|w| w.1),
     }
 }
 
@@ -1117,16 +1168,26 @@ mod tests {
             Plan::Nodes {
                 nproc: 2,
                 nodes: v(&["a:1", "b:2"]),
+                first_world: 4,
+                previous_world: None,
+            },
+            Plan::Nodes {
+                nproc: 1,
+                nodes: v(&["a"]),
+                first_world: 2,
+                previous_world: Some(3),
             },
             Plan::Failed("too few\nnodes".into()),
         ] {
             assert_eq!(Plan::decode(&plan.encode()), Some(plan));
         }
         assert_eq!(
-            Plan::decode(b"nodes\n2\n"),
+            Plan::decode(b"nodes\n2\n2\n-\n"),
             Some(Plan::Nodes {
                 nproc: 2,
-                nodes: v(&[""])
+                nodes: v(&[""]),
+                first_world: 2,
+                previous_world: None
             })
         );
         assert_eq!(Plan::decode(b"nodes\nx\na"), None);
@@ -1166,7 +1227,8 @@ mod tests {
                 (2, v(&["a", "c"]), Some(1)),
             ]
         );
-        assert_eq!(nodes_of(&c.1), vec![(2, v(&["a", "c"]), None)]);
+        assert_eq!(nodes_of(&c.1), vec![(2, v(&["a", "c"]), Some(1))]);
+        assert_eq!(c.1.lock().unwrap()[0].first_world, 2);
         assert_eq!((a_end.node_rank, c_end.node_rank), (0, 1));
         assert_eq!(c_end.world(), 2);
     }
