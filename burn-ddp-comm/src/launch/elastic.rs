@@ -461,27 +461,26 @@ pub fn run_with(
         None => None,
     };
     let result = participate(&endpoint, &token, elastic, server.is_some(), runner);
-    if server.is_some() {
+    let host_rdzv = server
+        .as_ref()
+        .and_then(|_| Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST).ok());
+    if let Some(rdzv) = host_rdzv {
         // Nodes still waiting to be admitted learn that the job is over, and how.
-        if let Ok(rdzv) = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST) {
-            let how = match &result {
-                Ok(round) => format!("it finished in round {}", round.number),
-                Err(e) => format!("its host's node failed: {e}"),
-            };
-            let _ = rdzv.client.set(END, how.as_bytes());
-            // Waiting nodes look every PLAN_POLL: keep the rendezvous up long enough to be read.
-            let next = match &result {
-                Ok(round) => round.number + 1,
-                Err(_) => rdzv.round().map_or(0, |r| r + 1),
-            };
-            if rdzv.count(&arrivals_key(next)).is_ok_and(|n| n > 0) {
-                thread::sleep(PLAN_POLL * 3);
-            }
+        let how = match &result {
+            Ok(round) => format!("it finished in round {}", round.number),
+            Err(e) => format!("its host's node failed: {e}"),
+        };
+        let _ = rdzv.client.set(END, how.as_bytes());
+        // Waiting nodes look every PLAN_POLL: keep the rendezvous up long enough to be read.
+        let next = match &result {
+            Ok(round) => round.number + 1,
+            Err(_) => rdzv.round().map_or(0, |r| r + 1),
+        };
+        if rdzv.count(&arrivals_key(next)).is_ok_and(|n| n > 0) {
+            thread::sleep(PLAN_POLL * 3);
         }
-    }
-    if let (Ok(round), Some(_)) = (&result, &server) {
-        // The other nodes record their end in the rendezvous; keep it up for them.
-        if let Ok(rdzv) = Rdzv::connect(&endpoint, elastic.nodes.max, &token, REQUEST) {
+        // The other nodes of the last round record their end; keep the rendezvous up for them.
+        if let Ok(round) = &result {
             let deadline = Instant::now() + FINISH_GRACE;
             while Instant::now() < deadline
                 && rdzv
