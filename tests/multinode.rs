@@ -143,6 +143,20 @@ impl ElasticPair {
         }
     }
 
+    /// Waits until node a's rank resumed from epoch 1's checkpoint, and says how long after
+    /// node b was lost (`how`) at `since`.
+    fn resumed_alone_after(&self, since: Instant, how: &str) {
+        let resumed = wait_for(
+            &self.log_a,
+            "[rank 0] resumed from the checkpoint of epoch 1",
+            Duration::from_secs(60),
+        );
+        eprintln!(
+            "node b {how}: node a's rank resumed alone {:.1?} later",
+            resumed - since
+        );
+    }
+
     /// The three records of the checkpoint of `epoch`.
     fn checkpoint(&self, epoch: u32) -> Vec<PathBuf> {
         ["model", "optim", "scheduler"]
@@ -225,15 +239,7 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
     job.net.kill(1);
     let killed = Instant::now();
     let _ = job.b.wait();
-    let resumed = wait_for(
-        &job.log_a,
-        "[rank 0] resumed from the checkpoint of epoch 1",
-        Duration::from_secs(60),
-    );
-    eprintln!(
-        "node b killed: node a's rank resumed alone {:.1?} later",
-        resumed - killed
-    );
+    job.resumed_alone_after(killed, "killed");
     let text = std::fs::read_to_string(&job.log_a).unwrap();
     assert!(
         text.contains("node b was lost") || text.contains("round 0 failed on node a"),
@@ -293,15 +299,7 @@ fn elastic_job_drops_a_node_whose_link_goes_down() {
 
     job.net.link(1, false);
     let cut = Instant::now();
-    let resumed = wait_for(
-        &job.log_a,
-        "[rank 0] resumed from the checkpoint of epoch 1",
-        Duration::from_secs(60),
-    );
-    eprintln!(
-        "node b cut off: node a's rank resumed alone {:.1?} later",
-        resumed - cut
-    );
+    job.resumed_alone_after(cut, "cut off");
     let (ok_a, text_a) = finish(&mut job.a, &job.log_a, Duration::from_secs(300));
     assert!(ok_a, "node a:\n{text_a}");
     assert!(

@@ -306,6 +306,14 @@ impl Plan {
     }
 }
 
+/// The rendezvous store's "world": the most nodes, each launcher a client of it.
+fn max_world(max: u32) -> Result<WorldSize> {
+    WorldSize::new(max).ok_or(DdpError::InvalidConfig {
+        field: "--nnodes",
+        reason: "MAX must be at least 1",
+    })
+}
+
 /// A connection to the rendezvous store, with errors that say what the launcher was doing.
 struct Rdzv {
     client: StoreClient,
@@ -319,10 +327,7 @@ impl Rdzv {
         token: &JobToken,
         within: Duration,
     ) -> Result<Self> {
-        let world = WorldSize::new(max).ok_or(DdpError::InvalidConfig {
-            field: "--nnodes",
-            reason: "MAX must be at least 1",
-        })?;
+        let world = max_world(max)?;
         let client = StoreClient::connect(
             endpoint,
             Purpose::StoreAux,
@@ -508,11 +513,7 @@ fn serve(
     token: &JobToken,
 ) -> Result<Option<StoreServer>> {
     let addr = resolve_bind(endpoint, Rank(0))?;
-    let world = WorldSize::new(elastic.nodes.max).ok_or(DdpError::InvalidConfig {
-        field: "--nnodes",
-        reason: "MAX must be at least 1",
-    })?;
-    match StoreServer::bind_rendezvous(addr, world, token.clone()) {
+    match StoreServer::bind_rendezvous(addr, max_world(elastic.nodes.max)?, token.clone()) {
         Ok(s) => {
             eprintln!(
                 "burn-ddp run: node {} hosts the elastic rendezvous on {addr}",
@@ -544,7 +545,7 @@ fn participate(
         token,
         elastic.rendezvous_timeout,
     )?;
-    let _beat = Beat::start(endpoint, elastic, token)?;
+    let _beat = beat(endpoint, elastic, token)?;
     let id = &elastic.node_id;
     let nproc = runner.nproc_per_node();
     let mut number = rdzv.round()?;
@@ -629,9 +630,9 @@ fn participate(
             describe_change(previous.as_ref(), &round, id)
         );
         let halt = Arc::new(AtomicBool::new(false));
-        let watch = Watch::start(endpoint, elastic, token, number, &halt)?;
+        let watcher = watch(endpoint, elastic, token, number, &halt)?;
         let end = runner.run_round(&round, &halt);
-        drop(watch);
+        drop(watcher);
         match end? {
             RoundEnd::Finished => {
                 let _ = rdzv.client.add(&finished_key(number), 1);
@@ -750,33 +751,31 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
     line
 }
 
-/// A thread of the launcher's, stopped and joined on drop.
+/// A thread of the launcher's with its own rendezvous connection, stopped and joined on drop.
 struct Background {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
-/// A thread that keeps this launcher's beat counter moving (its sign of life).
-struct Beat;
-
-impl Beat {
-    fn start(endpoint: &MasterAddr, elastic: &Elastic, token: &JobToken) -> Result<Background> {
+impl Background {
+    /// Runs `tick` every [`BEAT`] on a connection of its own, until dropped or `tick` returns
+    /// `false`.
+    fn every(
+        name: &str,
+        endpoint: &MasterAddr,
+        elastic: &Elastic,
+        token: &JobToken,
+        mut tick: impl FnMut(&Rdzv) -> bool + Send + 'static,
+    ) -> Result<Self> {
         let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
-        let key = beat_key(&elastic.node_id);
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
-        let thread = thread::Builder::new()
-            .name("burn-ddp-beat".into())
-            .spawn(move || {
-                while !flag.load(Ordering::SeqCst) {
-                    if rdzv.client.add(&key, 1).is_err() {
-                        // The host is gone; the participant finds out on its next request.
-                        return;
-                    }
-                    thread::sleep(BEAT);
-                }
-            })?;
-        Ok(Background {
+        let thread = thread::Builder::new().name(name.into()).spawn(move || {
+            while !flag.load(Ordering::SeqCst) && tick(&rdzv) {
+                thread::sleep(BEAT);
+            }
+        })?;
+        Ok(Self {
             stop,
             thread: Some(thread),
         })
@@ -792,42 +791,35 @@ impl Drop for Background {
     }
 }
 
-/// A thread that sets `halt` when the job leaves round `number`.
-struct Watch;
+/// A thread that keeps this launcher's beat counter moving (its sign of life).
+fn beat(endpoint: &MasterAddr, elastic: &Elastic, token: &JobToken) -> Result<Background> {
+    let key = beat_key(&elastic.node_id);
+    // When the host is gone, the participant finds out on its next request.
+    Background::every("burn-ddp-beat", endpoint, elastic, token, move |rdzv| {
+        rdzv.client.add(&key, 1).is_ok()
+    })
+}
 
-impl Watch {
-    fn start(
-        endpoint: &MasterAddr,
-        elastic: &Elastic,
-        token: &JobToken,
-        number: u32,
-        halt: &Arc<AtomicBool>,
-    ) -> Result<Background> {
-        let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let halt = Arc::clone(halt);
-        let thread = thread::Builder::new()
-            .name("burn-ddp-watch".into())
-            .spawn(move || {
-                while !flag.load(Ordering::SeqCst) {
-                    match rdzv.round() {
-                        Ok(r) if r > number => {
-                            halt.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                        Ok(_) => {}
-                        // The host is gone: the ranks find out by themselves (rank 0 is there).
-                        Err(_) => return,
-                    }
-                    thread::sleep(BEAT);
-                }
-            })?;
-        Ok(Background {
-            stop,
-            thread: Some(thread),
-        })
-    }
+/// A thread that sets `halt` when the job leaves round `number`.
+fn watch(
+    endpoint: &MasterAddr,
+    elastic: &Elastic,
+    token: &JobToken,
+    number: u32,
+    halt: &Arc<AtomicBool>,
+) -> Result<Background> {
+    let halt = Arc::clone(halt);
+    Background::every("burn-ddp-watch", endpoint, elastic, token, move |rdzv| {
+        match rdzv.round() {
+            Ok(r) if r > number => {
+                halt.store(true, Ordering::SeqCst);
+                false
+            }
+            Ok(_) => true,
+            // The host is gone: the ranks find out by themselves (rank 0 is there).
+            Err(_) => false,
+        }
+    })
 }
 
 /// The last time each node's beat counter was seen to move.
