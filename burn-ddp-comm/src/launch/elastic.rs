@@ -725,22 +725,19 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
         line.push_str(&format!(" (was {w})"));
     }
     if let Some(prev) = previous {
-        let left: Vec<&str> = prev
-            .nodes
-            .iter()
-            .filter(|n| !round.nodes.contains(n))
-            .map(String::as_str)
-            .collect();
-        let joined: Vec<&str> = round
-            .nodes
-            .iter()
-            .filter(|n| !prev.nodes.contains(n))
-            .map(String::as_str)
-            .collect();
+        // The nodes of `a` that are not in `b`.
+        let minus = |a: &[String], b: &[String]| -> String {
+            let only: Vec<&str> = a
+                .iter()
+                .filter(|n| !b.contains(n))
+                .map(String::as_str)
+                .collect();
+            only.join(", ")
+        };
         line.push_str(&format!(
             "; left: [{}]; joined: [{}]",
-            left.join(", "),
-            joined.join(", ")
+            minus(&prev.nodes, &round.nodes),
+            minus(&round.nodes, &prev.nodes)
         ));
     }
     line.push_str(&format!(
