@@ -3,7 +3,7 @@
 //! `DistributedSampler`, a Burn `Dataset`, whose methods come from
 //! [`distributed_sampler_api!`](crate::distributed_sampler_api).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::group::ProcessGroup;
@@ -37,8 +37,11 @@ use crate::{DdpError, Result};
 /// ```
 #[derive(Debug)]
 pub struct ShardPlan {
-    rank: u32,
-    world: u32,
+    /// This rank, and the world size (changed by [`ShardPlan::reshard`] in fault-tolerant jobs).
+    rank: AtomicU32,
+    world: AtomicU32,
+    /// Positions of the epoch's order already used when the current dealing began.
+    start: AtomicUsize,
     seed: u64,
     shuffle: bool,
     drop_last: bool,
@@ -47,12 +50,22 @@ pub struct ShardPlan {
     cache: Mutex<Option<Cached>>,
 }
 
-/// This rank's indices, and the epoch and dataset length they were computed for.
+/// This rank's indices, and what they were computed for.
 #[derive(Debug)]
 struct Cached {
+    key: Dealing,
+    indices: Arc<[usize]>,
+}
+
+/// What a dealing depends on besides the settings: the epoch, the dataset's length, this
+/// rank's place and where the dealing starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Dealing {
     epoch: u64,
     n: usize,
-    indices: Arc<[usize]>,
+    rank: u32,
+    world: u32,
+    start: usize,
 }
 
 impl ShardPlan {
@@ -60,6 +73,35 @@ impl ShardPlan {
     /// padded (not `drop_last`), epoch 0.
     pub fn new(group: &ProcessGroup) -> Self {
         Self::build(group.rank().0, group.world_size().get())
+    }
+
+    fn dealing(&self, n: usize) -> Dealing {
+        Dealing {
+            epoch: self.epoch(),
+            n,
+            rank: self.rank.load(Ordering::SeqCst),
+            world: self.world.load(Ordering::SeqCst).max(1),
+            start: self.start.load(Ordering::SeqCst).min(n),
+        }
+    }
+
+    /// Deals the rest of the current epoch over a new membership (a fault-tolerant job after
+    /// ranks left or joined): this rank is `rank` of `world`, and the first `start` positions
+    /// of the epoch's order (the same on every rank) were already used. Every rank of the new
+    /// membership calls it with the same `world` and `start`; the remaining items are dealt as
+    /// at the start of an epoch (strided, padded or dropped to even shards). The next
+    /// [`set_epoch`](Self::set_epoch) keeps the membership and starts at 0 again.
+    ///
+    /// # Errors
+    /// `RankOutOfRange` if `rank` is not below `world`.
+    pub fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
+        if rank.0 >= world.get() {
+            return Err(DdpError::RankOutOfRange { rank, world });
+        }
+        self.rank.store(rank.0, Ordering::SeqCst);
+        self.world.store(world.get(), Ordering::SeqCst);
+        self.start.store(start, Ordering::SeqCst);
+        Ok(())
     }
 
     /// The share of this process's rank for validation or evaluation: every item exactly once
@@ -81,8 +123,9 @@ impl ShardPlan {
 
     fn build(rank: u32, world: u32) -> Self {
         Self {
-            rank,
-            world,
+            rank: AtomicU32::new(rank),
+            world: AtomicU32::new(world),
+            start: AtomicUsize::new(0),
             seed: 0,
             shuffle: true,
             drop_last: false,
@@ -123,9 +166,11 @@ impl ShardPlan {
         self
     }
 
-    /// Sets the epoch, which selects the permutation. Same value on every rank.
+    /// Sets the epoch, which selects the permutation, and deals it from its start. Same value
+    /// on every rank.
     pub fn set_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Relaxed);
+        self.start.store(0, Ordering::SeqCst);
     }
 
     /// The current epoch.
@@ -137,15 +182,17 @@ impl ShardPlan {
         *self.cache.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
-    /// Items of this rank's share of a dataset of `n` items.
+    /// Items of this rank's share of a dataset of `n` items (of what is left of the epoch
+    /// after a [`reshard`](Self::reshard)).
     pub fn len(&self, n: usize) -> usize {
-        let w = self.world as usize;
+        let d = self.dealing(n);
+        let (m, w) = (n - d.start, d.world as usize);
         if !self.even {
-            n.saturating_sub(self.rank as usize).div_ceil(w)
+            m.saturating_sub(d.rank as usize).div_ceil(w)
         } else if self.drop_last {
-            n / w
+            m / w
         } else {
-            n.div_ceil(w)
+            m.div_ceil(w)
         }
     }
 
@@ -162,23 +209,25 @@ impl ShardPlan {
     /// Whether this rank's item `i` is padding (a repeat added to even out the shards), for
     /// evaluations that must count every item once.
     pub fn is_padding(&self, n: usize, i: usize) -> bool {
-        self.rank as usize + i * self.world as usize >= n
+        let d = self.dealing(n);
+        d.rank as usize + i * d.world as usize >= n - d.start
     }
 
     /// This rank's indices into a dataset of `n` items for the current epoch, in order.
     pub fn indices(&self, n: usize) -> Arc<[usize]> {
-        let epoch = self.epoch();
+        let key = self.dealing(n);
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = cache.as_ref() {
-            if c.epoch == epoch && c.n == n {
+            if c.key == key {
                 return Arc::clone(&c.indices);
             }
         }
         let idx: Arc<[usize]> = shard(
             n,
-            self.rank as usize,
-            self.world as usize,
-            self.shuffle.then_some((self.seed, epoch)),
+            key.start,
+            key.rank as usize,
+            key.world as usize,
+            self.shuffle.then_some((self.seed, key.epoch)),
             if self.even {
                 Tail::Even {
                     drop_last: self.drop_last,
@@ -189,8 +238,7 @@ impl ShardPlan {
         )
         .into();
         *cache = Some(Cached {
-            epoch,
-            n,
+            key,
             indices: Arc::clone(&idx),
         });
         idx
@@ -321,18 +369,37 @@ enum Tail {
 pub trait DataEpoch: Send + Sync {
     /// Selects the epoch (the same value on every rank).
     fn set_epoch(&self, epoch: u64);
+
+    /// Deals the rest of the current epoch over a new membership of a fault-tolerant job
+    /// (see [`ShardPlan::reshard`]).
+    ///
+    /// # Errors
+    /// The default: this data cannot be dealt again ([`DdpError::NotFaultTolerant`]).
+    fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
+        let _ = (rank, world, start);
+        Err(DdpError::NotFaultTolerant {
+            what: "a sampler registered with the training strategy that cannot deal the rest \
+                   of an epoch over a new membership",
+            reason: "use burn-ddp's DistributedSampler, or implement DataEpoch::reshard",
+        })
+    }
 }
 
 impl DataEpoch for ShardPlan {
     fn set_epoch(&self, epoch: u64) {
         ShardPlan::set_epoch(self, epoch);
     }
+
+    fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
+        ShardPlan::reshard(self, rank, world, start)
+    }
 }
 
 /// Rank `rank`'s indices among `0..n` in a world of `world`, shuffled with `(seed, epoch)` if
-/// given.
+/// given, dealing the order from position `start` on.
 fn shard(
     n: usize,
+    start: usize,
     rank: usize,
     world: usize,
     shuffle: Option<(u64, u64)>,
@@ -342,13 +409,18 @@ fn shard(
     if let Some((seed, epoch)) = shuffle {
         permute(&mut order, seed, epoch);
     }
+    let rest = &order[start.min(n)..];
+    let m = rest.len();
+    if m == 0 {
+        return Vec::new();
+    }
     let total = match tail {
-        Tail::Uneven => n,
-        Tail::Even { drop_last: true } => n / world * world,
-        Tail::Even { drop_last: false } => n.div_ceil(world) * world,
+        Tail::Uneven => m,
+        Tail::Even { drop_last: true } => m / world * world,
+        Tail::Even { drop_last: false } => m.div_ceil(world) * world,
     };
-    // Padding repeats the permutation from its start (cycling when n < world).
-    (rank..total).step_by(world).map(|i| order[i % n]).collect()
+    // Padding repeats the rest of the order from its start (cycling when m < world).
+    (rank..total).step_by(world).map(|i| rest[i % m]).collect()
 }
 
 /// Fisher–Yates with SplitMix64: a generator with a fixed definition, so that every rank (and
@@ -419,6 +491,64 @@ mod tests {
 
     fn items(s: &Sampler) -> Vec<usize> {
         (0..s.len()).map(|i| s.get(i).unwrap()).collect()
+    }
+
+    proptest! {
+        /// A fault-tolerant job that trained `k` steps of batch `b` at world `w`, then went on
+        /// at world `w2`: every item of the epoch's order is dealt exactly once over the two
+        /// dealings (the first's consumed prefix, then the rest), but the padding.
+        #[test]
+        fn a_reshard_deals_the_rest_of_the_epoch_once(
+            n in 1usize..300, w in 1u32..6, w2 in 1u32..6, b in 1usize..9, k in 0usize..40,
+            seed in any::<u64>(), epoch in 0u64..100, shuffle in any::<bool>(), even in any::<bool>(),
+        ) {
+            let build = |world: u32| -> Vec<ShardPlan> {
+                let ws = WorldSize::new(world).unwrap();
+                (0..world)
+                    .map(|r| {
+                        let p = ShardPlan::with_replicas(Rank(r), ws)
+                            .unwrap()
+                            .with_seed(seed)
+                            .with_shuffle(shuffle)
+                            .with_even_shards(even);
+                        p.set_epoch(epoch);
+                        p
+                    })
+                    .collect()
+            };
+            let first = build(w);
+            // The first dealing's first k batches (the consumed positions form a prefix).
+            let per = first[0].len(n);
+            let used = (k * b).min(per);
+            let mut seen = vec![0usize; n];
+            for p in &first {
+                for i in 0..used.min(p.len(n)) {
+                    seen[p.index(n, i).unwrap()] += 1;
+                }
+            }
+            let start = (used * w as usize).min(n);
+            // The rest, at world w2 (plans of the same ranks re-dealt, others new).
+            let second = build(w2);
+            for (r, p) in second.iter().enumerate() {
+                p.reshard(Rank(r as u32), WorldSize::new(w2).unwrap(), start).unwrap();
+                for i in 0..p.len(n) {
+                    if !p.is_padding(n, i) {
+                        seen[p.index(n, i).unwrap()] += 1;
+                    }
+                }
+            }
+            // Every item once, except the first dealing's padding, which may repeat some.
+            let padded_first = !even || used * (w as usize) <= n;
+            prop_assert!(seen.iter().all(|&c| c >= 1), "an item was never dealt: {seen:?}");
+            if padded_first {
+                prop_assert!(seen.iter().all(|&c| c == 1), "an item was dealt twice: {seen:?}");
+            }
+            // Every rank of the second dealing agrees on the lengths (even shards).
+            if even {
+                let l0 = second[0].len(n);
+                prop_assert!(second.iter().all(|p| p.len(n) == l0));
+            }
+        }
     }
 
     proptest! {

@@ -810,6 +810,76 @@ pub enum DdpError {
         reason: String,
     },
 
+    // === Fault-tolerant jobs ===
+    /// This process was left out of a fault-tolerant job's new membership: the other ranks
+    /// agreed without it (it was named as the cause of the failure, or it was too slow to
+    /// answer). It may join again ([`ProcessGroup::rejoin`](crate::ProcessGroup::rejoin):
+    /// `DdpStrategy` does).
+    #[error(
+        "[member {member}] this process was left out of the job's membership epoch {epoch} \
+         (ranks {members:?} go on without it): {why}"
+    )]
+    Excluded {
+        /// This process's member id.
+        member: u32,
+        /// The membership it is not in.
+        epoch: u64,
+        /// The members that go on.
+        members: Vec<u32>,
+        /// Why, as far as this process can tell.
+        why: String,
+    },
+
+    /// Too few ranks are left in a fault-tolerant job to go on, and not enough joined in
+    /// time.
+    #[error(
+        "[member {member}] the job cannot go on: {have} rank(s) left after {why}, fewer than \
+         the {min} it needs (BURN_DDP_MIN_RANKS), and not enough processes joined within \
+         {waited:?}. Start replacements (burn-ddp run --fault-tolerant --max-restarts, or \
+         `burn-ddp run --fault-tolerant --join`), or lower the minimum"
+    )]
+    TooFewRanks {
+        /// This process's member id.
+        member: u32,
+        /// Ranks that were left.
+        have: usize,
+        /// The minimum.
+        min: u32,
+        /// What ended the last membership.
+        why: String,
+        /// How long the survivors waited.
+        waited: Duration,
+    },
+
+    /// A process that asked to join a running fault-tolerant job was not admitted.
+    #[error("[member {member}] could not join the running job within {waited:?}: {why}")]
+    JoinFailed {
+        /// This process's member id.
+        member: u32,
+        /// How long it waited.
+        waited: Duration,
+        /// What it saw.
+        why: String,
+    },
+
+    /// A node of a fault-tolerant job failed: a rank of the job's last membership failed, every
+    /// rank of the node was lost, or the node lost the job's store.
+    #[error("fault-tolerant job: {reason}")]
+    FaultTolerantJob {
+        /// What happened to the node's ranks.
+        reason: String,
+    },
+
+    /// A feature that a fault-tolerant job cannot offer (its state would not survive a change
+    /// of membership).
+    #[error("{what} is not available in a fault-tolerant job: {reason}")]
+    NotFaultTolerant {
+        /// The feature.
+        what: &'static str,
+        /// Why, and what to use instead.
+        reason: &'static str,
+    },
+
     /// An I/O error outside the cases above.
     #[error(transparent)]
     Io(#[from] io::Error),
@@ -880,6 +950,53 @@ impl DdpError {
             | InvalidGroupCall { rank, .. }
             | P2pMismatch { rank, .. } => Some(*rank),
             InGroup { inner, .. } => inner.rank(),
+            _ => None,
+        }
+    }
+}
+
+impl DdpError {
+    /// Whether this error says that the group failed around this rank (a rank died, froze,
+    /// was cut off or stopped the group; a collective or the store did not answer in time)
+    /// rather than that this rank's own call was wrong: what a fault-tolerant job recovers
+    /// from by agreeing on a new membership ([`ProcessGroup::recover`](crate::ProcessGroup::recover)).
+    /// Configuration errors, mismatched models or collectives, and bad arguments are not.
+    pub fn is_peer_failure(&self) -> bool {
+        use DdpError::*;
+        match self {
+            PeerLost { .. }
+            | PeerUnreachable { .. }
+            | JobAborted { .. }
+            | CollectiveTimeout { .. }
+            | GroupAborted { .. }
+            | RankUnresponsive { .. }
+            | P2pTimeout { .. }
+            | StoreTimeout { .. }
+            | StoreLost { .. }
+            | GradSyncTimeout { .. }
+            | WorkerStopped { .. }
+            | Nccl { .. }
+            | NcclTimeout { .. }
+            | RendezvousTimeout { .. }
+            | Io(_) => true,
+            InGroup { inner, .. } => inner.is_peer_failure(),
+            _ => false,
+        }
+    }
+
+    /// The rank this error blames, when it names one other than the reporter (a rank that
+    /// died, froze or did not answer).
+    pub fn culprit(&self) -> Option<Rank> {
+        use DdpError::*;
+        match self {
+            PeerLost { peer, .. } | PeerUnreachable { peer, .. } | P2pTimeout { peer, .. } => {
+                Some(*peer)
+            }
+            RankUnresponsive { culprit, .. } => Some(*culprit),
+            RendezvousTimeout { missing, .. } => missing.0.first().copied(),
+            JobAborted { record, .. } => record.culprit,
+            CollectiveTimeout { diagnosis, .. } => Some(diagnosis.culprit()),
+            InGroup { inner, .. } => inner.culprit(),
             _ => None,
         }
     }

@@ -86,10 +86,10 @@ pub mod train;
 pub mod types;
 mod wire;
 
-pub use config::{GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
+pub use config::{FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use error::{DdpError, Result};
 pub use grad::{Compression, DdpConfig, GradReduction, ParamInfo};
-pub use group::{P2pOp, PeerWait, ProcessGroup};
+pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery};
 pub use launch::spawn;
 pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};
 pub use wire::WireError;

@@ -16,7 +16,7 @@ use std::io::{self, Read, Write};
 
 /// Protocol version spoken by this build. Peers with another version are refused with a clear
 /// error (`DdpError::ProtocolMismatch`).
-pub(crate) const PROTOCOL_VERSION: u8 = 1;
+pub(crate) const PROTOCOL_VERSION: u8 = 2;
 
 /// The four bytes every frame starts with.
 pub(crate) const MAGIC: [u8; 4] = *b"BDDP";

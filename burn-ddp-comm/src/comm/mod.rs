@@ -106,4 +106,6 @@ pub(crate) struct Verdict {
     pub(crate) host: String,
     pub(crate) last_completed: CollectiveSeq,
     pub(crate) what: String,
+    /// The verdict is that the store went silent (so it cannot be published there).
+    pub(crate) store_silent: bool,
 }

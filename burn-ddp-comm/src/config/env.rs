@@ -23,6 +23,10 @@
 //! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT` | which attempt of a restarted job this is | 0 |
 //! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
 //! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
+//! | `BURN_DDP_FAULT_TOLERANT=1` | a fault-tolerant job: the ranks survive the loss of others (set by `burn-ddp run --fault-tolerant`, whose launcher serves the store) | off |
+//! | `BURN_DDP_FT_JOIN=1` | this process joins a running fault-tolerant job | off |
+//! | `BURN_DDP_MEMBER_ID` | the member id this process claims in a fault-tolerant job | `RANK`, or a fresh id when joining |
+//! | `BURN_DDP_MIN_RANKS` | the fewest ranks a fault-tolerant job goes on with | 1 |
 //! | `CUDA_VISIBLE_DEVICES` | the GPUs this process sees (read for choosing and naming a rank's GPU) | all |
 //! | `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` | where to look for `libnccl` when it is missing, for the message | |
 //! | `OMP_NUM_THREADS` | left as set; the launcher sets it to 1 for several ranks per node when unset | |
@@ -32,7 +36,7 @@ use std::time::Duration;
 use std::ffi::OsString;
 
 use crate::config::{
-    GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
+    FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
 };
 use crate::types::{LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
@@ -77,6 +81,17 @@ pub const STALL_TIMEOUT: &str = "BURN_DDP_STALL_TIMEOUT";
 pub fn group_config_from_env() -> Result<GroupConfig> {
     group_config_from(|k| std::env::var(k).ok())
 }
+
+/// Fault-tolerant mode ([`GroupConfig::fault_tolerance`]): `1` (set by `burn-ddp run
+/// --fault-tolerant`).
+pub const FAULT_TOLERANT: &str = "BURN_DDP_FAULT_TOLERANT";
+/// In a fault-tolerant job: this process joins the running job (a replacement) instead of
+/// forming it ([`FaultTolerance::join`]).
+pub const FT_JOIN: &str = "BURN_DDP_FT_JOIN";
+/// In a fault-tolerant job: the member id this process claims ([`FaultTolerance::member`]).
+pub const MEMBER_ID: &str = "BURN_DDP_MEMBER_ID";
+/// In a fault-tolerant job: the fewest ranks it goes on with ([`FaultTolerance::min_ranks`]).
+pub const MIN_RANKS: &str = "BURN_DDP_MIN_RANKS";
 
 /// The variable that turns on the check before every collective ([`GroupConfig::debug_desync`]).
 pub const DEBUG_DESYNC: &str = "BURN_DDP_DEBUG_DESYNC";
@@ -144,18 +159,48 @@ pub fn debug_desync(explicit: Option<bool>) -> Result<bool> {
 }
 
 fn debug_desync_from(get: &impl Fn(&str) -> Option<String>) -> Result<bool> {
-    let Some(v) = get(DEBUG_DESYNC) else {
+    flag(get, DEBUG_DESYNC)
+}
+
+/// A yes-or-no variable (unset: no).
+fn flag(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<bool> {
+    let Some(v) = get(var) else {
         return Ok(false);
     };
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" | "detail" => Ok(true),
         "" | "0" | "false" | "no" | "off" => Ok(false),
         _ => Err(DdpError::InvalidEnv {
-            var: DEBUG_DESYNC,
+            var,
             value: v,
             expected: "1, true, yes or on (or 0, false, no, off)",
         }),
     }
+}
+
+/// The fault-tolerant settings, when [`FAULT_TOLERANT`] is on.
+fn fault_tolerance_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<FaultTolerance>> {
+    if !flag(get, FAULT_TOLERANT)? {
+        for var in [FT_JOIN, MEMBER_ID, MIN_RANKS] {
+            if get(var).is_some() {
+                tracing::warn!("{var} is set but {FAULT_TOLERANT} is not: {var} is ignored");
+            }
+        }
+        return Ok(None);
+    }
+    let min_ranks = parse_u32(get, MIN_RANKS, "a number of ranks, 1 or more")?.unwrap_or(1);
+    if min_ranks == 0 {
+        return Err(DdpError::InvalidEnv {
+            var: MIN_RANKS,
+            value: "0".into(),
+            expected: "a number of ranks, 1 or more",
+        });
+    }
+    Ok(Some(FaultTolerance {
+        join: flag(get, FT_JOIN)?,
+        member: parse_u32(get, MEMBER_ID, "a non-negative integer")?,
+        min_ranks,
+    }))
 }
 
 /// The gradient transport: `explicit` when it is `Host` or `Nccl`, else
@@ -329,6 +374,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         .is_some()
         .then(|| debug_desync_from(&get))
         .transpose()?;
+    cfg.fault_tolerance = fault_tolerance_from(&get)?;
     cfg.validate()?;
     Ok(cfg)
 }

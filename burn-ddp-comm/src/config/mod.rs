@@ -183,6 +183,38 @@ pub struct GroupConfig {
     /// Where the store's port came from, when it is not `MASTER_PORT` itself (said in the
     /// error when the port is taken).
     pub port_origin: Option<String>,
+    /// Fault-tolerant mode (`burn-ddp run --fault-tolerant`): the job survives the loss of
+    /// ranks without restarting anyone. `None`: a failure ends the job.
+    pub fault_tolerance: Option<FaultTolerance>,
+}
+
+/// The settings of a fault-tolerant job (see `ProcessGroup::recover`).
+///
+/// The job's store is served by its launcher (`MASTER_ADDR:MASTER_PORT`), not by rank 0, so
+/// that any rank may die. Each process has a member id, unique for the job's life: the
+/// first processes take their `RANK`, later ones a fresh id from the store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultTolerance {
+    /// Join a running job (a replacement, or a process started later) instead of forming it
+    /// with the others: wait to be admitted at a step boundary, then receive the state of a
+    /// rank that has it.
+    pub join: bool,
+    /// The member id to claim (the launcher gives one to the processes it starts); `None`:
+    /// `RANK` for the processes that form the job, a fresh id for a joining one.
+    pub member: Option<u32>,
+    /// The fewest ranks the job goes on with (default 1): below it, the survivors wait for
+    /// processes to join, up to the rendezvous timeout.
+    pub min_ranks: u32,
+}
+
+impl Default for FaultTolerance {
+    fn default() -> Self {
+        Self {
+            join: false,
+            member: None,
+            min_ranks: 1,
+        }
+    }
 }
 
 impl GroupConfig {
@@ -199,7 +231,15 @@ impl GroupConfig {
             debug_desync: None,
             restart_count: 0,
             port_origin: None,
+            fault_tolerance: None,
         }
+    }
+
+    /// Makes the group fault-tolerant (the store must be served by a launcher:
+    /// `burn-ddp run --fault-tolerant`, or [`crate::launch::lighthouse`]).
+    pub fn with_fault_tolerance(mut self, ft: FaultTolerance) -> Self {
+        self.fault_tolerance = Some(ft);
+        self
     }
 
     /// Turns the cross-rank check before every collective on or off, whatever

@@ -210,6 +210,7 @@ impl Heartbeat {
         timeouts: Timeouts,
         deadline: Instant,
         stopper: LinkStopper,
+        host: super::StoreHost,
     ) -> Option<Self> {
         let master = MasterAddr::new(store.addr().ip().to_string(), store.addr().port());
         let bounds = Bounds {
@@ -221,6 +222,7 @@ impl Heartbeat {
             rank,
             world,
             token: token.clone(),
+            scope: store.scope().map(str::to_owned),
             // A quarter of the check interval per store request (a live store answers in
             // milliseconds): a check stays short when the store falls silent.
             io: (bounds.interval() / 4).max(Duration::from_millis(100)),
@@ -236,6 +238,7 @@ impl Heartbeat {
                 let watcher = Watcher::start(
                     aux,
                     link,
+                    host,
                     bounds,
                     Arc::clone(&progress),
                     Arc::clone(&stoppers),
@@ -349,6 +352,8 @@ struct AuxLink {
     rank: Rank,
     world: WorldSize,
     token: JobToken,
+    /// The scope of the group's store keys (a fault-tolerant job's membership epoch).
+    scope: Option<String>,
     io: Duration,
 }
 
@@ -363,7 +368,7 @@ impl AuxLink {
             self.io,
             deadline,
         )
-        .map(|c| c.with_reply_slack(self.io))
+        .map(|c| c.with_reply_slack(self.io).with_scope(self.scope.clone()))
     }
 }
 
@@ -381,6 +386,7 @@ impl Watcher {
     fn start(
         store: StoreClient,
         link: AuxLink,
+        host: super::StoreHost,
         bounds: Bounds,
         progress: Arc<Progress>,
         stoppers: Arc<Stoppers>,
@@ -401,6 +407,7 @@ impl Watcher {
                         world,
                         bounds,
                         progress,
+                        store_host: host,
                         host: host_name(),
                         beat: 0,
                         seen: HashMap::new(),
@@ -425,8 +432,9 @@ impl Watcher {
                             );
                             // Published before the links close, so that the ranks that see
                             // them close find the culprit in the store, not this rank. Not when
-                            // the culprit is rank 0: its store went with it.
-                            if v.culprit != Rank(0) {
+                            // the store is silent: rank 0's went with it, and a rank cut off
+                            // from the launcher's cannot reach it.
+                            if !v.store_silent {
                                 let _ = watch.store.abort(AbortRecord {
                                     reporter: rank,
                                     culprit: Some(v.culprit),
@@ -486,6 +494,8 @@ struct Watch {
     world: WorldSize,
     bounds: Bounds,
     progress: Arc<Progress>,
+    /// Who serves the store: what its silence means.
+    store_host: super::StoreHost,
     host: String,
     beat: u64,
     seen: HashMap<Rank, Seen>,
@@ -564,18 +574,38 @@ impl Watch {
             Some(seq) => format!("in collective #{seq}"),
             None => "for work shared with it outside the host collectives (NCCL)".to_string(),
         };
-        // Rank 0 serves the store: a store that stopped answering is rank 0 gone.
-        if self.rank != Rank(0) && now.duration_since(self.store_ok) > self.bounds.silence {
-            let s = self.seen.get(&Rank(0));
-            return Some(Verdict {
-                culprit: Rank(0),
-                host: s.map_or_else(|| "?".into(), |s| s.value.host.clone()),
-                last_completed: CollectiveSeq(s.map_or(0, |s| s.value.completed)),
-                what: format!(
-                    "stopped answering (its store has not replied for {:.0?})",
-                    now.duration_since(self.store_ok)
-                ),
-            });
+        let store_quiet = now.duration_since(self.store_ok);
+        match self.store_host {
+            // Rank 0 serves the store: a store that stopped answering is rank 0 gone.
+            super::StoreHost::RankZero
+                if self.rank != Rank(0) && store_quiet > self.bounds.silence =>
+            {
+                let s = self.seen.get(&Rank(0));
+                return Some(Verdict {
+                    culprit: Rank(0),
+                    host: s.map_or_else(|| "?".into(), |s| s.value.host.clone()),
+                    last_completed: CollectiveSeq(s.map_or(0, |s| s.value.completed)),
+                    what: format!(
+                        "stopped answering (its store has not replied for {store_quiet:.0?})"
+                    ),
+                    store_silent: true,
+                });
+            }
+            // The launcher serves it: this rank is cut off from the job.
+            super::StoreHost::Launcher if store_quiet > self.bounds.silence => {
+                return Some(Verdict {
+                    culprit: self.rank,
+                    host: self.host.clone(),
+                    last_completed: CollectiveSeq(self.progress.completed.load(Ordering::SeqCst)),
+                    what: format!(
+                        "is cut off from the job: the launcher's store at {} has not replied \
+                         for {store_quiet:.0?}",
+                        self.link.master
+                    ),
+                    store_silent: true,
+                });
+            }
+            _ => {}
         }
         for (r, s) in &self.seen {
             let quiet = now.duration_since(s.changed);
@@ -589,6 +619,7 @@ impl Watch {
                          waited {}",
                         during()
                     ),
+                    store_silent: false,
                 });
             }
             let Some(seq) = seq else {
@@ -605,6 +636,7 @@ impl Watch {
                         "is alive but has not reached collective #{seq} for {waited:.0?} (it is \
                          stuck outside the collectives, or called a different number of them)"
                     ),
+                    store_silent: false,
                 });
             }
         }

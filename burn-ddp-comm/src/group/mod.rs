@@ -12,13 +12,14 @@
 //! re-exported here; the store is `store/`.
 
 mod desync;
+mod elastic;
 pub(crate) mod heartbeat;
 mod p2p;
 mod rendezvous;
 mod sub;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 pub use crate::config::env::DEBUG_DESYNC;
@@ -26,6 +27,8 @@ pub use crate::types::{
     AbortRecord, CollectiveSeq, LocalRank, Rank, RankList, StallDiagnosis, WorldSize,
 };
 use desync::DesyncCheck;
+pub use elastic::Recovery;
+pub(crate) use elastic::{fresh_member_id, last_membership, record_first_world};
 use p2p::P2p;
 pub use p2p::P2pOp;
 use sub::SubInfo;
@@ -71,6 +74,125 @@ struct Inner {
 
 /// The store-key prefix of the world group (its ring's keys, its point-to-point endpoints).
 const WORLD_TAG: &str = "tcp/0";
+
+/// Who serves the store a group meets through, which says what the store falling silent means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StoreHost {
+    /// Rank 0 (a plain job): a silent store is rank 0 gone.
+    RankZero,
+    /// The launcher (a fault-tolerant job): a silent store means this rank is cut off from the
+    /// job.
+    Launcher,
+}
+
+impl Inner {
+    /// The world group of `config`'s rank over the store `client` (joined already): the ring,
+    /// the heartbeat, the point-to-point endpoint.
+    pub(crate) fn connect(
+        config: &GroupConfig,
+        client: Arc<StoreClient>,
+        server: Option<StoreServer>,
+        host: StoreHost,
+        deadline: Instant,
+    ) -> Result<Self> {
+        let desync = DesyncCheck::new(crate::config::env::debug_desync(config.debug_desync)?);
+        let mut comm = TcpCommunicator::connect(
+            Arc::clone(&client),
+            config.rank,
+            config.world_size,
+            &config.token,
+            WORLD_TAG,
+            deadline,
+            config.timeouts,
+        )
+        .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
+        let heartbeat = Heartbeat::start(
+            &client,
+            config.rank,
+            config.world_size,
+            &config.token,
+            config.timeouts,
+            deadline,
+            comm.stopper()?,
+            host,
+        )
+        .map(Arc::new);
+        if let Some(h) = &heartbeat {
+            comm.watch_with(Arc::clone(h) as Arc<dyn crate::comm::PeerWatch>);
+        }
+        let p2p = P2p::tcp(
+            &client,
+            &config.token,
+            config.rank,
+            config.world_size,
+            WORLD_TAG,
+        )
+        .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
+        tracing::info!(
+            "[rank {}] process group ready: {} ranks over tcp (store {}{})",
+            config.rank,
+            config.world_size,
+            client.addr(),
+            client.scope().map(|s| format!(", {s}")).unwrap_or_default()
+        );
+        Ok(Inner {
+            rank: config.rank,
+            world: config.world_size,
+            local_rank: config.local_rank,
+            local_world: config.local_world_size,
+            timeouts: config.timeouts,
+            token: config.token.clone(),
+            restart_count: config.restart_count,
+            desync,
+            tag: WORLD_TAG.into(),
+            subgroups: Default::default(),
+            sub: None,
+            p2p,
+            comm: Box::new(comm),
+            heartbeat,
+            store: Some(client),
+            server,
+        })
+    }
+
+    /// A group of one process (collectives return at once), with `store` for a fault-tolerant
+    /// job's membership of one.
+    pub(crate) fn single(
+        timeouts: Timeouts,
+        restart_count: u32,
+        store: Option<(Arc<StoreClient>, LocalRank, WorldSize, JobToken)>,
+    ) -> Self {
+        let comm = LocalCommunicator::group(WorldSize::ONE, timeouts.collective)
+            .pop()
+            .map(|c| Box::new(c) as Box<dyn Communicator>);
+        let comm = match comm {
+            Some(c) => c,
+            None => unreachable!("a local group of one has one communicator"),
+        };
+        let (store, local_rank, local_world, token) = match store {
+            Some((s, lr, lw, t)) => (Some(s), lr, lw, t),
+            None => (None, LocalRank(0), WorldSize::ONE, JobToken::new("single")),
+        };
+        Inner {
+            rank: Rank::ZERO,
+            world: WorldSize::ONE,
+            local_rank,
+            local_world,
+            timeouts,
+            token,
+            restart_count,
+            desync: None,
+            tag: WORLD_TAG.into(),
+            subgroups: Default::default(),
+            sub: None,
+            p2p: P2p::none(),
+            comm,
+            heartbeat: None,
+            store,
+            server: None,
+        }
+    }
+}
 
 /// How long a rank that ends normally waits for the store to take its mark of a normal end.
 const FINISHED_MARK_WAIT: Duration = Duration::from_secs(2);
@@ -124,21 +246,52 @@ impl Drop for Inner {
 /// ```
 #[derive(Clone)]
 pub struct ProcessGroup {
-    inner: Arc<Inner>,
+    shared: Arc<Shared>,
+}
+
+/// What every clone of a group shares: the group's current membership ([`Inner`]), which a
+/// fault-tolerant group replaces when ranks leave or join (so that every clone, the reducer's
+/// threads' included, moves to the new membership together), and the fault-tolerant job's
+/// membership service.
+struct Shared {
+    current: RwLock<Arc<Inner>>,
+    elastic: Option<elastic::Elastic>,
 }
 
 impl fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.inner();
         f.debug_struct("ProcessGroup")
-            .field("rank", &self.inner.rank)
-            .field("world_size", &self.inner.world)
-            .field("local_rank", &self.inner.local_rank)
-            .field("transport", &self.inner.comm.transport())
+            .field("rank", &inner.rank)
+            .field("world_size", &inner.world)
+            .field("local_rank", &inner.local_rank)
+            .field("transport", &inner.comm.transport())
+            .field("fault_tolerant", &self.shared.elastic.is_some())
             .finish()
     }
 }
 
 impl ProcessGroup {
+    fn from_inner(inner: Inner) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                current: RwLock::new(Arc::new(inner)),
+                elastic: None,
+            }),
+        }
+    }
+
+    /// The group's current membership: its ranks, links and heartbeat.
+    fn inner(&self) -> Arc<Inner> {
+        Arc::clone(
+            &self
+                .shared
+                .current
+                .read()
+                .unwrap_or_else(|p| p.into_inner()),
+        )
+    }
+
     /// Joins the job described by the environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
     /// `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as set by `burn-ddp run`, torchrun or
     /// Slurm's `srun`). Without any of them, this is a single-process group.
@@ -158,69 +311,22 @@ impl ProcessGroup {
     /// `DuplicateRank`, `RendezvousTimeout`, ... each naming the fix.
     pub fn init(config: GroupConfig) -> Result<Self> {
         config.validate()?;
+        if let Some(ft) = config.fault_tolerance.clone() {
+            return elastic::start(config, ft);
+        }
         if config.world_size == WorldSize::ONE {
             return Ok(Self::single_with(config.timeouts, config.restart_count));
         }
-        let desync = DesyncCheck::new(crate::config::env::debug_desync(config.debug_desync)?);
         let deadline = Instant::now() + config.timeouts.rendezvous;
         let joined = rendezvous::join(&config, deadline)?;
-        let mut comm = TcpCommunicator::connect(
-            Arc::clone(&joined.client),
-            config.rank,
-            config.world_size,
-            &config.token,
-            WORLD_TAG,
+        let inner = Inner::connect(
+            &config,
+            joined.client,
+            joined.server,
+            StoreHost::RankZero,
             deadline,
-            config.timeouts,
-        )
-        .inspect_err(|e| rendezvous::publish(&joined.client, config.rank, None, e))?;
-        let heartbeat = Heartbeat::start(
-            &joined.client,
-            config.rank,
-            config.world_size,
-            &config.token,
-            config.timeouts,
-            deadline,
-            comm.stopper()?,
-        )
-        .map(Arc::new);
-        if let Some(h) = &heartbeat {
-            comm.watch_with(Arc::clone(h) as Arc<dyn crate::comm::PeerWatch>);
-        }
-        let p2p = P2p::tcp(
-            &joined.client,
-            &config.token,
-            config.rank,
-            config.world_size,
-            WORLD_TAG,
-        )
-        .inspect_err(|e| rendezvous::publish(&joined.client, config.rank, None, e))?;
-        tracing::info!(
-            "[rank {}] process group ready: {} ranks over tcp (store {})",
-            config.rank,
-            config.world_size,
-            joined.client.addr()
-        );
-        Ok(Self {
-            inner: Arc::new(Inner {
-                rank: config.rank,
-                world: config.world_size,
-                local_rank: config.local_rank,
-                local_world: config.local_world_size,
-                timeouts: config.timeouts,
-                token: config.token,
-                restart_count: config.restart_count,
-                desync,
-                tag: WORLD_TAG.into(),
-                subgroups: Default::default(),
-                sub: None,
-                p2p,
-                comm: Box::new(comm),
-                heartbeat,
-                store: Some(joined.client),
-                server: joined.server,
-            }),
-        })
+        )?;
+        Ok(Self::from_inner(inner))
     }
 
     /// A group of one process: every collective returns at once (a mean divides by one).
@@ -229,33 +335,7 @@ impl ProcessGroup {
     }
 
     fn single_with(timeouts: Timeouts, restart_count: u32) -> Self {
-        let comm = LocalCommunicator::group(WorldSize::ONE, timeouts.collective)
-            .pop()
-            .map(|c| Box::new(c) as Box<dyn Communicator>);
-        let comm = match comm {
-            Some(c) => c,
-            None => unreachable!("a local group of one has one communicator"),
-        };
-        Self {
-            inner: Arc::new(Inner {
-                rank: Rank::ZERO,
-                world: WorldSize::ONE,
-                local_rank: LocalRank(0),
-                local_world: WorldSize::ONE,
-                timeouts,
-                token: JobToken::new("single"),
-                restart_count,
-                desync: None,
-                tag: WORLD_TAG.into(),
-                subgroups: Default::default(),
-                sub: None,
-                p2p: P2p::none(),
-                comm,
-                heartbeat: None,
-                store: None,
-                server: None,
-            }),
-        }
+        Self::from_inner(Inner::single(timeouts, restart_count, None))
     }
 
     /// A group of `world` ranks inside this process, one per thread (hand each thread one
@@ -273,90 +353,100 @@ impl ProcessGroup {
             .zip(crate::comm::p2p::LocalP2p::group(world))
             .map(|(comm, p2p)| {
                 let rank = comm.rank();
-                Self {
-                    inner: Arc::new(Inner {
-                        rank,
-                        world,
-                        local_rank: LocalRank(rank.0),
-                        local_world: world,
-                        timeouts,
-                        token: JobToken::new("local"),
-                        restart_count: 0,
-                        desync: DesyncCheck::new(desync),
-                        tag: WORLD_TAG.into(),
-                        subgroups: Default::default(),
-                        sub: None,
-                        p2p: P2p::local(p2p),
-                        comm: Box::new(comm),
-                        heartbeat: None,
-                        store: None,
-                        server: None,
-                    }),
-                }
+                Self::from_inner(Inner {
+                    rank,
+                    world,
+                    local_rank: LocalRank(rank.0),
+                    local_world: world,
+                    timeouts,
+                    token: JobToken::new("local"),
+                    restart_count: 0,
+                    desync: DesyncCheck::new(desync),
+                    tag: WORLD_TAG.into(),
+                    subgroups: Default::default(),
+                    sub: None,
+                    p2p: P2p::local(p2p),
+                    comm: Box::new(comm),
+                    heartbeat: None,
+                    store: None,
+                    server: None,
+                })
             })
             .collect()
     }
 
     /// This process's rank.
     pub fn rank(&self) -> Rank {
-        self.inner.rank
+        self.inner().rank
     }
 
     /// Number of ranks.
     pub fn world_size(&self) -> WorldSize {
-        self.inner.world
+        self.inner().world
     }
 
     /// This process's rank on its node.
     pub fn local_rank(&self) -> LocalRank {
-        self.inner.local_rank
+        self.inner().local_rank
     }
 
     /// Number of ranks on this node.
     pub fn local_world_size(&self) -> WorldSize {
-        self.inner.local_world
+        self.inner().local_world
     }
 
     /// How many times the launcher restarted the job before this attempt (0: the first), from
     /// [`GroupConfig::restart_count`].
     pub fn restart_count(&self) -> u32 {
-        self.inner.restart_count
+        self.inner().restart_count
     }
 
     /// Whether this is rank 0 (the one that logs, renders and writes checkpoints).
     pub fn is_main(&self) -> bool {
-        self.inner.rank.is_zero()
+        self.inner().rank.is_zero()
     }
 
     /// The deadlines this group uses.
     pub fn timeouts(&self) -> Timeouts {
-        self.inner.timeouts
+        self.inner().timeouts
     }
 
     /// The transport's name (`"tcp"`, `"local"`).
     pub fn transport(&self) -> &'static str {
-        self.inner.comm.transport()
+        self.inner().comm.transport()
     }
 
     /// The prefix of this group's store keys (distinct for every sub-group).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn tag(&self) -> &str {
-        &self.inner.tag
+    /// The prefix of this group's store keys, with the scope of its store connection (a
+    /// fault-tolerant job's membership epoch): unique for the job's lifetime, whatever the
+    /// membership.
+    pub(crate) fn tag(&self) -> String {
+        let inner = self.inner();
+        match inner.store.as_ref().and_then(|s| s.scope()) {
+            Some(scope) => format!("{scope}/{}", inner.tag),
+            None => inner.tag.clone(),
+        }
     }
 
-    pub(crate) fn token(&self) -> &JobToken {
-        &self.inner.token
+    pub(crate) fn token(&self) -> JobToken {
+        self.inner().token.clone()
     }
 
-    pub(crate) fn store_client(&self) -> Option<&StoreClient> {
-        self.inner.store.as_deref()
+    /// The store connection of the group's current membership.
+    pub(crate) fn store_client(&self) -> Option<Arc<StoreClient>> {
+        self.inner().store.clone()
     }
 
     /// The job's rendezvous store, for small coordination data of your own (keys are kept apart
     /// from burn-ddp's). `None` for groups without a store: [`ProcessGroup::single`] and
     /// in-process groups from [`ProcessGroup::local`].
-    pub fn store(&self) -> Option<Store<'_>> {
-        self.store_client().map(Store::new)
+    pub fn store(&self) -> Option<Store> {
+        match &self.shared.elastic {
+            // A fault-tolerant job's user keys outlive its memberships.
+            Some(e) => Some(Store::new(e.store())),
+            None => self.store_client().map(Store::new),
+        }
     }
 
     /// Reduces `buf` across all ranks, in place: every rank ends with the same values.
@@ -368,7 +458,7 @@ impl ProcessGroup {
     pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.desync(CollectiveDesc::new(CollectiveOp::AllReduce, T::DTYPE, buf.len()).reduce(op))?;
         self.scoped(
-            self.inner
+            self.inner()
                 .comm
                 .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op),
         )
@@ -380,16 +470,16 @@ impl ProcessGroup {
     /// `InvalidRoot`, and the errors of [`ProcessGroup::all_reduce`].
     #[track_caller]
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: Rank) -> Result<()> {
-        if !self.inner.world.contains(root) {
+        if !self.inner().world.contains(root) {
             return Err(DdpError::InvalidRoot {
-                rank: self.inner.rank,
+                rank: self.inner().rank,
                 root,
-                world: self.inner.world,
+                world: self.inner().world,
             });
         }
         self.desync(CollectiveDesc::new(CollectiveOp::Broadcast, T::DTYPE, buf.len()).root(root))?;
         self.scoped(
-            self.inner
+            self.inner()
                 .comm
                 .broadcast(bytemuck::cast_slice_mut(buf), T::DTYPE, root),
         )
@@ -401,10 +491,10 @@ impl ProcessGroup {
     /// `BufferSize` if `recv` has the wrong length, and the errors of [`ProcessGroup::all_reduce`].
     #[track_caller]
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let expected = send.len() * self.inner.world.as_usize();
+        let expected = send.len() * self.inner().world.as_usize();
         if recv.len() != expected {
             return Err(DdpError::BufferSize {
-                rank: self.inner.rank,
+                rank: self.inner().rank,
                 op: crate::comm::CollectiveOp::AllGather,
                 what: "recv (world_size x send)",
                 expected,
@@ -416,7 +506,7 @@ impl ProcessGroup {
             T::DTYPE,
             send.len(),
         ))?;
-        self.scoped(self.inner.comm.all_gather(
+        self.scoped(self.inner().comm.all_gather(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
             T::DTYPE,
@@ -430,7 +520,7 @@ impl ProcessGroup {
     /// The errors of [`ProcessGroup::all_gather`].
     #[track_caller]
     pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
-        let world = self.inner.world.as_usize();
+        let world = self.inner().world.as_usize();
         let mut lens = vec![0i64; world];
         self.all_gather(&[byte_len(bytes)], &mut lens)?;
         let lens: Vec<usize> = lens
@@ -475,10 +565,10 @@ impl ProcessGroup {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let expected = recv.len() * self.inner.world.as_usize();
+        let expected = recv.len() * self.inner().world.as_usize();
         if send.len() != expected {
             return Err(DdpError::BufferSize {
-                rank: self.inner.rank,
+                rank: self.inner().rank,
                 op: crate::comm::CollectiveOp::ReduceScatter,
                 what: "send (world_size x recv)",
                 expected,
@@ -488,7 +578,7 @@ impl ProcessGroup {
         self.desync(
             CollectiveDesc::new(CollectiveOp::ReduceScatter, T::DTYPE, recv.len()).reduce(op),
         )?;
-        self.scoped(self.inner.comm.reduce_scatter(
+        self.scoped(self.inner().comm.reduce_scatter(
             bytemuck::cast_slice(send),
             bytemuck::cast_slice_mut(recv),
             T::DTYPE,
@@ -507,15 +597,15 @@ impl ProcessGroup {
             crate::comm::DType::I64,
             0,
         ))?;
-        self.scoped(self.inner.comm.barrier())
+        self.scoped(self.inner().comm.barrier())
     }
 
     /// The desync check of `BURN_DDP_DEBUG_DESYNC` (nothing when it is off).
     #[track_caller]
     fn desync(&self, desc: CollectiveDesc) -> Result<()> {
-        match &self.inner.desync {
+        match &self.inner().desync {
             Some(check) => {
-                self.scoped(check.check(&*self.inner.comm, &desc, std::panic::Location::caller()))
+                self.scoped(check.check(&*self.inner().comm, &desc, std::panic::Location::caller()))
             }
             None => Ok(()),
         }
@@ -524,10 +614,10 @@ impl ProcessGroup {
     /// Marks the group failed and closes its connections, so that every peer stops promptly.
     /// Aborting the world group aborts its sub-groups too.
     pub fn abort(&self) {
-        self.inner.comm.abort();
-        self.inner.p2p.close();
-        if self.inner.sub.is_none() {
-            if let Some(h) = &self.inner.heartbeat {
+        self.inner().comm.abort();
+        self.inner().p2p.close();
+        if self.inner().sub.is_none() {
+            if let Some(h) = &self.inner().heartbeat {
                 h.stop_subgroups();
             }
         }
@@ -543,7 +633,7 @@ impl ProcessGroup {
     /// instead of at its own timeout. Groups without a heartbeat (one process, threads) ignore
     /// it. Guards may nest.
     pub fn waiting_on_peers(&self) -> PeerWait {
-        let progress = self.inner.heartbeat.as_ref().map(|h| h.progress());
+        let progress = self.inner().heartbeat.as_ref().map(|h| h.progress());
         if let Some(p) = &progress {
             p.enter_outside();
         }

@@ -278,12 +278,12 @@ impl ProcessGroup {
     }
 
     fn check_peer(&self, peer: Rank, what: &'static str) -> Result<()> {
-        let reason = if !self.inner.world.contains(peer) {
+        let reason = if !self.inner().world.contains(peer) {
             format!(
                 "rank {peer} is not in this group of {} ranks",
-                self.inner.world
+                self.inner().world
             )
-        } else if peer == self.inner.rank {
+        } else if peer == self.inner().rank {
             "a rank cannot send to or receive from itself".into()
         } else {
             return Ok(());
@@ -304,7 +304,7 @@ impl ProcessGroup {
     ) -> Option<DdpError> {
         let rank = self.global_rank();
         if let Some(v) = self
-            .inner
+            .inner()
             .heartbeat
             .as_ref()
             .and_then(|h| crate::comm::PeerWatch::verdict(&**h))
@@ -335,8 +335,8 @@ impl ProcessGroup {
     }
 
     fn transmit(&self, dst: Rank, tag: u32, dtype: DType, bytes: &[u8]) -> Result<()> {
-        let seq = self.inner.p2p.next(CollectiveOp::Send, dst);
-        match &self.inner.p2p.kind {
+        let seq = self.inner().p2p.next(CollectiveOp::Send, dst);
+        match &self.inner().p2p.kind {
             Kind::Local(l) => {
                 l.send(dst, tag, dtype, bytes);
                 Ok(())
@@ -344,7 +344,7 @@ impl ProcessGroup {
             Kind::None => Err(self.no_peers("send")),
             Kind::Tcp(endpoint) => {
                 let started = Instant::now();
-                let deadline = started + self.inner.timeouts.collective;
+                let deadline = started + self.inner().timeouts.collective;
                 let next_poll = Cell::new(started + RECORD_POLL);
                 let _wait = self.waiting_on_peers();
                 let interrupt = || self.interrupt(CollectiveOp::Send, seq, &next_poll);
@@ -366,14 +366,15 @@ impl ProcessGroup {
     }
 
     fn receive(&self, src: Rank, tag: u32) -> Result<crate::comm::p2p::Message> {
-        let mailbox: &Mailbox = match &self.inner.p2p.kind {
+        let inner = self.inner();
+        let mailbox: &Mailbox = match &inner.p2p.kind {
             Kind::Local(l) => l.mailbox(),
             Kind::None => return Err(self.no_peers("recv")),
             Kind::Tcp(endpoint) => endpoint.mailbox(),
         };
-        let seq = self.inner.p2p.next(CollectiveOp::Recv, src);
+        let seq = self.inner().p2p.next(CollectiveOp::Recv, src);
         let started = Instant::now();
-        let deadline = started + self.inner.timeouts.collective;
+        let deadline = started + self.inner().timeouts.collective;
         let next_poll = Cell::new(started + RECORD_POLL);
         let _wait = self.waiting_on_peers();
         loop {
@@ -492,7 +493,7 @@ impl ProcessGroup {
 
     /// The world group this group was made from.
     pub(super) fn root(&self) -> ProcessGroup {
-        match &self.inner.sub {
+        match &self.inner().sub {
             Some(sub) => sub.parent.root(),
             None => self.clone(),
         }

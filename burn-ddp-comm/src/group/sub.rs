@@ -45,9 +45,9 @@ impl ProcessGroup {
     /// group; the rendezvous errors of [`ProcessGroup::init`] (naming global ranks) when a
     /// member does not arrive within the rendezvous timeout.
     pub fn new_group(&self, ranks: &[Rank]) -> Result<Option<ProcessGroup>> {
-        let n = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
+        let n = self.inner().subgroups.fetch_add(1, Ordering::SeqCst);
         self.check_members(ranks)?;
-        let tag = format!("{}/g{n}", self.inner.tag);
+        let tag = format!("{}/g{n}", self.inner().tag);
         self.make_subgroup(ranks, tag, format!("g{n}"))
     }
 
@@ -67,30 +67,30 @@ impl ProcessGroup {
     /// The errors of [`ProcessGroup::all_gather`] (the colors are exchanged first) and of
     /// [`ProcessGroup::new_group`].
     pub fn split(&self, color: Option<u32>) -> Result<Option<ProcessGroup>> {
-        let mut colors = vec![0i64; self.inner.world.as_usize()];
+        let mut colors = vec![0i64; self.inner().world.as_usize()];
         self.all_gather(&[color.map_or(-1, i64::from)], &mut colors)?;
-        let n = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
+        let n = self.inner().subgroups.fetch_add(1, Ordering::SeqCst);
         let Some(color) = color else {
             return Ok(None);
         };
         let ranks: Vec<Rank> = self
-            .inner
+            .inner()
             .world
             .ranks()
             .filter(|r| colors[r.index()] == i64::from(color))
             .collect();
-        let tag = format!("{}/g{n}c{color}", self.inner.tag);
+        let tag = format!("{}/g{n}c{color}", self.inner().tag);
         self.make_subgroup(&ranks, tag, format!("g{n} color {color}"))
     }
 
     /// This process's rank in the job (its rank in the world group), whatever group this is.
     pub fn global_rank(&self) -> Rank {
-        self.to_global(self.inner.rank)
+        self.to_global(self.inner().rank)
     }
 
     /// The global rank of this group's rank `rank`.
     pub fn to_global(&self, rank: Rank) -> Rank {
-        match &self.inner.sub {
+        match &self.inner().sub {
             Some(sub) => sub.members.get(rank.index()).copied().unwrap_or(rank),
             None => rank,
         }
@@ -98,24 +98,24 @@ impl ProcessGroup {
 
     /// This group's ranks as global ranks, by group rank (`0..world_size` for the world group).
     pub fn members(&self) -> Vec<Rank> {
-        match &self.inner.sub {
+        match &self.inner().sub {
             Some(sub) => sub.members.to_vec(),
-            None => self.inner.world.ranks().collect(),
+            None => self.inner().world.ranks().collect(),
         }
     }
 
     /// Whether this is a sub-group (made by [`ProcessGroup::new_group`] or [`ProcessGroup::split`]).
     pub fn is_subgroup(&self) -> bool {
-        self.inner.sub.is_some()
+        self.inner().sub.is_some()
     }
 
     /// `result`, its error wrapped in the group's name and this rank's place for a sub-group.
     pub(super) fn scoped<T>(&self, result: Result<T>) -> Result<T> {
-        match (&self.inner.sub, result) {
+        match (&self.inner().sub, result) {
             (Some(sub), Err(e)) if !matches!(e, DdpError::InGroup { .. }) => {
                 Err(DdpError::InGroup {
                     group: sub.name.clone(),
-                    group_rank: self.inner.rank,
+                    group_rank: self.inner().rank,
                     inner: Box::new(e),
                 })
             }
@@ -132,10 +132,10 @@ impl ProcessGroup {
         if ranks.is_empty() {
             return Err(bad("the list of ranks is empty; give at least one".into()));
         }
-        if let Some(r) = ranks.iter().find(|r| !self.inner.world.contains(**r)) {
+        if let Some(r) = ranks.iter().find(|r| !self.inner().world.contains(**r)) {
             return Err(bad(format!(
                 "rank {r} is not in this group of {} ranks",
-                self.inner.world
+                self.inner().world
             )));
         }
         let mut sorted = ranks.to_vec();
@@ -149,7 +149,7 @@ impl ProcessGroup {
     /// The sub-group of `ranks` (ranks of this group) with store-key prefix `tag`, if this rank
     /// is one of them.
     fn make_subgroup(&self, ranks: &[Rank], tag: String, name: String) -> Result<Option<Self>> {
-        let Some(place) = ranks.iter().position(|r| *r == self.inner.rank) else {
+        let Some(place) = ranks.iter().position(|r| *r == self.inner().rank) else {
             return Ok(None);
         };
         let place = Rank(place as u32);
@@ -165,7 +165,7 @@ impl ProcessGroup {
             members: Arc::clone(&members),
             parent: self.clone(),
         };
-        let inner = &self.inner;
+        let inner = self.inner();
         let timeouts = inner.timeouts;
         let (comm, p2p): (Box<dyn Communicator>, P2p) = if size == WorldSize::ONE {
             let comm = LocalCommunicator::group(size, timeouts.collective).pop();
@@ -217,25 +217,23 @@ impl ProcessGroup {
             "[rank {}] joined sub-group {name} as its rank {place}",
             self.global_rank()
         );
-        Ok(Some(ProcessGroup {
-            inner: Arc::new(Inner {
-                rank: place,
-                world: size,
-                local_rank: inner.local_rank,
-                local_world: inner.local_world,
-                timeouts,
-                token: inner.token.clone(),
-                restart_count: inner.restart_count,
-                desync: super::DesyncCheck::new(inner.desync.is_some()),
-                tag,
-                subgroups: Default::default(),
-                sub: Some(info),
-                p2p,
-                comm,
-                heartbeat: inner.heartbeat.clone(),
-                store: inner.store.clone(),
-                server: None,
-            }),
-        }))
+        Ok(Some(ProcessGroup::from_inner(Inner {
+            rank: place,
+            world: size,
+            local_rank: inner.local_rank,
+            local_world: inner.local_world,
+            timeouts,
+            token: inner.token.clone(),
+            restart_count: inner.restart_count,
+            desync: super::DesyncCheck::new(inner.desync.is_some()),
+            tag,
+            subgroups: Default::default(),
+            sub: Some(info),
+            p2p,
+            comm,
+            heartbeat: inner.heartbeat.clone(),
+            store: inner.store.clone(),
+            server: None,
+        })))
     }
 }

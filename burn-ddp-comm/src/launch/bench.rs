@@ -473,7 +473,7 @@ impl StreamLink {
                     listener.local_addr()?.to_string().as_bytes(),
                 )?;
                 let mut s = accept_until(&listener, deadline).map_err(fail("accepting rank 0"))?;
-                auth::server_handshake(&mut s, &[Purpose::Bench], token, deadline).map_err(
+                auth::server_handshake(&mut s, &[Purpose::Bench], &token, deadline).map_err(
                     |e| DdpError::StoreRefused {
                         rank,
                         reason: format!("bench link handshake failed: {e}"),
@@ -496,7 +496,7 @@ impl StreamLink {
                 auth::client_handshake(
                     &mut s,
                     Purpose::Bench,
-                    token,
+                    &token,
                     rank,
                     pg.world_size(),
                     deadline,

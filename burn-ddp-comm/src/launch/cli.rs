@@ -84,6 +84,21 @@ pub struct RunArgs {
     /// checkpoint. With several nodes, every node's launcher must be given the same value.
     #[arg(long, default_value_t = 0)]
     max_restarts: u32,
+    /// Fault-tolerant job: a rank that dies does not stop the others, which agree on a new
+    /// membership and go on from the current step (no restart, no checkpoint reload); up to
+    /// --max-restarts replacements start in place of failed ranks and join the running job.
+    /// Node 0's launcher serves the job's store (at --master-addr:--master-port) until the
+    /// job's last members end.
+    #[arg(long)]
+    fault_tolerant: bool,
+    /// Fault-tolerant job: the fewest ranks it goes on with (below it, the survivors wait
+    /// for replacements, up to the rendezvous timeout).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..), requires = "fault_tolerant")]
+    min_ranks: u32,
+    /// Fault-tolerant job: this node's ranks join the running job (started by other
+    /// launchers with the same --rdzv-id and --master-addr) instead of forming it.
+    #[arg(long, requires = "fault_tolerant")]
+    join: bool,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
@@ -228,6 +243,14 @@ fn seconds(field: &'static str, v: f64) -> Result<Duration> {
 
 fn run(args: RunArgs) -> Result<ExitCode> {
     let range = args.nnodes;
+    if range.is_elastic() && args.fault_tolerant {
+        return Err(DdpError::InvalidConfig {
+            field: "--fault-tolerant",
+            reason: "does not go with an elastic --nnodes MIN:MAX (which restarts every rank \
+                     on a change of nodes): a fault-tolerant job keeps its ranks and changes \
+                     its membership live; give --nnodes N",
+        });
+    }
     if range.is_elastic() && args.node_rank.is_some() {
         return Err(DdpError::InvalidConfig {
             field: "--node-rank",
@@ -297,6 +320,27 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         };
         super::elastic::run(job, elastic)?;
         return Ok(ExitCode::SUCCESS);
+    }
+    if args.fault_tolerant {
+        let serving = node_rank == 0 && !args.join;
+        let _lighthouse = if serving {
+            Some(super::fault::Lighthouse::bind(
+                &job.master,
+                job.token.clone(),
+            )?)
+        } else {
+            None
+        };
+        let ft = super::fault::FaultTolerantLaunch {
+            max_restarts: args.max_restarts,
+            min_ranks: args.min_ranks,
+            join: args.join,
+        };
+        let report = super::fault::run(&job, ft, serving)?;
+        return match report.failure {
+            None => Ok(ExitCode::SUCCESS),
+            Some(e) => Err(e),
+        };
     }
     let base_env = job.env.clone();
     let mut attempt = 0;

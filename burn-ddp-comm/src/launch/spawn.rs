@@ -211,12 +211,85 @@ fn signal_name(sig: i32) -> &'static str {
     }
 }
 
-struct Running {
+pub(crate) struct Running {
+    pub(crate) rank: Rank,
+    pub(crate) child: Child,
+    pub(crate) exit: Option<ExitStatus>,
+    pub(crate) stopped: bool,
+    pub(crate) readers: Vec<JoinHandle<String>>,
+}
+
+impl Running {
+    /// The captured output (with [`Output::Capture`]), once the process has ended.
+    pub(crate) fn into_exit(self) -> RankExit {
+        let output = self
+            .readers
+            .into_iter()
+            .filter_map(|h| h.join().ok())
+            .collect::<Vec<_>>()
+            .join("");
+        RankExit {
+            rank: self.rank,
+            // Every child has exited when the supervisor stops polling.
+            status: self
+                .exit
+                .unwrap_or_else(|| std::os::unix::process::ExitStatusExt::from_raw(0)),
+            stopped: self.stopped,
+            output,
+        }
+    }
+}
+
+/// Starts local rank `local` of `job` as global rank `rank`, with `extra` on top of its
+/// environment.
+///
+/// # Errors
+/// `Spawn` if the program cannot be started.
+pub(crate) fn start_rank(
+    job: &LocalJob,
+    local: u32,
     rank: Rank,
-    child: Child,
-    exit: Option<ExitStatus>,
-    stopped: bool,
-    readers: Vec<JoinHandle<String>>,
+    extra: &[(OsString, OsString)],
+) -> Result<Running> {
+    let mut cmd = Command::new(&job.program);
+    cmd.args(&job.args)
+        .envs(job.rank_env(local))
+        .envs(extra.iter().cloned())
+        .stdin(Stdio::null());
+    let direct =
+        job.output == Output::Inherit || (job.output == Output::Dashboard && rank == Rank(0));
+    if !direct {
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    }
+    // SAFETY: the closure runs in the child between fork and exec and only makes one
+    // async-signal-safe system call (prctl), touching no memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            // If the launcher dies (even by SIGKILL), its ranks die with it instead of
+            // lingering in a collective forever.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(std::io::Error::from)
+        });
+    }
+    let mut child = cmd.spawn().map_err(|source| DdpError::Spawn {
+        rank,
+        program: job.program.display().to_string(),
+        source,
+    })?;
+    let mut readers = Vec::new();
+    if let Some(out) = child.stdout.take() {
+        readers.push(forward(rank, out, job.output, false));
+    }
+    if let Some(err) = child.stderr.take() {
+        readers.push(forward(rank, err, job.output, true));
+    }
+    Ok(Running {
+        rank,
+        child,
+        exit: None,
+        stopped: false,
+        readers,
+    })
 }
 
 fn forward(
@@ -257,7 +330,7 @@ fn forward(
     })
 }
 
-fn signal(child: &Child, sig: rustix::process::Signal) {
+pub(crate) fn signal(child: &Child, sig: rustix::process::Signal) {
     if let Some(pid) = i32::try_from(child.id())
         .ok()
         .and_then(rustix::process::Pid::from_raw)
@@ -274,55 +347,16 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
     let mut running: Vec<Running> = Vec::new();
     for local in 0..job.nproc_per_node {
         let rank = Rank(job.node_rank * job.nproc_per_node + local);
-        let mut cmd = Command::new(&job.program);
-        cmd.args(&job.args)
-            .envs(job.rank_env(local))
-            .stdin(Stdio::null());
-        let direct =
-            job.output == Output::Inherit || (job.output == Output::Dashboard && rank == Rank(0));
-        if !direct {
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-        // SAFETY: the closure runs in the child between fork and exec and only makes one
-        // async-signal-safe system call (prctl), touching no memory shared with the parent.
-        unsafe {
-            cmd.pre_exec(|| {
-                // If the launcher dies (even by SIGKILL), its ranks die with it instead of
-                // lingering in a collective forever.
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))
-                .map_err(std::io::Error::from)
-            });
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(source) => {
+        match start_rank(job, local, rank, &[]) {
+            Ok(r) => running.push(r),
+            Err(e) => {
                 for r in &mut running {
                     let _ = r.child.kill();
                     let _ = r.child.wait();
                 }
-                return Err(DdpError::Spawn {
-                    rank,
-                    program: job.program.display().to_string(),
-                    source,
-                });
+                return Err(e);
             }
-        };
-        let mut readers = Vec::new();
-        if let Some(out) = child.stdout.take() {
-            readers.push(forward(rank, out, job.output, false));
         }
-        if let Some(err) = child.stderr.take() {
-            readers.push(forward(rank, err, job.output, true));
-        }
-        running.push(Running {
-            rank,
-            child,
-            exit: None,
-            stopped: false,
-            readers,
-        });
     }
 
     let started = Instant::now();
@@ -396,26 +430,7 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
         }
     }
 
-    let exits = running
-        .into_iter()
-        .map(|r| {
-            let output = r
-                .readers
-                .into_iter()
-                .filter_map(|h| h.join().ok())
-                .collect::<Vec<_>>()
-                .join("");
-            RankExit {
-                rank: r.rank,
-                // Every child has exited when the loop above ends.
-                status: r
-                    .exit
-                    .unwrap_or_else(|| std::os::unix::process::ExitStatusExt::from_raw(0)),
-                stopped: r.stopped,
-                output,
-            }
-        })
-        .collect();
+    let exits = running.into_iter().map(Running::into_exit).collect();
     Ok(JobReport {
         exits,
         failure,

@@ -42,6 +42,9 @@ pub(crate) struct StoreClient {
     /// arrive and be taken for the next one's, so no request is sent on it again.
     broken: AtomicBool,
     stream: Mutex<TcpStream>,
+    /// Every key of this client lies under `scope/`, and its abort record is the scope's (a
+    /// fault-tolerant job's membership epoch, `ft/<n>`): `None` for the job's own keys.
+    scope: Option<String>,
 }
 
 impl StoreClient {
@@ -90,6 +93,7 @@ impl StoreClient {
                                     slack: REPLY_SLACK,
                                     broken: AtomicBool::new(false),
                                     stream: Mutex::new(stream),
+                                    scope: None,
                                 })
                             }
                             // The server went away mid-handshake (e.g. still starting): retry.
@@ -119,6 +123,37 @@ impl StoreClient {
     pub(crate) fn with_reply_slack(mut self, slack: Duration) -> Self {
         self.slack = slack;
         self
+    }
+
+    /// The client with every key under `scope/` and the scope's abort record for the job's (a
+    /// group whose failures must not end the job: a fault-tolerant job's membership epoch).
+    pub(crate) fn with_scope(mut self, scope: Option<String>) -> Self {
+        self.scope = scope;
+        self
+    }
+
+    /// The scope of this client's keys, if any.
+    pub(crate) fn scope(&self) -> Option<&str> {
+        self.scope.as_deref()
+    }
+
+    /// `key` as the store holds it.
+    fn full(&self, key: &str) -> String {
+        match &self.scope {
+            Some(scope) => format!("{scope}/{key}"),
+            None => key.to_owned(),
+        }
+    }
+
+    /// `key` as this client's callers know it (without the scope).
+    fn short(&self, key: String) -> String {
+        match &self.scope {
+            Some(scope) => match key.strip_prefix(scope.as_str()) {
+                Some(rest) if rest.starts_with('/') => rest[1..].to_owned(),
+                _ => key,
+            },
+            None => key,
+        }
     }
 
     /// Whether a request failed in a way that leaves the connection unusable (no reply in time,
@@ -258,7 +293,7 @@ impl StoreClient {
     /// Stores `value` under `key`.
     pub(crate) fn set(&self, key: &str, value: &[u8]) -> Result<()> {
         let req = Request::Set {
-            key: key.to_owned(),
+            key: self.full(key),
             value: value.to_vec(),
         };
         match self.call(&req, "set", key, self.timeout)? {
@@ -271,7 +306,7 @@ impl StoreClient {
     /// out must not linger on a silent store).
     pub(crate) fn set_bounded(&self, key: &str, value: &[u8], wait: Duration) -> Result<()> {
         let req = Request::Set {
-            key: key.to_owned(),
+            key: self.full(key),
             value: value.to_vec(),
         };
         match self.exchange(&req, "set", key, wait, Duration::ZERO)? {
@@ -288,7 +323,7 @@ impl StoreClient {
     /// Returns the value of `key`, waiting up to `timeout` for it to appear.
     pub(crate) fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let req = Request::Get {
-            key: key.to_owned(),
+            key: self.full(key),
             timeout,
         };
         match self.call(&req, "get", key, timeout)? {
@@ -306,7 +341,7 @@ impl StoreClient {
     /// Adds `delta` to the counter `key` and returns the new value.
     pub(crate) fn add(&self, key: &str, delta: i64) -> Result<i64> {
         let req = Request::Add {
-            key: key.to_owned(),
+            key: self.full(key),
             delta,
         };
         match self.call(&req, "add", key, self.timeout)? {
@@ -318,13 +353,15 @@ impl StoreClient {
     /// Waits up to `timeout` for every key to exist.
     pub(crate) fn wait(&self, keys: &[String], timeout: Duration) -> Result<WaitOutcome> {
         let req = Request::Wait {
-            keys: keys.to_vec(),
+            keys: keys.iter().map(|k| self.full(k)).collect(),
             timeout,
         };
         let first = keys.first().map(String::as_str).unwrap_or("");
         match self.call(&req, "wait", first, timeout)? {
             Reply::Ok => Ok(WaitOutcome::Ready),
-            Reply::Timeout { missing } => Ok(WaitOutcome::Missing(missing)),
+            Reply::Timeout { missing } => Ok(WaitOutcome::Missing(
+                missing.into_iter().map(|k| self.short(k)).collect(),
+            )),
             other => Err(self.unexpected(&other)),
         }
     }
@@ -338,7 +375,7 @@ impl StoreClient {
         desired: &[u8],
     ) -> Result<Vec<u8>> {
         let req = Request::CompareSet {
-            key: key.to_owned(),
+            key: self.full(key),
             expected: expected.map(<[u8]>::to_vec),
             desired: desired.to_vec(),
         };
@@ -351,7 +388,7 @@ impl StoreClient {
     /// Removes `key`; returns whether it existed.
     pub(crate) fn delete(&self, key: &str) -> Result<bool> {
         let req = Request::Delete {
-            key: key.to_owned(),
+            key: self.full(key),
         };
         match self.call(&req, "delete", key, self.timeout)? {
             Reply::Bool(b) => Ok(b),
@@ -359,20 +396,49 @@ impl StoreClient {
         }
     }
 
-    /// Publishes the job's first failure (ignored if one is already recorded).
+    /// Publishes the job's first failure (ignored if one is already recorded); for a scoped
+    /// client, the scope's.
     pub(crate) fn abort(&self, record: AbortRecord) -> Result<()> {
-        match self.call_on_failure(&Request::Abort { record }, "abort") {
+        let scope = self.scope.clone().unwrap_or_default();
+        match self.call_on_failure(&Request::Abort { scope, record }, "abort") {
             Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
             Err(e) => Err(e),
         }
     }
 
-    /// The job's abort record, if any.
+    /// The job's abort record, if any (for a scoped client: the job's, else the scope's).
     pub(crate) fn abort_record(&self) -> Result<Option<AbortRecord>> {
-        match self.call_on_failure(&Request::GetAbort, "get_abort") {
+        let scope = self.scope.clone().unwrap_or_default();
+        match self.call_on_failure(&Request::GetAbort { scope }, "get_abort") {
             Ok(Reply::NoAbort) => Ok(None),
             Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
             Ok(other) => Err(self.unexpected(&other)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The abort record of `scope` (a fault-tolerant job's membership epoch), if any: why it
+    /// ended.
+    pub(crate) fn scope_record(&self, scope: &str) -> Result<Option<AbortRecord>> {
+        let req = Request::GetAbort {
+            scope: scope.to_owned(),
+        };
+        match self.call_on_failure(&req, "get_abort") {
+            Ok(Reply::NoAbort) => Ok(None),
+            Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
+            Ok(other) => Err(self.unexpected(&other)),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Records the first failure of `scope` (ignored if it has one).
+    pub(crate) fn end_scope(&self, scope: &str, record: AbortRecord) -> Result<()> {
+        let req = Request::Abort {
+            scope: scope.to_owned(),
+            record,
+        };
+        match self.call_on_failure(&req, "abort") {
+            Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
             Err(e) => Err(e),
         }
     }

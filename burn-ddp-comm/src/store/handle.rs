@@ -1,5 +1,6 @@
 //! The public face of the rendezvous store: a small key-value store shared by every rank.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::client::{StoreClient, WaitOutcome};
@@ -28,13 +29,13 @@ const USER_PREFIX: &str = "user/";
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Debug, Clone, Copy)]
-pub struct Store<'a> {
-    client: &'a StoreClient,
+#[derive(Debug, Clone)]
+pub struct Store {
+    client: Arc<StoreClient>,
 }
 
-impl<'a> Store<'a> {
-    pub(crate) fn new(client: &'a StoreClient) -> Self {
+impl Store {
+    pub(crate) fn new(client: Arc<StoreClient>) -> Self {
         Self { client }
     }
 

@@ -18,7 +18,7 @@ mod server;
 
 pub(crate) use client::{resolve_bind, StoreClient, WaitOutcome};
 pub use handle::Store;
-pub(crate) use server::StoreServer;
+pub(crate) use server::{gone_key, StoreServer};
 
 /// The store key a rank sets when its group is dropped normally, before its links close: a
 /// neighbour still in a collective then reports that this rank finished (uneven inputs), not

@@ -38,10 +38,11 @@ pub(crate) enum Request {
     },
     /// Removes `key`; returns whether it existed.
     Delete { key: String },
-    /// Records the first failure of the job; later records are ignored. Wakes every waiter.
-    Abort { record: AbortRecord },
-    /// Returns the abort record, if any, without waiting.
-    GetAbort,
+    /// Records the first failure of `scope` (`""`: the whole job); later records of that scope
+    /// are ignored. Wakes every waiter: those on the job, and those on keys under `scope/`.
+    Abort { scope: String, record: AbortRecord },
+    /// Returns the abort record of `scope` (or of the whole job), if any, without waiting.
+    GetAbort { scope: String },
     /// Returns the connection refusals seen so far.
     Refusals,
     /// This rank is leaving cleanly; its disconnection is not a failure.
@@ -183,11 +184,15 @@ impl Request {
                 w.str(key);
                 kind::DELETE
             }
-            Request::Abort { record } => {
+            Request::Abort { scope, record } => {
+                w.str(scope);
                 record.encode(&mut w);
                 kind::ABORT
             }
-            Request::GetAbort => kind::GET_ABORT,
+            Request::GetAbort { scope } => {
+                w.str(scope);
+                kind::GET_ABORT
+            }
             Request::Refusals => kind::REFUSALS,
             Request::Bye => kind::BYE,
         };
@@ -236,9 +241,12 @@ impl Request {
             }
             kind::DELETE => Request::Delete { key: key(&mut r)? },
             kind::ABORT => Request::Abort {
+                scope: key(&mut r)?,
                 record: AbortRecord::decode(&mut r)?,
             },
-            kind::GET_ABORT => Request::GetAbort,
+            kind::GET_ABORT => Request::GetAbort {
+                scope: key(&mut r)?,
+            },
             kind::REFUSALS => Request::Refusals,
             kind::BYE => Request::Bye,
             kind => return Err(WireError::UnknownKind { kind }),
@@ -375,6 +383,7 @@ mod tests {
             },
             Request::Delete { key: "a".into() },
             Request::Abort {
+                scope: "ft/3".into(),
                 record: AbortRecord {
                     reporter: Rank(1),
                     culprit: Some(Rank(2)),
@@ -382,7 +391,9 @@ mod tests {
                     reason: "gone".into(),
                 },
             },
-            Request::GetAbort,
+            Request::GetAbort {
+                scope: String::new(),
+            },
             Request::Refusals,
             Request::Bye,
         ]

@@ -43,6 +43,15 @@ const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// How long rank 0 keeps the store up at exit after a failure, for the surviving ranks to read
 /// the abort record (which names the culprit) instead of finding the store gone.
 const ABORT_GRACE: Duration = Duration::from_secs(3);
+/// Authenticated connections a fault-tolerant job's store holds at most (each process holds
+/// about four: its presence, its membership epoch's group and heartbeat, its watcher).
+const MAX_LIGHTHOUSE_CONNS: usize = 4096;
+
+/// The key under which a fault-tolerant job's store records that member `id` is gone: its
+/// process left, or its connection closed without a goodbye (it died), with why.
+pub(crate) fn gone_key(id: Rank) -> String {
+    format!("ft/gone/{id}")
+}
 
 #[derive(Debug, Default)]
 struct State {
@@ -53,6 +62,29 @@ struct State {
     departed: HashMap<Rank, SocketAddr>,
     refusals: Vec<(String, String)>,
     abort: Option<AbortRecord>,
+    /// The first failure of each scope (a fault-tolerant job's membership epochs, `ft/<n>`):
+    /// it ends the waits on keys under `scope/`, not the job.
+    scoped: HashMap<String, AbortRecord>,
+}
+
+impl State {
+    /// The record that ends a wait on `keys`: the job's, else that of a scope one of them lies
+    /// under.
+    fn abort_for<'a>(&self, mut keys: impl Iterator<Item = &'a str>) -> Option<&AbortRecord> {
+        if let Some(r) = &self.abort {
+            return Some(r);
+        }
+        if self.scoped.is_empty() {
+            return None;
+        }
+        keys.find_map(|k| {
+            self.scoped.iter().find_map(|(scope, r)| {
+                k.strip_prefix(scope.as_str())
+                    .is_some_and(|rest| rest.starts_with('/'))
+                    .then_some(r)
+            })
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -74,6 +106,10 @@ struct Shared {
     /// Whether a refused client aborts the job (a rank's store: yes; the elastic rendezvous,
     /// where a misconfigured launcher must not end a running job: no).
     refusal_aborts: bool,
+    /// The store of a fault-tolerant job (served by the launcher, not by a rank): members are
+    /// processes with ids of any size and any world size; one that disconnects without
+    /// saying goodbye is recorded under [`gone_key`], and the job goes on.
+    lighthouse: bool,
     handshake: Duration,
     refusal_log: Mutex<RefusalLog>,
 }
@@ -116,6 +152,18 @@ impl Shared {
             tracing::error!("[rank {}] store: job aborted: {record}", self.rank);
             st.abort = Some(record);
         }
+        self.changed.notify_all();
+    }
+
+    /// Records the first failure of `scope` (`""`: the job's, [`Shared::abort`]).
+    fn abort_scope(&self, st: &mut State, scope: String, record: AbortRecord) {
+        if scope.is_empty() {
+            return self.abort(st, record);
+        }
+        st.scoped.entry(scope).or_insert_with_key(|scope| {
+            tracing::debug!("store: {scope} ended: {record}");
+            record
+        });
         self.changed.notify_all();
     }
 
@@ -185,7 +233,23 @@ impl StoreServer {
         world: WorldSize,
         token: JobToken,
     ) -> Result<Self> {
-        Self::bind_inner(addr, Rank(0), world, token, HANDSHAKE_TIMEOUT, false)
+        Self::bind_inner(addr, Rank(0), world, token, HANDSHAKE_TIMEOUT, false, false)
+    }
+
+    /// The store of a fault-tolerant job, served by its launcher (torchft's lighthouse): it
+    /// outlives any rank. Members (one connection per process, its member id as the rank) may
+    /// leave and arrive; one that disconnects without saying goodbye is recorded under
+    /// [`gone_key`] and nothing is aborted. Refusals do not abort either.
+    pub(crate) fn bind_lighthouse(addr: SocketAddr, token: JobToken) -> Result<Self> {
+        Self::bind_inner(
+            addr,
+            Rank(0),
+            WorldSize::ONE,
+            token,
+            HANDSHAKE_TIMEOUT,
+            false,
+            true,
+        )
     }
 
     /// [`bind`](Self::bind) with another bound on a connection's handshake.
@@ -196,7 +260,7 @@ impl StoreServer {
         token: JobToken,
         handshake: Duration,
     ) -> Result<Self> {
-        Self::bind_inner(addr, rank, world, token, handshake, true)
+        Self::bind_inner(addr, rank, world, token, handshake, true, false)
     }
 
     fn bind_inner(
@@ -206,6 +270,7 @@ impl StoreServer {
         token: JobToken,
         handshake: Duration,
         refusal_aborts: bool,
+        lighthouse: bool,
     ) -> Result<Self> {
         let listener = bind_listener(addr).map_err(|source| {
             if source.kind() == ErrorKind::AddrInUse {
@@ -231,8 +296,13 @@ impl StoreServer {
             blocked: AtomicUsize::new(0),
             conns: Mutex::new(HashMap::new()),
             pending: Mutex::new(VecDeque::new()),
-            max_conns: world.as_usize().saturating_mul(4).saturating_add(64),
+            max_conns: if lighthouse {
+                MAX_LIGHTHOUSE_CONNS
+            } else {
+                world.as_usize().saturating_mul(4).saturating_add(64)
+            },
             refusal_aborts,
+            lighthouse,
             handshake,
             refusal_log: Mutex::new(RefusalLog {
                 total: 0,
@@ -255,6 +325,11 @@ impl StoreServer {
     /// The address the server listens on.
     #[cfg(test)]
     pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The address the server listens on.
+    pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
     }
 
@@ -465,15 +540,20 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &Shared) {
                     Err(e) => e.to_string(),
                     Ok(()) => "it closed the connection".to_string(),
                 };
-                let record = AbortRecord {
-                    reporter: shared.rank,
-                    culprit: Some(rank),
-                    collective: None,
-                    reason: format!(
-                        "rank {rank} ({peer}) lost its connection to the store without leaving: {why}"
-                    ),
-                };
-                shared.abort(&mut st, record);
+                if shared.lighthouse {
+                    tracing::info!("store: member {rank} ({peer}) is gone: {why}");
+                    st.map.insert(gone_key(rank), why.into_bytes());
+                } else {
+                    let record = AbortRecord {
+                        reporter: shared.rank,
+                        culprit: Some(rank),
+                        collective: None,
+                        reason: format!(
+                            "rank {rank} ({peer}) lost its connection to the store without leaving: {why}"
+                        ),
+                    };
+                    shared.abort(&mut st, record);
+                }
             }
         }
     }
@@ -490,7 +570,11 @@ fn admit(
     shared: &Shared,
 ) -> Option<Option<Rank>> {
     let mut st = shared.lock();
-    let refusal = if hello.world != shared.world {
+    let refusal = if shared.lighthouse && hello.purpose != Purpose::Store {
+        None
+    } else if shared.lighthouse {
+        lighthouse_refusal(&st, &hello, peer)
+    } else if hello.world != shared.world {
         Some((
             RefuseReason::WorldSize {
                 server_rank: shared.rank,
@@ -579,6 +663,31 @@ fn admit(
     }
 }
 
+/// Whether a fault-tolerant job's store refuses a process's presence: its member id is held
+/// by a live connection, or was held by one that is gone (ids are never reused).
+fn lighthouse_refusal(
+    st: &State,
+    hello: &auth::ClientHello,
+    peer: SocketAddr,
+) -> Option<(RefuseReason, String)> {
+    let first = st
+        .members
+        .get(&hello.rank)
+        .map(|(a, _)| *a)
+        .or_else(|| st.departed.get(&hello.rank).copied())?;
+    Some((
+        RefuseReason::DuplicateRank {
+            first,
+            second: peer,
+        },
+        format!(
+            "member id {} was claimed by two processes ({first} and {peer}); a process that \
+             joins a running fault-tolerant job takes a fresh id (leave BURN_DDP_MEMBER_ID unset)",
+            hello.rank
+        ),
+    ))
+}
+
 fn request_loop(
     stream: &mut TcpStream,
     peer: SocketAddr,
@@ -633,7 +742,7 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
                 if let Some(v) = st.map.get(&key) {
                     return Reply::Value(v.clone());
                 }
-                match wait(shared, st, deadline) {
+                match wait(shared, st, deadline, std::slice::from_ref(&key)) {
                     Ok(g) => st = g,
                     Err(reply) => {
                         return reply.unwrap_or(Reply::Timeout { missing: vec![key] });
@@ -666,7 +775,7 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
                 if keys.iter().all(|k| st.map.contains_key(k)) {
                     return Reply::Ok;
                 }
-                match wait(shared, st, deadline) {
+                match wait(shared, st, deadline, &keys) {
                     Ok(g) => st = g,
                     Err(reply) => {
                         return reply.unwrap_or_else(|| {
@@ -698,11 +807,11 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
             }
         }
         Request::Delete { key } => Reply::Bool(st.map.remove(&key).is_some()),
-        Request::Abort { record } => {
-            shared.abort(&mut st, record);
+        Request::Abort { scope, record } => {
+            shared.abort_scope(&mut st, scope, record);
             Reply::Ok
         }
-        Request::GetAbort => match &st.abort {
+        Request::GetAbort { scope } => match st.abort.as_ref().or_else(|| st.scoped.get(&scope)) {
             Some(r) => Reply::Aborted(r.clone()),
             None => Reply::NoAbort,
         },
@@ -711,6 +820,10 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
             if let Some(rank) = member {
                 if let Some((addr, _)) = st.members.remove(&rank) {
                     st.departed.insert(rank, addr);
+                    if shared.lighthouse {
+                        // Gone all the same: it will not take part in a membership again.
+                        st.map.insert(gone_key(rank), b"it left the job".to_vec());
+                    }
                 }
                 shared.changed.notify_all();
             }
@@ -720,13 +833,14 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
 }
 
 /// Waits for a change until `deadline`. `Err(Some(reply))` when the wait must end with that
-/// reply (abort or shutdown), `Err(None)` on timeout.
+/// reply (an abort of the job or of a scope of `keys`, or shutdown), `Err(None)` on timeout.
 fn wait<'a>(
     shared: &'a Shared,
     st: MutexGuard<'a, State>,
     deadline: Instant,
+    keys: &[String],
 ) -> std::result::Result<MutexGuard<'a, State>, Option<Reply>> {
-    if let Some(r) = &st.abort {
+    if let Some(r) = st.abort_for(keys.iter().map(String::as_str)) {
         return Err(Some(Reply::Aborted(r.clone())));
     }
     if shared.shutdown.load(Ordering::SeqCst) {
@@ -748,7 +862,7 @@ fn wait<'a>(
         Ok((g, _)) => g,
         Err(p) => p.into_inner().0,
     };
-    if let Some(r) = &g.abort {
+    if let Some(r) = g.abort_for(keys.iter().map(String::as_str)) {
         return Err(Some(Reply::Aborted(r.clone())));
     }
     Ok(g)

@@ -105,9 +105,9 @@ fn add_on_a_value_that_is_not_a_counter_is_refused_and_the_connection_lives_on()
 #[test]
 fn user_keys_are_kept_apart_from_internal_keys() {
     let server = serve(2);
-    let a = join(server.addr(), 0, 2);
-    let b = join(server.addr(), 1, 2);
-    let (sa, sb) = (Store::new(&a), Store::new(&b));
+    let a = std::sync::Arc::new(join(server.addr(), 0, 2));
+    let b = std::sync::Arc::new(join(server.addr(), 1, 2));
+    let (sa, sb) = (Store::new(a.clone()), Store::new(b.clone()));
     sa.set(&protocol::joined_key(Rank(5)), b"x").unwrap();
     // The user's key did not land on the internal one.
     assert_eq!(

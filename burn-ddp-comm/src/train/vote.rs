@@ -66,26 +66,62 @@ pub fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 const STOP: u8 = b'S';
 const FAILED: u8 = b'F';
 
+/// What a rank says besides its vote, in the same all-reduce (fault-tolerant jobs): how many
+/// items its batch has, and whether it saw a process asking to join.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Aside {
+    /// Items of this rank's batch (0 without one).
+    pub items: u64,
+    /// A process asks to join ([`ProcessGroup::join_pending`]).
+    pub join: bool,
+}
+
+/// What the ranks learn of each other's asides.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Heard {
+    /// The largest batch of the step: every rank's, but in a split's last step (a data
+    /// position that every rank computes alike).
+    pub items: u64,
+    /// Some rank saw a process asking to join.
+    pub join: bool,
+}
+
 /// One small all-reduce: every rank's vote, and what they decide together.
 ///
 /// # Errors
 /// The collective failed (it names the rank at fault).
 pub fn agree(pg: &ProcessGroup, vote: &Vote) -> Result<Decision> {
+    agree_aside(pg, vote, Aside::default()).map(|(d, _)| d)
+}
+
+/// [`agree`], with every rank's [`Aside`] in the same all-reduce.
+///
+/// # Errors
+/// The collective failed (it names the rank at fault).
+pub fn agree_aside(pg: &ProcessGroup, vote: &Vote, aside: Aside) -> Result<(Decision, Heard)> {
     let (has, stop, failed) = match vote {
         Vote::Item => (1, 0, 0),
         Vote::NoItem => (0, 0, 0),
         Vote::Stop(_) => (0, 1, 0),
         Vote::Failed(_) => (0, 0, 1),
     };
-    // Max of (has, 1 - has, stop, failed): any rank has an item, any has none, any stops,
-    // any failed.
-    let mut flags = [has, 1 - has, stop, failed];
+    // Max of (has, 1 - has, stop, failed, items, join): any rank has an item, any has none,
+    // any stops, any failed, the largest batch, any saw a joining process.
+    let items = i64::try_from(aside.items).unwrap_or(i64::MAX);
+    let mut flags = [has, 1 - has, stop, failed, items, i64::from(aside.join)];
     pg.all_reduce(&mut flags, ReduceOp::Max)?;
+    let heard = Heard {
+        items: u64::try_from(flags[4]).unwrap_or(0),
+        join: flags[5] == 1,
+    };
     if flags[2] == 0 && flags[3] == 0 {
-        return Ok(Decision::Go {
-            any_item: flags[0] == 1,
-            all_items: flags[1] == 0,
-        });
+        return Ok((
+            Decision::Go {
+                any_item: flags[0] == 1,
+                all_items: flags[1] == 0,
+            },
+            heard,
+        ));
     }
     // Each rank's reason, tagged with its kind, so that a failure names a rank that failed
     // (not an earlier rank that only asked to stop).
@@ -97,6 +133,7 @@ pub fn agree(pg: &ProcessGroup, vote: &Vote) -> Result<Decision> {
     let reasons = pg.all_gather_bytes(&mine)?;
     let failed = flags[3] == 1;
     let wanted = if failed { FAILED } else { STOP };
+    let heard_too = heard;
     let (culprit, reason) = reasons
         .iter()
         .enumerate()
@@ -108,11 +145,14 @@ pub fn agree(pg: &ProcessGroup, vote: &Vote) -> Result<Decision> {
             _ => None,
         })
         .unwrap_or((Rank::ZERO, String::from("no reason given")));
-    Ok(if failed {
-        Decision::Failed { culprit, reason }
-    } else {
-        Decision::Stop { culprit, reason }
-    })
+    Ok((
+        if failed {
+            Decision::Failed { culprit, reason }
+        } else {
+            Decision::Stop { culprit, reason }
+        },
+        heard_too,
+    ))
 }
 
 /// What a rank does with a decision (or with the error of the collective that should have
@@ -180,11 +220,47 @@ pub fn turn(
     failure: &FailureSlot,
     interrupt: impl FnOnce(&str),
 ) -> Turn {
-    let decision = agree(pg, vote);
-    if let Ok(Decision::Go {
+    match agree(pg, vote) {
+        Ok(decision) => decide_turn(pg, vote, decision, split, epoch, failure, interrupt),
+        Err(e) => {
+            settle(Err(e), pg.rank(), failure, interrupt);
+            Turn::Stop
+        }
+    }
+}
+
+/// [`turn`] with every rank's [`Aside`], for a fault-tolerant job: a failed collective is
+/// returned (the caller recovers from it) instead of stopping training.
+///
+/// # Errors
+/// The vote's collective failed.
+pub fn try_turn(
+    pg: &ProcessGroup,
+    vote: &Vote,
+    aside: Aside,
+    split: Split,
+    epoch: usize,
+    failure: &FailureSlot,
+    interrupt: impl FnOnce(&str),
+) -> Result<(Turn, Heard)> {
+    let (decision, heard) = agree_aside(pg, vote, aside)?;
+    let turn = decide_turn(pg, vote, decision, split, epoch, failure, interrupt);
+    Ok((turn, heard))
+}
+
+fn decide_turn(
+    pg: &ProcessGroup,
+    vote: &Vote,
+    decision: Decision,
+    split: Split,
+    epoch: usize,
+    failure: &FailureSlot,
+    interrupt: impl FnOnce(&str),
+) -> Turn {
+    if let Decision::Go {
         any_item,
         all_items,
-    }) = &decision
+    } = &decision
     {
         match split {
             Split::Training if !all_items => {
@@ -202,7 +278,7 @@ pub fn turn(
             _ => {}
         }
     }
-    match settle(decision, pg.rank(), failure, interrupt) {
+    match settle(Ok(decision), pg.rank(), failure, interrupt) {
         Flow::Continue => Turn::Step,
         Flow::Stop => Turn::Stop,
     }

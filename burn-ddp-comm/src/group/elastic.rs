@@ -1,0 +1,1304 @@
+//! Fault-tolerant groups: a job that loses ranks and goes on without restarting anyone, and
+//! takes in new processes while it runs (torchft's model, on a store the launcher serves).
+//!
+//! The job's store outlives every rank: `burn-ddp run --fault-tolerant` serves it (a
+//! *lighthouse*, `StoreServer::bind_lighthouse`). Each process has a **member id** for the
+//! job's life and one *presence* connection to the store; when its process dies, the store
+//! records the id as gone at once. The ranks of a job form a sequence of **membership epochs**:
+//! epoch `e` is a list of member ids (rank `r` of the epoch is the `r`-th), with a world group
+//! of its own whose store keys and abort record lie under the scope `ft/<e>`, so that ending an
+//! epoch stops its rings and its waits and nothing else.
+//!
+//! **Losing ranks.** A rank whose collective fails because of a peer ([`DdpError::is_peer_failure`])
+//! calls [`ProcessGroup::recover`]: it ends epoch `e` (the scope's first abort record says why
+//! and blames a rank, if one was named), which stops every other rank's collectives of that
+//! epoch within one heartbeat interval, so they recover too. Each checks in for `e + 1`.
+//! The **rule** that decides epoch `e + 1`, applied by whichever rank gets there first and
+//! recorded once by compare-and-set in the store (the store is the one arbiter: a rank that
+//! cannot reach it is out, whatever it sees):
+//!
+//! - the members of `e` that checked in, in their order, then the processes waiting to join,
+//!   by id, minus the members the store saw go (their presence connection closed) and the rank
+//!   that the end of `e` blamed (a dead, frozen or cut-off rank; when two ranks blame each
+//!   other, the first report wins, so the job goes on with one side);
+//! - decided as soon as every other member of `e` has checked in or is gone or blamed, or
+//!   when the heartbeat bound has passed since this rank checked in (a live rank is told of
+//!   the end within one heartbeat interval);
+//! - never with fewer than [`FaultTolerance::min_ranks`] ranks: below it the survivors wait
+//!   for joiners, up to the rendezvous timeout ([`DdpError::TooFewRanks`]);
+//! - a rank that is blamed waits for the bound before it proposes, so that the others, if
+//!   they can reach the store, decide without it.
+//!
+//! A process left out ([`DdpError::Excluded`]: blamed, or too slow) may join again
+//! ([`ProcessGroup::rejoin`]). The members then open the epoch's ring among themselves and
+//! exchange their **progress** (a number the caller gives, e.g. its count of optimizer
+//! steps): the rank with the most is the source of the state that the ranks behind it adopt
+//! ([`Recovery::behind`]). A failure during any of this ends that epoch too, and the rule runs
+//! again.
+//!
+//! **Growing.** A new process ([`FaultTolerance::join`]) checks in for the next epoch and bumps
+//! a counter that every member's watcher reads each interval ([`ProcessGroup::join_pending`]);
+//! the members agree at a step boundary (a collective of their own) to call
+//! [`ProcessGroup::grow`], which ends the epoch without blaming anyone; the newcomer is in the
+//! next epoch and is behind (it has no state), so it receives the source's.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{Inner, ProcessGroup, Shared, StoreHost};
+use crate::config::{FaultTolerance, GroupConfig};
+use crate::store::auth::Purpose;
+use crate::store::{StoreClient, WaitOutcome};
+use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
+use crate::{DdpError, Result};
+
+/// How often a rank waiting on the store for a membership decision looks again.
+const POLL: Duration = Duration::from_millis(20);
+/// How often a rank waiting for a membership says who it waits for.
+const SAY_EVERY: Duration = Duration::from_secs(5);
+
+/// The store keys of the membership (outside every epoch's scope).
+mod keys {
+    /// The members of epoch `e`, once decided (`"0,1,3"`).
+    pub(super) fn members(e: u64) -> String {
+        format!("ft/m/{e}")
+    }
+    /// Member `id` checked in for epoch `e` (its host).
+    pub(super) fn checkin(e: u64, id: u32) -> String {
+        format!("ft/in/{e}/{id}")
+    }
+    /// The scope of epoch `e`'s group: its keys, its abort record.
+    pub(super) fn scope(e: u64) -> String {
+        format!("ft/{e}")
+    }
+    /// Member `id` finished normally.
+    pub(super) fn finished(id: u32) -> String {
+        format!("ft/finished/{id}")
+    }
+    /// The newest decided epoch.
+    pub(super) const EPOCH: &str = "ft/epoch";
+    /// How many member ids were handed to joining processes (counter).
+    pub(super) const NEXT_ID: &str = "ft/next-id";
+    /// The world size the job started with (member ids below it are its first processes').
+    pub(super) const FIRST_WORLD: &str = "ft/first-world";
+    /// How many times a process asked to join (counter the members watch).
+    pub(super) const JOINS: &str = "ft/joins";
+}
+
+/// What a change of membership did, on this rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// The new membership epoch.
+    pub epoch: u64,
+    /// Its members' ids, by rank.
+    pub members: Vec<u32>,
+    /// The members of the epoch before (empty for a process that joined).
+    pub previous: Vec<u32>,
+    /// Members that left.
+    pub left: Vec<u32>,
+    /// Members that joined.
+    pub joined: Vec<u32>,
+    /// Why the epoch before ended.
+    pub reason: String,
+    /// This process's rank in the new epoch.
+    pub rank: Rank,
+    /// The new world size.
+    pub world: WorldSize,
+    /// The rank whose state is the job's: the most progress, the lowest rank among equals.
+    pub source: Rank,
+    /// The ranks with less progress than the source's (a joining process's included): they
+    /// take the source's state.
+    pub behind: Vec<Rank>,
+    /// The source's progress.
+    pub progress: u64,
+    /// From the call to the new group's first collective.
+    pub took: Duration,
+}
+
+impl Recovery {
+    /// Whether this rank must take the source's state.
+    pub fn needs_state(&self) -> bool {
+        self.behind.contains(&self.rank)
+    }
+
+    /// One line for logs and dashboards: who left and joined, the new world size, why.
+    pub fn summary(&self) -> String {
+        let ids = |v: &[u32]| {
+            let list: Vec<String> = v.iter().map(|i| format!("m{i}")).collect();
+            format!("[{}]", list.join(", "))
+        };
+        if self.previous.is_empty() {
+            return format!(
+                "membership epoch {}: this process joined the running job as rank {} of {} \
+                 (members {}); it takes the state of rank {} at progress {}; {:.0?} after: {}",
+                self.epoch,
+                self.rank,
+                self.world,
+                ids(&self.members),
+                self.source,
+                self.progress,
+                self.took,
+                self.reason
+            );
+        }
+        format!(
+            "membership epoch {}: world size {} (was {}); left: {}; joined: {}; resumed at \
+             progress {} from rank {}; {:.0?} after: {}",
+            self.epoch,
+            self.world,
+            self.previous.len(),
+            ids(&self.left),
+            ids(&self.joined),
+            self.progress,
+            self.source,
+            self.took,
+            self.reason
+        )
+    }
+}
+
+/// A fault-tolerant process's membership service: its member id, its connections to the job's
+/// store, the current epoch, and the watcher that notices processes asking to join.
+pub(super) struct Elastic {
+    id: u32,
+    /// The process's settings (rank and world size are those it was started with).
+    config: GroupConfig,
+    min_ranks: u32,
+    /// The world size the job was started with: joining processes took ids from it on.
+    initial_world: u32,
+    /// The store without a scope: membership keys, and users' keys.
+    store: Arc<StoreClient>,
+    /// This process's presence: the store marks the id gone when it closes unannounced.
+    presence: StoreClient,
+    current: Mutex<Epoch>,
+    /// One change of membership at a time.
+    changing: Mutex<()>,
+    joins: Arc<JoinWatch>,
+    watcher: Option<Watcher>,
+    /// A joining process's admission, for the caller to take.
+    admission: Mutex<Option<Recovery>>,
+}
+
+impl std::fmt::Debug for Elastic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Elastic")
+            .field("id", &self.id)
+            .field("epoch", &self.epoch().0)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Epoch {
+    number: u64,
+    members: Vec<u32>,
+}
+
+/// Whether a process asked to join since the current epoch began.
+#[derive(Debug, Default)]
+struct JoinWatch {
+    pending: AtomicBool,
+    /// The join counter when the epoch was decided.
+    seen: AtomicI64,
+}
+
+impl Drop for Elastic {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = self
+                .store
+                .set_bounded(&keys::finished(self.id), b"1", Duration::from_secs(2));
+        }
+        self.watcher = None;
+        self.presence.bye(Duration::from_secs(2));
+        self.store.bye(Duration::from_secs(2));
+    }
+}
+
+fn encode(ids: &[u32]) -> Vec<u8> {
+    ids.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+        .into_bytes()
+}
+
+/// Parses a member list from the store (it came over the network: anything malformed is
+/// `None`).
+fn decode(bytes: &[u8]) -> Option<Vec<u32>> {
+    let text = std::str::from_utf8(bytes).ok()?;
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(',').map(|t| t.parse().ok()).collect()
+}
+
+fn decode_i64(bytes: &[u8]) -> Option<i64> {
+    <[u8; 8]>::try_from(bytes).ok().map(i64::from_le_bytes)
+}
+
+/// The ids of `v` not in `of`.
+fn minus(v: &[u32], of: &[u32]) -> Vec<u32> {
+    v.iter().copied().filter(|i| !of.contains(i)).collect()
+}
+
+/// Records the world size the job starts with (the same from every process and launcher;
+/// the first record stays). Member ids below it are the first processes' (`RANK`); joining
+/// processes take ids above.
+pub(crate) fn record_first_world(store: &StoreClient, world: u32) -> Result<u32> {
+    let after = store.compare_set(keys::FIRST_WORLD, None, &world.to_le_bytes())?;
+    Ok(<[u8; 4]>::try_from(after.as_slice()).map_or(world, u32::from_le_bytes))
+}
+
+/// The world size the job started with (waiting for it, within the store timeout).
+fn first_world(store: &StoreClient) -> Result<u32> {
+    let v = store.get(keys::FIRST_WORLD)?;
+    <[u8; 4]>::try_from(v.as_slice())
+        .map(u32::from_le_bytes)
+        .map_err(|_| DdpError::StoreRequest {
+            rank: store.rank(),
+            op: "get",
+            key: keys::FIRST_WORLD.into(),
+            reason: "not a world size (another burn-ddp version?)".into(),
+        })
+}
+
+/// A fresh member id for a process joining the job.
+pub(crate) fn fresh_member_id(store: &StoreClient) -> Result<u32> {
+    let first = first_world(store)?;
+    let n = store.add(keys::NEXT_ID, 1)?;
+    Ok(first.saturating_add(u32::try_from(n - 1).unwrap_or(u32::MAX)))
+}
+
+/// The newest decided membership of the job on `store`: its epoch and members, and for each
+/// member whether it ended (finished normally, or gone). `None` before the job formed.
+pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<(u64, Vec<u32>, Vec<bool>)>> {
+    let epoch = match store.get_timeout(keys::EPOCH, Duration::ZERO) {
+        Ok(v) => std::str::from_utf8(&v)
+            .ok()
+            .and_then(|t| t.parse::<u64>().ok()),
+        Err(DdpError::StoreTimeout { .. }) => None,
+        Err(e) => return Err(e),
+    };
+    let Some(epoch) = epoch else {
+        return Ok(None);
+    };
+    let members = match store.get_timeout(&keys::members(epoch), Duration::ZERO) {
+        Ok(v) => decode(&v).unwrap_or_default(),
+        Err(DdpError::StoreTimeout { .. }) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let keys: Vec<String> = members
+        .iter()
+        .flat_map(|m| [keys::finished(*m), crate::store::gone_key(Rank(*m))])
+        .collect();
+    let present = match store.wait(&keys, Duration::ZERO)? {
+        WaitOutcome::Ready => vec![true; keys.len()],
+        WaitOutcome::Missing(missing) => keys.iter().map(|k| !missing.contains(k)).collect(),
+    };
+    let ended = present.chunks(2).map(|c| c[0] || c[1]).collect();
+    Ok(Some((epoch, members, ended)))
+}
+
+/// The membership rule's inputs for the epoch after `members`, as the store shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Ballot {
+    /// Members of the epoch before that checked in (not gone), in their order.
+    checked: Vec<u32>,
+    /// Members of the epoch before that neither checked in nor are gone.
+    missing: Vec<u32>,
+    /// Joining processes that checked in (not gone), by id.
+    joiners: Vec<u32>,
+}
+
+impl Ballot {
+    /// What `me` proposes, or `None` while it waits: every member accounted for, or the
+    /// window passed. The blamed rank is left out (unless it is `me`: a rank never proposes
+    /// a membership without itself; a blamed one waits for the window instead).
+    fn proposal(&self, me: u32, blamed: Option<u32>, window_passed: bool) -> Option<Vec<u32>> {
+        let waiting: Vec<u32> = self
+            .missing
+            .iter()
+            .copied()
+            .filter(|m| Some(*m) != blamed)
+            .collect();
+        let i_am_blamed = blamed == Some(me);
+        if !(window_passed || (waiting.is_empty() && !i_am_blamed)) {
+            return None;
+        }
+        let mut out: Vec<u32> = self
+            .checked
+            .iter()
+            .copied()
+            .filter(|m| Some(*m) != blamed || *m == me)
+            .collect();
+        for j in &self.joiners {
+            if !out.contains(j) && (Some(*j) != blamed || *j == me) {
+                out.push(*j);
+            }
+        }
+        Some(out)
+    }
+}
+
+/// Starts a fault-tolerant process: joins the store, then forms the job's first epoch with
+/// the others, or waits to be admitted into the running job.
+pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGroup> {
+    let started = Instant::now();
+    let deadline = started + config.timeouts.rendezvous;
+    let store = StoreClient::connect(
+        &config.master,
+        Purpose::StoreAux,
+        config.rank,
+        config.world_size,
+        &config.token,
+        config.timeouts.store,
+        deadline,
+    )
+    .map_err(|e| match e {
+        DdpError::MasterUnreachable {
+            rank,
+            addr,
+            waited,
+            last_error,
+        } => DdpError::MasterUnreachable {
+            rank,
+            addr: format!(
+                "{addr} (a fault-tolerant job meets at the store its launcher serves: start it \
+                 with `burn-ddp run --fault-tolerant`)"
+            ),
+            waited,
+            last_error,
+        },
+        e => e,
+    })?;
+    let formed = matches!(
+        store.wait(&[keys::members(0)], Duration::ZERO)?,
+        WaitOutcome::Ready
+    );
+    let join = ft.join || formed;
+    let initial_world = if join {
+        first_world(&store)?
+    } else {
+        record_first_world(&store, config.world_size.get())?
+    };
+    if !join && initial_world != config.world_size.get() {
+        return Err(DdpError::WorldSizeMismatch {
+            rank: config.rank,
+            other: Rank::ZERO,
+            ours: config.world_size,
+            theirs: WorldSize::new(initial_world).unwrap_or(WorldSize::ONE),
+        });
+    }
+    let id = match ft.member {
+        Some(id) => id,
+        None if join => fresh_member_id(&store)?,
+        None => config.rank.0,
+    };
+    if formed && !ft.join {
+        tracing::warn!(
+            "[member {id}] the job was already running: this process joins it (as \
+             BURN_DDP_FT_JOIN=1 would)"
+        );
+    }
+    let presence = StoreClient::connect(
+        &config.master,
+        Purpose::Store,
+        Rank(id),
+        config.world_size,
+        &config.token,
+        config.timeouts.store,
+        deadline,
+    )?;
+    let store = Arc::new(store);
+    let joins = Arc::new(JoinWatch::default());
+    let watcher = Watcher::start(&config, Arc::clone(&joins), id, deadline);
+    let elastic = Elastic {
+        id,
+        min_ranks: ft.min_ranks,
+        initial_world,
+        store,
+        presence,
+        current: Mutex::new(Epoch {
+            number: 0,
+            members: Vec::new(),
+        }),
+        changing: Mutex::new(()),
+        joins,
+        watcher,
+        admission: Mutex::new(None),
+        config,
+    };
+    if join {
+        let (epoch, members) = elastic.admit(deadline)?;
+        let inner = elastic.connect_epoch(epoch, &members, deadline)?;
+        let group = ProcessGroup::with_elastic(inner, elastic);
+        let e = group.elastic()?;
+        let recovery = e.settle(
+            &group,
+            epoch,
+            Vec::new(),
+            members,
+            None,
+            "it asked to join".into(),
+            started,
+        );
+        let recovery = match recovery {
+            Ok(r) => r,
+            Err(err) => {
+                // The first collective of the new epoch failed: the members recover, and so
+                // does this process, still without state.
+                group.recover(&err, None)?
+            }
+        };
+        *e.admission.lock().unwrap_or_else(|p| p.into_inner()) = Some(recovery);
+        return Ok(group);
+    }
+    let members = elastic.form_first(deadline)?;
+    let inner = elastic.connect_epoch(0, &members, deadline)?;
+    Ok(ProcessGroup::with_elastic(inner, elastic))
+}
+
+impl Elastic {
+    /// The membership service's store (users' keys outlive epochs).
+    pub(super) fn store(&self) -> Arc<StoreClient> {
+        Arc::clone(&self.store)
+    }
+
+    fn epoch(&self) -> (u64, Vec<u32>) {
+        let e = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        (e.number, e.members.clone())
+    }
+
+    fn host(&self) -> Vec<u8> {
+        super::heartbeat::host_name().into_bytes()
+    }
+
+    /// Epoch 0: every process the job was started with, in `RANK` order.
+    fn form_first(&self, deadline: Instant) -> Result<Vec<u32>> {
+        let started = Instant::now();
+        let world = self.initial_world;
+        self.store.set(&keys::checkin(0, self.id), &self.host())?;
+        let keys: Vec<String> = (0..world).map(|r| keys::checkin(0, r)).collect();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.store.wait(&keys, left.min(SAY_EVERY))? {
+                WaitOutcome::Ready => break,
+                WaitOutcome::Missing(missing) if left > SAY_EVERY => tracing::warn!(
+                    "[member {}] waiting for {} of the job's {world} processes to start ({:.0?} \
+                     so far): {}",
+                    self.id,
+                    missing.len(),
+                    started.elapsed(),
+                    missing.join(", ")
+                ),
+                WaitOutcome::Missing(missing) => {
+                    return Err(DdpError::RendezvousTimeout {
+                        rank: self.config.rank,
+                        addr: self.config.master.to_string(),
+                        waited: started.elapsed(),
+                        joined: keys.len() - missing.len(),
+                        world: self.config.world_size,
+                        missing: crate::types::RankList(
+                            (0..world)
+                                .filter(|r| missing.contains(&keys::checkin(0, *r)))
+                                .map(Rank)
+                                .collect(),
+                        ),
+                        refused_note: String::new(),
+                    })
+                }
+            }
+        }
+        let members: Vec<u32> = (0..world).collect();
+        let decided = self
+            .store
+            .compare_set(&keys::members(0), None, &encode(&members))?;
+        let members = decode(&decided)
+            .filter(|m| !m.is_empty())
+            .ok_or_else(|| self.corrupt("the first membership"))?;
+        self.raise_epoch(0)?;
+        self.begin(0, members.clone())?;
+        Ok(members)
+    }
+
+    fn corrupt(&self, what: &str) -> DdpError {
+        DdpError::StoreRequest {
+            rank: Rank(self.id),
+            op: "get",
+            key: what.to_owned(),
+            reason: "the store holds something that is not a member list (another burn-ddp \
+                     version, or another program writing under ft/)"
+                .into(),
+        }
+    }
+
+    /// Makes `number` the current epoch, and starts counting join requests from now.
+    fn begin(&self, number: u64, members: Vec<u32>) -> Result<()> {
+        let joins = self.joins_now()?;
+        self.joins.seen.store(joins, Ordering::SeqCst);
+        self.joins.pending.store(false, Ordering::SeqCst);
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = Epoch { number, members };
+        Ok(())
+    }
+
+    fn joins_now(&self) -> Result<i64> {
+        match self.store.get_timeout(keys::JOINS, Duration::ZERO) {
+            Ok(v) => Ok(decode_i64(&v).unwrap_or(0)),
+            Err(DdpError::StoreTimeout { .. }) => Ok(0),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Records that epoch `e` was decided, unless a later one was.
+    fn raise_epoch(&self, e: u64) -> Result<()> {
+        loop {
+            let now = match self.store.get_timeout(keys::EPOCH, Duration::ZERO) {
+                Ok(v) => Some(v),
+                Err(DdpError::StoreTimeout { .. }) => None,
+                Err(err) => return Err(err),
+            };
+            let current = now
+                .as_deref()
+                .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok());
+            if current.is_some_and(|c| c >= e) {
+                return Ok(());
+            }
+            let mine = e.to_string().into_bytes();
+            let after = self.store.compare_set(keys::EPOCH, now.as_deref(), &mine)?;
+            if after == mine {
+                return Ok(());
+            }
+        }
+    }
+
+    /// The newest decided epoch (0 when the job has formed its first one).
+    fn latest_epoch(&self) -> Result<Option<u64>> {
+        match self.store.get_timeout(keys::EPOCH, Duration::ZERO) {
+            Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok())),
+            Err(DdpError::StoreTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The members of epoch `e`, if decided.
+    fn decided(&self, e: u64) -> Result<Option<Vec<u32>>> {
+        match self.store.get_timeout(&keys::members(e), Duration::ZERO) {
+            Ok(v) => decode(&v)
+                .map(Some)
+                .ok_or_else(|| self.corrupt(&keys::members(e))),
+            Err(DdpError::StoreTimeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Which of `keys` the store holds.
+    fn present(&self, keys: &[String]) -> Result<Vec<bool>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(match self.store.wait(keys, Duration::ZERO)? {
+            WaitOutcome::Ready => vec![true; keys.len()],
+            WaitOutcome::Missing(missing) => keys.iter().map(|k| !missing.contains(k)).collect(),
+        })
+    }
+
+    /// Whether every member of the newest epoch finished normally or is gone: the job is over.
+    fn job_over(&self) -> Result<bool> {
+        Ok(last_membership(&self.store)?
+            .is_some_and(|(_, members, ended)| !members.is_empty() && ended.iter().all(|e| *e)))
+    }
+
+    /// Every member id handed out so far: the first processes' and the joining ones' (a
+    /// process left out of a membership may ask to join again under its id).
+    fn known_ids(&self) -> Result<Vec<u32>> {
+        let n = match self.store.get_timeout(keys::NEXT_ID, Duration::ZERO) {
+            Ok(v) => decode_i64(&v).unwrap_or(0),
+            Err(DdpError::StoreTimeout { .. }) => 0,
+            Err(e) => return Err(e),
+        };
+        let n = u32::try_from(n.max(0)).unwrap_or(u32::MAX);
+        Ok((0..self.initial_world.saturating_add(n)).collect())
+    }
+
+    /// The store's view of the epoch after `members` (`next`).
+    fn ballot(&self, next: u64, members: &[u32]) -> Result<Ballot> {
+        let joiners: Vec<u32> = minus(&self.known_ids()?, members);
+        let everyone: Vec<u32> = members.iter().chain(&joiners).copied().collect();
+        let mut keys: Vec<String> = everyone.iter().map(|m| keys::checkin(next, *m)).collect();
+        keys.extend(everyone.iter().map(|m| crate::store::gone_key(Rank(*m))));
+        let present = self.present(&keys)?;
+        let n = everyone.len();
+        let (checked, gone) = present.split_at(n);
+        let status = |i: usize| (checked[i], gone[i]);
+        let mut ballot = Ballot {
+            checked: Vec::new(),
+            missing: Vec::new(),
+            joiners: Vec::new(),
+        };
+        for (i, m) in everyone.iter().enumerate() {
+            match (i < members.len(), status(i)) {
+                (_, (_, true)) => {}
+                (true, (true, false)) => ballot.checked.push(*m),
+                (true, (false, false)) => ballot.missing.push(*m),
+                (false, (true, false)) => ballot.joiners.push(*m),
+                (false, (false, false)) => {}
+            }
+        }
+        ballot.joiners.sort_unstable();
+        Ok(ballot)
+    }
+
+    /// The member blamed for the end of epoch `e` (its abort record's culprit), if any.
+    fn blamed(&self, e: u64, members: &[u32]) -> Result<(Option<u32>, String)> {
+        Ok(match self.store.scope_record(&keys::scope(e))? {
+            Some(r) => (
+                r.culprit
+                    .filter(|c| *c != r.reporter || members.len() == 1)
+                    .and_then(|c| members.get(c.index()).copied()),
+                r.reason,
+            ),
+            None => (None, String::from("no reason recorded")),
+        })
+    }
+
+    /// Ends epoch `e` (its first record says why; its rings and waits stop).
+    fn end(&self, e: u64, rank: Rank, culprit: Option<Rank>, reason: String) {
+        let record = AbortRecord {
+            reporter: rank,
+            culprit,
+            collective: None,
+            reason,
+        };
+        if let Err(err) = self.store.end_scope(&keys::scope(e), record) {
+            tracing::debug!(
+                "[member {}] could not record the end of epoch {e}: {err}",
+                self.id
+            );
+        }
+    }
+
+    /// Checks in for the epoch after `e` (members `members`) and waits until it is decided,
+    /// applying the rule (module docs) itself when it gets there first.
+    fn decide(&self, e: u64, members: &[u32], overall: Instant) -> Result<Vec<u32>> {
+        let next = e + 1;
+        let checked_in = Instant::now();
+        self.store
+            .set(&keys::checkin(next, self.id), &self.host())?;
+        let window = self.config.timeouts.heartbeat;
+        let (blamed, why) = self.blamed(e, members)?;
+        let mut said = Instant::now();
+        loop {
+            if let Some(decided) = self.decided(next)? {
+                if decided.contains(&self.id) {
+                    return Ok(decided);
+                }
+                return Err(DdpError::Excluded {
+                    member: self.id,
+                    epoch: next,
+                    members: decided,
+                    why: if blamed == Some(self.id) {
+                        format!("the end of epoch {e} was blamed on it: {why}")
+                    } else {
+                        format!(
+                            "it checked in {:.0?} after the others decided (epoch {e} ended: \
+                             {why})",
+                            checked_in.elapsed()
+                        )
+                    },
+                });
+            }
+            let ballot = self.ballot(next, members)?;
+            let passed = checked_in.elapsed() >= window;
+            if let Some(proposal) = ballot.proposal(self.id, blamed, passed) {
+                if proposal.len() >= self.min_ranks as usize {
+                    let after =
+                        self.store
+                            .compare_set(&keys::members(next), None, &encode(&proposal))?;
+                    let decided = decode(&after).ok_or_else(|| self.corrupt("a membership"))?;
+                    if decided == proposal {
+                        self.raise_epoch(next)?;
+                    }
+                    continue;
+                }
+                if Instant::now() >= overall {
+                    return Err(DdpError::TooFewRanks {
+                        member: self.id,
+                        have: proposal.len(),
+                        min: self.min_ranks,
+                        why: format!("epoch {e} ended: {why}"),
+                        waited: checked_in.elapsed(),
+                    });
+                }
+            }
+            if Instant::now() >= overall {
+                return Err(DdpError::JoinFailed {
+                    member: self.id,
+                    waited: checked_in.elapsed(),
+                    why: format!(
+                        "the next membership was not decided; still waiting for members {:?}",
+                        ballot.missing
+                    ),
+                });
+            }
+            if said.elapsed() >= SAY_EVERY {
+                said = Instant::now();
+                tracing::warn!(
+                    "[member {}] epoch {e} ended ({why}); deciding epoch {next}: checked in \
+                     {:?}, waiting for {:?}, joining {:?}",
+                    self.id,
+                    ballot.checked,
+                    ballot.missing,
+                    ballot.joiners
+                );
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+
+    /// A joining process: checks in for the epoch after the newest and asks to be let in, until
+    /// a decided epoch holds it.
+    fn admit(&self, deadline: Instant) -> Result<(u64, Vec<u32>)> {
+        let started = Instant::now();
+        let mut said = Instant::now();
+        let mut asked_for: Option<u64> = None;
+        loop {
+            let Some(latest) = self.latest_epoch()? else {
+                // The job has not formed yet.
+                if Instant::now() >= deadline {
+                    return Err(DdpError::JoinFailed {
+                        member: self.id,
+                        waited: started.elapsed(),
+                        why: "the job never formed its first membership".into(),
+                    });
+                }
+                std::thread::sleep(POLL * 5);
+                continue;
+            };
+            // The epoch this process asked for, if decided: in it, or ask for a later one.
+            if let Some(asked) = asked_for {
+                if let Some(members) = self.decided(asked)? {
+                    if members.contains(&self.id) {
+                        self.raise_epoch(asked)?;
+                        self.begin(asked, members.clone())?;
+                        return Ok((asked, members));
+                    }
+                    asked_for = None;
+                }
+            }
+            let next = latest + 1;
+            if asked_for.is_none() {
+                self.store
+                    .set(&keys::checkin(next, self.id), &self.host())?;
+                self.store.add(keys::JOINS, 1)?;
+                asked_for = Some(next);
+                tracing::info!(
+                    "[member {}] asks to join the running job (membership epoch {latest}); \
+                     waiting for a step boundary",
+                    self.id
+                );
+            }
+            if self.job_over()? {
+                return Err(DdpError::JoinFailed {
+                    member: self.id,
+                    waited: started.elapsed(),
+                    why: "the job finished (every member of its last membership ended) before \
+                          it reached a step boundary that let this process in"
+                        .into(),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(DdpError::JoinFailed {
+                    member: self.id,
+                    waited: started.elapsed(),
+                    why: format!(
+                        "the job (membership epoch {latest}) did not reach a step boundary that \
+                         let this process in; its ranks may be stuck. Raise \
+                         BURN_DDP_RENDEZVOUS_TIMEOUT if their steps are that long"
+                    ),
+                });
+            }
+            if said.elapsed() >= SAY_EVERY {
+                said = Instant::now();
+                tracing::warn!(
+                    "[member {}] still waiting to join the job ({:.0?})",
+                    self.id,
+                    started.elapsed()
+                );
+            }
+            std::thread::sleep(POLL * 2);
+        }
+    }
+
+    /// The world group of epoch `e` (members `members`) on this process.
+    fn connect_epoch(&self, e: u64, members: &[u32], deadline: Instant) -> Result<Inner> {
+        let position =
+            members
+                .iter()
+                .position(|m| *m == self.id)
+                .ok_or_else(|| DdpError::Internal {
+                    rank: Rank(self.id),
+                    what: "a membership without this process was opened",
+                })?;
+        let rank = Rank(position as u32);
+        let world = WorldSize::try_from(members.len()).map_err(|_| DdpError::Internal {
+            rank,
+            what: "an empty membership was opened",
+        })?;
+        let client = StoreClient::connect(
+            &self.config.master,
+            Purpose::StoreAux,
+            rank,
+            world,
+            &self.config.token,
+            self.config.timeouts.store,
+            deadline,
+        )?
+        .with_scope(Some(keys::scope(e)));
+        let client = Arc::new(client);
+        if world == WorldSize::ONE {
+            return Ok(Inner::single(
+                self.config.timeouts,
+                self.config.restart_count,
+                Some((
+                    client,
+                    self.config.local_rank,
+                    self.config.local_world_size,
+                    self.config.token.clone(),
+                )),
+            ));
+        }
+        let mut cfg = self.config.clone();
+        cfg.rank = rank;
+        cfg.world_size = world;
+        cfg.local_rank = LocalRank(self.config.local_rank.0);
+        Inner::connect(&cfg, client, None, StoreHost::Launcher, deadline)
+    }
+
+    /// The deadline for opening a new epoch's ring: its members checked in moments ago, so
+    /// one that does not publish its address within twice the heartbeat bound (at least 5 s)
+    /// died since.
+    fn connect_deadline(&self, overall: Instant) -> Instant {
+        let window = (2 * self.config.timeouts.heartbeat).max(Duration::from_secs(5));
+        (Instant::now() + window).min(overall)
+    }
+
+    /// The first collective of a new epoch: every rank's progress, and what follows from it.
+    #[allow(clippy::too_many_arguments)]
+    fn settle(
+        &self,
+        group: &ProcessGroup,
+        epoch: u64,
+        previous: Vec<u32>,
+        members: Vec<u32>,
+        progress: Option<u64>,
+        reason: String,
+        started: Instant,
+    ) -> Result<Recovery> {
+        let mine = progress.map_or(-1, |p| i64::try_from(p).unwrap_or(i64::MAX));
+        let mut all = vec![0i64; members.len()];
+        group.all_gather(&[mine], &mut all)?;
+        let best = all.iter().copied().max().unwrap_or(-1);
+        if best < 0 {
+            return Err(DdpError::JoinFailed {
+                member: self.id,
+                waited: started.elapsed(),
+                why: "no rank of the new membership has any state to share (every one of them \
+                      is joining)"
+                    .into(),
+            });
+        }
+        let source = all.iter().position(|p| *p == best).unwrap_or(0);
+        let behind = all
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p < best)
+            .map(|(r, _)| Rank(r as u32))
+            .collect();
+        let rank = group.rank();
+        let recovery = Recovery {
+            epoch,
+            left: minus(&previous, &members),
+            joined: minus(&members, &previous),
+            previous,
+            world: group.world_size(),
+            members,
+            reason,
+            rank,
+            source: Rank(source as u32),
+            behind,
+            progress: u64::try_from(best).unwrap_or(0),
+            took: started.elapsed(),
+        };
+        tracing::warn!("[rank {rank}] {}", recovery.summary());
+        Ok(recovery)
+    }
+}
+
+impl ProcessGroup {
+    fn with_elastic(inner: Inner, elastic: Elastic) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                current: std::sync::RwLock::new(Arc::new(inner)),
+                elastic: Some(elastic),
+            }),
+        }
+    }
+
+    fn elastic(&self) -> Result<&Elastic> {
+        self.shared
+            .elastic
+            .as_ref()
+            .ok_or(DdpError::NotFaultTolerant {
+                what: "changing the membership of a group",
+                reason: "this group is not fault-tolerant: start the job with `burn-ddp run \
+                         --fault-tolerant` (or set BURN_DDP_FAULT_TOLERANT=1 with a store \
+                         served by a launcher)",
+            })
+    }
+}
+
+impl ProcessGroup {
+    /// Whether this group survives the loss of ranks (a fault-tolerant job: `burn-ddp run
+    /// --fault-tolerant`, `BURN_DDP_FAULT_TOLERANT=1`).
+    pub fn is_fault_tolerant(&self) -> bool {
+        self.shared.elastic.is_some()
+    }
+
+    /// In a fault-tolerant job: this process's member id (unique for the job's life) and the
+    /// current membership epoch.
+    pub fn membership(&self) -> Option<(u32, u64)> {
+        let e = self.shared.elastic.as_ref()?;
+        Some((e.id, e.epoch().0))
+    }
+
+    /// In a fault-tolerant job: whether a process has asked to join since the current
+    /// membership began (this rank's view, read from the store each heartbeat interval). The
+    /// ranks must agree on a step boundary (a collective of theirs), then all call
+    /// [`ProcessGroup::grow`]. `false` outside fault-tolerant jobs.
+    pub fn join_pending(&self) -> bool {
+        self.shared
+            .elastic
+            .as_ref()
+            .is_some_and(|e| e.joins.pending.load(Ordering::SeqCst))
+    }
+
+    /// A joining process's admission into the running job (once, after
+    /// [`ProcessGroup::from_env`] returned): it is behind, and takes the state of
+    /// [`Recovery::source`].
+    pub fn take_admission(&self) -> Option<Recovery> {
+        self.shared
+            .elastic
+            .as_ref()?
+            .admission
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// After `cause` (a failure of the group: [`DdpError::is_peer_failure`]), agrees with the
+    /// other ranks that can still reach the job's store on the next membership, opens its
+    /// group (this group, and every clone of it, now has the new ranks: this rank's rank may
+    /// change), and compares the ranks' `progress` (e.g. optimizer steps taken; `None` for
+    /// none) so that the ranks behind take the source's state ([`Recovery`]). The partial
+    /// results of the step that failed must be dropped by the caller.
+    ///
+    /// # Errors
+    /// [`DdpError::NotFaultTolerant`] for other groups; [`DdpError::Excluded`] when the others
+    /// went on without this rank (it may [`rejoin`](Self::rejoin)); [`DdpError::TooFewRanks`];
+    /// the store's errors (this rank cannot reach the job).
+    pub fn recover(&self, cause: &DdpError, progress: Option<u64>) -> Result<Recovery> {
+        let culprit = cause.culprit().filter(|c| *c != self.rank());
+        self.change(cause.to_string(), culprit, progress, true)
+    }
+
+    /// Lets in the processes that asked to join ([`ProcessGroup::join_pending`]): every rank
+    /// of the group calls it at the same step boundary; the joiners are behind.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::recover`].
+    pub fn grow(&self, progress: Option<u64>) -> Result<Recovery> {
+        self.change("a process asked to join".into(), None, progress, false)
+    }
+
+    /// Joins the job again after [`DdpError::Excluded`]: waits to be admitted at a step
+    /// boundary, as a new process does; this rank is then behind.
+    ///
+    /// # Errors
+    /// [`DdpError::JoinFailed`] at the rendezvous timeout, or when the job ended; the
+    /// store's errors.
+    pub fn rejoin(&self) -> Result<Recovery> {
+        let e = self.elastic()?;
+        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let deadline = started + e.config.timeouts.rendezvous;
+        let (before, _) = e.epoch();
+        let old = self.inner();
+        old.comm.abort();
+        old.p2p.close();
+        loop {
+            let (epoch, members) = e.admit(deadline)?;
+            let inner = match e.connect_epoch(epoch, &members, e.connect_deadline(deadline)) {
+                Ok(inner) => inner,
+                Err(err) => {
+                    e.end(epoch, Rank::ZERO, err.culprit(), err.to_string());
+                    continue;
+                }
+            };
+            self.install(inner);
+            match e.settle(
+                self,
+                epoch,
+                Vec::new(),
+                members,
+                None,
+                format!(
+                    "it asked again after being left out of epoch {}",
+                    before + 1
+                ),
+                started,
+            ) {
+                Ok(r) => return Ok(r),
+                Err(err) => e.end(epoch, self.rank(), err.culprit(), err.to_string()),
+            }
+        }
+    }
+
+    fn install(&self, inner: Inner) {
+        let old = std::mem::replace(
+            &mut *self
+                .shared
+                .current
+                .write()
+                .unwrap_or_else(|p| p.into_inner()),
+            Arc::new(inner),
+        );
+        old.comm.abort();
+        old.p2p.close();
+    }
+
+    /// Ends the current epoch (blaming `culprit`, a rank of it) and moves to the next one.
+    fn change(
+        &self,
+        reason: String,
+        culprit: Option<Rank>,
+        progress: Option<u64>,
+        failed: bool,
+    ) -> Result<Recovery> {
+        let e = self.elastic()?;
+        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let overall = started + e.config.timeouts.rendezvous;
+        let (mut epoch, mut members) = e.epoch();
+        let me = self.rank();
+        e.end(epoch, me, culprit, reason.clone());
+        if failed {
+            // The neighbours stop at once instead of at their next check.
+            let old = self.inner();
+            old.comm.abort();
+            old.p2p.close();
+        }
+        let (first, previous) = (epoch, members.clone());
+        loop {
+            let next_members = e
+                .decide(epoch, &members, overall)
+                .inspect_err(|err| tracing::warn!("{err}"))?;
+            let next = epoch + 1;
+            e.begin(next, next_members.clone())?;
+            let inner = match e.connect_epoch(next, &next_members, e.connect_deadline(overall)) {
+                Ok(inner) => inner,
+                Err(err) => {
+                    tracing::warn!(
+                        "[member {}] opening membership epoch {next} failed: {err}",
+                        e.id
+                    );
+                    let me = next_members.iter().position(|m| *m == e.id).unwrap_or(0);
+                    e.end(next, Rank(me as u32), err.culprit(), err.to_string());
+                    (epoch, members) = (next, next_members);
+                    continue;
+                }
+            };
+            self.install(inner);
+            // The record of the first epoch's end says best why (it may be another rank's).
+            let why = e
+                .blamed(first, &previous)
+                .map_or_else(|_| reason.clone(), |(_, why)| why);
+            match e.settle(
+                self,
+                next,
+                previous.clone(),
+                next_members.clone(),
+                progress,
+                why,
+                started,
+            ) {
+                Ok(r) => return Ok(r),
+                Err(err) => {
+                    tracing::warn!(
+                        "[member {}] membership epoch {next} failed at once: {err}",
+                        e.id
+                    );
+                    e.end(next, self.rank(), err.culprit(), err.to_string());
+                    (epoch, members) = (next, next_members);
+                }
+            }
+        }
+    }
+}
+
+/// The thread that reads, each heartbeat interval, whether a process asked to join.
+struct Watcher {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watcher {
+    /// `None` (with a warning) if its store connection cannot be opened: joining processes
+    /// then wait until the rendezvous timeout.
+    fn start(
+        config: &GroupConfig,
+        joins: Arc<JoinWatch>,
+        id: u32,
+        deadline: Instant,
+    ) -> Option<Self> {
+        let interval = (config.timeouts.heartbeat / 5)
+            .clamp(Duration::from_millis(50), Duration::from_secs(2));
+        let store = match StoreClient::connect(
+            &config.master,
+            Purpose::StoreAux,
+            config.rank,
+            config.world_size,
+            &config.token,
+            interval.max(Duration::from_millis(200)),
+            deadline,
+        ) {
+            Ok(s) => s.with_reply_slack(interval.max(Duration::from_millis(200))),
+            Err(e) => {
+                tracing::warn!(
+                    "[member {id}] cannot watch for joining processes (its store connection \
+                     failed: {e}); none will be let in"
+                );
+                return None;
+            }
+        };
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let thread = {
+            let stop = Arc::clone(&stop);
+            std::thread::Builder::new()
+                .name(format!("burn-ddp-ft-watch-{id}"))
+                .spawn(move || {
+                    let (lock, cv) = &*stop;
+                    loop {
+                        if let Ok(v) = store.get_timeout(keys::JOINS, Duration::ZERO) {
+                            let n = decode_i64(&v).unwrap_or(0);
+                            if n > joins.seen.load(Ordering::SeqCst) {
+                                joins.pending.store(true, Ordering::SeqCst);
+                            }
+                        }
+                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                        let (guard, _) = cv
+                            .wait_timeout_while(guard, interval, |stopped| !*stopped)
+                            .unwrap_or_else(|p| p.into_inner());
+                        if *guard {
+                            return;
+                        }
+                    }
+                })
+                .ok()
+        };
+        Some(Self { stop, thread })
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        let (lock, cv) = &*self.stop;
+        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ballot(checked: &[u32], missing: &[u32], joiners: &[u32]) -> Ballot {
+        Ballot {
+            checked: checked.to_vec(),
+            missing: missing.to_vec(),
+            joiners: joiners.to_vec(),
+        }
+    }
+
+    #[test]
+    fn member_lists_round_trip_and_garbage_is_refused() {
+        assert_eq!(decode(&encode(&[0, 2, 7])), Some(vec![0, 2, 7]));
+        assert_eq!(decode(b""), Some(vec![]));
+        assert_eq!(decode(b"1,x"), None);
+        assert_eq!(decode(b"1,,2"), None);
+        assert_eq!(decode(&[0xff]), None);
+    }
+
+    #[test]
+    fn the_rule_waits_for_every_member_then_keeps_their_order_and_adds_joiners() {
+        // Member 2 is neither checked in nor gone: wait, unless the window passed.
+        let b = ballot(&[1, 0], &[2], &[5]);
+        assert_eq!(b.proposal(0, None, false), None);
+        assert_eq!(b.proposal(0, None, true), Some(vec![1, 0, 5]));
+        // Everyone accounted for: at once, previous order first, joiners by id after.
+        let b = ballot(&[0, 1, 3], &[], &[4, 6]);
+        assert_eq!(b.proposal(1, None, false), Some(vec![0, 1, 3, 4, 6]));
+    }
+
+    #[test]
+    fn the_blamed_rank_is_left_out_and_not_waited_for() {
+        // Member 2 was blamed and never checked in: nobody waits for it.
+        let b = ballot(&[0, 1], &[2], &[]);
+        assert_eq!(b.proposal(0, Some(2), false), Some(vec![0, 1]));
+        // Blamed but checked in (two ranks blaming each other): the others leave it out...
+        let b = ballot(&[0, 1, 2], &[], &[]);
+        assert_eq!(b.proposal(0, Some(2), false), Some(vec![0, 1]));
+        // ...and it waits for the window before proposing, with itself.
+        assert_eq!(b.proposal(2, Some(2), false), None);
+        assert_eq!(b.proposal(2, Some(2), true), Some(vec![0, 1, 2]));
+    }
+
+    proptest! {
+        /// Whatever the store shows: a proposal never holds a member twice, always holds its
+        /// proposer when the proposer checked in, never holds a missing member, and never holds
+        /// the blamed member unless it is the proposer.
+        #[test]
+        fn proposals_are_sets_of_present_members(
+            members in proptest::collection::vec(0u32..6, 0..6),
+            missing_mask in proptest::collection::vec(any::<bool>(), 6),
+            joiners in proptest::collection::btree_set(6u32..10, 0..3),
+            blamed in proptest::option::of(0u32..8),
+            passed in any::<bool>(),
+        ) {
+            let mut uniq = members.clone();
+            uniq.sort_unstable();
+            uniq.dedup();
+            let checked: Vec<u32> = uniq.iter().copied().filter(|m| !missing_mask[*m as usize]).collect();
+            let missing: Vec<u32> = uniq.iter().copied().filter(|m| missing_mask[*m as usize]).collect();
+            let joiners: Vec<u32> = joiners.into_iter().collect();
+            let b = ballot(&checked, &missing, &joiners);
+            for &me in &checked {
+                if let Some(p) = b.proposal(me, blamed, passed) {
+                    let mut sorted = p.clone();
+                    sorted.sort_unstable();
+                    sorted.dedup();
+                    prop_assert_eq!(sorted.len(), p.len());
+                    prop_assert!(p.contains(&me));
+                    prop_assert!(p.iter().all(|m| !missing.contains(m)));
+                    prop_assert!(p.iter().all(|m| Some(*m) != blamed || *m == me));
+                }
+            }
+        }
+    }
+}

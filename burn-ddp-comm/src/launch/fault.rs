@@ -1,0 +1,326 @@
+//! Fault-tolerant jobs on the launcher's side (`burn-ddp run --fault-tolerant`): the store that
+//! outlives every rank ([`Lighthouse`]), and a supervisor that lets the job go on when a rank
+//! dies, starts replacements that join it live, and judges the job by its last membership.
+//!
+//! The ranks themselves agree on each membership through the store (`group/elastic.rs`); the
+//! launcher never stops them for another rank's failure. What it adds:
+//!
+//! - node 0's launcher serves the store on `MASTER_ADDR:MASTER_PORT` and keeps it up until
+//!   every member of the job's last membership has ended, its own ranks' end or not;
+//! - every rank gets `BURN_DDP_FAULT_TOLERANT=1` and its member id (its `RANK`);
+//! - a rank that fails is reported (the others go on); while `--max-restarts` allows and none of
+//!   the node's ranks has finished yet, a replacement starts in its place (same local rank,
+//!   hence same GPU) with `BURN_DDP_FT_JOIN=1` and a fresh member id;
+//! - the node succeeds when its ranks that are members of the job's last membership all
+//!   ended successfully (ranks lost on the way are said, not fatal).
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::spawn::{self, describe, LocalJob, RankExit, Running};
+use crate::config::{env, JobToken, MasterAddr};
+use crate::group::{fresh_member_id, last_membership, record_first_world};
+use crate::store::auth::Purpose;
+use crate::store::{resolve_bind, StoreClient, StoreServer};
+use crate::types::{Rank, WorldSize};
+use crate::{DdpError, Result};
+
+/// How long a launcher tries to reach the job's store.
+const STORE_CONNECT: Duration = Duration::from_secs(60);
+/// The bound of one request of the launcher to the store.
+const STORE_REQUEST: Duration = Duration::from_secs(10);
+
+/// The store of a fault-tolerant job, served by node 0's launcher (torchft's lighthouse): it
+/// outlives every rank, so any rank may die. Dropping it stops it.
+#[derive(Debug)]
+pub struct Lighthouse {
+    server: StoreServer,
+}
+
+impl Lighthouse {
+    /// Serves the store of the job whose token is `token` on `master`.
+    ///
+    /// # Errors
+    /// `PortInUse` (naming the port) or `StoreBind`; an unresolvable address.
+    pub fn bind(master: &MasterAddr, token: JobToken) -> Result<Self> {
+        let addr = resolve_bind(master, Rank::ZERO)?;
+        Ok(Self {
+            server: StoreServer::bind_lighthouse(addr, token)?,
+        })
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+}
+
+/// The fault-tolerant settings of `burn-ddp run`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FaultTolerantLaunch {
+    /// Replacements this node may start, in all, for ranks that failed.
+    pub max_restarts: u32,
+    /// The fewest ranks the job goes on with (`BURN_DDP_MIN_RANKS`).
+    pub min_ranks: u32,
+    /// This node's ranks join a running job (`burn-ddp run --fault-tolerant --join`) instead
+    /// of forming it with the others.
+    pub join: bool,
+}
+
+/// How a fault-tolerant node ended.
+#[derive(Debug)]
+pub struct FaultTolerantReport {
+    /// Every process this node started, replacements included, in the order they ended.
+    pub exits: Vec<(u32, RankExit)>,
+    /// The job's last membership (epoch, member ids), if it formed one.
+    pub last: Option<(u64, Vec<u32>)>,
+    /// Replacements started.
+    pub replacements: u32,
+    /// Why this node failed, if it did.
+    pub failure: Option<DdpError>,
+}
+
+struct Slot {
+    local: u32,
+    member: u32,
+    running: Running,
+}
+
+/// Runs this node's ranks of a fault-tolerant job (the store must be served already: by this
+/// launcher on node 0, see [`Lighthouse`]).
+///
+/// # Errors
+/// A rank cannot be started, or the store cannot be reached at the start.
+pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<FaultTolerantReport> {
+    let world = job.nproc_per_node * job.nnodes;
+    let store = StoreClient::connect(
+        &job.master,
+        Purpose::StoreAux,
+        Rank(job.node_rank * job.nproc_per_node),
+        WorldSize::new(world).unwrap_or(WorldSize::ONE),
+        &job.token,
+        STORE_REQUEST,
+        Instant::now() + STORE_CONNECT,
+    )?;
+    if serving {
+        record_first_world(&store, world)?;
+    }
+    let common = |member: u32, join: bool| -> Vec<(OsString, OsString)> {
+        let mut v: Vec<(OsString, OsString)> = vec![
+            (env::FAULT_TOLERANT.into(), "1".into()),
+            (env::MEMBER_ID.into(), member.to_string().into()),
+            (env::MIN_RANKS.into(), ft.min_ranks.to_string().into()),
+        ];
+        if join {
+            v.push((env::FT_JOIN.into(), "1".into()));
+        }
+        v
+    };
+    let mut slots: Vec<Slot> = Vec::new();
+    for local in 0..job.nproc_per_node {
+        let rank = Rank(job.node_rank * job.nproc_per_node + local);
+        let member = if ft.join {
+            fresh_member_id(&store)?
+        } else {
+            rank.0
+        };
+        match spawn::start_rank(job, local, rank, &common(member, ft.join)) {
+            Ok(running) => slots.push(Slot {
+                local,
+                member,
+                running,
+            }),
+            Err(e) => {
+                for s in &mut slots {
+                    let _ = s.running.child.kill();
+                    let _ = s.running.child.wait();
+                }
+                return Err(e);
+            }
+        }
+    }
+
+    let mut ended: Vec<(u32, Running)> = Vec::new();
+    let mut replacements = 0;
+    let mut interrupted = false;
+    let mut term_sent: Option<Instant> = None;
+    loop {
+        let mut i = 0;
+        while i < slots.len() {
+            let status = match slots[i].running.child.try_wait() {
+                Ok(Some(status)) => status,
+                _ => {
+                    i += 1;
+                    continue;
+                }
+            };
+            let mut slot = slots.swap_remove(i);
+            slot.running.exit = Some(status);
+            let (local, member, rank) = (slot.local, slot.member, slot.running.rank);
+            let pid = slot.running.child.id();
+            ended.push((member, slot.running));
+            if status.success() || interrupted {
+                continue;
+            }
+            eprintln!(
+                "burn-ddp run: rank {rank} (member {member}, pid {pid}) {}; the job goes on \
+                 without it",
+                describe(status)
+            );
+            let finished = ended
+                .iter()
+                .any(|(_, r)| r.exit.is_some_and(|s| s.success()));
+            if replacements >= ft.max_restarts || finished {
+                continue;
+            }
+            let fresh = match fresh_member_id(&store) {
+                Ok(id) => id,
+                Err(e) => {
+                    eprintln!("burn-ddp run: no replacement for member {member}: {e}");
+                    continue;
+                }
+            };
+            replacements += 1;
+            eprintln!(
+                "burn-ddp run: starting member {fresh} in its place (local rank {local}; \
+                 replacement {replacements} of {}); it joins the running job",
+                ft.max_restarts
+            );
+            match spawn::start_rank(job, local, rank, &common(fresh, true)) {
+                Ok(running) => slots.push(Slot {
+                    local,
+                    member: fresh,
+                    running,
+                }),
+                Err(e) => eprintln!("burn-ddp run: {e}"),
+            }
+        }
+        if slots.is_empty() {
+            break;
+        }
+        let stop = job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if stop && term_sent.is_none() {
+            interrupted = true;
+            for s in &slots {
+                spawn::signal(&s.running.child, rustix::process::Signal::TERM);
+                spawn::signal(&s.running.child, rustix::process::Signal::CONT);
+            }
+            term_sent = Some(Instant::now());
+        }
+        if term_sent.is_some_and(|t| t.elapsed() >= job.grace) {
+            for s in &mut slots {
+                let _ = s.running.child.kill();
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // Node 0 serves the store: it stays up until the job's last members have all ended.
+    if serving && !interrupted {
+        let mut said = Instant::now();
+        loop {
+            match last_membership(&store) {
+                Ok(Some((_, members, done))) if !members.is_empty() && !done.iter().all(|d| *d) => {
+                    if said.elapsed() >= Duration::from_secs(30) {
+                        said = Instant::now();
+                        eprintln!(
+                            "burn-ddp run: this node's ranks have ended; serving the job's \
+                             store until its other members end"
+                        );
+                    }
+                }
+                _ => break,
+            }
+            if job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
+                interrupted = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    let last = last_membership(&store);
+    let exits: Vec<(u32, RankExit)> = ended.into_iter().map(|(m, r)| (m, r.into_exit())).collect();
+    let failure = judge(&exits, &last, interrupted);
+    Ok(FaultTolerantReport {
+        exits,
+        last: last.ok().flatten().map(|(e, m, _)| (e, m)),
+        replacements,
+        failure,
+    })
+}
+
+/// This node's verdict: its ranks in the job's last membership must all have succeeded.
+fn judge(
+    exits: &[(u32, RankExit)],
+    last: &Result<Option<(u64, Vec<u32>, Vec<bool>)>>,
+    interrupted: bool,
+) -> Option<DdpError> {
+    if interrupted {
+        return Some(DdpError::Interrupted);
+    }
+    let ends = || {
+        exits
+            .iter()
+            .map(|(m, e)| format!("rank {} (member {m}) {}", e.rank, describe(e.status)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let first_failure = || {
+        exits
+            .iter()
+            .find(|(_, e)| !e.status.success())
+            .map(|(m, e)| DdpError::FaultTolerantJob {
+                reason: format!(
+                    "rank {} (member {m}) {} before the job formed its first membership",
+                    e.rank,
+                    describe(e.status)
+                ),
+            })
+    };
+    let members = match last {
+        Ok(Some((_, members, _))) => members,
+        Ok(None) => return first_failure(),
+        Err(e) => {
+            return Some(DdpError::FaultTolerantJob {
+                reason: format!(
+                    "this node lost the job's store ({e}); its ranks: {}",
+                    ends()
+                ),
+            })
+        }
+    };
+    let mine: Vec<&(u32, RankExit)> = exits.iter().filter(|(m, _)| members.contains(m)).collect();
+    if let Some((m, e)) = mine.iter().find(|(_, e)| !e.status.success()) {
+        return Some(DdpError::FaultTolerantJob {
+            reason: format!(
+                "rank {} (member {m}), a member of the job's last membership, {}",
+                e.rank,
+                describe(e.status)
+            ),
+        });
+    }
+    if mine.is_empty() {
+        return Some(DdpError::FaultTolerantJob {
+            reason: format!(
+                "every rank of this node was lost; the job went on with members {members:?} \
+                 ({})",
+                ends()
+            ),
+        });
+    }
+    let lost: Vec<String> = exits
+        .iter()
+        .filter(|(m, e)| !members.contains(m) && !e.status.success())
+        .map(|(m, e)| format!("member {m} {}", describe(e.status)))
+        .collect();
+    if !lost.is_empty() {
+        eprintln!(
+            "burn-ddp run: the job finished with members {members:?}; lost on the way: {}",
+            lost.join(", ")
+        );
+    }
+    None
+}
