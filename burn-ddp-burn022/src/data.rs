@@ -41,6 +41,15 @@ impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
     fn set_epoch(&self, epoch: u64) {
         self.plan.set_epoch(epoch);
     }
+
+    fn reshard(
+        &self,
+        rank: burn_ddp_comm::Rank,
+        world: burn_ddp_comm::WorldSize,
+        start: usize,
+    ) -> burn_ddp_comm::Result<()> {
+        self.plan.reshard(rank, world, start)
+    }
 }
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {

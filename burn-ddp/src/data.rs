@@ -49,6 +49,15 @@ impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
     fn set_epoch(&self, epoch: u64) {
         self.plan.set_epoch(epoch);
     }
+
+    fn reshard(
+        &self,
+        rank: crate::Rank,
+        world: crate::WorldSize,
+        start: usize,
+    ) -> crate::Result<()> {
+        self.plan.reshard(rank, world, start)
+    }
 }
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {

@@ -99,16 +99,16 @@ pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;
 pub use burn_ddp_comm::{
-    spawn, CollectiveOp, DType, DdpError, Element, GradTransport, GroupConfig, JobToken, LocalRank,
-    MasterAddr, P2pOp, PeerWait, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WireError,
-    WorldSize,
+    spawn, CollectiveOp, DType, DdpError, Element, FaultTolerance, GradTransport, GroupConfig,
+    JobToken, LocalRank, MasterAddr, P2pOp, PeerWait, ProcessGroup, Rank, Recovery, ReduceOp,
+    Result, Timeouts, WireError, WorldSize,
 };
 /// `#[ddp]`: see [`DdpModule`].
 pub use burn_ddp_macros::ddp;
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
     Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
-    NoSyncGuard, ParamInfo, PowerSgd, ZeroOptimizer,
+    NoSyncGuard, ParamInfo, PowerSgd, Replica, ZeroOptimizer,
 };
 
 /// What a training program needs, in one import: `use burn_ddp::prelude::*;`.

@@ -5,7 +5,11 @@
 //! cargo run --release --example classifier -- --nproc 3 --epochs 2
 //! cargo run --release --example classifier -- --mnist path/to/mnist   # the four IDX files
 //! burn-ddp run --nproc-per-node 2 -- target/release/examples/classifier   # same, via the launcher
+//! burn-ddp run --fault-tolerant --nproc-per-node 3 --max-restarts 1 -- target/release/examples/classifier
 //! ```
+//!
+//! Under `--fault-tolerant`, a rank that dies does not stop the others: they agree on a new
+//! membership and go on from the step they were at; a replacement joins at a step boundary.
 //!
 //! Burn's `SupervisedTraining` (the Learner) drives training through burn-ddp's `DdpStrategy`:
 //! each rank trains on its shard of every epoch (`DistributedSampler`); gradients are averaged
@@ -188,6 +192,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         .launch_ddp(Learner::new(model, AdamConfig::new().init(), lr), &ddp)?;
 
     let accuracy = evaluate(&result.model, &test_loader, &pg)?;
+    // In a fault-tolerant job (`burn-ddp run --fault-tolerant`) rank 0 may have changed.
+    let main = pg.is_main();
     if main {
         println!(
             "final test accuracy: {:.2}% ({:.1} s; logs, metrics and checkpoints in {})",

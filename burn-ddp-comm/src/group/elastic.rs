@@ -168,8 +168,11 @@ pub(super) struct Elastic {
     min_ranks: u32,
     /// The world size the job was started with: joining processes took ids from it on.
     initial_world: u32,
-    /// The store without a scope: membership keys, and users' keys.
+    /// The store without a scope, for the membership's keys: its requests are bounded by the
+    /// heartbeat bound (at least 5 s), so that a process cut off from the store knows it soon.
     store: Arc<StoreClient>,
+    /// The store for users' keys (they outlive memberships), with the store timeout.
+    user: Arc<StoreClient>,
     /// This process's presence: the store marks the id gone when it closes unannounced.
     presence: StoreClient,
     current: Mutex<Epoch>,
@@ -214,6 +217,7 @@ impl Drop for Elastic {
         self.watcher = None;
         self.presence.bye(Duration::from_secs(2));
         self.store.bye(Duration::from_secs(2));
+        self.user.bye(Duration::from_secs(2));
     }
 }
 
@@ -412,7 +416,26 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         config.timeouts.store,
         deadline,
     )?;
-    let store = Arc::new(store);
+    let user = StoreClient::connect(
+        &config.master,
+        Purpose::StoreAux,
+        config.rank,
+        config.world_size,
+        &config.token,
+        config.timeouts.store,
+        deadline,
+    )?;
+    let quick = config
+        .timeouts
+        .heartbeat
+        .max(Duration::from_secs(5))
+        .min(config.timeouts.store);
+    let store = Arc::new(
+        store
+            .with_request_timeout(quick)
+            .with_reply_slack(Duration::from_secs(2)),
+    );
+    let user = Arc::new(user);
     let joins = Arc::new(JoinWatch::default());
     let watcher = Watcher::start(&config, Arc::clone(&joins), id, deadline);
     let elastic = Elastic {
@@ -420,6 +443,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         min_ranks: ft.min_ranks,
         initial_world,
         store,
+        user,
         presence,
         current: Mutex::new(Epoch {
             number: 0,
@@ -462,9 +486,9 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
 }
 
 impl Elastic {
-    /// The membership service's store (users' keys outlive epochs).
+    /// The store for users' keys (they outlive memberships).
     pub(super) fn store(&self) -> Arc<StoreClient> {
-        Arc::clone(&self.store)
+        Arc::clone(&self.user)
     }
 
     fn epoch(&self) -> (u64, Vec<u32>) {

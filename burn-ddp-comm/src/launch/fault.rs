@@ -31,6 +31,9 @@ use crate::{DdpError, Result};
 const STORE_CONNECT: Duration = Duration::from_secs(60);
 /// The bound of one request of the launcher to the store.
 const STORE_REQUEST: Duration = Duration::from_secs(10);
+/// How long node 0's launcher keeps the store up once the job ended, for the other launchers
+/// to read its last membership.
+const OUTCOME_GRACE: Duration = Duration::from_secs(2);
 
 /// The store of a fault-tolerant job, served by node 0's launcher (torchft's lighthouse): it
 /// outlives every rank, so any rank may die. Dropping it stops it.
@@ -231,7 +234,11 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                         );
                     }
                 }
-                _ => break,
+                _ => {
+                    // The other nodes' launchers read how the job ended from this store.
+                    std::thread::sleep(OUTCOME_GRACE);
+                    break;
+                }
             }
             if job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) {
                 interrupted = true;

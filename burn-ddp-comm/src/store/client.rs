@@ -125,6 +125,13 @@ impl StoreClient {
         self
     }
 
+    /// The client with `timeout` as the bound of its requests that do not say their own
+    /// (`set`, `add`, ...): short for a client that must notice a store it cannot reach.
+    pub(crate) fn with_request_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// The client with every key under `scope/` and the scope's abort record for the job's (a
     /// group whose failures must not end the job: a fault-tolerant job's membership epoch).
     pub(crate) fn with_scope(mut self, scope: Option<String>) -> Self {

@@ -17,6 +17,7 @@
 //! processes, for the creating thread when it is an in-process group (one thread per rank).
 
 mod buffers;
+mod fault;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod hooks;
@@ -35,6 +36,8 @@ use crate::group::ProcessGroup;
 use crate::Result;
 
 pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo, PowerSgd};
+pub use fault::Replica;
+pub(crate) use fault::{frame, move_state, unframe};
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 pub use zero::ZeroOptimizer;
@@ -147,6 +150,14 @@ impl DdpSession {
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
         config.validate()?;
+        if pg.is_fault_tolerant() && config.power_sgd.is_some() {
+            return Err(crate::DdpError::NotFaultTolerant {
+                what: "PowerSGD (DdpConfig::with_power_sgd)",
+                reason: "its per-rank state (error feedback, the step count that starts \
+                         compression) would differ between a joining rank and the others; train \
+                         uncompressed, or without --fault-tolerant",
+            });
+        }
         let reducer = Reducer::new(&pg, &config);
         let replicas = burn_ddp_comm::grad::ReplicaCheck::new(config.check_replicas_every);
         let shared = Arc::new(Shared {

@@ -177,7 +177,7 @@ impl DdpSession {
     /// # Errors
     /// [`DdpError::ModelMismatch`]; collective failures; a record that cannot be (de)serialised.
     pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
-        self.prepare_skipping(model, &[])
+        self.prepare_with(model, &[], true)
     }
 
     /// [`prepare`](Self::prepare) for a `#[ddp]` struct: its `#[ddp(skip)]` fields stay
@@ -195,13 +195,17 @@ impl DdpSession {
             M::DDP_FIELDS,
             M::DDP_SKIP
         );
-        self.prepare_skipping(model, M::DDP_SKIP)
+        self.prepare_with(model, M::DDP_SKIP, true)
     }
 
-    fn prepare_skipping<B: AutodiffBackend, M: AutodiffModule<B>>(
+    /// [`prepare`](Self::prepare) with `skip` as the rank-local fields; without loading rank
+    /// 0's weights unless `from_root` (after a change of membership, the ranks' models are
+    /// equal already).
+    pub(super) fn prepare_with<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: M,
         skip: &[&str],
+        from_root: bool,
     ) -> Result<M> {
         let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
@@ -214,7 +218,11 @@ impl DdpSession {
             .collect();
         check_same_params(pg, &compared)?;
 
-        let model = self.load_from::<B, M>(model, Rank(0), &skip)?;
+        let model = if from_root {
+            self.load_from::<B, M>(model, Rank(0), &skip)?
+        } else {
+            model
+        };
 
         let model = model.map(&mut Mark {
             path: Path::default(),

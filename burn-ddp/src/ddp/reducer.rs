@@ -380,6 +380,16 @@ impl Reducer {
         }
     }
 
+    /// Aborts the NCCL communicator of a membership that changed (its ranks are not all there
+    /// any more: a clean finalize could wait on a dead one).
+    pub(crate) fn abort_transports(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(comm) = self.nccl.take() {
+            comm.abort();
+        }
+        self.step = None;
+    }
+
     pub(crate) fn set_plan(&mut self, plan: Plan) {
         self.discard_step();
         self.plan = Some(plan);

@@ -169,6 +169,11 @@ impl DdpSession {
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
     {
+        self.refuse_in_fault_tolerant(
+            "ZeRO (DdpSession::zero)",
+            "each rank holds its own shard of the optimizer state, which a lost rank takes \
+             with it; use the whole optimizer on every rank",
+        )?;
         if self.shared.reducer().params().is_empty() {
             return Err(DdpError::Model {
                 rank: self.shared.pg.rank(),

@@ -33,6 +33,7 @@
 mod checkpoint;
 mod consensus;
 mod epochs;
+mod fault;
 mod item;
 mod render;
 
@@ -92,6 +93,11 @@ pub struct DdpStrategy<B: Backend> {
     /// A checkpoint rank 0 could not write (or an old one it could not delete).
     written: FailureSlot,
     run: RunSettings,
+    /// The changes of membership of a fault-tolerant job, in order.
+    changed: Arc<std::sync::Mutex<Vec<crate::Recovery>>>,
+    /// The membership epoch whose first optimizer step is still to come, and when the change
+    /// to it began (said on rank 0 when the step is done).
+    first_step: Arc<std::sync::Mutex<Option<(u64, std::time::Instant)>>>,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
@@ -121,6 +127,8 @@ impl<B: Backend> DdpStrategy<B> {
             failure: FailureSlot::default(),
             written: FailureSlot::default(),
             run: RunSettings::new(),
+            changed: Arc::default(),
+            first_step: Arc::default(),
         }
     }
 
@@ -182,6 +190,16 @@ impl<B: Backend> DdpStrategy<B> {
         &self.session
     }
 
+    /// In a fault-tolerant job (`burn-ddp run --fault-tolerant`), the changes of membership
+    /// training went through on this rank, in order: who left and joined, the new world size,
+    /// why, how long the change took.
+    pub fn membership_changes(&self) -> Vec<crate::Recovery> {
+        self.changed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// The error that stopped training, if any (also returned by
     /// [`DdpTraining::launch_ddp`]).
     pub fn failure(&self) -> Option<String> {
@@ -206,12 +224,14 @@ impl<B: Backend> DdpStrategy<B> {
     }
 
     /// Progress of this rank's loader, counted for the whole job (every rank has as many
-    /// items, or one fewer, by the sampler's construction).
-    fn global(&self, p: Progress) -> Progress {
+    /// items, or one fewer, by the sampler's construction), after `base` items of the epoch
+    /// dealt before the current membership (fault-tolerant jobs).
+    fn global(&self, p: Progress, base: u64) -> Progress {
         let w = self.session.group().world_size().as_usize();
+        let base = usize::try_from(base).unwrap_or(usize::MAX);
         Progress {
-            items_processed: p.items_processed * w,
-            items_total: p.items_total * w,
+            items_processed: base.saturating_add(p.items_processed * w),
+            items_total: base.saturating_add(p.items_total * w),
         }
     }
 
@@ -276,8 +296,19 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
     {
         let strategy: Arc<dyn SupervisedLearningStrategy<LC>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(burn::train::TrainingStrategy::Custom(strategy));
-        let training = if ddp.is_main() {
-            let training = if std::io::stdout().is_terminal() {
+        let fault_tolerant = ddp.session().group().is_fault_tolerant();
+        let training = if fault_tolerant && !ddp.is_main() {
+            // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
+            // which show only once it is (only rank 0 is given the job's items). Its metrics
+            // are not written to files: rank 0's files stop where it was lost.
+            training
+                .renderer(ProgressLines::default())
+                .with_application_logger(None)
+                .with_metric_logger(NoMetricLogger)
+        } else if ddp.is_main() {
+            // In a fault-tolerant job the dashboard is progress lines on every rank: the
+            // terminal dashboard would be lost with the one process that draws it.
+            let training = if std::io::stdout().is_terminal() && !fault_tolerant {
                 training
             } else {
                 training.renderer(ProgressLines::default())

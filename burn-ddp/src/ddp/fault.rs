@@ -1,0 +1,439 @@
+//! Fault-tolerant sessions (a group made by `burn-ddp run --fault-tolerant`): what a change of
+//! membership does to a session and to a training loop's state.
+//!
+//! The group agrees on the next membership (burn-ddp-comm's `ProcessGroup::recover`, `grow`,
+//! `rejoin`, a joining process's admission); then the rank with the most progress sends its
+//! state to the ranks behind it (point to point, only to them), and every rank prepares the
+//! session again on the new membership: the reducer's partial step and its transports (host
+//! thread, NCCL communicator) are dropped, the model is checked across ranks, marked, and the
+//! NCCL communicator is created anew on the new ranks. A step that failed is dropped whole: no
+//! optimizer step was taken on a rank whose synchronisation failed, so the ranks that recover
+//! at equal progress hold equal replicas.
+
+use burn::module::AutodiffModule;
+use burn::optim::Optimizer;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+
+use burn_ddp_comm::group::Recovery;
+
+use super::DdpSession;
+use crate::group::{ProcessGroup, Rank};
+use crate::{DdpError, ReduceOp, Result};
+
+/// The tag of state transfers between ranks after a change of membership.
+const STATE_TAG: u32 = 0x5354_4154;
+
+/// The state of a custom training loop that a fault-tolerant session carries across changes of
+/// membership ([`DdpSession::replica`], [`DdpSession::step_boundary`], [`DdpSession::recover`]):
+/// the model, the optimizer, the number of optimizer steps taken, and any bytes of the loop's
+/// own (its data position, a scheduler's state).
+#[derive(Debug, Clone)]
+pub struct Replica<M, O> {
+    /// The prepared model.
+    pub model: M,
+    /// The optimizer.
+    pub optim: O,
+    /// Optimizer steps taken: the rank with the most is the source of the others' state.
+    /// Count a step once its optimizer step is done (never for a step whose synchronisation
+    /// failed).
+    pub step: u64,
+    /// Whatever else the loop must resume with (moved with the state).
+    pub extra: Vec<u8>,
+    /// The last change of membership (set by the call that made it; the loop re-deals its data
+    /// over the new ranks when it is `Some`).
+    pub changed: Option<Recovery>,
+}
+
+fn record_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
+    rank: Rank,
+    record: R,
+) -> Result<Vec<u8>> {
+    Recorder::<B>::record(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        record,
+        (),
+    )
+    .map_err(|e| DdpError::Model {
+        rank,
+        what: "serialising the state to send to the ranks behind",
+        reason: e.to_string(),
+    })
+}
+
+fn load_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
+    rank: Rank,
+    bytes: Vec<u8>,
+    device: &B::Device,
+) -> Result<R> {
+    Recorder::<B>::load(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        bytes,
+        device,
+    )
+    .map_err(|e| DdpError::Model {
+        rank,
+        what: "loading the state received from the source rank",
+        reason: e.to_string(),
+    })
+}
+
+/// Frames byte blocks: a count, then each block's length and bytes.
+pub(crate) fn frame(parts: &[&[u8]]) -> Vec<u8> {
+    let mut out = (parts.len() as u64).to_le_bytes().to_vec();
+    for p in parts {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+/// The blocks of [`frame`]; `None` for anything malformed (it came over the network).
+pub(crate) fn unframe(mut bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+    let take8 = |b: &mut &[u8]| -> Option<u64> {
+        let (head, rest) = b.split_first_chunk::<8>()?;
+        *b = rest;
+        Some(u64::from_le_bytes(*head))
+    };
+    let n = usize::try_from(take8(&mut bytes)?).ok()?;
+    if n > bytes.len() / 8 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = usize::try_from(take8(&mut bytes)?).ok()?;
+        if len > bytes.len() {
+            return None;
+        }
+        let (part, rest) = bytes.split_at(len);
+        out.push(part.to_vec());
+        bytes = rest;
+    }
+    bytes.is_empty().then_some(out)
+}
+
+/// After a change of membership: the source sends `make()`'s bytes to every rank behind it;
+/// a rank behind returns what it received; the others `None`.
+pub(crate) fn move_state(
+    pg: &ProcessGroup,
+    rec: &Recovery,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Option<Vec<u8>>> {
+    if rec.needs_state() {
+        return pg.recv_bytes(rec.source, STATE_TAG).map(Some);
+    }
+    if pg.rank() == rec.source && !rec.behind.is_empty() {
+        let bytes = make()?;
+        for r in &rec.behind {
+            pg.send_bytes(&bytes, *r, STATE_TAG)?;
+        }
+        tracing::info!(
+            "[rank {}] sent the state ({} bytes) to rank(s) {:?}",
+            pg.rank(),
+            bytes.len(),
+            rec.behind
+        );
+    }
+    Ok(None)
+}
+
+impl DdpSession {
+    /// Whether this session's group is fault-tolerant.
+    pub fn is_fault_tolerant(&self) -> bool {
+        self.shared.pg.is_fault_tolerant()
+    }
+
+    /// Refuses `what` in a fault-tolerant session, whose state must survive a change of
+    /// membership (`reason` says what to use instead).
+    pub(crate) fn refuse_in_fault_tolerant(
+        &self,
+        what: &'static str,
+        reason: &'static str,
+    ) -> Result<()> {
+        if self.is_fault_tolerant() {
+            return Err(DdpError::NotFaultTolerant { what, reason });
+        }
+        Ok(())
+    }
+
+    /// After a change of membership, on every rank of the new one, with the ranks' models
+    /// equal (the ranks behind took the source's): drops the reducer's partial step and its
+    /// transports, then checks the model across the new ranks, marks it and builds its bucket
+    /// plan (and the NCCL communicator of `Autodiff<Ddp<Cuda>>`), as
+    /// [`prepare`](Self::prepare) does without loading rank 0's weights.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    pub fn reprepare<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
+        self.reset_transports();
+        let skip = self.skip();
+        let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
+        self.prepare_with(model, &skip, false)
+    }
+
+    /// Drops what belongs to the membership before: the reducer (its partial step, its host
+    /// thread, its NCCL communicator), the after-backward path's thread, the count of steps
+    /// between replica checks.
+    fn reset_transports(&self) {
+        {
+            let mut reducer = self.shared.reducer();
+            reducer.abort_transports();
+            *reducer = super::Reducer::new(&self.shared.pg, &self.shared.config);
+        }
+        *self.shared.host.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self
+            .shared
+            .replicas
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) =
+            burn_ddp_comm::grad::ReplicaCheck::new(self.shared.config.check_replicas_every);
+    }
+
+    /// A custom loop's state, prepared (as [`prepare`](Self::prepare) does: every rank starts
+    /// from rank 0's weights), or, in a process that joined a running fault-tolerant job, taken
+    /// from the rank the job's state comes from.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare); a joining process: the transfer's errors.
+    pub fn replica<B, M, O>(&self, model: M, optim: O, extra: Vec<u8>) -> Result<Replica<M, O>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let mut replica = Replica {
+            model,
+            optim,
+            step: 0,
+            extra,
+            changed: None,
+        };
+        match self.shared.pg.take_admission() {
+            Some(rec) => self.settle(replica, rec),
+            None => {
+                replica.model = self.prepare(replica.model)?;
+                Ok(replica)
+            }
+        }
+    }
+
+    /// At a step boundary of a fault-tolerant job: lets in the processes that asked to join (one
+    /// small all-reduce, so that every rank decides at the same step), and moves the state to
+    /// them. Nothing outside fault-tolerant jobs.
+    ///
+    /// # Errors
+    /// Collective failures (recover from them with [`recover`](Self::recover)).
+    pub fn step_boundary<B, M, O>(&self, replica: Replica<M, O>) -> Result<Replica<M, O>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let pg = &self.shared.pg;
+        if !pg.is_fault_tolerant() {
+            return Ok(replica);
+        }
+        let mut join = [i64::from(pg.join_pending())];
+        pg.all_reduce(&mut join, ReduceOp::Max)?;
+        if join[0] == 0 {
+            return Ok(Replica {
+                changed: None,
+                ..replica
+            });
+        }
+        let rec = pg.grow(Some(replica.step))?;
+        self.settle(replica, rec)
+    }
+
+    /// After `cause` failed a step of a fault-tolerant job: agrees on the next membership with
+    /// the ranks that can still reach the job's store, moves the state from the rank with the
+    /// most steps to those behind it, and prepares the session on the new ranks. The step that
+    /// failed is dropped: run it again. A rank the others went on without joins again (and is
+    /// then behind). Failures during the recovery start it again.
+    ///
+    /// # Errors
+    /// `cause` itself when it is not a failure of the group ([`DdpError::is_peer_failure`]) or
+    /// the group is not fault-tolerant; [`DdpError::TooFewRanks`]; the store's errors.
+    pub fn recover<B, M, O>(&self, cause: DdpError, replica: Replica<M, O>) -> Result<Replica<M, O>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let pg = &self.shared.pg;
+        if !pg.is_fault_tolerant() || !cause.is_peer_failure() {
+            return Err(cause);
+        }
+        let rec = match pg.recover(&cause, Some(replica.step)) {
+            Ok(rec) => rec,
+            Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+            Err(e) => return Err(e),
+        };
+        self.settle(replica, rec)
+    }
+
+    /// The state moved from the source to the ranks behind, then the session prepared again;
+    /// a failure of the group meanwhile starts the recovery again.
+    fn settle<B, M, O>(
+        &self,
+        mut replica: Replica<M, O>,
+        mut rec: Recovery,
+    ) -> Result<Replica<M, O>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let pg = self.shared.pg.clone();
+        loop {
+            match self.take_state(replica, &rec) {
+                Ok(r) => {
+                    let mut r = r;
+                    r.changed = Some(rec);
+                    return Ok(r);
+                }
+                Err((e, back)) if e.is_peer_failure() => {
+                    tracing::warn!(
+                        "[rank {}] the recovery failed: {e}; agreeing again",
+                        pg.rank()
+                    );
+                    replica = back;
+                    rec = match pg.recover(&e, Some(replica.step)) {
+                        Ok(rec) => rec,
+                        Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+                        Err(e) => return Err(e),
+                    };
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+
+    fn take_state<B, M, O>(
+        &self,
+        replica: Replica<M, O>,
+        rec: &Recovery,
+    ) -> std::result::Result<Replica<M, O>, (DdpError, Replica<M, O>)>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let pg = &self.shared.pg;
+        let rank = pg.rank();
+        let received = move_state(pg, rec, || {
+            let model = record_bytes::<B, _>(rank, replica.model.clone().into_record())?;
+            let optim = record_bytes::<B, _>(rank, replica.optim.to_record())?;
+            Ok(frame(&[
+                &replica.step.to_le_bytes(),
+                &model,
+                &optim,
+                &replica.extra,
+            ]))
+        });
+        let Replica {
+            model,
+            optim,
+            step,
+            extra,
+            changed,
+        } = match received {
+            Ok(None) => replica,
+            Ok(Some(bytes)) => match self.load_state(replica, bytes) {
+                Ok(r) => r,
+                Err((e, r)) => return Err((e, r)),
+            },
+            Err(e) => return Err((e, replica)),
+        };
+        match self.reprepare(model.clone()) {
+            Ok(model) => Ok(Replica {
+                model,
+                optim,
+                step,
+                extra,
+                changed,
+            }),
+            Err(e) => Err((
+                e,
+                Replica {
+                    model,
+                    optim,
+                    step,
+                    extra,
+                    changed,
+                },
+            )),
+        }
+    }
+
+    fn load_state<B, M, O>(
+        &self,
+        replica: Replica<M, O>,
+        bytes: Vec<u8>,
+    ) -> std::result::Result<Replica<M, O>, (DdpError, Replica<M, O>)>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let rank = self.shared.pg.rank();
+        let bad = |why: &str| DdpError::Model {
+            rank,
+            what: "taking the state of the source rank",
+            reason: why.to_owned(),
+        };
+        let Some(mut parts) = unframe(&bytes).filter(|p| p.len() == 4) else {
+            return Err((bad("the bytes received are not a framed state"), replica));
+        };
+        let extra = parts.pop().unwrap_or_default();
+        let optim_bytes = parts.pop().unwrap_or_default();
+        let model_bytes = parts.pop().unwrap_or_default();
+        let Some(step) = parts
+            .pop()
+            .and_then(|s| <[u8; 8]>::try_from(s.as_slice()).ok())
+            .map(u64::from_le_bytes)
+        else {
+            return Err((bad("no step count"), replica));
+        };
+        let device = replica
+            .model
+            .devices()
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        let model_record = match load_bytes::<B, M::Record>(rank, model_bytes, &device) {
+            Ok(r) => r,
+            Err(e) => return Err((e, replica)),
+        };
+        let optim_record = match load_bytes::<B, O::Record>(rank, optim_bytes, &device) {
+            Ok(r) => r,
+            Err(e) => return Err((e, replica)),
+        };
+        tracing::info!("[rank {rank}] took the state of step {step} from another rank");
+        Ok(Replica {
+            model: replica.model.load_record(model_record),
+            optim: replica.optim.load_record(optim_record),
+            step,
+            extra,
+            changed: None,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_garbage_is_refused() {
+        let f = frame(&[b"ab", b"", b"xyz"]);
+        assert_eq!(
+            unframe(&f),
+            Some(vec![b"ab".to_vec(), Vec::new(), b"xyz".to_vec()])
+        );
+        assert_eq!(unframe(&f[..f.len() - 1]), None);
+        assert_eq!(unframe(&[f.as_slice(), b"!"].concat()), None);
+        assert_eq!(unframe(&u64::MAX.to_le_bytes()), None);
+        assert_eq!(unframe(&[]), None);
+    }
+}
