@@ -375,3 +375,112 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
         assert!(started.elapsed() < Duration::from_secs(30), "{args:?}");
     }
 }
+
+/// The launcher arguments of node `node` (of 3, one rank each) of a fault-tolerant job on `net`
+/// (node 0 serves the job's store), then the classifier's; `join`: this node joins the
+/// running job.
+fn fault_tolerant_args(net: &Net, node: usize, out: &Path, join: bool) -> Vec<String> {
+    let mut args = strings(&[
+        "run",
+        "--fault-tolerant",
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-id",
+        "ft-test",
+        "--master-port",
+        "29500",
+        "--master-addr",
+    ]);
+    args.push(net.addr(0));
+    args.extend(["--node-rank".into(), node.to_string()]);
+    if join {
+        args.push("--join".into());
+    }
+    args.push("--".into());
+    args.push(common::spawned::example("classifier").display().to_string());
+    args.extend(
+        strings(&[
+            "--epochs",
+            "3",
+            "--batch-size",
+            "16",
+            "--train-size",
+            "1536",
+            "--test-size",
+            "128",
+            "--print-digest",
+            "--out",
+        ])
+        .into_iter()
+        .chain([out.display().to_string()]),
+    );
+    args
+}
+
+/// A fault-tolerant job on three nodes (network namespaces, one rank each). Node 2's link goes
+/// down mid-epoch (its processes live on, cut off): within the heartbeat bound nodes 0 and 1
+/// agree on a membership without it and go on from the step they were at, no restart. Node 2
+/// ends non-zero, saying it is cut off. Its link back up, a new launcher on node 2 joins the
+/// running job (`--join`) at a step boundary and takes a survivor's state; the three ranks of
+/// the last membership end with the same parameters.
+#[test]
+fn a_fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back() {
+    let net = Net::new(3);
+    let dir = scratch("ft-cut");
+    let out = dir.join("out");
+    let logs: Vec<PathBuf> = (0..3).map(|i| dir.join(format!("node{i}.log"))).collect();
+    let mut nodes: Vec<std::process::Child> = (0..3)
+        .map(|i| {
+            let (prog, args) = env_launcher(fault_tolerant_args(&net, i, &out, false));
+            net.start(i, &prog, &args, &logs[i])
+        })
+        .collect();
+    wait_for(&logs[0], "[train] epoch 1/3", Duration::from_secs(300));
+    std::thread::sleep(Duration::from_millis(1500));
+    net.link(2, false);
+    let cut = Instant::now();
+    let first = wait_for(
+        &logs[0],
+        "the first step of membership epoch 1 is done",
+        Duration::from_secs(60),
+    );
+    eprintln!(
+        "node 2's link down -> the survivors' first step: {:?}",
+        first - cut
+    );
+    let (ok2, text2) = finish(&mut nodes[2], &logs[2], Duration::from_secs(120));
+    let ended = cut.elapsed();
+    assert!(!ok2, "node 2, cut off, succeeded:\n{text2}");
+    assert!(text2.contains("is cut off from the job"), "{text2}");
+    assert!(text2.contains("cannot reach the job's store"), "{text2}");
+    eprintln!("node 2, cut off, ended {ended:?} after its link went down");
+    if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
+        eprintln!("{text2}");
+    }
+
+    net.link(2, true);
+    let log_join = dir.join("node2-join.log");
+    let (prog, args) = env_launcher(fault_tolerant_args(&net, 2, &out, true));
+    let mut joiner = net.start(2, &prog, &args, &log_join);
+    let (ok_j, text_j) = finish(&mut joiner, &log_join, Duration::from_secs(600));
+    let (ok0, text0) = finish(&mut nodes[0], &logs[0], Duration::from_secs(600));
+    let (ok1, text1) = finish(&mut nodes[1], &logs[1], Duration::from_secs(600));
+    assert!(ok0, "node 0:\n{text0}");
+    assert!(ok1, "node 1:\n{text1}");
+    assert!(ok_j, "node 2 joining:\n{text_j}\n---- node 0 ----\n{text0}");
+    assert!(
+        text0.contains("membership epoch 1: world size 2 (was 3); left: [m2]"),
+        "{text0}"
+    );
+    assert!(text0.contains("joined: [m3]"), "{text0}");
+    assert!(
+        text_j.contains("this process joined the running job"),
+        "{text_j}"
+    );
+    let d0 = digest(&text0, 0);
+    assert_eq!(d0, digest(&text1, 1), "nodes 0 and 1 differ");
+    assert_eq!(d0, digest(&text_j, 2), "the node that joined differs");
+    let _ = std::fs::remove_dir_all(&dir);
+}

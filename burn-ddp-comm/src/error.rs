@@ -851,6 +851,23 @@ pub enum DdpError {
         waited: Duration,
     },
 
+    /// A process of a fault-tolerant job lost the job's store (its link is down, or the
+    /// launcher that serves the store is gone): it cannot take part in any membership.
+    #[error(
+        "[member {member}] cannot reach the job's store at {addr} (node 0's launcher serves it): \
+         this process is cut off from the job, which goes on without it ({reason}). When its \
+         network is back, a replacement can join the running job (burn-ddp run --fault-tolerant \
+         --join, or --max-restarts)"
+    )]
+    StoreUnreachable {
+        /// This process's member id.
+        member: u32,
+        /// The store's address.
+        addr: String,
+        /// The store request that failed.
+        reason: String,
+    },
+
     /// A process that asked to join a running fault-tolerant job was not admitted.
     #[error("[member {member}] could not join the running job within {waited:?}: {why}")]
     JoinFailed {

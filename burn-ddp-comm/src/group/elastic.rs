@@ -239,6 +239,17 @@ fn decode(bytes: &[u8]) -> Option<Vec<u32>> {
     text.split(',').map(|t| t.parse().ok()).collect()
 }
 
+/// The value of `key` now, `None` when the store does not hold it (an error when the store
+/// does not answer).
+fn get_now(store: &StoreClient, key: &str) -> Result<Option<Vec<u8>>> {
+    match store.get_timeout(key, Duration::ZERO) {
+        Ok(v) => Ok(Some(v)),
+        // The store's own answer that the key is absent (not a reply that never came).
+        Err(DdpError::StoreTimeout { .. }) if !store.is_broken() => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
 fn decode_i64(bytes: &[u8]) -> Option<i64> {
     <[u8; 8]>::try_from(bytes).ok().map(i64::from_le_bytes)
 }
@@ -276,24 +287,29 @@ pub(crate) fn fresh_member_id(store: &StoreClient) -> Result<u32> {
     Ok(first.saturating_add(u32::try_from(n - 1).unwrap_or(u32::MAX)))
 }
 
-/// The newest decided membership of the job on `store`: its epoch and members, and for each
-/// member whether it ended (finished normally, or gone). `None` before the job formed.
-pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<(u64, Vec<u32>, Vec<bool>)>> {
-    let epoch = match store.get_timeout(keys::EPOCH, Duration::ZERO) {
-        Ok(v) => std::str::from_utf8(&v)
+/// The newest decided membership of a fault-tolerant job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LastMembership {
+    pub(crate) epoch: u64,
+    pub(crate) members: Vec<u32>,
+    /// For each member, whether it ended (finished normally, or gone).
+    pub(crate) ended: Vec<bool>,
+}
+
+/// The newest decided membership of the job on `store`; `None` before the job formed.
+pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<LastMembership>> {
+    let epoch = get_now(store, keys::EPOCH)?.and_then(|v| {
+        std::str::from_utf8(&v)
             .ok()
-            .and_then(|t| t.parse::<u64>().ok()),
-        Err(DdpError::StoreTimeout { .. }) => None,
-        Err(e) => return Err(e),
-    };
+            .and_then(|t| t.parse::<u64>().ok())
+    });
     let Some(epoch) = epoch else {
         return Ok(None);
     };
-    let members = match store.get_timeout(&keys::members(epoch), Duration::ZERO) {
-        Ok(v) => decode(&v).unwrap_or_default(),
-        Err(DdpError::StoreTimeout { .. }) => return Ok(None),
-        Err(e) => return Err(e),
+    let Some(members) = get_now(store, &keys::members(epoch))? else {
+        return Ok(None);
     };
+    let members = decode(&members).unwrap_or_default();
     let keys: Vec<String> = members
         .iter()
         .flat_map(|m| [keys::finished(*m), crate::store::gone_key(Rank(*m))])
@@ -303,7 +319,11 @@ pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<(u64, Vec<u3
         WaitOutcome::Missing(missing) => keys.iter().map(|k| !missing.contains(k)).collect(),
     };
     let ended = present.chunks(2).map(|c| c[0] || c[1]).collect();
-    Ok(Some((epoch, members, ended)))
+    Ok(Some(LastMembership {
+        epoch,
+        members,
+        ended,
+    }))
 }
 
 /// The membership rule's inputs for the epoch after `members`, as the store shows them.
@@ -559,6 +579,22 @@ impl Elastic {
         }
     }
 
+    /// `e`, or, when it says the store did not answer, that this process is cut off.
+    fn cut_off(&self, e: DdpError) -> DdpError {
+        let reason = match &e {
+            DdpError::StoreLost { source, .. } => source.to_string(),
+            DdpError::StoreTimeout { op, waited, .. } => {
+                format!("a store {op} got no reply within {waited:?}")
+            }
+            _ => return e,
+        };
+        DdpError::StoreUnreachable {
+            member: self.id,
+            addr: self.config.master.to_string(),
+            reason,
+        }
+    }
+
     /// Makes `number` the current epoch, and starts counting join requests from now.
     fn begin(&self, number: u64, members: Vec<u32>) -> Result<()> {
         let joins = self.joins_now()?;
@@ -569,21 +605,15 @@ impl Elastic {
     }
 
     fn joins_now(&self) -> Result<i64> {
-        match self.store.get_timeout(keys::JOINS, Duration::ZERO) {
-            Ok(v) => Ok(decode_i64(&v).unwrap_or(0)),
-            Err(DdpError::StoreTimeout { .. }) => Ok(0),
-            Err(e) => Err(e),
-        }
+        Ok(get_now(&self.store, keys::JOINS)?
+            .and_then(|v| decode_i64(&v))
+            .unwrap_or(0))
     }
 
     /// Records that epoch `e` was decided, unless a later one was.
     fn raise_epoch(&self, e: u64) -> Result<()> {
         loop {
-            let now = match self.store.get_timeout(keys::EPOCH, Duration::ZERO) {
-                Ok(v) => Some(v),
-                Err(DdpError::StoreTimeout { .. }) => None,
-                Err(err) => return Err(err),
-            };
+            let now = get_now(&self.store, keys::EPOCH)?;
             let current = now
                 .as_deref()
                 .and_then(|v| std::str::from_utf8(v).ok()?.parse::<u64>().ok());
@@ -600,21 +630,17 @@ impl Elastic {
 
     /// The newest decided epoch (0 when the job has formed its first one).
     fn latest_epoch(&self) -> Result<Option<u64>> {
-        match self.store.get_timeout(keys::EPOCH, Duration::ZERO) {
-            Ok(v) => Ok(std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok())),
-            Err(DdpError::StoreTimeout { .. }) => Ok(None),
-            Err(e) => Err(e),
-        }
+        Ok(get_now(&self.store, keys::EPOCH)?
+            .and_then(|v| std::str::from_utf8(&v).ok().and_then(|t| t.parse().ok())))
     }
 
     /// The members of epoch `e`, if decided.
     fn decided(&self, e: u64) -> Result<Option<Vec<u32>>> {
-        match self.store.get_timeout(&keys::members(e), Duration::ZERO) {
-            Ok(v) => decode(&v)
+        match get_now(&self.store, &keys::members(e))? {
+            Some(v) => decode(&v)
                 .map(Some)
                 .ok_or_else(|| self.corrupt(&keys::members(e))),
-            Err(DdpError::StoreTimeout { .. }) => Ok(None),
-            Err(e) => Err(e),
+            None => Ok(None),
         }
     }
 
@@ -632,17 +658,15 @@ impl Elastic {
     /// Whether every member of the newest epoch finished normally or is gone: the job is over.
     fn job_over(&self) -> Result<bool> {
         Ok(last_membership(&self.store)?
-            .is_some_and(|(_, members, ended)| !members.is_empty() && ended.iter().all(|e| *e)))
+            .is_some_and(|m| !m.members.is_empty() && m.ended.iter().all(|e| *e)))
     }
 
     /// Every member id handed out so far: the first processes' and the joining ones' (a
     /// process left out of a membership may ask to join again under its id).
     fn known_ids(&self) -> Result<Vec<u32>> {
-        let n = match self.store.get_timeout(keys::NEXT_ID, Duration::ZERO) {
-            Ok(v) => decode_i64(&v).unwrap_or(0),
-            Err(DdpError::StoreTimeout { .. }) => 0,
-            Err(e) => return Err(e),
-        };
+        let n = get_now(&self.store, keys::NEXT_ID)?
+            .and_then(|v| decode_i64(&v))
+            .unwrap_or(0);
         let n = u32::try_from(n.max(0)).unwrap_or(u32::MAX);
         Ok((0..self.initial_world.saturating_add(n)).collect())
     }
@@ -1063,7 +1087,7 @@ impl ProcessGroup {
         old.comm.abort();
         old.p2p.close();
         loop {
-            let (epoch, members) = e.admit(deadline)?;
+            let (epoch, members) = e.admit(deadline).map_err(|err| e.cut_off(err))?;
             let inner = match e.connect_epoch(epoch, &members, e.connect_deadline(deadline)) {
                 Ok(inner) => inner,
                 Err(err) => {
@@ -1128,6 +1152,7 @@ impl ProcessGroup {
         loop {
             let next_members = e
                 .decide(epoch, &members, overall)
+                .map_err(|err| e.cut_off(err))
                 .inspect_err(|err| tracing::warn!("{err}"))?;
             let next = epoch + 1;
             e.begin(next, next_members.clone())?;

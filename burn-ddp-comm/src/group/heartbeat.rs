@@ -202,6 +202,7 @@ impl Heartbeat {
     /// verdict stops the communicator's collectives through `stopper`. `None` (with a warning)
     /// when that connection cannot be opened: failures of other ranks are then detected by the
     /// collective timeout only.
+    #[allow(clippy::too_many_arguments)] // the group's settings, each used once
     pub(crate) fn start(
         store: &StoreClient,
         rank: Rank,

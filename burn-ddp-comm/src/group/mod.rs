@@ -28,7 +28,7 @@ pub use crate::types::{
 };
 use desync::DesyncCheck;
 pub use elastic::Recovery;
-pub(crate) use elastic::{fresh_member_id, last_membership, record_first_world};
+pub(crate) use elastic::{fresh_member_id, last_membership, record_first_world, LastMembership};
 use p2p::P2p;
 pub use p2p::P2pOp;
 use sub::SubInfo;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::spawn::{self, describe, LocalJob, RankExit, Running};
 use crate::config::{env, JobToken, MasterAddr};
-use crate::group::{fresh_member_id, last_membership, record_first_world};
+use crate::group::{fresh_member_id, last_membership, record_first_world, LastMembership};
 use crate::store::auth::Purpose;
 use crate::store::{resolve_bind, StoreClient, StoreServer};
 use crate::types::{Rank, WorldSize};
@@ -225,7 +225,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         let mut said = Instant::now();
         loop {
             match last_membership(&store) {
-                Ok(Some((_, members, done))) if !members.is_empty() && !done.iter().all(|d| *d) => {
+                Ok(Some(m)) if !m.members.is_empty() && !m.ended.iter().all(|d| *d) => {
                     if said.elapsed() >= Duration::from_secs(30) {
                         said = Instant::now();
                         eprintln!(
@@ -253,7 +253,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     let failure = judge(&exits, &last, interrupted);
     Ok(FaultTolerantReport {
         exits,
-        last: last.ok().flatten().map(|(e, m, _)| (e, m)),
+        last: last.ok().flatten().map(|m| (m.epoch, m.members)),
         replacements,
         failure,
     })
@@ -262,7 +262,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
 /// This node's verdict: its ranks in the job's last membership must all have succeeded.
 fn judge(
     exits: &[(u32, RankExit)],
-    last: &Result<Option<(u64, Vec<u32>, Vec<bool>)>>,
+    last: &Result<Option<LastMembership>>,
     interrupted: bool,
 ) -> Option<DdpError> {
     if interrupted {
@@ -288,7 +288,7 @@ fn judge(
             })
     };
     let members = match last {
-        Ok(Some((_, members, _))) => members,
+        Ok(Some(m)) => &m.members,
         Ok(None) => return first_failure(),
         Err(e) => {
             return Some(DdpError::FaultTolerantJob {

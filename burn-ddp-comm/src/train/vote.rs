@@ -133,7 +133,6 @@ pub fn agree_aside(pg: &ProcessGroup, vote: &Vote, aside: Aside) -> Result<(Deci
     let reasons = pg.all_gather_bytes(&mine)?;
     let failed = flags[3] == 1;
     let wanted = if failed { FAILED } else { STOP };
-    let heard_too = heard;
     let (culprit, reason) = reasons
         .iter()
         .enumerate()
@@ -151,7 +150,7 @@ pub fn agree_aside(pg: &ProcessGroup, vote: &Vote, aside: Aside) -> Result<(Deci
         } else {
             Decision::Stop { culprit, reason }
         },
-        heard_too,
+        heard,
     ))
 }
 

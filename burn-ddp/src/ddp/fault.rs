@@ -28,6 +28,38 @@ const STATE_TAG: u32 = 0x5354_4154;
 /// membership ([`DdpSession::replica`], [`DdpSession::step_boundary`], [`DdpSession::recover`]):
 /// the model, the optimizer, the number of optimizer steps taken, and any bytes of the loop's
 /// own (its data position, a scheduler's state).
+///
+/// ```no_run
+/// # use burn::backend::{Autodiff, NdArray};
+/// # use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+/// # use burn::tensor::Tensor;
+/// # fn model() -> burn::nn::Linear<Autodiff<burn_ddp::Ddp<NdArray>>> {
+/// #     burn::nn::LinearConfig::new(4, 1).init(&Default::default())
+/// # }
+/// # fn loss(m: &burn::nn::Linear<Autodiff<burn_ddp::Ddp<NdArray>>>) -> Tensor<Autodiff<burn_ddp::Ddp<NdArray>>, 1> {
+/// #     m.forward(Tensor::zeros([2, 4], &Default::default())).sum()
+/// # }
+/// use burn_ddp::{DdpConfig, DdpSession, ProcessGroup};
+///
+/// # fn main() -> burn_ddp::Result<()> {
+/// // Under `burn-ddp run --fault-tolerant`:
+/// let session = DdpSession::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+/// let mut replica = session.replica(model(), AdamConfig::new().init(), Vec::new())?;
+/// while replica.step < 1000 {
+///     let step = (|| {
+///         session.step_boundary(&mut replica)?; // lets waiting processes in
+///         let grads = session.gradients(&replica.model, loss(&replica.model))?;
+///         replica.model = replica.optim.step(1e-3, replica.model.clone(), grads);
+///         replica.step += 1;
+///         Ok(())
+///     })();
+///     if let Err(e) = step {
+///         session.recover(e, &mut replica)?; // the step that failed is run again
+///     }
+///     // `replica.changed` is `Some` after a change: re-deal the data over the new ranks.
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone)]
 pub struct Replica<M, O> {
     /// The prepared model.
@@ -223,26 +255,29 @@ impl DdpSession {
     ///
     /// # Errors
     /// Collective failures (recover from them with [`recover`](Self::recover)).
-    pub fn step_boundary<B, M, O>(&self, replica: Replica<M, O>) -> Result<Replica<M, O>>
+    pub fn step_boundary<B, M, O>(&self, replica: &mut Replica<M, O>) -> Result<()>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
     {
+        replica.changed = None;
         let pg = &self.shared.pg;
         if !pg.is_fault_tolerant() {
-            return Ok(replica);
+            return Ok(());
         }
         let mut join = [i64::from(pg.join_pending())];
         pg.all_reduce(&mut join, ReduceOp::Max)?;
         if join[0] == 0 {
-            return Ok(Replica {
-                changed: None,
-                ..replica
-            });
+            return Ok(());
         }
-        let rec = pg.grow(Some(replica.step))?;
-        self.settle(replica, rec)
+        let rec = match pg.grow(Some(replica.step)) {
+            Ok(rec) => rec,
+            Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+            Err(e) => return Err(e),
+        };
+        *replica = self.settle(replica.clone(), rec)?;
+        Ok(())
     }
 
     /// After `cause` failed a step of a fault-tolerant job: agrees on the next membership with
@@ -254,7 +289,7 @@ impl DdpSession {
     /// # Errors
     /// `cause` itself when it is not a failure of the group ([`DdpError::is_peer_failure`]) or
     /// the group is not fault-tolerant; [`DdpError::TooFewRanks`]; the store's errors.
-    pub fn recover<B, M, O>(&self, cause: DdpError, replica: Replica<M, O>) -> Result<Replica<M, O>>
+    pub fn recover<B, M, O>(&self, cause: DdpError, replica: &mut Replica<M, O>) -> Result<()>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
@@ -269,16 +304,13 @@ impl DdpSession {
             Err(DdpError::Excluded { .. }) => pg.rejoin()?,
             Err(e) => return Err(e),
         };
-        self.settle(replica, rec)
+        *replica = self.settle(replica.clone(), rec)?;
+        Ok(())
     }
 
     /// The state moved from the source to the ranks behind, then the session prepared again;
     /// a failure of the group meanwhile starts the recovery again.
-    fn settle<B, M, O>(
-        &self,
-        mut replica: Replica<M, O>,
-        mut rec: Recovery,
-    ) -> Result<Replica<M, O>>
+    fn settle<B, M, O>(&self, replica: Replica<M, O>, mut rec: Recovery) -> Result<Replica<M, O>>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
@@ -286,34 +318,28 @@ impl DdpSession {
     {
         let pg = self.shared.pg.clone();
         loop {
-            match self.take_state(replica, &rec) {
-                Ok(r) => {
-                    let mut r = r;
+            match self.take_state(replica.clone(), &rec) {
+                Ok(mut r) => {
                     r.changed = Some(rec);
                     return Ok(r);
                 }
-                Err((e, back)) if e.is_peer_failure() => {
+                Err(e) if e.is_peer_failure() => {
                     tracing::warn!(
                         "[rank {}] the recovery failed: {e}; agreeing again",
                         pg.rank()
                     );
-                    replica = back;
                     rec = match pg.recover(&e, Some(replica.step)) {
                         Ok(rec) => rec,
                         Err(DdpError::Excluded { .. }) => pg.rejoin()?,
                         Err(e) => return Err(e),
                     };
                 }
-                Err((e, _)) => return Err(e),
+                Err(e) => return Err(e),
             }
         }
     }
 
-    fn take_state<B, M, O>(
-        &self,
-        replica: Replica<M, O>,
-        rec: &Recovery,
-    ) -> std::result::Result<Replica<M, O>, (DdpError, Replica<M, O>)>
+    fn take_state<B, M, O>(&self, replica: Replica<M, O>, rec: &Recovery) -> Result<Replica<M, O>>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
@@ -330,47 +356,16 @@ impl DdpSession {
                 &optim,
                 &replica.extra,
             ]))
-        });
-        let Replica {
-            model,
-            optim,
-            step,
-            extra,
-            changed,
-        } = match received {
-            Ok(None) => replica,
-            Ok(Some(bytes)) => match self.load_state(replica, bytes) {
-                Ok(r) => r,
-                Err((e, r)) => return Err((e, r)),
-            },
-            Err(e) => return Err((e, replica)),
+        })?;
+        let mut replica = match received {
+            None => replica,
+            Some(bytes) => self.load_state(replica, bytes)?,
         };
-        match self.reprepare(model.clone()) {
-            Ok(model) => Ok(Replica {
-                model,
-                optim,
-                step,
-                extra,
-                changed,
-            }),
-            Err(e) => Err((
-                e,
-                Replica {
-                    model,
-                    optim,
-                    step,
-                    extra,
-                    changed,
-                },
-            )),
-        }
+        replica.model = self.reprepare(replica.model)?;
+        Ok(replica)
     }
 
-    fn load_state<B, M, O>(
-        &self,
-        replica: Replica<M, O>,
-        bytes: Vec<u8>,
-    ) -> std::result::Result<Replica<M, O>, (DdpError, Replica<M, O>)>
+    fn load_state<B, M, O>(&self, replica: Replica<M, O>, bytes: Vec<u8>) -> Result<Replica<M, O>>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
@@ -382,33 +377,25 @@ impl DdpSession {
             what: "taking the state of the source rank",
             reason: why.to_owned(),
         };
-        let Some(mut parts) = unframe(&bytes).filter(|p| p.len() == 4) else {
-            return Err((bad("the bytes received are not a framed state"), replica));
-        };
+        let mut parts = unframe(&bytes)
+            .filter(|p| p.len() == 4)
+            .ok_or_else(|| bad("the bytes received are not a framed state"))?;
         let extra = parts.pop().unwrap_or_default();
         let optim_bytes = parts.pop().unwrap_or_default();
         let model_bytes = parts.pop().unwrap_or_default();
-        let Some(step) = parts
+        let step = parts
             .pop()
             .and_then(|s| <[u8; 8]>::try_from(s.as_slice()).ok())
             .map(u64::from_le_bytes)
-        else {
-            return Err((bad("no step count"), replica));
-        };
+            .ok_or_else(|| bad("no step count"))?;
         let device = replica
             .model
             .devices()
             .into_iter()
             .next()
             .unwrap_or_default();
-        let model_record = match load_bytes::<B, M::Record>(rank, model_bytes, &device) {
-            Ok(r) => r,
-            Err(e) => return Err((e, replica)),
-        };
-        let optim_record = match load_bytes::<B, O::Record>(rank, optim_bytes, &device) {
-            Ok(r) => r,
-            Err(e) => return Err((e, replica)),
-        };
+        let model_record = load_bytes::<B, M::Record>(rank, model_bytes, &device)?;
+        let optim_record = load_bytes::<B, O::Record>(rank, optim_bytes, &device)?;
         tracing::info!("[rank {rank}] took the state of step {step} from another rank");
         Ok(Replica {
             model: replica.model.load_record(model_record),
