@@ -299,3 +299,50 @@ fn a_custom_loop_recovers_and_takes_in_a_replacement() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What a fault-tolerant session cannot offer is refused at once, saying why: PowerSGD, ZeRO,
+/// uneven inputs (`join`), sub-groups. (A job of one process on a store served in this test, as
+/// the launcher serves it.)
+#[test]
+fn what_a_fault_tolerant_session_cannot_carry_is_refused() {
+    use burn_ddp::{FaultTolerance, GroupConfig, JobToken, MasterAddr, PowerSgd, Rank, WorldSize};
+    let token = JobToken::new("ft-refusals");
+    let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let master = MasterAddr::new("127.0.0.1", port);
+    let _store = burn_ddp_comm::launch::fault::Lighthouse::bind(&master, token.clone()).unwrap();
+    let pg = ProcessGroup::init(
+        GroupConfig::new(Rank(0), WorldSize::ONE, token)
+            .with_master(master)
+            .with_fault_tolerance(FaultTolerance::default()),
+    )
+    .unwrap();
+    let refused = |r: burn_ddp::Result<()>, what: &str| match r {
+        Err(burn_ddp::DdpError::NotFaultTolerant { what: w, .. }) => {
+            assert!(w.contains(what), "{w}")
+        }
+        other => panic!("{what}: expected a refusal, got {other:?}"),
+    };
+    refused(
+        DdpSession::new(
+            pg.clone(),
+            DdpConfig::default().with_power_sgd(PowerSgd::new(2)),
+        )
+        .map(drop),
+        "PowerSGD",
+    );
+    refused(pg.new_group(&[Rank(0)]).map(drop), "sub-groups");
+    let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+    let device = Default::default();
+    let model = session
+        .prepare(Mlp::<Train> {
+            a: LinearConfig::new(4, 4).init(&device),
+            b: LinearConfig::new(4, 1).init(&device),
+            act: Relu::new(),
+        })
+        .unwrap();
+    refused(
+        session.zero(AdamConfig::new().init(), &model).map(drop),
+        "ZeRO",
+    );
+    refused(session.join(model, |_, m| Ok(m)).map(drop), "uneven inputs");
+}

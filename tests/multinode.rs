@@ -334,6 +334,12 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
         ),
         (&["--nnodes", "1:2"], "--rdzv-id"),
         (
+            &["--nnodes", "1:2", "--fault-tolerant", "--rdzv-id", "x"],
+            "does not go with an elastic --nnodes MIN:MAX",
+        ),
+        (&["--join"], "--fault-tolerant"),
+        (&["--min-ranks", "2"], "--fault-tolerant"),
+        (
             &[
                 "--nnodes",
                 "1:2",

@@ -1275,7 +1275,108 @@ impl Drop for Watcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{JobToken, MasterAddr, Timeouts};
+    use crate::store::StoreServer;
     use proptest::prelude::*;
+
+    /// A fault-tolerant job's store in this process, and a client of it.
+    fn lighthouse() -> (StoreServer, MasterAddr, JobToken, StoreClient) {
+        let token = JobToken::new("elastic-test");
+        let server =
+            StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+        let master = MasterAddr::new("127.0.0.1", server.local_addr().port());
+        let client = StoreClient::connect(
+            &master,
+            Purpose::StoreAux,
+            Rank(0),
+            WorldSize::ONE,
+            &token,
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(5),
+        )
+        .unwrap();
+        (server, master, token, client)
+    }
+
+    fn config(master: &MasterAddr, token: &JobToken, join: bool) -> GroupConfig {
+        GroupConfig::new(Rank(0), WorldSize::ONE, token.clone())
+            .with_master(master.clone())
+            .with_timeouts(Timeouts::uniform(Duration::from_secs(2)))
+            .with_fault_tolerance(FaultTolerance {
+                join,
+                ..FaultTolerance::default()
+            })
+    }
+
+    #[test]
+    fn a_joining_process_is_told_that_the_job_is_over() {
+        let (_server, master, token, store) = lighthouse();
+        // A job of one process that formed and finished.
+        record_first_world(&store, 1).unwrap();
+        store.set(&keys::members(0), b"0").unwrap();
+        store.set(keys::EPOCH, b"0").unwrap();
+        store.set(&keys::finished(0), b"1").unwrap();
+        let started = Instant::now();
+        let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
+        assert!(
+            matches!(&err, DdpError::JoinFailed { why, .. } if why.contains("the job finished")),
+            "{err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_joining_process_gives_up_when_no_job_forms() {
+        let (_server, master, token, store) = lighthouse();
+        record_first_world(&store, 2).unwrap();
+        let started = Instant::now();
+        let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
+        assert!(
+            matches!(&err, DdpError::JoinFailed { why, .. } if why.contains("never formed")),
+            "{err}"
+        );
+        // The rendezvous timeout (2 s) bounds it.
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
+    fn a_job_of_one_forms_recovers_alone_and_refuses_subgroups() {
+        let (_server, master, token, _store) = lighthouse();
+        let pg = ProcessGroup::init(config(&master, &token, false)).unwrap();
+        assert!(pg.is_fault_tolerant());
+        assert_eq!(pg.membership(), Some((0, 0)));
+        let refused = pg.new_group(&[Rank(0)]).unwrap_err();
+        assert!(
+            matches!(refused, DdpError::NotFaultTolerant { .. }),
+            "{refused}"
+        );
+        let cause = DdpError::GroupAborted {
+            rank: Rank(0),
+            first: Box::new(AbortRecord {
+                reporter: Rank(0),
+                culprit: None,
+                collective: None,
+                reason: "a test".into(),
+            }),
+        };
+        let rec = pg.recover(&cause, Some(5)).unwrap();
+        assert_eq!(
+            (rec.epoch, rec.members.clone(), rec.progress),
+            (1, vec![0], 5)
+        );
+        assert!(!rec.needs_state());
+        assert_eq!(pg.membership(), Some((0, 1)));
+        // Outside a fault-tolerant job there is nothing to recover.
+        let plain = ProcessGroup::single().recover(&cause, None).unwrap_err();
+        assert!(
+            matches!(plain, DdpError::NotFaultTolerant { .. }),
+            "{plain}"
+        );
+    }
 
     fn ballot(checked: &[u32], missing: &[u32], joiners: &[u32]) -> Ballot {
         Ballot {

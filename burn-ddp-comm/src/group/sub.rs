@@ -45,6 +45,7 @@ impl ProcessGroup {
     /// group; the rendezvous errors of [`ProcessGroup::init`] (naming global ranks) when a
     /// member does not arrive within the rendezvous timeout.
     pub fn new_group(&self, ranks: &[Rank]) -> Result<Option<ProcessGroup>> {
+        self.refuse_fault_tolerant()?;
         let n = self.inner().subgroups.fetch_add(1, Ordering::SeqCst);
         self.check_members(ranks)?;
         let tag = format!("{}/g{n}", self.inner().tag);
@@ -67,6 +68,7 @@ impl ProcessGroup {
     /// The errors of [`ProcessGroup::all_gather`] (the colors are exchanged first) and of
     /// [`ProcessGroup::new_group`].
     pub fn split(&self, color: Option<u32>) -> Result<Option<ProcessGroup>> {
+        self.refuse_fault_tolerant()?;
         let mut colors = vec![0i64; self.inner().world.as_usize()];
         self.all_gather(&[color.map_or(-1, i64::from)], &mut colors)?;
         let n = self.inner().subgroups.fetch_add(1, Ordering::SeqCst);
@@ -121,6 +123,19 @@ impl ProcessGroup {
             }
             (_, r) => r,
         }
+    }
+
+    /// Sub-groups are made of the ranks of one membership; a fault-tolerant group changes its
+    /// membership.
+    fn refuse_fault_tolerant(&self) -> Result<()> {
+        if self.is_fault_tolerant() {
+            return Err(DdpError::NotFaultTolerant {
+                what: "sub-groups (new_group, split)",
+                reason: "their ranks are fixed, while a fault-tolerant job's membership \
+                         changes; train data-parallel on the whole group",
+            });
+        }
+        Ok(())
     }
 
     fn check_members(&self, ranks: &[Rank]) -> Result<()> {

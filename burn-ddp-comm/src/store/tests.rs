@@ -418,3 +418,85 @@ fn unauthenticated_floods_cannot_keep_a_rank_out() {
     );
     drop(idle);
 }
+
+/// A scope's abort record ends the waits on its keys, and only those: the job, and other
+/// scopes, go on; the first record of a scope stays.
+#[test]
+fn a_scoped_abort_ends_the_waits_of_its_scope_only() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2).with_scope(Some("ft/3".into()));
+    let b = join(server.addr(), 1, 2);
+    let record = |why: &str| crate::types::AbortRecord {
+        reporter: Rank(0),
+        culprit: Some(Rank(1)),
+        collective: None,
+        reason: why.into(),
+    };
+    let waiter = thread::spawn(move || {
+        let started = Instant::now();
+        let got = a.get_timeout("late", Duration::from_secs(20));
+        (got, started.elapsed(), a)
+    });
+    thread::sleep(Duration::from_millis(100));
+    b.end_scope("ft/3", record("first")).unwrap();
+    b.end_scope("ft/3", record("second")).unwrap();
+    let (got, waited, a) = waiter.join().unwrap();
+    assert!(
+        matches!(&got, Err(DdpError::JobAborted { record, .. }) if record.reason == "first"),
+        "{got:?}"
+    );
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+    // The scoped client's keys are under the scope; the job's keys and record are untouched.
+    assert!(matches!(a.abort_record(), Ok(Some(r)) if r.reason == "first"));
+    assert_eq!(b.abort_record().unwrap(), None);
+    b.set("ft/3/x", b"1").unwrap();
+    b.set("ft/4/y", b"2").unwrap();
+    let c = join_as(server.addr(), Purpose::StoreAux, 1, 2, "secret")
+        .unwrap()
+        .with_scope(Some("ft/4".into()));
+    assert_eq!(c.get_timeout("y", Duration::from_secs(1)).unwrap(), b"2");
+    assert_eq!(c.scope_record("ft/4").unwrap(), None);
+}
+
+/// The store of a fault-tolerant job: a member that disconnects is recorded as gone (with
+/// why), nothing is aborted, and its id cannot be claimed again.
+#[test]
+fn the_lighthouse_marks_lost_members_gone_and_aborts_nothing() {
+    let token = JobToken::new("ft");
+    let server =
+        StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+    let master = MasterAddr::new("127.0.0.1", server.addr().port());
+    let connect = |purpose, id: u32| {
+        StoreClient::connect(
+            &master,
+            purpose,
+            Rank(id),
+            world(3),
+            &token,
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(5),
+        )
+    };
+    let watcher = connect(Purpose::StoreAux, 0).unwrap();
+    let member = connect(Purpose::Store, 7).unwrap();
+    drop(member); // closes without a goodbye: its process died
+    let why = watcher
+        .get_timeout(&super::gone_key(Rank(7)), Duration::from_secs(5))
+        .unwrap();
+    assert!(!why.is_empty());
+    assert_eq!(watcher.abort_record().unwrap(), None);
+    let again = connect(Purpose::Store, 7);
+    assert!(
+        matches!(again, Err(DdpError::DuplicateRank { .. })),
+        "{again:?}"
+    );
+    // A member that says goodbye is gone too: it takes part in no later membership.
+    let leaving = connect(Purpose::Store, 8).unwrap();
+    leaving.bye(Duration::from_secs(2));
+    assert_eq!(
+        watcher
+            .get_timeout(&super::gone_key(Rank(8)), Duration::from_secs(5))
+            .unwrap(),
+        b"it left the job"
+    );
+}

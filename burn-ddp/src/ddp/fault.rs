@@ -37,7 +37,7 @@ const STATE_TAG: u32 = 0x5354_4154;
 /// #     burn::nn::LinearConfig::new(4, 1).init(&Default::default())
 /// # }
 /// # fn loss(m: &burn::nn::Linear<Autodiff<burn_ddp::Ddp<NdArray>>>) -> Tensor<Autodiff<burn_ddp::Ddp<NdArray>>, 1> {
-/// #     m.forward(Tensor::zeros([2, 4], &Default::default())).sum()
+/// #     m.forward(Tensor::<_, 2>::zeros([2, 4], &Default::default())).sum()
 /// # }
 /// use burn_ddp::{DdpConfig, DdpSession, ProcessGroup};
 ///
