@@ -34,6 +34,8 @@ const STORE_REQUEST: Duration = Duration::from_secs(10);
 /// How long node 0's launcher keeps the store up once the job ended, for the other launchers
 /// to read its last membership.
 const OUTCOME_GRACE: Duration = Duration::from_secs(2);
+/// How long node 0's launcher waits for the rest of the last membership once some of it ended.
+const ENDING_LIMIT: Duration = Duration::from_secs(120);
 
 /// The store of a fault-tolerant job, served by node 0's launcher (torchft's lighthouse): it
 /// outlives every rank, so any rank may die. Dropping it stops it.
@@ -223,9 +225,32 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     // Node 0 serves the store: it stays up until the job's last members have all ended.
     if serving && !interrupted {
         let mut said = Instant::now();
+        // Since when some member of the last membership (this epoch) has ended: the others end
+        // with it (the last steps are collective), or never will (a process frozen after its
+        // last collective), so the store's service is bounded from then on.
+        let mut ending: Option<(u64, Instant)> = None;
         loop {
             match last_membership(&store) {
                 Ok(Some(m)) if !m.members.is_empty() && !m.ended.iter().all(|d| *d) => {
+                    if !m.ended.iter().any(|d| *d) || ending.is_some_and(|(e, _)| e != m.epoch) {
+                        ending = None;
+                    } else if ending.is_none() {
+                        ending = Some((m.epoch, Instant::now()));
+                    }
+                    if ending.is_some_and(|(_, t)| t.elapsed() >= ENDING_LIMIT) {
+                        let waiting: Vec<u32> = m
+                            .members
+                            .iter()
+                            .zip(&m.ended)
+                            .filter(|(_, e)| !**e)
+                            .map(|(id, _)| *id)
+                            .collect();
+                        eprintln!(
+                            "burn-ddp run: members {waiting:?} have not ended {ENDING_LIMIT:?} \
+                             after the others of the last membership: stopping the job's store"
+                        );
+                        break;
+                    }
                     if said.elapsed() >= Duration::from_secs(30) {
                         said = Instant::now();
                         eprintln!(
