@@ -288,6 +288,16 @@ fn finals(text: &str) -> Vec<(String, u64, String)> {
         .collect()
 }
 
+/// Asserts that `count` processes ended, each after `steps` steps with the state of an unbroken
+/// run (`log` is said on failure).
+fn assert_unbroken(finals: &[(String, u64, String)], count: usize, steps: u64, log: &str) {
+    assert_eq!(finals.len(), count, "{log}");
+    let want = format!("{:016x}", expected(steps));
+    for (who, step, d) in finals {
+        assert_eq!((*step, d.as_str()), (steps, want.as_str()), "{who}:\n{log}");
+    }
+}
+
 /// The time from `since` to the first step a survivor completed in a new membership.
 fn first_step_after(log: &Path, since: Instant) -> Duration {
     wait_for(log, "done", Duration::from_secs(60));
@@ -313,13 +323,7 @@ fn a_killed_rank_is_survived_without_a_restart() {
         text.contains("membership epoch 1: world size 2 (was 3); left: [m1]"),
         "{text}"
     );
-    let finals = finals(&text);
-    assert_eq!(finals.len(), 2, "{text}");
-    let want = format!("{:016x}", expected(steps));
-    for (who, step, d) in &finals {
-        assert_eq!(*step, steps, "{who}:\n{text}");
-        assert_eq!(d, &want, "{who} holds another state:\n{text}");
-    }
+    assert_unbroken(&finals(&text), 2, steps, &text);
     assert!(text.contains("rank 1 (member 1, pid"), "{text}");
 }
 
@@ -337,13 +341,7 @@ fn a_replacement_joins_live_and_takes_the_state() {
     assert!(text.contains("starting member 3 in its place"), "{text}");
     assert!(text.contains("joined: [m3]"), "{text}");
     assert!(text.contains("took the state of step"), "{text}");
-    let finals = finals(&text);
-    assert_eq!(finals.len(), 3, "{text}");
-    let want = format!("{:016x}", expected(steps));
-    for (who, step, d) in &finals {
-        assert_eq!(*step, steps, "{who}:\n{text}");
-        assert_eq!(d, &want, "{who}:\n{text}");
-    }
+    assert_unbroken(&finals(&text), 3, steps, &text);
 }
 
 /// 3 ranks, no replacements: rank 2 is SIGKILLed and the two survivors go on; later a process
@@ -377,15 +375,7 @@ fn a_process_started_later_joins_at_a_step_boundary() {
     assert!(text.contains("a process asked to join"), "{text}");
     let mut all = finals(&text);
     all.extend(finals(&joined));
-    assert_eq!(all.len(), 3, "{text}\n{joined}");
-    let want = format!("{:016x}", expected(steps));
-    for (who, step, d) in &all {
-        assert_eq!(
-            (*step, d.as_str()),
-            (steps, want.as_str()),
-            "{who}:\n{text}\n{joined}"
-        );
-    }
+    assert_unbroken(&all, 3, steps, &format!("{text}\n{joined}"));
 }
 
 /// 3 ranks; rank 1 is frozen (SIGSTOP) mid-step: the heartbeat names it, the other two go on
@@ -411,16 +401,7 @@ fn a_frozen_rank_is_left_out_then_rejoins() {
         "{text}"
     );
     assert!(text.contains("joined: [m1]"), "{text}");
-    let finals = finals(&text);
-    assert_eq!(finals.len(), 3, "{text}");
-    let want = format!("{:016x}", expected(steps));
-    for (who, step, d) in &finals {
-        assert_eq!(
-            (*step, d.as_str()),
-            (steps, want.as_str()),
-            "{who}:\n{text}"
-        );
-    }
+    assert_unbroken(&finals(&text), 3, steps, &text);
 }
 
 /// 4 ranks; rank 1 is killed, and rank 2 a few milliseconds later, while the survivors are
@@ -435,16 +416,7 @@ fn a_second_death_during_recovery_is_survived() {
     std::thread::sleep(Duration::from_millis(15));
     kill(b, "-KILL");
     let text = job.finish(true);
-    let finals = finals(&text);
-    assert_eq!(finals.len(), 2, "{text}");
-    let want = format!("{:016x}", expected(steps));
-    for (who, step, d) in &finals {
-        assert_eq!(
-            (*step, d.as_str()),
-            (steps, want.as_str()),
-            "{who}:\n{text}"
-        );
-    }
+    assert_unbroken(&finals(&text), 2, steps, &text);
     assert!(
         text.contains("[m1, m2]") || text.contains("left: [m2]"),
         "{text}"

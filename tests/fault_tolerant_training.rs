@@ -109,6 +109,25 @@ fn steps_in(line: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// The classifier on 3 fault-tolerant ranks (`restarts` replacements allowed) in a fresh
+/// directory, with rank `victim` SIGKILLed 1.5 s into the first epoch: the directory, the
+/// launcher's log, the launcher, and when the kill happened.
+fn classifier_losing(name: &str, restarts: u32, victim: u32) -> (PathBuf, PathBuf, Child, Instant) {
+    let dir = scratch(name);
+    let log = dir.join("launcher.log");
+    let job = launch(
+        3,
+        restarts,
+        &common::spawned::example("classifier"),
+        &classifier_args(&dir.join("out")),
+        &log,
+    );
+    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
+    std::thread::sleep(Duration::from_millis(1500));
+    let killed = kill_rank(&job, victim);
+    (dir, log, job, killed)
+}
+
 /// 3 ranks train the classifier (Burn's Learner, `DdpStrategy`); rank 1 is SIGKILLed in the
 /// middle of the first epoch. The other two agree on a membership of two within the
 /// heartbeat bound, go on from the step they were at, re-deal the rest of the epoch, finish
@@ -116,18 +135,7 @@ fn steps_in(line: &str) -> usize {
 /// first completed step is measured.
 #[test]
 fn the_classifier_loses_a_rank_mid_epoch_and_finishes_without_a_restart() {
-    let dir = scratch("lose");
-    let log = dir.join("launcher.log");
-    let mut job = launch(
-        3,
-        0,
-        &common::spawned::example("classifier"),
-        &classifier_args(&dir.join("out")),
-        &log,
-    );
-    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
-    std::thread::sleep(Duration::from_millis(1500));
-    let killed = kill_rank(&job, 1);
+    let (dir, log, mut job, killed) = classifier_losing("lose", 0, 1);
     let first = wait_for(
         &log,
         "the first step of membership epoch 1 is done",
@@ -161,18 +169,7 @@ fn the_classifier_loses_a_rank_mid_epoch_and_finishes_without_a_restart() {
 /// survivor's Learner state and position, and the three end with the same parameters.
 #[test]
 fn rank_zero_is_lost_and_a_replacement_joins_the_running_classifier() {
-    let dir = scratch("zero");
-    let log = dir.join("launcher.log");
-    let mut job = launch(
-        3,
-        1,
-        &common::spawned::example("classifier"),
-        &classifier_args(&dir.join("out")),
-        &log,
-    );
-    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
-    std::thread::sleep(Duration::from_millis(1500));
-    kill_rank(&job, 0);
+    let (dir, log, mut job, _) = classifier_losing("zero", 1, 0);
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
     assert!(text.contains("starting member 3 in its place"), "{text}");

@@ -372,16 +372,18 @@ impl Ballot {
 pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGroup> {
     let started = Instant::now();
     let deadline = started + config.timeouts.rendezvous;
-    let store = StoreClient::connect(
-        &config.master,
-        Purpose::StoreAux,
-        config.rank,
-        config.world_size,
-        &config.token,
-        config.timeouts.store,
-        deadline,
-    )
-    .map_err(|e| match e {
+    let connect = |purpose, rank| {
+        StoreClient::connect(
+            &config.master,
+            purpose,
+            rank,
+            config.world_size,
+            &config.token,
+            config.timeouts.store,
+            deadline,
+        )
+    };
+    let store = connect(Purpose::StoreAux, config.rank).map_err(|e| match e {
         DdpError::MasterUnreachable {
             rank,
             addr,
@@ -427,24 +429,8 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
              BURN_DDP_FT_JOIN=1 would)"
         );
     }
-    let presence = StoreClient::connect(
-        &config.master,
-        Purpose::Store,
-        Rank(id),
-        config.world_size,
-        &config.token,
-        config.timeouts.store,
-        deadline,
-    )?;
-    let user = StoreClient::connect(
-        &config.master,
-        Purpose::StoreAux,
-        config.rank,
-        config.world_size,
-        &config.token,
-        config.timeouts.store,
-        deadline,
-    )?;
+    let presence = connect(Purpose::Store, Rank(id))?;
+    let user = connect(Purpose::StoreAux, config.rank)?;
     let quick = config
         .timeouts
         .heartbeat

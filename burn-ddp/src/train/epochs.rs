@@ -159,24 +159,14 @@ where
                     .process_valid(LearnerEvent::EndEpoch(done));
             }
         }
-        let (model, mut processor) = if self.session.group().is_fault_tolerant() {
-            self.fit_fault_tolerant(
-                components,
-                learner,
-                dataloader_train,
-                dataloader_valid,
-                start,
-                admission,
-            )
-        } else {
-            self.fit(
-                components,
-                learner,
-                dataloader_train,
-                dataloader_valid,
-                start,
-            )
-        };
+        let (model, mut processor) = self.fit_from(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            start,
+            admission,
+        );
         let summary = summary_config.and_then(|s| s.init().ok());
         processor.process_train(LearnerEvent::End(summary));
         LearningResult {
@@ -188,82 +178,32 @@ where
     fn fit(
         &self,
         components: TrainingComponents<LC>,
-        mut learner: Learner<LC>,
+        learner: Learner<LC>,
         dataloader_train: TrainLoader<LC>,
         dataloader_valid: ValidLoader<LC>,
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
-        let dataloader_train = dataloader_train.to_device(&self.device);
-        let dataloader_valid = dataloader_valid.to_device(&self.device);
-        let mut processor = components.event_processor;
-        let mut checkpointer = components.checkpointer;
-        let mut early_stopping = components.early_stopping;
-        let interrupter = components.interrupter;
-        let epochs = components.num_epochs;
-
-        for epoch in starting_epoch..=epochs {
-            self.set_epoch(epoch);
-            let global = Progress {
-                items_processed: epoch,
-                items_total: epochs,
-            };
-            let trained = self.train_epoch(
-                &mut learner,
-                &dataloader_train,
-                &global,
-                components.grad_accumulation,
-                &mut processor,
-                &interrupter,
-                None,
-            );
-            if !matches!(trained, Ended::Done) {
-                break;
-            }
-            let validated = self.valid_epoch(
-                &learner,
-                &dataloader_valid,
-                &global,
-                &mut processor,
-                &interrupter,
-                None,
-            );
-            if !matches!(validated, Ended::Done) {
-                break;
-            }
-            let ended = self.end_epoch(
-                epoch,
-                &learner,
-                &mut checkpointer,
-                &mut early_stopping,
-                &components.event_store,
-                &interrupter,
-                false,
-            );
-            if !matches!(ended, Ended::Done) {
-                break;
-            }
-        }
-        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
-        // rank, through one last vote (which every rank reaches: each left the loop on the same
-        // decision, or the group was aborted and the vote fails at once).
-        drop(checkpointer);
-        let last = match self.written.message() {
-            Some(e) => Vote::Failed(e),
-            None => Vote::Item,
-        };
-        self.settle(self.agree(last), &interrupter);
-        (learner.model(), processor)
+        self.fit_from(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+            None,
+        )
     }
 }
 
 impl<B: Backend> DdpStrategy<B> {
-    /// `fit` in a fault-tolerant job: the same epoch loops, resumable at a [`Cursor`]; a
-    /// failure of the group (or a process asking to join) changes the membership, moves the
-    /// state to the ranks behind, re-deals the rest of the epoch over the new ranks, and goes
-    /// on from where the ranks are (no restart, no checkpoint reload). Each split's loader is
-    /// sliced again after every re-deal (a multi-threaded loader splits its dataset once).
+    /// The epoch loops from `starting_epoch`, at a [`Cursor`]: training, validation, the end of
+    /// each epoch. In a fault-tolerant job, a failure of the group (or a process asking to join,
+    /// or this process's `admission` into the running job) changes the membership, moves the
+    /// state to the ranks behind, re-deals the rest of the epoch over the new ranks, and goes on
+    /// from where the ranks are (no restart, no checkpoint reload); each split's loader is then
+    /// sliced anew (a multi-threaded loader splits its dataset once). Elsewhere a failure stops
+    /// training.
     #[allow(clippy::type_complexity)]
-    fn fit_fault_tolerant<LC>(
+    fn fit_from<LC>(
         &self,
         components: TrainingComponents<LC>,
         mut learner: Learner<LC>,
@@ -279,6 +219,7 @@ impl<B: Backend> DdpStrategy<B> {
         TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
         ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
     {
+        let ft = self.session.group().is_fault_tolerant();
         let dataloader_train = dataloader_train.to_device(&self.device);
         let dataloader_valid = dataloader_valid.to_device(&self.device);
         let mut processor = components.event_processor;
@@ -326,7 +267,7 @@ impl<B: Backend> DdpStrategy<B> {
                 items_total: epochs,
             };
             let ended = match cursor.phase {
-                Phase::Train | Phase::Valid => {
+                Phase::Train | Phase::Valid if ft => {
                     if let Err(e) = self.deal(&cursor) {
                         self.stop_with(e, &interrupter);
                         break;
@@ -354,6 +295,26 @@ impl<B: Backend> DdpStrategy<B> {
                         )
                     }
                 }
+                Phase::Train => {
+                    self.set_epoch(cursor.epoch);
+                    self.train_epoch(
+                        &mut learner,
+                        &dataloader_train,
+                        &global,
+                        components.grad_accumulation,
+                        &mut processor,
+                        &interrupter,
+                        None,
+                    )
+                }
+                Phase::Valid => self.valid_epoch(
+                    &learner,
+                    &dataloader_valid,
+                    &global,
+                    &mut processor,
+                    &interrupter,
+                    None,
+                ),
                 Phase::End => self.end_epoch(
                     cursor.epoch,
                     &learner,
@@ -361,7 +322,7 @@ impl<B: Backend> DdpStrategy<B> {
                     &mut early_stopping,
                     &store,
                     &interrupter,
-                    true,
+                    ft,
                 ),
             };
             match ended {
