@@ -32,8 +32,29 @@ fn scratch(name: &str) -> PathBuf {
 
 /// The launcher, fault-tolerant, on a free port, running `program args`; its output in `log`.
 fn launch(nproc: u32, restarts: u32, program: &Path, args: &[String], log: &Path) -> Child {
-    let out = std::fs::File::create(log).unwrap();
     let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let (nproc, restarts) = (nproc.to_string(), restarts.to_string());
+    launch_on(
+        port,
+        &["--nproc-per-node", &nproc, "--max-restarts", &restarts],
+        program,
+        args,
+        &[],
+        log,
+    )
+}
+
+/// The fault-tolerant launcher of the job on `port` (`--rdzv-id` from it), with `options`, and
+/// `env` for its ranks.
+fn launch_on(
+    port: u16,
+    options: &[&str],
+    program: &Path,
+    args: &[String],
+    env: &[(&str, &str)],
+    log: &Path,
+) -> Child {
+    let out = std::fs::File::create(log).unwrap();
     Command::new(common::spawned::launcher())
         .args([
             "run",
@@ -41,10 +62,12 @@ fn launch(nproc: u32, restarts: u32, program: &Path, args: &[String], log: &Path
             "--master-port",
             &port.to_string(),
         ])
-        .args(["--nproc-per-node", &nproc.to_string()])
-        .args(["--max-restarts", &restarts.to_string(), "--"])
+        .args(["--rdzv-id", &format!("ftt-{port}")])
+        .args(options)
+        .arg("--")
         .arg(program)
         .args(args)
+        .envs(env.iter().copied())
         // Failure detection, not the collective deadline, must bound every wait.
         .env("BURN_DDP_TIMEOUT", "10m")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3s")
@@ -265,34 +288,51 @@ fn custom_loop_child() {
     println!("final step {} digest {digest:016x}", replica.step);
 }
 
-/// A custom loop (`DdpSession`): 3 ranks, one SIGKILLed, one replacement: the survivors and
-/// the replacement end with equal parameters, after all the steps.
+/// A custom loop (`DdpSession`): 3 ranks, one SIGKILLed; the two survivors go on; later a
+/// process started by a second launcher (`--join`) is let in at a step boundary and takes a
+/// survivor's model and optimizer: the three end with equal parameters, after all the steps.
 #[test]
-fn a_custom_loop_recovers_and_takes_in_a_replacement() {
+fn a_custom_loop_recovers_and_takes_in_a_process_started_later() {
     let dir = scratch("loop");
-    let log = dir.join("launcher.log");
+    let (log, log_join) = (dir.join("launcher.log"), dir.join("joiner.log"));
     let args: Vec<String> = [LOOP_CHILD, "--exact", "--nocapture", "--test-threads=1"]
         .iter()
         .map(|s| s.to_string())
         .collect();
-    std::env::set_var("BURN_DDP_TEST_CHILD", LOOP_CHILD);
-    std::env::set_var("FT_STEPS", "200");
-    let mut job = launch(3, 1, &std::env::current_exe().unwrap(), &args, &log);
-    std::env::remove_var("BURN_DDP_TEST_CHILD");
+    let env = [("BURN_DDP_TEST_CHILD", LOOP_CHILD), ("FT_STEPS", "300")];
+    let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut job = launch_on(port, &["--nproc-per-node", "3"], &exe, &args, &env, &log);
     wait_for(&log, "member 2 pid", Duration::from_secs(120));
     std::thread::sleep(Duration::from_millis(1000));
     kill_rank(&job, 2);
+    wait_for(&log, "changed: membership epoch 1", Duration::from_secs(60));
+    let mut joiner = launch_on(
+        port,
+        &["--join", "--nproc-per-node", "1"],
+        &exe,
+        &args,
+        &env,
+        &log_join,
+    );
+    let (ok_j, joined) = finish(&mut joiner, &log_join, Duration::from_secs(600));
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
+    assert!(ok_j, "{joined}\n---- job ----\n{text}");
     assert!(text.contains("joined: [m3]"), "{text}");
-    let finals: Vec<&str> = text
-        .lines()
-        .filter_map(|l| l.split_once("final step 200 digest ").map(|p| p.1))
+    assert!(text.contains("a process asked to join"), "{text}");
+    let finals: Vec<String> = [&text, &joined]
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|l| {
+            l.split_once("final step 300 digest ")
+                .map(|p| p.1.to_string())
+        })
         .collect();
-    assert_eq!(finals.len(), 3, "{text}");
+    assert_eq!(finals.len(), 3, "{text}\n{joined}");
     assert!(
         finals.iter().all(|d| *d == finals[0]),
-        "the replicas differ:\n{text}"
+        "the replicas differ:\n{text}\n{joined}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -251,7 +251,9 @@ impl DdpSession {
 
     /// At a step boundary of a fault-tolerant job: lets in the processes that asked to join (one
     /// small all-reduce, so that every rank decides at the same step), and moves the state to
-    /// them. Nothing outside fault-tolerant jobs.
+    /// them. Call it first thing in every step, and nowhere else: a joining process comes to
+    /// it from [`replica`](Self::replica), a rank that recovered from a failure from
+    /// [`recover`](Self::recover). Nothing outside fault-tolerant jobs.
     ///
     /// # Errors
     /// Collective failures (recover from them with [`recover`](Self::recover)).
@@ -266,18 +268,22 @@ impl DdpSession {
         if !pg.is_fault_tolerant() {
             return Ok(());
         }
-        let mut join = [i64::from(pg.join_pending())];
-        pg.all_reduce(&mut join, ReduceOp::Max)?;
-        if join[0] == 0 {
-            return Ok(());
+        // After letting processes in, the boundary is asked again: the newcomers come to it
+        // from their admission (`replica`), as the ranks that recover from a failure come to
+        // it from the failed step, so every rank's next collective is this one.
+        loop {
+            let mut join = [i64::from(pg.join_pending())];
+            pg.all_reduce(&mut join, ReduceOp::Max)?;
+            if join[0] == 0 {
+                return Ok(());
+            }
+            let rec = match pg.grow(Some(replica.step)) {
+                Ok(rec) => rec,
+                Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+                Err(e) => return Err(e),
+            };
+            *replica = self.settle(replica.clone(), rec)?;
         }
-        let rec = match pg.grow(Some(replica.step)) {
-            Ok(rec) => rec,
-            Err(DdpError::Excluded { .. }) => pg.rejoin()?,
-            Err(e) => return Err(e),
-        };
-        *replica = self.settle(replica.clone(), rec)?;
-        Ok(())
     }
 
     /// After `cause` failed a step of a fault-tolerant job: agrees on the next membership with
