@@ -176,6 +176,12 @@ fn the_classifier_loses_a_rank_mid_epoch_and_finishes_without_a_restart() {
         .unwrap_or_else(|| panic!("no membership line on rank 0:\n{text}"));
     assert!(line.contains("at epoch 1, training"), "{line}");
     assert!(steps_in(line) > 0, "not mid-epoch: {line}");
+    // Rank 0's dashboard (its progress lines) shows the new world size and the change.
+    assert!(
+        text.lines().any(|l| l.contains("[train]")
+            && l.contains("World size 2 | Membership epoch 1: world size 2 (was 3); left m1; at epoch 1, training")),
+        "{text}"
+    );
     assert!(text.contains("final test accuracy"), "{text}");
     let d = digests(&text);
     assert_eq!(d.len(), 2, "{text}");

@@ -253,6 +253,12 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
         text.contains("learning rate 1.00e-3: --lr 2.00e-3 scaled by world size 1 / 2"),
         "{text}"
     );
+    // Rank 0's dashboard (its progress lines here) shows the new round.
+    wait_for(
+        &job.log_a,
+        "World size 1 | Membership round 1: world size 1 (was 2), from the checkpoint of epoch 1",
+        Duration::from_secs(120),
+    );
     // Node a alone makes progress: the next checkpoint.
     wait_for_files(&job.checkpoint(2), Duration::from_secs(300));
 
@@ -272,6 +278,12 @@ fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
     );
     assert!(
         text_a.contains("2 node(s) [a, b], world size 2 (was 1); left: []; joined: [b]"),
+        "{text_a}"
+    );
+    assert!(
+        text_a.contains(
+            "World size 2 | Membership round 2: world size 2 (was 1), from the checkpoint"
+        ),
         "{text_a}"
     );
     // The last round resumed from a checkpoint written while node a was alone.

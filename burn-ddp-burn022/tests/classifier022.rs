@@ -193,6 +193,13 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
             "rank {rank} did not resume:\n{stderr}"
         );
     }
+    // Rank 0's dashboard (its progress lines here) shows the restart.
+    assert!(
+        stdout.contains(
+            "World size 2 | Membership restart 1: world size 2, from the checkpoint of epoch"
+        ),
+        "{stdout}"
+    );
     assert_eq!(
         digests(&stdout),
         unbroken,

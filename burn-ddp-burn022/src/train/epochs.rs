@@ -291,6 +291,7 @@ impl DdpStrategy {
         learner.load_model(model.into_record());
         learner.load_optim(optim);
         learner.load_scheduler(sched);
+        self.board.resumed(epoch);
         tracing::info!(
             "[rank {}] resumed from the checkpoint of epoch {epoch}",
             self.rank()

@@ -43,16 +43,18 @@ use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::Progress;
 use burn::tensor::Device;
+use burn::train::renderer::tui::TuiMetricsRendererWrapper;
 use burn::train::{
     Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
     TrainingStrategy,
 };
 use burn_ddp_comm::train::vote::FailureSlot;
 
+pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
 pub use burn_ddp_comm::train::files::newest_complete;
 pub use burn_ddp_comm::train::run::RunSettings;
 pub use item::{DistributedItem, Part, TensorParts};
-pub use render::{Headless, NoMetricLogger, ProgressLines};
+pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
 use crate::{DataEpoch, DdpConfig, DdpError, GradSync, ProcessGroup, Rank, Result};
 
@@ -93,6 +95,8 @@ pub struct DdpStrategy {
     samplers: Vec<Arc<dyn DataEpoch>>,
     failure: FailureSlot,
     run: RunSettings,
+    /// The world size and the round, for rank 0's dashboard.
+    board: MembershipBoard,
 }
 
 impl std::fmt::Debug for DdpStrategy {
@@ -118,6 +122,7 @@ impl DdpStrategy {
             device.autodiff()
         };
         Self {
+            board: MembershipBoard::at_start(sync.group()),
             pg: sync.group().clone(),
             sync: Arc::new(Mutex::new(sync)),
             device,
@@ -183,6 +188,13 @@ impl DdpStrategy {
     /// The process group.
     pub fn group(&self) -> &ProcessGroup {
         &self.pg
+    }
+
+    /// What rank 0's dashboard shows about the job's membership (its world size and round;
+    /// empty in a job that was not launched elastic and not restarted): for a renderer of the
+    /// program's own, wrap it in [`WithMembership`] with this board.
+    pub fn membership_board(&self) -> &MembershipBoard {
+        &self.board
     }
 
     /// The error that stopped training, if any (also returned by
@@ -267,10 +279,22 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
         let training = if ddp.is_main() {
-            let training = if std::io::stdout().is_terminal() {
-                training
+            // The job's membership on the dashboard when it was restarted or is elastic: two
+            // more metrics, `World size` and `Membership`.
+            let training = if !std::io::stdout().is_terminal() {
+                training.renderer(Box::new(WithMembership::new(
+                    ProgressLines::default(),
+                    ddp.board.clone(),
+                )))
+            } else if ddp.board.get().is_some() {
+                // Burn's terminal dashboard, as burn-train would make it (without the epoch
+                // of an explicit `SupervisedTraining::checkpoint`, which only its time
+                // estimate uses), with the membership.
+                let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
+                training.renderer(Box::new(WithMembership::new(tui, ddp.board.clone())))
             } else {
-                training.renderer(Box::new(ProgressLines::default()))
+                // Burn's own choice: its terminal dashboard, or the program's renderer.
+                training
             };
             if tracing::dispatcher::has_been_set() {
                 // The program logs already (a tracing subscriber of its own, say); Burn's

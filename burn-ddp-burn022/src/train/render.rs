@@ -1,16 +1,22 @@
 //! What each rank shows and logs: rank 0 the dashboard (or [`ProgressLines`] when its output is
-//! not a terminal), the other ranks nothing ([`Headless`], [`NoMetricLogger`]).
+//! not a terminal), with the job's membership when it can change ([`WithMembership`]), the
+//! other ranks nothing ([`Headless`], [`NoMetricLogger`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use burn::train::logger::{EvaluationProgressLogger, MetricLogger, TrainingProgressLogger};
 use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
-use burn::train::metric::{MetricDefinition, MetricId, NumericEntry};
+use burn::train::metric::{
+    MetricAttributes, MetricDefinition, MetricEntry, MetricId, NumericAttributes, NumericEntry,
+    SerializedEntry,
+};
 use burn::train::renderer::{
     EvaluationName, MetricState, MetricsRenderer, MetricsRendererEvaluation,
     MetricsRendererTraining,
 };
 use burn::train::LearnerSummary;
+use burn_ddp_comm::train::board::{MembershipBoard, MEMBERSHIP, WORLD_SIZE};
 use burn_ddp_comm::train::lines::ProgressText;
 
 /// A renderer that shows nothing: the dashboard of ranks other than 0.
@@ -181,5 +187,275 @@ impl MetricsRenderer for ProgressLines {
     fn register_metric(&mut self, definition: MetricDefinition) {
         self.text
             .name(definition.metric_id, definition.name.to_string());
+    }
+}
+
+/// Rank 0's renderer `R` (Burn's terminal dashboard, [`ProgressLines`]) with two more metrics of
+/// the job when it was restarted at a new size or after a failure (`burn-ddp run --nnodes
+/// MIN:MAX`, `--max-restarts`): `World size` (plotted) and `Membership` (the round and the
+/// checkpoint it resumed from), read from the strategy's [`MembershipBoard`] at every training
+/// step. With an empty board it adds nothing.
+pub struct WithMembership<R> {
+    inner: R,
+    board: MembershipBoard,
+    /// Whether the current split is the training's (the metrics are shown with its steps).
+    training: bool,
+    /// The ids of the two metrics, once registered with `inner`.
+    ids: Option<(MetricId, MetricId)>,
+}
+
+impl<R> std::fmt::Debug for WithMembership<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WithMembership")
+            .field("board", &self.board)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R: MetricsRenderer> WithMembership<R> {
+    /// `inner`, showing what `board` says.
+    pub fn new(inner: R, board: MembershipBoard) -> Self {
+        Self {
+            inner,
+            board,
+            training: false,
+            ids: None,
+        }
+    }
+
+    /// Registers the two metrics (once: before their first update, which the terminal
+    /// dashboard needs) and updates them with the board's note.
+    fn show(&mut self) {
+        let Some(note) = self.board.get() else {
+            return;
+        };
+        let (world, membership) = match &self.ids {
+            Some(ids) => ids.clone(),
+            None => {
+                let ids = (
+                    MetricId::new(Arc::new(format!("burn-ddp/{WORLD_SIZE}"))),
+                    MetricId::new(Arc::new(format!("burn-ddp/{MEMBERSHIP}"))),
+                );
+                self.inner.register_metric(MetricDefinition {
+                    metric_id: ids.0.clone(),
+                    name: Arc::new(WORLD_SIZE.into()),
+                    description: Some("The number of ranks training".into()),
+                    attributes: MetricAttributes::Numeric(NumericAttributes {
+                        unit: None,
+                        higher_is_better: true,
+                    }),
+                });
+                self.inner.register_metric(MetricDefinition {
+                    metric_id: ids.1.clone(),
+                    name: Arc::new(MEMBERSHIP.into()),
+                    description: Some("The last change of the job's membership".into()),
+                    attributes: MetricAttributes::None,
+                });
+                self.ids = Some(ids.clone());
+                ids
+            }
+        };
+        let entry = |id: MetricId, text: String| {
+            MetricEntry::new(id, SerializedEntry::new(text.clone(), text))
+        };
+        self.inner.update_train(MetricState::Numeric(
+            entry(world, note.world.to_string()),
+            Some(NumericEntry::Value(f64::from(note.world))),
+        ));
+        self.inner
+            .update_train(MetricState::Generic(entry(membership, note.text)));
+    }
+}
+
+impl<R: MetricsRenderer> MetricsRendererTraining for WithMembership<R> {
+    fn update_train(&mut self, state: MetricState) {
+        self.inner.update_train(state);
+    }
+    fn update_valid(&mut self, state: MetricState) {
+        self.inner.update_valid(state);
+    }
+    fn on_train_end(
+        &mut self,
+        summary: Option<LearnerSummary>,
+    ) -> Result<(), Box<dyn core::error::Error>> {
+        self.inner.on_train_end(summary)
+    }
+}
+
+impl<R: MetricsRenderer> MetricsRendererEvaluation for WithMembership<R> {
+    fn update_test(&mut self, name: EvaluationName, state: MetricState) {
+        self.inner.update_test(name, state);
+    }
+    fn on_test_end(
+        &mut self,
+        summary: Option<LearnerSummary>,
+    ) -> Result<(), Box<dyn core::error::Error>> {
+        self.inner.on_test_end(summary)
+    }
+}
+
+impl<R: MetricsRenderer> TrainingProgressLogger for WithMembership<R> {
+    fn start(&mut self, epochs: usize, start: usize, items: Option<usize>, label: Option<&str>) {
+        self.inner.start(epochs, start, items, label);
+    }
+    fn update_epoch(&mut self, epoch: usize) {
+        self.inner.update_epoch(epoch);
+    }
+    fn start_split(&mut self, split: &str, total_items: usize) {
+        self.training = split == <&str>::from(Split::Train);
+        self.inner.start_split(split, total_items);
+    }
+    fn update_split(&mut self, items_processed: usize) {
+        if self.training {
+            self.show();
+        }
+        self.inner.update_split(items_processed);
+    }
+    fn end_split(&mut self) {
+        self.inner.end_split();
+    }
+    fn end(&mut self) {
+        self.inner.end();
+    }
+    fn log_event_training(&mut self, event: String) {
+        self.inner.log_event_training(event);
+    }
+}
+
+impl<R: MetricsRenderer> EvaluationProgressLogger for WithMembership<R> {
+    fn start_global_progress(&mut self, total_tests: usize) {
+        self.inner.start_global_progress(total_tests);
+    }
+    fn start_test(&mut self, name: &str, total_items: usize) {
+        self.training = false;
+        self.inner.start_test(name, total_items);
+    }
+    fn update_test_progress(&mut self, items_processed: usize) {
+        self.inner.update_test_progress(items_processed);
+    }
+    fn end_test(&mut self) {
+        self.inner.end_test();
+    }
+    fn end_global_progress(&mut self) {
+        self.inner.end_global_progress();
+    }
+    fn log_event_evaluation(&mut self, event: String) {
+        self.inner.log_event_evaluation(event);
+    }
+}
+
+impl<R: MetricsRenderer> MetricsRenderer for WithMembership<R> {
+    fn manual_close(&mut self) {
+        self.inner.manual_close();
+    }
+    fn register_metric(&mut self, definition: MetricDefinition) {
+        self.inner.register_metric(definition);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A renderer that writes down what it is told (and, as [`ProgressLines`], a line per
+    /// step).
+    #[derive(Default)]
+    struct Recorder(Vec<String>);
+
+    impl MetricsRendererTraining for Recorder {
+        fn update_train(&mut self, state: MetricState) {
+            let text = match state {
+                MetricState::Generic(e) => format!("text {}", e.serialized_entry.formatted),
+                MetricState::Numeric(e, v) => {
+                    format!(
+                        "number {} = {:?}",
+                        e.serialized_entry.formatted,
+                        v.map(|v| v.current())
+                    )
+                }
+            };
+            self.0.push(text);
+        }
+        fn update_valid(&mut self, _state: MetricState) {}
+    }
+
+    impl MetricsRendererEvaluation for Recorder {
+        fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+    }
+
+    impl TrainingProgressLogger for Recorder {
+        fn start(&mut self, _: usize, _: usize, _: Option<usize>, _: Option<&str>) {}
+        fn update_epoch(&mut self, _epoch: usize) {}
+        fn start_split(&mut self, split: &str, _total_items: usize) {
+            self.0.push(format!("split {split}"));
+        }
+        fn update_split(&mut self, items_processed: usize) {
+            self.0.push(format!("step {items_processed}"));
+        }
+        fn end_split(&mut self) {}
+        fn end(&mut self) {}
+        fn log_event_training(&mut self, _event: String) {}
+    }
+
+    impl EvaluationProgressLogger for Recorder {
+        fn start_global_progress(&mut self, _total_tests: usize) {}
+        fn start_test(&mut self, _name: &str, _total_items: usize) {}
+        fn update_test_progress(&mut self, _items_processed: usize) {}
+        fn end_test(&mut self) {}
+        fn end_global_progress(&mut self) {}
+        fn log_event_evaluation(&mut self, _event: String) {}
+    }
+
+    impl MetricsRenderer for Recorder {
+        fn manual_close(&mut self) {}
+        fn register_metric(&mut self, definition: MetricDefinition) {
+            self.0.push(format!("register {}", definition.name));
+        }
+    }
+
+    fn epoch(r: &mut WithMembership<Recorder>) {
+        r.start_split("train", 2);
+        r.update_split(1);
+        r.start_split("valid", 1);
+        r.update_split(1);
+    }
+
+    #[test]
+    fn an_empty_board_adds_nothing() {
+        let mut r = WithMembership::new(Recorder::default(), MembershipBoard::default());
+        epoch(&mut r);
+        assert_eq!(
+            r.inner.0,
+            ["split train", "step 1", "split valid", "step 1"]
+        );
+    }
+
+    #[test]
+    fn a_new_round_is_registered_once_then_shown_with_every_training_step() {
+        let board = MembershipBoard::starting(1, 1, true, Some(2), None);
+        board.resumed(3);
+        let mut r = WithMembership::new(Recorder::default(), board);
+        epoch(&mut r);
+        r.start_split("train", 2);
+        r.update_split(2);
+        let text = "text round 1: world size 1 (was 2), from the checkpoint of epoch 3";
+        assert_eq!(
+            r.inner.0,
+            [
+                "split train",
+                // Registered before their first update (the terminal dashboard needs it).
+                "register World size",
+                "register Membership",
+                "number 1 = Some(1.0)",
+                text,
+                "step 1",
+                "split valid",
+                "step 1",
+                "split train",
+                "number 1 = Some(1.0)",
+                text,
+                "step 2",
+            ]
+        );
     }
 }

@@ -9,11 +9,13 @@
 //! - [`files`]: checkpoints written by rank 0 alone, atomically, and read back by rank 0 for
 //!   every rank (no shared file system needed);
 //! - [`run`]: the run's settings recorded beside its checkpoints, and where a run starts
-//!   (a resume refuses checkpoints that are not the run's own).
+//!   (a resume refuses checkpoints that are not the run's own);
+//! - [`board`]: the world size and the last change of membership, for rank 0's dashboard.
 //!
 //! What each line adds is only what touches its Burn types: the epoch loops over burn-train's
 //! events, the tensors of an item, the records of a checkpoint.
 
+pub mod board;
 pub mod files;
 pub mod lines;
 pub mod parts;

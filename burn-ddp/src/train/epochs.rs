@@ -242,6 +242,7 @@ impl<B: Backend> DdpStrategy<B> {
                             processor.process_train(LearnerEvent::Start);
                             shown = true;
                         }
+                        self.board.changed(&rec, &cursor.describe());
                         if self.is_main() {
                             // The dashboard of this mode is the progress lines, on rank 0.
                             println!("[membership] {} (at {})", rec.summary(), cursor.describe());
@@ -458,6 +459,7 @@ impl<B: Backend> DdpStrategy<B> {
         learner.load_model(model);
         learner.load_optim(optim);
         learner.load_scheduler(sched);
+        self.board.resumed(epoch);
         tracing::info!(
             "[rank {}] resumed from the checkpoint of epoch {epoch}",
             self.rank()

@@ -45,6 +45,7 @@ use burn_ddp_comm::train::vote::FailureSlot;
 
 use burn::data::dataloader::Progress;
 use burn::tensor::backend::Backend;
+use burn::train::renderer::tui::TuiMetricsRendererWrapper;
 use burn::train::{
     Learner, LearningComponentsTypes, LearningResult, SupervisedLearningStrategy,
     SupervisedTraining,
@@ -53,8 +54,9 @@ use burn::train::{
 pub use burn_ddp_comm::train::run::RunSettings;
 pub use checkpoint::newest_complete;
 
+pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
 pub use item::{DistributedItem, Part, TensorParts};
-pub use render::{Headless, NoMetricLogger, ProgressLines};
+pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
 use crate::{DataEpoch, DdpError, DdpSession, Rank, Result};
 
@@ -98,6 +100,8 @@ pub struct DdpStrategy<B: Backend> {
     /// The membership epoch whose first optimizer step is still to come, and when the change
     /// to it began (said on rank 0 when the step is done).
     first_step: Arc<std::sync::Mutex<Option<(u64, std::time::Instant)>>>,
+    /// The world size and the last change of membership, for rank 0's dashboard.
+    board: MembershipBoard,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
@@ -118,6 +122,7 @@ impl<B: Backend> DdpStrategy<B> {
     /// device of the rank's `LOCAL_RANK`).
     pub fn new(session: DdpSession, device: B::Device) -> Self {
         Self {
+            board: MembershipBoard::at_start(session.group()),
             session,
             device,
             checkpoints: None,
@@ -198,6 +203,13 @@ impl<B: Backend> DdpStrategy<B> {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// What rank 0's dashboard shows about the job's membership (its world size and the last
+    /// change; empty in a job whose membership cannot change and that was not restarted): for a
+    /// renderer of the program's own, wrap it in [`WithMembership`] with this board.
+    pub fn membership_board(&self) -> &MembershipBoard {
+        &self.board
     }
 
     /// The error that stopped training, if any (also returned by
@@ -297,21 +309,31 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         let strategy: Arc<dyn SupervisedLearningStrategy<LC>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(burn::train::TrainingStrategy::Custom(strategy));
         let fault_tolerant = ddp.session().group().is_fault_tolerant();
+        // The job's membership on the dashboard when it can change (an elastic or
+        // fault-tolerant job, a restarted one): two more metrics, `World size` and `Membership`.
+        let lines = || WithMembership::new(ProgressLines::default(), ddp.board.clone());
         let training = if fault_tolerant && !ddp.is_main() {
             // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
             // which show only once it is (only rank 0 is given the job's items). Its metrics
             // are not written to files: rank 0's files stop where it was lost.
             training
-                .renderer(ProgressLines::default())
+                .renderer(lines())
                 .with_application_logger(None)
                 .with_metric_logger(NoMetricLogger)
         } else if ddp.is_main() {
             // In a fault-tolerant job the dashboard is progress lines on every rank: the
             // terminal dashboard would be lost with the one process that draws it.
-            let training = if std::io::stdout().is_terminal() && !fault_tolerant {
-                training
+            let training = if !std::io::stdout().is_terminal() || fault_tolerant {
+                training.renderer(lines())
+            } else if ddp.board.get().is_some() {
+                // Burn's terminal dashboard, as burn-train would make it (without the epoch
+                // of an explicit `SupervisedTraining::checkpoint`, which only its time
+                // estimate uses), with the membership.
+                let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
+                training.renderer(WithMembership::new(tui, ddp.board.clone()))
             } else {
-                training.renderer(ProgressLines::default())
+                // Burn's own choice: its terminal dashboard, or the program's renderer.
+                training
             };
             if tracing::dispatcher::has_been_set() {
                 // The program logs already (a tracing subscriber of its own, say); Burn's
