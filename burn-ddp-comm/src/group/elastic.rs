@@ -42,11 +42,12 @@
 //! [`ProcessGroup::grow`], which ends the epoch without blaming anyone; the newcomer is in the
 //! next epoch and is behind (it has no state), so it receives the source's.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::periodic::Periodic;
 use super::{Inner, ProcessGroup, Shared, StoreHost};
 use crate::config::{FaultTolerance, GroupConfig};
 use crate::store::auth::Purpose;
@@ -179,7 +180,7 @@ pub(super) struct Elastic {
     /// One change of membership at a time.
     changing: Mutex<()>,
     joins: Arc<JoinWatch>,
-    watcher: Option<Watcher>,
+    watcher: Option<Periodic>,
     /// A joining process's admission, for the caller to take.
     admission: Mutex<Option<Recovery>>,
 }
@@ -443,7 +444,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
     );
     let user = Arc::new(user);
     let joins = Arc::new(JoinWatch::default());
-    let watcher = Watcher::start(&config, Arc::clone(&joins), id, deadline);
+    let watcher = watch_joins(&config, Arc::clone(&joins), id, deadline);
     let elastic = Elastic {
         id,
         min_ranks: ft.min_ranks,
@@ -1183,79 +1184,45 @@ impl ProcessGroup {
     }
 }
 
-/// The thread that reads, each heartbeat interval, whether a process asked to join.
-struct Watcher {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Watcher {
-    /// `None` (with a warning) if its store connection cannot be opened: joining processes
-    /// then wait until the rendezvous timeout.
-    fn start(
-        config: &GroupConfig,
-        joins: Arc<JoinWatch>,
-        id: u32,
-        deadline: Instant,
-    ) -> Option<Self> {
-        let interval = (config.timeouts.heartbeat / 5)
-            .clamp(Duration::from_millis(50), Duration::from_secs(2));
-        let store = match StoreClient::connect(
-            &config.master,
-            Purpose::StoreAux,
-            config.rank,
-            config.world_size,
-            &config.token,
-            interval.max(Duration::from_millis(200)),
-            deadline,
-        ) {
-            Ok(s) => s.with_reply_slack(interval.max(Duration::from_millis(200))),
-            Err(e) => {
-                tracing::warn!(
-                    "[member {id}] cannot watch for joining processes (its store connection \
+/// The thread that reads, each heartbeat interval, whether a process asked to join (it stops
+/// when dropped). `None` (with a warning) if its store connection cannot be opened: joining
+/// processes then wait until the rendezvous timeout.
+fn watch_joins(
+    config: &GroupConfig,
+    joins: Arc<JoinWatch>,
+    id: u32,
+    deadline: Instant,
+) -> Option<Periodic> {
+    let interval =
+        (config.timeouts.heartbeat / 5).clamp(Duration::from_millis(50), Duration::from_secs(2));
+    let store = match StoreClient::connect(
+        &config.master,
+        Purpose::StoreAux,
+        config.rank,
+        config.world_size,
+        &config.token,
+        interval.max(Duration::from_millis(200)),
+        deadline,
+    ) {
+        Ok(s) => s.with_reply_slack(interval.max(Duration::from_millis(200))),
+        Err(e) => {
+            tracing::warn!(
+                "[member {id}] cannot watch for joining processes (its store connection \
                      failed: {e}); none will be let in"
-                );
-                return None;
-            }
-        };
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let thread = {
-            let stop = Arc::clone(&stop);
-            std::thread::Builder::new()
-                .name(format!("burn-ddp-ft-watch-{id}"))
-                .spawn(move || {
-                    let (lock, cv) = &*stop;
-                    loop {
-                        if let Ok(v) = store.get_timeout(keys::JOINS, Duration::ZERO) {
-                            let n = decode_i64(&v).unwrap_or(0);
-                            if n > joins.seen.load(Ordering::SeqCst) {
-                                joins.pending.store(true, Ordering::SeqCst);
-                            }
-                        }
-                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                        let (guard, _) = cv
-                            .wait_timeout_while(guard, interval, |stopped| !*stopped)
-                            .unwrap_or_else(|p| p.into_inner());
-                        if *guard {
-                            return;
-                        }
-                    }
-                })
-                .ok()
-        };
-        Some(Self { stop, thread })
-    }
-}
-
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
+            );
+            return None;
         }
-    }
+    };
+    let thread = Periodic::spawn(format!("burn-ddp-ft-watch-{id}"), interval, move || {
+        if let Ok(v) = store.get_timeout(keys::JOINS, Duration::ZERO) {
+            let n = decode_i64(&v).unwrap_or(0);
+            if n > joins.seen.load(Ordering::SeqCst) {
+                joins.pending.store(true, Ordering::SeqCst);
+            }
+        }
+        ControlFlow::Continue(())
+    });
+    Some(thread)
 }
 
 #[cfg(test)]

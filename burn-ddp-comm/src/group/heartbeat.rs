@@ -12,11 +12,12 @@
 //! only (when a peer's heartbeat last *changed*), so clocks need not agree across nodes.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
+use super::periodic::Periodic;
 use crate::comm::tcp::LinkStopper;
 use crate::comm::{PeerWatch, Verdict};
 use crate::config::{JobToken, MasterAddr, Timeouts};
@@ -376,8 +377,8 @@ impl AuxLink {
 /// The watcher thread; stops when dropped.
 #[derive(Debug)]
 struct Watcher {
-    stop: Arc<(Mutex<bool>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
+    /// Held for its drop, which stops the thread.
+    _thread: Periodic,
     verdict: Arc<Mutex<Option<Verdict>>>,
 }
 
@@ -393,78 +394,66 @@ impl Watcher {
         stoppers: Arc<Stoppers>,
     ) -> Self {
         let (rank, world) = (link.rank, link.world);
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
         let verdict = Arc::new(Mutex::new(None));
+        let mut watch = Watch {
+            store,
+            link,
+            rank,
+            world,
+            bounds,
+            progress,
+            store_host: host,
+            host: host_name(),
+            beat: 0,
+            seen: HashMap::new(),
+            store_ok: Instant::now(),
+        };
+        let mut stopped_for_record = false;
         let thread = {
-            let stop = Arc::clone(&stop);
             let verdict = Arc::clone(&verdict);
-            std::thread::Builder::new()
-                .name(format!("burn-ddp-heartbeat-{rank}"))
-                .spawn(move || {
-                    let mut watch = Watch {
-                        store,
-                        link,
-                        rank,
-                        world,
-                        bounds,
-                        progress,
-                        store_host: host,
-                        host: host_name(),
-                        beat: 0,
-                        seen: HashMap::new(),
-                        store_ok: Instant::now(),
-                    };
-                    let (lock, cv) = &*stop;
-                    let mut stopped_for_record = false;
-                    loop {
-                        // A failure another rank published ends this rank's collectives too,
-                        // including those of groups that do not contain the culprit: they
-                        // fail at once naming it, instead of running on until they need it.
-                        if !stopped_for_record && watch.aborted_elsewhere() {
-                            stoppers.stop();
-                            stopped_for_record = true;
-                        }
-                        if let Some(v) = watch.tick() {
-                            tracing::error!(
-                                "[rank {rank}] rank {} ({}) {}; aborting the collective",
-                                v.culprit,
-                                v.host,
-                                v.what
-                            );
-                            // Published before the links close, so that the ranks that see
-                            // them close find the culprit in the store, not this rank. Not when
-                            // the store is silent: rank 0's went with it, and a rank cut off
-                            // from the launcher's cannot reach it.
-                            if !v.store_silent {
-                                let _ = watch.store.abort(AbortRecord {
-                                    reporter: rank,
-                                    culprit: Some(v.culprit),
-                                    collective: None,
-                                    reason: format!(
-                                        "rank {} (host {}) {}; its last completed collective \
-                                         was #{}",
-                                        v.culprit, v.host, v.what, v.last_completed.0
-                                    ),
-                                });
-                            }
-                            *verdict.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
-                            stoppers.stop();
-                            return;
-                        }
-                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                        let (guard, _) = cv
-                            .wait_timeout_while(guard, bounds.interval(), |stopped| !*stopped)
-                            .unwrap_or_else(|p| p.into_inner());
-                        if *guard {
-                            return;
-                        }
+            Periodic::spawn(
+                format!("burn-ddp-heartbeat-{rank}"),
+                bounds.interval(),
+                move || {
+                    // A failure another rank published ends this rank's collectives too,
+                    // including those of groups that do not contain the culprit: they fail at
+                    // once naming it, instead of running on until they need it.
+                    if !stopped_for_record && watch.aborted_elsewhere() {
+                        stoppers.stop();
+                        stopped_for_record = true;
                     }
-                })
-                .ok()
+                    let Some(v) = watch.tick() else {
+                        return ControlFlow::Continue(());
+                    };
+                    tracing::error!(
+                        "[rank {rank}] rank {} ({}) {}; aborting the collective",
+                        v.culprit,
+                        v.host,
+                        v.what
+                    );
+                    // Published before the links close, so that the ranks that see them close
+                    // find the culprit in the store, not this rank. Not when the store is
+                    // silent: rank 0's went with it, and a rank cut off from the launcher's
+                    // cannot reach it.
+                    if !v.store_silent {
+                        let _ = watch.store.abort(AbortRecord {
+                            reporter: rank,
+                            culprit: Some(v.culprit),
+                            collective: None,
+                            reason: format!(
+                                "rank {} (host {}) {}; its last completed collective was #{}",
+                                v.culprit, v.host, v.what, v.last_completed.0
+                            ),
+                        });
+                    }
+                    *verdict.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+                    stoppers.stop();
+                    ControlFlow::Break(())
+                },
+            )
         };
         Self {
-            stop,
-            thread,
+            _thread: thread,
             verdict,
         }
     }
@@ -474,17 +463,6 @@ impl Watcher {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-    }
-}
-
-impl Drop for Watcher {
-    fn drop(&mut self) {
-        let (lock, cv) = &*self.stop;
-        *lock.lock().unwrap_or_else(|p| p.into_inner()) = true;
-        cv.notify_all();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -15,6 +15,7 @@ mod desync;
 mod elastic;
 pub(crate) mod heartbeat;
 mod p2p;
+mod periodic;
 mod rendezvous;
 mod sub;
 
