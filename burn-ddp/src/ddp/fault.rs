@@ -120,25 +120,25 @@ pub(crate) fn frame(parts: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-/// The blocks of [`frame`]; `None` for anything malformed (it came over the network).
-pub(crate) fn unframe(mut bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+/// The `N` blocks of [`frame`]; `None` for anything malformed (it came over the network),
+/// another number of blocks included.
+pub(crate) fn unframe<const N: usize>(mut bytes: &[u8]) -> Option<[Vec<u8>; N]> {
     let take8 = |b: &mut &[u8]| -> Option<u64> {
         let (head, rest) = b.split_first_chunk::<8>()?;
         *b = rest;
         Some(u64::from_le_bytes(*head))
     };
-    let n = usize::try_from(take8(&mut bytes)?).ok()?;
-    if n > bytes.len() / 8 {
+    if usize::try_from(take8(&mut bytes)?).ok()? != N {
         return None;
     }
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
+    let mut out: [Vec<u8>; N] = std::array::from_fn(|_| Vec::new());
+    for part in &mut out {
         let len = usize::try_from(take8(&mut bytes)?).ok()?;
         if len > bytes.len() {
             return None;
         }
-        let (part, rest) = bytes.split_at(len);
-        out.push(part.to_vec());
+        let (head, rest) = bytes.split_at(len);
+        *part = head.to_vec();
         bytes = rest;
     }
     bytes.is_empty().then_some(out)
@@ -383,17 +383,11 @@ impl DdpSession {
             what: "taking the state of the source rank",
             reason: why.to_owned(),
         };
-        let mut parts = unframe(&bytes)
-            .filter(|p| p.len() == 4)
-            .ok_or_else(|| bad("the bytes received are not a framed state"))?;
-        let extra = parts.pop().unwrap_or_default();
-        let optim_bytes = parts.pop().unwrap_or_default();
-        let model_bytes = parts.pop().unwrap_or_default();
-        let step = parts
-            .pop()
-            .and_then(|s| <[u8; 8]>::try_from(s.as_slice()).ok())
+        let [step, model_bytes, optim_bytes, extra] =
+            unframe(&bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
+        let step = <[u8; 8]>::try_from(step.as_slice())
             .map(u64::from_le_bytes)
-            .ok_or_else(|| bad("no step count"))?;
+            .map_err(|_| bad("no step count"))?;
         let device = replica
             .model
             .devices()
@@ -421,12 +415,14 @@ mod tests {
     fn frames_round_trip_and_garbage_is_refused() {
         let f = frame(&[b"ab", b"", b"xyz"]);
         assert_eq!(
-            unframe(&f),
-            Some(vec![b"ab".to_vec(), Vec::new(), b"xyz".to_vec()])
+            unframe::<3>(&f),
+            Some([b"ab".to_vec(), Vec::new(), b"xyz".to_vec()])
         );
-        assert_eq!(unframe(&f[..f.len() - 1]), None);
-        assert_eq!(unframe(&[f.as_slice(), b"!"].concat()), None);
-        assert_eq!(unframe(&u64::MAX.to_le_bytes()), None);
-        assert_eq!(unframe(&[]), None);
+        assert_eq!(unframe::<4>(&f), None);
+        assert_eq!(unframe::<2>(&f), None);
+        assert_eq!(unframe::<3>(&f[..f.len() - 1]), None);
+        assert_eq!(unframe::<3>(&[f.as_slice(), b"!"].concat()), None);
+        assert_eq!(unframe::<3>(&u64::MAX.to_le_bytes()), None);
+        assert_eq!(unframe::<0>(&[]), None);
     }
 }

@@ -242,16 +242,9 @@ impl<B: Backend> DdpStrategy<B> {
             what: "taking the Learner's state from the source rank",
             reason: why.to_owned(),
         };
-        let mut parts = unframe(bytes)
-            .filter(|p| p.len() == 4)
-            .ok_or_else(|| bad("the bytes received are not a framed state"))?;
-        let sched = parts.pop().unwrap_or_default();
-        let optim = parts.pop().unwrap_or_default();
-        let model = parts.pop().unwrap_or_default();
-        let cursor = parts
-            .pop()
-            .and_then(|c| Cursor::decode(&c))
-            .ok_or_else(|| bad("no training position"))?;
+        let [cursor, model, optim, sched] =
+            unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
+        let cursor = Cursor::decode(&cursor).ok_or_else(|| bad("no training position"))?;
         let model: LearnerModelRecord<LC> = load(model, &self.device, rank)?;
         let optim: LearnerOptimizerRecord<LC> = load(optim, &self.device, rank)?;
         let sched: LearnerSchedulerRecord<LC> = load(sched, &self.device, rank)?;
