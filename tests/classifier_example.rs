@@ -52,14 +52,7 @@ fn two_ranks_agree_and_only_rank_0_writes() {
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
 
-    let digest = |rank: u32| -> String {
-        let prefix = format!("[rank {rank}] parameter digest: ");
-        stdout
-            .lines()
-            .find_map(|l| l.strip_prefix(&prefix))
-            .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{stdout}"))
-            .to_string()
-    };
+    let digest = |rank: u32| common::spawned::digest(&stdout, rank);
     assert_eq!(
         digest(0),
         digest(1),
@@ -229,15 +222,7 @@ fn elastic_run(
 
 fn digests(stdout: &str) -> Vec<String> {
     (0..2)
-        .map(|rank| {
-            let prefix = format!("[rank {rank}] parameter digest: ");
-            stdout
-                .lines()
-                .rev()
-                .find_map(|l| l.strip_prefix(&prefix))
-                .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{stdout}"))
-                .to_string()
-        })
+        .map(|rank| common::spawned::digest(stdout, rank))
         .collect()
 }
 

@@ -21,7 +21,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 use common::netns::{finish, wait_for};
-use common::spawned::{children, rank_of};
+use common::spawned::{children, classifier_args, digests, rank_of};
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-ddp-ftt-{name}-{}", std::process::id()));
@@ -94,35 +94,6 @@ fn kill_rank(launcher: &Child, rank: u32) -> Instant {
     Instant::now()
 }
 
-/// Every `parameter digest: ...` line, by its `[rank N]` prefix.
-fn digests(log: &str) -> Vec<(String, String)> {
-    log.lines()
-        .filter_map(|l| {
-            let (who, rest) = l.split_once("] parameter digest: ")?;
-            Some((who.to_string() + "]", rest.trim().to_string()))
-        })
-        .collect()
-}
-
-fn classifier_args(out: &Path) -> Vec<String> {
-    [
-        "--epochs",
-        "2",
-        "--batch-size",
-        "16",
-        "--train-size",
-        "1536",
-        "--test-size",
-        "128",
-        "--print-digest",
-        "--out",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([out.display().to_string()])
-    .collect()
-}
-
 /// The steps into the epoch a membership line says the job went on from.
 fn steps_in(line: &str) -> usize {
     line.split(" steps in")
@@ -142,7 +113,7 @@ fn classifier_losing(name: &str, restarts: u32, victim: u32) -> (PathBuf, PathBu
         3,
         restarts,
         &common::spawned::example("classifier"),
-        &classifier_args(&dir.join("out")),
+        &classifier_args(&dir.join("out"), 2, 1536, 128),
         &log,
     );
     wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));

@@ -16,6 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::netns::{finish, wait_for, wait_for_files, Net};
+use common::spawned::digest;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-ddp-mn-{name}-{}", std::process::id()));
@@ -26,33 +27,9 @@ fn scratch(name: &str) -> PathBuf {
 
 /// The classifier's arguments: small, `--resume` (a restarted round resumes), a digest at the end.
 fn classifier_args(out: &Path, epochs: u32) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "--epochs",
-        &epochs.to_string(),
-        "--batch-size",
-        "16",
-        "--train-size",
-        "768",
-        "--test-size",
-        "64",
-        "--resume",
-        "--print-digest",
-        "--out",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.push(out.display().to_string());
+    let mut args = common::spawned::classifier_args(out, epochs, 768, 64);
+    args.push("--resume".into());
     args
-}
-
-fn digest(log: &str, rank: u32) -> String {
-    let prefix = format!("[rank {rank}] parameter digest: ");
-    log.lines()
-        .rev()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{log}"))
-        .to_string()
 }
 
 fn strings(args: &[&str]) -> Vec<String> {
@@ -418,22 +395,7 @@ fn fault_tolerant_args(net: &Net, node: usize, out: &Path, join: bool) -> Vec<St
     }
     args.push("--".into());
     args.push(common::spawned::example("classifier").display().to_string());
-    args.extend(
-        strings(&[
-            "--epochs",
-            "3",
-            "--batch-size",
-            "16",
-            "--train-size",
-            "1536",
-            "--test-size",
-            "128",
-            "--print-digest",
-            "--out",
-        ])
-        .into_iter()
-        .chain([out.display().to_string()]),
-    );
+    args.extend(common::spawned::classifier_args(out, 3, 1536, 128));
     args
 }
 

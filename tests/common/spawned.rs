@@ -1,7 +1,7 @@
 //! A job started by a test (a launcher, an example), with a deadline, stopped when the test ends.
 
 use std::io::Read;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -116,6 +116,44 @@ pub fn example(name: &str) -> PathBuf {
         assert!(status.success(), "building the {name} example failed");
     }
     path
+}
+
+/// The classifier example's arguments for a test job: `epochs` over `train` generated images
+/// in batches of 16 per rank, `test` test images, the parameter digest printed at the end
+/// ([`digest`]), its files in `out`.
+pub fn classifier_args(out: &Path, epochs: u32, train: u32, test: u32) -> Vec<String> {
+    let mut args: Vec<String> = ["--epochs", "--batch-size", "--train-size", "--test-size"]
+        .iter()
+        .zip([epochs, 16, train, test])
+        .flat_map(|(name, value)| [name.to_string(), value.to_string()])
+        .collect();
+    args.extend([
+        "--print-digest".into(),
+        "--out".into(),
+        out.display().to_string(),
+    ]);
+    args
+}
+
+/// The parameter digest rank `rank` printed last in `log` (the classifier's `--print-digest`,
+/// `[rank N] parameter digest: ...`).
+pub fn digest(log: &str, rank: u32) -> String {
+    let prefix = format!("[rank {rank}] parameter digest: ");
+    log.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no digest from rank {rank}:\n{log}"))
+        .to_string()
+}
+
+/// Every parameter digest line of `log`, with its `[rank N]` prefix, in order.
+pub fn digests(log: &str) -> Vec<(String, String)> {
+    log.lines()
+        .filter_map(|l| {
+            let (who, rest) = l.split_once("] parameter digest: ")?;
+            Some((who.to_string() + "]", rest.trim().to_string()))
+        })
+        .collect()
 }
 
 /// The `burn-ddp` launcher (built from burn-ddp-comm when missing).
