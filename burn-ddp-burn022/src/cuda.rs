@@ -33,7 +33,7 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::comm::DType;
-use burn_ddp_comm::grad::{BucketPlan, InFlight, Launcher};
+use burn_ddp_comm::grad::{BucketPlan, InFlight, Launcher, Queue};
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -275,10 +275,14 @@ impl DevicePath {
         };
         let comm = Arc::new(comm);
         let queue = Arc::clone(&comm);
-        let launcher = Launcher::start(rank, move |job: Job| {
-            let stream = job.stream;
-            stream.executes(|| enqueue(&queue, job))
-        })?;
+        let launcher = Launcher::start(
+            rank,
+            Arc::clone(&comm) as Arc<dyn Queue>,
+            move |job: Job| {
+                let stream = job.stream;
+                stream.executes(|| enqueue(&queue, job))
+            },
+        )?;
         Ok(Some(Self {
             comm,
             launcher,
@@ -321,11 +325,9 @@ impl DevicePath {
             Ok(t) => t,
             Err(e) => return Err(step.abandon(e, wait)),
         };
-        if let Err(e) = step.in_flight.collect(&self.launcher, wait) {
-            return Err(step.abandon(e, wait));
-        }
-        self.comm.wait()?;
-        step.in_flight.release();
+        // Every answer, then NCCL's stream; on a failure the step is abandoned (the pins go
+        // only once NCCL is known done with them).
+        step.in_flight.finish(&self.launcher, wait)?;
         let mut reduced = step.reduced()?;
         crate::grads::put_grads(model, &mut grads, &targets, &mut |slot, _| {
             reduced[slot].take()
@@ -458,16 +460,11 @@ impl Step<'_> {
         self.launch_ready()
     }
 
-    /// After a failure: tells the other ranks (NCCL is stopped, their waits end with this
-    /// rank named) and takes the launcher's answers and NCCL's stream (bounded) before the
-    /// step's buffers go, so that their memory is not reused under NCCL.
+    /// After a failure: NCCL is stopped (the other ranks' waits end with this rank named), the
+    /// launcher's answers are taken and NCCL's stream drained (bounded) before any buffer of
+    /// the step goes, so that their memory is not reused under NCCL (see [`InFlight::abandon`]).
     fn abandon(mut self, e: DdpError, wait: Duration) -> DdpError {
-        if self.in_flight.waiting() > 0 || self.next_launch > 0 {
-            self.path.comm.fail_with(&e);
-            let _ = self.in_flight.collect(&self.path.launcher, wait);
-            let _ = self.path.comm.wait();
-        }
-        e
+        self.in_flight.abandon(&self.path.launcher, e, wait)
     }
 
     /// Each slot's reduced gradient (flattened f32 on the GPU), `None` where no rank had one:

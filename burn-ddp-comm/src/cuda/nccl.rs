@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -30,6 +31,7 @@ use super::status::{driver_error, nccl_error};
 use super::wait::{wait_for, Poll, Stop};
 use crate::comm::{CollectiveOp, DType, Element, ReduceOp};
 use crate::error::{DdpError, Result};
+use crate::grad::{Queue, DRAIN_LIMIT};
 use crate::group::ProcessGroup;
 use crate::types::{AbortRecord, CollectiveSeq, Rank, WorldSize};
 
@@ -211,6 +213,10 @@ pub struct NcclComm {
     world: WorldSize,
     version: NcclVersion,
     timeout: Duration,
+    /// Whether a failure is published to the job (its abort record). Off while the
+    /// communicator is only being tried for gradients ([`NcclComm::probe`]): a rank that
+    /// cannot use NCCL then falls back with the others instead of ending the job.
+    publishing: AtomicBool,
 }
 
 impl fmt::Debug for NcclComm {
@@ -252,6 +258,28 @@ impl NcclComm {
     /// # Errors
     /// As [`NcclComm::new`].
     pub fn on(pg: &ProcessGroup, ctx: Arc<CudaContext>) -> Result<Self> {
+        Self::create(pg, ctx, true)
+    }
+
+    /// As [`NcclComm::on_device`], for a trial: a failure (creation, and every call until
+    /// [`NcclComm::accept`]) aborts this communicator only and is *not* published to the job,
+    /// so that the other ranks' host collectives go on and a vote can drop NCCL everywhere
+    /// (what [`connect_for_grads`](super::connect_for_grads) does).
+    ///
+    /// # Errors
+    /// As [`NcclComm::on_device`].
+    pub fn probe(pg: &ProcessGroup, ordinal: usize) -> Result<Self> {
+        let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), Some(ordinal))?;
+        Self::create(pg, super::device::context(pg.rank(), ordinal)?, false)
+    }
+
+    /// Ends the trial of [`NcclComm::probe`]: from now on a failure is published to the job,
+    /// as with any communicator.
+    pub fn accept(&self) {
+        self.publishing.store(true, Ordering::SeqCst);
+    }
+
+    fn create(pg: &ProcessGroup, ctx: Arc<CudaContext>, publishing: bool) -> Result<Self> {
         let version = usable_nccl()?;
         let rank = pg.rank();
         let world = pg.world_size();
@@ -290,6 +318,7 @@ impl NcclComm {
             world,
             version,
             timeout: timeouts.collective,
+            publishing: AtomicBool::new(publishing),
         };
         if !matches!(
             code,
@@ -491,10 +520,26 @@ impl NcclComm {
 
     /// Waits, with the collective deadline, for everything queued so far on the stream.
     ///
+    /// On a failure the communicator is aborted, and the wait then goes on (at most
+    /// [`DRAIN_LIMIT`]) until the stream is idle, so that buffers the caller frees next are no
+    /// longer in use; the log says so if it never is. Likewise on a communicator aborted
+    /// before the call.
+    ///
     /// # Errors
     /// The deadline ([`DdpError::NcclTimeout`]), an NCCL or CUDA error, or a failure another
     /// rank published; the communicator is then aborted.
     pub fn wait(&self) -> Result<()> {
+        let aborted = {
+            let guard = self.lock();
+            guard.0 .0.is_null().then(|| {
+                let first = guard.1.failed.clone().unwrap_or_else(|| "aborted".into());
+                self.failed_error(&guard.1, &first)
+            })
+        };
+        if let Some(e) = aborted {
+            self.drain_or_say(DRAIN_LIMIT);
+            return Err(e);
+        }
         let event = self
             .stream
             .record_event(None)
@@ -523,7 +568,44 @@ impl NcclComm {
                 .map(|l| l.2.clone())
                 .unwrap_or_else(|| "the queued work".into())
         };
-        self.conclude(outcome, what, self.timeout)
+        let result = self.conclude(outcome, what, self.timeout);
+        if result.is_err() {
+            self.drain_or_say(DRAIN_LIMIT);
+        }
+        result
+    }
+
+    /// Waits at most `limit` until everything queued on the stream so far has finished (or,
+    /// after an abort, stopped), without NCCL calls: a CUDA event on the stream, polled.
+    /// `true` once it has; `false` at the limit or if the driver fails.
+    pub fn drain(&self, limit: Duration) -> bool {
+        let Ok(event) = self.stream.record_event(None) else {
+            return false;
+        };
+        wait_for(
+            Instant::now() + limit,
+            limit,
+            || match event.try_is_complete() {
+                Ok(true) => Poll::Done,
+                Ok(false) => Poll::Pending,
+                Err(e) => Poll::Failed(driver_error(self.rank, "polling NCCL's stream", e)),
+            },
+            || None,
+        )
+        .is_ok()
+    }
+
+    /// [`NcclComm::drain`], saying in the log when the stream did not go idle.
+    fn drain_or_say(&self, limit: Duration) -> bool {
+        let idle = self.drain(limit);
+        if !idle {
+            tracing::error!(
+                "[rank {}] NCCL's stream on GPU {} is still busy {limit:?} after its                  communicator was aborted: buffers it used must not be reused",
+                self.rank,
+                self.ctx.ordinal()
+            );
+        }
+        idle
     }
 
     /// One all-reduce of a few KiB, waited for: NCCL (2.19+) connects peers inside the first
@@ -540,8 +622,16 @@ impl NcclComm {
         self.all_reduce(&mut buf, ReduceOp::Sum)
     }
 
-    /// Tells the other ranks (through the store) that this rank's NCCL work failed.
+    /// Tells the other ranks (through the store) that this rank's NCCL work failed; on a
+    /// communicator still on trial ([`NcclComm::probe`]), only the log hears of it.
     fn publish(&self, e: &DdpError) {
+        if !self.publishing.load(Ordering::SeqCst) {
+            tracing::debug!(
+                "[rank {}] NCCL failed on trial, not published: {e}",
+                self.rank
+            );
+            return;
+        }
         if let Some(store) = self.pg.store_client() {
             let last = self.lock().1.last.as_ref().map(|l| (l.0, l.1));
             let _ = store.abort(AbortRecord {
@@ -1055,6 +1145,20 @@ impl Drop for NcclComm {
             }
         };
         handle.0 = std::ptr::null_mut();
+    }
+}
+
+impl Queue for NcclComm {
+    fn wait(&self) -> Result<()> {
+        NcclComm::wait(self)
+    }
+
+    fn fail_with(&self, e: &DdpError) {
+        NcclComm::fail_with(self, e);
+    }
+
+    fn drain(&self, limit: Duration) -> bool {
+        self.drain_or_say(limit)
     }
 }
 

@@ -15,7 +15,8 @@
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
 //! - `launch.rs`: [`Launcher`] and [`InFlight`], the device transports' launcher thread and the
-//!   buckets a pass has handed it
+//!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
+//!   transfer on the [`Queue`] is known finished
 
 mod check;
 mod host;
@@ -29,7 +30,7 @@ mod zero;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};
-pub use launch::{InFlight, Launcher};
+pub use launch::{InFlight, Launcher, Queue, DRAIN_LIMIT};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;

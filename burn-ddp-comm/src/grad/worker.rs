@@ -58,12 +58,25 @@ impl<J: Send + 'static, R: Send + 'static> Worker<J, R> {
     }
 }
 
-impl<J, R> Drop for Worker<J, R> {
-    fn drop(&mut self) {
+impl<J, R> Worker<J, R> {
+    /// Closes the job channel, joins the thread (after the jobs already sent) and returns the
+    /// answers nobody took.
+    pub fn stop(mut self) -> Vec<R> {
+        self.join();
+        self.done.try_iter().collect()
+    }
+
+    fn join(&mut self) {
         self.jobs = None;
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+impl<J, R> Drop for Worker<J, R> {
+    fn drop(&mut self) {
+        self.join();
     }
 }
 

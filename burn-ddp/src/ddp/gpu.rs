@@ -46,7 +46,7 @@ use crate::ddp::reducer::{BucketTransport, Links};
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::{check_elements, check_span, NcclComm};
-use burn_ddp_comm::grad::{InFlight, Launcher as Thread};
+use burn_ddp_comm::grad::{InFlight, Launcher as Thread, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
@@ -201,7 +201,8 @@ pub(crate) struct Launcher(Thread<Job, [Pinned; 2]>);
 impl Launcher {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
         let rank = comm.rank();
-        Thread::start(rank, move |job: Job| {
+        let queue: Arc<dyn Queue> = Arc::clone(&comm) as Arc<dyn Queue>;
+        Thread::start(rank, queue, move |job: Job| {
             let stream = job.stream;
             stream.executes(|| enqueue(&comm, job))
         })
@@ -242,8 +243,8 @@ fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
     )?;
     // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
     // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
-    // above completed; both stay pinned until the step that receives them has waited for NCCL's
-    // stream (`DeviceStep::finish`, or the reducer's discard path).
+    // above completed; both stay pinned (held by the launcher) until NCCL's stream is known to
+    // be done with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
     unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
     Ok([send_pin, recv_pin])
 }
@@ -256,8 +257,8 @@ pub(crate) struct DeviceStep {
     shapes: Vec<Option<(Shape, BurnDType)>>,
     /// Each launched bucket's output (what its gradients become).
     outputs: Vec<Option<CudaFloat>>,
-    /// Buckets handed to the launcher, and the buffers NCCL works on (kept until its stream
-    /// has been waited for).
+    /// Buckets handed to the launcher (which holds the buffers NCCL works on until its stream
+    /// is known done with them).
     in_flight: InFlight<[Pinned; 2]>,
     device: Option<CudaDevice>,
 }
@@ -390,11 +391,11 @@ impl DeviceStep {
         Ok(())
     }
 
-    /// Waits (at most `wait` per bucket) until the launcher has answered for every bucket
-    /// handed to it; keeps what it queued pinned. The first failure is returned after all
-    /// answers are in (or one never comes).
-    pub(crate) fn collect(&mut self, launcher: &Launcher, wait: Duration) -> Result<()> {
-        self.in_flight.collect(&launcher.0, wait)
+    /// Gives the pass up after failure `e` (returned): NCCL is stopped (the other ranks are
+    /// told), every answer taken and NCCL's stream drained (bounded) before any buffer the
+    /// pass pinned goes, or those are leaked if it never drains (`InFlight::abandon`).
+    pub(crate) fn abandon(&mut self, launcher: &Launcher, e: DdpError, wait: Duration) -> DdpError {
+        self.in_flight.abandon(&launcher.0, e, wait)
     }
 
     /// Waits for every queued reduction and returns, per slot with a local gradient, the
@@ -402,6 +403,7 @@ impl DeviceStep {
     /// and the slots without a local gradient whose average is not zero (other ranks used those
     /// parameters; the caller reports them, as the host path does). `slots`: (slot, bucket,
     /// offset, length).
+    /// On a failure the pass is abandoned first (see [`DeviceStep::abandon`]).
     pub(crate) fn finish(
         &mut self,
         comm: &NcclComm,
@@ -409,9 +411,7 @@ impl DeviceStep {
         wait: Duration,
         slots: impl Iterator<Item = (usize, usize, usize, usize, usize)>,
     ) -> Result<Reduced> {
-        self.collect(launcher, wait)?;
-        comm.wait()?;
-        self.in_flight.release();
+        self.in_flight.finish(&launcher.0, wait)?;
         let mut out = Vec::new();
         let mut absent = Vec::new();
         for (slot, bucket, offset, numel, flag) in slots {

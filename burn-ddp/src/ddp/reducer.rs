@@ -386,6 +386,15 @@ impl Reducer {
         #[cfg(feature = "cuda")]
         if let Some(comm) = self.nccl.take() {
             comm.abort();
+            // A pass in flight is abandoned (its buffers go once the aborted stream drained),
+            // then the launcher (what it still holds goes under the same rule).
+            if let (Some(mut step), Some(launcher)) = (self.step.take(), self.launcher.as_ref()) {
+                if let Buckets::Device(dev) = &mut step.buckets {
+                    let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+                    let _ = dev.abandon(launcher, abandoned(self.pg.rank()), wait);
+                }
+            }
+            self.launcher = None;
         }
         self.step = None;
     }
@@ -687,15 +696,16 @@ impl Reducer {
         };
         if let Some(e) = self.error.take() {
             // Buckets already queued may still be in flight, and the ranks are out of step: stop
-            // NCCL (and tell the others), and take the launcher's answers (their pins), before
-            // the step's buffers go.
-            if let Some(comm) = self.nccl.as_ref() {
-                comm.fail_with(&e);
-            }
-            if let Some(launcher) = self.launcher.as_ref() {
-                let _ = dev.collect(launcher, wait);
-            }
-            return Err(e);
+            // NCCL (and tell the others), take the launcher's answers and drain NCCL's stream
+            // before any buffer of the step goes.
+            return Err(match (self.launcher.as_ref(), self.nccl.as_ref()) {
+                (Some(launcher), _) => dev.abandon(launcher, e, wait),
+                (None, Some(comm)) => {
+                    comm.fail_with(&e);
+                    e
+                }
+                (None, None) => e,
+            });
         }
         let (Some(plan), Some(comm), Some(launcher)) = (
             self.plan.as_ref(),
@@ -966,15 +976,15 @@ impl Reducer {
                     let _ = self.collect(host);
                 }
             }
-            // NCCL may still write into the step's device buckets: take the launcher's answers
-            // and wait (bounded) before they are released, so the memory is not reused under it.
+            // The pass never finished: this rank is out of step with the others, and NCCL may
+            // still work on the step's device buckets. Abandon it: NCCL stopped (the others
+            // told), every answer taken and the stream drained before any of its buffers goes.
             #[cfg(feature = "cuda")]
             Buckets::Device(dev) => {
-                if let (Some(comm), Some(launcher)) = (self.nccl.as_ref(), self.launcher.as_ref()) {
+                if let Some(launcher) = self.launcher.as_ref() {
                     let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                    if let Err(e) = dev.collect(launcher, wait).and_then(|()| comm.wait()) {
-                        self.record_error(e);
-                    }
+                    let e = dev.abandon(launcher, abandoned(self.pg.rank()), wait);
+                    self.record_error(e);
                 }
             }
         }
@@ -985,6 +995,20 @@ impl Drop for Reducer {
     fn drop(&mut self) {
         self.discard_step();
         // Then the communication threads stop and are joined (the workers' own drop).
+    }
+}
+
+/// Why a device pass that never reached its end (its backward panicked, or the membership
+/// changed under it) was abandoned: what the other ranks are told.
+#[cfg(feature = "cuda")]
+fn abandoned(rank: crate::group::Rank) -> DdpError {
+    DdpError::Model {
+        rank,
+        what: "synchronising gradients on the GPU",
+        reason: "a backward pass ended before its gradient buckets were all launched (it \
+                 panicked, or the job's membership changed): NCCL was stopped so that no rank \
+                 waits for buckets that will not come"
+            .into(),
     }
 }
 
