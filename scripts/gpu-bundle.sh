@@ -1,52 +1,83 @@
 #!/usr/bin/env bash
 # Builds, on a machine WITHOUT a GPU, everything `scripts/gpu-check.sh` runs on the GPU machine,
-# which has an NVIDIA driver but no Rust toolchain and no network:
+# which has an NVIDIA driver but no Rust toolchain and no network, and takes at most 64 MiB a
+# session:
 #
-#   scripts/gpu-bundle.sh            # -> target/gpu-bundle/burn-ddp-gpu-check.tar.xz (< 48 MiB)
+#   scripts/gpu-bundle.sh [ARCHIVE...]     # default: all; see `target/gpu-bundle/*.tar.xz`
 #
-# Then, on the GPU machine (copy the archive there):
+# One xz archive per group of variants, each under 48 MiB, each with gpu-check.sh, the
+# `burn-ddp` tool (bandwidth, and `burn-ddp gpus` where there is no nvidia-smi) and a MANIFEST:
 #
-#   mkdir bundle && tar -xJf burn-ddp-gpu-check.tar.xz -C bundle && bundle/gpu-check.sh
+#   burn-ddp-gpu-check-021.tar.xz   core (NCCL tests, bandwidth), plain, fusion: Burn 0.21
+#   burn-ddp-gpu-check-022.tar.xz   b022, b022-fusion: Burn 0.22.1, kernels through LLVM
+#   burn-ddp-gpu-check-022cpp.tar.xz b022-cpp: Burn 0.22.1, kernels through NVRTC
 #
-# The archive holds release binaries of every CUDA test and benchmark the check runs, once per
-# Burn build (`plain`: Burn's Cuda without fusion; `fusion`: with fusion and autotune, what
-# `burn = { features = ["cuda"] }` gives users), stripped, plus `burn-ddp` (bandwidth tool),
-# gpu-check.sh and a manifest.
+# On the GPU machine, one archive (and one variant, within 10 minutes) at a time, in that order:
+#
+#   mkdir b && tar -xJf burn-ddp-gpu-check-021.tar.xz -C b && b/gpu-check.sh --variant core
+#
+# Burn 0.22.1's CUDA runtime links LLVM, whose build script would download it: the archives
+# that need it build after scripts/offline-llvm.sh has put the PyPI build of LLVM in its place.
 #
 # CUDARC_CUDA_VERSION (default 13000: CUDA 13.0, the driver of our GPU machine) selects the CUDA
 # bindings of cudarc and cubecl-cuda: never newer than the driver there, or symbols it lacks are
-# looked up at run time and fail.
+# looked up at run time and fail. The binaries need the glibc of this machine or newer (the
+# MANIFEST records it, and gpu-check.sh checks it first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 LIMIT_MIB=48
 OUT=target/gpu-bundle
-STAGE=$OUT/stage
-ARCHIVE=$OUT/burn-ddp-gpu-check.tar.xz
 
 say() { printf 'gpu-bundle: %s\n' "$*" >&2; }
 need() { command -v "$1" >/dev/null 2>&1 || { say "missing tool: $1 ($2)"; exit 2; }; }
 need cargo "install Rust with rustup"
 need python3 "used to read cargo's build messages"
 need strip "binutils"
+need objdump "binutils: reads the glibc versions the binaries need"
 need xz "xz-utils"
 
-rm -rf "$STAGE" "$ARCHIVE"
-mkdir -p "$STAGE/bin"
+# archive -> its variants
+declare -A GROUPS=([021]="core plain fusion" [022]="b022 b022-fusion" [022cpp]="b022-cpp")
+ORDER="021 022 022cpp"
+WANT=${*:-$ORDER}
+for a in $WANT; do
+    [ -n "${GROUPS[$a]:-}" ] || { say "no archive '$a' (archives: $ORDER)"; exit 2; }
+done
 
-# Builds the CUDA test and bench binaries of one Burn build into $STAGE/bin/<variant>/.
-build_variant() { # variant, cargo features
-    local variant=$1 features=$2
-    say "building the $variant binaries (features: $features, CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
-    mkdir -p "$STAGE/bin/$variant"
-    cargo build --release --locked --features "$features" \
-        --test cuda_nccl --test ddp_equivalence --bench cuda_step \
-        --message-format=json-render-diagnostics >"$OUT/$variant.json"
-    python3 - "$OUT/$variant.json" "$STAGE/bin/$variant" <<'PY'
+# variant -> cargo arguments, and the executables it needs (target names)
+cargo_args() {
+    case $1 in
+        plain) echo "--features burn-ddp-workspace/cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
+        fusion) echo "--features burn-ddp-workspace/fusion --test ddp_equivalence --bench cuda_step" ;;
+        b022) echo "-p burn-ddp-burn022 --features cuda --test cuda022 --bench cuda_step022" ;;
+        b022-fusion) echo "-p burn-ddp-burn022 --features fusion --test cuda022 --bench cuda_step022" ;;
+        b022-cpp) echo "-p burn-ddp-burn022 --features cuda-cpp --test cuda022 --bench cuda_step022" ;;
+    esac
+}
+targets_of() {
+    case $1 in
+        plain) echo "cuda_nccl ddp_equivalence cuda_step" ;;
+        fusion) echo "ddp_equivalence cuda_step" ;;
+        b022*) echo "cuda022 cuda_step022" ;;
+    esac
+}
+
+# Builds one variant's test and bench binaries into $2/bin/<variant>/ (core's into bin/).
+build_variant() { # variant, stage
+    local variant=$1 stage=$2 json
+    [ "$variant" = core ] && return 0 # built with `plain` (same features)
+    case $variant in b022*) scripts/offline-llvm.sh >/dev/null ;; esac
+    say "building $variant ($(cargo_args "$variant"), CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
+    json=$OUT/$variant.json
+    # shellcheck disable=SC2046 # the arguments are words
+    cargo build --release --locked $(cargo_args "$variant") \
+        --message-format=json-render-diagnostics >"$json"
+    mkdir -p "$stage/bin/$variant"
+    python3 - "$json" "$stage/bin/$variant" $(targets_of "$variant") <<'PY'
 import json, shutil, sys
-messages, dest = sys.argv[1], sys.argv[2]
-wanted = {"cuda_nccl", "ddp_equivalence", "cuda_step"}
+messages, dest, wanted = sys.argv[1], sys.argv[2], set(sys.argv[3:])
 found = {}
 for line in open(messages):
     m = json.loads(line)
@@ -60,30 +91,52 @@ if missing:
 for name, exe in found.items():
     shutil.copy(exe, f"{dest}/{name}")
 PY
+    if [ "$variant" = plain ]; then
+        mv "$stage/bin/plain/cuda_nccl" "$stage/bin/cuda_nccl"
+    fi
 }
 
-build_variant plain burn-ddp-workspace/cuda
-build_variant fusion burn-ddp-workspace/fusion
 say "building the bandwidth tool (burn-ddp)"
 cargo build --release --locked -p burn-ddp-comm --features cuda,cli --bin burn-ddp
-cp target/release/burn-ddp "$STAGE/bin/burn-ddp"
 
-strip "$STAGE"/bin/*/* "$STAGE/bin/burn-ddp"
-cp scripts/gpu-check.sh "$STAGE/gpu-check.sh"
-chmod +x "$STAGE/gpu-check.sh"
-{
-    echo "commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted')"
-    echo "built=$(date -u +%Y-%m-%dT%H:%MZ)"
-    echo "cuda_bindings=$CUDARC_CUDA_VERSION"
-    echo "rustc=$(rustc --version)"
-} >"$STAGE/MANIFEST"
-
-tar -C "$STAGE" -cf - . | xz -9 -T0 >"$ARCHIVE"
-bytes=$(stat -c %s "$ARCHIVE")
-ls -l "$STAGE"/bin/* >&2
-if [ "$bytes" -gt $((LIMIT_MIB << 20)) ]; then
-    say "the archive has $((bytes >> 20)) MiB, over the $LIMIT_MIB MiB limit (the GPU machine takes at most 64 MiB with the repository)"
-    exit 1
-fi
-say "wrote $ARCHIVE ($((bytes >> 10)) KiB)"
-echo "$ARCHIVE"
+mkdir -p "$OUT"
+for a in $WANT; do
+    stage=$OUT/stage-$a
+    archive=$OUT/burn-ddp-gpu-check-$a.tar.xz
+    rm -rf "$stage" "$archive"
+    mkdir -p "$stage/bin"
+    for v in ${GROUPS[$a]}; do
+        build_variant "$v" "$stage"
+    done
+    cp target/release/burn-ddp "$stage/bin/burn-ddp"
+    find "$stage/bin" -type f -exec strip {} +
+    cp scripts/gpu-check.sh "$stage/gpu-check.sh"
+    chmod +x "$stage/gpu-check.sh"
+    glibc=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null | grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' | sed 's/GLIBC_//' | sort -uV | tail -1)
+    {
+        echo "archive=$a"
+        echo "variants=${GROUPS[$a]}"
+        echo "commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted')"
+        echo "built=$(date -u +%Y-%m-%dT%H:%MZ)"
+        echo "cuda_bindings=$CUDARC_CUDA_VERSION"
+        echo "glibc=$glibc"
+        echo "build_os=$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || uname -sr)"
+        echo "rustc=$(rustc --version)"
+    } >"$stage/MANIFEST"
+    # One LZMA2 block with a dictionary as large as the tar: the binaries of a group share most
+    # of their bytes (Burn, cubecl, LLVM), which a dictionary smaller than one binary would store
+    # once per binary.
+    bytes=$(du -sb "$stage" | cut -f1)
+    dict=64
+    while [ $((dict << 20)) -lt "$bytes" ] && [ $dict -lt 1024 ]; do dict=$((dict * 2)); done
+    say "compressing archive $a ($((bytes >> 20)) MiB unpacked, dictionary $dict MiB)"
+    tar -C "$stage" -cf - . | xz -T1 "--lzma2=preset=9e,dict=${dict}MiB" >"$archive"
+    ls -l "$stage"/bin/* >&2
+    size=$(stat -c %s "$archive")
+    if [ "$size" -gt $((LIMIT_MIB << 20)) ]; then
+        say "archive $a has $((size >> 20)) MiB, over the $LIMIT_MIB MiB limit (the GPU machine takes at most 64 MiB a session with the repository)"
+        exit 1
+    fi
+    say "wrote $archive ($((size >> 10)) KiB; needs glibc $glibc or newer)"
+    echo "$archive"
+done

@@ -25,6 +25,34 @@ pub fn driver_present() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The CUDA version the driver supports (`13.0`) and one line per device this process sees
+/// (`GPU 0: NVIDIA H100 80GB HBM3, 81559 MiB`), straight from `libcuda` (what `burn-ddp gpus`
+/// prints: `nvidia-smi -L` for machines that have the driver's library but not its tools).
+///
+/// # Errors
+/// No CUDA driver, or the driver fails (with its error's name).
+pub fn describe_gpus() -> Result<(String, Vec<String>)> {
+    let rank = Rank(0);
+    let count = device_count(rank)?;
+    let mut version = 0;
+    // SAFETY: `version` is written by the driver.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(|e| driver_error(rank, "cuDriverGetVersion", e))?;
+    let mut lines = Vec::with_capacity(count);
+    for ordinal in 0..count {
+        let dev = cudarc::driver::result::device::get(ordinal as i32)
+            .map_err(|e| driver_error(rank, "cuDeviceGet", e))?;
+        let name = cudarc::driver::result::device::get_name(dev)
+            .map_err(|e| driver_error(rank, "cuDeviceGetName", e))?;
+        // SAFETY: `dev` came from `cuDeviceGet`.
+        let bytes = unsafe { cudarc::driver::result::device::total_mem(dev) }
+            .map_err(|e| driver_error(rank, "cuDeviceTotalMem", e))?;
+        lines.push(format!("GPU {ordinal}: {name}, {} MiB", bytes >> 20));
+    }
+    Ok((format!("{}.{}", version / 1000, version % 1000 / 10), lines))
+}
+
 /// What this process sees, for choosing a device and for messages.
 #[derive(Debug, Clone)]
 pub(crate) struct Visible {

@@ -20,7 +20,9 @@ mod status;
 mod wait;
 
 pub use connect::{connect_for_grads, wants_nccl};
-pub use device::{context_for, device_count, driver_present, ordinal_for, rank_ordinal};
+pub use device::{
+    context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,
+};
 pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
 pub use nccl::{check_elements, check_span, NcclComm, NcclP2p};
 

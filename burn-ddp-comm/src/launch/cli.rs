@@ -27,6 +27,9 @@ enum Command {
     /// Measure the collectives' bandwidth (like nccl-tests).
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// List the GPUs the CUDA driver shows this process (like `nvidia-smi -L`, straight from
+    /// `libcuda.so.1`, for machines without the driver's tools).
+    Gpus,
 }
 
 /// Options of `burn-ddp run`.
@@ -212,6 +215,7 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Bench(BenchCommand::AllReduce(args)) => bench(args),
         Command::Bench(BenchCommand::P2p(args)) => bench_p2p(args),
+        Command::Gpus => gpus(),
     };
     match result {
         Ok(code) => code,
@@ -220,6 +224,31 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// `burn-ddp gpus`: the driver's CUDA version and one line per GPU; fails without a driver.
+#[cfg(feature = "cuda")]
+fn gpus() -> Result<ExitCode> {
+    let (cuda, lines) = crate::cuda::describe_gpus()?;
+    println!("CUDA driver {cuda}");
+    for line in &lines {
+        println!("{line}");
+    }
+    Ok(if lines.is_empty() {
+        eprintln!("burn-ddp: the CUDA driver shows no GPU to this process");
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpus() -> Result<ExitCode> {
+    Err(crate::DdpError::InvalidConfig {
+        field: "burn-ddp gpus",
+        reason: "this burn-ddp was built without the `cuda` feature: rebuild it with \
+                 `--features cuda`",
+    })
 }
 
 /// Logs to stderr, `warn` by default; `RUST_LOG` overrides.
