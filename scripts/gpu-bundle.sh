@@ -39,11 +39,11 @@ need objdump "binutils: reads the glibc versions the binaries need"
 need xz "xz-utils"
 
 # archive -> its variants
-declare -A GROUPS=([021]="core plain fusion" [022]="b022 b022-fusion" [022cpp]="b022-cpp")
+declare -A PACKS=([021]="core plain fusion" [022]="b022 b022-fusion" [022cpp]="b022-cpp")
 ORDER="021 022 022cpp"
 WANT=${*:-$ORDER}
 for a in $WANT; do
-    [ -n "${GROUPS[$a]:-}" ] || { say "no archive '$a' (archives: $ORDER)"; exit 2; }
+    [ -n "${PACKS[$a]:-}" ] || { say "no archive '$a' (archives: $ORDER)"; exit 2; }
 done
 
 # variant -> cargo arguments, and the executables it needs (target names)
@@ -105,7 +105,7 @@ for a in $WANT; do
     archive=$OUT/burn-ddp-gpu-check-$a.tar.xz
     rm -rf "$stage" "$archive"
     mkdir -p "$stage/bin"
-    for v in ${GROUPS[$a]}; do
+    for v in ${PACKS[$a]}; do
         build_variant "$v" "$stage"
     done
     cp target/release/burn-ddp "$stage/bin/burn-ddp"
@@ -115,7 +115,7 @@ for a in $WANT; do
     glibc=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null | grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' | sed 's/GLIBC_//' | sort -uV | tail -1)
     {
         echo "archive=$a"
-        echo "variants=${GROUPS[$a]}"
+        echo "variants=${PACKS[$a]}"
         echo "commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo '+uncommitted')"
         echo "built=$(date -u +%Y-%m-%dT%H:%MZ)"
         echo "cuda_bindings=$CUDARC_CUDA_VERSION"

@@ -197,7 +197,7 @@ else
 fi
 echo "gpu-check: $(head -3 <<<"$GPUS" | tr '\n' ' ')" >&2
 add_lib_dir "$(dirname "$cuda_lib")"
-[ -z "$VARIANTS" ] && lack "bundle binaries: this directory holds none of the variants' binaries (bin/). Run this script from the unpacked archive of scripts/gpu-bundle.sh (built on any machine with Rust; no GPU needed there)"
+[ -z "$HELD" ] && lack "bundle binaries: this directory holds none of the variants' binaries (bin/). Run this script from the unpacked archive of scripts/gpu-bundle.sh (built on any machine with Rust; no GPU needed there)"
 
 if [ "$missing" -gt 0 ]; then
     echo "gpu-check: $missing piece(s) missing (above); nothing was run." >&2
