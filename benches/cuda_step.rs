@@ -5,7 +5,13 @@
 //! - `Autodiff<Ddp<Cuda>>` at world size 1 with the default transport (nothing to synchronise:
 //!   the decorator's own cost),
 //! - `Autodiff<Ddp<Cuda>>` at world size 1 with `GradTransport::Nccl` (the zero-copy bucket path
-//!   runs in full: packing, sync, NCCL all-reduce, write-back).
+//!   runs in full: packing, sync, NCCL all-reduce, write-back), with the default buckets, with
+//!   one bucket for the whole model, and with 64 KiB buckets.
+//!
+//! The launcher resolves every bucket on its own (with fusion: a drain of Burn's fusion stream
+//! up to that point, and a sync of cubecl's stream), so the cost per bucket is the difference
+//! between the last two columns divided by the difference in bucket count; run under both Burn
+//! builds (`cuda`, `fusion`), the two tables separate what fusion's drain adds.
 //!
 //! ```text
 //! cargo bench --features cuda --bench cuda_step -- --rounds 5
@@ -59,13 +65,49 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn ddp_steps(transport: GradTransport, which: Which, batch: usize, steps: usize) -> Vec<f64> {
-    let session = DdpSession::new(
-        ProcessGroup::single(),
-        DdpConfig::default().with_transport(transport),
-    )
-    .expect("session");
-    time_steps::<Decorated>(which, batch, WARMUP, steps, &mut DdpTrainer(session))
+/// One side of the comparison.
+#[derive(Clone, Copy)]
+enum Side {
+    Plain,
+    /// The decorator with this transport and, for NCCL, these bucket caps (bytes; first, rest).
+    Ddp(GradTransport, Option<(usize, usize)>),
+}
+
+const SIDES: [(Side, &str); 5] = [
+    (Side::Plain, "plain step"),
+    (Side::Ddp(GradTransport::Auto, None), "Ddp, nothing to sync"),
+    (
+        Side::Ddp(GradTransport::Nccl, None),
+        "NCCL, default buckets",
+    ),
+    (
+        Side::Ddp(GradTransport::Nccl, Some((usize::MAX / 2, usize::MAX / 2))),
+        "NCCL, one bucket",
+    ),
+    (
+        Side::Ddp(GradTransport::Nccl, Some((64 << 10, 64 << 10))),
+        "NCCL, 64 KiB buckets",
+    ),
+];
+
+/// Seconds per step of `side`, and how many buckets its session had (0: none).
+fn side_steps(side: Side, which: Which, batch: usize, steps: usize) -> (Vec<f64>, usize) {
+    let (transport, caps) = match side {
+        Side::Plain => {
+            let t = time_steps::<Plain>(which, batch, WARMUP, steps, &mut PlainTrainer);
+            return (t, 0);
+        }
+        Side::Ddp(t, caps) => (t, caps),
+    };
+    let mut config = DdpConfig::default().with_transport(transport);
+    if let Some((first, rest)) = caps {
+        config.first_bucket_cap_bytes = first;
+        config.bucket_cap_bytes = rest;
+    }
+    let session = DdpSession::new(ProcessGroup::single(), config).expect("session");
+    let mut trainer = DdpTrainer(session);
+    let t = time_steps::<Decorated>(which, batch, WARMUP, steps, &mut trainer);
+    (t, trainer.0.buckets().len())
 }
 
 fn main() -> ExitCode {
@@ -87,46 +129,46 @@ fn main() -> ExitCode {
             }
         }
     }
-    println!("# Autodiff<Ddp<Cuda>> vs Autodiff<Cuda>, world size 1 ({rounds} rounds, medians of per-round medians)");
-    println!("| model | plain step (ms) | Ddp, nothing to sync (ms) | overhead | Ddp, NCCL bucket path (ms) | overhead |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "# Autodiff<Ddp<Cuda>> vs Autodiff<Cuda>, world size 1 ({rounds} rounds, medians of \
+         per-round medians; in brackets: the time against plain, and the number of buckets)"
+    );
+    let head: Vec<&str> = SIDES.iter().map(|(_, name)| *name).collect();
+    println!("| model | {} (ms) |", head.join(" (ms) | "));
+    println!("|---|{}", "---|".repeat(SIDES.len()));
     for (which, batch, steps) in [(Which::Mlp, 256, 200), (Which::Many, 64, 60)] {
-        let (mut plain, mut auto, mut nccl) = (Vec::new(), Vec::new(), Vec::new());
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); SIDES.len()];
+        let mut buckets = vec![0; SIDES.len()];
         for round in 0..rounds {
             // Rotate the order so drift in the machine's speed hits every side alike.
-            for k in 0..3 {
-                match (round + k) % 3 {
-                    0 => plain.push(median(&mut time_steps::<Plain>(
-                        which,
-                        batch,
-                        WARMUP,
-                        steps,
-                        &mut PlainTrainer,
-                    ))),
-                    1 => auto.push(median(&mut ddp_steps(
-                        GradTransport::Auto,
-                        which,
-                        batch,
-                        steps,
-                    ))),
-                    _ => nccl.push(median(&mut ddp_steps(
-                        GradTransport::Nccl,
-                        which,
-                        batch,
-                        steps,
-                    ))),
-                }
+            for k in 0..SIDES.len() {
+                let s = (round + k) % SIDES.len();
+                let (mut t, b) = side_steps(SIDES[s].0, which, batch, steps);
+                times[s].push(median(&mut t));
+                buckets[s] = b;
             }
         }
-        let (p, a, n) = (median(&mut plain), median(&mut auto), median(&mut nccl));
+        let medians: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
+        let cells: Vec<String> = medians
+            .iter()
+            .zip(&buckets)
+            .enumerate()
+            .map(|(i, (m, b))| match i {
+                0 => format!("{:.3}", m * 1e3),
+                _ if *b == 0 => {
+                    format!("{:.3} ({:+.2} %)", m * 1e3, (m / medians[0] - 1.0) * 100.0)
+                }
+                _ => format!(
+                    "{:.3} ({:+.2} %, {b} buckets)",
+                    m * 1e3,
+                    (m / medians[0] - 1.0) * 100.0
+                ),
+            })
+            .collect();
         println!(
-            "| {} (batch {batch}) | {:.3} | {:.3} | {:+.2} % | {:.3} | {:+.2} % |",
+            "| {} (batch {batch}) | {} |",
             which.name(),
-            p * 1e3,
-            a * 1e3,
-            (a / p - 1.0) * 100.0,
-            n * 1e3,
-            (n / p - 1.0) * 100.0
+            cells.join(" | ")
         );
     }
     ExitCode::SUCCESS
