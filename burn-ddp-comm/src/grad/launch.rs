@@ -404,9 +404,17 @@ impl<P: Send + 'static> InFlight<P> {
         wait: Duration,
     ) -> DdpError {
         launcher.queue.fail_with(&e);
+        self.settle_stopped(launcher, wait);
+        e
+    }
+
+    /// For a queue its owner has already stopped without telling anyone (a membership that
+    /// changed: the other ranks know, and the job's abort record now belongs to the next
+    /// membership): takes every answer still owed (at most `wait` each), then drains the queue
+    /// (bounded) before any pin goes, or leaks them if it never goes idle.
+    pub fn settle_stopped<J: Send + 'static>(&mut self, launcher: &Launcher<J, P>, wait: Duration) {
         let _ = self.collect(launcher, wait);
         launcher.settle_stopped();
-        e
     }
 }
 
@@ -668,6 +676,22 @@ mod tests {
         assert_eq!(stream.fails.load(Ordering::SeqCst), 1);
         drop(l);
         assert_eq!(stream.released.load(Ordering::SeqCst), 1);
+        assert_eq!(stream.early.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_stream_its_owner_stopped_is_drained_without_telling_anyone() {
+        let stream = Arc::new(Stream::default());
+        let l = launcher(&stream);
+        let mut p = pass(&l, &[Job::Runs(5_000), Job::Runs(5_000)]);
+        std::thread::sleep(Duration::from_millis(50)); // both queued
+                                                       // The owner aborts the communicator itself (a membership change), as NCCL's abort does.
+        for t in stream.transfers.lock().unwrap().iter_mut().flatten() {
+            *t = (*t).min(Instant::now() + Duration::from_millis(30));
+        }
+        p.settle_stopped(&l, WAIT);
+        assert_eq!(stream.fails.load(Ordering::SeqCst), 0, "told the others");
+        assert_eq!(stream.released.load(Ordering::SeqCst), 2);
         assert_eq!(stream.early.load(Ordering::SeqCst), 0);
     }
 

@@ -398,6 +398,13 @@ impl DeviceStep {
         self.in_flight.abandon(&launcher.0, e, wait)
     }
 
+    /// After the communicator was aborted by its owner (a membership change: nobody to tell),
+    /// takes every answer and drains NCCL's stream (bounded) before any buffer the pass pinned
+    /// goes (`InFlight::settle_stopped`).
+    pub(crate) fn settle_aborted(&mut self, launcher: &Launcher, wait: Duration) {
+        self.in_flight.settle_stopped(&launcher.0, wait);
+    }
+
     /// Waits for every queued reduction and returns, per slot with a local gradient, the
     /// reduced values (a view of the bucket's output, shaped and typed as the gradient was),
     /// and the slots without a local gradient whose average is not zero (other ranks used those

@@ -385,13 +385,14 @@ impl Reducer {
     pub(crate) fn abort_transports(&mut self) {
         #[cfg(feature = "cuda")]
         if let Some(comm) = self.nccl.take() {
+            // Aborted without publishing: the job's abort record belongs to the new membership.
             comm.abort();
-            // A pass in flight is abandoned (its buffers go once the aborted stream drained),
-            // then the launcher (what it still holds goes under the same rule).
+            // A pass in flight lets its buffers go once the aborted stream drained, then the
+            // launcher (what it still holds goes under the same rule).
             if let (Some(mut step), Some(launcher)) = (self.step.take(), self.launcher.as_ref()) {
                 if let Buckets::Device(dev) = &mut step.buckets {
                     let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                    let _ = dev.abandon(launcher, abandoned(self.pg.rank()), wait);
+                    dev.settle_aborted(launcher, wait);
                 }
             }
             self.launcher = None;
