@@ -21,6 +21,9 @@
 #[allow(dead_code)] // shared with ddp_step.rs, which uses the rest
 mod step_model;
 
+#[path = "common/args.rs"]
+mod args;
+
 use std::process::ExitCode;
 
 use burn::backend::{Autodiff, Cuda};
@@ -111,24 +114,13 @@ fn side_steps(side: Side, which: Which, batch: usize, steps: usize) -> (Vec<f64>
 }
 
 fn main() -> ExitCode {
-    let mut rounds = 5;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--bench" => {}
-            "--rounds" => match args.next().and_then(|n| n.parse().ok()) {
-                Some(n) if n > 0 => rounds = n,
-                _ => {
-                    eprintln!("--rounds needs a positive number");
-                    return ExitCode::FAILURE;
-                }
-            },
-            other => {
-                eprintln!("unknown argument {other}: expected --rounds N");
-                return ExitCode::FAILURE;
-            }
+    let rounds = match args::parse(&[]) {
+        Ok(a) => a.rounds,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
         }
-    }
+    };
     println!(
         "# Autodiff<Ddp<Cuda>> vs Autodiff<Cuda>, world size 1 ({rounds} rounds, medians of \
          per-round medians; in brackets: the time against plain, and the number of buckets)"

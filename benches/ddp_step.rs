@@ -20,6 +20,8 @@
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
+#[path = "common/args.rs"]
+mod args;
 #[path = "common/step_model.rs"]
 mod step_model;
 #[path = "common/step_model_022.rs"]
@@ -533,30 +535,14 @@ fn main() -> ExitCode {
             }
         };
     }
-    // `cargo bench` appends `--bench`; the rest are bench names and `--rounds N`.
-    let mut names = Vec::new();
-    let mut rounds = 5;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--bench" => {}
-            "--rounds" => match args.next().and_then(|n| n.parse().ok()) {
-                Some(n) if n > 0 => rounds = n,
-                _ => {
-                    eprintln!("--rounds needs a positive number");
-                    return ExitCode::FAILURE;
-                }
-            },
-            "overhead" | "buckets" | "scaling" | "lines" | "memory" => names.push(a),
-            other => {
-                eprintln!(
-                    "unknown argument {other}: expected overhead, buckets, scaling, lines, \
-                     memory, --rounds N"
-                );
+    let (rounds, mut names) =
+        match args::parse(&["overhead", "buckets", "scaling", "lines", "memory"]) {
+            Ok(a) => (a.rounds, a.names),
+            Err(e) => {
+                eprintln!("{e}");
                 return ExitCode::FAILURE;
             }
-        }
-    }
+        };
     if names.is_empty() {
         names = vec![
             "overhead".into(),

@@ -13,6 +13,9 @@
 //! cargo bench -p burn-ddp-burn022 --features cuda --bench cuda_step022 -- --rounds 5
 //! ```
 
+#[path = "../../benches/common/args.rs"]
+mod args;
+
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -120,24 +123,13 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 fn main() -> ExitCode {
-    let mut rounds = 5;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--bench" => {}
-            "--rounds" => match args.next().and_then(|n| n.parse().ok()) {
-                Some(n) if n > 0 => rounds = n,
-                _ => {
-                    eprintln!("--rounds needs a positive number");
-                    return ExitCode::FAILURE;
-                }
-            },
-            other => {
-                eprintln!("unknown argument {other}: expected --rounds N");
-                return ExitCode::FAILURE;
-            }
+    let rounds = match args::parse(&[]) {
+        Ok(a) => a.rounds,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
         }
-    }
+    };
     let device = match burn_ddp_burn022::cuda::rank_device(&ProcessGroup::single()) {
         Ok(d) => d.autodiff(),
         Err(e) => {
