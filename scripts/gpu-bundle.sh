@@ -112,7 +112,10 @@ for a in $WANT; do
     find "$stage/bin" -type f -exec strip {} +
     cp scripts/gpu-check.sh "$stage/gpu-check.sh"
     chmod +x "$stage/gpu-check.sh"
-    glibc=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null | grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' | sed 's/GLIBC_//' | sort -uV | tail -1)
+    symbols=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null)
+    glibc=$(grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' <<<"$symbols" | sed 's/GLIBC_//' | sort -uV | tail -1)
+    # LLVM (the Burn 0.22 archives) is C++: libstdc++ is linked dynamically.
+    glibcxx=$(grep -oE 'GLIBCXX_[0-9]+\.[0-9]+(\.[0-9]+)*' <<<"$symbols" | sed 's/GLIBCXX_//' | sort -uV | tail -1)
     {
         echo "archive=$a"
         echo "variants=${PACKS[$a]}"
@@ -120,6 +123,7 @@ for a in $WANT; do
         echo "built=$(date -u +%Y-%m-%dT%H:%MZ)"
         echo "cuda_bindings=$CUDARC_CUDA_VERSION"
         echo "glibc=$glibc"
+        echo "glibcxx=$glibcxx"
         echo "build_os=$( (. /etc/os-release && echo "$PRETTY_NAME") 2>/dev/null || uname -sr)"
         echo "rustc=$(rustc --version)"
     } >"$stage/MANIFEST"
@@ -137,6 +141,6 @@ for a in $WANT; do
         say "archive $a has $((size >> 20)) MiB, over the $LIMIT_MIB MiB limit (the GPU machine takes at most 64 MiB a session with the repository)"
         exit 1
     fi
-    say "wrote $archive ($((size >> 10)) KiB; needs glibc $glibc or newer)"
+    say "wrote $archive ($((size >> 10)) KiB; needs glibc $glibc${glibcxx:+ and libstdc++ with GLIBCXX_$glibcxx} or newer)"
     echo "$archive"
 done

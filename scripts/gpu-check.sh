@@ -107,6 +107,23 @@ if [ -n "$need_glibc" ]; then
     fi
 fi
 
+# The Burn 0.22 archives link LLVM, which is C++: libstdc++.so.6 must have their GLIBCXX version.
+need_glibcxx=$(manifest glibcxx)
+if [ -n "$need_glibcxx" ]; then
+    libstdcxx=$(ldconfig -p 2>/dev/null | awk '$1 == "libstdc++.so.6" { print $NF; exit }')
+    for d in /usr/lib/x86_64-linux-gnu /usr/lib64 /lib/x86_64-linux-gnu /usr/lib; do
+        [ -z "$libstdcxx" ] && [ -e "$d/libstdc++.so.6" ] && libstdcxx=$d/libstdc++.so.6
+    done
+    if [ -z "$libstdcxx" ]; then
+        echo "gpu-check: cannot run here: no libstdc++.so.6 (the bundle's binaries link LLVM, which is C++). Install the system's libstdc++6 package" >&2
+        exit 2
+    fi
+    if ! grep -aqF "GLIBCXX_$need_glibcxx" "$libstdcxx"; then
+        echo "gpu-check: cannot run here: $libstdcxx is older than the bundle's binaries need (GLIBCXX_$need_glibcxx, built on $(manifest build_os)). Build the bundle on a system at least as old as this one (scripts/gpu-bundle.sh), or install a newer libstdc++6" >&2
+        exit 2
+    fi
+fi
+
 # --- where libraries are -----------------------------------------------------------------
 SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/burn-ddp-gpu-check.XXXXXX")
 trap 'rm -rf "$SCRATCH"' EXIT

@@ -7,7 +7,7 @@
 # The stand-ins: a libcuda.so.1 compiled here that shows one GPU (CUDA 13.0) and nothing else,
 # found through LD_LIBRARY_PATH, with no nvidia-smi; NCCL only in a Python environment that is
 # not activated; NVRTC and the headers only in pip's nvidia/cu13 layout; a bundle that needs a
-# newer glibc than the machine's; no driver at all. The bundle's test binaries are stand-ins
+# newer glibc or libstdc++ than the machine's; no driver at all. The bundle's test binaries are stand-ins
 # that print what they were given, so this checks the script's discovery, skipping and report,
 # not CUDA.
 set -euo pipefail
@@ -137,6 +137,13 @@ check old-glibc 2 "$(home_with old-glibc nccl cu13)" "$WORK/driver"
 expect_out old-glibc "cannot run here: this machine's glibc is $glibc, the bundle's binaries need 9.99 or newer"
 [ "$(wc -l <<<"$OUT")" = 1 ] || fail "old-glibc: more than one line"
 sed -i "s/^glibc=.*/glibc=$glibc/" "$B/MANIFEST"
+
+# 5b. A libstdc++ older than LLVM's C++ needs (the Burn 0.22 archives): one line too.
+echo "glibcxx=9.9.99" >>"$B/MANIFEST"
+check old-libstdcxx 2 "$(home_with old-libstdcxx nccl cu13)" "$WORK/driver"
+expect_out old-libstdcxx "is older than the bundle's binaries need (GLIBCXX_9.9.99"
+[ "$(wc -l <<<"$OUT")" = 1 ] || fail "old-libstdcxx: more than one line"
+sed -i '/^glibcxx=/d' "$B/MANIFEST"
 
 # 6. No driver at all: "no GPU here", at once.
 check no-driver 2 "$(home_with no-driver nccl cu13)" ""
