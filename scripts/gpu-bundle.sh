@@ -134,7 +134,7 @@ for a in $WANT; do
     dict=64
     while [ $((dict << 20)) -lt "$bytes" ] && [ $dict -lt 1024 ]; do dict=$((dict * 2)); done
     say "compressing archive $a ($((bytes >> 20)) MiB unpacked, dictionary $dict MiB)"
-    tar -C "$stage" -cf - . | xz -T1 "--lzma2=preset=9e,dict=${dict}MiB" >"$archive"
+    tar -C "$stage" -cf - . | xz -T1 "--lzma2=preset=6,dict=${dict}MiB" >"$archive"
     ls -l "$stage"/bin/* >&2
     size=$(stat -c %s "$archive")
     if [ "$size" -gt $((LIMIT_MIB << 20)) ]; then
