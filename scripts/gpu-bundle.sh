@@ -113,9 +113,9 @@ for a in $WANT; do
     cp scripts/gpu-check.sh "$stage/gpu-check.sh"
     chmod +x "$stage/gpu-check.sh"
     symbols=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null)
-    glibc=$(grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' <<<"$symbols" | sed 's/GLIBC_//' | sort -uV | tail -1)
+    glibc=$(grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' <<<"$symbols" | sed 's/GLIBC_//' | sort -uV | tail -1 || true)
     # LLVM (the Burn 0.22 archives) is C++: libstdc++ is linked dynamically.
-    glibcxx=$(grep -oE 'GLIBCXX_[0-9]+\.[0-9]+(\.[0-9]+)*' <<<"$symbols" | sed 's/GLIBCXX_//' | sort -uV | tail -1)
+    glibcxx=$(grep -oE 'GLIBCXX_[0-9]+\.[0-9]+(\.[0-9]+)*' <<<"$symbols" | sed 's/GLIBCXX_//' | sort -uV | tail -1 || true)
     {
         echo "archive=$a"
         echo "variants=${PACKS[$a]}"
