@@ -6,6 +6,8 @@
 //! - `tcp/`: ring collectives between processes over TCP
 //! - `local.rs`: collectives between the threads of one process
 //! - `p2p.rs`: point-to-point messages (send/recv), between processes and between threads
+//! - `queue.rs`: [`Queue`], a stream of device collectives as the release of their buffers
+//!   needs it (waited for, stopped, drained)
 //!
 //! Every implementation of [`Communicator`] works on host memory, checks that all ranks call
 //! the same collective (a [`CollectiveDesc`] per call), and never waits without a deadline.
@@ -20,11 +22,13 @@ use crate::Result;
 mod local;
 pub(crate) mod memory;
 pub(crate) mod p2p;
+mod queue;
 pub(crate) mod reduce;
 pub(crate) mod tcp;
 
 pub use crate::types::{CollectiveDesc, CollectiveOp, DType, Element, ReduceOp};
 pub use local::LocalCommunicator;
+pub use queue::{Queue, DRAIN_LIMIT};
 pub use tcp::TcpCommunicator;
 
 /// Collectives on host memory. Buffers are raw bytes holding whole elements of the given

@@ -29,9 +29,8 @@ use cudarc::nccl::sys::{self, ncclDataType_t, ncclRedOp_t, ncclResult_t};
 use super::library::{usable_nccl, NcclVersion};
 use super::status::{driver_error, nccl_error};
 use super::wait::{wait_for, Poll, Stop};
-use crate::comm::{CollectiveOp, DType, Element, ReduceOp};
+use crate::comm::{CollectiveOp, DType, Element, Queue, ReduceOp, DRAIN_LIMIT};
 use crate::error::{DdpError, Result};
-use crate::grad::{Queue, DRAIN_LIMIT};
 use crate::group::ProcessGroup;
 use crate::types::{AbortRecord, CollectiveSeq, Rank, WorldSize};
 

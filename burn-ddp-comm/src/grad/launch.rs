@@ -25,35 +25,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::Worker;
+use crate::comm::{Queue, DRAIN_LIMIT};
 use crate::types::Rank;
 use crate::{DdpError, Result};
 
 /// What the launcher thread is called in errors.
 const WHAT: &str = "the NCCL launcher thread";
 
-/// How long a stopped queue may take to go idle before its pins are leaked.
-pub const DRAIN_LIMIT: Duration = Duration::from_secs(10);
-
 /// Numbers the passes of every launcher of this process.
 static PASSES: AtomicU64 = AtomicU64::new(0);
-
-/// The stream a [`Launcher`]'s collectives are queued on (an NCCL communicator), as far as the
-/// release of their pins needs it.
-pub trait Queue: Send + Sync {
-    /// Waits, with the collective deadline, for everything queued so far.
-    ///
-    /// # Errors
-    /// The deadline, or the work failed: nothing is known finished then.
-    fn wait(&self) -> Result<()>;
-
-    /// Stops the queue after failure `e` (NCCL: `ncclCommAbort`, which ends kernels waiting
-    /// for peers), telling the other ranks. Nothing queued later runs.
-    fn fail_with(&self, e: &DdpError);
-
-    /// After [`Queue::fail_with`]: waits at most `limit` for the work queued before to finish or
-    /// stop. `true`: none of it runs any more.
-    fn drain(&self, limit: Duration) -> bool;
-}
 
 /// One bucket for the launcher thread, tagged with its pass.
 struct Tagged<J> {

@@ -27,10 +27,11 @@ mod powersgd;
 mod worker;
 mod zero;
 
+pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};
-pub use launch::{InFlight, Launcher, Queue, DRAIN_LIMIT};
+pub use launch::{InFlight, Launcher};
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;
