@@ -248,8 +248,14 @@ impl NcclComm {
     /// # Errors
     /// As [`NcclComm::new`], and [`DdpError::DeviceMismatch`] naming both GPUs.
     pub fn on_device(pg: &ProcessGroup, ordinal: usize) -> Result<Self> {
+        Self::on_gpu(pg, ordinal, true)
+    }
+
+    /// [`NcclComm::on_device`] and [`NcclComm::probe`]: GPU `ordinal`, checked against the
+    /// rank's `LOCAL_RANK`, failures published to the job or not.
+    fn on_gpu(pg: &ProcessGroup, ordinal: usize, publishing: bool) -> Result<Self> {
         let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), Some(ordinal))?;
-        Self::on(pg, super::device::context(pg.rank(), ordinal)?)
+        Self::create(pg, super::device::context(pg.rank(), ordinal)?, publishing)
     }
 
     /// As [`NcclComm::new`], on the GPU of `ctx` (which must be the same on no two ranks).
@@ -268,8 +274,7 @@ impl NcclComm {
     /// # Errors
     /// As [`NcclComm::on_device`].
     pub fn probe(pg: &ProcessGroup, ordinal: usize) -> Result<Self> {
-        let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), Some(ordinal))?;
-        Self::create(pg, super::device::context(pg.rank(), ordinal)?, false)
+        Self::on_gpu(pg, ordinal, false)
     }
 
     /// Ends the trial of [`NcclComm::probe`]: from now on a failure is published to the job,
