@@ -28,6 +28,19 @@ pub enum DdpError {
         hint: &'static str,
     },
 
+    /// A launcher's variables are present but do not describe a job this process can join
+    /// (some of them missing, a batch script instead of its tasks, ranks on several hosts
+    /// without `MASTER_ADDR`).
+    #[error("{launcher}: {problem}. {fix}")]
+    Launch {
+        /// The launcher whose variables were read.
+        launcher: &'static str,
+        /// What is wrong, with the values seen.
+        problem: String,
+        /// How to launch instead.
+        fix: String,
+    },
+
     /// An environment variable holds a value that cannot be used.
     #[error("environment variable {var}={value:?} is invalid: expected {expected}")]
     InvalidEnv {

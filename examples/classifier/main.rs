@@ -35,7 +35,7 @@ use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
-use burn_ddp::train::{DdpStrategy, DdpTraining, RunSettings};
+use burn_ddp::train::{prepare_output, DdpStrategy, DdpTraining, RunSettings};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, DistributedSampler, PowerSgd, ProcessGroup, ReduceOp};
 use clap::Parser;
 
@@ -106,17 +106,15 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
             .to_string_lossy()
             .replace("{rank}", &pg.rank().to_string()),
     );
-    // A fresh run starts in an empty directory, as Burn's examples do (otherwise Burn's summary
-    // would count the epochs of an older run). A resumed or restarted run keeps it: that is
-    // where its checkpoints are. Only the rank that writes there clears it.
-    let resuming = args.resume || pg.restart_count() > 0;
-    let writes_here = main || args.out.to_string_lossy().contains("{rank}");
-    if !resuming && writes_here {
-        match std::fs::remove_dir_all(&out) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("clearing {}: {e}", out.display()).into()),
-        }
+    // A fresh run starts in an empty directory; a resumed, restarted or requeued run keeps it
+    // (its checkpoints are there). Only the rank that writes there clears it.
+    if main || args.out.to_string_lossy().contains("{rank}") {
+        prepare_output(
+            &out,
+            &out.join("checkpoint"),
+            args.resume,
+            pg.restart_count(),
+        )?;
     }
     let data = match &args.mnist {
         Some(dir) => data::mnist(dir)?,
@@ -125,11 +123,12 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
     images::check_sizes(data.train.len(), data.test.len(), world)?;
     if main {
         println!(
-            "{}: {} training / {} test images, {} classes; {world} ranks × batch {} = global batch {}",
+            "{}: {} training / {} test images, {} classes; {world} rank{} × batch {} = global batch {}",
             data.name,
             data.train.len(),
             data.test.len(),
             data.classes,
+            if world == 1 { "" } else { "s" },
             args.batch_size,
             world * args.batch_size
         );

@@ -31,7 +31,7 @@ use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
-use burn_ddp_burn022::train::{DdpStrategy, DdpTraining, RunSettings};
+use burn_ddp_burn022::train::{prepare_output, DdpStrategy, DdpTraining, RunSettings};
 use burn_ddp_burn022::{DdpConfig, DistributedSampler, GradSync, ProcessGroup, ReduceOp};
 use clap::Parser;
 
@@ -87,16 +87,15 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
             .to_string_lossy()
             .replace("{rank}", &pg.rank().to_string()),
     );
-    // A fresh run starts in an empty directory (otherwise Burn's summary would count the
-    // epochs of an older run). A resumed or restarted run keeps it: its checkpoints are there.
-    let resuming = args.resume || pg.restart_count() > 0;
-    let writes_here = main || args.out.to_string_lossy().contains("{rank}");
-    if !resuming && writes_here {
-        match std::fs::remove_dir_all(&out) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("clearing {}: {e}", out.display()).into()),
-        }
+    // A fresh run starts in an empty directory; a resumed, restarted or requeued run keeps it
+    // (its checkpoints are there). Only the rank that writes there clears it.
+    if main || args.out.to_string_lossy().contains("{rank}") {
+        prepare_output(
+            &out,
+            &out.join("checkpoint"),
+            args.resume,
+            pg.restart_count(),
+        )?;
     }
     let (train, test, classes, name) = match &args.mnist {
         Some(dir) => {
@@ -114,10 +113,11 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
     images::check_sizes(train.len(), test.len(), world)?;
     if main {
         println!(
-            "{name}: {} training / {} test images, {classes} classes; {world} ranks × batch {} = \
+            "{name}: {} training / {} test images, {classes} classes; {world} rank{} × batch {} = \
              global batch {}",
             train.len(),
             test.len(),
+            if world == 1 { "" } else { "s" },
             args.batch_size,
             world * args.batch_size
         );

@@ -3,6 +3,7 @@
 //! vote (burn-ddp-comm's `train::vote`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
 use burn::data::dataloader::{DataLoader, DataLoaderIterator};
@@ -11,7 +12,7 @@ use burn::store::ModuleRecord;
 use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
-    LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
+    LearnerSummary, LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
     ValidLoader,
 };
@@ -133,7 +134,9 @@ where
             dataloader_valid,
             start,
         );
-        let summary = summary_config.and_then(|s| s.init().ok());
+        let summary = summary_config
+            .and_then(|s| s.init().ok())
+            .map(|s| self.completed_only(s));
         interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));
         interrupter.fail_on_error(processor.flush());
         LearningResult {
@@ -172,6 +175,7 @@ where
         }
         let [train_total, valid_total] = totals.map(|t| t as usize);
 
+        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
         for epoch in starting_epoch..=epochs {
             self.set_epoch(epoch);
             interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
@@ -209,6 +213,7 @@ where
             if flow == Flow::Stop {
                 break;
             }
+            self.completed.store(epoch, Ordering::Relaxed);
             let mut vote = Vote::Item;
             if self.is_main() {
                 if checkpointer.is_some() || early_stopping.is_some() {
@@ -246,6 +251,24 @@ where
 }
 
 impl DdpStrategy {
+    /// Burn's summary of a run that failed counts only the epochs it completed. Burn counts
+    /// the highest epoch whose metric logs it finds, and the epoch the run failed in has
+    /// logs ("Total Epochs: 2" after one finished epoch).
+    fn completed_only(&self, mut summary: LearnerSummary) -> LearnerSummary {
+        if self.failure.message().is_none() {
+            return summary;
+        }
+        let done = self.completed.load(Ordering::Relaxed);
+        summary.epochs = summary.epochs.min(done);
+        for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
+            for metric in split.iter_mut() {
+                metric.entries.retain(|e| e.step <= done);
+            }
+            split.retain(|m| !m.entries.is_empty());
+        }
+        summary
+    }
+
     fn lock_sync(&self) -> MutexGuard<'_, GradSync> {
         self.sync.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -259,6 +282,7 @@ impl DdpStrategy {
         epochs: usize,
         parameters: usize,
     ) -> Result<Option<usize>> {
+        let job = burn_ddp_comm::config::env::run_id();
         run::start_epoch(
             &self.pg,
             &run::StartAsk {
@@ -268,6 +292,7 @@ impl DdpStrategy {
                 epochs,
                 parameters,
                 settings: &self.run,
+                job: job.as_deref(),
             },
         )
     }

@@ -37,7 +37,6 @@ mod epochs;
 mod item;
 mod render;
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -48,11 +47,12 @@ use burn::train::{
     Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
     TrainingStrategy,
 };
+use burn_ddp_comm::train::terminal::can_draw_dashboard;
 use burn_ddp_comm::train::vote::FailureSlot;
 
 pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
 pub use burn_ddp_comm::train::files::newest_complete;
-pub use burn_ddp_comm::train::run::RunSettings;
+pub use burn_ddp_comm::train::run::{prepare_output, RunSettings};
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
@@ -97,6 +97,9 @@ pub struct DdpStrategy {
     run: RunSettings,
     /// The world size and the round, for rank 0's dashboard.
     board: MembershipBoard,
+    /// The last epoch whose training and validation both ended (for the summary of a run
+    /// that failed in the middle of the next).
+    completed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl std::fmt::Debug for DdpStrategy {
@@ -131,6 +134,7 @@ impl DdpStrategy {
             resume: false,
             samplers: Vec::new(),
             failure: FailureSlot::default(),
+            completed: Arc::default(),
             run: RunSettings::new(),
         }
     }
@@ -281,7 +285,7 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         let training = if ddp.is_main() {
             // The job's membership on the dashboard when it was restarted or is elastic: two
             // more metrics, `World size` and `Membership`.
-            let training = if !std::io::stdout().is_terminal() {
+            let training = if !can_draw_dashboard() {
                 training.renderer(Box::new(WithMembership::new(
                     ProgressLines::default(),
                     ddp.board.clone(),

@@ -11,16 +11,19 @@
 //! |---|---|---|
 //! | `RANK`, `WORLD_SIZE` | global rank and job size (torchrun) | single process when neither is set |
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
-//! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | `127.0.0.1`, `29500` |
+//! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | host: the first of Slurm's node list; loopback when every rank is on this host (required under `mpirun` across hosts). Port: derived from the job under Slurm and Open MPI ([`job_port`]), else `29500` |
 //! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
-//! | `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_STEP_NODELIST` | Slurm fallback (`srun`) | |
-//! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then `SLURM_JOB_ID.SLURM_STEP_ID` |
+//! | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `PMIX_NAMESPACE`, `OMPI_MCA_ess_base_jobid` | Open MPI's `mpirun` (when `RANK` is not set); `PMIX_RANK` must agree | |
+//! | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | MPICH's and Intel MPI's `mpiexec` (Hydra), when neither `RANK` nor Open MPI's are set | |
+//! | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` (else `SLURM_NTASKS`), `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE`, `SLURM_STEP_NODELIST`, `SLURM_STEP_ID` | Slurm (`srun`), when none of the above is set; a batch script (no `SLURM_STEP_ID`) of several tasks is refused | |
+//! | `BURN_DDP_JOB_TOKEN` | job secret | `TORCHELASTIC_RUN_ID`, then the MPI job (`PMIX_NAMESPACE`, `OMPI_MCA_ess_base_jobid`), then `SLURM_JOB_ID.SLURM_STEP_ID` |
 //! | `BURN_DDP_TIMEOUT` | every deadline (`90`, `2.5s`, `10m`) | 10 min |
 //! | `BURN_DDP_RENDEZVOUS_TIMEOUT`, `BURN_DDP_STORE_TIMEOUT`, `BURN_DDP_COLLECTIVE_TIMEOUT` | one deadline each | `BURN_DDP_TIMEOUT` |
 //! | `BURN_DDP_HEARTBEAT_TIMEOUT` | silence after which a rank is reported dead or frozen | 15 s (or `BURN_DDP_TIMEOUT` if shorter) |
 //! | `BURN_DDP_STALL_TIMEOUT` | wait after which a live rank that is elsewhere is reported stuck | 3 min (or `BURN_DDP_TIMEOUT` if shorter) |
 //! | `BURN_DDP_DEBUG_DESYNC=1` | check before every collective that all ranks call the same one (`1`/`true`/`yes`/`on`, `0`/`false`/`no`/`off`) | off |
-//! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT` | which attempt of a restarted job this is | 0 |
+//! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT`, `SLURM_RESTART_COUNT` | which attempt of a restarted (or requeued) job this is, the first set | 0 |
+//! | `BURN_DDP_RUN_ID`, `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`, `LSB_JOBID`, `PBS_JOBID` | the job's identity across its restarts and requeues, recorded with its checkpoints ([`run_id`]) | none |
 //! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
 //! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
 //! | `BURN_DDP_FAULT_TOLERANT=1` | a fault-tolerant job: the ranks survive the loss of others (set by `burn-ddp run --fault-tolerant`, whose launcher serves the store) | off |
@@ -134,16 +137,60 @@ pub fn first_world_size() -> Option<u32> {
 /// torchrun's restart counter, read when [`RESTART_COUNT`] is not set.
 pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
 
-/// How many times the launcher restarted the group before this attempt (0: the first).
+/// Slurm's count of a job's requeues (`sbatch --requeue`, preemption, `scontrol requeue`),
+/// read when neither [`RESTART_COUNT`] nor [`TORCHELASTIC_RESTART_COUNT`] is set.
+pub const SLURM_RESTART_COUNT: &str = "SLURM_RESTART_COUNT";
+
+/// The restart counters, in the order they are read: the first one set counts.
+pub const RESTART_COUNTERS: [&str; 3] = [
+    RESTART_COUNT,
+    TORCHELASTIC_RESTART_COUNT,
+    SLURM_RESTART_COUNT,
+];
+
+/// How many times the launcher restarted the group before this attempt (0: the first):
+/// `burn-ddp run --max-restarts`, torchrun's restarts, or Slurm's requeues.
 pub fn restart_count() -> u32 {
     restart_count_from(&|k: &str| std::env::var(k).ok())
 }
 
 fn restart_count_from(get: &impl Fn(&str) -> Option<String>) -> u32 {
-    [RESTART_COUNT, TORCHELASTIC_RESTART_COUNT]
+    RESTART_COUNTERS
         .iter()
         .find_map(|v| get(v)?.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// The job's identity when the program or a launcher other than those below gives one; kept
+/// across the job's restarts.
+pub const RUN_ID: &str = "BURN_DDP_RUN_ID";
+
+/// The variables that name a job across its restarts and requeues, in the order they are read,
+/// with the prefix the id gets (so that ids of different schedulers never match).
+const RUN_IDS: [(&str, &str); 5] = [
+    (RUN_ID, ""),
+    ("TORCHELASTIC_RUN_ID", "torchelastic:"),
+    ("SLURM_JOB_ID", "slurm:"),
+    ("LSB_JOBID", "lsf:"),
+    ("PBS_JOBID", "pbs:"),
+];
+
+/// The job's identity, the same in every attempt of a restarted or requeued job: `BURN_DDP_RUN_ID`,
+/// else torchrun's run id (not its `none`), else Slurm's, LSF's or PBS's job id (which a
+/// requeue keeps). `None` when nothing names the job (a single process, `spawn`, `mpirun`).
+///
+/// Recorded with a run's checkpoints: a run that finds checkpoints of its own job id resumes
+/// from them instead of starting again, whatever its restart counter says.
+pub fn run_id() -> Option<String> {
+    run_id_from(&|k: &str| std::env::var(k).ok())
+}
+
+fn run_id_from(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    RUN_IDS.iter().find_map(|(var, prefix)| {
+        let v = get(var)?;
+        let v = v.trim();
+        (!v.is_empty() && v != "none").then(|| format!("{prefix}{v}"))
+    })
 }
 
 /// Whether to check before every collective that all ranks call the same one: `explicit` if
@@ -280,7 +327,61 @@ pub fn launched() -> bool {
 
 /// [`launched`], reading non-empty variables through `get`.
 fn launched_from(get: &impl Fn(&str) -> Option<String>) -> bool {
-    get(RANK).is_some() || get(WORLD_SIZE).is_some() || get("SLURM_PROCID").is_some()
+    [RANK, WORLD_SIZE, "SLURM_PROCID"]
+        .iter()
+        .chain(OPEN_MPI.iter())
+        .chain(HYDRA.iter())
+        .chain(std::iter::once(&PMIX_RANK))
+        .any(|v| get(v).is_some())
+}
+
+/// Open MPI's variables (`mpirun`, 4.x and 5.x).
+const OPEN_MPI: [&str; 4] = [
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+];
+/// MPICH's and Intel MPI's (the Hydra process manager of `mpiexec`).
+const HYDRA: [&str; 4] = ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"];
+/// PMIx's rank (Open MPI, `srun --mpi=pmix`), which gives no world size of its own.
+const PMIX_RANK: &str = "PMIX_RANK";
+
+/// What every refusal of an incomplete launch names.
+const LAUNCHERS: &str =
+    "Launch with `burn-ddp run`, torchrun, `srun` (Slurm), or `mpirun`/`mpiexec` \
+    (Open MPI, MPICH, Intel MPI), which set all of them; or set RANK and WORLD_SIZE yourself";
+
+/// Where a launcher put this process.
+struct Placement {
+    launcher: &'static str,
+    rank: Rank,
+    world: WorldSize,
+    local_rank: LocalRank,
+    local_world: WorldSize,
+    /// Rank 0's host, when the launcher's variables tell it.
+    master_host: Option<String>,
+    /// The job's id, for the token and messages: `(variable, value)`.
+    job: Option<(&'static str, String)>,
+    /// The store's port when `MASTER_PORT` is not set, derived from the job ([`job_port`]).
+    job_port: Option<u16>,
+    /// Whether rank 0's host must be given (`MASTER_ADDR`): ranks on several hosts, and the
+    /// launcher does not say which is rank 0's.
+    needs_master: bool,
+}
+
+/// The port of a job's store when `MASTER_PORT` is not set, derived from its id (Slurm's
+/// `SLURM_JOB_ID` and step, Open MPI's job), so that two jobs sharing a node do not both take
+/// 29500: 20000 plus the id modulo 12000, below Linux's ephemeral ports (32768 and up).
+pub fn job_port(id: &str) -> u16 {
+    let n = match id.trim().parse::<u64>() {
+        Ok(n) => n,
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        Err(_) => id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        }),
+    };
+    20_000 + (n % 12_000) as u16
 }
 
 /// Like [`group_config_from_env`], reading variables through `get` (for tests and embedding).
@@ -298,31 +399,28 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                 .with_restart_count(restart_count_from(&get)),
         );
     }
-    let (rank, world, local_rank, local_world, default_master) =
-        if get(RANK).is_some() || get(WORLD_SIZE).is_some() {
-            let rank = Rank(parse_u32(&get, RANK, "a non-negative integer")?.ok_or(
-                DdpError::MissingEnv {
-                    var: RANK,
-                    hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
-                },
-            )?);
-            let world = world(&get, WORLD_SIZE)?.ok_or(DdpError::MissingEnv {
-                var: WORLD_SIZE,
-                hint: "RANK is set, so the job size WORLD_SIZE must be set too",
-            })?;
-            let local_world = world_or(&get, LOCAL_WORLD_SIZE, world)?;
-            let local_rank = LocalRank(
-                parse_u32(&get, LOCAL_RANK, "a non-negative integer")?
-                    .unwrap_or(rank.0 % local_world.get()),
-            );
-            (rank, world, local_rank, local_world, None)
-        } else {
-            slurm(&get)?
-        };
-
-    let host = get(MASTER_ADDR)
-        .or(default_master)
-        .unwrap_or_else(|| "127.0.0.1".to_string());
+    let at = placement(&get)?;
+    let host = match (get(MASTER_ADDR), at.master_host) {
+        (Some(h), _) => h,
+        (None, Some(h)) => h,
+        (None, None) if at.needs_master => {
+            return Err(DdpError::Launch {
+                launcher: at.launcher,
+                problem: format!(
+                    "its {} ranks run on more than one host ({} on this one) and {MASTER_ADDR} \
+                     is not set, so no rank knows where rank 0's store is",
+                    at.world, at.local_world
+                ),
+                fix: format!(
+                    "Pass rank 0's host to every rank: `mpirun -x {MASTER_ADDR}=<host of rank 0> \
+                     ...` (Open MPI) or `mpiexec -genv {MASTER_ADDR} <host> ...` (MPICH), and \
+                     {MASTER_PORT} the same way if its default is taken"
+                ),
+            });
+        }
+        (None, None) => "127.0.0.1".to_string(),
+    };
+    let (rank, world, local_rank, local_world) = (at.rank, at.world, at.local_rank, at.local_world);
     let parse_port = |var: &'static str, v: String| -> Result<u16> {
         v.trim()
             .parse::<u16>()
@@ -340,7 +438,16 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             port_origin = Some(format!("{STORE_PORT}={v}"));
             parse_port(STORE_PORT, v)?
         }
-        (None, None) => DEFAULT_MASTER_PORT,
+        (None, None) => match (&at.job, at.job_port) {
+            (Some((var, id)), Some(port)) => {
+                port_origin = Some(format!(
+                    "derived from the job ({var}={id}) so that jobs sharing a node differ; \
+                     set {MASTER_PORT} to choose another"
+                ));
+                port
+            }
+            _ => DEFAULT_MASTER_PORT,
+        },
         (None, Some(v)) => {
             let port = parse_port(MASTER_PORT, v.clone())?;
             // torchrun's agent already serves its own store on MASTER_PORT (its workers connect
@@ -363,7 +470,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         }
     };
     let master = MasterAddr::new(host, port);
-    let token = token(&get, &master);
+    let token = token(&get, at.launcher, at.job.as_ref(), &master);
     let mut cfg = GroupConfig::new(rank, world, token)
         .with_master(master)
         .with_local(local_rank, local_world)
@@ -379,14 +486,198 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
     Ok(cfg)
 }
 
-type Row = (Rank, WorldSize, LocalRank, WorldSize, Option<String>);
+/// Reads who launched this process, in order: torchrun's contract (also `burn-ddp run`'s and
+/// `spawn`'s), Open MPI, MPICH/Intel MPI (Hydra), Slurm. An MPI launcher comes before Slurm:
+/// `mpirun` inside an allocation starts its ranks from daemons that Slurm sees as one task
+/// per node.
+fn placement(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
+    if get(RANK).is_some() || get(WORLD_SIZE).is_some() {
+        return torchrun(get);
+    }
+    if OPEN_MPI.iter().any(|v| get(v).is_some()) {
+        return open_mpi(get);
+    }
+    if HYDRA.iter().any(|v| get(v).is_some()) {
+        return hydra(get);
+    }
+    if get("SLURM_PROCID").is_some() {
+        return slurm(get);
+    }
+    let rank = get(PMIX_RANK).unwrap_or_default();
+    Err(DdpError::Launch {
+        launcher: "PMIx",
+        problem: format!(
+            "{PMIX_RANK}={rank} is set, but nothing gives the job's size (neither \
+             OMPI_COMM_WORLD_SIZE, PMI_SIZE, SLURM_NTASKS nor WORLD_SIZE), so this process \
+             cannot tell which job it belongs to"
+        ),
+        fix: LAUNCHERS.to_string(),
+    })
+}
 
-fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Row> {
-    let rank = Rank(parse_u32(get, "SLURM_PROCID", "a non-negative integer")?.unwrap_or(0));
-    let world = world(get, "SLURM_NTASKS")?.ok_or(DdpError::MissingEnv {
-        var: "SLURM_NTASKS",
-        hint: "launch with `srun --ntasks=N` (or set RANK and WORLD_SIZE yourself)",
+fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
+    let rank = Rank(parse_u32(get, RANK, "a non-negative integer")?.ok_or(
+        DdpError::MissingEnv {
+            var: RANK,
+            hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
+        },
+    )?);
+    let world = world(get, WORLD_SIZE)?.ok_or(DdpError::MissingEnv {
+        var: WORLD_SIZE,
+        hint: "RANK is set, so the job size WORLD_SIZE must be set too",
     })?;
+    let local_world = world_or(get, LOCAL_WORLD_SIZE, world)?;
+    let local_rank = LocalRank(
+        parse_u32(get, LOCAL_RANK, "a non-negative integer")?.unwrap_or(rank.0 % local_world.get()),
+    );
+    Ok(Placement {
+        launcher: "torchrun",
+        rank,
+        world,
+        local_rank,
+        local_world,
+        master_host: None,
+        job: None,
+        job_port: None,
+        needs_master: false,
+    })
+}
+
+/// The variables of an MPI launcher: rank and size required, local rank and size optional.
+struct MpiVars {
+    launcher: &'static str,
+    rank: &'static str,
+    size: &'static str,
+    local_rank: &'static str,
+    local_size: &'static str,
+}
+
+fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> {
+    let missing: Vec<&str> = [v.rank, v.size]
+        .into_iter()
+        .filter(|var| get(var).is_none())
+        .collect();
+    if !missing.is_empty() {
+        let present: Vec<String> = [v.rank, v.size, v.local_rank, v.local_size]
+            .into_iter()
+            .filter_map(|var| get(var).map(|val| format!("{var}={val}")))
+            .collect();
+        return Err(DdpError::Launch {
+            launcher: v.launcher,
+            problem: format!(
+                "{} {} set but {} not, so this process would start a job of its own",
+                present.join(", "),
+                if present.len() == 1 { "is" } else { "are" },
+                missing.join(" and ")
+            ),
+            fix: LAUNCHERS.to_string(),
+        });
+    }
+    let rank = Rank(parse_u32(get, v.rank, "a non-negative integer")?.unwrap_or(0));
+    let size = world(get, v.size)?.unwrap_or(WorldSize::ONE);
+    if let Some(pmix) = get(PMIX_RANK).filter(|r| r.trim() != rank.0.to_string()) {
+        return Err(DdpError::Launch {
+            launcher: v.launcher,
+            problem: format!(
+                "{}={} but {PMIX_RANK}={pmix}: two launchers' variables disagree about this \
+                 process's rank",
+                v.rank, rank.0
+            ),
+            fix: "Start the program with one launcher (the variables of an outer one may have \
+                  leaked into its environment)"
+                .to_string(),
+        });
+    }
+    let local_world = world(get, v.local_size)?;
+    let local_rank = parse_u32(get, v.local_rank, "a non-negative integer")?;
+    let world = size;
+    // Every rank on this host: rank 0's store is on loopback.
+    let one_host = local_world == Some(world);
+    Ok(Placement {
+        launcher: v.launcher,
+        rank,
+        world,
+        local_rank: LocalRank(local_rank.unwrap_or(if one_host { rank.0 } else { 0 })),
+        local_world: local_world.unwrap_or(if one_host { world } else { WorldSize::ONE }),
+        master_host: one_host.then(|| "127.0.0.1".to_string()),
+        job: None,
+        job_port: None,
+        needs_master: !one_host,
+    })
+}
+
+fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
+    let mut at = mpi(
+        get,
+        &MpiVars {
+            launcher: "Open MPI (mpirun)",
+            rank: "OMPI_COMM_WORLD_RANK",
+            size: "OMPI_COMM_WORLD_SIZE",
+            local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+            local_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+        },
+    )?;
+    // Open MPI 5 names the job by its PMIx namespace; 4.x also by a numeric job id.
+    at.job = ["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"]
+        .into_iter()
+        .find_map(|var| Some((var, get(var)?)));
+    at.job_port = at.job.as_ref().map(|(_, id)| job_port(id));
+    Ok(at)
+}
+
+fn hydra(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
+    let mut at = mpi(
+        get,
+        &MpiVars {
+            launcher: "MPICH/Intel MPI (mpiexec)",
+            rank: "PMI_RANK",
+            size: "PMI_SIZE",
+            local_rank: "MPI_LOCALRANKID",
+            local_size: "MPI_LOCALNRANKS",
+        },
+    )?;
+    // `srun --mpi=pmi2` sets PMI_RANK and PMI_SIZE too: Slurm then also tells the node's
+    // share and rank 0's host.
+    if get("MPI_LOCALNRANKS").is_none() && get("SLURM_STEP_ID").is_some() {
+        if let Ok(slurm) = slurm(get) {
+            if slurm.world == at.world && slurm.rank == at.rank {
+                return Ok(slurm);
+            }
+        }
+    }
+    at.job = get("PMI_JOBID").map(|id| ("PMI_JOBID", id));
+    at.job_port = at.job.as_ref().map(|(_, id)| job_port(id));
+    Ok(at)
+}
+
+fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
+    let rank = Rank(parse_u32(get, "SLURM_PROCID", "a non-negative integer")?.unwrap_or(0));
+    let step = get("SLURM_STEP_ID").or_else(|| get("SLURM_STEPID"));
+    let world = match world(get, "SLURM_STEP_NUM_TASKS")? {
+        Some(w) => w,
+        None => world(get, "SLURM_NTASKS")?.ok_or(DdpError::MissingEnv {
+            var: "SLURM_NTASKS",
+            hint: "launch with `srun --ntasks=N` (or set RANK and WORLD_SIZE yourself)",
+        })?,
+    };
+    if step.is_none() && world.get() > 1 {
+        // The batch script of `sbatch -n N` (or an `salloc` shell) is one process of the
+        // allocation, not one of its N tasks: the other N - 1 never start.
+        let job = get("SLURM_JOB_ID").unwrap_or_else(|| "?".into());
+        return Err(DdpError::Launch {
+            launcher: "Slurm",
+            problem: format!(
+                "this process is the batch script of job {job} (SLURM_NTASKS={world} but no \
+                 SLURM_STEP_ID: it was not started by srun), so the other {} ranks will never \
+                 start",
+                world.get() - 1
+            ),
+            fix: "Start the ranks with srun inside the script: `srun <program> [args]` (one \
+                  task per rank; add --kill-on-bad-exit=1 so that a rank that fails ends the \
+                  step at once)"
+                .to_string(),
+        });
+    }
     let local_rank =
         LocalRank(parse_u32(get, "SLURM_LOCALID", "a non-negative integer")?.unwrap_or(0));
     let node = parse_u32(get, "SLURM_NODEID", "a non-negative integer")?.unwrap_or(0);
@@ -399,10 +690,33 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Row> {
                 .and_then(WorldSize::new)
         })
         .unwrap_or(world);
-    let master = get("SLURM_STEP_NODELIST")
+    let master_host = get("SLURM_STEP_NODELIST")
         .or_else(|| get("SLURM_JOB_NODELIST"))
         .and_then(|list| first_host(&list));
-    Ok((rank, world, local_rank, per_node, master))
+    // The port: the job and its step, so that two steps running at once differ too.
+    let job = get("SLURM_JOB_ID").map(|id| ("SLURM_JOB_ID", id));
+    let job_port = job.as_ref().map(|(_, id)| {
+        let step: u64 = step
+            .as_deref()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0);
+        match id.trim().parse::<u64>() {
+            // Consecutive jobs 8 ports apart, their first 8 steps in between.
+            Ok(j) => job_port(&j.wrapping_mul(8).wrapping_add(step % 8).to_string()),
+            Err(_) => job_port(&format!("{id}.{step}")),
+        }
+    });
+    Ok(Placement {
+        launcher: "Slurm",
+        rank,
+        world,
+        local_rank,
+        local_world: per_node,
+        master_host,
+        job,
+        job_port,
+        needs_master: false,
+    })
 }
 
 /// The number of tasks on node `node` from Slurm's `2(x3),1` notation.
@@ -452,16 +766,26 @@ pub(crate) fn first_host(list: &str) -> Option<String> {
     }
 }
 
-fn token(get: &impl Fn(&str) -> Option<String>, master: &MasterAddr) -> JobToken {
+fn token(
+    get: &impl Fn(&str) -> Option<String>,
+    launcher: &str,
+    job: Option<&(&'static str, String)>,
+    master: &MasterAddr,
+) -> JobToken {
     if let Some(t) = get(JOB_TOKEN) {
         return JobToken::new(t);
     }
     if let Some(id) = get("TORCHELASTIC_RUN_ID").filter(|v| v != "none") {
         return JobToken::new(format!("torchelastic:{id}"));
     }
-    if let Some(job) = get("SLURM_JOB_ID") {
-        let step = get("SLURM_STEP_ID").unwrap_or_default();
-        return JobToken::new(format!("slurm:{job}.{step}"));
+    if launcher == "Slurm" {
+        if let Some(job) = get("SLURM_JOB_ID") {
+            let step = get("SLURM_STEP_ID").unwrap_or_default();
+            return JobToken::new(format!("slurm:{job}.{step}"));
+        }
+    }
+    if let Some((var, id)) = job {
+        return JobToken::new(format!("{var}:{id}"));
     }
     // No secret was provided: anyone who can guess the address can join. `burn-ddp run`
     // always sets a token. The world size is not part of it: a rank started with another one
@@ -580,6 +904,9 @@ mod tests {
         assert!(!launched(&[("RANK", " ")]));
         assert!(launched(&[("WORLD_SIZE", "2")]));
         assert!(launched(&[("SLURM_PROCID", "0")]));
+        assert!(launched(&[("OMPI_COMM_WORLD_RANK", "0")]));
+        assert!(launched(&[("PMI_SIZE", "2")]));
+        assert!(launched(&[("PMIX_RANK", "0")]));
     }
 
     #[test]
@@ -690,8 +1017,220 @@ mod tests {
         assert_eq!(cfg.world_size.get(), 8);
         assert_eq!(cfg.local_rank, LocalRank(2));
         assert_eq!(cfg.local_world_size.get(), 4);
-        assert_eq!(cfg.master, MasterAddr::new("gpu07", 29500));
+        // The port is the job's: 20000 + (991 * 8 + step 0) mod 12000.
+        assert_eq!(cfg.master, MasterAddr::new("gpu07", 27928));
+        assert!(cfg.port_origin.unwrap().contains("SLURM_JOB_ID=991"));
         assert_eq!(cfg.token, JobToken::new("slurm:991.0"));
+    }
+
+    fn slurm_step(job: &str, step: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("SLURM_PROCID", "0".into()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_STEP_NUM_TASKS", "2".into()),
+            ("SLURM_LOCALID", "0".into()),
+            ("SLURM_JOB_ID", job.into()),
+            ("SLURM_STEP_ID", step.into()),
+            ("SLURM_JOB_NODELIST", "vm".into()),
+        ]
+    }
+
+    fn owned(pairs: &[(&'static str, String)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(&str, &str)> = pairs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        env(&pairs)
+    }
+
+    #[test]
+    fn each_slurm_job_and_step_gets_its_own_port_unless_one_is_given() {
+        let port = |job: &str, step: &str| {
+            group_config_from(owned(&slurm_step(job, step)))
+                .unwrap()
+                .master
+                .port
+        };
+        let ports = [
+            port("41", "0"),
+            port("42", "0"),
+            port("42", "1"),
+            port("43", "0"),
+        ];
+        for (i, a) in ports.iter().enumerate() {
+            assert!((20_000..32_000).contains(a), "{a}");
+            for b in &ports[i + 1..] {
+                assert_ne!(a, b, "{ports:?}");
+            }
+        }
+        let mut given = slurm_step("41", "0");
+        given.push(("MASTER_PORT", "29600".into()));
+        let cfg = group_config_from(owned(&given)).unwrap();
+        assert_eq!(cfg.master.port, 29600);
+        assert_eq!(cfg.port_origin, None);
+    }
+
+    #[test]
+    fn a_slurm_batch_script_is_told_to_use_srun() {
+        // What `sbatch -n2` gives the script itself: no step, SLURM_PROCID=0.
+        let batch = [
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_JOB_ID", "2"),
+            ("SLURM_JOB_NODELIST", "vm"),
+        ];
+        let e = group_config_from(env(&batch)).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, DdpError::Launch { .. }), "{msg}");
+        assert!(
+            msg.contains("srun <program>") && msg.contains("job 2"),
+            "{msg}"
+        );
+        // One task needs no step.
+        let mut one = batch.to_vec();
+        one[1] = ("SLURM_NTASKS", "1");
+        assert_eq!(group_config_from(env(&one)).unwrap().world_size.get(), 1);
+        // The step's task count wins over the allocation's (`srun -n1` in a 2-task job).
+        let mut step = slurm_step("7", "0");
+        step[2] = ("SLURM_STEP_NUM_TASKS", "1".into());
+        assert_eq!(group_config_from(owned(&step)).unwrap().world_size.get(), 1);
+    }
+
+    /// What Open MPI 4.1's `mpirun -np 2` gave rank 1 on one host (read off a real run).
+    fn open_mpi_rank1() -> Vec<(&'static str, &'static str)> {
+        vec![
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_MCA_ess_base_jobid", "286982145"),
+            ("PMIX_NAMESPACE", "286982145"),
+            ("PMIX_RANK", "1"),
+        ]
+    }
+
+    #[test]
+    fn open_mpi_on_one_host() {
+        let cfg = group_config_from(env(&open_mpi_rank1())).unwrap();
+        assert_eq!(cfg.rank, Rank(1));
+        assert_eq!(cfg.world_size.get(), 2);
+        assert_eq!(cfg.local_rank, LocalRank(1));
+        assert_eq!(cfg.local_world_size.get(), 2);
+        assert_eq!(cfg.master.host, "127.0.0.1");
+        assert_eq!(cfg.master.port, job_port("286982145"));
+        assert_eq!(cfg.token, JobToken::new("PMIX_NAMESPACE:286982145"));
+        // Inside a Slurm allocation, mpirun's ranks carry its daemons' Slurm variables too:
+        // Open MPI's win.
+        let mut inside = open_mpi_rank1();
+        inside.extend([
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_STEP_ID", "0"),
+        ]);
+        let cfg = group_config_from(env(&inside)).unwrap();
+        assert_eq!((cfg.rank, cfg.world_size.get()), (Rank(1), 2));
+    }
+
+    #[test]
+    fn open_mpi_across_hosts_needs_master_addr() {
+        let mut vars = open_mpi_rank1();
+        vars[1] = ("OMPI_COMM_WORLD_SIZE", "4");
+        let e = group_config_from(env(&vars)).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("mpirun -x MASTER_ADDR=") && msg.contains("4 ranks"),
+            "{msg}"
+        );
+        vars.push(("MASTER_ADDR", "node01"));
+        let cfg = group_config_from(env(&vars)).unwrap();
+        assert_eq!(cfg.master.host, "node01");
+        assert_eq!(
+            (cfg.local_rank, cfg.local_world_size.get()),
+            (LocalRank(1), 2)
+        );
+    }
+
+    #[test]
+    fn mpich_hydra() {
+        let cfg = group_config_from(env(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "3"),
+            ("MPI_LOCALRANKID", "2"),
+            ("MPI_LOCALNRANKS", "3"),
+        ]))
+        .unwrap();
+        assert_eq!((cfg.rank, cfg.world_size.get()), (Rank(2), 3));
+        assert_eq!(cfg.local_rank, LocalRank(2));
+        assert_eq!(
+            cfg.master,
+            MasterAddr::new("127.0.0.1", DEFAULT_MASTER_PORT)
+        );
+        // `srun --mpi=pmi2`: PMI's rank and size, Slurm's node list and port.
+        let mut pmi2 = slurm_step("9", "0");
+        pmi2.extend([("PMI_RANK", "0".into()), ("PMI_SIZE", "2".into())]);
+        let cfg = group_config_from(owned(&pmi2)).unwrap();
+        assert_eq!(cfg.master.host, "vm");
+        assert_eq!(cfg.token, JobToken::new("slurm:9.0"));
+    }
+
+    #[test]
+    fn a_partial_launch_is_refused_naming_the_launchers() {
+        for vars in [
+            vec![("OMPI_COMM_WORLD_RANK", "0")],
+            vec![
+                ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+                ("OMPI_COMM_WORLD_SIZE", "2"),
+            ],
+            vec![("PMI_SIZE", "2")],
+            vec![("PMIX_RANK", "0")],
+        ] {
+            let e = group_config_from(env(&vars)).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, DdpError::Launch { .. }), "{vars:?}: {msg}");
+            assert!(
+                msg.contains("torchrun") && msg.contains("srun") && msg.contains("mpirun"),
+                "{msg}"
+            );
+        }
+        let mut disagree = open_mpi_rank1();
+        disagree[6] = ("PMIX_RANK", "0");
+        let msg = group_config_from(env(&disagree)).unwrap_err().to_string();
+        assert!(msg.contains("PMIX_RANK=0"), "{msg}");
+    }
+
+    #[test]
+    fn restarts_and_run_ids() {
+        let count = |vars: &[(&str, &str)]| restart_count_from(&env(vars));
+        assert_eq!(count(&[]), 0);
+        assert_eq!(count(&[("SLURM_RESTART_COUNT", "2")]), 2);
+        assert_eq!(
+            count(&[
+                ("TORCHELASTIC_RESTART_COUNT", "1"),
+                ("SLURM_RESTART_COUNT", "3")
+            ]),
+            1
+        );
+        let cfg = group_config_from(owned(&{
+            let mut v = slurm_step("5", "0");
+            v.push(("SLURM_RESTART_COUNT", "1".into()));
+            v
+        }))
+        .unwrap();
+        assert_eq!(cfg.restart_count, 1);
+        let id = |vars: &[(&str, &str)]| run_id_from(&env(vars));
+        assert_eq!(id(&[]), None);
+        assert_eq!(id(&[("TORCHELASTIC_RUN_ID", "none")]), None);
+        assert_eq!(id(&[("SLURM_JOB_ID", "17")]).as_deref(), Some("slurm:17"));
+        assert_eq!(
+            id(&[("TORCHELASTIC_RUN_ID", "r1"), ("SLURM_JOB_ID", "17")]).as_deref(),
+            Some("torchelastic:r1")
+        );
+        assert_eq!(
+            id(&[("BURN_DDP_RUN_ID", "mine"), ("LSB_JOBID", "3")]).as_deref(),
+            Some("mine")
+        );
+        assert_eq!(
+            id(&[("PBS_JOBID", "12.pbs")]).as_deref(),
+            Some("pbs:12.pbs")
+        );
     }
 
     #[test]

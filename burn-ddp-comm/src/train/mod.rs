@@ -10,7 +10,8 @@
 //!   every rank (no shared file system needed);
 //! - [`run`]: the run's settings recorded beside its checkpoints, and where a run starts
 //!   (a resume refuses checkpoints that are not the run's own);
-//! - [`board`]: the world size and the last change of membership, for rank 0's dashboard.
+//! - [`board`]: the world size and the last change of membership, for rank 0's dashboard;
+//! - [`terminal`]: whether rank 0's stdout is a terminal the dashboard can drive.
 //!
 //! What each line adds is only what touches its Burn types: the epoch loops over burn-train's
 //! events, the tensors of an item, the records of a checkpoint.
@@ -20,4 +21,5 @@ pub mod files;
 pub mod lines;
 pub mod parts;
 pub mod run;
+pub mod terminal;
 pub mod vote;

@@ -10,6 +10,7 @@ use std::fs;
 use std::path::Path;
 
 use crate::checkpoint::write_atomic;
+use crate::config::env::run_id;
 use crate::{DdpError, ProcessGroup, Rank, Result};
 
 use super::files::newest_complete;
@@ -24,8 +25,57 @@ pub const WORLD_SIZE: &str = "world size";
 pub const EPOCHS: &str = "epochs";
 /// Recorded and compared: the number of the model's parameters.
 pub const PARAMETERS: &str = "parameters";
+/// Recorded, not compared: the job that wrote the checkpoints ([`run_id`]), kept across its
+/// restarts and requeues. A run of the same job that finds them resumes from them.
+pub const JOB: &str = "job";
 
-const UNCOMPARED: [&str; 2] = [WORLD_SIZE, EPOCHS];
+const UNCOMPARED: [&str; 3] = [WORLD_SIZE, EPOCHS, JOB];
+
+/// Whether `dir` holds complete checkpoints written by this very job ([`run_id`]: the same
+/// `SLURM_JOB_ID`, torchrun run id, ... as now): a job restarted or requeued by a launcher
+/// that did not say so. A program that clears its output directory for a fresh run asks this
+/// first, and resumes instead: the checkpoints are its own.
+pub fn own_checkpoints(dir: &Path) -> bool {
+    own_job(dir, run_id().as_deref()).is_some()
+}
+
+/// Readies a program's output directory `out` (its checkpoints in `checkpoints`) for this run,
+/// and says whether the run resumes. A fresh run starts in an empty directory, as Burn's
+/// examples do (otherwise Burn's summary would count an older run's epochs), so `out` is
+/// removed, unless the run resumes: asked to (`resume`), restarted by its launcher
+/// ([`ProcessGroup::restart_count`]), or finding this same job's checkpoints
+/// ([`own_checkpoints`]), which are never removed. Call it on the rank that writes `out`
+/// (rank 0) before training.
+///
+/// # Errors
+/// `out` exists and cannot be removed ([`DdpError::CheckpointIo`]).
+pub fn prepare_output(
+    out: &Path,
+    checkpoints: &Path,
+    resume: bool,
+    restart_count: u32,
+) -> Result<bool> {
+    if resume || restart_count > 0 || own_checkpoints(checkpoints) {
+        return Ok(true);
+    }
+    match fs::remove_dir_all(out) {
+        Ok(()) => Ok(false),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(source) => Err(DdpError::CheckpointIo {
+            path: out.to_path_buf(),
+            what: "clearing the output directory for a fresh run",
+            source,
+        }),
+    }
+}
+
+/// The newest complete checkpoint in `dir` when its recorded job is `job`.
+fn own_job(dir: &Path, job: Option<&str>) -> Option<usize> {
+    let job = job?;
+    let newest = newest_complete(dir)?;
+    let recorded = RunSettings::read(dir).ok()??;
+    (recorded.get(JOB) == Some(job)).then_some(newest)
+}
 
 /// The settings of a run, recorded with its checkpoints and compared on resume: the program's
 /// (learning rate, batch size, data, seed: whatever makes a checkpoint belong to the run),
@@ -168,8 +218,12 @@ pub struct StartAsk<'a> {
     pub epochs: usize,
     /// The number of the model's parameters.
     pub parameters: usize,
-    /// The program's settings ([`PARAMETERS`], [`WORLD_SIZE`] and [`EPOCHS`] are added).
+    /// The program's settings ([`PARAMETERS`], [`WORLD_SIZE`], [`EPOCHS`] and [`JOB`] are
+    /// added).
     pub settings: &'a RunSettings,
+    /// The job's identity ([`run_id`]): checkpoints recorded with the same one are this job's
+    /// own, from before a restart or requeue, and are resumed from even when `resume` is off.
+    pub job: Option<&'a str>,
 }
 
 /// Collective: the checkpoint epoch this run resumes after (`None`: it starts at epoch 1), the
@@ -234,13 +288,23 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
     let mut settings = ask.settings.clone();
     settings.set(PARAMETERS, ask.parameters);
     let newest = newest_complete(dir);
+    let own = ask.explicit.is_none() && !ask.resume && own_job(dir, ask.job).is_some();
+    if own {
+        tracing::warn!(
+            "{} holds the checkpoints of this same job ({}), written before it was restarted \
+             or requeued: resuming from them instead of starting again",
+            dir.display(),
+            ask.job.unwrap_or_default()
+        );
+    }
+    let resume = ask.resume || own;
     let epoch = match ask.explicit {
         Some(e) => Some(e),
-        None if ask.resume => newest,
+        None if resume => newest,
         None => None,
     };
     match (epoch, newest) {
-        (None, Some(n)) if !ask.resume => {
+        (None, Some(n)) if !resume => {
             return Err(refused(
                 dir,
                 "starting a fresh run",
@@ -252,7 +316,7 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
                 ),
             ))
         }
-        (None, _) if ask.resume => tracing::info!(
+        (None, _) if resume => tracing::info!(
             "no complete checkpoint in {}: training starts at epoch 1 of {}",
             dir.display(),
             ask.epochs
@@ -305,6 +369,9 @@ fn decide(ask: &StartAsk<'_>, world: u32) -> Result<Option<usize>> {
     }
     settings.set(WORLD_SIZE, world);
     settings.set(EPOCHS, ask.epochs);
+    if let Some(job) = ask.job {
+        settings.set(JOB, job);
+    }
     settings.write(dir)?;
     Ok(epoch)
 }
@@ -337,6 +404,7 @@ mod tests {
             epochs: 3,
             parameters: 10,
             settings,
+            job: None,
         }
     }
 
@@ -402,6 +470,48 @@ mod tests {
         fs::remove_file(dir.join(RUN_FILE)).unwrap();
         let err = decide(&ask(&dir, true, &mine), 2).unwrap_err().to_string();
         assert!(err.contains("no record of the run"), "{err}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A job restarted by a launcher that did not count it (a Slurm requeue before
+    /// SLURM_RESTART_COUNT was read, a scheduler we do not know) finds its own checkpoints by
+    /// its job id and resumes; another job's are still refused.
+    #[test]
+    fn the_same_job_resumes_from_its_own_checkpoints() {
+        let dir = scratch("own");
+        let mine = RunSettings::new().with("lr", 0.002);
+        let job = |j| StartAsk {
+            job: Some(j),
+            ..ask(&dir, false, &mine)
+        };
+        assert_eq!(decide(&job("slurm:41"), 2).unwrap(), None);
+        assert_eq!(
+            RunSettings::read(&dir).unwrap().unwrap().get(JOB),
+            Some("slurm:41")
+        );
+        assert_eq!(own_job(&dir, Some("slurm:41")), None, "no checkpoint yet");
+        checkpoint(&dir, 1);
+        assert_eq!(own_job(&dir, Some("slurm:41")), Some(1));
+        assert_eq!(own_job(&dir, Some("slurm:42")), None);
+        assert_eq!(own_job(&dir, None), None);
+        // The requeued job: not told to resume, resumes.
+        assert_eq!(decide(&job("slurm:41"), 2).unwrap(), Some(1));
+        // Another job: refused, as any fresh run into another run's directory.
+        let err = decide(&job("slurm:42"), 2).unwrap_err().to_string();
+        assert!(err.contains("earlier run"), "{err}");
+        // Its own checkpoints with other settings: refused, not wiped.
+        let other = RunSettings::new().with("lr", 0.01);
+        let err = decide(
+            &StartAsk {
+                job: Some("slurm:41"),
+                ..ask(&dir, false, &other)
+            },
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("lr = 0.002 there, 0.01 here"), "{err}");
+        assert_eq!(newest_complete(&dir), Some(1));
         fs::remove_dir_all(&dir).unwrap();
     }
 

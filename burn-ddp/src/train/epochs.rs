@@ -3,13 +3,14 @@
 //! vote (`consensus.rs`).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
-use burn::train::EventProcessorTraining;
+use burn::train::{EventProcessorTraining, LearnerSummary};
 use burn::train::{
     InferenceStep, Learner, LearnerEvent, LearnerModelRecord, LearnerOptimizerRecord,
     LearnerSchedulerRecord, LearningCheckpointer, LearningComponentsTypes, LearningResult,
@@ -167,7 +168,9 @@ where
             start,
             admission,
         );
-        let summary = summary_config.and_then(|s| s.init().ok());
+        let summary = summary_config
+            .and_then(|s| s.init().ok())
+            .map(|s| self.completed_only(s));
         processor.process_train(LearnerEvent::End(summary));
         LearningResult {
             model: model.valid(),
@@ -195,6 +198,24 @@ where
 }
 
 impl<B: Backend> DdpStrategy<B> {
+    /// Burn's summary of a run that failed counts only the epochs it completed. Burn counts
+    /// the highest epoch whose metric logs it finds, and the epoch the run failed in has
+    /// logs ("Total Epochs: 2" after one finished epoch).
+    fn completed_only(&self, mut summary: LearnerSummary) -> LearnerSummary {
+        if self.failure.message().is_none() {
+            return summary;
+        }
+        let done = self.completed.load(Ordering::Relaxed);
+        summary.epochs = summary.epochs.min(done);
+        for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
+            for metric in split.iter_mut() {
+                metric.entries.retain(|e| e.step <= done);
+            }
+            split.retain(|m| !m.entries.is_empty());
+        }
+        summary
+    }
+
     /// The epoch loops from `starting_epoch`, at a [`Cursor`]: training, validation, the end of
     /// each epoch. In a fault-tolerant job, a failure of the group (or a process asking to join,
     /// or this process's `admission` into the running job) changes the membership, moves the
@@ -229,6 +250,7 @@ impl<B: Backend> DdpStrategy<B> {
         let store = components.event_store;
         let epochs = components.num_epochs;
         let mut cursor = Cursor::start(starting_epoch);
+        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
         let mut change = admission.map(Change::Admitted);
         // Whether this rank's dashboard was started (rank 0's was; a rank that becomes rank 0
         // starts its own).
@@ -327,7 +349,12 @@ impl<B: Backend> DdpStrategy<B> {
                 ),
             };
             match ended {
-                Ended::Done => cursor.next_phase(),
+                Ended::Done => {
+                    if cursor.phase == Phase::Valid {
+                        self.completed.store(cursor.epoch, Ordering::Relaxed);
+                    }
+                    cursor.next_phase()
+                }
                 Ended::Stop => break,
                 Ended::Change(c) => change = Some(c),
             }
@@ -428,6 +455,7 @@ impl<B: Backend> DdpStrategy<B> {
         epochs: usize,
         parameters: usize,
     ) -> Result<Option<usize>> {
+        let job = burn_ddp_comm::config::env::run_id();
         run::start_epoch(
             self.session.group(),
             &run::StartAsk {
@@ -437,6 +465,7 @@ impl<B: Backend> DdpStrategy<B> {
                 epochs,
                 parameters,
                 settings: &self.run,
+                job: job.as_deref(),
             },
         )
     }

@@ -37,10 +37,10 @@ mod fault;
 mod item;
 mod render;
 
-use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use burn_ddp_comm::train::terminal::can_draw_dashboard;
 use burn_ddp_comm::train::vote::FailureSlot;
 
 use burn::data::dataloader::Progress;
@@ -51,7 +51,7 @@ use burn::train::{
     SupervisedTraining,
 };
 
-pub use burn_ddp_comm::train::run::RunSettings;
+pub use burn_ddp_comm::train::run::{prepare_output, RunSettings};
 pub use checkpoint::newest_complete;
 
 pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
@@ -102,6 +102,9 @@ pub struct DdpStrategy<B: Backend> {
     first_step: Arc<std::sync::Mutex<Option<(u64, std::time::Instant)>>>,
     /// The world size and the last change of membership, for rank 0's dashboard.
     board: MembershipBoard,
+    /// The last epoch whose training and validation both ended (for the summary of a run
+    /// that failed in the middle of the next).
+    completed: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
@@ -134,6 +137,7 @@ impl<B: Backend> DdpStrategy<B> {
             run: RunSettings::new(),
             changed: Arc::default(),
             first_step: Arc::default(),
+            completed: Arc::default(),
         }
     }
 
@@ -323,7 +327,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         } else if ddp.is_main() {
             // In a fault-tolerant job the dashboard is progress lines on every rank: the
             // terminal dashboard would be lost with the one process that draws it.
-            let training = if !std::io::stdout().is_terminal() || fault_tolerant {
+            let training = if fault_tolerant || !can_draw_dashboard() {
                 training.renderer(lines())
             } else if ddp.board.get().is_some() {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
