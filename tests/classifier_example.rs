@@ -241,6 +241,9 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
         let (ok, stdout, stderr, took) =
             elastic_run(&base.join(format!("fail-{victim}")), 0, Some(victim));
         assert!(!ok, "rank {victim} was killed, yet:\n{stdout}\n{stderr}");
+        // Rank 0's summary, when it printed one before the launcher stopped it, counts the
+        // epochs completed before the kill, not the one it stopped.
+        common::spawned::assert_summary_counts_completed_epochs(&stdout);
         assert!(took < Duration::from_secs(30), "took {took:?}");
         assert!(
             stderr.contains(&format!("rank {victim} (pid")) && stderr.contains("SIGKILL"),

@@ -173,6 +173,9 @@ fn a_killed_rank_is_named_and_one_restart_resumes_bit_for_bit() {
 
     let (ok, stdout, stderr, took) = killed_run(&base.join("fail"), 0, Some(1));
     assert!(!ok, "rank 1 was killed, yet:\n{stdout}\n{stderr}");
+    // Rank 0's summary, when it printed one before the launcher stopped it, counts the
+    // epochs completed before the kill, not the one it stopped.
+    spawned::assert_summary_counts_completed_epochs(&stdout);
     assert!(took < Duration::from_secs(30), "took {took:?}");
     assert!(
         stderr.contains("rank 1 (pid") && stderr.contains("SIGKILL"),

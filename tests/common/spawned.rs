@@ -212,3 +212,31 @@ pub fn files_under(dir: &std::path::Path) -> Vec<String> {
     out.sort();
     out
 }
+
+/// Checks that Burn's summary in `stdout`, if one was printed, counts the epochs that were
+/// completed (the last `[valid] epoch K/N  items T/T` line of the progress lines), not the
+/// epoch a failure interrupted.
+pub fn assert_summary_counts_completed_epochs(stdout: &str) {
+    let Some(total) = stdout
+        .lines()
+        .find_map(|l| l.split("Total Epochs: ").nth(1))
+        .map(|n| n.trim().parse::<usize>().expect("Total Epochs: <n>"))
+    else {
+        return;
+    };
+    let completed = stdout
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split("[valid] epoch ").nth(1)?;
+            let epoch: usize = rest.split('/').next()?.parse().ok()?;
+            let items = rest.split("items ").nth(1)?.split_whitespace().next()?;
+            let (done, all) = items.split_once('/')?;
+            (done == all).then_some(epoch)
+        })
+        .max()
+        .unwrap_or(0);
+    assert_eq!(
+        total, completed,
+        "Burn's summary counts {total} epochs, {completed} were completed:\n{stdout}"
+    );
+}

@@ -477,6 +477,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         .with_timeouts(timeouts)
         .with_restart_count(restart_count_from(&get));
     cfg.port_origin = port_origin;
+    cfg.launcher = Some(at.launcher);
     cfg.debug_desync = get(DEBUG_DESYNC)
         .is_some()
         .then(|| debug_desync_from(&get))
@@ -1194,6 +1195,28 @@ mod tests {
         disagree[6] = ("PMIX_RANK", "0");
         let msg = group_config_from(env(&disagree)).unwrap_err().to_string();
         assert!(msg.contains("PMIX_RANK=0"), "{msg}");
+    }
+
+    /// docs/guide.md's PyTorchJob: what Kubeflow's operator sets in a worker pod, plus the
+    /// two variables the guide adds for one process per pod.
+    #[test]
+    fn a_pytorchjob_pod_needs_nothing_more() {
+        let cfg = group_config_from(env(&[
+            ("MASTER_ADDR", "train-master-0"),
+            ("MASTER_PORT", "23456"),
+            ("WORLD_SIZE", "4"),
+            ("RANK", "3"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "1"),
+            ("PYTHONUNBUFFERED", "0"),
+        ]))
+        .unwrap();
+        assert_eq!((cfg.rank, cfg.world_size.get()), (Rank(3), 4));
+        assert_eq!(
+            (cfg.local_rank, cfg.local_world_size.get()),
+            (LocalRank(0), 1)
+        );
+        assert_eq!(cfg.master, MasterAddr::new("train-master-0", 23456));
     }
 
     #[test]

@@ -186,6 +186,9 @@ pub struct GroupConfig {
     /// Fault-tolerant mode (`burn-ddp run --fault-tolerant`): the job survives the loss of
     /// ranks without restarting anyone. `None`: a failure ends the job.
     pub fault_tolerance: Option<FaultTolerance>,
+    /// The launcher whose variables [`env::group_config_from_env`] read (`"torchrun"`,
+    /// `"Slurm"`, `"Open MPI (mpirun)"`, ...), for its advice in messages; `None` otherwise.
+    pub launcher: Option<&'static str>,
 }
 
 /// The settings of a fault-tolerant job (see `ProcessGroup::recover`).
@@ -232,6 +235,7 @@ impl GroupConfig {
             restart_count: 0,
             port_origin: None,
             fault_tolerance: None,
+            launcher: None,
         }
     }
 

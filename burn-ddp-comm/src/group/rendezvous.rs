@@ -93,7 +93,7 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
         match client.wait(&keys, left.min(every))? {
             WaitOutcome::Missing(missing) if left > every => tracing::warn!(
                 "[rank {}] waiting for rank(s) {} to join the job at {} ({} of {} joined after \
-                 {:.0?}; giving up in {:.0?}){}",
+                 {:.0?}; giving up in {:.0?}){}{}",
                 cfg.rank,
                 RankList(missing_ranks(&missing)),
                 cfg.master,
@@ -101,7 +101,8 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
                 cfg.world_size,
                 started.elapsed(),
                 deadline.saturating_duration_since(Instant::now()),
-                refused_note()
+                refused_note(),
+                launcher_note(cfg.launcher)
             ),
             outcome => break outcome,
         }
@@ -136,4 +137,17 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
         client: Arc::new(client),
         server,
     })
+}
+
+/// What the launcher can tell about ranks that never join, for the waiting message.
+fn launcher_note(launcher: Option<&str>) -> &'static str {
+    match launcher {
+        // Nothing in a task's environment says that another task of its step died before it
+        // joined: Slurm can end the step instead.
+        Some("Slurm") => {
+            ". Under srun, a task that exited before it joined leaves the others waiting \
+             here (srun prints its exit code): `srun --kill-on-bad-exit=1` ends the step at once"
+        }
+        _ => "",
+    }
 }

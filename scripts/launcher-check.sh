@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# The classifier example under the launchers clusters use: a real single-node Slurm (Debian's
+# slurmctld, slurmd, munge) and Open MPI's mpirun, as a cluster user runs them.
+#
+#   scripts/launcher-check.sh CLASSIFIER [WORK_DIR]
+#
+# CLASSIFIER: a built classifier example (target/debug/examples/classifier after
+# `cargo test --workspace`, or the release one). Run as root (the daemons, apt-get). Checks:
+#   1. srun -n2: one job of world size 2, one final accuracy;
+#   2. the binary in an sbatch script without srun: refused within seconds, saying "srun";
+#   3. sbatch --requeue, `scontrol requeue` after the epoch-1 checkpoint: the requeued job
+#      resumes after epoch 1 (SLURM_RESTART_COUNT=1), trains epochs 2-3 only, keeps its files;
+#   4. two jobs on the node at once, no MASTER_PORT given: both train (a port per job);
+#   5. a task that exits before it joins (exit 127) under --kill-on-bad-exit=1: the step ends
+#      within seconds instead of waiting for the rendezvous deadline;
+#   6. mpirun -np 2 (Open MPI): one job of world size 2, no panic of the dashboard;
+#   7. Burn's summary after a requeue counts 3 epochs.
+# Where Debian's packages cannot be installed it prints a line starting with "skipped:" and
+# exits 0; any failed check exits 1. The daemons are stopped by PID at exit.
+set -uo pipefail
+
+BIN=${1:?usage: scripts/launcher-check.sh CLASSIFIER [WORK_DIR]}
+BIN=$(realpath "$BIN")
+WORK=$(realpath -m "${2:-${TMPDIR:-/tmp}/burn-ddp-launchers.$$}")
+HERE=$(cd "$(dirname "$0")" && pwd)
+rm -rf "$WORK"
+mkdir -p "$WORK"
+# Small data: the point is the launch, not the model. Every wait of the library is bounded
+# well below the 10-minute default, so a regression fails the check instead of hanging it.
+SMALL=(--train-size 1024 --test-size 256 --batch-size 32)
+export BURN_DDP_TIMEOUT=${BURN_DDP_TIMEOUT:-120}
+
+failures=0
+started=$SECONDS
+say() { printf 'launcher-check: %s\n' "$*"; }
+pass() { say "ok   $*"; }
+fail() {
+    say "FAIL $*"
+    failures=$((failures + 1))
+}
+show() { sed 's/^/    | /' "$1" | tail -n "${2:-25}"; }
+count() { grep -c -- "$1" "$2" 2>/dev/null || true; }
+
+# shellcheck source=scripts/slurm-cluster.sh
+source "$HERE/slurm-cluster.sh"
+trap slurm_cluster_stop EXIT
+
+# Waits (bounded) until job $1 has left the queue; prints its final state.
+job_wait() {
+    local job=$1 limit=${2:-300} state
+    for ((i = 0; i < limit * 2; i++)); do
+        state=$(squeue -h -j "$job" -o %T 2>/dev/null)
+        [ -z "$state" ] && break
+        sleep 0.5
+    done
+    scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2
+}
+
+slurm_cluster_start "$WORK/slurm"
+rc=$?
+if [ "$rc" = 3 ]; then
+    say "skipped: the Slurm checks (Debian's slurmctld, slurmd, slurm-client, munge could not be installed here)"
+    slurm=0
+elif [ "$rc" != 0 ]; then
+    fail "the single-node Slurm cluster did not start"
+    exit 1
+else
+    slurm=1
+    say "Slurm $(sinfo -V | cut -d' ' -f2) up in $((SECONDS - started)) s ($(sinfo -h -o '%N %c CPUs %T'))"
+fi
+
+if [ "$slurm" = 1 ]; then
+    # 1. srun -n2
+    t=$SECONDS
+    out="$WORK/srun.out"
+    srun -n2 --kill-on-bad-exit=1 "$BIN" --epochs 1 "${SMALL[@]}" --out "$WORK/srun" >"$out" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
+        [ "$(count 'final test accuracy' "$out")" = 1 ]; then
+        pass "srun -n2: one job of 2 ranks ($((SECONDS - t)) s)"
+    else
+        fail "srun -n2 (exit $rc): expected one '2 ranks' line and one final accuracy"
+        show "$out"
+    fi
+
+    # 2. the binary in the batch script itself
+    t=$SECONDS
+    out="$WORK/nosrun.out"
+    job=$(sbatch --parsable -n2 -o "$out" --wrap "$BIN --epochs 1 ${SMALL[*]} --out $WORK/nosrun")
+    state=$(job_wait "$job" 120)
+    took=$((SECONDS - t))
+    if [ "$state" = FAILED ] && grep -q 'srun <program>' "$out" && [ "$took" -lt 60 ]; then
+        pass "sbatch without srun: refused in $took s: $(grep -o 'this process is the batch script[^:]*' "$out" | head -n 1)"
+    else
+        fail "sbatch without srun: job $job $state after $took s; expected FAILED within 60 s saying 'srun <program>'"
+        show "$out"
+    fi
+
+    # 3. a requeue in the middle of training resumes from the checkpoint
+    out="$WORK/requeue.out"
+    dir="$WORK/requeue"
+    cat >"$WORK/requeue.sh" <<EOF
+#!/bin/bash
+echo "attempt SLURM_RESTART_COUNT=\${SLURM_RESTART_COUNT:-0}"
+srun --kill-on-bad-exit=1 "$BIN" --epochs 3 --train-size 4096 --test-size 256 --batch-size 32 --out "$dir"
+EOF
+    t=$SECONDS
+    job=$(sbatch --parsable -n2 --requeue --open-mode=append -o "$out" "$WORK/requeue.sh")
+    for ((i = 0; i < 1200; i++)); do
+        [ -f "$dir/checkpoint/scheduler-1.bin" ] && break
+        sleep 0.25
+    done
+    if [ ! -f "$dir/checkpoint/scheduler-1.bin" ]; then
+        fail "requeue: no epoch-1 checkpoint within 300 s"
+        show "$out"
+    else
+        scontrol requeue "$job"
+        # A requeued job waits for its begin time; let it start now.
+        for ((i = 0; i < 60; i++)); do
+            [ "$(squeue -h -j "$job" -o %T)" = PENDING ] && break
+            sleep 0.5
+        done
+        scontrol update JobId="$job" StartTime=now >/dev/null 2>&1 || true
+        state=$(job_wait "$job" 600)
+        took=$((SECONDS - t))
+        second=$(sed -n '/^attempt SLURM_RESTART_COUNT=1/,$p' "$out")
+        if [ "$state" = COMPLETED ] && grep -q 'attempt SLURM_RESTART_COUNT=1' "$out" &&
+            grep -q 'resuming after epoch 1 of 3' <<<"$second" &&
+            ! grep -Eq '\[train\] epoch 1/3|Epoch 1/3' <<<"$second" &&
+            grep -q 'final test accuracy' <<<"$second"; then
+            pass "sbatch --requeue + scontrol requeue after epoch 1: resumed after epoch 1, epoch 1 not trained again ($took s)"
+        else
+            fail "requeue: job $job $state; expected the second attempt to resume after epoch 1"
+            show "$out" 40
+        fi
+        if grep -Eq '^Total Epochs: 3' <<<"$second"; then
+            pass "Burn's summary of the requeued run: Total Epochs: 3"
+        else
+            fail "requeue: Burn's summary does not say 'Total Epochs: 3'"
+            grep -n 'Total Epochs' "$out" | sed 's/^/    | /'
+        fi
+    fi
+
+    # 4. two jobs sharing the node, no port given
+    t=$SECONDS
+    a=$(sbatch --parsable -n2 -o "$WORK/pair-a.out" --wrap "srun --kill-on-bad-exit=1 $BIN --epochs 1 ${SMALL[*]} --out $WORK/pair-a")
+    b=$(sbatch --parsable -n2 -o "$WORK/pair-b.out" --wrap "srun --kill-on-bad-exit=1 $BIN --epochs 1 ${SMALL[*]} --out $WORK/pair-b")
+    together=0
+    for ((i = 0; i < 120; i++)); do
+        if [ "$(squeue -h -t RUNNING -j "$a,$b" 2>/dev/null | wc -l)" = 2 ]; then
+            together=1
+            break
+        fi
+        sleep 0.25
+    done
+    sa=$(job_wait "$a" 300)
+    sb=$(job_wait "$b" 300)
+    if [ "$sa" = COMPLETED ] && [ "$sb" = COMPLETED ] && [ "$together" = 1 ]; then
+        pass "two 2-rank jobs at once on one node, no MASTER_PORT: both trained ($((SECONDS - t)) s)"
+    else
+        fail "two jobs at once: $a $sa, $b $sb (both running at once: $together)"
+        show "$WORK/pair-a.out" 10
+        show "$WORK/pair-b.out" 10
+    fi
+
+    # 5. a task that never starts, under --kill-on-bad-exit=1
+    t=$SECONDS
+    out="$WORK/badexit.out"
+    timeout 300 srun -n2 --kill-on-bad-exit=1 bash -c \
+        "if [ \"\$SLURM_PROCID\" = 1 ]; then exit 127; fi; exec $BIN --epochs 1 ${SMALL[*]} --out $WORK/badexit" \
+        >"$out" 2>&1
+    rc=$?
+    took=$((SECONDS - t))
+    if [ "$rc" != 0 ] && [ "$took" -lt 60 ]; then
+        pass "a task exiting 127 before it joins, srun --kill-on-bad-exit=1: the step ended in $took s (exit $rc)"
+    else
+        fail "a task exiting before it joins: exit $rc after $took s; expected a failure within 60 s"
+        show "$out"
+    fi
+fi
+
+# 6. mpirun (Open MPI)
+if ! command -v mpirun >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openmpi-bin \
+        >"$WORK/apt-openmpi.log" 2>&1 || true
+fi
+if ! command -v mpirun >/dev/null 2>&1; then
+    say "skipped: the mpirun check (Debian's openmpi-bin could not be installed here)"
+else
+    t=$SECONDS
+    out="$WORK/mpirun.out"
+    # Output to a file, as in a batch job: Open MPI still gives each rank a pseudo-terminal.
+    timeout 300 mpirun --allow-run-as-root --oversubscribe -np 2 \
+        "$BIN" --epochs 1 "${SMALL[@]}" --out "$WORK/mpirun" >"$out" 2>&1
+    rc=$?
+    if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
+        [ "$(count 'final test accuracy' "$out")" = 1 ] && ! grep -q 'panicked' "$out"; then
+        pass "mpirun -np 2: one job of 2 ranks, no panic ($((SECONDS - t)) s; $(grep -c 'instead of Burn' "$out") dashboard warning)"
+    else
+        fail "mpirun -np 2 (exit $rc): expected one '2 ranks' line, one final accuracy, no panic"
+        show "$out"
+    fi
+fi
+
+slurm_cluster_stop
+trap - EXIT
+if [ "$failures" -gt 0 ]; then
+    say "$failures check(s) failed ($((SECONDS - started)) s; files in $WORK)"
+    exit 1
+fi
+say "all checks passed in $((SECONDS - started)) s"
+rm -rf "$WORK"
