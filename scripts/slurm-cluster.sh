@@ -49,6 +49,10 @@ slurm_wait_for() {
 slurm_cluster_start() {
     SLURM_DIR=$(realpath -m "$1")
     mkdir -p "$SLURM_DIR"
+    if [ "$(id -u)" != 0 ]; then
+        echo "slurm-cluster: starting munged, slurmctld and slurmd as here needs root"
+        return 3
+    fi
     slurm_cluster_install || return $?
     export PATH="$PATH:/usr/sbin"
     local host
@@ -81,6 +85,8 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# A requeued job starts again once its old credential has expired (120 s by default).
+AuthInfo=cred_expire=10
 StateSaveLocation=$SLURM_DIR/state
 SlurmdSpoolDir=$SLURM_DIR/spool
 SlurmctldPidFile=$SLURM_DIR/slurmctld.pid
@@ -99,7 +105,7 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 JobRequeue=1
 SchedulerType=sched/builtin
-SchedulerParameters=nohold_on_prolog_fail
+SchedulerParameters=nohold_on_prolog_fail,sched_interval=2
 MinJobAge=600
 KillWait=5
 InactiveLimit=0
