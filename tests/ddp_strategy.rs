@@ -123,15 +123,25 @@ fn rows(n: usize) -> Vec<Item> {
         .collect()
 }
 
-/// A dataset whose item `bad` panics when read: a data error on one rank.
+/// A dataset whose item `bad` panics when read, or which panics at its read number
+/// `fail_after + 1`: a data error on one rank.
 struct Broken {
     inner: InMemDataset<Item>,
     bad: Option<usize>,
+    fail_after: Option<usize>,
+    reads: std::sync::atomic::AtomicUsize,
 }
 
 impl Dataset<Item> for Broken {
     fn get(&self, index: usize) -> Option<Item> {
         assert!(Some(index) != self.bad, "corrupt record {index}");
+        let read = self
+            .reads
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            self.fail_after.is_none_or(|n| read < n),
+            "the disk went away at read {read}"
+        );
         self.inner.get(index)
     }
     fn len(&self) -> usize {
@@ -157,6 +167,10 @@ struct Run {
     dir: PathBuf,
     resume: bool,
     bad_item_on_rank_1: Option<usize>,
+    /// Rank 1's dataset fails after this many reads.
+    fail_on_rank_1_after: Option<usize>,
+    /// Burn's summary after training (printed by rank 0).
+    summary: bool,
     early_stop_after: Option<usize>,
     quit_on_rank_0: bool,
     seed: u64,
@@ -173,6 +187,8 @@ impl Run {
             dir: dir.to_path_buf(),
             resume: false,
             bad_item_on_rank_1: None,
+            fail_on_rank_1_after: None,
+            summary: false,
             early_stop_after: None,
             quit_on_rank_0: false,
             seed: 7,
@@ -217,16 +233,18 @@ impl Run {
     fn rank(&self, pg: ProcessGroup, model: Reg<B>) -> Result<Vec<f32>, DdpError> {
         let rank = pg.rank();
         let device = Default::default();
-        let bad = if rank == Rank(1) {
-            self.bad_item_on_rank_1
+        let (bad, fail_after) = if rank == Rank(1) {
+            (self.bad_item_on_rank_1, self.fail_on_rank_1_after)
         } else {
-            None
+            (None, None)
         };
         let train = Arc::new(
             DistributedSampler::new(
                 Broken {
                     inner: InMemDataset::new(rows(96)),
                     bad,
+                    fail_after,
+                    reads: Default::default(),
                 },
                 &pg,
             )
@@ -259,6 +277,9 @@ impl Run {
         .metric_valid_numeric(LossMetric::new())
         .num_epochs(self.epochs)
         .with_application_logger(None);
+        if self.summary {
+            training = training.summary();
+        }
         if rank == Rank(0) {
             if let Some(e) = self.early_stop_after {
                 training = training.early_stopping(StopAfter(e));
@@ -383,6 +404,44 @@ fn a_data_error_on_rank_1_stops_every_rank_naming_it() {
             other => panic!("rank {r}: expected TrainingFailed, got {other:?}"),
         }
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run that fails in its second epoch (rank 1's data fails at its 11th item of that epoch,
+/// after rank 0 logged steps of it): Burn's summary on rank 0 counts the one completed epoch,
+/// where Burn alone counts the highest epoch it finds logs of. The run is a child process of
+/// this test binary, whose output (rank 0's progress lines and summary) is read.
+#[test]
+fn a_run_that_fails_in_epoch_2_is_summarised_as_one_epoch() {
+    const NAME: &str = "a_run_that_fails_in_epoch_2_is_summarised_as_one_epoch";
+    const CHILD: &str = "BURN_DDP_TEST_SUMMARY_DIR";
+    if let Some(dir) = std::env::var_os(CHILD) {
+        let mut run = Run::new(2, 4, 3, Path::new(&dir));
+        // 48 items per rank and epoch: the 59th read is in epoch 2.
+        run.fail_on_rank_1_after = Some(48 + 10);
+        run.summary = true;
+        for (r, res) in run.train().into_iter().enumerate() {
+            assert!(res.is_err(), "rank {r} did not fail");
+        }
+        return;
+    }
+    let dir = scratch("summary");
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
+        .env(CHILD, &dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        dir.join("rank-0/train/epoch-2").is_dir(),
+        "rank 0 logged nothing of epoch 2: the run failed too early to test anything"
+    );
+    assert!(
+        stdout.contains("Total Epochs: 1\n"),
+        "expected one completed epoch in the summary:\n{stdout}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -170,7 +170,7 @@ where
         );
         let summary = summary_config
             .and_then(|s| s.init().ok())
-            .map(|s| self.completed_only(s));
+            .and_then(|s| self.completed_only(s));
         processor.process_train(LearnerEvent::End(summary));
         LearningResult {
             model: model.valid(),
@@ -200,12 +200,15 @@ where
 impl<B: Backend> DdpStrategy<B> {
     /// Burn's summary of a run that failed counts only the epochs it completed. Burn counts
     /// the highest epoch whose metric logs it finds, and the epoch the run failed in has
-    /// logs ("Total Epochs: 2" after one finished epoch).
-    fn completed_only(&self, mut summary: LearnerSummary) -> LearnerSummary {
+    /// logs ("Total Epochs: 2" after one finished epoch). None when it completed none.
+    fn completed_only(&self, mut summary: LearnerSummary) -> Option<LearnerSummary> {
         if self.failure.message().is_none() {
-            return summary;
+            return Some(summary);
         }
         let done = self.completed.load(Ordering::Relaxed);
+        if done == 0 {
+            return None;
+        }
         summary.epochs = summary.epochs.min(done);
         for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
             for metric in split.iter_mut() {
@@ -213,7 +216,7 @@ impl<B: Backend> DdpStrategy<B> {
             }
             split.retain(|m| !m.entries.is_empty());
         }
-        summary
+        Some(summary)
     }
 
     /// The epoch loops from `starting_epoch`, at a [`Cursor`]: training, validation, the end of
