@@ -144,6 +144,10 @@ fn edge_case_sizes_finish_and_empty_ones_are_refused() {
         let r = run(&out, &["--epochs", "1", "--test-size", test_size]);
         assert!(finished(&r), "--test-size {test_size}:\n{}\n{}", r.1, r.2);
     }
+    // One rank: said in the singular.
+    let r = run(&out, &["--epochs", "1", "--nproc", "1"]);
+    assert!(finished(&r), "--nproc 1:\n{}\n{}", r.1, r.2);
+    assert!(r.1.contains("; 1 rank × batch 16"), "{}", r.1);
     for (option, value, says) in [
         ("--epochs", "0", "must be at least 1"),
         ("--batch-size", "0", "must be at least 1"),
