@@ -426,22 +426,8 @@ fn a_run_that_fails_in_epoch_2_is_summarised_as_one_epoch() {
         return;
     }
     let dir = scratch("summary");
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
-        .env(CHILD, &dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(
-        dir.join("rank-0/train/epoch-2").is_dir(),
-        "rank 0 logged nothing of epoch 2: the run failed too early to test anything"
-    );
-    assert!(
-        stdout.contains("Total Epochs: 1\n"),
-        "expected one completed epoch in the summary:\n{stdout}"
-    );
+    let stdout = common::spawned::rerun_in_child(NAME, CHILD, &dir);
+    common::spawned::assert_summarised_as_one_epoch(&stdout, &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

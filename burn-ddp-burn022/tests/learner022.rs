@@ -2,6 +2,10 @@
 //! rank, real Burn training): a run that fails in the middle of its second epoch is summarised
 //! by Burn as one epoch, on rank 0.
 
+#[allow(dead_code)]
+#[path = "../../tests/common/spawned.rs"]
+mod spawned;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -191,21 +195,7 @@ fn a_run_that_fails_in_epoch_2_is_summarised_as_one_epoch() {
         return;
     }
     let dir = scratch("summary");
-    let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
-        .env(CHILD, &dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(
-        dir.join("rank-0/train/epoch-2").is_dir(),
-        "rank 0 logged nothing of epoch 2: the run failed too early to test anything"
-    );
-    assert!(
-        stdout.contains("Total Epochs: 1\n"),
-        "expected one completed epoch in the summary:\n{stdout}"
-    );
+    let stdout = spawned::rerun_in_child(NAME, CHILD, &dir);
+    spawned::assert_summarised_as_one_epoch(&stdout, &dir);
     let _ = std::fs::remove_dir_all(&dir);
 }

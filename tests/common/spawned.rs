@@ -240,3 +240,31 @@ pub fn assert_summary_counts_completed_epochs(stdout: &str) {
         "Burn's summary counts {total} epochs, {completed} were completed:\n{stdout}"
     );
 }
+
+/// For a test that must read what rank 0 prints (Burn's summary, on stdout): runs test `name`
+/// of this test binary again in a child process, with `var` set to `dir`, and returns its
+/// stdout after checking that it passed. The test does its real work when it finds `var` set.
+pub fn rerun_in_child(name: &str, var: &str, dir: &std::path::Path) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(var, dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    stdout
+}
+
+/// What a run that failed in the middle of epoch 2, with rank 0's metric logs in
+/// `dir/rank-0`, must have printed: a summary of one epoch.
+pub fn assert_summarised_as_one_epoch(stdout: &str, dir: &std::path::Path) {
+    assert!(
+        dir.join("rank-0/train/epoch-2").is_dir(),
+        "rank 0 logged nothing of epoch 2: the run failed too early to test anything"
+    );
+    assert!(
+        stdout.contains("Total Epochs: 1\n"),
+        "expected one completed epoch in the summary:\n{stdout}"
+    );
+}
