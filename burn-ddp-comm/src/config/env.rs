@@ -319,8 +319,8 @@ pub fn cuda_visible_devices() -> Option<String> {
     std::env::var("CUDA_VISIBLE_DEVICES").ok()
 }
 
-/// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`
-/// or [`spawn`](crate::launch::spawn())), rather than as a single process.
+/// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`,
+/// `mpirun`/`mpiexec` or [`spawn`](crate::launch::spawn())), rather than as a single process.
 pub fn launched() -> bool {
     launched_from(&|k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
 }
