@@ -2,10 +2,13 @@
 # The classifier example under the launchers clusters use: a real single-node Slurm (Debian's
 # slurmctld, slurmd, munge) and Open MPI's mpirun, as a cluster user runs them.
 #
-#   scripts/launcher-check.sh CLASSIFIER [WORK_DIR]
+#   scripts/launcher-check.sh CLASSIFIER [OTHER_CLASSIFIER ...]
 #
 # CLASSIFIER: a built classifier example (target/debug/examples/classifier after
-# `cargo test --workspace`, or the release one). Run as root (the daemons, apt-get). Checks:
+# `cargo test --workspace`, or the release one); each OTHER_CLASSIFIER (the Burn 0.22 line's
+# classifier022) goes through checks 1 and 6 too. Files go to $LAUNCHER_CHECK_DIR (default: a
+# fresh directory under $TMPDIR, removed when every check passed). Run as root (the daemons,
+# apt-get). Checks:
 #   1. srun -n2: one job of world size 2, one final accuracy;
 #   2. the binary in an sbatch script without srun: refused within seconds, saying "srun";
 #   3. sbatch --requeue, `scontrol requeue` after the epoch-1 checkpoint: the requeued job
@@ -19,9 +22,11 @@
 # exits 0; any failed check exits 1. The daemons are stopped by PID at exit.
 set -uo pipefail
 
-BIN=${1:?usage: scripts/launcher-check.sh CLASSIFIER [WORK_DIR]}
-BIN=$(realpath "$BIN")
-WORK=$(realpath -m "${2:-${TMPDIR:-/tmp}/burn-ddp-launchers.$$}")
+BIN=${1:?usage: scripts/launcher-check.sh CLASSIFIER [OTHER_CLASSIFIER ...]}
+BINS=()
+for b in "$@"; do BINS+=("$(realpath "$b")"); done
+BIN=${BINS[0]}
+WORK=$(realpath -m "${LAUNCHER_CHECK_DIR:-${TMPDIR:-/tmp}/burn-ddp-launchers.$$}")
 HERE=$(cd "$(dirname "$0")" && pwd)
 rm -rf "$WORK"
 mkdir -p "$WORK"
@@ -70,18 +75,21 @@ else
 fi
 
 if [ "$slurm" = 1 ]; then
-    # 1. srun -n2
-    t=$SECONDS
-    out="$WORK/srun.out"
-    srun -n2 --kill-on-bad-exit=1 "$BIN" --epochs 1 "${SMALL[@]}" --out "$WORK/srun" >"$out" 2>&1
-    rc=$?
-    if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
-        [ "$(count 'final test accuracy' "$out")" = 1 ]; then
-        pass "srun -n2: one job of 2 ranks ($((SECONDS - t)) s)"
-    else
-        fail "srun -n2 (exit $rc): expected one '2 ranks' line and one final accuracy"
-        show "$out"
-    fi
+    # 1. srun -n2, for each classifier
+    for bin in "${BINS[@]}"; do
+        t=$SECONDS
+        name=$(basename "$bin")
+        out="$WORK/srun-$name.out"
+        srun -n2 --kill-on-bad-exit=1 "$bin" --epochs 1 "${SMALL[@]}" --out "$WORK/srun-$name" >"$out" 2>&1
+        rc=$?
+        if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
+            [ "$(count 'final test accuracy' "$out")" = 1 ]; then
+            pass "srun -n2 $name: one job of 2 ranks ($((SECONDS - t)) s)"
+        else
+            fail "srun -n2 $name (exit $rc): expected one '2 ranks' line and one final accuracy"
+            show "$out"
+        fi
+    done
 
     # 2. the binary in the batch script itself
     t=$SECONDS
@@ -175,27 +183,32 @@ EOF
     fi
 fi
 
-# 6. mpirun (Open MPI)
-if ! command -v mpirun >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+# 6. mpirun (Open MPI), for each classifier
+MPIRUN=$(command -v mpirun.openmpi || true)
+if [ -z "$MPIRUN" ] && [ "$(id -u)" = 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openmpi-bin \
         >"$WORK/apt-openmpi.log" 2>&1 || true
+    MPIRUN=$(command -v mpirun.openmpi || true)
 fi
-if ! command -v mpirun >/dev/null 2>&1; then
+if [ -z "$MPIRUN" ]; then
     say "skipped: the mpirun check (Debian's openmpi-bin could not be installed here)"
 else
-    t=$SECONDS
-    out="$WORK/mpirun.out"
-    # Output to a file, as in a batch job: Open MPI still gives each rank a pseudo-terminal.
-    timeout 300 mpirun --allow-run-as-root --oversubscribe -np 2 \
-        "$BIN" --epochs 1 "${SMALL[@]}" --out "$WORK/mpirun" >"$out" 2>&1
-    rc=$?
-    if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
-        [ "$(count 'final test accuracy' "$out")" = 1 ] && ! grep -q 'panicked' "$out"; then
-        pass "mpirun -np 2: one job of 2 ranks, no panic ($((SECONDS - t)) s; $(grep -c 'instead of Burn' "$out") dashboard warning)"
-    else
-        fail "mpirun -np 2 (exit $rc): expected one '2 ranks' line, one final accuracy, no panic"
-        show "$out"
-    fi
+    for bin in "${BINS[@]}"; do
+        t=$SECONDS
+        name=$(basename "$bin")
+        out="$WORK/mpirun-$name.out"
+        # Output to a file, as in a batch job: Open MPI still gives each rank a pseudo-terminal.
+        timeout 300 "$MPIRUN" --allow-run-as-root --oversubscribe -np 2 \
+            "$bin" --epochs 1 "${SMALL[@]}" --out "$WORK/mpirun-$name" >"$out" 2>&1
+        rc=$?
+        if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
+            [ "$(count 'final test accuracy' "$out")" = 1 ] && ! grep -q 'panicked' "$out"; then
+            pass "mpirun -np 2 $name: one job of 2 ranks, no panic ($((SECONDS - t)) s; $(count 'instead of Burn' "$out") dashboard warning)"
+        else
+            fail "mpirun -np 2 $name (exit $rc): expected one '2 ranks' line, one final accuracy, no panic"
+            show "$out"
+        fi
+    done
 fi
 
 slurm_cluster_stop
