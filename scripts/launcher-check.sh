@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The classifier example under the launchers clusters use: a real single-node Slurm (Debian's
-# slurmctld, slurmd, munge) and Open MPI's mpirun, as a cluster user runs them.
+# slurmctld, slurmd, munge), Open MPI's mpirun and MPICH's mpiexec, as a cluster user runs them.
 #
 #   scripts/launcher-check.sh CLASSIFIER [OTHER_CLASSIFIER ...]
 #
@@ -16,10 +16,12 @@
 #   4. two jobs on the node at once, no MASTER_PORT given: both train (a port per job);
 #   5. a task that exits before it joins (exit 127) under --kill-on-bad-exit=1: the step ends
 #      within seconds instead of waiting for the rendezvous deadline;
-#   6. mpirun -np 2 (Open MPI): one job of world size 2, no panic of the dashboard;
+#   6. mpirun -np 2 (Open MPI) and mpiexec -n 2 (MPICH): one job of world size 2, no panic of
+#      the dashboard;
 #   7. Burn's summary after a requeue counts 3 epochs.
-# Where Debian's packages cannot be installed it prints a line starting with "skipped:" and
-# exits 0; any failed check exits 1. The daemons are stopped by PID at exit.
+# Where Debian's packages (slurmctld, slurmd, slurm-client, munge, openmpi-bin, mpich) cannot be
+# installed it prints a line starting with "skipped:" and exits 0; any failed check exits 1.
+# The daemons are stopped by PID at exit.
 set -uo pipefail
 
 BIN=${1:?usage: scripts/launcher-check.sh CLASSIFIER [OTHER_CLASSIFIER ...]}
@@ -183,33 +185,38 @@ EOF
     fi
 fi
 
-# 6. mpirun (Open MPI), for each classifier
-MPIRUN=$(command -v mpirun.openmpi || true)
-if [ -z "$MPIRUN" ] && [ "$(id -u)" = 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openmpi-bin \
-        >"$WORK/apt-openmpi.log" 2>&1 || true
-    MPIRUN=$(command -v mpirun.openmpi || true)
-fi
-if [ -z "$MPIRUN" ]; then
-    say "skipped: the mpirun check (Debian's openmpi-bin could not be installed here)"
-else
+# 6. mpirun (Open MPI) and mpiexec (MPICH's Hydra), for each classifier
+for pkg in openmpi-bin:mpirun.openmpi mpich:mpiexec.mpich; do
+    if ! command -v "${pkg#*:}" >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${pkg%%:*}" \
+            >>"$WORK/apt-mpi.log" 2>&1 || true
+    fi
+done
+for mpi in "Open MPI:mpirun.openmpi --allow-run-as-root --oversubscribe -np 2" \
+    "MPICH:mpiexec.mpich -n 2"; do
+    label=${mpi%%:*}
+    read -ra cmd <<<"${mpi#*:}"
+    if ! command -v "${cmd[0]}" >/dev/null 2>&1; then
+        say "skipped: the $label check (${cmd[0]} is not installed and could not be installed here)"
+        continue
+    fi
     for bin in "${BINS[@]}"; do
         t=$SECONDS
         name=$(basename "$bin")
-        out="$WORK/mpirun-$name.out"
+        out="$WORK/${cmd[0]}-$name.out"
         # Output to a file, as in a batch job: Open MPI still gives each rank a pseudo-terminal.
-        timeout 300 "$MPIRUN" --allow-run-as-root --oversubscribe -np 2 \
-            "$bin" --epochs 1 "${SMALL[@]}" --out "$WORK/mpirun-$name" >"$out" 2>&1
+        timeout 300 "${cmd[@]}" "$bin" --epochs 1 "${SMALL[@]}" --out "$WORK/${cmd[0]}-$name" \
+            >"$out" 2>&1
         rc=$?
         if [ "$rc" = 0 ] && [ "$(count '2 ranks ×' "$out")" = 1 ] &&
             [ "$(count 'final test accuracy' "$out")" = 1 ] && ! grep -q 'panicked' "$out"; then
-            pass "mpirun -np 2 $name: one job of 2 ranks, no panic ($((SECONDS - t)) s; $(count 'instead of Burn' "$out") dashboard warning)"
+            pass "$label, ${cmd[*]} $name: one job of 2 ranks, no panic ($((SECONDS - t)) s; $(count 'instead of Burn' "$out") dashboard warning)"
         else
-            fail "mpirun -np 2 $name (exit $rc): expected one '2 ranks' line, one final accuracy, no panic"
+            fail "$label, ${cmd[*]} $name (exit $rc): expected one '2 ranks' line, one final accuracy, no panic"
             show "$out"
         fi
     done
-fi
+done
 
 slurm_cluster_stop
 trap - EXIT
