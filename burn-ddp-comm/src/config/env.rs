@@ -39,7 +39,8 @@ use std::time::Duration;
 use std::ffi::OsString;
 
 use crate::config::{
-    FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
+    FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher, MasterAddr, Timeouts,
+    DEFAULT_MASTER_PORT,
 };
 use crate::types::{LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
@@ -354,7 +355,7 @@ const LAUNCHERS: &str =
 
 /// Where a launcher put this process.
 struct Placement {
-    launcher: &'static str,
+    launcher: Launcher,
     rank: Rank,
     world: WorldSize,
     local_rank: LocalRank,
@@ -363,7 +364,8 @@ struct Placement {
     master_host: Option<String>,
     /// The job's id, for the token and messages: `(variable, value)`.
     job: Option<(&'static str, String)>,
-    /// The store's port when `MASTER_PORT` is not set, derived from the job ([`job_port`]).
+    /// The store's port when `MASTER_PORT` is not set, when the launcher derives it otherwise
+    /// than [`job_port`] of the job's id.
     job_port: Option<u16>,
     /// Whether rank 0's host must be given (`MASTER_ADDR`): ranks on several hosts, and the
     /// launcher does not say which is rank 0's.
@@ -405,7 +407,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         (None, Some(h)) => h,
         (None, None) if at.needs_master => {
             return Err(DdpError::Launch {
-                launcher: at.launcher,
+                launcher: at.launcher.name(),
                 problem: format!(
                     "its {} ranks run on more than one host ({} on this one) and {MASTER_ADDR} \
                      is not set, so no rank knows where rank 0's store is",
@@ -438,15 +440,15 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             port_origin = Some(format!("{STORE_PORT}={v}"));
             parse_port(STORE_PORT, v)?
         }
-        (None, None) => match (&at.job, at.job_port) {
-            (Some((var, id)), Some(port)) => {
+        (None, None) => match &at.job {
+            Some((var, id)) => {
                 port_origin = Some(format!(
                     "derived from the job ({var}={id}) so that jobs sharing a node differ; \
                      set {MASTER_PORT} to choose another"
                 ));
-                port
+                at.job_port.unwrap_or_else(|| job_port(id))
             }
-            _ => DEFAULT_MASTER_PORT,
+            None => DEFAULT_MASTER_PORT,
         },
         (None, Some(v)) => {
             let port = parse_port(MASTER_PORT, v.clone())?;
@@ -470,7 +472,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         }
     };
     let master = MasterAddr::new(host, port);
-    let token = token(&get, at.launcher, at.job.as_ref(), &master);
+    let token = token(&get, at.job.as_ref(), &master);
     let mut cfg = GroupConfig::new(rank, world, token)
         .with_master(master)
         .with_local(local_rank, local_world)
@@ -532,7 +534,7 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
         parse_u32(get, LOCAL_RANK, "a non-negative integer")?.unwrap_or(rank.0 % local_world.get()),
     );
     Ok(Placement {
-        launcher: "torchrun",
+        launcher: Launcher::Torchrun,
         rank,
         world,
         local_rank,
@@ -546,7 +548,7 @@ fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
 
 /// The variables of an MPI launcher: rank and size required, local rank and size optional.
 struct MpiVars {
-    launcher: &'static str,
+    launcher: Launcher,
     rank: &'static str,
     size: &'static str,
     local_rank: &'static str,
@@ -564,7 +566,7 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
             .filter_map(|var| get(var).map(|val| format!("{var}={val}")))
             .collect();
         return Err(DdpError::Launch {
-            launcher: v.launcher,
+            launcher: v.launcher.name(),
             problem: format!(
                 "{} {} set but {} not, so this process would start a job of its own",
                 present.join(", "),
@@ -575,10 +577,12 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
         });
     }
     let rank = Rank(parse_u32(get, v.rank, "a non-negative integer")?.unwrap_or(0));
-    let size = world(get, v.size)?.unwrap_or(WorldSize::ONE);
+    let local_world = world(get, v.local_size)?;
+    let local_rank = parse_u32(get, v.local_rank, "a non-negative integer")?;
+    let world = world(get, v.size)?.unwrap_or(WorldSize::ONE);
     if let Some(pmix) = get(PMIX_RANK).filter(|r| r.trim() != rank.0.to_string()) {
         return Err(DdpError::Launch {
-            launcher: v.launcher,
+            launcher: v.launcher.name(),
             problem: format!(
                 "{}={} but {PMIX_RANK}={pmix}: two launchers' variables disagree about this \
                  process's rank",
@@ -589,9 +593,6 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
                 .to_string(),
         });
     }
-    let local_world = world(get, v.local_size)?;
-    let local_rank = parse_u32(get, v.local_rank, "a non-negative integer")?;
-    let world = size;
     // Every rank on this host: rank 0's store is on loopback.
     let one_host = local_world == Some(world);
     Ok(Placement {
@@ -611,7 +612,7 @@ fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
     let mut at = mpi(
         get,
         &MpiVars {
-            launcher: "Open MPI (mpirun)",
+            launcher: Launcher::OpenMpi,
             rank: "OMPI_COMM_WORLD_RANK",
             size: "OMPI_COMM_WORLD_SIZE",
             local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -622,7 +623,6 @@ fn open_mpi(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
     at.job = ["PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid"]
         .into_iter()
         .find_map(|var| Some((var, get(var)?)));
-    at.job_port = at.job.as_ref().map(|(_, id)| job_port(id));
     Ok(at)
 }
 
@@ -630,7 +630,7 @@ fn hydra(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
     let mut at = mpi(
         get,
         &MpiVars {
-            launcher: "MPICH/Intel MPI (mpiexec)",
+            launcher: Launcher::Hydra,
             rank: "PMI_RANK",
             size: "PMI_SIZE",
             local_rank: "MPI_LOCALRANKID",
@@ -647,7 +647,6 @@ fn hydra(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
         }
     }
     at.job = get("PMI_JOBID").map(|id| ("PMI_JOBID", id));
-    at.job_port = at.job.as_ref().map(|(_, id)| job_port(id));
     Ok(at)
 }
 
@@ -666,7 +665,7 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
         // allocation, not one of its N tasks: the other N - 1 never start.
         let job = get("SLURM_JOB_ID").unwrap_or_else(|| "?".into());
         return Err(DdpError::Launch {
-            launcher: "Slurm",
+            launcher: Launcher::Slurm.name(),
             problem: format!(
                 "this process is the batch script of job {job} (SLURM_NTASKS={world} but no \
                  SLURM_STEP_ID: it was not started by srun), so the other {} ranks will never \
@@ -708,7 +707,7 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
         }
     });
     Ok(Placement {
-        launcher: "Slurm",
+        launcher: Launcher::Slurm,
         rank,
         world,
         local_rank,
@@ -767,9 +766,11 @@ pub(crate) fn first_host(list: &str) -> Option<String> {
     }
 }
 
+/// The job's token when none is given: torchrun's run id, else Slurm's job and step (whoever
+/// launched the ranks inside it: they share them), else the MPI job's id, else the master's
+/// address.
 fn token(
     get: &impl Fn(&str) -> Option<String>,
-    launcher: &str,
     job: Option<&(&'static str, String)>,
     master: &MasterAddr,
 ) -> JobToken {
@@ -779,11 +780,9 @@ fn token(
     if let Some(id) = get("TORCHELASTIC_RUN_ID").filter(|v| v != "none") {
         return JobToken::new(format!("torchelastic:{id}"));
     }
-    if launcher == "Slurm" {
-        if let Some(job) = get("SLURM_JOB_ID") {
-            let step = get("SLURM_STEP_ID").unwrap_or_default();
-            return JobToken::new(format!("slurm:{job}.{step}"));
-        }
+    if let Some(job) = get("SLURM_JOB_ID") {
+        let step = get("SLURM_STEP_ID").unwrap_or_default();
+        return JobToken::new(format!("slurm:{job}.{step}"));
     }
     if let Some((var, id)) = job {
         return JobToken::new(format!("{var}:{id}"));
@@ -1263,10 +1262,15 @@ mod tests {
             ("WORLD_SIZE", "2"),
             ("SLURM_PROCID", "7"),
             ("SLURM_NTASKS", "16"),
+            ("SLURM_JOB_ID", "5"),
+            ("SLURM_STEP_ID", "0"),
         ]))
         .unwrap();
         assert_eq!(cfg.rank, Rank(1));
         assert_eq!(cfg.world_size.get(), 2);
+        assert_eq!(cfg.launcher, Some(Launcher::Torchrun));
+        // RANK set by hand inside srun: the token is still the Slurm step's, not the address's.
+        assert_eq!(cfg.token, JobToken::new("slurm:5.0"));
     }
 
     #[test]

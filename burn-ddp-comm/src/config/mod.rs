@@ -186,9 +186,35 @@ pub struct GroupConfig {
     /// Fault-tolerant mode (`burn-ddp run --fault-tolerant`): the job survives the loss of
     /// ranks without restarting anyone. `None`: a failure ends the job.
     pub fault_tolerance: Option<FaultTolerance>,
-    /// The launcher whose variables [`env::group_config_from_env`] read (`"torchrun"`,
-    /// `"Slurm"`, `"Open MPI (mpirun)"`, ...), for its advice in messages; `None` otherwise.
-    pub launcher: Option<&'static str>,
+    /// The launcher whose variables [`env::group_config_from_env`] read, for its advice in
+    /// messages; `None` otherwise.
+    pub launcher: Option<Launcher>,
+}
+
+/// Who started the process, as its environment tells ([`env::group_config_from_env`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun's variables (`RANK`, `WORLD_SIZE`, ...), also set by `burn-ddp run`, `spawn`
+    /// and Kubeflow's PyTorchJob.
+    Torchrun,
+    /// Open MPI's `mpirun`.
+    OpenMpi,
+    /// MPICH's or Intel MPI's `mpiexec` (the Hydra process manager).
+    Hydra,
+    /// Slurm's `srun`.
+    Slurm,
+}
+
+impl Launcher {
+    /// The launcher's name in messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Launcher::Torchrun => "torchrun",
+            Launcher::OpenMpi => "Open MPI (mpirun)",
+            Launcher::Hydra => "MPICH/Intel MPI (mpiexec)",
+            Launcher::Slurm => "Slurm",
+        }
+    }
 }
 
 /// The settings of a fault-tolerant job (see `ProcessGroup::recover`).

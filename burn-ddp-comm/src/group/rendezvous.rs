@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{AbortRecord, Rank, RankList};
-use crate::config::GroupConfig;
+use crate::config::{GroupConfig, Launcher};
 use crate::store::auth::Purpose;
 use crate::store::{protocol, resolve_bind, StoreClient, StoreServer, WaitOutcome};
 use crate::{DdpError, Result};
@@ -140,11 +140,11 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
 }
 
 /// What the launcher can tell about ranks that never join, for the waiting message.
-fn launcher_note(launcher: Option<&str>) -> &'static str {
+fn launcher_note(launcher: Option<Launcher>) -> &'static str {
     match launcher {
         // Nothing in a task's environment says that another task of its step died before it
         // joined: Slurm can end the step instead.
-        Some("Slurm") => {
+        Some(Launcher::Slurm) => {
             ". Under srun, a task that exited before it joined leaves the others waiting \
              here (srun prints its exit code): `srun --kill-on-bad-exit=1` ends the step at once"
         }
