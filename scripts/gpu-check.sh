@@ -12,10 +12,10 @@
 # Variants (each archive holds some; --list says which; the default is every one it holds):
 #   core         NCCL at world size 1 (every collective and dtype vs the host transport), and
 #                burn-ddp bench all-reduce over NCCL (1 rank) and over the host (2 ranks)
-#   plain        Burn 0.21, Cuda without fusion: the decorator's equivalence tests with 2 and 3
-#                processes host-staged, at world size 1 on the zero-copy NCCL path, and the step
-#                overhead against plain Autodiff<Cuda>
-#   fusion       the same with Burn's fusion and autotune (what users' builds get)
+#   plain        Burn 0.21, Cuda without fusion: the decorator's equivalence tests at world size
+#                1 on the zero-copy NCCL path and with 2 and 3 processes host-staged, the step
+#                overhead against plain Autodiff<Cuda>, and a failed join's exit under a debugger
+#   fusion       the same with Burn's fusion and autotune (what users' builds get; 2 processes)
 #   b022         Burn 0.22.1 (kernels through LLVM's NVPTX backend): GradSync on the NCCL path
 #                at world size 1 (tests/cuda022.rs) and its step time against plain Burn 0.22
 #   b022-fusion  the same with fusion and autotune
@@ -330,6 +330,14 @@ run() {
     tail -40 "$SCRATCH/logs/$name.log"
 }
 
+# A debugger for the ranks of a test (tests/common/procs.rs, BURN_DDP_TEST_CHILD_WRAPPER).
+DEBUGGER=$(command -v cuda-gdb || command -v gdb || true)
+if [ -n "$DEBUGGER" ]; then
+    printf '#!/bin/sh\nexec "%s" -q -batch -return-child-result -ex "set print thread-events off" -ex run -ex "thread apply all bt" --args "$@"\n' \
+        "$DEBUGGER" >"$SCRATCH/under-debugger"
+    chmod +x "$SCRATCH/under-debugger"
+fi
+
 BIN=$HERE/bin
 START=$(date +%s)
 for v in $VARIANTS; do
@@ -341,11 +349,29 @@ for v in $VARIANTS; do
             run core-bench-all-reduce-host-2-ranks 120 - "$BIN/burn-ddp" bench all-reduce --nproc 2 --min-bytes 1M --max-bytes 64M
             ;;
         plain | fusion)
-            run "$v-host-staged-2-and-3-processes" 240 nvrtc,headers env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TEST_WORLDS=2,3 \
-                "$BIN/$v/ddp_equivalence" --test-threads 1
+            # The zero-copy NCCL path first: it is what users run. Fusion's processes compile
+            # and autotune their kernels each (over 5 minutes for worlds 2 and 3 on an H200):
+            # fusion's host-staged step runs world 2 only, after its step overhead.
             run "$v-zero-copy-world-1" 180 nccl,nvrtc,headers env BURN_DDP_GRAD_TRANSPORT=nccl BURN_DDP_TEST_WORLDS=1 \
                 "$BIN/$v/ddp_equivalence" --test-threads 1 --skip an_unused_parameter --skip mismatched_models
-            run "$v-step-overhead" 120 nccl,nvrtc,headers "$BIN/$v/cuda_step" --rounds 3
+            if [ "$v" = plain ]; then
+                run "$v-host-staged-2-and-3-processes" 240 nvrtc,headers env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TEST_WORLDS=2,3 \
+                    "$BIN/$v/ddp_equivalence" --test-threads 1
+                run "$v-step-overhead" 120 nccl,nvrtc,headers "$BIN/$v/cuda_step" --rounds 3
+            else
+                run "$v-step-overhead" 240 nccl,nvrtc,headers "$BIN/$v/cuda_step" --rounds 3
+                run "$v-host-staged-2-processes" 300 nvrtc,headers env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TEST_WORLDS=2 \
+                    "$BIN/$v/ddp_equivalence" --test-threads 1
+            fi
+            # On 2026-11-25 (H200) both ranks of this test died of SIGSEGV after it passed, at
+            # exit: under a debugger, a rank that dies of a signal prints every thread's stack.
+            if [ -n "$DEBUGGER" ]; then
+                run "$v-exit-of-a-failed-join-under-$(basename "$DEBUGGER")" 120 nvrtc,headers \
+                    env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TEST_WORLDS=2 BURN_DDP_TEST_CHILD_WRAPPER="$SCRATCH/under-debugger" \
+                    "$BIN/$v/ddp_equivalence" --test-threads 1 --exact a_join_step_without_complete_is_an_error_at_the_next_backward
+            else
+                row "$v-exit-of-a-failed-join-under-a-debugger" "not run: neither cuda-gdb nor gdb is installed" ""
+            fi
             ;;
         b022 | b022-fusion)
             run "$v-nccl-world-1" 240 nccl "$BIN/$v/cuda022" --test-threads 1

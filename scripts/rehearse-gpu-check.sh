@@ -117,6 +117,7 @@ check cu13 0 "$h" "$WORK/driver" --variant plain,b022-cpp
 expect_out cu13 "CUDA_PATH=$h/.venv/lib/$site/cu13"
 expect_out cu13 "libnvrtc $h/.venv/lib/$site/cu13/lib/libnvrtc.so.13"
 expect_report cu13 "| plain-zero-copy-world-1 | pass |"
+expect_report cu13 "| plain-exit-of-a-failed-join-under-"
 expect_report cu13 "| b022-cpp-nccl-world-1 | pass |"
 
 # 4. Paths given on the command line win over the search.

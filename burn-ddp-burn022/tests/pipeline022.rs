@@ -8,6 +8,7 @@
 mod procs;
 
 #[path = "../../tests/common/compare.rs"]
+#[allow(dead_code)] // this test uses the comparison only
 mod compare;
 
 use std::ops::Range;

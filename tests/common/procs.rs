@@ -178,6 +178,12 @@ impl Job {
     }
 
     /// Starts the ranks and waits for all of them (no fail-fast: every rank reports itself).
+    ///
+    /// With `BURN_DDP_TEST_CHILD_WRAPPER` set (a command and its arguments, split at spaces; a
+    /// script for arguments with spaces), each rank runs under it. scripts/gpu-check.sh runs
+    /// ranks under a script that runs `cuda-gdb -batch -return-child-result -ex run -ex
+    /// "thread apply all bt" --args "$@"`, which puts the stacks of a rank that dies of a
+    /// signal into its output and fails that rank.
     pub fn run(self) -> Outcomes {
         let exe = std::env::current_exe().expect("test binary path");
         let args: Vec<OsString> = vec![
@@ -206,7 +212,7 @@ impl Job {
             if self.skip.contains(&local) {
                 continue;
             }
-            let mut cmd = Command::new(&exe);
+            let mut cmd = child_command(&exe);
             cmd.args(&args)
                 .envs(job.rank_env(local))
                 .env(CHILD, &self.test)
@@ -328,4 +334,18 @@ pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {
         return;
     }
     Job::new(world, name).run().assert_all_ok();
+}
+
+/// `exe`, or `exe` under the command of `BURN_DDP_TEST_CHILD_WRAPPER`.
+fn child_command(exe: &std::path::Path) -> Command {
+    let wrapper = std::env::var("BURN_DDP_TEST_CHILD_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    match words.next() {
+        Some(program) => {
+            let mut cmd = Command::new(program);
+            cmd.args(words).arg(exe);
+            cmd
+        }
+        None => Command::new(exe),
+    }
 }
