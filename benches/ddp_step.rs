@@ -6,16 +6,18 @@
 //! - `buckets`: 2 ranks, 200 parameters of 4 KiB: bucketed sync vs one all-reduce per parameter
 //!   (how Burn's own DDP synchronises), each against the same steps with no sync at all;
 //! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank;
-//! - `lines`: 2 ranks, the MLP: the sync cost (step minus the no-sync step) of the Burn 0.22.1
-//!   line (`GradSync`, after backward, on Flex) against the 0.21 line (`Autodiff<Ddp<NdArray>>`,
-//!   overlapped with backward), each against its own no-sync steps;
+//! - `lines` (feature `lines`, which builds Burn 0.22.1 too): 2 ranks, the MLP: the sync cost
+//!   (step minus the no-sync step) of the Burn 0.22.1 line (`GradSync`, after backward, on Flex)
+//!   against the 0.21 line (`Autodiff<Ddp<NdArray>>`, overlapped with backward), each against its
+//!   own no-sync steps;
 //! - `memory`: 2 ranks, 16 linear layers of 1024 × 1024 (67 MB of f32 parameters): the peak
 //!   resident memory of a process that trains 3 SGD steps with the default reducer and with
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
 //!   process per run, since a peak only grows).
 //!
 //! ```text
-//! cargo bench --bench ddp_step                       # all five
+//! cargo bench --bench ddp_step                       # all but `lines`
+//! cargo bench --features lines --bench ddp_step      # all five
 //! cargo bench --bench ddp_step -- overhead --rounds 9
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
@@ -24,6 +26,7 @@
 mod args;
 #[path = "common/step_model.rs"]
 mod step_model;
+#[cfg(feature = "lines")]
 #[path = "common/step_model_022.rs"]
 mod step_model_022;
 
@@ -111,6 +114,7 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 report("per-param", &worker_steps(&pg, per_parameter(), true, spec));
             }
         }
+        #[cfg(feature = "lines")]
         "lines" => {
             for round in 0..spec.rounds {
                 // Alternate the order so drift in the machine's speed hits both lines alike.
@@ -438,6 +442,15 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(not(feature = "lines"))]
+fn bench_lines(_rounds: usize) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "the `lines` benchmark builds Burn 0.22.1 too: run it with \
+         `cargo bench --features lines --bench ddp_step -- lines`"
+    )
+}
+
+#[cfg(feature = "lines")]
 fn bench_lines(rounds: usize) -> anyhow::Result<()> {
     let spec = Spec {
         which: Which::Mlp,
@@ -544,13 +557,11 @@ fn main() -> ExitCode {
             }
         };
     if names.is_empty() {
-        names = vec![
-            "overhead".into(),
-            "buckets".into(),
-            "scaling".into(),
-            "lines".into(),
-            "memory".into(),
-        ];
+        names = vec!["overhead".into(), "buckets".into(), "scaling".into()];
+        if cfg!(feature = "lines") {
+            names.push("lines".into());
+        }
+        names.push("memory".into());
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     println!("# burn-ddp step benchmarks ({rounds} rounds, medians of per-round medians)");
