@@ -14,8 +14,8 @@ use std::time::Duration;
 use half::{bf16, f16};
 
 use super::{
-    BucketPlan, BucketShape, Compression, DdpConfig, GradReduction, PowerSgdState, PowerSgdStats,
-    Worker,
+    BucketPlan, BucketShape, Compression, DdpConfig, GradReduction, LaunchOrder, PowerSgdState,
+    PowerSgdStats, Worker,
 };
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
@@ -141,11 +141,9 @@ impl HostSync {
             .map(|b| Some(vec![0.0f32; plan.buffer_len(b)]))
             .collect();
         Ok(HostStep {
-            missing: plan.buckets.iter().map(|(s, _)| s.len()).collect(),
-            pushed: vec![false; plan.slots.len()],
+            order: LaunchOrder::new(plan),
             buckets,
             results: vec![None; plan.buckets.len()],
-            next_launch: 0,
             stopped: false,
             sync: self,
             plan,
@@ -209,10 +207,8 @@ pub struct HostStep<'a, K> {
     /// Buckets being packed (taken when launched): values, then one presence flag per slot.
     buckets: Vec<Option<Vec<f32>>>,
     results: Vec<Option<Vec<f32>>>,
-    /// Slots of each bucket not pushed yet.
-    missing: Vec<usize>,
-    pushed: Vec<bool>,
-    next_launch: usize,
+    /// Which slots are pushed, and which bucket launches next.
+    order: LaunchOrder,
     /// The communication thread stopped taking buckets.
     stopped: bool,
 }
@@ -220,7 +216,7 @@ pub struct HostStep<'a, K> {
 impl<K> std::fmt::Debug for HostStep<'_, K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostStep")
-            .field("next_launch", &self.next_launch)
+            .field("launched", &self.order.launched())
             .field("buckets", &self.buckets.len())
             .finish()
     }
@@ -244,7 +240,7 @@ impl<K> HostStep<'_, K> {
                 what: "a gradient was pushed for a slot beyond the bucket plan",
             });
         };
-        if std::mem::replace(&mut self.pushed[slot], true) {
+        if self.order.is_final(slot) {
             return Err(DdpError::Internal {
                 rank,
                 what: "a parameter's gradient was pushed twice in one step",
@@ -265,15 +261,13 @@ impl<K> HostStep<'_, K> {
                 bucket[flag] = 1.0;
             }
         }
-        self.missing[s.bucket] -= 1;
+        self.order.mark_final(slot);
         self.launch_ready()
     }
 
     /// Launches every complete bucket whose predecessors have all left.
     fn launch_ready(&mut self) -> Result<()> {
-        while self.next_launch < self.buckets.len() && self.missing[self.next_launch] == 0 {
-            let bucket = self.next_launch;
-            self.next_launch += 1;
+        while let Some(bucket) = self.order.next_ready() {
             let Some(data) = self.buckets[bucket].take() else {
                 continue;
             };
@@ -302,13 +296,7 @@ impl<K> HostStep<'_, K> {
     /// The first failure of the step: a collective error naming the rank at fault, or
     /// [`DdpError::GradSyncTimeout`] when the communication thread does not answer in time.
     pub fn finish(mut self) -> Result<Reduced> {
-        for slot in 0..self.pushed.len() {
-            if !self.pushed[slot] {
-                self.pushed[slot] = true;
-                let bucket = self.plan.slots[slot].bucket;
-                self.missing[bucket] -= 1;
-            }
-        }
+        self.order.mark_rest_final();
         let launched = if self.stopped {
             Err(self.sync.stopped())
         } else {

@@ -9,6 +9,7 @@
 //!   collectives until every rank has
 //! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
 //!   next is packed, and read back; [`reduce_bucket`] for one bucket
+//! - `order.rs`: [`LaunchOrder`], the rule by which every transport launches a pass's buckets
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
 //! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
 //!   the stepped parameters
@@ -22,6 +23,7 @@ mod check;
 mod host;
 mod join;
 mod launch;
+mod order;
 mod plan;
 mod powersgd;
 mod worker;
@@ -32,6 +34,7 @@ pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{InFlight, Launcher};
+pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;

@@ -17,8 +17,8 @@ use std::time::Duration;
 use burn_backend::distributed::DistributedParamId;
 
 use burn_ddp_comm::grad::{
-    self, BucketOrder, BucketPlan, BucketShape, PowerSgd, PowerSgdState, PowerSgdStats, Slot,
-    Worker,
+    self, BucketOrder, BucketPlan, BucketShape, LaunchOrder, PowerSgd, PowerSgdState,
+    PowerSgdStats, Slot, Worker,
 };
 
 use super::{Compression, DdpConfig, GradReduction, ParamInfo};
@@ -73,10 +73,9 @@ pub(crate) struct Origin {
 /// themselves. The launch rule is the same for every transport (see [`Reducer::launch_ready`]).
 #[derive(Debug)]
 struct Step {
-    pending: Vec<usize>,
-    ready: Vec<bool>,
+    /// Which slots are final, and which bucket launches next.
+    order: LaunchOrder,
     origin: Vec<Option<Origin>>,
-    next_launch: usize,
     buckets: Buckets,
 }
 
@@ -501,18 +500,16 @@ impl Reducer {
                 used_slots[i] = true;
             }
         }
-        let mut pending: Vec<usize> = plan.buckets.iter().map(|(s, _)| s.len()).collect();
-        let mut ready = vec![false; plan.slots.len()];
-        for (i, slot) in plan.slots.iter().enumerate() {
-            if !used_slots[i] {
-                ready[i] = true;
-                pending[slot.bucket] -= 1;
+        let mut order = LaunchOrder::new(plan);
+        for (i, used) in used_slots.iter().enumerate() {
+            if !used {
+                order.mark_final(i);
             }
         }
         let n = plan.buckets.len();
         #[cfg(feature = "cuda")]
         let device_buckets =
-            device.then(|| Buckets::Device(super::gpu::DeviceStep::new(ready.len(), n)));
+            device.then(|| Buckets::Device(super::gpu::DeviceStep::new(plan.slots.len(), n)));
         #[cfg(not(feature = "cuda"))]
         let device_buckets = {
             let _ = device;
@@ -543,10 +540,8 @@ impl Reducer {
             }
         };
         self.step = Some(Step {
-            origin: vec![None; ready.len()],
-            pending,
-            ready,
-            next_launch: 0,
+            origin: vec![None; plan.slots.len()],
+            order,
             buckets,
         });
         if self.overlap {
@@ -559,7 +554,7 @@ impl Reducer {
     pub(crate) fn slot_of(&self, id: DistributedParamId) -> Option<usize> {
         let step = self.step.as_ref()?;
         let i = *self.plan.as_ref()?.by_id.get(&id)?;
-        (!step.ready[i]).then_some(i)
+        (!step.order.is_final(i)).then_some(i)
     }
 
     pub(crate) fn slot_info(&self, slot: usize) -> Option<&Slot> {
@@ -585,19 +580,18 @@ impl Reducer {
     /// Slot `slot`'s gradient is final (its value is with the bucket): counts it, and launches
     /// what became ready.
     fn mark_ready(&mut self, slot: usize, origin: Origin) {
-        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
+        let Some(step) = self.step.as_mut() else {
             return;
         };
-        step.ready[slot] = true;
+        step.order.mark_final(slot);
         step.origin[slot] = Some(origin);
-        step.pending[plan.slots[slot].bucket] -= 1;
         if self.overlap {
             self.launch_ready();
         }
     }
 
-    /// The launch rule, for every transport: buckets strictly in index order, each as soon as
-    /// all its slots are final, so every rank launches the same buckets in the same order. A
+    /// The launch rule ([`LaunchOrder`], shared with the host-staged transport of the core):
+    /// buckets strictly in index order, each as soon as all its slots are final. A
     /// failed launch is recorded and the later buckets still go, keeping the ranks in step
     /// until the failure is reported.
     fn launch_ready(&mut self) {
@@ -614,9 +608,7 @@ impl Reducer {
             #[cfg(feature = "cuda")]
             nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
         };
-        while step.next_launch < step.pending.len() && step.pending[step.next_launch] == 0 {
-            let bucket = step.next_launch;
-            step.next_launch += 1;
+        while let Some(bucket) = step.order.next_ready() {
             links.shape = links.power_sgd.is_some().then(|| plan.bucket_shape(bucket));
             let slots: Vec<(usize, usize)> = plan.buckets[bucket]
                 .0
@@ -663,13 +655,8 @@ impl Reducer {
     /// zeros (so that no rank waits forever), every bucket is launched in order, and the pass is
     /// taken out of the reducer.
     fn close(&mut self) -> Option<Step> {
-        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
-            for (i, slot) in plan.slots.iter().enumerate() {
-                if !step.ready[i] {
-                    step.ready[i] = true;
-                    step.pending[slot.bucket] -= 1;
-                }
-            }
+        if let Some(step) = self.step.as_mut() {
+            step.order.mark_rest_final();
         }
         self.launch_ready();
         self.step.take()
