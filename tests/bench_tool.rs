@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::spawned::Spawned as Job;
+use common::spawned::Spawned;
 
 fn bench(args: &[&str]) -> (bool, String, Duration) {
     let mut cmd = Command::new(common::spawned::launcher());
@@ -16,7 +16,7 @@ fn bench(args: &[&str]) -> (bool, String, Duration) {
         .env_remove("RANK")
         .env_remove("SLURM_PROCID");
     let started = Instant::now();
-    let out = Job::start(&mut cmd, Duration::from_secs(120)).finish();
+    let out = Spawned::start(&mut cmd, Duration::from_secs(120)).finish();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::spawned::{children, files_under, rank_of, Spawned as Job};
+use common::spawned::{children, files_under, rank_of, Spawned};
 
 fn example() -> PathBuf {
     common::spawned::example("classifier")
@@ -47,7 +47,7 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         .arg(out.join("rank-{rank}"))
         .env_remove("RANK")
         .env_remove("SLURM_PROCID");
-    let run = Job::start(&mut cmd, Duration::from_secs(600)).finish();
+    let run = Spawned::start(&mut cmd, Duration::from_secs(600)).finish();
     let stdout = String::from_utf8_lossy(&run.stdout);
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
@@ -119,7 +119,7 @@ fn killing_a_rank_ends_the_job_within_30_s_naming_it() {
     .env_remove("SLURM_PROCID")
     .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
     .env_remove("RUST_LOG");
-    let job = Job::start(&mut cmd, Duration::from_secs(600));
+    let job = Spawned::start(&mut cmd, Duration::from_secs(600));
     // Wait until both ranks train (rank 0 has logged a step).
     let deadline = Instant::now() + Duration::from_secs(120);
     let victim = loop {
@@ -183,7 +183,7 @@ fn elastic_run(
         .env("BURN_DDP_TIMEOUT", "10m") // the bound must come from failure detection
         .env("RUST_LOG", "burn_ddp=info") // to see where training resumed
         ;
-    let job = Job::start(&mut cmd, Duration::from_secs(900));
+    let job = Spawned::start(&mut cmd, Duration::from_secs(900));
     let mut killed_at = None;
     if let Some(victim) = victim {
         let deadline = Instant::now() + Duration::from_secs(300);
@@ -314,7 +314,7 @@ fn ctrl_c_under_max_restarts_stops_without_restarting() {
     .env_remove("RANK")
     .env_remove("SLURM_PROCID")
     .process_group(0);
-    let job = Job::start(&mut cmd, Duration::from_secs(300));
+    let job = Spawned::start(&mut cmd, Duration::from_secs(300));
     let deadline = Instant::now() + Duration::from_secs(120);
     while !out.join("train/epoch-1/Loss.log").exists() {
         assert!(Instant::now() < deadline, "the job never started training");

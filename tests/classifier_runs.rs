@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::spawned::Spawned as Job;
+use common::spawned::Spawned;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-ddp-runs-{name}-{}", std::process::id()));
@@ -28,7 +28,7 @@ fn run(out: &Path, args: &[&str]) -> (Output, String, String) {
         .env_remove("RANK")
         .env_remove("SLURM_PROCID")
         .env_remove("RUST_LOG");
-    let output = Job::start(&mut cmd, Duration::from_secs(300)).finish();
+    let output = Spawned::start(&mut cmd, Duration::from_secs(300)).finish();
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     // Logs into a pipe carry no colour codes.

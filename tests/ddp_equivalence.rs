@@ -328,7 +328,7 @@ macro_rules! equivalence {
                     return;
                 }
                 if !common::is_any_child() && common::world_selected($w) {
-                    common::Job::new($w, name)
+                    common::TestJob::new($w, name)
                         .function(stringify!($name))
                         .run()
                         .assert_all_ok();
@@ -391,7 +391,7 @@ fn mismatched_models_fail_at_prepare_naming_the_parameter() {
         return;
     }
     if !common::is_any_child() {
-        common::Job::new(3, NAME).run().assert_all_ok();
+        common::TestJob::new(3, NAME).run().assert_all_ok();
     }
 }
 
@@ -415,7 +415,7 @@ fn an_unused_parameter_stays_untouched_and_nothing_hangs() {
         return;
     }
     if !common::is_any_child() {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -510,7 +510,7 @@ macro_rules! branch_equivalence {
                 return;
             }
             if !common::is_any_child() && common::world_selected($world) {
-                common::Job::new($world, name)
+                common::TestJob::new($world, name)
                     .function(name)
                     .run()
                     .assert_all_ok();
@@ -560,7 +560,7 @@ fn foreign_gradients_left_out_of_the_optimizer_fail_the_next_step() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -608,7 +608,7 @@ fn diverged_replicas_fail_naming_the_parameter() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -661,7 +661,7 @@ fn per_rank_buffers_do_not_trip_the_replica_check() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -719,7 +719,7 @@ fn broadcast_buffers_give_every_rank_rank_0s_running_statistics() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -731,7 +731,7 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -817,7 +817,7 @@ fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training()
             return;
         }
         if !common::is_any_child() && common::world_selected(world) {
-            common::Job::new(world as u32, name)
+            common::TestJob::new(world as u32, name)
                 .function(
                     "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
                 )
@@ -872,7 +872,7 @@ fn uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first() {
         return;
     }
     if !common::is_any_child() && common::world_selected(3) {
-        common::Job::new(3, NAME).run().assert_all_ok();
+        common::TestJob::new(3, NAME).run().assert_all_ok();
     }
 }
 
@@ -912,7 +912,7 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -946,7 +946,7 @@ fn a_join_step_without_complete_is_an_error_at_the_next_backward() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -1064,7 +1064,7 @@ fn zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state() {
             return;
         }
         if !common::is_any_child() && common::world_selected(world) {
-            let out = common::Job::new(world as u32, &name)
+            let out = common::TestJob::new(world as u32, &name)
                 .function("zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state")
                 .run();
             println!("{}", out.report());
@@ -1145,7 +1145,7 @@ fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
     let dir = std::env::temp_dir().join(format!("burn-ddp-zero-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     for world in [2, 3] {
-        common::Job::new(world, NAME)
+        common::TestJob::new(world, NAME)
             .env("ZERO_CHECKPOINT_DIR", dir.display())
             .run()
             .assert_all_ok();
@@ -1318,7 +1318,7 @@ fn sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch()
             return;
         }
         if !common::is_any_child() && common::world_selected(world) {
-            common::Job::new(world as u32, name)
+            common::TestJob::new(world as u32, name)
                 .function(
                     "sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch",
                 )
@@ -1392,7 +1392,7 @@ fn power_sgd_keeps_the_replicas_equal_and_sends_less() {
             return;
         }
         if !common::is_any_child() && common::world_selected(2) {
-            let out = common::Job::new(2, name)
+            let out = common::TestJob::new(2, name)
                 .function("power_sgd_keeps_the_replicas_equal_and_sends_less")
                 .run();
             println!("{}", out.report());
@@ -1430,6 +1430,6 @@ fn a_failed_sync_with_bucket_view_leaves_gradients_of_the_right_shape() {
         return;
     }
     if !common::is_any_child() && common::world_selected(2) {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }

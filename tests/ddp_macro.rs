@@ -97,6 +97,6 @@ fn skipped_fields_stay_rank_local() {
         return;
     }
     if !common::is_any_child() {
-        common::Job::new(2, NAME).run().assert_all_ok();
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use burn_ddp::{DdpError, ProcessGroup, Rank, ReduceOp};
-use common::Job;
+use common::TestJob;
 
 fn rank() -> u32 {
     std::env::var("RANK").unwrap().parse().unwrap()
@@ -65,7 +65,7 @@ fn rank_killed_mid_collective() {
         return;
     }
     // A 10-minute collective timeout: only prompt failure detection can meet the bound.
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .run();
     assert!(!out.rank(1).ok(), "{}", out.report());
@@ -88,7 +88,7 @@ fn rank_panics_between_collectives() {
         assert!(text.contains("rank 1"), "{text}");
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .run();
     assert!(!out.rank(1).ok() && out.rank(0).ok(), "{}", out.report());
@@ -116,7 +116,7 @@ fn rank_never_arrives_at_rendezvous() {
         }
         return;
     }
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .skip(2)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
         .run();
@@ -162,7 +162,7 @@ fn rank_never_arrives_at_collective() {
         }
         return;
     }
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "2")
         .run();
     out.assert_all_ok();
@@ -183,7 +183,7 @@ fn wrong_token_is_refused_on_both_sides() {
         }
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
         .rank_env(1, "BURN_DDP_JOB_TOKEN", "intruder")
         .run();
@@ -205,7 +205,7 @@ fn rank_at_or_above_world_size() {
         }
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "3")
         .rank_env(1, "RANK", 2)
         .run();
@@ -229,7 +229,7 @@ fn two_ranks_claim_the_same_rank() {
         return;
     }
     // A long rendezvous timeout: the conflict must end the rendezvous at once, not by timing out.
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
         .rank_env(2, "RANK", 1)
         .run();
@@ -259,7 +259,7 @@ fn world_size_mismatch() {
     // With the launcher's job token, and without one (the token derived from the master
     // address must not turn the mismatch into a token mismatch).
     for token in [true, false] {
-        let mut job = Job::new(2, NAME)
+        let mut job = TestJob::new(2, NAME)
             .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "120")
             .rank_env(1, "WORLD_SIZE", 3);
         if !token {
@@ -280,7 +280,7 @@ fn master_unreachable() {
         assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{text}");
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .skip(0)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "2")
         .run();
@@ -324,7 +324,7 @@ fn port_already_in_use_by_another_job() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let started = Instant::now();
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_STORE_PORT", port)
         .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "5")
         .run();
@@ -361,7 +361,7 @@ fn mismatched_collectives_are_reported_not_hung() {
         assert!(text.contains("mismatch"), "{text}");
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .run();
     out.assert_all_ok();
@@ -408,7 +408,7 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
         assert!(took < Duration::from_secs(10), "took {took:?}: {text}");
         return;
     }
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_STALL_TIMEOUT", "3")
         .run();
@@ -485,7 +485,7 @@ fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         return;
     }
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_STALL_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
@@ -531,7 +531,7 @@ fn kill_frozen_rank_1(pg: &ProcessGroup) {
 /// Runs test `name` on 3 ranks with a 3 s heartbeat bound (the collective and stall bounds at
 /// 10 min, so only the heartbeat can end it in time): rank 1 must fail (killed), the others pass.
 fn run_with_rank_1_frozen(name: &str) {
-    let out = Job::new(3, name)
+    let out = TestJob::new(3, name)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_STALL_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
@@ -628,7 +628,7 @@ fn desync_debug_mode_shows_both_calls_and_their_lines() {
         );
         return;
     }
-    let out = Job::new(3, NAME)
+    let out = TestJob::new(3, NAME)
         .env("BURN_DDP_DEBUG_DESYNC", "1")
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "20")
         .run();

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 /// burn-ddp-comm's top-level modules, bottom to top.
 const CORE: &[(&str, u8)] = &[
     ("wire", 0),
+    ("periodic", 0),
     ("types", 1),
     ("error", 2),
     ("config", 3),
@@ -336,4 +337,152 @@ fn the_checker_sees_paths_in_braces_and_skips_comments() {
         root_exports("pub use ddp::{Ddp, DdpConfig};\npub use burn_ddp_comm::{Rank, group};");
     assert_eq!(exports["Ddp"], Some("ddp".to_string()));
     assert_eq!(exports["Rank"], None);
+}
+
+/// The sibling modules (files of one directory, `mod.rs` aside) that each file of `dir` names:
+/// `super::x`, `super::{x::A, y}` and `crate::<dir as a path>::x`, for a sibling `x`.
+fn sibling_uses(crate_src: &Path, dir: &Path) -> BTreeMap<String, Vec<String>> {
+    let mut stems = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let module = (path.is_file() && path.extension().is_some_and(|e| e == "rs"))
+            || path.join("mod.rs").is_file();
+        if module && stem != "mod" && stem != "lib" {
+            stems.push(stem);
+        }
+    }
+    let prefix = dir
+        .strip_prefix(crate_src)
+        .unwrap()
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join("::");
+    let mut out = BTreeMap::new();
+    for stem in &stems {
+        let file = match dir.join(format!("{stem}.rs")) {
+            f if f.is_file() => f,
+            _ => dir.join(stem).join("mod.rs"),
+        };
+        let code = code(&std::fs::read_to_string(&file).unwrap());
+        let mut named = Vec::new();
+        for marker in ["super::".to_string(), format!("crate::{prefix}::")] {
+            if marker == "crate::::" {
+                continue;
+            }
+            let mut rest = code.as_str();
+            while let Some(i) = rest.find(&marker) {
+                let before = rest[..i].chars().last();
+                rest = &rest[i + marker.len()..];
+                if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                    continue;
+                }
+                let items = match rest.strip_prefix('{') {
+                    Some(group) => split_top_level(&group[..matching_brace(group)])
+                        .into_iter()
+                        .map(|s| first_segment(s.trim()))
+                        .collect(),
+                    None => vec![first_segment(rest)],
+                };
+                named.extend(items.into_iter().filter(|s| s != stem && stems.contains(s)));
+            }
+        }
+        named.sort();
+        named.dedup();
+        out.insert(stem.clone(), named);
+    }
+    out
+}
+
+/// The circles among `uses` (module -> modules it names): each a sorted list of modules that
+/// all reach one another.
+fn circles(uses: &BTreeMap<String, Vec<String>>) -> Vec<Vec<String>> {
+    let reach = |from: &String| {
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![from.clone()];
+        while let Some(m) = todo.pop() {
+            for next in uses.get(&m).into_iter().flatten() {
+                if seen.insert(next.clone()) {
+                    todo.push(next.clone());
+                }
+            }
+        }
+        seen
+    };
+    let reached: BTreeMap<&String, _> = uses.keys().map(|m| (m, reach(m))).collect();
+    let mut out: Vec<Vec<String>> = Vec::new();
+    for m in uses.keys() {
+        if !reached[m].contains(m) || out.iter().any(|c| c.contains(m)) {
+            continue;
+        }
+        let circle: Vec<String> = uses
+            .keys()
+            .filter(|o| reached[m].contains(*o) && reached[*o].contains(m))
+            .cloned()
+            .collect();
+        out.push(circle);
+    }
+    out
+}
+
+/// Circles that exist today and are to go (the one gradient engine in the core will give the
+/// transports a trait below the reducer): listed so that the test fails on any new circle, and
+/// on one of these that is gone (then remove it here).
+const KNOWN_CIRCLES: &[&str] = &["burn-ddp/src/ddp: gpu, reducer"];
+
+#[test]
+fn sibling_modules_form_no_circle() {
+    let mut found = Vec::new();
+    for krate in ["burn-ddp-comm", "burn-ddp", "burn-ddp-burn022"] {
+        let src = root().join(krate).join("src");
+        let mut dirs = vec![src.clone()];
+        let mut i = 0;
+        while i < dirs.len() {
+            for entry in std::fs::read_dir(&dirs[i]).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                }
+            }
+            i += 1;
+        }
+        for dir in dirs {
+            for circle in circles(&sibling_uses(&src, &dir)) {
+                let rel = dir.strip_prefix(root()).unwrap().display().to_string();
+                found.push(format!("{rel}: {}", circle.join(", ")));
+            }
+        }
+    }
+    let new: Vec<&String> = found
+        .iter()
+        .filter(|c| !KNOWN_CIRCLES.contains(&c.as_str()))
+        .collect();
+    let gone: Vec<&&str> = KNOWN_CIRCLES
+        .iter()
+        .filter(|k| !found.iter().any(|c| c == *k))
+        .collect();
+    assert!(
+        new.is_empty() && gone.is_empty(),
+        "modules that name one another (each circle: modules that all reach one another \
+         through `super::` or `crate::` paths): {new:?}; known circles no longer there (remove \
+         them from KNOWN_CIRCLES): {gone:?}"
+    );
+}
+
+#[test]
+fn the_circle_checker_sees_a_circle_through_three_modules_and_none_in_a_chain() {
+    let uses = |edges: &[(&str, &str)]| {
+        let mut m: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            m.entry(a.to_string()).or_default().push(b.to_string());
+            m.entry(b.to_string()).or_default();
+        }
+        m
+    };
+    assert_eq!(
+        circles(&uses(&[("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")])),
+        [["a", "b", "c"]]
+    );
+    assert!(circles(&uses(&[("a", "b"), ("b", "c"), ("a", "c")])).is_empty());
 }

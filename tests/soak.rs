@@ -100,7 +100,7 @@ fn memory_stays_flat_over_10k_all_reduces_and_1k_steps() {
         return;
     }
     if !common::is_any_child() {
-        let out = common::Job::new(2, NAME).run();
+        let out = common::TestJob::new(2, NAME).run();
         for o in &out.0 {
             for line in o.output.lines().filter(|l| l.contains("rss")) {
                 println!("{line}");

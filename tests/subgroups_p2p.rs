@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use burn_ddp::{DdpError, P2pOp, ProcessGroup, Rank, ReduceOp};
-use common::Job;
+use common::TestJob;
 
 fn show(pg: &ProcessGroup, e: &DdpError) -> String {
     let s = e.to_string();
@@ -231,7 +231,7 @@ fn a_message_of_the_wrong_size_is_named_on_the_receiver() {
         }
         return;
     }
-    let out = Job::new(2, NAME)
+    let out = TestJob::new(2, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .run();
     out.assert_all_ok();

@@ -33,7 +33,7 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::comm::DType;
-use burn_ddp_comm::grad::{BucketPlan, InFlight, Launcher, Queue};
+use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, Queue};
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -172,7 +172,7 @@ fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
 
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued
 /// work on the stream `stream`), and how to reduce it.
-struct Job {
+struct DeviceBucketJob {
     bucket: usize,
     input: Tensor<1>,
     output: Tensor<1>,
@@ -184,7 +184,7 @@ struct Job {
 
 /// On the launcher thread, running as the packing thread's stream: completes the bucket's
 /// input, pins both buffers and queues the all-reduce.
-fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
+fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
     let rank = comm.rank();
     let what = |which: &str| format!("{which} of bucket {}", job.bucket);
     let input = cube_tensor(rank, job.input, &what("packed input"))?;
@@ -211,7 +211,7 @@ fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
 /// The device path of one rank: the communicator and its launcher thread, on one GPU.
 pub(crate) struct DevicePath {
     comm: Arc<NcclComm>,
-    launcher: Launcher<Job, [Pinned; 2]>,
+    launcher: BucketLauncher<DeviceBucketJob, [Pinned; 2]>,
     device: Device,
 }
 
@@ -275,10 +275,10 @@ impl DevicePath {
         };
         let comm = Arc::new(comm);
         let queue = Arc::clone(&comm);
-        let launcher = Launcher::start(
+        let launcher = BucketLauncher::start(
             rank,
             Arc::clone(&comm) as Arc<dyn Queue>,
-            move |job: Job| {
+            move |job: DeviceBucketJob| {
                 let stream = job.stream;
                 stream.executes(|| enqueue(&queue, job))
             },
@@ -440,7 +440,7 @@ impl Step<'_> {
         self.outputs[bucket] = Some(output.clone());
         self.in_flight.send(
             &self.path.launcher,
-            Job {
+            DeviceBucketJob {
                 bucket,
                 input,
                 output,

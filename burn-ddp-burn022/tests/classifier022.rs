@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use spawned::{children, files_under, rank_of, Spawned as Job};
+use spawned::{children, files_under, rank_of, Spawned};
 
 fn example() -> PathBuf {
     spawned::example("classifier022")
@@ -24,7 +24,7 @@ fn scratch(name: &str) -> PathBuf {
 }
 
 /// The example through the launcher on 2 ranks with `args`, stopped after `limit`.
-fn launched(args: &[&str], out: &Path, max_restarts: u32) -> Job {
+fn launched(args: &[&str], out: &Path, max_restarts: u32) -> Spawned {
     let mut cmd = Command::new(spawned::launcher());
     cmd.args([
         "run",
@@ -44,7 +44,7 @@ fn launched(args: &[&str], out: &Path, max_restarts: u32) -> Job {
     .env_remove("SLURM_PROCID")
     .env("BURN_DDP_TIMEOUT", "10m") // bounds must come from failure detection
     .env("RUST_LOG", "burn_ddp_burn022=info"); // to see where training resumed
-    Job::start(&mut cmd, Duration::from_secs(900))
+    Spawned::start(&mut cmd, Duration::from_secs(900))
 }
 
 fn digests(stdout: &str) -> Vec<String> {

@@ -242,7 +242,7 @@ macro_rules! equivalence {
                     return;
                 }
                 if !procs::is_any_child() && procs::world_selected($w) {
-                    procs::Job::new($w, name)
+                    procs::TestJob::new($w, name)
                         .function(stringify!($name))
                         .run()
                         .assert_all_ok();
@@ -282,7 +282,7 @@ fn mismatched_models_fail_at_prepare_naming_the_parameter() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(3, NAME).run().assert_all_ok();
+        procs::TestJob::new(3, NAME).run().assert_all_ok();
     }
 }
 
@@ -333,7 +333,7 @@ fn a_parameter_used_on_one_rank_gets_the_mean_everywhere() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(3, NAME).run().assert_all_ok();
+        procs::TestJob::new(3, NAME).run().assert_all_ok();
     }
 }
 
@@ -426,7 +426,7 @@ fn diverged_replicas_fail_naming_the_parameter() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(2, NAME).run().assert_all_ok();
+        procs::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -501,7 +501,7 @@ fn broadcast_buffers_give_every_rank_rank_0s_running_statistics() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(2, NAME).run().assert_all_ok();
+        procs::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -513,7 +513,7 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(2, NAME).run().assert_all_ok();
+        procs::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
@@ -581,7 +581,7 @@ fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training()
             return;
         }
         if !procs::is_any_child() && procs::world_selected(world) {
-            procs::Job::new(world as u32, &name)
+            procs::TestJob::new(world as u32, &name)
                 .function(
                     "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
                 )
@@ -639,7 +639,7 @@ fn uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first() {
         return;
     }
     if !procs::is_any_child() {
-        procs::Job::new(3, NAME).run().assert_all_ok();
+        procs::TestJob::new(3, NAME).run().assert_all_ok();
     }
 }
 
@@ -680,7 +680,7 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
         return;
     }
     if !procs::is_any_child() {
-        let out = procs::Job::new(2, NAME).run();
+        let out = procs::TestJob::new(2, NAME).run();
         println!("{}", out.report());
         out.assert_all_ok();
     }

@@ -168,7 +168,7 @@ macro_rules! pipeline_test {
             if let Some(pg) = procs::child_group(stringify!($name)) {
                 return pipeline_matches(pg, $schedule);
             }
-            procs::Job::new($world, stringify!($name))
+            procs::TestJob::new($world, stringify!($name))
                 .run()
                 .assert_all_ok();
         }
@@ -211,5 +211,5 @@ fn two_stages_by_two_replicas_train_like_one_process_on_the_global_batch() {
         assert_close(pg.rank().index(), &got, &reference(2, range), F32);
         return;
     }
-    procs::Job::new(4, NAME).run().assert_all_ok();
+    procs::TestJob::new(4, NAME).run().assert_all_ok();
 }

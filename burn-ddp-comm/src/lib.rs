@@ -80,6 +80,7 @@ pub mod fuzzing;
 pub mod grad;
 pub mod group;
 pub mod launch;
+mod periodic;
 pub mod pipeline;
 mod store;
 pub mod train;

@@ -101,7 +101,7 @@ impl Outcomes {
 }
 
 /// A multi-process test job.
-pub struct Job {
+pub struct TestJob {
     world: u32,
     test: String,
     timeout: Duration,
@@ -114,7 +114,7 @@ pub struct Job {
     function: Option<String>,
 }
 
-impl Job {
+impl TestJob {
     /// `world` ranks running test `test` of this binary.
     pub fn new(world: u32, test: &str) -> Self {
         Self {
@@ -310,7 +310,7 @@ impl Job {
 /// prompt failure detection can meet that.
 #[allow(dead_code)]
 pub fn assert_killed_rank_named_fast(world: u32, name: &str, killed: u32) {
-    let out = Job::new(world, name)
+    let out = TestJob::new(world, name)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
         .run();
@@ -333,7 +333,7 @@ pub fn multi_process(world: u32, name: &str, body: impl FnOnce(ProcessGroup)) {
         body(pg);
         return;
     }
-    Job::new(world, name).run().assert_all_ok();
+    TestJob::new(world, name).run().assert_all_ok();
 }
 
 /// `exe`, or `exe` under the command of `BURN_DDP_TEST_CHILD_WRAPPER`.

@@ -233,7 +233,7 @@ where
             if interrupter.should_stop() {
                 vote = interrupted(&interrupter);
             }
-            if self.settle(agree(&self.pg, &vote), &interrupter) == Flow::Stop {
+            if self.apply_decision(agree(&self.pg, &vote), &interrupter) == Flow::Stop {
                 break;
             }
         }
@@ -245,7 +245,7 @@ where
             Some(e) => Vote::Failed(e.to_string()),
             None => Vote::Item,
         };
-        self.settle(agree(&self.pg, &last), &interrupter);
+        self.apply_decision(agree(&self.pg, &last), &interrupter);
         (learner.model(), processor)
     }
 }
@@ -346,8 +346,8 @@ impl DdpStrategy {
     }
 
     /// Applies a decision on this rank.
-    fn settle(&self, decision: Result<Decision>, interrupter: &Interrupter) -> Flow {
-        vote::settle(decision, self.rank(), &self.failure, |m| {
+    fn apply_decision(&self, decision: Result<Decision>, interrupter: &Interrupter) -> Flow {
+        vote::apply_decision(decision, self.rank(), &self.failure, |m| {
             interrupter.stop(Some(m))
         })
     }

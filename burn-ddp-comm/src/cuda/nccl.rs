@@ -337,7 +337,7 @@ impl NcclComm {
         let wait = timeouts
             .rendezvous
             .max(timeouts.collective.min(timeouts.rendezvous * 4));
-        comm.settle("communicator creation (ncclCommInitRankConfig)", wait)?;
+        comm.wait_done("communicator creation (ncclCommInitRankConfig)", wait)?;
         tracing::info!(
             "[rank {rank}] NCCL {version} communicator ready on GPU {} ({} ranks)",
             comm.ctx.ordinal(),
@@ -438,7 +438,7 @@ impl NcclComm {
             }
         };
         if matches!(status, NcclStatus::InProgress) {
-            self.settle(&what, self.timeout)?;
+            self.wait_done(&what, self.timeout)?;
         }
         Ok(seq)
     }
@@ -447,7 +447,7 @@ impl NcclComm {
     /// became `ncclSuccess`): polls `ncclCommGetAsyncError` with a deadline of `limit`, the job's
     /// abort record, and the heartbeat's verdict on the peers. On a failure or the deadline, the
     /// failure is published and the communicator aborted.
-    fn settle(&self, what: &str, limit: Duration) -> Result<()> {
+    fn wait_done(&self, what: &str, limit: Duration) -> Result<()> {
         let _watched = self.pg.waiting_on_peers();
         let outcome = wait_for(
             Instant::now() + limit,

@@ -51,7 +51,7 @@ pub fn reduce_bucket(
     }
 }
 
-struct Job {
+struct HostBucketJob {
     bucket: usize,
     data: Vec<f32>,
     /// The bucket's layout, for PowerSGD (`None` without it).
@@ -68,7 +68,7 @@ struct Done {
 /// [`begin`](Self::begin) for every synchronised step.
 pub struct HostSync {
     pg: ProcessGroup,
-    worker: Worker<Job, Done>,
+    worker: Worker<HostBucketJob, Done>,
     /// Buckets handed to the thread whose answers were not taken (a step abandoned midway).
     outstanding: usize,
     /// What PowerSGD has sent, when it is on.
@@ -100,7 +100,7 @@ impl HostSync {
             .map(|(p, s)| PowerSgdState::new(p, s));
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
-            move |Job {
+            move |HostBucketJob {
                       bucket,
                       mut data,
                       shape,
@@ -276,7 +276,7 @@ impl<K> HostStep<'_, K> {
                 .power_sgd
                 .is_some()
                 .then(|| self.plan.bucket_shape(bucket));
-            if !self.sync.worker.send(Job {
+            if !self.sync.worker.send(HostBucketJob {
                 bucket,
                 data,
                 shape,

@@ -1,4 +1,4 @@
-//! [`Launcher`] and [`InFlight`]: the device transports' launcher thread, without Burn and
+//! [`BucketLauncher`] and [`InFlight`]: the device transports' launcher thread, without Burn and
 //! without CUDA. Both Burn lines' NCCL paths hand it their packed buckets (Burn's queued
 //! tensors, which only that line can name) with a function that makes them exist and queues
 //! the all-reduce; it answers with what must stay alive until NCCL is done (the "pins").
@@ -69,17 +69,17 @@ struct Held<P> {
 /// A thread that takes packed buckets in launch order and queues their collectives (one
 /// thread: every rank queues its NCCL calls in the same order). The function it runs gets each
 /// job and returns what must outlive the collective.
-pub struct Launcher<J, P> {
+pub struct BucketLauncher<J, P> {
     worker: Option<Worker<Tagged<J>, Answer<P>>>,
     queue: Arc<dyn Queue>,
     held: Mutex<Held<P>>,
     rank: Rank,
 }
 
-impl<J, P> std::fmt::Debug for Launcher<J, P> {
+impl<J, P> std::fmt::Debug for BucketLauncher<J, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let held = self.held();
-        f.debug_struct("Launcher")
+        f.debug_struct("BucketLauncher")
             .field("rank", &self.rank)
             .field("held", &held.pins.len())
             .field("fate", &held.fate)
@@ -87,7 +87,7 @@ impl<J, P> std::fmt::Debug for Launcher<J, P> {
     }
 }
 
-impl<J, P> Launcher<J, P> {
+impl<J, P> BucketLauncher<J, P> {
     fn held(&self) -> MutexGuard<'_, Held<P>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -149,7 +149,7 @@ fn leak<P>(rank: Rank, pins: Vec<P>) {
     }
 }
 
-impl<J: Send + 'static, P: Send + 'static> Launcher<J, P> {
+impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
     /// Starts the thread `burn-ddp-nccl-<rank>`, running `queue_job` on every job; the
     /// collectives it queues run on `queue`.
     ///
@@ -227,7 +227,7 @@ impl<J: Send + 'static, P: Send + 'static> Launcher<J, P> {
     }
 }
 
-impl<J, P> Drop for Launcher<J, P> {
+impl<J, P> Drop for BucketLauncher<J, P> {
     /// Stops the thread (after the job in hand) and takes the answers left; what was pinned is
     /// released only if the queue goes idle (bounded), else leaked.
     fn drop(&mut self) {
@@ -257,7 +257,7 @@ impl<J, P> Drop for Launcher<J, P> {
     }
 }
 
-/// The buckets one synchronisation pass handed to a [`Launcher`]: how many, and how many have
+/// The buckets one synchronisation pass handed to a [`BucketLauncher`]: how many, and how many have
 /// not been answered yet. The launcher holds their pins, so dropping a pass never releases
 /// memory a transfer may still use.
 pub struct InFlight<P> {
@@ -315,7 +315,11 @@ impl<P: Send + 'static> InFlight<P> {
     ///
     /// # Errors
     /// [`DdpError::WorkerStopped`] if the launcher thread has stopped.
-    pub fn send<J: Send + 'static>(&mut self, launcher: &Launcher<J, P>, job: J) -> Result<()> {
+    pub fn send<J: Send + 'static>(
+        &mut self,
+        launcher: &BucketLauncher<J, P>,
+        job: J,
+    ) -> Result<()> {
         launcher.send(self.pass, job)?;
         self.sent += 1;
         self.waiting += 1;
@@ -327,7 +331,7 @@ impl<P: Send + 'static> InFlight<P> {
     /// answer is in (or one never comes).
     fn collect<J: Send + 'static>(
         &mut self,
-        launcher: &Launcher<J, P>,
+        launcher: &BucketLauncher<J, P>,
         wait: Duration,
     ) -> Result<()> {
         let mut first = None;
@@ -357,7 +361,7 @@ impl<P: Send + 'static> InFlight<P> {
     /// [`DdpError::WorkerStopped`]; the queue's wait.
     pub fn finish<J: Send + 'static>(
         &mut self,
-        launcher: &Launcher<J, P>,
+        launcher: &BucketLauncher<J, P>,
         wait: Duration,
     ) -> Result<()> {
         match self
@@ -379,7 +383,7 @@ impl<P: Send + 'static> InFlight<P> {
     /// by the launcher when they do, under the same fate.
     pub fn abandon<J: Send + 'static>(
         &mut self,
-        launcher: &Launcher<J, P>,
+        launcher: &BucketLauncher<J, P>,
         e: DdpError,
         wait: Duration,
     ) -> DdpError {
@@ -392,7 +396,11 @@ impl<P: Send + 'static> InFlight<P> {
     /// changed: the other ranks know, and the job's abort record now belongs to the next
     /// membership): takes every answer still owed (at most `wait` each), then drains the queue
     /// (bounded) before any pin goes, or leaks them if it never goes idle.
-    pub fn settle_stopped<J: Send + 'static>(&mut self, launcher: &Launcher<J, P>, wait: Duration) {
+    pub fn settle_stopped<J: Send + 'static>(
+        &mut self,
+        launcher: &BucketLauncher<J, P>,
+        wait: Duration,
+    ) {
         let _ = self.collect(launcher, wait);
         launcher.settle_stopped();
     }
@@ -502,19 +510,19 @@ mod tests {
     /// A job: how long its transfer runs, how long the launcher takes to queue it, or a bucket
     /// that cannot be queued.
     #[derive(Clone, Copy)]
-    enum Job {
+    enum FakeJob {
         Runs(u64),
         SlowToQueue(u64, u64),
         Refused,
     }
 
-    fn launcher(stream: &Arc<Stream>) -> Launcher<Job, Pin> {
+    fn launcher(stream: &Arc<Stream>) -> BucketLauncher<FakeJob, Pin> {
         let s = Arc::clone(stream);
-        Launcher::start(Rank(0), Arc::clone(stream) as Arc<dyn Queue>, move |job| {
+        BucketLauncher::start(Rank(0), Arc::clone(stream) as Arc<dyn Queue>, move |job| {
             let (queue_ms, run_ms) = match job {
-                Job::Runs(ms) => (0, ms),
-                Job::SlowToQueue(q, ms) => (q, ms),
-                Job::Refused => {
+                FakeJob::Runs(ms) => (0, ms),
+                FakeJob::SlowToQueue(q, ms) => (q, ms),
+                FakeJob::Refused => {
                     return Err(DdpError::Internal {
                         rank: Rank(0),
                         what: "unlucky bucket",
@@ -541,7 +549,7 @@ mod tests {
         .unwrap()
     }
 
-    fn pass(launcher: &Launcher<Job, Pin>, jobs: &[Job]) -> InFlight<Pin> {
+    fn pass(launcher: &BucketLauncher<FakeJob, Pin>, jobs: &[FakeJob]) -> InFlight<Pin> {
         let mut pass = InFlight::new();
         for &j in jobs {
             pass.send(launcher, j).unwrap();
@@ -555,7 +563,10 @@ mod tests {
     fn a_finished_pass_releases_its_pins_only_after_the_wait() {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
-        let mut p = pass(&l, &[Job::Runs(40), Job::Runs(80), Job::Runs(10)]);
+        let mut p = pass(
+            &l,
+            &[FakeJob::Runs(40), FakeJob::Runs(80), FakeJob::Runs(10)],
+        );
         p.finish(&l, WAIT).unwrap();
         assert_eq!(p.waiting(), 0);
         assert_eq!(l.held_pins(), 0);
@@ -570,7 +581,10 @@ mod tests {
         let l = launcher(&stream);
         // Buckets 0 and 2 are queued and run for seconds; bucket 1 fails (0.21's `finish`
         // used to return here and drop the step, pins included).
-        let mut p = pass(&l, &[Job::Runs(5_000), Job::Refused, Job::Runs(5_000)]);
+        let mut p = pass(
+            &l,
+            &[FakeJob::Runs(5_000), FakeJob::Refused, FakeJob::Runs(5_000)],
+        );
         let e = p.finish(&l, WAIT).unwrap_err();
         assert!(e.to_string().contains("unlucky bucket"), "{e}");
         assert_eq!(stream.fails.load(Ordering::SeqCst), 1);
@@ -583,7 +597,10 @@ mod tests {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
         // The launcher takes 200 ms to queue the second bucket: the pass gives up at 50 ms.
-        let mut p = pass(&l, &[Job::Runs(2_000), Job::SlowToQueue(200, 2_000)]);
+        let mut p = pass(
+            &l,
+            &[FakeJob::Runs(2_000), FakeJob::SlowToQueue(200, 2_000)],
+        );
         let e = p.finish(&l, Duration::from_millis(50)).unwrap_err();
         assert!(matches!(e, DdpError::GradSyncTimeout { .. }), "{e:?}");
         // Abandoned: stopped, every answer taken (the slow one was queued before the stop, or
@@ -599,8 +616,8 @@ mod tests {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
         // Sent, never finished: the pass is simply forgotten.
-        let _ = pass(&l, &[Job::Runs(300), Job::Runs(300)]);
-        let mut p = pass(&l, &[Job::Runs(5), Job::Runs(5)]);
+        let _ = pass(&l, &[FakeJob::Runs(300), FakeJob::Runs(300)]);
+        let mut p = pass(&l, &[FakeJob::Runs(5), FakeJob::Runs(5)]);
         assert_ne!(p.pass(), InFlight::<Pin>::new().pass());
         // The new pass's wait covers the old transfers too (one stream, in order): only then
         // do the old pins go.
@@ -614,7 +631,7 @@ mod tests {
     fn pins_of_a_stream_that_never_drains_are_leaked_not_released() {
         let stream = Arc::new(Stream::stuck());
         let l = launcher(&stream);
-        let mut p = pass(&l, &[Job::Runs(60_000), Job::Refused]);
+        let mut p = pass(&l, &[FakeJob::Runs(60_000), FakeJob::Refused]);
         let e = p.finish(&l, WAIT).unwrap_err();
         assert!(e.to_string().contains("unlucky bucket"), "{e}");
         assert_eq!(stream.fails.load(Ordering::SeqCst), 1);
@@ -627,7 +644,7 @@ mod tests {
     fn a_launcher_dropped_with_pins_held_waits_for_the_stream_first() {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
-        let mut p = pass(&l, &[Job::Runs(150)]);
+        let mut p = pass(&l, &[FakeJob::Runs(150)]);
         // Answered (held by the launcher), never finished.
         assert!(p.collect(&l, WAIT).is_ok());
         assert_eq!(l.held_pins(), 1);
@@ -641,7 +658,7 @@ mod tests {
     fn a_pass_that_fails_before_sending_still_stops_the_stream_and_drains_older_pins() {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
-        let _ = pass(&l, &[Job::Runs(3_000)]);
+        let _ = pass(&l, &[FakeJob::Runs(3_000)]);
         std::thread::sleep(Duration::from_millis(50)); // queued before the stop
         let mut p = InFlight::<Pin>::new();
         let e = p.abandon(
@@ -663,7 +680,7 @@ mod tests {
     fn a_stream_its_owner_stopped_is_drained_without_telling_anyone() {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
-        let mut p = pass(&l, &[Job::Runs(5_000), Job::Runs(5_000)]);
+        let mut p = pass(&l, &[FakeJob::Runs(5_000), FakeJob::Runs(5_000)]);
         std::thread::sleep(Duration::from_millis(50)); // both queued
                                                        // The owner aborts the communicator itself (a membership change), as NCCL's abort does.
         for t in stream.transfers.lock().unwrap().iter_mut().flatten() {
@@ -679,7 +696,7 @@ mod tests {
     fn a_missing_answer_is_a_timeout_not_a_hang() {
         let stream = Arc::new(Stream::default());
         let l = launcher(&stream);
-        let mut p = pass(&l, &[Job::SlowToQueue(2_000, 1)]);
+        let mut p = pass(&l, &[FakeJob::SlowToQueue(2_000, 1)]);
         let e = p.collect(&l, Duration::from_millis(50)).unwrap_err();
         assert!(
             matches!(e, DdpError::GradSyncTimeout { rank: Rank(0), .. }),

@@ -15,7 +15,7 @@
 //!   the stepped parameters
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
-//! - `launch.rs`: [`Launcher`] and [`InFlight`], the device transports' launcher thread and the
+//! - `launch.rs`: [`BucketLauncher`] and [`InFlight`], the device transports' launcher thread and the
 //!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
 //!   transfer on the [`Queue`] is known finished
 
@@ -33,7 +33,7 @@ pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};
-pub use launch::{InFlight, Launcher};
+pub use launch::{BucketLauncher, InFlight};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};

@@ -47,9 +47,9 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::periodic::Periodic;
 use super::{Inner, ProcessGroup, Shared, StoreHost};
 use crate::config::{FaultTolerance, GroupConfig};
+use crate::periodic::Periodic;
 use crate::store::auth::Purpose;
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
@@ -162,7 +162,7 @@ impl Recovery {
 
 /// A fault-tolerant process's membership service: its member id, its connections to the job's
 /// store, the current epoch, and the watcher that notices processes asking to join.
-pub(super) struct Elastic {
+pub(super) struct MembershipService {
     id: u32,
     /// The process's settings (rank and world size are those it was started with).
     config: GroupConfig,
@@ -185,9 +185,9 @@ pub(super) struct Elastic {
     admission: Mutex<Option<Recovery>>,
 }
 
-impl std::fmt::Debug for Elastic {
+impl std::fmt::Debug for MembershipService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Elastic")
+        f.debug_struct("MembershipService")
             .field("id", &self.id)
             .field("epoch", &self.epoch().0)
             .finish()
@@ -208,7 +208,7 @@ struct JoinWatch {
     seen: AtomicI64,
 }
 
-impl Drop for Elastic {
+impl Drop for MembershipService {
     fn drop(&mut self) {
         if !std::thread::panicking() {
             let _ = self
@@ -445,7 +445,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
     let user = Arc::new(user);
     let joins = Arc::new(JoinWatch::default());
     let watcher = watch_joins(&config, Arc::clone(&joins), id, deadline);
-    let elastic = Elastic {
+    let elastic = MembershipService {
         id,
         min_ranks: ft.min_ranks,
         initial_world,
@@ -467,7 +467,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         let inner = elastic.connect_epoch(epoch, &members, deadline)?;
         let group = ProcessGroup::with_elastic(inner, elastic);
         let e = group.elastic()?;
-        let recovery = e.settle(
+        let recovery = e.exchange_progress(
             &group,
             epoch,
             Vec::new(),
@@ -492,7 +492,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
     Ok(ProcessGroup::with_elastic(inner, elastic))
 }
 
-impl Elastic {
+impl MembershipService {
     /// The store for users' keys (they outlive memberships).
     pub(super) fn store(&self) -> Arc<StoreClient> {
         Arc::clone(&self.user)
@@ -922,7 +922,7 @@ impl Elastic {
 
     /// The first collective of a new epoch: every rank's progress, and what follows from it.
     #[allow(clippy::too_many_arguments)]
-    fn settle(
+    fn exchange_progress(
         &self,
         group: &ProcessGroup,
         epoch: u64,
@@ -973,7 +973,7 @@ impl Elastic {
 }
 
 impl ProcessGroup {
-    fn with_elastic(inner: Inner, elastic: Elastic) -> Self {
+    fn with_elastic(inner: Inner, elastic: MembershipService) -> Self {
         Self {
             shared: Arc::new(Shared {
                 current: std::sync::RwLock::new(Arc::new(inner)),
@@ -982,7 +982,7 @@ impl ProcessGroup {
         }
     }
 
-    fn elastic(&self) -> Result<&Elastic> {
+    fn elastic(&self) -> Result<&MembershipService> {
         self.shared
             .elastic
             .as_ref()
@@ -1083,7 +1083,7 @@ impl ProcessGroup {
                 }
             };
             self.install(inner);
-            match e.settle(
+            match e.exchange_progress(
                 self,
                 epoch,
                 Vec::new(),
@@ -1161,7 +1161,7 @@ impl ProcessGroup {
             let why = e
                 .blamed(first, &previous)
                 .map_or_else(|_| reason.clone(), |(_, why)| why);
-            match e.settle(
+            match e.exchange_progress(
                 self,
                 next,
                 previous.clone(),

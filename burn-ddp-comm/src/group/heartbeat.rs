@@ -17,10 +17,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use super::periodic::Periodic;
 use crate::comm::tcp::LinkStopper;
 use crate::comm::{PeerWatch, Verdict};
 use crate::config::{JobToken, MasterAddr, Timeouts};
+use crate::periodic::Periodic;
 use crate::store::auth::Purpose;
 use crate::store::StoreClient;
 use crate::types::{AbortRecord, CollectiveSeq, Rank, WorldSize};

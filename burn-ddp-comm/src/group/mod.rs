@@ -15,7 +15,6 @@ mod desync;
 mod elastic;
 pub(crate) mod heartbeat;
 mod p2p;
-mod periodic;
 mod rendezvous;
 mod sub;
 
@@ -256,7 +255,7 @@ pub struct ProcessGroup {
 /// membership service.
 struct Shared {
     current: RwLock<Arc<Inner>>,
-    elastic: Option<elastic::Elastic>,
+    elastic: Option<elastic::MembershipService>,
 }
 
 impl fmt::Debug for ProcessGroup {

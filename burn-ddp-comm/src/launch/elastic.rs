@@ -27,14 +27,16 @@
 //! there), as with torchrun's c10d rendezvous.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use super::spawn::{self, LocalJob};
 use crate::config::{env, JobToken, MasterAddr};
+use crate::periodic::Periodic;
 use crate::store::auth::Purpose;
 use crate::store::{resolve_bind, StoreClient, StoreServer};
 use crate::types::{Rank, WorldSize};
@@ -748,15 +750,15 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
     line
 }
 
-/// A thread of the launcher's with its own rendezvous connection, stopped and joined on drop.
+/// A thread of the launcher's with its own rendezvous connection, stopped (at once) and joined
+/// on drop.
 struct Background {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    _thread: Periodic,
 }
 
 impl Background {
-    /// Runs `tick` every [`BEAT`] on a connection of its own, until dropped or `tick` returns
-    /// `false`.
+    /// Runs `tick` at once and then every [`BEAT`] on a connection of its own, until dropped or
+    /// `tick` returns `false`.
     fn every(
         name: &str,
         endpoint: &MasterAddr,
@@ -765,26 +767,11 @@ impl Background {
         mut tick: impl FnMut(&Rdzv) -> bool + Send + 'static,
     ) -> Result<Self> {
         let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = Arc::clone(&stop);
-        let thread = thread::Builder::new().name(name.into()).spawn(move || {
-            while !flag.load(Ordering::SeqCst) && tick(&rdzv) {
-                thread::sleep(BEAT);
-            }
+        let thread = Periodic::try_spawn(name.into(), BEAT, move || match tick(&rdzv) {
+            true => ControlFlow::Continue(()),
+            false => ControlFlow::Break(()),
         })?;
-        Ok(Self {
-            stop,
-            thread: Some(thread),
-        })
-    }
-}
-
-impl Drop for Background {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        Ok(Self { _thread: thread })
     }
 }
 

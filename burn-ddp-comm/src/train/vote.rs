@@ -209,7 +209,7 @@ pub enum Turn {
 }
 
 /// One step's agreement in an epoch loop over `split`: every rank's `vote` (collective), the
-/// end of the epoch when the split says so, else [`settle`]. A training rank that still had a
+/// end of the epoch when the split says so, else [`apply_decision`]. A training rank that still had a
 /// batch when another ran out is told so with a warning (its remaining batches are skipped).
 pub fn turn(
     pg: &ProcessGroup,
@@ -222,7 +222,7 @@ pub fn turn(
     match agree(pg, vote) {
         Ok(decision) => decide_turn(pg, vote, decision, split, epoch, failure, interrupt),
         Err(e) => {
-            settle(Err(e), pg.rank(), failure, interrupt);
+            apply_decision(Err(e), pg.rank(), failure, interrupt);
             Turn::Stop
         }
     }
@@ -277,7 +277,7 @@ fn decide_turn(
             _ => {}
         }
     }
-    match settle(Ok(decision), pg.rank(), failure, interrupt) {
+    match apply_decision(Ok(decision), pg.rank(), failure, interrupt) {
         Flow::Continue => Turn::Step,
         Flow::Stop => Turn::Stop,
     }
@@ -285,7 +285,7 @@ fn decide_turn(
 
 /// Applies `decision` on rank `me`: a stop or a failure is passed to `interrupt` (the Learner's
 /// interrupter, with its message) and a failure is recorded in `failure`.
-pub fn settle(
+pub fn apply_decision(
     decision: Result<Decision>,
     me: Rank,
     failure: &FailureSlot,

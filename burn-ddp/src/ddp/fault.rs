@@ -241,7 +241,7 @@ impl DdpSession {
             changed: None,
         };
         match self.shared.pg.take_admission() {
-            Some(rec) => self.settle(replica, rec),
+            Some(rec) => self.move_state_and_prepare(replica, rec),
             None => {
                 replica.model = self.prepare(replica.model)?;
                 Ok(replica)
@@ -282,7 +282,7 @@ impl DdpSession {
                 Err(DdpError::Excluded { .. }) => pg.rejoin()?,
                 Err(e) => return Err(e),
             };
-            *replica = self.settle(replica.clone(), rec)?;
+            *replica = self.move_state_and_prepare(replica.clone(), rec)?;
         }
     }
 
@@ -310,13 +310,17 @@ impl DdpSession {
             Err(DdpError::Excluded { .. }) => pg.rejoin()?,
             Err(e) => return Err(e),
         };
-        *replica = self.settle(replica.clone(), rec)?;
+        *replica = self.move_state_and_prepare(replica.clone(), rec)?;
         Ok(())
     }
 
     /// The state moved from the source to the ranks behind, then the session prepared again;
     /// a failure of the group meanwhile starts the recovery again.
-    fn settle<B, M, O>(&self, replica: Replica<M, O>, mut rec: Recovery) -> Result<Replica<M, O>>
+    fn move_state_and_prepare<B, M, O>(
+        &self,
+        replica: Replica<M, O>,
+        mut rec: Recovery,
+    ) -> Result<Replica<M, O>>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,

@@ -41,12 +41,12 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::stream_id::StreamId;
 
 use crate::comm::{DType, ReduceOp};
-use crate::ddp::hooks::read_f32;
 use crate::ddp::reducer::{BucketTransport, Links};
+use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::{check_elements, check_span, NcclComm};
-use burn_ddp_comm::grad::{InFlight, Launcher as Thread, Queue};
+use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
@@ -177,7 +177,7 @@ pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<(usize, CudaFloat)>);
 
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued work
 /// on Burn's stream `stream`), and how to reduce it.
-struct Job {
+struct DeviceBucketJob {
     bucket: usize,
     input: CudaFloat,
     output: CudaFloat,
@@ -196,13 +196,13 @@ struct Job {
 /// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
 #[derive(Debug)]
-pub(crate) struct Launcher(Thread<Job, [Pinned; 2]>);
+pub(crate) struct NcclLauncher(BucketLauncher<DeviceBucketJob, [Pinned; 2]>);
 
-impl Launcher {
+impl NcclLauncher {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
         let rank = comm.rank();
         let queue: Arc<dyn Queue> = Arc::clone(&comm) as Arc<dyn Queue>;
-        Thread::start(rank, queue, move |job: Job| {
+        BucketLauncher::start(rank, queue, move |job: DeviceBucketJob| {
             let stream = job.stream;
             stream.executes(|| enqueue(&comm, job))
         })
@@ -212,7 +212,7 @@ impl Launcher {
 
 /// On the launcher thread, on Burn's stream: completes the bucket's inputs, pins them and
 /// queues the all-reduce.
-fn enqueue(comm: &NcclComm, job: Job) -> Result<[Pinned; 2]> {
+fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
     let rank = comm.rank();
     // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
     // copied (a fresh tensor, cat and cast results are contiguous already).
@@ -336,7 +336,7 @@ impl DeviceStep {
     /// here), and hands both to the launcher, which queues the all-reduce once they exist.
     fn queue(
         &mut self,
-        launcher: &Launcher,
+        launcher: &NcclLauncher,
         ordinal: usize,
         bucket: usize,
         slots: &[(usize, usize)],
@@ -376,7 +376,7 @@ impl DeviceStep {
         let output = Gpu::float_empty(Shape::new([count]), &device, float_dtype(burn_dtype));
         self.in_flight.send(
             &launcher.0,
-            Job {
+            DeviceBucketJob {
                 bucket,
                 input,
                 output: output.clone(),
@@ -394,14 +394,19 @@ impl DeviceStep {
     /// Gives the pass up after failure `e` (returned): NCCL is stopped (the other ranks are
     /// told), every answer taken and NCCL's stream drained (bounded) before any buffer the
     /// pass pinned goes, or those are leaked if it never drains (`InFlight::abandon`).
-    pub(crate) fn abandon(&mut self, launcher: &Launcher, e: DdpError, wait: Duration) -> DdpError {
+    pub(crate) fn abandon(
+        &mut self,
+        launcher: &NcclLauncher,
+        e: DdpError,
+        wait: Duration,
+    ) -> DdpError {
         self.in_flight.abandon(&launcher.0, e, wait)
     }
 
     /// After the communicator was aborted by its owner (a membership change: nobody to tell),
     /// takes every answer and drains NCCL's stream (bounded) before any buffer the pass pinned
     /// goes (`InFlight::settle_stopped`).
-    pub(crate) fn settle_aborted(&mut self, launcher: &Launcher, wait: Duration) {
+    pub(crate) fn settle_aborted(&mut self, launcher: &NcclLauncher, wait: Duration) {
         self.in_flight.settle_stopped(&launcher.0, wait);
     }
 
@@ -414,7 +419,7 @@ impl DeviceStep {
     pub(crate) fn finish(
         &mut self,
         comm: &NcclComm,
-        launcher: &Launcher,
+        launcher: &NcclLauncher,
         wait: Duration,
         slots: impl Iterator<Item = (usize, usize, usize, usize, usize)>,
     ) -> Result<Reduced> {

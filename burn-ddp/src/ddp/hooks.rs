@@ -6,9 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::distributed::{DistributedParamId, ReduceOperation};
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{read_sync, Backend, DType, Shape, TensorData, TensorMetadata};
+use burn_backend::{Backend, Shape, TensorMetadata};
 
 use super::reducer::Origin;
+use super::values::{read_f32, write_f32};
 use super::{current, GradReduction};
 use crate::DdpError;
 
@@ -21,30 +22,6 @@ fn warn_no_session() {
              installed in this thread or process: gradients stay local"
         );
     }
-}
-
-/// Reads a float tensor as f32 values, in row-major order.
-pub(crate) fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
-    // Reshaping to 1-D first hands `into_data` a fresh, contiguous tensor that nothing else
-    // shares. Backends take their slow path otherwise: NdArray reads a shared or transposed
-    // array (every Linear weight gradient is one) element by element through a dynamic index,
-    // which measured as 60 % of a 2-rank MLP step; a reshape is one contiguous copy.
-    let numel = tensor.shape().num_elements();
-    let flat = B::float_reshape(tensor, burn_backend::Shape::new([numel]));
-    let data = read_sync(B::float_into_data(flat)).map_err(|e| e.to_string())?;
-    data.convert_dtype(DType::F32)
-        .into_vec::<f32>()
-        .map_err(|e| format!("{e:?}"))
-}
-
-/// The inverse of `read_f32`: a tensor of `shape` and `dtype` on `device` holding `values`.
-fn write_f32<B: Backend>(
-    values: Vec<f32>,
-    shape: burn_backend::Shape,
-    dtype: DType,
-    device: &B::Device,
-) -> FloatTensor<B> {
-    B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
 }
 
 /// `register_sync_parameters`: a backward pass over `B` starts on `device`; `used` get gradients

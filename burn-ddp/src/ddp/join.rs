@@ -8,10 +8,9 @@
 //! the mean of gradients is rescaled to the ranks still training by `complete` (or
 //! `sync_gradients`). At the end every rank loads the model of the rank that trained longest.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
 use burn_ddp_comm::grad::{Join, JoinCall, Round};
 
 use super::model::{Mark, Path};
@@ -72,32 +71,6 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .is_some()
     }
-}
-
-/// `grads` of `model`'s parameters multiplied by `factor`.
-pub(crate) fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    mut grads: GradientsParams,
-    factor: f32,
-) -> GradientsParams {
-    struct Scale<'a, B> {
-        grads: &'a mut GradientsParams,
-        factor: f32,
-        _b: std::marker::PhantomData<B>,
-    }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-                self.grads.register(param.id, g.mul_scalar(self.factor));
-            }
-        }
-    }
-    model.visit(&mut Scale::<B> {
-        grads: &mut grads,
-        factor,
-        _b: std::marker::PhantomData,
-    });
-    grads
 }
 
 impl DdpSession {

@@ -24,6 +24,7 @@ pub(crate) mod hooks;
 mod join;
 mod model;
 pub(crate) mod reducer;
+mod values;
 mod zero;
 
 use std::cell::RefCell;

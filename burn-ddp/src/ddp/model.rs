@@ -325,7 +325,7 @@ impl DdpSession {
         };
         let grads = self.reduce_after_backward(model, grads)?;
         Ok(match round.scale(self.shared.config.reduction) {
-            Some(factor) => super::join::scale(model, grads, factor),
+            Some(factor) => scale(model, grads, factor),
             None => grads,
         })
     }
@@ -411,7 +411,7 @@ impl DdpSession {
         let grads = self.register_foreign(model, grads)?;
         // Inside a join: the mean over the ranks still training.
         if let Some(factor) = self.shared.take_scale() {
-            return Ok(super::join::scale(model, grads, factor));
+            return Ok(scale(model, grads, factor));
         }
         Ok(grads)
     }
@@ -636,4 +636,30 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
         let t = Tensor::<B::InnerBackend, D>::from_data(data, &p.device());
         self.grads.register::<B::InnerBackend, D>(param.id, t);
     }
+}
+
+/// `grads` of `model`'s parameters multiplied by `factor`.
+pub(super) fn scale<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    mut grads: GradientsParams,
+    factor: f32,
+) -> GradientsParams {
+    struct Scale<'a, B> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+        _b: std::marker::PhantomData<B>,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale::<B> {
+        grads: &mut grads,
+        factor,
+        _b: std::marker::PhantomData,
+    });
+    grads
 }

@@ -118,7 +118,10 @@ pub(crate) struct Links<'a> {
     /// The layout of the bucket being launched, for PowerSGD.
     shape: Option<BucketShape>,
     #[cfg(feature = "cuda")]
-    nccl: Option<(&'a burn_ddp_comm::cuda::NcclComm, &'a super::gpu::Launcher)>,
+    nccl: Option<(
+        &'a burn_ddp_comm::cuda::NcclComm,
+        &'a super::gpu::NcclLauncher,
+    )>,
 }
 
 #[cfg(feature = "cuda")]
@@ -133,7 +136,9 @@ impl Links<'_> {
 
     /// The NCCL communicator and its launcher thread (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    pub(crate) fn nccl(&self) -> Result<(&burn_ddp_comm::cuda::NcclComm, &super::gpu::Launcher)> {
+    pub(crate) fn nccl(
+        &self,
+    ) -> Result<(&burn_ddp_comm::cuda::NcclComm, &super::gpu::NcclLauncher)> {
         self.nccl.ok_or(DdpError::NotInitialized {
             what: "the NCCL communicator of the device path",
             fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
@@ -174,7 +179,7 @@ impl BucketTransport for HostBuckets {
         }
         let shape = links.shape.take();
         let sent = links.comm.as_ref().is_some_and(|c| {
-            c.send(Job {
+            c.send(HostBucketJob {
                 bucket,
                 data,
                 plain: None,
@@ -192,7 +197,7 @@ impl BucketTransport for HostBuckets {
     }
 }
 
-struct Job {
+struct HostBucketJob {
     bucket: usize,
     data: Vec<f32>,
     /// Not a bucket: one all-reduce of a tensor during a backward pass (`all_reduce_in_order`),
@@ -202,7 +207,7 @@ struct Job {
     shape: Option<BucketShape>,
 }
 
-/// The bucket number of a [`Job`] that is not a bucket.
+/// The bucket number of a [`HostBucketJob`] that is not a bucket.
 const PLAIN: usize = usize::MAX;
 
 struct Done {
@@ -211,13 +216,13 @@ struct Done {
 }
 
 /// The host transport's communication thread: all-reduces buckets one after another.
-type Comm = Worker<Job, Done>;
+type Comm = Worker<HostBucketJob, Done>;
 
-impl std::fmt::Debug for Job {
+impl std::fmt::Debug for HostBucketJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "Job(bucket {}, {} elements)",
+            "HostBucketJob(bucket {}, {} elements)",
             self.bucket,
             self.data.len()
         )
@@ -255,7 +260,7 @@ pub(crate) struct Reducer {
     nccl_refused: bool,
     /// The device path's communication thread (with the communicator).
     #[cfg(feature = "cuda")]
-    launcher: Option<super::gpu::Launcher>,
+    launcher: Option<super::gpu::NcclLauncher>,
 }
 
 impl Reducer {
@@ -364,7 +369,9 @@ impl Reducer {
         match burn_ddp_comm::cuda::connect_for_grads(&self.pg, self.transport, ordinal) {
             Ok(Some(comm)) => {
                 let comm = std::sync::Arc::new(comm);
-                self.launcher = Some(super::gpu::Launcher::start(std::sync::Arc::clone(&comm))?);
+                self.launcher = Some(super::gpu::NcclLauncher::start(std::sync::Arc::clone(
+                    &comm,
+                ))?);
                 self.nccl = Some(comm);
                 Ok(())
             }
@@ -881,7 +888,7 @@ impl Reducer {
             rank,
             what: "the gradient communication thread",
         };
-        if !comm.send(Job {
+        if !comm.send(HostBucketJob {
             bucket: PLAIN,
             data,
             plain: Some(reduction),
@@ -1011,7 +1018,7 @@ fn start_comm(
     let mut power = power_sgd.map(|(p, stats)| PowerSgdState::new(p, stats));
     Ok(Worker::start(
         name,
-        move |Job {
+        move |HostBucketJob {
                   bucket,
                   mut data,
                   plain,

@@ -15,12 +15,12 @@ impl<B: Backend> DdpStrategy<B> {
     }
 
     /// Applies a stop or failure decision on this rank.
-    pub(super) fn settle(
+    pub(super) fn apply_decision(
         &self,
         decision: Result<Decision>,
         interrupter: &burn::train::Interrupter,
     ) -> Flow {
-        vote::settle(decision, self.rank(), &self.failure, |m| {
+        vote::apply_decision(decision, self.rank(), &self.failure, |m| {
             interrupter.stop(Some(m))
         })
     }

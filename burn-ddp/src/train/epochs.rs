@@ -389,7 +389,7 @@ impl<B: Backend> DdpStrategy<B> {
                 self.rank()
             ),
             decision => {
-                self.settle(decision, &interrupter);
+                self.apply_decision(decision, &interrupter);
             }
         }
         (learner.model(), processor)
@@ -427,7 +427,7 @@ impl<B: Backend> DdpStrategy<B> {
         }
         match self.agree(vote) {
             Err(e) if fault_tolerant && e.is_peer_failure() => Ended::Change(Change::Failed(e)),
-            decision => match self.settle(decision, interrupter) {
+            decision => match self.apply_decision(decision, interrupter) {
                 Flow::Continue => Ended::Done,
                 Flow::Stop => Ended::Stop,
             },

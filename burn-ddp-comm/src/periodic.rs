@@ -1,5 +1,6 @@
 //! A thread that does something every interval until it is told to stop: the heartbeat's
-//! watcher and a fault-tolerant process's watch for joining processes.
+//! watcher, a fault-tolerant process's watch for joining processes, and the elastic launcher's
+//! beat and watch of its round. The one periodic-thread helper of the crate.
 
 use std::ops::ControlFlow;
 use std::sync::{Arc, Condvar, Mutex};
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 /// The thread; dropping this stops it (waking it at once) and waits for it.
 #[derive(Debug)]
-pub(super) struct Periodic {
+pub(crate) struct Periodic {
     stop: Arc<(Mutex<bool>, Condvar)>,
     thread: Option<JoinHandle<()>>,
 }
@@ -16,31 +17,49 @@ pub(super) struct Periodic {
 impl Periodic {
     /// Runs `tick` at once on a thread named `name`, then every `interval`, until `tick`
     /// breaks or this value is dropped. A thread the system cannot start runs nothing.
-    pub(super) fn spawn(
+    pub(crate) fn spawn(
+        name: String,
+        interval: Duration,
+        tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
+    ) -> Self {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let thread = Self::start(name, interval, tick, &stop).ok();
+        Self { stop, thread }
+    }
+
+    /// As [`Periodic::spawn`], failing when the system cannot start the thread.
+    ///
+    /// # Errors
+    /// The operating system's, if the thread cannot be spawned.
+    pub(crate) fn try_spawn(
+        name: String,
+        interval: Duration,
+        tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
+    ) -> std::io::Result<Self> {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let thread = Some(Self::start(name, interval, tick, &stop)?);
+        Ok(Self { stop, thread })
+    }
+
+    fn start(
         name: String,
         interval: Duration,
         mut tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
-    ) -> Self {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let thread = {
-            let stop = Arc::clone(&stop);
-            std::thread::Builder::new()
-                .name(name)
-                .spawn(move || {
-                    let (lock, cv) = &*stop;
-                    while tick().is_continue() {
-                        let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
-                        let (guard, _) = cv
-                            .wait_timeout_while(guard, interval, |stopped| !*stopped)
-                            .unwrap_or_else(|p| p.into_inner());
-                        if *guard {
-                            return;
-                        }
-                    }
-                })
-                .ok()
-        };
-        Self { stop, thread }
+        stop: &Arc<(Mutex<bool>, Condvar)>,
+    ) -> std::io::Result<JoinHandle<()>> {
+        let stop = Arc::clone(stop);
+        std::thread::Builder::new().name(name).spawn(move || {
+            let (lock, cv) = &*stop;
+            while tick().is_continue() {
+                let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let (guard, _) = cv
+                    .wait_timeout_while(guard, interval, |stopped| !*stopped)
+                    .unwrap_or_else(|p| p.into_inner());
+                if *guard {
+                    return;
+                }
+            }
+        })
     }
 }
 
