@@ -356,19 +356,10 @@ impl Reduced {
 mod tests {
     use super::*;
     use crate::config::Timeouts;
-    use crate::grad::{BucketOrder, ParamInfo};
     use crate::types::WorldSize;
 
     fn plan() -> BucketPlan<u64> {
-        let params = (0..5u64)
-            .map(|i| (ParamInfo::new(format!("p{i}"), vec![3], "F32"), i))
-            .collect();
-        let config = DdpConfig {
-            first_bucket_cap_bytes: 12,
-            bucket_cap_bytes: 24,
-            ..DdpConfig::default()
-        };
-        BucketPlan::build(params, &config, BucketOrder::Forward)
+        super::super::plan::test_plan(5, 3, 12, 24)
     }
 
     /// Three in-process ranks; parameter 1 has a gradient on rank 2 only, parameter 3 on none.

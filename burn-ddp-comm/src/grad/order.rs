@@ -76,19 +76,10 @@ impl LaunchOrder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::grad::{BucketOrder, DdpConfig, ParamInfo};
 
     /// Three buckets of two parameters each (8 bytes each, caps of 16 bytes).
     fn plan() -> BucketPlan<u64> {
-        let params = (0..6u64)
-            .map(|i| (ParamInfo::new(format!("p{i}"), vec![2], "F32"), i))
-            .collect();
-        let config = DdpConfig {
-            bucket_cap_bytes: 16,
-            first_bucket_cap_bytes: 16,
-            ..DdpConfig::default()
-        };
-        BucketPlan::build(params, &config, BucketOrder::Forward)
+        super::super::plan::test_plan(6, 2, 16, 16)
     }
 
     fn drain(order: &mut LaunchOrder) -> Vec<usize> {

@@ -101,6 +101,21 @@ impl<K> BucketPlan<K> {
     }
 }
 
+/// For tests: `n` f32 parameters `p0`, `p1`, ... of `numel` elements each, in buckets filled
+/// forward under the given caps (in bytes).
+#[cfg(test)]
+pub(crate) fn test_plan(n: u64, numel: usize, first_cap: usize, cap: usize) -> BucketPlan<u64> {
+    let params = (0..n)
+        .map(|i| (ParamInfo::new(format!("p{i}"), vec![numel], "F32"), i))
+        .collect();
+    let config = DdpConfig {
+        first_bucket_cap_bytes: first_cap,
+        bucket_cap_bytes: cap,
+        ..DdpConfig::default()
+    };
+    BucketPlan::build(params, &config, BucketOrder::Forward)
+}
+
 impl<K: Hash + Eq> BucketPlan<K> {
     /// The plan of `params` (in visit order) under `config`'s caps, filled in `order`.
     pub fn build(params: Vec<(ParamInfo, K)>, config: &DdpConfig, order: BucketOrder) -> Self {
