@@ -284,11 +284,9 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     }
     let (got, want) = (common::params(&model), common::params(&reference));
     assert_close(rank, &got, &want, tolerance);
-    let all = session
-        .group()
-        .all_gather_bytes(&common::compare::f32_bytes(&got))
-        .unwrap();
-    common::compare::assert_replicas_equal(rank, &got, &all);
+    let mine = common::compare::f32_bytes(&got);
+    let all = session.group().all_gather_bytes(&mine).unwrap();
+    common::compare::assert_replicas_equal(rank, &mine, &all);
     if world > 1 {
         common::compare::assert_discriminates(rank, &common::params(&alone), &want, tolerance);
     }

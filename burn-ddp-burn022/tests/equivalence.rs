@@ -221,11 +221,9 @@ fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol:
     }
     let (got, want) = (params(&model), params(&reference));
     assert_close(rank, &got, &want, tol);
-    let all = sync
-        .group()
-        .all_gather_bytes(&compare::f32_bytes(&got))
-        .unwrap();
-    compare::assert_replicas_equal(rank, &got, &all);
+    let mine = compare::f32_bytes(&got);
+    let all = sync.group().all_gather_bytes(&mine).unwrap();
+    compare::assert_replicas_equal(rank, &mine, &all);
     if world > 1 {
         compare::assert_discriminates(rank, &params(&alone), &want, tol);
     }

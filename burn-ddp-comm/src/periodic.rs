@@ -22,9 +22,10 @@ impl Periodic {
         interval: Duration,
         tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
     ) -> Self {
-        let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let thread = Self::start(name, interval, tick, &stop).ok();
-        Self { stop, thread }
+        Self::try_spawn(name, interval, tick).unwrap_or_else(|_| Self {
+            stop: Arc::default(),
+            thread: None,
+        })
     }
 
     /// As [`Periodic::spawn`], failing when the system cannot start the thread.
@@ -34,22 +35,12 @@ impl Periodic {
     pub(crate) fn try_spawn(
         name: String,
         interval: Duration,
-        tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
+        mut tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
     ) -> std::io::Result<Self> {
         let stop = Arc::new((Mutex::new(false), Condvar::new()));
-        let thread = Some(Self::start(name, interval, tick, &stop)?);
-        Ok(Self { stop, thread })
-    }
-
-    fn start(
-        name: String,
-        interval: Duration,
-        mut tick: impl FnMut() -> ControlFlow<()> + Send + 'static,
-        stop: &Arc<(Mutex<bool>, Condvar)>,
-    ) -> std::io::Result<JoinHandle<()>> {
-        let stop = Arc::clone(stop);
-        std::thread::Builder::new().name(name).spawn(move || {
-            let (lock, cv) = &*stop;
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::Builder::new().name(name).spawn(move || {
+            let (lock, cv) = &*flag;
             while tick().is_continue() {
                 let guard = lock.lock().unwrap_or_else(|p| p.into_inner());
                 let (guard, _) = cv
@@ -59,6 +50,10 @@ impl Periodic {
                     return;
                 }
             }
+        })?;
+        Ok(Self {
+            stop,
+            thread: Some(thread),
         })
     }
 }

@@ -86,7 +86,10 @@ fn expand(
     let mut all = Vec::new();
     let mut skip = Vec::new();
     for field in &fields.named {
-        let ident = field.ident.as_ref().expect("named field");
+        let ident = field
+            .ident
+            .as_ref()
+            .expect("a field of `FieldsNamed` always has a name");
         let text = ident.to_string();
         let text = text.strip_prefix("r#").unwrap_or(&text).to_owned();
         for attr in field.attrs.iter().filter(|a| a.path().is_ident("ddp")) {

@@ -32,11 +32,16 @@ pub const F32_GPU: Tolerance = Tolerance {
     floor: 0.05,
 };
 
+/// `|got - want|` relative to `max(|want|, floor)`: what a [`Tolerance`] bounds.
+fn relative(got: f32, want: f32, floor: f32) -> f32 {
+    (got - want).abs() / want.abs().max(floor)
+}
+
 /// The largest relative difference (as [`assert_close`] measures it) between `got` and `want`.
 pub fn worst_relative(got: &[f32], want: &[f32], floor: f32) -> f32 {
     got.iter()
         .zip(want)
-        .map(|(g, w)| (g - w).abs() / w.abs().max(floor))
+        .map(|(g, w)| relative(*g, *w, floor))
         .fold(0.0, f32::max)
 }
 
@@ -53,12 +58,11 @@ pub fn assert_discriminates(rank: usize, alone: &[f32], want: &[f32], tol: Toler
 }
 
 /// Every rank's model is bit-identical to this one: `all` is every rank's [`f32_bytes`] (an
-/// all-gather), `mine` this rank's values.
-pub fn assert_replicas_equal(rank: usize, mine: &[f32], all: &[Vec<u8>]) {
-    let bytes = f32_bytes(mine);
+/// all-gather of `mine`, this rank's).
+pub fn assert_replicas_equal(rank: usize, mine: &[u8], all: &[Vec<u8>]) {
     for (other, theirs) in all.iter().enumerate() {
         assert!(
-            *theirs == bytes,
+            theirs.as_slice() == mine,
             "rank {rank}: rank {other}'s model is not bit-identical to this rank's"
         );
     }
@@ -78,14 +82,15 @@ pub fn assert_close(rank: usize, got: &[f32], want: &[f32], tol: Tolerance) -> f
         want.len(),
         "rank {rank}: parameter counts differ"
     );
+    let mut worst = 0.0f32;
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let rel = (g - w).abs() / w.abs().max(tol.floor);
+        let rel = relative(*g, *w, tol.floor);
+        worst = worst.max(rel);
         assert!(
             rel <= tol.rel,
             "rank {rank}: parameter element {i}: ddp {g} vs single process {w} (relative {rel:e}, {tol:?})"
         );
     }
-    let worst = worst_relative(got, want, tol.floor);
     println!(
         "rank {rank}: worst relative difference {worst:e} over {} values",
         got.len()

@@ -209,8 +209,9 @@ pub enum Turn {
 }
 
 /// One step's agreement in an epoch loop over `split`: every rank's `vote` (collective), the
-/// end of the epoch when the split says so, else [`apply_decision`]. A training rank that still had a
-/// batch when another ran out is told so with a warning (its remaining batches are skipped).
+/// end of the epoch when the split says so, else [`apply_decision`]. A training rank that still
+/// had a batch when another ran out is told so with a warning (its remaining batches are
+/// skipped).
 pub fn turn(
     pg: &ProcessGroup,
     vote: &Vote,
