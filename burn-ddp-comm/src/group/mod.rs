@@ -12,8 +12,8 @@
 //! re-exported here; the store is `store/`.
 
 mod desync;
-mod elastic;
 pub(crate) mod heartbeat;
+mod membership;
 mod p2p;
 mod rendezvous;
 mod sub;
@@ -27,8 +27,8 @@ pub use crate::types::{
     AbortRecord, CollectiveSeq, LocalRank, Rank, RankList, StallDiagnosis, WorldSize,
 };
 use desync::DesyncCheck;
-pub use elastic::Recovery;
-pub(crate) use elastic::{fresh_member_id, last_membership, record_first_world, LastMembership};
+pub use membership::Recovery;
+pub(crate) use membership::{fresh_member_id, last_membership, record_first_world, LastMembership};
 use p2p::P2p;
 pub use p2p::P2pOp;
 use sub::SubInfo;
@@ -255,7 +255,7 @@ pub struct ProcessGroup {
 /// membership service.
 struct Shared {
     current: RwLock<Arc<Inner>>,
-    elastic: Option<elastic::MembershipService>,
+    membership: Option<membership::MembershipService>,
 }
 
 impl fmt::Debug for ProcessGroup {
@@ -266,7 +266,7 @@ impl fmt::Debug for ProcessGroup {
             .field("world_size", &inner.world)
             .field("local_rank", &inner.local_rank)
             .field("transport", &inner.comm.transport())
-            .field("fault_tolerant", &self.shared.elastic.is_some())
+            .field("fault_tolerant", &self.shared.membership.is_some())
             .finish()
     }
 }
@@ -276,7 +276,7 @@ impl ProcessGroup {
         Self {
             shared: Arc::new(Shared {
                 current: RwLock::new(Arc::new(inner)),
-                elastic: None,
+                membership: None,
             }),
         }
     }
@@ -312,7 +312,7 @@ impl ProcessGroup {
     pub fn init(config: GroupConfig) -> Result<Self> {
         config.validate()?;
         if let Some(ft) = config.fault_tolerance.clone() {
-            return elastic::start(config, ft);
+            return membership::start(config, ft);
         }
         if config.world_size == WorldSize::ONE {
             return Ok(Self::single_with(config.timeouts, config.restart_count));
@@ -442,7 +442,7 @@ impl ProcessGroup {
     /// from burn-ddp's). `None` for groups without a store: [`ProcessGroup::single`] and
     /// in-process groups from [`ProcessGroup::local`].
     pub fn store(&self) -> Option<Store> {
-        match &self.shared.elastic {
+        match &self.shared.membership {
             // A fault-tolerant job's user keys outlive its memberships.
             Some(e) => Some(Store::new(e.store())),
             None => self.store_client().map(Store::new),

@@ -2,7 +2,7 @@
 //! outlives every rank ([`Lighthouse`]), and a supervisor that lets the job go on when a rank
 //! dies, starts replacements that join it live, and judges the job by its last membership.
 //!
-//! The ranks themselves agree on each membership through the store (`group/elastic.rs`); the
+//! The ranks themselves agree on each membership through the store (`group/membership/`); the
 //! launcher never stops them for another rank's failure. What it adds:
 //!
 //! - node 0's launcher serves the store on `MASTER_ADDR:MASTER_PORT` and keeps it up until

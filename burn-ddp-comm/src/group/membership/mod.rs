@@ -41,9 +41,19 @@
 //! the members agree at a step boundary (a collective of their own) to call
 //! [`ProcessGroup::grow`], which ends the epoch without blaming anyone; the newcomer is in the
 //! next epoch and is behind (it has no state), so it receives the source's.
+//!
+//! The module's files: `rule.rs`, the membership rule alone (pure: what a rank proposes from
+//! what the store shows); `record.rs`, the store protocol (the keys, their encodings, the
+//! first world size, member ids, the last membership for the launcher); `watch.rs`, the
+//! thread that notices processes asking to join; this file, the service that runs the rule
+//! through the store and rebuilds the group.
 
-use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+mod group;
+mod record;
+mod rule;
+mod watch;
+
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -54,39 +64,15 @@ use crate::store::auth::Purpose;
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
+use record::{decode, decode_i64, encode, first_world, get_now, keys};
+pub(crate) use record::{fresh_member_id, last_membership, record_first_world, LastMembership};
+use rule::{minus, Ballot};
+use watch::{watch_joins, JoinWatch};
 
 /// How often a rank waiting on the store for a membership decision looks again.
 const POLL: Duration = Duration::from_millis(20);
 /// How often a rank waiting for a membership says who it waits for.
 const SAY_EVERY: Duration = Duration::from_secs(5);
-
-/// The store keys of the membership (outside every epoch's scope).
-mod keys {
-    /// The members of epoch `e`, once decided (`"0,1,3"`).
-    pub(super) fn members(e: u64) -> String {
-        format!("ft/m/{e}")
-    }
-    /// Member `id` checked in for epoch `e` (its host).
-    pub(super) fn checkin(e: u64, id: u32) -> String {
-        format!("ft/in/{e}/{id}")
-    }
-    /// The scope of epoch `e`'s group: its keys, its abort record.
-    pub(super) fn scope(e: u64) -> String {
-        format!("ft/{e}")
-    }
-    /// Member `id` finished normally.
-    pub(super) fn finished(id: u32) -> String {
-        format!("ft/finished/{id}")
-    }
-    /// The newest decided epoch.
-    pub(super) const EPOCH: &str = "ft/epoch";
-    /// How many member ids were handed to joining processes (counter).
-    pub(super) const NEXT_ID: &str = "ft/next-id";
-    /// The world size the job started with (member ids below it are its first processes').
-    pub(super) const FIRST_WORLD: &str = "ft/first-world";
-    /// How many times a process asked to join (counter the members watch).
-    pub(super) const JOINS: &str = "ft/joins";
-}
 
 /// What a change of membership did, on this rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,14 +186,6 @@ struct Epoch {
     members: Vec<u32>,
 }
 
-/// Whether a process asked to join since the current epoch began.
-#[derive(Debug, Default)]
-struct JoinWatch {
-    pending: AtomicBool,
-    /// The join counter when the epoch was decided.
-    seen: AtomicI64,
-}
-
 impl Drop for MembershipService {
     fn drop(&mut self) {
         if !std::thread::panicking() {
@@ -219,152 +197,6 @@ impl Drop for MembershipService {
         self.presence.bye(Duration::from_secs(2));
         self.store.bye(Duration::from_secs(2));
         self.user.bye(Duration::from_secs(2));
-    }
-}
-
-fn encode(ids: &[u32]) -> Vec<u8> {
-    ids.iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",")
-        .into_bytes()
-}
-
-/// Parses a member list from the store (it came over the network: anything malformed is
-/// `None`).
-fn decode(bytes: &[u8]) -> Option<Vec<u32>> {
-    let text = std::str::from_utf8(bytes).ok()?;
-    if text.is_empty() {
-        return Some(Vec::new());
-    }
-    text.split(',').map(|t| t.parse().ok()).collect()
-}
-
-/// The value of `key` now, `None` when the store does not hold it (an error when the store
-/// does not answer).
-fn get_now(store: &StoreClient, key: &str) -> Result<Option<Vec<u8>>> {
-    match store.get_timeout(key, Duration::ZERO) {
-        Ok(v) => Ok(Some(v)),
-        // The store's own answer that the key is absent (not a reply that never came).
-        Err(DdpError::StoreTimeout { .. }) if !store.is_broken() => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-fn decode_i64(bytes: &[u8]) -> Option<i64> {
-    <[u8; 8]>::try_from(bytes).ok().map(i64::from_le_bytes)
-}
-
-/// The ids of `v` not in `of`.
-fn minus(v: &[u32], of: &[u32]) -> Vec<u32> {
-    v.iter().copied().filter(|i| !of.contains(i)).collect()
-}
-
-/// Records the world size the job starts with (the same from every process and launcher;
-/// the first record stays). Member ids below it are the first processes' (`RANK`); joining
-/// processes take ids above.
-pub(crate) fn record_first_world(store: &StoreClient, world: u32) -> Result<u32> {
-    let after = store.compare_set(keys::FIRST_WORLD, None, &world.to_le_bytes())?;
-    Ok(<[u8; 4]>::try_from(after.as_slice()).map_or(world, u32::from_le_bytes))
-}
-
-/// The world size the job started with (waiting for it, within the store timeout).
-fn first_world(store: &StoreClient) -> Result<u32> {
-    let v = store.get(keys::FIRST_WORLD)?;
-    <[u8; 4]>::try_from(v.as_slice())
-        .map(u32::from_le_bytes)
-        .map_err(|_| DdpError::StoreRequest {
-            rank: store.rank(),
-            op: "get",
-            key: keys::FIRST_WORLD.into(),
-            reason: "not a world size (another burn-ddp version?)".into(),
-        })
-}
-
-/// A fresh member id for a process joining the job.
-pub(crate) fn fresh_member_id(store: &StoreClient) -> Result<u32> {
-    let first = first_world(store)?;
-    let n = store.add(keys::NEXT_ID, 1)?;
-    Ok(first.saturating_add(u32::try_from(n - 1).unwrap_or(u32::MAX)))
-}
-
-/// The newest decided membership of a fault-tolerant job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct LastMembership {
-    pub(crate) epoch: u64,
-    pub(crate) members: Vec<u32>,
-    /// For each member, whether it ended (finished normally, or gone).
-    pub(crate) ended: Vec<bool>,
-}
-
-/// The newest decided membership of the job on `store`; `None` before the job formed.
-pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<LastMembership>> {
-    let epoch = get_now(store, keys::EPOCH)?.and_then(|v| {
-        std::str::from_utf8(&v)
-            .ok()
-            .and_then(|t| t.parse::<u64>().ok())
-    });
-    let Some(epoch) = epoch else {
-        return Ok(None);
-    };
-    let Some(members) = get_now(store, &keys::members(epoch))? else {
-        return Ok(None);
-    };
-    let members = decode(&members).unwrap_or_default();
-    let keys: Vec<String> = members
-        .iter()
-        .flat_map(|m| [keys::finished(*m), crate::store::gone_key(Rank(*m))])
-        .collect();
-    let present = match store.wait(&keys, Duration::ZERO)? {
-        WaitOutcome::Ready => vec![true; keys.len()],
-        WaitOutcome::Missing(missing) => keys.iter().map(|k| !missing.contains(k)).collect(),
-    };
-    let ended = present.chunks(2).map(|c| c[0] || c[1]).collect();
-    Ok(Some(LastMembership {
-        epoch,
-        members,
-        ended,
-    }))
-}
-
-/// The membership rule's inputs for the epoch after `members`, as the store shows them.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Ballot {
-    /// Members of the epoch before that checked in (not gone), in their order.
-    checked: Vec<u32>,
-    /// Members of the epoch before that neither checked in nor are gone.
-    missing: Vec<u32>,
-    /// Joining processes that checked in (not gone), by id.
-    joiners: Vec<u32>,
-}
-
-impl Ballot {
-    /// What `me` proposes, or `None` while it waits: every member accounted for, or the
-    /// window passed. The blamed rank is left out (unless it is `me`: a rank never proposes
-    /// a membership without itself; a blamed one waits for the window instead).
-    fn proposal(&self, me: u32, blamed: Option<u32>, window_passed: bool) -> Option<Vec<u32>> {
-        let waiting: Vec<u32> = self
-            .missing
-            .iter()
-            .copied()
-            .filter(|m| Some(*m) != blamed)
-            .collect();
-        let i_am_blamed = blamed == Some(me);
-        if !(window_passed || (waiting.is_empty() && !i_am_blamed)) {
-            return None;
-        }
-        let mut out: Vec<u32> = self
-            .checked
-            .iter()
-            .copied()
-            .filter(|m| Some(*m) != blamed || *m == me)
-            .collect();
-        for j in &self.joiners {
-            if !out.contains(j) && (Some(*j) != blamed || *j == me) {
-                out.push(*j);
-            }
-        }
-        Some(out)
     }
 }
 
@@ -445,7 +277,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
     let user = Arc::new(user);
     let joins = Arc::new(JoinWatch::default());
     let watcher = watch_joins(&config, Arc::clone(&joins), id, deadline);
-    let elastic = MembershipService {
+    let service = MembershipService {
         id,
         min_ranks: ft.min_ranks,
         initial_world,
@@ -463,10 +295,10 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         config,
     };
     if join {
-        let (epoch, members) = elastic.admit(deadline)?;
-        let inner = elastic.connect_epoch(epoch, &members, deadline)?;
-        let group = ProcessGroup::with_elastic(inner, elastic);
-        let e = group.elastic()?;
+        let (epoch, members) = service.admit(deadline)?;
+        let inner = service.connect_epoch(epoch, &members, deadline)?;
+        let group = ProcessGroup::with_membership(inner, service);
+        let e = group.service()?;
         let recovery = e.exchange_progress(
             &group,
             epoch,
@@ -487,9 +319,9 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         *e.admission.lock().unwrap_or_else(|p| p.into_inner()) = Some(recovery);
         return Ok(group);
     }
-    let members = elastic.form_first(deadline)?;
-    let inner = elastic.connect_epoch(0, &members, deadline)?;
-    Ok(ProcessGroup::with_elastic(inner, elastic))
+    let members = service.form_first(deadline)?;
+    let inner = service.connect_epoch(0, &members, deadline)?;
+    Ok(ProcessGroup::with_membership(inner, service))
 }
 
 impl MembershipService {
@@ -973,18 +805,18 @@ impl MembershipService {
 }
 
 impl ProcessGroup {
-    fn with_elastic(inner: Inner, elastic: MembershipService) -> Self {
+    fn with_membership(inner: Inner, service: MembershipService) -> Self {
         Self {
             shared: Arc::new(Shared {
                 current: std::sync::RwLock::new(Arc::new(inner)),
-                elastic: Some(elastic),
+                membership: Some(service),
             }),
         }
     }
 
-    fn elastic(&self) -> Result<&MembershipService> {
+    fn service(&self) -> Result<&MembershipService> {
         self.shared
-            .elastic
+            .membership
             .as_ref()
             .ok_or(DdpError::NotFaultTolerant {
                 what: "changing the membership of a group",
@@ -995,242 +827,11 @@ impl ProcessGroup {
     }
 }
 
-impl ProcessGroup {
-    /// Whether this group survives the loss of ranks (a fault-tolerant job: `burn-ddp run
-    /// --fault-tolerant`, `BURN_DDP_FAULT_TOLERANT=1`).
-    pub fn is_fault_tolerant(&self) -> bool {
-        self.shared.elastic.is_some()
-    }
-
-    /// In a fault-tolerant job: this process's member id (unique for the job's life) and the
-    /// current membership epoch.
-    pub fn membership(&self) -> Option<(u32, u64)> {
-        let e = self.shared.elastic.as_ref()?;
-        Some((e.id, e.epoch().0))
-    }
-
-    /// In a fault-tolerant job: whether a process has asked to join since the current
-    /// membership began (this rank's view, read from the store each heartbeat interval). The
-    /// ranks must agree on a step boundary (a collective of theirs), then all call
-    /// [`ProcessGroup::grow`]. `false` outside fault-tolerant jobs.
-    pub fn join_pending(&self) -> bool {
-        self.shared
-            .elastic
-            .as_ref()
-            .is_some_and(|e| e.joins.pending.load(Ordering::SeqCst))
-    }
-
-    /// A joining process's admission into the running job (once, after
-    /// [`ProcessGroup::from_env`] returned): it is behind, and takes the state of
-    /// [`Recovery::source`].
-    pub fn take_admission(&self) -> Option<Recovery> {
-        self.shared
-            .elastic
-            .as_ref()?
-            .admission
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-    }
-
-    /// After `cause` (a failure of the group: [`DdpError::is_peer_failure`]), agrees with the
-    /// other ranks that can still reach the job's store on the next membership, opens its
-    /// group (this group, and every clone of it, now has the new ranks: this rank's rank may
-    /// change), and compares the ranks' `progress` (e.g. optimizer steps taken; `None` for
-    /// none) so that the ranks behind take the source's state ([`Recovery`]). The partial
-    /// results of the step that failed must be dropped by the caller.
-    ///
-    /// # Errors
-    /// [`DdpError::NotFaultTolerant`] for other groups; [`DdpError::Excluded`] when the others
-    /// went on without this rank (it may [`rejoin`](Self::rejoin)); [`DdpError::TooFewRanks`];
-    /// the store's errors (this rank cannot reach the job).
-    pub fn recover(&self, cause: &DdpError, progress: Option<u64>) -> Result<Recovery> {
-        let culprit = cause.culprit().filter(|c| *c != self.rank());
-        self.change(cause.to_string(), culprit, progress, true)
-    }
-
-    /// Lets in the processes that asked to join ([`ProcessGroup::join_pending`]): every rank
-    /// of the group calls it at the same step boundary; the joiners are behind.
-    ///
-    /// # Errors
-    /// As [`ProcessGroup::recover`].
-    pub fn grow(&self, progress: Option<u64>) -> Result<Recovery> {
-        self.change("a process asked to join".into(), None, progress, false)
-    }
-
-    /// Joins the job again after [`DdpError::Excluded`]: waits to be admitted at a step
-    /// boundary, as a new process does; this rank is then behind.
-    ///
-    /// # Errors
-    /// [`DdpError::JoinFailed`] at the rendezvous timeout, or when the job ended; the
-    /// store's errors.
-    pub fn rejoin(&self) -> Result<Recovery> {
-        let e = self.elastic()?;
-        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
-        let started = Instant::now();
-        let deadline = started + e.config.timeouts.rendezvous;
-        let (before, _) = e.epoch();
-        let old = self.inner();
-        old.comm.abort();
-        old.p2p.close();
-        loop {
-            let (epoch, members) = e.admit(deadline).map_err(|err| e.cut_off(err))?;
-            let inner = match e.connect_epoch(epoch, &members, e.connect_deadline(deadline)) {
-                Ok(inner) => inner,
-                Err(err) => {
-                    e.end(epoch, Rank::ZERO, err.culprit(), err.to_string());
-                    continue;
-                }
-            };
-            self.install(inner);
-            match e.exchange_progress(
-                self,
-                epoch,
-                Vec::new(),
-                members,
-                None,
-                format!(
-                    "it asked again after being left out of epoch {}",
-                    before + 1
-                ),
-                started,
-            ) {
-                Ok(r) => return Ok(r),
-                Err(err) => e.end(epoch, self.rank(), err.culprit(), err.to_string()),
-            }
-        }
-    }
-
-    fn install(&self, inner: Inner) {
-        let old = std::mem::replace(
-            &mut *self
-                .shared
-                .current
-                .write()
-                .unwrap_or_else(|p| p.into_inner()),
-            Arc::new(inner),
-        );
-        old.comm.abort();
-        old.p2p.close();
-    }
-
-    /// Ends the current epoch (blaming `culprit`, a rank of it) and moves to the next one.
-    fn change(
-        &self,
-        reason: String,
-        culprit: Option<Rank>,
-        progress: Option<u64>,
-        failed: bool,
-    ) -> Result<Recovery> {
-        let e = self.elastic()?;
-        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
-        let started = Instant::now();
-        let overall = started + e.config.timeouts.rendezvous;
-        let (mut epoch, mut members) = e.epoch();
-        let me = self.rank();
-        e.end(epoch, me, culprit, reason.clone());
-        if failed {
-            // The neighbours stop at once instead of at their next check.
-            let old = self.inner();
-            old.comm.abort();
-            old.p2p.close();
-        }
-        let (first, previous) = (epoch, members.clone());
-        loop {
-            let next_members = e
-                .decide(epoch, &members, overall)
-                .map_err(|err| e.cut_off(err))
-                .inspect_err(|err| tracing::warn!("{err}"))?;
-            let next = epoch + 1;
-            e.begin(next, next_members.clone())?;
-            let inner = match e.connect_epoch(next, &next_members, e.connect_deadline(overall)) {
-                Ok(inner) => inner,
-                Err(err) => {
-                    tracing::warn!(
-                        "[member {}] opening membership epoch {next} failed: {err}",
-                        e.id
-                    );
-                    let me = next_members.iter().position(|m| *m == e.id).unwrap_or(0);
-                    e.end(next, Rank(me as u32), err.culprit(), err.to_string());
-                    (epoch, members) = (next, next_members);
-                    continue;
-                }
-            };
-            self.install(inner);
-            // The record of the first epoch's end says best why (it may be another rank's).
-            let why = e
-                .blamed(first, &previous)
-                .map_or_else(|_| reason.clone(), |(_, why)| why);
-            match e.exchange_progress(
-                self,
-                next,
-                previous.clone(),
-                next_members.clone(),
-                progress,
-                why,
-                started,
-            ) {
-                Ok(r) => return Ok(r),
-                Err(err) => {
-                    tracing::warn!(
-                        "[member {}] membership epoch {next} failed at once: {err}",
-                        e.id
-                    );
-                    e.end(next, self.rank(), err.culprit(), err.to_string());
-                    (epoch, members) = (next, next_members);
-                }
-            }
-        }
-    }
-}
-
-/// The thread that reads, each heartbeat interval, whether a process asked to join (it stops
-/// when dropped). `None` (with a warning) if its store connection cannot be opened: joining
-/// processes then wait until the rendezvous timeout.
-fn watch_joins(
-    config: &GroupConfig,
-    joins: Arc<JoinWatch>,
-    id: u32,
-    deadline: Instant,
-) -> Option<Periodic> {
-    let interval =
-        (config.timeouts.heartbeat / 5).clamp(Duration::from_millis(50), Duration::from_secs(2));
-    let store = match StoreClient::connect(
-        &config.master,
-        Purpose::StoreAux,
-        config.rank,
-        config.world_size,
-        &config.token,
-        interval.max(Duration::from_millis(200)),
-        deadline,
-    ) {
-        Ok(s) => s.with_reply_slack(interval.max(Duration::from_millis(200))),
-        Err(e) => {
-            tracing::warn!(
-                "[member {id}] cannot watch for joining processes (its store connection \
-                     failed: {e}); none will be let in"
-            );
-            return None;
-        }
-    };
-    let thread = Periodic::spawn(format!("burn-ddp-ft-watch-{id}"), interval, move || {
-        if let Ok(v) = store.get_timeout(keys::JOINS, Duration::ZERO) {
-            let n = decode_i64(&v).unwrap_or(0);
-            if n > joins.seen.load(Ordering::SeqCst) {
-                joins.pending.store(true, Ordering::SeqCst);
-            }
-        }
-        ControlFlow::Continue(())
-    });
-    Some(thread)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::{JobToken, MasterAddr, Timeouts};
     use crate::store::StoreServer;
-    use proptest::prelude::*;
 
     /// A fault-tolerant job's store in this process, and a client of it.
     fn lighthouse() -> (StoreServer, MasterAddr, JobToken, StoreClient) {
@@ -1329,79 +930,5 @@ mod tests {
             matches!(plain, DdpError::NotFaultTolerant { .. }),
             "{plain}"
         );
-    }
-
-    fn ballot(checked: &[u32], missing: &[u32], joiners: &[u32]) -> Ballot {
-        Ballot {
-            checked: checked.to_vec(),
-            missing: missing.to_vec(),
-            joiners: joiners.to_vec(),
-        }
-    }
-
-    #[test]
-    fn member_lists_round_trip_and_garbage_is_refused() {
-        assert_eq!(decode(&encode(&[0, 2, 7])), Some(vec![0, 2, 7]));
-        assert_eq!(decode(b""), Some(vec![]));
-        assert_eq!(decode(b"1,x"), None);
-        assert_eq!(decode(b"1,,2"), None);
-        assert_eq!(decode(&[0xff]), None);
-    }
-
-    #[test]
-    fn the_rule_waits_for_every_member_then_keeps_their_order_and_adds_joiners() {
-        // Member 2 is neither checked in nor gone: wait, unless the window passed.
-        let b = ballot(&[1, 0], &[2], &[5]);
-        assert_eq!(b.proposal(0, None, false), None);
-        assert_eq!(b.proposal(0, None, true), Some(vec![1, 0, 5]));
-        // Everyone accounted for: at once, previous order first, joiners by id after.
-        let b = ballot(&[0, 1, 3], &[], &[4, 6]);
-        assert_eq!(b.proposal(1, None, false), Some(vec![0, 1, 3, 4, 6]));
-    }
-
-    #[test]
-    fn the_blamed_rank_is_left_out_and_not_waited_for() {
-        // Member 2 was blamed and never checked in: nobody waits for it.
-        let b = ballot(&[0, 1], &[2], &[]);
-        assert_eq!(b.proposal(0, Some(2), false), Some(vec![0, 1]));
-        // Blamed but checked in (two ranks blaming each other): the others leave it out...
-        let b = ballot(&[0, 1, 2], &[], &[]);
-        assert_eq!(b.proposal(0, Some(2), false), Some(vec![0, 1]));
-        // ...and it waits for the window before proposing, with itself.
-        assert_eq!(b.proposal(2, Some(2), false), None);
-        assert_eq!(b.proposal(2, Some(2), true), Some(vec![0, 1, 2]));
-    }
-
-    proptest! {
-        /// Whatever the store shows: a proposal never holds a member twice, always holds its
-        /// proposer when the proposer checked in, never holds a missing member, and never holds
-        /// the blamed member unless it is the proposer.
-        #[test]
-        fn proposals_are_sets_of_present_members(
-            members in proptest::collection::vec(0u32..6, 0..6),
-            missing_mask in proptest::collection::vec(any::<bool>(), 6),
-            joiners in proptest::collection::btree_set(6u32..10, 0..3),
-            blamed in proptest::option::of(0u32..8),
-            passed in any::<bool>(),
-        ) {
-            let mut uniq = members.clone();
-            uniq.sort_unstable();
-            uniq.dedup();
-            let checked: Vec<u32> = uniq.iter().copied().filter(|m| !missing_mask[*m as usize]).collect();
-            let missing: Vec<u32> = uniq.iter().copied().filter(|m| missing_mask[*m as usize]).collect();
-            let joiners: Vec<u32> = joiners.into_iter().collect();
-            let b = ballot(&checked, &missing, &joiners);
-            for &me in &checked {
-                if let Some(p) = b.proposal(me, blamed, passed) {
-                    let mut sorted = p.clone();
-                    sorted.sort_unstable();
-                    sorted.dedup();
-                    prop_assert_eq!(sorted.len(), p.len());
-                    prop_assert!(p.contains(&me));
-                    prop_assert!(p.iter().all(|m| !missing.contains(m)));
-                    prop_assert!(p.iter().all(|m| Some(*m) != blamed || *m == me));
-                }
-            }
-        }
     }
 }

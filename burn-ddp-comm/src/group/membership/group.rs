@@ -1,0 +1,201 @@
+//! What a [`ProcessGroup`] of a fault-tolerant job offers its caller: whether it is one, the
+//! current membership, processes asking to join, and the calls that change the membership
+//! (`recover`, `grow`, `rejoin`).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::super::{Inner, ProcessGroup};
+use super::Recovery;
+use crate::types::Rank;
+use crate::{DdpError, Result};
+
+impl ProcessGroup {
+    /// Whether this group survives the loss of ranks (a fault-tolerant job: `burn-ddp run
+    /// --fault-tolerant`, `BURN_DDP_FAULT_TOLERANT=1`).
+    pub fn is_fault_tolerant(&self) -> bool {
+        self.shared.membership.is_some()
+    }
+
+    /// In a fault-tolerant job: this process's member id (unique for the job's life) and the
+    /// current membership epoch.
+    pub fn membership(&self) -> Option<(u32, u64)> {
+        let e = self.shared.membership.as_ref()?;
+        Some((e.id, e.epoch().0))
+    }
+
+    /// In a fault-tolerant job: whether a process has asked to join since the current
+    /// membership began (this rank's view, read from the store each heartbeat interval). The
+    /// ranks must agree on a step boundary (a collective of theirs), then all call
+    /// [`ProcessGroup::grow`]. `false` outside fault-tolerant jobs.
+    pub fn join_pending(&self) -> bool {
+        self.shared
+            .membership
+            .as_ref()
+            .is_some_and(|e| e.joins.pending.load(Ordering::SeqCst))
+    }
+
+    /// A joining process's admission into the running job (once, after
+    /// [`ProcessGroup::from_env`] returned): it is behind, and takes the state of
+    /// [`Recovery::source`].
+    pub fn take_admission(&self) -> Option<Recovery> {
+        self.shared
+            .membership
+            .as_ref()?
+            .admission
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// After `cause` (a failure of the group: [`DdpError::is_peer_failure`]), agrees with the
+    /// other ranks that can still reach the job's store on the next membership, opens its
+    /// group (this group, and every clone of it, now has the new ranks: this rank's rank may
+    /// change), and compares the ranks' `progress` (e.g. optimizer steps taken; `None` for
+    /// none) so that the ranks behind take the source's state ([`Recovery`]). The partial
+    /// results of the step that failed must be dropped by the caller.
+    ///
+    /// # Errors
+    /// [`DdpError::NotFaultTolerant`] for other groups; [`DdpError::Excluded`] when the others
+    /// went on without this rank (it may [`rejoin`](Self::rejoin)); [`DdpError::TooFewRanks`];
+    /// the store's errors (this rank cannot reach the job).
+    pub fn recover(&self, cause: &DdpError, progress: Option<u64>) -> Result<Recovery> {
+        let culprit = cause.culprit().filter(|c| *c != self.rank());
+        self.change(cause.to_string(), culprit, progress, true)
+    }
+
+    /// Lets in the processes that asked to join ([`ProcessGroup::join_pending`]): every rank
+    /// of the group calls it at the same step boundary; the joiners are behind.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::recover`].
+    pub fn grow(&self, progress: Option<u64>) -> Result<Recovery> {
+        self.change("a process asked to join".into(), None, progress, false)
+    }
+
+    /// Joins the job again after [`DdpError::Excluded`]: waits to be admitted at a step
+    /// boundary, as a new process does; this rank is then behind.
+    ///
+    /// # Errors
+    /// [`DdpError::JoinFailed`] at the rendezvous timeout, or when the job ended; the
+    /// store's errors.
+    pub fn rejoin(&self) -> Result<Recovery> {
+        let e = self.service()?;
+        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let deadline = started + e.config.timeouts.rendezvous;
+        let (before, _) = e.epoch();
+        let old = self.inner();
+        old.comm.abort();
+        old.p2p.close();
+        loop {
+            let (epoch, members) = e.admit(deadline).map_err(|err| e.cut_off(err))?;
+            let inner = match e.connect_epoch(epoch, &members, e.connect_deadline(deadline)) {
+                Ok(inner) => inner,
+                Err(err) => {
+                    e.end(epoch, Rank::ZERO, err.culprit(), err.to_string());
+                    continue;
+                }
+            };
+            self.install(inner);
+            match e.exchange_progress(
+                self,
+                epoch,
+                Vec::new(),
+                members,
+                None,
+                format!(
+                    "it asked again after being left out of epoch {}",
+                    before + 1
+                ),
+                started,
+            ) {
+                Ok(r) => return Ok(r),
+                Err(err) => e.end(epoch, self.rank(), err.culprit(), err.to_string()),
+            }
+        }
+    }
+
+    fn install(&self, inner: Inner) {
+        let old = std::mem::replace(
+            &mut *self
+                .shared
+                .current
+                .write()
+                .unwrap_or_else(|p| p.into_inner()),
+            Arc::new(inner),
+        );
+        old.comm.abort();
+        old.p2p.close();
+    }
+
+    /// Ends the current epoch (blaming `culprit`, a rank of it) and moves to the next one.
+    fn change(
+        &self,
+        reason: String,
+        culprit: Option<Rank>,
+        progress: Option<u64>,
+        failed: bool,
+    ) -> Result<Recovery> {
+        let e = self.service()?;
+        let _one = e.changing.lock().unwrap_or_else(|p| p.into_inner());
+        let started = Instant::now();
+        let overall = started + e.config.timeouts.rendezvous;
+        let (mut epoch, mut members) = e.epoch();
+        let me = self.rank();
+        e.end(epoch, me, culprit, reason.clone());
+        if failed {
+            // The neighbours stop at once instead of at their next check.
+            let old = self.inner();
+            old.comm.abort();
+            old.p2p.close();
+        }
+        let (first, previous) = (epoch, members.clone());
+        loop {
+            let next_members = e
+                .decide(epoch, &members, overall)
+                .map_err(|err| e.cut_off(err))
+                .inspect_err(|err| tracing::warn!("{err}"))?;
+            let next = epoch + 1;
+            e.begin(next, next_members.clone())?;
+            let inner = match e.connect_epoch(next, &next_members, e.connect_deadline(overall)) {
+                Ok(inner) => inner,
+                Err(err) => {
+                    tracing::warn!(
+                        "[member {}] opening membership epoch {next} failed: {err}",
+                        e.id
+                    );
+                    let me = next_members.iter().position(|m| *m == e.id).unwrap_or(0);
+                    e.end(next, Rank(me as u32), err.culprit(), err.to_string());
+                    (epoch, members) = (next, next_members);
+                    continue;
+                }
+            };
+            self.install(inner);
+            // The record of the first epoch's end says best why (it may be another rank's).
+            let why = e
+                .blamed(first, &previous)
+                .map_or_else(|_| reason.clone(), |(_, why)| why);
+            match e.exchange_progress(
+                self,
+                next,
+                previous.clone(),
+                next_members.clone(),
+                progress,
+                why,
+                started,
+            ) {
+                Ok(r) => return Ok(r),
+                Err(err) => {
+                    tracing::warn!(
+                        "[member {}] membership epoch {next} failed at once: {err}",
+                        e.id
+                    );
+                    e.end(next, self.rank(), err.culprit(), err.to_string());
+                    (epoch, members) = (next, next_members);
+                }
+            }
+        }
+    }
+}
