@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use super::bench::{AllReduceBench, BenchDType};
-use super::elastic::{Elastic, NodeRange};
+use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
 use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
@@ -339,13 +339,13 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         halt: None,
     };
     if range.is_elastic() {
-        let elastic = Elastic {
+        let elastic = ElasticConfig {
             nodes: range,
             max_restarts: args.max_restarts,
             join_window: seconds("--rdzv-join-window", args.rdzv_join_window)?,
             rendezvous_timeout: seconds("--rdzv-timeout", args.rdzv_timeout)?,
             node_timeout: seconds("--node-timeout", args.node_timeout)?,
-            node_id: args.node_id.unwrap_or_else(Elastic::default_node_id),
+            node_id: args.node_id.unwrap_or_else(ElasticConfig::default_node_id),
         };
         super::elastic::run(job, elastic)?;
         return Ok(ExitCode::SUCCESS);

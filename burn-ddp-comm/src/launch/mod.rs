@@ -1,7 +1,7 @@
 //! Starting jobs.
 //!
 //! - `spawn.rs`: starting and supervising a node's ranks
-//! - `elastic.rs`: elastic jobs (`burn-ddp run --nnodes MIN:MAX`): rendezvous in rounds
+//! - `elastic/`: elastic jobs (`burn-ddp run --nnodes MIN:MAX`): rendezvous in rounds
 //! - `fault.rs`: fault-tolerant jobs (`burn-ddp run --fault-tolerant`): the store that outlives
 //!   the ranks, replacements that join live
 //! - `bench.rs`: the bandwidth tool (`burn-ddp bench all-reduce`)

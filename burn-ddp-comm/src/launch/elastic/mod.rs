@@ -26,8 +26,6 @@
 //! What this cannot survive: the loss of the host's node (the rendezvous and rank 0 live
 //! there), as with torchrun's c10d rendezvous.
 
-use std::collections::HashMap;
-use std::ops::ControlFlow;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -36,44 +34,26 @@ use std::time::{Duration, Instant};
 
 use super::spawn::{self, LocalJob};
 use crate::config::{env, JobToken, MasterAddr};
-use crate::periodic::Periodic;
-use crate::store::auth::Purpose;
-use crate::store::{resolve_bind, StoreClient, StoreServer};
-use crate::types::{Rank, WorldSize};
+use crate::store::{resolve_bind, StoreServer};
+use crate::types::Rank;
 use crate::{DdpError, Result};
+use background::{beat, watch};
+use coordinator::coordinate;
+use rdzv::{
+    arrival_key, arrivals_key, finished_key, max_world, plan_key, Plan, Rdzv, END, REQUEST, ROUND,
+};
+
+mod background;
+mod coordinator;
+mod rdzv;
 
 /// How often a launcher says it is alive, and the coordinator looks at the rendezvous.
 const BEAT: Duration = Duration::from_millis(250);
 /// How often a node waiting for a round's plan looks whether the job ended.
 const PLAN_POLL: Duration = Duration::from_millis(500);
-/// How long one store request of the rendezvous may take.
-const REQUEST: Duration = Duration::from_secs(10);
 /// How long the host keeps the rendezvous up after its own ranks finished, for the other
 /// nodes to record that theirs did too.
 const FINISH_GRACE: Duration = Duration::from_secs(30);
-
-const ROUND: &str = "elastic/round";
-/// Set by the host when the job has ended (how), before the rendezvous closes.
-const END: &str = "elastic/end";
-
-fn arrivals_key(round: u32) -> String {
-    format!("elastic/r{round}/arrivals")
-}
-fn arrival_key(round: u32, i: i64) -> String {
-    format!("elastic/r{round}/arrival/{i}")
-}
-fn plan_key(round: u32) -> String {
-    format!("elastic/r{round}/plan")
-}
-fn finished_key(round: u32) -> String {
-    format!("elastic/r{round}/finished")
-}
-fn why_key(round: u32) -> String {
-    format!("elastic/r{round}/why")
-}
-fn beat_key(node: &str) -> String {
-    format!("elastic/beat/{node}")
-}
 
 /// `--nnodes`: a number of nodes, or a range `MIN:MAX` for an elastic job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,7 +92,7 @@ impl FromStr for NodeRange {
 
 /// The settings of an elastic job (`burn-ddp run --nnodes MIN:MAX`).
 #[derive(Debug, Clone)]
-pub struct Elastic {
+pub struct ElasticConfig {
     /// How many nodes the job may have.
     pub nodes: NodeRange,
     /// Rounds after the first that the job may start (each a restart of every rank).
@@ -128,7 +108,7 @@ pub struct Elastic {
     pub node_id: String,
 }
 
-impl Elastic {
+impl ElasticConfig {
     /// The default node id: host name and launcher process id.
     pub fn default_node_id() -> String {
         let name = rustix::system::uname();
@@ -251,184 +231,13 @@ impl RoundRunner for ProcessRunner {
     }
 }
 
-/// A round's plan, as the coordinator writes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Plan {
-    Nodes {
-        nproc: u32,
-        nodes: Vec<String>,
-        /// The world size of the job's first round.
-        first_world: u32,
-        /// The world size of the round before, if any.
-        previous_world: Option<u32>,
-    },
-    Failed(String),
-}
-
-impl Plan {
-    fn encode(&self) -> Vec<u8> {
-        match self {
-            Plan::Nodes {
-                nproc,
-                nodes,
-                first_world,
-                previous_world,
-            } => format!(
-                "nodes\n{nproc}\n{first_world}\n{}\n{}",
-                previous_world.map_or("-".into(), |w| w.to_string()),
-                nodes.join("\n")
-            ),
-            Plan::Failed(why) => format!("failed\n{why}"),
-        }
-        .into_bytes()
-    }
-
-    fn decode(bytes: &[u8]) -> Option<Self> {
-        let text = String::from_utf8_lossy(bytes);
-        let mut lines = text.split('\n');
-        match lines.next()? {
-            "nodes" => {
-                let nproc = lines.next()?.parse().ok()?;
-                let first_world = lines.next()?.parse().ok()?;
-                let previous_world = match lines.next()? {
-                    "-" => None,
-                    w => Some(w.parse().ok()?),
-                };
-                let nodes: Vec<String> = lines.map(str::to_owned).collect();
-                (!nodes.is_empty()).then_some(Plan::Nodes {
-                    nproc,
-                    nodes,
-                    first_world,
-                    previous_world,
-                })
-            }
-            "failed" => Some(Plan::Failed(lines.collect::<Vec<_>>().join("\n"))),
-            _ => None,
-        }
-    }
-}
-
-/// The rendezvous store's "world": the most nodes, each launcher a client of it.
-fn max_world(max: u32) -> Result<WorldSize> {
-    WorldSize::new(max).ok_or(DdpError::InvalidConfig {
-        field: "--nnodes",
-        reason: "MAX must be at least 1",
-    })
-}
-
-/// A connection to the rendezvous store, with errors that say what the launcher was doing.
-struct Rdzv {
-    client: StoreClient,
-    addr: String,
-}
-
-impl Rdzv {
-    fn connect(
-        endpoint: &MasterAddr,
-        max: u32,
-        token: &JobToken,
-        within: Duration,
-    ) -> Result<Self> {
-        let world = max_world(max)?;
-        let client = StoreClient::connect(
-            endpoint,
-            Purpose::StoreAux,
-            Rank(0),
-            world,
-            token,
-            REQUEST,
-            Instant::now() + within,
-        )
-        .map_err(|e| match e {
-            DdpError::WorldSizeMismatch { theirs, .. } => DdpError::Elastic {
-                addr: endpoint.to_string(),
-                reason: format!(
-                    "the rendezvous host admits up to {theirs} nodes, this launcher up to {max}: \
-                     give every node's launcher the same --nnodes"
-                ),
-            },
-            other => other,
-        })?;
-        Ok(Self {
-            client,
-            addr: endpoint.to_string(),
-        })
-    }
-
-    fn lost(&self, doing: &str, e: DdpError) -> DdpError {
-        DdpError::Elastic {
-            addr: self.addr.clone(),
-            reason: format!(
-                "lost the rendezvous while {doing}: {e}; the job cannot go on without its \
-                 host's node (the launcher that serves the rendezvous, with rank 0)"
-            ),
-        }
-    }
-
-    fn round(&self) -> Result<u32> {
-        let v = self
-            .client
-            .get_timeout(ROUND, REQUEST)
-            .map_err(|e| self.lost("reading the round", e))?;
-        String::from_utf8_lossy(&v)
-            .parse()
-            .map_err(|_| DdpError::Elastic {
-                addr: self.addr.clone(),
-                reason: "the rendezvous holds a malformed round number".into(),
-            })
-    }
-
-    /// Moves the job from round `from` to the next one (no effect if it already moved),
-    /// recording `why` (the first reason recorded wins).
-    fn bump(&self, from: u32, why: &str) -> Result<u32> {
-        let _ = self
-            .client
-            .compare_set(&why_key(from), None, why.as_bytes())
-            .map_err(|e| self.lost("starting the next round", e))?;
-        let v = self
-            .client
-            .compare_set(
-                ROUND,
-                Some(from.to_string().as_bytes()),
-                (from + 1).to_string().as_bytes(),
-            )
-            .map_err(|e| self.lost("starting the next round", e))?;
-        Ok(String::from_utf8_lossy(&v).parse().unwrap_or(from + 1))
-    }
-
-    /// Why the job left round `round`, if it did.
-    fn why(&self, round: u32) -> Option<String> {
-        self.client
-            .get_timeout(&why_key(round), Duration::ZERO)
-            .ok()
-            .map(|v| String::from_utf8_lossy(&v).into_owned())
-    }
-
-    fn plan(&self, round: u32) -> Result<Option<Plan>> {
-        match self.client.get_timeout(&plan_key(round), Duration::ZERO) {
-            Ok(v) => Ok(Some(Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
-                addr: self.addr.clone(),
-                reason: format!("the plan of round {round} is malformed"),
-            })?)),
-            Err(DdpError::StoreTimeout { .. }) => Ok(None),
-            Err(e) => Err(self.lost("reading a round's plan", e)),
-        }
-    }
-
-    fn count(&self, key: &str) -> Result<i64> {
-        self.client
-            .add(key, 0)
-            .map_err(|e| self.lost("reading a counter", e))
-    }
-}
-
 /// Runs an elastic job on this node: serves the rendezvous if this node can bind its endpoint,
 /// takes part in rounds until the job finishes, fails, or runs out of restarts.
 ///
 /// # Errors
 /// `Elastic` (too few nodes, settings that differ between nodes, restarts used up, the host
 /// lost), `Interrupted`, or the last rank failure when no restart is left.
-pub fn run(job: LocalJob, elastic: Elastic) -> Result<()> {
+pub fn run(job: LocalJob, elastic: ElasticConfig) -> Result<()> {
     let endpoint = job.master.clone();
     let token = job.token.clone();
     let mut runner = ProcessRunner {
@@ -445,7 +254,7 @@ pub fn run(job: LocalJob, elastic: Elastic) -> Result<()> {
 pub fn run_with(
     endpoint: &MasterAddr,
     token: &JobToken,
-    elastic: &Elastic,
+    elastic: &ElasticConfig,
     runner: &mut dyn RoundRunner,
 ) -> Result<Round> {
     let (endpoint, token) = (endpoint.clone(), token.clone());
@@ -511,7 +320,7 @@ pub fn run_with(
 /// Serves the rendezvous when this node holds the endpoint's address and the port is free.
 fn serve(
     endpoint: &MasterAddr,
-    elastic: &Elastic,
+    elastic: &ElasticConfig,
     token: &JobToken,
 ) -> Result<Option<StoreServer>> {
     let addr = resolve_bind(endpoint, Rank(0))?;
@@ -537,7 +346,7 @@ fn serve(
 fn participate(
     endpoint: &MasterAddr,
     token: &JobToken,
-    elastic: &Elastic,
+    elastic: &ElasticConfig,
     is_host: bool,
     runner: &mut dyn RoundRunner,
 ) -> Result<Round> {
@@ -666,7 +475,7 @@ fn participate(
 }
 
 /// Waits for the plan of round `number`, within the longest time the coordinator may take.
-fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &Elastic) -> Result<Plan> {
+fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &ElasticConfig) -> Result<Plan> {
     let started = Instant::now();
     let limit = elastic.rendezvous_timeout + elastic.join_window + elastic.node_timeout + REQUEST;
     let mut said = Instant::now();
@@ -750,259 +559,6 @@ fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String 
     line
 }
 
-/// A thread of the launcher's with its own rendezvous connection, stopped (at once) and joined
-/// on drop.
-struct Background {
-    _thread: Periodic,
-}
-
-impl Background {
-    /// Runs `tick` at once and then every [`BEAT`] on a connection of its own, until dropped or
-    /// `tick` returns `false`.
-    fn every(
-        name: &str,
-        endpoint: &MasterAddr,
-        elastic: &Elastic,
-        token: &JobToken,
-        mut tick: impl FnMut(&Rdzv) -> bool + Send + 'static,
-    ) -> Result<Self> {
-        let rdzv = Rdzv::connect(endpoint, elastic.nodes.max, token, REQUEST)?;
-        let thread = Periodic::try_spawn(name.into(), BEAT, move || match tick(&rdzv) {
-            true => ControlFlow::Continue(()),
-            false => ControlFlow::Break(()),
-        })?;
-        Ok(Self { _thread: thread })
-    }
-}
-
-/// A thread that keeps this launcher's beat counter moving (its sign of life).
-fn beat(endpoint: &MasterAddr, elastic: &Elastic, token: &JobToken) -> Result<Background> {
-    let key = beat_key(&elastic.node_id);
-    // When the host is gone, the participant finds out on its next request.
-    Background::every("burn-ddp-beat", endpoint, elastic, token, move |rdzv| {
-        rdzv.client.add(&key, 1).is_ok()
-    })
-}
-
-/// A thread that sets `halt` when the job leaves round `number`.
-fn watch(
-    endpoint: &MasterAddr,
-    elastic: &Elastic,
-    token: &JobToken,
-    number: u32,
-    halt: &Arc<AtomicBool>,
-) -> Result<Background> {
-    let halt = Arc::clone(halt);
-    Background::every("burn-ddp-watch", endpoint, elastic, token, move |rdzv| {
-        match rdzv.round() {
-            Ok(r) if r > number => {
-                halt.store(true, Ordering::SeqCst);
-                false
-            }
-            Ok(_) => true,
-            // The host is gone: the ranks find out by themselves (rank 0 is there).
-            Err(_) => false,
-        }
-    })
-}
-
-/// The last time each node's beat counter was seen to move.
-#[derive(Debug, Default)]
-struct Beats {
-    seen: HashMap<String, (i64, Instant)>,
-}
-
-impl Beats {
-    fn observe<'a>(
-        &mut self,
-        rdzv: &Rdzv,
-        ids: impl IntoIterator<Item = &'a String>,
-    ) -> Result<()> {
-        for id in ids {
-            let v = rdzv.count(&beat_key(id))?;
-            let entry = self.seen.entry(id.clone()).or_insert((v, Instant::now()));
-            if entry.0 != v {
-                *entry = (v, Instant::now());
-            }
-        }
-        Ok(())
-    }
-
-    fn silent_for(&self, id: &str) -> Duration {
-        self.seen
-            .get(id)
-            .map(|(_, t)| t.elapsed())
-            .unwrap_or_default()
-    }
-}
-
-/// The host's coordinator: closes each round, then watches it for lost and waiting nodes.
-fn coordinate(rdzv: &Rdzv, cfg: &Elastic, done: &AtomicBool) -> Result<()> {
-    let mut beats = Beats::default();
-    let mut previous: Vec<String> = Vec::new();
-    let mut worlds: Option<(u32, u32)> = None; // (first, previous)
-    let mut number = 0u32;
-    loop {
-        let Some(plan) = gather(rdzv, cfg, number, &previous, worlds, &mut beats, done)? else {
-            return Ok(());
-        };
-        rdzv.client
-            .set(&plan_key(number), &plan.encode())
-            .map_err(|e| rdzv.lost("writing a round's plan", e))?;
-        let Plan::Nodes {
-            nodes,
-            nproc,
-            first_world,
-            ..
-        } = plan
-        else {
-            return Ok(());
-        };
-        worlds = Some((first_world, nodes.len() as u32 * nproc));
-        loop {
-            if done.load(Ordering::SeqCst) {
-                return Ok(());
-            }
-            if rdzv.round()? > number {
-                break;
-            }
-            beats.observe(rdzv, &nodes)?;
-            if let Some(lost) = nodes
-                .iter()
-                .find(|n| beats.silent_for(n) >= cfg.node_timeout)
-            {
-                let why = format!(
-                    "node {lost} was lost: its launcher has been silent for {:.1?}",
-                    beats.silent_for(lost)
-                );
-                eprintln!("burn-ddp run: {why}; the job moves to round {}", number + 1);
-                rdzv.bump(number, &why)?;
-                break;
-            }
-            // A node asking to join moves the job on only while restarts are left: a newcomer
-            // must not end a running job.
-            if (nodes.len() as u32) < cfg.nodes.max
-                && number < cfg.max_restarts
-                && rdzv.count(&arrivals_key(number + 1))? > 0
-            {
-                let why = format!(
-                    "a node asks to join and the job has {} of at most {} nodes",
-                    nodes.len(),
-                    cfg.nodes.max
-                );
-                eprintln!("burn-ddp run: {why}; the job moves to round {}", number + 1);
-                rdzv.bump(number, &why)?;
-                break;
-            }
-            thread::sleep(BEAT);
-        }
-        previous = nodes;
-        number += 1;
-    }
-}
-
-/// Collects the arrivals of round `number` until the round can close; `None` once `done`.
-fn gather(
-    rdzv: &Rdzv,
-    cfg: &Elastic,
-    number: u32,
-    previous: &[String],
-    worlds: Option<(u32, u32)>,
-    beats: &mut Beats,
-    done: &AtomicBool,
-) -> Result<Option<Plan>> {
-    let opened = Instant::now();
-    let mut arrived: Vec<(u32, String)> = Vec::new();
-    let mut enough_since: Option<Instant> = None;
-    loop {
-        if done.load(Ordering::SeqCst) {
-            return Ok(None);
-        }
-        let n = rdzv.count(&arrivals_key(number))?;
-        while (arrived.len() as i64) < n {
-            // An arrival counts itself first, then writes who it is.
-            let key = arrival_key(number, arrived.len() as i64);
-            let v = rdzv
-                .client
-                .get_timeout(&key, REQUEST)
-                .map_err(|e| rdzv.lost("reading an arrival", e))?;
-            let text = String::from_utf8_lossy(&v).into_owned();
-            let (nproc, id) = text
-                .split_once('\t')
-                .and_then(|(n, id)| Some((n.parse().ok()?, id.to_owned())))
-                .ok_or_else(|| DdpError::Elastic {
-                    addr: rdzv.addr.clone(),
-                    reason: format!("a malformed arrival in round {number}: {text:?}"),
-                })?;
-            arrived.push((nproc, id));
-        }
-        beats.observe(
-            rdzv,
-            previous.iter().chain(arrived.iter().map(|(_, id)| id)),
-        )?;
-        // The host first (rank 0 and its store live there), then in order of arrival.
-        let mut admitted: Vec<&(u32, String)> = arrived
-            .iter()
-            .filter(|(_, id)| *id == cfg.node_id)
-            .take(1)
-            .collect();
-        if !admitted.is_empty() {
-            for a in &arrived {
-                if admitted.len() as u32 >= cfg.nodes.max {
-                    break;
-                }
-                if !admitted.iter().any(|b| b.1 == a.1) {
-                    admitted.push(a);
-                }
-            }
-            let count = admitted.len() as u32;
-            let waiting_for: Vec<&String> = previous
-                .iter()
-                .filter(|p| !arrived.iter().any(|(_, id)| id == *p))
-                .filter(|p| beats.silent_for(p) < cfg.node_timeout)
-                .collect();
-            let ready = count >= cfg.nodes.max
-                || (count >= cfg.nodes.min
-                    && enough_since.get_or_insert_with(Instant::now).elapsed() >= cfg.join_window
-                    && waiting_for.is_empty());
-            if ready {
-                return Ok(Some(plan_of(&admitted, worlds)));
-            }
-        }
-        if opened.elapsed() >= cfg.rendezvous_timeout {
-            let ids: Vec<&str> = arrived.iter().map(|(_, id)| id.as_str()).collect();
-            return Ok(Some(Plan::Failed(format!(
-                "round {number}: {} of the at least {} node(s) arrived within {:.0?} ([{}]); \
-                 start more nodes' launchers, lower MIN in --nnodes, or raise --rdzv-timeout",
-                ids.len(),
-                cfg.nodes.min,
-                cfg.rendezvous_timeout,
-                ids.join(", ")
-            ))));
-        }
-        thread::sleep(BEAT / 2);
-    }
-}
-
-/// The plan for the admitted nodes, or why they cannot form a job.
-/// `worlds`: the job's first and latest world sizes, once it has run.
-fn plan_of(admitted: &[&(u32, String)], worlds: Option<(u32, u32)>) -> Plan {
-    let (nproc, first) = (admitted[0].0, &admitted[0].1);
-    if let Some((other_n, other)) = admitted.iter().map(|a| (a.0, &a.1)).find(|a| a.0 != nproc) {
-        return Plan::Failed(format!(
-            "node {first} starts {nproc} rank(s) per node and node {other} {other_n}: give \
-             every node's launcher the same --nproc-per-node"
-        ));
-    }
-    let world = admitted.len() as u32 * nproc;
-    Plan::Nodes {
-        nproc,
-        nodes: admitted.iter().map(|a| a.1.clone()).collect(),
-        first_world: worlds.map_or(world, |w| w.0),
-        previous_world: worlds.map(|w| w.1),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1071,8 +627,8 @@ mod tests {
         }
     }
 
-    fn settings(id: &str, min: u32, max: u32, max_restarts: u32) -> Elastic {
-        Elastic {
+    fn settings(id: &str, min: u32, max: u32, max_restarts: u32) -> ElasticConfig {
+        ElasticConfig {
             nodes: NodeRange { min, max },
             max_restarts,
             join_window: Duration::from_millis(800),
@@ -1084,7 +640,7 @@ mod tests {
 
     type Node = (thread::JoinHandle<Result<Round>>, Arc<Mutex<Vec<Round>>>);
 
-    fn node(endpoint: &MasterAddr, cfg: Elastic, nproc: u32, script: Vec<Act>) -> Node {
+    fn node(endpoint: &MasterAddr, cfg: ElasticConfig, nproc: u32, script: Vec<Act>) -> Node {
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut fake = Fake {
             nproc,
@@ -1100,7 +656,7 @@ mod tests {
 
     /// Starts the host's launcher and waits until it serves the rendezvous, so that it is the
     /// host (on one machine, the first launcher to bind the endpoint is).
-    fn host(cfg: Elastic, nproc: u32, script: Vec<Act>) -> (MasterAddr, Node) {
+    fn host(cfg: ElasticConfig, nproc: u32, script: Vec<Act>) -> (MasterAddr, Node) {
         let endpoint = MasterAddr::new("127.0.0.1", spawn::free_port().unwrap());
         let n = node(&endpoint, cfg, nproc, script);
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1135,38 +691,6 @@ mod tests {
                 "{bad}: {e}"
             );
         }
-    }
-
-    #[test]
-    fn plans_survive_their_encoding() {
-        for plan in [
-            Plan::Nodes {
-                nproc: 2,
-                nodes: v(&["a:1", "b:2"]),
-                first_world: 4,
-                previous_world: None,
-            },
-            Plan::Nodes {
-                nproc: 1,
-                nodes: v(&["a"]),
-                first_world: 2,
-                previous_world: Some(3),
-            },
-            Plan::Failed("too few\nnodes".into()),
-        ] {
-            assert_eq!(Plan::decode(&plan.encode()), Some(plan));
-        }
-        assert_eq!(
-            Plan::decode(b"nodes\n2\n2\n-\n"),
-            Some(Plan::Nodes {
-                nproc: 2,
-                nodes: v(&[""]),
-                first_world: 2,
-                previous_world: None
-            })
-        );
-        assert_eq!(Plan::decode(b"nodes\nx\na"), None);
-        assert_eq!(Plan::decode(b"what"), None);
     }
 
     /// A, B train; B vanishes (its launcher gone): after the node timeout A goes on alone in
