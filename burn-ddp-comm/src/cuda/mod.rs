@@ -5,7 +5,8 @@
 //!   CUDA driver
 //! - `status.rs`: NCCL and driver errors as text with advice
 //! - `wait.rs`: waiting for GPU work with a deadline
-//! - `nccl.rs`: [`NcclComm`], collectives on device memory
+//! - `nccl/`: [`NcclComm`]: its life (creation, waits, aborts, finalize) in `mod.rs`, its
+//!   collectives and point-to-point calls on device memory in `ops.rs`
 //! - `connect.rs`: [`connect_for_grads`], the collective choice of NCCL for a model's gradients
 //!
 //! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
