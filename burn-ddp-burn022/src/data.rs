@@ -2,54 +2,32 @@
 //! itself is burn-ddp-comm's `ShardPlan`, shared with the Burn 0.21 line).
 
 use burn::data::dataset::{Dataset, DatasetError};
-use burn_ddp_comm::data::{DataEpoch, ShardPlan};
 
-/// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
-/// as a Burn 0.22 [`Dataset`] that wraps another.
-///
-/// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
-/// left in order with `with_shuffle(false)`), made a multiple of the world size (padded with the
-/// permutation's first items, or cut with `with_drop_last(true)`), and dealt out with a stride:
-/// rank `r` gets positions `r, r + W, r + 2W, ...`. Every rank computes the same permutation
-/// without communicating and has the same number of items, hence of batches. Call
-/// `set_epoch` at the start of every epoch, as in PyTorch, or the same order repeats.
-///
-/// The permutation is the same as the Burn 0.21 line's for the same seed and epoch.
-///
-/// ```
-/// use burn::data::dataset::{Dataset, InMemDataset};
-/// use burn_ddp_burn022::{DistributedSampler, Rank, WorldSize};
-///
-/// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
-/// let shard = DistributedSampler::with_replicas(data, Rank(1), WorldSize::new(3).unwrap())?
-///     .with_seed(42);
-/// shard.set_epoch(3);
-/// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
-/// # Ok::<(), burn_ddp_burn022::DdpError>(())
-/// ```
-#[derive(Debug)]
-pub struct DistributedSampler<D> {
-    dataset: D,
-    plan: ShardPlan,
-}
-
-impl<D> DistributedSampler<D> {
-    burn_ddp_comm::distributed_sampler_api!(Dataset<I>);
-}
-
-impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
-    fn set_epoch(&self, epoch: u64) {
-        self.plan.set_epoch(epoch);
-    }
-
-    fn reshard(
-        &self,
-        rank: burn_ddp_comm::Rank,
-        world: burn_ddp_comm::WorldSize,
-        start: usize,
-    ) -> burn_ddp_comm::Result<()> {
-        self.plan.reshard(rank, world, start)
-    }
+burn_ddp_comm::distributed_sampler! {
+    /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
+    /// as a Burn 0.22 [`Dataset`] that wraps another.
+    ///
+    /// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
+    /// left in order with `with_shuffle(false)`), made a multiple of the world size (padded with the
+    /// permutation's first items, or cut with `with_drop_last(true)`), and dealt out with a stride:
+    /// rank `r` gets positions `r, r + W, r + 2W, ...`. Every rank computes the same permutation
+    /// without communicating and has the same number of items, hence of batches. Call
+    /// `set_epoch` at the start of every epoch, as in PyTorch, or the same order repeats.
+    ///
+    /// The permutation is the same as the Burn 0.21 line's for the same seed and epoch.
+    ///
+    /// ```
+    /// use burn::data::dataset::{Dataset, InMemDataset};
+    /// use burn_ddp_burn022::{DistributedSampler, Rank, WorldSize};
+    ///
+    /// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
+    /// let shard = DistributedSampler::with_replicas(data, Rank(1), WorldSize::new(3).unwrap())?
+    ///     .with_seed(42);
+    /// shard.set_epoch(3);
+    /// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
+    /// # Ok::<(), burn_ddp_burn022::DdpError>(())
+    /// ```
+    pub struct DistributedSampler<D>; dataset: Dataset<I>
 }
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
@@ -73,6 +51,7 @@ impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
 mod tests {
     use super::*;
     use burn::data::dataset::InMemDataset;
+    use burn_ddp_comm::data::ShardPlan;
     use burn_ddp_comm::{Rank, WorldSize};
 
     #[test]

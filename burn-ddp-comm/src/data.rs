@@ -1,7 +1,7 @@
 //! Sharding a dataset over the ranks of a job, without Burn: [`ShardPlan`] says which items of
 //! a dataset of `n` items are this rank's in an epoch. Each Burn line wraps it in its own
 //! `DistributedSampler`, a Burn `Dataset`, whose methods come from
-//! [`distributed_sampler_api!`](crate::distributed_sampler_api).
+//! [`distributed_sampler!`](crate::distributed_sampler).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -245,13 +245,48 @@ impl ShardPlan {
     }
 }
 
-/// The methods of a Burn line's `DistributedSampler<D>` (a struct with fields `dataset: D` and
-/// `plan: ShardPlan`): constructors, builders, epoch and indices, delegated to the plan, so that
-/// both lines offer the same API from one definition. `$dataset` is that line's `Dataset` trait.
-/// Use it inside `impl<D> DistributedSampler<D> { ... }`.
+/// A Burn line's `DistributedSampler<D>`: the struct (fields `dataset: D` and `plan:
+/// ShardPlan`), its constructors, builders, epoch and indices delegated to the plan, and its
+/// [`DataEpoch`], so that every line offers the same sampler from one definition. `$dataset` is
+/// that line's `Dataset` trait; the line writes only its `Dataset` impl (reading `self.dataset`
+/// through `self.plan`), which differs between Burn releases.
+///
+/// ```ignore
+/// burn_ddp_comm::distributed_sampler! {
+///     /// (the line's documentation)
+///     pub struct DistributedSampler<D>; dataset: Dataset<I>
+/// }
+/// ```
 #[macro_export]
-macro_rules! distributed_sampler_api {
-    ($dataset:path) => {
+macro_rules! distributed_sampler {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident<D>; dataset: $dataset:path) => {
+        $(#[$meta])*
+        #[derive(Debug)]
+        $vis struct $name<D> {
+            dataset: D,
+            plan: $crate::data::ShardPlan,
+        }
+
+        impl<D> $name<D> {
+            $crate::distributed_sampler!(@methods $dataset);
+        }
+
+        impl<D: Send + Sync> $crate::data::DataEpoch for $name<D> {
+            fn set_epoch(&self, epoch: u64) {
+                self.plan.set_epoch(epoch);
+            }
+
+            fn reshard(
+                &self,
+                rank: $crate::Rank,
+                world: $crate::WorldSize,
+                start: usize,
+            ) -> $crate::Result<()> {
+                self.plan.reshard(rank, world, start)
+            }
+        }
+    };
+    (@methods $dataset:path) => {
         /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch:
         /// shuffled, seed 0, padded (not `drop_last`), epoch 0.
         pub fn new(dataset: D, group: &$crate::ProcessGroup) -> Self {

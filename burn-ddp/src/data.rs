@@ -3,61 +3,39 @@
 
 use burn::data::dataset::Dataset;
 pub use burn_ddp_comm::data::DataEpoch;
-use burn_ddp_comm::data::ShardPlan;
 
-/// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
-/// as a Burn [`Dataset`] that wraps another.
-///
-/// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
-/// left in order with [`with_shuffle(false)`](Self::with_shuffle)), made a multiple of the world
-/// size, and dealt out with a stride: rank `r` gets positions `r, r + W, r + 2W, ...`. So every
-/// rank computes the same permutation without communicating, shards are disjoint, and every rank
-/// has the same number of items, hence of batches — no rank waits in a collective for a batch
-/// another rank never has.
-///
-/// Making the length a multiple of `W`: by default the permutation is padded with its own first
-/// items (PyTorch's default; a few items are seen twice per epoch); with
-/// [`with_drop_last(true)`](Self::with_drop_last) the tail is dropped instead (a few items are
-/// skipped this epoch, different ones each epoch when shuffling).
-///
-/// Call [`set_epoch`](Self::set_epoch) at the start of every epoch, as in PyTorch, or the same
-/// order repeats. Burn's data loaders share the dataset through an `Arc`, so `set_epoch` takes
-/// `&self`.
-///
-/// ```
-/// use burn::data::dataset::{Dataset, InMemDataset};
-/// use burn_ddp::{DistributedSampler, Rank, WorldSize};
-///
-/// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
-/// let world = WorldSize::new(3).unwrap();
-/// let shard = DistributedSampler::with_replicas(data, Rank(1), world)?.with_seed(42);
-/// shard.set_epoch(3);
-/// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
-/// # Ok::<(), burn_ddp::DdpError>(())
-/// ```
-#[derive(Debug)]
-pub struct DistributedSampler<D> {
-    dataset: D,
-    plan: ShardPlan,
-}
-
-impl<D> DistributedSampler<D> {
-    burn_ddp_comm::distributed_sampler_api!(Dataset<I>);
-}
-
-impl<D: Send + Sync> DataEpoch for DistributedSampler<D> {
-    fn set_epoch(&self, epoch: u64) {
-        self.plan.set_epoch(epoch);
-    }
-
-    fn reshard(
-        &self,
-        rank: crate::Rank,
-        world: crate::WorldSize,
-        start: usize,
-    ) -> crate::Result<()> {
-        self.plan.reshard(rank, world, start)
-    }
+burn_ddp_comm::distributed_sampler! {
+    /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
+    /// as a Burn [`Dataset`] that wraps another.
+    ///
+    /// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
+    /// left in order with [`with_shuffle(false)`](Self::with_shuffle)), made a multiple of the world
+    /// size, and dealt out with a stride: rank `r` gets positions `r, r + W, r + 2W, ...`. So every
+    /// rank computes the same permutation without communicating, shards are disjoint, and every rank
+    /// has the same number of items, hence of batches — no rank waits in a collective for a batch
+    /// another rank never has.
+    ///
+    /// Making the length a multiple of `W`: by default the permutation is padded with its own first
+    /// items (PyTorch's default; a few items are seen twice per epoch); with
+    /// [`with_drop_last(true)`](Self::with_drop_last) the tail is dropped instead (a few items are
+    /// skipped this epoch, different ones each epoch when shuffling).
+    ///
+    /// Call [`set_epoch`](Self::set_epoch) at the start of every epoch, as in PyTorch, or the same
+    /// order repeats. Burn's data loaders share the dataset through an `Arc`, so `set_epoch` takes
+    /// `&self`.
+    ///
+    /// ```
+    /// use burn::data::dataset::{Dataset, InMemDataset};
+    /// use burn_ddp::{DistributedSampler, Rank, WorldSize};
+    ///
+    /// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
+    /// let world = WorldSize::new(3).unwrap();
+    /// let shard = DistributedSampler::with_replicas(data, Rank(1), world)?.with_seed(42);
+    /// shard.set_epoch(3);
+    /// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
+    /// # Ok::<(), burn_ddp::DdpError>(())
+    /// ```
+    pub struct DistributedSampler<D>; dataset: Dataset<I>
 }
 
 impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
