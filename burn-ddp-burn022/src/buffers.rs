@@ -9,8 +9,8 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
-use burn_ddp_comm::grad::JoinCall;
-use burn_ddp_comm::{DdpError, Rank, Result};
+use burn_ddp_comm::grad::{broadcast_buffers, JoinCall};
+use burn_ddp_comm::{Rank, Result};
 
 use crate::GradSync;
 
@@ -134,15 +134,7 @@ impl GradSync {
         drop(model.valid());
         let mut gather = Gather::default();
         model.visit(&mut gather);
-        let mut values = gather.values;
-        pg.broadcast(&mut values, root)?;
-        if let Some(what) = gather.unreadable {
-            return Err(DdpError::Model {
-                rank: pg.rank(),
-                what: "synchronising buffers",
-                reason: format!("a buffer cannot be read as f32 ({what})"),
-            });
-        }
+        let values = broadcast_buffers(pg, gather.values, gather.unreadable, root)?;
         Ok(model.map(&mut Scatter {
             values: &values,
             at: 0,

@@ -19,6 +19,7 @@
 //!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
 //!   transfer on the [`Queue`] is known finished
 
+mod buffers;
 mod check;
 mod host;
 mod join;
@@ -30,6 +31,7 @@ mod worker;
 mod zero;
 
 pub use crate::comm::{Queue, DRAIN_LIMIT};
+pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
 pub use join::{Join, JoinCall, JoinSummary, Round};

@@ -11,12 +11,12 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
-use burn_ddp_comm::grad::JoinCall;
+use burn_ddp_comm::grad::{broadcast_buffers, JoinCall};
 
 use super::model::Path;
 use super::DdpSession;
 use crate::group::Rank;
-use crate::{DdpError, Result};
+use crate::Result;
 
 /// The buffers' values, in visit order, outside skipped fields.
 struct Gather<'a> {
@@ -153,15 +153,7 @@ impl DdpSession {
             unreadable: None,
         };
         model.visit(&mut gather);
-        let mut values = gather.values;
-        pg.broadcast(&mut values, root)?;
-        if let Some(what) = gather.unreadable {
-            return Err(DdpError::Model {
-                rank: pg.rank(),
-                what: "synchronising buffers",
-                reason: format!("a buffer cannot be read as f32 ({what})"),
-            });
-        }
+        let values = broadcast_buffers(pg, gather.values, gather.unreadable, root)?;
         Ok(model.map(&mut Scatter {
             path: Path::default(),
             skip: &skip,
