@@ -41,7 +41,6 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::stream_id::StreamId;
 
 use crate::comm::{DType, ReduceOp};
-use crate::ddp::reducer::{BucketTransport, Links};
 use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
@@ -334,7 +333,7 @@ impl DeviceStep {
     /// Packs bucket `bucket` (its slots in offset order, with their lengths) into a fresh
     /// tensor, with a fresh output beside it (both queued work on Burn's stream: nothing waits
     /// here), and hands both to the launcher, which queues the all-reduce once they exist.
-    fn queue(
+    pub(crate) fn queue(
         &mut self,
         launcher: &NcclLauncher,
         ordinal: usize,
@@ -479,26 +478,6 @@ impl DeviceStep {
             })
             .collect();
         Ok((out, foreign))
-    }
-}
-
-impl BucketTransport for DeviceStep {
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        slots: &[(usize, usize)],
-    ) -> Result<()> {
-        let (comm, launcher) = links.nccl()?;
-        let ordinal = comm.device_ordinal();
-        self.queue(
-            launcher,
-            ordinal,
-            bucket,
-            slots,
-            links.op(),
-            links.compression(),
-        )
     }
 }
 

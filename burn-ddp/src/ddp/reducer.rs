@@ -159,6 +159,28 @@ pub(crate) trait BucketTransport {
     ) -> Result<()>;
 }
 
+/// The device path (`gpu.rs`): the bucket is queued on the NCCL launcher thread.
+#[cfg(feature = "cuda")]
+impl BucketTransport for super::gpu::DeviceStep {
+    fn launch(
+        &mut self,
+        links: &mut Links<'_>,
+        bucket: usize,
+        slots: &[(usize, usize)],
+    ) -> Result<()> {
+        let (comm, launcher) = links.nccl()?;
+        let ordinal = comm.device_ordinal();
+        self.queue(
+            launcher,
+            ordinal,
+            bucket,
+            slots,
+            links.op(),
+            links.compression(),
+        )
+    }
+}
+
 impl BucketTransport for HostBuckets {
     fn launch(
         &mut self,
