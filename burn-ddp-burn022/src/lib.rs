@@ -68,6 +68,7 @@ pub mod pipeline;
 mod sync;
 #[cfg(feature = "train")]
 pub mod train;
+mod zero;
 
 pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
@@ -77,3 +78,4 @@ pub use burn_ddp_comm::{
 };
 pub use data::DistributedSampler;
 pub use sync::GradSync;
+pub use zero::ZeroOptimizer;

@@ -203,6 +203,11 @@ impl GradSync {
         })
     }
 
+    /// The number of trainable parameters of the prepared model; `None` before `prepare`.
+    pub(crate) fn trainable_count(&self) -> Option<usize> {
+        self.plan.as_ref().map(|p| p.slots.len())
+    }
+
     fn require_plan(&self) -> Result<()> {
         match self.plan {
             Some(_) => Ok(()),

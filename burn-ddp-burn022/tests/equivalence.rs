@@ -683,3 +683,230 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
         out.assert_all_ok();
     }
 }
+
+/// Steps `from..to` of one process with `opt` on the whole batch of `world` ranks.
+fn reference_steps(
+    mut model: Mlp,
+    opt: &mut ModuleOptimizer,
+    steps: std::ops::Range<usize>,
+    world: usize,
+) -> Mlp {
+    for step in steps {
+        let (x, y) = batch(step, world);
+        let grads = GradientsParams::from_grads(model.loss(x, y).backward(), &model);
+        model = opt.step(0.05, model, grads);
+    }
+    model
+}
+
+/// The bytes of an optimizer record's state tensors (not its keys, whose length varies with the
+/// random `ParamId`s).
+fn state_bytes(record: burn::optim::OptimizerRecord) -> usize {
+    let reader = burn_pack::Reader::from_bytes(record.into_bytes().unwrap()).unwrap();
+    let tensors = reader.into_tensors().unwrap();
+    tensors.iter().map(|t| t.byte_len()).sum()
+}
+
+/// ZeRO-1 with Adam: 20 steps equal one process with Adam on the whole batch, every rank's
+/// model is bit-identical, a rank that steps its shard alone (the negative control) is beyond
+/// the tolerance, and each rank keeps about 1/N of the optimizer state (measured against a
+/// plain Adam's state of the same model, printed).
+fn zero_trains(pg: ProcessGroup) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = device();
+    device.seed(7 + rank as u64);
+    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+    let mut model = sync.prepare(Mlp::new(&device, 16)).unwrap();
+    let reference = Mlp::new(&device, 16).load_record(model.clone().into_record());
+    let mut zero = sync.zero(AdamConfig::new().init(), &model).unwrap();
+    for step in 0..STEPS {
+        let (x, y) = batch(step, world);
+        let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+        model = zero.step(0.05, model, grads).unwrap();
+    }
+    let mut plain = AdamConfig::new().init();
+    let reference = reference_steps(reference, &mut plain, 0..STEPS, world);
+    let (got, want) = (params(&model), params(&reference));
+    assert_close(rank, &got, &want, F32);
+    let mine = compare::f32_bytes(&got);
+    let all = sync.group().all_gather_bytes(&mine).unwrap();
+    compare::assert_replicas_equal(rank, &mine, &all);
+
+    let mine = state_bytes(zero.to_record());
+    let full = state_bytes(plain.to_record());
+    let (owned, total) = zero.owned_elements();
+    println!(
+        "zero w{world} rank {rank}: optimizer state {mine} bytes, plain Adam {full} bytes \
+         ({:.3} of it; owns {owned} of {total} parameter elements)",
+        mine as f64 / full as f64
+    );
+    // Adam keeps two f32 moments per element it steps: no more than this rank's parameters'.
+    assert!(
+        mine <= owned * 8 && mine < full,
+        "rank {rank} keeps {mine} of {full} bytes of optimizer state at world size {world}, \
+         owning {owned} of {total} elements"
+    );
+    // The shards are disjoint and together the whole state.
+    let shards = sync
+        .group()
+        .all_gather_bytes(&(mine as u64).to_le_bytes())
+        .unwrap();
+    let sum: u64 = shards
+        .iter()
+        .map(|b| u64::from_le_bytes(b[..8].try_into().unwrap()))
+        .sum();
+    assert_eq!(
+        sum, full as u64,
+        "the ranks' shards do not add up to the whole state"
+    );
+    // The shards together are the whole state: rank 0's merged record holds as many state
+    // bytes as a plain Adam's (the same entries, keyed by position instead of id).
+    if let Some(whole) = zero.gather_record().unwrap() {
+        assert_eq!(state_bytes(whole), full);
+    }
+}
+
+#[test]
+fn zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state() {
+    for world in [2, 3] {
+        let name = format!("zero_w{world}");
+        if let Some(pg) = procs::child_group(&name) {
+            zero_trains(pg);
+            return;
+        }
+        if !procs::is_any_child() && procs::world_selected(world) {
+            let out = procs::TestJob::new(world as u32, &name)
+                .function("zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state")
+                .run();
+            println!("{}", out.report());
+            out.assert_all_ok();
+        }
+    }
+}
+
+/// ZeRO-1 checkpoints across world sizes: 10 steps on 2 ranks, rank 0 saves the model and the
+/// gathered optimizer state; 10 more on 3 ranks from them. The result equals one process with
+/// Adam through both halves (the first on 2 ranks' batches, the second on 3 ranks'), and a
+/// resume that drops the optimizer state (the negative control) does not.
+fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = device();
+    device.seed(7 + rank as u64);
+    let first = world == 2;
+    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+    let built = Mlp::new(&device, 16);
+    let built = if first {
+        built
+    } else {
+        let bytes = std::fs::read(dir.join("model.bpk")).unwrap();
+        built.load_record(
+            burn::store::ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+                .unwrap(),
+        )
+    };
+    let mut model = sync.prepare(built).unwrap();
+    let mut zero = sync.zero(AdamConfig::new().init(), &model).unwrap();
+    if first {
+        if rank == 0 {
+            let bytes = model.clone().into_record().into_bytes().unwrap();
+            std::fs::write(dir.join("start.bpk"), &*bytes).unwrap();
+        }
+    } else {
+        let whole = burn::optim::OptimizerRecord::load(dir.join("optim.bpk")).unwrap();
+        zero = zero.load_full_record(whole).unwrap();
+    }
+    let steps = if first { 0..10 } else { 10..20 };
+    for step in steps {
+        let (x, y) = batch(step, world);
+        let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+        model = zero.step(0.05, model, grads).unwrap();
+    }
+    let whole = zero.gather_record().unwrap();
+    if first {
+        if let Some(whole) = whole {
+            whole.save(dir.join("optim.bpk")).unwrap();
+            let bytes = model.into_record().into_bytes().unwrap();
+            std::fs::write(dir.join("model.bpk"), &*bytes).unwrap();
+        }
+        return;
+    }
+    let start = || {
+        let bytes = std::fs::read(dir.join("start.bpk")).unwrap();
+        Mlp::new(&device, 16).load_record(
+            burn::store::ModuleRecord::from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes))
+                .unwrap(),
+        )
+    };
+    let mut opt = AdamConfig::new().init();
+    let reference = reference_steps(start(), &mut opt, 0..10, 2);
+    let reference = reference_steps(reference, &mut opt, 10..20, 3);
+    let want = params(&reference);
+    assert_close(rank, &params(&model), &want, F32);
+    // Without the state (Adam starting afresh at step 10) the result is elsewhere.
+    let mut opt = AdamConfig::new().init();
+    let restarted = reference_steps(start(), &mut opt, 0..10, 2);
+    let restarted = reference_steps(restarted, &mut AdamConfig::new().init(), 10..20, 3);
+    compare::assert_discriminates(rank, &params(&restarted), &want, F32);
+}
+
+#[test]
+fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
+    const NAME: &str = "zero_resumes_from_a_checkpoint_written_at_another_world_size";
+    if let Some(pg) = procs::child_group(NAME) {
+        let dir = std::path::PathBuf::from(std::env::var("ZERO_CHECKPOINT_DIR").unwrap());
+        zero_half(pg, &dir);
+        return;
+    }
+    if procs::is_any_child() || !procs::world_selected(3) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("burn-ddp-022-zero-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for world in [2, 3] {
+        procs::TestJob::new(world, NAME)
+            .env("ZERO_CHECKPOINT_DIR", dir.display())
+            .run()
+            .assert_all_ok();
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero_before_prepare_and_a_foreign_state_are_refused() {
+    const NAME: &str = "zero_before_prepare_and_a_foreign_state_are_refused";
+    if let Some(pg) = procs::child_group(NAME) {
+        let device = device();
+        let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+        let err = sync
+            .zero(AdamConfig::new().init(), &Mlp::new(&device, 16))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("GradSync::prepare was not called"), "{err}");
+        let model = sync.prepare(Mlp::new(&device, 16)).unwrap();
+        // A plain Adam's state after two steps of another instance of the model.
+        let mut big = Mlp::new(&device, 16);
+        let mut opt = AdamConfig::new().init();
+        for step in 0..2 {
+            let (x, y) = batch(step, 1);
+            let grads = GradientsParams::from_grads(big.loss(x, y).backward(), &big);
+            big = opt.step(0.05, big, grads);
+        }
+        // A plain optimizer's record is keyed by ParamId (huge numbers), not by position.
+        let zero = sync.zero(AdamConfig::new().init(), &model).unwrap();
+        let err = zero
+            .load_full_record(opt.to_record())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("the state of another model"), "{err}");
+        return;
+    }
+    if !procs::is_any_child() {
+        procs::TestJob::new(2, NAME).run().assert_all_ok();
+    }
+}

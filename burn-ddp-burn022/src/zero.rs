@@ -1,0 +1,456 @@
+//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`) on Burn 0.22: the optimizer state
+//! sharded over the ranks, on the core's `ZeroPlan` (the same ownership rule as the Burn 0.21
+//! line's `DdpSession::zero`).
+//!
+//! Every rank still all-reduces the whole gradient ([`GradSync::sync`]); each then steps, with
+//! Burn's own `ModuleOptimizer`, only the parameters it owns: the gradients of the others are
+//! dropped before the step, so Burn's optimizer never creates state for them. The stepped
+//! parameters are all-gathered, so every rank ends the step with the same model while holding
+//! about `1/N` of the optimizer state.
+//!
+//! Checkpoints go through bytes. Burn 0.22's `OptimizerRecord` keeps its entries private, but
+//! its burnpack encoding is public (`burn-pack`): each entry is keyed by the parameter's
+//! `ParamId` (tensors `"{id}.{field}"` with the id beside them, scalars `"{id}.{field}"`, the
+//! parameter's path under `"{id}"`). [`ZeroOptimizer::gather_record`] rewrites every rank's
+//! shard with the parameter's *position* (its index among the model's trainable parameters in
+//! visit order) in place of its id, which is the same on every rank and in every run of the
+//! model, and merges the shards; [`ZeroOptimizer::load_full_record`] keeps the positions this
+//! rank owns and puts its own ids back. So a whole state saved at one world size loads at any
+//! other.
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer, OptimizerRecord};
+use burn::tensor::{Bytes, Tensor, TensorData};
+use burn_ddp_comm::grad::ZeroPlan;
+use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
+
+use crate::GradSync;
+
+/// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's
+/// `ZeroRedundancyOptimizer`); made by [`GradSync::zero`].
+///
+/// [`step`](Self::step) takes the gradients [`GradSync::sync`] returned, steps with the wrapped
+/// `ModuleOptimizer` the parameters this rank owns, and all-gathers the stepped parameters, so
+/// every rank holds the same model afterwards. A parameter is owned by one rank (balanced by
+/// size, largest first).
+///
+/// Checkpoints: [`to_record`](Self::to_record) and [`load_record`](Self::load_record) are this
+/// rank's shard (keyed by this process's `ParamId`s, as Burn keys them);
+/// [`gather_record`](Self::gather_record) (every rank) gives rank 0 the whole state, keyed by
+/// parameter position, and [`load_full_record`](Self::load_full_record) loads such a whole state
+/// on any world size, each rank keeping its own shard.
+pub struct ZeroOptimizer {
+    inner: ModuleOptimizer,
+    pg: ProcessGroup,
+    /// The trainable parameters, in visit order, with their owner and size.
+    plan: ZeroPlan,
+    /// This process's id of each trainable parameter, by position.
+    ids: Vec<ParamId>,
+    /// Offset of each parameter (by position) in the all-gathered values.
+    offsets: Vec<usize>,
+    /// Position of each id.
+    index: HashMap<ParamId, usize>,
+}
+
+impl std::fmt::Debug for ZeroOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZeroOptimizer")
+            .field("rank", &self.pg.rank())
+            .field("params", &self.ids.len())
+            .field("owned_elements", &self.plan.elements_of(self.pg.rank()))
+            .finish()
+    }
+}
+
+/// The trainable parameters of a model (those [`GradSync`] synchronises): (id, elements), in
+/// visit order.
+struct Trainable(Vec<(ParamId, usize)>);
+
+impl ModuleVisitor for Trainable {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if param.is_require_grad() {
+            self.0.push((param.id, param.shape().num_elements()));
+        }
+    }
+}
+
+/// Removes the gradients of the parameters this rank does not step (at each parameter's own
+/// rank `D`: Burn's container is typed by it).
+struct DropGrads<'a> {
+    grads: &'a mut GradientsParams,
+    drop: &'a dyn Fn(ParamId) -> bool,
+}
+
+impl ModuleVisitor for DropGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if (self.drop)(param.id) {
+            drop(self.grads.remove::<D>(param.id));
+        }
+    }
+}
+
+/// This rank's owned parameters' values, concatenated in visit order.
+struct Gather<'a> {
+    owned: &'a dyn Fn(ParamId) -> bool,
+    values: Vec<f32>,
+    error: Option<String>,
+}
+
+impl ModuleVisitor for Gather<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !(self.owned)(param.id) {
+            return;
+        }
+        let n = param.shape().num_elements();
+        match param
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+        {
+            Ok(v) => self.values.extend(v),
+            Err(e) => {
+                self.values.extend(std::iter::repeat_n(0.0, n));
+                self.error.get_or_insert(format!("{e:?}"));
+            }
+        }
+    }
+}
+
+/// Writes every trainable parameter's gathered value back, keeping its id and its gradient
+/// requirement.
+struct Scatter<'a> {
+    index: &'a HashMap<ParamId, usize>,
+    offsets: &'a [usize],
+    values: &'a [f32],
+}
+
+impl ModuleMapper for Scatter<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(&i) = self.index.get(&param.id) else {
+            return param;
+        };
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let Some(values) = self.values.get(self.offsets[i]..self.offsets[i] + n) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let require_grad = tensor.is_require_grad();
+        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
+        let mut fresh = Tensor::<D>::from_data(data, &tensor.device());
+        if require_grad {
+            fresh = fresh.require_grad();
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+impl GradSync {
+    /// `optim` (a Burn optimizer, e.g. `AdamConfig::new().init()`) with its state sharded over
+    /// the ranks (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`): each rank keeps the state
+    /// of the parameters it owns, about `1/N` of the whole. `model` is the prepared model; every
+    /// rank must call this with the same model. Step with [`ZeroOptimizer::step`] after
+    /// [`sync`](Self::sync), on every rank.
+    ///
+    /// # Errors
+    /// [`prepare`](Self::prepare) was not called, or `model` has other trainable parameters
+    /// than the prepared one.
+    pub fn zero<M: Module>(&self, optim: ModuleOptimizer, model: &M) -> Result<ZeroOptimizer> {
+        let rank = self.group().rank();
+        let prepared = self.trainable_count().ok_or_else(|| DdpError::Model {
+            rank,
+            what: "sharding the optimizer state",
+            reason: "GradSync::prepare was not called: prepare the model first, then \
+                     GradSync::zero(optimizer, &model)"
+                .into(),
+        })?;
+        let mut trainable = Trainable(Vec::new());
+        model.visit(&mut trainable);
+        if trainable.0.len() != prepared {
+            return Err(DdpError::Model {
+                rank,
+                what: "sharding the optimizer state",
+                reason: format!(
+                    "the model has {} trainable parameters, the prepared one {prepared}: pass \
+                     the model prepare returned",
+                    trainable.0.len()
+                ),
+            });
+        }
+        let sizes: Vec<usize> = trainable.0.iter().map(|(_, n)| *n).collect();
+        let plan = ZeroPlan::balance(&sizes, self.group().world_size().as_usize());
+        let ids: Vec<ParamId> = trainable.0.iter().map(|(id, _)| *id).collect();
+        let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        let offsets = sizes
+            .iter()
+            .scan(0, |at, n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect();
+        Ok(ZeroOptimizer {
+            inner: optim,
+            pg: self.group().clone(),
+            plan,
+            ids,
+            offsets,
+            index,
+        })
+    }
+}
+
+impl ZeroOptimizer {
+    fn rank(&self) -> Rank {
+        self.pg.rank()
+    }
+
+    fn owns(&self, id: ParamId) -> bool {
+        self.index
+            .get(&id)
+            .is_some_and(|&i| self.plan.owner(i) == self.rank())
+    }
+
+    /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
+    /// the number sharded over all ranks.
+    pub fn owned_elements(&self) -> (usize, usize) {
+        let total = (0..self.pg.world_size().as_usize())
+            .map(|r| self.plan.elements_of(Rank(r as u32)))
+            .sum();
+        (self.plan.elements_of(self.rank()), total)
+    }
+
+    /// One step: the wrapped optimizer steps the parameters this rank owns, then the stepped
+    /// parameters are all-gathered. `grads` are the synchronised gradients
+    /// ([`GradSync::sync`]). Every rank must call it.
+    ///
+    /// # Errors
+    /// A parameter that cannot be read as f32 (after the all-gather, so no rank is left
+    /// waiting); collective failures.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        mut grads: GradientsParams,
+    ) -> Result<M> {
+        let others = |id: ParamId| self.index.contains_key(&id) && !self.owns(id);
+        module.visit(&mut DropGrads {
+            grads: &mut grads,
+            drop: &others,
+        });
+        let module = self.inner.step(lr, module, grads);
+        self.gather_params(module)
+    }
+
+    fn gather_params<M: Module>(&self, module: M) -> Result<M> {
+        if self.pg.world_size().as_usize() == 1 {
+            return Ok(module);
+        }
+        let owned = |id: ParamId| self.owns(id);
+        let mut gather = Gather {
+            owned: &owned,
+            values: Vec::new(),
+            error: None,
+        };
+        module.visit(&mut gather);
+        let values = self.plan.all_gather(&self.pg, &gather.values)?;
+        if let Some(e) = gather.error {
+            return Err(DdpError::Model {
+                rank: self.rank(),
+                what: "sharing the stepped parameters",
+                reason: format!("a parameter cannot be read as f32: {e}"),
+            });
+        }
+        Ok(module.map(&mut Scatter {
+            index: &self.index,
+            offsets: &self.offsets,
+            values: &values,
+        }))
+    }
+
+    /// This rank's shard of the optimizer state (keyed by this process's `ParamId`s).
+    pub fn to_record(&self) -> OptimizerRecord {
+        self.inner.to_record()
+    }
+
+    /// Loads this rank's shard (as [`to_record`](Self::to_record) gave it, in this process).
+    pub fn load_record(mut self, record: OptimizerRecord) -> Self {
+        self.inner = self.inner.load_record(record);
+        self
+    }
+
+    /// The whole optimizer state, on rank 0 (`None` on the others): every rank's shard,
+    /// gathered (PyTorch's `consolidate_state_dict(to=0)` then `state_dict()`), keyed by
+    /// parameter position. Save it with `OptimizerRecord::save` or `into_bytes`; load it with
+    /// [`load_full_record`](Self::load_full_record), at any world size. Every rank must call it.
+    ///
+    /// # Errors
+    /// A shard that cannot be (de)serialised; collective failures.
+    pub fn gather_record(&self) -> Result<Option<OptimizerRecord>> {
+        let rank = self.rank();
+        let fail = |what: &'static str, e: String| DdpError::Model {
+            rank,
+            what,
+            reason: e,
+        };
+        let mine = self
+            .inner
+            .into_bytes()
+            .map_err(|e| fail("serialising this rank's optimizer state", e.to_string()))?;
+        let positions: HashMap<u64, u64> = self
+            .ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (id.val(), i as u64))
+            .collect();
+        let mine = rewrite(vec![mine], |id| positions.get(&id).copied())
+            .map_err(|e| fail("serialising this rank's optimizer state", e))?;
+        let all = self.pg.all_gather_bytes(&mine)?;
+        if rank != Rank(0) {
+            return Ok(None);
+        }
+        let shards = all.into_iter().map(Bytes::from_bytes_vec).collect();
+        let whole =
+            rewrite(shards, Some).map_err(|e| fail("merging the ranks' optimizer states", e))?;
+        OptimizerRecord::from_bytes(Bytes::from_bytes_vec(whole))
+            .map(Some)
+            .map_err(|e| fail("merging the ranks' optimizer states", e.to_string()))
+    }
+
+    /// Loads a whole optimizer state, as [`gather_record`](Self::gather_record) gives it (saved
+    /// at any world size): this rank keeps the state of the parameters it owns, under its own
+    /// ids, and drops the rest.
+    ///
+    /// # Errors
+    /// A record that cannot be read, or one that names a parameter position the model does not
+    /// have (another model's state).
+    pub fn load_full_record(mut self, record: OptimizerRecord) -> Result<Self> {
+        let rank = self.rank();
+        let fail = |e: String| DdpError::Model {
+            rank,
+            what: "loading the whole optimizer state",
+            reason: e,
+        };
+        let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let n = self.ids.len() as u64;
+        let mut beyond = None;
+        let mine = rewrite(vec![bytes], |pos| {
+            if pos >= n {
+                beyond.get_or_insert(pos);
+                return None;
+            }
+            let i = pos as usize;
+            (self.plan.owner(i) == rank).then(|| self.ids[i].val())
+        })
+        .map_err(fail)?;
+        if let Some(pos) = beyond {
+            return Err(fail(format!(
+                "it holds the state of parameter {pos}, the model has {n} trainable parameters: \
+                 the state of another model"
+            )));
+        }
+        let record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(mine))
+            .map_err(|e| fail(e.to_string()))?;
+        self.inner = self.inner.load_record(record);
+        Ok(self)
+    }
+
+    /// The wrapped optimizer.
+    pub fn inner(&self) -> &ModuleOptimizer {
+        &self.inner
+    }
+}
+
+/// The parameter an entry of an optimizer record belongs to: the number before the first `.` of
+/// its key (`"{id}.{field}"`, or `"{id}"` for the parameter's path).
+fn key_param(key: &str) -> Option<u64> {
+    key.split('.').next()?.parse().ok()
+}
+
+/// The key with its parameter number replaced.
+fn rekey(key: &str, to: u64) -> String {
+    match key.split_once('.') {
+        Some((_, rest)) => format!("{to}.{rest}"),
+        None => to.to_string(),
+    }
+}
+
+/// One burnpack optimizer record from `parts`: each entry's parameter number mapped by `map`
+/// (dropped where it gives `None`), an entry of a parameter that an earlier part already holds
+/// left out, and entries of no parameter kept once.
+fn rewrite(
+    parts: Vec<Bytes>,
+    map: impl FnMut(u64) -> Option<u64>,
+) -> std::result::Result<Vec<u8>, String> {
+    let mut map = map;
+    let mut claimed: HashSet<u64> = HashSet::new();
+    let mut tensors = Vec::new();
+    let mut scalars = Vec::new();
+    let mut metadata = Vec::new();
+    let mut plain: HashSet<String> = HashSet::new();
+    for part in parts {
+        let reader = burn_pack::Reader::from_bytes(part).map_err(|e| format!("{e:?}"))?;
+        let mut here: HashSet<u64> = HashSet::new();
+        let mut target = |key_id: Option<u64>, key: &str| -> Option<Option<u64>> {
+            match key_id {
+                None => plain.insert(key.to_string()).then_some(None),
+                Some(id) => {
+                    let to = map(id)?;
+                    if claimed.contains(&to) {
+                        return None;
+                    }
+                    here.insert(to);
+                    Some(Some(to))
+                }
+            }
+        };
+        for (key, value) in reader.scalars().clone() {
+            if let Some(to) = target(key_param(&key), &key) {
+                scalars.push((to.map_or(key.clone(), |to| rekey(&key, to)), value));
+            }
+        }
+        for (key, value) in reader.metadata().clone() {
+            if let Some(to) = target(key_param(&key), &key) {
+                metadata.push((to.map_or(key.clone(), |to| rekey(&key, to)), value));
+            }
+        }
+        for tensor in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
+            let (name, dtype, shape, param_id, bytes) =
+                tensor.into_parts().map_err(|e| format!("{e:?}"))?;
+            let id = param_id.or_else(|| key_param(&name));
+            if let Some(to) = target(id, &name) {
+                let name = to.map_or(name.clone(), |to| rekey(&name, to));
+                tensors.push(burn_pack::Tensor::new(name, dtype, shape, to, bytes));
+            }
+        }
+        claimed.extend(here);
+    }
+    let mut writer = burn_pack::Writer::new(tensors);
+    for (key, value) in scalars {
+        writer = writer.with_scalar(&key, value);
+    }
+    for (key, value) in metadata {
+        writer = writer.with_metadata(&key, &value);
+    }
+    writer
+        .into_bytes()
+        .map(|b| b.to_vec())
+        .map_err(|e| format!("{e:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_keys_name_their_parameter() {
+        assert_eq!(key_param("1234.moment_1"), Some(1234));
+        assert_eq!(key_param("77"), Some(77));
+        assert_eq!(key_param("lr.step"), None);
+        assert_eq!(rekey("1234.moment_1.x", 3), "3.moment_1.x");
+        assert_eq!(rekey("77", 0), "0");
+    }
+}
