@@ -107,8 +107,8 @@ impl GradSync {
     /// buffers.
     ///
     /// # Errors
-    /// A buffer that cannot be read as f32 ([`DdpError::Model`], after the broadcast, so the
-    /// other ranks are not left waiting); collective failures (ranks whose buffers differ in
+    /// A buffer that cannot be read as f32 ([`DdpError::Model`](burn_ddp_comm::DdpError::Model),
+    /// after the broadcast, so the other ranks are not left waiting); collective failures (ranks whose buffers differ in
     /// size fail in the broadcast, which compares lengths).
     pub fn sync_buffers<M: Module>(&mut self, model: M) -> Result<M> {
         if !self.buffers_to_sync(&model) {
