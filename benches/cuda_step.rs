@@ -21,8 +21,7 @@
 #[allow(dead_code)] // shared with ddp_step.rs, which uses the rest
 mod step_model;
 
-#[path = "common/args.rs"]
-mod args;
+use burn_ddp_dev::args;
 
 use std::process::ExitCode;
 

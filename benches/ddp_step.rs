@@ -22,8 +22,7 @@
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
-#[path = "common/args.rs"]
-mod args;
+use burn_ddp_dev::args;
 #[path = "common/step_model.rs"]
 mod step_model;
 #[cfg(feature = "lines")]

@@ -16,8 +16,7 @@
 
 // The classifier's generated images (its MNIST loader and run settings are not used here).
 #[allow(dead_code)]
-#[path = "classifier/images.rs"]
-mod images;
+use burn_ddp_dev::images;
 
 use std::ops::Range;
 use std::process::ExitCode;

@@ -330,7 +330,7 @@ run() {
     tail -40 "$SCRATCH/logs/$name.log"
 }
 
-# A debugger for the ranks of a test (tests/common/procs.rs, BURN_DDP_TEST_CHILD_WRAPPER).
+# A debugger for the ranks of a test (burn-ddp-dev/src/procs.rs, BURN_DDP_TEST_CHILD_WRAPPER).
 DEBUGGER=$(command -v cuda-gdb || command -v gdb || true)
 if [ -n "$DEBUGGER" ]; then
     printf '#!/bin/sh\nexec "%s" -q -batch -return-child-result -ex "set print thread-events off" -ex run -ex "thread apply all bt" --args "$@"\n' \

@@ -49,6 +49,7 @@ const BURN022: &[(&str, u8)] = &[
     ("sync", 3),
     ("buffers", 4),
     ("pipeline", 4),
+    ("zero", 4),
     ("train", 4),
 ];
 

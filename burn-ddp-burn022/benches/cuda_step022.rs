@@ -13,8 +13,7 @@
 //! cargo bench -p burn-ddp-burn022 --features cuda --bench cuda_step022 -- --rounds 5
 //! ```
 
-#[path = "../../benches/common/args.rs"]
-mod args;
+use burn_ddp_dev::args;
 
 use std::process::ExitCode;
 use std::time::Instant;

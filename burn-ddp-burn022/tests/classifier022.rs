@@ -4,8 +4,7 @@
 //! restarted group resumes bit for bit; a checkpoint rank 0 cannot write fails the job.
 
 #[allow(dead_code)]
-#[path = "../../tests/common/spawned.rs"]
-mod spawned;
+use burn_ddp_dev::spawned;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,13 +6,9 @@
 //!
 //! The reference runs in every rank's process, from the weights that `prepare` broadcast.
 
-#[path = "../../tests/common/procs.rs"]
-#[allow(dead_code)]
-mod procs;
+use burn_ddp_dev::procs;
 
-#[path = "../../tests/common/compare.rs"]
-#[allow(dead_code)] // the GPU tolerance: this line's equivalence tests run on the CPU
-mod compare;
+use burn_ddp_dev::compare;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};

@@ -3,8 +3,7 @@
 //! by Burn as one epoch, on rank 0.
 
 #[allow(dead_code)]
-#[path = "../../tests/common/spawned.rs"]
-mod spawned;
+use burn_ddp_dev::spawned;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};

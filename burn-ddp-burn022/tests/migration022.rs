@@ -5,11 +5,9 @@
 //! processes with the evaluation on rank 0 alone.
 
 #[allow(dead_code)]
-#[path = "../../tests/common/diff.rs"]
-mod diff;
+use burn_ddp_dev::diff;
 #[allow(dead_code)]
-#[path = "../../tests/common/spawned.rs"]
-mod spawned;
+use burn_ddp_dev::spawned;
 
 use std::process::Command;
 use std::time::Duration;

@@ -3,13 +3,9 @@
 //! GPipe and 1F1B, 10 SGD steps on batches of 10 rows in 4 uneven micro-batches, and 2 stages x 2
 //! replicas with `GradSync` on each stage's replicas; every parameter within 1e-5 relative.
 
-#[path = "../../tests/common/procs.rs"]
-#[allow(dead_code)]
-mod procs;
+use burn_ddp_dev::procs;
 
-#[path = "../../tests/common/compare.rs"]
-#[allow(dead_code)] // this test uses the comparison only
-mod compare;
+use burn_ddp_dev::compare;
 
 use std::ops::Range;
 

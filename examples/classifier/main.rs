@@ -19,7 +19,7 @@
 //! checkpoint.
 
 mod data;
-mod images;
+use burn_ddp_dev::images;
 mod model;
 
 use std::path::PathBuf;

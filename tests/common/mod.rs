@@ -1,15 +1,14 @@
-//! Test helpers of the Burn 0.21 line: the process harness (`procs.rs`) and the model comparison
-//! (`compare.rs`), both shared with the Burn 0.22 line's tests; spawned jobs; model parameters.
+//! Test helpers of the Burn 0.21 line: the process harness, the model comparison, spawned jobs
+//! and migration diffs (from `burn-ddp-dev`, shared with the Burn 0.22 line's tests), network
+//! namespaces, model parameters.
 #![allow(dead_code)]
 
-pub mod compare;
-pub mod diff;
+#[allow(unused_imports)] // each test binary uses some of them
+pub use burn_ddp_dev::{compare, diff, spawned};
 pub mod netns;
-mod procs;
-pub mod spawned;
 
 #[allow(unused_imports)] // some test binaries use only `spawned`
-pub use procs::*;
+pub use burn_ddp_dev::procs::*;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;

@@ -15,8 +15,7 @@
 //! continues from the newest complete checkpoint. The same program as the Burn 0.21 example
 //! (`examples/classifier/`), on the same images.
 
-#[path = "../../../examples/classifier/images.rs"]
-mod images;
+use burn_ddp_dev::images;
 mod model;
 
 use std::path::PathBuf;

@@ -1,0 +1,18 @@
+//! Development-only helpers of burn-ddp, without Burn, shared by both Burn lines' tests,
+//! examples and benches (a dev-dependency of the root package and of `burn-ddp-burn022`; never
+//! published):
+//!
+//! - [`procs`]: the multi-process test harness (a test function run as the ranks of a real job)
+//! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
+//!   the negative control that an unsynchronised model is beyond the tolerance
+//! - [`spawned`]: jobs started through the launcher and read as they run
+//! - [`diff`]: the lines a migration changed
+//! - [`args`]: the step benchmarks' command line
+//! - [`images`]: the classifier examples' generated images and MNIST reader
+
+pub mod args;
+pub mod compare;
+pub mod diff;
+pub mod images;
+pub mod procs;
+pub mod spawned;
