@@ -1,11 +1,9 @@
 //! Counting the lines a migration changes (the guide's "at most 15 lines" for both Burn lines).
 
-use std::path::Path;
-
-/// The code of an example (a path relative to the package): its lines after the leading `//!`
-/// comment.
+/// The code of an example (a path relative to the package under test): its lines after the
+/// leading `//!` comment.
 pub fn code(path: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(path)).unwrap();
+    let text = std::fs::read_to_string(crate::package_dir().join(path)).unwrap();
     text.lines()
         .skip_while(|l| l.starts_with("//!") || l.is_empty())
         .map(str::to_owned)

@@ -16,3 +16,18 @@ pub mod diff;
 pub mod images;
 pub mod procs;
 pub mod spawned;
+
+/// The package whose tests, examples or benches are running: `cargo test`, `cargo run` and
+/// `cargo bench` give their processes its directory in `CARGO_MANIFEST_DIR` (this crate's own,
+/// known when it is compiled, is not the one meant).
+///
+/// # Panics
+/// Outside cargo, where the variable is not set: the message says so.
+pub fn package_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .expect(
+            "CARGO_MANIFEST_DIR is not set: run this test through cargo (cargo test), which names \
+             the package whose examples and files it uses",
+        )
+}

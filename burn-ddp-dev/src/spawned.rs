@@ -110,7 +110,7 @@ pub fn example(name: &str) -> PathBuf {
     if !path.exists() {
         let status = Command::new(env!("CARGO"))
             .args(["build", "--example", name])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .current_dir(crate::package_dir())
             .status()
             .unwrap();
         assert!(status.success(), "building the {name} example failed");
@@ -164,7 +164,7 @@ pub fn launcher() -> PathBuf {
     if !path.exists() {
         let status = Command::new(env!("CARGO"))
             .args(["build", "-p", "burn-ddp-comm", "--bin", "burn-ddp"])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .current_dir(crate::package_dir())
             .status()
             .unwrap();
         assert!(status.success(), "building the launcher failed");
