@@ -23,7 +23,7 @@ use std::collections::{HashMap, HashSet};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{Bytes, Tensor, TensorData};
-use burn_ddp_comm::grad::ZeroPlan;
+use burn_ddp_comm::grad::{ReadValues, ZeroPlan};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
 use crate::GradSync;
@@ -94,8 +94,7 @@ impl ModuleVisitor for DropGrads<'_> {
 /// This rank's owned parameters' values, concatenated in visit order.
 struct Gather<'a> {
     owned: &'a dyn Fn(ParamId) -> bool,
-    values: Vec<f32>,
-    error: Option<String>,
+    read: ReadValues,
 }
 
 impl ModuleVisitor for Gather<'_> {
@@ -104,18 +103,14 @@ impl ModuleVisitor for Gather<'_> {
             return;
         }
         let n = param.shape().num_elements();
-        match param
-            .val()
-            .into_data()
-            .convert::<f32>()
-            .try_into_vec::<f32>()
-        {
-            Ok(v) => self.values.extend(v),
-            Err(e) => {
-                self.values.extend(std::iter::repeat_n(0.0, n));
-                self.error.get_or_insert(format!("{e:?}"));
-            }
-        }
+        self.read.push(
+            n,
+            param
+                .val()
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>(),
+        );
     }
 }
 
@@ -184,14 +179,7 @@ impl GradSync {
         let plan = ZeroPlan::balance(&sizes, self.group().world_size().as_usize());
         let ids: Vec<ParamId> = trainable.0.iter().map(|(id, _)| *id).collect();
         let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        let offsets = sizes
-            .iter()
-            .scan(0, |at, n| {
-                let o = *at;
-                *at += n;
-                Some(o)
-            })
-            .collect();
+        let offsets = plan.offsets();
         Ok(ZeroOptimizer {
             inner: optim,
             pg: self.group().clone(),
@@ -217,10 +205,7 @@ impl ZeroOptimizer {
     /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
-        let total = (0..self.pg.world_size().as_usize())
-            .map(|r| self.plan.elements_of(Rank(r as u32)))
-            .sum();
-        (self.plan.elements_of(self.rank()), total)
+        self.plan.owned_elements(self.rank())
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns, then the stepped
@@ -252,18 +237,10 @@ impl ZeroOptimizer {
         let owned = |id: ParamId| self.owns(id);
         let mut gather = Gather {
             owned: &owned,
-            values: Vec::new(),
-            error: None,
+            read: ReadValues::default(),
         };
         module.visit(&mut gather);
-        let values = self.plan.all_gather(&self.pg, &gather.values)?;
-        if let Some(e) = gather.error {
-            return Err(DdpError::Model {
-                rank: self.rank(),
-                what: "sharing the stepped parameters",
-                reason: format!("a parameter cannot be read as f32: {e}"),
-            });
-        }
+        let values = self.plan.share(&self.pg, gather.read)?;
         Ok(module.map(&mut Scatter {
             index: &self.index,
             offsets: &self.offsets,

@@ -40,7 +40,7 @@ pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;
-pub use zero::ZeroPlan;
+pub use zero::{ReadValues, ZeroPlan};
 
 use crate::config::GradTransport;
 use crate::types::ReduceOp;

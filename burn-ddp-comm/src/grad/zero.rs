@@ -68,6 +68,42 @@ impl ZeroPlan {
             .sum()
     }
 
+    /// The offset of each parameter (by position) in the values [`all_gather`](Self::all_gather)
+    /// returns.
+    pub fn offsets(&self) -> Vec<usize> {
+        self.sizes
+            .iter()
+            .scan(0, |at, n| {
+                let o = *at;
+                *at += n;
+                Some(o)
+            })
+            .collect()
+    }
+
+    /// The elements `rank` owns, and the elements of every parameter together.
+    pub fn owned_elements(&self, rank: Rank) -> (usize, usize) {
+        (self.elements_of(rank), self.sizes.iter().sum())
+    }
+
+    /// [`all_gather`](Self::all_gather) of what a Burn line read from the parameters this rank
+    /// stepped: a parameter it could not read (`mine.error`) fails this rank after the
+    /// all-gather, so that no rank waits in it for one that failed.
+    ///
+    /// # Errors
+    /// As `all_gather`; [`DdpError::Model`] naming what could not be read.
+    pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
+        let all = self.all_gather(pg, &mine.values)?;
+        match mine.error {
+            Some(e) => Err(DdpError::Model {
+                rank: pg.rank(),
+                what: "sharing the stepped parameters",
+                reason: format!("a parameter cannot be read as f32: {e}"),
+            }),
+            None => Ok(all),
+        }
+    }
+
     /// Every rank's owned parameters' values after its step, for every rank: `mine` holds this
     /// rank's owned parameters' values, concatenated in list order; the result holds every
     /// parameter's, in list order (one all-gather of equal, padded blocks).
@@ -111,6 +147,30 @@ impl ZeroPlan {
             next[r] += size;
         }
         Ok(out)
+    }
+}
+
+/// Values a Burn line reads from its tensors as f32, one tensor after another; a tensor it
+/// cannot read leaves zeros in its place and its first error, for the caller to report after
+/// the collective the values are for.
+#[derive(Debug, Default)]
+pub struct ReadValues {
+    /// The values read, tensor after tensor.
+    pub values: Vec<f32>,
+    /// The first tensor that could not be read, and why.
+    pub error: Option<String>,
+}
+
+impl ReadValues {
+    /// Appends a tensor of `n` elements: its values, or `n` zeros and the error.
+    pub fn push<E: std::fmt::Debug>(&mut self, n: usize, read: std::result::Result<Vec<f32>, E>) {
+        match read {
+            Ok(v) => self.values.extend(v),
+            Err(e) => {
+                self.values.extend(std::iter::repeat_n(0.0, n));
+                self.error.get_or_insert(format!("{e:?}"));
+            }
+        }
     }
 }
 
@@ -160,6 +220,20 @@ mod tests {
         for h in handles {
             assert_eq!(h.join().unwrap(), want);
         }
+    }
+
+    #[test]
+    fn offsets_and_totals_follow_the_list_and_an_unreadable_value_fails_after_the_gather() {
+        let plan = ZeroPlan::balance(&[4, 2, 3], 1);
+        assert_eq!(plan.offsets(), [0, 4, 6]);
+        assert_eq!(plan.owned_elements(Rank(0)), (9, 9));
+        let mut read = ReadValues::default();
+        read.push(4, Ok::<_, String>(vec![1.0; 4]));
+        read.push(2, Err("a bool tensor"));
+        read.push(3, Err("another"));
+        assert_eq!(read.values, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        let e = plan.share(&ProcessGroup::single(), read).unwrap_err();
+        assert!(e.to_string().contains("\"a bool tensor\""), "{e}");
     }
 
     #[test]

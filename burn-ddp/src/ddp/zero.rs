@@ -17,7 +17,7 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedParamId;
-use burn_ddp_comm::grad::ZeroPlan;
+use burn_ddp_comm::grad::{ReadValues, ZeroPlan};
 
 use super::model::Path;
 use super::DdpSession;
@@ -98,8 +98,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Synced<'_> {
 /// This rank's owned parameters' values, concatenated in list order.
 struct Gather<'a> {
     owned: &'a dyn Fn(ParamId) -> bool,
-    values: Vec<f32>,
-    error: Option<String>,
+    read: ReadValues,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
@@ -108,13 +107,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
             return;
         }
         let n = param.shape().num_elements();
-        match param.val().into_data().convert::<f32>().into_vec::<f32>() {
-            Ok(v) => self.values.extend(v),
-            Err(e) => {
-                self.values.extend(std::iter::repeat_n(0.0, n));
-                self.error.get_or_insert(format!("{e:?}"));
-            }
-        }
+        self.read.push(
+            n,
+            param.val().into_data().convert::<f32>().into_vec::<f32>(),
+        );
     }
 }
 
@@ -194,14 +190,7 @@ impl DdpSession {
         let plan = ZeroPlan::balance(&sizes, self.shared.pg.world_size().as_usize());
         let ids: Vec<ParamId> = synced.out.iter().map(|(id, _)| *id).collect();
         let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        let offsets = sizes
-            .iter()
-            .scan(0, |at, n| {
-                let o = *at;
-                *at += n;
-                Some(o)
-            })
-            .collect();
+        let offsets = plan.offsets();
         Ok(ZeroOptimizer {
             inner: optim,
             session: self.clone(),
@@ -236,10 +225,7 @@ where
     /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
-        let total = (0..self.session.group().world_size().as_usize())
-            .map(|r| self.plan.elements_of(Rank(r as u32)))
-            .sum();
-        (self.plan.elements_of(self.rank()), total)
+        self.plan.owned_elements(self.rank())
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns (and rank-local
@@ -276,18 +262,10 @@ where
         };
         let mut gather = Gather {
             owned: &owned,
-            values: Vec::new(),
-            error: None,
+            read: ReadValues::default(),
         };
         module.visit(&mut gather);
-        let values = self.plan.all_gather(pg, &gather.values)?;
-        if let Some(e) = gather.error {
-            return Err(DdpError::Model {
-                rank,
-                what: "sharing the stepped parameters",
-                reason: format!("a parameter cannot be read as f32: {e}"),
-            });
-        }
+        let values = self.plan.share(pg, gather.read)?;
         Ok(module.map(&mut Scatter {
             index: &self.index,
             offsets: &self.offsets,
