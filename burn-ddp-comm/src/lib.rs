@@ -38,11 +38,28 @@
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
 //!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
 //! - [`pipeline`] — pipeline schedules (GPipe, 1F1B), micro-batches, activations on the wire
-//! - [`train`] — the Burn-free half of both lines' Learner strategy: the ranks' votes before
-//!   each step, output items gathered for the metrics, rank 0's checkpoint files
+//! - [`train`] — the Burn-free half of both lines' Learner strategy: the epoch loop, the ranks'
+//!   votes before each step, output items gathered for the metrics, rank 0's checkpoint files
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
 //! - [`launch`] — `spawn`, the `burn-ddp` launcher, the bandwidth tool
 //! - [`checkpoint`] — atomic checkpoint files
+//!
+//! ## What a Burn line implements
+//!
+//! A Burn release is supported by a crate of glue over these modules (`burn-ddp` for Burn 0.21,
+//! `burn-ddp-burn022` for 0.22.1); everything else is here. For a new release, the glue is,
+//! file by file as in `burn-ddp-burn022/src/` (about 4,000 lines, unit tests included, most of them
+//! Burn's own traits implemented):
+//!
+//! | What | Over | In the 0.22 line |
+//! |---|---|---|
+//! | the model's float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable), its record broadcast from a rank, gradients taken and put back by bucket slot | [`grad::BucketPlan`], [`grad::check_same_params`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
+//! | buffers (BatchNorm's running statistics) broadcast | [`grad::broadcast_buffers`] | `buffers.rs` |
+//! | ZeRO-1: which rank owns which parameters, the sharded optimizer state as bytes | [`grad::ZeroPlan`], [`grad::ReadValues`] | `zero.rs` |
+//! | the NCCL path on the release's device tensors (feature `cuda`) | `cuda::connect`, [`grad::BucketLauncher`] | `cuda.rs` |
+//! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
+//! | the pipeline executor on the release's tensors | [`pipeline`] | `pipeline.rs` |
+//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`], [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
 //! ## Features
 //!

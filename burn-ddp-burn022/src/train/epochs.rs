@@ -1,72 +1,27 @@
-//! The epoch loops of [`DdpStrategy`]: burn-train 0.22's `SupervisedLearningStrategy` (start,
-//! resume, fit), one training epoch and one validation epoch, each step preceded by the ranks'
-//! vote (burn-ddp-comm's `train::vote`).
+//! [`DdpStrategy`] as burn-train 0.22's `SupervisedLearningStrategy`: the start (checkpointers,
+//! the epoch to resume after, the model prepared), `fit` (the core's epoch loop over the run of
+//! `driver.rs`), and the summary of a run that failed.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
-use burn::data::dataloader::{DataLoader, DataLoaderIterator};
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::store::ModuleRecord;
 use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
-    LearnerSummary, LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
-    ValidLoader,
+    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearnerModel, LearnerSummary,
+    LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, ValidLoader,
 };
+use burn_ddp_comm::train::epoch;
 use burn_ddp_comm::train::files::{self, RecordFiles};
 use burn_ddp_comm::train::run;
-use burn_ddp_comm::train::vote::{self, agree, panic_text, Decision, Flow, Split, Turn, Vote};
+use burn_ddp_comm::train::vote::{self, agree, Decision, Flow, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
-use super::{item, DdpStrategy, DistributedItem};
+use super::driver::Run;
+use super::splits::{TrainOut, ValidOut};
+use super::{DdpStrategy, DistributedItem};
 use crate::{DdpError, GradSync, ReduceOp, Result};
-
-/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
-/// for (the interrupter, or an error it holds, such as a checkpoint that could not be
-/// written), or a data error (an error or a panic while loading it).
-fn next_batch<I>(
-    iter: &mut dyn DataLoaderIterator<I>,
-    interrupter: &Interrupter,
-    split: &str,
-) -> (Option<I>, Vote) {
-    if interrupter.should_stop() {
-        return (None, interrupted(interrupter));
-    }
-    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
-        Ok(Some(Ok(item))) => (Some(item), Vote::Item),
-        Ok(Some(Err(e))) => (
-            None,
-            Vote::Failed(format!("loading a {split} batch failed: {e}")),
-        ),
-        Ok(None) => (None, Vote::NoItem),
-        Err(p) => (
-            None,
-            Vote::Failed(format!(
-                "loading a {split} batch panicked: {}",
-                panic_text(&*p)
-            )),
-        ),
-    }
-}
-
-/// The vote of a rank whose interrupter was set: a failure if it holds an error (Burn's
-/// checkpointer and event processor report theirs there), else a stop with its message.
-fn interrupted(interrupter: &Interrupter) -> Vote {
-    match interrupter.error() {
-        Some(e) => Vote::Failed(e.to_string()),
-        None => Vote::Stop(
-            interrupter
-                .get_message()
-                .unwrap_or_else(|| "interrupted".into()),
-        ),
-    }
-}
-
-type TrainOut<M> = <M as TrainStep>::Output;
-type ValidOut<M> = <M as InferenceStep>::Output;
 
 impl<M> SupervisedLearningStrategy<M> for DdpStrategy
 where
@@ -150,93 +105,44 @@ where
     fn fit(
         &self,
         components: TrainingComponents<M>,
-        mut learner: Learner<M>,
+        learner: Learner<M>,
         dataloader_train: TrainLoader<M>,
         dataloader_valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let loader_train = dataloader_train.to_device(&self.device);
-        let loader_valid = dataloader_valid.to_device(&self.device.clone().inner());
-        let mut processor = components.event_processor;
-        let mut checkpointer = components.checkpointer;
-        let mut early_stopping = components.early_stopping;
+        let train = dataloader_train.to_device(&self.device);
+        let valid = dataloader_valid.to_device(&self.device.clone().inner());
         let interrupter = components.interrupter;
-        let epochs = components.num_epochs;
-        let mut sync = self.lock_sync();
-
         // Every rank's items, for the progress of the whole job.
-        let mut totals = [
-            loader_train.num_items() as i64,
-            loader_valid.num_items() as i64,
-        ];
+        let mut totals = [train.num_items() as i64, valid.num_items() as i64];
         if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
-            self.stop_with(e, &interrupter);
-            return (learner.model(), processor);
+            vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)));
+            return (learner.model(), components.event_processor);
         }
-        let [train_total, valid_total] = totals.map(|t| t as usize);
-
+        let epochs = components.num_epochs;
+        let mut run = Run {
+            strategy: self,
+            sync: self.lock_sync(),
+            learner,
+            train,
+            valid,
+            processor: components.event_processor,
+            checkpointer: components.checkpointer,
+            early_stopping: components.early_stopping,
+            interrupter,
+            store: components.event_store,
+            accumulation: components.grad_accumulation,
+            totals: totals.map(|t| t as usize),
+        };
         self.completed.store(starting_epoch - 1, Ordering::Relaxed);
-        for epoch in starting_epoch..=epochs {
-            self.set_epoch(epoch);
-            interrupter.fail_on_error(processor.process_train(LearnerEvent::StartSplit {
-                epoch_number: epoch,
-                total_items: train_total,
-            }));
-            let flow = self.train_epoch(
-                epoch,
-                &mut learner,
-                &mut sync,
-                &*loader_train,
-                train_total,
-                components.grad_accumulation,
-                &mut processor,
-                &interrupter,
-            );
-            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
-            if flow == Flow::Stop {
-                break;
-            }
-            interrupter.fail_on_error(processor.process_valid(LearnerEvent::StartSplit {
-                epoch_number: epoch,
-                total_items: valid_total,
-            }));
-            let flow = self.valid_epoch(
-                epoch,
-                &learner,
-                &*loader_valid,
-                valid_total,
-                &mut processor,
-                &interrupter,
-            );
-            interrupter.fail_on_error(processor.process_valid(LearnerEvent::EndSplit(epoch)));
-            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndEpoch(epoch)));
-            if flow == Flow::Stop {
-                break;
-            }
-            self.completed.store(epoch, Ordering::Relaxed);
-            let mut vote = Vote::Item;
-            if self.is_main() {
-                if checkpointer.is_some() || early_stopping.is_some() {
-                    // The metrics of this epoch, for the checkpointing strategy and the
-                    // early stop.
-                    interrupter.fail_on_error(processor.flush());
-                }
-                if let Some(c) = &mut checkpointer {
-                    c.checkpoint(&learner, epoch, &components.event_store);
-                }
-                if let Some(es) = &mut early_stopping {
-                    if es.should_stop(epoch, &components.event_store) {
-                        vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
-                    }
-                }
-            }
-            if interrupter.should_stop() {
-                vote = interrupted(&interrupter);
-            }
-            if self.apply_decision(agree(&self.pg, &vote), &interrupter) == Flow::Stop {
-                break;
-            }
-        }
+        epoch::fit(&mut run, starting_epoch, epochs);
+        let Run {
+            learner,
+            processor,
+            checkpointer,
+            interrupter,
+            ..
+        } = run;
         // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
         // rank, through one last vote (which every rank reaches: each left the loop on the same
         // decision, or the group was aborted and the vote fails at once).
@@ -351,186 +257,4 @@ impl DdpStrategy {
             interrupter.stop(Some(m))
         })
     }
-
-    fn stop_with(&self, e: DdpError, interrupter: &Interrupter) -> Flow {
-        vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)))
-    }
-
-    fn fail_alone(&self, what: &str, interrupter: &Interrupter) -> Flow {
-        vote::fail_alone(&self.pg, what, &self.failure, |m| interrupter.stop(Some(m)))
-    }
-
-    /// The gradients reduced across the ranks, then one scheduler and optimizer step.
-    fn step<M: LearnerModel>(
-        &self,
-        learner: &mut Learner<M>,
-        sync: &mut GradSync,
-        grads: GradientsParams,
-    ) -> Result<()> {
-        let grads = sync.sync(&learner.model(), grads)?;
-        learner.lr_step();
-        learner.optimizer_step(grads);
-        Ok(())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn train_epoch<M>(
-        &self,
-        epoch: usize,
-        learner: &mut Learner<M>,
-        sync: &mut GradSync,
-        loader: &dyn DataLoader<<M as TrainStep>::Input>,
-        total: usize,
-        accumulation: Option<usize>,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        interrupter: &Interrupter,
-    ) -> Flow
-    where
-        M: LearnerModel,
-        TrainOut<M>: DistributedItem,
-    {
-        let mut iter = loader.iter();
-        let mut iteration = 0;
-        let mut accumulator = GradientsAccumulator::<M>::new();
-        let mut accumulated = 0;
-        loop {
-            let (item, vote) = next_batch(&mut *iter, interrupter, "training");
-            match vote::turn(
-                &self.pg,
-                &vote,
-                Split::Training,
-                epoch,
-                &self.failure,
-                |m| interrupter.stop(Some(m)),
-            ) {
-                Turn::Step => {}
-                Turn::End => break,
-                Turn::Stop => return Flow::Stop,
-            }
-            let Some(item) = item else { break };
-            if let Err(e) = sync_buffers(learner, sync) {
-                return self.stop_with(e, interrupter);
-            }
-            iteration += 1;
-            let progress = self.global(iter.progress(), total);
-            let out = match catch_unwind(AssertUnwindSafe(|| learner.train_step(item))) {
-                Ok(out) => out,
-                Err(p) => {
-                    return self.fail_alone(
-                        &format!("the training step panicked: {}", panic_text(&*p)),
-                        interrupter,
-                    )
-                }
-            };
-            let stepped = match accumulation {
-                Some(k) => {
-                    accumulator.accumulate(&learner.model(), out.grads);
-                    accumulated += 1;
-                    if accumulated >= k {
-                        accumulated = 0;
-                        self.step(learner, sync, accumulator.grads())
-                    } else {
-                        Ok(())
-                    }
-                }
-                None => self.step(learner, sync, out.grads),
-            };
-            if let Err(e) = stepped {
-                return self.stop_with(e, interrupter);
-            }
-            match item::gather(&self.pg, Some(out.item), &self.device.clone().inner()) {
-                Ok(Some(merged)) => interrupter.fail_on_error(processor.process_train(
-                    LearnerEvent::ProcessedItem(TrainingItem::new(
-                        merged,
-                        progress,
-                        Some(iteration),
-                        Some(learner.lr_current()),
-                    )),
-                )),
-                Ok(None) => {}
-                Err(e) => return self.stop_with(e, interrupter),
-            }
-        }
-        // The last micro-steps of the epoch: every rank ran as many (the loop goes on only
-        // while every rank has a batch), so every rank steps here, or none.
-        if accumulated > 0 {
-            if let Err(e) = self.step(learner, sync, accumulator.grads()) {
-                return self.stop_with(e, interrupter);
-            }
-        }
-        // Validation and the checkpoint see rank 0's buffers on every rank.
-        if let Err(e) = sync_buffers(learner, sync) {
-            return self.stop_with(e, interrupter);
-        }
-        Flow::Continue
-    }
-
-    fn valid_epoch<M>(
-        &self,
-        epoch: usize,
-        learner: &Learner<M>,
-        loader: &dyn DataLoader<<M as InferenceStep>::Input>,
-        total: usize,
-        processor: &mut SupervisedTrainingEventProcessor<M>,
-        interrupter: &Interrupter,
-    ) -> Flow
-    where
-        M: LearnerModel,
-        ValidOut<M>: DistributedItem,
-    {
-        let model = learner.model().valid();
-        let mut iter = loader.iter();
-        let mut iteration = 0;
-        loop {
-            let (item, vote) = next_batch(&mut *iter, interrupter, "validation");
-            match vote::turn(
-                &self.pg,
-                &vote,
-                Split::Validation,
-                epoch,
-                &self.failure,
-                |m| interrupter.stop(Some(m)),
-            ) {
-                Turn::Step => {}
-                Turn::End => break,
-                Turn::Stop => return Flow::Stop,
-            }
-            iteration += 1;
-            let progress = self.global(iter.progress(), total);
-            let out = match item
-                .map(|i| catch_unwind(AssertUnwindSafe(|| InferenceStep::step(&model, i))))
-            {
-                Some(Ok(out)) => Some(out),
-                Some(Err(p)) => {
-                    return self.fail_alone(
-                        &format!("the validation step panicked: {}", panic_text(&*p)),
-                        interrupter,
-                    )
-                }
-                None => None,
-            };
-            match item::gather(&self.pg, out, &self.device.clone().inner()) {
-                Ok(Some(merged)) => {
-                    interrupter.fail_on_error(processor.process_valid(LearnerEvent::ProcessedItem(
-                        TrainingItem::new(merged, progress, Some(iteration), None),
-                    )))
-                }
-                Ok(None) => {}
-                Err(e) => return self.stop_with(e, interrupter),
-            }
-        }
-        Flow::Continue
-    }
-}
-
-/// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
-/// `DdpConfig::broadcast_buffers` is on (the default).
-fn sync_buffers<M: LearnerModel>(learner: &mut Learner<M>, sync: &mut GradSync) -> Result<()> {
-    let model = learner.model();
-    if !sync.buffers_to_sync(&model) {
-        return Ok(());
-    }
-    let model = sync.sync_buffers(model)?;
-    learner.load_model(model.into_record());
-    Ok(())
 }

@@ -14,7 +14,9 @@
 //! ```
 //!
 //! - `mod.rs`: [`DdpStrategy`] (its options), [`DdpTraining::launch_ddp`]
-//! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the epoch loops
+//! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the summary
+//! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
+//! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -33,9 +35,11 @@
 //! the Burn 0.21 line.
 
 mod checkpoint;
+mod driver;
 mod epochs;
 mod item;
 mod render;
+mod splits;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

@@ -7,11 +7,14 @@
 //! - `sub.rs`: sub-groups ([`ProcessGroup::new_group`], [`ProcessGroup::split`])
 //! - `p2p.rs`: point-to-point ([`ProcessGroup::send`], [`ProcessGroup::recv`],
 //!   [`ProcessGroup::batch_send_recv`])
+//! - `membership/`: fault-tolerant membership (the rule, its store records, the watcher)
+//! - `handover.rs`: the state the rank ahead sends to the ranks behind after a change
 //!
 //! The ids ([`Rank`], [`WorldSize`], ...) and [`AbortRecord`] are defined in [`crate::types`] and
 //! re-exported here; the store is `store/`.
 
 mod desync;
+pub mod handover;
 pub(crate) mod heartbeat;
 mod membership;
 mod p2p;

@@ -2,6 +2,10 @@
 //! line's strategy (`burn_ddp::train::DdpStrategy` for Burn 0.21,
 //! `burn_ddp_burn022::train::DdpStrategy` for Burn 0.22.1):
 //!
+//! - [`epoch`]: the epoch loop itself ([`fit`](epoch::fit), [`run_split`](epoch::run_split)),
+//!   over the two traits a line implements ([`EpochDriver`](epoch::EpochDriver),
+//!   [`SplitSteps`](epoch::SplitSteps)), with a fault-tolerant job's [`Cursor`](epoch::Cursor)
+//!   and its change of membership between two steps;
 //! - [`vote`]: before every step each rank votes (a batch, none left, a stop, a failure) and
 //!   one small all-reduce turns the votes into the same [`Decision`](vote::Decision) everywhere;
 //! - [`parts`]: a step's output item as host [`Part`](parts::Part)s, gathered to rank 0 and
@@ -13,10 +17,11 @@
 //! - [`board`]: the world size and the last change of membership, for rank 0's dashboard;
 //! - [`terminal`]: whether rank 0's stdout is a terminal the dashboard can drive.
 //!
-//! What each line adds is only what touches its Burn types: the epoch loops over burn-train's
-//! events, the tensors of an item, the records of a checkpoint.
+//! What each line adds is only what touches its Burn types: burn-train's events, loaders and
+//! steps behind the two traits, the tensors of an item, the records of a checkpoint.
 
 pub mod board;
+pub mod epoch;
 pub mod files;
 pub mod lines;
 pub mod parts;

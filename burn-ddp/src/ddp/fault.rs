@@ -15,14 +15,12 @@ use burn::optim::Optimizer;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 
+use burn_ddp_comm::group::handover::{frame, move_state, unframe};
 use burn_ddp_comm::group::Recovery;
 
 use super::DdpSession;
-use crate::group::{ProcessGroup, Rank};
+use crate::group::Rank;
 use crate::{DdpError, ReduceOp, Result};
-
-/// The tag of state transfers between ranks after a change of membership.
-const STATE_TAG: u32 = 0x5354_4154;
 
 /// The state of a custom training loop that a fault-tolerant session carries across changes of
 /// membership ([`DdpSession::replica`], [`DdpSession::step_boundary`], [`DdpSession::recover`]):
@@ -108,65 +106,6 @@ fn load_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         what: "loading the state received from the source rank",
         reason: e.to_string(),
     })
-}
-
-/// Frames byte blocks: a count, then each block's length and bytes.
-pub(crate) fn frame(parts: &[&[u8]]) -> Vec<u8> {
-    let mut out = (parts.len() as u64).to_le_bytes().to_vec();
-    for p in parts {
-        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
-        out.extend_from_slice(p);
-    }
-    out
-}
-
-/// The `N` blocks of [`frame`]; `None` for anything malformed (it came over the network),
-/// another number of blocks included.
-pub(crate) fn unframe<const N: usize>(mut bytes: &[u8]) -> Option<[Vec<u8>; N]> {
-    let take8 = |b: &mut &[u8]| -> Option<u64> {
-        let (head, rest) = b.split_first_chunk::<8>()?;
-        *b = rest;
-        Some(u64::from_le_bytes(*head))
-    };
-    if usize::try_from(take8(&mut bytes)?).ok()? != N {
-        return None;
-    }
-    let mut out: [Vec<u8>; N] = std::array::from_fn(|_| Vec::new());
-    for part in &mut out {
-        let len = usize::try_from(take8(&mut bytes)?).ok()?;
-        if len > bytes.len() {
-            return None;
-        }
-        let (head, rest) = bytes.split_at(len);
-        *part = head.to_vec();
-        bytes = rest;
-    }
-    bytes.is_empty().then_some(out)
-}
-
-/// After a change of membership: the source sends `make()`'s bytes to every rank behind it;
-/// a rank behind returns what it received; the others `None`.
-pub(crate) fn move_state(
-    pg: &ProcessGroup,
-    rec: &Recovery,
-    make: impl FnOnce() -> Result<Vec<u8>>,
-) -> Result<Option<Vec<u8>>> {
-    if rec.needs_state() {
-        return pg.recv_bytes(rec.source, STATE_TAG).map(Some);
-    }
-    if pg.rank() == rec.source && !rec.behind.is_empty() {
-        let bytes = make()?;
-        for r in &rec.behind {
-            pg.send_bytes(&bytes, *r, STATE_TAG)?;
-        }
-        tracing::info!(
-            "[rank {}] sent the state ({} bytes) to rank(s) {:?}",
-            pg.rank(),
-            bytes.len(),
-            rec.behind
-        );
-    }
-    Ok(None)
 }
 
 impl DdpSession {
@@ -408,25 +347,5 @@ impl DdpSession {
             extra,
             changed: None,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn frames_round_trip_and_garbage_is_refused() {
-        let f = frame(&[b"ab", b"", b"xyz"]);
-        assert_eq!(
-            unframe::<3>(&f),
-            Some([b"ab".to_vec(), Vec::new(), b"xyz".to_vec()])
-        );
-        assert_eq!(unframe::<4>(&f), None);
-        assert_eq!(unframe::<2>(&f), None);
-        assert_eq!(unframe::<3>(&f[..f.len() - 1]), None);
-        assert_eq!(unframe::<3>(&[f.as_slice(), b"!"].concat()), None);
-        assert_eq!(unframe::<3>(&u64::MAX.to_le_bytes()), None);
-        assert_eq!(unframe::<0>(&[]), None);
     }
 }

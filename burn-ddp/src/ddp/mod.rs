@@ -38,7 +38,6 @@ use crate::Result;
 
 pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo, PowerSgd};
 pub use fault::Replica;
-pub(crate) use fault::{frame, move_state, unframe};
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 pub use zero::ZeroOptimizer;

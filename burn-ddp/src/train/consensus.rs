@@ -29,12 +29,4 @@ impl<B: Backend> DdpStrategy<B> {
     pub(super) fn stop_with(&self, e: DdpError, interrupter: &burn::train::Interrupter) -> Flow {
         vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)))
     }
-
-    /// A failure of this rank alone, in the middle of a step: the group is aborted so that the
-    /// others stop at once, naming this rank.
-    pub(super) fn fail_alone(&self, what: &str, interrupter: &burn::train::Interrupter) {
-        vote::fail_alone(self.session.group(), what, &self.failure, |m| {
-            interrupter.stop(Some(m))
-        });
-    }
 }

@@ -15,7 +15,10 @@
 //!
 //! - `mod.rs`: [`DdpStrategy`] (its options), [`DdpTraining::launch_ddp`]
 //! - `consensus.rs`: the ranks' votes before every step, and the decisions they take together
-//! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the epoch loops
+//! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the summary
+//! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
+//! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
+//! - `fault.rs`: the Learner's state as bytes after a change of membership, the re-dealt data
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -32,10 +35,12 @@
 
 mod checkpoint;
 mod consensus;
+mod driver;
 mod epochs;
 mod fault;
 mod item;
 mod render;
+mod splits;
 
 use std::path::PathBuf;
 use std::sync::Arc;

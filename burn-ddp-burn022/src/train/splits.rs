@@ -1,0 +1,271 @@
+//! The two splits of an epoch on burn-train 0.22, as the core's epoch loop runs them
+//! (burn-ddp-comm's `train::epoch::run_split`): loading a batch and voting on it, one step,
+//! the step's outputs gathered for rank 0's metrics, the end of the split.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use burn::data::dataloader::{DataLoaderIterator, Progress};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
+};
+use burn_ddp_comm::train::epoch::{SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::vote::{panic_text, Vote};
+
+use super::{item, DdpStrategy, DistributedItem};
+use crate::{GradSync, Result};
+
+pub(super) type TrainOut<M> = <M as TrainStep>::Output;
+pub(super) type ValidOut<M> = <M as InferenceStep>::Output;
+
+/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
+/// for (the interrupter, or an error it holds, such as a checkpoint that could not be
+/// written), or a data error (an error or a panic while loading it).
+fn next_batch<I>(
+    iter: &mut dyn DataLoaderIterator<I>,
+    interrupter: &Interrupter,
+    split: &str,
+) -> (Option<I>, Vote) {
+    if interrupter.should_stop() {
+        return (None, interrupted(interrupter));
+    }
+    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
+        Ok(Some(Ok(item))) => (Some(item), Vote::Item),
+        Ok(Some(Err(e))) => (
+            None,
+            Vote::Failed(format!("loading a {split} batch failed: {e}")),
+        ),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => (
+            None,
+            Vote::Failed(format!(
+                "loading a {split} batch panicked: {}",
+                panic_text(&*p)
+            )),
+        ),
+    }
+}
+
+/// The vote of a rank whose interrupter was set: a failure if it holds an error (Burn's
+/// checkpointer and event processor report theirs there), else a stop with its message.
+pub(super) fn interrupted(interrupter: &Interrupter) -> Vote {
+    match interrupter.error() {
+        Some(e) => Vote::Failed(e.to_string()),
+        None => Vote::Stop(
+            interrupter
+                .get_message()
+                .unwrap_or_else(|| "interrupted".into()),
+        ),
+    }
+}
+
+/// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
+/// `DdpConfig::broadcast_buffers` is on (the default).
+fn sync_buffers<M: LearnerModel>(learner: &mut Learner<M>, sync: &mut GradSync) -> Result<()> {
+    let model = learner.model();
+    if !sync.buffers_to_sync(&model) {
+        return Ok(());
+    }
+    let model = sync.sync_buffers(model)?;
+    learner.load_model(model.into_record());
+    Ok(())
+}
+
+/// The gradients reduced across the ranks, then one scheduler and optimizer step.
+fn optimizer_step<M: LearnerModel>(
+    learner: &mut Learner<M>,
+    sync: &mut GradSync,
+    grads: GradientsParams,
+) -> Result<()> {
+    let grads = sync.sync(&learner.model(), grads)?;
+    learner.lr_step();
+    learner.optimizer_step(grads);
+    Ok(())
+}
+
+/// What both splits hold besides their model.
+pub(super) struct SplitParts<'r, M: LearnerModel> {
+    pub(super) strategy: &'r DdpStrategy,
+    pub(super) processor: &'r mut SupervisedTrainingEventProcessor<M>,
+    pub(super) interrupter: &'r Interrupter,
+    /// Every rank's items of the split.
+    pub(super) total: usize,
+}
+
+impl<M: LearnerModel> SplitParts<'_, M> {
+    fn load<I>(&self, iter: &mut dyn DataLoaderIterator<I>, split: &str) -> (Option<I>, Vote, u64) {
+        let before = iter.progress().items_processed;
+        let (item, vote) = next_batch(iter, self.interrupter, split);
+        let used = iter.progress().items_processed.saturating_sub(before);
+        (item, vote, used as u64)
+    }
+}
+
+/// The training split: burn-train's learner, its loader, gradient accumulation.
+pub(super) struct TrainSplit<'r, M: LearnerModel> {
+    pub(super) parts: SplitParts<'r, M>,
+    pub(super) learner: &'r mut Learner<M>,
+    pub(super) sync: &'r mut GradSync,
+    pub(super) iter: Box<dyn DataLoaderIterator<<M as TrainStep>::Input> + 'r>,
+    pub(super) accumulation: Option<usize>,
+    pub(super) accumulator: GradientsAccumulator<M>,
+    pub(super) accumulated: usize,
+    pub(super) item: Option<<M as TrainStep>::Input>,
+    /// The last step's output item, its progress and iteration, for `report`.
+    pub(super) out: Option<(TrainOut<M>, Progress, usize)>,
+}
+
+impl<M> SplitSteps for TrainSplit<'_, M>
+where
+    M: LearnerModel,
+    TrainOut<M>: DistributedItem,
+{
+    fn load(&mut self) -> (Vote, u64) {
+        let (item, vote, used) = self.parts.load(&mut *self.iter, "training");
+        self.item = item;
+        (vote, used)
+    }
+
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+        let Some(item) = self.item.take() else {
+            return Ok(Stepped::NoBatch);
+        };
+        sync_buffers(self.learner, self.sync)?;
+        let progress = self
+            .parts
+            .strategy
+            .global(self.iter.progress(), self.parts.total);
+        let learner = &mut *self.learner;
+        let out = catch_unwind(AssertUnwindSafe(|| learner.train_step(item))).map_err(|p| {
+            StepFault::Alone(format!("the training step panicked: {}", panic_text(&*p)))
+        })?;
+        let stepped = match self.accumulation {
+            Some(k) => {
+                self.accumulator.accumulate(&learner.model(), out.grads);
+                self.accumulated += 1;
+                if self.accumulated >= k {
+                    self.accumulated = 0;
+                    optimizer_step(learner, self.sync, self.accumulator.grads())?;
+                    Stepped::Moved
+                } else {
+                    Stepped::Accumulated
+                }
+            }
+            None => {
+                optimizer_step(learner, self.sync, out.grads)?;
+                Stepped::Moved
+            }
+        };
+        self.out = Some((out.item, progress, iteration));
+        Ok(stepped)
+    }
+
+    fn report(&mut self) -> Result<()> {
+        let Some((out, progress, iteration)) = self.out.take() else {
+            return Ok(());
+        };
+        let p = &mut self.parts;
+        let device = p.strategy.device.clone().inner();
+        if let Some(merged) = item::gather(&p.strategy.pg, Some(out), &device)? {
+            let event = LearnerEvent::ProcessedItem(TrainingItem::new(
+                merged,
+                progress,
+                Some(iteration),
+                Some(self.learner.lr_current()),
+            ));
+            p.interrupter
+                .fail_on_error(p.processor.process_train(event));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> std::result::Result<(), StepFault> {
+        // The last micro-steps of the epoch: every rank ran as many (the loop goes on only
+        // while every rank has a batch), so every rank steps here, or none.
+        if self.accumulated > 0 {
+            self.accumulated = 0;
+            optimizer_step(self.learner, self.sync, self.accumulator.grads())?;
+        }
+        // Validation and the checkpoint see rank 0's buffers on every rank.
+        sync_buffers(self.learner, self.sync)?;
+        Ok(())
+    }
+
+    fn mid_accumulation(&self) -> bool {
+        self.accumulated != 0
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.parts.interrupter.stop(Some(message));
+    }
+}
+
+/// The validation split: the model in inference mode over its loader.
+pub(super) struct ValidSplit<'r, M: LearnerModel> {
+    pub(super) parts: SplitParts<'r, M>,
+    pub(super) model: M,
+    pub(super) iter: Box<dyn DataLoaderIterator<<M as InferenceStep>::Input> + 'r>,
+    pub(super) item: Option<<M as InferenceStep>::Input>,
+    /// The last step's output (none on a rank without a batch), its progress and iteration.
+    pub(super) out: Option<(Option<ValidOut<M>>, Progress, usize)>,
+}
+
+impl<M> SplitSteps for ValidSplit<'_, M>
+where
+    M: LearnerModel,
+    ValidOut<M>: DistributedItem,
+{
+    fn load(&mut self) -> (Vote, u64) {
+        let (item, vote, used) = self.parts.load(&mut *self.iter, "validation");
+        self.item = item;
+        (vote, used)
+    }
+
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+        let progress = self
+            .parts
+            .strategy
+            .global(self.iter.progress(), self.parts.total);
+        let model = &self.model;
+        let out = match self
+            .item
+            .take()
+            .map(|i| catch_unwind(AssertUnwindSafe(|| InferenceStep::step(model, i))))
+        {
+            Some(Ok(out)) => Some(out),
+            Some(Err(p)) => {
+                return Err(StepFault::Alone(format!(
+                    "the validation step panicked: {}",
+                    panic_text(&*p)
+                )))
+            }
+            None => None,
+        };
+        self.out = Some((out, progress, iteration));
+        Ok(Stepped::Moved)
+    }
+
+    fn report(&mut self) -> Result<()> {
+        let Some((out, progress, iteration)) = self.out.take() else {
+            return Ok(());
+        };
+        let p = &mut self.parts;
+        let device = p.strategy.device.clone().inner();
+        if let Some(merged) = item::gather(&p.strategy.pg, out, &device)? {
+            let event = LearnerEvent::ProcessedItem(TrainingItem::new(
+                merged,
+                progress,
+                Some(iteration),
+                None,
+            ));
+            p.interrupter
+                .fail_on_error(p.processor.process_valid(event));
+        }
+        Ok(())
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.parts.interrupter.stop(Some(message));
+    }
+}

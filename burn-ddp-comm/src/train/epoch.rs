@@ -1,0 +1,559 @@
+//! The epoch loop of every Burn line's Learner strategy, once: where training is (a [`Cursor`]),
+//! the loop over an epoch's phases ([`fit`]), the loop over one split's steps ([`run_split`]),
+//! the vote at the end of an epoch ([`end_epoch`]), and, in a fault-tolerant job, the change of
+//! membership between two steps ([`change`]).
+//!
+//! A Burn line implements two traits over its burn-train types and calls these functions:
+//!
+//! - [`SplitSteps`] for one split of one epoch: load a batch (and vote on it), run one step, end
+//!   the split. Its training split holds burn-train's learner, loader, gradient accumulation and
+//!   event processor; its validation split the model in inference mode.
+//! - [`EpochDriver`] for the run ([`fit`]): start each split (a [`SplitSteps`] passed to
+//!   [`run_split`]), the end of an epoch (rank 0's checkpoint and early stop, then
+//!   [`end_epoch`]);
+//! - [`Handover`], for a fault-tolerant job ([`fit_fault_tolerant`]): the Learner's state as
+//!   bytes and the model prepared anew after a change of membership.
+//!
+//! Every step is preceded by the ranks' vote (`vote`), so every rank steps, ends the split or
+//! stops together. Progress counts every event that moves training on, on every rank alike: an
+//! optimizer step, a validation step, the end of a split, the end of an epoch. Ranks with equal
+//! progress are at the same place with equal state (a step whose synchronisation failed was not
+//! applied anywhere it failed, and a step applied anywhere was applied with the same averaged
+//! gradients), so after a change only the ranks behind need the state.
+
+use std::time::Instant;
+
+use super::vote::{self, Aside, FailureSlot, Flow, Split, Turn, Vote};
+use crate::group::handover::{frame, move_state, unframe};
+use crate::{DdpError, ProcessGroup, Recovery, Result};
+
+/// The part of an epoch training is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The training split.
+    Train = 0,
+    /// The validation split.
+    Valid = 1,
+    /// Validation is over: the checkpoint, the early-stopping check and the epoch's last vote.
+    End = 2,
+}
+
+/// Where training is, the same on every rank of a membership with the same progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    /// The epoch, from 1.
+    pub epoch: usize,
+    /// Its phase.
+    pub phase: Phase,
+    /// Positions of the split's order (for this epoch) used so far.
+    pub done: u64,
+    /// burn-train's iteration count in the split.
+    pub iteration: usize,
+    /// Events that moved training on since the start.
+    pub progress: u64,
+}
+
+impl Cursor {
+    /// The start of `epoch`'s training.
+    pub fn start(epoch: usize) -> Self {
+        Self {
+            epoch,
+            phase: Phase::Train,
+            done: 0,
+            iteration: 0,
+            progress: 0,
+        }
+    }
+
+    /// The next phase (and the next epoch after the end), one event on.
+    pub fn next_phase(&mut self) {
+        match self.phase {
+            Phase::Train => self.phase = Phase::Valid,
+            Phase::Valid => self.phase = Phase::End,
+            Phase::End => {
+                self.phase = Phase::Train;
+                self.epoch += 1;
+            }
+        }
+        self.done = 0;
+        self.iteration = 0;
+        self.progress += 1;
+    }
+
+    /// The cursor as 40 bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        [
+            self.epoch as u64,
+            self.phase as u64,
+            self.done,
+            self.iteration as u64,
+            self.progress,
+        ]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
+    }
+
+    /// `None` for anything malformed (it came over the network).
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != 40 {
+            return None;
+        }
+        let v: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
+            .collect();
+        Some(Self {
+            epoch: usize::try_from(v[0]).ok()?,
+            phase: match v[1] {
+                0 => Phase::Train,
+                1 => Phase::Valid,
+                2 => Phase::End,
+                _ => return None,
+            },
+            done: v[2],
+            iteration: usize::try_from(v[3]).ok()?,
+            progress: v[4],
+        })
+    }
+
+    /// For the membership line: `epoch 2, training, 3 steps in`.
+    pub fn describe(&self) -> String {
+        let phase = match self.phase {
+            Phase::Train => "training",
+            Phase::Valid => "validation",
+            Phase::End => "end",
+        };
+        format!("epoch {}, {phase}, {} steps in", self.epoch, self.iteration)
+    }
+}
+
+/// What makes the epoch loop leave a split before its end in a fault-tolerant job.
+#[derive(Debug)]
+pub enum Change {
+    /// A collective failed because of another rank.
+    Failed(DdpError),
+    /// A process asks to join; every rank agreed on this step.
+    Grow,
+    /// This process was admitted into the running job.
+    Admitted(Recovery),
+}
+
+/// How a split (or an epoch's end) ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// Its last step is done.
+    Done,
+    /// Training stops on every rank (the failure, if any, is recorded).
+    Stop,
+    /// The membership changes (fault-tolerant jobs only).
+    Change(Change),
+}
+
+/// Why a step could not be taken.
+#[derive(Debug)]
+pub enum StepFault {
+    /// An error this rank got (a collective, the session's checks): training stops, or in a
+    /// fault-tolerant job the membership changes when the error is another rank's failure.
+    Error(DdpError),
+    /// This rank alone failed in the middle of a step (a panic, with what panicked): the group
+    /// is aborted so that the others, maybe inside a collective, stop at once.
+    Alone(String),
+}
+
+impl From<DdpError> for StepFault {
+    fn from(e: DdpError) -> Self {
+        Self::Error(e)
+    }
+}
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stepped {
+    /// It moved training on: an optimizer step, a validation step.
+    Moved,
+    /// A micro-step of gradient accumulation: no optimizer step yet.
+    Accumulated,
+    /// This rank had no batch for a training step (the split ends here).
+    NoBatch,
+}
+
+/// One split of one epoch, as a Burn line runs it (the loop itself is [`run_split`]).
+pub trait SplitSteps {
+    /// Takes this rank's next batch (kept for [`step`](Self::step)) and returns this rank's vote
+    /// about it (a batch, none left, a stop asked for, a failure while loading it) and how many
+    /// positions of the split's order it used (a fault-tolerant job's cursor counts them).
+    fn load(&mut self) -> (Vote, u64);
+
+    /// Runs the step on the batch loaded (in validation this rank may have none while others
+    /// do; it still takes part in the step's collectives). `iteration` is burn-train's count in
+    /// the split, from 1.
+    ///
+    /// # Errors
+    /// The step could not be taken: [`StepFault`].
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault>;
+
+    /// After the step: its outputs gathered for the metrics of the whole job. A training step's
+    /// change of state counts (the cursor moves on) before this; a validation step's after.
+    ///
+    /// # Errors
+    /// The gather failed.
+    fn report(&mut self) -> Result<()>;
+
+    /// After the split's last step (the rest of an accumulation, rank 0's buffers).
+    ///
+    /// # Errors
+    /// What could not be done: [`StepFault`].
+    fn finish(&mut self) -> std::result::Result<(), StepFault> {
+        Ok(())
+    }
+
+    /// Whether this rank saw a process asking to join (a fault-tolerant training split).
+    fn asks_join(&self) -> bool {
+        false
+    }
+
+    /// Whether a micro-step's gradients are pending (a join waits for the optimizer step).
+    fn mid_accumulation(&self) -> bool {
+        false
+    }
+
+    /// Stops this rank's training with `message` (the Learner's interrupter).
+    fn interrupt(&self, message: &str);
+}
+
+/// Where a split runs.
+#[derive(Debug)]
+pub struct SplitAt<'a> {
+    /// The group that votes.
+    pub pg: &'a ProcessGroup,
+    /// Which split.
+    pub split: Split,
+    /// Its epoch.
+    pub epoch: usize,
+    /// Where this rank's failure is recorded.
+    pub failure: &'a FailureSlot,
+    /// In a fault-tolerant job, where training is: the split starts at its iteration, moves it
+    /// on with every step, and ends with a change of membership when the group fails or a
+    /// process asks to join. `None` elsewhere: a failure stops training.
+    pub cursor: Option<&'a mut Cursor>,
+}
+
+/// What a step's fault does: a change of membership in a fault-tolerant job when it is a
+/// failure of the group, else training stops on this rank (aborting the group when this rank
+/// failed alone).
+fn fault(f: StepFault, at: &SplitAt<'_>, interrupt: impl FnOnce(&str)) -> Ended {
+    match f {
+        StepFault::Error(e) if at.cursor.is_some() && e.is_peer_failure() => {
+            Ended::Change(Change::Failed(e))
+        }
+        StepFault::Error(e) => {
+            vote::stop_with(e, at.failure, interrupt);
+            Ended::Stop
+        }
+        StepFault::Alone(what) => {
+            vote::fail_alone(at.pg, &what, at.failure, interrupt);
+            Ended::Stop
+        }
+    }
+}
+
+/// One split: before every step the ranks' vote, then `steps`' step and report, until the
+/// split's end, a stop, or (fault-tolerant) a change of membership.
+pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> Ended {
+    let ft = at.cursor.is_some();
+    let mut iteration = at.cursor.as_ref().map_or(0, |c| c.iteration);
+    let world = u64::from(at.pg.world_size().get());
+    // Positions of the epoch's order used by the micro-steps since the last optimizer step.
+    let mut pending = 0u64;
+    loop {
+        let (vote, items) = steps.load();
+        let interrupt = |m: &str| steps.interrupt(m);
+        let (turn, batch) = if ft {
+            let aside = Aside {
+                items,
+                join: steps.asks_join(),
+            };
+            match vote::try_turn(
+                at.pg, &vote, aside, at.split, at.epoch, at.failure, interrupt,
+            ) {
+                Ok((Turn::Step, heard)) if heard.join && !steps.mid_accumulation() => {
+                    return Ended::Change(Change::Grow)
+                }
+                Ok((turn, heard)) => (turn, heard.items),
+                Err(e) => return fault(e.into(), &at, |m| steps.interrupt(m)),
+            }
+        } else {
+            let turn = vote::turn(at.pg, &vote, at.split, at.epoch, at.failure, interrupt);
+            (turn, 0)
+        };
+        match turn {
+            Turn::Step => {}
+            Turn::End => break,
+            Turn::Stop => return Ended::Stop,
+        }
+        let stepped = match steps.step(iteration + 1) {
+            Ok(Stepped::NoBatch) => break,
+            Ok(s) => s,
+            Err(f) => return fault(f, &at, |m| steps.interrupt(m)),
+        };
+        iteration += 1;
+        pending += batch * world;
+        let mut moved = stepped == Stepped::Moved;
+        if at.split == Split::Training && moved {
+            step_cursor(at.cursor.as_deref_mut(), &mut pending, iteration);
+            moved = false;
+        }
+        if let Err(e) = steps.report() {
+            return fault(e.into(), &at, |m| steps.interrupt(m));
+        }
+        if moved {
+            step_cursor(at.cursor.as_deref_mut(), &mut pending, iteration);
+        }
+    }
+    match steps.finish() {
+        Ok(()) => Ended::Done,
+        Err(f) => fault(f, &at, |m| steps.interrupt(m)),
+    }
+}
+
+/// A step that moved training on, at the cursor.
+fn step_cursor(cursor: Option<&mut Cursor>, pending: &mut u64, iteration: usize) {
+    if let Some(c) = cursor {
+        c.done += std::mem::take(pending);
+        c.iteration = iteration;
+        c.progress += 1;
+    }
+}
+
+/// The last vote of an epoch (rank 0's `vote` says whether early stopping or a checkpoint
+/// stops training, every rank's whether its interrupter was set): the next epoch, a stop, or
+/// in a fault-tolerant job a change when the vote failed because of another rank.
+pub fn end_epoch(
+    pg: &ProcessGroup,
+    vote: &Vote,
+    failure: &FailureSlot,
+    fault_tolerant: bool,
+    interrupt: impl FnOnce(&str),
+) -> Ended {
+    match vote::agree(pg, vote) {
+        Err(e) if fault_tolerant && e.is_peer_failure() => Ended::Change(Change::Failed(e)),
+        decision => match vote::apply_decision(decision, pg.rank(), failure, interrupt) {
+            Flow::Continue => Ended::Done,
+            Flow::Stop => Ended::Stop,
+        },
+    }
+}
+
+/// A Burn line's Learner strategy as [`fit`] drives it.
+pub trait EpochDriver {
+    /// The group training runs on.
+    fn group(&self) -> &ProcessGroup;
+
+    /// The training split of `cursor`'s epoch: `run_split` over the line's [`SplitSteps`],
+    /// passing `cursor` on in a fault-tolerant job.
+    fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended;
+
+    /// The validation split, as [`train`](Self::train).
+    fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended;
+
+    /// The end of `epoch`: rank 0's checkpoint and early stop, then [`end_epoch`].
+    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended;
+
+    /// `epoch`'s validation is done (the run's summary counts the epochs completed).
+    fn validated(&mut self, epoch: usize);
+
+    /// Training stops on this rank because of `e` (a change of membership that failed).
+    fn stop_with(&mut self, e: DdpError);
+}
+
+/// What a Burn line's Learner strategy adds to [`EpochDriver`] for a fault-tolerant job
+/// ([`fit_fault_tolerant`]): the Learner's state as bytes for the ranks behind after a change
+/// of membership, and the model prepared anew on the new ranks.
+pub trait Handover: EpochDriver {
+    /// The Learner's state (model, optimizer, scheduler) at `cursor` as bytes, for the ranks
+    /// behind after a change of membership.
+    ///
+    /// # Errors
+    /// A record could not be serialised.
+    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>>;
+
+    /// Loads the bytes of another rank's [`snapshot`](Self::snapshot).
+    ///
+    /// # Errors
+    /// They are not a state of this Learner.
+    fn restore(&mut self, state: &[u8]) -> Result<()>;
+
+    /// Prepares the model again on the new membership (checks, transports).
+    ///
+    /// # Errors
+    /// What the preparation returns.
+    fn reprepare(&mut self) -> Result<()>;
+
+    /// The membership changed (`rec`), training goes on at `cursor`; the change began at
+    /// `began`.
+    fn changed(&mut self, rec: Recovery, cursor: &Cursor, began: Instant);
+}
+
+/// The epoch loop of a job that is not fault-tolerant, from the training of `start` to the end
+/// of `epochs` (or a stop): training, validation and the end of each epoch, where a failure
+/// stops training on every rank. Returns where it ended.
+pub fn fit<D: EpochDriver + ?Sized>(driver: &mut D, start: usize, epochs: usize) -> Cursor {
+    epoch_loop(driver, start, epochs, None, None::<OnChange<D>>)
+}
+
+/// [`fit`] in a fault-tolerant job: a failure of the group, a process asking to join, or this
+/// process's `admission` into the running job changes the membership ([`change`]), and training
+/// goes on from where the ranks are (no restart, no checkpoint reload).
+pub fn fit_fault_tolerant<D: Handover + ?Sized>(
+    driver: &mut D,
+    start: usize,
+    epochs: usize,
+    admission: Option<Recovery>,
+) -> Cursor {
+    let on_change = |driver: &mut D, c: Change, cursor: &mut Cursor| {
+        let began = Instant::now();
+        let rec = change(driver, c, cursor)?;
+        driver.changed(rec, cursor, began);
+        Ok(())
+    };
+    epoch_loop(
+        driver,
+        start,
+        epochs,
+        admission.map(Change::Admitted),
+        Some(on_change),
+    )
+}
+
+/// What a fault-tolerant loop does with a change of membership.
+type OnChange<D> = fn(&mut D, Change, &mut Cursor) -> Result<()>;
+
+/// The loop of [`fit`] and [`fit_fault_tolerant`]: the job is fault-tolerant when it has
+/// `on_change`.
+fn epoch_loop<D: EpochDriver + ?Sized>(
+    driver: &mut D,
+    start: usize,
+    epochs: usize,
+    mut pending: Option<Change>,
+    mut on_change: Option<impl FnMut(&mut D, Change, &mut Cursor) -> Result<()>>,
+) -> Cursor {
+    let fault_tolerant = on_change.is_some();
+    let mut cursor = Cursor::start(start);
+    loop {
+        if let (Some(c), Some(on_change)) = (pending.take(), on_change.as_mut()) {
+            if let Err(e) = on_change(driver, c, &mut cursor) {
+                driver.stop_with(e);
+                break;
+            }
+        }
+        if cursor.epoch > epochs {
+            break;
+        }
+        let ended = match cursor.phase {
+            Phase::Train => driver.train(&mut cursor, fault_tolerant),
+            Phase::Valid => driver.valid(&mut cursor, fault_tolerant),
+            Phase::End => driver.end_epoch(cursor.epoch, fault_tolerant),
+        };
+        match ended {
+            Ended::Done => {
+                if cursor.phase == Phase::Valid {
+                    driver.validated(cursor.epoch);
+                }
+                cursor.next_phase();
+            }
+            Ended::Stop => break,
+            Ended::Change(c) if fault_tolerant => pending = Some(c),
+            Ended::Change(c) => {
+                // `run_split` and `end_epoch` change the membership only when told the job is
+                // fault-tolerant; a driver that returns a change anyway stops training.
+                let rank = driver.group().rank();
+                driver.stop_with(DdpError::TrainingFailed {
+                    rank,
+                    culprit: rank,
+                    reason: format!(
+                        "a change of membership ({c:?}) in a job that is not fault-tolerant"
+                    ),
+                });
+                break;
+            }
+        }
+    }
+    cursor
+}
+
+/// A change of membership: agree on the next one (again if it fails meanwhile), move the state
+/// and the cursor from the rank with the most progress to the ranks behind, prepare the model
+/// on the new ranks.
+///
+/// # Errors
+/// The group could not agree, or this rank could not take the state or prepare the model.
+pub fn change<D: Handover + ?Sized>(
+    driver: &mut D,
+    mut change: Change,
+    cursor: &mut Cursor,
+) -> Result<Recovery> {
+    let pg = driver.group().clone();
+    loop {
+        let agreed = match change {
+            Change::Failed(ref e) => pg.recover(e, Some(cursor.progress)),
+            Change::Grow => pg.grow(Some(cursor.progress)),
+            Change::Admitted(ref rec) => Ok(rec.clone()),
+        };
+        let rec = match agreed {
+            Ok(rec) => rec,
+            Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+            Err(e) => return Err(e),
+        };
+        let moved = move_state(&pg, &rec, || {
+            let state = driver.snapshot(cursor)?;
+            Ok(frame(&[&cursor.encode(), &state]))
+        })
+        .and_then(|got| match got {
+            Some(bytes) => take_state(driver, &bytes, cursor, pg.rank()).map(|()| {
+                tracing::info!(
+                    "[rank {}] took the Learner's state from rank {} ({})",
+                    pg.rank(),
+                    rec.source,
+                    cursor.describe()
+                );
+            }),
+            None => Ok(()),
+        })
+        .and_then(|()| driver.reprepare());
+        match moved {
+            Ok(()) => return Ok(rec),
+            Err(e) if e.is_peer_failure() => {
+                tracing::warn!(
+                    "[rank {}] the change of membership failed ({e}); agreeing again",
+                    pg.rank()
+                );
+                change = Change::Failed(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Loads a state framed by [`change`]'s source: its cursor and the driver's snapshot.
+fn take_state<D: Handover + ?Sized>(
+    driver: &mut D,
+    bytes: &[u8],
+    cursor: &mut Cursor,
+    rank: crate::Rank,
+) -> Result<()> {
+    let bad = |why: &str| DdpError::Model {
+        rank,
+        what: "taking the Learner's state from the source rank",
+        reason: why.to_owned(),
+    };
+    let [at, state] =
+        unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
+    let at = Cursor::decode(&at).ok_or_else(|| bad("no training position"))?;
+    driver.restore(&state)?;
+    *cursor = at;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,350 @@
+//! The epoch loop with fake splits and a fake driver, on in-process groups.
+
+use std::cell::RefCell;
+use std::time::Duration;
+
+use super::*;
+use crate::{Timeouts, WorldSize};
+
+#[test]
+fn cursors_round_trip_and_garbage_is_refused() {
+    let mut c = Cursor::start(3);
+    c.done = 640;
+    c.iteration = 20;
+    c.progress = 77;
+    assert_eq!(Cursor::decode(&c.encode()), Some(c));
+    c.next_phase();
+    assert_eq!(
+        (c.phase, c.done, c.iteration, c.progress),
+        (Phase::Valid, 0, 0, 78)
+    );
+    c.next_phase();
+    c.next_phase();
+    assert_eq!((c.epoch, c.phase, c.progress), (4, Phase::Train, 80));
+    let mut bad = c.encode();
+    bad[8] = 7;
+    assert_eq!(Cursor::decode(&bad), None);
+    assert_eq!(Cursor::decode(&bad[..39]), None);
+}
+
+/// A split of `batches` batches of `items` items each, writing down what the loop asks.
+struct Fake {
+    batches: usize,
+    items: u64,
+    /// The iteration at which the step panics (as a Burn step would), if any.
+    panics_at: Option<usize>,
+    /// Micro-steps per optimizer step.
+    accumulation: usize,
+    loaded: bool,
+    log: RefCell<Vec<String>>,
+}
+
+impl Fake {
+    fn new(batches: usize) -> Self {
+        Self {
+            batches,
+            items: 4,
+            panics_at: None,
+            accumulation: 1,
+            loaded: false,
+            log: RefCell::default(),
+        }
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.log.borrow().clone()
+    }
+}
+
+impl SplitSteps for Fake {
+    fn load(&mut self) -> (Vote, u64) {
+        self.loaded = self.batches > 0;
+        if self.loaded {
+            self.batches -= 1;
+            (Vote::Item, self.items)
+        } else {
+            (Vote::NoItem, 0)
+        }
+    }
+
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+        if self.panics_at == Some(iteration) {
+            return Err(StepFault::Alone("the training step panicked: boom".into()));
+        }
+        self.log.borrow_mut().push(format!(
+            "step {iteration}{}",
+            if self.loaded { "" } else { " (no batch)" }
+        ));
+        Ok(if iteration.is_multiple_of(self.accumulation) {
+            Stepped::Moved
+        } else {
+            Stepped::Accumulated
+        })
+    }
+
+    fn report(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn finish(&mut self) -> std::result::Result<(), StepFault> {
+        self.log.borrow_mut().push("finish".into());
+        Ok(())
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.log.borrow_mut().push(format!("interrupt: {message}"));
+    }
+}
+
+/// Runs `split` on an in-process group of `world`, rank r with `fake(r)`; every rank's
+/// outcome, log and recorded failure.
+fn on_ranks(
+    world: u32,
+    split: Split,
+    fake: impl Fn(u32) -> Fake + Sync,
+) -> Vec<(String, Vec<String>, Option<DdpError>)> {
+    let groups = ProcessGroup::local(
+        WorldSize::new(world).unwrap(),
+        Timeouts::uniform(Duration::from_secs(20)),
+    );
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                let fake = &fake;
+                s.spawn(move || {
+                    let mut steps = fake(pg.rank().0);
+                    let failure = FailureSlot::default();
+                    let at = SplitAt {
+                        pg: &pg,
+                        split,
+                        epoch: 1,
+                        failure: &failure,
+                        cursor: None,
+                    };
+                    let ended = format!("{:?}", run_split(&mut steps, at));
+                    (ended, steps.log(), failure.take())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn training_ends_on_every_rank_when_one_runs_out() {
+    let out = on_ranks(2, Split::Training, |r| Fake::new(3 - r as usize));
+    for (ended, log, failure) in out {
+        assert_eq!(ended, "Done");
+        assert_eq!(log, ["step 1", "step 2", "finish"]);
+        assert!(failure.is_none());
+    }
+}
+
+#[test]
+fn validation_goes_on_while_any_rank_has_a_batch() {
+    let out = on_ranks(2, Split::Validation, |r| Fake::new(3 - r as usize));
+    assert_eq!(out[0].1, ["step 1", "step 2", "step 3", "finish"]);
+    assert_eq!(
+        out[1].1,
+        ["step 1", "step 2", "step 3 (no batch)", "finish"]
+    );
+}
+
+#[test]
+fn a_rank_failing_alone_stops_every_rank_naming_it() {
+    let out = on_ranks(3, Split::Training, |r| Fake {
+        panics_at: (r == 1).then_some(2),
+        ..Fake::new(5)
+    });
+    for (rank, (ended, log, failure)) in out.iter().enumerate() {
+        assert_eq!(ended, "Stop", "rank {rank}");
+        assert!(!log.contains(&"finish".to_owned()), "rank {rank}: {log:?}");
+        let failure = failure.as_ref().expect("every rank records a failure");
+        assert!(
+            failure.to_string().contains("rank 1"),
+            "rank {rank}: {failure}"
+        );
+    }
+    assert_eq!(
+        out[1].1.last().map(String::as_str),
+        Some("interrupt: the training step panicked: boom")
+    );
+}
+
+#[test]
+fn a_stop_vote_stops_every_rank_before_the_step() {
+    struct Stopping(Fake);
+    impl SplitSteps for Stopping {
+        fn load(&mut self) -> (Vote, u64) {
+            (Vote::Stop("early stopping".into()), 0)
+        }
+        fn step(&mut self, i: usize) -> std::result::Result<Stepped, StepFault> {
+            self.0.step(i)
+        }
+        fn report(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn interrupt(&self, message: &str) {
+            self.0.interrupt(message);
+        }
+    }
+    let pg = ProcessGroup::local(
+        WorldSize::new(1).unwrap(),
+        Timeouts::uniform(Duration::from_secs(20)),
+    )
+    .remove(0);
+    let failure = FailureSlot::default();
+    let mut steps = Stopping(Fake::new(2));
+    let at = SplitAt {
+        pg: &pg,
+        split: Split::Training,
+        epoch: 1,
+        failure: &failure,
+        cursor: None,
+    };
+    assert!(matches!(run_split(&mut steps, at), Ended::Stop));
+    assert_eq!(steps.0.log(), ["interrupt: rank 0: early stopping"]);
+    assert!(failure.take().is_none());
+}
+
+#[test]
+fn the_cursor_counts_optimizer_steps_and_the_positions_they_used() {
+    let pg = ProcessGroup::local(
+        WorldSize::new(1).unwrap(),
+        Timeouts::uniform(Duration::from_secs(20)),
+    )
+    .remove(0);
+    let failure = FailureSlot::default();
+    let mut cursor = Cursor::start(1);
+    cursor.iteration = 2;
+    cursor.done = 8;
+    let mut steps = Fake {
+        accumulation: 2,
+        ..Fake::new(5)
+    };
+    let at = SplitAt {
+        pg: &pg,
+        split: Split::Training,
+        epoch: 1,
+        failure: &failure,
+        cursor: Some(&mut cursor),
+    };
+    assert!(matches!(run_split(&mut steps, at), Ended::Done));
+    // Five micro-steps from iteration 3 (the cursor's): optimizer steps at 4 and 6; the last
+    // micro-step (7) is not counted until an optimizer step uses it.
+    assert_eq!(
+        steps.log(),
+        ["step 3", "step 4", "step 5", "step 6", "step 7", "finish"]
+    );
+    assert_eq!((cursor.iteration, cursor.done, cursor.progress), (6, 24, 2));
+}
+
+/// A driver whose splits are [`Fake`]s of `batches`, stopping at the end of `stop_after`.
+struct Driver {
+    pg: ProcessGroup,
+    failure: FailureSlot,
+    batches: usize,
+    stop_after: Option<usize>,
+    log: Vec<String>,
+}
+
+impl Driver {
+    fn split(&mut self, split: Split, cursor: &mut Cursor, ft: bool) -> Ended {
+        let mut steps = Fake::new(self.batches);
+        let at = SplitAt {
+            pg: &self.pg,
+            split,
+            epoch: cursor.epoch,
+            failure: &self.failure,
+            cursor: ft.then_some(cursor),
+        };
+        let ended = run_split(&mut steps, at);
+        self.log
+            .push(format!("{split:?} {}", steps.log().join(", ")));
+        ended
+    }
+}
+
+impl EpochDriver for Driver {
+    fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+    fn train(&mut self, cursor: &mut Cursor, ft: bool) -> Ended {
+        self.split(Split::Training, cursor, ft)
+    }
+    fn valid(&mut self, cursor: &mut Cursor, ft: bool) -> Ended {
+        self.split(Split::Validation, cursor, ft)
+    }
+    fn end_epoch(&mut self, epoch: usize, ft: bool) -> Ended {
+        let vote = match self.stop_after {
+            Some(e) if e == epoch => Vote::Stop(format!("early stopping after epoch {epoch}")),
+            _ => Vote::Item,
+        };
+        self.log.push(format!("end {epoch}"));
+        let log = RefCell::new(Vec::new());
+        let ended = end_epoch(&self.pg, &vote, &self.failure, ft, |m| {
+            log.borrow_mut().push(m.to_owned());
+        });
+        self.log.extend(log.into_inner());
+        ended
+    }
+    fn validated(&mut self, epoch: usize) {
+        self.log.push(format!("validated {epoch}"));
+    }
+    fn stop_with(&mut self, e: DdpError) {
+        self.log.push(format!("stop: {e}"));
+    }
+}
+
+fn driver(batches: usize, stop_after: Option<usize>) -> Driver {
+    Driver {
+        pg: ProcessGroup::local(
+            WorldSize::new(1).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        )
+        .remove(0),
+        failure: FailureSlot::default(),
+        batches,
+        stop_after,
+        log: Vec::new(),
+    }
+}
+
+#[test]
+fn fit_runs_every_phase_of_every_epoch_from_the_start_epoch() {
+    let mut d = driver(1, None);
+    let end = fit(&mut d, 2, 3);
+    assert_eq!(
+        d.log,
+        [
+            "Training step 1, finish",
+            "Validation step 1, finish",
+            "validated 2",
+            "end 2",
+            "Training step 1, finish",
+            "Validation step 1, finish",
+            "validated 3",
+            "end 3",
+        ]
+    );
+    assert_eq!((end.epoch, end.phase, end.progress), (4, Phase::Train, 6));
+}
+
+#[test]
+fn fit_ends_where_the_epoch_vote_says_stop() {
+    let mut d = driver(0, Some(1));
+    let end = fit(&mut d, 1, 5);
+    assert_eq!(
+        d.log,
+        [
+            "Training finish",
+            "Validation finish",
+            "validated 1",
+            "end 1",
+            "rank 0: early stopping after epoch 1",
+        ]
+    );
+    assert_eq!((end.epoch, end.phase), (1, Phase::End));
+    assert!(d.failure.take().is_none());
+}

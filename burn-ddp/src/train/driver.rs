@@ -1,0 +1,349 @@
+//! [`DdpStrategy`]'s run on burn-train 0.21 as the core's epoch loop drives it
+//! (burn-ddp-comm's `train::epoch::fit`): each split over the Learner's loaders
+//! (`splits.rs`), the end of an epoch (rank 0's checkpoint and early stop, then every rank's
+//! vote), and in a fault-tolerant job the Learner's state moved after a change of membership
+//! (`fault.rs`).
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, Module};
+use burn::optim::GradientsAccumulator;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{
+    CloneEarlyStoppingStrategy, EventProcessorTraining, Interrupter, Learner, LearnerEvent,
+    LearningCheckpointer, LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainingComponents, TrainingModel, ValidLoader,
+};
+use burn_backend::BackendTypes;
+use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover, SplitAt};
+use burn_ddp_comm::train::vote::{Split, Vote};
+
+use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
+use super::{DdpStrategy, DistributedItem};
+use crate::{Ddp, DdpError, DdpModule, ProcessGroup, Recovery, Result};
+
+/// One run of [`DdpStrategy::fit_from`]: the Learner, its loaders and its components.
+struct Run<'s, B: Backend, LC: LearningComponentsTypes> {
+    strategy: &'s DdpStrategy<B>,
+    learner: Learner<LC>,
+    train: TrainLoader<LC>,
+    valid: ValidLoader<LC>,
+    processor: SupervisedTrainingEventProcessor<LC>,
+    checkpointer: Option<LearningCheckpointer<LC>>,
+    early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
+    interrupter: Interrupter,
+    store: std::sync::Arc<EventStoreClient>,
+    accumulation: Option<usize>,
+    epochs: usize,
+    /// Whether this rank's dashboard was started (rank 0's was; a rank that becomes rank 0
+    /// starts its own).
+    shown: bool,
+}
+
+impl<B, LC> Run<'_, B, LC>
+where
+    B: Backend,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+{
+    /// The epoch and split of `cursor` in a fault-tolerant job: every sampler deals the rest of
+    /// it over the current membership (then each split's loader is sliced anew: a
+    /// multi-threaded loader splits its dataset once). Elsewhere the samplers' epoch is set at
+    /// the start of training.
+    fn deal(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<()> {
+        if fault_tolerant {
+            self.strategy.deal(cursor)
+        } else {
+            if cursor.phase == epoch::Phase::Train {
+                self.strategy.set_epoch(cursor.epoch);
+            }
+            Ok(())
+        }
+    }
+}
+
+impl<B, LC> EpochDriver for Run<'_, B, LC>
+where
+    B: Backend,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    LC::TrainingModel: DdpModule,
+    TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
+    ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+{
+    fn group(&self) -> &ProcessGroup {
+        self.strategy.session.group()
+    }
+
+    fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
+        if let Err(e) = self.deal(cursor, fault_tolerant) {
+            self.stop_with(e);
+            return Ended::Stop;
+        }
+        let loader = if fault_tolerant {
+            self.train.slice(0, self.train.num_items())
+        } else {
+            self.train.clone()
+        };
+        let pg = self.group().clone();
+        let failure = self.strategy.failure.clone();
+        let epoch = cursor.epoch;
+        let Run {
+            strategy,
+            learner,
+            processor,
+            interrupter,
+            accumulation,
+            epochs,
+            ..
+        } = self;
+        let mut split = TrainSplit {
+            parts: SplitParts::new(
+                strategy,
+                processor,
+                interrupter,
+                cursor,
+                *epochs,
+                fault_tolerant,
+            ),
+            learner,
+            iter: loader.iter(),
+            accumulation: *accumulation,
+            accumulator: GradientsAccumulator::new(),
+            accumulated: 0,
+            item: None,
+            out: None,
+        };
+        epoch::run_split(
+            &mut split,
+            SplitAt {
+                pg: &pg,
+                split: Split::Training,
+                epoch,
+                failure: &failure,
+                cursor: fault_tolerant.then_some(cursor),
+            },
+        )
+    }
+
+    fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
+        if let Err(e) = self.deal(cursor, fault_tolerant) {
+            self.stop_with(e);
+            return Ended::Stop;
+        }
+        let loader = if fault_tolerant {
+            self.valid.slice(0, self.valid.num_items())
+        } else {
+            self.valid.clone()
+        };
+        let pg = self.group().clone();
+        let failure = self.strategy.failure.clone();
+        let epoch = cursor.epoch;
+        let mut split: ValidSplit<'_, B, LC> = ValidSplit {
+            model: self.learner.model().valid(),
+            parts: SplitParts::new(
+                self.strategy,
+                &mut self.processor,
+                &self.interrupter,
+                cursor,
+                self.epochs,
+                fault_tolerant,
+            ),
+            iter: loader.iter(),
+            item: None,
+            out: None,
+        };
+        epoch::run_split(
+            &mut split,
+            SplitAt {
+                pg: &pg,
+                split: Split::Validation,
+                epoch,
+                failure: &failure,
+                cursor: fault_tolerant.then_some(cursor),
+            },
+        )
+    }
+
+    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
+        let mut vote = Vote::Item;
+        if self.strategy.is_main() {
+            if let Some(c) = &mut self.checkpointer {
+                c.checkpoint(&self.learner, epoch, &self.store);
+            }
+            if let Some(es) = &mut self.early_stopping {
+                if es.should_stop(epoch, &self.store) {
+                    vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+                }
+            }
+        }
+        if self.interrupter.should_stop() {
+            vote = interrupted(&self.interrupter, &self.strategy.written);
+        }
+        let interrupter = &self.interrupter;
+        epoch::end_epoch(
+            self.strategy.session.group(),
+            &vote,
+            &self.strategy.failure,
+            fault_tolerant,
+            |m| interrupter.stop(Some(m)),
+        )
+    }
+
+    fn validated(&mut self, epoch: usize) {
+        self.strategy.completed.store(epoch, Ordering::Relaxed);
+    }
+
+    fn stop_with(&mut self, e: DdpError) {
+        self.strategy.stop_with(e, &self.interrupter);
+    }
+}
+
+impl<B, LC> Handover for Run<'_, B, LC>
+where
+    B: Backend,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    LC::TrainingModel: DdpModule,
+    TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
+    ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+{
+    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>> {
+        self.strategy
+            .snapshot(&self.learner, cursor.epoch, &self.store)
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<()> {
+        self.strategy.restore_snapshot(&mut self.learner, state)
+    }
+
+    fn reprepare(&mut self) -> Result<()> {
+        let model = self.strategy.session.reprepare(self.learner.model())?;
+        self.learner.load_model(model.into_record());
+        Ok(())
+    }
+
+    fn changed(&mut self, rec: Recovery, cursor: &Cursor, began: Instant) {
+        let ddp = self.strategy;
+        if ddp.is_main() && !self.shown {
+            self.processor.process_train(LearnerEvent::Start);
+            self.shown = true;
+        }
+        ddp.board.changed(&rec, &cursor.describe());
+        if ddp.is_main() {
+            // The dashboard of this mode is the progress lines, on rank 0.
+            println!("[membership] {} (at {})", rec.summary(), cursor.describe());
+        }
+        *ddp.first_step.lock().unwrap_or_else(|p| p.into_inner()) = Some((rec.epoch, began));
+        ddp.changed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(rec);
+    }
+}
+
+impl<B: Backend> DdpStrategy<B> {
+    /// The epoch loops from `starting_epoch` (burn-ddp-comm's `train::epoch::fit`): training,
+    /// validation, the end of each epoch. In a fault-tolerant job, a failure of the group (or a
+    /// process asking to join, or this process's `admission` into the running job) changes the
+    /// membership, moves the state to the ranks behind, re-deals the rest of the epoch over the
+    /// new ranks, and goes on from where the ranks are (no restart, no checkpoint reload).
+    /// Elsewhere a failure stops training.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn fit_from<LC>(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+        admission: Option<Recovery>,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>)
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+        LC::TrainingModel: DdpModule,
+        TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
+        ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+    {
+        let ft = self.session.group().is_fault_tolerant();
+        let epochs = components.num_epochs;
+        let mut run = Run {
+            strategy: self,
+            learner,
+            train: dataloader_train.to_device(&self.device),
+            valid: dataloader_valid.to_device(&self.device),
+            processor: components.event_processor,
+            checkpointer: components.checkpointer,
+            early_stopping: components.early_stopping,
+            interrupter: components.interrupter,
+            store: components.event_store,
+            accumulation: components.grad_accumulation,
+            epochs,
+            shown: self.is_main(),
+        };
+        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
+        let cursor = if ft {
+            epoch::fit_fault_tolerant(&mut run, starting_epoch, epochs, admission)
+        } else {
+            epoch::fit(&mut run, starting_epoch, epochs)
+        };
+        let Run {
+            learner,
+            processor,
+            checkpointer,
+            interrupter,
+            ..
+        } = run;
+        drop(checkpointer);
+        // The samplers deal their whole epoch over the last membership again, for what the
+        // program does after training (an evaluation over the validation data).
+        let whole = Cursor::start(cursor.epoch.min(epochs));
+        if let Err(e) = self.deal(&whole) {
+            tracing::warn!(
+                "[rank {}] re-dealing the data after training: {e}",
+                self.rank()
+            );
+        }
+        // One last vote, so that a checkpoint rank 0 could not write fails every rank. Ranks
+        // lost at this point no longer matter: training is over.
+        if self.failure.message().is_some() {
+            // This rank's training failed already (it could not rejoin, say): no last vote.
+            return (learner.model(), processor);
+        }
+        let last = match self.written.message() {
+            Some(e) => Vote::Failed(e),
+            None => Vote::Item,
+        };
+        match self.agree(last) {
+            Err(e) if e.is_peer_failure() => tracing::warn!(
+                "[rank {}] training is over; the last vote failed ({e}): not waiting for the \
+                 ranks lost meanwhile",
+                self.rank()
+            ),
+            decision => {
+                self.apply_decision(decision, &interrupter);
+            }
+        }
+        (learner.model(), processor)
+    }
+
+    /// After the first optimizer step of a new membership, rank 0 says how long the change
+    /// took.
+    pub(super) fn first_step_done(&self) {
+        let first = self
+            .first_step
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let (Some((membership, since)), true) = (first, self.is_main()) {
+            println!(
+                "[membership] the first step of membership epoch {membership} is done, {} ms \
+                 after the change began",
+                since.elapsed().as_millis()
+            );
+        }
+    }
+}

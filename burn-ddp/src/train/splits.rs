@@ -1,0 +1,352 @@
+//! The two splits of an epoch on burn-train 0.21, as the core's epoch loop runs them
+//! (burn-ddp-comm's `train::epoch::run_split`): loading a batch and voting on it, one step,
+//! the step's outputs gathered for rank 0's metrics, the end of the split.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use burn::data::dataloader::{DataLoaderIterator, Progress};
+use burn::module::Module;
+use burn::optim::GradientsAccumulator;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
+    LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
+};
+use burn_backend::BackendTypes;
+use burn_ddp_comm::train::epoch::{Cursor, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::vote::{panic_text, FailureSlot, Vote};
+
+use super::{item, DdpStrategy, DistributedItem};
+use crate::{Ddp, Result};
+
+pub(super) type TrainIn<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Input;
+pub(super) type TrainOut<LC> =
+    <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
+pub(super) type ValidIn<LC> =
+    <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Input;
+pub(super) type ValidOut<LC> =
+    <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
+
+/// The next batch of `iter` and this rank's vote about it: a batch, none left, a stop asked
+/// for (the interrupter), or a failure (a checkpoint rank 0 could not write, a panic while
+/// loading the batch).
+fn next_batch<I>(
+    iter: &mut dyn DataLoaderIterator<I>,
+    interrupter: &Interrupter,
+    written: &FailureSlot,
+    split: &str,
+) -> (Option<I>, Vote) {
+    if let Some(e) = written.message() {
+        return (None, Vote::Failed(e));
+    }
+    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
+        Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
+        Ok(Some(_)) => (None, interrupted(interrupter, written)),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => (
+            None,
+            Vote::Failed(format!(
+                "loading a {split} batch panicked: {}",
+                panic_text(&*p)
+            )),
+        ),
+    }
+}
+
+/// The vote of a rank whose interrupter was set: a failure if a checkpoint could not be written
+/// (Burn's checkpointer reports it as a stop), else a stop with the interrupter's message.
+pub(super) fn interrupted(interrupter: &Interrupter, written: &FailureSlot) -> Vote {
+    match written.message() {
+        Some(e) => Vote::Failed(e),
+        None => Vote::Stop(
+            interrupter
+                .get_message()
+                .unwrap_or_else(|| "interrupted".into()),
+        ),
+    }
+}
+
+/// The batch `iter` gives next, and the positions of the split's order it used.
+fn load<I>(
+    iter: &mut dyn DataLoaderIterator<I>,
+    interrupter: &Interrupter,
+    written: &FailureSlot,
+    split: &str,
+) -> (Option<I>, Vote, u64) {
+    let before = iter.progress().items_processed;
+    let (item, vote) = next_batch(iter, interrupter, written, split);
+    let used = iter.progress().items_processed.saturating_sub(before);
+    (item, vote, used as u64)
+}
+
+impl<B: Backend> DdpStrategy<B> {
+    /// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
+    /// `DdpConfig::broadcast_buffers` is on (the default).
+    pub(super) fn sync_buffers<LC>(&self, learner: &mut Learner<LC>) -> Result<()>
+    where
+        LC: LearningComponentsTypes,
+        LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    {
+        let model = learner.model();
+        if !self.session.buffers_to_sync(&model) {
+            return Ok(());
+        }
+        let model = self
+            .session
+            .broadcast_buffers(model, crate::group::Rank(0))?;
+        learner.load_model(model.into_record());
+        Ok(())
+    }
+}
+
+/// What both splits hold besides their model.
+pub(super) struct SplitParts<'r, B: Backend, LC: LearningComponentsTypes> {
+    strategy: &'r DdpStrategy<B>,
+    processor: &'r mut SupervisedTrainingEventProcessor<LC>,
+    interrupter: &'r Interrupter,
+    /// The epoch, of how many.
+    global: Progress,
+    /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
+    base: u64,
+    /// Whether the job is fault-tolerant.
+    fault_tolerant: bool,
+}
+
+impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
+    /// The parts of a split of `cursor`'s epoch, of `epochs`.
+    pub(super) fn new(
+        strategy: &'r DdpStrategy<B>,
+        processor: &'r mut SupervisedTrainingEventProcessor<LC>,
+        interrupter: &'r Interrupter,
+        cursor: &Cursor,
+        epochs: usize,
+        fault_tolerant: bool,
+    ) -> Self {
+        Self {
+            strategy,
+            processor,
+            interrupter,
+            global: Progress {
+                items_processed: cursor.epoch,
+                items_total: epochs,
+            },
+            base: if fault_tolerant { cursor.done } else { 0 },
+            fault_tolerant,
+        }
+    }
+}
+
+/// The training split: burn-train's learner, its loader, gradient accumulation.
+pub(super) struct TrainSplit<'r, B: Backend, LC: LearningComponentsTypes> {
+    pub(super) parts: SplitParts<'r, B, LC>,
+    pub(super) learner: &'r mut Learner<LC>,
+    pub(super) iter: Box<dyn DataLoaderIterator<TrainIn<LC>> + 'r>,
+    pub(super) accumulation: Option<usize>,
+    pub(super) accumulator: GradientsAccumulator<LC::TrainingModel>,
+    pub(super) accumulated: usize,
+    pub(super) item: Option<TrainIn<LC>>,
+    /// The last step's output item, its progress and iteration, for `report`.
+    pub(super) out: Option<(TrainOut<LC>, Progress, usize)>,
+}
+
+impl<B, LC> SplitSteps for TrainSplit<'_, B, LC>
+where
+    B: Backend,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
+{
+    fn load(&mut self) -> (Vote, u64) {
+        let p = &self.parts;
+        let (item, vote, used) = load(
+            &mut *self.iter,
+            p.interrupter,
+            &p.strategy.written,
+            "training",
+        );
+        self.item = item;
+        (vote, used)
+    }
+
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+        let Some(item) = self.item.take() else {
+            return Ok(Stepped::NoBatch);
+        };
+        let ddp = self.parts.strategy;
+        let session = &ddp.session;
+        ddp.sync_buffers(self.learner)?;
+        let progress = ddp.global(self.iter.progress(), self.parts.base);
+        let learner = &mut *self.learner;
+        let step = catch_unwind(AssertUnwindSafe(|| match self.accumulation {
+            Some(_) => {
+                let _local = session.no_sync();
+                learner.train_step(item)
+            }
+            None => learner.train_step(item),
+        }));
+        let out = step.map_err(|p| {
+            StepFault::Alone(format!("the training step panicked: {}", panic_text(&*p)))
+        })?;
+        session.check()?;
+        let stepped = match self.accumulation {
+            Some(k) => {
+                learner.lr_step();
+                self.accumulator.accumulate(&learner.model(), out.grads);
+                self.accumulated += 1;
+                if self.accumulated >= k {
+                    let grads =
+                        session.sync_gradients(&learner.model(), self.accumulator.grads())?;
+                    learner.optimizer_step(grads);
+                    self.accumulated = 0;
+                    Stepped::Moved
+                } else {
+                    Stepped::Accumulated
+                }
+            }
+            // Parameters this rank's batch did not use but others' did get the average.
+            None => {
+                let grads = session.complete(&learner.model(), out.grads)?;
+                // After the synchronisation: a step that failed leaves the schedule where it
+                // was.
+                learner.lr_step();
+                learner.optimizer_step(grads);
+                Stepped::Moved
+            }
+        };
+        if stepped == Stepped::Moved && self.parts.fault_tolerant {
+            ddp.first_step_done();
+        }
+        self.out = Some((out.item, progress, iteration));
+        Ok(stepped)
+    }
+
+    fn report(&mut self) -> Result<()> {
+        let Some((out, progress, iteration)) = self.out.take() else {
+            return Ok(());
+        };
+        let p = &mut self.parts;
+        if let Some(merged) =
+            item::gather(p.strategy.session.group(), Some(out), &p.strategy.device)?
+        {
+            p.processor
+                .process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
+                    merged,
+                    progress,
+                    p.global.clone(),
+                    Some(iteration),
+                    Some(self.learner.lr_current()),
+                )));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> std::result::Result<(), StepFault> {
+        // Validation and the checkpoint see rank 0's buffers on every rank.
+        self.parts.strategy.sync_buffers(self.learner)?;
+        if self.parts.strategy.is_main() {
+            let epoch = self.parts.global.items_processed;
+            self.parts
+                .processor
+                .process_train(LearnerEvent::EndEpoch(epoch));
+        }
+        Ok(())
+    }
+
+    fn asks_join(&self) -> bool {
+        self.parts.strategy.session.group().join_pending()
+    }
+
+    fn mid_accumulation(&self) -> bool {
+        self.accumulated != 0
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.parts.interrupter.stop(Some(message));
+    }
+}
+
+/// The validation split: the model in inference mode over its loader.
+pub(super) struct ValidSplit<'r, B: Backend, LC: LearningComponentsTypes> {
+    pub(super) parts: SplitParts<'r, B, LC>,
+    pub(super) model: LC::InferenceModel,
+    pub(super) iter: Box<dyn DataLoaderIterator<ValidIn<LC>> + 'r>,
+    pub(super) item: Option<ValidIn<LC>>,
+    /// The last step's output (none on a rank without a batch), its progress and iteration.
+    pub(super) out: Option<(Option<ValidOut<LC>>, Progress, usize)>,
+}
+
+impl<B, LC> SplitSteps for ValidSplit<'_, B, LC>
+where
+    B: Backend,
+    LC: LearningComponentsTypes,
+    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
+    ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
+{
+    fn load(&mut self) -> (Vote, u64) {
+        let p = &self.parts;
+        let (item, vote, used) = load(
+            &mut *self.iter,
+            p.interrupter,
+            &p.strategy.written,
+            "validation",
+        );
+        self.item = item;
+        (vote, used)
+    }
+
+    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+        let progress = self
+            .parts
+            .strategy
+            .global(self.iter.progress(), self.parts.base);
+        let model = &self.model;
+        let out = match self
+            .item
+            .take()
+            .map(|i| catch_unwind(AssertUnwindSafe(|| model.step(i))))
+        {
+            Some(Ok(out)) => Some(out),
+            Some(Err(p)) => {
+                return Err(StepFault::Alone(format!(
+                    "the validation step panicked: {}",
+                    panic_text(&*p)
+                )))
+            }
+            None => None,
+        };
+        self.out = Some((out, progress, iteration));
+        Ok(Stepped::Moved)
+    }
+
+    fn report(&mut self) -> Result<()> {
+        let Some((out, progress, iteration)) = self.out.take() else {
+            return Ok(());
+        };
+        let p = &mut self.parts;
+        if let Some(merged) = item::gather(p.strategy.session.group(), out, &p.strategy.device)? {
+            p.processor
+                .process_valid(LearnerEvent::ProcessedItem(TrainingItem::new(
+                    merged,
+                    progress,
+                    p.global.clone(),
+                    Some(iteration),
+                    None,
+                )));
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> std::result::Result<(), StepFault> {
+        if self.parts.strategy.is_main() {
+            let epoch = self.parts.global.items_processed;
+            self.parts
+                .processor
+                .process_valid(LearnerEvent::EndEpoch(epoch));
+        }
+        Ok(())
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.parts.interrupter.stop(Some(message));
+    }
+}
