@@ -22,8 +22,8 @@ const CORE: &[(&str, u8)] = &[
     ("grad", 7),
     ("data", 7),
     ("cuda", 7),
-    ("train", 7),
     ("pipeline", 7),
+    ("train", 8),
     ("launch", 8),
     ("fuzzing", 9),
 ];

@@ -290,6 +290,13 @@ impl DevicePath {
         }))
     }
 
+    /// Aborts the communicator (after a change of membership: its peers may be gone), without
+    /// publishing an abort record (the job's belongs to the new membership); the launcher
+    /// thread ends when the path is dropped.
+    pub(crate) fn abort(self) {
+        self.comm.abort();
+    }
+
     /// Reduces `grads` of `model` over the GPU path (see the module documentation).
     ///
     /// # Errors

@@ -8,8 +8,8 @@ use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
-    check_same_params, digest, BucketOrder, BucketPlan, HostSync, Join, JoinCall, ParamInfo,
-    ReplicaCheck,
+    check_same_params, digest, BucketOrder, BucketPlan, HostSync, Join, JoinCall, NotCarried,
+    ParamInfo, ReplicaCheck,
 };
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
@@ -56,7 +56,8 @@ impl GradSync {
     ///
     /// # Errors
     /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
-    /// `cuda` feature; the communication thread cannot be started.
+    /// `cuda` feature; PowerSGD in a fault-tolerant job ([`DdpError::NotFaultTolerant`]); the
+    /// communication thread cannot be started.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
@@ -66,6 +67,9 @@ impl GradSync {
                 field: "DdpConfig::transport",
                 reason: "GradTransport::Nccl needs burn-ddp-burn022's `cuda` feature",
             });
+        }
+        if config.power_sgd.is_some() {
+            NotCarried::PowerSgd.refuse_on(&pg)?;
         }
         let host = HostSync::start(&pg, &config)?;
         Ok(Self {
@@ -141,12 +145,41 @@ impl GradSync {
     /// on a CUDA device and others' not; NCCL set-up failures that `GradTransport::Auto` does
     /// not fall back from; collective failures.
     pub fn prepare<M: Module>(&mut self, model: M) -> Result<M> {
+        self.prepare_with(model, true)
+    }
+
+    /// After a change of membership of a fault-tolerant job (`burn-ddp run --fault-tolerant`),
+    /// on every rank of the new one, with the ranks' models equal (the ranks behind took the
+    /// state of the rank ahead): drops what belonged to the membership before (the host
+    /// thread's partial step, the NCCL communicator, the count of steps between replica
+    /// checks), then checks the model across the new ranks and plans its buckets (and NCCL) as
+    /// [`prepare`](Self::prepare) does, without loading rank 0's weights.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    pub fn reprepare<M: Module>(&mut self, model: M) -> Result<M> {
+        self.host = HostSync::start(&self.pg, &self.config)?;
+        self.replicas = ReplicaCheck::new(self.config.check_replicas_every);
+        self.join = None;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.device.take() {
+            device.abort();
+        }
+        self.prepare_with(model, false)
+    }
+
+    /// [`prepare`](Self::prepare), loading rank 0's record on every rank when `load`.
+    fn prepare_with<M: Module>(&mut self, model: M, load: bool) -> Result<M> {
         let rank = self.pg.rank();
         let described = describe(&model);
         let all: Vec<ParamInfo> = described.iter().map(|(i, _)| i.clone()).collect();
         check_same_params(&self.pg, &all)?;
 
-        let model = self.load_from(model, Rank(0))?;
+        let model = if load {
+            self.load_from(model, Rank(0))?
+        } else {
+            model
+        };
 
         let trainable = describe(&model)
             .into_iter()
@@ -305,12 +338,14 @@ impl GradSync {
     /// # Errors
     /// What `train` returns (this rank then leaves the join at once, and the other ranks'
     /// next collective fails naming it); ranks that make different calls inside the join
-    /// (naming who calls what); a nested `join`; collective failures.
+    /// (naming who calls what); a nested `join`; a fault-tolerant job
+    /// ([`DdpError::NotFaultTolerant`]); collective failures.
     pub fn join<M, F>(&mut self, model: M, train: F) -> Result<M>
     where
         M: Module,
         F: FnOnce(&mut Self, M) -> Result<M>,
     {
+        NotCarried::Join.refuse_on(&self.pg)?;
         if self.join.is_some() {
             return Err(DdpError::Model {
                 rank: self.pg.rank(),

@@ -152,8 +152,10 @@ impl GradSync {
     ///
     /// # Errors
     /// [`prepare`](Self::prepare) was not called, or `model` has other trainable parameters
-    /// than the prepared one.
+    /// than the prepared one; a fault-tolerant job ([`DdpError::NotFaultTolerant`]: a lost
+    /// rank would take its shard of the optimizer state with it).
     pub fn zero<M: Module>(&self, optim: ModuleOptimizer, model: &M) -> Result<ZeroOptimizer> {
+        burn_ddp_comm::grad::NotCarried::Zero.refuse_on(self.group())?;
         let rank = self.group().rank();
         let prepared = self.trainable_count().ok_or_else(|| DdpError::Model {
             rank,

@@ -6,6 +6,7 @@
 //! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
+//! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
 //! - [`diff`]: the lines a migration changed
 //! - [`args`]: the step benchmarks' command line
 //! - [`images`]: the classifier examples' generated images and MNIST reader
@@ -13,6 +14,7 @@
 pub mod args;
 pub mod compare;
 pub mod diff;
+pub mod fault;
 pub mod images;
 pub mod procs;
 pub mod spawned;

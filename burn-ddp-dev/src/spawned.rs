@@ -268,3 +268,55 @@ pub fn assert_summarised_as_one_epoch(stdout: &str, dir: &std::path::Path) {
         "expected one completed epoch in the summary:\n{stdout}"
     );
 }
+
+/// Waits until `log` contains `needle` (or `deadline` passes: then panics with the log).
+pub fn wait_for(log: &Path, needle: &str, limit: Duration) -> Instant {
+    let deadline = Instant::now() + limit;
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{needle:?} not in {} within {limit:?}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until every path exists.
+pub fn wait_for_files(paths: &[PathBuf], limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while !paths.iter().all(|p| p.exists()) {
+        assert!(
+            Instant::now() < deadline,
+            "{paths:?} not written within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `child` to end within `limit` (else kills it and panics with `log`).
+pub fn finish(child: &mut Child, log: &Path, limit: Duration) -> (bool, String) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return (
+                status.success(),
+                std::fs::read_to_string(log).unwrap_or_default(),
+            );
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{} did not end within {limit:?}:\n{}",
+                log.display(),
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

@@ -7,10 +7,9 @@
 //! why: such a test fails, it never passes without having run.
 
 use std::fs::File;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::{Duration, Instant};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -144,54 +143,5 @@ impl Drop for Net {
     }
 }
 
-/// Waits until `log` contains `needle` (or `deadline` passes: then panics with the log).
-pub fn wait_for(log: &Path, needle: &str, limit: Duration) -> Instant {
-    let deadline = Instant::now() + limit;
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if text.contains(needle) {
-            return Instant::now();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{needle:?} not in {} within {limit:?}:\n{text}",
-            log.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits until every path exists.
-pub fn wait_for_files(paths: &[PathBuf], limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while !paths.iter().all(|p| p.exists()) {
-        assert!(
-            Instant::now() < deadline,
-            "{paths:?} not written within {limit:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Waits for `child` to end within `limit` (else kills it and panics with `log`).
-pub fn finish(child: &mut Child, log: &Path, limit: Duration) -> (bool, String) {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return (
-                status.success(),
-                std::fs::read_to_string(log).unwrap_or_default(),
-            );
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{} did not end within {limit:?}:\n{}",
-                log.display(),
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
+#[allow(unused_imports)] // each test binary uses some of them
+pub use burn_ddp_dev::spawned::{finish, wait_for, wait_for_files};

@@ -163,7 +163,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
     }
 
     let accuracy = evaluate(&result.model, &*test_loader, &pg)?;
-    if main {
+    // In a fault-tolerant job (`burn-ddp run --fault-tolerant`) rank 0 may have changed.
+    if pg.is_main() {
         println!(
             "final test accuracy: {:.2}% ({:.1} s; logs, metrics and checkpoints in {})",
             100.0 * accuracy,

@@ -1,23 +1,28 @@
 //! [`DdpStrategy`]'s run on burn-train 0.22 as the core's epoch loop drives it
 //! (burn-ddp-comm's `train::epoch::fit`): each split over the Learner's loaders
-//! (`splits.rs`) between burn-train's split events, and the end of an epoch (rank 0's
-//! checkpoint and early stop, then every rank's vote).
+//! (`splits.rs`) between burn-train's split events, the end of an epoch (rank 0's checkpoint
+//! and early stop, then every rank's vote), and in a fault-tolerant job the Learner's state
+//! moved after a change of membership (`fault.rs`).
 
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
+use std::time::Instant;
 
+use burn::data::dataloader::DataLoader;
 use burn::optim::GradientsAccumulator;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, Interrupter, Learner, LearnerEvent,
-    LearnerModel, LearningCheckpointer, SupervisedTrainingEventProcessor, TrainLoader, ValidLoader,
+    LearnerModel, LearningCheckpointer, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainingComponents, ValidLoader,
 };
-use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, SplitAt};
-use burn_ddp_comm::train::vote::{Split, Vote};
+use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover, SplitAt};
+use burn_ddp_comm::train::vote::{self, Split, Vote};
+use burn_ddp_comm::Recovery;
 
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
-use crate::{DdpError, GradSync, ProcessGroup};
+use crate::{DdpError, GradSync, ProcessGroup, ReduceOp, Result};
 
 /// One run of [`DdpStrategy`]'s `fit`: the Learner, its loaders and its components.
 pub(super) struct Run<'s, M: LearnerModel> {
@@ -32,8 +37,36 @@ pub(super) struct Run<'s, M: LearnerModel> {
     pub(super) interrupter: Interrupter,
     pub(super) store: std::sync::Arc<EventStoreClient>,
     pub(super) accumulation: Option<usize>,
-    /// Every rank's items of the training and the validation split.
-    pub(super) totals: [usize; 2],
+    /// Every rank's items of the training and the validation split, counted at the start of a
+    /// job whose membership does not change.
+    pub(super) totals: Option<[usize; 2]>,
+}
+
+/// The loader of a split at `cursor`: in a fault-tolerant job, the samplers deal the rest of
+/// the epoch over the current membership first, and the loader is sliced anew (a multi-threaded
+/// loader splits its dataset once).
+fn loader_at<I: 'static>(
+    strategy: &DdpStrategy,
+    loader: &std::sync::Arc<dyn DataLoader<I>>,
+    cursor: &Cursor,
+    fault_tolerant: bool,
+) -> Result<std::sync::Arc<dyn DataLoader<I>>> {
+    if !fault_tolerant {
+        return Ok(loader.clone());
+    }
+    epoch::deal(&strategy.samplers, &strategy.pg, cursor)?;
+    Ok(loader.slice(0, loader.num_items()))
+}
+
+impl<M: LearnerModel> Run<'_, M> {
+    /// A split's count of every rank's items for burn-train's events: counted at the start,
+    /// or in a fault-tolerant job this rank's share times the world size.
+    fn total(&self, split: usize, mine: usize) -> usize {
+        self.totals
+            .map_or(mine * self.strategy.pg.world_size().as_usize(), |t| {
+                t[split]
+            })
+    }
 }
 
 impl<M> EpochDriver for Run<'_, M>
@@ -46,16 +79,24 @@ where
         &self.strategy.pg
     }
 
-    fn train(&mut self, cursor: &mut Cursor, _fault_tolerant: bool) -> Ended {
+    fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
-        self.strategy.set_epoch(epoch);
+        if !fault_tolerant {
+            self.strategy.set_epoch(epoch);
+        }
+        let loader = match loader_at(self.strategy, &self.train, cursor, fault_tolerant) {
+            Ok(loader) => loader,
+            Err(e) => {
+                self.stop_with(e);
+                return Ended::Stop;
+            }
+        };
         let start = LearnerEvent::StartSplit {
             epoch_number: epoch,
-            total_items: self.totals[0],
+            total_items: self.total(0, loader.num_items()),
         };
         self.interrupter
             .fail_on_error(self.processor.process_train(start));
-        let loader = self.train.clone();
         let Run {
             strategy,
             sync,
@@ -71,7 +112,9 @@ where
                 strategy,
                 processor,
                 interrupter,
-                total: totals[0],
+                total: totals.map(|t| t[0]),
+                base: if fault_tolerant { cursor.done } else { 0 },
+                fault_tolerant,
             },
             learner,
             sync,
@@ -89,7 +132,7 @@ where
                 split: Split::Training,
                 epoch,
                 failure: &strategy.failure,
-                cursor: None,
+                cursor: fault_tolerant.then_some(cursor),
             },
         );
         drop(split);
@@ -97,22 +140,30 @@ where
         ended
     }
 
-    fn valid(&mut self, cursor: &mut Cursor, _fault_tolerant: bool) -> Ended {
+    fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
+        let loader = match loader_at(self.strategy, &self.valid, cursor, fault_tolerant) {
+            Ok(loader) => loader,
+            Err(e) => {
+                self.stop_with(e);
+                return Ended::Stop;
+            }
+        };
         let start = LearnerEvent::StartSplit {
             epoch_number: epoch,
-            total_items: self.totals[1],
+            total_items: self.total(1, loader.num_items()),
         };
         self.interrupter
             .fail_on_error(self.processor.process_valid(start));
-        let loader = self.valid.clone();
         let strategy = self.strategy;
         let mut split = ValidSplit {
             parts: SplitParts {
                 strategy,
                 processor: &mut self.processor,
                 interrupter: &self.interrupter,
-                total: self.totals[1],
+                total: self.totals.map(|t| t[1]),
+                base: if fault_tolerant { cursor.done } else { 0 },
+                fault_tolerant,
             },
             model: self.learner.model().valid(),
             iter: loader.iter(),
@@ -126,7 +177,7 @@ where
                 split: Split::Validation,
                 epoch,
                 failure: &strategy.failure,
-                cursor: None,
+                cursor: fault_tolerant.then_some(cursor),
             },
         );
         drop(split);
@@ -172,8 +223,125 @@ where
     }
 
     fn stop_with(&mut self, e: DdpError) {
-        burn_ddp_comm::train::vote::stop_with(e, &self.strategy.failure, |m| {
-            self.interrupter.stop(Some(m));
+        let interrupter = &self.interrupter;
+        vote::stop_with(e, &self.strategy.failure, |m| interrupter.stop(Some(m)));
+    }
+}
+
+impl<M> Handover for Run<'_, M>
+where
+    M: LearnerModel,
+    TrainOut<M>: DistributedItem,
+    ValidOut<M>: DistributedItem,
+{
+    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>> {
+        self.strategy
+            .snapshot(&self.learner, cursor.epoch, &self.store)
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<()> {
+        self.strategy.restore_snapshot(&mut self.learner, state)
+    }
+
+    fn reprepare(&mut self) -> Result<()> {
+        let model = self.sync.reprepare(self.learner.model())?;
+        self.learner.load_model(model.into_record());
+        Ok(())
+    }
+
+    fn changed(&mut self, rec: Recovery, cursor: &Cursor, began: Instant) {
+        let ddp = self.strategy;
+        ddp.changes
+            .changed(rec, cursor, began, &ddp.board, ddp.is_main());
+    }
+}
+
+impl DdpStrategy {
+    /// The epoch loops from `starting_epoch` (burn-ddp-comm's `train::epoch::fit`): training,
+    /// validation, the end of each epoch. In a fault-tolerant job, a failure of the group (or a
+    /// process asking to join, or this process's `admission` into the running job) changes the
+    /// membership, moves the state to the ranks behind, re-deals the rest of the epoch over the
+    /// new ranks, and goes on from where the ranks are (no restart, no checkpoint reload).
+    /// Elsewhere a failure stops training.
+    pub(super) fn fit_from<M>(
+        &self,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+        admission: Option<Recovery>,
+    ) -> (M, SupervisedTrainingEventProcessor<M>)
+    where
+        M: LearnerModel,
+        TrainOut<M>: DistributedItem,
+        ValidOut<M>: DistributedItem,
+    {
+        let ft = self.pg.is_fault_tolerant();
+        let train = dataloader_train.to_device(&self.device);
+        let valid = dataloader_valid.to_device(&self.device.clone().inner());
+        let interrupter = components.interrupter;
+        // Every rank's items, for the progress of the whole job (a collective: not in a
+        // fault-tolerant job, where a joining process starts here while the others train).
+        let totals = if ft {
+            None
+        } else {
+            let mut totals = [train.num_items() as i64, valid.num_items() as i64];
+            if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
+                vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)));
+                return (learner.model(), components.event_processor);
+            }
+            Some(totals.map(|t| t as usize))
+        };
+        let epochs = components.num_epochs;
+        let mut run = Run {
+            strategy: self,
+            sync: self.lock_sync(),
+            learner,
+            train,
+            valid,
+            processor: components.event_processor,
+            checkpointer: components.checkpointer,
+            early_stopping: components.early_stopping,
+            interrupter,
+            store: components.event_store,
+            accumulation: components.grad_accumulation,
+            totals,
+        };
+        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
+        let cursor = if ft {
+            epoch::fit_fault_tolerant(&mut run, starting_epoch, epochs, admission)
+        } else {
+            epoch::fit(&mut run, starting_epoch, epochs)
+        };
+        let Run {
+            learner,
+            processor,
+            checkpointer,
+            interrupter,
+            ..
+        } = run;
+        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
+        // rank, through one last vote.
+        drop(checkpointer);
+        if ft {
+            // The samplers deal their whole epoch over the last membership again, for what the
+            // program does after training (an evaluation over the validation data).
+            let whole = Cursor::start(cursor.epoch.min(epochs));
+            if let Err(e) = epoch::deal(&self.samplers, &self.pg, &whole) {
+                tracing::warn!(
+                    "[rank {}] re-dealing the data after training: {e}",
+                    self.pg.rank()
+                );
+            }
+        }
+        let last = match interrupter.error() {
+            Some(e) => Vote::Failed(e.to_string()),
+            None => Vote::Item,
+        };
+        epoch::last_vote(&self.pg, &last, &self.failure, ft, |m| {
+            interrupter.stop(Some(m));
         });
+        (learner.model(), processor)
     }
 }

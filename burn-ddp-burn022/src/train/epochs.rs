@@ -8,20 +8,17 @@ use std::sync::MutexGuard;
 use burn::store::ModuleRecord;
 use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
 use burn::train::{
-    EventProcessorTraining, Interrupter, Learner, LearnerEvent, LearnerModel, LearnerSummary,
+    EventProcessorTraining, Learner, LearnerEvent, LearnerModel, LearnerSummary,
     LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, ValidLoader,
 };
-use burn_ddp_comm::train::epoch;
 use burn_ddp_comm::train::files::{self, RecordFiles};
 use burn_ddp_comm::train::run;
-use burn_ddp_comm::train::vote::{self, agree, Decision, Flow, Vote};
 
 use super::checkpoint::{self, RankCheckpointer};
-use super::driver::Run;
 use super::splits::{TrainOut, ValidOut};
 use super::{DdpStrategy, DistributedItem};
-use crate::{DdpError, GradSync, ReduceOp, Result};
+use crate::{DdpError, GradSync, Result};
 
 impl<M> SupervisedLearningStrategy<M> for DdpStrategy
 where
@@ -53,23 +50,31 @@ where
             ));
         }
 
-        let start = match self.start_epoch(
-            components.checkpoint,
-            components.num_epochs,
-            learner.model().num_params(),
-        ) {
-            Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
-                Ok(()) => epoch + 1,
+        // A process that joined a running fault-tolerant job takes the state and the place of
+        // the job from a rank that has them, at the start of `fit`.
+        let admission = self.pg.take_admission();
+        let start = if admission.is_some() {
+            1
+        } else {
+            let start = match self.start_epoch(
+                components.checkpoint,
+                components.num_epochs,
+                learner.model().num_params(),
+            ) {
+                Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
+                    Ok(()) => epoch + 1,
+                    Err(e) => return self.abandon(e, learner, components),
+                },
+                Ok(None) => 1,
                 Err(e) => return self.abandon(e, learner, components),
-            },
-            Ok(None) => 1,
-            Err(e) => return self.abandon(e, learner, components),
+            };
+            let prepared = self.lock_sync().prepare(learner.model());
+            match prepared {
+                Ok(model) => learner.load_model(model.into_record()),
+                Err(e) => return self.abandon(e, learner, components),
+            }
+            start
         };
-        let prepared = self.lock_sync().prepare(learner.model());
-        match prepared {
-            Ok(model) => learner.load_model(model.into_record()),
-            Err(e) => return self.abandon(e, learner, components),
-        }
 
         let summary_config = components.summary.clone();
         let interrupter = components.interrupter.clone();
@@ -82,12 +87,13 @@ where
                     label: components.label.clone(),
                 }),
         );
-        let (model, mut processor) = self.fit(
+        let (model, mut processor) = self.fit_from(
             components,
             learner,
             dataloader_train,
             dataloader_valid,
             start,
+            admission,
         );
         let summary = summary_config
             .and_then(|s| s.init().ok())
@@ -110,49 +116,14 @@ where
         dataloader_valid: ValidLoader<M>,
         starting_epoch: usize,
     ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let train = dataloader_train.to_device(&self.device);
-        let valid = dataloader_valid.to_device(&self.device.clone().inner());
-        let interrupter = components.interrupter;
-        // Every rank's items, for the progress of the whole job.
-        let mut totals = [train.num_items() as i64, valid.num_items() as i64];
-        if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
-            vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)));
-            return (learner.model(), components.event_processor);
-        }
-        let epochs = components.num_epochs;
-        let mut run = Run {
-            strategy: self,
-            sync: self.lock_sync(),
+        self.fit_from(
+            components,
             learner,
-            train,
-            valid,
-            processor: components.event_processor,
-            checkpointer: components.checkpointer,
-            early_stopping: components.early_stopping,
-            interrupter,
-            store: components.event_store,
-            accumulation: components.grad_accumulation,
-            totals: totals.map(|t| t as usize),
-        };
-        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
-        epoch::fit(&mut run, starting_epoch, epochs);
-        let Run {
-            learner,
-            processor,
-            checkpointer,
-            interrupter,
-            ..
-        } = run;
-        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
-        // rank, through one last vote (which every rank reaches: each left the loop on the same
-        // decision, or the group was aborted and the vote fails at once).
-        drop(checkpointer);
-        let last = match interrupter.error() {
-            Some(e) => Vote::Failed(e.to_string()),
-            None => Vote::Item,
-        };
-        self.apply_decision(agree(&self.pg, &last), &interrupter);
-        (learner.model(), processor)
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+            None,
+        )
     }
 }
 
@@ -178,7 +149,7 @@ impl DdpStrategy {
         Some(summary)
     }
 
-    fn lock_sync(&self) -> MutexGuard<'_, GradSync> {
+    pub(super) fn lock_sync(&self) -> MutexGuard<'_, GradSync> {
         self.sync.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -249,12 +220,5 @@ impl DdpStrategy {
             interrupted: interrupter.interruption(),
             error: interrupter.error(),
         }
-    }
-
-    /// Applies a decision on this rank.
-    fn apply_decision(&self, decision: Result<Decision>, interrupter: &Interrupter) -> Flow {
-        vote::apply_decision(decision, self.rank(), &self.failure, |m| {
-            interrupter.stop(Some(m))
-        })
     }
 }

@@ -17,6 +17,7 @@
 //! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the summary
 //! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
 //! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
+//! - `fault.rs`: the Learner's state as bytes after a change of membership
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -37,6 +38,7 @@
 mod checkpoint;
 mod driver;
 mod epochs;
+mod fault;
 mod item;
 mod render;
 mod splits;
@@ -51,6 +53,7 @@ use burn::train::{
     Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
     TrainingStrategy,
 };
+use burn_ddp_comm::train::epoch::ChangeLog;
 use burn_ddp_comm::train::terminal::can_draw_dashboard;
 use burn_ddp_comm::train::vote::FailureSlot;
 
@@ -99,8 +102,11 @@ pub struct DdpStrategy {
     samplers: Vec<Arc<dyn DataEpoch>>,
     failure: FailureSlot,
     run: RunSettings,
-    /// The world size and the round, for rank 0's dashboard.
+    /// The world size and the round (or the last change of membership), for rank 0's
+    /// dashboard.
     board: MembershipBoard,
+    /// The changes of membership of a fault-tolerant job, in order.
+    changes: ChangeLog,
     /// The last epoch whose training and validation both ended (for the summary of a run
     /// that failed in the middle of the next).
     completed: Arc<std::sync::atomic::AtomicUsize>,
@@ -139,6 +145,7 @@ impl DdpStrategy {
             samplers: Vec::new(),
             failure: FailureSlot::default(),
             completed: Arc::default(),
+            changes: ChangeLog::default(),
             run: RunSettings::new(),
         }
     }
@@ -198,9 +205,17 @@ impl DdpStrategy {
         &self.pg
     }
 
-    /// What rank 0's dashboard shows about the job's membership (its world size and round;
-    /// empty in a job that was not launched elastic and not restarted): for a renderer of the
-    /// program's own, wrap it in [`WithMembership`] with this board.
+    /// In a fault-tolerant job (`burn-ddp run --fault-tolerant`), the changes of membership
+    /// training went through on this rank, in order: who left and joined, the new world size,
+    /// why, how long the change took.
+    pub fn membership_changes(&self) -> Vec<burn_ddp_comm::Recovery> {
+        self.changes.changes()
+    }
+
+    /// What rank 0's dashboard shows about the job's membership (its world size and round, or
+    /// the last change of a fault-tolerant job's; empty in a job that was not launched elastic
+    /// or fault-tolerant and not restarted): for a renderer of the program's own, wrap it in
+    /// [`WithMembership`] with this board.
     pub fn membership_board(&self) -> &MembershipBoard {
         &self.board
     }
@@ -224,11 +239,18 @@ impl DdpStrategy {
         self.rank() == Rank(0)
     }
 
-    /// Progress of this rank's loader counted for the whole job (`total`: every rank's items):
-    /// every rank has as many items, or one fewer, by the sampler's construction.
-    fn global(&self, p: Progress, total: usize) -> Progress {
+    /// Progress of this rank's loader counted for the whole job, after `base` positions of the
+    /// epoch dealt before the current membership (fault-tolerant jobs): every rank has as many
+    /// items, or one fewer, by the sampler's construction. `total`: every rank's items, when
+    /// counted (a job whose membership does not change).
+    fn global(&self, p: Progress, total: Option<usize>, base: u64) -> Progress {
         let w = self.pg.world_size().as_usize();
-        Progress::new((p.items_processed * w).min(total), total, p.unit)
+        let base = usize::try_from(base).unwrap_or(usize::MAX);
+        let done = base.saturating_add(p.items_processed * w);
+        match total {
+            Some(total) => Progress::new(done.min(total), total, p.unit),
+            None => Progress::new(done, base.saturating_add(p.items_total * w), p.unit),
+        }
     }
 
     fn set_epoch(&self, epoch: usize) {
@@ -286,14 +308,28 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
     {
         let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
-        let training = if ddp.is_main() {
-            // The job's membership on the dashboard when it was restarted or is elastic: two
-            // more metrics, `World size` and `Membership`.
-            let training = if !can_draw_dashboard() {
-                training.renderer(Box::new(WithMembership::new(
-                    ProgressLines::default(),
-                    ddp.board.clone(),
-                )))
+        let fault_tolerant = ddp.pg.is_fault_tolerant();
+        let lines = || {
+            Box::new(WithMembership::new(
+                ProgressLines::default(),
+                ddp.board.clone(),
+            ))
+        };
+        let training = if fault_tolerant && !ddp.is_main() {
+            // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
+            // which show only once it is (only rank 0 is given the job's items). Its metrics
+            // are not written to files: rank 0's files stop where it was lost.
+            training
+                .renderer(lines())
+                .with_application_logger(None)
+                .with_metric_logger(NoMetricLogger)
+        } else if ddp.is_main() {
+            // The job's membership on the dashboard when it was restarted, is elastic or
+            // fault-tolerant: two more metrics, `World size` and `Membership`. In a
+            // fault-tolerant job the dashboard is progress lines on every rank: the terminal
+            // dashboard would be lost with the one process that draws it.
+            let training = if fault_tolerant || !can_draw_dashboard() {
+                training.renderer(lines())
             } else if ddp.board.get().is_some() {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time

@@ -89,11 +89,19 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
     pub(super) strategy: &'r DdpStrategy,
     pub(super) processor: &'r mut SupervisedTrainingEventProcessor<M>,
     pub(super) interrupter: &'r Interrupter,
-    /// Every rank's items of the split.
-    pub(super) total: usize,
+    /// Every rank's items of the split (counted where the membership does not change).
+    pub(super) total: Option<usize>,
+    /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
+    pub(super) base: u64,
+    /// Whether the job is fault-tolerant.
+    pub(super) fault_tolerant: bool,
 }
 
 impl<M: LearnerModel> SplitParts<'_, M> {
+    fn global(&self, p: Progress) -> Progress {
+        self.strategy.global(p, self.total, self.base)
+    }
+
     fn load<I>(&self, iter: &mut dyn DataLoaderIterator<I>, split: &str) -> (Option<I>, Vote, u64) {
         let before = iter.progress().items_processed;
         let (item, vote) = next_batch(iter, self.interrupter, split);
@@ -132,10 +140,7 @@ where
             return Ok(Stepped::NoBatch);
         };
         sync_buffers(self.learner, self.sync)?;
-        let progress = self
-            .parts
-            .strategy
-            .global(self.iter.progress(), self.parts.total);
+        let progress = self.parts.global(self.iter.progress());
         let learner = &mut *self.learner;
         let out = catch_unwind(AssertUnwindSafe(|| learner.train_step(item))).map_err(|p| {
             StepFault::Alone(format!("the training step panicked: {}", panic_text(&*p)))
@@ -157,6 +162,10 @@ where
                 Stepped::Moved
             }
         };
+        if stepped == Stepped::Moved && self.parts.fault_tolerant {
+            let ddp = self.parts.strategy;
+            ddp.changes.stepped(ddp.is_main());
+        }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)
     }
@@ -192,6 +201,10 @@ where
         Ok(())
     }
 
+    fn asks_join(&self) -> bool {
+        self.parts.strategy.pg.join_pending()
+    }
+
     fn mid_accumulation(&self) -> bool {
         self.accumulated != 0
     }
@@ -223,10 +236,7 @@ where
     }
 
     fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
-        let progress = self
-            .parts
-            .strategy
-            .global(self.iter.progress(), self.parts.total);
+        let progress = self.parts.global(self.iter.progress());
         let model = &self.model;
         let out = match self
             .item

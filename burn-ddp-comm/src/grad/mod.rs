@@ -42,6 +42,51 @@ pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use worker::Worker;
 pub use zero::{ReadValues, ZeroPlan};
 
+/// What a fault-tolerant job cannot carry across a change of membership: both lines refuse it
+/// at once, saying why and what to use instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotCarried {
+    /// PowerSGD compression.
+    PowerSgd,
+    /// ZeRO-1's sharded optimizer state.
+    Zero,
+    /// Uneven inputs (`join`).
+    Join,
+}
+
+impl NotCarried {
+    /// Refuses `self` when `pg` is fault-tolerant.
+    ///
+    /// # Errors
+    /// [`DdpError::NotFaultTolerant`](crate::DdpError::NotFaultTolerant) in a fault-tolerant
+    /// group.
+    pub fn refuse_on(self, pg: &crate::ProcessGroup) -> crate::Result<()> {
+        if !pg.is_fault_tolerant() {
+            return Ok(());
+        }
+        let (what, reason) = match self {
+            Self::PowerSgd => (
+                "PowerSGD (DdpConfig::with_power_sgd)",
+                "its per-rank state (error feedback, the step count that starts compression) \
+                 would differ between a joining rank and the others; train uncompressed, or \
+                 without --fault-tolerant",
+            ),
+            Self::Zero => (
+                "ZeRO (zero)",
+                "each rank holds its own shard of the optimizer state, which a lost rank takes \
+                 with it; use the whole optimizer on every rank",
+            ),
+            Self::Join => (
+                "uneven inputs (join)",
+                "a rank that ran out shadows the others' collectives, which a change of \
+                 membership would leave unmatched; give every rank the same number of steps \
+                 (DistributedSampler)",
+            ),
+        };
+        Err(crate::DdpError::NotFaultTolerant { what, reason })
+    }
+}
+
 use crate::config::GradTransport;
 use crate::types::ReduceOp;
 use crate::{DdpError, Result};

@@ -3,8 +3,10 @@
 //! to point and only to them. What the state holds is the caller's (a Learner's records and its
 //! cursor, a custom loop's model and optimizer).
 
+use std::sync::{Arc, Mutex};
+
 use super::{ProcessGroup, Recovery};
-use crate::Result;
+use crate::{DdpError, Rank, Result};
 
 /// The tag of state transfers between ranks after a change of membership.
 const STATE_TAG: u32 = 0x5354_4154;
@@ -72,6 +74,56 @@ pub fn move_state(
     Ok(None)
 }
 
+/// One of a Learner's records as bytes, filled by a line's in-memory checkpointer (burn-train
+/// keeps the optimizer's and the scheduler's records private: its checkpointer is the one way
+/// to them).
+#[derive(Debug, Clone, Default)]
+pub struct RecordSlot(Arc<Mutex<Option<Vec<u8>>>>);
+
+impl RecordSlot {
+    /// Keeps `bytes` (the last saved).
+    pub fn put(&self, bytes: Vec<u8>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(bytes);
+    }
+
+    /// What was saved, once.
+    pub fn take(&self) -> Option<Vec<u8>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// The names of a Learner's three records, in the order of [`learner_state`].
+const RECORDS: [&str; 3] = ["model", "optimizer", "scheduler"];
+
+/// A Learner's state for the ranks behind: its three records (model, optimizer, scheduler),
+/// once a checkpointer saved them into `slots`, framed.
+///
+/// # Errors
+/// A slot the checkpointer did not fill ([`DdpError::Model`], on `rank`).
+pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
+    let mut bytes = Vec::with_capacity(3);
+    for (slot, name) in slots.iter().zip(RECORDS) {
+        bytes.push(slot.take().ok_or_else(|| DdpError::Model {
+            rank,
+            what: "serialising the Learner's state for the ranks behind",
+            reason: format!("burn-train's checkpointer did not save the {name} record"),
+        })?);
+    }
+    Ok(frame(&[&bytes[0], &bytes[1], &bytes[2]]))
+}
+
+/// The three records of a [`learner_state`] received on `rank`.
+///
+/// # Errors
+/// The bytes are not a framed state ([`DdpError::Model`]).
+pub fn learner_records(bytes: &[u8], rank: Rank) -> Result<[Vec<u8>; 3]> {
+    unframe(bytes).ok_or_else(|| DdpError::Model {
+        rank,
+        what: "taking the Learner's state from the source rank",
+        reason: "the bytes received are not a framed state".into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -89,5 +141,23 @@ mod tests {
         assert_eq!(unframe::<3>(&[f.as_slice(), b"!"].concat()), None);
         assert_eq!(unframe::<3>(&u64::MAX.to_le_bytes()), None);
         assert_eq!(unframe::<0>(&[]), None);
+    }
+
+    #[test]
+    fn a_learner_state_needs_its_three_records() {
+        let slots: [RecordSlot; 3] = Default::default();
+        slots[0].put(b"m".to_vec());
+        slots[2].put(b"s".to_vec());
+        let e = learner_state(&slots, Rank(1)).unwrap_err().to_string();
+        assert!(e.contains("did not save the optimizer record"), "{e}");
+        slots[0].put(b"m".to_vec());
+        slots[1].put(b"o".to_vec());
+        slots[2].put(b"s".to_vec());
+        let state = learner_state(&slots, Rank(1)).unwrap();
+        assert_eq!(
+            learner_records(&state, Rank(1)).unwrap(),
+            [b"m".to_vec(), b"o".to_vec(), b"s".to_vec()]
+        );
+        assert!(learner_records(&state[1..], Rank(1)).is_err());
     }
 }

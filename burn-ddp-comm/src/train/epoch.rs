@@ -21,9 +21,12 @@
 //! applied anywhere it failed, and a step applied anywhere was applied with the same averaged
 //! gradients), so after a change only the ranks behind need the state.
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::board::MembershipBoard;
 use super::vote::{self, Aside, FailureSlot, Flow, Split, Turn, Vote};
+use crate::data::DataEpoch;
 use crate::group::handover::{frame, move_state, unframe};
 use crate::{DdpError, ProcessGroup, Recovery, Result};
 
@@ -345,6 +348,33 @@ pub fn end_epoch(
     }
 }
 
+/// The vote after the epoch loop, once rank 0's last checkpoint is written (`vote`: whether it
+/// was), so that a checkpoint rank 0 could not write fails every rank. None on a rank whose
+/// training failed already (every rank left the loop on the same decision, or the group was
+/// aborted). In a fault-tolerant job a vote that fails because of another rank is only logged:
+/// training is over, the ranks lost meanwhile no longer matter.
+pub fn last_vote(
+    pg: &ProcessGroup,
+    vote: &Vote,
+    failure: &FailureSlot,
+    fault_tolerant: bool,
+    interrupt: impl FnOnce(&str),
+) {
+    if failure.message().is_some() {
+        return;
+    }
+    match vote::agree(pg, vote) {
+        Err(e) if fault_tolerant && e.is_peer_failure() => tracing::warn!(
+            "[rank {}] training is over; the last vote failed ({e}): not waiting for the ranks \
+             lost meanwhile",
+            pg.rank()
+        ),
+        decision => {
+            vote::apply_decision(decision, pg.rank(), failure, interrupt);
+        }
+    }
+}
+
 /// A Burn line's Learner strategy as [`fit`] drives it.
 pub trait EpochDriver {
     /// The group training runs on.
@@ -553,6 +583,77 @@ fn take_state<D: Handover + ?Sized>(
     driver.restore(&state)?;
     *cursor = at;
     Ok(())
+}
+
+/// Every sampler at `cursor`'s epoch, dealing the rest of it over `pg`'s current membership
+/// (a fault-tolerant job, before each split and after a change).
+///
+/// # Errors
+/// A sampler that cannot be dealt again ([`DataEpoch::reshard`]).
+pub fn deal(samplers: &[Arc<dyn DataEpoch>], pg: &ProcessGroup, cursor: &Cursor) -> Result<()> {
+    let (rank, world) = (pg.rank(), pg.world_size());
+    let start = usize::try_from(cursor.done).unwrap_or(usize::MAX);
+    for s in samplers {
+        s.set_epoch(cursor.epoch as u64);
+        s.reshard(rank, world, start)?;
+    }
+    Ok(())
+}
+
+/// The changes of membership a strategy went through (shared by its clones), and when the last
+/// began, until its first optimizer step: rank 0 says both.
+#[derive(Debug, Clone, Default)]
+pub struct ChangeLog(Arc<Mutex<Changes>>);
+
+#[derive(Debug, Default)]
+struct Changes {
+    all: Vec<Recovery>,
+    /// The membership epoch of the last change and when it began, until its first step.
+    first_step: Option<(u64, Instant)>,
+}
+
+impl ChangeLog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Changes> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The membership changed (`rec`, begun at `began`); training goes on at `cursor`. The
+    /// board shows it on rank 0's dashboard; rank 0 (`main`) prints it too.
+    pub fn changed(
+        &self,
+        rec: Recovery,
+        cursor: &Cursor,
+        began: Instant,
+        board: &MembershipBoard,
+        main: bool,
+    ) {
+        board.changed(&rec, &cursor.describe());
+        if main {
+            // The dashboard of this mode is the progress lines, on rank 0.
+            println!("[membership] {} (at {})", rec.summary(), cursor.describe());
+        }
+        let mut changes = self.lock();
+        changes.first_step = Some((rec.epoch, began));
+        changes.all.push(rec);
+    }
+
+    /// An optimizer step was taken: the first after a change, rank 0 (`main`) says how long
+    /// the change took.
+    pub fn stepped(&self, main: bool) {
+        let first = self.lock().first_step.take();
+        if let (Some((membership, since)), true) = (first, main) {
+            println!(
+                "[membership] the first step of membership epoch {membership} is done, {} ms \
+                 after the change began",
+                since.elapsed().as_millis()
+            );
+        }
+    }
+
+    /// Every change so far, oldest first.
+    pub fn changes(&self) -> Vec<Recovery> {
+        self.lock().all.clone()
+    }
 }
 
 #[cfg(test)]

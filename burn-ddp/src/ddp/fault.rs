@@ -114,19 +114,6 @@ impl DdpSession {
         self.shared.pg.is_fault_tolerant()
     }
 
-    /// Refuses `what` in a fault-tolerant session, whose state must survive a change of
-    /// membership (`reason` says what to use instead).
-    pub(crate) fn refuse_in_fault_tolerant(
-        &self,
-        what: &'static str,
-        reason: &'static str,
-    ) -> Result<()> {
-        if self.is_fault_tolerant() {
-            return Err(DdpError::NotFaultTolerant { what, reason });
-        }
-        Ok(())
-    }
-
     /// After a change of membership, on every rank of the new one, with the ranks' models
     /// equal (the ranks behind took the source's): drops the reducer's partial step and its
     /// transports, then checks the model across the new ranks, marks it and builds its bucket

@@ -132,12 +132,7 @@ impl DdpSession {
         M: AutodiffModule<B>,
         F: FnOnce(&Self, M) -> Result<M>,
     {
-        self.refuse_in_fault_tolerant(
-            "uneven inputs (DdpSession::join)",
-            "a rank that ran out shadows the others' collectives, which a change of \
-             membership would leave unmatched; give every rank the same number of steps \
-             (DistributedSampler)",
-        )?;
+        burn_ddp_comm::grad::NotCarried::Join.refuse_on(&self.shared.pg)?;
         let rank = self.shared.pg.rank();
         {
             let mut state = self.shared.join.lock().unwrap_or_else(|p| p.into_inner());

@@ -150,13 +150,8 @@ impl DdpSession {
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
         config.validate()?;
-        if pg.is_fault_tolerant() && config.power_sgd.is_some() {
-            return Err(crate::DdpError::NotFaultTolerant {
-                what: "PowerSGD (DdpConfig::with_power_sgd)",
-                reason: "its per-rank state (error feedback, the step count that starts \
-                         compression) would differ between a joining rank and the others; train \
-                         uncompressed, or without --fault-tolerant",
-            });
+        if config.power_sgd.is_some() {
+            burn_ddp_comm::grad::NotCarried::PowerSgd.refuse_on(&pg)?;
         }
         let reducer = Reducer::new(&pg, &config);
         let replicas = burn_ddp_comm::grad::ReplicaCheck::new(config.check_replicas_every);

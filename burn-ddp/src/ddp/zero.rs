@@ -165,11 +165,7 @@ impl DdpSession {
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
     {
-        self.refuse_in_fault_tolerant(
-            "ZeRO (DdpSession::zero)",
-            "each rank holds its own shard of the optimizer state, which a lost rank takes \
-             with it; use the whole optimizer on every rank",
-        )?;
+        burn_ddp_comm::grad::NotCarried::Zero.refuse_on(&self.shared.pg)?;
         if self.shared.reducer().params().is_empty() {
             return Err(DdpError::Model {
                 rank: self.shared.pg.rank(),

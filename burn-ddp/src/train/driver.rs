@@ -18,7 +18,7 @@ use burn::train::{
 };
 use burn_backend::BackendTypes;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover, SplitAt};
-use burn_ddp_comm::train::vote::{Split, Vote};
+use burn_ddp_comm::train::vote::{self, Split, Vote};
 
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
@@ -54,7 +54,11 @@ where
     /// the start of training.
     fn deal(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<()> {
         if fault_tolerant {
-            self.strategy.deal(cursor)
+            epoch::deal(
+                &self.strategy.samplers,
+                self.strategy.session.group(),
+                cursor,
+            )
         } else {
             if cursor.phase == epoch::Phase::Train {
                 self.strategy.set_epoch(cursor.epoch);
@@ -197,7 +201,8 @@ where
     }
 
     fn stop_with(&mut self, e: DdpError) {
-        self.strategy.stop_with(e, &self.interrupter);
+        let interrupter = &self.interrupter;
+        vote::stop_with(e, &self.strategy.failure, |m| interrupter.stop(Some(m)));
     }
 }
 
@@ -231,16 +236,8 @@ where
             self.processor.process_train(LearnerEvent::Start);
             self.shown = true;
         }
-        ddp.board.changed(&rec, &cursor.describe());
-        if ddp.is_main() {
-            // The dashboard of this mode is the progress lines, on rank 0.
-            println!("[membership] {} (at {})", rec.summary(), cursor.describe());
-        }
-        *ddp.first_step.lock().unwrap_or_else(|p| p.into_inner()) = Some((rec.epoch, began));
-        ddp.changed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(rec);
+        ddp.changes
+            .changed(rec, cursor, began, &ddp.board, ddp.is_main());
     }
 }
 
@@ -301,49 +298,19 @@ impl<B: Backend> DdpStrategy<B> {
         // The samplers deal their whole epoch over the last membership again, for what the
         // program does after training (an evaluation over the validation data).
         let whole = Cursor::start(cursor.epoch.min(epochs));
-        if let Err(e) = self.deal(&whole) {
+        if let Err(e) = epoch::deal(&self.samplers, self.session.group(), &whole) {
             tracing::warn!(
                 "[rank {}] re-dealing the data after training: {e}",
                 self.rank()
             );
         }
-        // One last vote, so that a checkpoint rank 0 could not write fails every rank. Ranks
-        // lost at this point no longer matter: training is over.
-        if self.failure.message().is_some() {
-            // This rank's training failed already (it could not rejoin, say): no last vote.
-            return (learner.model(), processor);
-        }
         let last = match self.written.message() {
             Some(e) => Vote::Failed(e),
             None => Vote::Item,
         };
-        match self.agree(last) {
-            Err(e) if e.is_peer_failure() => tracing::warn!(
-                "[rank {}] training is over; the last vote failed ({e}): not waiting for the \
-                 ranks lost meanwhile",
-                self.rank()
-            ),
-            decision => {
-                self.apply_decision(decision, &interrupter);
-            }
-        }
+        epoch::last_vote(self.session.group(), &last, &self.failure, ft, |m| {
+            interrupter.stop(Some(m));
+        });
         (learner.model(), processor)
-    }
-
-    /// After the first optimizer step of a new membership, rank 0 says how long the change
-    /// took.
-    pub(super) fn first_step_done(&self) {
-        let first = self
-            .first_step
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let (Some((membership, since)), true) = (first, self.is_main()) {
-            println!(
-                "[membership] the first step of membership epoch {membership} is done, {} ms \
-                 after the change began",
-                since.elapsed().as_millis()
-            );
-        }
     }
 }

@@ -14,11 +14,10 @@
 //! ```
 //!
 //! - `mod.rs`: [`DdpStrategy`] (its options), [`DdpTraining::launch_ddp`]
-//! - `consensus.rs`: the ranks' votes before every step, and the decisions they take together
 //! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the summary
 //! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
 //! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
-//! - `fault.rs`: the Learner's state as bytes after a change of membership, the re-dealt data
+//! - `fault.rs`: the Learner's state as bytes after a change of membership
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -34,7 +33,6 @@
 //! in a collective.
 
 mod checkpoint;
-mod consensus;
 mod driver;
 mod epochs;
 mod fault;
@@ -45,6 +43,7 @@ mod splits;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use burn_ddp_comm::train::epoch::ChangeLog;
 use burn_ddp_comm::train::terminal::can_draw_dashboard;
 use burn_ddp_comm::train::vote::FailureSlot;
 
@@ -101,10 +100,7 @@ pub struct DdpStrategy<B: Backend> {
     written: FailureSlot,
     run: RunSettings,
     /// The changes of membership of a fault-tolerant job, in order.
-    changed: Arc<std::sync::Mutex<Vec<crate::Recovery>>>,
-    /// The membership epoch whose first optimizer step is still to come, and when the change
-    /// to it began (said on rank 0 when the step is done).
-    first_step: Arc<std::sync::Mutex<Option<(u64, std::time::Instant)>>>,
+    changes: ChangeLog,
     /// The world size and the last change of membership, for rank 0's dashboard.
     board: MembershipBoard,
     /// The last epoch whose training and validation both ended (for the summary of a run
@@ -140,8 +136,7 @@ impl<B: Backend> DdpStrategy<B> {
             failure: FailureSlot::default(),
             written: FailureSlot::default(),
             run: RunSettings::new(),
-            changed: Arc::default(),
-            first_step: Arc::default(),
+            changes: ChangeLog::default(),
             completed: Arc::default(),
         }
     }
@@ -208,10 +203,7 @@ impl<B: Backend> DdpStrategy<B> {
     /// training went through on this rank, in order: who left and joined, the new world size,
     /// why, how long the change took.
     pub fn membership_changes(&self) -> Vec<crate::Recovery> {
-        self.changed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.changes.changes()
     }
 
     /// What rank 0's dashboard shows about the job's membership (its world size and the last

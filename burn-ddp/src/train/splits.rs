@@ -214,7 +214,7 @@ where
             }
         };
         if stepped == Stepped::Moved && self.parts.fault_tolerant {
-            ddp.first_step_done();
+            ddp.changes.stepped(ddp.is_main());
         }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)

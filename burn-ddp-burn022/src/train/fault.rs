@@ -1,0 +1,110 @@
+//! [`DdpStrategy`] in a fault-tolerant job, its Burn 0.22 half: the Learner's state (model,
+//! optimizer and scheduler records) as bytes for the ranks behind after a change of membership.
+//! Where training is (the `Cursor`), the change itself (agreeing on the next membership, moving
+//! the state from the rank with the most progress to the ranks behind) and the epoch loop
+//! around it are the core's (burn-ddp-comm's `train::epoch`).
+
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
+use burn::train::checkpoint::{
+    AsyncCheckpointer, Checkpoint, Checkpointer, CheckpointerError, CheckpointingAction,
+    CheckpointingStrategy,
+};
+use burn::train::metric::store::EventStoreClient;
+use burn::train::{Learner, LearnerModel, LearningCheckpointer};
+use burn_ddp_comm::group::handover::{learner_records, learner_state, RecordSlot};
+
+use super::DdpStrategy;
+use crate::{DdpError, Rank, Result};
+
+/// One of the Learner's records as bytes, for burn-train's checkpointer.
+#[derive(Clone, Default)]
+struct Memory(RecordSlot);
+
+impl<R: Checkpoint> Checkpointer<R> for Memory {
+    fn save(&self, _epoch: usize, record: R) -> std::result::Result<(), CheckpointerError> {
+        let bytes = record
+            .checkpoint_into_bytes()
+            .map_err(|e| CheckpointerError::Unknown(e.to_string()))?;
+        self.0.put(bytes.to_vec());
+        Ok(())
+    }
+
+    fn delete(&self, _epoch: usize) -> std::result::Result<(), CheckpointerError> {
+        Ok(())
+    }
+
+    fn restore(&self, _epoch: usize) -> std::result::Result<R, CheckpointerError> {
+        Err(CheckpointerError::Unknown(
+            "a state in memory is restored from its bytes".into(),
+        ))
+    }
+}
+
+/// Saves every time it is asked.
+struct Always;
+
+impl CheckpointingStrategy for Always {
+    fn checkpointing(
+        &mut self,
+        _epoch: usize,
+        _store: &EventStoreClient,
+    ) -> Vec<CheckpointingAction> {
+        vec![CheckpointingAction::Save]
+    }
+}
+
+fn load<R: Checkpoint>(bytes: Vec<u8>, rank: Rank) -> Result<R> {
+    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| DdpError::Model {
+        rank,
+        what: "loading the Learner's state received from the source rank",
+        reason: e.to_string(),
+    })
+}
+
+impl DdpStrategy {
+    /// The Learner's model, optimizer and scheduler records at `epoch`, as bytes.
+    pub(super) fn snapshot<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        epoch: usize,
+        store: &EventStoreClient,
+    ) -> Result<Vec<u8>> {
+        let slots: [RecordSlot; 3] = Default::default();
+        {
+            let part = |i: usize| Memory(slots[i].clone());
+            let mut checkpointer = LearningCheckpointer::<M>::new(
+                AsyncCheckpointer::new(part(0)),
+                AsyncCheckpointer::new(part(1)),
+                AsyncCheckpointer::new(part(2)),
+                Box::new(Always),
+            );
+            checkpointer.checkpoint(learner, epoch, store);
+            // Dropped here: it waits for its threads' writes.
+        }
+        learner_state(&slots, self.rank())
+    }
+
+    /// Loads a [`snapshot`](Self::snapshot) into `learner`.
+    pub(super) fn restore_snapshot<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let rank = self.rank();
+        let [model, optim, sched] = learner_records(bytes, rank)?;
+        let model: ModuleRecord = load(model, rank)?;
+        let model = learner
+            .model()
+            .try_load_record(model)
+            .map_err(|e| DdpError::Model {
+                rank,
+                what: "loading the Learner's state received from the source rank",
+                reason: e.to_string(),
+            })?;
+        learner.load_model(model.into_record());
+        learner.load_optim(load(optim, rank)?);
+        learner.load_scheduler(load(sched, rank)?);
+        Ok(())
+    }
+}
