@@ -51,13 +51,7 @@
 //! else is host-staged (read from the device, reduced over the process group's TCP ring or
 //! in-process transport, written back to the device), on every backend.
 
-#![warn(
-    missing_docs,
-    missing_debug_implementations,
-    unreachable_pub,
-    rust_2018_idioms
-)]
-#![deny(unused_must_use)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 mod buffers;
 #[cfg(feature = "cuda")]

@@ -4,7 +4,6 @@
 //! and early stop, then every rank's vote), and in a fault-tolerant job the Learner's state
 //! moved after a change of membership (`fault.rs`).
 
-use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 use std::time::Instant;
 
@@ -54,7 +53,7 @@ fn loader_at<I: 'static>(
     if !fault_tolerant {
         return Ok(loader.clone());
     }
-    epoch::deal(&strategy.samplers, &strategy.pg, cursor)?;
+    epoch::deal(&strategy.state.samplers, &strategy.pg, cursor)?;
     Ok(loader.slice(0, loader.num_items()))
 }
 
@@ -82,7 +81,7 @@ where
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
         if !fault_tolerant {
-            self.strategy.set_epoch(epoch);
+            self.strategy.state.set_epoch(epoch);
         }
         let loader = match loader_at(self.strategy, &self.train, cursor, fault_tolerant) {
             Ok(loader) => loader,
@@ -131,7 +130,7 @@ where
                 pg: &strategy.pg,
                 split: Split::Training,
                 epoch,
-                failure: &strategy.failure,
+                failure: &strategy.state.failure,
                 cursor: fault_tolerant.then_some(cursor),
             },
         );
@@ -176,7 +175,7 @@ where
                 pg: &strategy.pg,
                 split: Split::Validation,
                 epoch,
-                failure: &strategy.failure,
+                failure: &strategy.state.failure,
                 cursor: fault_tolerant.then_some(cursor),
             },
         );
@@ -212,19 +211,21 @@ where
         epoch::end_epoch(
             &self.strategy.pg,
             &vote,
-            &self.strategy.failure,
+            &self.strategy.state.failure,
             fault_tolerant,
             |m| interrupter.stop(Some(m)),
         )
     }
 
     fn validated(&mut self, epoch: usize) {
-        self.strategy.completed.store(epoch, Ordering::Relaxed);
+        self.strategy.state.completed(epoch);
     }
 
     fn stop_with(&mut self, e: DdpError) {
         let interrupter = &self.interrupter;
-        vote::stop_with(e, &self.strategy.failure, |m| interrupter.stop(Some(m)));
+        vote::stop_with(e, &self.strategy.state.failure, |m| {
+            interrupter.stop(Some(m))
+        });
     }
 }
 
@@ -251,8 +252,9 @@ where
 
     fn changed(&mut self, rec: Recovery, cursor: &Cursor, began: Instant) {
         let ddp = self.strategy;
-        ddp.changes
-            .changed(rec, cursor, began, &ddp.board, ddp.is_main());
+        ddp.state
+            .changes
+            .changed(rec, cursor, began, &ddp.state.board, ddp.is_main());
     }
 }
 
@@ -288,7 +290,7 @@ impl DdpStrategy {
         } else {
             let mut totals = [train.num_items() as i64, valid.num_items() as i64];
             if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
-                vote::stop_with(e, &self.failure, |m| interrupter.stop(Some(m)));
+                vote::stop_with(e, &self.state.failure, |m| interrupter.stop(Some(m)));
                 return (learner.model(), components.event_processor);
             }
             Some(totals.map(|t| t as usize))
@@ -308,12 +310,7 @@ impl DdpStrategy {
             accumulation: components.grad_accumulation,
             totals,
         };
-        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
-        let cursor = if ft {
-            epoch::fit_fault_tolerant(&mut run, starting_epoch, epochs, admission)
-        } else {
-            epoch::fit(&mut run, starting_epoch, epochs)
-        };
+        let cursor = self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
             learner,
             processor,
@@ -322,26 +319,14 @@ impl DdpStrategy {
             ..
         } = run;
         // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
-        // rank, through one last vote.
+        // rank, through the last vote.
         drop(checkpointer);
-        if ft {
-            // The samplers deal their whole epoch over the last membership again, for what the
-            // program does after training (an evaluation over the validation data).
-            let whole = Cursor::start(cursor.epoch.min(epochs));
-            if let Err(e) = epoch::deal(&self.samplers, &self.pg, &whole) {
-                tracing::warn!(
-                    "[rank {}] re-dealing the data after training: {e}",
-                    self.pg.rank()
-                );
-            }
-        }
         let last = match interrupter.error() {
             Some(e) => Vote::Failed(e.to_string()),
             None => Vote::Item,
         };
-        epoch::last_vote(&self.pg, &last, &self.failure, ft, |m| {
-            interrupter.stop(Some(m));
-        });
+        self.state
+            .finish(&cursor, epochs, &last, |m| interrupter.stop(Some(m)));
         (learner.model(), processor)
     }
 }

@@ -2,7 +2,6 @@
 //! the epoch to resume after, the model prepared), `fit` (the core's epoch loop over the run of
 //! `driver.rs`), and the summary of a run that failed.
 
-use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
 use burn::store::ModuleRecord;
@@ -12,8 +11,7 @@ use burn::train::{
     LearningCheckpointer, LearningResult, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainingComponents, ValidLoader,
 };
-use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::run;
+use burn_ddp_comm::train::files::RecordFiles;
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::splits::{TrainOut, ValidOut};
@@ -38,7 +36,7 @@ where
             // The summary reads rank 0's metric logs.
             components.summary = None;
         }
-        if let Some(dir) = &self.checkpoints {
+        if let Some(dir) = &self.state.checkpoints {
             let part =
                 |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, self.pg.clone()));
             let interrupter = components.interrupter.clone();
@@ -46,7 +44,7 @@ where
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
                 AsyncCheckpointer::new(part("optim")).with_interrupter(interrupter.clone()),
                 AsyncCheckpointer::new(part("scheduler")).with_interrupter(interrupter),
-                Box::new(KeepLastNCheckpoints::new(self.keep)),
+                Box::new(KeepLastNCheckpoints::new(self.state.keep)),
             ));
         }
 
@@ -56,7 +54,7 @@ where
         let start = if admission.is_some() {
             1
         } else {
-            let start = match self.start_epoch(
+            let start = match self.state.start_epoch(
                 components.checkpoint,
                 components.num_epochs,
                 learner.model().num_params(),
@@ -128,17 +126,12 @@ where
 }
 
 impl DdpStrategy {
-    /// Burn's summary of a run that failed counts only the epochs it completed. Burn counts
-    /// the highest epoch whose metric logs it finds, and the epoch the run failed in has
-    /// logs ("Total Epochs: 2" after one finished epoch). None when it completed none.
+    /// Burn's summary, of the epochs completed when training failed (burn-ddp-comm's
+    /// `StrategyState::summary_epochs`).
     fn completed_only(&self, mut summary: LearnerSummary) -> Option<LearnerSummary> {
-        if self.failure.message().is_none() {
+        let Some(done) = self.state.summary_epochs()? else {
             return Some(summary);
-        }
-        let done = self.completed.load(Ordering::Relaxed);
-        if done == 0 {
-            return None;
-        }
+        };
         summary.epochs = summary.epochs.min(done);
         for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
             for metric in split.iter_mut() {
@@ -153,54 +146,24 @@ impl DdpStrategy {
         self.sync.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The checkpoint epoch to resume after, the same on every rank: an explicit one, else
-    /// (with `with_resume`) the newest complete checkpoint rank 0 finds, once rank 0 has
-    /// checked that it belongs to this run (burn-ddp-comm's [`run`]).
-    fn start_epoch(
-        &self,
-        explicit: Option<usize>,
-        epochs: usize,
-        parameters: usize,
-    ) -> Result<Option<usize>> {
-        let job = burn_ddp_comm::config::env::run_id();
-        run::start_epoch(
-            &self.pg,
-            &run::StartAsk {
-                explicit,
-                dir: self.checkpoints.as_deref(),
-                resume: self.resumes(),
-                epochs,
-                parameters,
-                settings: &self.run,
-                job: job.as_deref(),
-            },
-        )
-    }
-
     fn restore<M: LearnerModel>(&self, learner: &mut Learner<M>, epoch: usize) -> Result<()> {
-        let Some(dir) = &self.checkpoints else {
-            return Err(files::no_directory(epoch, "DdpStrategy::with_checkpoints"));
-        };
-        let part = |name| RecordFiles::new(dir.clone(), name, self.pg.clone());
-        let model: ModuleRecord = checkpoint::restore(&part("model"), epoch)?;
-        let optim = checkpoint::restore(&part("optim"), epoch)?;
-        let sched = checkpoint::restore(&part("scheduler"), epoch)?;
+        let part = |name| self.state.record_files(name, epoch);
+        let files = part("model")?;
+        let model: ModuleRecord = checkpoint::restore(&files, epoch)?;
+        let optim = checkpoint::restore(&part("optim")?, epoch)?;
+        let sched = checkpoint::restore(&part("scheduler")?, epoch)?;
         let model = learner
             .model()
             .try_load_record(model)
             .map_err(|e| DdpError::Checkpoint {
-                path: part("model").path(epoch).display().to_string(),
+                path: files.path(epoch).display().to_string(),
                 what: "loading into the model",
                 reason: e.to_string(),
             })?;
         learner.load_model(model.into_record());
         learner.load_optim(optim);
         learner.load_scheduler(sched);
-        self.board.resumed(epoch);
-        tracing::info!(
-            "[rank {}] resumed from the checkpoint of epoch {epoch}",
-            self.rank()
-        );
+        self.state.resumed(epoch);
         Ok(())
     }
 
@@ -213,7 +176,7 @@ impl DdpStrategy {
     ) -> LearningResult<M> {
         let interrupter = components.interrupter;
         interrupter.stop(Some(&e.to_string()));
-        self.fail(e);
+        self.state.failure.fail(e);
         LearningResult {
             model: learner.model().valid(),
             renderer: components.event_processor.renderer(),

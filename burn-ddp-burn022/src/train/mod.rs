@@ -43,7 +43,6 @@ mod item;
 mod render;
 mod splits;
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::Progress;
@@ -53,9 +52,8 @@ use burn::train::{
     Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
     TrainingStrategy,
 };
-use burn_ddp_comm::train::epoch::ChangeLog;
+use burn_ddp_comm::train::strategy::StrategyState;
 use burn_ddp_comm::train::terminal::can_draw_dashboard;
-use burn_ddp_comm::train::vote::FailureSlot;
 
 pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
 pub use burn_ddp_comm::train::files::newest_complete;
@@ -63,7 +61,7 @@ pub use burn_ddp_comm::train::run::{prepare_output, RunSettings};
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
-use crate::{DataEpoch, DdpConfig, DdpError, GradSync, ProcessGroup, Rank, Result};
+use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 
 /// burn-train 0.22's `SupervisedLearningStrategy` for one process per rank: use it through
 /// [`DdpTraining::launch_ddp`], or pass `TrainingStrategy::Custom(Arc::new(strategy))` to
@@ -79,51 +77,25 @@ use crate::{DataEpoch, DdpConfig, DdpError, GradSync, ProcessGroup, Rank, Result
 ///   rank ([`GradSync::sync`]: bucketed, each bucket all-reduced while the next is packed), the
 ///   optimizer step. With `grads_accumulation(k)` the micro-steps' gradients are summed
 ///   locally and reduced once per optimizer step.
-/// - **Data**: build the data loaders over [`DistributedSampler`](crate::DistributedSampler)s
-///   (without the loader's own `shuffle`) and register them with
-///   [`with_sampler`](Self::with_sampler): the strategy sets their epoch.
-/// - **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,
-///   accuracy over it, item counts summed).
-/// - **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,
-///   atomically, model + optimizer + scheduler per epoch; [`with_resume`](Self::with_resume)
-///   restarts from the newest complete one, which rank 0 reads and sends to every rank. A
-///   checkpoint rank 0 cannot write fails the job, naming the file.
-/// - **LR schedule**: one scheduler step per optimizer step (every rank steps together).
-/// - **Stopping**: a dashboard quit, an early stop (decided on rank 0, which has the metrics),
-///   a data error or a failed rank stops every rank at the same step.
+#[doc = burn_ddp_comm::strategy_docs!()]
 #[derive(Clone)]
 pub struct DdpStrategy {
     pg: ProcessGroup,
     sync: Arc<Mutex<GradSync>>,
     device: Device,
-    checkpoints: Option<PathBuf>,
-    keep: usize,
-    resume: bool,
-    samplers: Vec<Arc<dyn DataEpoch>>,
-    failure: FailureSlot,
-    run: RunSettings,
-    /// The world size and the round (or the last change of membership), for rank 0's
-    /// dashboard.
-    board: MembershipBoard,
-    /// The changes of membership of a fault-tolerant job, in order.
-    changes: ChangeLog,
-    /// The last epoch whose training and validation both ended (for the summary of a run
-    /// that failed in the middle of the next).
-    completed: Arc<std::sync::atomic::AtomicUsize>,
+    state: StrategyState,
 }
 
 impl std::fmt::Debug for DdpStrategy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DdpStrategy")
-            .field("rank", &self.pg.rank())
-            .field("world_size", &self.pg.world_size())
             .field("device", &self.device)
-            .field("checkpoints", &self.checkpoints)
-            .field("resume", &self.resume)
-            .field("samplers", &self.samplers.len())
+            .field("state", &self.state)
             .finish()
     }
 }
+
+burn_ddp_comm::strategy_options!(DdpStrategy, state);
 
 impl DdpStrategy {
     /// The strategy of this process's rank, reducing gradients with `sync`, training on
@@ -135,18 +107,10 @@ impl DdpStrategy {
             device.autodiff()
         };
         Self {
-            board: MembershipBoard::at_start(sync.group()),
+            state: StrategyState::new(sync.group()),
             pg: sync.group().clone(),
             sync: Arc::new(Mutex::new(sync)),
             device,
-            checkpoints: None,
-            keep: 2,
-            resume: false,
-            samplers: Vec::new(),
-            failure: FailureSlot::default(),
-            completed: Arc::default(),
-            changes: ChangeLog::default(),
-            run: RunSettings::new(),
         }
     }
 
@@ -159,84 +123,13 @@ impl DdpStrategy {
         Ok(Self::new(GradSync::new(pg, DdpConfig::default())?, device))
     }
 
-    /// A sampler whose epoch the strategy sets at the start of every epoch (the training and
-    /// the validation samplers; share them with the data loaders through an `Arc`).
-    pub fn with_sampler(mut self, sampler: Arc<dyn DataEpoch>) -> Self {
-        self.samplers.push(sampler);
-        self
-    }
-
-    /// Rank 0 writes a checkpoint (model, optimizer, scheduler) at the end of every epoch into
-    /// `dir` — `model-{epoch}.bin`, `optim-{epoch}.bin`, `scheduler-{epoch}.bin`, each renamed
-    /// into place once complete — keeping the newest `keep` epochs.
-    pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
-        self.checkpoints = Some(dir.into());
-        self.keep = keep.max(1);
-        self
-    }
-
-    /// The settings that make a checkpoint this run's (learning rate, batch size, data, seed:
-    /// whatever a resume must not change), recorded by rank 0 in the checkpoint directory
-    /// (`run.txt`) with the model's number of parameters, the world size and the number of
-    /// epochs. A resume whose settings or model differ is refused, naming each difference; a
-    /// world size or a number of epochs that differ are allowed (and said). A fresh run
-    /// refuses a directory that holds another run's checkpoints.
-    pub fn with_run_settings(mut self, settings: RunSettings) -> Self {
-        self.run = settings;
-        self
-    }
-
-    /// Whether to resume from the newest complete checkpoint in the checkpoint directory
-    /// (default `false`, but a group restarted by `burn-ddp run --max-restarts` always resumes;
-    /// an explicit `SupervisedTraining::checkpoint(epoch)` wins).
-    pub fn with_resume(mut self, resume: bool) -> Self {
-        self.resume = resume;
-        self
-    }
-
-    /// Whether training resumes from the newest complete checkpoint: when asked to, and
-    /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
-    fn resumes(&self) -> bool {
-        self.resume || self.pg.restart_count() > 0
-    }
-
     /// The process group.
     pub fn group(&self) -> &ProcessGroup {
         &self.pg
     }
 
-    /// In a fault-tolerant job (`burn-ddp run --fault-tolerant`), the changes of membership
-    /// training went through on this rank, in order: who left and joined, the new world size,
-    /// why, how long the change took.
-    pub fn membership_changes(&self) -> Vec<burn_ddp_comm::Recovery> {
-        self.changes.changes()
-    }
-
-    /// What rank 0's dashboard shows about the job's membership (its world size and round, or
-    /// the last change of a fault-tolerant job's; empty in a job that was not launched elastic
-    /// or fault-tolerant and not restarted): for a renderer of the program's own, wrap it in
-    /// [`WithMembership`] with this board.
-    pub fn membership_board(&self) -> &MembershipBoard {
-        &self.board
-    }
-
-    /// The error that stopped training, if any (also returned by
-    /// [`DdpTraining::launch_ddp`]).
-    pub fn failure(&self) -> Option<String> {
-        self.failure.message()
-    }
-
-    fn fail(&self, e: DdpError) {
-        self.failure.fail(e);
-    }
-
     fn rank(&self) -> Rank {
-        self.pg.rank()
-    }
-
-    /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
-    pub fn is_main(&self) -> bool {
-        self.rank() == Rank(0)
+        self.state.rank()
     }
 
     /// Progress of this rank's loader counted for the whole job, after `base` positions of the
@@ -252,12 +145,6 @@ impl DdpStrategy {
             None => Progress::new(done, base.saturating_add(p.items_total * w), p.unit),
         }
     }
-
-    fn set_epoch(&self, epoch: usize) {
-        for s in &self.samplers {
-            s.set_epoch(epoch as u64);
-        }
-    }
 }
 
 /// [`DdpStrategy`] on burn-train 0.22's `SupervisedTraining`: sets what each rank shows and
@@ -270,7 +157,7 @@ pub trait DdpTraining<M: LearnerModel> {
     /// application log).
     ///
     /// # Errors
-    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`], naming it), a
+    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`](crate::DdpError::TrainingFailed), naming it), a
     /// collective failed, or a checkpoint could not be restored. (An error of Burn's own on
     /// this rank, such as a metric that failed, stays in the result's `error`, as with
     /// `launch`.)
@@ -312,7 +199,7 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         let lines = || {
             Box::new(WithMembership::new(
                 ProgressLines::default(),
-                ddp.board.clone(),
+                ddp.state.board.clone(),
             ))
         };
         let training = if fault_tolerant && !ddp.is_main() {
@@ -330,12 +217,12 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
             // dashboard would be lost with the one process that draws it.
             let training = if fault_tolerant || !can_draw_dashboard() {
                 training.renderer(lines())
-            } else if ddp.board.get().is_some() {
+            } else if ddp.state.board.get().is_some() {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
                 // estimate uses), with the membership.
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
-                training.renderer(Box::new(WithMembership::new(tui, ddp.board.clone())))
+                training.renderer(Box::new(WithMembership::new(tui, ddp.state.board.clone())))
             } else {
                 // Burn's own choice: its terminal dashboard, or the program's renderer.
                 training
@@ -354,7 +241,7 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
                 .with_metric_logger(NoMetricLogger)
         };
         let result = training.launch(learner);
-        match ddp.failure.take() {
+        match ddp.state.failure.take() {
             Some(e) => Err(e),
             None => Ok(result),
         }

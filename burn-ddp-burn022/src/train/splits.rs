@@ -10,7 +10,7 @@ use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
     SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
-use burn_ddp_comm::train::epoch::{SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, Stepped};
 use burn_ddp_comm::train::vote::{panic_text, Vote};
 
 use super::{item, DdpStrategy, DistributedItem};
@@ -142,9 +142,7 @@ where
         sync_buffers(self.learner, self.sync)?;
         let progress = self.parts.global(self.iter.progress());
         let learner = &mut *self.learner;
-        let out = catch_unwind(AssertUnwindSafe(|| learner.train_step(item))).map_err(|p| {
-            StepFault::Alone(format!("the training step panicked: {}", panic_text(&*p)))
-        })?;
+        let out = guarded("the training step", item, |item| learner.train_step(item))?;
         let stepped = match self.accumulation {
             Some(k) => {
                 self.accumulator.accumulate(&learner.model(), out.grads);
@@ -164,7 +162,7 @@ where
         };
         if stepped == Stepped::Moved && self.parts.fault_tolerant {
             let ddp = self.parts.strategy;
-            ddp.changes.stepped(ddp.is_main());
+            ddp.state.changes.stepped(ddp.is_main());
         }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)
@@ -238,20 +236,11 @@ where
     fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
         let progress = self.parts.global(self.iter.progress());
         let model = &self.model;
-        let out = match self
+        let out = self
             .item
             .take()
-            .map(|i| catch_unwind(AssertUnwindSafe(|| InferenceStep::step(model, i))))
-        {
-            Some(Ok(out)) => Some(out),
-            Some(Err(p)) => {
-                return Err(StepFault::Alone(format!(
-                    "the validation step panicked: {}",
-                    panic_text(&*p)
-                )))
-            }
-            None => None,
-        };
+            .map(|i| guarded("the validation step", i, |i| InferenceStep::step(model, i)))
+            .transpose()?;
         self.out = Some((out, progress, iteration));
         Ok(Stepped::Moved)
     }

@@ -58,7 +58,7 @@ impl NotCarried {
     /// Refuses `self` when `pg` is fault-tolerant.
     ///
     /// # Errors
-    /// [`DdpError::NotFaultTolerant`](crate::DdpError::NotFaultTolerant) in a fault-tolerant
+    /// [`DdpError::NotFaultTolerant`] in a fault-tolerant
     /// group.
     pub fn refuse_on(self, pg: &crate::ProcessGroup) -> crate::Result<()> {
         if !pg.is_fault_tolerant() {

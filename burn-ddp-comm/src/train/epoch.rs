@@ -170,6 +170,20 @@ impl From<DdpError> for StepFault {
     }
 }
 
+/// Runs `step` on `input`: a panic in it becomes this rank's own failure
+/// ([`StepFault::Alone`]: `{what} panicked: {message}`).
+///
+/// # Errors
+/// `step` panicked.
+pub fn guarded<I, O>(
+    what: &str,
+    input: I,
+    step: impl FnOnce(I) -> O,
+) -> std::result::Result<O, StepFault> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| step(input)))
+        .map_err(|p| StepFault::Alone(format!("{what} panicked: {}", vote::panic_text(&*p))))
+}
+
 /// What one step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stepped {

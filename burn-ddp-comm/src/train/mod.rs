@@ -14,6 +14,9 @@
 //!   every rank (no shared file system needed);
 //! - [`run`]: the run's settings recorded beside its checkpoints, and where a run starts
 //!   (a resume refuses checkpoints that are not the run's own);
+//! - [`strategy`]: what a line's `DdpStrategy` keeps besides its Burn types
+//!   ([`StrategyState`](strategy::StrategyState)), and its options written once for every line
+//!   ([`strategy_options!`](crate::strategy_options));
 //! - [`board`]: the world size and the last change of membership, for rank 0's dashboard;
 //! - [`terminal`]: whether rank 0's stdout is a terminal the dashboard can drive.
 //!
@@ -26,5 +29,6 @@ pub mod files;
 pub mod lines;
 pub mod parts;
 pub mod run;
+pub mod strategy;
 pub mod terminal;
 pub mod vote;

@@ -4,7 +4,6 @@
 //! vote), and in a fault-tolerant job the Learner's state moved after a change of membership
 //! (`fault.rs`).
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use burn::module::{AutodiffModule, Module};
@@ -55,13 +54,13 @@ where
     fn deal(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<()> {
         if fault_tolerant {
             epoch::deal(
-                &self.strategy.samplers,
+                &self.strategy.state.samplers,
                 self.strategy.session.group(),
                 cursor,
             )
         } else {
             if cursor.phase == epoch::Phase::Train {
-                self.strategy.set_epoch(cursor.epoch);
+                self.strategy.state.set_epoch(cursor.epoch);
             }
             Ok(())
         }
@@ -92,7 +91,7 @@ where
             self.train.clone()
         };
         let pg = self.group().clone();
-        let failure = self.strategy.failure.clone();
+        let failure = self.strategy.state.failure.clone();
         let epoch = cursor.epoch;
         let Run {
             strategy,
@@ -143,7 +142,7 @@ where
             self.valid.clone()
         };
         let pg = self.group().clone();
-        let failure = self.strategy.failure.clone();
+        let failure = self.strategy.state.failure.clone();
         let epoch = cursor.epoch;
         let mut split: ValidSplit<'_, B, LC> = ValidSplit {
             model: self.learner.model().valid(),
@@ -184,25 +183,27 @@ where
             }
         }
         if self.interrupter.should_stop() {
-            vote = interrupted(&self.interrupter, &self.strategy.written);
+            vote = interrupted(&self.interrupter, &self.strategy.state.written);
         }
         let interrupter = &self.interrupter;
         epoch::end_epoch(
             self.strategy.session.group(),
             &vote,
-            &self.strategy.failure,
+            &self.strategy.state.failure,
             fault_tolerant,
             |m| interrupter.stop(Some(m)),
         )
     }
 
     fn validated(&mut self, epoch: usize) {
-        self.strategy.completed.store(epoch, Ordering::Relaxed);
+        self.strategy.state.completed(epoch);
     }
 
     fn stop_with(&mut self, e: DdpError) {
         let interrupter = &self.interrupter;
-        vote::stop_with(e, &self.strategy.failure, |m| interrupter.stop(Some(m)));
+        vote::stop_with(e, &self.strategy.state.failure, |m| {
+            interrupter.stop(Some(m))
+        });
     }
 }
 
@@ -236,8 +237,9 @@ where
             self.processor.process_train(LearnerEvent::Start);
             self.shown = true;
         }
-        ddp.changes
-            .changed(rec, cursor, began, &ddp.board, ddp.is_main());
+        ddp.state
+            .changes
+            .changed(rec, cursor, began, &ddp.state.board, ddp.is_main());
     }
 }
 
@@ -265,7 +267,6 @@ impl<B: Backend> DdpStrategy<B> {
         TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
         ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
     {
-        let ft = self.session.group().is_fault_tolerant();
         let epochs = components.num_epochs;
         let mut run = Run {
             strategy: self,
@@ -281,12 +282,7 @@ impl<B: Backend> DdpStrategy<B> {
             epochs,
             shown: self.is_main(),
         };
-        self.completed.store(starting_epoch - 1, Ordering::Relaxed);
-        let cursor = if ft {
-            epoch::fit_fault_tolerant(&mut run, starting_epoch, epochs, admission)
-        } else {
-            epoch::fit(&mut run, starting_epoch, epochs)
-        };
+        let cursor = self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
             learner,
             processor,
@@ -294,23 +290,15 @@ impl<B: Backend> DdpStrategy<B> {
             interrupter,
             ..
         } = run;
+        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
+        // rank, through the last vote.
         drop(checkpointer);
-        // The samplers deal their whole epoch over the last membership again, for what the
-        // program does after training (an evaluation over the validation data).
-        let whole = Cursor::start(cursor.epoch.min(epochs));
-        if let Err(e) = epoch::deal(&self.samplers, self.session.group(), &whole) {
-            tracing::warn!(
-                "[rank {}] re-dealing the data after training: {e}",
-                self.rank()
-            );
-        }
-        let last = match self.written.message() {
+        let last = match self.state.written.message() {
             Some(e) => Vote::Failed(e),
             None => Vote::Item,
         };
-        epoch::last_vote(self.session.group(), &last, &self.failure, ft, |m| {
-            interrupter.stop(Some(m));
-        });
+        self.state
+            .finish(&cursor, epochs, &last, |m| interrupter.stop(Some(m)));
         (learner.model(), processor)
     }
 }

@@ -2,8 +2,6 @@
 //! the epoch to resume after, the model prepared), `fit` (the epoch loop of `driver.rs`), and
 //! the summary of a run that failed.
 
-use std::sync::atomic::Ordering;
-
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::checkpoint::{AsyncCheckpointer, KeepLastNCheckpoints};
@@ -15,8 +13,7 @@ use burn::train::{
 };
 use burn_backend::BackendTypes;
 
-use burn_ddp_comm::train::files::{self, RecordFiles};
-use burn_ddp_comm::train::run;
+use burn_ddp_comm::train::files::RecordFiles;
 
 use super::checkpoint::{self, RankCheckpointer};
 use super::splits::{TrainOut, ValidOut};
@@ -44,18 +41,18 @@ where
             // The summary reads rank 0's metric logs.
             components.summary = None;
         }
-        if let Some(dir) = &self.checkpoints {
+        if let Some(dir) = &self.state.checkpoints {
             let pg = self.session.group().clone();
             let part = |name| RankCheckpointer {
                 files: RecordFiles::new(dir.clone(), name, pg.clone()),
-                failed: self.written.clone(),
+                failed: self.state.written.clone(),
             };
             let interrupter = components.interrupter.clone();
             components.checkpointer = Some(LearningCheckpointer::new(
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
                 AsyncCheckpointer::new(part("optim")).with_interrupter(interrupter.clone()),
                 AsyncCheckpointer::new(part("scheduler")).with_interrupter(interrupter),
-                Box::new(KeepLastNCheckpoints::new(self.keep)),
+                Box::new(KeepLastNCheckpoints::new(self.state.keep)),
             ));
         }
 
@@ -65,7 +62,7 @@ where
         let start = if admission.is_some() {
             1
         } else {
-            let start = match self.start_epoch(
+            let start = match self.state.start_epoch(
                 components.checkpoint,
                 components.num_epochs,
                 learner.model().num_params(),
@@ -140,17 +137,12 @@ where
 }
 
 impl<B: Backend> DdpStrategy<B> {
-    /// Burn's summary of a run that failed counts only the epochs it completed. Burn counts
-    /// the highest epoch whose metric logs it finds, and the epoch the run failed in has
-    /// logs ("Total Epochs: 2" after one finished epoch). None when it completed none.
+    /// Burn's summary, of the epochs completed when training failed (burn-ddp-comm's
+    /// `StrategyState::summary_epochs`).
     fn completed_only(&self, mut summary: LearnerSummary) -> Option<LearnerSummary> {
-        if self.failure.message().is_none() {
+        let Some(done) = self.state.summary_epochs()? else {
             return Some(summary);
-        }
-        let done = self.completed.load(Ordering::Relaxed);
-        if done == 0 {
-            return None;
-        }
+        };
         summary.epochs = summary.epochs.min(done);
         for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
             for metric in split.iter_mut() {
@@ -161,53 +153,22 @@ impl<B: Backend> DdpStrategy<B> {
         Some(summary)
     }
 
-    /// The checkpoint epoch to resume after, the same on every rank: an explicit one, else
-    /// (with `with_resume`) the newest complete checkpoint rank 0 finds, once rank 0 has
-    /// checked that it belongs to this run (burn-ddp-comm's [`run`]).
-    fn start_epoch(
-        &self,
-        explicit: Option<usize>,
-        epochs: usize,
-        parameters: usize,
-    ) -> Result<Option<usize>> {
-        let job = burn_ddp_comm::config::env::run_id();
-        run::start_epoch(
-            self.session.group(),
-            &run::StartAsk {
-                explicit,
-                dir: self.checkpoints.as_deref(),
-                resume: self.resumes(),
-                epochs,
-                parameters,
-                settings: &self.run,
-                job: job.as_deref(),
-            },
-        )
-    }
-
     fn restore<LC>(&self, learner: &mut Learner<LC>, epoch: usize) -> Result<()>
     where
         LC: LearningComponentsTypes,
         LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     {
-        let Some(dir) = &self.checkpoints else {
-            return Err(files::no_directory(epoch, "DdpStrategy::with_checkpoints"));
-        };
-        let part = |name| RecordFiles::new(dir.clone(), name, self.session.group().clone());
+        let part = |name| self.state.record_files(name, epoch);
         let model: LearnerModelRecord<LC> =
-            checkpoint::restore(&part("model"), epoch, &self.device)?;
+            checkpoint::restore(&part("model")?, epoch, &self.device)?;
         let optim: LearnerOptimizerRecord<LC> =
-            checkpoint::restore(&part("optim"), epoch, &self.device)?;
+            checkpoint::restore(&part("optim")?, epoch, &self.device)?;
         let sched: LearnerSchedulerRecord<LC> =
-            checkpoint::restore(&part("scheduler"), epoch, &self.device)?;
+            checkpoint::restore(&part("scheduler")?, epoch, &self.device)?;
         learner.load_model(model);
         learner.load_optim(optim);
         learner.load_scheduler(sched);
-        self.board.resumed(epoch);
-        tracing::info!(
-            "[rank {}] resumed from the checkpoint of epoch {epoch}",
-            self.rank()
-        );
+        self.state.resumed(epoch);
         Ok(())
     }
 
@@ -219,7 +180,7 @@ impl<B: Backend> DdpStrategy<B> {
         components: TrainingComponents<LC>,
     ) -> LearningResult<LC::InferenceModel> {
         components.interrupter.stop(Some(&e.to_string()));
-        self.fail(e);
+        self.state.failure.fail(e);
         LearningResult {
             model: learner.model().valid(),
             renderer: components.event_processor.renderer(),

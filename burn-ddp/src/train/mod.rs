@@ -40,12 +40,10 @@ mod item;
 mod render;
 mod splits;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn_ddp_comm::train::epoch::ChangeLog;
+use burn_ddp_comm::train::strategy::StrategyState;
 use burn_ddp_comm::train::terminal::can_draw_dashboard;
-use burn_ddp_comm::train::vote::FailureSlot;
 
 use burn::data::dataloader::Progress;
 use burn::tensor::backend::Backend;
@@ -62,7 +60,7 @@ pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
-use crate::{DataEpoch, DdpError, DdpSession, Rank, Result};
+use crate::{DdpSession, Rank, Result};
 
 /// burn-train's `SupervisedLearningStrategy` for one process per rank (or one thread per rank
 /// of an in-process group): use it through [`DdpTraining::launch_ddp`], or pass
@@ -75,69 +73,33 @@ use crate::{DataEpoch, DdpError, DdpSession, Rank, Result};
 /// - **Start**: every rank resumes from the same checkpoint epoch (if any), then the model is
 ///   checked across ranks and rank 0's weights are loaded everywhere (as
 ///   [`DdpSession::prepare_module`]).
-/// - **Data**: build the data loaders over [`DistributedSampler`](crate::DistributedSampler)s
-///   (without the loader's own `shuffle`) and register them with
-///   [`with_sampler`](Self::with_sampler): the strategy sets their epoch.
-/// - **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,
-///   accuracy over it, item counts summed); progress counts every rank's items.
-/// - **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,
-///   atomically, model + optimizer + scheduler per epoch; [`with_resume`](Self::with_resume)
-///   restarts from the newest complete one, which rank 0 reads and sends to every rank. A
-///   checkpoint rank 0 cannot write fails the job, naming the file and the OS error.
-/// - **LR schedule**: one scheduler step per global step (every rank steps together).
-/// - **Stopping**: a dashboard quit, an early stop (decided on rank 0, which has the metrics),
-///   a data error or a failed rank stops every rank at the same step.
+#[doc = burn_ddp_comm::strategy_docs!()]
 #[derive(Clone)]
 pub struct DdpStrategy<B: Backend> {
     session: DdpSession,
     device: B::Device,
-    checkpoints: Option<PathBuf>,
-    keep: usize,
-    resume: bool,
-    samplers: Vec<Arc<dyn DataEpoch>>,
-    failure: FailureSlot,
-    /// A checkpoint rank 0 could not write (or an old one it could not delete).
-    written: FailureSlot,
-    run: RunSettings,
-    /// The changes of membership of a fault-tolerant job, in order.
-    changes: ChangeLog,
-    /// The world size and the last change of membership, for rank 0's dashboard.
-    board: MembershipBoard,
-    /// The last epoch whose training and validation both ended (for the summary of a run
-    /// that failed in the middle of the next).
-    completed: Arc<std::sync::atomic::AtomicUsize>,
+    state: StrategyState,
 }
 
 impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DdpStrategy")
-            .field("rank", &self.session.group().rank())
-            .field("world_size", &self.session.group().world_size())
             .field("device", &self.device)
-            .field("checkpoints", &self.checkpoints)
-            .field("resume", &self.resume)
-            .field("samplers", &self.samplers.len())
+            .field("state", &self.state)
             .finish()
     }
 }
+
+burn_ddp_comm::strategy_options!(DdpStrategy<B: Backend>, state);
 
 impl<B: Backend> DdpStrategy<B> {
     /// The strategy of this process's rank in `session`, training on `device` (for CUDA, the
     /// device of the rank's `LOCAL_RANK`).
     pub fn new(session: DdpSession, device: B::Device) -> Self {
         Self {
-            board: MembershipBoard::at_start(session.group()),
+            state: StrategyState::new(session.group()),
             session,
             device,
-            checkpoints: None,
-            keep: 2,
-            resume: false,
-            samplers: Vec::new(),
-            failure: FailureSlot::default(),
-            written: FailureSlot::default(),
-            run: RunSettings::new(),
-            changes: ChangeLog::default(),
-            completed: Arc::default(),
         }
     }
 
@@ -153,87 +115,13 @@ impl<B: Backend> DdpStrategy<B> {
         ))
     }
 
-    /// A sampler whose epoch the strategy sets at the start of every epoch (the training and
-    /// the validation samplers; share them with the data loaders through an `Arc`).
-    pub fn with_sampler(mut self, sampler: Arc<dyn DataEpoch>) -> Self {
-        self.samplers.push(sampler);
-        self
-    }
-
-    /// Rank 0 writes a checkpoint (model, optimizer, scheduler) at the end of every epoch into
-    /// `dir` — `model-{epoch}.bin`, `optim-{epoch}.bin`, `scheduler-{epoch}.bin`, each renamed
-    /// into place once complete — keeping the newest `keep` epochs.
-    pub fn with_checkpoints(mut self, dir: impl Into<PathBuf>, keep: usize) -> Self {
-        self.checkpoints = Some(dir.into());
-        self.keep = keep.max(1);
-        self
-    }
-
-    /// The settings that make a checkpoint this run's (learning rate, batch size, data, seed:
-    /// whatever a resume must not change), recorded by rank 0 in the checkpoint directory
-    /// (`run.txt`) with the model's number of parameters, the world size and the number of
-    /// epochs. A resume whose settings or model differ is refused, naming each difference; a
-    /// world size or a number of epochs that differ are allowed (and said). A fresh run
-    /// refuses a directory that holds another run's checkpoints.
-    pub fn with_run_settings(mut self, settings: RunSettings) -> Self {
-        self.run = settings;
-        self
-    }
-
-    /// Whether to resume from the newest complete checkpoint in the checkpoint directory
-    /// (default `false`, but a group restarted by `burn-ddp run --max-restarts` always resumes;
-    /// an explicit `SupervisedTraining::checkpoint(epoch)` wins).
-    pub fn with_resume(mut self, resume: bool) -> Self {
-        self.resume = resume;
-        self
-    }
-
-    /// Whether training resumes from the newest complete checkpoint: when asked to, and
-    /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
-    fn resumes(&self) -> bool {
-        self.resume || self.session.group().restart_count() > 0
-    }
-
     /// The session.
     pub fn session(&self) -> &DdpSession {
         &self.session
     }
 
-    /// In a fault-tolerant job (`burn-ddp run --fault-tolerant`), the changes of membership
-    /// training went through on this rank, in order: who left and joined, the new world size,
-    /// why, how long the change took.
-    pub fn membership_changes(&self) -> Vec<crate::Recovery> {
-        self.changes.changes()
-    }
-
-    /// What rank 0's dashboard shows about the job's membership (its world size and the last
-    /// change; empty in a job whose membership cannot change and that was not restarted): for a
-    /// renderer of the program's own, wrap it in [`WithMembership`] with this board.
-    pub fn membership_board(&self) -> &MembershipBoard {
-        &self.board
-    }
-
-    /// The error that stopped training, if any (also returned by
-    /// [`DdpTraining::launch_ddp`]).
-    pub fn failure(&self) -> Option<String> {
-        self.failure.message()
-    }
-
-    fn take_failure(&self) -> Option<DdpError> {
-        self.failure.take()
-    }
-
-    fn fail(&self, e: DdpError) {
-        self.failure.fail(e);
-    }
-
     fn rank(&self) -> Rank {
-        self.session.group().rank()
-    }
-
-    /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
-    pub fn is_main(&self) -> bool {
-        self.rank() == Rank(0)
+        self.state.rank()
     }
 
     /// Progress of this rank's loader, counted for the whole job (every rank has as many
@@ -245,12 +133,6 @@ impl<B: Backend> DdpStrategy<B> {
         Progress {
             items_processed: base.saturating_add(p.items_processed * w),
             items_total: base.saturating_add(p.items_total * w),
-        }
-    }
-
-    fn set_epoch(&self, epoch: usize) {
-        for s in &self.samplers {
-            s.set_epoch(epoch as u64);
         }
     }
 }
@@ -265,7 +147,7 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
     /// application log).
     ///
     /// # Errors
-    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`], naming it), a
+    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`](crate::DdpError::TrainingFailed), naming it), a
     /// collective failed, or a checkpoint could not be restored.
     fn launch_ddp<B: Backend>(
         self,
@@ -312,7 +194,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         let fault_tolerant = ddp.session().group().is_fault_tolerant();
         // The job's membership on the dashboard when it can change (an elastic or
         // fault-tolerant job, a restarted one): two more metrics, `World size` and `Membership`.
-        let lines = || WithMembership::new(ProgressLines::default(), ddp.board.clone());
+        let lines = || WithMembership::new(ProgressLines::default(), ddp.state.board.clone());
         let training = if fault_tolerant && !ddp.is_main() {
             // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
             // which show only once it is (only rank 0 is given the job's items). Its metrics
@@ -326,12 +208,12 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
             // terminal dashboard would be lost with the one process that draws it.
             let training = if fault_tolerant || !can_draw_dashboard() {
                 training.renderer(lines())
-            } else if ddp.board.get().is_some() {
+            } else if ddp.state.board.get().is_some() {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
                 // estimate uses), with the membership.
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
-                training.renderer(WithMembership::new(tui, ddp.board.clone()))
+                training.renderer(WithMembership::new(tui, ddp.state.board.clone()))
             } else {
                 // Burn's own choice: its terminal dashboard, or the program's renderer.
                 training
@@ -350,7 +232,7 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
                 .with_metric_logger(NoMetricLogger)
         };
         let result = training.launch(learner);
-        match ddp.take_failure() {
+        match ddp.state.failure.take() {
             Some(e) => Err(e),
             None => Ok(result),
         }

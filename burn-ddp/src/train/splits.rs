@@ -13,7 +13,7 @@ use burn::train::{
     LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
 use burn_backend::BackendTypes;
-use burn_ddp_comm::train::epoch::{Cursor, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, Stepped};
 use burn_ddp_comm::train::vote::{panic_text, FailureSlot, Vote};
 
 use super::{item, DdpStrategy, DistributedItem};
@@ -161,7 +161,7 @@ where
         let (item, vote, used) = load(
             &mut *self.iter,
             p.interrupter,
-            &p.strategy.written,
+            &p.strategy.state.written,
             "training",
         );
         self.item = item;
@@ -177,15 +177,11 @@ where
         ddp.sync_buffers(self.learner)?;
         let progress = ddp.global(self.iter.progress(), self.parts.base);
         let learner = &mut *self.learner;
-        let step = catch_unwind(AssertUnwindSafe(|| match self.accumulation {
-            Some(_) => {
-                let _local = session.no_sync();
-                learner.train_step(item)
-            }
-            None => learner.train_step(item),
-        }));
-        let out = step.map_err(|p| {
-            StepFault::Alone(format!("the training step panicked: {}", panic_text(&*p)))
+        let accumulating = self.accumulation.is_some();
+        let out = guarded("the training step", item, |item| {
+            // Micro-steps of an accumulation are reduced once, at the optimizer step.
+            let _local = accumulating.then(|| session.no_sync());
+            learner.train_step(item)
         })?;
         session.check()?;
         let stepped = match self.accumulation {
@@ -214,7 +210,7 @@ where
             }
         };
         if stepped == Stepped::Moved && self.parts.fault_tolerant {
-            ddp.changes.stepped(ddp.is_main());
+            ddp.state.changes.stepped(ddp.is_main());
         }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)
@@ -287,7 +283,7 @@ where
         let (item, vote, used) = load(
             &mut *self.iter,
             p.interrupter,
-            &p.strategy.written,
+            &p.strategy.state.written,
             "validation",
         );
         self.item = item;
@@ -300,20 +296,11 @@ where
             .strategy
             .global(self.iter.progress(), self.parts.base);
         let model = &self.model;
-        let out = match self
+        let out = self
             .item
             .take()
-            .map(|i| catch_unwind(AssertUnwindSafe(|| model.step(i))))
-        {
-            Some(Ok(out)) => Some(out),
-            Some(Err(p)) => {
-                return Err(StepFault::Alone(format!(
-                    "the validation step panicked: {}",
-                    panic_text(&*p)
-                )))
-            }
-            None => None,
-        };
+            .map(|i| guarded("the validation step", i, |i| model.step(i)))
+            .transpose()?;
         self.out = Some((out, progress, iteration));
         Ok(Stepped::Moved)
     }

@@ -1,0 +1,329 @@
+//! The Burn-free state of a line's `DdpStrategy` ([`StrategyState`], shared by the strategy's
+//! clones) and its options and accessors, written once for every line
+//! ([`strategy_options!`](crate::strategy_options)): the samplers whose epoch it sets, where
+//! rank 0 writes checkpoints and whether a run resumes from them, the run's settings, the first
+//! failure, the membership board and changes, the last epoch completed.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::board::MembershipBoard;
+use super::epoch::{self, ChangeLog, Cursor, Handover};
+use super::files::{self, RecordFiles};
+use super::run::{self, RunSettings};
+use super::vote::{FailureSlot, Vote};
+use crate::data::DataEpoch;
+use crate::{ProcessGroup, Rank, Recovery, Result};
+
+/// What a line's `DdpStrategy` keeps besides its Burn types (the session or `GradSync`, the
+/// device): cloned with the strategy, its slots shared by the clones (burn-train runs a clone).
+#[derive(Clone)]
+pub struct StrategyState {
+    pg: ProcessGroup,
+    /// Where rank 0 writes checkpoints (`with_checkpoints`).
+    pub checkpoints: Option<PathBuf>,
+    /// How many epochs' checkpoints rank 0 keeps.
+    pub keep: usize,
+    /// Whether to resume from the newest complete checkpoint (`with_resume`).
+    pub resume: bool,
+    /// What makes a checkpoint this run's (`with_run_settings`).
+    pub run: RunSettings,
+    /// The samplers whose epoch the strategy sets (`with_sampler`).
+    pub samplers: Vec<Arc<dyn DataEpoch>>,
+    /// The first error that stopped training on this rank.
+    pub failure: FailureSlot,
+    /// A checkpoint rank 0 could not write (where the line's checkpointer reports it apart).
+    pub written: FailureSlot,
+    /// The world size and the last change of membership, for rank 0's dashboard.
+    pub board: MembershipBoard,
+    /// The changes of membership of a fault-tolerant job, in order.
+    pub changes: ChangeLog,
+    /// The last epoch whose training and validation both ended (for the summary of a run that
+    /// failed in the middle of the next).
+    completed: Arc<AtomicUsize>,
+}
+
+impl std::fmt::Debug for StrategyState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StrategyState")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("checkpoints", &self.checkpoints)
+            .field("resume", &self.resume)
+            .field("samplers", &self.samplers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl StrategyState {
+    /// The state of a strategy on `pg`: no samplers, no checkpoints (2 kept once set), no
+    /// resume, no run settings.
+    pub fn new(pg: &ProcessGroup) -> Self {
+        Self {
+            board: MembershipBoard::at_start(pg),
+            pg: pg.clone(),
+            checkpoints: None,
+            keep: 2,
+            resume: false,
+            run: RunSettings::new(),
+            samplers: Vec::new(),
+            failure: FailureSlot::default(),
+            written: FailureSlot::default(),
+            changes: ChangeLog::default(),
+            completed: Arc::default(),
+        }
+    }
+
+    /// The group the strategy trains on.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// This process's rank (which may change in a fault-tolerant job).
+    pub fn rank(&self) -> Rank {
+        self.pg.rank()
+    }
+
+    /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
+    pub fn is_main(&self) -> bool {
+        self.rank() == Rank::ZERO
+    }
+
+    /// Whether training resumes from the newest complete checkpoint: when asked to, and
+    /// always in a group restarted by `burn-ddp run --max-restarts` (or torchrun's).
+    pub fn resumes(&self) -> bool {
+        self.resume || self.pg.restart_count() > 0
+    }
+
+    /// Every sampler at `epoch` (from 1).
+    pub fn set_epoch(&self, epoch: usize) {
+        for s in &self.samplers {
+            s.set_epoch(epoch as u64);
+        }
+    }
+
+    /// The checkpoint epoch to resume after, the same on every rank: `explicit`, else (when
+    /// [`resumes`](Self::resumes)) the newest complete checkpoint rank 0 finds, once rank 0 has
+    /// checked that it belongs to this run ([`run::start_epoch`]). Collective.
+    ///
+    /// # Errors
+    /// As [`run::start_epoch`].
+    pub fn start_epoch(
+        &self,
+        explicit: Option<usize>,
+        epochs: usize,
+        parameters: usize,
+    ) -> Result<Option<usize>> {
+        let job = crate::config::env::run_id();
+        run::start_epoch(
+            &self.pg,
+            &run::StartAsk {
+                explicit,
+                dir: self.checkpoints.as_deref(),
+                resume: self.resumes(),
+                epochs,
+                parameters,
+                settings: &self.run,
+                job: job.as_deref(),
+            },
+        )
+    }
+
+    /// The files of the checkpoint record `name` (`model`, `optim`, `scheduler`) to restore
+    /// `epoch` from.
+    ///
+    /// # Errors
+    /// No checkpoint directory was given ([`files::no_directory`]).
+    pub fn record_files(&self, name: &'static str, epoch: usize) -> Result<RecordFiles> {
+        let Some(dir) = &self.checkpoints else {
+            return Err(files::no_directory(epoch, "DdpStrategy::with_checkpoints"));
+        };
+        Ok(RecordFiles::new(dir.clone(), name, self.pg.clone()))
+    }
+
+    /// Training resumed from the checkpoint of `epoch`: the board and the log say so.
+    pub fn resumed(&self, epoch: usize) {
+        self.board.resumed(epoch);
+        tracing::info!(
+            "[rank {}] resumed from the checkpoint of epoch {epoch}",
+            self.rank()
+        );
+    }
+
+    /// `epoch`'s training and validation both ended.
+    pub fn completed(&self, epoch: usize) {
+        self.completed.store(epoch, Ordering::Relaxed);
+    }
+
+    /// The epoch loop of `driver` from the training of `start` to the end of `epochs`:
+    /// [`epoch::fit_fault_tolerant`] (with this process's `admission` into a running job) in a
+    /// fault-tolerant job, [`epoch::fit`] elsewhere. Returns where it ended.
+    pub fn fit<D: Handover + ?Sized>(
+        &self,
+        driver: &mut D,
+        start: usize,
+        epochs: usize,
+        admission: Option<Recovery>,
+    ) -> Cursor {
+        self.completed(start - 1);
+        if self.pg.is_fault_tolerant() {
+            epoch::fit_fault_tolerant(driver, start, epochs, admission)
+        } else {
+            epoch::fit(driver, start, epochs)
+        }
+    }
+
+    /// After [`fit`](Self::fit) ended at `cursor`, once rank 0's last checkpoint is written
+    /// (`last`: whether it was, [`epoch::last_vote`]): in a fault-tolerant job the samplers deal
+    /// their whole epoch over the last membership again (for what the program does after
+    /// training, an evaluation over the validation data); then the last vote.
+    pub fn finish(
+        &self,
+        cursor: &Cursor,
+        epochs: usize,
+        last: &Vote,
+        interrupt: impl FnOnce(&str),
+    ) {
+        let fault_tolerant = self.pg.is_fault_tolerant();
+        if fault_tolerant {
+            let whole = Cursor::start(cursor.epoch.min(epochs));
+            if let Err(e) = epoch::deal(&self.samplers, &self.pg, &whole) {
+                tracing::warn!(
+                    "[rank {}] re-dealing the data after training: {e}",
+                    self.rank()
+                );
+            }
+        }
+        epoch::last_vote(&self.pg, last, &self.failure, fault_tolerant, interrupt);
+    }
+
+    /// How much of Burn's summary a run may show: all of it (`Some(None)`) when training did
+    /// not fail; else the epochs it completed (`Some(Some(n))`: Burn counts the highest epoch
+    /// whose metric logs it finds, and the epoch the run failed in has logs), or no summary
+    /// (`None`) when it completed none.
+    pub fn summary_epochs(&self) -> Option<Option<usize>> {
+        if self.failure.message().is_none() {
+            return Some(None);
+        }
+        match self.completed.load(Ordering::Relaxed) {
+            0 => None,
+            done => Some(Some(done)),
+        }
+    }
+}
+
+/// The options and accessors of a line's `DdpStrategy` over its [`StrategyState`] field, with
+/// their documentation, written once for every line: `with_sampler`, `with_checkpoints`,
+/// `with_run_settings`, `with_resume`, `membership_changes`, `membership_board`, `failure`,
+/// `is_main`.
+///
+/// ```ignore
+/// burn_ddp_comm::strategy_options!(DdpStrategy<B: Backend>, state);
+/// burn_ddp_comm::strategy_options!(DdpStrategy, state);
+/// ```
+#[macro_export]
+macro_rules! strategy_options {
+    ($name:ident $(< $g:ident : $bound:path >)?, $state:ident) => {
+        impl $(<$g: $bound>)? $name $(<$g>)? {
+            /// A sampler whose epoch the strategy sets at the start of every epoch (the
+            /// training and the validation samplers; share them with the data loaders through
+            /// an `Arc`).
+            pub fn with_sampler(
+                mut self,
+                sampler: std::sync::Arc<dyn $crate::data::DataEpoch>,
+            ) -> Self {
+                self.$state.samplers.push(sampler);
+                self
+            }
+
+            /// Rank 0 writes a checkpoint (model, optimizer, scheduler) at the end of every
+            /// epoch into `dir` — `model-{epoch}.bin`, `optim-{epoch}.bin`,
+            /// `scheduler-{epoch}.bin`, each renamed into place once complete — keeping the
+            /// newest `keep` epochs.
+            pub fn with_checkpoints(
+                mut self,
+                dir: impl Into<std::path::PathBuf>,
+                keep: usize,
+            ) -> Self {
+                self.$state.checkpoints = Some(dir.into());
+                self.$state.keep = keep.max(1);
+                self
+            }
+
+            /// The settings that make a checkpoint this run's (learning rate, batch size,
+            /// data, seed: whatever a resume must not change), recorded by rank 0 in the
+            /// checkpoint directory (`run.txt`) with the model's number of parameters, the
+            /// world size and the number of epochs. A resume whose settings or model differ is
+            /// refused, naming each difference; a world size or a number of epochs that differ
+            /// are allowed (and said). A fresh run refuses a directory that holds another
+            /// run's checkpoints.
+            pub fn with_run_settings(mut self, settings: $crate::train::run::RunSettings) -> Self {
+                self.$state.run = settings;
+                self
+            }
+
+            /// Whether to resume from the newest complete checkpoint in the checkpoint
+            /// directory (default `false`, but a group restarted by `burn-ddp run
+            /// --max-restarts` always resumes; an explicit `SupervisedTraining::checkpoint(epoch)`
+            /// wins).
+            pub fn with_resume(mut self, resume: bool) -> Self {
+                self.$state.resume = resume;
+                self
+            }
+
+            /// In a fault-tolerant job (`burn-ddp run --fault-tolerant`), the changes of
+            /// membership training went through on this rank, in order: who left and joined,
+            /// the new world size, why, how long the change took.
+            pub fn membership_changes(&self) -> Vec<$crate::Recovery> {
+                self.$state.changes.changes()
+            }
+
+            /// What rank 0's dashboard shows about the job's membership (its world size and
+            /// round, or the last change of a fault-tolerant job's; empty in a job whose
+            /// membership cannot change and that was not restarted): for a renderer of the
+            /// program's own, wrap it in `WithMembership` with this board.
+            pub fn membership_board(&self) -> &$crate::train::board::MembershipBoard {
+                &self.$state.board
+            }
+
+            /// The error that stopped training, if any (also returned by `launch_ddp`).
+            pub fn failure(&self) -> Option<String> {
+                self.$state.failure.message()
+            }
+
+            /// Whether this is rank 0, which shows the dashboard, writes the metrics and
+            /// checkpoints (in a fault-tolerant job, rank 0 may change).
+            pub fn is_main(&self) -> bool {
+                self.$state.is_main()
+            }
+        }
+    };
+}
+
+/// The part of a line's `DdpStrategy` documentation that holds on every line (data, metrics,
+/// checkpoints, the schedule, stops, fault tolerance), for `#[doc = strategy_docs!()]` under the
+/// line's own paragraphs.
+#[macro_export]
+macro_rules! strategy_docs {
+    () => {
+        concat!(
+            "- **Data**: build the data loaders over [`DistributedSampler`](crate::DistributedSampler)s\n",
+            "  (without the loader's own `shuffle`) and register them with\n",
+            "  [`with_sampler`](Self::with_sampler): the strategy sets their epoch.\n",
+            "- **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,\n",
+            "  accuracy over it, item counts summed); progress counts every rank's items.\n",
+            "- **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,\n",
+            "  atomically, model + optimizer + scheduler per epoch; [`with_resume`](Self::with_resume)\n",
+            "  restarts from the newest complete one, which rank 0 reads and sends to every rank. A\n",
+            "  checkpoint rank 0 cannot write fails the job, naming the file.\n",
+            "- **LR schedule**: one scheduler step per optimizer step (every rank steps together).\n",
+            "- **Stopping**: a dashboard quit, an early stop (decided on rank 0, which has the metrics),\n",
+            "  a data error or a failed rank stops every rank at the same step.\n",
+            "- **Fault tolerance** (`burn-ddp run --fault-tolerant`): a lost rank does not stop the job;\n",
+            "  the others agree on a new membership and go on from the step they were at, and a process\n",
+            "  that joins takes the Learner's state from a rank that has it\n",
+            "  ([`membership_changes`](Self::membership_changes)).\n",
+        )
+    };
+}
