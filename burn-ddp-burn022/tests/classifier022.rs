@@ -42,7 +42,7 @@ fn launched(args: &[&str], out: &Path, max_restarts: u32) -> Spawned {
     .env_remove("RANK")
     .env_remove("SLURM_PROCID")
     .env("BURN_DDP_TIMEOUT", "10m") // bounds must come from failure detection
-    .env("RUST_LOG", "burn_ddp_burn022=info"); // to see where training resumed
+    .env("RUST_LOG", "burn_ddp=info"); // to see where training resumed (every burn-ddp crate)
     Spawned::start(&mut cmd, Duration::from_secs(900))
 }
 

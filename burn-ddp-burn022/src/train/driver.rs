@@ -124,16 +124,14 @@ where
             item: None,
             out: None,
         };
-        let ended = epoch::run_split(
-            &mut split,
-            SplitAt {
-                pg: &strategy.pg,
-                split: Split::Training,
-                epoch,
-                failure: &strategy.state.failure,
-                cursor: fault_tolerant.then_some(cursor),
-            },
+        let at = SplitAt::new(
+            &strategy.pg,
+            &strategy.state.failure,
+            Split::Training,
+            cursor,
+            fault_tolerant,
         );
+        let ended = epoch::run_split(&mut split, at);
         drop(split);
         interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
         ended
@@ -169,16 +167,14 @@ where
             item: None,
             out: None,
         };
-        let ended = epoch::run_split(
-            &mut split,
-            SplitAt {
-                pg: &strategy.pg,
-                split: Split::Validation,
-                epoch,
-                failure: &strategy.state.failure,
-                cursor: fault_tolerant.then_some(cursor),
-            },
+        let at = SplitAt::new(
+            &strategy.pg,
+            &strategy.state.failure,
+            Split::Validation,
+            cursor,
+            fault_tolerant,
         );
+        let ended = epoch::run_split(&mut split, at);
         drop(split);
         let p = &mut self.processor;
         self.interrupter

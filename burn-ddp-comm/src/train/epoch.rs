@@ -256,6 +256,26 @@ pub struct SplitAt<'a> {
     pub cursor: Option<&'a mut Cursor>,
 }
 
+impl<'a> SplitAt<'a> {
+    /// The split `split` of `cursor`'s epoch on `pg`, recording a failure in `failure`; the
+    /// cursor moves with the steps in a fault-tolerant job (`fault_tolerant`).
+    pub fn new(
+        pg: &'a ProcessGroup,
+        failure: &'a FailureSlot,
+        split: Split,
+        cursor: &'a mut Cursor,
+        fault_tolerant: bool,
+    ) -> Self {
+        Self {
+            pg,
+            split,
+            epoch: cursor.epoch,
+            failure,
+            cursor: fault_tolerant.then_some(cursor),
+        }
+    }
+}
+
 /// What a step's fault does: a change of membership in a fault-tolerant job when it is a
 /// failure of the group, else training stops on this rank (aborting the group when this rank
 /// failed alone).

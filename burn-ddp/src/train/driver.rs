@@ -4,8 +4,10 @@
 //! vote), and in a fault-tolerant job the Learner's state moved after a change of membership
 //! (`fault.rs`).
 
+use std::sync::Arc;
 use std::time::Instant;
 
+use burn::data::dataloader::DataLoader;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -47,24 +49,34 @@ where
     LC: LearningComponentsTypes,
     LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
 {
-    /// The epoch and split of `cursor` in a fault-tolerant job: every sampler deals the rest of
-    /// it over the current membership (then each split's loader is sliced anew: a
-    /// multi-threaded loader splits its dataset once). Elsewhere the samplers' epoch is set at
-    /// the start of training.
-    fn deal(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<()> {
-        if fault_tolerant {
-            epoch::deal(
-                &self.strategy.state.samplers,
-                self.strategy.session.group(),
-                cursor,
-            )
-        } else {
-            if cursor.phase == epoch::Phase::Train {
-                self.strategy.state.set_epoch(cursor.epoch);
-            }
-            Ok(())
-        }
+    /// Training stops on this rank because of `e`.
+    fn stopped(&mut self, e: DdpError) -> Ended {
+        let interrupter = &self.interrupter;
+        vote::stop_with(e, &self.strategy.state.failure, |m| {
+            interrupter.stop(Some(m))
+        });
+        Ended::Stop
     }
+}
+
+/// The loader of a split at `cursor`: in a fault-tolerant job the samplers deal the rest of the
+/// epoch over the current membership first, and the loader is sliced anew (a multi-threaded
+/// loader splits its dataset once); elsewhere the samplers' epoch is set at the start of
+/// training.
+fn loader_at<B: Backend, BB: Backend, I: 'static>(
+    ddp: &DdpStrategy<B>,
+    loader: &Arc<dyn DataLoader<BB, I>>,
+    cursor: &Cursor,
+    fault_tolerant: bool,
+) -> Result<Arc<dyn DataLoader<BB, I>>> {
+    if !fault_tolerant {
+        if cursor.phase == epoch::Phase::Train {
+            ddp.state.set_epoch(cursor.epoch);
+        }
+        return Ok(loader.clone());
+    }
+    epoch::deal(&ddp.state.samplers, ddp.session.group(), cursor)?;
+    Ok(loader.slice(0, loader.num_items()))
 }
 
 impl<B, LC> EpochDriver for Run<'_, B, LC>
@@ -81,20 +93,12 @@ where
     }
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
-        if let Err(e) = self.deal(cursor, fault_tolerant) {
-            self.stop_with(e);
-            return Ended::Stop;
-        }
-        let loader = if fault_tolerant {
-            self.train.slice(0, self.train.num_items())
-        } else {
-            self.train.clone()
+        let ddp = self.strategy;
+        let loader = match loader_at(ddp, &self.train, cursor, fault_tolerant) {
+            Ok(loader) => loader,
+            Err(e) => return self.stopped(e),
         };
-        let pg = self.group().clone();
-        let failure = self.strategy.state.failure.clone();
-        let epoch = cursor.epoch;
         let Run {
-            strategy,
             learner,
             processor,
             interrupter,
@@ -103,14 +107,7 @@ where
             ..
         } = self;
         let mut split = TrainSplit {
-            parts: SplitParts::new(
-                strategy,
-                processor,
-                interrupter,
-                cursor,
-                *epochs,
-                fault_tolerant,
-            ),
+            parts: SplitParts::new(ddp, processor, interrupter, cursor, *epochs, fault_tolerant),
             learner,
             iter: loader.iter(),
             accumulation: *accumulation,
@@ -119,55 +116,47 @@ where
             item: None,
             out: None,
         };
-        epoch::run_split(
-            &mut split,
-            SplitAt {
-                pg: &pg,
-                split: Split::Training,
-                epoch,
-                failure: &failure,
-                cursor: fault_tolerant.then_some(cursor),
-            },
-        )
+        let failure = &ddp.state.failure;
+        let at = SplitAt::new(
+            ddp.session.group(),
+            failure,
+            Split::Training,
+            cursor,
+            fault_tolerant,
+        );
+        epoch::run_split(&mut split, at)
     }
 
     fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
-        if let Err(e) = self.deal(cursor, fault_tolerant) {
-            self.stop_with(e);
-            return Ended::Stop;
-        }
-        let loader = if fault_tolerant {
-            self.valid.slice(0, self.valid.num_items())
-        } else {
-            self.valid.clone()
+        let ddp = self.strategy;
+        let loader = match loader_at(ddp, &self.valid, cursor, fault_tolerant) {
+            Ok(loader) => loader,
+            Err(e) => return self.stopped(e),
         };
-        let pg = self.group().clone();
-        let failure = self.strategy.state.failure.clone();
-        let epoch = cursor.epoch;
+        let epochs = self.epochs;
         let mut split: ValidSplit<'_, B, LC> = ValidSplit {
             model: self.learner.model().valid(),
             parts: SplitParts::new(
-                self.strategy,
+                ddp,
                 &mut self.processor,
                 &self.interrupter,
                 cursor,
-                self.epochs,
+                epochs,
                 fault_tolerant,
             ),
             iter: loader.iter(),
             item: None,
             out: None,
         };
-        epoch::run_split(
-            &mut split,
-            SplitAt {
-                pg: &pg,
-                split: Split::Validation,
-                epoch,
-                failure: &failure,
-                cursor: fault_tolerant.then_some(cursor),
-            },
-        )
+        let failure = &ddp.state.failure;
+        let at = SplitAt::new(
+            ddp.session.group(),
+            failure,
+            Split::Validation,
+            cursor,
+            fault_tolerant,
+        );
+        epoch::run_split(&mut split, at)
     }
 
     fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
