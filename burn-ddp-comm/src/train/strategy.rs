@@ -308,7 +308,7 @@ macro_rules! strategy_options {
 macro_rules! strategy_docs {
     () => {
         concat!(
-            "- **Data**: build the data loaders over [`DistributedSampler`](crate::DistributedSampler)s\n",
+            "- **Data**: build the data loaders over [`DistributedSampler`](super::DistributedSampler)s\n",
             "  (without the loader's own `shuffle`) and register them with\n",
             "  [`with_sampler`](Self::with_sampler): the strategy sets their epoch.\n",
             "- **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,\n",
