@@ -41,20 +41,19 @@ pub(super) struct Run<'s, M: LearnerModel> {
     pub(super) totals: Option<[usize; 2]>,
 }
 
-/// The loader of a split at `cursor`: in a fault-tolerant job, the samplers deal the rest of
-/// the epoch over the current membership first, and the loader is sliced anew (a multi-threaded
-/// loader splits its dataset once).
+/// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
+/// (burn-ddp-comm's `StrategyState::before_split`).
 fn loader_at<I: 'static>(
     strategy: &DdpStrategy,
     loader: &std::sync::Arc<dyn DataLoader<I>>,
     cursor: &Cursor,
     fault_tolerant: bool,
 ) -> Result<std::sync::Arc<dyn DataLoader<I>>> {
-    if !fault_tolerant {
-        return Ok(loader.clone());
-    }
-    epoch::deal(&strategy.state.samplers, &strategy.pg, cursor)?;
-    Ok(loader.slice(0, loader.num_items()))
+    Ok(if strategy.state.before_split(cursor, fault_tolerant)? {
+        loader.slice(0, loader.num_items())
+    } else {
+        loader.clone()
+    })
 }
 
 impl<M: LearnerModel> Run<'_, M> {
@@ -80,9 +79,6 @@ where
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
-        if !fault_tolerant {
-            self.strategy.state.set_epoch(epoch);
-        }
         let loader = match loader_at(self.strategy, &self.train, cursor, fault_tolerant) {
             Ok(loader) => loader,
             Err(e) => {

@@ -103,6 +103,24 @@ impl StrategyState {
         }
     }
 
+    /// The samplers before the split at `cursor`: in a fault-tolerant job they deal the rest of
+    /// the epoch over the current membership, and the line must slice its loader anew (a
+    /// multi-threaded loader splits its dataset once): `true`; elsewhere they take the epoch at
+    /// the start of its training: `false`.
+    ///
+    /// # Errors
+    /// A sampler that cannot be dealt again ([`epoch::deal`]).
+    pub fn before_split(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<bool> {
+        if fault_tolerant {
+            epoch::deal(&self.samplers, &self.pg, cursor)?;
+            return Ok(true);
+        }
+        if cursor.phase == epoch::Phase::Train {
+            self.set_epoch(cursor.epoch);
+        }
+        Ok(false)
+    }
+
     /// The checkpoint epoch to resume after, the same on every rank: `explicit`, else (when
     /// [`resumes`](Self::resumes)) the newest complete checkpoint rank 0 finds, once rank 0 has
     /// checked that it belongs to this run ([`run::start_epoch`]). Collective.

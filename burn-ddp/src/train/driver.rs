@@ -59,24 +59,19 @@ where
     }
 }
 
-/// The loader of a split at `cursor`: in a fault-tolerant job the samplers deal the rest of the
-/// epoch over the current membership first, and the loader is sliced anew (a multi-threaded
-/// loader splits its dataset once); elsewhere the samplers' epoch is set at the start of
-/// training.
+/// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
+/// (burn-ddp-comm's `StrategyState::before_split`).
 fn loader_at<B: Backend, BB: Backend, I: 'static>(
     ddp: &DdpStrategy<B>,
     loader: &Arc<dyn DataLoader<BB, I>>,
     cursor: &Cursor,
     fault_tolerant: bool,
 ) -> Result<Arc<dyn DataLoader<BB, I>>> {
-    if !fault_tolerant {
-        if cursor.phase == epoch::Phase::Train {
-            ddp.state.set_epoch(cursor.epoch);
-        }
-        return Ok(loader.clone());
-    }
-    epoch::deal(&ddp.state.samplers, ddp.session.group(), cursor)?;
-    Ok(loader.slice(0, loader.num_items()))
+    Ok(if ddp.state.before_split(cursor, fault_tolerant)? {
+        loader.slice(0, loader.num_items())
+    } else {
+        loader.clone()
+    })
 }
 
 impl<B, LC> EpochDriver for Run<'_, B, LC>
