@@ -437,6 +437,7 @@ struct Normed {
 fn train_normed(pg: ProcessGroup, broadcast: bool) {
     let rank = pg.rank().index();
     let device = device();
+    device.seed(23 + rank as u64);
     let config = DdpConfig::default().with_broadcast_buffers(broadcast);
     let mut sync = GradSync::new(pg, config).unwrap();
     let initial = burn::nn::BatchNormConfig::new(OUT).init(&device);
@@ -518,6 +519,7 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
 fn uneven(pg: ProcessGroup, counts: &[usize]) {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
+    device().seed(13 + rank as u64);
     let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
     let model = sync.prepare(Mlp::build(&device())).unwrap();
     let start = model.clone();
