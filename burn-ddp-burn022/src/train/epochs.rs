@@ -51,27 +51,24 @@ where
         // A process that joined a running fault-tolerant job takes the state and the place of
         // the job from a rank that has them, at the start of `fit`.
         let admission = self.pg.take_admission();
-        let start = if admission.is_some() {
-            1
-        } else {
-            let start = match self.state.start_epoch(
-                components.checkpoint,
-                components.num_epochs,
-                learner.model().num_params(),
-            ) {
-                Ok(Some(epoch)) => match self.restore(&mut learner, epoch) {
-                    Ok(()) => epoch + 1,
-                    Err(e) => return self.abandon(e, learner, components),
-                },
-                Ok(None) => 1,
-                Err(e) => return self.abandon(e, learner, components),
-            };
-            let prepared = self.lock_sync().prepare(learner.model());
-            match prepared {
-                Ok(model) => learner.load_model(model.into_record()),
-                Err(e) => return self.abandon(e, learner, components),
-            }
-            start
+        let parameters = learner.model().num_params();
+        let started = self.state.start(
+            admission.is_some(),
+            components.checkpoint,
+            components.num_epochs,
+            parameters,
+            |epoch| {
+                if let Some(epoch) = epoch {
+                    self.restore(&mut learner, epoch)?;
+                }
+                let model = self.lock_sync().prepare(learner.model())?;
+                learner.load_model(model.into_record());
+                Ok(())
+            },
+        );
+        let start = match started {
+            Ok(start) => start,
+            Err(e) => return self.abandon(e, learner, components),
         };
 
         let summary_config = components.summary.clone();
@@ -163,7 +160,6 @@ impl DdpStrategy {
         learner.load_model(model.into_record());
         learner.load_optim(optim);
         learner.load_scheduler(sched);
-        self.state.resumed(epoch);
         Ok(())
     }
 

@@ -148,6 +148,39 @@ impl StrategyState {
         )
     }
 
+    /// The epoch this rank's training starts at. 1 for a process `admitted` to a running
+    /// fault-tolerant job: it takes the state and the place of the job from a rank that has them
+    /// when the epoch loop starts. Otherwise every rank agrees on the checkpoint epoch to resume
+    /// after ([`start_epoch`](Self::start_epoch)); `ready` restores it when there is one (its
+    /// argument) and prepares the model (checked across ranks, rank 0's weights loaded
+    /// everywhere); the board and the log say which epoch was resumed
+    /// ([`resumed`](Self::resumed)); training starts at the epoch after it, or at 1. Collective,
+    /// except when admitted.
+    ///
+    /// # Errors
+    /// As [`start_epoch`](Self::start_epoch), and what `ready` returns.
+    pub fn start(
+        &self,
+        admitted: bool,
+        explicit: Option<usize>,
+        epochs: usize,
+        parameters: usize,
+        ready: impl FnOnce(Option<usize>) -> Result<()>,
+    ) -> Result<usize> {
+        if admitted {
+            return Ok(1);
+        }
+        let epoch = self.start_epoch(explicit, epochs, parameters)?;
+        ready(epoch)?;
+        Ok(match epoch {
+            Some(epoch) => {
+                self.resumed(epoch);
+                epoch + 1
+            }
+            None => 1,
+        })
+    }
+
     /// The files of the checkpoint record `name` (`model`, `optim`, `scheduler`) to restore
     /// `epoch` from.
     ///
@@ -344,4 +377,61 @@ macro_rules! strategy_docs {
             "  ([`membership_changes`](Self::membership_changes)).\n",
         )
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    #[test]
+    fn an_admitted_process_starts_at_epoch_1_without_restoring_or_preparing() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        let called = Cell::new(false);
+        let start = state.start(true, Some(4), 10, 100, |_| {
+            called.set(true);
+            Ok(())
+        });
+        assert_eq!(start.unwrap(), 1);
+        assert!(
+            !called.get(),
+            "an admitted process takes the state of a running rank"
+        );
+    }
+
+    #[test]
+    fn a_fresh_run_prepares_and_starts_at_epoch_1() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        let mut asked = Vec::new();
+        let start = state.start(false, None, 10, 100, |epoch| {
+            asked.push(epoch);
+            Ok(())
+        });
+        assert_eq!(start.unwrap(), 1);
+        assert_eq!(asked, vec![None]);
+    }
+
+    #[test]
+    fn a_resumed_run_restores_the_epoch_and_starts_after_it() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        let mut asked = Vec::new();
+        let start = state.start(false, Some(3), 10, 100, |epoch| {
+            asked.push(epoch);
+            Ok(())
+        });
+        assert_eq!(start.unwrap(), 4);
+        assert_eq!(asked, vec![Some(3)]);
+    }
+
+    #[test]
+    fn a_failure_to_restore_or_prepare_is_returned() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        let err = state
+            .start(false, Some(3), 10, 100, |_| {
+                Err(files::no_directory(3, "DdpStrategy::with_checkpoints"))
+            })
+            .unwrap_err();
+        assert!(err.to_string().contains("with_checkpoints"), "{err}");
+    }
 }
