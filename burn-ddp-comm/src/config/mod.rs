@@ -1,10 +1,11 @@
 //! Configuration of a process group: who this process is, where the master is, how long to wait.
 //!
 //! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`]
-//! - `env.rs`: [`env`](mod@env), the one module of burn-ddp (both crates) that reads environment variables: it turns
-//!   `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... into a [`GroupConfig`], and resolves each setting
-//!   that a variable can change (explicit configuration first, then the variable, then the
-//!   default).
+//! - `env/`: [`env`](mod@env), the one module of burn-ddp (both crates) that reads environment
+//!   variables: it turns `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... into a [`GroupConfig`]
+//!   (`env/placement.rs`: which launcher started the process and where it put it), and resolves
+//!   each setting that a variable can change (explicit configuration first, then the variable,
+//!   then the default).
 
 pub mod env;
 
