@@ -34,7 +34,7 @@
 //! - `backend/` — [`Ddp`], the backend decorator (`forward.rs`: the generated forwarding,
 //!   `convert.rs`: tensor conversions, `mod.rs`: the gradient hooks)
 //! - `ddp/` — [`DdpSession`], [`DdpConfig`], [`DdpModule`] (`model.rs`: checks and broadcast of
-//!   the model, `reducer.rs`: the bucketed reducer, `hooks.rs`: the gradient hooks,
+//!   the model, `reducer/`: the bucketed reducer, `hooks.rs`: the gradient hooks,
 //!   `buffers.rs`: `sync_buffers`, `join.rs`: uneven inputs, `zero.rs`: [`ZeroOptimizer`])
 //! - [`nn`] — [`SyncBatchNorm`](nn::SyncBatchNorm): BatchNorm over the global batch
 //! - [`pipeline`] — pipeline parallelism ([`Pipeline`](pipeline::Pipeline): GPipe and 1F1B over

@@ -5,7 +5,8 @@
 //! - `mod.rs`: [`Ddp`], [`DdpSession`], [`DdpConfig`] and its options
 //! - `hooks.rs`: what `Ddp<B>`'s `DistributedBackend` hooks do (find the session, copy gradients
 //!   into buckets, write the averaged gradients back)
-//! - `reducer.rs`: the bucket plan and the per-backward state; the communication thread
+//! - `reducer/`: the bucket plan and the per-backward state (`mod.rs`); how a bucket travels
+//!   (`transport.rs`: `BucketTransport`, the host-staged buckets and their communication thread)
 //! - `model.rs`: `DdpSession::prepare` (cross-rank check, broadcast from rank 0, marking)
 //! - `buffers.rs`: `DdpSession::sync_buffers` (rank 0's buffers on every rank)
 //! - `join.rs`: `DdpSession::join` (uneven inputs: ranks that ran out shadow the others)

@@ -16,17 +16,15 @@ use std::time::Duration;
 
 use burn_backend::distributed::DistributedParamId;
 
-use burn_ddp_comm::grad::{
-    self, BucketOrder, BucketPlan, BucketShape, LaunchOrder, PowerSgd, PowerSgdState,
-    PowerSgdStats, Slot, Worker,
-};
+use burn_ddp_comm::grad::{BucketOrder, BucketPlan, LaunchOrder, PowerSgd, PowerSgdStats, Slot};
 
 use super::{Compression, DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
 use crate::GradTransport;
-#[cfg(feature = "cuda")]
-use crate::ReduceOp;
 use crate::{DdpError, Result};
+
+mod transport;
+use transport::{Buckets, Comm, Done, HostBucketJob, HostBuckets, Links, PLAIN};
 
 /// Extra wait, beyond the collective timeout, for the communication thread's answer.
 const ANSWER_SLACK: Duration = Duration::from_secs(30);
@@ -77,178 +75,6 @@ struct Step {
     order: LaunchOrder,
     origin: Vec<Option<Origin>>,
     buckets: Buckets,
-}
-
-/// The buckets of one pass, by how they travel.
-#[derive(Debug)]
-enum Buckets {
-    /// Host-staged: f32 buffers filled from each gradient, reduced by the communication thread
-    /// over the process group's transport.
-    Host(HostBuckets),
-    /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`gpu.rs`).
-    #[cfg(feature = "cuda")]
-    Device(super::gpu::DeviceStep),
-}
-
-impl Buckets {
-    fn transport(&mut self) -> &mut dyn BucketTransport {
-        match self {
-            Buckets::Host(h) => h,
-            #[cfg(feature = "cuda")]
-            Buckets::Device(d) => d,
-        }
-    }
-}
-
-#[derive(Debug)]
-struct HostBuckets {
-    buffers: Vec<Option<Vec<f32>>>,
-    results: Vec<Option<Vec<f32>>>,
-    outstanding: usize,
-}
-
-/// What launching a bucket needs from the reducer: the transports' long-lived parts.
-pub(crate) struct Links<'a> {
-    pg: &'a ProcessGroup,
-    reduction: GradReduction,
-    compression: Compression,
-    comm: &'a mut Option<Comm>,
-    /// PowerSGD's settings and counts, when it is on (for the communication thread).
-    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
-    /// The layout of the bucket being launched, for PowerSGD.
-    shape: Option<BucketShape>,
-    #[cfg(feature = "cuda")]
-    nccl: Option<(
-        &'a burn_ddp_comm::cuda::NcclComm,
-        &'a super::gpu::NcclLauncher,
-    )>,
-}
-
-#[cfg(feature = "cuda")]
-impl Links<'_> {
-    pub(crate) fn op(&self) -> ReduceOp {
-        self.reduction.op()
-    }
-
-    pub(crate) fn compression(&self) -> Compression {
-        self.compression
-    }
-
-    /// The NCCL communicator and its launcher thread (set up by `prepare`).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn nccl(
-        &self,
-    ) -> Result<(&burn_ddp_comm::cuda::NcclComm, &super::gpu::NcclLauncher)> {
-        self.nccl.ok_or(DdpError::NotInitialized {
-            what: "the NCCL communicator of the device path",
-            fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
-        })
-    }
-}
-
-/// How a complete bucket travels: the one thing the host and the device paths do differently
-/// in the reducer's state machine.
-pub(crate) trait BucketTransport {
-    /// Hands over bucket `bucket`, whose slots (with their lengths, in offset order) are all
-    /// final. Buckets come strictly in index order.
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        slots: &[(usize, usize)],
-    ) -> Result<()>;
-}
-
-/// The device path (`gpu.rs`): the bucket is queued on the NCCL launcher thread.
-#[cfg(feature = "cuda")]
-impl BucketTransport for super::gpu::DeviceStep {
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        slots: &[(usize, usize)],
-    ) -> Result<()> {
-        let (comm, launcher) = links.nccl()?;
-        let ordinal = comm.device_ordinal();
-        self.queue(
-            launcher,
-            ordinal,
-            bucket,
-            slots,
-            links.op(),
-            links.compression(),
-        )
-    }
-}
-
-impl BucketTransport for HostBuckets {
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        _slots: &[(usize, usize)],
-    ) -> Result<()> {
-        let Some(data) = self.buffers[bucket].take() else {
-            return Ok(());
-        };
-        if links.comm.is_none() {
-            *links.comm = Some(start_comm(
-                links.pg.clone(),
-                links.reduction,
-                links.compression,
-                links.power_sgd.clone(),
-            )?);
-        }
-        let shape = links.shape.take();
-        let sent = links.comm.as_ref().is_some_and(|c| {
-            c.send(HostBucketJob {
-                bucket,
-                data,
-                plain: None,
-                shape,
-            })
-        });
-        if !sent {
-            return Err(DdpError::WorkerStopped {
-                rank: links.pg.rank(),
-                what: "the gradient communication thread",
-            });
-        }
-        self.outstanding += 1;
-        Ok(())
-    }
-}
-
-struct HostBucketJob {
-    bucket: usize,
-    data: Vec<f32>,
-    /// Not a bucket: one all-reduce of a tensor during a backward pass (`all_reduce_in_order`),
-    /// uncompressed, with this reduction.
-    plain: Option<GradReduction>,
-    /// The bucket's layout, for PowerSGD.
-    shape: Option<BucketShape>,
-}
-
-/// The bucket number of a [`HostBucketJob`] that is not a bucket.
-const PLAIN: usize = usize::MAX;
-
-struct Done {
-    bucket: usize,
-    result: Result<Vec<f32>>,
-}
-
-/// The host transport's communication thread: all-reduces buckets one after another.
-type Comm = Worker<HostBucketJob, Done>;
-
-impl std::fmt::Debug for HostBucketJob {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "HostBucketJob(bucket {}, {} elements)",
-            self.bucket,
-            self.data.len()
-        )
-    }
 }
 
 /// The reducer of one session.
@@ -1027,32 +853,4 @@ fn abandoned(rank: crate::group::Rank) -> DdpError {
                  waits for buckets that will not come"
             .into(),
     }
-}
-
-/// Starts the host transport's communication thread.
-fn start_comm(
-    pg: ProcessGroup,
-    reduction: GradReduction,
-    compression: Compression,
-    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
-) -> Result<Comm> {
-    let name = format!("burn-ddp-grad-{}", pg.rank());
-    let mut power = power_sgd.map(|(p, stats)| PowerSgdState::new(p, stats));
-    Ok(Worker::start(
-        name,
-        move |HostBucketJob {
-                  bucket,
-                  mut data,
-                  plain,
-                  shape,
-              }| {
-            let result = match (plain, power.as_mut(), shape) {
-                (Some(r), _, _) => grad::reduce_bucket(&pg, &mut data, r, Compression::None),
-                (None, Some(p), Some(shape)) => p.reduce(&pg, bucket, &mut data, &shape, reduction),
-                _ => grad::reduce_bucket(&pg, &mut data, reduction, compression),
-            }
-            .map(|()| data);
-            Done { bucket, result }
-        },
-    )?)
 }
