@@ -17,9 +17,6 @@
 //! cargo bench --features cuda --bench cuda_step -- --rounds 5
 //! ```
 
-#[path = "common/step_model.rs"]
-#[allow(dead_code)] // shared with ddp_step.rs, which uses the rest
-mod step_model;
 
 use burn_ddp_dev::args;
 
@@ -31,7 +28,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use burn_ddp::{Ddp, DdpConfig, DdpSession, GradTransport, ProcessGroup};
 
-use step_model::{time_steps, Trainer, Which};
+use burn_ddp_step_model::{time_steps, Trainer, Which};
 
 type Plain = Autodiff<Cuda>;
 type Decorated = Autodiff<Ddp<Cuda>>;

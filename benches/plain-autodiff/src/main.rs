@@ -1,16 +1,12 @@
-//! Times SGD steps of a model from `benches/common/step_model.rs` on plain `Autodiff<NdArray>`.
+//! Times SGD steps of a model from `burn-ddp-step-model` on plain `Autodiff<NdArray>`.
 //! Usage: `plain-autodiff <mlp|many> <batch> <warmup> <steps>`.
-
-#[path = "../../common/step_model.rs"]
-#[allow(dead_code)]
-mod step_model;
 
 use burn::backend::{Autodiff, NdArray};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 
-use step_model::{print_result, time_steps, Trainer, Which};
+use burn_ddp_step_model::{print_result, time_steps, Trainer, Which};
 
 type B = Autodiff<NdArray>;
 

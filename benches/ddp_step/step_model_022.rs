@@ -1,4 +1,4 @@
-//! The `Mlp` of `step_model.rs`, on Burn 0.22.1 (`burn022`), trained with burn-ddp-burn022's
+//! The `Mlp` of `burn-ddp-step-model`, on Burn 0.22.1 (`burn022`), trained with burn-ddp-burn022's
 //! `GradSync`: the other side of the `lines` comparison. Same shapes, same batch, same
 //! optimizer, same timing as `time_steps`.
 

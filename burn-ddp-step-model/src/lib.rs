@@ -1,4 +1,4 @@
-//! The models and the timed training loop shared by `benches/ddp_step.rs` (which runs them on
+//! The models and the timed training loop shared by `benches/ddp_step` (which runs them on
 //! `Autodiff<Ddp<NdArray>>`) and `benches/plain-autodiff` (which runs them on plain
 //! `Autodiff<NdArray>`, in a build without Burn's `distributed` feature). One source, so the two
 //! sides of every ratio execute the same model code.

@@ -23,10 +23,7 @@
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
 use burn_ddp_dev::args;
-#[path = "common/step_model.rs"]
-mod step_model;
 #[cfg(feature = "lines")]
-#[path = "common/step_model_022.rs"]
 mod step_model_022;
 
 use std::collections::BTreeMap;
@@ -41,7 +38,7 @@ use burn::tensor::Tensor;
 use burn_ddp::launch::spawn::{self, LocalJob, Output};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 
-use step_model::{print_result, time_steps, Trainer, Which, RESULT_TAG};
+use burn_ddp_step_model::{print_result, time_steps, Trainer, Which, RESULT_TAG};
 
 type B = Autodiff<Ddp<NdArray>>;
 
