@@ -17,7 +17,6 @@
 //! cargo bench --features cuda --bench cuda_step -- --rounds 5
 //! ```
 
-
 use burn_ddp_dev::args;
 
 use std::process::ExitCode;

@@ -61,7 +61,7 @@ impl<M: LearnerModel> Run<'_, M> {
     /// or in a fault-tolerant job this rank's share times the world size.
     fn total(&self, split: usize, mine: usize) -> usize {
         self.totals
-            .map_or(mine * self.strategy.pg.world_size().as_usize(), |t| {
+            .map_or(mine * self.strategy.group().world_size().as_usize(), |t| {
                 t[split]
             })
     }
@@ -74,7 +74,7 @@ where
     ValidOut<M>: DistributedItem,
 {
     fn group(&self) -> &ProcessGroup {
-        &self.strategy.pg
+        self.strategy.group()
     }
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
@@ -121,7 +121,7 @@ where
             out: None,
         };
         let at = SplitAt::new(
-            &strategy.pg,
+            strategy.group(),
             &strategy.state.failure,
             Split::Training,
             cursor,
@@ -164,7 +164,7 @@ where
             out: None,
         };
         let at = SplitAt::new(
-            &strategy.pg,
+            strategy.group(),
             &strategy.state.failure,
             Split::Validation,
             cursor,
@@ -201,7 +201,7 @@ where
         }
         let interrupter = &self.interrupter;
         epoch::end_epoch(
-            &self.strategy.pg,
+            self.strategy.group(),
             &vote,
             &self.strategy.state.failure,
             fault_tolerant,
@@ -271,7 +271,7 @@ impl DdpStrategy {
         TrainOut<M>: DistributedItem,
         ValidOut<M>: DistributedItem,
     {
-        let ft = self.pg.is_fault_tolerant();
+        let ft = self.group().is_fault_tolerant();
         let train = dataloader_train.to_device(&self.device);
         let valid = dataloader_valid.to_device(&self.device.clone().inner());
         let interrupter = components.interrupter;
@@ -281,7 +281,7 @@ impl DdpStrategy {
             None
         } else {
             let mut totals = [train.num_items() as i64, valid.num_items() as i64];
-            if let Err(e) = self.pg.all_reduce(&mut totals, ReduceOp::Sum) {
+            if let Err(e) = self.group().all_reduce(&mut totals, ReduceOp::Sum) {
                 vote::stop_with(e, &self.state.failure, |m| interrupter.stop(Some(m)));
                 return (learner.model(), components.event_processor);
             }

@@ -38,7 +38,7 @@ where
         }
         if let Some(dir) = &self.state.checkpoints {
             let part =
-                |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, self.pg.clone()));
+                |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, self.group().clone()));
             let interrupter = components.interrupter.clone();
             components.checkpointer = Some(LearningCheckpointer::new(
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),
@@ -50,7 +50,7 @@ where
 
         // A process that joined a running fault-tolerant job takes the state and the place of
         // the job from a rank that has them, at the start of `fit`.
-        let admission = self.pg.take_admission();
+        let admission = self.group().take_admission();
         let parameters = learner.model().num_params();
         let started = self.state.start(
             admission.is_some(),

@@ -80,7 +80,6 @@ use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 #[doc = burn_ddp_comm::strategy_docs!()]
 #[derive(Clone)]
 pub struct DdpStrategy {
-    pg: ProcessGroup,
     sync: Arc<Mutex<GradSync>>,
     device: Device,
     state: StrategyState,
@@ -108,7 +107,6 @@ impl DdpStrategy {
         };
         Self {
             state: StrategyState::new(sync.group()),
-            pg: sync.group().clone(),
             sync: Arc::new(Mutex::new(sync)),
             device,
         }
@@ -125,7 +123,7 @@ impl DdpStrategy {
 
     /// The process group.
     pub fn group(&self) -> &ProcessGroup {
-        &self.pg
+        self.state.group()
     }
 
     fn rank(&self) -> Rank {
@@ -137,7 +135,7 @@ impl DdpStrategy {
     /// items, or one fewer, by the sampler's construction. `total`: every rank's items, when
     /// counted (a job whose membership does not change).
     fn global(&self, p: Progress, total: Option<usize>, base: u64) -> Progress {
-        let w = self.pg.world_size().as_usize();
+        let w = self.group().world_size().as_usize();
         let base = usize::try_from(base).unwrap_or(usize::MAX);
         let done = base.saturating_add(p.items_processed * w);
         match total {
@@ -195,7 +193,7 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
     {
         let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
-        let fault_tolerant = ddp.pg.is_fault_tolerant();
+        let fault_tolerant = ddp.group().is_fault_tolerant();
         let lines = || {
             Box::new(WithMembership::new(
                 ProgressLines::default(),

@@ -174,7 +174,7 @@ where
         };
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
-        if let Some(merged) = item::gather(&p.strategy.pg, Some(out), &device)? {
+        if let Some(merged) = item::gather(p.strategy.group(), Some(out), &device)? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
                 merged,
                 progress,
@@ -200,7 +200,7 @@ where
     }
 
     fn asks_join(&self) -> bool {
-        self.parts.strategy.pg.join_pending()
+        self.parts.strategy.group().join_pending()
     }
 
     fn mid_accumulation(&self) -> bool {
@@ -251,7 +251,7 @@ where
         };
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
-        if let Some(merged) = item::gather(&p.strategy.pg, out, &device)? {
+        if let Some(merged) = item::gather(p.strategy.group(), out, &device)? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
                 merged,
                 progress,
