@@ -383,12 +383,14 @@ fn timeouts(get: &impl Fn(&str) -> Option<String>) -> Result<Timeouts> {
         stall: duration(get, STALL_TIMEOUT)?.unwrap_or(base.stall),
     })
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    /// An environment of `pairs` only, for the `*_from` functions (also `placement.rs`'s tests).
+    pub(super) fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let m: HashMap<String, String> = pairs
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -502,16 +502,8 @@ fn world_or(
 
 #[cfg(test)]
 mod tests {
+    use super::super::tests::env;
     use super::*;
-    use std::collections::HashMap;
-
-    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let m: HashMap<String, String> = pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        move |k| m.get(k).cloned()
-    }
 
     #[test]
     fn empty_environment_is_a_single_process() {
