@@ -127,7 +127,7 @@ impl StrategyState {
     ///
     /// # Errors
     /// As [`run::start_epoch`].
-    pub fn start_epoch(
+    fn start_epoch(
         &self,
         explicit: Option<usize>,
         epochs: usize,
@@ -151,14 +151,14 @@ impl StrategyState {
     /// The epoch this rank's training starts at. 1 for a process `admitted` to a running
     /// fault-tolerant job: it takes the state and the place of the job from a rank that has them
     /// when the epoch loop starts. Otherwise every rank agrees on the checkpoint epoch to resume
-    /// after ([`start_epoch`](Self::start_epoch)); `ready` restores it when there is one (its
-    /// argument) and prepares the model (checked across ranks, rank 0's weights loaded
-    /// everywhere); the board and the log say which epoch was resumed
-    /// ([`resumed`](Self::resumed)); training starts at the epoch after it, or at 1. Collective,
-    /// except when admitted.
+    /// after (`explicit`, else the newest complete checkpoint that belongs to this run, checked
+    /// by rank 0: [`run::start_epoch`]); `ready` restores it when there is one (its argument) and
+    /// prepares the model (checked across ranks, rank 0's weights loaded everywhere); the board
+    /// and the log say which epoch was resumed; training starts at the epoch after it, or at 1.
+    /// Collective, except when admitted.
     ///
     /// # Errors
-    /// As [`start_epoch`](Self::start_epoch), and what `ready` returns.
+    /// As [`run::start_epoch`], and what `ready` returns.
     pub fn start(
         &self,
         admitted: bool,
@@ -194,7 +194,7 @@ impl StrategyState {
     }
 
     /// Training resumed from the checkpoint of `epoch`: the board and the log say so.
-    pub fn resumed(&self, epoch: usize) {
+    fn resumed(&self, epoch: usize) {
         self.board.resumed(epoch);
         tracing::info!(
             "[rank {}] resumed from the checkpoint of epoch {epoch}",
