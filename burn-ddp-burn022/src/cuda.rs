@@ -33,7 +33,7 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::comm::DType;
-use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, Queue};
+use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, Queue, ANSWER_SLACK};
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -41,9 +41,6 @@ use cubecl_runtime::runtime::Runtime;
 pub use burn_ddp_comm::cuda::*;
 
 use crate::{DdpError, Result};
-
-/// Extra wait, beyond the collective timeout, for the launcher's answers.
-const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
 /// The Burn CUDA device of this rank: where to build its model and put its batches. One
 /// visible GPU per process: that GPU; several: the one `LOCAL_RANK` names.

@@ -11,66 +11,247 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
 use std::time::Duration;
 
-use half::{bf16, f16};
-
 use super::{
-    BucketPlan, BucketShape, Compression, DdpConfig, GradReduction, LaunchOrder, PowerSgdState,
+    builtin_hook, BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, LaunchOrder,
     PowerSgdStats, Worker,
 };
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
 
-/// Extra wait, beyond the collective timeout, for the communication thread's answer.
-const ANSWER_SLACK: Duration = Duration::from_secs(30);
+/// Extra wait, beyond the collective timeout, for a communication thread's answer (every
+/// transport's: the host-staged one here, the NCCL launchers of both lines).
+pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
-/// All-reduces one bucket in place, compressed on the wire if asked.
-///
-/// # Errors
-/// Collective failures, naming the rank at fault.
-pub fn reduce_bucket(
-    pg: &ProcessGroup,
-    data: &mut [f32],
-    reduction: GradReduction,
-    compression: Compression,
-) -> Result<()> {
-    let op = reduction.op();
-    match compression {
-        Compression::None => pg.all_reduce(data, op),
-        Compression::F16 => {
-            let mut c: Vec<f16> = data.iter().map(|&v| f16::from_f32(v)).collect();
-            pg.all_reduce(&mut c, op)?;
-            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
-            Ok(())
-        }
-        Compression::Bf16 => {
-            let mut c: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
-            pg.all_reduce(&mut c, op)?;
-            data.iter_mut().zip(&c).for_each(|(d, v)| *d = v.to_f32());
-            Ok(())
-        }
-    }
-}
-
-struct HostBucketJob {
-    bucket: usize,
-    data: Vec<f32>,
-    /// The bucket's layout, for PowerSGD (`None` without it).
-    shape: Option<BucketShape>,
+enum Job {
+    /// A bucket, reduced by the hook.
+    Bucket {
+        bucket: usize,
+        data: Vec<f32>,
+        layout: Option<BucketShape>,
+    },
+    /// Not a bucket: one all-reduce issued during a pass, uncompressed, behind the buckets
+    /// already launched ([`HostComm::all_reduce_in_order`]).
+    Plain {
+        data: Vec<f32>,
+        reduction: GradReduction,
+    },
 }
 
 struct Done {
-    bucket: usize,
+    /// `None` for a [`Job::Plain`].
+    bucket: Option<usize>,
     result: Result<Vec<f32>>,
 }
 
-/// The host transport of gradient synchronisation: a communication thread that all-reduces
-/// buckets in the order they are handed over. Start it once per process (rank) and use
-/// [`begin`](Self::begin) for every synchronised step.
-pub struct HostSync {
+/// The host-staged transport's communication thread: buckets are reduced by a [`CommHook`]
+/// one after another, in the order they are launched (so in the same order on every rank), and
+/// their answers taken back by bucket number. One per process (rank); every host-staged pass of
+/// both Burn lines goes through it.
+pub struct HostComm {
     pg: ProcessGroup,
-    worker: Worker<HostBucketJob, Done>,
-    /// Buckets handed to the thread whose answers were not taken (a step abandoned midway).
+    worker: Worker<Job, Done>,
+    /// Buckets handed over whose answers were not taken.
     outstanding: usize,
+    /// Whether the hook reads each bucket's layout.
+    wants_layout: bool,
+    /// A bucket's failure taken while waiting for something else: the next
+    /// [`collect`](Self::collect) returns it.
+    failed: Option<DdpError>,
+}
+
+impl std::fmt::Debug for HostComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostComm")
+            .field("rank", &self.pg.rank())
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl HostComm {
+    /// Starts the communication thread of `pg`'s rank, reducing every bucket with `hook`.
+    ///
+    /// # Errors
+    /// [`DdpError::Io`] if the thread cannot be started.
+    pub fn start(pg: &ProcessGroup, mut hook: Box<dyn CommHook>) -> Result<Self> {
+        let comm = pg.clone();
+        let wants_layout = hook.wants_layout();
+        let worker = Worker::start(
+            format!("burn-ddp-grad-{}", pg.rank()),
+            move |job| match job {
+                Job::Bucket {
+                    bucket,
+                    mut data,
+                    layout,
+                } => Done {
+                    bucket: Some(bucket),
+                    result: hook
+                        .reduce(&comm, bucket, &mut data, layout.as_ref())
+                        .map(|()| data),
+                },
+                Job::Plain {
+                    mut data,
+                    reduction,
+                } => Done {
+                    bucket: None,
+                    result: super::reduce_bucket(
+                        &comm,
+                        &mut data,
+                        reduction,
+                        super::Compression::None,
+                    )
+                    .map(|()| data),
+                },
+            },
+        )?;
+        Ok(Self {
+            pg: pg.clone(),
+            worker,
+            outstanding: 0,
+            wants_layout,
+            failed: None,
+        })
+    }
+
+    /// Whether [`launch`](Self::launch) wants each bucket's layout.
+    pub fn wants_layout(&self) -> bool {
+        self.wants_layout
+    }
+
+    /// Buckets launched whose answers were not taken yet.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    fn stopped(&self) -> DdpError {
+        DdpError::WorkerStopped {
+            rank: self.pg.rank(),
+            what: "the gradient communication thread",
+        }
+    }
+
+    /// Hands bucket `bucket` over (`layout`: its matrices, when the hook
+    /// [wants it](Self::wants_layout)). Buckets must come in index order, every step.
+    ///
+    /// # Errors
+    /// [`DdpError::WorkerStopped`] if the communication thread has stopped.
+    pub fn launch(
+        &mut self,
+        bucket: usize,
+        data: Vec<f32>,
+        layout: Option<BucketShape>,
+    ) -> Result<()> {
+        if !self.worker.send(Job::Bucket {
+            bucket,
+            data,
+            layout,
+        }) {
+            return Err(self.stopped());
+        }
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    /// Takes every outstanding answer into `results` (by bucket number), waiting at most the
+    /// collective timeout (plus [`ANSWER_SLACK`]) for each.
+    ///
+    /// # Errors
+    /// The first failure among the answers (or one taken earlier by
+    /// [`all_reduce_in_order`](Self::all_reduce_in_order)); [`DdpError::GradSyncTimeout`]
+    /// when the thread does not answer in time.
+    pub fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
+        let mut first_error = self.failed.take();
+        while self.outstanding > 0 {
+            match self.next_answer() {
+                Ok(Done {
+                    bucket: Some(bucket),
+                    result,
+                }) => self.keep(bucket, result, results, &mut first_error),
+                Ok(Done { bucket: None, .. }) => {}
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    break;
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// All-reduces `data` behind the buckets already launched (a differentiable all-reduce's
+    /// backward during an overlapped pass, e.g. `SyncBatchNorm`'s), so that every rank runs
+    /// the collectives in the same order. The answers of the buckets before it go into
+    /// `results`; a failure among them is returned by the next [`collect`](Self::collect).
+    ///
+    /// # Errors
+    /// The all-reduce's failure; [`DdpError::WorkerStopped`] or
+    /// [`DdpError::GradSyncTimeout`] when the thread cannot take it or does not answer in time.
+    pub fn all_reduce_in_order(
+        &mut self,
+        data: Vec<f32>,
+        reduction: GradReduction,
+        results: &mut [Option<Vec<f32>>],
+    ) -> Result<Vec<f32>> {
+        if !self.worker.send(Job::Plain { data, reduction }) {
+            return Err(self.stopped());
+        }
+        loop {
+            match self.next_answer()? {
+                Done {
+                    bucket: None,
+                    result,
+                } => return result,
+                Done {
+                    bucket: Some(bucket),
+                    result,
+                } => {
+                    let mut failed = self.failed.take();
+                    self.keep(bucket, result, results, &mut failed);
+                    self.failed = failed;
+                }
+            }
+        }
+    }
+
+    fn keep(
+        &mut self,
+        bucket: usize,
+        result: Result<Vec<f32>>,
+        results: &mut [Option<Vec<f32>>],
+        first_error: &mut Option<DdpError>,
+    ) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        match result {
+            Ok(v) => {
+                if let Some(r) = results.get_mut(bucket) {
+                    *r = Some(v);
+                }
+            }
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+
+    fn next_answer(&self) -> Result<Done> {
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        self.worker.receive(wait).map_err(|e| match e {
+            RecvTimeoutError::Timeout => DdpError::GradSyncTimeout {
+                rank: self.pg.rank(),
+                waited: wait,
+            },
+            RecvTimeoutError::Disconnected => self.stopped(),
+        })
+    }
+}
+
+/// The host transport of gradient synchronisation after backward: a [`HostComm`] and the
+/// steps packed for it. Start it once per process (rank) and use [`begin`](Self::begin) for
+/// every synchronised step.
+pub struct HostSync {
+    comm: HostComm,
     /// What PowerSGD has sent, when it is on.
     power_sgd: Option<Arc<PowerSgdStats>>,
 }
@@ -78,45 +259,26 @@ pub struct HostSync {
 impl std::fmt::Debug for HostSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostSync")
-            .field("rank", &self.pg.rank())
-            .field("outstanding", &self.outstanding)
+            .field("comm", &self.comm)
             .finish()
     }
 }
 
 impl HostSync {
-    /// Starts the communication thread of `pg`'s rank, reducing as `config` says.
+    /// Starts the communication thread of `pg`'s rank, reducing as `config` says (its
+    /// [`builtin_hook`]).
     ///
     /// # Errors
     /// [`DdpError::Io`] if the thread cannot be started.
     pub fn start(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
-        let reduction = config.reduction;
-        let compression = config.compression;
-        let comm = pg.clone();
         let stats = config.power_sgd.map(|_| Arc::new(PowerSgdStats::default()));
-        let mut power = config
-            .power_sgd
-            .zip(stats.clone())
-            .map(|(p, s)| PowerSgdState::new(p, s));
-        let worker = Worker::start(
-            format!("burn-ddp-grad-{}", pg.rank()),
-            move |HostBucketJob {
-                      bucket,
-                      mut data,
-                      shape,
-                  }| {
-                let result = match (power.as_mut(), shape) {
-                    (Some(p), Some(shape)) => p.reduce(&comm, bucket, &mut data, &shape, reduction),
-                    _ => reduce_bucket(&comm, &mut data, reduction, compression),
-                }
-                .map(|()| data);
-                Done { bucket, result }
-            },
-        )?;
+        let hook = builtin_hook(
+            config.reduction,
+            config.compression,
+            config.power_sgd.zip(stats.clone()),
+        );
         Ok(Self {
-            pg: pg.clone(),
-            worker,
-            outstanding: 0,
+            comm: HostComm::start(pg, hook)?,
             power_sgd: stats,
         })
     }
@@ -133,9 +295,8 @@ impl HostSync {
     /// What an earlier, abandoned step's buckets still failed with (the step before this one
     /// never finished).
     pub fn begin<'a, K>(&'a mut self, plan: &'a BucketPlan<K>) -> Result<HostStep<'a, K>> {
-        if self.outstanding > 0 {
-            let mut stale = Vec::new();
-            self.collect(&mut stale)?;
+        if self.comm.outstanding() > 0 {
+            self.comm.collect(&mut [])?;
         }
         let buckets = (0..plan.buckets.len())
             .map(|b| Some(vec![0.0f32; plan.buffer_len(b)]))
@@ -145,64 +306,16 @@ impl HostSync {
             buckets,
             results: vec![None; plan.buckets.len()],
             stopped: false,
-            sync: self,
+            comm: &mut self.comm,
             plan,
         })
-    }
-
-    fn stopped(&self) -> DdpError {
-        DdpError::WorkerStopped {
-            rank: self.pg.rank(),
-            what: "the gradient communication thread",
-        }
-    }
-
-    /// Takes every outstanding answer into `results`, in order.
-    fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
-        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-        let mut first_error = None;
-        while self.outstanding > 0 {
-            match self.worker.receive(wait) {
-                Ok(Done { bucket, result }) => {
-                    self.outstanding -= 1;
-                    match result {
-                        Ok(v) => {
-                            if let Some(r) = results.get_mut(bucket) {
-                                *r = Some(v);
-                            }
-                        }
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    first_error.get_or_insert(DdpError::GradSyncTimeout {
-                        rank: self.pg.rank(),
-                        waited: wait,
-                    });
-                    break;
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    first_error.get_or_insert(DdpError::WorkerStopped {
-                        rank: self.pg.rank(),
-                        what: "the gradient communication thread",
-                    });
-                    break;
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 }
 
 /// One synchronised step (see [`HostSync::begin`]): each bucket is handed to the communication
 /// thread as soon as all its parameters are pushed and every bucket before it has left.
 pub struct HostStep<'a, K> {
-    sync: &'a mut HostSync,
+    comm: &'a mut HostComm,
     plan: &'a BucketPlan<K>,
     /// Buckets being packed (taken when launched): values, then one presence flag per slot.
     buckets: Vec<Option<Vec<f32>>>,
@@ -230,9 +343,9 @@ impl<K> HostStep<'_, K> {
     /// [`DdpError::GradientSize`] if `values` is not the parameter's size;
     /// [`DdpError::WorkerStopped`] if the communication thread has stopped.
     pub fn push(&mut self, slot: usize, values: Option<&[f32]>) -> Result<()> {
-        let rank = self.sync.pg.rank();
+        let rank = self.comm.pg.rank();
         if self.stopped {
-            return Err(self.sync.stopped());
+            return Err(self.comm.stopped());
         }
         let Some(s) = self.plan.slots.get(slot) else {
             return Err(DdpError::Internal {
@@ -271,20 +384,14 @@ impl<K> HostStep<'_, K> {
             let Some(data) = self.buckets[bucket].take() else {
                 continue;
             };
-            let shape = self
-                .sync
-                .power_sgd
-                .is_some()
+            let layout = self
+                .comm
+                .wants_layout()
                 .then(|| self.plan.bucket_shape(bucket));
-            if !self.sync.worker.send(HostBucketJob {
-                bucket,
-                data,
-                shape,
-            }) {
+            if let Err(e) = self.comm.launch(bucket, data, layout) {
                 self.stopped = true;
-                return Err(self.sync.stopped());
+                return Err(e);
             }
-            self.sync.outstanding += 1;
         }
         Ok(())
     }
@@ -298,13 +405,13 @@ impl<K> HostStep<'_, K> {
     pub fn finish(mut self) -> Result<Reduced> {
         self.order.mark_rest_final();
         let launched = if self.stopped {
-            Err(self.sync.stopped())
+            Err(self.comm.stopped())
         } else {
             self.launch_ready()
         };
         // Answers for what did leave are taken even after a failure, so the next step starts
         // clean.
-        let collected = self.sync.collect(&mut self.results);
+        let collected = self.comm.collect(&mut self.results);
         launched?;
         collected?;
         let mut values = Vec::with_capacity(self.results.len());
@@ -314,7 +421,7 @@ impl<K> HostStep<'_, K> {
                 None => {
                     tracing::error!("gradient bucket {i} came back without a result");
                     return Err(DdpError::Internal {
-                        rank: self.sync.pg.rank(),
+                        rank: self.comm.pg.rank(),
                         what: "a gradient bucket came back without a result",
                     });
                 }
@@ -354,6 +461,7 @@ impl Reduced {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{AllReduce, Compression};
     use super::*;
     use crate::config::Timeouts;
     use crate::types::WorldSize;
@@ -443,5 +551,46 @@ mod tests {
         let red = s.finish().unwrap();
         assert_eq!(red.get(0), Some(&[1.0; 3][..]));
         assert_eq!(red.get(1), None);
+    }
+
+    /// A plain all-reduce issued behind launched buckets comes back in its place on every
+    /// rank; the buckets' answers taken meanwhile are kept for `collect`.
+    #[test]
+    fn a_plain_all_reduce_runs_behind_the_buckets_in_flight() {
+        let groups = ProcessGroup::local(
+            WorldSize::new(2).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        );
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, pg)| {
+                std::thread::spawn(move || {
+                    let hook = AllReduce {
+                        reduction: GradReduction::Sum,
+                        compression: Compression::None,
+                    };
+                    let mut comm = HostComm::start(&pg, Box::new(hook)).unwrap();
+                    let mut results = vec![None, None];
+                    comm.launch(0, vec![r as f32 + 1.0; 2], None).unwrap();
+                    let plain = comm
+                        .all_reduce_in_order(
+                            vec![10.0 * (r as f32 + 1.0)],
+                            GradReduction::Mean,
+                            &mut results,
+                        )
+                        .unwrap();
+                    assert_eq!(plain, vec![15.0]);
+                    assert_eq!(results[0], Some(vec![3.0; 2]), "bucket 0's answer was kept");
+                    assert_eq!(comm.outstanding(), 0);
+                    comm.launch(1, vec![r as f32; 1], None).unwrap();
+                    comm.collect(&mut results).unwrap();
+                    assert_eq!(results[1], Some(vec![1.0]));
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
     }
 }

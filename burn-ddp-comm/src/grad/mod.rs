@@ -7,8 +7,11 @@
 //!   [`ReplicaCheck`], the periodic comparison of their values
 //! - `join.rs`: [`Join`], uneven inputs: ranks that ran out of batches shadow the others'
 //!   collectives until every rank has
-//! - `host.rs`: [`HostSync`], buckets packed, all-reduced on a communication thread while the
-//!   next is packed, and read back; [`reduce_bucket`] for one bucket
+//! - `host.rs`: [`HostComm`], the host-staged transport's communication thread, which reduces
+//!   buckets in launch order; [`HostSync`], buckets packed after backward, handed to it while
+//!   the next is packed, and read back
+//! - `hook.rs`: [`CommHook`], how one bucket is all-reduced (PyTorch's communication hooks):
+//!   [`AllReduce`] in f32, fp16 or bf16, or [`PowerSgdState`]; [`reduce_bucket`] for one bucket
 //! - `order.rs`: [`LaunchOrder`], the rule by which every transport launches a pass's buckets
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
 //! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
@@ -21,6 +24,7 @@
 
 mod buffers;
 mod check;
+mod hook;
 mod host;
 mod join;
 mod launch;
@@ -33,7 +37,8 @@ mod zero;
 pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
-pub use host::{reduce_bucket, HostStep, HostSync, Reduced};
+pub use hook::{builtin_hook, reduce_bucket, AllReduce, CommHook};
+pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
 pub use order::LaunchOrder;

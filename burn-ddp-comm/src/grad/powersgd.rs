@@ -141,6 +141,8 @@ struct Memory {
 /// A rank's PowerSGD state (kept by the communication thread).
 pub struct PowerSgdState {
     config: PowerSgd,
+    /// Mean or sum over the ranks.
+    reduction: GradReduction,
     steps: u64,
     memory: HashMap<(usize, usize), Memory>,
     stats: Arc<PowerSgdStats>,
@@ -157,10 +159,11 @@ impl std::fmt::Debug for PowerSgdState {
 }
 
 impl PowerSgdState {
-    /// A fresh state, counting into `stats`.
-    pub fn new(config: PowerSgd, stats: Arc<PowerSgdStats>) -> Self {
+    /// A fresh state reducing as `reduction` says, counting into `stats`.
+    pub fn new(config: PowerSgd, reduction: GradReduction, stats: Arc<PowerSgdStats>) -> Self {
         Self {
             config,
+            reduction,
             steps: 0,
             memory: HashMap::new(),
             stats,
@@ -179,8 +182,8 @@ impl PowerSgdState {
         bucket: usize,
         data: &mut [f32],
         shape: &BucketShape,
-        reduction: GradReduction,
     ) -> Result<()> {
+        let reduction = self.reduction;
         if bucket == 0 {
             self.steps += 1;
             self.stats.steps.fetch_add(1, Ordering::Relaxed);
@@ -411,7 +414,8 @@ mod tests {
                 let shape = shape.clone();
                 std::thread::spawn(move || {
                     let stats = Arc::new(PowerSgdStats::default());
-                    let mut state = PowerSgdState::new(config, Arc::clone(&stats));
+                    let mut state =
+                        PowerSgdState::new(config, GradReduction::Mean, Arc::clone(&stats));
                     let rank = pg.rank().index() as f32;
                     let mut out = Vec::new();
                     for step in 0..steps {
@@ -419,9 +423,7 @@ mod tests {
                             .map(|i| ((i as f32 * 0.37 + step as f32).sin() + rank) * 0.1)
                             .chain([1.0; 3])
                             .collect();
-                        state
-                            .reduce(&pg, 0, &mut data, &shape, GradReduction::Mean)
-                            .unwrap();
+                        state.reduce(&pg, 0, &mut data, &shape).unwrap();
                         out.push(data);
                     }
                     (out, stats.totals())
@@ -475,7 +477,11 @@ mod tests {
             len: 30,
         };
         let stats = Arc::new(PowerSgdStats::default());
-        let mut state = PowerSgdState::new(PowerSgd::new(1).with_start_step(0), stats);
+        let mut state = PowerSgdState::new(
+            PowerSgd::new(1).with_start_step(0),
+            GradReduction::Mean,
+            stats,
+        );
         let pg = ProcessGroup::single();
         let u = [1.0f32, -2.0, 0.5, 3.0, -1.0, 2.0];
         let v = [0.3f32, 0.1, -0.4, 0.2, 0.5];
@@ -487,9 +493,7 @@ mod tests {
         let mut last = Vec::new();
         for _ in 0..3 {
             let mut data = m.clone();
-            state
-                .reduce(&pg, 0, &mut data, &shape, GradReduction::Mean)
-                .unwrap();
+            state.reduce(&pg, 0, &mut data, &shape).unwrap();
             last = data;
         }
         for (a, b) in last.iter().zip(&m).take(30) {

@@ -10,13 +10,15 @@
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
 use std::collections::HashMap;
-use std::sync::mpsc::RecvTimeoutError;
 use std::sync::Arc;
-use std::time::Duration;
 
 use burn_backend::distributed::DistributedParamId;
 
-use burn_ddp_comm::grad::{BucketOrder, BucketPlan, LaunchOrder, PowerSgd, PowerSgdStats, Slot};
+#[cfg(feature = "cuda")]
+use burn_ddp_comm::grad::ANSWER_SLACK;
+use burn_ddp_comm::grad::{
+    BucketOrder, BucketPlan, HostComm, LaunchOrder, PowerSgd, PowerSgdStats, Slot,
+};
 
 use super::{Compression, DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
@@ -24,10 +26,7 @@ use crate::GradTransport;
 use crate::{DdpError, Result};
 
 mod transport;
-use transport::{Buckets, Comm, Done, HostBucketJob, HostBuckets, Links, PLAIN};
-
-/// Extra wait, beyond the collective timeout, for the communication thread's answer.
-const ANSWER_SLACK: Duration = Duration::from_secs(30);
+use transport::{Buckets, HostBuckets, Links};
 
 /// The reducer's bucket plan: buckets from the last parameter to the first, keyed by Burn's
 /// distributed parameter id.
@@ -89,7 +88,8 @@ pub(crate) struct Reducer {
     error: Option<DdpError>,
     enabled: bool,
     spare: Vec<Vec<f32>>,
-    comm: Option<Comm>,
+    /// The host-staged transport's communication thread, started at the first launch.
+    comm: Option<HostComm>,
     /// Parameters with no local gradient that some other rank had a gradient for, last
     /// backward, until `DdpSession::complete` takes them.
     foreign: Vec<Foreign>,
@@ -390,7 +390,6 @@ impl Reducer {
                 Buckets::Host(HostBuckets {
                     buffers,
                     results: (0..n).map(|_| None).collect(),
-                    outstanding: 0,
                 })
             }
         };
@@ -719,8 +718,6 @@ impl Reducer {
         data: Vec<f32>,
         reduction: GradReduction,
     ) -> std::result::Result<Result<Vec<f32>>, Vec<f32>> {
-        let rank = self.pg.rank();
-        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
         let Some(step) = self.step.as_mut() else {
             return Err(data);
         };
@@ -729,80 +726,16 @@ impl Reducer {
         else {
             return Err(data);
         };
-        let Some(comm) = self.comm.as_ref().filter(|_| host.outstanding > 0) else {
-            return Err(data);
-        };
-        let stopped = || DdpError::WorkerStopped {
-            rank,
-            what: "the gradient communication thread",
-        };
-        if !comm.send(HostBucketJob {
-            bucket: PLAIN,
-            data,
-            plain: Some(reduction),
-            shape: None,
-        }) {
-            return Ok(Err(stopped()));
-        }
-        loop {
-            match comm.receive(wait) {
-                Ok(Done {
-                    bucket: PLAIN,
-                    result,
-                }) => return Ok(result),
-                Ok(Done { bucket, result }) => {
-                    host.outstanding -= 1;
-                    match result {
-                        Ok(v) => host.results[bucket] = Some(v),
-                        Err(e) => {
-                            self.error.get_or_insert(e);
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    return Ok(Err(DdpError::GradSyncTimeout { rank, waited: wait }))
-                }
-                Err(RecvTimeoutError::Disconnected) => return Ok(Err(stopped())),
-            }
+        match self.comm.as_mut().filter(|c| c.outstanding() > 0) {
+            Some(comm) => Ok(comm.all_reduce_in_order(data, reduction, &mut host.results)),
+            None => Err(data),
         }
     }
 
     /// Takes the communication thread's answers for every bucket of a host pass.
     fn collect(&mut self, host: &mut HostBuckets) -> Result<()> {
-        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-        let mut first_error = None;
-        while host.outstanding > 0 {
-            let Some(comm) = self.comm.as_ref() else {
-                break;
-            };
-            match comm.receive(wait) {
-                Ok(Done { bucket, result }) => {
-                    host.outstanding -= 1;
-                    match result {
-                        Ok(v) => host.results[bucket] = Some(v),
-                        Err(e) => {
-                            first_error.get_or_insert(e);
-                        }
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    first_error.get_or_insert(DdpError::GradSyncTimeout {
-                        rank: self.pg.rank(),
-                        waited: wait,
-                    });
-                    break;
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    first_error.get_or_insert(DdpError::WorkerStopped {
-                        rank: self.pg.rank(),
-                        what: "the gradient communication thread",
-                    });
-                    break;
-                }
-            }
-        }
-        match first_error {
-            Some(e) => Err(e),
+        match self.comm.as_mut() {
+            Some(comm) => comm.collect(&mut host.results),
             None => Ok(()),
         }
     }
@@ -815,9 +748,7 @@ impl Reducer {
         };
         match &mut step.buckets {
             Buckets::Host(host) => {
-                if host.outstanding > 0 {
-                    let _ = self.collect(host);
-                }
+                let _ = self.collect(host);
             }
             // The pass never finished: this rank is out of step with the others, and NCCL may
             // still work on the step's device buckets. Abandon it: NCCL stopped (the others
