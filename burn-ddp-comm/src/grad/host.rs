@@ -22,7 +22,7 @@ use crate::{DdpError, Result};
 /// transport's: the host-staged one here, the NCCL launchers of both lines).
 pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
-enum Job {
+enum HostJob {
     /// A bucket, reduced by the hook.
     Bucket {
         bucket: usize,
@@ -37,8 +37,8 @@ enum Job {
     },
 }
 
-struct Done {
-    /// `None` for a [`Job::Plain`].
+struct Answer {
+    /// `None` for a [`HostJob::Plain`].
     bucket: Option<usize>,
     result: Result<Vec<f32>>,
 }
@@ -49,7 +49,7 @@ struct Done {
 /// both Burn lines goes through it.
 pub struct HostComm {
     pg: ProcessGroup,
-    worker: Worker<Job, Done>,
+    worker: Worker<HostJob, Answer>,
     /// Buckets handed over whose answers were not taken.
     outstanding: usize,
     /// Whether the hook reads each bucket's layout.
@@ -79,20 +79,20 @@ impl HostComm {
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
             move |job| match job {
-                Job::Bucket {
+                HostJob::Bucket {
                     bucket,
                     mut data,
                     layout,
-                } => Done {
+                } => Answer {
                     bucket: Some(bucket),
                     result: hook
                         .reduce(&comm, bucket, &mut data, layout.as_ref())
                         .map(|()| data),
                 },
-                Job::Plain {
+                HostJob::Plain {
                     mut data,
                     reduction,
-                } => Done {
+                } => Answer {
                     bucket: None,
                     result: super::reduce_bucket(
                         &comm,
@@ -141,7 +141,7 @@ impl HostComm {
         data: Vec<f32>,
         layout: Option<BucketShape>,
     ) -> Result<()> {
-        if !self.worker.send(Job::Bucket {
+        if !self.worker.send(HostJob::Bucket {
             bucket,
             data,
             layout,
@@ -163,11 +163,11 @@ impl HostComm {
         let mut first_error = self.failed.take();
         while self.outstanding > 0 {
             match self.next_answer() {
-                Ok(Done {
+                Ok(Answer {
                     bucket: Some(bucket),
                     result,
                 }) => self.keep(bucket, result, results, &mut first_error),
-                Ok(Done { bucket: None, .. }) => {}
+                Ok(Answer { bucket: None, .. }) => {}
                 Err(e) => {
                     first_error.get_or_insert(e);
                     break;
@@ -194,16 +194,16 @@ impl HostComm {
         reduction: GradReduction,
         results: &mut [Option<Vec<f32>>],
     ) -> Result<Vec<f32>> {
-        if !self.worker.send(Job::Plain { data, reduction }) {
+        if !self.worker.send(HostJob::Plain { data, reduction }) {
             return Err(self.stopped());
         }
         loop {
             match self.next_answer()? {
-                Done {
+                Answer {
                     bucket: None,
                     result,
                 } => return result,
-                Done {
+                Answer {
                     bucket: Some(bucket),
                     result,
                 } => {
@@ -235,7 +235,7 @@ impl HostComm {
         }
     }
 
-    fn next_answer(&self) -> Result<Done> {
+    fn next_answer(&self) -> Result<Answer> {
         let wait = self.pg.timeouts().collective + ANSWER_SLACK;
         self.worker.receive(wait).map_err(|e| match e {
             RecvTimeoutError::Timeout => DdpError::GradSyncTimeout {
