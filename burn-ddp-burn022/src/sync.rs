@@ -8,8 +8,8 @@ use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
-    check_same_params, digest, BucketOrder, BucketPlan, HostSync, Join, JoinCall, NotCarried,
-    ParamInfo, ReplicaCheck,
+    check_and_load, digest, load_from, BucketOrder, BucketPlan, HostSync, Join, JoinCall,
+    NotCarried, ParamInfo, Replica, ReplicaCheck,
 };
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
@@ -171,15 +171,7 @@ impl GradSync {
     /// [`prepare`](Self::prepare), loading rank 0's record on every rank when `load`.
     fn prepare_with<M: Module>(&mut self, model: M, load: bool) -> Result<M> {
         let rank = self.pg.rank();
-        let described = describe(&model);
-        let all: Vec<ParamInfo> = described.iter().map(|(i, _)| i.clone()).collect();
-        check_same_params(&self.pg, &all)?;
-
-        let model = if load {
-            self.load_from(model, Rank(0))?
-        } else {
-            model
-        };
+        let AsReplica(model) = check_and_load(&self.pg, AsReplica(model), load)?;
 
         let trainable = describe(&model)
             .into_iter()
@@ -369,7 +361,8 @@ impl GradSync {
             });
         };
         let summary = join.finish(&self.pg)?;
-        self.load_from(model, summary.authority)
+        let AsReplica(model) = load_from(&self.pg, AsReplica(model), summary.authority)?;
+        Ok(model)
     }
 
     /// After this rank's loop inside [`GradSync::join`]: the others' calls, shadowed until
@@ -420,34 +413,34 @@ fn scale<M: Module>(model: &M, mut grads: GradientsParams, factor: f32) -> Gradi
     grads
 }
 
-impl GradSync {
-    /// `root`'s whole record (parameters and buffers) loaded into every other rank's `model`.
-    fn load_from<M: Module>(&self, model: M, root: Rank) -> Result<M> {
-        let rank = self.pg.rank();
-        if self.pg.world_size().as_usize() == 1 {
-            return Ok(model);
-        }
-        // Running statistics' pending updates folded in first (see `sync_buffers`): the
-        // record sent is current, and none left pending overwrites the one received.
-        drop(model.valid());
-        let bytes = if rank == root {
-            model
-                .clone()
-                .into_record()
-                .into_bytes()
-                .map_err(|e| model_error(rank, "serialising the model to send", e))?
-                .to_vec()
-        } else {
-            Vec::new()
-        };
-        let bytes = self.pg.broadcast_bytes(bytes, root)?;
-        if rank == root {
-            return Ok(model);
-        }
+/// This line's [`Replica`]: a Burn 0.22 module, every float parameter compared, its record as
+/// Burn's module record bytes.
+struct AsReplica<M>(M);
+
+impl<M: Module> Replica for AsReplica<M> {
+    fn params(&self) -> Vec<(ParamInfo, bool)> {
+        describe(&self.0)
+    }
+
+    fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>> {
+        // `valid()` folds running statistics' pending updates in (see `sync_buffers`).
+        drop(self.0.valid());
+        Ok(self
+            .0
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(|e| model_error(rank, "serialising the model to send", e))?
+            .to_vec())
+    }
+
+    fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
+        drop(self.0.valid());
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
             .map_err(|e| model_error(rank, "reading the model received", e))?;
-        model
+        self.0
             .try_load_record(record)
+            .map(AsReplica)
             .map_err(|e| model_error(rank, "loading the model received", e))
     }
 }

@@ -53,7 +53,8 @@
 //!
 //! | What | Over | In the 0.22 line |
 //! |---|---|---|
-//! | the model's float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable), its record broadcast from a rank, gradients taken and put back by bucket slot | [`grad::BucketPlan`], [`grad::check_same_params`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
+//! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable) and its record to and from bytes; the core checks them across ranks and loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
+//! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
 //! | buffers (BatchNorm's running statistics) broadcast | [`grad::broadcast_buffers`] | `buffers.rs` |
 //! | ZeRO-1: which rank owns which parameters, the sharded optimizer state as bytes | [`grad::ZeroPlan`], [`grad::ReadValues`] | `zero.rs` |
 //! | the NCCL path on the release's device tensors (feature `cuda`) | `cuda::connect`, [`grad::BucketLauncher`] | `cuda.rs` |

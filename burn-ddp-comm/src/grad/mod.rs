@@ -5,6 +5,8 @@
 //! - `plan.rs`: [`ParamInfo`] and the [`BucketPlan`]: which parameter goes in which bucket
 //! - `check.rs`: [`check_same_params`], the cross-rank check of a model's parameters, and
 //!   [`ReplicaCheck`], the periodic comparison of their values
+//! - `replica.rs`: [`Replica`], what a Burn line gives for a model to be made the same on
+//!   every rank, and [`check_and_load`] / [`load_from`], which do it
 //! - `join.rs`: [`Join`], uneven inputs: ranks that ran out of batches shadow the others'
 //!   collectives until every rank has
 //! - `host.rs`: [`HostComm`], the host-staged transport's communication thread, which reduces
@@ -31,6 +33,7 @@ mod launch;
 mod order;
 mod plan;
 mod powersgd;
+mod replica;
 mod worker;
 mod zero;
 
@@ -44,6 +47,7 @@ pub use launch::{BucketLauncher, InFlight};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
+pub use replica::{check_and_load, load_from, Replica};
 pub use worker::Worker;
 pub use zero::{ReadValues, ZeroPlan};
 

@@ -12,7 +12,7 @@ use burn::tensor::{Tensor, TensorData};
 use burn_backend::distributed::DistributedParamId;
 
 use burn_ddp_comm::grad::{
-    check_same_params, BucketOrder, BucketPlan, HostStep, JoinCall, Reduced,
+    check_and_load, load_from, BucketOrder, BucketPlan, HostStep, JoinCall, Reduced, Replica,
 };
 
 use super::reducer;
@@ -162,6 +162,71 @@ fn is_skipped(name: &str, skip: &[String]) -> bool {
     skip.iter().any(|s| s == field)
 }
 
+/// This line's [`Replica`]: a Burn 0.21 module whose parameters under the `skip` fields stay
+/// rank-local (not compared, not overwritten); its record as `BinBytesRecorder` bytes.
+struct AsReplica<'s, B, M> {
+    model: M,
+    skip: &'s [String],
+    _b: PhantomData<B>,
+}
+
+impl<'s, B, M> AsReplica<'s, B, M> {
+    fn new(model: M, skip: &'s [String]) -> Self {
+        Self {
+            model,
+            skip,
+            _b: PhantomData,
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
+    fn params(&self) -> Vec<(ParamInfo, bool)> {
+        describe::<B, M>(&self.model)
+            .into_iter()
+            .filter(|(i, _, _)| !is_skipped(&i.name, self.skip))
+            .map(|(i, _, grad)| (i, grad))
+            .collect()
+    }
+
+    fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>> {
+        // Running statistics' pending updates folded in first (`into_record` syncs them, on a
+        // clone that shares them).
+        drop(self.model.clone().into_record());
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        Recorder::<B>::record(&recorder, self.model.clone().into_record(), ()).map_err(|e| {
+            DdpError::Model {
+                rank,
+                what: "serialising the model to send",
+                reason: e.to_string(),
+            }
+        })
+    }
+
+    fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
+        drop(self.model.clone().into_record());
+        let mut save = Save {
+            path: Path::default(),
+            skip: self.skip,
+            saved: Vec::new(),
+        };
+        self.model.visit(&mut save);
+        let device = self.model.devices().into_iter().next().unwrap_or_default();
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+        let record =
+            Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
+                rank,
+                what: "loading the model received",
+                reason: e.to_string(),
+            })?;
+        let model = self.model.load_record(record).map(&mut Restore {
+            path: Path::default(),
+            saved: save.saved,
+        });
+        Ok(Self { model, ..self })
+    }
+}
+
 impl DdpSession {
     /// Makes `model` a data-parallel model of this session, on every rank:
     ///
@@ -211,18 +276,7 @@ impl DdpSession {
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let pg = &self.shared.pg;
         let rank = pg.rank();
-        let compared: Vec<ParamInfo> = describe::<B, M>(&model)
-            .into_iter()
-            .filter(|(i, _, _)| !is_skipped(&i.name, &skip))
-            .map(|(i, _, _)| i)
-            .collect();
-        check_same_params(pg, &compared)?;
-
-        let model = if from_root {
-            self.load_from::<B, M>(model, Rank(0), &skip)?
-        } else {
-            model
-        };
+        let model = check_and_load(pg, AsReplica::<B, M>::new(model, &skip), from_root)?.model;
 
         let model = model.map(&mut Mark {
             path: Path::default(),
@@ -262,48 +316,8 @@ impl DdpSession {
         root: Rank,
         skip: &[String],
     ) -> Result<M> {
-        let pg = &self.shared.pg;
-        let rank = pg.rank();
-        if pg.world_size().as_usize() == 1 {
-            return Ok(model);
-        }
-        // Running statistics' pending updates folded in first (`into_record` syncs them, on a
-        // clone that shares them): the record sent is current, and none left pending
-        // overwrites the one received.
-        drop(model.clone().into_record());
-        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        let bytes = if rank == root {
-            Recorder::<B>::record(&recorder, model.clone().into_record(), ()).map_err(|e| {
-                DdpError::Model {
-                    rank,
-                    what: "serialising the model to send",
-                    reason: e.to_string(),
-                }
-            })?
-        } else {
-            Vec::new()
-        };
-        let bytes = pg.broadcast_bytes(bytes, root)?;
-        if rank == root {
-            return Ok(model);
-        }
-        let mut save = Save {
-            path: Path::default(),
-            skip,
-            saved: Vec::new(),
-        };
-        model.visit(&mut save);
-        let device = model.devices().into_iter().next().unwrap_or_default();
-        let record =
-            Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
-                rank,
-                what: "loading the model received",
-                reason: e.to_string(),
-            })?;
-        Ok(model.load_record(record).map(&mut Restore {
-            path: Path::default(),
-            saved: save.saved,
-        }))
+        let replica = AsReplica::<B, M>::new(model, skip);
+        Ok(load_from(&self.shared.pg, replica, root)?.model)
     }
 
     /// Averages `grads` across ranks after backward, bucket by bucket in a fixed order: the
