@@ -20,7 +20,8 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
-use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, ProcessGroup};
+use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, GradReduction, ProcessGroup};
+use burn_ddp_dev::hooks::MeanBySum;
 use common::compare::{assert_close, Tolerance};
 
 // `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
@@ -354,6 +355,10 @@ equivalence! {
     // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
     // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
     mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [1, 2];
+    // A user's communication hook (PyTorch's `register_comm_hook`) that averages by a sum and
+    // a scale of its own while the configuration says `Sum`: trained like one process on the
+    // mean only if the hook reduced every bucket.
+    mlp_sgd_comm_hook: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_reduction(GradReduction::Sum).with_comm_hook(MeanBySum::boxed), F32, [2, 3];
     // Gradients released into their buckets (`gradient_as_bucket_view`): one bucket, then
     // buckets of one gradient (moved back without a copy) and of several, and a gradient whose
     // buffer Burn shares with another branch of the graph.

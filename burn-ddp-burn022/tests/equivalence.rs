@@ -15,7 +15,8 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
+use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradReduction, GradSync, ProcessGroup};
+use burn_ddp_dev::hooks::MeanBySum;
 use compare::{assert_close, Tolerance, F32};
 
 const STEPS: usize = 20;
@@ -257,6 +258,10 @@ equivalence! {
     // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
     // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
     mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [2];
+    // A user's communication hook (PyTorch's `register_comm_hook`) that averages by a sum and
+    // a scale of its own while the configuration says `Sum`: trained like one process on the
+    // mean only if the hook reduced every bucket.
+    mlp_sgd_comm_hook: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_reduction(GradReduction::Sum).with_comm_hook(MeanBySum::boxed), F32, [2, 3];
 }
 
 #[test]

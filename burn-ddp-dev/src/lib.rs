@@ -8,6 +8,7 @@
 //! - [`spawned`]: jobs started through the launcher and read as they run
 //! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
 //! - [`diff`]: the lines a migration changed
+//! - [`hooks`]: a communication hook the equivalence tests train with
 //! - [`args`]: the step benchmarks' command line
 //! - [`images`]: the classifier examples' generated images and MNIST reader
 
@@ -15,6 +16,7 @@ pub mod args;
 pub mod compare;
 pub mod diff;
 pub mod fault;
+pub mod hooks;
 pub mod images;
 pub mod procs;
 pub mod spawned;

@@ -1,8 +1,10 @@
 //! [`CommHook`]: how one host-staged gradient bucket is all-reduced, as PyTorch's
 //! communication hooks (`register_comm_hook`) decide it there. The transports pack and launch
 //! buckets; a hook only reduces one. Built in: [`AllReduce`] (full precision, or cast to
-//! fp16/bf16 on the wire) and [`PowerSgdState`] (low-rank, with error feedback);
-//! [`builtin_hook`] picks the one a [`DdpConfig`](super::DdpConfig) asks for.
+//! fp16/bf16 on the wire) and [`PowerSgdState`] (low-rank, with error feedback); a user's own
+//! through [`DdpConfig::with_comm_hook`](super::DdpConfig::with_comm_hook). [`HookChoice`] is
+//! what a [`DdpConfig`](super::DdpConfig) asks for, made into a hook each time a communication
+//! thread starts.
 
 use std::sync::Arc;
 
@@ -82,19 +84,83 @@ impl CommHook for PowerSgdState {
     }
 }
 
-/// The hook a configuration asks for: PowerSGD (counting into `power_sgd`'s statistics) when
-/// given, else [`AllReduce`] with `reduction` and `compression`.
-pub fn builtin_hook(
+/// A user's communication hook for [`DdpConfig::with_comm_hook`](super::DdpConfig::with_comm_hook):
+/// a function that makes a fresh [`CommHook`] each time a communication thread starts (at the
+/// start, and after a change of membership of a fault-tolerant job, so every rank starts from
+/// the same state). Two values are equal when they are the same function.
+#[derive(Clone)]
+pub struct CommHookFactory(Arc<dyn Fn() -> Box<dyn CommHook> + Send + Sync>);
+
+impl CommHookFactory {
+    /// Wraps `make`.
+    pub fn new(make: impl Fn() -> Box<dyn CommHook> + Send + Sync + 'static) -> Self {
+        Self(Arc::new(make))
+    }
+
+    /// A fresh hook.
+    pub fn make(&self) -> Box<dyn CommHook> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for CommHookFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CommHookFactory(..)")
+    }
+}
+
+impl PartialEq for CommHookFactory {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// The hook a [`DdpConfig`](super::DdpConfig) asks for, with PowerSGD's counts when it is on:
+/// kept by a transport, and [made](Self::make) into a hook whenever its communication thread
+/// starts.
+#[derive(Debug, Clone)]
+pub struct HookChoice {
     reduction: GradReduction,
     compression: Compression,
     power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
-) -> Box<dyn CommHook> {
-    match power_sgd {
-        Some((config, stats)) => Box::new(PowerSgdState::new(config, reduction, stats)),
-        None => Box::new(AllReduce {
-            reduction,
-            compression,
-        }),
+    user: Option<CommHookFactory>,
+}
+
+impl HookChoice {
+    /// What `config` asks for: its own hook ([`DdpConfig::comm_hook`](super::DdpConfig::comm_hook)),
+    /// else PowerSGD, else [`AllReduce`] with its reduction and compression.
+    pub fn of(config: &super::DdpConfig) -> Self {
+        Self {
+            reduction: config.reduction,
+            compression: config.compression,
+            power_sgd: config
+                .power_sgd
+                .map(|p| (p, Arc::new(PowerSgdStats::default()))),
+            user: config.comm_hook.clone(),
+        }
+    }
+
+    /// A fresh hook.
+    pub fn make(&self) -> Box<dyn CommHook> {
+        if let Some(user) = &self.user {
+            return user.make();
+        }
+        match &self.power_sgd {
+            Some((config, stats)) => Box::new(PowerSgdState::new(
+                *config,
+                self.reduction,
+                Arc::clone(stats),
+            )),
+            None => Box::new(AllReduce {
+                reduction: self.reduction,
+                compression: self.compression,
+            }),
+        }
+    }
+
+    /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
+    pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        self.power_sgd.as_ref().map(|(_, s)| s.totals())
     }
 }
 
@@ -130,15 +196,13 @@ pub fn reduce_bucket(
 mod tests {
     use super::*;
 
+    use crate::grad::DdpConfig;
+
     #[test]
     fn power_sgd_without_a_layout_is_an_internal_error_not_a_panic() {
         let pg = ProcessGroup::single();
-        let stats = Arc::new(PowerSgdStats::default());
-        let mut hook = builtin_hook(
-            GradReduction::Mean,
-            Compression::None,
-            Some((PowerSgd::new(1), stats)),
-        );
+        let mut hook =
+            HookChoice::of(&DdpConfig::default().with_power_sgd(PowerSgd::new(1))).make();
         assert!(hook.wants_layout());
         let err = hook.reduce(&pg, 0, &mut [1.0, 1.0], None).unwrap_err();
         assert!(matches!(err, DdpError::Internal { .. }), "{err:?}");
@@ -147,10 +211,42 @@ mod tests {
     #[test]
     fn the_default_hook_reduces_without_a_layout() {
         let pg = ProcessGroup::single();
-        let mut hook = builtin_hook(GradReduction::Sum, Compression::Bf16, None);
+        let config = DdpConfig::default()
+            .with_reduction(GradReduction::Sum)
+            .with_compression(Compression::Bf16);
+        let mut hook = HookChoice::of(&config).make();
         assert!(!hook.wants_layout());
         let mut data = [1.5f32, 2.0];
         hook.reduce(&pg, 0, &mut data, None).unwrap();
         assert_eq!(data, [1.5, 2.0]);
+    }
+
+    #[test]
+    fn a_users_hook_is_host_staged_and_excludes_the_built_in_ones() {
+        use crate::config::GradTransport;
+        let hook = || {
+            DdpConfig::default().with_comm_hook(|| {
+                Box::new(AllReduce {
+                    reduction: GradReduction::Mean,
+                    compression: Compression::None,
+                })
+            })
+        };
+        hook().validate().unwrap();
+        assert_eq!(hook().effective_transport(), GradTransport::Host);
+        for (config, words) in [
+            (hook().with_power_sgd(PowerSgd::new(1)), "PowerSGD"),
+            (hook().with_compression(Compression::F16), "fp16/bf16"),
+            (hook().with_transport(GradTransport::Nccl), "not Nccl"),
+        ] {
+            let err = config.validate().unwrap_err();
+            assert!(
+                matches!(&err, DdpError::InvalidConfig { field: "DdpConfig::comm_hook", reason } if reason.contains(words)),
+                "{err:?}"
+            );
+        }
+        let config = hook();
+        assert_eq!(config.clone(), config, "a hook equals itself");
+        assert_ne!(hook(), hook(), "two hooks are not equal");
     }
 }

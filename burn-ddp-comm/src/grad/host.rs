@@ -8,12 +8,10 @@
 //! gradient for: those get the reduced value on every rank; those no rank had stay absent.
 
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::{
-    builtin_hook, BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, LaunchOrder,
-    PowerSgdStats, Worker,
+    BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, HookChoice, LaunchOrder, Worker,
 };
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
@@ -252,8 +250,8 @@ impl HostComm {
 /// every synchronised step.
 pub struct HostSync {
     comm: HostComm,
-    /// What PowerSGD has sent, when it is on.
-    power_sgd: Option<Arc<PowerSgdStats>>,
+    /// The configuration's hook (and PowerSGD's counts, when it is on).
+    hooks: HookChoice,
 }
 
 impl std::fmt::Debug for HostSync {
@@ -266,26 +264,21 @@ impl std::fmt::Debug for HostSync {
 
 impl HostSync {
     /// Starts the communication thread of `pg`'s rank, reducing as `config` says (its
-    /// [`builtin_hook`]).
+    /// [`HookChoice`]).
     ///
     /// # Errors
     /// [`DdpError::Io`] if the thread cannot be started.
     pub fn start(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
-        let stats = config.power_sgd.map(|_| Arc::new(PowerSgdStats::default()));
-        let hook = builtin_hook(
-            config.reduction,
-            config.compression,
-            config.power_sgd.zip(stats.clone()),
-        );
+        let hooks = HookChoice::of(config);
         Ok(Self {
-            comm: HostComm::start(pg, hook)?,
-            power_sgd: stats,
+            comm: HostComm::start(pg, hooks.make())?,
+            hooks,
         })
     }
 
     /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
     pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
-        self.power_sgd.as_ref().map(|s| s.totals())
+        self.hooks.power_sgd_totals()
     }
 
     /// Starts one synchronised step over `plan`: [`HostStep::push`] every parameter's
@@ -586,6 +579,82 @@ mod tests {
                     comm.launch(1, vec![r as f32; 1], None).unwrap();
                     comm.collect(&mut results).unwrap();
                     assert_eq!(results[1], Some(vec![1.0]));
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+
+    /// A user's hook (here the maximum over ranks, where the configuration says mean) reduces
+    /// every bucket, in index order each step, and is given each bucket's layout.
+    #[test]
+    fn a_users_hook_reduces_every_bucket_with_its_layout() {
+        use crate::types::ReduceOp;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        struct Max {
+            next: usize,
+            buckets: usize,
+            calls: Arc<AtomicUsize>,
+        }
+        impl CommHook for Max {
+            fn wants_layout(&self) -> bool {
+                true
+            }
+            fn reduce(
+                &mut self,
+                pg: &ProcessGroup,
+                bucket: usize,
+                data: &mut [f32],
+                layout: Option<&BucketShape>,
+            ) -> Result<()> {
+                assert_eq!(bucket, self.next, "buckets in index order");
+                self.next = (bucket + 1) % self.buckets;
+                let layout = layout.expect("a hook that wants the layout is given it");
+                assert!(layout.len <= data.len());
+                self.calls.fetch_add(1, Ordering::Relaxed);
+                pg.all_reduce(data, ReduceOp::Max)
+            }
+        }
+        use std::sync::Arc;
+        let groups = ProcessGroup::local(
+            WorldSize::new(2).unwrap(),
+            Timeouts::uniform(Duration::from_secs(20)),
+        );
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, pg)| {
+                std::thread::spawn(move || {
+                    let plan = plan();
+                    let buckets = plan.buckets.len();
+                    assert!(buckets > 1);
+                    let calls = Arc::new(AtomicUsize::new(0));
+                    let counted = Arc::clone(&calls);
+                    let config = DdpConfig::default().with_comm_hook(move || {
+                        Box::new(Max {
+                            next: 0,
+                            buckets,
+                            calls: Arc::clone(&counted),
+                        })
+                    });
+                    config.validate().unwrap();
+                    let mut sync = HostSync::start(&pg, &config).unwrap();
+                    for _ in 0..2 {
+                        let mut s = sync.begin(&plan).unwrap();
+                        for slot in 0..5 {
+                            s.push(slot, Some(&[(r * 10 + slot) as f32; 3])).unwrap();
+                        }
+                        let red = s.finish().unwrap();
+                        assert_eq!(
+                            red.get(2),
+                            Some(&[12.0; 3][..]),
+                            "the maximum, not the mean"
+                        );
+                    }
+                    assert_eq!(calls.load(Ordering::Relaxed), 2 * buckets);
                 })
             })
             .collect();

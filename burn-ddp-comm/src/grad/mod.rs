@@ -40,7 +40,7 @@ mod zero;
 pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
-pub use hook::{builtin_hook, reduce_bucket, AllReduce, CommHook};
+pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
@@ -170,6 +170,10 @@ pub struct DdpConfig {
     /// backward, each gradient's memory is released as soon as it is copied into its bucket,
     /// and a bucket that holds one gradient becomes that gradient again without a copy.
     pub gradient_as_bucket_view: bool,
+    /// Your own reduction of each host-staged bucket (PyTorch's `register_comm_hook`; `None`,
+    /// the default: the built-in one that `compression` or `power_sgd` choose). Exclusive with
+    /// both; buckets then always travel host-staged, as with PowerSGD.
+    pub comm_hook: Option<CommHookFactory>,
 }
 
 impl Default for DdpConfig {
@@ -185,6 +189,7 @@ impl Default for DdpConfig {
             broadcast_buffers: true,
             power_sgd: None,
             gradient_as_bucket_view: false,
+            comm_hook: None,
         }
     }
 }
@@ -241,11 +246,26 @@ impl DdpConfig {
         self
     }
 
-    /// The transport gradients take: `transport`, except that PowerSGD runs on the
-    /// host-staged buckets, so `Auto` means `Host` with it.
+    /// Reduces every host-staged bucket with your own [`CommHook`] (PyTorch's
+    /// `register_comm_hook`): `make` is called for a fresh hook each time a communication
+    /// thread starts. The hook is called for every bucket of every step, in index order, on
+    /// every rank, with the bucket's values, then one presence flag per parameter (and its
+    /// layout, if [`CommHook::wants_layout`] says so); it must all-reduce all of it (flags
+    /// included) the same way on every rank.
+    pub fn with_comm_hook(
+        mut self,
+        make: impl Fn() -> Box<dyn CommHook> + Send + Sync + 'static,
+    ) -> Self {
+        self.comm_hook = Some(CommHookFactory::new(make));
+        self
+    }
+
+    /// The transport gradients take: `transport`, except that PowerSGD and users' hooks run
+    /// on the host-staged buckets, so `Auto` means `Host` with them.
     pub fn effective_transport(&self) -> GradTransport {
-        match (self.power_sgd, self.transport) {
-            (Some(_), GradTransport::Auto) => GradTransport::Host,
+        let host_only = self.power_sgd.is_some() || self.comm_hook.is_some();
+        match (host_only, self.transport) {
+            (true, GradTransport::Auto) => GradTransport::Host,
             (_, t) => t,
         }
     }
@@ -266,6 +286,29 @@ impl DdpConfig {
                 field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
                 reason: "a bucket must hold at least one f32 gradient (4 bytes)",
             });
+        }
+        if self.comm_hook.is_some() {
+            let clash = if self.power_sgd.is_some() {
+                Some("a communication hook and PowerSGD cannot be combined: choose one")
+            } else if self.compression != Compression::None {
+                Some(
+                    "a communication hook and fp16/bf16 compression cannot be combined: cast \
+                     inside the hook",
+                )
+            } else if self.transport == GradTransport::Nccl {
+                Some(
+                    "a communication hook runs on host-staged buckets: use GradTransport::Host \
+                     or Auto with it, not Nccl",
+                )
+            } else {
+                None
+            };
+            if let Some(reason) = clash {
+                return Err(DdpError::InvalidConfig {
+                    field: "DdpConfig::comm_hook",
+                    reason,
+                });
+            }
         }
         if let Some(p) = &self.power_sgd {
             p.validate()?;

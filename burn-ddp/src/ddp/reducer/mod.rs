@@ -10,17 +10,16 @@
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use burn_backend::distributed::DistributedParamId;
 
 #[cfg(feature = "cuda")]
 use burn_ddp_comm::grad::ANSWER_SLACK;
-use burn_ddp_comm::grad::{
-    BucketOrder, BucketPlan, HostComm, LaunchOrder, PowerSgd, PowerSgdStats, Slot,
-};
+use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HookChoice, HostComm, LaunchOrder, Slot};
 
-use super::{Compression, DdpConfig, GradReduction, ParamInfo};
+#[cfg(feature = "cuda")]
+use super::Compression;
+use super::{DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
 use crate::GradTransport;
 use crate::{DdpError, Result};
@@ -80,7 +79,10 @@ struct Step {
 #[derive(Debug)]
 pub(crate) struct Reducer {
     pg: ProcessGroup,
+    /// Mean or sum, and the wire format, of the device path (the host path's hook has them).
+    #[cfg(feature = "cuda")]
     reduction: GradReduction,
+    #[cfg(feature = "cuda")]
     compression: Compression,
     overlap: bool,
     plan: Option<Plan>,
@@ -96,8 +98,9 @@ pub(crate) struct Reducer {
     /// A failure to report after the running pass, which still runs (see [`Reducer::begin`]).
     deferred: Option<DdpError>,
     transport: GradTransport,
-    /// PowerSGD's settings and counts, when it is on.
-    power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
+    /// What the host-staged communication thread reduces buckets with (the configuration's
+    /// hook, and PowerSGD's counts when it is on).
+    hooks: HookChoice,
     /// `DdpConfig::gradient_as_bucket_view`: gradients released into their buckets.
     bucket_view: bool,
     /// The NCCL communicator of the device path, once created.
@@ -115,7 +118,9 @@ impl Reducer {
     pub(crate) fn new(pg: &ProcessGroup, config: &DdpConfig) -> Self {
         Self {
             pg: pg.clone(),
+            #[cfg(feature = "cuda")]
             reduction: config.reduction,
+            #[cfg(feature = "cuda")]
             compression: config.compression,
             overlap: config.overlap,
             plan: None,
@@ -127,9 +132,7 @@ impl Reducer {
             foreign: Vec::new(),
             deferred: None,
             transport: config.transport,
-            power_sgd: config
-                .power_sgd
-                .map(|p| (p, Arc::new(PowerSgdStats::default()))),
+            hooks: HookChoice::of(config),
             bucket_view: config.gradient_as_bucket_view,
             #[cfg(feature = "cuda")]
             nccl: None,
@@ -454,16 +457,17 @@ impl Reducer {
         };
         let mut links = Links {
             pg: &self.pg,
+            #[cfg(feature = "cuda")]
             reduction: self.reduction,
+            #[cfg(feature = "cuda")]
             compression: self.compression,
             comm: &mut self.comm,
-            power_sgd: self.power_sgd.clone(),
-            shape: None,
+            hooks: &self.hooks,
+            plan,
             #[cfg(feature = "cuda")]
             nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
         };
         while let Some(bucket) = step.order.next_ready() {
-            links.shape = links.power_sgd.is_some().then(|| plan.bucket_shape(bucket));
             let slots: Vec<(usize, usize)> = plan.buckets[bucket]
                 .0
                 .iter()
@@ -593,7 +597,7 @@ impl Reducer {
 
     /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
     pub(crate) fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
-        self.power_sgd.as_ref().map(|(_, s)| s.totals())
+        self.hooks.power_sgd_totals()
     }
 
     /// Inside a join, on a rank that ran out of batches: the buckets of a synchronised backward

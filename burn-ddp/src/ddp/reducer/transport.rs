@@ -4,10 +4,9 @@
 //! Burn lines uses, which reduces them in launch order through a communication hook), and the
 //! links a launch needs from the reducer. The device path's buckets are `gpu.rs`'s.
 
-use std::sync::Arc;
+use burn_ddp_comm::grad::{HookChoice, HostComm};
 
-use burn_ddp_comm::grad::{builtin_hook, BucketShape, HostComm, PowerSgd, PowerSgdStats};
-
+#[cfg(feature = "cuda")]
 use super::super::{Compression, GradReduction};
 use crate::group::ProcessGroup;
 #[cfg(feature = "cuda")]
@@ -47,14 +46,17 @@ pub(super) struct HostBuckets {
 /// What launching a bucket needs from the reducer: the transports' long-lived parts.
 pub(crate) struct Links<'a> {
     pub(super) pg: &'a ProcessGroup,
+    /// Mean or sum, and the wire format, for the device path (the host path's hook has them).
+    #[cfg(feature = "cuda")]
     pub(super) reduction: GradReduction,
+    #[cfg(feature = "cuda")]
     pub(super) compression: Compression,
     /// The host-staged transport's communication thread, started at the first launch.
     pub(super) comm: &'a mut Option<HostComm>,
-    /// PowerSGD's settings and counts, when it is on (for the communication thread's hook).
-    pub(super) power_sgd: Option<(PowerSgd, Arc<PowerSgdStats>)>,
-    /// The layout of the bucket being launched, for PowerSGD.
-    pub(super) shape: Option<BucketShape>,
+    /// What the communication thread reduces buckets with.
+    pub(super) hooks: &'a HookChoice,
+    /// The pass's plan (for the layout of a bucket, when the hook reads it).
+    pub(super) plan: &'a super::Plan,
     #[cfg(feature = "cuda")]
     pub(super) nccl: Option<(
         &'a burn_ddp_comm::cuda::NcclComm,
@@ -134,12 +136,11 @@ impl BucketTransport for HostBuckets {
         };
         let comm = match links.comm {
             Some(comm) => comm,
-            None => links.comm.insert(HostComm::start(
-                links.pg,
-                builtin_hook(links.reduction, links.compression, links.power_sgd.clone()),
-            )?),
+            None => links
+                .comm
+                .insert(HostComm::start(links.pg, links.hooks.make())?),
         };
-        let shape = links.shape.take();
-        comm.launch(bucket, data, shape)
+        let layout = comm.wants_layout().then(|| links.plan.bucket_shape(bucket));
+        comm.launch(bucket, data, layout)
     }
 }
