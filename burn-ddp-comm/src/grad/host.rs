@@ -456,8 +456,7 @@ impl Reduced {
 mod tests {
     use super::super::{AllReduce, Compression};
     use super::*;
-    use crate::config::Timeouts;
-    use crate::types::WorldSize;
+    use crate::group::on_local_ranks;
 
     fn plan() -> BucketPlan<u64> {
         super::super::plan::test_plan(5, 3, 12, 24)
@@ -465,39 +464,28 @@ mod tests {
 
     /// Three in-process ranks; parameter 1 has a gradient on rank 2 only, parameter 3 on none.
     fn run(reduction: GradReduction, compression: Compression) -> Vec<Vec<Option<Vec<f32>>>> {
-        let groups = ProcessGroup::local(
-            WorldSize::new(3).unwrap(),
-            Timeouts::uniform(Duration::from_secs(20)),
-        );
         let config = DdpConfig {
             reduction,
             compression,
             ..DdpConfig::default()
         };
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(r, pg)| {
-                let config = config.clone();
-                std::thread::spawn(move || {
-                    let plan = plan();
-                    let mut sync = HostSync::start(&pg, &config).unwrap();
-                    let mut out = Vec::new();
-                    for step in 0..2 {
-                        let mut s = sync.begin(&plan).unwrap();
-                        for slot in [4usize, 0, 2, 1] {
-                            let v = vec![(r * 10 + slot + step) as f32; 3];
-                            let have = slot != 1 || r == 2;
-                            s.push(slot, have.then_some(v.as_slice())).unwrap();
-                        }
-                        let red = s.finish().unwrap();
-                        out = (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
-                    }
-                    out
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_local_ranks(3, |pg| {
+            let r = pg.rank().index();
+            let plan = plan();
+            let mut sync = HostSync::start(&pg, &config).unwrap();
+            let mut out = Vec::new();
+            for step in 0..2 {
+                let mut s = sync.begin(&plan).unwrap();
+                for slot in [4usize, 0, 2, 1] {
+                    let v = vec![(r * 10 + slot + step) as f32; 3];
+                    let have = slot != 1 || r == 2;
+                    s.push(slot, have.then_some(v.as_slice())).unwrap();
+                }
+                let red = s.finish().unwrap();
+                out = (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
+            }
+            out
+        })
     }
 
     #[test]
@@ -550,41 +538,25 @@ mod tests {
     /// rank; the buckets' answers taken meanwhile are kept for `collect`.
     #[test]
     fn a_plain_all_reduce_runs_behind_the_buckets_in_flight() {
-        let groups = ProcessGroup::local(
-            WorldSize::new(2).unwrap(),
-            Timeouts::uniform(Duration::from_secs(20)),
-        );
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(r, pg)| {
-                std::thread::spawn(move || {
-                    let hook = AllReduce {
-                        reduction: GradReduction::Sum,
-                        compression: Compression::None,
-                    };
-                    let mut comm = HostComm::start(&pg, Box::new(hook)).unwrap();
-                    let mut results = vec![None, None];
-                    comm.launch(0, vec![r as f32 + 1.0; 2], None).unwrap();
-                    let plain = comm
-                        .all_reduce_in_order(
-                            vec![10.0 * (r as f32 + 1.0)],
-                            GradReduction::Mean,
-                            &mut results,
-                        )
-                        .unwrap();
-                    assert_eq!(plain, vec![15.0]);
-                    assert_eq!(results[0], Some(vec![3.0; 2]), "bucket 0's answer was kept");
-                    assert_eq!(comm.outstanding(), 0);
-                    comm.launch(1, vec![r as f32; 1], None).unwrap();
-                    comm.collect(&mut results).unwrap();
-                    assert_eq!(results[1], Some(vec![1.0]));
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().unwrap();
-        }
+        on_local_ranks(2, |pg| {
+            let r = pg.rank().index() as f32;
+            let hook = AllReduce {
+                reduction: GradReduction::Sum,
+                compression: Compression::None,
+            };
+            let mut comm = HostComm::start(&pg, Box::new(hook)).unwrap();
+            let mut results = vec![None, None];
+            comm.launch(0, vec![r + 1.0; 2], None).unwrap();
+            let plain = comm
+                .all_reduce_in_order(vec![10.0 * (r + 1.0)], GradReduction::Mean, &mut results)
+                .unwrap();
+            assert_eq!(plain, vec![15.0]);
+            assert_eq!(results[0], Some(vec![3.0; 2]), "bucket 0's answer was kept");
+            assert_eq!(comm.outstanding(), 0);
+            comm.launch(1, vec![r; 1], None).unwrap();
+            comm.collect(&mut results).unwrap();
+            assert_eq!(results[1], Some(vec![1.0]));
+        });
     }
 
     /// A user's hook (here the maximum over ranks, where the configuration says mean) reduces
@@ -619,47 +591,35 @@ mod tests {
             }
         }
         use std::sync::Arc;
-        let groups = ProcessGroup::local(
-            WorldSize::new(2).unwrap(),
-            Timeouts::uniform(Duration::from_secs(20)),
-        );
-        let handles: Vec<_> = groups
-            .into_iter()
-            .enumerate()
-            .map(|(r, pg)| {
-                std::thread::spawn(move || {
-                    let plan = plan();
-                    let buckets = plan.buckets.len();
-                    assert!(buckets > 1);
-                    let calls = Arc::new(AtomicUsize::new(0));
-                    let counted = Arc::clone(&calls);
-                    let config = DdpConfig::default().with_comm_hook(move || {
-                        Box::new(Max {
-                            next: 0,
-                            buckets,
-                            calls: Arc::clone(&counted),
-                        })
-                    });
-                    config.validate().unwrap();
-                    let mut sync = HostSync::start(&pg, &config).unwrap();
-                    for _ in 0..2 {
-                        let mut s = sync.begin(&plan).unwrap();
-                        for slot in 0..5 {
-                            s.push(slot, Some(&[(r * 10 + slot) as f32; 3])).unwrap();
-                        }
-                        let red = s.finish().unwrap();
-                        assert_eq!(
-                            red.get(2),
-                            Some(&[12.0; 3][..]),
-                            "the maximum, not the mean"
-                        );
-                    }
-                    assert_eq!(calls.load(Ordering::Relaxed), 2 * buckets);
+        on_local_ranks(2, |pg| {
+            let r = pg.rank().index();
+            let plan = plan();
+            let buckets = plan.buckets.len();
+            assert!(buckets > 1);
+            let calls = Arc::new(AtomicUsize::new(0));
+            let counted = Arc::clone(&calls);
+            let config = DdpConfig::default().with_comm_hook(move || {
+                Box::new(Max {
+                    next: 0,
+                    buckets,
+                    calls: Arc::clone(&counted),
                 })
-            })
-            .collect();
-        for h in handles {
-            h.join().unwrap();
-        }
+            });
+            config.validate().unwrap();
+            let mut sync = HostSync::start(&pg, &config).unwrap();
+            for _ in 0..2 {
+                let mut s = sync.begin(&plan).unwrap();
+                for slot in 0..5 {
+                    s.push(slot, Some(&[(r * 10 + slot) as f32; 3])).unwrap();
+                }
+                let red = s.finish().unwrap();
+                assert_eq!(
+                    red.get(2),
+                    Some(&[12.0; 3][..]),
+                    "the maximum, not the mean"
+                );
+            }
+            assert_eq!(calls.load(Ordering::Relaxed), 2 * buckets);
+        });
     }
 }

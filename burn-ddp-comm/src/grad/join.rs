@@ -253,30 +253,14 @@ fn announce(pg: &ProcessGroup, call: Option<JoinCall>) -> Result<Round> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Timeouts;
-
-    /// Runs `f` on every rank of an in-process group of `n`.
-    fn on_ranks<T: Send + 'static>(
-        n: u32,
-        f: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
-    ) -> Vec<T> {
-        let groups = ProcessGroup::local(crate::WorldSize::new(n).unwrap(), Timeouts::default());
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|pg| {
-                let f = f.clone();
-                std::thread::spawn(move || f(pg))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
+    use crate::group::on_local_ranks;
 
     /// Rank r makes 3 - r gradient calls (3, 2, 1), then shadows: every rank sees the same
     /// rounds, the mean's scale follows the number still training, and rank 0 is the
     /// authority.
     #[test]
     fn rounds_count_the_ranks_still_training() {
-        let seen = on_ranks(3, |pg| {
+        let seen = on_local_ranks(3, |pg| {
             let mut join = Join::new();
             let mine = 3 - pg.rank().index();
             let mut rounds = Vec::new();
@@ -311,7 +295,7 @@ mod tests {
     /// the authority is the rank that trained longest.
     #[test]
     fn the_root_and_the_authority_follow_the_ranks_still_training() {
-        let seen = on_ranks(3, |pg| {
+        let seen = on_local_ranks(3, |pg| {
             let mut join = Join::new();
             let mine = [1, 3, 3][pg.rank().index()];
             let mut roots = Vec::new();
@@ -332,7 +316,7 @@ mod tests {
     /// Ranks that announce different calls fail together, each told who calls what.
     #[test]
     fn different_calls_are_named() {
-        let errors = on_ranks(2, |pg| {
+        let errors = on_local_ranks(2, |pg| {
             let call = if pg.rank() == Rank(0) {
                 JoinCall::Gradients
             } else {

@@ -77,11 +77,8 @@ pub fn check_and_load<M: Replica>(pg: &ProcessGroup, model: M, from_root: bool) 
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
-    use crate::config::Timeouts;
-    use crate::types::WorldSize;
+    use crate::group::on_local_ranks;
     use crate::DdpError;
 
     /// A model of one parameter whose record is its values as text.
@@ -114,29 +111,18 @@ mod tests {
     }
 
     fn run(names: [&'static str; 3], root: Option<Rank>) -> Vec<Result<Vec<u8>>> {
-        let groups = ProcessGroup::local(
-            WorldSize::new(3).unwrap(),
-            Timeouts::uniform(Duration::from_secs(20)),
-        );
-        let handles: Vec<_> = groups
-            .into_iter()
-            .zip(names)
-            .enumerate()
-            .map(|(r, (pg, name))| {
-                std::thread::spawn(move || {
-                    let model = Fake {
-                        name,
-                        values: vec![r as u8; 4],
-                    };
-                    let model = match root {
-                        None => check_and_load(&pg, model, true),
-                        Some(root) => load_from(&pg, model, root),
-                    };
-                    model.map(|m| m.values)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
+        on_local_ranks(3, |pg| {
+            let r = pg.rank().index();
+            let model = Fake {
+                name: names[r],
+                values: vec![r as u8; 4],
+            };
+            let model = match root {
+                None => check_and_load(&pg, model, true),
+                Some(root) => load_from(&pg, model, root),
+            };
+            model.map(|m| m.values)
+        })
     }
 
     #[test]

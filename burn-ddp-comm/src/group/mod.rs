@@ -674,3 +674,24 @@ impl Drop for PeerWait {
         }
     }
 }
+
+/// Runs `f` on every rank of an in-process group of `world` (20-second deadlines), one thread
+/// each, and returns every rank's result in rank order (a rank's panic is the caller's).
+#[cfg(test)]
+pub(crate) fn on_local_ranks<T: Send>(world: u32, f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
+    let world = WorldSize::new(world).expect("a world of at least one rank");
+    let groups = ProcessGroup::local(world, Timeouts::uniform(Duration::from_secs(20)));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                let f = &f;
+                s.spawn(move || f(pg))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
