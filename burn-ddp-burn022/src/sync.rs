@@ -274,10 +274,12 @@ impl GradSync {
                 .transpose()?;
             step.push(slot, values.as_deref())
         })?;
-        let reduced = step.finish()?;
+        // Each bucket freed once its gradients are out; one of a single gradient becomes it.
+        let mut reduced = step.finish()?;
         put_grads(model, &mut grads, &targets, &mut |slot, target| {
-            let values = reduced.get(slot)?;
-            let data = TensorData::new(values.to_vec(), [values.len()]);
+            let values = reduced.take(slot)?;
+            let len = values.len();
+            let data = TensorData::new(values, [len]);
             Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
         });
         Ok(grads)

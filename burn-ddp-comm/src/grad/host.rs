@@ -427,28 +427,64 @@ impl<K> HostStep<'_, K> {
             .enumerate()
             .map(|(i, s)| (s.bucket, s.offset, s.info.numel, self.plan.flag_index(i)))
             .collect();
+        let left = self.plan.buckets.iter().map(|(s, _)| s.len()).collect();
         Ok(Reduced {
             buckets: values,
             layout,
+            left,
+            taken: vec![false; self.plan.slots.len()],
         })
     }
 }
 
-/// The reduced gradients of one step, by slot.
+/// The reduced gradients of one step, by slot: read ([`get`](Self::get)) or taken
+/// ([`take`](Self::take), which frees each bucket once its last gradient is out, and hands a
+/// bucket that holds one gradient over as that gradient, without a copy).
 #[derive(Debug)]
 pub struct Reduced {
+    /// Each bucket's values and flags (empty once every gradient in it was taken).
     buckets: Vec<Vec<f32>>,
     /// Per slot: bucket, offset, element count, index of its presence flag.
     layout: Vec<(usize, usize, usize, usize)>,
+    /// Per bucket: its slots not taken yet.
+    left: Vec<usize>,
+    /// Per slot: taken already.
+    taken: Vec<bool>,
 }
 
 impl Reduced {
     /// The reduced gradient of parameter `slot`; `None` when no rank had a gradient for it
-    /// (leave it without one, as a single process would).
+    /// (leave it without one, as a single process would), or when it was taken.
     pub fn get(&self, slot: usize) -> Option<&[f32]> {
         let &(bucket, offset, numel, flag) = self.layout.get(slot)?;
         let b = &self.buckets[bucket];
-        (b[flag] > 0.0).then(|| &b[offset..offset + numel])
+        (*b.get(flag)? > 0.0).then(|| &b[offset..offset + numel])
+    }
+
+    /// The reduced gradient of parameter `slot`, owned, as [`get`](Self::get) reads it (each
+    /// slot once: `None` the second time). A bucket's memory is freed when its last slot is
+    /// taken; a bucket of one gradient becomes that gradient's values without a copy.
+    pub fn take(&mut self, slot: usize) -> Option<Vec<f32>> {
+        let &(bucket, offset, numel, flag) = self.layout.get(slot)?;
+        if std::mem::replace(self.taken.get_mut(slot)?, true) {
+            return None;
+        }
+        let buffer = &mut self.buckets[bucket];
+        let present = buffer.get(flag).is_some_and(|&f| f > 0.0);
+        self.left[bucket] = self.left[bucket].saturating_sub(1);
+        if self.left[bucket] > 0 {
+            return present.then(|| buffer[offset..offset + numel].to_vec());
+        }
+        let mut last = std::mem::take(buffer);
+        match present {
+            false => None,
+            // The bucket holds this gradient alone (values, then its one flag).
+            true if offset == 0 && last.len() == numel + 1 => {
+                last.truncate(numel);
+                Some(last)
+            }
+            true => Some(last[offset..offset + numel].to_vec()),
+        }
     }
 }
 
@@ -532,6 +568,40 @@ mod tests {
         let red = s.finish().unwrap();
         assert_eq!(red.get(0), Some(&[1.0; 3][..]));
         assert_eq!(red.get(1), None);
+    }
+
+    /// Taking every slot gives what `get` reads, once; a one-gradient bucket's buffer is
+    /// handed over (no copy), and each bucket is freed after its last slot.
+    #[test]
+    fn taken_gradients_match_and_buckets_are_freed() {
+        let pg = ProcessGroup::single();
+        // Caps of 12 bytes: three f32 each, so every bucket holds one 3-element parameter.
+        for (first_cap, cap) in [(12, 12), (12, 36)] {
+            let plan = super::super::plan::test_plan(5, 3, first_cap, cap);
+            let mut sync = HostSync::start(&pg, &DdpConfig::default()).unwrap();
+            let mut s = sync.begin(&plan).unwrap();
+            for slot in [0usize, 1, 3, 4] {
+                s.push(slot, Some(&[slot as f32; 3])).unwrap();
+            }
+            let mut red = s.finish().unwrap();
+            let want: Vec<Option<Vec<f32>>> =
+                (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
+            for slot in 0..5 {
+                let single = plan.buckets[plan.slots[slot].bucket].0.len() == 1;
+                let before = red.get(slot).map(<[f32]>::as_ptr);
+                let got = red.take(slot);
+                assert_eq!(got, want[slot], "slot {slot}");
+                if let (true, Some(v), Some(p)) = (single, &got, before) {
+                    assert_eq!(
+                        v.as_ptr(),
+                        p,
+                        "slot {slot}: the bucket's buffer, not a copy"
+                    );
+                }
+                assert_eq!(red.take(slot), None, "slot {slot} taken twice");
+            }
+            assert!(red.buckets.iter().all(Vec::is_empty), "every bucket freed");
+        }
     }
 
     /// A plain all-reduce issued behind launched buckets comes back in its place on every

@@ -168,7 +168,9 @@ pub struct DdpConfig {
     /// No second copy of the gradients during synchronisation (PyTorch's
     /// `gradient_as_bucket_view`, default off): on the Burn 0.21 line's host-staged
     /// backward, each gradient's memory is released as soon as it is copied into its bucket,
-    /// and a bucket that holds one gradient becomes that gradient again without a copy.
+    /// and a bucket that holds one gradient becomes that gradient again without a copy. (The
+    /// Burn 0.22 line's host-staged sync, after backward, always does so: the option changes
+    /// nothing there.)
     pub gradient_as_bucket_view: bool,
     /// Your own reduction of each host-staged bucket (PyTorch's `register_comm_hook`; `None`,
     /// the default: the built-in one that `compression` or `power_sgd` choose). Exclusive with

@@ -387,11 +387,11 @@ impl DdpSession {
         if let Some(e) = take.error {
             return Err(e);
         }
-        let reduced = step.finish()?;
+        let mut reduced = step.finish()?;
         model.visit(&mut Put::<B> {
             grads: &mut grads,
             plan: &plan,
-            reduced: &reduced,
+            reduced: &mut reduced,
             _b: PhantomData,
         });
         Ok(grads)
@@ -631,7 +631,8 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, '_, B> {
 struct Put<'a, B> {
     grads: &'a mut GradientsParams,
     plan: &'a BucketPlan<ParamId>,
-    reduced: &'a Reduced,
+    /// Taken slot by slot: each bucket freed once its gradients are out.
+    reduced: &'a mut Reduced,
     _b: PhantomData<B>,
 }
 
@@ -641,12 +642,12 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
             .plan
             .by_id
             .get(&param.id)
-            .and_then(|&slot| self.reduced.get(slot))
+            .and_then(|&slot| self.reduced.take(slot))
         else {
             return;
         };
         let p = param.val();
-        let data = TensorData::new(values.to_vec(), p.dims()).convert_dtype(p.dtype());
+        let data = TensorData::new(values, p.dims()).convert_dtype(p.dtype());
         let t = Tensor::<B::InnerBackend, D>::from_data(data, &p.device());
         self.grads.register::<B::InnerBackend, D>(param.id, t);
     }
