@@ -13,7 +13,8 @@
 //! - `memory`: 2 ranks, 16 linear layers of 1024 × 1024 (67 MB of f32 parameters): the peak
 //!   resident memory of a process that trains 3 SGD steps with the default reducer and with
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
-//!   process per run, since a peak only grows).
+//!   process per run, since a peak only grows); with `lines`, the same for the Burn 0.22.1
+//!   line's `GradSync` on Flex against its own unsynchronised steps.
 //!
 //! ```text
 //! cargo bench --bench ddp_step                       # all but `lines`
@@ -145,6 +146,10 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 true,
             )?],
         ),
+        #[cfg(feature = "lines")]
+        "memory-022-local" => report("peak", &[step_model_022::memory_run_022(&pg, false)?]),
+        #[cfg(feature = "lines")]
+        "memory-022-sync" => report("peak", &[step_model_022::memory_run_022(&pg, true)?]),
         other => anyhow::bail!("unknown worker kind {other}"),
     }
     Ok(())
@@ -184,6 +189,11 @@ fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Resul
         };
         model = optim.step(1e-3, model, grads);
     }
+    peak_mib()
+}
+
+/// This process's peak resident memory, in MiB (`VmHWM`).
+fn peak_mib() -> anyhow::Result<f64> {
     let status = std::fs::read_to_string("/proc/self/status")?;
     let kib: f64 = status
         .lines()
@@ -495,7 +505,10 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
         steps: 3,
         rounds: 1,
     };
-    let variants = ["memory-local", "memory-sync", "memory-view"];
+    let mut variants = vec!["memory-local", "memory-sync", "memory-view"];
+    if cfg!(feature = "lines") {
+        variants.extend(["memory-022-local", "memory-022-sync"]);
+    }
     let mut peaks: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
     for round in 0..rounds {
         // Rotate the order so drift in the machine hits every variant alike.
@@ -527,6 +540,14 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
         view / sync,
         (view - local) / (sync - local)
     );
+    if cfg!(feature = "lines") {
+        let (local, sync) = (m("memory-022-local"), m("memory-022-sync"));
+        println!("| Burn 0.22.1 (Flex), no synchronisation | {local:.1} | — |");
+        println!(
+            "| Burn 0.22.1 (Flex), GradSync after backward | {sync:.1} | {:.1} |",
+            sync - local
+        );
+    }
     Ok(())
 }
 

@@ -74,3 +74,41 @@ pub fn time_steps_022(
     }
     times
 }
+
+/// The `memory` model on Burn 0.22.1: 16 linear layers of 1024 × 1024 (67 MB of f32
+/// parameters).
+#[derive(Module, Debug)]
+struct Wide {
+    layers: Vec<Linear>,
+}
+
+/// Trains `Wide` for 3 SGD steps on Flex, with `GradSync` after backward when `sync`, and
+/// returns this process's peak resident memory in MiB (`VmHWM`), as the 0.21 line's
+/// `memory_run`.
+pub fn memory_run_022(pg: &ProcessGroup, sync: bool) -> anyhow::Result<f64> {
+    let device = Device::default().autodiff();
+    let mut grad_sync = GradSync::new(pg.clone(), DdpConfig::default())?;
+    let model = Wide {
+        layers: (0..16)
+            .map(|_| LinearConfig::new(1024, 1024).init(&device))
+            .collect(),
+    };
+    let mut model = grad_sync.prepare(model)?;
+    let mut optim = SgdConfig::new().init();
+    for _ in 0..3 {
+        let x = Tensor::<2>::random([8, 1024], Distribution::Default, &device);
+        let loss = model
+            .layers
+            .iter()
+            .fold(x, |h, l| l.forward(h).tanh())
+            .mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = if sync {
+            grad_sync.sync(&model, grads)?
+        } else {
+            grads
+        };
+        model = optim.step(1e-3, model, grads);
+    }
+    crate::peak_mib()
+}
