@@ -586,11 +586,11 @@ mod tests {
             let mut red = s.finish().unwrap();
             let want: Vec<Option<Vec<f32>>> =
                 (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
-            for slot in 0..5 {
+            for (slot, want) in want.into_iter().enumerate() {
                 let single = plan.buckets[plan.slots[slot].bucket].0.len() == 1;
                 let before = red.get(slot).map(<[f32]>::as_ptr);
                 let got = red.take(slot);
-                assert_eq!(got, want[slot], "slot {slot}");
+                assert_eq!(got, want, "slot {slot}");
                 if let (true, Some(v), Some(p)) = (single, &got, before) {
                     assert_eq!(
                         v.as_ptr(),
