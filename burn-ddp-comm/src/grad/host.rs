@@ -52,8 +52,8 @@ pub struct HostComm {
     outstanding: usize,
     /// Whether the hook reads each bucket's layout.
     wants_layout: bool,
-    /// A bucket's failure taken while waiting for something else: the next
-    /// [`collect`](Self::collect) returns it.
+    /// The first failure among the answers taken since the last [`collect`](Self::collect),
+    /// which returns it.
     failed: Option<DdpError>,
 }
 
@@ -158,21 +158,20 @@ impl HostComm {
     /// [`all_reduce_in_order`](Self::all_reduce_in_order)); [`DdpError::GradSyncTimeout`]
     /// when the thread does not answer in time.
     pub fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
-        let mut first_error = self.failed.take();
         while self.outstanding > 0 {
             match self.next_answer() {
                 Ok(Answer {
                     bucket: Some(bucket),
                     result,
-                }) => self.keep(bucket, result, results, &mut first_error),
+                }) => self.keep(bucket, result, results),
                 Ok(Answer { bucket: None, .. }) => {}
                 Err(e) => {
-                    first_error.get_or_insert(e);
+                    self.failed.get_or_insert(e);
                     break;
                 }
             }
         }
-        match first_error {
+        match self.failed.take() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -204,22 +203,14 @@ impl HostComm {
                 Answer {
                     bucket: Some(bucket),
                     result,
-                } => {
-                    let mut failed = self.failed.take();
-                    self.keep(bucket, result, results, &mut failed);
-                    self.failed = failed;
-                }
+                } => self.keep(bucket, result, results),
             }
         }
     }
 
-    fn keep(
-        &mut self,
-        bucket: usize,
-        result: Result<Vec<f32>>,
-        results: &mut [Option<Vec<f32>>],
-        first_error: &mut Option<DdpError>,
-    ) {
+    /// A bucket's answer: its values into `results`, its failure kept for `collect` (the first
+    /// one wins).
+    fn keep(&mut self, bucket: usize, result: Result<Vec<f32>>, results: &mut [Option<Vec<f32>>]) {
         self.outstanding = self.outstanding.saturating_sub(1);
         match result {
             Ok(v) => {
@@ -228,7 +219,7 @@ impl HostComm {
                 }
             }
             Err(e) => {
-                first_error.get_or_insert(e);
+                self.failed.get_or_insert(e);
             }
         }
     }
@@ -288,9 +279,7 @@ impl HostSync {
     /// What an earlier, abandoned step's buckets still failed with (the step before this one
     /// never finished).
     pub fn begin<'a, K>(&'a mut self, plan: &'a BucketPlan<K>) -> Result<HostStep<'a, K>> {
-        if self.comm.outstanding() > 0 {
-            self.comm.collect(&mut [])?;
-        }
+        self.comm.collect(&mut [])?;
         let buckets = (0..plan.buckets.len())
             .map(|b| Some(vec![0.0f32; plan.buffer_len(b)]))
             .collect();

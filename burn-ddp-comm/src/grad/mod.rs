@@ -281,7 +281,9 @@ impl DdpConfig {
     /// Checks the options.
     ///
     /// # Errors
-    /// [`DdpError::InvalidConfig`] for a bucket cap below one f32.
+    /// [`DdpError::InvalidConfig`] for a bucket cap below one f32; for a communication hook or
+    /// PowerSGD beside each other, beside fp16/bf16 compression, or on `GradTransport::Nccl`;
+    /// PowerSGD's own settings out of range.
     pub fn validate(&self) -> Result<()> {
         if self.bucket_cap_bytes < 4 || self.first_bucket_cap_bytes < 4 {
             return Err(DdpError::InvalidConfig {
@@ -289,43 +291,43 @@ impl DdpConfig {
                 reason: "a bucket must hold at least one f32 gradient (4 bytes)",
             });
         }
-        if self.comm_hook.is_some() {
-            let clash = if self.power_sgd.is_some() {
-                Some("a communication hook and PowerSGD cannot be combined: choose one")
-            } else if self.compression != Compression::None {
-                Some(
-                    "a communication hook and fp16/bf16 compression cannot be combined: cast \
-                     inside the hook",
-                )
+        // A user's hook and PowerSGD reduce host-staged buckets themselves: one of them at a
+        // time, without fp16/bf16 (the built-in hook they replace), never on NCCL's buckets.
+        let host_hook = if self.comm_hook.is_some() {
+            if self.power_sgd.is_some() {
+                return Err(DdpError::InvalidConfig {
+                    field: "DdpConfig::comm_hook",
+                    reason: "a communication hook and PowerSGD cannot be combined: choose one",
+                });
+            }
+            Some((
+                "DdpConfig::comm_hook",
+                "a communication hook and fp16/bf16 compression cannot be combined: cast inside \
+                 the hook",
+                "a communication hook runs on host-staged buckets: use GradTransport::Host or \
+                 Auto with it, not Nccl",
+            ))
+        } else if let Some(p) = &self.power_sgd {
+            p.validate()?;
+            Some((
+                "DdpConfig::power_sgd",
+                "PowerSGD and fp16/bf16 compression cannot be combined: choose one",
+                "PowerSGD runs on host-staged buckets: use GradTransport::Host or Auto with it, \
+                 not Nccl",
+            ))
+        } else {
+            None
+        };
+        if let Some((field, with_compression, with_nccl)) = host_hook {
+            let reason = if self.compression != Compression::None {
+                Some(with_compression)
             } else if self.transport == GradTransport::Nccl {
-                Some(
-                    "a communication hook runs on host-staged buckets: use GradTransport::Host \
-                     or Auto with it, not Nccl",
-                )
+                Some(with_nccl)
             } else {
                 None
             };
-            if let Some(reason) = clash {
-                return Err(DdpError::InvalidConfig {
-                    field: "DdpConfig::comm_hook",
-                    reason,
-                });
-            }
-        }
-        if let Some(p) = &self.power_sgd {
-            p.validate()?;
-            if self.compression != Compression::None {
-                return Err(DdpError::InvalidConfig {
-                    field: "DdpConfig::power_sgd",
-                    reason: "PowerSGD and fp16/bf16 compression cannot be combined: choose one",
-                });
-            }
-            if self.transport == GradTransport::Nccl {
-                return Err(DdpError::InvalidConfig {
-                    field: "DdpConfig::power_sgd",
-                    reason: "PowerSGD runs on host-staged buckets: use GradTransport::Host or \
-                             Auto with it, not Nccl",
-                });
+            if let Some(reason) = reason {
+                return Err(DdpError::InvalidConfig { field, reason });
             }
         }
         Ok(())

@@ -190,9 +190,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
     }
 
     fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>> {
-        // Running statistics' pending updates folded in first (`into_record` syncs them, on a
-        // clone that shares them).
-        drop(self.model.clone().into_record());
+        // `into_record` folds running statistics' pending updates in (on a clone that shares
+        // them), so the record sent is current.
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         Recorder::<B>::record(&recorder, self.model.clone().into_record(), ()).map_err(|e| {
             DdpError::Model {
