@@ -103,7 +103,7 @@ impl Pipeline {
                     let x = match (&batch, plan.prev) {
                         (Some(b), _) => b.clone().narrow(0, r.start, r.len()),
                         (_, Some(p)) => {
-                            let a = self.plan.recv(p, i, false, DI, elem_size)?;
+                            let a = self.plan.recv(p, i, false, DI)?;
                             tensor::<DI>(rank, a, device)?
                         }
                         (None, None) => return Err(self.plan.out_of_order()),
@@ -134,7 +134,7 @@ impl Pipeline {
                             l
                         }
                         Some(n) => {
-                            let a = self.plan.recv(n, i, true, DO, elem_size)?;
+                            let a = self.plan.recv(n, i, true, DO)?;
                             (y * tensor::<DO>(rank, a, device)?).sum()
                         }
                     };
@@ -188,28 +188,13 @@ fn track<const D: usize>(x: &Tensor<D>, grad: bool) -> Tensor<D> {
     }
 }
 
-/// Burn 0.22's element type as the wire's float name.
-fn float_name(dtype: BurnDType) -> Option<&'static str> {
-    Some(match dtype {
-        BurnDType::F64 => "f64",
-        BurnDType::F32 => "f32",
-        BurnDType::F16 => "f16",
-        BurnDType::BF16 => "bf16",
-        _ => return None,
-    })
-}
-
+/// Burn's float element type of wire code `code` (by Burn's own names, `DType::name`).
 fn dtype_of(code: u8) -> BurnDType {
-    match core::float_of(code).map(|(name, _)| name) {
-        Some("f64") => BurnDType::F64,
-        Some("f16") => BurnDType::F16,
-        Some("bf16") => BurnDType::BF16,
-        _ => BurnDType::F32,
-    }
-}
-
-fn elem_size(code: u8) -> Option<usize> {
-    core::float_of(code).map(|(_, size)| size)
+    let name = core::float_of(code).map(|(name, _)| name);
+    [BurnDType::F64, BurnDType::F16, BurnDType::BF16]
+        .into_iter()
+        .find(|d| Some(d.name()) == name)
+        .unwrap_or(BurnDType::F32)
 }
 
 fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
@@ -221,18 +206,16 @@ fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {
     let data = t
         .try_into_data()
         .map_err(|e| model_error(rank, what, e.to_string()))?;
-    let dtype = float_name(data.dtype())
-        .and_then(core::float_code)
-        .ok_or_else(|| {
-            model_error(
-                rank,
-                what,
-                format!(
-                    "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
-                    data.dtype()
-                ),
-            )
-        })?;
+    let dtype = core::float_code(data.dtype().name()).ok_or_else(|| {
+        model_error(
+            rank,
+            what,
+            format!(
+                "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
+                data.dtype()
+            ),
+        )
+    })?;
     Ok(Activation {
         shape: data.shape().as_slice().to_vec(),
         dtype,

@@ -375,18 +375,11 @@ impl StagePlan {
     }
 
     /// Receives micro-batch `i`'s activation (or its gradient) from `from`, checked to have `dims`
-    /// dimensions and as many bytes as its shape and `elem_size` need.
+    /// dimensions and as many bytes as its shape and element type need.
     ///
     /// # Errors
     /// As [`ProcessGroup::recv_bytes`]; [`DdpError::Model`] for a malformed message.
-    pub fn recv(
-        &self,
-        from: Rank,
-        i: usize,
-        gradient: bool,
-        dims: usize,
-        elem_size: impl Fn(u8) -> Option<usize>,
-    ) -> Result<Activation> {
+    pub fn recv(&self, from: Rank, i: usize, gradient: bool, dims: usize) -> Result<Activation> {
         let tag = if gradient {
             gradient_tag(i)
         } else {
@@ -400,7 +393,8 @@ impl StagePlan {
         };
         let a = Activation::decode(msg)
             .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;
-        let size = elem_size(a.dtype)
+        let size = float_of(a.dtype)
+            .map(|(_, size)| size)
             .ok_or_else(|| bad(format!("unknown element type code {}", a.dtype)))?;
         if a.shape.len() != dims {
             return Err(bad(format!(

@@ -15,13 +15,13 @@ use burn::train::{
     LearnerModel, LearningCheckpointer, SupervisedTrainingEventProcessor, TrainLoader,
     TrainingComponents, ValidLoader,
 };
-use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover, SplitAt};
-use burn_ddp_comm::train::vote::{self, Split, Vote};
+use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
+use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
 use burn_ddp_comm::Recovery;
 
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
-use crate::{DdpError, GradSync, ProcessGroup, ReduceOp, Result};
+use crate::{GradSync, ProcessGroup, ReduceOp, Result};
 
 /// One run of [`DdpStrategy`]'s `fit`: the Learner, its loaders and its components.
 pub(super) struct Run<'s, M: LearnerModel> {
@@ -77,6 +77,10 @@ where
         self.strategy.group()
     }
 
+    fn failure(&self) -> &FailureSlot {
+        &self.strategy.state.failure
+    }
+
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
         let loader = match loader_at(self.strategy, &self.train, cursor, fault_tolerant) {
@@ -109,7 +113,6 @@ where
                 interrupter,
                 total: totals.map(|t| t[0]),
                 base: if fault_tolerant { cursor.done } else { 0 },
-                fault_tolerant,
             },
             learner,
             sync,
@@ -120,13 +123,9 @@ where
             item: None,
             out: None,
         };
-        let at = SplitAt::new(
-            strategy.group(),
-            &strategy.state.failure,
-            Split::Training,
-            cursor,
-            fault_tolerant,
-        );
+        let at = strategy
+            .state
+            .split_at(Split::Training, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
         drop(split);
         interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
@@ -156,20 +155,15 @@ where
                 interrupter: &self.interrupter,
                 total: self.totals.map(|t| t[1]),
                 base: if fault_tolerant { cursor.done } else { 0 },
-                fault_tolerant,
             },
             model: self.learner.model().valid(),
             iter: loader.iter(),
             item: None,
             out: None,
         };
-        let at = SplitAt::new(
-            strategy.group(),
-            &strategy.state.failure,
-            Split::Validation,
-            cursor,
-            fault_tolerant,
-        );
+        let at = strategy
+            .state
+            .split_at(Split::Validation, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
         drop(split);
         let p = &mut self.processor;
@@ -180,44 +174,29 @@ where
         ended
     }
 
-    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
-        let mut vote = Vote::Item;
-        if self.strategy.is_main() {
-            if self.checkpointer.is_some() || self.early_stopping.is_some() {
-                // The metrics of this epoch, for the checkpointing strategy and the early stop.
-                self.interrupter.fail_on_error(self.processor.flush());
-            }
-            if let Some(c) = &mut self.checkpointer {
-                c.checkpoint(&self.learner, epoch, &self.store);
-            }
-            if let Some(es) = &mut self.early_stopping {
-                if es.should_stop(epoch, &self.store) {
-                    vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
-                }
-            }
+    fn main_epoch_end(&mut self, epoch: usize) -> bool {
+        if self.checkpointer.is_some() || self.early_stopping.is_some() {
+            // The metrics of this epoch, for the checkpointing strategy and the early stop.
+            self.interrupter.fail_on_error(self.processor.flush());
         }
-        if self.interrupter.should_stop() {
-            vote = interrupted(&self.interrupter);
+        if let Some(c) = &mut self.checkpointer {
+            c.checkpoint(&self.learner, epoch, &self.store);
         }
-        let interrupter = &self.interrupter;
-        epoch::end_epoch(
-            self.strategy.group(),
-            &vote,
-            &self.strategy.state.failure,
-            fault_tolerant,
-            |m| interrupter.stop(Some(m)),
-        )
+        (self.early_stopping.as_mut()).is_some_and(|es| es.should_stop(epoch, &self.store))
+    }
+
+    fn interrupted(&self) -> Option<Vote> {
+        self.interrupter
+            .should_stop()
+            .then(|| interrupted(&self.interrupter))
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.interrupter.stop(Some(message));
     }
 
     fn validated(&mut self, epoch: usize) {
         self.strategy.state.completed(epoch);
-    }
-
-    fn stop_with(&mut self, e: DdpError) {
-        let interrupter = &self.interrupter;
-        vote::stop_with(e, &self.strategy.state.failure, |m| {
-            interrupter.stop(Some(m))
-        });
     }
 }
 

@@ -11,7 +11,7 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
 use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, Stepped};
-use burn_ddp_comm::train::vote::{panic_text, Vote};
+use burn_ddp_comm::train::vote::{self, panic_text, Vote};
 
 use super::{item, DdpStrategy, DistributedItem};
 use crate::{GradSync, Result};
@@ -50,14 +50,8 @@ fn next_batch<I>(
 /// The vote of a rank whose interrupter was set: a failure if it holds an error (Burn's
 /// checkpointer and event processor report theirs there), else a stop with its message.
 pub(super) fn interrupted(interrupter: &Interrupter) -> Vote {
-    match interrupter.error() {
-        Some(e) => Vote::Failed(e.to_string()),
-        None => Vote::Stop(
-            interrupter
-                .get_message()
-                .unwrap_or_else(|| "interrupted".into()),
-        ),
-    }
+    let failed = interrupter.error().map(|e| e.to_string());
+    vote::interrupted(failed, interrupter.get_message())
 }
 
 /// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
@@ -93,8 +87,6 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
     pub(super) total: Option<usize>,
     /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
     pub(super) base: u64,
-    /// Whether the job is fault-tolerant.
-    pub(super) fault_tolerant: bool,
 }
 
 impl<M: LearnerModel> SplitParts<'_, M> {
@@ -160,10 +152,6 @@ where
                 Stepped::Moved
             }
         };
-        if stepped == Stepped::Moved && self.parts.fault_tolerant {
-            let ddp = self.parts.strategy;
-            ddp.state.changes.stepped(ddp.is_main());
-        }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)
     }

@@ -9,8 +9,8 @@
 //!   the split. Its training split holds burn-train's learner, loader, gradient accumulation and
 //!   event processor; its validation split the model in inference mode.
 //! - [`EpochDriver`] for the run ([`fit`]): start each split (a [`SplitSteps`] passed to
-//!   [`run_split`]), the end of an epoch (rank 0's checkpoint and early stop, then
-//!   [`end_epoch`]);
+//!   [`run_split`]), rank 0's checkpoint and early stop at the end of an epoch, the Learner's
+//!   interrupter (the vote at the end of an epoch, [`end_epoch`], is the trait's own);
 //! - [`Handover`], for a fault-tolerant job ([`fit_fault_tolerant`]): the Learner's state as
 //!   bytes and the model prepared anew after a change of membership.
 //!
@@ -28,7 +28,7 @@ use super::board::MembershipBoard;
 use super::vote::{self, Aside, FailureSlot, Flow, Split, Turn, Vote};
 use crate::data::DataEpoch;
 use crate::group::handover::{frame, move_state, unframe};
-use crate::{DdpError, ProcessGroup, Recovery, Result};
+use crate::{DdpError, ProcessGroup, Rank, Recovery, Result};
 
 /// The part of an epoch training is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -254,26 +254,9 @@ pub struct SplitAt<'a> {
     /// on with every step, and ends with a change of membership when the group fails or a
     /// process asks to join. `None` elsewhere: a failure stops training.
     pub cursor: Option<&'a mut Cursor>,
-}
-
-impl<'a> SplitAt<'a> {
-    /// The split `split` of `cursor`'s epoch on `pg`, recording a failure in `failure`; the
-    /// cursor moves with the steps in a fault-tolerant job (`fault_tolerant`).
-    pub fn new(
-        pg: &'a ProcessGroup,
-        failure: &'a FailureSlot,
-        split: Split,
-        cursor: &'a mut Cursor,
-        fault_tolerant: bool,
-    ) -> Self {
-        Self {
-            pg,
-            split,
-            epoch: cursor.epoch,
-            failure,
-            cursor: fault_tolerant.then_some(cursor),
-        }
-    }
+    /// In a fault-tolerant job, the changes of membership: the first optimizer step after one
+    /// is reported ([`ChangeLog::stepped`]).
+    pub changes: Option<&'a ChangeLog>,
 }
 
 /// What a step's fault does: a change of membership in a fault-tolerant job when it is a
@@ -339,6 +322,9 @@ pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> 
         let mut moved = stepped == Stepped::Moved;
         if at.split == Split::Training && moved {
             step_cursor(at.cursor.as_deref_mut(), &mut pending, iteration);
+            if let Some(changes) = at.changes {
+                changes.stepped(at.pg.rank() == Rank::ZERO);
+            }
             moved = false;
         }
         if let Err(e) = steps.report() {
@@ -410,9 +396,17 @@ pub fn last_vote(
 }
 
 /// A Burn line's Learner strategy as [`fit`] drives it.
+///
+/// A line implements the splits ([`train`](Self::train), [`valid`](Self::valid): a
+/// [`SplitSteps`] passed to [`run_split`]), rank 0's part of the end of an epoch and its
+/// Learner's interrupter; the end of an epoch's vote and a stop on an error are the core's
+/// (the provided methods).
 pub trait EpochDriver {
     /// The group training runs on.
     fn group(&self) -> &ProcessGroup;
+
+    /// Where this rank's first failure is kept (the strategy's, read when training returns).
+    fn failure(&self) -> &FailureSlot;
 
     /// The training split of `cursor`'s epoch: `run_split` over the line's [`SplitSteps`],
     /// passing `cursor` on in a fault-tolerant job.
@@ -421,14 +415,39 @@ pub trait EpochDriver {
     /// The validation split, as [`train`](Self::train).
     fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended;
 
-    /// The end of `epoch`: rank 0's checkpoint and early stop, then [`end_epoch`].
-    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended;
+    /// Rank 0's part of the end of `epoch` (called there only): the Learner's checkpoint,
+    /// then whether its early-stopping strategy says to stop.
+    fn main_epoch_end(&mut self, epoch: usize) -> bool;
+
+    /// This rank's vote when its Learner was interrupted (a quit in the dashboard, an error it
+    /// holds: [`vote::interrupted`]); None when it was not.
+    fn interrupted(&self) -> Option<Vote>;
+
+    /// Tells this rank's Learner to stop, with `message` (burn-train's interrupter).
+    fn interrupt(&self, message: &str);
 
     /// `epoch`'s validation is done (the run's summary counts the epochs completed).
     fn validated(&mut self, epoch: usize);
 
+    /// The end of `epoch`: rank 0's part ([`main_epoch_end`](Self::main_epoch_end)), then
+    /// every rank's vote ([`end_epoch`]).
+    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
+        let mut vote = Vote::Item;
+        if self.group().rank() == Rank::ZERO && self.main_epoch_end(epoch) {
+            vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+        }
+        if let Some(v) = self.interrupted() {
+            vote = v;
+        }
+        end_epoch(self.group(), &vote, self.failure(), fault_tolerant, |m| {
+            self.interrupt(m);
+        })
+    }
+
     /// Training stops on this rank because of `e` (a change of membership that failed).
-    fn stop_with(&mut self, e: DdpError);
+    fn stop_with(&mut self, e: DdpError) {
+        vote::stop_with(e, self.failure(), |m| self.interrupt(m));
+    }
 }
 
 /// What a Burn line's Learner strategy adds to [`EpochDriver`] for a fault-tolerant job

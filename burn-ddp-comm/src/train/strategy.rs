@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::board::MembershipBoard;
-use super::epoch::{self, ChangeLog, Cursor, Handover};
+use super::epoch::{self, ChangeLog, Cursor, Handover, SplitAt};
 use super::files::{self, RecordFiles};
 use super::run::{self, RunSettings};
-use super::vote::{FailureSlot, Vote};
+use super::vote::{FailureSlot, Split, Vote};
 use crate::data::DataEpoch;
 use crate::{ProcessGroup, Rank, Recovery, Result};
 
@@ -88,6 +88,26 @@ impl StrategyState {
     /// Whether this is rank 0, which shows the dashboard, writes the metrics and checkpoints.
     pub fn is_main(&self) -> bool {
         self.rank() == Rank::ZERO
+    }
+
+    /// Where the split `split` of `cursor`'s epoch runs ([`epoch::run_split`]): on this
+    /// group, recording a failure in [`failure`](Self::failure); in a fault-tolerant job
+    /// (`fault_tolerant`) the cursor moves with the steps and the first step after a change
+    /// of membership is reported.
+    pub fn split_at<'a>(
+        &'a self,
+        split: Split,
+        cursor: &'a mut Cursor,
+        fault_tolerant: bool,
+    ) -> SplitAt<'a> {
+        SplitAt {
+            pg: &self.pg,
+            split,
+            epoch: cursor.epoch,
+            failure: &self.failure,
+            cursor: fault_tolerant.then_some(cursor),
+            changes: fault_tolerant.then_some(&self.changes),
+        }
     }
 
     /// Whether training resumes from the newest complete checkpoint: when asked to, and

@@ -306,6 +306,16 @@ pub fn apply_decision(
     }
 }
 
+/// The vote of a rank whose Learner was interrupted: a failure when it holds one (`failed`: an
+/// error its interrupter holds, a checkpoint that could not be written), else a stop with the
+/// interrupter's `message`.
+pub fn interrupted(failed: Option<String>, message: Option<String>) -> Vote {
+    match failed {
+        Some(e) => Vote::Failed(e),
+        None => Vote::Stop(message.unwrap_or_else(|| "interrupted".into())),
+    }
+}
+
 /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
 pub fn stop_with(e: DdpError, failure: &FailureSlot, interrupt: impl FnOnce(&str)) -> Flow {
     interrupt(&e.to_string());

@@ -44,7 +44,7 @@ use crate::comm::{DType, ReduceOp};
 use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
-use burn_ddp_comm::cuda::{check_elements, check_span, NcclComm};
+use burn_ddp_comm::cuda::{check_bucket_span, check_bucket_tensor, NcclComm};
 use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -124,19 +124,15 @@ fn pin(
     (dtype, burn_dtype): (DType, BurnDType),
     what: &str,
 ) -> Result<(u64, Pinned)> {
-    if !cube.is_contiguous() {
-        return Err(DdpError::bucket_layout(
-            rank,
-            format!("the {what} is not contiguous"),
-        ));
-    }
-    check_elements(
-        cube.meta.shape().num_elements(),
-        cube.dtype,
-        count,
-        burn_dtype,
-    )
-    .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
+    let numel = cube.meta.shape().num_elements();
+    let contiguous = cube.is_contiguous();
+    check_bucket_tensor(
+        rank,
+        what,
+        contiguous,
+        (numel, cube.dtype),
+        (count, burn_dtype),
+    )?;
     let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
         DdpError::bucket_layout(
             rank,
@@ -144,8 +140,7 @@ fn pin(
         )
     })?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    check_span(bytes, count, dtype)
-        .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))?;
+    check_bucket_span(rank, what, bytes, count, dtype)?;
     Ok((
         ptr,
         Pinned {

@@ -18,12 +18,12 @@ use burn::train::{
     TrainingComponents, TrainingModel, ValidLoader,
 };
 use burn_backend::BackendTypes;
-use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover, SplitAt};
-use burn_ddp_comm::train::vote::{self, Split, Vote};
+use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
+use burn_ddp_comm::train::vote::{FailureSlot, Split, Vote};
 
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
-use crate::{Ddp, DdpError, DdpModule, ProcessGroup, Recovery, Result};
+use crate::{Ddp, DdpModule, ProcessGroup, Recovery, Result};
 
 /// One run of [`DdpStrategy::fit_from`]: the Learner, its loaders and its components.
 struct Run<'s, B: Backend, LC: LearningComponentsTypes> {
@@ -41,22 +41,6 @@ struct Run<'s, B: Backend, LC: LearningComponentsTypes> {
     /// Whether this rank's dashboard was started (rank 0's was; a rank that becomes rank 0
     /// starts its own).
     shown: bool,
-}
-
-impl<B, LC> Run<'_, B, LC>
-where
-    B: Backend,
-    LC: LearningComponentsTypes,
-    LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
-{
-    /// Training stops on this rank because of `e`.
-    fn stopped(&mut self, e: DdpError) -> Ended {
-        let interrupter = &self.interrupter;
-        vote::stop_with(e, &self.strategy.state.failure, |m| {
-            interrupter.stop(Some(m))
-        });
-        Ended::Stop
-    }
 }
 
 /// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
@@ -87,11 +71,18 @@ where
         self.strategy.session.group()
     }
 
+    fn failure(&self) -> &FailureSlot {
+        &self.strategy.state.failure
+    }
+
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let ddp = self.strategy;
         let loader = match loader_at(ddp, &self.train, cursor, fault_tolerant) {
             Ok(loader) => loader,
-            Err(e) => return self.stopped(e),
+            Err(e) => {
+                self.stop_with(e);
+                return Ended::Stop;
+            }
         };
         let Run {
             learner,
@@ -111,14 +102,7 @@ where
             item: None,
             out: None,
         };
-        let failure = &ddp.state.failure;
-        let at = SplitAt::new(
-            ddp.session.group(),
-            failure,
-            Split::Training,
-            cursor,
-            fault_tolerant,
-        );
+        let at = ddp.state.split_at(Split::Training, cursor, fault_tolerant);
         epoch::run_split(&mut split, at)
     }
 
@@ -126,7 +110,10 @@ where
         let ddp = self.strategy;
         let loader = match loader_at(ddp, &self.valid, cursor, fault_tolerant) {
             Ok(loader) => loader,
-            Err(e) => return self.stopped(e),
+            Err(e) => {
+                self.stop_with(e);
+                return Ended::Stop;
+            }
         };
         let epochs = self.epochs;
         let mut split: ValidSplit<'_, B, LC> = ValidSplit {
@@ -143,51 +130,30 @@ where
             item: None,
             out: None,
         };
-        let failure = &ddp.state.failure;
-        let at = SplitAt::new(
-            ddp.session.group(),
-            failure,
-            Split::Validation,
-            cursor,
-            fault_tolerant,
-        );
+        let at = ddp
+            .state
+            .split_at(Split::Validation, cursor, fault_tolerant);
         epoch::run_split(&mut split, at)
     }
 
-    fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
-        let mut vote = Vote::Item;
-        if self.strategy.is_main() {
-            if let Some(c) = &mut self.checkpointer {
-                c.checkpoint(&self.learner, epoch, &self.store);
-            }
-            if let Some(es) = &mut self.early_stopping {
-                if es.should_stop(epoch, &self.store) {
-                    vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
-                }
-            }
+    fn main_epoch_end(&mut self, epoch: usize) -> bool {
+        if let Some(c) = &mut self.checkpointer {
+            c.checkpoint(&self.learner, epoch, &self.store);
         }
-        if self.interrupter.should_stop() {
-            vote = interrupted(&self.interrupter, &self.strategy.state.written);
-        }
-        let interrupter = &self.interrupter;
-        epoch::end_epoch(
-            self.strategy.session.group(),
-            &vote,
-            &self.strategy.state.failure,
-            fault_tolerant,
-            |m| interrupter.stop(Some(m)),
-        )
+        (self.early_stopping.as_mut()).is_some_and(|es| es.should_stop(epoch, &self.store))
+    }
+
+    fn interrupted(&self) -> Option<Vote> {
+        let written = &self.strategy.state.written;
+        (self.interrupter.should_stop()).then(|| interrupted(&self.interrupter, written))
+    }
+
+    fn interrupt(&self, message: &str) {
+        self.interrupter.stop(Some(message));
     }
 
     fn validated(&mut self, epoch: usize) {
         self.strategy.state.completed(epoch);
-    }
-
-    fn stop_with(&mut self, e: DdpError) {
-        let interrupter = &self.interrupter;
-        vote::stop_with(e, &self.strategy.state.failure, |m| {
-            interrupter.stop(Some(m))
-        });
     }
 }
 

@@ -14,7 +14,7 @@ use burn::train::{
 };
 use burn_backend::BackendTypes;
 use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, Stepped};
-use burn_ddp_comm::train::vote::{panic_text, FailureSlot, Vote};
+use burn_ddp_comm::train::vote::{self, panic_text, FailureSlot, Vote};
 
 use super::{item, DdpStrategy, DistributedItem};
 use crate::{Ddp, Result};
@@ -56,14 +56,7 @@ fn next_batch<I>(
 /// The vote of a rank whose interrupter was set: a failure if a checkpoint could not be written
 /// (Burn's checkpointer reports it as a stop), else a stop with the interrupter's message.
 pub(super) fn interrupted(interrupter: &Interrupter, written: &FailureSlot) -> Vote {
-    match written.message() {
-        Some(e) => Vote::Failed(e),
-        None => Vote::Stop(
-            interrupter
-                .get_message()
-                .unwrap_or_else(|| "interrupted".into()),
-        ),
-    }
+    vote::interrupted(written.message(), interrupter.get_message())
 }
 
 /// The batch `iter` gives next, and the positions of the split's order it used.
@@ -108,8 +101,6 @@ pub(super) struct SplitParts<'r, B: Backend, LC: LearningComponentsTypes> {
     global: Progress,
     /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
     base: u64,
-    /// Whether the job is fault-tolerant.
-    fault_tolerant: bool,
 }
 
 impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
@@ -131,7 +122,6 @@ impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
                 items_total: epochs,
             },
             base: if fault_tolerant { cursor.done } else { 0 },
-            fault_tolerant,
         }
     }
 }
@@ -209,9 +199,6 @@ where
                 Stepped::Moved
             }
         };
-        if stepped == Stepped::Moved && self.parts.fault_tolerant {
-            ddp.state.changes.stepped(ddp.is_main());
-        }
         self.out = Some((out.item, progress, iteration));
         Ok(stepped)
     }

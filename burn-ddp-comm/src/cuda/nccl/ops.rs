@@ -85,7 +85,7 @@ pub(crate) fn nccl_op(
 
 /// Checks that a tensor of `numel` elements of type `got` (the Burn line's dtype) is a bucket
 /// of `count` elements of type `want`; the message says what differs.
-pub fn check_elements<T: PartialEq + fmt::Debug>(
+pub(crate) fn check_elements<T: PartialEq + fmt::Debug>(
     numel: usize,
     got: T,
     count: usize,
@@ -103,7 +103,11 @@ pub fn check_elements<T: PartialEq + fmt::Debug>(
 /// Checks that a device buffer of `bytes` bytes holds a bucket of `count` elements of `dtype`
 /// (what the device paths check before handing a pointer to NCCL); the message says what does
 /// not fit.
-pub fn check_span(bytes: u64, count: usize, dtype: DType) -> std::result::Result<(), String> {
+pub(crate) fn check_span(
+    bytes: u64,
+    count: usize,
+    dtype: DType,
+) -> std::result::Result<(), String> {
     let need = count as u64 * dtype.size() as u64;
     if bytes >= need {
         Ok(())
@@ -112,6 +116,45 @@ pub fn check_span(bytes: u64, count: usize, dtype: DType) -> std::result::Result
             "the bucket's device buffer has {bytes} bytes but {count} x {dtype} need {need}"
         ))
     }
+}
+
+/// What a device path checks of a bucket's tensor before it takes its device pointer: that
+/// it is contiguous and holds `count` elements of the line's dtype `want` (`numel` elements of
+/// `got`). The error names `what` (the bucket's input or output) and what differs.
+///
+/// # Errors
+/// [`DdpError::Model`] ([`DdpError::bucket_layout`]) for this `rank`.
+pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
+    rank: Rank,
+    what: &str,
+    contiguous: bool,
+    (numel, got): (usize, T),
+    (count, want): (usize, T),
+) -> Result<()> {
+    if !contiguous {
+        return Err(DdpError::bucket_layout(
+            rank,
+            format!("the {what} is not contiguous"),
+        ));
+    }
+    check_elements(numel, got, count, want)
+        .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))
+}
+
+/// What a device path checks of the allocation behind a bucket's tensor: `bytes` hold `count`
+/// elements of `dtype` ([`check_bucket_tensor`] for the tensor itself).
+///
+/// # Errors
+/// [`DdpError::Model`] ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
+pub fn check_bucket_span(
+    rank: Rank,
+    what: &str,
+    bytes: u64,
+    count: usize,
+    dtype: DType,
+) -> Result<()> {
+    check_span(bytes, count, dtype)
+        .map_err(|m| DdpError::bucket_layout(rank, format!("the {what}: {m}")))
 }
 
 impl NcclComm {

@@ -121,6 +121,7 @@ fn on_ranks(
                         epoch: 1,
                         failure: &failure,
                         cursor: None,
+                        changes: None,
                     };
                     let ended = format!("{:?}", run_split(&mut steps, at));
                     (ended, steps.log(), failure.take())
@@ -202,6 +203,7 @@ fn a_stop_vote_stops_every_rank_before_the_step() {
         epoch: 1,
         failure: &failure,
         cursor: None,
+        changes: None,
     };
     assert!(matches!(run_split(&mut steps, at), Ended::Stop));
     assert_eq!(steps.0.log(), ["interrupt: rank 0: early stopping"]);
@@ -229,6 +231,7 @@ fn the_cursor_counts_optimizer_steps_and_the_positions_they_used() {
         epoch: 1,
         failure: &failure,
         cursor: Some(&mut cursor),
+        changes: None,
     };
     assert!(matches!(run_split(&mut steps, at), Ended::Done));
     // Five micro-steps from iteration 3 (the cursor's): optimizer steps at 4 and 6; the last
@@ -246,7 +249,7 @@ struct Driver {
     failure: FailureSlot,
     batches: usize,
     stop_after: Option<usize>,
-    log: Vec<String>,
+    log: RefCell<Vec<String>>,
 }
 
 impl Driver {
@@ -258,9 +261,11 @@ impl Driver {
             epoch: cursor.epoch,
             failure: &self.failure,
             cursor: ft.then_some(cursor),
+            changes: None,
         };
         let ended = run_split(&mut steps, at);
         self.log
+            .borrow_mut()
             .push(format!("{split:?} {}", steps.log().join(", ")));
         ended
     }
@@ -270,30 +275,27 @@ impl EpochDriver for Driver {
     fn group(&self) -> &ProcessGroup {
         &self.pg
     }
+    fn failure(&self) -> &FailureSlot {
+        &self.failure
+    }
     fn train(&mut self, cursor: &mut Cursor, ft: bool) -> Ended {
         self.split(Split::Training, cursor, ft)
     }
     fn valid(&mut self, cursor: &mut Cursor, ft: bool) -> Ended {
         self.split(Split::Validation, cursor, ft)
     }
-    fn end_epoch(&mut self, epoch: usize, ft: bool) -> Ended {
-        let vote = match self.stop_after {
-            Some(e) if e == epoch => Vote::Stop(format!("early stopping after epoch {epoch}")),
-            _ => Vote::Item,
-        };
-        self.log.push(format!("end {epoch}"));
-        let log = RefCell::new(Vec::new());
-        let ended = end_epoch(&self.pg, &vote, &self.failure, ft, |m| {
-            log.borrow_mut().push(m.to_owned());
-        });
-        self.log.extend(log.into_inner());
-        ended
+    fn main_epoch_end(&mut self, epoch: usize) -> bool {
+        self.log.borrow_mut().push(format!("end {epoch}"));
+        self.stop_after == Some(epoch)
+    }
+    fn interrupted(&self) -> Option<Vote> {
+        None
+    }
+    fn interrupt(&self, message: &str) {
+        self.log.borrow_mut().push(message.to_owned());
     }
     fn validated(&mut self, epoch: usize) {
-        self.log.push(format!("validated {epoch}"));
-    }
-    fn stop_with(&mut self, e: DdpError) {
-        self.log.push(format!("stop: {e}"));
+        self.log.borrow_mut().push(format!("validated {epoch}"));
     }
 }
 
@@ -307,7 +309,7 @@ fn driver(batches: usize, stop_after: Option<usize>) -> Driver {
         failure: FailureSlot::default(),
         batches,
         stop_after,
-        log: Vec::new(),
+        log: RefCell::default(),
     }
 }
 
@@ -316,7 +318,7 @@ fn fit_runs_every_phase_of_every_epoch_from_the_start_epoch() {
     let mut d = driver(1, None);
     let end = fit(&mut d, 2, 3);
     assert_eq!(
-        d.log,
+        *d.log.borrow(),
         [
             "Training step 1, finish",
             "Validation step 1, finish",
@@ -336,7 +338,7 @@ fn fit_ends_where_the_epoch_vote_says_stop() {
     let mut d = driver(0, Some(1));
     let end = fit(&mut d, 1, 5);
     assert_eq!(
-        d.log,
+        *d.log.borrow(),
         [
             "Training finish",
             "Validation finish",
