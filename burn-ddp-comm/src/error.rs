@@ -734,25 +734,6 @@ pub enum DdpError {
         reason: String,
     },
 
-    /// The bandwidth tool's own TCP link (rank 0 to rank 1, for the single-stream reference)
-    /// failed or passed its deadline.
-    #[error("[rank {rank}] the bandwidth tool's reference link between ranks 0 and 1: {what} failed: {source}. Check that the two hosts reach each other on an ephemeral port (as the ring links do)")]
-    BenchLink {
-        /// This rank.
-        rank: Rank,
-        /// The step (`connecting to rank 1`, `moving a message`).
-        what: &'static str,
-        /// The operating system's error (a timeout when the deadline passed).
-        source: io::Error,
-    },
-
-    /// The bandwidth tool found corrupted results.
-    #[error("the all-reduce benchmark found {wrong} wrong elements: the transport corrupted data (please report this)")]
-    WrongResults {
-        /// How many elements differed, over all ranks.
-        wrong: u64,
-    },
-
     // === Launcher ===
     /// A rank process could not be started.
     #[error("cannot start rank {rank} ({program}): {source}")]
@@ -956,7 +937,6 @@ impl DdpError {
             | Internal { rank, .. }
             | NcclUnsupported { rank, .. }
             | NcclIdMalformed { rank, .. }
-            | BenchLink { rank, .. }
             | TrainingFailed { rank, .. }
             | RankUnresponsive { rank, .. }
             | Desync { rank, .. }

@@ -16,6 +16,43 @@ use crate::store::auth::{self, Purpose};
 use crate::types::Rank;
 use crate::{DdpError, ProcessGroup, Result};
 
+/// What the bandwidth tools (`burn-ddp bench all-reduce`, `burn-ddp bench p2p`) report beside
+/// the library's own errors.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// An error of the library (a collective, the store, an option).
+    #[error(transparent)]
+    Ddp(#[from] DdpError),
+
+    /// The bandwidth tool's own TCP link (rank 0 to rank 1, for the single-stream reference)
+    /// failed or passed its deadline.
+    #[error("[rank {rank}] the bandwidth tool's reference link between ranks 0 and 1: {what} failed: {source}. Check that the two hosts reach each other on an ephemeral port (as the ring links do)")]
+    Link {
+        /// This rank.
+        rank: Rank,
+        /// The step (`connecting to rank 1`, `moving a message`).
+        what: &'static str,
+        /// The operating system's error (a timeout when the deadline passed).
+        source: std::io::Error,
+    },
+
+    /// A benchmark found corrupted results.
+    #[error("the benchmark found {wrong} wrong elements: the transport corrupted data (please report this)")]
+    WrongResults {
+        /// How many elements differed, over all ranks.
+        wrong: u64,
+    },
+}
+
+impl From<std::io::Error> for BenchError {
+    fn from(e: std::io::Error) -> Self {
+        BenchError::Ddp(e.into())
+    }
+}
+
+/// The result of the bandwidth tools.
+pub type BenchResult<T> = std::result::Result<T, BenchError>;
+
 /// Options of the all-reduce sweep.
 #[derive(Debug, Clone)]
 pub struct AllReduceBench {
@@ -227,7 +264,7 @@ fn sizes(opts: &AllReduceBench, elem: usize) -> Vec<usize> {
     out
 }
 
-fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<Vec<BenchRow>> {
+fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<Vec<BenchRow>> {
     let elem = std::mem::size_of::<T>();
     let max_count = opts.max_bytes / elem;
     // Touch every page before timing anything.
@@ -288,7 +325,7 @@ fn row<T: BenchElem>(
     bytes: usize,
     seconds: f64,
     result: &[T],
-) -> Result<BenchRow> {
+) -> BenchResult<BenchRow> {
     let world = pg.world_size().get();
     let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
     let mut wrong = [result
@@ -315,7 +352,7 @@ fn row<T: BenchElem>(
 /// The sweep over NCCL: buffers on each rank's GPU, `iters` all-reduces queued back to back and
 /// waited for once (as nccl-tests does), results checked on the host afterwards.
 #[cfg(feature = "cuda")]
-fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
+fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<()> {
     let comm = crate::cuda::NcclComm::new(pg)?;
     if pg.is_main() {
         println!(
@@ -343,19 +380,20 @@ fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> Result<()> {
     if pg.is_main() {
         let wrong = print_summary(&rows);
         if wrong > 0 {
-            return Err(DdpError::WrongResults { wrong });
+            return Err(BenchError::WrongResults { wrong });
         }
     }
     Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> Result<()> {
+fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> BenchResult<()> {
     Err(DdpError::NcclUnavailable {
         detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with \
                          `--features cuda` to measure NCCL"
             .into(),
-    })
+    }
+    .into())
 }
 
 #[cfg(feature = "cuda")]
@@ -363,7 +401,7 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
     pg: &ProcessGroup,
     comm: &crate::cuda::NcclComm,
     opts: &AllReduceBench,
-) -> Result<Vec<BenchRow>> {
+) -> BenchResult<Vec<BenchRow>> {
     let elem = std::mem::size_of::<T>();
     let rank = pg.rank();
     let cuda = |what: &str, e| crate::cuda::driver_error_for(rank, what, e);
@@ -378,7 +416,7 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
     let mut rows = Vec::new();
     for bytes in sizes(opts, elem) {
         let count = bytes / elem;
-        let mut run = |n: usize| -> Result<f64> {
+        let mut run = |n: usize| -> BenchResult<f64> {
             let t = Instant::now();
             for _ in 0..n {
                 comm.queue_all_reduce(&mut dev.slice_mut(..count), opts.op)?;
@@ -453,7 +491,7 @@ const CACHED_CHUNK: usize = 1 << 20;
 
 impl StreamLink {
     /// Opens the link on ranks 0 and 1 (`None` elsewhere).
-    fn open(pg: &ProcessGroup, message_bytes: usize) -> Result<Option<Self>> {
+    fn open(pg: &ProcessGroup, message_bytes: usize) -> BenchResult<Option<Self>> {
         let Some(store) = pg.store_client() else {
             return Ok(None);
         };
@@ -461,7 +499,7 @@ impl StreamLink {
         let deadline = Instant::now() + pg.timeouts().rendezvous;
         let token = pg.token();
         let fail = |what: &'static str| {
-            move |source: std::io::Error| DdpError::BenchLink { rank, what, source }
+            move |source: std::io::Error| BenchError::Link { rank, what, source }
         };
         let stream = match rank.0 {
             1 => {
@@ -519,13 +557,13 @@ impl StreamLink {
         }))
     }
 
-    fn error(&self, what: &'static str) -> impl Fn(std::io::Error) -> DdpError {
+    fn error(&self, what: &'static str) -> impl Fn(std::io::Error) -> BenchError {
         let rank = self.rank;
-        move |source| DdpError::BenchLink { rank, what, source }
+        move |source| BenchError::Link { rank, what, source }
     }
 
     /// Moves one whole message from rank 0's buffer into rank 1's; rank 0 returns the seconds.
-    fn transfer(&mut self) -> Result<Option<f64>> {
+    fn transfer(&mut self) -> BenchResult<Option<f64>> {
         let mut ack = [0u8; 1];
         let fail = self.error("moving a message");
         if self.sender {
@@ -541,7 +579,7 @@ impl StreamLink {
     }
 
     /// iperf-style: resends one cache-resident 1 MiB chunk `total` bytes' worth; GB/s on rank 0.
-    fn cached(&mut self, total: usize) -> Result<Option<f64>> {
+    fn cached(&mut self, total: usize) -> BenchResult<Option<f64>> {
         let mut ack = [0u8; 1];
         let fail = self.error("streaming a cached chunk");
         if self.sender {
@@ -613,7 +651,7 @@ fn compare<T: BenchElem>(
     pg: &ProcessGroup,
     link: &mut Option<StreamLink>,
     bytes: usize,
-) -> Result<Option<(f64, f64)>> {
+) -> BenchResult<Option<(f64, f64)>> {
     let count = bytes / std::mem::size_of::<T>();
     let world = pg.world_size().get() as f64;
     let mut buf: Vec<T> = huge_filled(count, T::from_i32(1));
@@ -640,7 +678,7 @@ fn compare<T: BenchElem>(
 ///
 /// # Errors
 /// Options out of range ([`AllReduceBench::check`]), any collective or setup error.
-pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
+pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
     opts.check()?;
     let pg = ProcessGroup::from_env()?;
     if opts.nccl {
@@ -709,7 +747,7 @@ pub fn run_worker(opts: &AllReduceBench) -> Result<()> {
             );
         }
         if wrong > 0 {
-            return Err(DdpError::WrongResults { wrong });
+            return Err(BenchError::WrongResults { wrong });
         }
     }
     Ok(())

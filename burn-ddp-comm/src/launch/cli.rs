@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use super::bench::{AllReduceBench, BenchDType};
+use super::bench::{AllReduceBench, BenchDType, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
 use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
@@ -211,11 +211,11 @@ fn parse_size(s: &str) -> std::result::Result<usize, String> {
 pub fn main() -> ExitCode {
     init_logging();
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Run(args) => run(args),
-        Command::Bench(BenchCommand::AllReduce(args)) => bench(args),
-        Command::Bench(BenchCommand::P2p(args)) => bench_p2p(args),
-        Command::Gpus => gpus(),
+    let result: std::result::Result<ExitCode, Box<dyn std::error::Error>> = match cli.command {
+        Command::Run(args) => run(args).map_err(Into::into),
+        Command::Bench(BenchCommand::AllReduce(args)) => bench(args).map_err(Into::into),
+        Command::Bench(BenchCommand::P2p(args)) => bench_p2p(args).map_err(Into::into),
+        Command::Gpus => gpus().map_err(Into::into),
     };
     match result {
         Ok(code) => code,
@@ -401,7 +401,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     }
 }
 
-fn bench_p2p(args: P2pArgs) -> Result<ExitCode> {
+fn bench_p2p(args: P2pArgs) -> BenchResult<ExitCode> {
     let opts = super::p2p_bench::P2pBench {
         min_bytes: args.min_bytes,
         max_bytes: args.max_bytes,
@@ -413,7 +413,7 @@ fn bench_p2p(args: P2pArgs) -> Result<ExitCode> {
         super::p2p_bench::run_worker(&opts)?;
         return Ok(ExitCode::SUCCESS);
     }
-    standalone(args.nproc)
+    Ok(standalone(args.nproc)?)
 }
 
 /// Starts `nproc` ranks of this same command on this machine and waits for them.
@@ -427,7 +427,7 @@ fn standalone(nproc: u32) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn bench(args: BenchArgs) -> Result<ExitCode> {
+fn bench(args: BenchArgs) -> BenchResult<ExitCode> {
     let opts = AllReduceBench {
         min_bytes: args.min_bytes,
         max_bytes: args.max_bytes,
@@ -457,5 +457,5 @@ fn bench(args: BenchArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     // Standalone: start `nproc` ranks of this same command on this machine.
-    standalone(args.nproc)
+    Ok(standalone(args.nproc)?)
 }

@@ -9,6 +9,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::bench::{BenchError, BenchResult};
 use crate::comm::memory::huge_filled;
 use crate::comm::ReduceOp;
 use crate::group::P2pOp;
@@ -82,7 +83,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Seconds of `f` on the slowest rank (every rank calls it).
-fn timed(pg: &ProcessGroup, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+fn timed(pg: &ProcessGroup, f: impl FnOnce() -> BenchResult<()>) -> BenchResult<f64> {
     pg.barrier()?;
     let t = Instant::now();
     f()?;
@@ -91,7 +92,7 @@ fn timed(pg: &ProcessGroup, f: impl FnOnce() -> Result<()>) -> Result<f64> {
     Ok(secs[0])
 }
 
-fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> Result<Row> {
+fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> BenchResult<Row> {
     let me = pg.rank();
     let count = bytes / 4;
     let send: Vec<f32> = huge_filled(count, me.0 as f32 + 1.0);
@@ -145,7 +146,7 @@ fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> Result<Row> {
     }
     // What arrived is what was sent.
     if me.0 == 1 && recv.iter().any(|&v| v != 1.0) {
-        return Err(DdpError::WrongResults {
+        return Err(BenchError::WrongResults {
             wrong: recv.iter().filter(|&&v| v != 1.0).count() as u64,
         });
     }
@@ -161,14 +162,15 @@ fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> Result<Row> {
 ///
 /// # Errors
 /// Options out of range, fewer than 2 ranks, any transfer or collective error, corrupted data.
-pub fn run_worker(opts: &P2pBench) -> Result<()> {
+pub fn run_worker(opts: &P2pBench) -> BenchResult<()> {
     opts.check()?;
     let pg = ProcessGroup::from_env()?;
     if pg.world_size().get() < 2 {
         return Err(DdpError::InvalidOption {
             option: "--nproc",
             reason: "point-to-point needs at least 2 ranks".into(),
-        });
+        }
+        .into());
     }
     if pg.is_main() {
         println!(
