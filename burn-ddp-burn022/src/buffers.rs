@@ -9,7 +9,7 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::{Tensor, TensorData};
-use burn_ddp_comm::grad::{broadcast_buffers, JoinCall};
+use burn_ddp_comm::grad::{broadcast_buffers, FlatValues, JoinCall};
 use burn_ddp_comm::{Rank, Result};
 
 use crate::GradSync;
@@ -73,8 +73,7 @@ impl ModuleVisitor for Count {
 
 /// Puts the broadcast values back, in the same order, on each buffer's device and in its dtype.
 struct Scatter<'a> {
-    values: &'a [f32],
-    at: usize,
+    values: FlatValues<'a>,
 }
 
 impl ModuleMapper for Scatter<'_> {
@@ -82,16 +81,23 @@ impl ModuleMapper for Scatter<'_> {
         if !is_buffer(&param) {
             return param;
         }
-        let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let Some(values) = self.values.get(self.at..self.at + n) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+        let Some(values) = self.values.next(param.shape().num_elements()) else {
+            return param;
         };
-        self.at += n;
-        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
-        let local = Tensor::<D>::from_data(data, &tensor.device());
-        Param::from_mapped_value(id, local, mapper)
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, filled_like(&tensor, values), mapper)
+    }
+}
+
+/// A tensor of `like`'s shape, element type and device holding `values`: a fresh leaf that
+/// requires a gradient when `like` does.
+pub(crate) fn filled_like<const D: usize>(like: &Tensor<D>, values: &[f32]) -> Tensor<D> {
+    let data = TensorData::new(values.to_vec(), like.shape()).convert_dtype(like.dtype());
+    let fresh = Tensor::from_data(data, &like.device());
+    if like.is_require_grad() {
+        fresh.require_grad()
+    } else {
+        fresh
     }
 }
 
@@ -136,8 +142,7 @@ impl GradSync {
         model.visit(&mut gather);
         let values = broadcast_buffers(pg, gather.values, gather.unreadable, root)?;
         Ok(model.map(&mut Scatter {
-            values: &values,
-            at: 0,
+            values: FlatValues::new(&values),
         }))
     }
 

@@ -18,14 +18,15 @@
 //! rank owns and puts its own ids back. So a whole state saved at one world size loads at any
 //! other.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer, OptimizerRecord};
-use burn::tensor::{Bytes, Tensor, TensorData};
-use burn_ddp_comm::grad::{ReadValues, ZeroPlan};
+use burn::tensor::{Bytes, Tensor};
+use burn_ddp_comm::grad::{ReadValues, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
+use crate::buffers::filled_like;
 use crate::GradSync;
 
 /// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's
@@ -44,22 +45,20 @@ use crate::GradSync;
 pub struct ZeroOptimizer {
     inner: ModuleOptimizer,
     pg: ProcessGroup,
-    /// The trainable parameters, in visit order, with their owner and size.
-    plan: ZeroPlan,
-    /// This process's id of each trainable parameter, by position.
-    ids: Vec<ParamId>,
-    /// Offset of each parameter (by position) in the all-gathered values.
-    offsets: Vec<usize>,
-    /// Position of each id.
-    index: HashMap<ParamId, usize>,
+    /// The trainable parameters (this process's ids, in visit order) with their owner, size
+    /// and place in the all-gathered values.
+    shards: ZeroShards,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ZeroOptimizer")
             .field("rank", &self.pg.rank())
-            .field("params", &self.ids.len())
-            .field("owned_elements", &self.plan.elements_of(self.pg.rank()))
+            .field("params", &self.shards.ids().len())
+            .field(
+                "owned_elements",
+                &self.shards.plan().elements_of(self.pg.rank()),
+            )
             .finish()
     }
 }
@@ -117,29 +116,18 @@ impl ModuleVisitor for Gather<'_> {
 /// Writes every trainable parameter's gathered value back, keeping its id and its gradient
 /// requirement.
 struct Scatter<'a> {
-    index: &'a HashMap<ParamId, usize>,
-    offsets: &'a [usize],
+    shards: &'a ZeroShards,
     values: &'a [f32],
 }
 
 impl ModuleMapper for Scatter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(&i) = self.index.get(&param.id) else {
+        let n = param.shape().num_elements();
+        let Some(values) = self.shards.gathered(param.id.val(), n, self.values) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let Some(values) = self.values.get(self.offsets[i]..self.offsets[i] + n) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let require_grad = tensor.is_require_grad();
-        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
-        let mut fresh = Tensor::<D>::from_data(data, &tensor.device());
-        if require_grad {
-            fresh = fresh.require_grad();
-        }
-        Param::from_mapped_value(id, fresh, mapper)
+        Param::from_mapped_value(id, filled_like(&tensor, values), mapper)
     }
 }
 
@@ -177,18 +165,11 @@ impl GradSync {
                 ),
             });
         }
-        let sizes: Vec<usize> = trainable.0.iter().map(|(_, n)| *n).collect();
-        let plan = ZeroPlan::balance(&sizes, self.group().world_size().as_usize());
-        let ids: Vec<ParamId> = trainable.0.iter().map(|(id, _)| *id).collect();
-        let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        let offsets = plan.offsets();
+        let params: Vec<(u64, usize)> = trainable.0.iter().map(|(id, n)| (id.val(), *n)).collect();
         Ok(ZeroOptimizer {
             inner: optim,
             pg: self.group().clone(),
-            plan,
-            ids,
-            offsets,
-            index,
+            shards: ZeroShards::new(&params, self.group().world_size().as_usize()),
         })
     }
 }
@@ -199,15 +180,13 @@ impl ZeroOptimizer {
     }
 
     fn owns(&self, id: ParamId) -> bool {
-        self.index
-            .get(&id)
-            .is_some_and(|&i| self.plan.owner(i) == self.rank())
+        self.shards.owns(id.val(), self.rank())
     }
 
     /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
-        self.plan.owned_elements(self.rank())
+        self.shards.plan().owned_elements(self.rank())
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns, then the stepped
@@ -223,7 +202,8 @@ impl ZeroOptimizer {
         module: M,
         mut grads: GradientsParams,
     ) -> Result<M> {
-        let others = |id: ParamId| self.index.contains_key(&id) && !self.owns(id);
+        let rank = self.rank();
+        let others = |id: ParamId| self.shards.owned_elsewhere(id.val(), rank);
         module.visit(&mut DropGrads {
             grads: &mut grads,
             drop: &others,
@@ -242,10 +222,9 @@ impl ZeroOptimizer {
             read: ReadValues::default(),
         };
         module.visit(&mut gather);
-        let values = self.plan.share(&self.pg, gather.read)?;
+        let values = self.shards.plan().share(&self.pg, gather.read)?;
         Ok(module.map(&mut Scatter {
-            index: &self.index,
-            offsets: &self.offsets,
+            shards: &self.shards,
             values: &values,
         }))
     }
@@ -279,13 +258,8 @@ impl ZeroOptimizer {
             .inner
             .into_bytes()
             .map_err(|e| fail("serialising this rank's optimizer state", e.to_string()))?;
-        let positions: HashMap<u64, u64> = self
-            .ids
-            .iter()
-            .enumerate()
-            .map(|(i, id)| (id.val(), i as u64))
-            .collect();
-        let mine = rewrite(vec![mine], |id| positions.get(&id).copied())
+        let shards = &self.shards;
+        let mine = rewrite(vec![mine], |id| shards.position(id).map(|i| i as u64))
             .map_err(|e| fail("serialising this rank's optimizer state", e))?;
         let all = self.pg.all_gather_bytes(&mine)?;
         if rank != Rank(0) {
@@ -314,7 +288,7 @@ impl ZeroOptimizer {
             reason: e,
         };
         let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
-        let n = self.ids.len() as u64;
+        let n = self.shards.ids().len() as u64;
         let mut beyond = None;
         let mine = rewrite(vec![bytes], |pos| {
             if pos >= n {
@@ -322,7 +296,7 @@ impl ZeroOptimizer {
                 return None;
             }
             let i = pos as usize;
-            (self.plan.owner(i) == rank).then(|| self.ids[i].val())
+            (self.shards.plan().owner(i) == rank).then(|| self.shards.ids()[i])
         })
         .map_err(fail)?;
         if let Some(pos) = beyond {

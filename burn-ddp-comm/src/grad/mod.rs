@@ -17,7 +17,7 @@
 //! - `order.rs`: [`LaunchOrder`], the rule by which every transport launches a pass's buckets
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
 //! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
-//!   the stepped parameters
+//!   the stepped parameters; [`ZeroShards`], the plan by parameter id
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
 //! - `launch.rs`: [`BucketLauncher`] and [`InFlight`], the device transports' launcher thread and the
@@ -49,7 +49,7 @@ pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use replica::{check_and_load, load_from, Replica};
 pub use worker::Worker;
-pub use zero::{ReadValues, ZeroPlan};
+pub use zero::{FlatValues, ReadValues, ZeroPlan, ZeroShards};
 
 /// What a fault-tolerant job cannot carry across a change of membership: both lines refuse it
 /// at once, saying why and what to use instead.

@@ -6,6 +6,8 @@
 //! rank computes the same assignment from the same list, so no collective is needed, and a
 //! parameter's state lives on one rank only.
 
+use std::collections::HashMap;
+
 use crate::group::ProcessGroup;
 use crate::types::Rank;
 use crate::{DdpError, Result};
@@ -150,6 +152,72 @@ impl ZeroPlan {
     }
 }
 
+/// A [`ZeroPlan`] over a model's trainable parameters named by their ids (Burn's `ParamId`
+/// value): what a Burn line's ZeRO optimizer asks of a parameter it visits (whether this rank
+/// steps it, where its all-gathered value is) without keeping positions and offsets itself.
+#[derive(Clone, Debug)]
+pub struct ZeroShards {
+    plan: ZeroPlan,
+    /// Each parameter's id, by position.
+    ids: Vec<u64>,
+    /// Each id's position.
+    index: HashMap<u64, usize>,
+    /// Each parameter's offset (by position) in the all-gathered values.
+    offsets: Vec<usize>,
+}
+
+impl ZeroShards {
+    /// The plan of `params` (id, elements) in the order every rank shares (the model's visit
+    /// order), over `world` ranks.
+    pub fn new(params: &[(u64, usize)], world: usize) -> Self {
+        let sizes: Vec<usize> = params.iter().map(|(_, n)| *n).collect();
+        let plan = ZeroPlan::balance(&sizes, world);
+        let ids: Vec<u64> = params.iter().map(|(id, _)| *id).collect();
+        let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+        Self {
+            offsets: plan.offsets(),
+            plan,
+            ids,
+            index,
+        }
+    }
+
+    /// The plan, by position.
+    pub fn plan(&self) -> &ZeroPlan {
+        &self.plan
+    }
+
+    /// Each parameter's id, by position.
+    pub fn ids(&self) -> &[u64] {
+        &self.ids
+    }
+
+    /// The position of parameter `id`; None for a parameter that is not sharded.
+    pub fn position(&self, id: u64) -> Option<usize> {
+        self.index.get(&id).copied()
+    }
+
+    /// Whether `rank` owns parameter `id` (steps it, keeps its state).
+    pub fn owns(&self, id: u64, rank: Rank) -> bool {
+        self.position(id)
+            .is_some_and(|i| self.plan.owner(i) == rank)
+    }
+
+    /// Whether parameter `id` is sharded and another rank than `rank` owns it: its gradient is
+    /// dropped before `rank`'s optimizer step.
+    pub fn owned_elsewhere(&self, id: u64, rank: Rank) -> bool {
+        self.position(id)
+            .is_some_and(|i| self.plan.owner(i) != rank)
+    }
+
+    /// Parameter `id`'s `n` values in `values` ([`ZeroPlan::all_gather`]'s result); None for
+    /// a parameter that is not sharded, or values too short.
+    pub fn gathered<'v>(&self, id: u64, n: usize, values: &'v [f32]) -> Option<&'v [f32]> {
+        let at = self.offsets[self.position(id)?];
+        values.get(at..at + n)
+    }
+}
+
 /// Values a Burn line reads from its tensors as f32, one tensor after another; a tensor it
 /// cannot read leaves zeros in its place and its first error, for the caller to report after
 /// the collective the values are for.
@@ -174,10 +242,58 @@ impl ReadValues {
     }
 }
 
+/// Values a Burn line writes back into its tensors, one tensor after another (the inverse of
+/// [`ReadValues`]: a broadcast's or an all-gather's result).
+#[derive(Debug)]
+pub struct FlatValues<'a> {
+    values: &'a [f32],
+    at: usize,
+}
+
+impl<'a> FlatValues<'a> {
+    /// `values`, from the first.
+    pub fn new(values: &'a [f32]) -> Self {
+        Self { values, at: 0 }
+    }
+
+    /// The next tensor's `n` values; None (and nothing taken) when fewer are left.
+    pub fn next(&mut self, n: usize) -> Option<&'a [f32]> {
+        let values = self.values.get(self.at..self.at + n)?;
+        self.at += n;
+        Some(values)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::{Timeouts, WorldSize};
+
+    #[test]
+    fn flat_values_go_back_tensor_after_tensor() {
+        let values = [1.0, 2.0, 3.0];
+        let mut flat = FlatValues::new(&values);
+        assert_eq!(flat.next(2), Some(&values[..2]));
+        assert_eq!(flat.next(2), None);
+        assert_eq!(flat.next(1), Some(&values[2..]));
+        assert_eq!(flat.next(0), Some(&values[3..]));
+    }
+
+    #[test]
+    fn shards_name_the_owner_and_the_gathered_values_of_each_parameter_by_id() {
+        // Ids in visit order; sizes 2, 5, 3: rank 0 owns id 20 (5), rank 1 ids 30 and 10.
+        let s = ZeroShards::new(&[(10, 2), (20, 5), (30, 3)], 2);
+        assert_eq!(s.ids(), [10, 20, 30]);
+        assert!(s.owns(20, Rank(0)) && s.owns(10, Rank(1)) && s.owns(30, Rank(1)));
+        assert!(s.owned_elsewhere(10, Rank(0)) && !s.owned_elsewhere(20, Rank(0)));
+        // A parameter that is not sharded is nobody's and never dropped.
+        assert!(!s.owns(99, Rank(0)) && !s.owned_elsewhere(99, Rank(0)));
+        let values: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        assert_eq!(s.gathered(20, 5, &values), Some(&values[2..7]));
+        assert_eq!(s.gathered(30, 3, &values), Some(&values[7..10]));
+        assert_eq!(s.gathered(30, 4, &values), None);
+        assert_eq!(s.gathered(99, 1, &values), None);
+    }
 
     #[test]
     fn balance_puts_the_largest_first_on_the_least_loaded() {

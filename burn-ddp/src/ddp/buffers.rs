@@ -9,11 +9,12 @@
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 
-use burn_ddp_comm::grad::{broadcast_buffers, JoinCall};
+use burn_ddp_comm::grad::{broadcast_buffers, FlatValues, JoinCall};
 
 use super::model::Path;
+use super::values::filled_like;
 use super::DdpSession;
 use crate::group::Rank;
 use crate::Result;
@@ -77,8 +78,7 @@ impl<B: Backend> ModuleVisitor<B> for Count<'_> {
 struct Scatter<'a> {
     path: Path,
     skip: &'a [String],
-    values: &'a [f32],
-    at: usize,
+    values: FlatValues<'a>,
 }
 
 impl<B: Backend> ModuleMapper<B> for Scatter<'_> {
@@ -89,19 +89,14 @@ impl<B: Backend> ModuleMapper<B> for Scatter<'_> {
         self.path.0.pop();
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        if tensor.is_require_grad() || self.path.skipped(self.skip) {
-            return Param::from_mapped_value(id, tensor, mapper);
+        if param.is_require_grad() || self.path.skipped(self.skip) {
+            return param;
         }
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let Some(values) = self.values.get(self.at..self.at + n) else {
-            return Param::from_mapped_value(id, tensor, mapper);
+        let Some(values) = self.values.next(param.shape().num_elements()) else {
+            return param;
         };
-        self.at += n;
-        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
-        let local = Tensor::<B, D>::from_data(data, &tensor.device());
-        Param::from_mapped_value(id, local, mapper)
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, filled_like(&tensor, values), mapper)
     }
 }
 
@@ -157,8 +152,7 @@ impl DdpSession {
         Ok(model.map(&mut Scatter {
             path: Path::default(),
             skip: &skip,
-            values: &values,
-            at: 0,
+            values: FlatValues::new(&values),
         }))
     }
 }

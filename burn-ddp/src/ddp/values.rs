@@ -1,5 +1,6 @@
 //! A backend's float tensors read as f32 values and made from them: what the host-staged path
-//! (`hooks.rs`) and the device path's presence flags (`gpu.rs`) read and write.
+//! (`hooks.rs`) and the device path's presence flags (`gpu.rs`) read and write, and what the
+//! buffer broadcast and ZeRO's all-gather write back into a module's tensors.
 
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
@@ -26,4 +27,19 @@ pub(super) fn write_f32<B: Backend>(
     device: &B::Device,
 ) -> FloatTensor<B> {
     B::float_from_data(TensorData::new(values, shape).convert_dtype(dtype), device)
+}
+
+/// A tensor of `like`'s shape, element type and device holding `values`: a fresh leaf that
+/// requires a gradient when `like` does.
+pub(super) fn filled_like<B: burn::tensor::backend::Backend, const D: usize>(
+    like: &burn::tensor::Tensor<B, D>,
+    values: &[f32],
+) -> burn::tensor::Tensor<B, D> {
+    let data = TensorData::new(values.to_vec(), like.shape()).convert_dtype(like.dtype());
+    let fresh = burn::tensor::Tensor::from_data(data, &like.device());
+    if like.is_require_grad() {
+        fresh.require_grad()
+    } else {
+        fresh
+    }
 }

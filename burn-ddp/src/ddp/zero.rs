@@ -7,7 +7,6 @@
 //! so every rank ends the step with the same model while holding about `1/N` of the optimizer
 //! state.
 
-use std::collections::HashMap;
 use std::marker::PhantomData;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -15,11 +14,12 @@ use burn::optim::LearningRate;
 use burn::optim::{GradientsParams, MultiGradientsParams, Optimizer};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_backend::distributed::DistributedParamId;
-use burn_ddp_comm::grad::{ReadValues, ZeroPlan};
+use burn_ddp_comm::grad::{ReadValues, ZeroShards};
 
 use super::model::Path;
+use super::values::filled_like;
 use super::DdpSession;
 use crate::group::Rank;
 use crate::{DdpError, Result};
@@ -40,12 +40,9 @@ use crate::{DdpError, Result};
 pub struct ZeroOptimizer<O, M, B> {
     inner: O,
     session: DdpSession,
-    /// The synchronised parameters, in visit order, with their owner and size.
-    plan: ZeroPlan,
-    ids: Vec<ParamId>,
-    /// Offset of each parameter (by list position) in the all-gathered values.
-    offsets: Vec<usize>,
-    index: HashMap<ParamId, usize>,
+    /// The synchronised parameters (this process's ids, in visit order) with their owner,
+    /// size and place in the all-gathered values.
+    shards: ZeroShards,
     _m: PhantomData<fn() -> (M, B)>,
 }
 
@@ -54,10 +51,7 @@ impl<O: Clone, M, B> Clone for ZeroOptimizer<O, M, B> {
         Self {
             inner: self.inner.clone(),
             session: self.session.clone(),
-            plan: self.plan.clone(),
-            ids: self.ids.clone(),
-            offsets: self.offsets.clone(),
-            index: self.index.clone(),
+            shards: self.shards.clone(),
             _m: PhantomData,
         }
     }
@@ -68,8 +62,8 @@ impl<O, M, B> std::fmt::Debug for ZeroOptimizer<O, M, B> {
         let rank = self.session.group().rank();
         f.debug_struct("ZeroOptimizer")
             .field("rank", &rank)
-            .field("params", &self.ids.len())
-            .field("owned_elements", &self.plan.elements_of(rank))
+            .field("params", &self.shards.ids().len())
+            .field("owned_elements", &self.shards.plan().elements_of(rank))
             .finish()
     }
 }
@@ -117,32 +111,19 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
 /// Writes every synchronised parameter's gathered value back (keeping its gradient
 /// requirement and its mark for synchronisation).
 struct Scatter<'a> {
-    index: &'a HashMap<ParamId, usize>,
-    /// Offset of each parameter (by list position) in `values`.
-    offsets: &'a [usize],
+    shards: &'a ZeroShards,
     values: &'a [f32],
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Scatter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some(&i) = self.index.get(&param.id) else {
+        let n = param.shape().num_elements();
+        let Some(values) = self.shards.gathered(param.id.val(), n, self.values) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let Some(values) = self.values.get(self.offsets[i]..self.offsets[i] + n) else {
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        let require_grad = tensor.is_require_grad();
-        let distributed = tensor.is_distributed();
-        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
-        let mut fresh =
-            Tensor::<B, D>::from_inner(Tensor::from_data(data, &tensor.inner().device()));
-        if require_grad {
-            fresh = fresh.require_grad();
-        }
-        if distributed {
+        let mut fresh = filled_like(&tensor, values);
+        if tensor.is_distributed() {
             fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
         }
         Param::from_mapped_value(id, fresh, mapper)
@@ -182,18 +163,11 @@ impl DdpSession {
             out: Vec::new(),
         };
         model.visit(&mut synced);
-        let sizes: Vec<usize> = synced.out.iter().map(|(_, n)| *n).collect();
-        let plan = ZeroPlan::balance(&sizes, self.shared.pg.world_size().as_usize());
-        let ids: Vec<ParamId> = synced.out.iter().map(|(id, _)| *id).collect();
-        let index = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        let offsets = plan.offsets();
+        let params: Vec<(u64, usize)> = synced.out.iter().map(|(id, n)| (id.val(), *n)).collect();
         Ok(ZeroOptimizer {
             inner: optim,
             session: self.clone(),
-            plan,
-            ids,
-            offsets,
-            index,
+            shards: ZeroShards::new(&params, self.shared.pg.world_size().as_usize()),
             _m: PhantomData,
         })
     }
@@ -211,17 +185,24 @@ where
 
     /// Whether this rank steps parameter `id` (and keeps its state): those it owns, and every
     /// parameter that is not sharded (rank-local ones).
+    /// The synchronised parameters another rank owns, whose gradients this rank drops before
+    /// its step.
+    fn dropped(&self) -> Vec<ParamId> {
+        let rank = self.rank();
+        (self.shards.ids().iter())
+            .filter(|id| self.shards.owned_elsewhere(**id, rank))
+            .map(|id| ParamId::from(*id))
+            .collect()
+    }
+
     fn steps(&self, id: ParamId) -> bool {
-        match self.index.get(&id) {
-            Some(&i) => self.plan.owner(i) == self.rank(),
-            None => true,
-        }
+        !self.shards.owned_elsewhere(id.val(), self.rank())
     }
 
     /// The number of parameter elements this rank owns (whose optimizer state it keeps), and
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
-        self.plan.owned_elements(self.rank())
+        self.shards.plan().owned_elements(self.rank())
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns (and rank-local
@@ -236,10 +217,8 @@ where
         module: M,
         mut grads: GradientsParams,
     ) -> Result<M> {
-        for (i, id) in self.ids.iter().enumerate() {
-            if self.plan.owner(i) != self.rank() {
-                drop_grad::<B>(&mut grads, *id);
-            }
+        for id in self.dropped() {
+            drop_grad::<B>(&mut grads, id);
         }
         let module = self.inner.step(lr, module, grads);
         self.gather_params(module)
@@ -251,20 +230,15 @@ where
             return Ok(module);
         }
         let rank = self.rank();
-        let owned = |id: ParamId| {
-            self.index
-                .get(&id)
-                .is_some_and(|&i| self.plan.owner(i) == rank)
-        };
+        let owned = |id: ParamId| self.shards.owns(id.val(), rank);
         let mut gather = Gather {
             owned: &owned,
             read: ReadValues::default(),
         };
         module.visit(&mut gather);
-        let values = self.plan.share(pg, gather.read)?;
+        let values = self.shards.plan().share(pg, gather.read)?;
         Ok(module.map(&mut Scatter {
-            index: &self.index,
-            offsets: &self.offsets,
+            shards: &self.shards,
             values: &values,
         }))
     }
@@ -358,11 +332,9 @@ where
     /// As [`step`](Optimizer::step), for gradients on several devices (each rank's own
     /// gradients of the parameters it does not own are dropped from every device).
     fn step_multi(&mut self, lr: LearningRate, module: M, mut grads: MultiGradientsParams) -> M {
-        for (i, id) in self.ids.iter().enumerate() {
-            if self.plan.owner(i) != self.rank() {
-                for (g, _) in grads.grads.iter_mut() {
-                    drop_grad::<B>(g, *id);
-                }
+        for id in self.dropped() {
+            for (g, _) in grads.grads.iter_mut() {
+                drop_grad::<B>(g, id);
             }
         }
         let before = module.clone();
