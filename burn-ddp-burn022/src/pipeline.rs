@@ -3,8 +3,8 @@
 //! pipeline replicated data-parallel ([`HybridLayout`], [`Pipeline::step_synced`] with a
 //! [`GradSync`] on the stage's replica group).
 //!
-//! The same executor as the Burn 0.21 line (`burn_ddp::pipeline`) on the core's schedules,
-//! tags and activation framing: the first stage cuts its batch into micro-batches; activations
+//! The core's step (burn-ddp-comm's `StagePlan::run`, as for the Burn 0.21 line) over Burn
+//! 0.22 tensors (`StageOps`), with the core's schedules, tags and activation framing: the first stage cuts its batch into micro-batches; activations
 //! go downstream and their gradients upstream as point-to-point messages; the last stage scales
 //! each micro-batch's loss by its share of the batch; every stage sums its parameter gradients
 //! over the micro-batches, which makes them the unsplit model's gradients on the whole batch.
@@ -12,13 +12,12 @@
 //! (Burn's autodiff frees the graphs that share parameters with the one whose backward runs, so
 //! several graphs cannot wait for their backward at once).
 
-use std::collections::HashMap;
 use std::ops::{Deref, Range};
 
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType as BurnDType, Device, Tensor, TensorData};
-use burn_ddp_comm::pipeline::{self as core, Action, Activation, StagePlan};
+use burn_ddp_comm::pipeline::{self as core, Activation, StageOps, StagePlan};
 pub use burn_ddp_comm::pipeline::{ideal_busy_fraction, HybridLayout, Schedule};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
@@ -86,72 +85,24 @@ impl Pipeline {
         mut forward: impl FnMut(&M, Tensor<DI>) -> Tensor<DO>,
         mut loss: impl FnMut(Tensor<DO>, Range<usize>) -> Tensor<1>,
     ) -> Result<StepOutput> {
-        let rank = self.group().global_rank();
         let (rows, batch) = match input {
             StageInput::Batch(t) => (t.dims()[0], Some(t)),
             StageInput::Rows(n) => (n, None),
         };
         let plan = self.plan.step_plan(rows, batch.is_some())?;
-        type Kept<const DI: usize, const DO: usize> = (Tensor<DI>, Tensor<DO>);
-        let mut live: HashMap<usize, (Tensor<DI>, Option<Kept<DI, DO>>)> = HashMap::new();
-        let mut acc = GradientsAccumulator::<M>::new();
-        let mut total_loss = 0.0f64;
-        for (k, &action) in plan.actions.iter().enumerate() {
-            match action {
-                Action::Forward(i) => {
-                    let r = plan.ranges[i].clone();
-                    let x = match (&batch, plan.prev) {
-                        (Some(b), _) => b.clone().narrow(0, r.start, r.len()),
-                        (_, Some(p)) => {
-                            let a = self.plan.recv(p, i, false, DI)?;
-                            tensor::<DI>(rank, a, device)?
-                        }
-                        (None, None) => return Err(self.plan.out_of_order()),
-                    };
-                    let keep = plan.backward_follows(k, i);
-                    let leaf = track(&x, keep && plan.prev.is_some());
-                    let y = forward(module, leaf.clone());
-                    if let Some(n) = plan.next {
-                        self.plan.send(&activation(rank, y.clone())?, n, i, false)?;
-                    }
-                    live.insert(i, (x, keep.then_some((leaf, y))));
-                }
-                Action::Backward(i) => {
-                    let (x, kept) = live.remove(&i).ok_or_else(|| self.plan.out_of_order())?;
-                    // Recomputed unless it ran just before (see the module docs).
-                    let (x, y) = match kept {
-                        Some(kept) => kept,
-                        None => {
-                            let leaf = track(&x, plan.prev.is_some());
-                            let y = forward(module, leaf.clone());
-                            (leaf, y)
-                        }
-                    };
-                    let surrogate = match plan.next {
-                        None => {
-                            let l = loss(y, plan.ranges[i].clone()) * plan.share(i);
-                            total_loss += l.clone().into_scalar::<f64>();
-                            l
-                        }
-                        Some(n) => {
-                            let a = self.plan.recv(n, i, true, DO)?;
-                            (y * tensor::<DO>(rank, a, device)?).sum()
-                        }
-                    };
-                    let grads = surrogate.backward();
-                    if let Some(p) = plan.prev {
-                        let dx = x
-                            .grad(&grads)
-                            .ok_or_else(|| self.plan.no_input_gradient())?;
-                        self.plan.send(&activation(rank, dx)?, p, i, true)?;
-                    }
-                    acc.accumulate(module, GradientsParams::from_grads(grads, module));
-                }
-            }
-        }
+        let mut ops = Ops {
+            rank: self.group().global_rank(),
+            module,
+            device,
+            batch,
+            forward: &mut forward,
+            loss: &mut loss,
+            acc: GradientsAccumulator::<M>::new(),
+        };
+        let total = self.plan.run(&plan, &mut ops)?;
         Ok(StepOutput {
-            grads: acc.grads(),
-            loss: self.is_last().then_some(total_loss),
+            grads: ops.acc.grads(),
+            loss: self.is_last().then_some(total),
         })
     }
 
@@ -178,13 +129,77 @@ impl Pipeline {
     }
 }
 
-/// `x` as the input of a graph: a fresh leaf that requires grad when `grad`, else untracked.
-fn track<const D: usize>(x: &Tensor<D>, grad: bool) -> Tensor<D> {
-    let x = x.clone().detach();
-    if grad {
-        x.require_grad()
-    } else {
-        x
+/// One step's tensors for the core's engine ([`StagePlan::run`]).
+struct Ops<'a, M: Module, F, L, const DI: usize> {
+    rank: Rank,
+    module: &'a M,
+    device: &'a Device,
+    /// The batch, on the first stage.
+    batch: Option<Tensor<DI>>,
+    forward: &'a mut F,
+    loss: &'a mut L,
+    acc: GradientsAccumulator<M>,
+}
+
+impl<M, F, L, const DI: usize, const DO: usize> StageOps for Ops<'_, M, F, L, DI>
+where
+    M: Module,
+    F: FnMut(&M, Tensor<DI>) -> Tensor<DO>,
+    L: FnMut(Tensor<DO>, Range<usize>) -> Tensor<1>,
+{
+    type In = Tensor<DI>;
+    type Out = Tensor<DO>;
+    type Scalar = Tensor<1>;
+
+    fn dims(&self) -> (usize, usize) {
+        (DI, DO)
+    }
+
+    fn slice(&mut self, rows: Range<usize>) -> Option<Tensor<DI>> {
+        let batch = self.batch.as_ref()?;
+        Some(batch.clone().narrow(0, rows.start, rows.len()))
+    }
+
+    fn input(&mut self, a: Activation) -> Result<Tensor<DI>> {
+        tensor(self.rank, a, self.device)
+    }
+
+    fn forward(&mut self, x: &Tensor<DI>, grad: bool) -> (Tensor<DI>, Tensor<DO>) {
+        let leaf = x.clone().detach();
+        let leaf = if grad { leaf.require_grad() } else { leaf };
+        let y = (self.forward)(self.module, leaf.clone());
+        (leaf, y)
+    }
+
+    fn activation(&mut self, y: &Tensor<DO>) -> Result<Activation> {
+        activation(self.rank, y.clone())
+    }
+
+    fn loss(&mut self, y: Tensor<DO>, rows: Range<usize>, share: f64) -> (Tensor<1>, f64) {
+        let l = (self.loss)(y, rows) * share;
+        let value = l.clone().into_scalar::<f64>();
+        (l, value)
+    }
+
+    fn surrogate(&mut self, y: Tensor<DO>, grad: Activation) -> Result<Tensor<1>> {
+        Ok((y * tensor::<DO>(self.rank, grad, self.device)?).sum())
+    }
+
+    fn backward(
+        &mut self,
+        surrogate: Tensor<1>,
+        x: &Tensor<DI>,
+        input_grad: bool,
+    ) -> Result<Option<Activation>> {
+        let grads = surrogate.backward();
+        let dx = match input_grad.then(|| x.grad(&grads)).flatten() {
+            Some(dx) => Some(activation(self.rank, dx)?),
+            None => None,
+        };
+        let module = self.module;
+        self.acc
+            .accumulate(module, GradientsParams::from_grads(grads, module));
+        Ok(dx)
     }
 }
 
@@ -202,25 +217,12 @@ fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
 }
 
 fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {
-    let what = "sending an activation to a neighbouring stage";
-    let data = t
-        .try_into_data()
-        .map_err(|e| model_error(rank, what, e.to_string()))?;
-    let dtype = core::float_code(data.dtype().name()).ok_or_else(|| {
-        model_error(
-            rank,
-            what,
-            format!(
-                "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
-                data.dtype()
-            ),
-        )
+    let data = t.try_into_data().map_err(|e| {
+        let what = "sending an activation to a neighbouring stage";
+        model_error(rank, what, e.to_string())
     })?;
-    Ok(Activation {
-        shape: data.shape().as_slice().to_vec(),
-        dtype,
-        bytes: data.as_bytes().to_vec(),
-    })
+    let shape = data.shape().as_slice().to_vec();
+    Activation::of(rank, shape, data.dtype().name(), data.as_bytes().to_vec())
 }
 
 /// A received activation as a tensor on `device` (its length was checked on receipt).

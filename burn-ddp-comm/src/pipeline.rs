@@ -1,13 +1,15 @@
 //! Pipeline parallelism without Burn: which micro-batch each stage runs forward or backward when
 //! (the GPipe and 1F1B schedules), how a batch is cut into micro-batches, the tags of the
 //! messages between stages, and the framing of an activation (shape and element type ahead of
-//! its bytes). The Burn lines run the schedule on their tensors (`burn_ddp::pipeline`).
+//! its bytes), and the step that runs the schedule ([`StagePlan::run`]) over a line's tensors
+//! ([`StageOps`]: `burn_ddp::pipeline` and `burn_ddp_burn022::pipeline`).
 //!
 //! Stages exchange activations downstream and their gradients upstream with point-to-point
 //! messages ([`ProcessGroup::send_bytes`](crate::ProcessGroup::send_bytes)). Sends never wait
 //! for the receiver, so each stage simply runs its list of actions in order; the schedules below
 //! are deadlock-free under that rule (checked by a simulation in the tests).
 
+use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::types::Rank;
@@ -169,6 +171,26 @@ pub struct Activation {
 const MAX_DIMS: usize = 16;
 
 impl Activation {
+    /// The activation of a tensor of `shape` whose elements (`bytes`, little-endian) are of
+    /// Burn's float type named `dtype` (`DType::name`: `f64`, `f32`, `f16`, `bf16`).
+    ///
+    /// # Errors
+    /// [`DdpError::Model`] for `rank` when the element type cannot travel between stages.
+    pub fn of(rank: Rank, shape: Vec<usize>, dtype: &str, bytes: Vec<u8>) -> Result<Self> {
+        let code = float_code(dtype).ok_or_else(|| DdpError::Model {
+            rank,
+            what: "sending an activation to a neighbouring stage",
+            reason: format!(
+                "its element type {dtype} cannot travel between stages (f64, f32, f16, bf16 can)"
+            ),
+        })?;
+        Ok(Self {
+            shape,
+            dtype: code,
+            bytes,
+        })
+    }
+
     /// The message: dimension count, type code, the dimensions (u64 little-endian), the bytes.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(2 + 8 * self.shape.len() + self.bytes.len());
@@ -418,6 +440,124 @@ impl StagePlan {
     }
 }
 
+/// What a Burn line gives [`StagePlan::run`] for one step of its stage: its tensors and the
+/// few graph operations the schedule needs. The engine walks the schedule (which micro-batch
+/// runs forward or backward, what is kept, received and sent); the line only does tensor work.
+pub trait StageOps {
+    /// The stage's input: a micro-batch of the batch, or an activation received.
+    type In;
+    /// The stage's output, with the graph behind it.
+    type Out;
+    /// A one-element tensor whose backward gives a micro-batch's gradients.
+    type Scalar;
+
+    /// The dimensions of the stage's input and of its output (checked on receipt).
+    fn dims(&self) -> (usize, usize);
+
+    /// Rows `rows` of the batch (the first stage; None on a stage without the batch).
+    fn slice(&mut self, rows: Range<usize>) -> Option<Self::In>;
+
+    /// An activation received from the previous stage, as the stage's input.
+    ///
+    /// # Errors
+    /// It cannot be made a tensor.
+    fn input(&mut self, a: Activation) -> Result<Self::In>;
+
+    /// The stage's forward of `x` as a fresh leaf (its gradient tracked when `grad`): the leaf
+    /// and the output.
+    fn forward(&mut self, x: &Self::In, grad: bool) -> (Self::In, Self::Out);
+
+    /// The output `y` as an activation for the next stage.
+    ///
+    /// # Errors
+    /// Its element type cannot travel.
+    fn activation(&mut self, y: &Self::Out) -> Result<Activation>;
+
+    /// The last stage: the loss of micro-batch `rows`, scaled by its `share` of the batch, and
+    /// its value.
+    fn loss(&mut self, y: Self::Out, rows: Range<usize>, share: f64) -> (Self::Scalar, f64);
+
+    /// Any other stage: the surrogate whose backward passes on the gradient of `y` that the
+    /// next stage sent (`grad`).
+    ///
+    /// # Errors
+    /// It cannot be made a tensor.
+    fn surrogate(&mut self, y: Self::Out, grad: Activation) -> Result<Self::Scalar>;
+
+    /// The backward of `surrogate`: the parameters' gradients are accumulated, and the
+    /// gradient of the leaf `x` returned as an activation when `input_grad` (None when the
+    /// graph has none).
+    ///
+    /// # Errors
+    /// The gradient's element type cannot travel.
+    fn backward(
+        &mut self,
+        surrogate: Self::Scalar,
+        x: &Self::In,
+        input_grad: bool,
+    ) -> Result<Option<Activation>>;
+}
+
+impl StagePlan {
+    /// One step of this stage over every micro-batch of `plan`, in the order of the schedule,
+    /// with `ops`' tensors: each forward's input taken from the batch or received, its output
+    /// sent on; each backward run on the graph kept when it follows its forward directly, else
+    /// on a recomputed one (Burn frees the graph steps of every graph that shares the
+    /// parameters when one of them runs backward, so only one micro-batch's graph may be
+    /// alive), its input's gradient sent back. Returns the sum of the micro-batches' scaled
+    /// losses (the batch's loss, on the last stage; 0 elsewhere).
+    ///
+    /// # Errors
+    /// [`StagePlan::recv`] and [`StagePlan::send`]'s; a micro-batch out of order; an input
+    /// without a gradient; what `ops` returns.
+    pub fn run<S: StageOps>(&self, plan: &StepPlan, ops: &mut S) -> Result<f64> {
+        let (dims_in, dims_out) = ops.dims();
+        // Per micro-batch in flight: this stage's input (untracked), and its leaf and output
+        // with the graph behind it when its backward comes right after its forward.
+        type Kept<S> = (<S as StageOps>::In, <S as StageOps>::Out);
+        let mut live: HashMap<usize, (S::In, Option<Kept<S>>)> = HashMap::new();
+        let mut total = 0.0f64;
+        for (k, &action) in plan.actions.iter().enumerate() {
+            match action {
+                Action::Forward(i) => {
+                    let x = match (ops.slice(plan.ranges[i].clone()), plan.prev) {
+                        (Some(x), _) => x,
+                        (None, Some(p)) => ops.input(self.recv(p, i, false, dims_in)?)?,
+                        (None, None) => return Err(self.out_of_order()),
+                    };
+                    let keep = plan.backward_follows(k, i);
+                    let (leaf, y) = ops.forward(&x, keep && plan.prev.is_some());
+                    if let Some(n) = plan.next {
+                        self.send(&ops.activation(&y)?, n, i, false)?;
+                    }
+                    live.insert(i, (x, keep.then_some((leaf, y))));
+                }
+                Action::Backward(i) => {
+                    let (x, kept) = live.remove(&i).ok_or_else(|| self.out_of_order())?;
+                    let (x, y) = match kept {
+                        Some(kept) => kept,
+                        None => ops.forward(&x, plan.prev.is_some()),
+                    };
+                    let surrogate = match plan.next {
+                        None => {
+                            let (l, value) = ops.loss(y, plan.ranges[i].clone(), plan.share(i));
+                            total += value;
+                            l
+                        }
+                        Some(n) => ops.surrogate(y, self.recv(n, i, true, dims_out)?)?,
+                    };
+                    let dx = ops.backward(surrogate, &x, plan.prev.is_some())?;
+                    if let Some(p) = plan.prev {
+                        let dx = dx.ok_or_else(|| self.no_input_gradient())?;
+                        self.send(&dx, p, i, true)?;
+                    }
+                }
+            }
+        }
+        Ok(total)
+    }
+}
+
 /// The wire code of a float element type by its name (`f64`, `f32`, `f16`, `bf16`), and back:
 /// each Burn line maps its own `DType` through these.
 pub fn float_code(name: &str) -> Option<u8> {
@@ -636,6 +776,101 @@ mod tests {
             "{e}"
         );
         assert!(StagePlan::new(group[0].clone(), Schedule::GPipe, 0).is_err());
+    }
+
+    /// A stage whose tensors are one f64: forward multiplies by `factor`; the log says what
+    /// ran, with which input.
+    struct Scalars {
+        rank: Rank,
+        factor: f64,
+        log: Vec<String>,
+    }
+
+    fn wire(rank: Rank, v: f64) -> Activation {
+        Activation::of(rank, vec![1], "f64", v.to_le_bytes().to_vec()).unwrap()
+    }
+
+    fn value(a: &Activation) -> f64 {
+        f64::from_le_bytes(a.bytes[..8].try_into().unwrap())
+    }
+
+    impl StageOps for Scalars {
+        type In = f64;
+        type Out = f64;
+        type Scalar = f64;
+
+        fn dims(&self) -> (usize, usize) {
+            (1, 1)
+        }
+        fn slice(&mut self, rows: Range<usize>) -> Option<f64> {
+            (self.rank == Rank(0)).then_some(rows.start as f64 + 1.0)
+        }
+        fn input(&mut self, a: Activation) -> Result<f64> {
+            Ok(value(&a))
+        }
+        fn forward(&mut self, x: &f64, grad: bool) -> (f64, f64) {
+            self.log.push(format!("fwd {x} {grad}"));
+            (*x, x * self.factor)
+        }
+        fn activation(&mut self, y: &f64) -> Result<Activation> {
+            Ok(wire(self.rank, *y))
+        }
+        fn loss(&mut self, y: f64, _rows: Range<usize>, share: f64) -> (f64, f64) {
+            (y * share, y * share)
+        }
+        fn surrogate(&mut self, y: f64, grad: Activation) -> Result<f64> {
+            self.log.push(format!("grad {}", value(&grad)));
+            Ok(y * value(&grad))
+        }
+        fn backward(&mut self, s: f64, x: &f64, input_grad: bool) -> Result<Option<Activation>> {
+            self.log.push(format!("bwd {x}"));
+            Ok(input_grad.then(|| wire(self.rank, s * self.factor)))
+        }
+    }
+
+    #[test]
+    fn a_step_runs_the_schedule_over_a_lines_tensors() {
+        let group = ProcessGroup::local(crate::WorldSize::new(2).unwrap(), Default::default());
+        fn run(pg: &ProcessGroup, factor: f64) -> (f64, Vec<String>) {
+            let stage = StagePlan::new(pg.clone(), Schedule::GPipe, 2).unwrap();
+            let rank = pg.rank();
+            let plan = stage.step_plan(4, rank == Rank(0)).unwrap();
+            let mut ops = Scalars {
+                rank,
+                factor,
+                log: Vec::new(),
+            };
+            let total = stage.run(&plan, &mut ops).unwrap();
+            (total, ops.log)
+        }
+        let (first, last) = std::thread::scope(|s| {
+            let a = s.spawn(|| run(&group[0], 2.0));
+            let b = s.spawn(|| run(&group[1], 3.0));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        // Micro-batches of rows 0..2 and 2..4 (inputs 1 and 3, half the batch each): the last
+        // stage's loss is (1 * 2 * 3 + 3 * 2 * 3) / 2.
+        assert_eq!(last.0, 12.0);
+        assert_eq!(first.0, 0.0);
+        // GPipe: F0 F1 B1 B0; micro-batch 1's graph is kept, micro-batch 0's recomputed; the
+        // first stage tracks no input gradient, the last does and sends it back (the fake's:
+        // its surrogate times its factor, 9 * 3 and 3 * 3).
+        assert_eq!(
+            first.1,
+            [
+                "fwd 1 false",
+                "fwd 3 false",
+                "grad 27",
+                "bwd 3",
+                "fwd 1 false",
+                "grad 9",
+                "bwd 1"
+            ]
+        );
+        assert_eq!(
+            last.1,
+            ["fwd 2 false", "fwd 6 true", "bwd 6", "fwd 2 true", "bwd 2"]
+        );
     }
 
     #[test]

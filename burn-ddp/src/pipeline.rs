@@ -12,6 +12,8 @@
 //! receives for its output `y`, and every stage after the first sends the gradient of its input
 //! upstream. Each stage's parameter gradients are summed over the micro-batches; the step
 //! returns them for the optimizer, exactly the gradients of the unsplit model on the whole batch.
+//! The schedule is walked by burn-ddp-comm's `StagePlan::run`, the same for every Burn line;
+//! this module gives it Burn 0.21's tensors (`StageOps`).
 //!
 //! The messages are point-to-point ([`ProcessGroup::send_bytes`]) on the pipeline's group: a
 //! group of processes (one stage per process, over TCP), or an in-process group
@@ -23,16 +25,15 @@
 //! the group of its replicas; run the pipeline step under a [`DdpSession`] of the replica group
 //! with [`Pipeline::step_synced`], which averages each stage's gradients across its replicas.
 
-use std::collections::HashMap;
 use std::ops::{Deref, Range};
 
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType as BurnDType, ElementConversion, Tensor, TensorData};
-use burn_ddp_comm::pipeline::{self as core, Action, Activation, StagePlan};
+use burn_ddp_comm::pipeline::{self as core, Activation, StageOps, StagePlan};
 pub use burn_ddp_comm::pipeline::{ideal_busy_fraction, HybridLayout, Schedule};
-use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
+use burn_ddp_comm::{ProcessGroup, Rank, Result};
 
 use crate::ddp::DdpSession;
 
@@ -75,7 +76,7 @@ impl Pipeline {
     /// (stage `s` is the group's rank `s`).
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`] for zero micro-batches.
+    /// [`DdpError::InvalidOption`](burn_ddp_comm::DdpError::InvalidOption) for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
         Ok(Self {
             plan: StagePlan::new(group, schedule, micro_batches)?,
@@ -106,79 +107,24 @@ impl Pipeline {
         B: AutodiffBackend,
         M: AutodiffModule<B>,
     {
-        let rank = self.group().global_rank();
         let (rows, batch) = match input {
             StageInput::Batch(t) => (t.dims()[0], Some(t)),
             StageInput::Rows(n) => (n, None),
         };
         let plan = self.plan.step_plan(rows, batch.is_some())?;
-        let device = module.devices().into_iter().next().unwrap_or_default();
-        // Per micro-batch in flight: this stage's input (untracked), and its output with the
-        // graph behind it when its backward comes right after its forward.
-        type Kept<B, const DI: usize, const DO: usize> = (Tensor<B, DI>, Tensor<B, DO>);
-        let mut live: HashMap<usize, (Tensor<B, DI>, Option<Kept<B, DI, DO>>)> = HashMap::new();
-        let mut acc = GradientsAccumulator::<M>::new();
-        let mut total_loss = 0.0f64;
-        for (k, &action) in plan.actions.iter().enumerate() {
-            match action {
-                Action::Forward(i) => {
-                    let r = plan.ranges[i].clone();
-                    let x = match (&batch, plan.prev) {
-                        (Some(b), _) => b.clone().narrow(0, r.start, r.len()),
-                        (_, Some(p)) => {
-                            let a = self.plan.recv(p, i, false, DI)?;
-                            tensor::<B, DI>(a, &device)
-                        }
-                        (None, None) => return Err(self.plan.out_of_order()),
-                    };
-                    let keep = plan.backward_follows(k, i);
-                    let leaf = track(&x, keep && plan.prev.is_some());
-                    let y = forward(module, leaf.clone());
-                    if let Some(n) = plan.next {
-                        self.plan
-                            .send(&activation(rank, y.clone().into_data())?, n, i, false)?;
-                    }
-                    live.insert(i, (x, keep.then_some((leaf, y))));
-                }
-                Action::Backward(i) => {
-                    let (x, kept) = live.remove(&i).ok_or_else(|| self.plan.out_of_order())?;
-                    // Burn frees the graph steps of every graph that shares the parameters when
-                    // one of them runs backward, so only the graph of this micro-batch may be
-                    // alive here: recompute the forward unless it ran just before.
-                    let (x, y) = match kept {
-                        Some(kept) => kept,
-                        None => {
-                            let leaf = track(&x, plan.prev.is_some());
-                            let y = forward(module, leaf.clone());
-                            (leaf, y)
-                        }
-                    };
-                    let surrogate = match plan.next {
-                        None => {
-                            let l = loss(y, plan.ranges[i].clone()) * plan.share(i);
-                            total_loss += l.clone().into_scalar().elem::<f64>();
-                            l
-                        }
-                        Some(n) => {
-                            let a = self.plan.recv(n, i, true, DO)?;
-                            (y * tensor::<B, DO>(a, &device)).sum()
-                        }
-                    };
-                    let grads = surrogate.backward();
-                    if let Some(p) = plan.prev {
-                        let dx = x
-                            .grad(&grads)
-                            .ok_or_else(|| self.plan.no_input_gradient())?;
-                        self.plan
-                            .send(&activation(rank, dx.into_data())?, p, i, true)?;
-                    }
-                    acc.accumulate(module, GradientsParams::from_grads(grads, module));
-                }
-            }
-        }
+        let mut ops = Ops {
+            rank: self.group().global_rank(),
+            module,
+            device: module.devices().into_iter().next().unwrap_or_default(),
+            batch,
+            forward: &mut forward,
+            loss: &mut loss,
+            acc: GradientsAccumulator::<M>::new(),
+        };
+        let total = self.plan.run(&plan, &mut ops)?;
         Ok(StepOutput {
-            grads: acc.grads(),
-            loss: self.is_last().then_some(total_loss),
+            grads: ops.acc.grads(),
+            loss: self.is_last().then_some(total),
         })
     }
 
@@ -213,14 +159,78 @@ impl Pipeline {
     }
 }
 
-/// `x` as the input of a graph: a fresh leaf that requires grad when `grad` (the stage's input
-/// gradient is wanted), else untracked.
-fn track<B: AutodiffBackend, const D: usize>(x: &Tensor<B, D>, grad: bool) -> Tensor<B, D> {
-    let x = x.clone().detach();
-    if grad {
-        x.require_grad()
-    } else {
-        x
+/// One step's tensors for the core's engine ([`StagePlan::run`]).
+struct Ops<'a, B: AutodiffBackend, M: AutodiffModule<B>, F, L, const DI: usize> {
+    rank: Rank,
+    module: &'a M,
+    device: B::Device,
+    /// The batch, on the first stage.
+    batch: Option<Tensor<B, DI>>,
+    forward: &'a mut F,
+    loss: &'a mut L,
+    acc: GradientsAccumulator<M>,
+}
+
+impl<B, M, F, L, const DI: usize, const DO: usize> StageOps for Ops<'_, B, M, F, L, DI>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    F: FnMut(&M, Tensor<B, DI>) -> Tensor<B, DO>,
+    L: FnMut(Tensor<B, DO>, Range<usize>) -> Tensor<B, 1>,
+{
+    type In = Tensor<B, DI>;
+    type Out = Tensor<B, DO>;
+    type Scalar = Tensor<B, 1>;
+
+    fn dims(&self) -> (usize, usize) {
+        (DI, DO)
+    }
+
+    fn slice(&mut self, rows: Range<usize>) -> Option<Tensor<B, DI>> {
+        let batch = self.batch.as_ref()?;
+        Some(batch.clone().narrow(0, rows.start, rows.len()))
+    }
+
+    fn input(&mut self, a: Activation) -> Result<Tensor<B, DI>> {
+        Ok(tensor(a, &self.device))
+    }
+
+    fn forward(&mut self, x: &Tensor<B, DI>, grad: bool) -> (Tensor<B, DI>, Tensor<B, DO>) {
+        let leaf = x.clone().detach();
+        let leaf = if grad { leaf.require_grad() } else { leaf };
+        let y = (self.forward)(self.module, leaf.clone());
+        (leaf, y)
+    }
+
+    fn activation(&mut self, y: &Tensor<B, DO>) -> Result<Activation> {
+        activation(self.rank, y.clone().into_data())
+    }
+
+    fn loss(&mut self, y: Tensor<B, DO>, rows: Range<usize>, share: f64) -> (Tensor<B, 1>, f64) {
+        let l = (self.loss)(y, rows) * share;
+        let value = l.clone().into_scalar().elem::<f64>();
+        (l, value)
+    }
+
+    fn surrogate(&mut self, y: Tensor<B, DO>, grad: Activation) -> Result<Tensor<B, 1>> {
+        Ok((y * tensor::<B, DO>(grad, &self.device)).sum())
+    }
+
+    fn backward(
+        &mut self,
+        surrogate: Tensor<B, 1>,
+        x: &Tensor<B, DI>,
+        input_grad: bool,
+    ) -> Result<Option<Activation>> {
+        let grads = surrogate.backward();
+        let dx = match input_grad.then(|| x.grad(&grads)).flatten() {
+            Some(dx) => Some(activation(self.rank, dx.into_data())?),
+            None => None,
+        };
+        let module = self.module;
+        self.acc
+            .accumulate(module, GradientsParams::from_grads(grads, module));
+        Ok(dx)
     }
 }
 
@@ -234,19 +244,8 @@ fn dtype_of(code: u8) -> BurnDType {
 }
 
 fn activation(rank: Rank, data: TensorData) -> Result<Activation> {
-    let dtype = core::float_code(data.dtype.name()).ok_or_else(|| DdpError::Model {
-        rank,
-        what: "sending an activation to a neighbouring stage",
-        reason: format!(
-            "its element type {:?} cannot travel between stages (f64, f32, f16, bf16 can)",
-            data.dtype
-        ),
-    })?;
-    Ok(Activation {
-        shape: data.shape.as_slice().to_vec(),
-        dtype,
-        bytes: data.as_bytes().to_vec(),
-    })
+    let shape = data.shape.as_slice().to_vec();
+    Activation::of(rank, shape, data.dtype.name(), data.as_bytes().to_vec())
 }
 
 /// A received activation as a tensor on `device` (its length was checked on receipt).
