@@ -38,25 +38,13 @@ impl Deref for Pipeline {
     }
 }
 
-/// What the first stage feeds the pipeline, and what the others know of the batch.
-// Made once per step and moved into `step`: boxing the tensor would only burden the caller.
-#[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
-pub enum StageInput<const D: usize> {
-    /// The first stage: the whole batch (rows along dimension 0).
-    Batch(Tensor<D>),
-    /// Any later stage: the number of rows of the batch (the same on every stage).
-    Rows(usize),
-}
+/// What the first stage feeds the pipeline (the batch, or its number of rows): the core's
+/// [`core::StageInput`] of a Burn 0.22 tensor.
+pub type StageInput<const D: usize> = core::StageInput<Tensor<D>>;
 
-/// What one pipeline step produced on this rank.
-#[derive(Debug)]
-pub struct StepOutput {
-    /// This stage's parameter gradients, summed over the micro-batches.
-    pub grads: GradientsParams,
-    /// The loss of the whole batch (the last stage only).
-    pub loss: Option<f64>,
-}
+/// What one pipeline step produced on this rank: the core's [`core::StepOutput`] of Burn
+/// 0.22's gradients.
+pub type StepOutput = core::StepOutput<GradientsParams>;
 
 impl Pipeline {
     /// This rank's stage of a pipeline whose stages are the ranks of `group`, in rank order.
@@ -85,10 +73,7 @@ impl Pipeline {
         mut forward: impl FnMut(&M, Tensor<DI>) -> Tensor<DO>,
         mut loss: impl FnMut(Tensor<DO>, Range<usize>) -> Tensor<1>,
     ) -> Result<StepOutput> {
-        let (rows, batch) = match input {
-            StageInput::Batch(t) => (t.dims()[0], Some(t)),
-            StageInput::Rows(n) => (n, None),
-        };
+        let (rows, batch) = input.split(|t| t.dims()[0]);
         let plan = self.plan.step_plan(rows, batch.is_some())?;
         let mut ops = Ops {
             rank: self.group().global_rank(),

@@ -440,6 +440,38 @@ impl StagePlan {
     }
 }
 
+/// What the first stage feeds the pipeline (`T`: a line's tensor), and what the others know of
+/// the batch.
+// Made once per step and moved into the step: boxing the tensor would only burden the caller.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum StageInput<T> {
+    /// The first stage: the whole batch (rows along dimension 0).
+    Batch(T),
+    /// Any later stage: the number of rows of the batch (the same on every stage).
+    Rows(usize),
+}
+
+impl<T> StageInput<T> {
+    /// The batch's rows (`rows_of` the batch on the first stage), and the batch.
+    pub fn split(self, rows_of: impl FnOnce(&T) -> usize) -> (usize, Option<T>) {
+        match self {
+            StageInput::Batch(t) => (rows_of(&t), Some(t)),
+            StageInput::Rows(n) => (n, None),
+        }
+    }
+}
+
+/// What one pipeline step produced on this rank (`G`: a line's gradients).
+#[derive(Debug)]
+pub struct StepOutput<G> {
+    /// This stage's parameter gradients, summed over the micro-batches: the gradients of the
+    /// whole batch's loss.
+    pub grads: G,
+    /// The loss of the whole batch (the last stage only).
+    pub loss: Option<f64>,
+}
+
 /// What a Burn line gives [`StagePlan::run`] for one step of its stage: its tensors and the
 /// few graph operations the schedule needs. The engine walks the schedule (which micro-batch
 /// runs forward or backward, what is kept, received and sent); the line only does tensor work.
