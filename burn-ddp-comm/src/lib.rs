@@ -37,7 +37,8 @@
 //!   lines' `DistributedSampler`)
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
 //!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
-//! - [`pipeline`] — pipeline schedules (GPipe, 1F1B), micro-batches, activations on the wire
+//! - [`pipeline`] — pipeline schedules (GPipe, 1F1B), micro-batches, activations on the wire, one
+//!   step over a line's tensors
 //! - [`train`] — the Burn-free half of both lines' Learner strategy: the epoch loop, the ranks'
 //!   votes before each step, output items gathered for the metrics, rank 0's checkpoint files
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
@@ -55,12 +56,12 @@
 //! |---|---|---|
 //! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable) and its record to and from bytes; the core checks them across ranks and loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
 //! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
-//! | buffers (BatchNorm's running statistics) broadcast | [`grad::broadcast_buffers`] | `buffers.rs` |
-//! | ZeRO-1: which rank owns which parameters, the sharded optimizer state as bytes | [`grad::ZeroPlan`], [`grad::ReadValues`] | `zero.rs` |
+//! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`], [`grad::FlatValues`] | `buffers.rs` |
+//! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |
 //! | the NCCL path on the release's device tensors (feature `cuda`) | `cuda::connect`, [`grad::BucketLauncher`] | `cuda.rs` |
 //! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
-//! | the pipeline executor on the release's tensors | [`pipeline`] | `pipeline.rs` |
-//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`], [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
+//! | the pipeline step's tensor work ([`pipeline::StageOps`]: slice, forward, loss, surrogate, backward); the core walks the schedule ([`pipeline::StagePlan::run`]) | [`pipeline`] | `pipeline.rs` |
+//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
 //! ## Features
 //!
