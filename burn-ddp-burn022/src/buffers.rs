@@ -8,10 +8,11 @@
 //! model's buffers travel in one broadcast (one bucket), as f32 through the host.
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_ddp_comm::grad::{broadcast_buffers, FlatValues, JoinCall};
 use burn_ddp_comm::{Rank, Result};
 
+use crate::grads::filled_like;
 use crate::GradSync;
 
 /// Whether a float tensor of the model is a buffer (what the plan of trainable parameters
@@ -86,18 +87,6 @@ impl ModuleMapper for Scatter<'_> {
         };
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, filled_like(&tensor, values), mapper)
-    }
-}
-
-/// A tensor of `like`'s shape, element type and device holding `values`: a fresh leaf that
-/// requires a gradient when `like` does.
-pub(crate) fn filled_like<const D: usize>(like: &Tensor<D>, values: &[f32]) -> Tensor<D> {
-    let data = TensorData::new(values.to_vec(), like.shape()).convert_dtype(like.dtype());
-    let fresh = Tensor::from_data(data, &like.device());
-    if like.is_require_grad() {
-        fresh.require_grad()
-    } else {
-        fresh
     }
 }
 

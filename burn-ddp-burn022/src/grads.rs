@@ -1,11 +1,12 @@
 //! Taking a model's gradients out of Burn 0.22's `GradientsParams` in a fixed order (the
 //! trainable parameters in visit order, checked against the bucket plan), and putting the
 //! reduced ones back: what the host-staged and the NCCL paths of
-//! [`GradSync::sync`](crate::GradSync::sync) share.
+//! [`GradSync::sync`](crate::GradSync::sync) share; and a tensor made anew from f32 values,
+//! which the buffer broadcast and ZeRO's all-gather write back.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
-use burn::tensor::{DType, Device, Shape, Tensor};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 use burn_ddp_comm::grad::BucketPlan;
 use burn_ddp_comm::{DdpError, Rank, Result};
 
@@ -189,5 +190,17 @@ impl ModuleVisitor for Put<'_> {
         };
         let grad: Tensor<D> = flat.reshape(Shape::from(target.shape.clone()));
         self.grads.register::<D>(param.id, grad);
+    }
+}
+
+/// A tensor of `like`'s shape, element type and device holding `values`: a fresh leaf that
+/// requires a gradient when `like` does.
+pub(crate) fn filled_like<const D: usize>(like: &Tensor<D>, values: &[f32]) -> Tensor<D> {
+    let data = TensorData::new(values.to_vec(), like.shape()).convert_dtype(like.dtype());
+    let fresh = Tensor::from_data(data, &like.device());
+    if like.is_require_grad() {
+        fresh.require_grad()
+    } else {
+        fresh
     }
 }

@@ -26,7 +26,7 @@ use burn::tensor::{Bytes, Tensor};
 use burn_ddp_comm::grad::{ReadValues, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
-use crate::buffers::filled_like;
+use crate::grads::filled_like;
 use crate::GradSync;
 
 /// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's

@@ -198,6 +198,14 @@ where
     fn validated(&mut self, epoch: usize) {
         self.strategy.state.completed(epoch);
     }
+
+    fn close(&mut self) -> Vote {
+        // Dropping the checkpointer waits for rank 0's last write.
+        drop(self.checkpointer.take());
+        self.interrupter
+            .error()
+            .map_or(Vote::Item, |e| Vote::Failed(e.to_string()))
+    }
 }
 
 impl<M> Handover for Run<'_, M>
@@ -281,23 +289,10 @@ impl DdpStrategy {
             accumulation: components.grad_accumulation,
             totals,
         };
-        let cursor = self.state.fit(&mut run, starting_epoch, epochs, admission);
+        self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
-            learner,
-            processor,
-            checkpointer,
-            interrupter,
-            ..
+            learner, processor, ..
         } = run;
-        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
-        // rank, through the last vote.
-        drop(checkpointer);
-        let last = match interrupter.error() {
-            Some(e) => Vote::Failed(e.to_string()),
-            None => Vote::Item,
-        };
-        self.state
-            .finish(&cursor, epochs, &last, |m| interrupter.stop(Some(m)));
         (learner.model(), processor)
     }
 }

@@ -429,6 +429,11 @@ pub trait EpochDriver {
     /// `epoch`'s validation is done (the run's summary counts the epochs completed).
     fn validated(&mut self, epoch: usize);
 
+    /// Training is over: waits for rank 0's last checkpoint write (the line's checkpointer
+    /// dropped) and returns this rank's last vote, a failure when that write failed
+    /// (`StrategyState::fit` takes it to every rank).
+    fn close(&mut self) -> Vote;
+
     /// The end of `epoch`: rank 0's part ([`main_epoch_end`](Self::main_epoch_end)), then
     /// every rank's vote ([`end_epoch`]).
     fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {

@@ -12,7 +12,7 @@ use super::board::MembershipBoard;
 use super::epoch::{self, ChangeLog, Cursor, Handover, SplitAt};
 use super::files::{self, RecordFiles};
 use super::run::{self, RunSettings};
-use super::vote::{FailureSlot, Split, Vote};
+use super::vote::{FailureSlot, Split};
 use crate::data::DataEpoch;
 use crate::{ProcessGroup, Rank, Recovery, Result};
 
@@ -227,9 +227,14 @@ impl StrategyState {
         self.completed.store(epoch, Ordering::Relaxed);
     }
 
-    /// The epoch loop of `driver` from the training of `start` to the end of `epochs`:
-    /// [`epoch::fit_fault_tolerant`] (with this process's `admission` into a running job) in a
-    /// fault-tolerant job, [`epoch::fit`] elsewhere. Returns where it ended.
+    /// The epoch loops of a Learner run from `start` to `epochs` ([`epoch::fit`], or
+    /// [`epoch::fit_fault_tolerant`] in a fault-tolerant job, where `admission` is this
+    /// process's entry into the running job), then the end of training: the driver closed
+    /// ([`close`](epoch::EpochDriver::close): rank 0's last checkpoint written), in a
+    /// fault-tolerant job the samplers' whole epoch dealt over the last membership again (for
+    /// what the program does after training, an evaluation over the validation data), and the
+    /// last vote ([`epoch::last_vote`]), so that a checkpoint rank 0 could not write fails
+    /// every rank. Returns where training ended.
     pub fn fit<D: Handover + ?Sized>(
         &self,
         driver: &mut D,
@@ -238,25 +243,13 @@ impl StrategyState {
         admission: Option<Recovery>,
     ) -> Cursor {
         self.completed(start - 1);
-        if self.pg.is_fault_tolerant() {
+        let fault_tolerant = self.pg.is_fault_tolerant();
+        let cursor = if fault_tolerant {
             epoch::fit_fault_tolerant(driver, start, epochs, admission)
         } else {
             epoch::fit(driver, start, epochs)
-        }
-    }
-
-    /// After [`fit`](Self::fit) ended at `cursor`, once rank 0's last checkpoint is written
-    /// (`last`: whether it was, [`epoch::last_vote`]): in a fault-tolerant job the samplers deal
-    /// their whole epoch over the last membership again (for what the program does after
-    /// training, an evaluation over the validation data); then the last vote.
-    pub fn finish(
-        &self,
-        cursor: &Cursor,
-        epochs: usize,
-        last: &Vote,
-        interrupt: impl FnOnce(&str),
-    ) {
-        let fault_tolerant = self.pg.is_fault_tolerant();
+        };
+        let last = driver.close();
         if fault_tolerant {
             let whole = Cursor::start(cursor.epoch.min(epochs));
             if let Err(e) = epoch::deal(&self.samplers, &self.pg, &whole) {
@@ -266,7 +259,10 @@ impl StrategyState {
                 );
             }
         }
-        epoch::last_vote(&self.pg, last, &self.failure, fault_tolerant, interrupt);
+        epoch::last_vote(&self.pg, &last, &self.failure, fault_tolerant, |m| {
+            driver.interrupt(m);
+        });
+        cursor
     }
 
     /// How much of Burn's summary a run may show: all of it (`Some(None)`) when training did

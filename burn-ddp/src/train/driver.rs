@@ -155,6 +155,16 @@ where
     fn validated(&mut self, epoch: usize) {
         self.strategy.state.completed(epoch);
     }
+
+    fn close(&mut self) -> Vote {
+        // Dropping the checkpointer waits for rank 0's last write.
+        drop(self.checkpointer.take());
+        self.strategy
+            .state
+            .written
+            .message()
+            .map_or(Vote::Item, Vote::Failed)
+    }
 }
 
 impl<B, LC> Handover for Run<'_, B, LC>
@@ -232,23 +242,10 @@ impl<B: Backend> DdpStrategy<B> {
             epochs,
             shown: self.is_main(),
         };
-        let cursor = self.state.fit(&mut run, starting_epoch, epochs, admission);
+        self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
-            learner,
-            processor,
-            checkpointer,
-            interrupter,
-            ..
+            learner, processor, ..
         } = run;
-        // Dropping the checkpointer waits for rank 0's last write; one that failed fails every
-        // rank, through the last vote.
-        drop(checkpointer);
-        let last = match self.state.written.message() {
-            Some(e) => Vote::Failed(e),
-            None => Vote::Item,
-        };
-        self.state
-            .finish(&cursor, epochs, &last, |m| interrupter.stop(Some(m)));
         (learner.model(), processor)
     }
 }

@@ -297,6 +297,10 @@ impl EpochDriver for Driver {
     fn validated(&mut self, epoch: usize) {
         self.log.borrow_mut().push(format!("validated {epoch}"));
     }
+    fn close(&mut self) -> Vote {
+        self.log.borrow_mut().push("closed".into());
+        Vote::Item
+    }
 }
 
 fn driver(batches: usize, stop_after: Option<usize>) -> Driver {
