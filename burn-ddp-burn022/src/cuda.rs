@@ -124,15 +124,8 @@ fn pin(
     (dtype, burn_dtype): (DType, BurnDType),
     what: &str,
 ) -> Result<(u64, Pinned)> {
-    let numel = cube.meta.shape().num_elements();
-    let contiguous = cube.is_contiguous();
-    check_bucket_tensor(
-        rank,
-        what,
-        contiguous,
-        (numel, cube.dtype),
-        (count, burn_dtype),
-    )?;
+    let found = (cube.meta.shape().num_elements(), cube.dtype);
+    check_bucket_tensor(rank, what, cube.is_contiguous(), found, (count, burn_dtype))?;
     let resource = cube
         .client
         .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())

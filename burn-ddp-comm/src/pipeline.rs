@@ -599,6 +599,17 @@ pub fn float_code(name: &str) -> Option<u8> {
         .map(|i| i as u8 + 1)
 }
 
+/// Which of a Burn line's float types (`candidates`, named by `name`: Burn's `DType::name`)
+/// wire code `code` stands for; None for a code of no float type, or one not among them.
+pub fn float_type<T: Copy>(
+    code: u8,
+    candidates: &[T],
+    name: impl Fn(&T) -> &'static str,
+) -> Option<T> {
+    let (wanted, _) = float_of(code)?;
+    candidates.iter().copied().find(|d| name(d) == wanted)
+}
+
 /// The name and element size of wire code `code` (see [`float_code`]).
 pub fn float_of(code: u8) -> Option<(&'static str, usize)> {
     FLOATS.get(usize::from(code).checked_sub(1)?).copied()
@@ -777,6 +788,15 @@ mod tests {
             assert_eq!(float_of(code).map(|(n, _)| n), Some(name));
         }
         assert_eq!(float_of(2), Some(("f32", 4)));
+        assert_eq!(
+            float_type(float_code("bf16").unwrap(), &["f32", "bf16"], |n| *n),
+            Some("bf16")
+        );
+        assert_eq!(
+            float_type(float_code("f64").unwrap(), &["f32"], |n| *n),
+            None
+        );
+
         assert_eq!(float_code("i32"), None);
         assert_eq!(float_of(0), None);
         assert_eq!(float_of(5), None);

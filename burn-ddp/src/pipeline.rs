@@ -220,13 +220,16 @@ where
     }
 }
 
-/// Burn's float element type of wire code `code` (by Burn's own names, `DType::name`).
+/// Burn's float element type of wire code `code` (f32 for a code it does not know: the
+/// receipt checked the length against the code's element size already).
 fn dtype_of(code: u8) -> BurnDType {
-    let name = core::float_of(code).map(|(name, _)| name);
-    [BurnDType::F64, BurnDType::F16, BurnDType::BF16]
-        .into_iter()
-        .find(|d| Some(d.name()) == name)
-        .unwrap_or(BurnDType::F32)
+    let floats = [
+        BurnDType::F64,
+        BurnDType::F32,
+        BurnDType::F16,
+        BurnDType::BF16,
+    ];
+    core::float_type(code, &floats, BurnDType::name).unwrap_or(BurnDType::F32)
 }
 
 fn activation(rank: Rank, data: TensorData) -> Result<Activation> {
