@@ -4,10 +4,11 @@
 //! [`GradSync`] on the stage's replica group).
 //!
 //! The core's step (burn-ddp-comm's `StagePlan::run`, as for the Burn 0.21 line) over Burn
-//! 0.22 tensors (`StageOps`), with the core's schedules, tags and activation framing: the first stage cuts its batch into micro-batches; activations
-//! go downstream and their gradients upstream as point-to-point messages; the last stage scales
-//! each micro-batch's loss by its share of the batch; every stage sums its parameter gradients
-//! over the micro-batches, which makes them the unsplit model's gradients on the whole batch.
+//! 0.22 tensors (`StageOps`), with the core's schedules, tags and activation framing: the first
+//! stage cuts its batch into micro-batches; activations go downstream and their gradients
+//! upstream as point-to-point messages; the last stage scales each micro-batch's loss by its
+//! share of the batch; every stage sums its parameter gradients over the micro-batches, which
+//! makes them the unsplit model's gradients on the whole batch.
 //! A micro-batch's forward is recomputed at its backward unless the backward follows it directly
 //! (Burn's autodiff frees the graphs that share parameters with the one whose backward runs, so
 //! several graphs cannot wait for their backward at once).

@@ -210,6 +210,14 @@ impl ZeroShards {
             .is_some_and(|i| self.plan.owner(i) != rank)
     }
 
+    /// The ids of the parameters another rank than `rank` owns, in visit order: the gradients
+    /// `rank` drops before its optimizer step.
+    pub fn owned_by_others(&self, rank: Rank) -> impl Iterator<Item = u64> + '_ {
+        (self.ids.iter().enumerate())
+            .filter(move |(i, _)| self.plan.owner(*i) != rank)
+            .map(|(_, id)| *id)
+    }
+
     /// Parameter `id`'s `n` values in `values` ([`ZeroPlan::all_gather`]'s result); None for
     /// a parameter that is not sharded, or values too short.
     pub fn gathered<'v>(&self, id: u64, n: usize, values: &'v [f32]) -> Option<&'v [f32]> {
@@ -286,6 +294,8 @@ mod tests {
         assert_eq!(s.ids(), [10, 20, 30]);
         assert!(s.owns(20, Rank(0)) && s.owns(10, Rank(1)) && s.owns(30, Rank(1)));
         assert!(s.owned_elsewhere(10, Rank(0)) && !s.owned_elsewhere(20, Rank(0)));
+        assert_eq!(s.owned_by_others(Rank(0)).collect::<Vec<_>>(), [10, 30]);
+        assert_eq!(s.owned_by_others(Rank(1)).collect::<Vec<_>>(), [20]);
         // A parameter that is not sharded is nobody's and never dropped.
         assert!(!s.owns(99, Rank(0)) && !s.owned_elsewhere(99, Rank(0)));
         let values: Vec<f32> = (0..10).map(|v| v as f32).collect();

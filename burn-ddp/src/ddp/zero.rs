@@ -183,18 +183,14 @@ where
         self.session.group().rank()
     }
 
-    /// Whether this rank steps parameter `id` (and keeps its state): those it owns, and every
-    /// parameter that is not sharded (rank-local ones).
     /// The synchronised parameters another rank owns, whose gradients this rank drops before
     /// its step.
-    fn dropped(&self) -> Vec<ParamId> {
-        let rank = self.rank();
-        (self.shards.ids().iter())
-            .filter(|id| self.shards.owned_elsewhere(**id, rank))
-            .map(|id| ParamId::from(*id))
-            .collect()
+    fn dropped(&self) -> impl Iterator<Item = ParamId> + '_ {
+        (self.shards.owned_by_others(self.rank())).map(ParamId::from)
     }
 
+    /// Whether this rank steps parameter `id` (and keeps its state): those it owns, and every
+    /// parameter that is not sharded (rank-local ones).
     fn steps(&self, id: ParamId) -> bool {
         !self.shards.owned_elsewhere(id.val(), self.rank())
     }
