@@ -223,13 +223,8 @@ where
 /// Burn's float element type of wire code `code` (f32 for a code it does not know: the
 /// receipt checked the length against the code's element size already).
 fn dtype_of(code: u8) -> BurnDType {
-    let floats = [
-        BurnDType::F64,
-        BurnDType::F32,
-        BurnDType::F16,
-        BurnDType::BF16,
-    ];
-    core::float_type(code, &floats, BurnDType::name).unwrap_or(BurnDType::F32)
+    use BurnDType::{BF16, F16, F32, F64};
+    core::float_type(code, &[F64, F32, F16, BF16], BurnDType::name).unwrap_or(F32)
 }
 
 fn activation(rank: Rank, data: TensorData) -> Result<Activation> {

@@ -124,19 +124,13 @@ where
 
 impl DdpStrategy {
     /// Burn's summary, of the epochs completed when training failed (burn-ddp-comm's
-    /// `StrategyState::summary_epochs`).
+    /// `StrategyState::trim_summary`).
     fn completed_only(&self, mut summary: LearnerSummary) -> Option<LearnerSummary> {
-        let Some(done) = self.state.summary_epochs()? else {
-            return Some(summary);
-        };
-        summary.epochs = summary.epochs.min(done);
-        for split in [&mut summary.metrics.train, &mut summary.metrics.valid] {
-            for metric in split.iter_mut() {
-                metric.entries.retain(|e| e.step <= done);
-            }
-            split.retain(|m| !m.entries.is_empty());
-        }
-        Some(summary)
+        let m = &mut summary.metrics;
+        let splits = [&mut m.train, &mut m.valid];
+        let state = &self.state;
+        let kept = state.trim_summary(&mut summary.epochs, splits, |m| &mut m.entries, |e| e.step);
+        kept.then_some(summary)
     }
 
     pub(super) fn lock_sync(&self) -> MutexGuard<'_, GradSync> {

@@ -120,6 +120,15 @@ impl Cursor {
         })
     }
 
+    /// The last epoch whose training and validation both ended when training is here (0 for
+    /// none): what the summary of a run that stopped at this cursor counts.
+    pub fn completed(&self) -> usize {
+        match self.phase {
+            Phase::End => self.epoch,
+            Phase::Train | Phase::Valid => self.epoch.saturating_sub(1),
+        }
+    }
+
     /// For the membership line: `epoch 2, training, 3 steps in`.
     pub fn describe(&self) -> String {
         let phase = match self.phase {
@@ -426,9 +435,6 @@ pub trait EpochDriver {
     /// Tells this rank's Learner to stop, with `message` (burn-train's interrupter).
     fn interrupt(&self, message: &str);
 
-    /// `epoch`'s validation is done (the run's summary counts the epochs completed).
-    fn validated(&mut self, epoch: usize);
-
     /// Training is over: waits for rank 0's last checkpoint write (the line's checkpointer
     /// dropped) and returns this rank's last vote, a failure when that write failed
     /// (`StrategyState::fit` takes it to every rank).
@@ -544,12 +550,7 @@ fn epoch_loop<D: EpochDriver + ?Sized>(
             Phase::End => driver.end_epoch(cursor.epoch, fault_tolerant),
         };
         match ended {
-            Ended::Done => {
-                if cursor.phase == Phase::Valid {
-                    driver.validated(cursor.epoch);
-                }
-                cursor.next_phase();
-            }
+            Ended::Done => cursor.next_phase(),
             Ended::Stop => break,
             Ended::Change(c) if fault_tolerant => pending = Some(c),
             Ended::Change(c) => {

@@ -222,11 +222,6 @@ impl StrategyState {
         );
     }
 
-    /// `epoch`'s training and validation both ended.
-    pub fn completed(&self, epoch: usize) {
-        self.completed.store(epoch, Ordering::Relaxed);
-    }
-
     /// The epoch loops of a Learner run from `start` to `epochs` ([`epoch::fit`], or
     /// [`epoch::fit_fault_tolerant`] in a fault-tolerant job, where `admission` is this
     /// process's entry into the running job), then the end of training: the driver closed
@@ -242,13 +237,13 @@ impl StrategyState {
         epochs: usize,
         admission: Option<Recovery>,
     ) -> Cursor {
-        self.completed(start - 1);
         let fault_tolerant = self.pg.is_fault_tolerant();
         let cursor = if fault_tolerant {
             epoch::fit_fault_tolerant(driver, start, epochs, admission)
         } else {
             epoch::fit(driver, start, epochs)
         };
+        self.completed.store(cursor.completed(), Ordering::Relaxed);
         let last = driver.close();
         if fault_tolerant {
             let whole = Cursor::start(cursor.epoch.min(epochs));
@@ -265,18 +260,34 @@ impl StrategyState {
         cursor
     }
 
-    /// How much of Burn's summary a run may show: all of it (`Some(None)`) when training did
-    /// not fail; else the epochs it completed (`Some(Some(n))`: Burn counts the highest epoch
-    /// whose metric logs it finds, and the epoch the run failed in has logs), or no summary
-    /// (`None`) when it completed none.
-    pub fn summary_epochs(&self) -> Option<Option<usize>> {
+    /// Burn's summary of the run, cut to what it may show: all of it when training did not
+    /// fail; else the epochs it completed (Burn counts the highest epoch whose metric logs it
+    /// finds, and the epoch the run failed in has logs): `epochs` (the summary's count) lowered
+    /// to them, and in each of `splits` (a split's metrics, with their `entries` and each
+    /// entry's `step`, its epoch) only their entries kept, and the metrics left without any
+    /// dropped. Returns false, for no summary, when the failed run completed no epoch.
+    pub fn trim_summary<M, E>(
+        &self,
+        epochs: &mut usize,
+        splits: [&mut Vec<M>; 2],
+        entries: impl Fn(&mut M) -> &mut Vec<E>,
+        step: impl Fn(&E) -> usize,
+    ) -> bool {
         if self.failure.message().is_none() {
-            return Some(None);
+            return true;
         }
-        match self.completed.load(Ordering::Relaxed) {
-            0 => None,
-            done => Some(Some(done)),
+        let done = self.completed.load(Ordering::Relaxed);
+        if done == 0 {
+            return false;
         }
+        *epochs = (*epochs).min(done);
+        for split in splits {
+            for metric in split.iter_mut() {
+                entries(metric).retain(|e| step(e) <= done);
+            }
+            split.retain_mut(|m| !entries(m).is_empty());
+        }
+        true
     }
 }
 
@@ -438,6 +449,49 @@ mod tests {
         });
         assert_eq!(start.unwrap(), 4);
         assert_eq!(asked, vec![Some(3)]);
+    }
+
+    /// A split's metric in Burn's summary: its entries as epochs.
+    struct Metric(Vec<usize>);
+
+    fn trimmed(state: &StrategyState, epochs: &mut usize, splits: &mut [Vec<Metric>; 2]) -> bool {
+        let [train, valid] = splits;
+        state.trim_summary(epochs, [train, valid], |m| &mut m.0, |e| *e)
+    }
+
+    #[test]
+    fn the_summary_of_a_run_that_did_not_fail_is_whole() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        let (mut epochs, mut splits) = (3, [vec![Metric(vec![1, 2, 3])], vec![]]);
+        assert!(trimmed(&state, &mut epochs, &mut splits));
+        assert_eq!((epochs, splits[0][0].0.len()), (3, 3));
+    }
+
+    #[test]
+    fn the_summary_of_a_failed_run_keeps_the_epochs_it_completed() {
+        let state = StrategyState::new(&ProcessGroup::single());
+        state.failure.fail(crate::DdpError::InvalidConfig {
+            field: "f",
+            reason: "lost",
+        });
+        let mut splits = || {
+            [
+                vec![Metric(vec![1, 2, 3]), Metric(vec![3])],
+                vec![Metric(vec![3])],
+            ]
+        };
+        let (mut epochs, mut none) = (3, splits());
+        assert!(
+            !trimmed(&state, &mut epochs, &mut none),
+            "no epoch completed"
+        );
+        state.completed.store(2, Ordering::Relaxed);
+        let mut kept = splits();
+        assert!(trimmed(&state, &mut epochs, &mut kept));
+        assert_eq!(epochs, 2);
+        let entries = |s: &[Metric]| s.iter().map(|m| m.0.clone()).collect::<Vec<_>>();
+        assert_eq!(entries(&kept[0]), [vec![1, 2]]);
+        assert!(kept[1].is_empty());
     }
 
     #[test]

@@ -152,10 +152,6 @@ where
         self.interrupter.stop(Some(message));
     }
 
-    fn validated(&mut self, epoch: usize) {
-        self.strategy.state.completed(epoch);
-    }
-
     fn close(&mut self) -> Vote {
         // Dropping the checkpointer waits for rank 0's last write.
         drop(self.checkpointer.take());

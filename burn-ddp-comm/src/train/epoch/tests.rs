@@ -294,9 +294,6 @@ impl EpochDriver for Driver {
     fn interrupt(&self, message: &str) {
         self.log.borrow_mut().push(message.to_owned());
     }
-    fn validated(&mut self, epoch: usize) {
-        self.log.borrow_mut().push(format!("validated {epoch}"));
-    }
     fn close(&mut self) -> Vote {
         self.log.borrow_mut().push("closed".into());
         Vote::Item
@@ -326,15 +323,26 @@ fn fit_runs_every_phase_of_every_epoch_from_the_start_epoch() {
         [
             "Training step 1, finish",
             "Validation step 1, finish",
-            "validated 2",
             "end 2",
             "Training step 1, finish",
             "Validation step 1, finish",
-            "validated 3",
             "end 3",
         ]
     );
     assert_eq!((end.epoch, end.phase, end.progress), (4, Phase::Train, 6));
+    assert_eq!(end.completed(), 3);
+}
+
+#[test]
+fn an_epoch_is_completed_once_its_validation_ended() {
+    let mut c = Cursor::start(1);
+    let mut seen = vec![c.completed()];
+    for _ in 0..4 {
+        c.next_phase();
+        seen.push(c.completed());
+    }
+    // training 1, validation 1, end 1, training 2, validation 2
+    assert_eq!(seen, [0, 0, 1, 1, 1]);
 }
 
 #[test]
@@ -346,11 +354,11 @@ fn fit_ends_where_the_epoch_vote_says_stop() {
         [
             "Training finish",
             "Validation finish",
-            "validated 1",
             "end 1",
             "rank 0: early stopping after epoch 1",
         ]
     );
     assert_eq!((end.epoch, end.phase), (1, Phase::End));
+    assert_eq!(end.completed(), 1);
     assert!(d.failure.take().is_none());
 }
