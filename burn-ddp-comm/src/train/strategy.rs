@@ -474,7 +474,7 @@ mod tests {
             field: "f",
             reason: "lost",
         });
-        let mut splits = || {
+        let splits = || {
             [
                 vec![Metric(vec![1, 2, 3]), Metric(vec![3])],
                 vec![Metric(vec![3])],
