@@ -16,7 +16,7 @@ use burn_ddp_comm::grad::{
 };
 
 use super::reducer;
-use super::{DdpSession, ParamInfo};
+use super::{DdpSession, Drain, ParamInfo};
 use crate::group::Rank;
 use crate::{DdpError, Result};
 
@@ -273,6 +273,14 @@ impl DdpSession {
     ) -> Result<M> {
         let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
+        let devices = model.devices();
+        *self.shared.drain.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(Drain(Box::new(move || {
+                for device in &devices {
+                    // An error here is the device's; the program has it from its own calls.
+                    let _ = B::sync(device);
+                }
+            })));
         let pg = &self.shared.pg;
         let rank = pg.rank();
         let model = check_and_load(pg, AsReplica::<B, M>::new(model, &skip), from_root)?.model;
