@@ -44,6 +44,7 @@ const BURN: &[(&str, u8)] = &[
 /// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them).
 const BURN022: &[(&str, u8)] = &[
     ("data", 1),
+    ("nn", 1),
     ("grads", 1),
     ("cuda", 2),
     ("sync", 3),

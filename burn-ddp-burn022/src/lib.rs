@@ -38,6 +38,10 @@
 //! a gradient for stays without one. For gradient accumulation, accumulate the micro-steps'
 //! gradients locally (Burn's `GradientsAccumulator`) and call `sync` once.
 //!
+//! [`nn::SyncBatchNorm`] is Burn's `BatchNorm` with the statistics of the global batch
+//! (PyTorch's `SyncBatchNorm`), on the backends of this crate's `flex`, `ndarray` and `cuda`
+//! features.
+//!
 //! [`DistributedSampler`] gives each rank its share of a Burn 0.22 dataset, reshuffled every
 //! epoch (`set_epoch`), with the same permutation as the 0.21 line.
 //!
@@ -58,6 +62,7 @@ mod buffers;
 pub mod cuda;
 mod data;
 mod grads;
+pub mod nn;
 pub mod pipeline;
 mod sync;
 #[cfg(feature = "train")]

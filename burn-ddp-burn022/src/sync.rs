@@ -11,6 +11,7 @@ use burn_ddp_comm::grad::{
     check_and_load, digest, load_from, BucketOrder, BucketPlan, HostSync, Join, JoinCall,
     NotCarried, ParamInfo, Replica, ReplicaCheck,
 };
+use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
 use crate::grads::{put_grads, take_grads};
@@ -29,6 +30,8 @@ pub struct GradSync {
     replicas: ReplicaCheck,
     /// Uneven-input mode, inside [`GradSync::join`].
     pub(crate) join: Option<Join>,
+    /// What this process's `SyncBatchNorm` layers could not all-reduce (`nn`).
+    layers: FailureSlot,
     /// NCCL for a model on a GPU (set up by `prepare`).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::DevicePath>,
@@ -72,7 +75,9 @@ impl GradSync {
             NotCarried::PowerSgd.refuse_on(&pg)?;
         }
         let host = HostSync::start(&pg, &config)?;
+        let layers = crate::nn::LayerGroup::register(&pg);
         Ok(Self {
+            layers,
             pg,
             replicas: ReplicaCheck::new(config.check_replicas_every),
             config,
@@ -205,13 +210,16 @@ impl GradSync {
     /// # Errors
     /// [`DdpError::ReplicasDiverged`]; [`prepare`](Self::prepare) was not called, or the
     /// model's trainable parameters changed since; a gradient of the wrong size; collective
-    /// failures, naming the rank at fault.
+    /// failures, naming the rank at fault, this step's `SyncBatchNorm` all-reduces' included.
     pub fn sync<M: Module>(
         &mut self,
         model: &M,
         grads: GradientsParams,
     ) -> Result<GradientsParams> {
         self.require_plan()?;
+        if let Some(e) = self.layers.take() {
+            return Err(e);
+        }
         let Some(join) = self.join.as_mut() else {
             if let Some(step) = self.replicas.due() {
                 ReplicaCheck::compare(&self.pg, step, &digests(self.plan.as_ref(), model))?;

@@ -913,3 +913,162 @@ fn zero_before_prepare_and_a_foreign_state_are_refused() {
         procs::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
+
+/// A linear layer, a SyncBatchNorm, a linear head.
+#[derive(Module, Debug)]
+struct SyncNormed {
+    fc: Linear,
+    norm: burn_ddp_burn022::nn::SyncBatchNorm,
+    head: Linear,
+}
+
+/// [`SyncNormed`] with Burn's BatchNorm: the single-process reference.
+#[derive(Module, Debug)]
+struct BatchNormed {
+    fc: Linear,
+    norm: burn::nn::BatchNorm,
+    head: Linear,
+}
+
+/// `n` rows of inputs and targets for step `step`: the same on every rank.
+fn rows(step: usize, n: usize) -> (Tensor<2>, Tensor<2>) {
+    let device = device();
+    device.seed(5000 + step as u64);
+    let x = Tensor::<2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<2>::random([n, 4 * OUT], Distribution::Normal(0.5, 1.0), &device);
+    (x, y)
+}
+
+/// The head's output over the normalized hidden layer: `[n, 4·OUT]` normalized as `[n, OUT, 2,
+/// 2]` (2-D BatchNorm) or as `[n, 4·OUT, 1, 1]` (one channel per feature).
+fn normed_out(
+    fc: &Linear,
+    head: &Linear,
+    x: Tensor<2>,
+    spatial: bool,
+    norm: impl Fn(Tensor<4>) -> Tensor<4>,
+) -> Tensor<2> {
+    let n = x.dims()[0];
+    let h = fc.forward(x);
+    let h = match spatial {
+        true => norm(h.reshape([n, OUT, 2, 2])),
+        false => norm(h.reshape([n, 4 * OUT, 1, 1])),
+    };
+    head.forward(h.reshape([n, 4 * OUT]).tanh())
+}
+
+/// SyncBatchNorm on ranks with `sizes[r]` rows each must equal one process with Burn's
+/// BatchNorm on all the rows: the forward output and the synchronised gradients of the first
+/// step, then the parameters and running statistics after 20 SGD steps (1e-5 relative); and the
+/// first step's output with this rank's own statistics (Burn's BatchNorm on the shard) is beyond
+/// the tolerance. Rank r's loss is its squared error summed over its rows, scaled so that the
+/// mean over the ranks is the global batch's mean.
+fn sync_norm(pg: ProcessGroup, sizes: &[usize], spatial: bool) {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = device();
+    let channels = if spatial { OUT } else { 4 * OUT };
+    let layers = |device: &Device| {
+        // The same weights on every rank and in the reference: drawn here, right after the
+        // seed (Burn 0.22 draws a parameter's initial values when it is first read).
+        device.seed(17);
+        let fc = LinearConfig::new(IN, 4 * OUT).init(device);
+        let head = LinearConfig::new(4 * OUT, 4 * OUT).init(device);
+        let _ = (params(&fc), params(&head));
+        (fc, head)
+    };
+    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+    let (fc, head) = layers(&device);
+    let norm = burn_ddp_burn022::nn::SyncBatchNormConfig::new(channels).init(&device);
+    let mut model = sync.prepare(SyncNormed { fc, norm, head }).unwrap();
+    let (fc, head) = layers(&device);
+    let norm = burn::nn::BatchNormConfig::new(channels).init(&device);
+    let mut reference = BatchNormed { fc, norm, head };
+    assert_eq!(
+        params(&model),
+        params(&reference),
+        "the reference starts elsewhere"
+    );
+    let total: usize = sizes.iter().sum();
+    let start: usize = sizes[..rank].iter().sum();
+    let mine = sizes[rank];
+    let elements = (total * 4 * OUT) as f64;
+    let values =
+        |t: Tensor<2>| -> Vec<f32> { t.into_data().convert::<f32>().try_to_vec().unwrap() };
+    let mut opt = SgdConfig::new().init();
+    let mut opt_ref = SgdConfig::new().init();
+    for step in 0..STEPS {
+        let (x, y) = rows(step, total);
+        let x_mine = x.clone().narrow(0, start, mine);
+        let out = normed_out(&model.fc, &model.head, x_mine.clone(), spatial, |h| {
+            model.norm.forward(h)
+        });
+        let loss = (out.clone() - y.clone().narrow(0, start, mine))
+            .powi_scalar(2)
+            .sum()
+            .mul_scalar(world as f64 / elements);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+
+        let out_ref = normed_out(&reference.fc, &reference.head, x, spatial, |h| {
+            reference.norm.forward(h)
+        });
+        let loss_ref = (out_ref.clone() - y).powi_scalar(2).mean();
+        let grads_ref = GradientsParams::from_grads(loss_ref.backward(), &reference);
+        if step == 0 {
+            let want = values(out_ref.narrow(0, start, mine));
+            assert_close(rank, &values(out), &want, F32);
+            let local = burn::nn::BatchNormConfig::new(channels).init(&device);
+            let alone = normed_out(&reference.fc, &reference.head, x_mine, spatial, |h| {
+                local.forward(h)
+            });
+            compare::assert_discriminates(rank, &values(alone), &want, F32);
+            assert_close(
+                rank,
+                &grad_values(&model.fc, &grads),
+                &grad_values(&reference.fc, &grads_ref),
+                F32,
+            );
+        }
+        model = opt.step(0.1, model, grads);
+        reference = opt_ref.step(0.1, reference, grads_ref);
+    }
+    assert_close(rank, &params(&model), &params(&reference), F32);
+    let stats = |n: &burn::nn::BatchNorm| -> Vec<f32> {
+        let (mean, var) = (n.running_mean.value_sync(), n.running_var.value_sync());
+        let mut v: Vec<f32> = mean.into_data().convert::<f32>().try_to_vec().unwrap();
+        v.extend(
+            var.into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap(),
+        );
+        v
+    };
+    let synced = stats(&model.norm.into_batch_norm());
+    assert_close(rank, &synced, &stats(&reference.norm), F32);
+}
+
+#[test]
+fn sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch() {
+    for (name, sizes, spatial) in [
+        ("sync_bn_1d_w2", &[4, 4][..], false),
+        ("sync_bn_2d_w2", &[4, 4][..], true),
+        // Different batch sizes.
+        ("sync_bn_2d_uneven_w3", &[3, 6, 4][..], true),
+    ] {
+        let world = sizes.len();
+        if let Some(pg) = procs::child_group(name) {
+            sync_norm(pg, sizes, spatial);
+            return;
+        }
+        if !procs::is_any_child() && procs::world_selected(world) {
+            procs::TestJob::new(world as u32, name)
+                .function(
+                    "sync_batch_norm_trains_like_one_process_with_batch_norm_on_the_global_batch",
+                )
+                .run()
+                .assert_all_ok();
+        }
+    }
+}
