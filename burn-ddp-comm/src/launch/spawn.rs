@@ -365,17 +365,29 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
     let mut killed = false;
     let mut halted = false;
     loop {
+        // Of the ranks found failed in one round (100 ms), the one killed by a signal is blamed
+        // before one that exited with an error: a rank's death makes the others fail their
+        // next collective and exit within milliseconds, and their error names it.
+        let mut failed: Option<(bool, DdpError)> = None;
         for r in running.iter_mut().filter(|r| r.exit.is_none()) {
             if let Ok(Some(status)) = r.child.try_wait() {
                 r.exit = Some(status);
-                if !status.success() && failure.is_none() && !r.stopped {
-                    failure = Some(DdpError::RankFailed {
+                let signalled = std::os::unix::process::ExitStatusExt::signal(&status).is_some();
+                if !status.success()
+                    && !r.stopped
+                    && failed.as_ref().is_none_or(|f| signalled && !f.0)
+                {
+                    let e = DdpError::RankFailed {
                         rank: r.rank,
                         pid: r.child.id(),
                         status: describe(status),
-                    });
+                    };
+                    failed = Some((signalled, e));
                 }
             }
+        }
+        if failure.is_none() {
+            failure = failed.map(|(_, e)| e);
         }
         if running.iter().all(|r| r.exit.is_some()) {
             break;
