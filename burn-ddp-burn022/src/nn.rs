@@ -10,14 +10,15 @@
 //! `flex`), `NdArray` (`ndarray`), Burn's `Cube` (`cuda`, with or without `fusion`).
 
 use std::cell::RefCell;
+use std::ops::ControlFlow;
 use std::sync::Mutex;
 
 use burn::config::Config;
 use burn::module::{Flag, Module, Param, RunningState};
 use burn::nn::{BatchNorm, BatchNormConfig};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use burn_ddp_comm::train::vote::FailureSlot;
-use burn_ddp_comm::{DdpError, ProcessGroup, ReduceOp, Result};
+use burn_ddp_comm::{DdpError, ProcessGroup, WeakGroup};
 
 /// [`SyncBatchNorm`]'s configuration: the same fields, defaults and checks as Burn's
 /// `BatchNormConfig`.
@@ -64,9 +65,10 @@ impl SyncBatchNormConfig {
 /// the same record, and `SyncBatchNorm::from(batch_norm)` / [`SyncBatchNorm::into_batch_norm`]
 /// convert a built layer. Change the field's type and config; nothing else.
 ///
-/// - **The group**: the all-reduces run over the group of this process's [`GradSync`]
-///   (`crate::GradSync`, which `DdpStrategy` makes), one rank per process, from the moment it is
-///   created. Without one (one process, or world size 1), `SyncBatchNorm` is `BatchNorm`.
+/// - **The group**: the all-reduces run over the group of the
+///   [`GradSync`](crate::GradSync) made on the forward's thread, else the process's last (one
+///   rank per process, or per thread of an in-process group; `DdpStrategy` makes one). Without
+///   one (one process, or world size 1), `SyncBatchNorm` is `BatchNorm`.
 /// - **Backends**: the ones this crate is built for: feature `flex` for Burn's `Flex`,
 ///   `ndarray` for `NdArray`, `cuda` (or `fusion`) for Burn's CUDA backend. On another, the
 ///   forward is this rank's `BatchNorm` and the next `GradSync::sync` fails saying which feature
@@ -203,14 +205,18 @@ pub(crate) struct LayerGroup {
     failure: FailureSlot,
 }
 
+/// A registered group: weak, so that the registry never keeps a group alive (the last
+/// `ProcessGroup` handle dropped is what tells the other ranks that this one finished).
+type Registered = (WeakGroup, FailureSlot);
+
 /// Set by [`LayerGroup::register`] (each `GradSync::new`): the process's last, for a forward
 /// on another thread than its `GradSync`'s.
-static LAYERS: Mutex<Option<LayerGroup>> = Mutex::new(None);
+static LAYERS: Mutex<Option<Registered>> = Mutex::new(None);
 
 thread_local! {
     /// The group of the `GradSync` made on this thread: the ranks of an in-process group, one
     /// thread each, keep theirs apart.
-    static THREAD_LAYERS: RefCell<Option<LayerGroup>> = const { RefCell::new(None) };
+    static THREAD_LAYERS: RefCell<Option<Registered>> = const { RefCell::new(None) };
 }
 
 impl LayerGroup {
@@ -218,48 +224,24 @@ impl LayerGroup {
     /// made none); returns where their failures are kept.
     pub(crate) fn register(pg: &ProcessGroup) -> FailureSlot {
         let failure = FailureSlot::default();
-        let group = Self {
-            pg: pg.clone(),
-            failure: failure.clone(),
-        };
-        THREAD_LAYERS.with(|t| *t.borrow_mut() = Some(group.clone()));
-        *LAYERS.lock().unwrap_or_else(|p| p.into_inner()) = Some(group);
+        let registered = (pg.downgrade(), failure.clone());
+        THREAD_LAYERS.with(|t| *t.borrow_mut() = Some(registered.clone()));
+        *LAYERS.lock().unwrap_or_else(|p| p.into_inner()) = Some(registered);
         failure
     }
 
-    /// This thread's group, else the process's; none at world size 1.
+    /// This thread's group, else the process's, while it lives; none at world size 1.
     fn current() -> Option<Self> {
-        let group = THREAD_LAYERS
-            .with(|t| t.borrow().clone())
-            .or_else(|| LAYERS.lock().unwrap_or_else(|p| p.into_inner()).clone())?;
+        let alive = |r: Option<Registered>| {
+            let (weak, failure) = r?;
+            Some(Self {
+                pg: weak.upgrade()?,
+                failure,
+            })
+        };
+        let group = alive(THREAD_LAYERS.with(|t| t.borrow().clone()))
+            .or_else(|| alive(LAYERS.lock().unwrap_or_else(|p| p.into_inner()).clone()))?;
         (group.pg.world_size().as_usize() > 1).then_some(group)
-    }
-
-    /// `t`'s element-wise sum over the group, on `t`'s device and dtype; `t` itself (and the
-    /// error kept for the next `GradSync::sync`) when that fails.
-    fn sum<const D: usize>(&self, t: Tensor<D>) -> Tensor<D> {
-        match self.try_sum(t.clone()) {
-            Ok(sum) => sum,
-            Err(e) => {
-                self.failure.fail(e);
-                t
-            }
-        }
-    }
-
-    fn try_sum<const D: usize>(&self, t: Tensor<D>) -> Result<Tensor<D>> {
-        let (device, dtype) = (t.device(), t.dtype());
-        let data = t
-            .try_into_data()
-            .map_err(|e| self.model_error(e.to_string()))?;
-        let shape = data.shape().clone();
-        let mut values = data
-            .convert_dtype(burn::tensor::DType::F32)
-            .try_into_vec::<f32>()
-            .map_err(|e| self.model_error(format!("{e:?}")))?;
-        self.pg.all_reduce(&mut values, ReduceOp::Sum)?;
-        let data = TensorData::new(values, shape).convert_dtype(dtype);
-        Ok(Tensor::from_data(data, (&device, dtype)))
     }
 
     /// Keeps a failure of this module's own for the next `GradSync::sync`.
@@ -283,8 +265,8 @@ fn group_sum(t: Tensor<1>) -> Tensor<1> {
         return t;
     };
     match tracked::sum(&group, t) {
-        Ok(sum) => sum,
-        Err(t) => {
+        ControlFlow::Break(sum) => sum,
+        ControlFlow::Continue(t) => {
             group.fail(format!(
                 "the tensor is on a backend that burn-ddp-burn022 was not built for ({:?}): \
                  enable its feature for that backend (`flex`, `ndarray` or `cuda`)",
@@ -297,26 +279,21 @@ fn group_sum(t: Tensor<1>) -> Tensor<1> {
 
 /// The all-reduce as an autodiff operation, for each backend this crate is built for.
 mod tracked {
-    use std::ops::ControlFlow::{self, Break, Continue};
+    use std::ops::ControlFlow::{self, Continue};
 
     use super::LayerGroup;
     use burn::tensor::Tensor;
 
-    /// `t` summed over `group` with a backward that sums the gradient over it; `Err(t)` when
-    /// `t` is on none of the backends this crate is built for.
-    pub(super) fn sum(group: &LayerGroup, t: Tensor<1>) -> Result<Tensor<1>, Tensor<1>> {
-        match find(group, t) {
-            Break(sum) => Ok(sum),
-            Continue(t) => Err(t),
-        }
-    }
-
-    /// Each backend in turn: the sum (`Break`) from the one `t` is on.
+    /// `t` summed over `group` with a backward that sums the gradient over it (`Break`), from
+    /// the backend among those this crate is built for that `t` is on; `Continue(t)` when it is
+    /// on none of them.
     #[allow(clippy::let_and_return)] // without any backend feature, no attempt is made
-    fn find(group: &LayerGroup, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>> {
+    pub(super) fn sum(group: &LayerGroup, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>> {
         #[cfg(feature = "flex")]
         let t = on::<burn::backend::Flex>(group, t)?;
+        // Burn 0.22 deprecates NdArray, but still offers it.
         #[cfg(feature = "ndarray")]
+        #[allow(deprecated)]
         let t = on::<burn::backend::NdArray>(group, t)?;
         #[cfg(feature = "cuda")]
         let t = on::<burn::backend::Cube>(group, t)?;
@@ -343,7 +320,7 @@ mod tracked {
         use std::ops::ControlFlow::{self, Break, Continue};
 
         use burn::backend::{Backend, DispatchKindConversion, DispatchTensor};
-        use burn::tensor::Tensor;
+        use burn::tensor::{Tensor, TensorData};
         use burn_autodiff::checkpoint::base::Checkpointer;
         pub(super) use burn_autodiff::checkpoint::strategy::{
             BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
@@ -351,6 +328,7 @@ mod tracked {
         use burn_autodiff::grads::Gradients;
         use burn_autodiff::ops::{unary, Backward, Ops, OpsKind};
         pub(super) use burn_autodiff::Autodiff;
+        use burn_ddp_comm::{ReduceOp, Result};
 
         use super::LayerGroup;
 
@@ -408,7 +386,7 @@ mod tracked {
             B: Backend,
             DispatchTensor: DispatchKindConversion<B>,
         {
-            let sum = group.sum(Tensor::<1>::from_primitive::<B>(t.clone()));
+            let sum = host_sum(group, Tensor::<1>::from_primitive::<B>(t.clone()));
             // The sum is made on the input's device, so of its backend: a failure here would be
             // Burn's, kept as any other for the next `GradSync::sync`.
             sum.try_into_primitive::<B>().unwrap_or_else(|e| {
@@ -418,6 +396,33 @@ mod tracked {
                 ));
                 t
             })
+        }
+
+        /// `t`'s element-wise sum over the group, on `t`'s device and dtype; `t` itself (and the
+        /// error kept for the next `GradSync::sync`) when that fails.
+        fn host_sum<const D: usize>(group: &LayerGroup, t: Tensor<D>) -> Tensor<D> {
+            match try_host_sum(group, t.clone()) {
+                Ok(sum) => sum,
+                Err(e) => {
+                    group.failure.fail(e);
+                    t
+                }
+            }
+        }
+
+        fn try_host_sum<const D: usize>(group: &LayerGroup, t: Tensor<D>) -> Result<Tensor<D>> {
+            let (device, dtype) = (t.device(), t.dtype());
+            let data = t
+                .try_into_data()
+                .map_err(|e| group.model_error(e.to_string()))?;
+            let shape = data.shape().clone();
+            let mut values = data
+                .convert_dtype(burn::tensor::DType::F32)
+                .try_into_vec::<f32>()
+                .map_err(|e| group.model_error(format!("{e:?}")))?;
+            group.pg.all_reduce(&mut values, ReduceOp::Sum)?;
+            let data = TensorData::new(values, shape).convert_dtype(dtype);
+            Ok(Tensor::from_data(data, (&device, dtype)))
         }
     }
 }

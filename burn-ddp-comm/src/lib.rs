@@ -103,7 +103,7 @@ mod wire;
 pub use config::{FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
 pub use error::{DdpError, Result};
 pub use grad::{Compression, DdpConfig, GradReduction, ParamInfo};
-pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery};
+pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery, WeakGroup};
 pub use launch::spawn;
 pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};
 pub use wire::WireError;

@@ -252,6 +252,26 @@ pub struct ProcessGroup {
     shared: Arc<Shared>,
 }
 
+/// A [`ProcessGroup`] that does not keep the group alive ([`ProcessGroup::downgrade`]).
+#[derive(Clone)]
+pub struct WeakGroup(std::sync::Weak<Shared>);
+
+impl WeakGroup {
+    /// The group, while some [`ProcessGroup`] handle of it is still alive.
+    pub fn upgrade(&self) -> Option<ProcessGroup> {
+        self.0.upgrade().map(|shared| ProcessGroup { shared })
+    }
+}
+
+impl std::fmt::Debug for WeakGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0.strong_count() {
+            0 => "WeakGroup(ended)",
+            _ => "WeakGroup(alive)",
+        })
+    }
+}
+
 /// What every clone of a group shares: the group's current membership ([`Inner`]), which a
 /// fault-tolerant group replaces when ranks leave or join (so that every clone, the reducer's
 /// threads' included, moves to the new membership together), and the fault-tolerant job's
@@ -381,6 +401,13 @@ impl ProcessGroup {
     /// This process's rank.
     pub fn rank(&self) -> Rank {
         self.inner().rank
+    }
+
+    /// A handle on this group that does not keep it alive (for a registry of groups, such as
+    /// the one a Burn line's layers look their group up in): the group still ends, and tells
+    /// the others it finished, when the program drops its last [`ProcessGroup`].
+    pub fn downgrade(&self) -> WeakGroup {
+        WeakGroup(Arc::downgrade(&self.shared))
     }
 
     /// Number of ranks.
@@ -694,4 +721,18 @@ pub(crate) fn on_local_ranks<T: Send>(world: u32, f: impl Fn(ProcessGroup) -> T 
             .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
             .collect()
     })
+}
+
+#[cfg(test)]
+mod weak_tests {
+    use super::*;
+
+    #[test]
+    fn a_weak_group_does_not_keep_the_group_alive() {
+        let pg = ProcessGroup::single();
+        let weak = pg.downgrade();
+        assert_eq!(weak.upgrade().map(|g| g.rank()), Some(Rank::ZERO));
+        drop(pg);
+        assert!(weak.upgrade().is_none(), "{weak:?}");
+    }
 }
