@@ -365,29 +365,17 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
     let mut killed = false;
     let mut halted = false;
     loop {
-        // Of the ranks found failed in one round (100 ms), the one killed by a signal is blamed
-        // before one that exited with an error: a rank's death makes the others fail their
-        // next collective and exit within milliseconds, and their error names it.
-        let mut failed: Option<(bool, DdpError)> = None;
+        let mut ended = Vec::new();
         for r in running.iter_mut().filter(|r| r.exit.is_none()) {
             if let Ok(Some(status)) = r.child.try_wait() {
                 r.exit = Some(status);
-                let signalled = std::os::unix::process::ExitStatusExt::signal(&status).is_some();
-                if !status.success()
-                    && !r.stopped
-                    && failed.as_ref().is_none_or(|f| signalled && !f.0)
-                {
-                    let e = DdpError::RankFailed {
-                        rank: r.rank,
-                        pid: r.child.id(),
-                        status: describe(status),
-                    };
-                    failed = Some((signalled, e));
+                if !r.stopped {
+                    ended.push((r.rank, r.child.id(), status));
                 }
             }
         }
         if failure.is_none() {
-            failure = failed.map(|(_, e)| e);
+            failure = to_blame(&ended);
         }
         if running.iter().all(|r| r.exit.is_some()) {
             break;
@@ -450,6 +438,23 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
     })
 }
 
+/// The failure of the ranks found ended in one round of the supervisor's poll (every 100 ms):
+/// the first killed by a signal, else the first that exited with an error, else none. A rank's
+/// death makes the others fail their next collective and exit within milliseconds, naming it,
+/// so both are often found in the same round, the consequence first in rank order.
+fn to_blame(ended: &[(Rank, u32, ExitStatus)]) -> Option<DdpError> {
+    use std::os::unix::process::ExitStatusExt;
+    let failed = || ended.iter().filter(|(_, _, status)| !status.success());
+    let (rank, pid, status) = failed()
+        .find(|(_, _, status)| status.signal().is_some())
+        .or_else(|| failed().next())?;
+    Some(DdpError::RankFailed {
+        rank: *rank,
+        pid: *pid,
+        status: describe(*status),
+    })
+}
+
 /// A flag that SIGINT, SIGTERM and SIGHUP set, for [`LocalJob::stop`].
 ///
 /// # Errors
@@ -464,4 +469,32 @@ pub(crate) fn stop_flag() -> Result<Arc<AtomicBool>> {
         signal_hook::flag::register(sig, Arc::clone(&flag))?;
     }
     Ok(flag)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+
+    use super::*;
+
+    #[test]
+    fn a_rank_killed_by_a_signal_is_blamed_before_one_that_exited_with_an_error() {
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        let killed = ExitStatus::from_raw(9);
+        let blamed = |ended: &[(Rank, u32, ExitStatus)]| match to_blame(ended) {
+            Some(DdpError::RankFailed { rank, status, .. }) => Some((rank.0, status)),
+            _ => None,
+        };
+        let both = [(Rank(0), 10, exited(1)), (Rank(1), 11, killed)];
+        let (rank, status) = blamed(&both).unwrap();
+        assert_eq!(rank, 1, "{status}");
+        assert!(status.contains("SIGKILL"), "{status}");
+        let errors = [
+            (Rank(0), 10, exited(0)),
+            (Rank(1), 11, exited(1)),
+            (Rank(2), 12, exited(2)),
+        ];
+        assert_eq!(blamed(&errors).map(|b| b.0), Some(1));
+        assert!(blamed(&[(Rank(0), 10, exited(0))]).is_none());
+    }
 }
