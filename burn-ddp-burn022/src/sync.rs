@@ -8,8 +8,8 @@ use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
-    check_and_load, digest, load_from, BucketOrder, BucketPlan, HostSync, Join, JoinCall,
-    NotCarried, ParamInfo, Replica, ReplicaCheck,
+    check_and_load, digest, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync, Join,
+    JoinCall, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
 };
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
@@ -35,6 +35,17 @@ pub struct GradSync {
     /// NCCL for a model on a GPU (set up by `prepare`).
     #[cfg(feature = "cuda")]
     device: Option<crate::cuda::DevicePath>,
+    /// Waits for the work queued on the prepared model's devices, run when this is dropped.
+    drain: DeviceDrain,
+}
+
+impl Drop for GradSync {
+    /// Waits (at most [`DEVICE_DRAIN_LIMIT`]) for the work still queued on the prepared model's
+    /// devices, so that a program that returns right after queueing GPU work does not unload
+    /// the CUDA compiler under the device thread still using it.
+    fn drop(&mut self) {
+        self.drain.run(self.pg.rank(), DEVICE_DRAIN_LIMIT);
+    }
 }
 
 impl std::fmt::Debug for GradSync {
@@ -86,6 +97,7 @@ impl GradSync {
             join: None,
             #[cfg(feature = "cuda")]
             device: None,
+            drain: DeviceDrain::default(),
         })
     }
 
@@ -176,6 +188,12 @@ impl GradSync {
     /// [`prepare`](Self::prepare), loading rank 0's record on every rank when `load`.
     fn prepare_with<M: Module>(&mut self, model: M, load: bool) -> Result<M> {
         let rank = self.pg.rank();
+        let devices = model.devices();
+        self.drain.set(move || {
+            devices
+                .iter()
+                .try_for_each(|device| device.sync().map_err(|e| e.to_string()))
+        });
         let AsReplica(model) = check_and_load(&self.pg, AsReplica(model), load)?;
 
         let trainable = describe(&model)

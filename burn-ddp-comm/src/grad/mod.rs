@@ -20,12 +20,15 @@
 //!   the stepped parameters; [`ZeroShards`], the plan by parameter id
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
+//! - `drain.rs`: [`DeviceDrain`], the wait for the devices' queued work when a line's gradient
+//!   sync ends (with a deadline)
 //! - `launch.rs`: [`BucketLauncher`] and [`InFlight`], the device transports' launcher thread and the
 //!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
 //!   transfer on the [`Queue`] is known finished
 
 mod buffers;
 mod check;
+mod drain;
 mod hook;
 mod host;
 mod join;
@@ -40,6 +43,7 @@ mod zero;
 pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
+pub use drain::{DeviceDrain, Drained, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSummary, Round};

@@ -111,42 +111,7 @@ pub(crate) struct Shared {
     join: Mutex<Option<join::JoinState>>,
     /// Waits for the work queued on the prepared model's devices (set by `prepare`), run when
     /// the last handle is dropped.
-    pub(crate) drain: Mutex<Option<Drain>>,
-}
-
-/// What the last [`DdpSession`] handle runs before it goes: the device work still queued.
-pub(crate) struct Drain(pub(crate) Box<dyn FnOnce() + Send>);
-
-impl std::fmt::Debug for Drain {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Drain")
-    }
-}
-
-/// How long the last [`DdpSession`] handle waits for the devices' queued work.
-const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
-
-/// Runs `drain` on a thread of its own and waits for it, at most [`DRAIN_LIMIT`].
-///
-/// Why: a program that returns right after a failed step (or a rank that leaves a job) used to
-/// die of SIGSEGV at exit on a GPU: Burn 0.21's CUDA backend compiles queued kernels with NVRTC
-/// on a device thread, and `exit` unloaded NVRTC under it (seen on an H200, 2026-11-26,
-/// `docs/gpu-verification.md`).
-fn wait_for_devices(drain: Drain, rank: burn_ddp_comm::Rank) {
-    let (done, finished) = std::sync::mpsc::channel();
-    let spawned = std::thread::Builder::new()
-        .name("burn-ddp-drain".into())
-        .spawn(move || {
-            (drain.0)();
-            let _ = done.send(());
-        });
-    if spawned.is_ok() && finished.recv_timeout(DRAIN_LIMIT).is_err() {
-        tracing::warn!(
-            "[rank {rank}] the device work queued when the DdpSession ended did not finish in {} \
-             s; going on without it",
-            DRAIN_LIMIT.as_secs()
-        );
-    }
+    pub(crate) drain: burn_ddp_comm::grad::DeviceDrain,
 }
 
 impl Shared {
@@ -202,7 +167,7 @@ impl DdpSession {
             host: Mutex::new(None),
             replicas: Mutex::new(replicas),
             join: Mutex::new(None),
-            drain: Mutex::new(None),
+            drain: Default::default(),
         });
         if shared.pg.transport() == "local" {
             LOCAL.with(|l| *l.borrow_mut() = Some(Arc::clone(&shared)));
@@ -303,15 +268,10 @@ impl Drop for DdpSession {
             *g = None;
         }
         drop(g);
-        let drain = self
-            .shared
-            .drain
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(drain) = drain {
-            wait_for_devices(drain, self.shared.pg.rank());
-        }
+        self.shared.drain.run(
+            self.shared.pg.rank(),
+            burn_ddp_comm::grad::DEVICE_DRAIN_LIMIT,
+        );
     }
 }
 

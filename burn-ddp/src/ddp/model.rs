@@ -16,7 +16,7 @@ use burn_ddp_comm::grad::{
 };
 
 use super::reducer;
-use super::{DdpSession, Drain, ParamInfo};
+use super::{DdpSession, ParamInfo};
 use crate::group::Rank;
 use crate::{DdpError, Result};
 
@@ -274,13 +274,11 @@ impl DdpSession {
         let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let devices = model.devices();
-        *self.shared.drain.lock().unwrap_or_else(|p| p.into_inner()) =
-            Some(Drain(Box::new(move || {
-                for device in &devices {
-                    // An error here is the device's; the program has it from its own calls.
-                    let _ = B::sync(device);
-                }
-            })));
+        self.shared.drain.set(move || {
+            devices
+                .iter()
+                .try_for_each(|device| B::sync(device).map_err(|e| e.to_string()))
+        });
         let pg = &self.shared.pg;
         let rank = pg.rank();
         let model = check_and_load(pg, AsReplica::<B, M>::new(model, &skip), from_root)?.model;
