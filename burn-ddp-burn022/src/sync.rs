@@ -8,8 +8,8 @@ use burn::tensor::Device;
 use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
-    check_and_load, digest, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync, Join,
-    JoinCall, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
+    check_and_load, compare_replicas, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync,
+    Join, JoinCall, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
 };
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
@@ -240,7 +240,7 @@ impl GradSync {
         }
         let Some(join) = self.join.as_mut() else {
             if let Some(step) = self.replicas.due() {
-                ReplicaCheck::compare(&self.pg, step, &digests(self.plan.as_ref(), model))?;
+                self.compare_replicas(model, step)?;
             }
             return self.reduce(model, grads);
         };
@@ -471,6 +471,33 @@ impl<M: Module> Replica for AsReplica<M> {
             .map(AsReplica)
             .map_err(|e| model_error(rank, "loading the model received", e))
     }
+
+    fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8])) {
+        struct Values<'a> {
+            path: Vec<String>,
+            keep: &'a dyn Fn(&str) -> bool,
+            each: &'a mut dyn FnMut(String, &[u8]),
+        }
+        impl ModuleVisitor for Values<'_> {
+            fn enter_module(&mut self, name: &str, _container: &str) {
+                self.path.push(name.to_owned());
+            }
+            fn exit_module(&mut self, _name: &str, _container: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let name = self.path.join(".");
+                if (self.keep)(&name) {
+                    (self.each)(name, param.val().into_data().as_bytes());
+                }
+            }
+        }
+        self.0.visit(&mut Values {
+            path: Vec::new(),
+            keep,
+            each,
+        });
+    }
 }
 
 impl GradSync {
@@ -483,45 +510,19 @@ impl GradSync {
     /// # Errors
     /// [`DdpError::ReplicasDiverged`]; collective failures.
     pub fn check_replicas<M: Module>(&self, model: &M) -> Result<()> {
-        ReplicaCheck::compare(&self.pg, 0, &digests(self.plan.as_ref(), model))
+        self.compare_replicas(model, 0)
     }
-}
 
-/// The name and value digest of each parameter gradient synchronisation keeps equal (the
-/// prepared plan's, the same on every rank; not buffers such as BatchNorm's running statistics,
-/// which each rank updates from its own batches), in visit order; none before `prepare`.
-fn digests<M: Module>(plan: Option<&BucketPlan<usize>>, model: &M) -> Vec<(String, u64)> {
-    struct Digests {
-        path: Vec<String>,
-        synced: std::collections::HashSet<String>,
-        out: Vec<(String, u64)>,
-    }
-    impl ModuleVisitor for Digests {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let name = self.path.join(".");
-            if self.synced.contains(&name) {
-                let data = param.val().into_data();
-                self.out.push((name, digest(data.as_bytes())));
-            }
-        }
-    }
-    let mut d = Digests {
-        path: Vec::new(),
-        synced: plan
+    /// The prepared plan's parameters (none before `prepare`) compared across ranks.
+    fn compare_replicas<M: Module>(&self, model: &M, step: u64) -> Result<()> {
+        let synced = self
+            .plan
             .iter()
             .flat_map(|p| &p.slots)
             .map(|s| s.info.name.clone())
-            .collect(),
-        out: Vec::new(),
-    };
-    model.visit(&mut d);
-    d.out
+            .collect();
+        compare_replicas(&self.pg, step, &AsReplica(model.clone()), &synced)
+    }
 }
 
 /// The device of `model`'s first trainable parameter.

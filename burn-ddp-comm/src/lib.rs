@@ -54,7 +54,8 @@
 //!
 //! | What | Over | In the 0.22 line |
 //! |---|---|---|
-//! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable) and its record to and from bytes; the core checks them across ranks and loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
+//! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable), their values as bytes, and its record to and from bytes; the core checks them across ranks, loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) and compares the replicas' values ([`grad::compare_replicas`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
+//! | the wait for the prepared model's devices when the sync ends (a closure over the release's device sync) | [`grad::DeviceDrain`] | `sync.rs` |
 //! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
 //! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`], [`grad::FlatValues`] | `buffers.rs` |
 //! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |

@@ -51,7 +51,7 @@ pub use launch::{BucketLauncher, InFlight};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
-pub use replica::{check_and_load, load_from, Replica};
+pub use replica::{check_and_load, compare_replicas, load_from, Replica};
 pub use worker::Worker;
 pub use zero::{FlatValues, ReadValues, ZeroPlan, ZeroShards};
 

@@ -3,9 +3,12 @@
 //! as bytes); the core does the rest, the same for every line: [`check_and_load`] at
 //! `prepare` (every rank has the same parameters, then rank 0's record on every rank) and
 //! [`load_from`] (one rank's record on every rank: at the end of a join, the rank that trained
-//! longest).
+//! longest); and [`compare_replicas`], the periodic check that the ranks' synchronised
+//! parameters are still equal.
 
-use super::{check_same_params, ParamInfo};
+use std::collections::HashSet;
+
+use super::{check_same_params, digest, ParamInfo, ReplicaCheck};
 use crate::group::ProcessGroup;
 use crate::types::Rank;
 use crate::Result;
@@ -33,6 +36,33 @@ pub trait Replica: Sized {
     /// The record cannot be read or does not fit the model (a
     /// [`DdpError::Model`](crate::DdpError::Model) naming `rank`).
     fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self>;
+
+    /// The values of the float parameters whose names (as [`params`](Self::params) gives
+    /// them) `keep` selects, read to the host and handed to `each` with the name, in visit
+    /// order. The core digests them to compare the ranks' replicas ([`compare_replicas`]).
+    fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8]));
+}
+
+/// Compares the parameters named in `synced` (those gradient synchronisation keeps equal: the
+/// prepared bucket plan's, the same on every rank; not buffers such as BatchNorm's running
+/// statistics, which each rank updates from its own batches, nor rank-local fields) across the
+/// ranks of `pg`, by a [`digest`] of each ([`ReplicaCheck::compare`]). Every rank must call it
+/// at the same point; `step` is the synchronised step it is said at (0: called by the user).
+///
+/// # Errors
+/// [`DdpError::ReplicasDiverged`](crate::DdpError::ReplicasDiverged) naming the first
+/// parameter that differs; collective failures.
+pub fn compare_replicas<M: Replica>(
+    pg: &ProcessGroup,
+    step: u64,
+    model: &M,
+    synced: &HashSet<String>,
+) -> Result<()> {
+    let mut digests = Vec::new();
+    model.param_values(&|name| synced.contains(name), &mut |name, bytes| {
+        digests.push((name, digest(bytes)));
+    });
+    ReplicaCheck::compare(pg, step, &digests)
 }
 
 /// `root`'s record loaded into every other rank's `model` (one broadcast of its bytes). Every
@@ -108,6 +138,11 @@ mod tests {
             self.values = bytes;
             Ok(self)
         }
+        fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8])) {
+            if keep(self.name) {
+                each(self.name.to_owned(), &self.values);
+            }
+        }
     }
 
     fn run(names: [&'static str; 3], root: Option<Rank>) -> Vec<Result<Vec<u8>>> {
@@ -144,6 +179,45 @@ mod tests {
     fn load_from_takes_the_given_roots_record() {
         for got in run(["w", "w", "w"], Some(Rank(2))) {
             assert_eq!(got.unwrap(), vec![2; 4]);
+        }
+    }
+
+    #[test]
+    fn replicas_are_compared_on_the_synchronised_parameters_only() {
+        // Rank 1's "w" differs; "b" (not synchronised, e.g. rank-local) differs everywhere.
+        let got = on_local_ranks(3, |pg| {
+            let r = pg.rank().index();
+            let synced: HashSet<String> = ["w".to_owned()].into();
+            let w = Fake {
+                name: "w",
+                values: vec![u8::from(r == 1); 4],
+            };
+            let b = Fake {
+                name: "b",
+                values: vec![r as u8; 4],
+            };
+            (
+                compare_replicas(&pg, 7, &b, &synced),
+                compare_replicas(&pg, 7, &w, &synced),
+            )
+        });
+        for (b, w) in got {
+            assert!(b.is_ok(), "{b:?}");
+            match w.unwrap_err() {
+                DdpError::ReplicasDiverged {
+                    step,
+                    param,
+                    detail,
+                    ..
+                } => {
+                    assert_eq!((step, param.as_str()), (7, "w"));
+                    assert!(
+                        detail.contains("ranks 0, 2 have") && detail.contains("rank 1 has"),
+                        "{detail}"
+                    );
+                }
+                e => panic!("{e:?}"),
+            }
         }
     }
 }

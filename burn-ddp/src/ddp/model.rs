@@ -224,6 +224,14 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         });
         Ok(Self { model, ..self })
     }
+
+    fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8])) {
+        self.model.visit(&mut Values {
+            path: Path::default(),
+            keep,
+            each,
+        });
+    }
 }
 
 impl DdpSession {
@@ -532,24 +540,20 @@ impl DdpSession {
             .into_iter()
             .map(|p| p.name)
             .collect();
-        let mut d = Digests {
-            path: Path::default(),
-            synced,
-            out: Vec::new(),
-        };
-        model.visit(&mut d);
-        burn_ddp_comm::grad::ReplicaCheck::compare(&self.shared.pg, step, &d.out)
+        let model = AsReplica::<B, M>::new(model.clone(), &[]);
+        burn_ddp_comm::grad::compare_replicas(&self.shared.pg, step, &model, &synced)
     }
 }
 
-/// Each synchronised parameter's name and value digest, in visit order.
-struct Digests {
+/// Each float parameter `keep` selects, its name and value bytes handed to `each` (for
+/// [`Replica::param_values`]).
+struct Values<'a> {
     path: Path,
-    synced: std::collections::HashSet<String>,
-    out: Vec<(String, u64)>,
+    keep: &'a dyn Fn(&str) -> bool,
+    each: &'a mut dyn FnMut(String, &[u8]),
 }
 
-impl<B: Backend> ModuleVisitor<B> for Digests {
+impl<B: Backend> ModuleVisitor<B> for Values<'_> {
     fn enter_module(&mut self, name: &str, _container: &str) {
         self.path.0.push(name.to_owned());
     }
@@ -558,12 +562,9 @@ impl<B: Backend> ModuleVisitor<B> for Digests {
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let name = self.path.0.join(".");
-        if !self.synced.contains(&name) {
-            return;
+        if (self.keep)(&name) {
+            (self.each)(name, param.val().into_data().as_bytes());
         }
-        let data = param.val().into_data();
-        self.out
-            .push((name, burn_ddp_comm::grad::digest(data.as_bytes())));
     }
 }
 
