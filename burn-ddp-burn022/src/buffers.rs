@@ -110,11 +110,10 @@ impl GradSync {
             return Ok(model);
         }
         // Inside a join: announced first, and sent by the lowest rank still training.
-        let pg = self.group().clone();
-        let root = match self.join.as_mut() {
-            Some(join) => join.step(&pg, JoinCall::Buffers)?.root(),
-            None => Rank(0),
-        };
+        let root = self
+            .join
+            .announce(self.group(), JoinCall::Buffers)?
+            .map_or(Rank(0), |round| round.root());
         self.broadcast_buffers(model, root)
     }
 

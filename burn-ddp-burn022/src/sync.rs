@@ -1,5 +1,7 @@
 //! [`GradSync`]: a model prepared on every rank, and its gradients reduced after backward.
 
+use std::sync::Arc;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::store::ModuleRecord;
@@ -9,7 +11,7 @@ use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
     check_and_load, compare_replicas, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync,
-    Join, JoinCall, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
+    JoinCall, JoinSlot, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
 };
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
@@ -28,8 +30,9 @@ pub struct GradSync {
     plan: Option<BucketPlan<usize>>,
     /// Counts synchronised steps for the periodic comparison of the replicas.
     replicas: ReplicaCheck,
-    /// Uneven-input mode, inside [`GradSync::join`].
-    pub(crate) join: Option<Join>,
+    /// Uneven-input mode, inside [`GradSync::join`] (shared with the shadow loop, which makes
+    /// this sync's calls).
+    pub(crate) join: Arc<JoinSlot>,
     /// What this process's `SyncBatchNorm` layers could not all-reduce (`nn`).
     layers: FailureSlot,
     /// NCCL for a model on a GPU (set up by `prepare`).
@@ -94,7 +97,7 @@ impl GradSync {
             config,
             host,
             plan: None,
-            join: None,
+            join: Arc::default(),
             #[cfg(feature = "cuda")]
             device: None,
             drain: DeviceDrain::default(),
@@ -177,7 +180,7 @@ impl GradSync {
     pub fn reprepare<M: Module>(&mut self, model: M) -> Result<M> {
         self.host = HostSync::start(&self.pg, &self.config)?;
         self.replicas = ReplicaCheck::new(self.config.check_replicas_every);
-        self.join = None;
+        self.join.clear();
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.take() {
             device.abort();
@@ -238,15 +241,14 @@ impl GradSync {
         if let Some(e) = self.layers.take() {
             return Err(e);
         }
-        let Some(join) = self.join.as_mut() else {
+        // Inside a join: announced first; no comparison of replicas (the ranks that ran out
+        // no longer step), and the mean is over the ranks still training.
+        let Some(round) = self.join.announce(&self.pg, JoinCall::Gradients)? else {
             if let Some(step) = self.replicas.due() {
                 self.compare_replicas(model, step)?;
             }
             return self.reduce(model, grads);
         };
-        // Inside a join: announced first; no comparison of replicas (the ranks that ran out
-        // no longer step), and the mean is over the ranks still training.
-        let round = join.step(&self.pg, JoinCall::Gradients)?;
         let grads = self.reduce(model, grads)?;
         Ok(match round.scale(self.config.reduction) {
             Some(factor) => scale(model, grads, factor),
@@ -366,58 +368,30 @@ impl GradSync {
         F: FnOnce(&mut Self, M) -> Result<M>,
     {
         NotCarried::Join.refuse_on(&self.pg)?;
-        if self.join.is_some() {
-            return Err(DdpError::Model {
-                rank: self.pg.rank(),
-                what: "training with uneven inputs",
-                reason: "GradSync::join was called inside a join: call it once per loop".into(),
-            });
-        }
-        self.require_plan()?;
-        self.join = Some(Join::new());
-        let trained = train(self, model);
-        let finished = trained.and_then(|model| {
+        self.join.enter(&self.pg, "GradSync", self.plan.is_some())?;
+        let finished = train(self, model).and_then(|model| {
             self.shadow(&model)?;
             Ok(model)
         });
-        let join = self.join.take();
-        let model = finished?;
-        let Some(join) = join else {
-            return Err(DdpError::Internal {
-                rank: self.pg.rank(),
-                what: "the join's state disappeared during the join",
-            });
-        };
-        let summary = join.finish(&self.pg)?;
-        let AsReplica(model) = load_from(&self.pg, AsReplica(model), summary.authority)?;
+        let (model, authority) = self.join.leave(&self.pg, finished)?;
+        let AsReplica(model) = load_from(&self.pg, AsReplica(model), authority)?;
         Ok(model)
     }
 
     /// After this rank's loop inside [`GradSync::join`]: the others' calls, shadowed until
     /// every rank has run out.
     fn shadow<M: Module>(&mut self, model: &M) -> Result<()> {
-        loop {
-            let Some(join) = self.join.as_mut() else {
-                return Ok(());
-            };
-            let Some(round) = join.next_shadow(&self.pg)? else {
-                return Ok(());
-            };
-            match round.call() {
-                Some(JoinCall::Gradients) => {
-                    self.reduce(model, GradientsParams::new())?;
-                }
-                Some(JoinCall::Buffers) => {
-                    self.broadcast_buffers(model.clone(), round.root())?;
-                }
-                Some(JoinCall::Backward) | None => {
-                    return Err(DdpError::Internal {
-                        rank: self.pg.rank(),
-                        what: "a join announced a call the Burn 0.22 line never makes",
-                    })
-                }
-            }
-        }
+        let (slot, pg) = (self.join.clone(), self.pg.clone());
+        slot.shadow(&pg, |round| match round.call() {
+            Some(JoinCall::Gradients) => self.reduce(model, GradientsParams::new()).map(drop),
+            Some(JoinCall::Buffers) => self
+                .broadcast_buffers(model.clone(), round.root())
+                .map(drop),
+            Some(JoinCall::Backward) | None => Err(DdpError::Internal {
+                rank: pg.rank(),
+                what: "a join announced a call the Burn 0.22 line never makes",
+            }),
+        })
     }
 }
 

@@ -12,8 +12,12 @@
 //! count their steps and take the model of the rank that trained longest (the lowest such), so
 //! that every replica ends equal.
 //!
-//! The Burn lines drive this from their synchronising calls ([`Join::step`]) and from their
-//! shadow loop ([`Join::next_shadow`], then [`Join::finish`]).
+//! The Burn lines hold a [`JoinSlot`]: their synchronising calls announce through it
+//! ([`JoinSlot::announce`], [`Join::step`] inside), and their `join` enters it, runs the user's
+//! loop, shadows the others' calls ([`JoinSlot::shadow`], [`Join::next_shadow`]) and leaves it
+//! with the rank whose model every rank loads ([`JoinSlot::leave`], [`Join::finish`]).
+
+use std::sync::{Mutex, MutexGuard};
 
 use crate::group::ProcessGroup;
 use crate::types::{Rank, ReduceOp};
@@ -250,6 +254,157 @@ fn announce(pg: &ProcessGroup, call: Option<JoinCall>) -> Result<Round> {
     })
 }
 
+/// A line's uneven-input mode: this rank's [`Join`] while inside one, shared by the line's
+/// synchronising calls (which [`announce`](Self::announce)) and its `join` (which
+/// [`enter`](Self::enter)s, [`shadow`](Self::shadow)s and [`leave`](Self::leave)s).
+#[derive(Debug, Default)]
+pub struct JoinSlot(Mutex<Option<Active>>);
+
+#[derive(Debug)]
+struct Active {
+    join: Join,
+    /// The mean's scale announced with a synchronised backward and not yet taken
+    /// ([`JoinSlot::take_scale`]), for a line that reduces gradients during backward.
+    scale: Option<Option<f32>>,
+}
+
+impl JoinSlot {
+    fn lock(&self) -> MutexGuard<'_, Option<Active>> {
+        // A panic in a user's loop leaves the slot as it was; `leave` clears it either way.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Enters a join on this rank (every rank must, at the same point). `api` is the line's
+    /// type whose `join` and `prepare` the messages name (`"GradSync"`); `prepared`, whether
+    /// the line's model was prepared.
+    ///
+    /// # Errors
+    /// A join inside a join; a model that was not prepared.
+    pub fn enter(&self, pg: &ProcessGroup, api: &str, prepared: bool) -> Result<()> {
+        let mut slot = self.lock();
+        let reason = if slot.is_some() {
+            format!("{api}::join was called inside a join: call it once per loop")
+        } else if !prepared {
+            format!(
+                "{api}::prepare was not called: prepare the model once, on every rank, before \
+                 the join"
+            )
+        } else {
+            *slot = Some(Active {
+                join: Join::new(),
+                scale: None,
+            });
+            return Ok(());
+        };
+        Err(DdpError::Model {
+            rank: pg.rank(),
+            what: "training with uneven inputs",
+            reason,
+        })
+    }
+
+    /// Whether this rank is inside a join.
+    pub fn joining(&self) -> bool {
+        self.lock().is_some()
+    }
+
+    /// Inside a join, announces `call` (this rank still trains) and returns the round; `None`
+    /// outside one (nothing is sent).
+    ///
+    /// # Errors
+    /// As [`Join::step`].
+    pub fn announce(&self, pg: &ProcessGroup, call: JoinCall) -> Result<Option<Round>> {
+        match self.lock().as_mut() {
+            Some(active) => active.join.step(pg, call).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// [`announce`](Self::announce) of a synchronised backward, keeping the round's scale of a
+    /// mean under `reduction` until [`take_scale`](Self::take_scale).
+    ///
+    /// # Errors
+    /// As [`announce`](Self::announce); a backward announced while the previous one's scale
+    /// was never taken: "the gradients of the previous synchronised backward" and `hint`
+    /// (where they should have gone).
+    pub fn announce_backward(
+        &self,
+        pg: &ProcessGroup,
+        reduction: GradReduction,
+        hint: &str,
+    ) -> Result<Option<Round>> {
+        let mut slot = self.lock();
+        let Some(active) = slot.as_mut() else {
+            return Ok(None);
+        };
+        let round = active.join.step(pg, JoinCall::Backward)?;
+        if active.scale.replace(round.scale(reduction)).is_some() {
+            return Err(DdpError::Model {
+                rank: pg.rank(),
+                what: "training with uneven inputs",
+                reason: format!("the gradients of the previous synchronised backward {hint}"),
+            });
+        }
+        Ok(Some(round))
+    }
+
+    /// The scale of a mean announced with the last synchronised backward (once; `None` if
+    /// none is due or no rescaling is needed).
+    pub fn take_scale(&self) -> Option<f32> {
+        self.lock().as_mut().and_then(|a| a.scale.take()).flatten()
+    }
+
+    /// After this rank's loop: hands each call the ranks still training announce to `shadow`
+    /// (which makes the same collectives with nothing of its own), until every rank has run
+    /// out. Outside a join it returns at once.
+    ///
+    /// # Errors
+    /// What `shadow` returns; as [`Join::next_shadow`].
+    pub fn shadow(
+        &self,
+        pg: &ProcessGroup,
+        mut shadow: impl FnMut(Round) -> Result<()>,
+    ) -> Result<()> {
+        loop {
+            // Not locked while `shadow` runs: it makes the line's synchronising calls.
+            let round = match self.lock().as_mut() {
+                Some(active) => active.join.next_shadow(pg)?,
+                None => return Ok(()),
+            };
+            match round {
+                Some(round) => shadow(round)?,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Leaves the join (the slot is empty afterwards, whatever `finished` is). With
+    /// `finished` (this rank's loop and its [`shadow`](Self::shadow)) a success: its model,
+    /// and the rank that trained longest, whose model every rank then loads
+    /// (`Join::finish`).
+    ///
+    /// # Errors
+    /// `finished`'s error (the other ranks' next collective then names this rank); the slot
+    /// emptied during the join; collective failures.
+    pub fn leave<M>(&self, pg: &ProcessGroup, finished: Result<M>) -> Result<(M, Rank)> {
+        let active = self.lock().take();
+        let model = finished?;
+        let Some(active) = active else {
+            return Err(DdpError::Internal {
+                rank: pg.rank(),
+                what: "the join's state disappeared during the join",
+            });
+        };
+        Ok((model, active.join.finish(pg)?.authority))
+    }
+
+    /// Leaves any join without a word (a change of membership drops what belonged to the
+    /// membership before).
+    pub fn clear(&self) {
+        self.lock().take();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,5 +499,63 @@ mod tests {
         assert_eq!(join.next_shadow(&pg).unwrap(), None);
         let e = join.step(&pg, JoinCall::Gradients).unwrap_err().to_string();
         assert!(e.contains("after every rank had run out"), "{e}");
+    }
+
+    /// The slot's whole life on 3 ranks with 3, 2 and 1 backward passes: every rank announces
+    /// its own, shadows the rest, takes the scale once per backward, and leaves with rank 0 as
+    /// the authority; a nested enter, an enter before prepare and a scale never taken are
+    /// refused with the line's words.
+    #[test]
+    fn a_slot_enters_announces_shadows_and_leaves() {
+        let got = on_local_ranks(3, |pg| {
+            let slot = JoinSlot::default();
+            let unprepared = slot.enter(&pg, "X", false).unwrap_err().to_string();
+            assert!(!slot.joining() && slot.announce(&pg, JoinCall::Gradients).unwrap().is_none());
+            slot.enter(&pg, "X", true).unwrap();
+            let nested = slot.enter(&pg, "X", true).unwrap_err().to_string();
+            let mut scales = Vec::new();
+            for _ in 0..3 - pg.rank().index() {
+                slot.announce_backward(&pg, GradReduction::Mean, "hint")
+                    .unwrap();
+                scales.push(slot.take_scale());
+            }
+            let mut shadowed = 0;
+            let finished = slot.shadow(&pg, |round| {
+                assert_eq!(round.call(), Some(JoinCall::Backward));
+                shadowed += 1;
+                Ok(())
+            });
+            let (_, authority) = slot.leave(&pg, finished).unwrap();
+            assert!(!slot.joining());
+            (unprepared, nested, scales, shadowed, authority)
+        });
+        for (r, (unprepared, nested, scales, shadowed, authority)) in got.into_iter().enumerate() {
+            assert!(
+                unprepared.contains("X::prepare was not called"),
+                "{unprepared}"
+            );
+            assert!(
+                nested.contains("X::join was called inside a join"),
+                "{nested}"
+            );
+            assert_eq!(scales, [None, Some(1.5), Some(3.0)][..3 - r]);
+            assert_eq!(shadowed, r);
+            assert_eq!(authority, Rank(0));
+        }
+        let twice = on_local_ranks(1, |pg| {
+            let slot = JoinSlot::default();
+            slot.enter(&pg, "X", true).unwrap();
+            slot.announce_backward(&pg, GradReduction::Sum, "x")
+                .unwrap();
+            slot.announce_backward(&pg, GradReduction::Mean, "did not go through X::complete")
+                .unwrap_err()
+                .to_string()
+        });
+        // The first scale (of a sum) is None: still pending, so the second is refused.
+        assert!(
+            twice[0].contains("previous synchronised backward did not go through X::complete"),
+            "{}",
+            twice[0]
+        );
     }
 }

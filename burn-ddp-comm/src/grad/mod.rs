@@ -46,7 +46,7 @@ pub use check::{check_same_params, digest, ReplicaCheck};
 pub use drain::{DeviceDrain, Drained, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
-pub use join::{Join, JoinCall, JoinSummary, Round};
+pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};

@@ -11,19 +11,19 @@
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn_ddp_comm::grad::{Join, JoinCall, Round};
+use burn_ddp_comm::grad::{JoinCall, Round};
 
 use super::model::{Mark, Path};
 use super::{DdpSession, Shared};
-use crate::{DdpError, Result};
+use crate::Result;
 
 /// A rank's uneven-input mode: the protocol's state, and the factor of the last synchronised
 /// backward that `complete` has not applied yet.
-#[derive(Debug)]
-pub(crate) struct JoinState {
-    join: Join,
-    scale: Option<Option<f32>>,
-}
+/// What a synchronised backward's announcement says when the one before it never went
+/// through `complete`.
+const COMPLETE_HINT: &str = "did not go through DdpSession::complete: inside a join, take each \
+     step's gradients with DdpSession::gradients(&model, loss), or pass them through \
+     DdpSession::complete(&model, grads), so that the mean is over the ranks still training";
 
 impl Shared {
     /// Inside a join, announces `call` (a rank that still trains) and returns the round;
@@ -34,42 +34,13 @@ impl Shared {
     /// backward whose gradients never went through `complete` (after the announcement, so that
     /// the ranks stay in step).
     pub(crate) fn announce(&self, call: JoinCall) -> Result<Option<Round>> {
-        let mut state = self.join.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(state) = state.as_mut() else {
-            return Ok(None);
-        };
-        let round = state.join.step(&self.pg, call)?;
-        if call == JoinCall::Backward {
-            let factor = round.scale(self.config.reduction);
-            if state.scale.replace(factor).is_some() {
-                return Err(DdpError::Model {
-                    rank: self.pg.rank(),
-                    what: "training with uneven inputs",
-                    reason: "the gradients of the previous synchronised backward did not go \
-                             through DdpSession::complete: inside a join, take each step's \
-                             gradients with DdpSession::gradients(&model, loss), or pass them \
-                             through DdpSession::complete(&model, grads), so that the mean is \
-                             over the ranks still training"
-                        .into(),
-                });
+        match call {
+            JoinCall::Backward => {
+                self.join
+                    .announce_backward(&self.pg, self.config.reduction, COMPLETE_HINT)
             }
+            _ => self.join.announce(&self.pg, call),
         }
-        Ok(Some(round))
-    }
-
-    /// Inside a join: the factor of the last synchronised backward, taken (`None`: nothing to
-    /// apply).
-    pub(crate) fn take_scale(&self) -> Option<f32> {
-        let mut state = self.join.lock().unwrap_or_else(|p| p.into_inner());
-        state.as_mut().and_then(|s| s.scale.take()).flatten()
-    }
-
-    /// Whether a join is running (the periodic comparison of replicas pauses then).
-    pub(crate) fn joining(&self) -> bool {
-        self.join
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_some()
     }
 }
 
@@ -132,83 +103,36 @@ impl DdpSession {
         M: AutodiffModule<B>,
         F: FnOnce(&Self, M) -> Result<M>,
     {
-        burn_ddp_comm::grad::NotCarried::Join.refuse_on(&self.shared.pg)?;
-        let rank = self.shared.pg.rank();
-        {
-            let mut state = self.shared.join.lock().unwrap_or_else(|p| p.into_inner());
-            if state.is_some() {
-                return Err(DdpError::Model {
-                    rank,
-                    what: "training with uneven inputs",
-                    reason: "DdpSession::join was called inside a join: call it once per loop"
-                        .into(),
-                });
-            }
-            if self.shared.reducer().params().is_empty() {
-                return Err(DdpError::Model {
-                    rank,
-                    what: "training with uneven inputs",
-                    reason: "DdpSession::prepare was not called: prepare the model once, on \
-                             every rank, before the join"
-                        .into(),
-                });
-            }
-            *state = Some(JoinState {
-                join: Join::new(),
-                scale: None,
-            });
-        }
-        let trained = train(self, model);
-        let finished = trained.and_then(|model| {
+        let pg = &self.shared.pg;
+        burn_ddp_comm::grad::NotCarried::Join.refuse_on(pg)?;
+        let prepared = !self.shared.reducer().params().is_empty();
+        self.shared.join.enter(pg, "DdpSession", prepared)?;
+        let finished = train(self, model).and_then(|model| {
             self.shadow(&model)?;
             Ok(model)
         });
-        let state = self
-            .shared
-            .join
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let model = finished?;
-        let Some(state) = state else {
-            return Err(DdpError::Internal {
-                rank,
-                what: "the join's state disappeared during the join",
-            });
-        };
-        let summary = state.join.finish(&self.shared.pg)?;
+        let (model, authority) = self.shared.join.leave(pg, finished)?;
         let skip = self.skip();
-        let model = self.load_from::<B, M>(model, summary.authority, &skip)?;
+        let model = self.load_from::<B, M>(model, authority, &skip)?;
         Ok(model.map(&mut Mark {
             path: Path::default(),
             skip: &skip,
         }))
     }
 
-    /// After this rank's loop inside [`DdpSession::join`]: the others' calls, shadowed until
-    /// every rank has run out.
     fn shadow<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: &M) -> Result<()> {
-        loop {
-            let round = {
-                let mut state = self.shared.join.lock().unwrap_or_else(|p| p.into_inner());
-                let Some(state) = state.as_mut() else {
-                    return Ok(());
-                };
-                state.join.next_shadow(&self.shared.pg)?
-            };
-            let Some(round) = round else {
-                return Ok(());
-            };
-            match round.call() {
-                Some(JoinCall::Backward) => self.shared.reducer().shadow()?,
-                Some(JoinCall::Gradients) => {
-                    self.reduce_after_backward(model, GradientsParams::new())?;
-                }
-                Some(JoinCall::Buffers) => {
-                    self.broadcast_buffers(model.clone(), round.root())?;
-                }
-                None => return Ok(()),
-            }
-        }
+        self.shared
+            .join
+            .shadow(&self.shared.pg, |round| match round.call() {
+                Some(JoinCall::Backward) => self.shared.reducer().shadow(),
+                Some(JoinCall::Gradients) => self
+                    .reduce_after_backward(model, GradientsParams::new())
+                    .map(drop),
+                Some(JoinCall::Buffers) => self
+                    .broadcast_buffers(model.clone(), round.root())
+                    .map(drop),
+                // Never: a round to shadow always has a call.
+                None => Ok(()),
+            })
     }
 }

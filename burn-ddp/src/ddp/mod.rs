@@ -108,7 +108,7 @@ pub(crate) struct Shared {
     /// Counts synchronised steps for the periodic comparison of the replicas.
     pub(crate) replicas: Mutex<burn_ddp_comm::grad::ReplicaCheck>,
     /// Uneven-input mode, inside [`DdpSession::join`].
-    join: Mutex<Option<join::JoinState>>,
+    join: burn_ddp_comm::grad::JoinSlot,
     /// Waits for the work queued on the prepared model's devices (set by `prepare`), run when
     /// the last handle is dropped.
     pub(crate) drain: burn_ddp_comm::grad::DeviceDrain,
@@ -166,7 +166,7 @@ impl DdpSession {
             skip: Mutex::new(Vec::new()),
             host: Mutex::new(None),
             replicas: Mutex::new(replicas),
-            join: Mutex::new(None),
+            join: Default::default(),
             drain: Default::default(),
         });
         if shared.pg.transport() == "local" {

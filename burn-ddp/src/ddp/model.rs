@@ -437,7 +437,7 @@ impl DdpSession {
     ) -> Result<GradientsParams> {
         let grads = self.register_foreign(model, grads)?;
         // Inside a join: the mean over the ranks still training.
-        if let Some(factor) = self.shared.take_scale() {
+        if let Some(factor) = self.shared.join.take_scale() {
             return Ok(scale(model, grads, factor));
         }
         Ok(grads)
@@ -449,7 +449,7 @@ impl DdpSession {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        if !self.shared.joining() {
+        if !self.shared.join.joining() {
             self.replica_check_due(model)?;
         }
         let foreign = self.shared.reducer().take_foreign();
