@@ -51,6 +51,7 @@ const BURN022: &[(&str, u8)] = &[
     ("buffers", 4),
     ("pipeline", 4),
     ("zero", 4),
+    ("fault", 4),
     ("train", 4),
 ];
 

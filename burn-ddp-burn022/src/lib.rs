@@ -61,6 +61,7 @@ mod buffers;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod data;
+mod fault;
 mod grads;
 pub mod nn;
 pub mod pipeline;
@@ -72,8 +73,9 @@ mod zero;
 pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
-    grad::PowerSgd, spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken,
-    MasterAddr, ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
+    grad::{LoopState, PowerSgd},
+    spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken, MasterAddr,
+    ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
 };
 pub use data::DistributedSampler;
 pub use sync::GradSync;

@@ -1,11 +1,16 @@
 //! Fault-tolerant training on the Burn 0.22.1 line (`burn-ddp run --fault-tolerant`): the
 //! `classifier022` example through burn-train 0.22's Learner and this line's `DdpStrategy`, in
 //! real processes under the real launcher, ranks SIGKILLed mid-epoch, a replacement joining
-//! live: the scenarios the 0.21 line passes (`burn_ddp_dev::fault`), and the refusals of what a
+//! live: the scenarios the 0.21 line passes (`burn_ddp_dev::fault`), a custom loop on
+//! `GradSync::loop_state` losing a rank and taking in a joiner, and the refusals of what a
 //! change of membership cannot carry.
 
-use burn::nn::LinearConfig;
-use burn::optim::{AdamConfig, ModuleOptimizer};
+use std::time::Duration;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp_burn022::{
     DdpConfig, DdpError, GradSync, GroupConfig, JobToken, MasterAddr, PowerSgd, ProcessGroup, Rank,
     WorldSize,
@@ -28,6 +33,96 @@ fn the_classifier_loses_a_rank_mid_epoch_and_finishes_without_a_restart() {
 #[test]
 fn rank_zero_is_lost_and_a_replacement_joins_the_running_classifier() {
     fault::rank_zero_is_lost_and_a_replacement_joins("classifier022");
+}
+
+const LOOP_CHILD: &str = "custom_loop_child";
+
+#[derive(Module, Debug)]
+struct Mlp {
+    a: Linear,
+    b: Linear,
+    act: Relu,
+}
+
+/// Every float parameter's bits, in visit order.
+fn bits<M: Module>(m: &M) -> Vec<u32> {
+    struct Collect(Vec<u32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            let values = p.val().into_data().convert::<f32>().try_to_vec::<f32>();
+            self.0.extend(values.unwrap().iter().map(|x| x.to_bits()));
+        }
+    }
+    let mut out = Collect(Vec::new());
+    m.visit(&mut out);
+    out.0
+}
+
+/// One rank of a custom training loop on `GradSync` (run by the launcher): a small MLP, Adam,
+/// a fixed regression task; `loop_state`, `step_boundary` and `recover` carry it across
+/// changes of membership.
+#[test]
+fn custom_loop_child() {
+    if std::env::var("BURN_DDP_TEST_CHILD").as_deref() != Ok(LOOP_CHILD) {
+        return;
+    }
+    burn_ddp_comm::launch::cli::init_logging();
+    println!();
+    let steps: u64 = std::env::var(fault::LOOP_STEPS).unwrap().parse().unwrap();
+    let pg = ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining: {e}"));
+    println!(
+        "member {} pid {}",
+        pg.membership().unwrap().0,
+        std::process::id()
+    );
+    let mut sync = GradSync::new(pg.clone(), DdpConfig::default()).unwrap();
+    let device = Device::default().autodiff();
+    device.seed(7);
+    let model = Mlp {
+        a: LinearConfig::new(16, 32).init(&device),
+        b: LinearConfig::new(32, 1).init(&device),
+        act: Relu::new(),
+    };
+    let mut state = sync
+        .loop_state(model, AdamConfig::new().init(), Vec::new())
+        .unwrap_or_else(|e| panic!("preparing: {e}"));
+    while state.step < steps {
+        let step = state.step;
+        let result = (|| {
+            sync.step_boundary(&mut state)?;
+            // This step's batch on this rank: a function of the step and the rank's place.
+            device.seed(step * 1000 + u64::from(pg.rank().0));
+            let x = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+            let y = x.clone().sum_dim(1).div_scalar(4.0);
+            let m = &state.model;
+            let pred = m.b.forward(m.act.forward(m.a.forward(x)));
+            let loss = (pred - y).powi_scalar(2).mean();
+            let grads = GradientsParams::from_grads(loss.backward(), &state.model);
+            let grads = sync.sync(&state.model, grads)?;
+            state.model = state.optim.step(1e-2, state.model.clone(), grads);
+            state.step += 1;
+            Ok::<(), DdpError>(())
+        })();
+        if let Err(e) = result {
+            sync.recover(e, &mut state)
+                .unwrap_or_else(|e| panic!("recovering: {e}"));
+        }
+        if let Some(rec) = &state.changed {
+            println!("changed: {}", rec.summary());
+        }
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    let digest = fault::loop_digest(bits(&state.model));
+    println!("final step {} digest {digest}", state.step);
+}
+
+/// A custom loop (`GradSync`): 3 ranks, one SIGKILLed; the two survivors go on; later a
+/// process started by a second launcher (`--join`) is let in at a step boundary and takes a
+/// survivor's model and optimizer: the three end with equal parameters, after all the steps
+/// (`burn_ddp_dev::fault`, the scenario the 0.21 line passes).
+#[test]
+fn a_custom_loop_recovers_and_takes_in_a_process_started_later() {
+    fault::custom_loop_recovers_and_takes_in_a_joiner(LOOP_CHILD);
 }
 
 /// What a fault-tolerant job cannot carry across a change of membership is refused at once,

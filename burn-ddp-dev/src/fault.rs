@@ -1,7 +1,8 @@
 //! Fault-tolerant jobs under the real launcher (`burn-ddp run --fault-tolerant`): started on a
 //! free port, ranks SIGKILLed by their rank, and the Learner scenarios every Burn line's
 //! classifier example must pass (a rank lost mid-epoch; rank 0 lost and a replacement joining
-//! the running job), with bit-identical survivors.
+//! the running job), and the custom-loop scenario every line's `loop_state` must pass, with
+//! bit-identical survivors.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -178,6 +179,70 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
     assert!(
         d.iter().all(|(_, x)| *x == d[0].1),
         "the replicas differ:\n{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The environment variable that makes a test binary run as a rank of the custom-loop
+/// scenario ([`custom_loop_recovers_and_takes_in_a_joiner`]), and the number of steps.
+pub const LOOP_STEPS: &str = "FT_STEPS";
+
+/// What a custom-loop rank prints for [`custom_loop_recovers_and_takes_in_a_joiner`] to follow
+/// it: its member id and pid when it starts, `changed: …` after each change of membership, and
+/// the final step with a digest of its parameters' bits.
+pub fn loop_digest(bits: impl IntoIterator<Item = u32>) -> String {
+    let digest = bits.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{digest:016x}")
+}
+
+/// A custom loop on a line's gradient sync (`loop_state`, `step_boundary`, `recover`): the
+/// test function `child` of this test binary, run as 3 fault-tolerant ranks for 300 steps; rank
+/// 2 is SIGKILLed; the two survivors go on; later a process started by a second launcher
+/// (`--join`) is let in at a step boundary and takes a survivor's model and optimizer. The
+/// three must end after all the steps with equal parameters (the digest each prints).
+pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
+    let dir = scratch(&format!("loop-{child}"));
+    let (log, log_join) = (dir.join("launcher.log"), dir.join("joiner.log"));
+    let args: Vec<String> = [child, "--exact", "--nocapture", "--test-threads=1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let env = [("BURN_DDP_TEST_CHILD", child), (LOOP_STEPS, "300")];
+    let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut job = launch_on(port, &["--nproc-per-node", "3"], &exe, &args, &env, &log);
+    wait_for(&log, "member 2 pid", Duration::from_secs(120));
+    std::thread::sleep(Duration::from_millis(1000));
+    kill_rank(&job, 2);
+    wait_for(&log, "changed: membership epoch 1", Duration::from_secs(60));
+    let mut joiner = launch_on(
+        port,
+        &["--join", "--nproc-per-node", "1"],
+        &exe,
+        &args,
+        &env,
+        &log_join,
+    );
+    let (ok_j, joined) = finish(&mut joiner, &log_join, Duration::from_secs(600));
+    let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
+    assert!(ok, "{text}");
+    assert!(ok_j, "{joined}\n---- job ----\n{text}");
+    assert!(text.contains("joined: [m3]"), "{text}");
+    assert!(text.contains("a process asked to join"), "{text}");
+    let finals: Vec<String> = [&text, &joined]
+        .iter()
+        .flat_map(|t| t.lines())
+        .filter_map(|l| {
+            l.split_once("final step 300 digest ")
+                .map(|p| p.1.to_string())
+        })
+        .collect();
+    assert_eq!(finals.len(), 3, "{text}\n{joined}");
+    assert!(
+        finals.iter().all(|d| *d == finals[0]),
+        "the replicas differ:\n{text}\n{joined}"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

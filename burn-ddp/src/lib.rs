@@ -102,7 +102,7 @@ pub use burn_ddp_macros::ddp;
 pub use data::{DataEpoch, DistributedSampler};
 pub use ddp::{
     Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
-    NoSyncGuard, ParamInfo, PowerSgd, Replica, ZeroOptimizer,
+    LoopState, NoSyncGuard, ParamInfo, PowerSgd, ZeroOptimizer,
 };
 
 /// What a training program needs, in one import: `use burn_ddp::prelude::*;`.

@@ -22,6 +22,8 @@
 //!   feedback
 //! - `drain.rs`: [`DeviceDrain`], the wait for the devices' queued work when a line's gradient
 //!   sync ends (with a deadline)
+//! - `loop_state.rs`: [`LoopState`], a custom loop's state carried across changes of
+//!   membership in a fault-tolerant job, over a line's [`LoopSync`]
 //! - `launch.rs`: [`BucketLauncher`] and [`InFlight`], the device transports' launcher thread and the
 //!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
 //!   transfer on the [`Queue`] is known finished
@@ -33,6 +35,7 @@ mod hook;
 mod host;
 mod join;
 mod launch;
+mod loop_state;
 mod order;
 mod plan;
 mod powersgd;
@@ -48,6 +51,7 @@ pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
+pub use loop_state::{LoopState, LoopSync};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};

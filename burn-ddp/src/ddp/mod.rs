@@ -37,8 +37,10 @@ use burn_ddp_comm::grad::HostSync;
 use crate::group::ProcessGroup;
 use crate::Result;
 
-pub use burn_ddp_comm::grad::{Compression, DdpConfig, GradReduction, ParamInfo, PowerSgd};
-pub use fault::Replica;
+pub use burn_ddp_comm::grad::{
+    Compression, DdpConfig, GradReduction, LoopState, ParamInfo, PowerSgd,
+};
+
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 pub use zero::ZeroOptimizer;
