@@ -56,6 +56,8 @@
 //! |---|---|---|
 //! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable), their values as bytes, and its record to and from bytes; the core checks them across ranks, loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) and compares the replicas' values ([`grad::compare_replicas`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
 //! | the wait for the prepared model's devices when the sync ends (a closure over the release's device sync) | [`grad::DeviceDrain`] | `sync.rs` |
+//! | uneven inputs: the line's synchronising calls announce, its `join` shadows the others' calls with its own collectives | [`grad::JoinSlot`] | `sync.rs`, `buffers.rs` |
+//! | a custom loop in a fault-tolerant job: the model's and optimizer's records as bytes, `prepare` and `reprepare` | [`grad::LoopSync`], [`grad::LoopState`] | `fault.rs` |
 //! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
 //! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`], [`grad::FlatValues`] | `buffers.rs` |
 //! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |
