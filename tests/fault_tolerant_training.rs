@@ -8,16 +8,15 @@
 
 mod common;
 
-use std::time::Duration;
-
 use burn::backend::{Autodiff, NdArray};
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
-use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
+use burn_ddp::{Ddp, DdpConfig, DdpSession, LoopState, ProcessGroup};
 use burn_ddp_dev::fault;
 
 /// 3 ranks train the classifier (Burn's Learner, `DdpStrategy`); rank 1 is SIGKILLed in the
@@ -35,6 +34,9 @@ fn rank_zero_is_lost_and_a_replacement_joins_the_running_classifier() {
     fault::rank_zero_is_lost_and_a_replacement_joins("classifier");
 }
 
+/// The optimizer of the custom loop.
+type Adam = OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>;
+
 const LOOP_CHILD: &str = "custom_loop_child";
 
 #[derive(Module, Debug)]
@@ -51,18 +53,9 @@ type Train = Autodiff<Ddp<NdArray>>;
 /// changes of membership.
 #[test]
 fn custom_loop_child() {
-    if std::env::var("BURN_DDP_TEST_CHILD").as_deref() != Ok(LOOP_CHILD) {
+    let Some(pg) = fault::loop_child(LOOP_CHILD) else {
         return;
-    }
-    burn_ddp_comm::launch::cli::init_logging();
-    println!();
-    let steps: u64 = std::env::var(fault::LOOP_STEPS).unwrap().parse().unwrap();
-    let pg = ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining: {e}"));
-    println!(
-        "member {} pid {}",
-        pg.membership().unwrap().0,
-        std::process::id()
-    );
+    };
     let session = DdpSession::new(pg.clone(), DdpConfig::default()).unwrap();
     let device = Default::default();
     <Train as Backend>::seed(&device, 7);
@@ -74,34 +67,28 @@ fn custom_loop_child() {
     let mut state = session
         .loop_state(model, AdamConfig::new().init(), Vec::new())
         .unwrap_or_else(|e| panic!("preparing: {e}"));
-    while state.step < steps {
-        let step = state.step;
-        let result = (|| {
-            session.step_boundary(&mut state)?;
-            // This step's batch on this rank: a function of the step and the rank's place.
-            <Train as Backend>::seed(&device, step * 1000 + u64::from(pg.rank().0));
-            let x = Tensor::<Train, 2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
-            let y = x.clone().sum_dim(1).div_scalar(4.0);
-            let m = &state.model;
-            let pred = m.b.forward(m.act.forward(m.a.forward(x)));
-            let loss = (pred - y).powi_scalar(2).mean();
-            let grads: GradientsParams = session.gradients(&state.model, loss)?;
-            state.model = state.optim.step(1e-2, state.model.clone(), grads);
-            state.step += 1;
-            Ok::<(), burn_ddp::DdpError>(())
-        })();
-        if let Err(e) = result {
-            session
-                .recover(e, &mut state)
-                .unwrap_or_else(|e| panic!("recovering: {e}"));
-        }
-        if let Some(rec) = &state.changed {
-            println!("changed: {}", rec.summary());
-        }
-        std::thread::sleep(Duration::from_millis(15));
-    }
-    let digest = fault::loop_digest(common::params(&state.model).iter().map(|x| x.to_bits()));
-    println!("final step {} digest {digest}", state.step);
+    let train = |session: &mut &DdpSession, state: &mut LoopState<Mlp<Train>, Adam>| {
+        session.step_boundary(state)?;
+        // This step's batch on this rank: a function of the step and the rank's place.
+        <Train as Backend>::seed(&device, state.step * 1000 + u64::from(pg.rank().0));
+        let x = Tensor::<Train, 2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+        let y = x.clone().sum_dim(1).div_scalar(4.0);
+        let m: &Mlp<Train> = &state.model;
+        let loss = (m.b.forward(m.act.forward(m.a.forward(x))) - y)
+            .powi_scalar(2)
+            .mean();
+        let grads: GradientsParams = session.gradients(&state.model, loss)?;
+        state.model = state.optim.step(1e-2, state.model.clone(), grads);
+        state.step += 1;
+        Ok(())
+    };
+    fault::drive_loop(
+        &mut &session,
+        &mut state,
+        train,
+        |session, e, state| session.recover(e, state),
+        |m| common::params(m).iter().map(|x| x.to_bits()).collect(),
+    );
 }
 
 /// A custom loop (`DdpSession`): 3 ranks, one SIGKILLed; the two survivors go on; later a

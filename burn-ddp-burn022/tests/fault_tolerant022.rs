@@ -5,15 +5,13 @@
 //! `GradSync::loop_state` losing a rank and taking in a joiner, and the refusals of what a
 //! change of membership cannot carry.
 
-use std::time::Duration;
-
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp_burn022::{
-    DdpConfig, DdpError, GradSync, GroupConfig, JobToken, MasterAddr, PowerSgd, ProcessGroup, Rank,
-    WorldSize,
+    DdpConfig, DdpError, GradSync, GroupConfig, JobToken, LoopState, MasterAddr, PowerSgd,
+    ProcessGroup, Rank, WorldSize,
 };
 use burn_ddp_comm::launch::fault::Lighthouse;
 use burn_ddp_comm::FaultTolerance;
@@ -63,18 +61,9 @@ fn bits<M: Module>(m: &M) -> Vec<u32> {
 /// changes of membership.
 #[test]
 fn custom_loop_child() {
-    if std::env::var("BURN_DDP_TEST_CHILD").as_deref() != Ok(LOOP_CHILD) {
+    let Some(pg) = fault::loop_child(LOOP_CHILD) else {
         return;
-    }
-    burn_ddp_comm::launch::cli::init_logging();
-    println!();
-    let steps: u64 = std::env::var(fault::LOOP_STEPS).unwrap().parse().unwrap();
-    let pg = ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining: {e}"));
-    println!(
-        "member {} pid {}",
-        pg.membership().unwrap().0,
-        std::process::id()
-    );
+    };
     let mut sync = GradSync::new(pg.clone(), DdpConfig::default()).unwrap();
     let device = Device::default().autodiff();
     device.seed(7);
@@ -86,34 +75,29 @@ fn custom_loop_child() {
     let mut state = sync
         .loop_state(model, AdamConfig::new().init(), Vec::new())
         .unwrap_or_else(|e| panic!("preparing: {e}"));
-    while state.step < steps {
-        let step = state.step;
-        let result = (|| {
-            sync.step_boundary(&mut state)?;
-            // This step's batch on this rank: a function of the step and the rank's place.
-            device.seed(step * 1000 + u64::from(pg.rank().0));
-            let x = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
-            let y = x.clone().sum_dim(1).div_scalar(4.0);
-            let m = &state.model;
-            let pred = m.b.forward(m.act.forward(m.a.forward(x)));
-            let loss = (pred - y).powi_scalar(2).mean();
-            let grads = GradientsParams::from_grads(loss.backward(), &state.model);
-            let grads = sync.sync(&state.model, grads)?;
-            state.model = state.optim.step(1e-2, state.model.clone(), grads);
-            state.step += 1;
-            Ok::<(), DdpError>(())
-        })();
-        if let Err(e) = result {
-            sync.recover(e, &mut state)
-                .unwrap_or_else(|e| panic!("recovering: {e}"));
-        }
-        if let Some(rec) = &state.changed {
-            println!("changed: {}", rec.summary());
-        }
-        std::thread::sleep(Duration::from_millis(15));
-    }
-    let digest = fault::loop_digest(bits(&state.model));
-    println!("final step {} digest {digest}", state.step);
+    let train = |sync: &mut GradSync, state: &mut LoopState<Mlp, ModuleOptimizer>| {
+        sync.step_boundary(state)?;
+        // This step's batch on this rank: a function of the step and the rank's place.
+        device.seed(state.step * 1000 + u64::from(pg.rank().0));
+        let x = Tensor::<2>::random([8, 16], Distribution::Normal(0.0, 1.0), &device);
+        let y = x.clone().sum_dim(1).div_scalar(4.0);
+        let m = &state.model;
+        let loss = (m.b.forward(m.act.forward(m.a.forward(x))) - y)
+            .powi_scalar(2)
+            .mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &state.model);
+        let grads = sync.sync(&state.model, grads)?;
+        state.model = state.optim.step(1e-2, state.model.clone(), grads);
+        state.step += 1;
+        Ok(())
+    };
+    fault::drive_loop(
+        &mut sync,
+        &mut state,
+        train,
+        |sync, e, state| sync.recover(e, state),
+        bits,
+    );
 }
 
 /// A custom loop (`GradSync`): 3 ranks, one SIGKILLed; the two survivors go on; later a

@@ -8,6 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use burn_ddp_comm::grad::LoopState;
+use burn_ddp_comm::DdpError;
+
 use crate::spawned::{children, classifier_args, digests, example, finish, rank_of, wait_for};
 
 /// A fresh scratch directory for the test `name`.
@@ -183,22 +186,56 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The environment variable that makes a test binary run as a rank of the custom-loop
-/// scenario ([`custom_loop_recovers_and_takes_in_a_joiner`]), and the number of steps.
-pub const LOOP_STEPS: &str = "FT_STEPS";
+/// The number of steps of the custom-loop scenario
+/// ([`custom_loop_recovers_and_takes_in_a_joiner`]).
+const LOOP_STEPS: u64 = 300;
 
-/// What a custom-loop rank prints for [`custom_loop_recovers_and_takes_in_a_joiner`] to follow
-/// it: its member id and pid when it starts, `changed: …` after each change of membership, and
-/// the final step with a digest of its parameters' bits.
-pub fn loop_digest(bits: impl IntoIterator<Item = u32>) -> String {
-    let digest = bits.into_iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    format!("{digest:016x}")
+/// In a rank of the custom-loop scenario (the test function `child` run by the launcher): its
+/// group, after printing its member id and pid (the scenario kills rank 2 once it is up);
+/// `None` in any other process.
+pub fn loop_child(child: &str) -> Option<burn_ddp_comm::ProcessGroup> {
+    if std::env::var("BURN_DDP_TEST_CHILD").as_deref() != Ok(child) {
+        return None;
+    }
+    burn_ddp_comm::launch::cli::init_logging();
+    println!();
+    let pg = burn_ddp_comm::ProcessGroup::from_env().unwrap_or_else(|e| panic!("joining: {e}"));
+    let member = pg.membership().map_or(0, |m| m.0);
+    println!("member {member} pid {}", std::process::id());
+    Some(pg)
+}
+
+/// A custom loop's rank, driven: `train` (one step, `step_boundary` first, the optimizer step
+/// and `state.step += 1` last) until the scenario's step count, `recover` after a step that
+/// failed; each change of membership printed, then the final step with a digest of `bits` of
+/// the final model (what the scenario compares).
+pub fn drive_loop<C, M: Clone, O: Clone>(
+    ctx: &mut C,
+    state: &mut LoopState<M, O>,
+    mut train: impl FnMut(&mut C, &mut LoopState<M, O>) -> burn_ddp_comm::Result<()>,
+    mut recover: impl FnMut(&mut C, DdpError, &mut LoopState<M, O>) -> burn_ddp_comm::Result<()>,
+    bits: impl Fn(&M) -> Vec<u32>,
+) {
+    while state.step < LOOP_STEPS {
+        if let Err(e) = train(ctx, state) {
+            recover(ctx, e, state).unwrap_or_else(|e| panic!("recovering: {e}"));
+        }
+        if let Some(rec) = &state.changed {
+            println!("changed: {}", rec.summary());
+        }
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    let digest = bits(&state.model)
+        .into_iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    println!("final step {} digest {digest:016x}", state.step);
 }
 
 /// A custom loop on a line's gradient sync (`loop_state`, `step_boundary`, `recover`): the
-/// test function `child` of this test binary, run as 3 fault-tolerant ranks for 300 steps; rank
+/// test function `child` of this test binary ([`loop_child`], [`drive_loop`]), run as 3
+/// fault-tolerant ranks for 300 steps; rank
 /// 2 is SIGKILLed; the two survivors go on; later a process started by a second launcher
 /// (`--join`) is let in at a step boundary and takes a survivor's model and optimizer. The
 /// three must end after all the steps with equal parameters (the digest each prints).
@@ -209,7 +246,7 @@ pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
         .iter()
         .map(|s| s.to_string())
         .collect();
-    let env = [("BURN_DDP_TEST_CHILD", child), (LOOP_STEPS, "300")];
+    let env = [("BURN_DDP_TEST_CHILD", child)];
     let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut job = launch_on(port, &["--nproc-per-node", "3"], &exe, &args, &env, &log);
@@ -235,7 +272,7 @@ pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
         .iter()
         .flat_map(|t| t.lines())
         .filter_map(|l| {
-            l.split_once("final step 300 digest ")
+            l.split_once(&format!("final step {LOOP_STEPS} digest "))
                 .map(|p| p.1.to_string())
         })
         .collect();
