@@ -1,8 +1,10 @@
 //! `Autodiff<Ddp<NdArray>>` on W processes, each with a batch of `b`, must train exactly like one
-//! process on the whole batch of `W·b`: after 20 optimizer steps every parameter matches within
-//! 1e-5 relative (f32; 1e-2 on a GPU, whose f32 matrix products run in TF32: see
+//! process on the whole batch of `W·b`: the conformance suite every line runs
+//! (`burn_ddp_dev::conformance`: after 20 optimizer steps every parameter matches within 1e-5
+//! relative (f32; 1e-2 on a GPU, whose f32 matrix products run in TF32: see
 //! `compare::F32_GPU`), every rank's model is bit-identical to the others', and a model trained
-//! without synchronisation is beyond the tolerance. Real processes, real TCP, real Burn training.
+//! without synchronisation is beyond the tolerance), then this line's own cases. Real
+//! processes, real TCP, real Burn training.
 //!
 //! With `--features cuda` the backend is `Autodiff<Ddp<Cuda>>` (scripts/gpu-check.sh runs it with
 //! `BURN_DDP_GRAD_TRANSPORT=host` for several processes sharing one GPU, and `=nccl` at world
@@ -20,8 +22,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
-use burn_ddp::{Compression, Ddp, DdpConfig, DdpSession, GradReduction, ProcessGroup};
-use burn_ddp_dev::hooks::MeanBySum;
+use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 use common::compare::{assert_close, Tolerance};
 
 // `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
@@ -36,10 +37,7 @@ const F32: Tolerance = common::compare::F32;
 #[cfg(feature = "cuda")]
 const F32: Tolerance = common::compare::F32_GPU;
 
-const STEPS: usize = 20;
-const PER_RANK: usize = 4;
-const IN: usize = 8;
-const OUT: usize = 3;
+use burn_ddp_dev::conformance::{self, Line, Scenario, Trained, IN, OUT, PER_RANK, STEPS};
 
 #[derive(Module, Debug)]
 struct Mlp<B: Backend> {
@@ -181,7 +179,7 @@ impl<B: Backend> Net<B> for Strided<B> {
 fn batch(step: usize, world: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let device = Default::default();
     let n = world * PER_RANK;
-    <B as Backend>::seed(&device, 1000 + step as u64);
+    <B as Backend>::seed(&device, conformance::batch_seed(step));
     let x = Tensor::<B, 2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
     let y = Tensor::<B, 2>::random([n, OUT], Distribution::Normal(0.0, 1.0), &device);
     (x, y)
@@ -191,44 +189,42 @@ fn shard(t: Tensor<B, 2>, rank: usize) -> Tensor<B, 2> {
     t.narrow(0, rank * PER_RANK, PER_RANK)
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Opt {
-    Sgd,
-    Adam,
-}
+/// This line's side of the conformance suite.
+struct Line021;
 
-#[derive(Clone, Copy, PartialEq)]
-enum Mode {
-    Plain,
-    /// 4 micro-steps under `no_sync`, then one `sync_gradients`.
-    Accumulate,
-}
+impl Line for Line021 {
+    const F32: Tolerance = F32;
 
-fn train<M: Net<B> + AutodiffModule<B>>(
-    pg: ProcessGroup,
-    opt: Opt,
-    mode: Mode,
-    config: DdpConfig,
-    tolerance: Tolerance,
-) {
-    match opt {
-        Opt::Sgd => run::<M, _>(pg, mode, config, tolerance, || SgdConfig::new().init()),
-        Opt::Adam => run::<M, _>(pg, mode, config, tolerance, || AdamConfig::new().init()),
+    fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
+        use conformance::Opt;
+        fn with<M: Net<B> + AutodiffModule<B>>(pg: ProcessGroup, s: &Scenario) -> Trained {
+            match s.opt {
+                Opt::Sgd => run::<M, _>(pg, s, || SgdConfig::new().init()),
+                Opt::Adam => run::<M, _>(pg, s, || AdamConfig::new().init()),
+            }
+        }
+        match s.net {
+            conformance::Net::Mlp => with::<Mlp<B>>(pg, s),
+            conformance::Net::Conv => with::<ConvNet<B>>(pg, s),
+            conformance::Net::SharedGrad => with::<SharedGrad<B>>(pg, s),
+            conformance::Net::Strided => with::<Strided<B>>(pg, s),
+        }
     }
 }
 
+burn_ddp_dev::conformance_suite!(Line021);
+
 fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     pg: ProcessGroup,
-    mode: Mode,
-    config: DdpConfig,
-    tolerance: Tolerance,
+    s: &Scenario,
     make_opt: impl Fn() -> O,
-) {
+) -> Trained {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
     let device = Default::default();
-    <B as Backend>::seed(&device, 7 + rank as u64); // different init per rank: prepare must fix it
-    let session = DdpSession::new(pg, config).unwrap();
+    // Different init per rank: prepare must fix it.
+    <B as Backend>::seed(&device, conformance::init_seed(rank));
+    let session = DdpSession::new(pg, (s.config)()).unwrap();
     let mut model = session.prepare(M::build(&device)).unwrap();
     let mut reference = independent(M::build(&device), &model);
     assert_eq!(common::params(&model), common::params(&reference));
@@ -237,10 +233,10 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     let mut opt_ddp = make_opt();
     let mut opt_ref = make_opt();
     let mut opt_alone = make_opt();
-    let lr = 0.05;
+    let lr = conformance::LR;
     for step in 0..STEPS {
-        match mode {
-            Mode::Plain => {
+        match s.mode {
+            conformance::Mode::Plain => {
                 let (x, y) = batch(step, world);
                 let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
                 let grads = session.backward(loss).unwrap();
@@ -255,12 +251,12 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
                 let grads = GradientsParams::from_grads(loss.backward(), &reference);
                 reference = opt_ref.step(lr, reference, grads);
             }
-            Mode::Accumulate => {
+            conformance::Mode::Accumulate(micros) => {
                 let mut acc = GradientsAccumulator::<M>::new();
                 let mut acc_ref = GradientsAccumulator::<M>::new();
                 let mut acc_alone = GradientsAccumulator::<M>::new();
-                for micro in 0..4 {
-                    let (x, y) = batch(step * 4 + micro, world);
+                for micro in 0..micros {
+                    let (x, y) = batch(step * micros + micro, world);
                     let grads = {
                         let _guard = session.no_sync();
                         let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
@@ -283,15 +279,11 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
             }
         }
     }
-    let (got, want) = (common::params(&model), common::params(&reference));
-    assert_close(rank, &got, &want, tolerance);
-    let mine = common::compare::f32_bytes(&got);
-    let all = session.group().all_gather_bytes(&mine).unwrap();
-    common::compare::assert_replicas_equal(rank, &mine, &all);
-    if world > 1 {
-        common::compare::assert_discriminates(rank, &common::params(&alone), &want, tolerance);
+    Trained {
+        ddp: common::params(&model),
+        reference: common::params(&reference),
+        alone: common::params(&alone),
     }
-    let _ = session.group().barrier();
 }
 
 /// `fresh` with `model`'s values, through serialised bytes: a reference that shares nothing with
@@ -314,57 +306,6 @@ fn independent<M: Module<B>>(fresh: M, model: &M) -> M {
     reference.visit(&mut marked);
     assert!(!marked.0, "the reference is synchronised");
     reference
-}
-
-macro_rules! equivalence {
-    ($($name:ident: $net:ident, $opt:expr, $mode:expr, $config:expr, $tol:expr, [$($w:literal),*];)*) => {$(
-        #[test]
-        fn $name() {
-            $(
-                let name = concat!(stringify!($name), "_w", $w);
-                if let Some(pg) = common::child_group(name) {
-                    train::<$net<B>>(pg, $opt, $mode, $config, $tol);
-                    return;
-                }
-                if !common::is_any_child() && common::world_selected($w) {
-                    common::TestJob::new($w, name)
-                        .function(stringify!($name))
-                        .run()
-                        .assert_all_ok();
-                }
-            )*
-        }
-    )*};
-}
-
-equivalence! {
-    // World size 1 runs only where it means something: on the GPU's zero-copy path
-    // (`GradTransport::Nccl` synchronises at world size 1, see scripts/gpu-check.sh); elsewhere
-    // a one-rank job has nothing to synchronise and is a cheap smoke test.
-    mlp_sgd: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [1, 2, 3];
-    mlp_adam: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [1, 2, 3];
-    conv_sgd: ConvNet, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [1, 2, 3];
-    conv_adam_after_backward: ConvNet, Opt::Adam, Mode::Plain, DdpConfig::default().with_overlap(false), F32, [1, 2];
-    mlp_small_buckets: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }, F32, [1, 3];
-    mlp_accumulate_4: Mlp, Opt::Sgd, Mode::Accumulate, DdpConfig::default(), F32, [1, 2, 3];
-    // `shift` (the last parameter) alone in the first bucket: a bucket of one gradient whose
-    // buffer Burn shares with another branch of the graph.
-    shared_gradient_buffer: SharedGrad, Opt::Sgd, Mode::Plain, DdpConfig { first_bucket_cap_bytes: 4 * OUT, ..DdpConfig::default() }, F32, [1, 2];
-    strided_gradient_view: Strided, Opt::Adam, Mode::Plain, DdpConfig { bucket_cap_bytes: 4 * 16 * IN, first_bucket_cap_bytes: 4 * OUT, ..DdpConfig::default() }, F32, [1, 2];
-    // bf16 buckets keep 8 bits of mantissa: each averaged gradient is off by up to 2^-8
-    // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
-    // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
-    mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [1, 2];
-    // A user's communication hook (PyTorch's `register_comm_hook`) that averages by a sum and
-    // a scale of its own while the configuration says `Sum`: trained like one process on the
-    // mean only if the hook reduced every bucket.
-    mlp_sgd_comm_hook: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_reduction(GradReduction::Sum).with_comm_hook(MeanBySum::boxed), F32, [2, 3];
-    // Gradients released into their buckets (`gradient_as_bucket_view`): one bucket, then
-    // buckets of one gradient (moved back without a copy) and of several, and a gradient whose
-    // buffer Burn shares with another branch of the graph.
-    mlp_adam_bucket_view: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default().with_gradient_as_bucket_view(true), F32, [2, 3];
-    mlp_small_buckets_bucket_view: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }.with_gradient_as_bucket_view(true), F32, [3];
-    shared_gradient_buffer_bucket_view: SharedGrad, Opt::Sgd, Mode::Plain, DdpConfig { first_bucket_cap_bytes: 4 * OUT, ..DdpConfig::default() }.with_gradient_as_bucket_view(true), F32, [2];
 }
 
 #[test]

@@ -1,8 +1,10 @@
 //! Burn 0.22 on W processes, each with a batch of `b` and its gradients reduced by `GradSync`
-//! after backward, must train exactly like one process on the whole batch of `W·b`: after 20
-//! optimizer steps every parameter matches within 1e-5 relative (f32), every rank's model is
-//! bit-identical to the others', and a model trained without synchronisation is beyond the
-//! tolerance. Real processes, real TCP, real Burn training (Burn 0.22's Flex CPU backend).
+//! after backward, must train exactly like one process on the whole batch of `W·b`: the
+//! conformance suite every line runs (`burn_ddp_dev::conformance`: after 20 optimizer steps
+//! every parameter matches within 1e-5 relative (f32), every rank's model is bit-identical to
+//! the others', and a model trained without synchronisation is beyond the tolerance), then this
+//! line's own cases. Real processes, real TCP, real Burn training (Burn 0.22's Flex CPU
+//! backend).
 //!
 //! The reference runs in every rank's process, from the weights that `prepare` broadcast.
 
@@ -15,14 +17,10 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradReduction, GradSync, ProcessGroup};
-use burn_ddp_dev::hooks::MeanBySum;
-use compare::{assert_close, Tolerance, F32};
+use burn_ddp_burn022::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
+use compare::{assert_close, F32};
 
-const STEPS: usize = 20;
-const PER_RANK: usize = 4;
-const IN: usize = 8;
-const OUT: usize = 3;
+use burn_ddp_dev::conformance::{self, Line, Scenario, Trained, IN, OUT, PER_RANK, STEPS};
 
 fn device() -> Device {
     Device::default().autodiff()
@@ -53,6 +51,22 @@ struct ConvNet {
     conv: Conv2d,
     fc: Linear,
     act: Relu,
+}
+
+/// `x · fc.weight + (tanh(fc.bias) + shift)`: one gradient buffer for both branches of the
+/// sum (`conformance::Net::SharedGrad`).
+#[derive(Module, Debug)]
+struct SharedGrad {
+    fc: Linear,
+    shift: Param<Tensor<2>>,
+}
+
+/// `out(tanh(x · weightᵀ))`: the weight's gradient is a strided view
+/// (`conformance::Net::Strided`).
+#[derive(Module, Debug)]
+struct Strided {
+    weight: Param<Tensor<2>>,
+    out: Linear,
 }
 
 trait Net: Module + Sized {
@@ -88,11 +102,47 @@ impl Net for ConvNet {
     }
 }
 
+impl Net for SharedGrad {
+    fn build(device: &Device) -> Self {
+        Self {
+            fc: LinearConfig::new(IN, OUT).init(device),
+            shift: Param::from_tensor(Tensor::random(
+                [1, OUT],
+                Distribution::Normal(0.0, 0.3),
+                device,
+            )),
+        }
+    }
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = x.matmul(self.fc.weight.val()); // [n, OUT]
+        let bias = self.fc.bias.as_ref().expect("Linear has a bias").val();
+        let shifted = bias.tanh().reshape([1, OUT]) + self.shift.val();
+        ((h + shifted) - y).powi_scalar(2).mean()
+    }
+}
+
+impl Net for Strided {
+    fn build(device: &Device) -> Self {
+        Self {
+            weight: Param::from_tensor(Tensor::random(
+                [16, IN],
+                Distribution::Normal(0.0, 0.3),
+                device,
+            )),
+            out: LinearConfig::new(16, OUT).init(device),
+        }
+    }
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = x.matmul(self.weight.val().transpose()).tanh(); // [n, 16]
+        (self.out.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
 /// The whole batch of step `step`: the same on every rank.
 fn batch(step: usize, world: usize) -> (Tensor<2>, Tensor<2>) {
     let device = device();
     let n = world * PER_RANK;
-    device.seed(1000 + step as u64);
+    device.seed(conformance::batch_seed(step));
     let x = Tensor::<2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
     let y = Tensor::<2>::random([n, OUT], Distribution::Normal(0.0, 1.0), &device);
     (x, y)
@@ -121,44 +171,47 @@ fn params<M: Module>(m: &M) -> Vec<f32> {
     out
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Opt {
-    Sgd,
-    Adam,
-}
+/// This line's side of the conformance suite.
+struct Line022;
 
-impl Opt {
-    fn init(self) -> ModuleOptimizer {
-        match self {
-            Opt::Sgd => SgdConfig::new().init(),
-            Opt::Adam => AdamConfig::new().init(),
+impl Line for Line022 {
+    fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
+        match s.net {
+            conformance::Net::Mlp => run::<Mlp>(pg, s),
+            conformance::Net::Conv => run::<ConvNet>(pg, s),
+            conformance::Net::SharedGrad => run::<SharedGrad>(pg, s),
+            conformance::Net::Strided => run::<Strided>(pg, s),
         }
     }
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Mode {
-    Plain,
-    /// 2 micro-steps accumulated locally, then one `sync`.
-    Accumulate,
+burn_ddp_dev::conformance_suite!(Line022);
+
+fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
+    match opt {
+        conformance::Opt::Sgd => SgdConfig::new().init(),
+        conformance::Opt::Adam => AdamConfig::new().init(),
+    }
 }
 
-fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol: Tolerance) {
+fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
     let device = device();
-    device.seed(7 + rank as u64); // a different init per rank: prepare must fix it
-    let mut sync = GradSync::new(pg, config).unwrap();
+    // A different init per rank: prepare must fix it.
+    device.seed(conformance::init_seed(rank));
+    let mut sync = GradSync::new(pg, (s.config)()).unwrap();
     let mut model = sync.prepare(M::build(&device)).unwrap();
     let mut reference = M::build(&device).load_record(model.clone().into_record());
     assert_eq!(params(&model), params(&reference));
     // The negative control: this rank's shard alone, never synchronised.
     let mut alone = M::build(&device).load_record(model.clone().into_record());
-    let (mut opt_ddp, mut opt_ref, mut opt_alone) = (opt.init(), opt.init(), opt.init());
-    let lr = 0.05;
+    let (mut opt_ddp, mut opt_ref, mut opt_alone) =
+        (optimizer(s.opt), optimizer(s.opt), optimizer(s.opt));
+    let lr = conformance::LR;
     for step in 0..STEPS {
-        match mode {
-            Mode::Plain => {
+        match s.mode {
+            conformance::Mode::Plain => {
                 let (x, y) = batch(step, world);
                 let loss = model.loss(
                     shard(x.clone(), rank, PER_RANK),
@@ -179,31 +232,21 @@ fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol:
                 let grads = GradientsParams::from_grads(loss.backward(), &reference);
                 reference = opt_ref.step(lr, reference, grads);
             }
-            Mode::Accumulate => {
-                // Micro-step k of rank r: rows [r·b + k·b/2, +b/2); the reference's micro-step k
-                // is the same rows of every rank together.
-                let half = PER_RANK / 2;
-                let (x, y) = batch(step, world);
+            conformance::Mode::Accumulate(micros) => {
+                // Micro-step k: this rank's rows of batch `step · micros + k`, accumulated
+                // locally, then one `sync`; the reference's micro-step k is the whole batch.
                 let mut acc = GradientsAccumulator::<M>::new();
                 let mut acc_ref = GradientsAccumulator::<M>::new();
                 let mut acc_alone = GradientsAccumulator::<M>::new();
-                for micro in 0..2 {
-                    let mine =
-                        |t: &Tensor<2>| t.clone().narrow(0, rank * PER_RANK + micro * half, half);
+                for micro in 0..micros {
+                    let (x, y) = batch(step * micros + micro, world);
+                    let mine = |t: &Tensor<2>| shard(t.clone(), rank, PER_RANK);
                     let loss = model.loss(mine(&x), mine(&y));
                     acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
                     let loss = alone.loss(mine(&x), mine(&y));
                     acc_alone
                         .accumulate(&alone, GradientsParams::from_grads(loss.backward(), &alone));
-                    let all = |t: &Tensor<2>| {
-                        Tensor::cat(
-                            (0..world)
-                                .map(|r| t.clone().narrow(0, r * PER_RANK + micro * half, half))
-                                .collect(),
-                            0,
-                        )
-                    };
-                    let loss = reference.loss(all(&x), all(&y));
+                    let loss = reference.loss(x, y);
                     acc_ref.accumulate(
                         &reference,
                         GradientsParams::from_grads(loss.backward(), &reference),
@@ -216,52 +259,11 @@ fn train<M: Net>(pg: ProcessGroup, opt: Opt, mode: Mode, config: DdpConfig, tol:
             }
         }
     }
-    let (got, want) = (params(&model), params(&reference));
-    assert_close(rank, &got, &want, tol);
-    let mine = compare::f32_bytes(&got);
-    let all = sync.group().all_gather_bytes(&mine).unwrap();
-    compare::assert_replicas_equal(rank, &mine, &all);
-    if world > 1 {
-        compare::assert_discriminates(rank, &params(&alone), &want, tol);
+    Trained {
+        ddp: params(&model),
+        reference: params(&reference),
+        alone: params(&alone),
     }
-}
-
-macro_rules! equivalence {
-    ($($name:ident: $net:ident, $opt:expr, $mode:expr, $config:expr, $tol:expr, [$($w:literal),*];)*) => {$(
-        #[test]
-        fn $name() {
-            $(
-                let name = concat!(stringify!($name), "_w", $w);
-                if let Some(pg) = procs::child_group(name) {
-                    train::<$net>(pg, $opt, $mode, $config, $tol);
-                    return;
-                }
-                if !procs::is_any_child() && procs::world_selected($w) {
-                    procs::TestJob::new($w, name)
-                        .function(stringify!($name))
-                        .run()
-                        .assert_all_ok();
-                }
-            )*
-        }
-    )*};
-}
-
-equivalence! {
-    mlp_sgd: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [2, 3];
-    mlp_adam: Mlp, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [2, 3];
-    conv_sgd: ConvNet, Opt::Sgd, Mode::Plain, DdpConfig::default(), F32, [2, 3];
-    conv_adam: ConvNet, Opt::Adam, Mode::Plain, DdpConfig::default(), F32, [2];
-    mlp_small_buckets: Mlp, Opt::Sgd, Mode::Plain, DdpConfig { bucket_cap_bytes: 64, first_bucket_cap_bytes: 16, ..DdpConfig::default() }, F32, [3];
-    mlp_accumulate_2: Mlp, Opt::Adam, Mode::Accumulate, DdpConfig::default(), F32, [2, 3];
-    // bf16 buckets keep 8 bits of mantissa: each averaged gradient is off by up to 2^-8
-    // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
-    // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
-    mlp_bf16_compression: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_compression(Compression::Bf16), Tolerance { rel: 2e-2, floor: 0.1 }, [2];
-    // A user's communication hook (PyTorch's `register_comm_hook`) that averages by a sum and
-    // a scale of its own while the configuration says `Sum`: trained like one process on the
-    // mean only if the hook reduced every bucket.
-    mlp_sgd_comm_hook: Mlp, Opt::Sgd, Mode::Plain, DdpConfig::default().with_reduction(GradReduction::Sum).with_comm_hook(MeanBySum::boxed), F32, [2, 3];
 }
 
 #[test]
@@ -528,7 +530,7 @@ fn uneven(pg: ProcessGroup, counts: &[usize]) {
     let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
     let model = sync.prepare(Mlp::build(&device())).unwrap();
     let start = model.clone();
-    let mut opt = Opt::Adam.init();
+    let mut opt = optimizer(conformance::Opt::Adam);
     let trained = sync
         .join(model, |sync, mut model| {
             for step in 0..counts[rank] {
@@ -543,7 +545,7 @@ fn uneven(pg: ProcessGroup, counts: &[usize]) {
         .unwrap();
 
     let mut reference = start;
-    let mut opt = Opt::Adam.init();
+    let mut opt = optimizer(conformance::Opt::Adam);
     let longest = counts.iter().copied().max().unwrap();
     for step in 0..longest {
         let (x, y) = batch(step, world);

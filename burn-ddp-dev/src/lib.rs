@@ -3,6 +3,8 @@
 //! published):
 //!
 //! - [`procs`]: the multi-process test harness (a test function run as the ranks of a real job)
+//! - [`conformance`]: the conformance suite every line runs (`conformance_suite!`): DDP
+//!   training equal to one process on the whole batch, scenario by scenario
 //! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
@@ -14,6 +16,7 @@
 
 pub mod args;
 pub mod compare;
+pub mod conformance;
 pub mod diff;
 pub mod fault;
 pub mod hooks;

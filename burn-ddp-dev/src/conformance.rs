@@ -1,0 +1,346 @@
+//! The conformance suite every Burn line runs: data-parallel training on W processes, each with
+//! a batch of [`PER_RANK`] rows, must train exactly like one process on the whole batch of
+//! `W·PER_RANK` rows. After [`STEPS`] optimizer steps every parameter matches the single
+//! process's within the scenario's tolerance, every rank's model is bit-identical to the
+//! others', and a model trained on this rank's rows alone, never synchronised, is beyond the
+//! tolerance (the negative control). Real processes, real TCP, real Burn training.
+//!
+//! The scenarios ([`scenarios`]: nets, optimizers, accumulation, bucket sizes, compression, a
+//! communication hook, gradients as bucket views) and the checks are here, once. A line
+//! implements [`Line`] in its test binary (the four nets of [`Net`] in its release's API, one
+//! training run of a scenario) and writes `burn_ddp_dev::conformance_suite!(MyLine);`, which
+//! makes one `#[test]` per scenario, by the scenario's name.
+
+use burn_ddp_comm::{Compression, DdpConfig, GradReduction, ProcessGroup};
+
+use crate::compare::{assert_close, assert_discriminates, assert_replicas_equal, f32_bytes};
+use crate::compare::{Tolerance, F32};
+use crate::hooks::MeanBySum;
+use crate::procs;
+
+/// Optimizer steps per run.
+pub const STEPS: usize = 20;
+/// Rows of each rank's batch.
+pub const PER_RANK: usize = 4;
+/// Input features.
+pub const IN: usize = 8;
+/// Output features.
+pub const OUT: usize = 3;
+/// The learning rate.
+pub const LR: f64 = 0.05;
+
+/// The seed of this rank's initial weights (different per rank: `prepare` must make them equal).
+pub fn init_seed(rank: usize) -> u64 {
+    7 + rank as u64
+}
+
+/// The seed of the whole batch of (micro-)step `step`, the same on every rank: `PER_RANK ·
+/// world` rows of [`IN`] normal inputs, then as many rows of [`OUT`] normal targets.
+pub fn batch_seed(step: usize) -> u64 {
+    1000 + step as u64
+}
+
+/// The models a scenario trains, each written by the line in its release's API (the loss is
+/// the mean squared error of the output against the targets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Net {
+    /// `fc2(relu(fc1(x)))`, `IN → 16 → OUT`, with a third linear layer `unused` (`IN → 5`)
+    /// that the forward never touches: it gets no gradient on any rank.
+    Mlp,
+    /// The input reshaped to `[n, 1, 4, 2]`, repeated to `[n, 1, 4, 4]`, a 3×3 convolution to 4
+    /// channels, relu, then a linear layer `16 → OUT`.
+    Conv,
+    /// `x · fc.weight + (tanh(fc.bias) + shift)` (`fc: IN → OUT`, `shift` a `[1, OUT]`
+    /// parameter): Burn's autodiff hands one gradient buffer to both branches of the sum, so
+    /// `shift`'s gradient (alone in the first bucket, see the scenarios) is memory that
+    /// `tanh`'s backward still reads.
+    SharedGrad,
+    /// `out(tanh(x · weightᵀ))` (`weight` a `[16, IN]` parameter, `out: 16 → OUT`): the weight's
+    /// gradient is a strided view, not one contiguous span.
+    Strided,
+}
+
+/// The optimizer of every model of a run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Opt {
+    /// SGD, Burn's defaults.
+    Sgd,
+    /// Adam, Burn's defaults.
+    Adam,
+}
+
+/// How each optimizer step's gradients are made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One batch per step ([`batch_seed`] of the step), synchronised once.
+    Plain,
+    /// `k` batches per step ([`batch_seed`] of `step · k + micro`), accumulated on each rank
+    /// without synchronisation, then synchronised once.
+    Accumulate(usize),
+}
+
+/// One scenario of the suite.
+#[derive(Clone, Copy, Debug)]
+pub struct Scenario {
+    /// The test's name.
+    pub name: &'static str,
+    /// The model.
+    pub net: Net,
+    /// The optimizer.
+    pub opt: Opt,
+    /// Plain or accumulated.
+    pub mode: Mode,
+    /// The synchronisation's configuration.
+    pub config: fn() -> DdpConfig,
+    /// The tolerance, where the scenario needs a looser one than f32's on the test binary's
+    /// backend ([`Line::F32`]; the looser of the two applies).
+    pub tolerance: Option<Tolerance>,
+    /// The world sizes it runs at. At world size 1 a job has nothing to synchronise (a cheap
+    /// smoke test), except on the GPU's zero-copy path, which synchronises through NCCL.
+    pub worlds: &'static [u32],
+}
+
+fn default() -> DdpConfig {
+    DdpConfig::default()
+}
+
+fn small_buckets() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_bytes: 64,
+        first_bucket_cap_bytes: 16,
+        ..DdpConfig::default()
+    }
+}
+
+/// `shift` (the last parameter) alone in the first bucket.
+fn shift_alone() -> DdpConfig {
+    DdpConfig {
+        first_bucket_cap_bytes: 4 * OUT,
+        ..DdpConfig::default()
+    }
+}
+
+/// The weight in a bucket of its own, `out`'s bias alone in the first.
+fn weight_alone() -> DdpConfig {
+    DdpConfig {
+        bucket_cap_bytes: 4 * 16 * IN,
+        first_bucket_cap_bytes: 4 * OUT,
+        ..DdpConfig::default()
+    }
+}
+
+/// The scenarios, in the order of their tests.
+pub fn scenarios() -> Vec<Scenario> {
+    use Mode::{Accumulate, Plain};
+    use Net::{Conv, Mlp, SharedGrad, Strided};
+    use Opt::{Adam, Sgd};
+    let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
+        name,
+        net,
+        opt,
+        mode,
+        config,
+        tolerance: None,
+        worlds,
+    };
+    vec![
+        s("mlp_sgd", Mlp, Sgd, Plain, default, &[1, 2, 3]),
+        s("mlp_adam", Mlp, Adam, Plain, default, &[1, 2, 3]),
+        s("conv_sgd", Conv, Sgd, Plain, default, &[1, 2, 3]),
+        // After backward (the 0.21 line's `overlap` off; the only way on the 0.22 line).
+        s(
+            "conv_adam_after_backward",
+            Conv,
+            Adam,
+            Plain,
+            || default().with_overlap(false),
+            &[1, 2],
+        ),
+        s("mlp_small_buckets", Mlp, Sgd, Plain, small_buckets, &[1, 3]),
+        s(
+            "mlp_accumulate_4",
+            Mlp,
+            Sgd,
+            Accumulate(4),
+            default,
+            &[1, 2, 3],
+        ),
+        s(
+            "mlp_adam_accumulate_2",
+            Mlp,
+            Adam,
+            Accumulate(2),
+            default,
+            &[2, 3],
+        ),
+        s(
+            "shared_gradient_buffer",
+            SharedGrad,
+            Sgd,
+            Plain,
+            shift_alone,
+            &[1, 2],
+        ),
+        s(
+            "strided_gradient_view",
+            Strided,
+            Adam,
+            Plain,
+            weight_alone,
+            &[1, 2],
+        ),
+        // bf16 buckets keep 8 bits of mantissa: each averaged gradient is off by up to 2^-8
+        // relative, and the errors of 20 steps add up; stated tolerance 2e-2 relative to
+        // max(|w|, 0.1) (parameters here are of order 0.1-0.5).
+        Scenario {
+            tolerance: Some(Tolerance {
+                rel: 2e-2,
+                floor: 0.1,
+            }),
+            ..s(
+                "mlp_bf16_compression",
+                Mlp,
+                Sgd,
+                Plain,
+                || default().with_compression(Compression::Bf16),
+                &[1, 2],
+            )
+        },
+        // A user's communication hook (PyTorch's `register_comm_hook`) that averages by a sum
+        // and a scale of its own while the configuration says `Sum`: trained like one process
+        // on the mean only if the hook reduced every bucket.
+        s(
+            "mlp_sgd_comm_hook",
+            Mlp,
+            Sgd,
+            Plain,
+            || {
+                default()
+                    .with_reduction(GradReduction::Sum)
+                    .with_comm_hook(MeanBySum::boxed)
+            },
+            &[2, 3],
+        ),
+        // Gradients released into their buckets (`gradient_as_bucket_view`; what the 0.22 line
+        // always does): one bucket, then buckets of one gradient and of several, and a gradient
+        // whose buffer Burn shares with another branch of the graph.
+        s(
+            "mlp_adam_bucket_view",
+            Mlp,
+            Adam,
+            Plain,
+            || default().with_gradient_as_bucket_view(true),
+            &[2, 3],
+        ),
+        s(
+            "mlp_small_buckets_bucket_view",
+            Mlp,
+            Sgd,
+            Plain,
+            || small_buckets().with_gradient_as_bucket_view(true),
+            &[3],
+        ),
+        s(
+            "shared_gradient_buffer_bucket_view",
+            SharedGrad,
+            Sgd,
+            Plain,
+            || shift_alone().with_gradient_as_bucket_view(true),
+            &[2],
+        ),
+    ]
+}
+
+/// The parameters of the three models of one run on one rank, each flattened in visit order.
+#[derive(Debug, Clone)]
+pub struct Trained {
+    /// The data-parallel model, trained on this rank's rows with synchronisation.
+    pub ddp: Vec<f32>,
+    /// The single-process reference, trained in this process on every rank's rows, from the
+    /// weights that `prepare` gave the data-parallel model.
+    pub reference: Vec<f32>,
+    /// The negative control: this rank's rows alone, never synchronised, from the same weights.
+    pub alone: Vec<f32>,
+}
+
+/// What a Burn line gives the suite.
+pub trait Line {
+    /// f32's tolerance on the test binary's backend ([`F32`], or
+    /// [`F32_GPU`](crate::compare::F32_GPU) on a GPU).
+    const F32: Tolerance = F32;
+
+    /// Trains `scenario` on this rank of `pg`: the three models of [`Trained`], from this
+    /// rank's [`init_seed`], for [`STEPS`] steps at [`LR`], on the batches of [`batch_seed`].
+    fn train(pg: ProcessGroup, scenario: &Scenario) -> Trained;
+}
+
+/// The test `name` of the suite for line `L`: as the parent, runs it as a job of each of its
+/// world sizes (the ones selected); as one of those jobs' ranks, trains and checks.
+///
+/// # Panics
+/// A scenario that fails its checks; a name that is no scenario's.
+pub fn run<L: Line>(name: &str) {
+    let scenario = scenarios()
+        .into_iter()
+        .find(|s| s.name == name)
+        .unwrap_or_else(|| panic!("no conformance scenario is called {name}"));
+    for &world in scenario.worlds {
+        let job = format!("{name}_w{world}");
+        if let Some(pg) = procs::child_group(&job) {
+            let tolerance = scenario.tolerance.map_or(L::F32, |t| Tolerance {
+                rel: t.rel.max(L::F32.rel),
+                floor: t.floor.max(L::F32.floor),
+            });
+            let trained = L::train(pg.clone(), &scenario);
+            check(&pg, &trained, tolerance);
+            return;
+        }
+        if !procs::is_any_child() && procs::world_selected(world as usize) {
+            procs::TestJob::new(world, &job)
+                .function(name)
+                .run()
+                .assert_all_ok();
+        }
+    }
+}
+
+/// The checks of one rank: close to the reference, bit-identical to the other ranks, and the
+/// unsynchronised model beyond the tolerance (with more than one rank).
+fn check(pg: &ProcessGroup, t: &Trained, tolerance: Tolerance) {
+    let rank = pg.rank().index();
+    assert_close(rank, &t.ddp, &t.reference, tolerance);
+    let mine = f32_bytes(&t.ddp);
+    let all = pg.all_gather_bytes(&mine).unwrap();
+    assert_replicas_equal(rank, &mine, &all);
+    if pg.world_size().as_usize() > 1 {
+        assert_discriminates(rank, &t.alone, &t.reference, tolerance);
+    }
+    let _ = pg.barrier();
+}
+
+/// One `#[test]` per conformance scenario for the line `$line` (a [`Line`]), named as the
+/// scenario, and one test that the list is the suite's.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($line:ty) => {
+        $crate::conformance_suite!(@tests $line;
+            mlp_sgd, mlp_adam, conv_sgd, conv_adam_after_backward, mlp_small_buckets,
+            mlp_accumulate_4, mlp_adam_accumulate_2, shared_gradient_buffer,
+            strided_gradient_view, mlp_bf16_compression, mlp_sgd_comm_hook, mlp_adam_bucket_view,
+            mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view);
+    };
+    (@tests $line:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::conformance::run::<$line>(stringify!($name));
+            }
+        )*
+
+        #[test]
+        fn the_conformance_suite_runs_every_scenario() {
+            let names: Vec<&str> = $crate::conformance::scenarios().iter().map(|s| s.name).collect();
+            assert_eq!(names, [$(stringify!($name)),*]);
+        }
+    };
+}
