@@ -33,7 +33,7 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::comm::DType;
-use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, Queue, ANSWER_SLACK};
+use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, LaunchOrder, Queue, ANSWER_SLACK};
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -303,9 +303,8 @@ impl DevicePath {
             op: reduction.op(),
             dtype: bucket_dtype(compression),
             parts: (0..plan.slots.len()).map(|_| None).collect(),
-            missing: plan.buckets.iter().map(|(s, _)| s.len()).collect(),
+            order: LaunchOrder::new(plan),
             outputs: (0..plan.buckets.len()).map(|_| None).collect(),
-            next_launch: 0,
             in_flight: InFlight::new(),
             rank,
         };
@@ -337,11 +336,11 @@ struct Step<'a> {
     dtype: (DType, BurnDType),
     /// Each slot's flattened f32 gradient (`None`: none on this rank, or packed already).
     parts: Vec<Option<Tensor<1>>>,
-    /// Slots of each bucket not pushed yet.
-    missing: Vec<usize>,
+    /// Which slots were pushed, and which bucket launches next (the core's rule: strictly in
+    /// index order, as every transport).
+    order: LaunchOrder,
     /// Each launched bucket's output: its values, then one presence flag per slot.
     outputs: Vec<Option<Tensor<1>>>,
-    next_launch: usize,
     in_flight: InFlight<[Pinned; 2]>,
     rank: Rank,
 }
@@ -387,17 +386,14 @@ impl Step<'_> {
             };
             self.parts[slot] = Some(g);
         }
-        let bucket = self.plan.slots[slot].bucket;
-        self.missing[bucket] -= 1;
+        self.order.mark_final(slot);
         self.launch_ready()
     }
 
     /// Launches every complete bucket whose predecessors have all left (index order on every
     /// rank: every rank queues the same NCCL calls in the same order).
     fn launch_ready(&mut self) -> Result<()> {
-        while self.next_launch < self.missing.len() && self.missing[self.next_launch] == 0 {
-            let bucket = self.next_launch;
-            self.next_launch += 1;
+        while let Some(bucket) = self.order.next_ready() {
             self.launch(bucket)?;
         }
         Ok(())
@@ -446,9 +442,7 @@ impl Step<'_> {
 
     /// Launches what is left: parameters the model visit never reached count as absent here.
     fn launch_rest(&mut self) -> Result<()> {
-        for m in &mut self.missing {
-            *m = 0;
-        }
+        self.order.mark_rest_final();
         self.launch_ready()
     }
 
