@@ -37,8 +37,26 @@ pub(crate) fn publish(client: &StoreClient, rank: Rank, culprit: Option<Rank>, e
 /// `WorldSizeMismatch`, `DuplicateRank`; `RendezvousTimeout` naming the ranks that never came;
 /// `JobAborted` when another rank's misconfiguration ended the rendezvous.
 pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
-    let started = Instant::now();
-    let server = if cfg.rank.is_zero() {
+    let server = serve(cfg)?;
+    match meet(cfg, deadline) {
+        Ok(client) => Ok(Joined {
+            client: Arc::new(client),
+            server,
+        }),
+        Err(e) => {
+            // Rank 0's store goes with this error: the ranks still waiting read the abort
+            // record first (a rank between two requests would otherwise find the store gone).
+            if let Some(server) = &server {
+                server.linger_after_abort(cfg.rank);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The store, on rank 0.
+fn serve(cfg: &GroupConfig) -> Result<Option<StoreServer>> {
+    Ok(if cfg.rank.is_zero() {
         let addr = resolve_bind(&cfg.master, cfg.rank)?;
         let served = StoreServer::bind(addr, cfg.rank, cfg.world_size, cfg.token.clone());
         Some(served.map_err(|e| match (e, &cfg.port_origin) {
@@ -51,7 +69,12 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
         })?)
     } else {
         None
-    };
+    })
+}
+
+/// Joins the store and waits for every rank.
+fn meet(cfg: &GroupConfig, deadline: Instant) -> Result<StoreClient> {
+    let started = Instant::now();
     let client = StoreClient::connect(
         &cfg.master,
         Purpose::Store,
@@ -133,10 +156,7 @@ pub(crate) fn join(cfg: &GroupConfig, deadline: Instant) -> Result<Joined> {
         cfg.master,
         cfg.world_size
     );
-    Ok(Joined {
-        client: Arc::new(client),
-        server,
-    })
+    Ok(client)
 }
 
 /// What the launcher can tell about ranks that never join, for the waiting message.

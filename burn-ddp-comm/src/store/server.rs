@@ -341,6 +341,16 @@ impl StoreServer {
         (all, pending)
     }
 
+    /// After a rendezvous that failed on rank 0: while the store holds an abort record, keeps it
+    /// up (at most [`ABORT_GRACE`]) until the other ranks have disconnected, so that a rank
+    /// between two requests reads the record (it names the culprit) instead of finding the
+    /// store gone. Without a record, returns at once.
+    pub(crate) fn linger_after_abort(&self, keep: Rank) {
+        if self.shared.lock().abort.is_some() {
+            self.wait_for_departures(keep, ABORT_GRACE);
+        }
+    }
+
     /// Waits (at most `timeout`) until every rank other than `keep` has left or disconnected,
     /// so that rank 0 does not pull the store from under ranks that are still finishing.
     pub(crate) fn wait_for_departures(&self, keep: Rank, timeout: Duration) {

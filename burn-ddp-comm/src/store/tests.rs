@@ -197,6 +197,32 @@ fn duplicate_rank_is_refused_and_aborts_the_rendezvous() {
     );
 }
 
+/// Rank 0's rendezvous fails (here, a rank claimed twice aborted it): its store stays up until
+/// the rank still waiting has read the abort record, even when that rank was between two
+/// requests when rank 0 gave up (it used to find the store gone: "lost the connection").
+#[test]
+fn after_a_failed_rendezvous_the_store_stays_up_until_the_others_read_the_abort() {
+    let server = serve(3);
+    let first = join(server.addr(), 1, 3);
+    let err = join_as(server.addr(), Purpose::Store, 1, 3, "secret").unwrap_err();
+    assert!(matches!(err, DdpError::DuplicateRank { .. }), "{err}");
+    let rank0 = thread::spawn(move || {
+        server.linger_after_abort(Rank(0));
+        drop(server);
+    });
+    // Rank 1 is between two requests while rank 0 gives up.
+    thread::sleep(Duration::from_millis(300));
+    let err = first
+        .wait(&[protocol::joined_key(Rank(2))], Duration::from_secs(30))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("claimed by two processes"),
+        "{err}"
+    );
+    drop(first);
+    rank0.join().unwrap();
+}
+
 #[test]
 fn world_size_mismatch_is_refused() {
     let server = serve(2);
