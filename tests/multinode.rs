@@ -1,5 +1,5 @@
 //! Multi-node jobs for real: each node a Linux network namespace with its own address on a
-//! virtual link (`common/netns.rs`), the launcher and the classifier example in each, so that
+//! virtual link (`burn-ddp-dev/src/netns.rs`), the launcher and the classifier example in each, so that
 //! `MASTER_ADDR` is not loopback, the ranks pick the interface that reaches it, the job token
 //! crosses the link, and a node can be killed or cut off whole.
 //!
@@ -144,63 +144,11 @@ impl ElasticPair {
 }
 
 /// Two nodes, one rank each, `MASTER_ADDR` on the first node's link: the job trains to the
-/// same parameters as 2 ranks on one machine (`--nproc 2`, loopback), bit for bit.
+/// same parameters as 2 ranks on one machine (`--nproc 2`, loopback), bit for bit (the
+/// scenario every line's classifier passes, `burn_ddp_dev::netns`).
 #[test]
 fn two_nodes_on_a_virtual_link_train_exactly_like_one_machine() {
-    let net = Net::new(2);
-    let dir = scratch("fixed");
-    let mut nodes = Vec::new();
-    for i in 0..2 {
-        let mut args = strings(&[
-            "run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-id",
-            "fixed-test",
-            "--master-port",
-            "29500",
-        ]);
-        args.extend(["--node-rank".into(), i.to_string()]);
-        args.extend(["--master-addr".into(), net.addr(0)]);
-        args.push("--".into());
-        args.push(common::spawned::example("classifier").display().to_string());
-        args.extend(classifier_args(&dir.join("out"), 2));
-        let log = dir.join(format!("node{i}.log"));
-        let (program, args) = env_launcher(args);
-        nodes.push((net.start(i, &program, &args, &log), log));
-    }
-    let logs: Vec<String> = nodes
-        .iter_mut()
-        .map(|(child, log)| {
-            let (ok, text) = finish(child, log, Duration::from_secs(300));
-            assert!(ok, "{}:\n{text}", log.display());
-            text
-        })
-        .collect();
-    let store = format!("store {}:29500", net.addr(0));
-    assert!(
-        logs[0].contains(&store) && logs[1].contains(&store),
-        "the ranks did not meet at {store}:\n{}\n{}",
-        logs[0],
-        logs[1]
-    );
-    let (d0, d1) = (digest(&logs[0], 0), digest(&logs[1], 1));
-    assert_eq!(d0, d1);
-
-    // The same job on one machine.
-    let local = Command::new(common::spawned::example("classifier"))
-        .args(["--nproc", "2"])
-        .args(classifier_args(&dir.join("local"), 2))
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&local.stdout);
-    assert!(local.status.success(), "{text}");
-    assert_eq!(digest(&text, 0), d0, "two nodes and one machine differ");
-    let _ = std::fs::remove_dir_all(&dir);
+    common::netns::two_nodes_train_like_one_machine("classifier");
 }
 
 /// `--nnodes 1:2` on two nodes. Node b is killed whole (launcher and rank) once the checkpoint

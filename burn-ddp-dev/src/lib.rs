@@ -9,6 +9,8 @@
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
 //! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
+//! - [`netns`]: several "nodes" on one machine (network namespaces), and the two-node
+//!   scenario every line's classifier passes
 //! - [`diff`]: the lines a migration changed
 //! - [`hooks`]: a communication hook the equivalence tests train with
 //! - [`args`]: the step benchmarks' command line
@@ -21,6 +23,7 @@ pub mod diff;
 pub mod fault;
 pub mod hooks;
 pub mod images;
+pub mod netns;
 pub mod procs;
 pub mod spawned;
 

@@ -4,8 +4,7 @@
 #![allow(dead_code)]
 
 #[allow(unused_imports)] // each test binary uses some of them
-pub use burn_ddp_dev::{compare, diff, spawned};
-pub mod netns;
+pub use burn_ddp_dev::{compare, diff, netns, spawned};
 
 #[allow(unused_imports)] // some test binaries use only `spawned`
 pub use burn_ddp_dev::procs::*;

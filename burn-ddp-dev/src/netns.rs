@@ -143,5 +143,87 @@ impl Drop for Net {
     }
 }
 
-#[allow(unused_imports)] // each test binary uses some of them
-pub use burn_ddp_dev::spawned::{finish, wait_for, wait_for_files};
+pub use crate::spawned::{finish, wait_for, wait_for_files};
+
+/// Two nodes, one rank each, `MASTER_ADDR` on the first node's link, running the classifier
+/// example `example` (every line has one) under the launcher: the job trains to the same
+/// parameters as 2 ranks on one machine (`--nproc 2`, loopback), bit for bit. The scenario
+/// every line passes.
+pub fn two_nodes_train_like_one_machine(example: &str) {
+    use crate::spawned::{classifier_args, digest, launcher};
+    let net = Net::new(2);
+    let dir = std::env::temp_dir().join(format!("burn-ddp-mn-{example}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let program = crate::spawned::example(example);
+    let job_args = |out: &Path| {
+        let mut args = classifier_args(out, 2, 768, 64);
+        args.push("--resume".into());
+        args
+    };
+    let mut nodes = Vec::new();
+    for i in 0..2 {
+        let mut args: Vec<String> = [
+            "RUST_LOG=burn_ddp=info",
+            // Failure detection, not the collective deadline, must bound every wait.
+            "BURN_DDP_TIMEOUT=10m",
+            "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(launcher().display().to_string());
+        args.extend(
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-id",
+                "fixed-test",
+                "--master-port",
+                "29500",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        );
+        args.extend(["--node-rank".into(), i.to_string()]);
+        args.extend(["--master-addr".into(), net.addr(0)]);
+        args.push("--".into());
+        args.push(program.display().to_string());
+        args.extend(job_args(&dir.join("out")));
+        let log = dir.join(format!("node{i}.log"));
+        nodes.push((net.start(i, Path::new("/usr/bin/env"), &args, &log), log));
+    }
+    let logs: Vec<String> = nodes
+        .iter_mut()
+        .map(|(child, log)| {
+            let (ok, text) = finish(child, log, std::time::Duration::from_secs(300));
+            assert!(ok, "{}:\n{text}", log.display());
+            text
+        })
+        .collect();
+    let store = format!("store {}:29500", net.addr(0));
+    assert!(
+        logs[0].contains(&store) && logs[1].contains(&store),
+        "the ranks did not meet at {store}:\n{}\n{}",
+        logs[0],
+        logs[1]
+    );
+    let (d0, d1) = (digest(&logs[0], 0), digest(&logs[1], 1));
+    assert_eq!(d0, d1);
+
+    // The same job on one machine.
+    let local = Command::new(&program)
+        .args(["--nproc", "2"])
+        .args(job_args(&dir.join("local")))
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&local.stdout);
+    assert!(local.status.success(), "{text}");
+    assert_eq!(digest(&text, 0), d0, "two nodes and one machine differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}
