@@ -7,9 +7,10 @@
 //! why: such a test fails, it never passes without having run.
 
 use std::fs::File;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 static NEXT: AtomicU32 = AtomicU32::new(0);
 
@@ -144,6 +145,211 @@ impl Drop for Net {
 }
 
 pub use crate::spawned::{finish, wait_for, wait_for_files};
+
+/// A fresh scratch directory for the test `name`.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-mn-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// The classifier's arguments: small, `--resume` (a restarted round resumes), a digest at the end.
+fn classifier_args(out: &Path, epochs: u32) -> Vec<String> {
+    let mut args = crate::spawned::classifier_args(out, epochs, 768, 64);
+    args.push("--resume".into());
+    args
+}
+
+/// The strings of `args`.
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// The launcher arguments of node `node` of an elastic job on `net`, then the classifier's.
+fn elastic_args(net: &Net, example: &str, node: &str, out: &Path, epochs: u32) -> Vec<String> {
+    let mut args = strings(&[
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--rdzv-join-window",
+        "2",
+        "--node-timeout",
+        "3",
+        "--master-port",
+        "29500",
+        "--rdzv-id",
+        "elastic-test",
+        "--node-id",
+        node,
+        "--master-addr",
+    ]);
+    args.push(net.addr(0));
+    args.push("--".into());
+    args.push(crate::spawned::example(example).display().to_string());
+    args.extend(classifier_args(out, epochs));
+    // The elastic hook: the learning rate follows the world size.
+    args.push("--scale-lr".into());
+    args
+}
+
+/// `env` then the launcher: the environment every node's launcher gets.
+pub fn env_launcher(args: Vec<String>) -> (PathBuf, Vec<String>) {
+    let mut all = strings(&[
+        "RUST_LOG=burn_ddp=info",
+        // Failure detection, not the collective deadline, must bound every wait.
+        "BURN_DDP_TIMEOUT=10m",
+        "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
+    ]);
+    all.push(crate::spawned::launcher().display().to_string());
+    all.extend(args);
+    (PathBuf::from("/usr/bin/env"), all)
+}
+
+/// An elastic job of nodes a and b (`--nnodes 1:2`), started, with round 0 formed by both.
+pub struct ElasticPair {
+    pub net: Net,
+    pub dir: PathBuf,
+    pub out: PathBuf,
+    pub a: std::process::Child,
+    pub b: std::process::Child,
+    pub log_a: PathBuf,
+    pub log_b: PathBuf,
+    /// Node b's launcher command, to start it again.
+    pub b_cmd: (PathBuf, Vec<String>),
+}
+
+impl ElasticPair {
+    /// The classifier example `example` on both nodes, round 0 formed.
+    pub fn start(example: &str, name: &str, epochs: u32) -> Self {
+        let net = Net::new(2);
+        let dir = scratch(name);
+        let out = dir.join("out");
+        let (log_a, log_b) = (dir.join("a.log"), dir.join("b.log"));
+        let (prog, args) = env_launcher(elastic_args(&net, example, "a", &out, epochs));
+        let a = net.start(0, &prog, &args, &log_a);
+        let b_cmd = env_launcher(elastic_args(&net, example, "b", &out, epochs));
+        let b = net.start(1, &b_cmd.0, &b_cmd.1, &log_b);
+        wait_for(
+            &log_a,
+            "round 0: 2 node(s) [a, b]",
+            Duration::from_secs(120),
+        );
+        Self {
+            net,
+            dir,
+            out,
+            a,
+            b,
+            log_a,
+            log_b,
+            b_cmd,
+        }
+    }
+
+    /// Waits until node a's rank resumed from epoch 1's checkpoint, and says how long after
+    /// node b was lost (`how`) at `since`.
+    pub fn resumed_alone_after(&self, since: Instant, how: &str) {
+        let resumed = wait_for(
+            &self.log_a,
+            "[rank 0] resumed from the checkpoint of epoch 1",
+            Duration::from_secs(60),
+        );
+        eprintln!(
+            "node b {how}: node a's rank resumed alone {:.1?} later",
+            resumed - since
+        );
+    }
+
+    /// The three records of the checkpoint of `epoch`.
+    pub fn checkpoint(&self, epoch: u32) -> Vec<PathBuf> {
+        ["model", "optim", "scheduler"]
+            .iter()
+            .map(|p| self.out.join(format!("checkpoint/{p}-{epoch}.bin")))
+            .collect()
+    }
+}
+
+/// `--nnodes 1:2` on two nodes. Node b is killed whole (launcher and rank) once the checkpoint
+/// of epoch 1 is complete: node a goes on alone (world size 1) from that checkpoint and writes
+/// the next one. Then node b is started again: it asks to join, the job restarts with both at
+/// the next round, resumes from the newest checkpoint, and finishes; both ranks end with the
+/// same parameters. Every launcher logs each round: who left, who joined, the world size.
+pub fn elastic_job_loses_a_killed_node_and_takes_it_back(example: &str) {
+    let mut job = ElasticPair::start(example, &format!("killed-{example}"), 5);
+    wait_for_files(&job.checkpoint(1), Duration::from_secs(300));
+
+    job.net.kill(1);
+    let killed = Instant::now();
+    let _ = job.b.wait();
+    job.resumed_alone_after(killed, "killed");
+    let text = std::fs::read_to_string(&job.log_a).unwrap();
+    assert!(
+        text.contains("node b was lost") || text.contains("round 0 failed on node a"),
+        "{text}"
+    );
+    assert!(
+        text.contains("round 1: 1 node(s) [a], world size 1 (was 2); left: [b]; joined: []"),
+        "{text}"
+    );
+    assert!(
+        text.contains("learning rate 1.00e-3: --lr 2.00e-3 scaled by world size 1 / 2"),
+        "{text}"
+    );
+    // Rank 0's dashboard (its progress lines here) shows the new round.
+    wait_for(
+        &job.log_a,
+        "World size 1 | Membership round 1: world size 1 (was 2), from the checkpoint of epoch 1",
+        Duration::from_secs(120),
+    );
+    // Node a alone makes progress: the next checkpoint.
+    wait_for_files(&job.checkpoint(2), Duration::from_secs(300));
+
+    let log_b2 = job.dir.join("b2.log");
+    let mut b2 = job.net.start(1, &job.b_cmd.0, &job.b_cmd.1, &log_b2);
+    let (ok_b2, text_b2) = finish(&mut b2, &log_b2, Duration::from_secs(300));
+    let (ok_a, text_a) = finish(&mut job.a, &job.log_a, Duration::from_secs(300));
+    assert!(ok_a, "node a:\n{text_a}");
+    assert!(ok_b2, "restarted node b:\n{text_b2}");
+    assert!(
+        text_b2.contains("node b asks to join the running job"),
+        "{text_b2}"
+    );
+    assert!(
+        text_a.contains("a node asks to join and the job has 1 of at most 2 nodes"),
+        "{text_a}"
+    );
+    assert!(
+        text_a.contains("2 node(s) [a, b], world size 2 (was 1); left: []; joined: [b]"),
+        "{text_a}"
+    );
+    assert!(
+        text_a.contains(
+            "World size 2 | Membership round 2: world size 2 (was 1), from the checkpoint"
+        ),
+        "{text_a}"
+    );
+    // The last round resumed from a checkpoint written while node a was alone.
+    let last_resume = text_a
+        .lines()
+        .rev()
+        .find_map(|l| l.split("resumed from the checkpoint of epoch ").nth(1))
+        .unwrap()
+        .trim()
+        .parse::<u32>()
+        .unwrap();
+    assert!(last_resume >= 2, "{text_a}");
+    assert!(text_a.contains("final test accuracy"), "{text_a}");
+    assert_eq!(
+        crate::spawned::digest(&text_a, 0),
+        crate::spawned::digest(&text_b2, 1)
+    );
+    let _ = std::fs::remove_dir_all(&job.dir);
+}
 
 /// Two nodes, one rank each, `MASTER_ADDR` on the first node's link, running the classifier
 /// example `example` (every line has one) under the launcher: the job trains to the same

@@ -74,6 +74,11 @@ struct Args {
     /// Every rank prints a digest of its final parameters (to check that they agree).
     #[arg(long)]
     print_digest: bool,
+    /// In an elastic job (`burn-ddp run --nnodes MIN:MAX`), scale the learning rate with the
+    /// world size: `--lr` is the first round's, each later round trains with
+    /// `lr × world / first world` (the linear scaling rule for the changed global batch).
+    #[arg(long)]
+    scale_lr: bool,
 }
 
 type Failure = Box<dyn std::error::Error + Send + Sync>;
@@ -149,6 +154,20 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         .with_resume(args.resume)
         .with_run_settings(run_settings(args));
 
+    // The elastic hook: the per-rank batch stays, so the global batch follows the world size.
+    let lr = match burn_ddp_burn022::launch::env::first_world_size() {
+        Some(first) if args.scale_lr => {
+            let lr = args.lr * world as f64 / f64::from(first);
+            if main {
+                println!(
+                    "learning rate {lr:.2e}: --lr {:.2e} scaled by world size {world} / {first}",
+                    args.lr
+                );
+            }
+            lr
+        }
+        _ => args.lr,
+    };
     let started = Instant::now();
     let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
         .metric_train_numeric(AccuracyMetric::new())
@@ -157,7 +176,7 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         .metric_valid_numeric(LossMetric::new())
         .num_epochs(args.epochs)
         .summary()
-        .launch_ddp(Learner::new(model, AdamConfig::new().init(), args.lr), &ddp)?;
+        .launch_ddp(Learner::new(model, AdamConfig::new().init(), lr), &ddp)?;
     if let Some(e) = &result.error {
         return Err(format!("training failed: {e}").into());
     }
@@ -185,6 +204,7 @@ fn run_settings(args: &Args) -> RunSettings {
     images::settings(args.mnist.as_deref(), sizes, args.lr, args.seed)
         .into_iter()
         .fold(RunSettings::new(), |s, (k, v)| s.with(k, v))
+        .with("scale-lr", args.scale_lr)
 }
 
 /// A hash of the parameters' values, bit for bit, in visit order.
