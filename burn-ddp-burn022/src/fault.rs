@@ -6,10 +6,10 @@
 
 use burn::module::Module;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};
-use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
-use burn_ddp_comm::grad::{LoopState, LoopSync};
+use burn_ddp_comm::grad::{LoopState, LoopSync, Replica};
 
+use crate::sync::{model_error, AsReplica};
 use crate::{DdpError, GradSync, ProcessGroup, Result};
 
 impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
@@ -26,16 +26,13 @@ impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
     }
 
     fn state_bytes(&self, model: &M, optim: &ModuleOptimizer) -> Result<[Vec<u8>; 2]> {
-        let fail = |e: &dyn std::fmt::Display| DdpError::Model {
-            rank: self.group().rank(),
-            what: "serialising the state to send to the ranks behind",
-            reason: e.to_string(),
-        };
-        // `valid()` folds running statistics' pending updates in (see `sync_buffers`).
-        drop(model.valid());
-        let model = (model.clone().into_record().into_bytes()).map_err(|e| fail(&e))?;
-        let optim = optim.to_record().into_bytes().map_err(|e| fail(&e))?;
-        Ok([model.to_vec(), optim.to_vec()])
+        let rank = self.group().rank();
+        let model = AsReplica(model.clone()).record_bytes(rank)?;
+        let optim = optim
+            .to_record()
+            .into_bytes()
+            .map_err(|e| model_error(rank, "serialising the optimizer's state to send", e))?;
+        Ok([model, optim.to_vec()])
     }
 
     fn load_state(
@@ -44,17 +41,11 @@ impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
         optim: ModuleOptimizer,
         [m, o]: [Vec<u8>; 2],
     ) -> Result<(M, ModuleOptimizer)> {
-        let fail = |e: &dyn std::fmt::Display| DdpError::Model {
-            rank: self.group().rank(),
-            what: "loading the state received from the source rank",
-            reason: e.to_string(),
-        };
-        drop(model.valid());
-        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(m)).map_err(|e| fail(&e))?;
-        let model = model.try_load_record(record).map_err(|e| fail(&e))?;
-        let optim_record =
-            OptimizerRecord::from_bytes(Bytes::from_bytes_vec(o)).map_err(|e| fail(&e))?;
-        Ok((model, optim.load_record(optim_record)))
+        let rank = self.group().rank();
+        let AsReplica(model) = AsReplica(model).load_record_bytes(rank, m)?;
+        let record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(o))
+            .map_err(|e| model_error(rank, "reading the optimizer's state received", e))?;
+        Ok((model, optim.load_record(record)))
     }
 }
 

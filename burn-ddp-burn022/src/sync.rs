@@ -417,7 +417,7 @@ fn scale<M: Module>(model: &M, mut grads: GradientsParams, factor: f32) -> Gradi
 
 /// This line's [`Replica`]: a Burn 0.22 module, every float parameter compared, its record as
 /// Burn's module record bytes.
-struct AsReplica<M>(M);
+pub(crate) struct AsReplica<M>(pub(crate) M);
 
 impl<M: Module> Replica for AsReplica<M> {
     fn params(&self) -> Vec<(ParamInfo, bool)> {
@@ -526,7 +526,7 @@ fn not_prepared(rank: Rank) -> DdpError {
     }
 }
 
-fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
+pub(crate) fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
     DdpError::Model {
         rank,
         what,

@@ -297,7 +297,7 @@ pub fn elastic_job_loses_a_killed_node_and_takes_it_back(example: &str) {
         "{text}"
     );
     assert!(
-        text.contains("learning rate 1.00e-3: --lr 2.00e-3 scaled by world size 1 / 2"),
+        text.contains("learning rate 1.00e-3: 2.00e-3 scaled by world size 1 / 2"),
         "{text}"
     );
     // Rank 0's dashboard (its progress lines here) shows the new round.

@@ -167,19 +167,12 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         .with_run_settings(run_settings(args));
 
     // The elastic hook: the per-rank batch stays, so the global batch follows the world size.
-    let lr = match burn_ddp::launch::env::first_world_size() {
-        Some(first) if args.scale_lr => {
-            let lr = args.lr * world as f64 / f64::from(first);
-            if main {
-                println!(
-                    "learning rate {lr:.2e}: --lr {:.2e} scaled by world size {world} / {first}",
-                    args.lr
-                );
-            }
-            lr
-        }
-        _ => args.lr,
-    };
+    let scaled = burn_ddp::launch::env::linear_scaled_lr(args.lr, world as u32);
+    let scaled = scaled.filter(|_| args.scale_lr);
+    if let (Some(s), true) = (&scaled, main) {
+        println!("{s}");
+    }
+    let lr = scaled.map_or(args.lr, |s| s.lr);
     let started = Instant::now();
     let result = SupervisedTraining::new(&out, train_loader, Arc::clone(&test_loader))
         .metric_train_numeric(AccuracyMetric::new())

@@ -33,7 +33,7 @@ impl std::fmt::Debug for DeviceDrain {
 
 /// How a [`DeviceDrain::run`] ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Drained {
+pub enum DrainOutcome {
     /// Nothing was set (no model prepared, or the drain ran already).
     Nothing,
     /// The devices' queued work finished.
@@ -60,9 +60,9 @@ impl DeviceDrain {
 
     /// Runs what was set, once, on a thread of its own, waiting at most `limit`; logs anything
     /// but a clean end as a warning from `rank`.
-    pub fn run(&self, rank: Rank, limit: Duration) -> Drained {
+    pub fn run(&self, rank: Rank, limit: Duration) -> DrainOutcome {
         let Some(sync) = self.slot().take() else {
-            return Drained::Nothing;
+            return DrainOutcome::Nothing;
         };
         let (done, finished) = std::sync::mpsc::channel();
         let spawned = std::thread::Builder::new()
@@ -71,22 +71,22 @@ impl DeviceDrain {
                 let _ = done.send(sync());
             });
         let outcome = match spawned {
-            Err(e) => Drained::Failed(format!("its thread could not be started: {e}")),
+            Err(e) => DrainOutcome::Failed(format!("its thread could not be started: {e}")),
             Ok(_) => match finished.recv_timeout(limit) {
-                Ok(Ok(())) => Drained::Done,
-                Ok(Err(e)) => Drained::DeviceError(e),
-                Err(RecvTimeoutError::Timeout) => Drained::TimedOut,
+                Ok(Ok(())) => DrainOutcome::Done,
+                Ok(Err(e)) => DrainOutcome::DeviceError(e),
+                Err(RecvTimeoutError::Timeout) => DrainOutcome::TimedOut,
                 // The closure did not send: it panicked (the panic message is on stderr).
                 Err(RecvTimeoutError::Disconnected) => {
-                    Drained::Failed("the wait panicked in the backend".into())
+                    DrainOutcome::Failed("the wait panicked in the backend".into())
                 }
             },
         };
         let said = match &outcome {
-            Drained::Nothing | Drained::Done => return outcome,
-            Drained::DeviceError(e) => format!("a device reported an error: {e}"),
-            Drained::TimedOut => format!("it did not finish in {} s", limit.as_secs()),
-            Drained::Failed(why) => why.clone(),
+            DrainOutcome::Nothing | DrainOutcome::Done => return outcome,
+            DrainOutcome::DeviceError(e) => format!("a device reported an error: {e}"),
+            DrainOutcome::TimedOut => format!("it did not finish in {} s", limit.as_secs()),
+            DrainOutcome::Failed(why) => why.clone(),
         };
         tracing::warn!(
             "[rank {rank}] waiting for the device work queued when the gradient sync ended: \
@@ -105,15 +105,15 @@ mod tests {
     #[test]
     fn it_runs_what_was_set_once() {
         let d = DeviceDrain::default();
-        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), Drained::Nothing);
+        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), DrainOutcome::Nothing);
         let (tx, rx) = std::sync::mpsc::channel();
         d.set(move || {
             tx.send(()).unwrap();
             Ok(())
         });
-        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), Drained::Done);
+        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), DrainOutcome::Done);
         assert!(rx.try_recv().is_ok());
-        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), Drained::Nothing);
+        assert_eq!(d.run(R, DEVICE_DRAIN_LIMIT), DrainOutcome::Nothing);
     }
 
     #[test]
@@ -123,15 +123,15 @@ mod tests {
             std::thread::sleep(Duration::from_secs(2));
             Ok(())
         });
-        assert_eq!(d.run(R, Duration::from_millis(50)), Drained::TimedOut);
+        assert_eq!(d.run(R, Duration::from_millis(50)), DrainOutcome::TimedOut);
         d.set(|| Err("CUDA_ERROR_LAUNCH_FAILED".into()));
         assert_eq!(
             d.run(R, DEVICE_DRAIN_LIMIT),
-            Drained::DeviceError("CUDA_ERROR_LAUNCH_FAILED".into())
+            DrainOutcome::DeviceError("CUDA_ERROR_LAUNCH_FAILED".into())
         );
         d.set(|| panic!("backend bug"));
         assert!(
-            matches!(d.run(R, DEVICE_DRAIN_LIMIT), Drained::Failed(w) if w.contains("panicked"))
+            matches!(d.run(R, DEVICE_DRAIN_LIMIT), DrainOutcome::Failed(w) if w.contains("panicked"))
         );
     }
 }

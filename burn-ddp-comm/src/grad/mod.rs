@@ -46,7 +46,7 @@ mod zero;
 pub use crate::comm::{Queue, DRAIN_LIMIT};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
-pub use drain::{DeviceDrain, Drained, DEVICE_DRAIN_LIMIT};
+pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};

@@ -138,6 +138,48 @@ pub fn first_world_size() -> Option<u32> {
     world_var(FIRST_WORLD_SIZE)
 }
 
+/// A learning rate scaled by the linear rule to an elastic round's world size
+/// ([`linear_scaled_lr`]). Shown as the line a program prints once, on rank 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearScaledLr {
+    /// `given × world / first`.
+    pub lr: f64,
+    /// The learning rate the program was given (for the first round).
+    pub given: f64,
+    /// This round's world size.
+    pub world: u32,
+    /// The first round's world size.
+    pub first: u32,
+}
+
+impl LinearScaledLr {
+    /// `given` scaled from a first round of `first` ranks to a round of `world`.
+    pub fn new(given: f64, world: u32, first: u32) -> Self {
+        Self {
+            lr: given * f64::from(world) / f64::from(first.max(1)),
+            given,
+            world,
+            first,
+        }
+    }
+}
+
+impl std::fmt::Display for LinearScaledLr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "learning rate {:.2e}: {:.2e} scaled by world size {} / {}",
+            self.lr, self.given, self.world, self.first
+        )
+    }
+}
+
+/// In an elastic job, `lr` (the learning rate for its first round) scaled by the linear rule
+/// to this round's `world` size (see [`first_world_size`]); `None` outside an elastic job.
+pub fn linear_scaled_lr(lr: f64, world: u32) -> Option<LinearScaledLr> {
+    first_world_size().map(|first| LinearScaledLr::new(lr, world, first))
+}
+
 /// torchrun's restart counter, read when [`RESTART_COUNT`] is not set.
 pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
 
@@ -387,6 +429,17 @@ fn timeouts(get: &impl Fn(&str) -> Option<String>) -> Result<Timeouts> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_linear_rule_scales_by_the_world_size_over_the_first() {
+        let s = LinearScaledLr::new(0.01, 3, 2);
+        assert!((s.lr - 0.015).abs() < 1e-12, "{}", s.lr);
+        assert_eq!(
+            s.to_string(),
+            "learning rate 1.50e-2: 1.00e-2 scaled by world size 3 / 2"
+        );
+        assert!((LinearScaledLr::new(0.01, 1, 2).lr - 0.005).abs() < 1e-12);
+    }
     use std::collections::HashMap;
 
     /// An environment of `pairs` only, for the `*_from` functions (also `placement.rs`'s tests).
