@@ -104,46 +104,25 @@ fn cube_tensor(rank: Rank, t: Tensor<1>, what: &str) -> Result<CubeTensor> {
     Ok(<Primitive as Resolve<CubeBackend>>::resolve(primitive))
 }
 
-/// Keeps a device allocation alive (and unreused) while NCCL works on it.
-struct Pinned {
-    _tensor: CubeTensor,
-    _resource: Box<dyn std::any::Any>,
-}
-
-// SAFETY: the guard only holds cubecl's reference to the allocation and a copy of its pointer;
-// it is never dereferenced, only dropped, which cubecl allows from any thread (its server
-// processes the release).
-unsafe impl Send for Pinned {}
-
-/// The device pointer of `cube` (contiguous, on this GPU), pinned, checked to hold `count`
-/// elements of `dtype`.
-fn pin(
+/// The allocation behind `cube` (contiguous, on this GPU, `count` elements of `burn_dtype`),
+/// kept alive with it.
+fn span(
     rank: Rank,
     cube: CubeTensor,
     count: usize,
-    (dtype, burn_dtype): (DType, BurnDType),
+    burn_dtype: BurnDType,
     what: &str,
-) -> Result<(u64, Pinned)> {
+) -> Result<DeviceSpan> {
     let found = (cube.meta.shape().num_elements(), cube.dtype);
     check_bucket_tensor(rank, what, cube.is_contiguous(), found, (count, burn_dtype))?;
-    let resource = cube
-        .client
+    let resource = (cube.client)
         .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-        .map_err(|e| {
-            DdpError::bucket_layout(
-                rank,
-                format!("cubecl has no CUDA resource for the {what}: {e:?}"),
-            )
-        })?;
+        .map_err(|e| no_device_resource(rank, what, e))?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    check_bucket_span(rank, what, bytes, count, dtype)?;
-    Ok((
-        ptr,
-        Pinned {
-            _tensor: cube,
-            _resource: Box::new(resource),
-        },
-    ))
+    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
+    // or reused while held, with the tensor; both may be dropped from any thread (the release
+    // goes through cubecl's server).
+    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
 }
 
 /// The bucket element type for a compression setting: NCCL's, and Burn's.
@@ -169,7 +148,7 @@ struct DeviceBucketJob {
 
 /// On the launcher thread, running as the packing thread's stream: completes the bucket's
 /// input, pins both buffers and queues the all-reduce.
-fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
+fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
     let what = |which: &str| format!("{which} of bucket {}", job.bucket);
     let input = cube_tensor(rank, job.input, &what("packed input"))?;
@@ -179,24 +158,28 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
     // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
     // so this sync stands in for an event between the two streams). Resolving drained Burn's
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's.
-    <CubeBackend as burn::backend::Backend>::sync(&input.device).map_err(|e| DdpError::Cuda {
-        rank,
-        what: "completing Burn's queued work before the bucket's all-reduce".into(),
-        detail: format!("{e:?}"),
-    })?;
-    let (send, send_pin) = pin(rank, input, job.count, job.dtype, &what("packed input"))?;
-    let (recv, recv_pin) = pin(rank, output, job.count, job.dtype, &what("output buffer"))?;
-    // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
-    // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
-    // above completed; both stay pinned until the step has waited for NCCL's stream.
-    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
-    Ok([send_pin, recv_pin])
+    <CubeBackend as burn::backend::Backend>::sync(&input.device)
+        .map_err(|e| queued_work_failed(rank, e))?;
+    let send = span(rank, input, job.count, job.dtype.1, &what("packed input"))?;
+    let recv = span(rank, output, job.count, job.dtype.1, &what("output buffer"))?;
+    // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
+    // `sync` above completed. Both spans are held until the step has waited for NCCL's stream.
+    unsafe {
+        all_reduce_bucket(
+            comm,
+            job.bucket,
+            [send, recv],
+            job.count,
+            job.dtype.0,
+            job.op,
+        )
+    }
 }
 
 /// The device path of one rank: the communicator and its launcher thread, on one GPU.
 pub(crate) struct DevicePath {
     comm: Arc<NcclComm>,
-    launcher: BucketLauncher<DeviceBucketJob, [Pinned; 2]>,
+    launcher: BucketLauncher<DeviceBucketJob, [DeviceSpan; 2]>,
     device: Device,
 }
 
@@ -341,7 +324,7 @@ struct Step<'a> {
     order: LaunchOrder,
     /// Each launched bucket's output: its values, then one presence flag per slot.
     outputs: Vec<Option<Tensor<1>>>,
-    in_flight: InFlight<[Pinned; 2]>,
+    in_flight: InFlight<[DeviceSpan; 2]>,
     rank: Rank,
 }
 

@@ -61,7 +61,7 @@
 //! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
 //! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`], [`grad::FlatValues`] | `buffers.rs` |
 //! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |
-//! | the NCCL path on the release's device tensors (feature `cuda`) | `cuda::connect`, [`grad::BucketLauncher`] | `cuda.rs` |
+//! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce (`cuda::all_reduce_bucket`) | `cuda::connect`, [`grad::BucketLauncher`], `cuda::DeviceSpan` | `cuda.rs` |
 //! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
 //! | the pipeline step's tensor work ([`pipeline::StageOps`]: slice, forward, loss, surrogate, backward); the core walks the schedule ([`pipeline::StagePlan::run`]) | [`pipeline`] | `pipeline.rs` |
 //! | its tests: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run; `conformance_suite!` makes the tests) and the fault-tolerant scenarios (`burn_ddp_dev::fault`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/equivalence.rs`, `tests/fault_tolerant022.rs` |

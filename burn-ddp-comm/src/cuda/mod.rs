@@ -7,12 +7,15 @@
 //! - `wait.rs`: waiting for GPU work with a deadline
 //! - `nccl/`: [`NcclComm`]: its life (creation, waits, aborts, finalize) in `mod.rs`, its
 //!   collectives and point-to-point calls on device memory in `ops.rs`
+//! - `bucket.rs`: a gradient bucket's buffers as [`DeviceSpan`]s, checked and all-reduced by
+//!   [`all_reduce_bucket`] (both Burn lines' device paths)
 //! - `connect.rs`: [`connect_for_grads`], the collective choice of NCCL for a model's gradients
 //!
 //! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
 //! a CUDA toolkit; every entry point here checks for the libraries first and turns their absence
 //! into an error instead of cudarc's panic.
 
+mod bucket;
 mod connect;
 mod device;
 mod library;
@@ -20,12 +23,13 @@ mod nccl;
 mod status;
 mod wait;
 
+pub use bucket::{all_reduce_bucket, no_device_resource, queued_work_failed, DeviceSpan};
 pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{
     context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,
 };
 pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
-pub use nccl::{check_bucket_span, check_bucket_tensor, NcclComm, NcclP2p};
+pub use nccl::{check_bucket_tensor, NcclComm, NcclP2p};
 
 /// The cudarc version this crate uses (for [`NcclComm`]'s `CudaSlice` buffers).
 pub use cudarc;

@@ -44,7 +44,10 @@ use crate::comm::{DType, ReduceOp};
 use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
-use burn_ddp_comm::cuda::{check_bucket_span, check_bucket_tensor, NcclComm};
+use burn_ddp_comm::cuda::{
+    all_reduce_bucket, check_bucket_tensor, no_device_resource, queued_work_failed, DeviceSpan,
+    NcclComm,
+};
 use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
@@ -109,44 +112,25 @@ impl Resolve for Fused {
     }
 }
 
-/// Keeps a device allocation alive (and unreused) while NCCL works on it.
-struct Pinned {
-    _tensor: CubeTensor<CudaRuntime>,
-    _resource: Box<dyn Any>,
-}
-
-/// The device pointer of `cube` (contiguous, on this GPU), pinned, checked to hold `count`
-/// elements of `dtype`.
-fn pin(
+/// The allocation behind `cube` (contiguous, on this GPU, `count` elements of `burn_dtype`),
+/// kept alive with it.
+fn span(
     rank: Rank,
     cube: CubeTensor<CudaRuntime>,
     count: usize,
-    (dtype, burn_dtype): (DType, BurnDType),
+    burn_dtype: BurnDType,
     what: &str,
-) -> Result<(u64, Pinned)> {
+) -> Result<DeviceSpan> {
     let found = (cube.meta.shape().num_elements(), cube.dtype);
     check_bucket_tensor(rank, what, cube.is_contiguous(), found, (count, burn_dtype))?;
-    let resource = cube.client.get_resource(cube.handle.clone()).map_err(|e| {
-        DdpError::bucket_layout(
-            rank,
-            format!("cubecl has no resource for the {what}: {e:?}"),
-        )
-    })?;
+    let resource = cube.client.get_resource(cube.handle.clone());
+    let resource = resource.map_err(|e| no_device_resource(rank, what, e))?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    check_bucket_span(rank, what, bytes, count, dtype)?;
-    Ok((
-        ptr,
-        Pinned {
-            _tensor: cube,
-            _resource: Box::new(resource),
-        },
-    ))
+    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
+    // or reused while held, with the tensor; both may be dropped from any thread (the release
+    // goes through cubecl's server).
+    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
 }
-
-// SAFETY: the guard only holds cubecl's reference to the allocation and a copy of its pointer;
-// it is never dereferenced, only dropped, which cubecl allows from any thread (its server
-// processes the release).
-unsafe impl Send for Pinned {}
 
 /// The bucket element type for a compression setting.
 pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
@@ -183,7 +167,7 @@ struct DeviceBucketJob {
 /// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
 #[derive(Debug)]
-pub(crate) struct NcclLauncher(BucketLauncher<DeviceBucketJob, [Pinned; 2]>);
+pub(crate) struct NcclLauncher(BucketLauncher<DeviceBucketJob, [DeviceSpan; 2]>);
 
 impl NcclLauncher {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
@@ -199,7 +183,7 @@ impl NcclLauncher {
 
 /// On the launcher thread, on Burn's stream: completes the bucket's inputs, pins them and
 /// queues the all-reduce.
-fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
+fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
     // NCCL reads one contiguous span: a lone gradient that is a strided or expanded view is
     // copied (a fresh tensor, cat and cast results are contiguous already).
@@ -209,31 +193,23 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[Pinned; 2]> {
     // so this sync stands in for an event between the two streams). Resolving drained Burn's
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
     // the fusion server (and so backward) for as long as the GPU takes.
-    <Cube as Backend>::sync(&job.device).map_err(|e| DdpError::Cuda {
-        rank,
-        what: "completing Burn's queued work before the bucket's all-reduce".into(),
-        detail: format!("{e:?}"),
-    })?;
-    let (send, send_pin) = pin(
-        rank,
-        input,
-        job.count,
-        job.dtype,
-        &format!("packed bucket {}", job.bucket),
-    )?;
-    let (recv, recv_pin) = pin(
-        rank,
-        output,
-        job.count,
-        job.dtype,
-        &format!("output buffer of bucket {}", job.bucket),
-    )?;
-    // SAFETY: `send` and `recv` address `count` elements of `dtype` each on this GPU (checked by
-    // `pin`), distinct allocations (`recv` is fresh); the input was written by work that `sync`
-    // above completed; both stay pinned (held by the launcher) until NCCL's stream is known to
-    // be done with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
-    unsafe { comm.all_reduce_raw(send, recv, job.count, job.dtype.0, job.op) }?;
-    Ok([send_pin, recv_pin])
+    <Cube as Backend>::sync(&job.device).map_err(|e| queued_work_failed(rank, e))?;
+    let what = |which: &str| format!("{which} of bucket {}", job.bucket);
+    let send = span(rank, input, job.count, job.dtype.1, &what("packed input"))?;
+    let recv = span(rank, output, job.count, job.dtype.1, &what("output buffer"))?;
+    // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
+    // `sync` above completed. The launcher holds both spans until NCCL's stream is known done
+    // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
+    unsafe {
+        all_reduce_bucket(
+            comm,
+            job.bucket,
+            [send, recv],
+            job.count,
+            job.dtype.0,
+            job.op,
+        )
+    }
 }
 
 /// The device state of one backward pass.
@@ -246,7 +222,7 @@ pub(crate) struct DeviceStep {
     outputs: Vec<Option<CudaFloat>>,
     /// Buckets handed to the launcher (which holds the buffers NCCL works on until its stream
     /// is known done with them).
-    in_flight: InFlight<[Pinned; 2]>,
+    in_flight: InFlight<[DeviceSpan; 2]>,
     device: Option<CudaDevice>,
 }
 

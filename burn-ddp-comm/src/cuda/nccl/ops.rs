@@ -146,7 +146,7 @@ pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
 ///
 /// # Errors
 /// [`DdpError::Model`] ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
-pub fn check_bucket_span(
+pub(crate) fn check_bucket_span(
     rank: Rank,
     what: &str,
     bytes: u64,
