@@ -137,12 +137,10 @@ fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued
 /// work on the stream `stream`), and how to reduce it.
 struct DeviceBucketJob {
-    bucket: usize,
+    call: BucketCall,
     input: Tensor<1>,
     output: Tensor<1>,
-    count: usize,
-    dtype: (DType, BurnDType),
-    op: ReduceOp,
+    burn_dtype: BurnDType,
     stream: StreamId,
 }
 
@@ -150,9 +148,9 @@ struct DeviceBucketJob {
 /// input, pins both buffers and queues the all-reduce.
 fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
-    let what = |which: &str| format!("{which} of bucket {}", job.bucket);
-    let input = cube_tensor(rank, job.input, &what("packed input"))?;
-    let output = cube_tensor(rank, job.output, &what("output buffer"))?;
+    let call = &job.call;
+    let input = cube_tensor(rank, job.input, &call.what("packed input"))?;
+    let output = cube_tensor(rank, job.output, &call.what("output buffer"))?;
     // NCCL reads one contiguous span (cat and cast results are; a lone gradient may be a view).
     let input = burn_cubecl::kernel::into_contiguous(input);
     // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
@@ -160,20 +158,24 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's.
     <CubeBackend as burn::backend::Backend>::sync(&input.device)
         .map_err(|e| queued_work_failed(rank, e))?;
-    let send = span(rank, input, job.count, job.dtype.1, &what("packed input"))?;
-    let recv = span(rank, output, job.count, job.dtype.1, &what("output buffer"))?;
+    let count = call.count;
+    let send = span(
+        rank,
+        input,
+        count,
+        job.burn_dtype,
+        &call.what("packed input"),
+    )?;
+    let recv = span(
+        rank,
+        output,
+        count,
+        job.burn_dtype,
+        &call.what("output buffer"),
+    )?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. Both spans are held until the step has waited for NCCL's stream.
-    unsafe {
-        all_reduce_bucket(
-            comm,
-            job.bucket,
-            [send, recv],
-            job.count,
-            job.dtype.0,
-            job.op,
-        )
-    }
+    unsafe { all_reduce_bucket(comm, call, [send, recv]) }
 }
 
 /// The device path of one rank: the communicator and its launcher thread, on one GPU.
@@ -412,12 +414,15 @@ impl Step<'_> {
         self.in_flight.send(
             &self.path.launcher,
             DeviceBucketJob {
-                bucket,
+                call: BucketCall {
+                    bucket,
+                    count,
+                    dtype,
+                    op: self.op,
+                },
                 input,
                 output,
-                count,
-                dtype: (dtype, burn_dtype),
-                op: self.op,
+                burn_dtype,
                 stream: StreamId::current(),
             },
         )

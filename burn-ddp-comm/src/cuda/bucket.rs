@@ -59,30 +59,51 @@ impl DeviceSpan {
     }
 }
 
-/// Checks that `send` (bucket `bucket`'s packed gradients) and `recv` (its output) each hold
-/// `count` elements of `dtype`, and queues their all-reduce on `comm`'s stream. Returns both
-/// spans: hold them until a wait on `comm` has succeeded, or its abort has drained.
+/// One bucket's all-reduce, as a device path's launcher thread receives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BucketCall {
+    /// The bucket's index in the plan.
+    pub bucket: usize,
+    /// Its elements.
+    pub count: usize,
+    /// Their type on the wire (f32, or f16/bf16 when compressed).
+    pub dtype: DType,
+    /// The reduction.
+    pub op: ReduceOp,
+}
+
+impl BucketCall {
+    /// How errors name one of the bucket's buffers: `which` ("packed input", "output
+    /// buffer") of bucket N.
+    pub fn what(&self, which: &str) -> String {
+        format!("{which} of bucket {}", self.bucket)
+    }
+}
+
+/// Checks that `send` (the bucket's packed gradients) and `recv` (its output) each hold
+/// `call.count` elements of `call.dtype`, and queues their all-reduce on `comm`'s stream.
+/// Returns both spans: hold them until a wait on `comm` has succeeded, or its abort has
+/// drained.
 ///
 /// # Safety
 /// `send` and `recv` must be on `comm`'s GPU and distinct allocations; the work that wrote
 /// `send` must be complete (or ordered before `comm`'s stream).
 ///
 /// # Errors
-/// A span too small ([`DdpError::bucket_layout`]); the reduction is not available for
-/// `dtype`, or NCCL refuses the call.
+/// A span too small ([`DdpError::bucket_layout`]); the reduction is not available for the
+/// type, or NCCL refuses the call.
 pub unsafe fn all_reduce_bucket(
     comm: &NcclComm,
-    bucket: usize,
+    call: &BucketCall,
     [send, recv]: [DeviceSpan; 2],
-    count: usize,
-    dtype: DType,
-    op: ReduceOp,
 ) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
-    for (span, what) in [(&send, "packed input"), (&recv, "output buffer")] {
-        let what = format!("{what} of bucket {bucket}");
-        check_bucket_span(rank, &what, span.bytes, count, dtype)?;
+    for (span, which) in [(&send, "packed input"), (&recv, "output buffer")] {
+        check_bucket_span(rank, &call.what(which), span.bytes, call.count, call.dtype)?;
     }
+    let BucketCall {
+        count, dtype, op, ..
+    } = *call;
     // SAFETY: both spans address `count` elements of `dtype` (checked above) on this GPU,
     // distinct, `send` written (the caller's contract); both stay allocated until the caller
     // drops the spans, after NCCL's stream is known done with them.
@@ -126,6 +147,13 @@ mod tests {
 
     #[test]
     fn the_errors_say_which_bucket_buffer_and_why() {
+        let call = BucketCall {
+            bucket: 3,
+            count: 8,
+            dtype: DType::F32,
+            op: ReduceOp::Sum,
+        };
+        assert_eq!(call.what("packed input"), "packed input of bucket 3");
         let e = no_device_resource(Rank(1), "packed input of bucket 3", "gone");
         let text = e.to_string();
         assert!(

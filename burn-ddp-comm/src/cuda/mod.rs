@@ -23,7 +23,9 @@ mod nccl;
 mod status;
 mod wait;
 
-pub use bucket::{all_reduce_bucket, no_device_resource, queued_work_failed, DeviceSpan};
+pub use bucket::{
+    all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan,
+};
 pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{
     context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,

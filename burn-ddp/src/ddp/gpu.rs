@@ -45,8 +45,8 @@ use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::{
-    all_reduce_bucket, check_bucket_tensor, no_device_resource, queued_work_failed, DeviceSpan,
-    NcclComm,
+    all_reduce_bucket, check_bucket_tensor, no_device_resource, queued_work_failed, BucketCall,
+    DeviceSpan, NcclComm,
 };
 use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
 
@@ -149,13 +149,11 @@ pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<(usize, CudaFloat)>);
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued work
 /// on Burn's stream `stream`), and how to reduce it.
 struct DeviceBucketJob {
-    bucket: usize,
+    call: BucketCall,
     input: CudaFloat,
     output: CudaFloat,
-    count: usize,
-    /// The bucket's element type, for NCCL and for Burn.
-    dtype: (DType, BurnDType),
-    op: ReduceOp,
+    /// The bucket's element type for Burn (`call.dtype` is NCCL's).
+    burn_dtype: BurnDType,
     stream: StreamId,
     device: CudaDevice,
 }
@@ -194,22 +192,25 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
     // the fusion server (and so backward) for as long as the GPU takes.
     <Cube as Backend>::sync(&job.device).map_err(|e| queued_work_failed(rank, e))?;
-    let what = |which: &str| format!("{which} of bucket {}", job.bucket);
-    let send = span(rank, input, job.count, job.dtype.1, &what("packed input"))?;
-    let recv = span(rank, output, job.count, job.dtype.1, &what("output buffer"))?;
+    let (count, call) = (job.call.count, &job.call);
+    let send = span(
+        rank,
+        input,
+        count,
+        job.burn_dtype,
+        &call.what("packed input"),
+    )?;
+    let recv = span(
+        rank,
+        output,
+        count,
+        job.burn_dtype,
+        &call.what("output buffer"),
+    )?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. The launcher holds both spans until NCCL's stream is known done
     // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
-    unsafe {
-        all_reduce_bucket(
-            comm,
-            job.bucket,
-            [send, recv],
-            job.count,
-            job.dtype.0,
-            job.op,
-        )
-    }
+    unsafe { all_reduce_bucket(comm, call, [send, recv]) }
 }
 
 /// The device state of one backward pass.
@@ -340,12 +341,15 @@ impl DeviceStep {
         self.in_flight.send(
             &launcher.0,
             DeviceBucketJob {
-                bucket,
+                call: BucketCall {
+                    bucket,
+                    count,
+                    dtype,
+                    op,
+                },
                 input,
                 output: output.clone(),
-                count,
-                dtype: (dtype, burn_dtype),
-                op,
+                burn_dtype,
                 stream: StreamId::current(),
                 device,
             },
