@@ -104,27 +104,6 @@ fn cube_tensor(rank: Rank, t: Tensor<1>, what: &str) -> Result<CubeTensor> {
     Ok(<Primitive as Resolve<CubeBackend>>::resolve(primitive))
 }
 
-/// The allocation behind `cube` (contiguous, on this GPU, `count` elements of `burn_dtype`),
-/// kept alive with it.
-fn span(
-    rank: Rank,
-    cube: CubeTensor,
-    count: usize,
-    burn_dtype: BurnDType,
-    what: &str,
-) -> Result<DeviceSpan> {
-    let found = (cube.meta.shape().num_elements(), cube.dtype);
-    check_bucket_tensor(rank, what, cube.is_contiguous(), found, (count, burn_dtype))?;
-    let resource = (cube.client)
-        .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-        .map_err(|e| no_device_resource(rank, what, e))?;
-    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
-    // or reused while held, with the tensor; both may be dropped from any thread (the release
-    // goes through cubecl's server).
-    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
-}
-
 /// The bucket element type for a compression setting: NCCL's, and Burn's.
 fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
     match c {
@@ -158,21 +137,22 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's.
     <CubeBackend as burn::backend::Backend>::sync(&input.device)
         .map_err(|e| queued_work_failed(rank, e))?;
-    let count = call.count;
-    let send = span(
-        rank,
-        input,
-        count,
-        job.burn_dtype,
-        &call.what("packed input"),
-    )?;
-    let recv = span(
-        rank,
-        output,
-        count,
-        job.burn_dtype,
-        &call.what("output buffer"),
-    )?;
+    // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
+    // `call.count` elements of `burn_dtype`), kept alive with its tensor.
+    let span = |cube: CubeTensor, which: &str| -> Result<DeviceSpan> {
+        let found = (cube.meta.shape().num_elements(), cube.dtype);
+        call.check_tensor(rank, which, cube.is_contiguous(), found, job.burn_dtype)?;
+        let resource = (cube.client)
+            .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
+            .map_err(|e| no_device_resource(rank, &call.what(which), e))?;
+        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+        // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
+        // freed or reused while held, with the tensor; both may be dropped from any thread
+        // (the release goes through cubecl's server).
+        Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
+    };
+    let send = span(input, "packed input")?;
+    let recv = span(output, "output buffer")?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. Both spans are held until the step has waited for NCCL's stream.
     unsafe { all_reduce_bucket(comm, call, [send, recv]) }

@@ -6,7 +6,7 @@
 use std::any::Any;
 use std::fmt;
 
-use super::nccl::{check_bucket_span, NcclComm};
+use super::nccl::{check_bucket_span, check_bucket_tensor, NcclComm};
 use crate::comm::{DType, ReduceOp};
 use crate::error::{DdpError, Result};
 use crate::types::Rank;
@@ -77,6 +77,23 @@ impl BucketCall {
     /// buffer") of bucket N.
     pub fn what(&self, which: &str) -> String {
         format!("{which} of bucket {}", self.bucket)
+    }
+
+    /// [`check_bucket_tensor`] for the bucket's `which` buffer: contiguous, `self.count`
+    /// elements of the line's dtype `want` (`found`: its elements and dtype).
+    ///
+    /// # Errors
+    /// [`DdpError::bucket_layout`] saying what differs.
+    pub fn check_tensor<T: PartialEq + fmt::Debug>(
+        &self,
+        rank: Rank,
+        which: &str,
+        contiguous: bool,
+        found: (usize, T),
+        want: T,
+    ) -> Result<()> {
+        let want = (self.count, want);
+        check_bucket_tensor(rank, &self.what(which), contiguous, found, want)
     }
 }
 

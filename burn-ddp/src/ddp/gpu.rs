@@ -45,8 +45,7 @@ use crate::ddp::values::read_f32;
 use crate::group::Rank;
 use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::{
-    all_reduce_bucket, check_bucket_tensor, no_device_resource, queued_work_failed, BucketCall,
-    DeviceSpan, NcclComm,
+    all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan, NcclComm,
 };
 use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
 
@@ -112,26 +111,6 @@ impl Resolve for Fused {
     }
 }
 
-/// The allocation behind `cube` (contiguous, on this GPU, `count` elements of `burn_dtype`),
-/// kept alive with it.
-fn span(
-    rank: Rank,
-    cube: CubeTensor<CudaRuntime>,
-    count: usize,
-    burn_dtype: BurnDType,
-    what: &str,
-) -> Result<DeviceSpan> {
-    let found = (cube.meta.shape().num_elements(), cube.dtype);
-    check_bucket_tensor(rank, what, cube.is_contiguous(), found, (count, burn_dtype))?;
-    let resource = cube.client.get_resource(cube.handle.clone());
-    let resource = resource.map_err(|e| no_device_resource(rank, what, e))?;
-    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
-    // or reused while held, with the tensor; both may be dropped from any thread (the release
-    // goes through cubecl's server).
-    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
-}
-
 /// The bucket element type for a compression setting.
 pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
     match c {
@@ -192,21 +171,22 @@ fn enqueue(comm: &NcclComm, job: DeviceBucketJob) -> Result<[DeviceSpan; 2]> {
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
     // the fusion server (and so backward) for as long as the GPU takes.
     <Cube as Backend>::sync(&job.device).map_err(|e| queued_work_failed(rank, e))?;
-    let (count, call) = (job.call.count, &job.call);
-    let send = span(
-        rank,
-        input,
-        count,
-        job.burn_dtype,
-        &call.what("packed input"),
-    )?;
-    let recv = span(
-        rank,
-        output,
-        count,
-        job.burn_dtype,
-        &call.what("output buffer"),
-    )?;
+    let call = &job.call;
+    // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
+    // `call.count` elements of `burn_dtype`), kept alive with its tensor.
+    let span = |cube: CubeTensor<CudaRuntime>, which: &str| -> Result<DeviceSpan> {
+        let found = (cube.meta.shape().num_elements(), cube.dtype);
+        call.check_tensor(rank, which, cube.is_contiguous(), found, job.burn_dtype)?;
+        let resource = cube.client.get_resource(cube.handle.clone());
+        let resource = resource.map_err(|e| no_device_resource(rank, &call.what(which), e))?;
+        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+        // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
+        // freed or reused while held, with the tensor; both may be dropped from any thread
+        // (the release goes through cubecl's server).
+        Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
+    };
+    let send = span(input, "packed input")?;
+    let recv = span(output, "output buffer")?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. The launcher holds both spans until NCCL's stream is known done
     // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
