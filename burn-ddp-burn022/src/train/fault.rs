@@ -20,6 +20,20 @@ use crate::{DdpError, Rank, Result};
 #[derive(Clone, Default)]
 struct Memory(RecordSlot);
 
+impl Memory {
+    /// The checkpointer's strategy: saves at every call, deletes nothing.
+    fn keep_all() -> Box<KeepLastNCheckpoints> {
+        Box::new(KeepLastNCheckpoints::new(usize::MAX))
+    }
+}
+
+/// The checkpointer of one record, writing into `memory`'s slot.
+impl<R: Checkpoint> From<&Memory> for AsyncCheckpointer<R> {
+    fn from(memory: &Memory) -> Self {
+        AsyncCheckpointer::new(memory.clone())
+    }
+}
+
 impl<R: Checkpoint> Checkpointer<R> for Memory {
     fn save(&self, _epoch: usize, record: R) -> std::result::Result<(), CheckpointerError> {
         let bytes = record
@@ -56,20 +70,13 @@ impl DdpStrategy {
         epoch: usize,
         store: &EventStoreClient,
     ) -> Result<Vec<u8>> {
-        let slots: [RecordSlot; 3] = Default::default();
-        {
-            let part = |i: usize| Memory(slots[i].clone());
-            let mut checkpointer = LearningCheckpointer::<M>::new(
-                AsyncCheckpointer::new(part(0)),
-                AsyncCheckpointer::new(part(1)),
-                AsyncCheckpointer::new(part(2)),
-                // Saves at every call, deletes nothing (epoch - usize::MAX never is one).
-                Box::new(KeepLastNCheckpoints::new(usize::MAX)),
-            );
-            checkpointer.checkpoint(learner, epoch, store);
-            // Dropped here: it waits for its threads' writes.
-        }
-        learner_state(&slots, self.rank())
+        let slots: [Memory; 3] = Default::default();
+        let [m, o, s] = &slots;
+        // Saves at every call, deletes nothing (epoch - usize::MAX never is one); dropped at the
+        // end of the statement, which waits for its threads' writes.
+        LearningCheckpointer::<M>::new(m.into(), o.into(), s.into(), Memory::keep_all())
+            .checkpoint(learner, epoch, store);
+        learner_state(&slots.map(|m| m.0), self.rank())
     }
 
     /// Loads a [`snapshot`](Self::snapshot) into `learner`.
