@@ -53,11 +53,9 @@ use burn::train::{
     TrainingStrategy,
 };
 use burn_ddp_comm::train::strategy::StrategyState;
-use burn_ddp_comm::train::terminal::can_draw_dashboard;
+use burn_ddp_comm::train::terminal::{RankOutput, Renderer};
 
-pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
-pub use burn_ddp_comm::train::files::newest_complete;
-pub use burn_ddp_comm::train::run::{prepare_output, RunSettings};
+pub use burn_ddp_comm::train::public::*;
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
@@ -78,20 +76,11 @@ use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 ///   optimizer step. With `grads_accumulation(k)` the micro-steps' gradients are summed
 ///   locally and reduced once per optimizer step.
 #[doc = burn_ddp_comm::strategy_docs!()]
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct DdpStrategy {
     sync: Arc<Mutex<GradSync>>,
     device: Device,
     state: StrategyState,
-}
-
-impl std::fmt::Debug for DdpStrategy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DdpStrategy")
-            .field("device", &self.device)
-            .field("state", &self.state)
-            .finish()
-    }
 }
 
 burn_ddp_comm::strategy_options!(DdpStrategy, state);
@@ -193,55 +182,33 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
     {
         let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
-        let fault_tolerant = ddp.group().is_fault_tolerant();
-        let lines = || {
-            Box::new(WithMembership::new(
+        let board = &ddp.state.board;
+        let out = RankOutput::choose(
+            ddp.is_main(),
+            ddp.group().is_fault_tolerant(),
+            board.get().is_some(),
+        );
+        let mut training = match out.renderer {
+            Renderer::Lines => training.renderer(Box::new(WithMembership::new(
                 ProgressLines::default(),
-                ddp.state.board.clone(),
-            ))
-        };
-        let training = if fault_tolerant && !ddp.is_main() {
-            // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
-            // which show only once it is (only rank 0 is given the job's items). Its metrics
-            // are not written to files: rank 0's files stop where it was lost.
-            training
-                .renderer(lines())
-                .with_application_logger(None)
-                .with_metric_logger(NoMetricLogger)
-        } else if ddp.is_main() {
-            // The job's membership on the dashboard when it was restarted, is elastic or
-            // fault-tolerant: two more metrics, `World size` and `Membership`. In a
-            // fault-tolerant job the dashboard is progress lines on every rank: the terminal
-            // dashboard would be lost with the one process that draws it.
-            let training = if fault_tolerant || !can_draw_dashboard() {
-                training.renderer(lines())
-            } else if ddp.state.board.get().is_some() {
+                board.clone(),
+            ))),
+            Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
-                // estimate uses), with the membership.
+                // estimate uses).
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
-                training.renderer(Box::new(WithMembership::new(tui, ddp.state.board.clone())))
-            } else {
-                // Burn's own choice: its terminal dashboard, or the program's renderer.
-                training
-            };
-            if tracing::dispatcher::has_been_set() {
-                // The program logs already (a tracing subscriber of its own, say); Burn's
-                // file logger could not install itself and would only warn.
-                training.with_application_logger(None)
-            } else {
-                training
+                training.renderer(Box::new(WithMembership::new(tui, board.clone())))
             }
-        } else {
-            training
-                .renderer(Box::new(Headless))
-                .with_application_logger(None)
-                .with_metric_logger(NoMetricLogger)
+            Renderer::Burn => training,
+            Renderer::Headless => training.renderer(Box::new(Headless)),
         };
-        let result = training.launch(learner);
-        match ddp.state.failure.take() {
-            Some(e) => Err(e),
-            None => Ok(result),
+        if !out.application_log {
+            training = training.with_application_logger(None);
         }
+        if !out.metric_files {
+            training = training.with_metric_logger(NoMetricLogger);
+        }
+        ddp.state.failure.or_result(training.launch(learner))
     }
 }

@@ -32,3 +32,12 @@ pub mod run;
 pub mod strategy;
 pub mod terminal;
 pub mod vote;
+
+/// What each Burn line's `train` module re-exports from here as its own public API
+/// (`pub use burn_ddp_comm::train::public::*;`): the membership board, the newest complete
+/// checkpoint, the output directory and its run settings.
+pub mod public {
+    pub use super::board::{MembershipBoard, MembershipNote};
+    pub use super::files::newest_complete;
+    pub use super::run::{prepare_output, RunSettings};
+}

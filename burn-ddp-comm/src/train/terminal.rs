@@ -6,6 +6,9 @@
 //! process has no controlling terminal: opening `/dev/tty` fails with "No such device or
 //! address" and Burn's renderer panics. Both Burn lines ask [`dashboard`] first and show
 //! progress lines instead, with one warning, where it cannot work.
+//!
+//! [`RankOutput::choose`] is what each rank shows and writes during a Learner's training, the
+//! same on every Burn line: each line applies it to its release's `SupervisedTraining`.
 
 use std::io::IsTerminal;
 
@@ -55,6 +58,72 @@ pub fn can_draw_dashboard() -> bool {
     }
 }
 
+/// What a rank shows during training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renderer {
+    /// Progress lines with the job's membership (the line's `WithMembership<ProgressLines>`).
+    Lines,
+    /// Burn's terminal dashboard with the job's membership (a restarted or elastic job).
+    DashboardWithMembership,
+    /// Burn's own choice: its terminal dashboard, or the program's renderer.
+    Burn,
+    /// Nothing (the line's `Headless`).
+    Headless,
+}
+
+/// What a rank shows and writes during a Learner's training.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankOutput {
+    /// What it shows.
+    pub renderer: Renderer,
+    /// Whether Burn's application logger (`experiment.log`) is installed.
+    pub application_log: bool,
+    /// Whether the metrics are written into the training directory.
+    pub metric_files: bool,
+}
+
+impl RankOutput {
+    /// The choice for this process: rank 0 (`main`) shows the dashboard when its output can
+    /// draw it ([`can_draw_dashboard`], asked only then) and progress lines otherwise, with the
+    /// job's membership when `membership` (the board has a note) or the job is
+    /// `fault_tolerant`; in a fault-tolerant job every rank shows progress lines (any rank may
+    /// become rank 0; the terminal dashboard would be lost with the process that draws it), and
+    /// only rank 0 writes files. Burn's application log is left out where the program installed
+    /// a `tracing` subscriber of its own (Burn's could not install itself and would only warn).
+    pub fn choose(main: bool, fault_tolerant: bool, membership: bool) -> Self {
+        Self::decide(main, fault_tolerant, membership, can_draw_dashboard, || {
+            tracing::dispatcher::has_been_set()
+        })
+    }
+
+    fn decide(
+        main: bool,
+        fault_tolerant: bool,
+        membership: bool,
+        can_draw: impl FnOnce() -> bool,
+        logs_already: impl FnOnce() -> bool,
+    ) -> Self {
+        let renderer = if !main {
+            if fault_tolerant {
+                Renderer::Lines
+            } else {
+                Renderer::Headless
+            }
+        } else if fault_tolerant || !can_draw() {
+            Renderer::Lines
+        } else if membership {
+            Renderer::DashboardWithMembership
+        } else {
+            Renderer::Burn
+        };
+        Self {
+            renderer,
+            application_log: main && !logs_already(),
+            metric_files: main,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -66,5 +135,30 @@ mod tests {
             assert_eq!(dashboard(), Terminal::NotATerminal);
             assert!(!can_draw_dashboard());
         }
+    }
+
+    #[test]
+    fn each_rank_shows_and_writes_what_its_place_in_the_job_asks() {
+        let out = |main, ft, membership, draw, logs| {
+            let o = RankOutput::decide(main, ft, membership, || draw, || logs);
+            (o.renderer, o.application_log, o.metric_files)
+        };
+        use Renderer::*;
+        // Rank 0 of a fixed job: Burn's dashboard, or progress lines where it cannot draw.
+        assert_eq!(out(true, false, false, true, false), (Burn, true, true));
+        assert_eq!(out(true, false, false, false, false), (Lines, true, true));
+        // A restarted or elastic job: the dashboard with the membership.
+        let dashboard = (DashboardWithMembership, true, true);
+        assert_eq!(out(true, false, true, true, false), dashboard);
+        // A program with its own tracing subscriber: no Burn application log.
+        assert_eq!(out(true, false, false, true, true), (Burn, false, true));
+        // Fault-tolerant: progress lines everywhere, files on rank 0 only.
+        assert_eq!(out(true, true, false, true, false), (Lines, true, true));
+        assert_eq!(out(false, true, false, true, false), (Lines, false, false));
+        // The other ranks of a fixed job: nothing.
+        assert_eq!(
+            out(false, false, true, true, false),
+            (Headless, false, false)
+        );
     }
 }

@@ -370,6 +370,14 @@ impl FailureSlot {
     pub fn take(&self) -> Option<DdpError> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
+
+    /// What the program gets after training: the recorded error (taken), or `result`.
+    ///
+    /// # Errors
+    /// The error that stopped training on this rank.
+    pub fn or_result<T>(&self, result: T) -> crate::Result<T> {
+        self.take().map_or(Ok(result), Err)
+    }
 }
 
 #[cfg(test)]

@@ -8,8 +8,6 @@ use burn::train::checkpoint::{Checkpointer, CheckpointerError};
 use burn_ddp_comm::train::files::RecordFiles;
 use burn_ddp_comm::train::vote::FailureSlot;
 
-pub use burn_ddp_comm::train::files::newest_complete;
-
 /// One of the three records, for burn-train's `AsyncCheckpointer`. Burn's checkpointer thread
 /// turns an error into a stop of the interrupter, which would end training as if asked to; so
 /// the error is also kept in `failed`, where the epoch loops find it and fail the job.

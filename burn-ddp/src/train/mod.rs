@@ -43,7 +43,7 @@ mod splits;
 use std::sync::Arc;
 
 use burn_ddp_comm::train::strategy::StrategyState;
-use burn_ddp_comm::train::terminal::can_draw_dashboard;
+use burn_ddp_comm::train::terminal::{RankOutput, Renderer};
 
 use burn::data::dataloader::Progress;
 use burn::tensor::backend::Backend;
@@ -53,10 +53,7 @@ use burn::train::{
     SupervisedTraining,
 };
 
-pub use burn_ddp_comm::train::run::{prepare_output, RunSettings};
-pub use checkpoint::newest_complete;
-
-pub use burn_ddp_comm::train::board::{MembershipBoard, MembershipNote};
+pub use burn_ddp_comm::train::public::*;
 pub use item::{DistributedItem, Part, TensorParts};
 pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
 
@@ -74,20 +71,11 @@ use crate::{DdpSession, Rank, Result};
 ///   checked across ranks and rank 0's weights are loaded everywhere (as
 ///   [`DdpSession::prepare_module`]).
 #[doc = burn_ddp_comm::strategy_docs!()]
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct DdpStrategy<B: Backend> {
     session: DdpSession,
     device: B::Device,
     state: StrategyState,
-}
-
-impl<B: Backend> std::fmt::Debug for DdpStrategy<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DdpStrategy")
-            .field("device", &self.device)
-            .field("state", &self.state)
-            .finish()
-    }
 }
 
 burn_ddp_comm::strategy_options!(DdpStrategy<B: Backend>, state);
@@ -191,50 +179,31 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
     {
         let strategy: Arc<dyn SupervisedLearningStrategy<LC>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(burn::train::TrainingStrategy::Custom(strategy));
+        // What this rank shows (with the job's membership where it can change: two more
+        // metrics, `World size` and `Membership`) and writes.
+        let board = &ddp.state.board;
         let fault_tolerant = ddp.session().group().is_fault_tolerant();
-        // The job's membership on the dashboard when it can change (an elastic or
-        // fault-tolerant job, a restarted one): two more metrics, `World size` and `Membership`.
-        let lines = || WithMembership::new(ProgressLines::default(), ddp.state.board.clone());
-        let training = if fault_tolerant && !ddp.is_main() {
-            // Any rank may become rank 0 in a fault-tolerant job: each has progress lines,
-            // which show only once it is (only rank 0 is given the job's items). Its metrics
-            // are not written to files: rank 0's files stop where it was lost.
-            training
-                .renderer(lines())
-                .with_application_logger(None)
-                .with_metric_logger(NoMetricLogger)
-        } else if ddp.is_main() {
-            // In a fault-tolerant job the dashboard is progress lines on every rank: the
-            // terminal dashboard would be lost with the one process that draws it.
-            let training = if fault_tolerant || !can_draw_dashboard() {
-                training.renderer(lines())
-            } else if ddp.state.board.get().is_some() {
+        let out = RankOutput::choose(ddp.is_main(), fault_tolerant, board.get().is_some());
+        let mut training = match out.renderer {
+            Renderer::Lines => {
+                training.renderer(WithMembership::new(ProgressLines::default(), board.clone()))
+            }
+            Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
-                // estimate uses), with the membership.
+                // estimate uses).
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
-                training.renderer(WithMembership::new(tui, ddp.state.board.clone()))
-            } else {
-                // Burn's own choice: its terminal dashboard, or the program's renderer.
-                training
-            };
-            if tracing::dispatcher::has_been_set() {
-                // The program logs already (a tracing subscriber of its own, say); Burn's
-                // file logger could not install itself and would only warn.
-                training.with_application_logger(None)
-            } else {
-                training
+                training.renderer(WithMembership::new(tui, board.clone()))
             }
-        } else {
-            training
-                .renderer(Headless)
-                .with_application_logger(None)
-                .with_metric_logger(NoMetricLogger)
+            Renderer::Burn => training,
+            Renderer::Headless => training.renderer(Headless),
         };
-        let result = training.launch(learner);
-        match ddp.state.failure.take() {
-            Some(e) => Err(e),
-            None => Ok(result),
+        if !out.application_log {
+            training = training.with_application_logger(None);
         }
+        if !out.metric_files {
+            training = training.with_metric_logger(NoMetricLogger);
+        }
+        ddp.state.failure.or_result(training.launch(learner))
     }
 }
