@@ -51,37 +51,27 @@ impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
 mod tests {
     use super::*;
     use burn::data::dataset::InMemDataset;
-    use burn_ddp_comm::data::ShardPlan;
     use burn_ddp_comm::{Rank, WorldSize};
+    use burn_ddp_dev::adapters;
 
     #[test]
-    fn the_sampler_is_a_dataset_of_this_ranks_items() {
-        let w = WorldSize::new(3).unwrap();
-        let s =
-            DistributedSampler::with_replicas(InMemDataset::new((10..18).collect()), Rank(2), w)
-                .unwrap()
-                .with_shuffle(false);
-        let items: Vec<u32> = (0..s.len()).map(|i| s.get(i).unwrap()).collect();
-        assert_eq!(items, vec![12, 15, 10]); // padded with the first item
-        assert!(s.is_padding(2) && !s.is_padding(1));
-        let err = s.get(3).unwrap_err().to_string();
-        assert!(err.contains("the shard has 3 items (of 8)"), "{err}");
+    fn the_sampler_deals_the_plans_items() {
+        adapters::sampler_deals_the_plans_items(|ask| {
+            let data = InMemDataset::new(ask.data.clone());
+            let s = DistributedSampler::with_replicas(data, ask.rank, ask.world).unwrap();
+            let s = s.with_shuffle(ask.shuffled()).with_seed(ask.seed());
+            s.set_epoch(ask.epoch());
+            adapters::dealt(s.len(), |i| s.get(i).ok())
+        });
     }
 
     #[test]
-    fn both_burn_lines_deal_the_same_items() {
-        // The same seed and epoch give the same shard as ShardPlan (which the 0.21 line uses).
-        let w = WorldSize::new(4).unwrap();
-        let data: Vec<u32> = (0..37).collect();
-        for r in 0..4 {
-            let s = DistributedSampler::with_replicas(InMemDataset::new(data.clone()), Rank(r), w)
-                .unwrap()
-                .with_seed(9);
-            s.set_epoch(5);
-            let plan = ShardPlan::with_replicas(Rank(r), w).unwrap().with_seed(9);
-            plan.set_epoch(5);
-            let got: Vec<usize> = (0..s.len()).map(|i| s.get(i).unwrap() as usize).collect();
-            assert_eq!(&got[..], &*plan.indices(37));
-        }
+    fn past_its_end_the_sampler_says_how_many_items_the_shard_has() {
+        let w = WorldSize::new(3).unwrap();
+        let data = InMemDataset::new((10..18).collect::<Vec<u32>>());
+        let s = DistributedSampler::with_replicas(data, Rank(2), w).unwrap();
+        assert!(s.is_padding(2) && !s.is_padding(1));
+        let err = s.get(3).unwrap_err().to_string();
+        assert!(err.contains("the shard has 3 items (of 8)"), "{err}");
     }
 }

@@ -5,6 +5,8 @@
 //! - [`procs`]: the multi-process test harness (a test function run as the ranks of a real job)
 //! - [`conformance`]: the conformance suite every line runs (`conformance_suite!`): DDP
 //!   training equal to one process on the whole batch, scenario by scenario
+//! - [`adapters`]: the checks every line's sampler and output items pass (their unit tests
+//!   hand each check a closure in the release's API)
 //! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
@@ -16,6 +18,7 @@
 //! - [`args`]: the step benchmarks' command line
 //! - [`images`]: the classifier examples' generated images and MNIST reader
 
+pub mod adapters;
 pub mod args;
 pub mod compare;
 pub mod conformance;

@@ -52,20 +52,17 @@ impl<D: Dataset<I>, I> Dataset<I> for DistributedSampler<D> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::{Rank, WorldSize};
     use burn::data::dataset::InMemDataset;
+    use burn_ddp_dev::adapters;
 
     #[test]
-    fn the_sampler_is_a_dataset_of_this_ranks_items() {
-        let w = WorldSize::new(3).unwrap();
-        let s =
-            DistributedSampler::with_replicas(InMemDataset::new((10..18).collect()), Rank(2), w)
-                .unwrap()
-                .with_shuffle(false);
-        let items: Vec<u32> = (0..s.len()).map(|i| s.get(i).unwrap()).collect();
-        assert_eq!(items, vec![12, 15, 10]); // padded with the first item
-        assert!(s.is_padding(2) && !s.is_padding(1));
-        assert_eq!(s.get(3), None);
-        assert!(s.inner().len() == 8 && s.epoch() == 0);
+    fn the_sampler_deals_the_plans_items() {
+        adapters::sampler_deals_the_plans_items(|ask| {
+            let data = InMemDataset::new(ask.data.clone());
+            let s = DistributedSampler::with_replicas(data, ask.rank, ask.world).unwrap();
+            let s = s.with_shuffle(ask.shuffled()).with_seed(ask.seed());
+            s.set_epoch(ask.epoch());
+            adapters::dealt(s.len(), |i| s.get(i))
+        });
     }
 }

@@ -1,12 +1,11 @@
 //! Global metrics: each step's output items of every rank, merged into one item on rank 0
-//! (burn-ddp-comm's [`parts`] moves them; this module turns Burn 0.22 tensors into parts and
+//! (burn-ddp-comm's `train::parts` moves them; this module turns Burn 0.22 tensors into parts and
 //! back).
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput};
-use burn_ddp_comm::train::parts;
 
-use crate::{ProcessGroup, Result};
+use crate::Result;
 
 pub use burn_ddp_comm::train::parts::Part;
 
@@ -123,49 +122,31 @@ loss_output_targets!(ClassificationOutput, int, cat_int, 1);
 loss_output_targets!(MultiLabelClassificationOutput, int, cat_int, 2);
 loss_output_targets!(RegressionOutput, float, cat_float, 2);
 
-/// Gathers every rank's item (or its absence) and returns the merged item on rank 0, `None`
-/// on the other ranks and when no rank had an item.
-pub(crate) fn gather<I: DistributedItem>(
-    pg: &ProcessGroup,
-    item: Option<I>,
-    device: &Device,
-) -> Result<Option<I>> {
-    match parts::gather(pg, item.map(DistributedItem::into_parts))? {
-        Some(ranks) => I::merge(ranks, device).map(Some),
-        None => Ok(None),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn_ddp_dev::adapters;
 
     #[test]
     fn classification_outputs_merge_into_the_global_batch() {
         let dev = Device::default();
-        let a = ClassificationOutput::new(
-            Tensor::from_floats([0.5], &dev),
-            Tensor::from_floats([[1.0, 0.0], [0.0, 1.0]], &dev),
-            Tensor::from_ints([0, 1], &dev),
-        );
-        let b = ClassificationOutput::new(
-            Tensor::from_floats([2.0], &dev),
-            Tensor::from_floats([[0.3, 0.7]], &dev),
-            Tensor::from_ints([0], &dev),
-        );
-        let m = ClassificationOutput::merge(vec![a.into_parts(), b.into_parts()], &dev).unwrap();
-        assert_eq!(m.output.dims(), [3, 2]);
-        assert_eq!(
-            m.targets
-                .into_data()
-                .convert::<i64>()
-                .try_to_vec::<i64>()
-                .unwrap(),
-            vec![0, 1, 0]
-        );
-        // (0.5 * 2 + 2.0 * 1) / 3
-        let loss: f32 = m.loss.into_scalar();
-        assert!((loss - 1.0).abs() < 1e-6, "{loss}");
+        adapters::classification_outputs_merge_into_the_global_batch(|ranks| {
+            let parts = ranks.into_iter().map(|(loss, rows, targets)| {
+                let output = TensorData::new(rows.concat(), [rows.len(), 2]);
+                let targets = TensorData::new(targets.clone(), [targets.len()]);
+                let loss = Tensor::from_floats([loss], &dev);
+                let item = ClassificationOutput::new(
+                    loss,
+                    Tensor::from_data(output, &dev),
+                    Tensor::from_data(targets, &dev),
+                );
+                item.into_parts()
+            });
+            let m = ClassificationOutput::merge(parts.collect(), &dev).unwrap();
+            let targets = m.targets.into_data().convert::<i64>();
+            let loss: f32 = m.loss.into_scalar();
+            (loss, m.output.dims(), targets.try_to_vec().unwrap())
+        });
     }
 
     #[test]

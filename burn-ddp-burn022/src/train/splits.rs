@@ -11,9 +11,10 @@ use burn::train::{
     SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
 use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::parts::gather_merged;
 use burn_ddp_comm::train::vote::{self, panic_text, Vote};
 
-use super::{item, DdpStrategy, DistributedItem};
+use super::{DdpStrategy, DistributedItem};
 use crate::{GradSync, Result};
 
 pub(super) type TrainOut<M> = <M as TrainStep>::Output;
@@ -162,7 +163,9 @@ where
         };
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
-        if let Some(merged) = item::gather(p.strategy.group(), Some(out), &device)? {
+        if let Some(merged) = gather_merged(p.strategy.group(), Some(out.into_parts()), |r| {
+            DistributedItem::merge(r, &device)
+        })? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
                 merged,
                 progress,
@@ -239,7 +242,11 @@ where
         };
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
-        if let Some(merged) = item::gather(p.strategy.group(), out, &device)? {
+        if let Some(merged) = gather_merged(
+            p.strategy.group(),
+            out.map(DistributedItem::into_parts),
+            |r| DistributedItem::merge(r, &device),
+        )? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
                 merged,
                 progress,

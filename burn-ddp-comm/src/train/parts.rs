@@ -249,6 +249,20 @@ pub fn gather(pg: &ProcessGroup, parts: Option<Vec<Part>>) -> Result<Option<Vec<
     Ok((!ranks.is_empty()).then_some(ranks))
 }
 
+/// [`gather`], and the parts merged on rank 0 into one item by `merge` (a line's
+/// `DistributedItem::merge`): the merged item on rank 0, `None` on the other ranks and when no
+/// rank had an item.
+///
+/// # Errors
+/// As [`gather`]; what `merge` returns.
+pub fn gather_merged<T>(
+    pg: &ProcessGroup,
+    parts: Option<Vec<Part>>,
+    merge: impl FnOnce(Vec<Vec<Part>>) -> Result<T>,
+) -> Result<Option<T>> {
+    gather(pg, parts)?.map(merge).transpose()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,9 +4,6 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput};
 
-use burn_ddp_comm::train::parts;
-
-use crate::group::ProcessGroup;
 use crate::Result;
 
 /// An output item that can be merged across ranks, so that the metrics on rank 0's dashboard are
@@ -152,53 +149,33 @@ loss_output_targets!(ClassificationOutput, int, 1);
 loss_output_targets!(MultiLabelClassificationOutput, int, 2);
 loss_output_targets!(RegressionOutput, float, 2);
 
-/// Gathers every rank's item (or its absence) and returns the merged item on rank 0, `None`
-/// on the other ranks and when no rank had an item.
-pub(crate) fn gather<I: DistributedItem>(
-    pg: &ProcessGroup,
-    item: Option<I>,
-    device: &Device<I::Backend>,
-) -> Result<Option<I>> {
-    match parts::gather(pg, item.map(DistributedItem::into_parts))? {
-        Some(ranks) => I::merge(ranks, device).map(Some),
-        None => Ok(None),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::backend::NdArray;
+    use burn::tensor::TensorData;
+    use burn_ddp_dev::adapters;
 
     type B = NdArray;
 
     #[test]
     fn classification_outputs_merge_into_the_global_batch() {
         let dev = Default::default();
-        let a = ClassificationOutput::<B>::new(
-            Tensor::from_floats([0.5], &dev),
-            Tensor::from_floats([[1.0, 0.0], [0.0, 1.0]], &dev),
-            Tensor::from_ints([0, 1], &dev),
-        );
-        let b = ClassificationOutput::<B>::new(
-            Tensor::from_floats([2.0], &dev),
-            Tensor::from_floats([[0.3, 0.7]], &dev),
-            Tensor::from_ints([0], &dev),
-        );
-        let m =
-            ClassificationOutput::<B>::merge(vec![a.into_parts(), b.into_parts()], &dev).unwrap();
-        assert_eq!(m.output.dims(), [3, 2]);
-        assert_eq!(
-            m.targets
-                .into_data()
-                .convert::<i64>()
-                .to_vec::<i64>()
-                .unwrap(),
-            vec![0, 1, 0]
-        );
-        // (0.5 * 2 + 2.0 * 1) / 3
-        let loss: f32 = m.loss.into_scalar();
-        assert!((loss - 1.0).abs() < 1e-6, "{loss}");
+        adapters::classification_outputs_merge_into_the_global_batch(|ranks| {
+            let mut parts = Vec::new();
+            for (loss, rows, targets) in ranks {
+                let n = rows.len();
+                let item = ClassificationOutput::<B>::new(
+                    Tensor::from_floats([loss], &dev),
+                    Tensor::from_data(TensorData::new(rows.concat(), [n, 2]), &dev),
+                    Tensor::from_data(TensorData::new(targets, [n]), &dev),
+                );
+                parts.push(item.into_parts());
+            }
+            let m = ClassificationOutput::<B>::merge(parts, &dev).unwrap();
+            let targets = m.targets.into_data().convert::<i64>().to_vec::<i64>();
+            (m.loss.into_scalar(), m.output.dims(), targets.unwrap())
+        });
     }
 
     #[test]

@@ -14,9 +14,10 @@ use burn::train::{
 };
 use burn_backend::BackendTypes;
 use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::parts::gather_merged;
 use burn_ddp_comm::train::vote::{self, panic_text, FailureSlot, Vote};
 
-use super::{item, DdpStrategy, DistributedItem};
+use super::{DdpStrategy, DistributedItem};
 use crate::{Ddp, Result};
 
 pub(super) type TrainIn<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Input;
@@ -209,7 +210,9 @@ where
         };
         let p = &mut self.parts;
         if let Some(merged) =
-            item::gather(p.strategy.session.group(), Some(out), &p.strategy.device)?
+            gather_merged(p.strategy.session.group(), Some(out.into_parts()), |r| {
+                DistributedItem::merge(r, &p.strategy.device)
+            })?
         {
             p.processor
                 .process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
@@ -297,7 +300,11 @@ where
             return Ok(());
         };
         let p = &mut self.parts;
-        if let Some(merged) = item::gather(p.strategy.session.group(), out, &p.strategy.device)? {
+        if let Some(merged) = gather_merged(
+            p.strategy.session.group(),
+            out.map(DistributedItem::into_parts),
+            |r| DistributedItem::merge(r, &p.strategy.device),
+        )? {
             p.processor
                 .process_valid(LearnerEvent::ProcessedItem(TrainingItem::new(
                     merged,
