@@ -121,7 +121,6 @@ where
             accumulator: GradientsAccumulator::<M>::new(),
             accumulated: 0,
             item: None,
-            out: None,
         };
         let at = strategy
             .state
@@ -159,7 +158,6 @@ where
             model: self.learner.model().valid(),
             iter: loader.iter(),
             item: None,
-            out: None,
         };
         let at = strategy
             .state

@@ -2,17 +2,15 @@
 //! (burn-ddp-comm's `train::epoch::run_split`): loading a batch and voting on it, one step,
 //! the step's outputs gathered for rank 0's metrics, the end of the split.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
     SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
-use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, StepResult, Stepped};
 use burn_ddp_comm::train::parts::gather_merged;
-use burn_ddp_comm::train::vote::{self, panic_text, Vote};
+use burn_ddp_comm::train::vote::{self, Vote};
 
 use super::{DdpStrategy, DistributedItem};
 use crate::{GradSync, Result};
@@ -31,21 +29,7 @@ fn next_batch<I>(
     if interrupter.should_stop() {
         return (None, interrupted(interrupter));
     }
-    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
-        Ok(Some(Ok(item))) => (Some(item), Vote::Item),
-        Ok(Some(Err(e))) => (
-            None,
-            Vote::Failed(format!("loading a {split} batch failed: {e}")),
-        ),
-        Ok(None) => (None, Vote::NoItem),
-        Err(p) => (
-            None,
-            Vote::Failed(format!(
-                "loading a {split} batch panicked: {}",
-                panic_text(&*p)
-            )),
-        ),
-    }
+    vote::load_batch(split, || iter.next())
 }
 
 /// The vote of a rank whose interrupter was set: a failure if it holds an error (Burn's
@@ -113,8 +97,6 @@ pub(super) struct TrainSplit<'r, M: LearnerModel> {
     pub(super) accumulator: GradientsAccumulator<M>,
     pub(super) accumulated: usize,
     pub(super) item: Option<<M as TrainStep>::Input>,
-    /// The last step's output item, its progress and iteration, for `report`.
-    pub(super) out: Option<(TrainOut<M>, Progress, usize)>,
 }
 
 impl<M> SplitSteps for TrainSplit<'_, M>
@@ -122,15 +104,17 @@ where
     M: LearnerModel,
     TrainOut<M>: DistributedItem,
 {
+    type Out = (TrainOut<M>, Progress, usize);
+
     fn load(&mut self) -> (Vote, u64) {
         let (item, vote, used) = self.parts.load(&mut *self.iter, "training");
         self.item = item;
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
         let Some(item) = self.item.take() else {
-            return Ok(Stepped::NoBatch);
+            return Ok((Stepped::NoBatch, None));
         };
         sync_buffers(self.learner, self.sync)?;
         let progress = self.parts.global(self.iter.progress());
@@ -153,14 +137,10 @@ where
                 Stepped::Moved
             }
         };
-        self.out = Some((out.item, progress, iteration));
-        Ok(stepped)
+        Ok((stepped, Some((out.item, progress, iteration))))
     }
 
-    fn report(&mut self) -> Result<()> {
-        let Some((out, progress, iteration)) = self.out.take() else {
-            return Ok(());
-        };
+    fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
         if let Some(merged) = gather_merged(p.strategy.group(), Some(out.into_parts()), |r| {
@@ -209,8 +189,6 @@ pub(super) struct ValidSplit<'r, M: LearnerModel> {
     pub(super) model: M,
     pub(super) iter: Box<dyn DataLoaderIterator<<M as InferenceStep>::Input> + 'r>,
     pub(super) item: Option<<M as InferenceStep>::Input>,
-    /// The last step's output (none on a rank without a batch), its progress and iteration.
-    pub(super) out: Option<(Option<ValidOut<M>>, Progress, usize)>,
 }
 
 impl<M> SplitSteps for ValidSplit<'_, M>
@@ -218,13 +196,15 @@ where
     M: LearnerModel,
     ValidOut<M>: DistributedItem,
 {
+    type Out = (Option<ValidOut<M>>, Progress, usize);
+
     fn load(&mut self) -> (Vote, u64) {
         let (item, vote, used) = self.parts.load(&mut *self.iter, "validation");
         self.item = item;
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
         let progress = self.parts.global(self.iter.progress());
         let model = &self.model;
         let out = self
@@ -232,14 +212,10 @@ where
             .take()
             .map(|i| guarded("the validation step", i, |i| InferenceStep::step(model, i)))
             .transpose()?;
-        self.out = Some((out, progress, iteration));
-        Ok(Stepped::Moved)
+        Ok((Stepped::Moved, Some((out, progress, iteration))))
     }
 
-    fn report(&mut self) -> Result<()> {
-        let Some((out, progress, iteration)) = self.out.take() else {
-            return Ok(());
-        };
+    fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
         if let Some(merged) = gather_merged(

@@ -204,6 +204,10 @@ pub enum Stepped {
     NoBatch,
 }
 
+/// What [`SplitSteps::step`] returns: what the step did and what to report, or why it could
+/// not be taken.
+pub type StepResult<O> = std::result::Result<(Stepped, Option<O>), StepFault>;
+
 /// One split of one epoch, as a Burn line runs it (the loop itself is [`run_split`]).
 pub trait SplitSteps {
     /// Takes this rank's next batch (kept for [`step`](Self::step)) and returns this rank's vote
@@ -211,20 +215,24 @@ pub trait SplitSteps {
     /// positions of the split's order it used (a fault-tolerant job's cursor counts them).
     fn load(&mut self) -> (Vote, u64);
 
+    /// What a step hands to [`report`](Self::report): its output item, progress and
+    /// iteration.
+    type Out;
+
     /// Runs the step on the batch loaded (in validation this rank may have none while others
     /// do; it still takes part in the step's collectives). `iteration` is burn-train's count in
-    /// the split, from 1.
+    /// the split, from 1. Returns what it did and, unless it had no batch, what to report.
     ///
     /// # Errors
     /// The step could not be taken: [`StepFault`].
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault>;
+    fn step(&mut self, iteration: usize) -> StepResult<Self::Out>;
 
     /// After the step: its outputs gathered for the metrics of the whole job. A training step's
     /// change of state counts (the cursor moves on) before this; a validation step's after.
     ///
     /// # Errors
     /// The gather failed.
-    fn report(&mut self) -> Result<()>;
+    fn report(&mut self, out: Self::Out) -> Result<()>;
 
     /// After the split's last step (the rest of an accumulation, rank 0's buffers).
     ///
@@ -321,8 +329,8 @@ pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> 
             Turn::End => break,
             Turn::Stop => return Ended::Stop,
         }
-        let stepped = match steps.step(iteration + 1) {
-            Ok(Stepped::NoBatch) => break,
+        let (stepped, out) = match steps.step(iteration + 1) {
+            Ok((Stepped::NoBatch, _)) => break,
             Ok(s) => s,
             Err(f) => return fault(f, &at, |m| steps.interrupt(m)),
         };
@@ -336,7 +344,7 @@ pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> 
             }
             moved = false;
         }
-        if let Err(e) = steps.report() {
+        if let Some(Err(e)) = out.map(|out| steps.report(out)) {
             return fault(e.into(), &at, |m| steps.interrupt(m));
         }
         if moved {

@@ -316,6 +316,28 @@ pub fn interrupted(failed: Option<String>, message: Option<String>) -> Vote {
     }
 }
 
+/// The batch `next` loads (a data loader's next item, or its error) and this rank's vote
+/// about it: a batch, none left, or a failure naming the `split` (an error or a panic while
+/// loading it).
+pub fn load_batch<I, E: std::fmt::Display>(
+    split: &str,
+    next: impl FnOnce() -> Option<std::result::Result<I, E>>,
+) -> (Option<I>, Vote) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(next)) {
+        Ok(Some(Ok(item))) => (Some(item), Vote::Item),
+        Ok(Some(Err(e))) => (
+            None,
+            Vote::Failed(format!("loading a {split} batch failed: {e}")),
+        ),
+        Ok(None) => (None, Vote::NoItem),
+        Err(p) => {
+            let why = panic_text(&*p);
+            let failed = format!("loading a {split} batch panicked: {why}");
+            (None, Vote::Failed(failed))
+        }
+    }
+}
+
 /// Stops this rank on an error it got itself (a failed collective names the rank at fault).
 pub fn stop_with(e: DdpError, failure: &FailureSlot, interrupt: impl FnOnce(&str)) -> Flow {
     interrupt(&e.to_string());
@@ -385,6 +407,26 @@ mod tests {
     use super::*;
     use crate::{Timeouts, WorldSize};
     use std::time::Duration;
+
+    #[test]
+    fn a_loaded_batch_votes_what_the_loader_gave() {
+        let ok = load_batch("train", || Some(Ok::<_, String>(7)));
+        assert_eq!((ok.0, &ok.1), (Some(7), &Vote::Item));
+        let none = load_batch("train", || None::<Result<u8, String>>);
+        assert_eq!((none.0, &none.1), (None, &Vote::NoItem));
+        let err = load_batch("valid", || Some(Err::<u8, _>("bad file")));
+        assert_eq!(
+            err.1,
+            Vote::Failed("loading a valid batch failed: bad file".into())
+        );
+        let panicked = load_batch("train", || -> Option<Result<u8, String>> {
+            panic!("index out of range")
+        });
+        assert_eq!(
+            panicked.1,
+            Vote::Failed("loading a train batch panicked: index out of range".into())
+        );
+    }
 
     /// Every rank's decision when rank r votes `votes(r)`, on an in-process group of `world`.
     fn decide(world: u32, votes: impl Fn(u32) -> Vote + Sync) -> Vec<Decision> {

@@ -100,7 +100,6 @@ where
             accumulator: GradientsAccumulator::new(),
             accumulated: 0,
             item: None,
-            out: None,
         };
         let at = ddp.state.split_at(Split::Training, cursor, fault_tolerant);
         epoch::run_split(&mut split, at)
@@ -128,7 +127,6 @@ where
             ),
             iter: loader.iter(),
             item: None,
-            out: None,
         };
         let at = ddp
             .state

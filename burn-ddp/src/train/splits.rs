@@ -2,8 +2,6 @@
 //! (burn-ddp-comm's `train::epoch::run_split`): loading a batch and voting on it, one step,
 //! the step's outputs gathered for rank 0's metrics, the end of the split.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::Module;
 use burn::optim::GradientsAccumulator;
@@ -13,9 +11,9 @@ use burn::train::{
     LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
 use burn_backend::BackendTypes;
-use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, Stepped};
+use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, StepResult, Stepped};
 use burn_ddp_comm::train::parts::gather_merged;
-use burn_ddp_comm::train::vote::{self, panic_text, FailureSlot, Vote};
+use burn_ddp_comm::train::vote::{self, FailureSlot, Vote};
 
 use super::{DdpStrategy, DistributedItem};
 use crate::{Ddp, Result};
@@ -40,17 +38,11 @@ fn next_batch<I>(
     if let Some(e) = written.message() {
         return (None, Vote::Failed(e));
     }
-    match catch_unwind(AssertUnwindSafe(|| iter.next())) {
-        Ok(Some(item)) if !interrupter.should_stop() => (Some(item), Vote::Item),
-        Ok(Some(_)) => (None, interrupted(interrupter, written)),
-        Ok(None) => (None, Vote::NoItem),
-        Err(p) => (
-            None,
-            Vote::Failed(format!(
-                "loading a {split} batch panicked: {}",
-                panic_text(&*p)
-            )),
-        ),
+    match vote::load_batch(split, || iter.next().map(Ok::<_, std::convert::Infallible>)) {
+        (Some(_), Vote::Item) if interrupter.should_stop() => {
+            (None, interrupted(interrupter, written))
+        }
+        loaded => loaded,
     }
 }
 
@@ -136,8 +128,6 @@ pub(super) struct TrainSplit<'r, B: Backend, LC: LearningComponentsTypes> {
     pub(super) accumulator: GradientsAccumulator<LC::TrainingModel>,
     pub(super) accumulated: usize,
     pub(super) item: Option<TrainIn<LC>>,
-    /// The last step's output item, its progress and iteration, for `report`.
-    pub(super) out: Option<(TrainOut<LC>, Progress, usize)>,
 }
 
 impl<B, LC> SplitSteps for TrainSplit<'_, B, LC>
@@ -147,6 +137,8 @@ where
     LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
 {
+    type Out = (TrainOut<LC>, Progress, usize);
+
     fn load(&mut self) -> (Vote, u64) {
         let p = &self.parts;
         let (item, vote, used) = load(
@@ -159,9 +151,9 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
         let Some(item) = self.item.take() else {
-            return Ok(Stepped::NoBatch);
+            return Ok((Stepped::NoBatch, None));
         };
         let ddp = self.parts.strategy;
         let session = &ddp.session;
@@ -200,14 +192,10 @@ where
                 Stepped::Moved
             }
         };
-        self.out = Some((out.item, progress, iteration));
-        Ok(stepped)
+        Ok((stepped, Some((out.item, progress, iteration))))
     }
 
-    fn report(&mut self) -> Result<()> {
-        let Some((out, progress, iteration)) = self.out.take() else {
-            return Ok(());
-        };
+    fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
         if let Some(merged) =
             gather_merged(p.strategy.session.group(), Some(out.into_parts()), |r| {
@@ -257,8 +245,6 @@ pub(super) struct ValidSplit<'r, B: Backend, LC: LearningComponentsTypes> {
     pub(super) model: LC::InferenceModel,
     pub(super) iter: Box<dyn DataLoaderIterator<ValidIn<LC>> + 'r>,
     pub(super) item: Option<ValidIn<LC>>,
-    /// The last step's output (none on a rank without a batch), its progress and iteration.
-    pub(super) out: Option<(Option<ValidOut<LC>>, Progress, usize)>,
 }
 
 impl<B, LC> SplitSteps for ValidSplit<'_, B, LC>
@@ -268,6 +254,8 @@ where
     LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
 {
+    type Out = (Option<ValidOut<LC>>, Progress, usize);
+
     fn load(&mut self) -> (Vote, u64) {
         let p = &self.parts;
         let (item, vote, used) = load(
@@ -280,7 +268,7 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
         let progress = self
             .parts
             .strategy
@@ -291,14 +279,10 @@ where
             .take()
             .map(|i| guarded("the validation step", i, |i| model.step(i)))
             .transpose()?;
-        self.out = Some((out, progress, iteration));
-        Ok(Stepped::Moved)
+        Ok((Stepped::Moved, Some((out, progress, iteration))))
     }
 
-    fn report(&mut self) -> Result<()> {
-        let Some((out, progress, iteration)) = self.out.take() else {
-            return Ok(());
-        };
+    fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
         if let Some(merged) = gather_merged(
             p.strategy.session.group(),

@@ -57,6 +57,8 @@ impl Fake {
 }
 
 impl SplitSteps for Fake {
+    type Out = ();
+
     fn load(&mut self) -> (Vote, u64) {
         self.loaded = self.batches > 0;
         if self.loaded {
@@ -67,7 +69,7 @@ impl SplitSteps for Fake {
         }
     }
 
-    fn step(&mut self, iteration: usize) -> std::result::Result<Stepped, StepFault> {
+    fn step(&mut self, iteration: usize) -> StepResult<()> {
         if self.panics_at == Some(iteration) {
             return Err(StepFault::Alone("the training step panicked: boom".into()));
         }
@@ -75,14 +77,15 @@ impl SplitSteps for Fake {
             "step {iteration}{}",
             if self.loaded { "" } else { " (no batch)" }
         ));
-        Ok(if iteration.is_multiple_of(self.accumulation) {
+        let stepped = if iteration.is_multiple_of(self.accumulation) {
             Stepped::Moved
         } else {
             Stepped::Accumulated
-        })
+        };
+        Ok((stepped, Some(())))
     }
 
-    fn report(&mut self) -> Result<()> {
+    fn report(&mut self, (): ()) -> Result<()> {
         Ok(())
     }
 
@@ -177,13 +180,14 @@ fn a_rank_failing_alone_stops_every_rank_naming_it() {
 fn a_stop_vote_stops_every_rank_before_the_step() {
     struct Stopping(Fake);
     impl SplitSteps for Stopping {
+        type Out = ();
         fn load(&mut self) -> (Vote, u64) {
             (Vote::Stop("early stopping".into()), 0)
         }
-        fn step(&mut self, i: usize) -> std::result::Result<Stepped, StepFault> {
+        fn step(&mut self, i: usize) -> StepResult<()> {
             self.0.step(i)
         }
-        fn report(&mut self) -> Result<()> {
+        fn report(&mut self, (): ()) -> Result<()> {
             Ok(())
         }
         fn interrupt(&self, message: &str) {
