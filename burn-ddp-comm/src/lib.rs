@@ -69,16 +69,19 @@
 //!
 //! What such glue looks like is the same from one release to the next wherever two releases'
 //! APIs have the same shape, and a duplicate-code scan finds those places as pairs between the
-//! lines (11 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
+//! lines (6 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
 //! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
 //! code of the core can name: the renderers (`train/render.rs`: `MetricsRenderer` and its
-//! loggers), the `SupervisedLearningStrategy` body (`train/epochs.rs`), the strategy's
-//! declaration (`train/mod.rs`), the training split's step and report (`train/splits.rs`), the
-//! `EpochDriver`/`Handover` implementations (`train/driver.rs`), the Learner's records through
-//! burn-train's checkpointer into memory (`train/fault.rs`), `StageOps` (`pipeline.rs`),
-//! `SyncBatchNormConfig` and its statistics (`nn.rs`), the device pointer of a cubecl tensor
-//! (`cuda.rs`), and two unit tests of the adapters (`data.rs`, `train/item.rs`). The logic
-//! under each is the core's.
+//! loggers for three types), the `SupervisedLearningStrategy` body (`train/epochs.rs`: the
+//! checkpointer, the start, burn-train's events), the `Handover` implementation
+//! (`train/driver.rs`: three methods of the core's trait, each a call), the pipeline's
+//! `Pipeline` and its step over `StageOps` (`pipeline.rs`), `SyncBatchNormConfig` (a Burn
+//! `Config`) and the normalisation (`nn.rs`), and the sampler's `Dataset::len` with its test
+//! (`data.rs`, the test a closure for the shared check in burn-ddp-dev's `adapters`). The
+//! logic under each is the core's: what each rank shows and writes
+//! ([`train::terminal::RankOutput`]), the batch vote ([`train::vote::load_batch`]), the
+//! outputs gathered and merged ([`train::parts::gather_merged`]), a bucket's all-reduce on
+//! NCCL (`cuda::all_reduce_bucket`).
 //!
 //! ## Features
 //!
