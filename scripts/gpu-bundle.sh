@@ -53,8 +53,8 @@ done
 # variant -> cargo arguments, and the executables it needs (target names)
 cargo_args() {
     case $1 in
-        plain) echo "--features burn-ddp-workspace/cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
-        fusion) echo "--features burn-ddp-workspace/fusion --test ddp_equivalence --bench cuda_step" ;;
+        plain) echo "-p burn-ddp --features cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
+        fusion) echo "-p burn-ddp --features fusion --test ddp_equivalence --bench cuda_step" ;;
         b022) echo "-p burn-ddp-burn022 --features cuda --test cuda022 --bench cuda_step022" ;;
         b022-fusion) echo "-p burn-ddp-burn022 --features fusion --test cuda022 --bench cuda_step022" ;;
         b022-cpp) echo "-p burn-ddp-burn022 --features cuda-cpp --test cuda022 --bench cuda_step022" ;;

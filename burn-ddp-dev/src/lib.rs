@@ -1,6 +1,6 @@
 //! Development-only helpers of burn-ddp, without Burn, shared by both Burn lines' tests,
-//! examples and benches (a dev-dependency of the root package and of `burn-ddp-burn022`; never
-//! published):
+//! examples and benches (a dev-dependency of `burn-ddp`, `burn-ddp-burn022` and the root
+//! package's step benchmarks; never published):
 //!
 //! - [`procs`]: the multi-process test harness (a test function run as the ranks of a real job)
 //! - [`conformance`]: the conformance suite every line runs (`conformance_suite!`): DDP

@@ -14,7 +14,7 @@
 //! builds (`cuda`, `fusion`), the two tables separate what fusion's drain adds.
 //!
 //! ```text
-//! cargo bench --features cuda --bench cuda_step -- --rounds 5
+//! cargo bench -p burn-ddp --features cuda --bench cuda_step -- --rounds 5
 //! ```
 
 use burn_ddp_dev::args;
