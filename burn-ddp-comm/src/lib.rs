@@ -49,7 +49,7 @@
 //!
 //! A Burn release is supported by a crate of glue over these modules (`burn-ddp` for Burn 0.21,
 //! `burn-ddp-burn022` for 0.22.1); everything else is here. For a new release, the glue is,
-//! file by file as in `burn-ddp-burn022/src/` (18 files, 4,624 lines with their unit tests and
+//! file by file as in `burn-ddp-burn022/src/` (18 files, 4,509 lines with their unit tests and
 //! docs, most of them Burn's own traits implemented):
 //!
 //! | What | Over | In the 0.22 line |
@@ -64,7 +64,7 @@
 //! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce (`cuda::all_reduce_bucket`) | `cuda::connect`, [`grad::BucketLauncher`], `cuda::DeviceSpan` | `cuda.rs` |
 //! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
 //! | the pipeline step's tensor work ([`pipeline::StageOps`]: slice, forward, loss, surrogate, backward); the core walks the schedule ([`pipeline::StagePlan::run`]) | [`pipeline`] | `pipeline.rs` |
-//! | its tests: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run; `conformance_suite!` makes the tests) and the fault-tolerant scenarios (`burn_ddp_dev::fault`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/equivalence.rs`, `tests/fault_tolerant022.rs` |
+//! | its tests, in its own `tests/`: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run; `conformance_suite!` makes the tests), the adapters' checks (burn-ddp-dev's `adapters`: a closure per check in the line's unit tests), the fault-tolerant and multi-node scenarios (`burn_ddp_dev::fault`, `burn_ddp_dev::netns`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/equivalence.rs`, `tests/fault_tolerant022.rs`, `tests/multinode022.rs`, `data.rs`, `train/item.rs` |
 //! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
 //! What such glue looks like is the same from one release to the next wherever two releases'
