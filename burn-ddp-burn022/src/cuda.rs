@@ -23,6 +23,7 @@
 //! slice of the reduced output (a view, cast back to its gradient's dtype); the flags are the
 //! only bytes read to the host.
 
+use burn_ddp_comm::{ConfigError, CudaError, ModelError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -196,7 +197,7 @@ impl DevicePath {
         let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
         pg.all_reduce(&mut votes, ReduceOp::Sum)?;
         if votes[0] > 0 && votes[1] > 0 {
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank,
                 what: "choosing how gradients travel",
                 reason: format!(
@@ -207,16 +208,16 @@ impl DevicePath {
                     votes[1],
                     device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"))
                 ),
-            });
+            }));
         }
         let Some(ordinal) = ordinal else {
             if transport == GradTransport::Nccl {
-                return Err(DdpError::InvalidConfig {
+                return Err(DdpError::Config(ConfigError::InvalidConfig {
                     field: "DdpConfig::transport",
                     reason: "GradTransport::Nccl needs a model on a CUDA device \
                              (Device::cuda, see burn_ddp_burn022::cuda::rank_device); other \
                              devices use GradTransport::Host or Auto",
-                });
+                }));
             }
             return Ok(None);
         };
@@ -320,7 +321,7 @@ impl Step<'_> {
             match cuda_ordinal(&found) {
                 Some(o) if Some(o) == cuda_ordinal(&self.path.device) => {}
                 Some(o) => {
-                    return Err(DdpError::DeviceMismatch {
+                    return Err(DdpError::Cuda(CudaError::DeviceMismatch {
                         rank: self.rank,
                         what: "the gradients",
                         found: o,
@@ -329,10 +330,10 @@ impl Step<'_> {
                              `{name}`'s gradient is on {found:?})",
                             self.path.comm.device_ordinal()
                         ),
-                    })
+                    }))
                 }
                 None => {
-                    return Err(DdpError::Model {
+                    return Err(DdpError::Model(ModelError::Model {
                         rank: self.rank,
                         what: "synchronising gradients",
                         reason: format!(
@@ -341,7 +342,7 @@ impl Step<'_> {
                              the model on that GPU for the whole training",
                             self.path.comm.device_ordinal()
                         ),
-                    })
+                    }))
                 }
             }
             let g = if g.dtype() == BurnDType::F32 {
@@ -440,16 +441,20 @@ impl Step<'_> {
         let flags = Tensor::cat(flags, 0)
             .cast(BurnDType::F32)
             .try_into_data()
-            .map_err(|e| DdpError::Cuda {
-                rank: self.rank,
-                what: "reading the reduced buckets' presence flags".into(),
-                detail: format!("{e:?}"),
+            .map_err(|e| {
+                DdpError::Cuda(CudaError::Cuda {
+                    rank: self.rank,
+                    what: "reading the reduced buckets' presence flags".into(),
+                    detail: format!("{e:?}"),
+                })
             })?
             .try_to_vec::<f32>()
-            .map_err(|e| DdpError::Model {
-                rank: self.rank,
-                what: "reading the reduced buckets' presence flags",
-                reason: format!("{e:?}"),
+            .map_err(|e| {
+                DdpError::Model(ModelError::Model {
+                    rank: self.rank,
+                    what: "reading the reduced buckets' presence flags",
+                    reason: format!("{e:?}"),
+                })
             })?;
         let mut first_flag = Vec::with_capacity(plan.buckets.len());
         let mut at = 0;

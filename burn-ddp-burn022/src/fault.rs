@@ -117,7 +117,7 @@ impl GradSync {
     ///
     /// # Errors
     /// `cause` itself when it is not a failure of the group ([`DdpError::is_peer_failure`]) or
-    /// the group is not fault-tolerant; [`DdpError::TooFewRanks`]; the store's errors.
+    /// the group is not fault-tolerant; [`MembershipError::TooFewRanks`](burn_ddp_comm::MembershipError::TooFewRanks); the store's errors.
     pub fn recover<M: Module>(
         &mut self,
         cause: DdpError,

@@ -8,18 +8,19 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 use burn_ddp_comm::grad::BucketPlan;
+use burn_ddp_comm::ModelError;
 use burn_ddp_comm::{DdpError, Rank, Result};
 
 /// The error for a model whose trainable parameters differ from the prepared one's.
 pub(crate) fn changed(rank: Rank, how: &str) -> DdpError {
-    DdpError::Model {
+    DdpError::Model(ModelError::Model {
         rank,
         what: "synchronising gradients",
         reason: format!(
             "the model {how} the one given to GradSync::prepare (its trainable parameters must \
              not change after prepare; call prepare again after freezing or adding layers)"
         ),
-    }
+    })
 }
 
 /// Where a reduced gradient goes back: the device and dtype of the gradient (or of the
@@ -121,12 +122,12 @@ impl Take<'_, '_> {
                 });
                 let numel = g.shape().num_elements();
                 if numel != expected.info.numel {
-                    return Err(DdpError::GradientSize {
+                    return Err(DdpError::Model(ModelError::GradientSize {
                         rank: self.rank,
                         param: name,
                         expected: expected.info.numel,
                         got: numel,
-                    });
+                    }));
                 }
                 Some(g.reshape([numel]))
             }

@@ -74,8 +74,9 @@ pub use burn_ddp_comm::data::DataEpoch;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
     grad::{LoopState, PowerSgd},
-    spawn, Compression, DdpConfig, DdpError, GradReduction, GroupConfig, JobToken, MasterAddr,
-    ParamInfo, ProcessGroup, Rank, ReduceOp, Result, Timeouts, WorldSize,
+    spawn, CollectiveError, Compression, ConfigError, CudaError, DdpConfig, DdpError,
+    GradReduction, GroupConfig, JobError, JobToken, MasterAddr, MembershipError, ModelError,
+    ParamInfo, ProcessGroup, Rank, ReduceOp, RendezvousError, Result, Timeouts, WorldSize,
 };
 pub use data::DistributedSampler;
 pub use sync::GradSync;

@@ -9,6 +9,7 @@
 //! (`Tensor::from_primitive`). `B` is each backend this crate is built for: `Flex` (feature
 //! `flex`), `NdArray` (`ndarray`), Burn's `Cube` (`cuda`, with or without `fusion`).
 
+use burn_ddp_comm::ModelError;
 use std::cell::RefCell;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
@@ -250,11 +251,11 @@ impl LayerGroup {
     }
 
     fn model_error(&self, reason: String) -> DdpError {
-        DdpError::Model {
+        DdpError::Model(ModelError::Model {
             rank: self.pg.rank(),
             what: "all-reducing SyncBatchNorm's statistics",
             reason,
-        }
+        })
     }
 }
 

@@ -13,6 +13,7 @@
 //! (Burn's autodiff frees the graphs that share parameters with the one whose backward runs, so
 //! several graphs cannot wait for their backward at once).
 
+use burn_ddp_comm::ModelError;
 use std::ops::{Deref, Range};
 
 use burn::module::Module;
@@ -51,7 +52,7 @@ impl Pipeline {
     /// This rank's stage of a pipeline whose stages are the ranks of `group`, in rank order.
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`] for zero micro-batches.
+    /// [`ConfigError::InvalidOption`](burn_ddp_comm::ConfigError::InvalidOption) for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
         Ok(Self {
             plan: StagePlan::new(group, schedule, micro_batches)?,
@@ -197,7 +198,7 @@ fn dtype_of(code: u8) -> BurnDType {
 }
 
 fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
-    DdpError::Model { rank, what, reason }
+    DdpError::Model(ModelError::Model { rank, what, reason })
 }
 
 fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {

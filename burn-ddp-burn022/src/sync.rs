@@ -1,5 +1,6 @@
 //! [`GradSync`]: a model prepared on every rank, and its gradients reduced after backward.
 
+use burn_ddp_comm::{ConfigError, ModelError};
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -73,17 +74,17 @@ impl GradSync {
     ///
     /// # Errors
     /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
-    /// `cuda` feature; PowerSGD in a fault-tolerant job ([`DdpError::NotFaultTolerant`]); the
+    /// `cuda` feature; PowerSGD in a fault-tolerant job ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant)); the
     /// communication thread cannot be started.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
         config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
         config.validate()?;
         if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {
-            return Err(DdpError::InvalidConfig {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "DdpConfig::transport",
                 reason: "GradTransport::Nccl needs burn-ddp-burn022's `cuda` feature",
-            });
+            }));
         }
         if config.power_sgd.is_some() {
             NotCarried::PowerSgd.refuse_on(&pg)?;
@@ -161,7 +162,7 @@ impl GradSync {
     ///    together (the first `prepare` only; see [`GradSync::new`] for the fallback rules).
     ///
     /// # Errors
-    /// [`DdpError::ModelMismatch`]; a record that cannot be written or read; some ranks' models
+    /// [`ModelError::ModelMismatch`](burn_ddp_comm::ModelError::ModelMismatch); a record that cannot be written or read; some ranks' models
     /// on a CUDA device and others' not; NCCL set-up failures that `GradTransport::Auto` does
     /// not fall back from; collective failures.
     pub fn prepare<M: Module>(&mut self, model: M) -> Result<M> {
@@ -229,7 +230,7 @@ impl GradSync {
     /// ([`check_replicas`](Self::check_replicas)).
     ///
     /// # Errors
-    /// [`DdpError::ReplicasDiverged`]; [`prepare`](Self::prepare) was not called, or the
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged); [`prepare`](Self::prepare) was not called, or the
     /// model's trainable parameters changed since; a gradient of the wrong size; collective
     /// failures, naming the rank at fault, this step's `SyncBatchNorm` all-reduces' included.
     pub fn sync<M: Module>(
@@ -361,7 +362,7 @@ impl GradSync {
     /// What `train` returns (this rank then leaves the join at once, and the other ranks'
     /// next collective fails naming it); ranks that make different calls inside the join
     /// (naming who calls what); a nested `join`; a fault-tolerant job
-    /// ([`DdpError::NotFaultTolerant`]); collective failures.
+    /// ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant)); collective failures.
     pub fn join<M, F>(&mut self, model: M, train: F) -> Result<M>
     where
         M: Module,
@@ -476,13 +477,13 @@ impl<M: Module> Replica for AsReplica<M> {
 
 impl GradSync {
     /// Compares `model`'s synchronised parameters across ranks (a digest of each, read to the
-    /// host), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
+    /// host), failing with [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged) naming the first that differs. Every
     /// rank must call it at the same point; [`sync`](Self::sync) does every
     /// `DdpConfig::check_replicas_every` steps. Buffers (BatchNorm's running statistics, which
     /// each rank updates from its own batches) are left out.
     ///
     /// # Errors
-    /// [`DdpError::ReplicasDiverged`]; collective failures.
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged); collective failures.
     pub fn check_replicas<M: Module>(&self, model: &M) -> Result<()> {
         self.compare_replicas(model, 0)
     }
@@ -517,21 +518,21 @@ fn first_device<M: Module>(model: &M) -> Option<Device> {
 
 /// The error for a call that needs [`GradSync::prepare`] first.
 fn not_prepared(rank: Rank) -> DdpError {
-    DdpError::Model {
+    DdpError::Model(ModelError::Model {
         rank,
         what: "synchronising gradients",
         reason: "GradSync::prepare was not called: prepare the model once, on every rank, \
                  before training"
             .into(),
-    }
+    })
 }
 
 pub(crate) fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
-    DdpError::Model {
+    DdpError::Model(ModelError::Model {
         rank,
         what,
         reason: e.to_string(),
-    }
+    })
 }
 
 /// Float parameters in visit order: (what they are, whether they are trainable).

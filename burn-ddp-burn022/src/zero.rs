@@ -18,6 +18,7 @@
 //! rank owns and puts its own ids back. So a whole state saved at one world size loads at any
 //! other.
 
+use burn_ddp_comm::ModelError;
 use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -140,22 +141,24 @@ impl GradSync {
     ///
     /// # Errors
     /// [`prepare`](Self::prepare) was not called, or `model` has other trainable parameters
-    /// than the prepared one; a fault-tolerant job ([`DdpError::NotFaultTolerant`]: a lost
+    /// than the prepared one; a fault-tolerant job ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant): a lost
     /// rank would take its shard of the optimizer state with it).
     pub fn zero<M: Module>(&self, optim: ModuleOptimizer, model: &M) -> Result<ZeroOptimizer> {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(self.group())?;
         let rank = self.group().rank();
-        let prepared = self.trainable_count().ok_or_else(|| DdpError::Model {
-            rank,
-            what: "sharding the optimizer state",
-            reason: "GradSync::prepare was not called: prepare the model first, then \
+        let prepared = self.trainable_count().ok_or_else(|| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "sharding the optimizer state",
+                reason: "GradSync::prepare was not called: prepare the model first, then \
                      GradSync::zero(optimizer, &model)"
-                .into(),
+                    .into(),
+            })
         })?;
         let mut trainable = Trainable(Vec::new());
         model.visit(&mut trainable);
         if trainable.0.len() != prepared {
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank,
                 what: "sharding the optimizer state",
                 reason: format!(
@@ -163,7 +166,7 @@ impl GradSync {
                      the model prepare returned",
                     trainable.0.len()
                 ),
-            });
+            }));
         }
         let params: Vec<(u64, usize)> = trainable.0.iter().map(|(id, n)| (id.val(), *n)).collect();
         Ok(ZeroOptimizer {
@@ -249,10 +252,12 @@ impl ZeroOptimizer {
     /// A shard that cannot be (de)serialised; collective failures.
     pub fn gather_record(&self) -> Result<Option<OptimizerRecord>> {
         let rank = self.rank();
-        let fail = |what: &'static str, e: String| DdpError::Model {
-            rank,
-            what,
-            reason: e,
+        let fail = |what: &'static str, e: String| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what,
+                reason: e,
+            })
         };
         let mine = self
             .inner
@@ -282,10 +287,12 @@ impl ZeroOptimizer {
     /// have (another model's state).
     pub fn load_full_record(mut self, record: OptimizerRecord) -> Result<Self> {
         let rank = self.rank();
-        let fail = |e: String| DdpError::Model {
-            rank,
-            what: "loading the whole optimizer state",
-            reason: e,
+        let fail = |e: String| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "loading the whole optimizer state",
+                reason: e,
+            })
         };
         let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
         let n = self.shards.ids().len() as u64;

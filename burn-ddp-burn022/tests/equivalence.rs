@@ -8,6 +8,7 @@
 //!
 //! The reference runs in every rank's process, from the weights that `prepare` broadcast.
 
+use burn_ddp_comm::{CollectiveError, ModelError};
 use burn_ddp_dev::procs;
 
 use burn_ddp_dev::compare;
@@ -276,7 +277,10 @@ fn mismatched_models_fail_at_prepare_naming_the_parameter() {
         let err = sync.prepare(Mlp::new(&device(), hidden)).unwrap_err();
         let text = err.to_string();
         println!("rank {rank} error: {text}");
-        assert!(matches!(err, DdpError::ModelMismatch { .. }), "{text}");
+        assert!(
+            matches!(err, DdpError::Model(ModelError::ModelMismatch { .. })),
+            "{text}"
+        );
         assert!(text.contains("fc1.weight"), "{text}");
         assert!(text.contains("rank 1 has"), "{text}");
         assert!(text.contains("ranks 0, 2 have"), "{text}");
@@ -416,7 +420,10 @@ fn diverged_replicas_fail_naming_the_parameter() {
                     };
                     let text = e.to_string();
                     assert!(
-                        matches!(e, DdpError::ReplicasDiverged { step: 4, .. }),
+                        matches!(
+                            e,
+                            DdpError::Model(ModelError::ReplicasDiverged { step: 4, .. })
+                        ),
                         "{text}"
                     );
                     assert!(text.contains("`fc2.bias`"), "{text}");
@@ -667,7 +674,7 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
                     println!("rank {rank} at step {step}: {text}");
                     assert_eq!((rank, step), (0, 7), "{text}");
                     assert!(
-                        matches!(e, DdpError::PeerFinished { peer, .. } if peer.index() == 1),
+                        matches!(e, DdpError::Collective(CollectiveError::PeerFinished { peer, .. }) if peer.index() == 1),
                         "{text}"
                     );
                     assert!(text.contains("rank 1 ended normally"), "{text}");

@@ -15,6 +15,7 @@ use burn_ddp_burn022::{
 };
 use burn_ddp_comm::launch::fault::Lighthouse;
 use burn_ddp_comm::FaultTolerance;
+use burn_ddp_comm::MembershipError;
 use burn_ddp_dev::fault;
 
 /// 3 ranks train `classifier022`; rank 1 is SIGKILLed in the middle of the first epoch; the
@@ -125,7 +126,9 @@ fn what_a_fault_tolerant_job_cannot_carry_is_refused() {
     )
     .unwrap();
     let refused = |r: Result<(), DdpError>, what: &str| match r {
-        Err(DdpError::NotFaultTolerant { what: w, .. }) => assert!(w.contains(what), "{w}"),
+        Err(DdpError::Membership(MembershipError::NotFaultTolerant { what: w, .. })) => {
+            assert!(w.contains(what), "{w}")
+        }
         other => panic!("{what}: expected a refusal, got {other:?}"),
     };
     refused(

@@ -1,5 +1,6 @@
 //! Writing checkpoint files so that a crash never leaves a truncated file behind.
 
+use crate::error::JobError;
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::Path;
@@ -13,10 +14,12 @@ use crate::{DdpError, Result};
 /// # Errors
 /// The I/O error, with the path.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let io = |what: &'static str, source: std::io::Error| DdpError::CheckpointIo {
-        path: path.to_path_buf(),
-        what,
-        source,
+    let io = |what: &'static str, source: std::io::Error| {
+        DdpError::Job(JobError::CheckpointIo {
+            path: path.to_path_buf(),
+            what,
+            source,
+        })
     };
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

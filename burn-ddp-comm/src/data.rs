@@ -3,6 +3,7 @@
 //! `DistributedSampler`, a Burn `Dataset`, whose methods come from
 //! [`distributed_sampler!`](crate::distributed_sampler).
 
+use crate::error::{ConfigError, MembershipError};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -96,7 +97,10 @@ impl ShardPlan {
     /// `RankOutOfRange` if `rank` is not below `world`.
     pub fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
         if rank.0 >= world.get() {
-            return Err(DdpError::RankOutOfRange { rank, world });
+            return Err(DdpError::Config(ConfigError::RankOutOfRange {
+                rank,
+                world,
+            }));
         }
         self.rank.store(rank.0, Ordering::SeqCst);
         self.world.store(world.get(), Ordering::SeqCst);
@@ -116,7 +120,10 @@ impl ShardPlan {
     /// `RankOutOfRange` if `rank` is not below `world`.
     pub fn with_replicas(rank: Rank, world: WorldSize) -> Result<Self> {
         if rank.0 >= world.get() {
-            return Err(DdpError::RankOutOfRange { rank, world });
+            return Err(DdpError::Config(ConfigError::RankOutOfRange {
+                rank,
+                world,
+            }));
         }
         Ok(Self::build(rank.0, world.get()))
     }
@@ -409,14 +416,14 @@ pub trait DataEpoch: Send + Sync {
     /// (see [`ShardPlan::reshard`]).
     ///
     /// # Errors
-    /// The default: this data cannot be dealt again ([`DdpError::NotFaultTolerant`]).
+    /// The default: this data cannot be dealt again ([`MembershipError::NotFaultTolerant`]).
     fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
         let _ = (rank, world, start);
-        Err(DdpError::NotFaultTolerant {
+        Err(DdpError::Membership(MembershipError::NotFaultTolerant {
             what: "a sampler registered with the training strategy that cannot deal the rest \
                    of an epoch over a new membership",
             reason: "use burn-ddp's DistributedSampler, or implement DataEpoch::reshard",
-        })
+        }))
     }
 }
 
@@ -693,7 +700,10 @@ mod tests {
         let Err(err) = ShardPlan::with_replicas(Rank(2), w) else {
             panic!("rank 2 of 2 was accepted");
         };
-        assert!(matches!(err, DdpError::RankOutOfRange { .. }), "{err}");
+        assert!(
+            matches!(err, DdpError::Config(ConfigError::RankOutOfRange { .. })),
+            "{err}"
+        );
     }
 
     #[test]

@@ -121,7 +121,10 @@ pub mod types;
 mod wire;
 
 pub use config::{FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
-pub use error::{DdpError, Result};
+pub use error::{
+    CollectiveError, ConfigError, CudaError, DdpError, JobError, MembershipError, ModelError,
+    RendezvousError, Result,
+};
 pub use grad::{Compression, DdpConfig, GradReduction, ParamInfo};
 pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery, WeakGroup};
 pub use launch::spawn;

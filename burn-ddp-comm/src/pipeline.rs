@@ -9,6 +9,7 @@
 //! for the receiver, so each stage simply runs its list of actions in order; the schedules below
 //! are deadlock-free under that rule (checked by a simulation in the tests).
 
+use crate::error::{CollectiveError, ConfigError, ModelError};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -115,16 +116,16 @@ pub fn ideal_busy_fraction(stages: usize, micro_batches: usize) -> f64 {
 /// possible, the first ones one row longer when it does not divide.
 ///
 /// # Errors
-/// [`DdpError::InvalidOption`] when there are fewer rows than micro-batches, or no micro-batch.
+/// [`ConfigError::InvalidOption`] when there are fewer rows than micro-batches, or no micro-batch.
 pub fn micro_batches(batch: usize, micro_batches: usize) -> Result<Vec<Range<usize>>> {
     if micro_batches == 0 || batch < micro_batches {
-        return Err(DdpError::InvalidOption {
+        return Err(DdpError::Config(ConfigError::InvalidOption {
             option: "micro_batches",
             reason: format!(
                 "{micro_batches} micro-batches of a batch of {batch} rows: use between 1 and the \
                  batch size"
             ),
-        });
+        }));
     }
     let (base, extra) = (batch / micro_batches, batch % micro_batches);
     let mut start = 0;
@@ -175,14 +176,16 @@ impl Activation {
     /// Burn's float type named `dtype` (`DType::name`: `f64`, `f32`, `f16`, `bf16`).
     ///
     /// # Errors
-    /// [`DdpError::Model`] for `rank` when the element type cannot travel between stages.
+    /// [`ModelError::Model`] for `rank` when the element type cannot travel between stages.
     pub fn of(rank: Rank, shape: Vec<usize>, dtype: &str, bytes: Vec<u8>) -> Result<Self> {
-        let code = float_code(dtype).ok_or_else(|| DdpError::Model {
-            rank,
-            what: "sending an activation to a neighbouring stage",
-            reason: format!(
+        let code = float_code(dtype).ok_or_else(|| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "sending an activation to a neighbouring stage",
+                reason: format!(
                 "its element type {dtype} cannot travel between stages (f64, f32, f16, bf16 can)"
             ),
+            })
         })?;
         Ok(Self {
             shape,
@@ -277,13 +280,13 @@ impl StagePlan {
     /// This rank's stage of a pipeline over the ranks of `group`.
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`] for zero micro-batches.
+    /// [`ConfigError::InvalidOption`] for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
         if micro_batches == 0 {
-            return Err(DdpError::InvalidOption {
+            return Err(DdpError::Config(ConfigError::InvalidOption {
                 option: "micro_batches",
                 reason: "0: a pipeline step needs at least one micro-batch".into(),
-            });
+            }));
         }
         Ok(Self {
             group,
@@ -331,7 +334,7 @@ impl StagePlan {
     /// this stage the batch (only the first stage may, and it must).
     ///
     /// # Errors
-    /// [`DdpError::InvalidGroupCall`] when `fed` does not match the stage; the errors of
+    /// [`CollectiveError::InvalidGroupCall`] when `fed` does not match the stage; the errors of
     /// [`micro_batches`].
     pub fn step_plan(&self, rows: usize, fed: bool) -> Result<StepPlan> {
         let reason = match (fed, self.is_first()) {
@@ -360,11 +363,11 @@ impl StagePlan {
 
     /// A misuse of the step by this rank's program.
     pub fn misuse(&self, reason: &str) -> DdpError {
-        DdpError::InvalidGroupCall {
+        DdpError::Collective(CollectiveError::InvalidGroupCall {
             rank: self.group.global_rank(),
             what: "Pipeline::step",
             reason: reason.into(),
-        }
+        })
     }
 
     /// The error for a stage whose output does not depend on its input.
@@ -400,7 +403,7 @@ impl StagePlan {
     /// dimensions and as many bytes as its shape and element type need.
     ///
     /// # Errors
-    /// As [`ProcessGroup::recv_bytes`]; [`DdpError::Model`] for a malformed message.
+    /// As [`ProcessGroup::recv_bytes`]; [`ModelError::Model`] for a malformed message.
     pub fn recv(&self, from: Rank, i: usize, gradient: bool, dims: usize) -> Result<Activation> {
         let tag = if gradient {
             gradient_tag(i)
@@ -408,10 +411,12 @@ impl StagePlan {
             activation_tag(i)
         };
         let msg = self.group.recv_bytes(from, tag)?;
-        let bad = |reason: String| DdpError::Model {
-            rank: self.group.global_rank(),
-            what: "receiving an activation from a neighbouring stage",
-            reason,
+        let bad = |reason: String| {
+            DdpError::Model(ModelError::Model {
+                rank: self.group.global_rank(),
+                what: "receiving an activation from a neighbouring stage",
+                reason,
+            })
         };
         let a = Activation::decode(msg)
             .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;
@@ -641,13 +646,13 @@ impl HybridLayout {
     pub fn new(world: &ProcessGroup, stages: usize) -> Result<Self> {
         let n = world.world_size().as_usize();
         if stages == 0 || !n.is_multiple_of(stages) {
-            return Err(DdpError::InvalidOption {
+            return Err(DdpError::Config(ConfigError::InvalidOption {
                 option: "stages",
                 reason: format!(
                     "{stages} stages do not divide the world of {n} ranks: the world size must \
                      be stages x replicas"
                 ),
-            });
+            }));
         }
         let me = world.rank().index();
         let (stage, replica) = (me % stages, me / stages);

@@ -15,7 +15,7 @@ use std::fmt;
 use std::io::{self, Read, Write};
 
 /// Protocol version spoken by this build. Peers with another version are refused with a clear
-/// error (`DdpError::ProtocolMismatch`).
+/// error (`RendezvousError::ProtocolMismatch`).
 pub(crate) const PROTOCOL_VERSION: u8 = 2;
 
 /// The four bytes every frame starts with.

@@ -16,6 +16,7 @@
 
 // The classifier's generated images (its MNIST loader and run settings are not used here).
 #[allow(dead_code)]
+use burn_ddp_comm::ConfigError;
 use burn_ddp_dev::images;
 
 use std::ops::Range;
@@ -91,13 +92,13 @@ impl<B: Backend> Stage<B> {
 fn train(args: &Args, world: ProcessGroup) -> burn_ddp::Result<()> {
     let layers = WIDTHS.len() - 1;
     if args.stages == 0 || !layers.is_multiple_of(args.stages) {
-        return Err(burn_ddp::DdpError::InvalidOption {
+        return Err(burn_ddp::DdpError::Config(ConfigError::InvalidOption {
             option: "--stages",
             reason: format!(
                 "{} does not divide the model's {layers} layers",
                 args.stages
             ),
-        });
+        }));
     }
     let layout = HybridLayout::new(&world, args.stages)?;
     let per = layers / args.stages;

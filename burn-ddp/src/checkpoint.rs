@@ -1,6 +1,7 @@
 //! Checkpoints of Burn modules, written so that a crash never leaves a truncated file behind
 //! ([`write_atomic`] comes from burn-ddp-comm).
 
+use burn_ddp_comm::JobError;
 use std::fs;
 use std::path::Path;
 
@@ -19,10 +20,12 @@ use crate::{DdpError, Result};
 pub fn save_module<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<()> {
     let bytes = BinBytesRecorder::<FullPrecisionSettings>::default()
         .record(module.clone().into_record(), ())
-        .map_err(|e| DdpError::Checkpoint {
-            path: path.display().to_string(),
-            what: "serialising the module",
-            reason: e.to_string(),
+        .map_err(|e| {
+            DdpError::Job(JobError::Checkpoint {
+                path: path.display().to_string(),
+                what: "serialising the module",
+                reason: e.to_string(),
+            })
         })?;
     write_atomic(path, &bytes)
 }
@@ -36,15 +39,19 @@ pub fn load_module<B: Backend, M: Module<B>>(
     path: &Path,
     device: &B::Device,
 ) -> Result<M> {
-    let err = |what: &'static str, reason: String| DdpError::Checkpoint {
-        path: path.display().to_string(),
-        what,
-        reason,
+    let err = |what: &'static str, reason: String| {
+        DdpError::Job(JobError::Checkpoint {
+            path: path.display().to_string(),
+            what,
+            reason,
+        })
     };
-    let bytes = fs::read(path).map_err(|source| DdpError::CheckpointIo {
-        path: path.to_path_buf(),
-        what: "reading",
-        source,
+    let bytes = fs::read(path).map_err(|source| {
+        DdpError::Job(JobError::CheckpointIo {
+            path: path.to_path_buf(),
+            what: "reading",
+            source,
+        })
     })?;
     let record = BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)

@@ -93,9 +93,10 @@ pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;
 pub use burn_ddp_comm::{
-    spawn, CollectiveOp, DType, DdpError, Element, FaultTolerance, GradTransport, GroupConfig,
-    JobToken, LocalRank, MasterAddr, P2pOp, PeerWait, ProcessGroup, Rank, Recovery, ReduceOp,
-    Result, Timeouts, WireError, WorldSize,
+    spawn, CollectiveError, CollectiveOp, ConfigError, CudaError, DType, DdpError, Element,
+    FaultTolerance, GradTransport, GroupConfig, JobError, JobToken, LocalRank, MasterAddr,
+    MembershipError, ModelError, P2pOp, PeerWait, ProcessGroup, Rank, Recovery, ReduceOp,
+    RendezvousError, Result, Timeouts, WireError, WorldSize,
 };
 /// `#[ddp]`: see [`DdpModule`].
 pub use burn_ddp_macros::ddp;

@@ -65,7 +65,7 @@ impl Pipeline {
     /// (stage `s` is the group's rank `s`).
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`](burn_ddp_comm::DdpError::InvalidOption) for zero micro-batches.
+    /// [`ConfigError::InvalidOption`](burn_ddp_comm::ConfigError::InvalidOption) for zero micro-batches.
     pub fn new(group: ProcessGroup, schedule: Schedule, micro_batches: usize) -> Result<Self> {
         Ok(Self {
             plan: StagePlan::new(group, schedule, micro_batches)?,

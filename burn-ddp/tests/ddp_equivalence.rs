@@ -23,6 +23,7 @@ use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, 
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
+use burn_ddp_comm::{CollectiveError, ModelError};
 use common::compare::{assert_close, Tolerance};
 
 // `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
@@ -326,7 +327,10 @@ fn mismatched_models_fail_at_prepare_naming_the_parameter() {
         let text = err.to_string();
         println!("rank {rank} error: {text}");
         assert!(
-            matches!(err, burn_ddp::DdpError::ModelMismatch { .. }),
+            matches!(
+                err,
+                burn_ddp::DdpError::Model(ModelError::ModelMismatch { .. })
+            ),
             "{text}"
         );
         assert!(text.contains("fc1.weight"), "{text}");
@@ -540,7 +544,10 @@ fn diverged_replicas_fail_naming_the_parameter() {
                     let text = e.to_string();
                     println!("rank {rank} error: {text}");
                     assert!(
-                        matches!(e, burn_ddp::DdpError::ReplicasDiverged { step: 4, .. }),
+                        matches!(
+                            e,
+                            burn_ddp::DdpError::Model(ModelError::ReplicasDiverged { step: 4, .. })
+                        ),
                         "{text}"
                     );
                     assert!(text.contains("`side.bias`"), "{text}");
@@ -843,7 +850,7 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
                     println!("rank {rank} at step {step}: {text}");
                     assert_eq!((rank, step), (0, 7), "{text}");
                     assert!(
-                        matches!(e, burn_ddp::DdpError::PeerFinished { peer, .. } if peer.index() == 1),
+                        matches!(e, burn_ddp::DdpError::Collective(CollectiveError::PeerFinished { peer, .. }) if peer.index() == 1),
                         "{text}"
                     );
                     assert!(text.contains("DdpSession::join"), "{text}");

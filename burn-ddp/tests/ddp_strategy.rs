@@ -5,6 +5,7 @@
 
 mod common;
 
+use burn_ddp_comm::JobError;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
@@ -395,9 +396,9 @@ fn a_data_error_on_rank_1_stops_every_rank_naming_it() {
     assert!(started.elapsed() < Duration::from_secs(30));
     for (r, res) in results.into_iter().enumerate() {
         match res {
-            Err(DdpError::TrainingFailed {
+            Err(DdpError::Job(JobError::TrainingFailed {
                 culprit, reason, ..
-            }) => {
+            })) => {
                 assert_eq!(culprit, Rank(1), "rank {r}: {reason}");
                 assert!(reason.contains("corrupt record 50"), "rank {r}: {reason}");
             }

@@ -10,6 +10,7 @@
 
 mod common;
 
+use burn_ddp_comm::MembershipError;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -129,7 +130,7 @@ fn counter_job_child() {
             let started = Instant::now();
             let rec = match pg.recover(&e, Some(step)) {
                 Ok(rec) => rec,
-                Err(DdpError::Excluded { .. }) => {
+                Err(DdpError::Membership(MembershipError::Excluded { .. })) => {
                     pg.rejoin().unwrap_or_else(|e| panic!("rejoining: {e}"))
                 }
                 Err(e) => panic!("recovering: {e}"),

@@ -13,6 +13,7 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn_ddp_comm::MembershipError;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
@@ -117,7 +118,9 @@ fn what_a_fault_tolerant_session_cannot_carry_is_refused() {
     )
     .unwrap();
     let refused = |r: burn_ddp::Result<()>, what: &str| match r {
-        Err(burn_ddp::DdpError::NotFaultTolerant { what: w, .. }) => {
+        Err(burn_ddp::DdpError::Membership(MembershipError::NotFaultTolerant {
+            what: w, ..
+        })) => {
             assert!(w.contains(what), "{w}")
         }
         other => panic!("{what}: expected a refusal, got {other:?}"),

@@ -3,6 +3,7 @@
 
 mod common;
 
+use burn_ddp_comm::{CollectiveError, ConfigError, RendezvousError};
 use std::time::{Duration, Instant};
 
 use burn_ddp::{DdpError, ProcessGroup, Rank, ReduceOp};
@@ -50,8 +51,10 @@ fn rank_killed_mid_collective() {
             .expect("the collectives cannot all succeed once rank 1 is dead");
         let text = show(&err);
         match &err {
-            DdpError::PeerLost { peer, .. } => assert_eq!(*peer, Rank(1), "{text}"),
-            DdpError::JobAborted { record, during, .. } => {
+            DdpError::Collective(CollectiveError::PeerLost { peer, .. }) => {
+                assert_eq!(*peer, Rank(1), "{text}")
+            }
+            DdpError::Collective(CollectiveError::JobAborted { record, during, .. }) => {
                 assert_eq!(record.culprit, Some(Rank(1)), "{text}");
                 assert!(during.is_some(), "{text}");
             }
@@ -61,7 +64,13 @@ fn rank_killed_mid_collective() {
         assert!(text.contains("all_reduce #"), "{text}");
         // Further calls fail at once, naming the first failure.
         let again = pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
-        assert!(matches!(again, DdpError::GroupAborted { .. }), "{again}");
+        assert!(
+            matches!(
+                again,
+                DdpError::Collective(CollectiveError::GroupAborted { .. })
+            ),
+            "{again}"
+        );
         return;
     }
     // A 10-minute collective timeout: only prompt failure detection can meet the bound.
@@ -107,11 +116,13 @@ fn rank_never_arrives_at_rendezvous() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         match err {
-            DdpError::RendezvousTimeout { missing, .. } => {
+            DdpError::Rendezvous(RendezvousError::RendezvousTimeout { missing, .. }) => {
                 assert_eq!(missing.0, vec![Rank(2)], "{text}")
             }
             // The other waiting rank gave up first and published why.
-            DdpError::JobAborted { .. } => assert!(text.contains("missing [2]"), "{text}"),
+            DdpError::Collective(CollectiveError::JobAborted { .. }) => {
+                assert!(text.contains("missing [2]"), "{text}")
+            }
             other => panic!("unexpected: {other}"),
         }
         return;
@@ -150,12 +161,12 @@ fn rank_never_arrives_at_collective() {
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
         let text = show(&err);
         match &err {
-            DdpError::CollectiveTimeout { diagnosis, .. } => {
+            DdpError::Collective(CollectiveError::CollectiveTimeout { diagnosis, .. }) => {
                 assert_eq!(diagnosis.culprit(), Rank(2), "{text}");
                 assert!(text.contains("rank 2 never reached it"), "{text}");
             }
             // The other waiting rank may learn it from the first one's report.
-            DdpError::JobAborted { record, .. } => {
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
                 assert_eq!(record.culprit, Some(Rank(2)), "{text}")
             }
             other => panic!("unexpected: {other}"),
@@ -176,9 +187,21 @@ fn wrong_token_is_refused_on_both_sides() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 1 {
-            assert!(matches!(err, DdpError::TokenMismatch { .. }), "{text}");
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::TokenMismatch { .. })
+                ),
+                "{text}"
+            );
         } else {
-            assert!(matches!(err, DdpError::RendezvousTimeout { .. }), "{text}");
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::RendezvousTimeout { .. })
+                ),
+                "{text}"
+            );
             assert!(text.contains("wrong job token"), "{text}");
         }
         return;
@@ -198,10 +221,19 @@ fn rank_at_or_above_world_size() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if std::env::var("LOCAL_RANK").unwrap() == "1" {
-            assert!(matches!(err, DdpError::RankOutOfRange { .. }), "{text}");
+            assert!(
+                matches!(err, DdpError::Config(ConfigError::RankOutOfRange { .. })),
+                "{text}"
+            );
             assert!(text.contains("rank 2 is outside the world of 2"), "{text}");
         } else {
-            assert!(matches!(err, DdpError::RendezvousTimeout { .. }), "{text}");
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::RendezvousTimeout { .. })
+                ),
+                "{text}"
+            );
         }
         return;
     }
@@ -220,8 +252,10 @@ fn two_ranks_claim_the_same_rank() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         match &err {
-            DdpError::DuplicateRank { claimed, .. } => assert_eq!(*claimed, Rank(1)),
-            DdpError::JobAborted { .. } => {
+            DdpError::Rendezvous(RendezvousError::DuplicateRank { claimed, .. }) => {
+                assert_eq!(*claimed, Rank(1))
+            }
+            DdpError::Collective(CollectiveError::JobAborted { .. }) => {
                 assert!(text.contains("claimed by two processes"), "{text}")
             }
             other => panic!("unexpected: {other}"),
@@ -250,7 +284,13 @@ fn world_size_mismatch() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 1 {
-            assert!(matches!(err, DdpError::WorldSizeMismatch { .. }), "{text}");
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::WorldSizeMismatch { .. })
+                ),
+                "{text}"
+            );
         } else {
             assert!(text.contains("WORLD_SIZE=3"), "{text}");
         }
@@ -277,7 +317,13 @@ fn master_unreachable() {
     if common::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
-        assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{text}");
+        assert!(
+            matches!(
+                err,
+                DdpError::Rendezvous(RendezvousError::MasterUnreachable { .. })
+            ),
+            "{text}"
+        );
         return;
     }
     let out = TestJob::new(2, NAME)
@@ -295,12 +341,21 @@ fn port_already_in_use_by_another_job() {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 0 {
-            assert!(matches!(err, DdpError::PortInUse { .. }), "{text}");
+            assert!(
+                matches!(err, DdpError::Rendezvous(RendezvousError::PortInUse { .. })),
+                "{text}"
+            );
             // The port came from BURN_DDP_STORE_PORT, not MASTER_PORT: the error says so.
             assert!(text.contains("(BURN_DDP_STORE_PORT="), "{text}");
         } else {
             // Rank 1 reaches the other job's store, which does not hold this job's token.
-            assert!(matches!(err, DdpError::TokenMismatch { .. }), "{text}");
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::TokenMismatch { .. })
+                ),
+                "{text}"
+            );
         }
         return;
     }
@@ -354,7 +409,8 @@ fn mismatched_collectives_are_reported_not_hung() {
         assert!(
             matches!(
                 err,
-                DdpError::CollectiveMismatch { .. } | DdpError::JobAborted { .. }
+                DdpError::Collective(CollectiveError::CollectiveMismatch { .. })
+                    | DdpError::Collective(CollectiveError::JobAborted { .. })
             ),
             "{text}"
         );
@@ -389,18 +445,18 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
         let took = started.elapsed();
         let text = show(&err);
         match &err {
-            DdpError::RankUnresponsive {
+            DdpError::Collective(CollectiveError::RankUnresponsive {
                 culprit,
                 last_completed,
                 host,
                 ..
-            } => {
+            }) => {
                 assert_eq!(*culprit, Rank(2), "{text}");
                 assert_eq!(*last_completed, burn_ddp::types::CollectiveSeq(1), "{text}");
                 assert!(!host.is_empty() && host != "?", "{text}");
                 assert!(text.contains("has not reached collective #2"), "{text}");
             }
-            DdpError::JobAborted { record, .. } => {
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
                 assert_eq!(record.culprit, Some(Rank(2)), "{text}")
             }
             other => panic!("unexpected: {other}"),
@@ -427,11 +483,11 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
         let took = started.elapsed();
         let text = show(&err);
         match &err {
-            DdpError::RankUnresponsive { culprit, .. } => {
+            DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => {
                 assert_eq!(*culprit, Rank(1), "{text}");
                 assert!(text.contains("sent no heartbeat"), "{text}");
             }
-            DdpError::JobAborted { record, .. } => {
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
                 assert_eq!(record.culprit, Some(Rank(1)), "{text}");
                 assert!(record.reason.contains("sent no heartbeat"), "{text}");
             }
@@ -468,7 +524,7 @@ fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
         let took = started.elapsed();
         let text = show(&err);
         match &err {
-            DdpError::RankUnresponsive { culprit, .. } => {
+            DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => {
                 assert_eq!(*culprit, Rank(0), "{text}");
                 assert!(text.contains("stopped answering"), "{text}");
             }
@@ -595,13 +651,13 @@ fn desync_debug_mode_shows_both_calls_and_their_lines() {
             pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err()
         };
         let text = show(&err);
-        let DdpError::Desync {
+        let DdpError::Collective(CollectiveError::Desync {
             call,
             ours,
             peer,
             theirs,
             ..
-        } = &err
+        }) = &err
         else {
             panic!("unexpected: {text}");
         };

@@ -6,6 +6,7 @@
 
 mod common;
 
+use burn_ddp_comm::CollectiveError;
 use std::ops::Range;
 use std::time::Duration;
 
@@ -321,10 +322,13 @@ fn a_killed_stage_stops_the_pipeline_naming_it() {
         let text = err.to_string();
         println!("rank {me} error: {text}");
         let named = match &err {
-            DdpError::PeerLost { peer, .. } | DdpError::RankUnresponsive { culprit: peer, .. } => {
+            DdpError::Collective(CollectiveError::PeerLost { peer, .. })
+            | DdpError::Collective(CollectiveError::RankUnresponsive { culprit: peer, .. }) => {
                 *peer == Rank(2)
             }
-            DdpError::JobAborted { record, .. } => record.culprit == Some(Rank(2)),
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
+                record.culprit == Some(Rank(2))
+            }
             _ => false,
         };
         assert!(named, "{text}");

@@ -4,6 +4,7 @@
 
 mod common;
 
+use burn_ddp_comm::CollectiveError;
 use std::time::Duration;
 
 use burn_ddp::{DdpError, P2pOp, ProcessGroup, Rank, ReduceOp};
@@ -273,10 +274,11 @@ fn a_killed_stage_is_named_by_every_other_rank() {
             .expect("the pipeline cannot go on once rank 1 is dead");
         let text = show(&pg, &err);
         match &err {
-            DdpError::PeerLost { peer, .. } | DdpError::RankUnresponsive { culprit: peer, .. } => {
+            DdpError::Collective(CollectiveError::PeerLost { peer, .. })
+            | DdpError::Collective(CollectiveError::RankUnresponsive { culprit: peer, .. }) => {
                 assert_eq!(*peer, Rank(1), "{text}")
             }
-            DdpError::JobAborted { record, .. } => {
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
                 assert_eq!(record.culprit, Some(Rank(1)), "{text}")
             }
             other => panic!("unexpected error: {other}"),

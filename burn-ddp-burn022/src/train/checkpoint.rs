@@ -6,6 +6,7 @@
 use burn::tensor::Bytes;
 use burn::train::checkpoint::{Checkpoint, Checkpointer, CheckpointerError};
 use burn_ddp_comm::train::files::RecordFiles;
+use burn_ddp_comm::JobError;
 
 use crate::DdpError;
 
@@ -36,9 +37,11 @@ impl<R: Checkpoint> Checkpointer<R> for RankCheckpointer {
 /// Collective: the record of `epoch` on every rank, from rank 0's file.
 pub(crate) fn restore<R: Checkpoint>(files: &RecordFiles, epoch: usize) -> crate::Result<R> {
     let bytes = files.restore(epoch)?;
-    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| DdpError::Checkpoint {
-        path: files.path(epoch).display().to_string(),
-        what: "restoring",
-        reason: e.to_string(),
+    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
+        DdpError::Job(JobError::Checkpoint {
+            path: files.path(epoch).display().to_string(),
+            what: "restoring",
+            reason: e.to_string(),
+        })
     })
 }

@@ -2,6 +2,7 @@
 //! the epoch to resume after, the model prepared), `fit` (the core's epoch loop over the run of
 //! `driver.rs`), and the summary of a run that failed.
 
+use burn_ddp_comm::JobError;
 use std::sync::MutexGuard;
 
 use burn::store::ModuleRecord;
@@ -143,14 +144,13 @@ impl DdpStrategy {
         let model: ModuleRecord = checkpoint::restore(&files, epoch)?;
         let optim = checkpoint::restore(&part("optim")?, epoch)?;
         let sched = checkpoint::restore(&part("scheduler")?, epoch)?;
-        let model = learner
-            .model()
-            .try_load_record(model)
-            .map_err(|e| DdpError::Checkpoint {
+        let model = learner.model().try_load_record(model).map_err(|e| {
+            DdpError::Job(JobError::Checkpoint {
                 path: files.path(epoch).display().to_string(),
                 what: "loading into the model",
                 reason: e.to_string(),
-            })?;
+            })
+        })?;
         learner.load_model(model.into_record());
         learner.load_optim(optim);
         learner.load_scheduler(sched);

@@ -12,6 +12,7 @@ use burn::train::checkpoint::{
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
 use burn_ddp_comm::group::handover::{learner_records, learner_state, RecordSlot};
+use burn_ddp_comm::ModelError;
 
 use super::DdpStrategy;
 use crate::{DdpError, Rank, Result};
@@ -55,10 +56,12 @@ impl<R: Checkpoint> Checkpointer<R> for Memory {
 }
 
 fn load<R: Checkpoint>(bytes: Vec<u8>, rank: Rank) -> Result<R> {
-    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| DdpError::Model {
-        rank,
-        what: "loading the Learner's state received from the source rank",
-        reason: e.to_string(),
+    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
+        DdpError::Model(ModelError::Model {
+            rank,
+            what: "loading the Learner's state received from the source rank",
+            reason: e.to_string(),
+        })
     })
 }
 
@@ -88,14 +91,13 @@ impl DdpStrategy {
         let rank = self.rank();
         let [model, optim, sched] = learner_records(bytes, rank)?;
         let model: ModuleRecord = load(model, rank)?;
-        let model = learner
-            .model()
-            .try_load_record(model)
-            .map_err(|e| DdpError::Model {
+        let model = learner.model().try_load_record(model).map_err(|e| {
+            DdpError::Model(ModelError::Model {
                 rank,
                 what: "loading the Learner's state received from the source rank",
                 reason: e.to_string(),
-            })?;
+            })
+        })?;
         learner.load_model(model.into_record());
         learner.load_optim(load(optim, rank)?);
         learner.load_scheduler(load(sched, rank)?);

@@ -144,7 +144,7 @@ pub trait DdpTraining<M: LearnerModel> {
     /// application log).
     ///
     /// # Errors
-    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`](crate::DdpError::TrainingFailed), naming it), a
+    /// Training stopped because a rank failed ([`JobError::TrainingFailed`](crate::JobError::TrainingFailed), naming it), a
     /// collective failed, or a checkpoint could not be restored. (An error of Burn's own on
     /// this rank, such as a metric that failed, stays in the result's `error`, as with
     /// `launch`.)

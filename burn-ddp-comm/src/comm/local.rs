@@ -7,6 +7,7 @@
 //! An all-reduce takes two rounds: each rank reduces its own chunk (reduce-scatter), then all
 //! chunks are shared (all-gather).
 
+use crate::error::CollectiveError;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -92,10 +93,10 @@ impl LocalCommunicator {
     }
 
     fn aborted(&self, record: &AbortRecord) -> DdpError {
-        DdpError::GroupAborted {
+        DdpError::Collective(CollectiveError::GroupAborted {
             rank: self.rank,
             first: Box::new(record.clone()),
-        }
+        })
     }
 
     /// Posts `data` and returns every rank's post, in rank order, once all have posted.
@@ -144,13 +145,13 @@ impl LocalCommunicator {
                         .filter(|(_, s)| s.is_none())
                         .filter_map(|(i, _)| Rank::try_from(i).ok())
                         .collect();
-                    let err = DdpError::CollectiveTimeout {
+                    let err = DdpError::Collective(CollectiveError::CollectiveTimeout {
                         rank: self.rank,
                         op: desc.op,
                         seq,
                         waited: self.timeout,
                         diagnosis: StallDiagnosis::Stalled(RankList(stalled)),
-                    };
+                    });
                     let record = AbortRecord {
                         reporter: self.rank,
                         culprit: Some(waiting_for),
@@ -185,14 +186,14 @@ impl LocalCommunicator {
         for (i, p) in posts.iter().enumerate() {
             if p.seq != seq || p.desc != *desc {
                 let peer = Rank::try_from(i).unwrap_or(self.rank);
-                let err = DdpError::CollectiveMismatch {
+                let err = DdpError::Collective(CollectiveError::CollectiveMismatch {
                     rank: self.rank,
                     peer,
                     seq,
                     their_seq: p.seq,
                     ours: *desc,
                     theirs: p.desc,
-                };
+                });
                 let mut st = self.board.lock();
                 let record = AbortRecord {
                     reporter: self.rank,

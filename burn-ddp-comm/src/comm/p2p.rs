@@ -18,6 +18,7 @@
 //! and an `interrupt` check (the heartbeat's verdict, the job's abort record) that every wait
 //! calls between short slices.
 
+use crate::error::RendezvousError;
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -278,7 +279,7 @@ impl TcpP2p {
         let raw = loop {
             match self.store.get_timeout(&key, SLICE) {
                 Ok(raw) => break raw,
-                Err(DdpError::StoreTimeout { .. }) => {
+                Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) => {
                     if let Some(e) = interrupt() {
                         return Err(SendError::Interrupted(e));
                     }
@@ -293,13 +294,13 @@ impl TcpP2p {
             .ok()
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| {
-                SendError::Setup(DdpError::Protocol {
+                SendError::Setup(DdpError::Rendezvous(RendezvousError::Protocol {
                     rank: self.place,
                     peer: self.store.addr(),
                     error: crate::wire::WireError::InvalidValue {
                         what: "published point-to-point address",
                     },
-                })
+                }))
             })?;
         let left = deadline.saturating_duration_since(Instant::now());
         let mut stream = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))

@@ -9,6 +9,7 @@
 
 pub mod env;
 
+use crate::error::ConfigError;
 use std::fmt;
 use std::time::Duration;
 
@@ -308,21 +309,21 @@ impl GroupConfig {
     /// Checks the invariants between the fields.
     ///
     /// # Errors
-    /// [`DdpError::RankOutOfRange`](crate::DdpError::RankOutOfRange) or
-    /// [`DdpError::LocalRankOutOfRange`](crate::DdpError::LocalRankOutOfRange) naming the field.
+    /// [`ConfigError::RankOutOfRange`] or
+    /// [`ConfigError::LocalRankOutOfRange`] naming the field.
     pub fn validate(&self) -> crate::Result<()> {
         if !self.world_size.contains(self.rank) {
-            return Err(crate::DdpError::RankOutOfRange {
+            return Err(crate::DdpError::Config(ConfigError::RankOutOfRange {
                 rank: self.rank,
                 world: self.world_size,
-            });
+            }));
         }
         if self.local_rank.0 >= self.local_world_size.get() {
-            return Err(crate::DdpError::LocalRankOutOfRange {
+            return Err(crate::DdpError::Config(ConfigError::LocalRankOutOfRange {
                 rank: self.rank,
                 local_rank: self.local_rank,
                 local_world: self.local_world_size,
-            });
+            }));
         }
         Ok(())
     }
@@ -355,12 +356,14 @@ mod tests {
         let cfg = GroupConfig::new(Rank(2), w, JobToken::new("t"));
         assert!(matches!(
             cfg.validate(),
-            Err(crate::DdpError::RankOutOfRange { .. })
+            Err(crate::DdpError::Config(ConfigError::RankOutOfRange { .. }))
         ));
         let cfg = GroupConfig::new(Rank(1), w, JobToken::new("t")).with_local(LocalRank(3), w);
         assert!(matches!(
             cfg.validate(),
-            Err(crate::DdpError::LocalRankOutOfRange { .. })
+            Err(crate::DdpError::Config(
+                ConfigError::LocalRankOutOfRange { .. }
+            ))
         ));
     }
 }

@@ -3,6 +3,7 @@
 //! and all-reduced by [`all_reduce_bucket`], then held by the launcher until NCCL's stream is
 //! done with it. A line only finds the pointer behind its release's tensor type.
 
+use crate::error::CudaError;
 use std::any::Any;
 use std::fmt;
 
@@ -131,11 +132,11 @@ pub unsafe fn all_reduce_bucket(
 /// The error of a device path that could not complete Burn's queued work (the gradients) before
 /// a bucket's all-reduce.
 pub fn queued_work_failed(rank: Rank, e: impl fmt::Debug) -> DdpError {
-    DdpError::Cuda {
+    DdpError::Cuda(CudaError::Cuda {
         rank,
         what: "completing Burn's queued work before the bucket's all-reduce".into(),
         detail: format!("{e:?}"),
-    }
+    })
 }
 
 /// The error of a device path that found no CUDA allocation behind the bucket's `what`.

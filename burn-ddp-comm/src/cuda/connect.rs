@@ -7,6 +7,7 @@ use super::device::ordinal_for;
 use super::library::usable_nccl;
 use super::nccl::NcclComm;
 use crate::config::GradTransport;
+use crate::error::{CudaError, ModelError};
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::types::ReduceOp;
@@ -87,7 +88,10 @@ fn decide<C: Trial>(
     let rank = pg.rank();
     let mine = match &local {
         Ok(_) => READY,
-        Err(DdpError::NcclUnavailable { .. } | DdpError::Cuda { .. }) => NO_NCCL,
+        Err(
+            DdpError::Cuda(CudaError::NcclUnavailable { .. })
+            | DdpError::Cuda(CudaError::Cuda { .. }),
+        ) => NO_NCCL,
         Err(_) => FAILED,
     };
     let mut vote = [mine];
@@ -104,19 +108,19 @@ fn decide<C: Trial>(
     let ordinal = match (local, vote[0]) {
         (Err(e), _) if mine == FAILED => return Err(e),
         (_, FAILED) => {
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank,
                 what: "choosing the GPUs for NCCL",
                 reason: "another rank failed (see its error)".into(),
-            })
+            }))
         }
         (Err(e), _) => return refuse(e),
         (Ok(_), NO_NCCL) => {
-            return refuse(DdpError::NcclUnavailable {
+            return refuse(DdpError::Cuda(CudaError::NcclUnavailable {
                 detail: "another rank cannot use NCCL (see its warning); every rank uses the \
                          host-staged transport so that they stay in step"
                     .into(),
-            })
+            }))
         }
         (Ok(o), _) => o,
     };
@@ -132,11 +136,11 @@ fn decide<C: Trial>(
         }
         Ok(comm) => {
             comm.abort();
-            refuse(DdpError::NcclUnavailable {
+            refuse(DdpError::Cuda(CudaError::NcclUnavailable {
                 detail: "another rank could not create its NCCL communicator (see its error); \
                          every rank uses the host-staged transport so that they stay in step"
                     .into(),
-            })
+            }))
         }
         Err(e) => refuse(e),
     }
@@ -177,7 +181,7 @@ mod tests {
     }
 
     fn unavailable(why: &str) -> DdpError {
-        DdpError::NcclUnavailable { detail: why.into() }
+        DdpError::Cuda(CudaError::NcclUnavailable { detail: why.into() })
     }
 
     /// One rank's result of the votes, and `Some((accepted, aborted))` if it made a communicator.
@@ -196,12 +200,12 @@ mod tests {
                     let behaviour = if me == 1 { rank1 } else { Rank1::Ready };
                     let local = match behaviour {
                         Rank1::NoNccl => Err(unavailable("libnccl.so.2 not found")),
-                        Rank1::WrongGpu => Err(DdpError::DeviceMismatch {
+                        Rank1::WrongGpu => Err(DdpError::Cuda(CudaError::DeviceMismatch {
                             rank: pg.rank(),
                             what: "the model",
                             found: 0,
                             expected_why: "LOCAL_RANK 1 names GPU 1".into(),
-                        }),
+                        })),
                         _ => Ok(me as usize),
                     };
                     let made = std::sync::Arc::new(Fake::default());

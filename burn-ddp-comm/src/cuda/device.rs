@@ -10,6 +10,7 @@
 //! - several visible devices: device `LOCAL_RANK`; tensors on another device are an error naming
 //!   both (the classic mistake: every rank builds its model on `Default::default()`, GPU 0).
 
+use crate::error::CudaError;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
@@ -83,11 +84,13 @@ pub(crate) fn choose_ordinal(
     tensors: Option<usize>,
     visible: &Visible,
 ) -> Result<usize> {
-    let no_gpu = || DdpError::NoGpuForRank {
-        rank,
-        local_rank,
-        count: visible.count,
-        visible: visible.suffix(),
+    let no_gpu = || {
+        DdpError::Cuda(CudaError::NoGpuForRank {
+            rank,
+            local_rank,
+            count: visible.count,
+            visible: visible.suffix(),
+        })
     };
     let by_local_rank = match visible.count {
         0 => return Err(no_gpu()),
@@ -101,7 +104,7 @@ pub(crate) fn choose_ordinal(
     match tensors {
         None => Ok(by_local_rank),
         Some(t) if t == by_local_rank => Ok(t),
-        Some(t) => Err(DdpError::DeviceMismatch {
+        Some(t) => Err(DdpError::Cuda(CudaError::DeviceMismatch {
             rank,
             what: "the model's parameters",
             found: t,
@@ -110,7 +113,7 @@ pub(crate) fn choose_ordinal(
                 visible.count,
                 visible.suffix()
             ),
-        }),
+        })),
     }
 }
 
@@ -120,13 +123,13 @@ pub(crate) fn choose_ordinal(
 /// No CUDA driver, or the driver fails.
 pub fn device_count(rank: Rank) -> Result<usize> {
     if !driver_present() {
-        return Err(DdpError::Cuda {
+        return Err(DdpError::Cuda(CudaError::Cuda {
             rank,
             what: "loading the CUDA driver (libcuda.so)".into(),
             detail: "the library was not found: this machine has no NVIDIA driver, or the \
                      container was started without GPU access (`--gpus all`)"
                 .into(),
-        });
+        }));
     }
     let n = CudaContext::device_count().map_err(|e| driver_error(rank, "cuDeviceGetCount", e))?;
     Ok(usize::try_from(n).unwrap_or(0))
@@ -246,7 +249,10 @@ mod tests {
         let e = choose_ordinal(Rank(1), LocalRank(1), Some(0), &four).unwrap_err();
         let text = e.to_string();
         assert!(
-            matches!(e, DdpError::DeviceMismatch { found: 0, .. }),
+            matches!(
+                e,
+                DdpError::Cuda(CudaError::DeviceMismatch { found: 0, .. })
+            ),
             "{text}"
         );
         assert!(

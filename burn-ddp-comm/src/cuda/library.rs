@@ -5,6 +5,7 @@
 //! pip's `nvidia-nccl-cu12`). A machine with NCCL installed can therefore still fail to load it;
 //! the message then names the file that is there and the one link that fixes it.
 
+use crate::error::CudaError;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
@@ -75,22 +76,26 @@ pub fn nccl_present() -> bool {
 /// The version of the NCCL library this process would use.
 ///
 /// # Errors
-/// [`DdpError::NcclUnavailable`] if the library cannot be loaded (the message says what to
+/// [`CudaError::NcclUnavailable`](crate::CudaError::NcclUnavailable) if the library cannot be loaded (the message says what to
 /// install or link) or does not answer.
 pub fn nccl_version() -> Result<NcclVersion> {
     if !nccl_present() {
-        return Err(DdpError::NcclUnavailable {
+        return Err(DdpError::Cuda(CudaError::NcclUnavailable {
             detail: missing_library_help(&installed_runtime_libraries()),
-        });
+        }));
     }
-    let code = result::get_nccl_version().map_err(|e| DdpError::NcclUnavailable {
-        detail: format!(
-            "ncclGetVersion failed ({}); the library that was loaded is not a working NCCL 2.x",
-            super::status::code_text(e.0)
-        ),
+    let code = result::get_nccl_version().map_err(|e| {
+        DdpError::Cuda(CudaError::NcclUnavailable {
+            detail: format!(
+                "ncclGetVersion failed ({}); the library that was loaded is not a working NCCL 2.x",
+                super::status::code_text(e.0)
+            ),
+        })
     })?;
-    let code = u32::try_from(code).map_err(|_| DdpError::NcclUnavailable {
-        detail: format!("ncclGetVersion returned a negative version {code}"),
+    let code = u32::try_from(code).map_err(|_| {
+        DdpError::Cuda(CudaError::NcclUnavailable {
+            detail: format!("ncclGetVersion returned a negative version {code}"),
+        })
     })?;
     Ok(NcclVersion::from_code(code))
 }
@@ -99,18 +104,18 @@ pub fn nccl_version() -> Result<NcclVersion> {
 /// communicators, so that no NCCL call can hang without a deadline).
 ///
 /// # Errors
-/// As [`nccl_version`], and [`DdpError::NcclUnavailable`] for an older NCCL, saying what to
+/// As [`nccl_version`], and [`CudaError::NcclUnavailable`](crate::CudaError::NcclUnavailable) for an older NCCL, saying what to
 /// install.
 pub fn usable_nccl() -> Result<NcclVersion> {
     let version = nccl_version()?;
     if !version.has_nonblocking() {
-        return Err(DdpError::NcclUnavailable {
+        return Err(DdpError::Cuda(CudaError::NcclUnavailable {
             detail: format!(
                 "this process loaded NCCL {version}; burn-ddp needs 2.14 or newer (non-blocking \
                  communicators, so that no NCCL call can hang without a deadline). Install a \
                  newer NCCL (pip install nvidia-nccl-cu12 or -cu13)"
             ),
-        });
+        }));
     }
     Ok(version)
 }
@@ -233,7 +238,7 @@ mod tests {
     fn missing_library_is_an_error_not_a_panic() {
         match nccl_version() {
             Ok(v) => assert_eq!(v.major, 2, "unexpected NCCL version {v}"),
-            Err(DdpError::NcclUnavailable { detail }) => {
+            Err(DdpError::Cuda(CudaError::NcclUnavailable { detail })) => {
                 assert!(!nccl_present(), "library present but unusable: {detail}");
                 assert!(detail.contains("libnccl.so"), "{detail}");
             }

@@ -1,5 +1,6 @@
 //! NCCL and CUDA driver results as text a user can act on.
 
+use crate::error::CudaError;
 use std::ffi::CStr;
 
 use cudarc::driver::DriverError;
@@ -90,7 +91,7 @@ pub(crate) fn nccl_error(
     code: ncclResult_t,
     last_error: Option<String>,
 ) -> DdpError {
-    DdpError::Nccl {
+    DdpError::Cuda(CudaError::Nccl {
         rank,
         call: call.into(),
         code: code_text(code),
@@ -99,7 +100,7 @@ pub(crate) fn nccl_error(
             .map(|s| format!(": {}", s.trim()))
             .unwrap_or_default(),
         hint: hint(code),
-    }
+    })
 }
 
 /// The error for a failed CUDA driver call.
@@ -122,11 +123,11 @@ pub(crate) fn driver_error(rank: Rank, what: impl Into<String>, e: DriverError) 
         .ok()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| format!("{:?}", e.0));
-    DdpError::Cuda {
+    DdpError::Cuda(CudaError::Cuda {
         rank,
         what: what.into(),
         detail: format!("{name}{advice}"),
-    }
+    })
 }
 
 #[cfg(test)]

@@ -66,6 +66,7 @@ pub(crate) fn wait_for(
 
 #[cfg(test)]
 mod tests {
+    use crate::error::CudaError;
     use std::cell::Cell;
 
     use super::*;
@@ -129,16 +130,16 @@ mod tests {
             far(),
             Duration::from_secs(1),
             || {
-                Poll::Failed(DdpError::Cuda {
+                Poll::Failed(DdpError::Cuda(CudaError::Cuda {
                     rank: Rank(0),
                     what: "cuStreamQuery".into(),
                     detail: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
-                })
+                }))
             },
             || None,
         );
         assert!(
-            matches!(r, Err(Stop::Failed(DdpError::Cuda { .. }))),
+            matches!(r, Err(Stop::Failed(DdpError::Cuda(CudaError::Cuda { .. })))),
             "{r:?}"
         );
     }

@@ -3,6 +3,7 @@
 //! without a gradient: BatchNorm's running statistics) into one `Vec<f32>` in visit order,
 //! calls [`broadcast_buffers`], and writes the result back in the same order.
 
+use crate::error::ModelError;
 use crate::group::ProcessGroup;
 use crate::types::Rank;
 use crate::{DdpError, Result};
@@ -13,7 +14,7 @@ use crate::{DdpError, Result};
 /// failed, and then this rank fails.
 ///
 /// # Errors
-/// The broadcast's errors (a dead peer, a deadline), or [`DdpError::Model`] naming the buffer
+/// The broadcast's errors (a dead peer, a deadline), or [`ModelError::Model`](crate::ModelError::Model) naming the buffer
 /// this rank could not read.
 pub fn broadcast_buffers(
     pg: &ProcessGroup,
@@ -23,11 +24,11 @@ pub fn broadcast_buffers(
 ) -> Result<Vec<f32>> {
     pg.broadcast(&mut values, root)?;
     if let Some(what) = unreadable {
-        return Err(DdpError::Model {
+        return Err(DdpError::Model(ModelError::Model {
             rank: pg.rank(),
             what: "synchronising buffers",
             reason: format!("a buffer cannot be read as f32 ({what})"),
-        });
+        }));
     }
     Ok(values)
 }

@@ -3,6 +3,7 @@
 //! their values must stay the same ([`ReplicaCheck`]).
 
 use super::ParamInfo;
+use crate::error::ModelError;
 use crate::group::ProcessGroup;
 use crate::types::{Rank, ReduceOp};
 use crate::{DdpError, Result};
@@ -11,7 +12,7 @@ use crate::{DdpError, Result};
 /// Every rank must call it.
 ///
 /// # Errors
-/// [`DdpError::ModelMismatch`] naming the first parameter that differs and what each rank has
+/// [`ModelError::ModelMismatch`](crate::ModelError::ModelMismatch) naming the first parameter that differs and what each rank has
 /// there; collective failures.
 pub fn check_same_params(pg: &ProcessGroup, params: &[ParamInfo]) -> Result<()> {
     let text: String = params.iter().map(|p| p.line() + "\n").collect();
@@ -79,12 +80,12 @@ fn first_mismatch(rank: Rank, lists: &[Vec<String>]) -> Result<()> {
             .and_then(|l| l.split('\t').next())
             .unwrap_or("(none on rank 0)")
             .to_owned();
-        return Err(DdpError::ModelMismatch {
+        return Err(DdpError::Model(ModelError::ModelMismatch {
             rank,
             index: i,
             param,
             detail,
-        });
+        }));
     }
     Ok(())
 }
@@ -132,7 +133,7 @@ impl ReplicaCheck {
     /// gather to say which ranks hold which value. Every rank must call it.
     ///
     /// # Errors
-    /// [`DdpError::ReplicasDiverged`] naming the first parameter that differs; collective
+    /// [`ModelError::ReplicasDiverged`](crate::ModelError::ReplicasDiverged) naming the first parameter that differs; collective
     /// failures.
     pub fn compare(pg: &ProcessGroup, step: u64, params: &[(String, u64)]) -> Result<()> {
         let mut lo: Vec<i64> = params.iter().map(|(_, d)| *d as i64).collect();
@@ -163,13 +164,13 @@ impl ReplicaCheck {
             })
             .collect::<Vec<_>>()
             .join(", ");
-        Err(DdpError::ReplicasDiverged {
+        Err(DdpError::Model(ModelError::ReplicasDiverged {
             rank: pg.rank(),
             step,
             index,
             param: name.clone(),
             detail: format!("differs: {detail}"),
-        })
+        }))
     }
 }
 
@@ -192,12 +193,12 @@ mod tests {
             lines(&[&b, &bias]),
         ];
         let err = first_mismatch(Rank(1), &lists).unwrap_err();
-        let DdpError::ModelMismatch {
+        let DdpError::Model(ModelError::ModelMismatch {
             index,
             param,
             detail,
             ..
-        } = &err
+        }) = &err
         else {
             panic!("{err:?}")
         };
@@ -269,13 +270,13 @@ mod tests {
         });
         for r in results {
             let e = r.unwrap_err();
-            let DdpError::ReplicasDiverged {
+            let DdpError::Model(ModelError::ReplicasDiverged {
                 step,
                 index,
                 param,
                 detail,
                 ..
-            } = &e
+            }) = &e
             else {
                 panic!("{e:?}")
             };

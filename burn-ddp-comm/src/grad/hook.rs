@@ -195,6 +195,7 @@ pub fn reduce_bucket(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ConfigError;
 
     use crate::grad::DdpConfig;
 
@@ -241,7 +242,7 @@ mod tests {
         ] {
             let err = config.validate().unwrap_err();
             assert!(
-                matches!(&err, DdpError::InvalidConfig { field: "DdpConfig::comm_hook", reason } if reason.contains(words)),
+                matches!(&err, DdpError::Config(ConfigError::InvalidConfig { field: "DdpConfig::comm_hook", reason }) if reason.contains(words)),
                 "{err:?}"
             );
         }

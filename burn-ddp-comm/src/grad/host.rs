@@ -7,6 +7,7 @@
 //! a gradient), reduced with them, so every rank learns which parameters some rank had a
 //! gradient for: those get the reduced value on every rank; those no rank had stay absent.
 
+use crate::error::{CollectiveError, ModelError};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
@@ -122,17 +123,17 @@ impl HostComm {
     }
 
     fn stopped(&self) -> DdpError {
-        DdpError::WorkerStopped {
+        DdpError::Collective(CollectiveError::WorkerStopped {
             rank: self.pg.rank(),
             what: "the gradient communication thread",
-        }
+        })
     }
 
     /// Hands bucket `bucket` over (`layout`: its matrices, when the hook
     /// [wants it](Self::wants_layout)). Buckets must come in index order, every step.
     ///
     /// # Errors
-    /// [`DdpError::WorkerStopped`] if the communication thread has stopped.
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
     pub fn launch(
         &mut self,
         bucket: usize,
@@ -155,7 +156,7 @@ impl HostComm {
     ///
     /// # Errors
     /// The first failure among the answers (or one taken earlier by
-    /// [`all_reduce_in_order`](Self::all_reduce_in_order)); [`DdpError::GradSyncTimeout`]
+    /// [`all_reduce_in_order`](Self::all_reduce_in_order)); [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout)
     /// when the thread does not answer in time.
     pub fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
         while self.outstanding > 0 {
@@ -183,8 +184,8 @@ impl HostComm {
     /// `results`; a failure among them is returned by the next [`collect`](Self::collect).
     ///
     /// # Errors
-    /// The all-reduce's failure; [`DdpError::WorkerStopped`] or
-    /// [`DdpError::GradSyncTimeout`] when the thread cannot take it or does not answer in time.
+    /// The all-reduce's failure; [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) or
+    /// [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout) when the thread cannot take it or does not answer in time.
     pub fn all_reduce_in_order(
         &mut self,
         data: Vec<f32>,
@@ -227,10 +228,10 @@ impl HostComm {
     fn next_answer(&self) -> Result<Answer> {
         let wait = self.pg.timeouts().collective + ANSWER_SLACK;
         self.worker.receive(wait).map_err(|e| match e {
-            RecvTimeoutError::Timeout => DdpError::GradSyncTimeout {
+            RecvTimeoutError::Timeout => DdpError::Model(ModelError::GradSyncTimeout {
                 rank: self.pg.rank(),
                 waited: wait,
-            },
+            }),
             RecvTimeoutError::Disconnected => self.stopped(),
         })
     }
@@ -322,8 +323,8 @@ impl<K> HostStep<'_, K> {
     /// complete leave for the communication thread.
     ///
     /// # Errors
-    /// [`DdpError::GradientSize`] if `values` is not the parameter's size;
-    /// [`DdpError::WorkerStopped`] if the communication thread has stopped.
+    /// [`ModelError::GradientSize`](crate::ModelError::GradientSize) if `values` is not the parameter's size;
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
     pub fn push(&mut self, slot: usize, values: Option<&[f32]>) -> Result<()> {
         let rank = self.comm.pg.rank();
         if self.stopped {
@@ -343,12 +344,12 @@ impl<K> HostStep<'_, K> {
         }
         if let Some(v) = values {
             if v.len() != s.info.numel {
-                return Err(DdpError::GradientSize {
+                return Err(DdpError::Model(ModelError::GradientSize {
                     rank,
                     param: s.info.name.clone(),
                     expected: s.info.numel,
                     got: v.len(),
-                });
+                }));
             }
             let flag = self.plan.flag_index(slot);
             if let Some(bucket) = self.buckets[s.bucket].as_mut() {
@@ -383,7 +384,7 @@ impl<K> HostStep<'_, K> {
     ///
     /// # Errors
     /// The first failure of the step: a collective error naming the rank at fault, or
-    /// [`DdpError::GradSyncTimeout`] when the communication thread does not answer in time.
+    /// [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout) when the communication thread does not answer in time.
     pub fn finish(mut self) -> Result<Reduced> {
         self.order.mark_rest_final();
         let launched = if self.stopped {
@@ -547,7 +548,7 @@ mod tests {
         let mut s = sync.begin(&plan).unwrap();
         let err = s.push(2, Some(&[1.0, 2.0])).unwrap_err();
         assert!(
-            matches!(&err, DdpError::GradientSize { param, expected: 3, got: 2, .. } if param == "p2"),
+            matches!(&err, DdpError::Model(ModelError::GradientSize { param, expected: 3, got: 2, .. }) if param == "p2"),
             "{err:?}"
         );
         drop(s);

@@ -18,6 +18,7 @@
 //! Answers carry the number of the synchronisation pass they belong to, so that a pass never
 //! takes an earlier pass's straggler as its own.
 
+use crate::error::{CollectiveError, ModelError};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
@@ -178,16 +179,16 @@ impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
     }
 
     fn stopped(&self) -> DdpError {
-        DdpError::WorkerStopped {
+        DdpError::Collective(CollectiveError::WorkerStopped {
             rank: self.rank,
             what: WHAT,
-        }
+        })
     }
 
     /// Hands `job` (a bucket of pass `pass`) over.
     ///
     /// # Errors
-    /// [`DdpError::WorkerStopped`] if the thread has stopped.
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the thread has stopped.
     pub fn send(&self, pass: u64, job: J) -> Result<()> {
         match &self.worker {
             Some(w) if w.send(Tagged { pass, job }) => Ok(()),
@@ -200,7 +201,7 @@ impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
     /// finished.
     ///
     /// # Errors
-    /// [`DdpError::GradSyncTimeout`] if none comes in time; [`DdpError::WorkerStopped`].
+    /// [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout) if none comes in time; [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped).
     fn receive(&self, pass: u64, wait: Duration) -> Result<Result<()>> {
         let Some(worker) = &self.worker else {
             return Err(self.stopped());
@@ -216,10 +217,10 @@ impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {
-                    return Err(DdpError::GradSyncTimeout {
+                    return Err(DdpError::Model(ModelError::GradSyncTimeout {
                         rank: self.rank,
                         waited: wait,
-                    })
+                    }))
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(self.stopped()),
             }
@@ -314,7 +315,7 @@ impl<P: Send + 'static> InFlight<P> {
     /// Hands `job` to `launcher` as one of this pass's buckets.
     ///
     /// # Errors
-    /// [`DdpError::WorkerStopped`] if the launcher thread has stopped.
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the launcher thread has stopped.
     pub fn send<J: Send + 'static>(
         &mut self,
         launcher: &BucketLauncher<J, P>,
@@ -357,8 +358,8 @@ impl<P: Send + 'static> InFlight<P> {
     /// [`InFlight::abandon`]) and the failure returned.
     ///
     /// # Errors
-    /// The first bucket that could not be queued; [`DdpError::GradSyncTimeout`];
-    /// [`DdpError::WorkerStopped`]; the queue's wait.
+    /// The first bucket that could not be queued; [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout);
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped); the queue's wait.
     pub fn finish<J: Send + 'static>(
         &mut self,
         launcher: &BucketLauncher<J, P>,
@@ -602,7 +603,10 @@ mod tests {
             &[FakeJob::Runs(2_000), FakeJob::SlowToQueue(200, 2_000)],
         );
         let e = p.finish(&l, Duration::from_millis(50)).unwrap_err();
-        assert!(matches!(e, DdpError::GradSyncTimeout { .. }), "{e:?}");
+        assert!(
+            matches!(e, DdpError::Model(ModelError::GradSyncTimeout { .. })),
+            "{e:?}"
+        );
         // Abandoned: stopped, every answer taken (the slow one was queued before the stop, or
         // refused after it), drained, released.
         assert_eq!(stream.fails.load(Ordering::SeqCst), 1);
@@ -699,7 +703,10 @@ mod tests {
         let mut p = pass(&l, &[FakeJob::SlowToQueue(2_000, 1)]);
         let e = p.collect(&l, Duration::from_millis(50)).unwrap_err();
         assert!(
-            matches!(e, DdpError::GradSyncTimeout { rank: Rank(0), .. }),
+            matches!(
+                e,
+                DdpError::Model(ModelError::GradSyncTimeout { rank: Rank(0), .. })
+            ),
             "{e:?}"
         );
     }

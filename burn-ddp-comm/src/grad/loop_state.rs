@@ -11,6 +11,7 @@
 //! whole: no optimizer step was taken on a rank whose synchronisation failed, so the ranks
 //! that recover at equal progress hold equal replicas.
 
+use crate::error::{MembershipError, ModelError};
 use crate::group::handover::{frame, move_state, unframe};
 use crate::group::{ProcessGroup, Recovery};
 use crate::types::ReduceOp;
@@ -39,14 +40,14 @@ pub trait LoopSync<M, O> {
     /// The model's and the optimizer's records as bytes, to send to the ranks behind.
     ///
     /// # Errors
-    /// A record that cannot be serialised (a [`DdpError::Model`]).
+    /// A record that cannot be serialised (a [`ModelError::Model`](crate::ModelError::Model)).
     fn state_bytes(&self, model: &M, optim: &O) -> Result<[Vec<u8>; 2]>;
 
     /// `model` and `optim` with the records `bytes` (from [`state_bytes`](Self::state_bytes)
     /// on the source rank) loaded.
     ///
     /// # Errors
-    /// Records that cannot be read or do not fit (a [`DdpError::Model`]).
+    /// Records that cannot be read or do not fit (a [`ModelError::Model`](crate::ModelError::Model)).
     fn load_state(&self, model: M, optim: O, bytes: [Vec<u8>; 2]) -> Result<(M, O)>;
 }
 
@@ -123,7 +124,7 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
             }
             let rec = match pg.grow(Some(self.step)) {
                 Ok(rec) => rec,
-                Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+                Err(DdpError::Membership(MembershipError::Excluded { .. })) => pg.rejoin()?,
                 Err(e) => return Err(e),
             };
             self.take_over(sync, rec)?;
@@ -138,7 +139,7 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
     ///
     /// # Errors
     /// `cause` itself when it is not a failure of the group ([`DdpError::is_peer_failure`]) or
-    /// the group is not fault-tolerant; [`DdpError::TooFewRanks`]; the store's errors.
+    /// the group is not fault-tolerant; [`MembershipError::TooFewRanks`](crate::MembershipError::TooFewRanks); the store's errors.
     pub fn recover<S: LoopSync<M, O>>(&mut self, sync: &mut S, cause: DdpError) -> Result<()> {
         let pg = sync.group().clone();
         if !pg.is_fault_tolerant() || !cause.is_peer_failure() {
@@ -192,10 +193,12 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
 
     fn loaded<S: LoopSync<M, O>>(self, sync: &S, pg: &ProcessGroup, bytes: &[u8]) -> Result<Self> {
         let rank = pg.rank();
-        let bad = |why: &str| DdpError::Model {
-            rank,
-            what: "taking the state of the source rank",
-            reason: why.to_owned(),
+        let bad = |why: &str| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "taking the state of the source rank",
+                reason: why.to_owned(),
+            })
         };
         let [step, model, optim, extra] =
             unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
@@ -219,7 +222,7 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
 fn agree(pg: &ProcessGroup, cause: &DdpError, step: u64) -> Result<Recovery> {
     match pg.recover(cause, Some(step)) {
         Ok(rec) => Ok(rec),
-        Err(DdpError::Excluded { .. }) => pg.rejoin(),
+        Err(DdpError::Membership(MembershipError::Excluded { .. })) => pg.rejoin(),
         Err(e) => Err(e),
     }
 }
@@ -227,6 +230,7 @@ fn agree(pg: &ProcessGroup, cause: &DdpError, step: u64) -> Result<Recovery> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::JobError;
     use crate::group::on_local_ranks;
 
     /// A "model" of one number, an "optimizer" of one number; its records are their bytes.
@@ -251,10 +255,12 @@ mod tests {
             Ok([model.to_le_bytes().to_vec(), optim.to_le_bytes().to_vec()])
         }
         fn load_state(&self, _: f32, _: u64, [m, o]: [Vec<u8>; 2]) -> Result<(f32, u64)> {
-            let fail = || DdpError::Model {
-                rank: self.pg.rank(),
-                what: "loading",
-                reason: "size".into(),
+            let fail = || {
+                DdpError::Model(ModelError::Model {
+                    rank: self.pg.rank(),
+                    what: "loading",
+                    reason: "size".into(),
+                })
             };
             Ok((
                 f32::from_le_bytes(m.try_into().map_err(|_| fail())?),
@@ -269,13 +275,16 @@ mod tests {
             let mut sync = Fake { pg, prepared: 0 };
             let mut state = LoopState::start(&mut sync, 1.5, 7, vec![9]).unwrap();
             state.step_boundary(&mut sync).unwrap();
-            let cause = DdpError::Interrupted;
+            let cause = DdpError::Job(JobError::Interrupted);
             let refused = state.recover(&mut sync, cause).unwrap_err();
             (state.model, state.optim, state.step, sync.prepared, refused)
         });
         for (model, optim, step, prepared, refused) in got {
             assert_eq!((model, optim, step, prepared), (1.5, 7, 0, 1));
-            assert!(matches!(refused, DdpError::Interrupted), "{refused:?}");
+            assert!(
+                matches!(refused, DdpError::Job(JobError::Interrupted)),
+                "{refused:?}"
+            );
         }
     }
 }

@@ -44,6 +44,7 @@ mod worker;
 mod zero;
 
 pub use crate::comm::{Queue, DRAIN_LIMIT};
+use crate::error::{ConfigError, MembershipError};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
@@ -75,7 +76,7 @@ impl NotCarried {
     /// Refuses `self` when `pg` is fault-tolerant.
     ///
     /// # Errors
-    /// [`DdpError::NotFaultTolerant`] in a fault-tolerant
+    /// [`MembershipError::NotFaultTolerant`] in a fault-tolerant
     /// group.
     pub fn refuse_on(self, pg: &crate::ProcessGroup) -> crate::Result<()> {
         if !pg.is_fault_tolerant() {
@@ -100,7 +101,9 @@ impl NotCarried {
                  (DistributedSampler)",
             ),
         };
-        Err(crate::DdpError::NotFaultTolerant { what, reason })
+        Err(crate::DdpError::Membership(
+            MembershipError::NotFaultTolerant { what, reason },
+        ))
     }
 }
 
@@ -161,7 +164,7 @@ pub struct DdpConfig {
     /// How buckets of GPU gradients travel (NCCL or host-staged).
     pub transport: GradTransport,
     /// Every this many synchronised steps, the ranks compare digests of their parameters and
-    /// fail with [`DdpError::ReplicasDiverged`], naming the first parameter that differs, if
+    /// fail with [`ModelError::ReplicasDiverged`](crate::ModelError::ReplicasDiverged), naming the first parameter that differs, if
     /// the replicas have drifted apart (0: never). Each check reads every parameter to the host
     /// once and all-reduces two integers per parameter.
     pub check_replicas_every: u64,
@@ -289,24 +292,24 @@ impl DdpConfig {
     /// Checks the options.
     ///
     /// # Errors
-    /// [`DdpError::InvalidConfig`] for a bucket cap below one f32; for a communication hook or
+    /// [`ConfigError::InvalidConfig`] for a bucket cap below one f32; for a communication hook or
     /// PowerSGD beside each other, beside fp16/bf16 compression, or on `GradTransport::Nccl`;
     /// PowerSGD's own settings out of range.
     pub fn validate(&self) -> Result<()> {
         if self.bucket_cap_bytes < 4 || self.first_bucket_cap_bytes < 4 {
-            return Err(DdpError::InvalidConfig {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "DdpConfig::bucket_cap_bytes / first_bucket_cap_bytes",
                 reason: "a bucket must hold at least one f32 gradient (4 bytes)",
-            });
+            }));
         }
         // A user's hook and PowerSGD reduce host-staged buckets themselves: one of them at a
         // time, without fp16/bf16 (the built-in hook they replace), never on NCCL's buckets.
         let host_hook = if self.comm_hook.is_some() {
             if self.power_sgd.is_some() {
-                return Err(DdpError::InvalidConfig {
+                return Err(DdpError::Config(ConfigError::InvalidConfig {
                     field: "DdpConfig::comm_hook",
                     reason: "a communication hook and PowerSGD cannot be combined: choose one",
-                });
+                }));
             }
             Some((
                 "DdpConfig::comm_hook",
@@ -335,7 +338,10 @@ impl DdpConfig {
                 None
             };
             if let Some(reason) = reason {
-                return Err(DdpError::InvalidConfig { field, reason });
+                return Err(DdpError::Config(ConfigError::InvalidConfig {
+                    field,
+                    reason,
+                }));
             }
         }
         Ok(())

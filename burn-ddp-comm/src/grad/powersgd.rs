@@ -16,6 +16,7 @@
 //! `start_step` steps are not compressed at all (PyTorch's `start_powerSGD_iter`): early
 //! gradients change fast, and compressing them costs accuracy.
 
+use crate::error::ConfigError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -66,16 +67,16 @@ impl PowerSgd {
 
     pub(crate) fn validate(&self) -> Result<()> {
         if self.rank == 0 {
-            return Err(DdpError::InvalidConfig {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "PowerSgd::rank",
                 reason: "must be at least 1",
-            });
+            }));
         }
         if self.min_compression_rate.is_nan() || self.min_compression_rate < 1.0 {
-            return Err(DdpError::InvalidConfig {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "PowerSgd::min_compression_rate",
                 reason: "must be at least 1 (a matrix is compressed only if that saves bytes)",
-            });
+            }));
         }
         Ok(())
     }

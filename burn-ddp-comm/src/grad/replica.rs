@@ -24,7 +24,7 @@ pub trait Replica: Sized {
     /// statistics folded in first, so that what is sent is current.
     ///
     /// # Errors
-    /// The record cannot be serialised (a [`DdpError::Model`](crate::DdpError::Model) naming
+    /// The record cannot be serialised (a [`ModelError::Model`](crate::ModelError::Model) naming
     /// `rank`).
     fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>>;
 
@@ -34,7 +34,7 @@ pub trait Replica: Sized {
     ///
     /// # Errors
     /// The record cannot be read or does not fit the model (a
-    /// [`DdpError::Model`](crate::DdpError::Model) naming `rank`).
+    /// [`ModelError::Model`](crate::ModelError::Model) naming `rank`).
     fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self>;
 
     /// The values of the float parameters whose names (as [`params`](Self::params) gives
@@ -50,7 +50,7 @@ pub trait Replica: Sized {
 /// at the same point; `step` is the synchronised step it is said at (0: called by the user).
 ///
 /// # Errors
-/// [`DdpError::ReplicasDiverged`](crate::DdpError::ReplicasDiverged) naming the first
+/// [`ModelError::ReplicasDiverged`](crate::ModelError::ReplicasDiverged) naming the first
 /// parameter that differs; collective failures.
 pub fn compare_replicas<M: Replica>(
     pg: &ProcessGroup,
@@ -93,7 +93,7 @@ pub fn load_from<M: Replica>(pg: &ProcessGroup, model: M, root: Rank) -> Result<
 /// a change of membership the ranks' models are equal already, and `from_root` is `false`).
 ///
 /// # Errors
-/// [`DdpError::ModelMismatch`](crate::DdpError::ModelMismatch) naming the first parameter that
+/// [`ModelError::ModelMismatch`](crate::ModelError::ModelMismatch) naming the first parameter that
 /// differs; what [`load_from`] fails with.
 pub fn check_and_load<M: Replica>(pg: &ProcessGroup, model: M, from_root: bool) -> Result<M> {
     let all: Vec<ParamInfo> = model.params().into_iter().map(|(i, _)| i).collect();
@@ -108,6 +108,7 @@ pub fn check_and_load<M: Replica>(pg: &ProcessGroup, model: M, from_root: bool) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::ModelError;
     use crate::group::on_local_ranks;
     use crate::DdpError;
 
@@ -129,11 +130,11 @@ mod tests {
         }
         fn load_record_bytes(mut self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
             if bytes.len() != self.values.len() {
-                return Err(DdpError::Model {
+                return Err(DdpError::Model(ModelError::Model {
                     rank,
                     what: "loading the model received",
                     reason: "wrong size".into(),
-                });
+                }));
             }
             self.values = bytes;
             Ok(self)
@@ -171,7 +172,10 @@ mod tests {
     fn a_rank_with_other_parameters_is_named_and_nothing_is_loaded() {
         for got in run(["w", "w", "v"], None) {
             let err = got.unwrap_err();
-            assert!(matches!(err, DdpError::ModelMismatch { .. }), "{err:?}");
+            assert!(
+                matches!(err, DdpError::Model(ModelError::ModelMismatch { .. })),
+                "{err:?}"
+            );
         }
     }
 
@@ -204,12 +208,12 @@ mod tests {
         for (b, w) in got {
             assert!(b.is_ok(), "{b:?}");
             match w.unwrap_err() {
-                DdpError::ReplicasDiverged {
+                DdpError::Model(ModelError::ReplicasDiverged {
                     step,
                     param,
                     detail,
                     ..
-                } => {
+                }) => {
                     assert_eq!((step, param.as_str()), (7, "w"));
                     assert!(
                         detail.contains("ranks 0, 2 have") && detail.contains("rank 1 has"),

@@ -6,6 +6,7 @@
 //! rank computes the same assignment from the same list, so no collective is needed, and a
 //! parameter's state lives on one rank only.
 
+use crate::error::{CollectiveError, ModelError};
 use std::collections::HashMap;
 
 use crate::group::ProcessGroup;
@@ -93,15 +94,15 @@ impl ZeroPlan {
     /// all-gather, so that no rank waits in it for one that failed.
     ///
     /// # Errors
-    /// As `all_gather`; [`DdpError::Model`] naming what could not be read.
+    /// As `all_gather`; [`ModelError::Model`](crate::ModelError::Model) naming what could not be read.
     pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
         let all = self.all_gather(pg, &mine.values)?;
         match mine.error {
-            Some(e) => Err(DdpError::Model {
+            Some(e) => Err(DdpError::Model(ModelError::Model {
                 rank: pg.rank(),
                 what: "sharing the stepped parameters",
                 reason: format!("a parameter cannot be read as f32: {e}"),
-            }),
+            })),
             None => Ok(all),
         }
     }
@@ -122,13 +123,13 @@ impl ZeroPlan {
         }
         let own = self.elements_of(rank);
         if mine.len() != own {
-            return Err(DdpError::BufferSize {
+            return Err(DdpError::Collective(CollectiveError::BufferSize {
                 rank,
                 op: crate::types::CollectiveOp::AllGather,
                 what: "this rank's stepped parameters",
                 expected: own,
                 got: mine.len(),
-            });
+            }));
         }
         let block = (0..self.world)
             .map(|r| self.elements_of(Rank(r as u32)))

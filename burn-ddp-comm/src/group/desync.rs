@@ -5,6 +5,7 @@
 //! collective; the always-on check (every frame's header carries the sequence number and the
 //! descriptor, compared with the neighbour's) stays on without it.
 
+use crate::error::CollectiveError;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::comm::Communicator;
@@ -61,13 +62,13 @@ impl DesyncCheck {
             return Ok(());
         };
         let peer = if rank.index() == odd { 0 } else { odd };
-        Err(DdpError::Desync {
+        Err(DdpError::Collective(CollectiveError::Desync {
             rank,
             call: CollectiveSeq(call),
             ours: text,
             peer: Rank(peer as u32),
             theirs: text_of(peer),
-        })
+        }))
     }
 }
 

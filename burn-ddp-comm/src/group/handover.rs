@@ -3,6 +3,7 @@
 //! to point and only to them. What the state holds is the caller's (a Learner's records and its
 //! cursor, a custom loop's model and optimizer).
 
+use crate::error::ModelError;
 use std::sync::{Arc, Mutex};
 
 use super::{ProcessGroup, Recovery};
@@ -99,14 +100,16 @@ const RECORDS: [&str; 3] = ["model", "optimizer", "scheduler"];
 /// once a checkpointer saved them into `slots`, framed.
 ///
 /// # Errors
-/// A slot the checkpointer did not fill ([`DdpError::Model`], on `rank`).
+/// A slot the checkpointer did not fill ([`ModelError::Model`], on `rank`).
 pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
     let mut bytes = Vec::with_capacity(3);
     for (slot, name) in slots.iter().zip(RECORDS) {
-        bytes.push(slot.take().ok_or_else(|| DdpError::Model {
-            rank,
-            what: "serialising the Learner's state for the ranks behind",
-            reason: format!("burn-train's checkpointer did not save the {name} record"),
+        bytes.push(slot.take().ok_or_else(|| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "serialising the Learner's state for the ranks behind",
+                reason: format!("burn-train's checkpointer did not save the {name} record"),
+            })
         })?);
     }
     Ok(frame(&[&bytes[0], &bytes[1], &bytes[2]]))
@@ -115,12 +118,14 @@ pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
 /// The three records of a [`learner_state`] received on `rank`.
 ///
 /// # Errors
-/// The bytes are not a framed state ([`DdpError::Model`]).
+/// The bytes are not a framed state ([`ModelError::Model`]).
 pub fn learner_records(bytes: &[u8], rank: Rank) -> Result<[Vec<u8>; 3]> {
-    unframe(bytes).ok_or_else(|| DdpError::Model {
-        rank,
-        what: "taking the Learner's state from the source rank",
-        reason: "the bytes received are not a framed state".into(),
+    unframe(bytes).ok_or_else(|| {
+        DdpError::Model(ModelError::Model {
+            rank,
+            what: "taking the Learner's state from the source rank",
+            reason: "the bytes received are not a framed state".into(),
+        })
     })
 }
 

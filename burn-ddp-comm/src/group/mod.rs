@@ -21,6 +21,7 @@ mod p2p;
 mod rendezvous;
 mod sub;
 
+use crate::error::CollectiveError;
 use std::fmt;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -501,11 +502,11 @@ impl ProcessGroup {
     #[track_caller]
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: Rank) -> Result<()> {
         if !self.inner().world.contains(root) {
-            return Err(DdpError::InvalidRoot {
+            return Err(DdpError::Collective(CollectiveError::InvalidRoot {
                 rank: self.inner().rank,
                 root,
                 world: self.inner().world,
-            });
+            }));
         }
         self.desync(CollectiveDesc::new(CollectiveOp::Broadcast, T::DTYPE, buf.len()).root(root))?;
         self.scoped(
@@ -523,13 +524,13 @@ impl ProcessGroup {
     pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<()> {
         let expected = send.len() * self.inner().world.as_usize();
         if recv.len() != expected {
-            return Err(DdpError::BufferSize {
+            return Err(DdpError::Collective(CollectiveError::BufferSize {
                 rank: self.inner().rank,
                 op: crate::comm::CollectiveOp::AllGather,
                 what: "recv (world_size x send)",
                 expected,
                 got: recv.len(),
-            });
+            }));
         }
         self.desync(CollectiveDesc::new(
             CollectiveOp::AllGather,
@@ -597,13 +598,13 @@ impl ProcessGroup {
     ) -> Result<()> {
         let expected = recv.len() * self.inner().world.as_usize();
         if send.len() != expected {
-            return Err(DdpError::BufferSize {
+            return Err(DdpError::Collective(CollectiveError::BufferSize {
                 rank: self.inner().rank,
                 op: crate::comm::CollectiveOp::ReduceScatter,
                 what: "send (world_size x recv)",
                 expected,
                 got: send.len(),
-            });
+            }));
         }
         self.desync(
             CollectiveDesc::new(CollectiveOp::ReduceScatter, T::DTYPE, recv.len()).reduce(op),

@@ -8,6 +8,7 @@
 //! Any point-to-point failure is published as the job's abort record and aborts the job's
 //! groups, so that every rank stops with the culprit's name instead of waiting.
 
+use crate::error::CollectiveError;
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -145,9 +146,9 @@ impl ProcessGroup {
     /// with the same tag arrive in the order they were sent.
     ///
     /// # Errors
-    /// [`DdpError::InvalidGroupCall`] for `dst` outside the group or this rank itself;
-    /// `dst` gone ([`DdpError::PeerLost`]), dead or frozen ([`DdpError::RankUnresponsive`]), a
-    /// failure elsewhere ([`DdpError::JobAborted`]), or the collective deadline.
+    /// [`CollectiveError::InvalidGroupCall`] for `dst` outside the group or this rank itself;
+    /// `dst` gone ([`CollectiveError::PeerLost`]), dead or frozen ([`CollectiveError::RankUnresponsive`]), a
+    /// failure elsewhere ([`CollectiveError::JobAborted`]), or the collective deadline.
     pub fn send<T: Element>(&self, buf: &[T], dst: Rank, tag: u32) -> Result<()> {
         self.batch_send_recv(&mut [P2pOp::send(buf, dst, tag)])
     }
@@ -157,10 +158,10 @@ impl ProcessGroup {
     /// length and element type.
     ///
     /// # Errors
-    /// [`DdpError::P2pMismatch`] when the message does not fit `buf`; `src` gone
-    /// ([`DdpError::PeerLost`], or [`DdpError::PeerFinished`] if it ended normally), dead or
-    /// frozen ([`DdpError::RankUnresponsive`], within the heartbeat bound), a failure elsewhere
-    /// ([`DdpError::JobAborted`]), nothing within the deadline ([`DdpError::P2pTimeout`]).
+    /// [`CollectiveError::P2pMismatch`] when the message does not fit `buf`; `src` gone
+    /// ([`CollectiveError::PeerLost`], or [`CollectiveError::PeerFinished`] if it ended normally), dead or
+    /// frozen ([`CollectiveError::RankUnresponsive`], within the heartbeat bound), a failure elsewhere
+    /// ([`CollectiveError::JobAborted`]), nothing within the deadline ([`CollectiveError::P2pTimeout`]).
     pub fn recv<T: Element>(&self, buf: &mut [T], src: Rank, tag: u32) -> Result<()> {
         self.batch_send_recv(&mut [P2pOp::recv(buf, src, tag)])
     }
@@ -263,13 +264,13 @@ impl ProcessGroup {
             {
                 let m = self.receive(*peer, *tag)?;
                 if m.bytes.len() != bytes.len() || m.dtype != *dtype {
-                    return Err(DdpError::P2pMismatch {
+                    return Err(DdpError::Collective(CollectiveError::P2pMismatch {
                         rank: self.global_rank(),
                         peer: self.to_global(*peer),
                         tag: *tag,
                         ours: format!("{} bytes of {}", bytes.len(), dtype),
                         theirs: format!("{} bytes of {}", m.bytes.len(), m.dtype),
-                    });
+                    }));
                 }
                 bytes.copy_from_slice(&m.bytes);
             }
@@ -288,11 +289,11 @@ impl ProcessGroup {
         } else {
             return Ok(());
         };
-        Err(DdpError::InvalidGroupCall {
+        Err(DdpError::Collective(CollectiveError::InvalidGroupCall {
             rank: self.global_rank(),
             what,
             reason,
-        })
+        }))
     }
 
     /// What ends a wait early: the heartbeat's verdict, or a failure another rank published.
@@ -309,7 +310,7 @@ impl ProcessGroup {
             .as_ref()
             .and_then(|h| crate::comm::PeerWatch::verdict(&**h))
         {
-            return Some(DdpError::RankUnresponsive {
+            return Some(DdpError::Collective(CollectiveError::RankUnresponsive {
                 rank,
                 culprit: v.culprit,
                 host: v.host,
@@ -317,17 +318,17 @@ impl ProcessGroup {
                 op,
                 seq,
                 what: v.what,
-            });
+            }));
         }
         if Instant::now() >= next_poll.get() {
             next_poll.set(Instant::now() + RECORD_POLL);
             if let Ok(Some(record)) = self.abort_record() {
                 if record.reporter != rank || record.culprit.is_some() {
-                    return Some(DdpError::JobAborted {
+                    return Some(DdpError::Collective(CollectiveError::JobAborted {
                         rank,
                         during: Some((op, seq)),
                         record,
-                    });
+                    }));
                 }
             }
         }
@@ -354,12 +355,12 @@ impl ProcessGroup {
                     .map_err(|e| match e {
                         SendError::Interrupted(e) | SendError::Setup(e) => e,
                         SendError::Link(cause) => self.lost(dst, CollectiveOp::Send, seq, cause),
-                        SendError::Timeout => DdpError::P2pTimeout {
+                        SendError::Timeout => DdpError::Collective(CollectiveError::P2pTimeout {
                             rank: self.global_rank(),
                             peer: self.to_global(dst),
                             tag,
                             waited: started.elapsed(),
-                        },
+                        }),
                     })
             }
         }
@@ -384,13 +385,13 @@ impl ProcessGroup {
                     return Err(self.lost(src, CollectiveOp::Recv, seq, cause))
                 }
                 Take::Closed(Closed::Protocol(why)) => {
-                    return Err(DdpError::PeerLost {
+                    return Err(DdpError::Collective(CollectiveError::PeerLost {
                         rank: self.global_rank(),
                         peer: self.to_global(src),
                         op: CollectiveOp::Recv,
                         seq,
                         cause: std::io::ErrorKind::InvalidData,
-                    })
+                    }))
                     .inspect_err(|_| {
                         tracing::error!(
                             "[rank {}] rank {} broke the point-to-point protocol: {why}",
@@ -404,12 +405,12 @@ impl ProcessGroup {
                         return Err(e);
                     }
                     if Instant::now() >= deadline {
-                        return Err(DdpError::P2pTimeout {
+                        return Err(DdpError::Collective(CollectiveError::P2pTimeout {
                             rank: self.global_rank(),
                             peer: self.to_global(src),
                             tag,
                             waited: started.elapsed(),
-                        });
+                        }));
                     }
                 }
             }
@@ -429,11 +430,11 @@ impl ProcessGroup {
         let global_peer = self.to_global(peer);
         if let Ok(Some(record)) = self.abort_record() {
             if record.reporter != rank || record.culprit.is_some() {
-                return DdpError::JobAborted {
+                return DdpError::Collective(CollectiveError::JobAborted {
                     rank,
                     during: Some((op, seq)),
                     record,
-                };
+                });
             }
         }
         let finished = self.store_client().is_some_and(|s| {
@@ -441,40 +442,43 @@ impl ProcessGroup {
                 .is_ok()
         });
         if finished {
-            DdpError::PeerFinished {
+            DdpError::Collective(CollectiveError::PeerFinished {
                 rank,
                 peer: global_peer,
                 op,
                 seq,
-            }
+            })
         } else {
-            DdpError::PeerLost {
+            DdpError::Collective(CollectiveError::PeerLost {
                 rank,
                 peer: global_peer,
                 op,
                 seq,
                 cause,
-            }
+            })
         }
     }
 
     fn no_peers(&self, what: &'static str) -> DdpError {
-        DdpError::InvalidGroupCall {
+        DdpError::Collective(CollectiveError::InvalidGroupCall {
             rank: self.global_rank(),
             what,
             reason: "this group has one rank: there is no other rank to exchange with".into(),
-        }
+        })
     }
 
     /// Publishes a point-to-point failure (unless it repeats another rank's, or is a bad
     /// argument) and aborts the job's groups, so that every rank stops naming the culprit.
     fn fail_p2p(&self, e: DdpError) -> DdpError {
         let culprit = match &e {
-            DdpError::InvalidGroupCall { .. } | DdpError::JobAborted { .. } => return e,
-            DdpError::PeerLost { peer, .. }
-            | DdpError::PeerFinished { peer, .. }
-            | DdpError::P2pTimeout { peer, .. } => Some(*peer),
-            DdpError::RankUnresponsive { culprit, .. } => Some(*culprit),
+            DdpError::Collective(CollectiveError::InvalidGroupCall { .. })
+            | DdpError::Collective(CollectiveError::JobAborted { .. }) => return e,
+            DdpError::Collective(CollectiveError::PeerLost { peer, .. })
+            | DdpError::Collective(CollectiveError::PeerFinished { peer, .. })
+            | DdpError::Collective(CollectiveError::P2pTimeout { peer, .. }) => Some(*peer),
+            DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => {
+                Some(*culprit)
+            }
             _ => None,
         };
         if let Some(store) = self.store_client() {

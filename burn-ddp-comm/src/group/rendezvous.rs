@@ -1,6 +1,7 @@
 //! Joining a job: rank 0 serves the store, every rank connects to it, waits until all ranks have
 //! joined, then opens the transport.
 
+use crate::error::RendezvousError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -60,11 +61,13 @@ fn serve(cfg: &GroupConfig) -> Result<Option<StoreServer>> {
         let addr = resolve_bind(&cfg.master, cfg.rank)?;
         let served = StoreServer::bind(addr, cfg.rank, cfg.world_size, cfg.token.clone());
         Some(served.map_err(|e| match (e, &cfg.port_origin) {
-            (DdpError::PortInUse { rank, addr, .. }, Some(from)) => DdpError::PortInUse {
-                rank,
-                addr,
-                origin: format!(" ({from})"),
-            },
+            (DdpError::Rendezvous(RendezvousError::PortInUse { rank, addr, .. }), Some(from)) => {
+                DdpError::Rendezvous(RendezvousError::PortInUse {
+                    rank,
+                    addr,
+                    origin: format!(" ({from})"),
+                })
+            }
             (e, _) => e,
         })?)
     } else {
@@ -136,7 +139,7 @@ fn meet(cfg: &GroupConfig, deadline: Instant) -> Result<StoreClient> {
             let missing = missing_ranks(&missing);
             let refused_note = refused_note();
             let culprit = missing.first().copied();
-            let err = DdpError::RendezvousTimeout {
+            let err = DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
                 rank: cfg.rank,
                 addr: cfg.master.to_string(),
                 waited: started.elapsed(),
@@ -144,7 +147,7 @@ fn meet(cfg: &GroupConfig, deadline: Instant) -> Result<StoreClient> {
                 world: cfg.world_size,
                 missing: RankList(missing),
                 refused_note,
-            };
+            });
             // The ranks still waiting learn why at once (and rank 0's store may be about to go).
             publish(&client, cfg.rank, culprit, &err);
             return Err(err);

@@ -6,9 +6,10 @@
 //! ring of its own, opened through the job's store under a key prefix of its own, and the
 //! process's heartbeat watches its collectives as waits on the peers: a rank that dies or freezes
 //! is named within the heartbeat bound, and a verdict stops every ring of the process. Its
-//! errors name the job's global ranks, wrapped in [`DdpError::InGroup`] with the group and this
+//! errors name the job's global ranks, wrapped in [`CollectiveError::InGroup`](crate::CollectiveError::InGroup) with the group and this
 //! rank's place in it.
 
+use crate::error::{CollectiveError, MembershipError};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,7 +42,7 @@ impl ProcessGroup {
     /// each other's (each group has its own connections), so disjoint groups run concurrently.
     ///
     /// # Errors
-    /// [`DdpError::InvalidGroupCall`] for an empty list, a repeated rank or one outside this
+    /// [`CollectiveError::InvalidGroupCall`] for an empty list, a repeated rank or one outside this
     /// group; the rendezvous errors of [`ProcessGroup::init`] (naming global ranks) when a
     /// member does not arrive within the rendezvous timeout.
     pub fn new_group(&self, ranks: &[Rank]) -> Result<Option<ProcessGroup>> {
@@ -114,12 +115,14 @@ impl ProcessGroup {
     /// `result`, its error wrapped in the group's name and this rank's place for a sub-group.
     pub(super) fn scoped<T>(&self, result: Result<T>) -> Result<T> {
         match (&self.inner().sub, result) {
-            (Some(sub), Err(e)) if !matches!(e, DdpError::InGroup { .. }) => {
-                Err(DdpError::InGroup {
+            (Some(sub), Err(e))
+                if !matches!(e, DdpError::Collective(CollectiveError::InGroup { .. })) =>
+            {
+                Err(DdpError::Collective(CollectiveError::InGroup {
                     group: sub.name.clone(),
                     group_rank: self.inner().rank,
                     inner: Box::new(e),
-                })
+                }))
             }
             (_, r) => r,
         }
@@ -129,20 +132,22 @@ impl ProcessGroup {
     /// membership.
     fn refuse_fault_tolerant(&self) -> Result<()> {
         if self.is_fault_tolerant() {
-            return Err(DdpError::NotFaultTolerant {
+            return Err(DdpError::Membership(MembershipError::NotFaultTolerant {
                 what: "sub-groups (new_group, split)",
                 reason: "their ranks are fixed, while a fault-tolerant job's membership \
                          changes; train data-parallel on the whole group",
-            });
+            }));
         }
         Ok(())
     }
 
     fn check_members(&self, ranks: &[Rank]) -> Result<()> {
-        let bad = |reason: String| DdpError::InvalidGroupCall {
-            rank: self.global_rank(),
-            what: "new_group",
-            reason,
+        let bad = |reason: String| {
+            DdpError::Collective(CollectiveError::InvalidGroupCall {
+                rank: self.global_rank(),
+                what: "new_group",
+                reason,
+            })
         };
         if ranks.is_empty() {
             return Err(bad("the list of ranks is empty; give at least one".into()));
@@ -169,10 +174,12 @@ impl ProcessGroup {
         };
         let place = Rank(place as u32);
         let members: Arc<[Rank]> = ranks.iter().map(|r| self.to_global(*r)).collect();
-        let size = WorldSize::try_from(members.len()).map_err(|_| DdpError::InvalidGroupCall {
-            rank: self.global_rank(),
-            what: "new_group",
-            reason: format!("{} ranks is not a group size", members.len()),
+        let size = WorldSize::try_from(members.len()).map_err(|_| {
+            DdpError::Collective(CollectiveError::InvalidGroupCall {
+                rank: self.global_rank(),
+                what: "new_group",
+                reason: format!("{} ranks is not a group size", members.len()),
+            })
         })?;
         let name = format!("{name}: ranks {}", RankList(members.to_vec()));
         let info = SubInfo {
@@ -190,14 +197,14 @@ impl ProcessGroup {
             (Box::new(comm), P2p::none())
         } else {
             let Some(store) = &inner.store else {
-                return Err(DdpError::InvalidGroupCall {
+                return Err(DdpError::Collective(CollectiveError::InvalidGroupCall {
                     rank: self.global_rank(),
                     what: "new_group",
                     reason: "a sub-group of more than one rank needs a group of processes \
                              (ProcessGroup::init or from_env); the threads of an in-process \
                              group (ProcessGroup::local) have no store to meet through"
                         .into(),
-                });
+                }));
             };
             let deadline = Instant::now() + timeouts.rendezvous;
             let connected = TcpCommunicator::connect(
@@ -209,10 +216,12 @@ impl ProcessGroup {
                 deadline,
                 timeouts,
             )
-            .map_err(|e| DdpError::InGroup {
-                group: name.clone(),
-                group_rank: place,
-                inner: Box::new(e),
+            .map_err(|e| {
+                DdpError::Collective(CollectiveError::InGroup {
+                    group: name.clone(),
+                    group_rank: place,
+                    inner: Box::new(e),
+                })
             })?;
             let mut comm = connected.with_members(Arc::clone(&members));
             if let Some(h) = &inner.heartbeat {
@@ -220,11 +229,11 @@ impl ProcessGroup {
                 h.also_stop(comm.weak_stopper());
             }
             let p2p = P2p::tcp(store, &inner.token, place, size, &tag).map_err(|e| {
-                DdpError::InGroup {
+                DdpError::Collective(CollectiveError::InGroup {
                     group: name.clone(),
                     group_rank: place,
                     inner: Box::new(e),
-                }
+                })
             })?;
             (Box::new(comm), p2p)
         };

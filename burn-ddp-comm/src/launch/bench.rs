@@ -4,6 +4,7 @@
 //! Run standalone, it starts `--nproc` local ranks; run under a launcher (`RANK` set), it is one
 //! rank of that job, so the same command measures a multi-node job.
 
+use crate::error::{ConfigError, RendezvousError};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -195,9 +196,14 @@ impl AllReduceBench {
     /// measuring time from 1 ms to [`MAX_TARGET`].
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`] naming the option, its value and what is accepted.
+    /// [`ConfigError::InvalidOption`] naming the option, its value and what is accepted.
     pub fn check(&self) -> Result<()> {
-        let bad = |option, reason: String| Err(DdpError::InvalidOption { option, reason });
+        let bad = |option, reason: String| {
+            Err(DdpError::Config(ConfigError::InvalidOption {
+                option,
+                reason,
+            }))
+        };
         let elem = self.dtype.size();
         let (limit, transport) = if self.nccl {
             (MAX_NCCL_BYTES, "NCCL")
@@ -388,11 +394,11 @@ fn run_nccl(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<()> {
 
 #[cfg(not(feature = "cuda"))]
 fn run_nccl(_pg: &ProcessGroup, _opts: &AllReduceBench) -> BenchResult<()> {
-    Err(DdpError::NcclUnavailable {
+    Err(DdpError::Cuda(crate::error::CudaError::NcclUnavailable {
         detail: "this burn-ddp binary was built without the `cuda` feature; rebuild with \
                          `--features cuda` to measure NCCL"
             .into(),
-    }
+    })
     .into())
 }
 
@@ -512,9 +518,11 @@ impl StreamLink {
                 )?;
                 let mut s = accept_until(&listener, deadline).map_err(fail("accepting rank 0"))?;
                 auth::server_handshake(&mut s, &[Purpose::Bench], &token, deadline).map_err(
-                    |e| DdpError::StoreRefused {
-                        rank,
-                        reason: format!("bench link handshake failed: {e}"),
+                    |e| {
+                        DdpError::Rendezvous(RendezvousError::StoreRefused {
+                            rank,
+                            reason: format!("bench link handshake failed: {e}"),
+                        })
                     },
                 )?;
                 auth::welcome(&mut s)?;

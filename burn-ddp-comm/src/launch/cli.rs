@@ -1,5 +1,6 @@
 //! The `burn-ddp` command line: `run` (a torchrun-like launcher) and `bench all-reduce`.
 
+use crate::error::{ConfigError, JobError};
 use std::ffi::OsString;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -244,11 +245,11 @@ fn gpus() -> Result<ExitCode> {
 
 #[cfg(not(feature = "cuda"))]
 fn gpus() -> Result<ExitCode> {
-    Err(crate::DdpError::InvalidConfig {
+    Err(crate::DdpError::Config(ConfigError::InvalidConfig {
         field: "burn-ddp gpus",
         reason: "this burn-ddp was built without the `cuda` feature: rebuild it with \
                  `--features cuda`",
-    })
+    }))
 }
 
 /// Logs to stderr, `warn` by default; `RUST_LOG` overrides.
@@ -264,43 +265,45 @@ pub fn init_logging() {
 }
 
 fn seconds(field: &'static str, v: f64) -> Result<Duration> {
-    Duration::try_from_secs_f64(v).map_err(|_| DdpError::InvalidConfig {
-        field,
-        reason: "must be a number of seconds, 0 or more",
+    Duration::try_from_secs_f64(v).map_err(|_| {
+        DdpError::Config(ConfigError::InvalidConfig {
+            field,
+            reason: "must be a number of seconds, 0 or more",
+        })
     })
 }
 
 fn run(args: RunArgs) -> Result<ExitCode> {
     let range = args.nnodes;
     if range.is_elastic() && args.fault_tolerant {
-        return Err(DdpError::InvalidConfig {
+        return Err(DdpError::Config(ConfigError::InvalidConfig {
             field: "--fault-tolerant",
             reason: "does not go with an elastic --nnodes MIN:MAX (which restarts every rank \
                      on a change of nodes): a fault-tolerant job keeps its ranks and changes \
                      its membership live; give --nnodes N",
-        });
+        }));
     }
     if range.is_elastic() && args.node_rank.is_some() {
-        return Err(DdpError::InvalidConfig {
+        return Err(DdpError::Config(ConfigError::InvalidConfig {
             field: "--node-rank",
             reason:
                 "is assigned by the rendezvous in an elastic job (--nnodes MIN:MAX): leave it out",
-        });
+        }));
     }
     let node_rank = args.node_rank.unwrap_or(0);
     if node_rank >= range.min {
-        return Err(DdpError::InvalidConfig {
+        return Err(DdpError::Config(ConfigError::InvalidConfig {
             field: "--node-rank",
             reason: "must be below --nnodes",
-        });
+        }));
     }
     let (program, rest) = match args.command.split_first() {
         Some((p, r)) => (p.clone(), r.to_vec()),
         None => {
-            return Err(DdpError::InvalidConfig {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "command",
                 reason: "is required: burn-ddp run [OPTIONS] -- PROGRAM [ARGS]",
-            })
+            }))
         }
     };
     let master = if args.standalone {
@@ -313,10 +316,10 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         (None, Some(t)) => JobToken::new(t),
         _ if range.max == 1 => JobToken::generate(),
         _ => {
-            return Err(DdpError::MissingEnv {
+            return Err(DdpError::Config(ConfigError::MissingEnv {
                 var: super::env::JOB_TOKEN,
                 hint: "with --nnodes > 1 every node's launcher needs the same job token: pass --rdzv-id <ID> (or set BURN_DDP_JOB_TOKEN) on every node",
-            })
+            }))
         }
     };
     let mut job = LocalJob {
@@ -387,7 +390,9 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         ));
         match spawn::run(&job)?.into_result() {
             Ok(_) => return Ok(ExitCode::SUCCESS),
-            Err(DdpError::Interrupted) => return Err(DdpError::Interrupted),
+            Err(DdpError::Job(JobError::Interrupted)) => {
+                return Err(DdpError::Job(JobError::Interrupted))
+            }
             Err(e) if attempt < args.max_restarts => {
                 eprintln!(
                     "burn-ddp run: {e}; restarting the whole group (restart {} of {})",

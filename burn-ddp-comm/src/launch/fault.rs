@@ -14,6 +14,7 @@
 //! - the node succeeds when its ranks that are members of the job's last membership all
 //!   ended successfully (ranks lost on the way are said, not fatal).
 
+use crate::error::{JobError, MembershipError};
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -291,7 +292,7 @@ fn judge(
     interrupted: bool,
 ) -> Option<DdpError> {
     if interrupted {
-        return Some(DdpError::Interrupted);
+        return Some(DdpError::Job(JobError::Interrupted));
     }
     let ends = || {
         exits
@@ -304,44 +305,46 @@ fn judge(
         exits
             .iter()
             .find(|(_, e)| !e.status.success())
-            .map(|(m, e)| DdpError::FaultTolerantJob {
-                reason: format!(
-                    "rank {} (member {m}) {} before the job formed its first membership",
-                    e.rank,
-                    describe(e.status)
-                ),
+            .map(|(m, e)| {
+                DdpError::Membership(MembershipError::FaultTolerantJob {
+                    reason: format!(
+                        "rank {} (member {m}) {} before the job formed its first membership",
+                        e.rank,
+                        describe(e.status)
+                    ),
+                })
             })
     };
     let members = match last {
         Ok(Some(m)) => &m.members,
         Ok(None) => return first_failure(),
         Err(e) => {
-            return Some(DdpError::FaultTolerantJob {
+            return Some(DdpError::Membership(MembershipError::FaultTolerantJob {
                 reason: format!(
                     "this node lost the job's store ({e}); its ranks: {}",
                     ends()
                 ),
-            })
+            }))
         }
     };
     let mine: Vec<&(u32, RankExit)> = exits.iter().filter(|(m, _)| members.contains(m)).collect();
     if let Some((m, e)) = mine.iter().find(|(_, e)| !e.status.success()) {
-        return Some(DdpError::FaultTolerantJob {
+        return Some(DdpError::Membership(MembershipError::FaultTolerantJob {
             reason: format!(
                 "rank {} (member {m}), a member of the job's last membership, {}",
                 e.rank,
                 describe(e.status)
             ),
-        });
+        }));
     }
     if mine.is_empty() {
-        return Some(DdpError::FaultTolerantJob {
+        return Some(DdpError::Membership(MembershipError::FaultTolerantJob {
             reason: format!(
                 "every rank of this node was lost; the job went on with members {members:?} \
                  ({})",
                 ends()
             ),
-        });
+        }));
     }
     let lost: Vec<String> = exits
         .iter()

@@ -11,6 +11,7 @@
 //! The environment contract (torchrun and Slurm variables) lives in [`crate::config::env`], the
 //! one module that reads the environment; `launch::env` is the same module.
 
+use crate::error::{ConfigError, JobError};
 use crate::{DdpError, ProcessGroup, Result};
 
 pub mod bench;
@@ -61,16 +62,18 @@ pub fn spawn<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     if env::launched() {
         let group = ProcessGroup::from_env()?;
         let rank = group.rank();
-        return f(group).map_err(|e| DdpError::RankError {
-            rank,
-            source: e.into(),
+        return f(group).map_err(|e| {
+            DdpError::Job(JobError::RankError {
+                rank,
+                source: e.into(),
+            })
         });
     }
     if nproc == 0 {
-        return Err(DdpError::InvalidConfig {
+        return Err(DdpError::Config(ConfigError::InvalidConfig {
             field: "spawn(nproc)",
             reason: "at least one process is needed",
-        });
+        }));
     }
     let program = std::env::current_exe()?;
     let mut job =

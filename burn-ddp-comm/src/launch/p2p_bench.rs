@@ -7,6 +7,7 @@
 //! activation on while it takes a gradient back), and the whole group all-reduces a buffer of
 //! the same size. Each is the median of several rounds.
 
+use crate::error::ConfigError;
 use std::time::{Duration, Instant};
 
 use super::bench::{BenchError, BenchResult};
@@ -44,13 +45,13 @@ impl P2pBench {
     /// Checks the options.
     ///
     /// # Errors
-    /// [`DdpError::InvalidOption`] naming the option out of range.
+    /// [`ConfigError::InvalidOption`] naming the option out of range.
     pub fn check(&self) -> Result<()> {
         let bad = |option, reason: &str| {
-            Err(DdpError::InvalidOption {
+            Err(DdpError::Config(ConfigError::InvalidOption {
                 option,
                 reason: reason.into(),
-            })
+            }))
         };
         if self.min_bytes < 4 || self.min_bytes > self.max_bytes {
             return bad("--min-bytes", "must be at least 4 and at most --max-bytes");
@@ -166,10 +167,10 @@ pub fn run_worker(opts: &P2pBench) -> BenchResult<()> {
     opts.check()?;
     let pg = ProcessGroup::from_env()?;
     if pg.world_size().get() < 2 {
-        return Err(DdpError::InvalidOption {
+        return Err(DdpError::Config(ConfigError::InvalidOption {
             option: "--nproc",
             reason: "point-to-point needs at least 2 ranks".into(),
-        }
+        })
         .into());
     }
     if pg.is_main() {

@@ -5,6 +5,7 @@
 //! 100 ms; the first one that fails gets named, and the others get SIGTERM, then SIGKILL after a
 //! grace period, so a job never outlives one of its ranks by more than the grace period.
 
+use crate::error::JobError;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -271,10 +272,12 @@ pub(crate) fn start_rank(
                 .map_err(std::io::Error::from)
         });
     }
-    let mut child = cmd.spawn().map_err(|source| DdpError::Spawn {
-        rank,
-        program: job.program.display().to_string(),
-        source,
+    let mut child = cmd.spawn().map_err(|source| {
+        DdpError::Job(JobError::Spawn {
+            rank,
+            program: job.program.display().to_string(),
+            source,
+        })
     })?;
     let mut readers = Vec::new();
     if let Some(out) = child.stdout.take() {
@@ -394,7 +397,7 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
                 );
             }
             if stopped && failure.is_none() {
-                failure = Some(DdpError::Interrupted);
+                failure = Some(DdpError::Job(JobError::Interrupted));
             }
             for r in running.iter_mut().filter(|r| r.exit.is_none()) {
                 r.stopped = true;
@@ -418,15 +421,15 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
         // Ctrl-C reaches the ranks too (one process group), and they may die of it before
         // this loop sees the flag: the job was interrupted, not failed (which a launcher with
         // restarts left would answer by restarting).
-        failure = Some(DdpError::Interrupted);
+        failure = Some(DdpError::Job(JobError::Interrupted));
     }
     if failure.is_none() {
         if let Some(limit) = job.deadline.filter(|d| started.elapsed() > *d) {
-            failure = Some(DdpError::RankFailed {
+            failure = Some(DdpError::Job(JobError::RankFailed {
                 rank: Rank(job.node_rank * job.nproc_per_node),
                 pid: running.first().map(|r| r.child.id()).unwrap_or(0),
                 status: format!("did not finish within {limit:?}"),
-            });
+            }));
         }
     }
 
@@ -448,11 +451,11 @@ fn to_blame(ended: &[(Rank, u32, ExitStatus)]) -> Option<DdpError> {
     let (rank, pid, status) = failed()
         .find(|(_, _, status)| status.signal().is_some())
         .or_else(|| failed().next())?;
-    Some(DdpError::RankFailed {
+    Some(DdpError::Job(JobError::RankFailed {
         rank: *rank,
         pid: *pid,
         status: describe(*status),
-    })
+    }))
 }
 
 /// A flag that SIGINT, SIGTERM and SIGHUP set, for [`LocalJob::stop`].
@@ -482,7 +485,9 @@ mod tests {
         let exited = |code: i32| ExitStatus::from_raw(code << 8);
         let killed = ExitStatus::from_raw(9);
         let blamed = |ended: &[(Rank, u32, ExitStatus)]| match to_blame(ended) {
-            Some(DdpError::RankFailed { rank, status, .. }) => Some((rank.0, status)),
+            Some(DdpError::Job(JobError::RankFailed { rank, status, .. })) => {
+                Some((rank.0, status))
+            }
             _ => None,
         };
         let both = [(Rank(0), 10, exited(1)), (Rank(1), 11, killed)];

@@ -12,8 +12,9 @@
 //! ```
 //!
 //! A peer with another protocol version fails at the frame header (`VersionMismatch`), which both
-//! sides report as `DdpError::ProtocolMismatch`.
+//! sides report as `RendezvousError::ProtocolMismatch`.
 
+use crate::error::{ConfigError, RendezvousError};
 use std::io;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
@@ -223,13 +224,17 @@ impl io::Write for Deadlined<'_> {
 
 fn client_error(rank: Rank, peer: SocketAddr, e: FrameError) -> DdpError {
     match e {
-        FrameError::Wire(WireError::VersionMismatch { theirs }) => DdpError::ProtocolMismatch {
-            rank,
-            peer,
-            ours: wire::PROTOCOL_VERSION,
-            theirs,
-        },
-        FrameError::Wire(error) => DdpError::Protocol { rank, peer, error },
+        FrameError::Wire(WireError::VersionMismatch { theirs }) => {
+            DdpError::Rendezvous(RendezvousError::ProtocolMismatch {
+                rank,
+                peer,
+                ours: wire::PROTOCOL_VERSION,
+                theirs,
+            })
+        }
+        FrameError::Wire(error) => {
+            DdpError::Rendezvous(RendezvousError::Protocol { rank, peer, error })
+        }
         FrameError::Io(e) => DdpError::Io(e),
     }
 }
@@ -287,7 +292,10 @@ pub(crate) fn client_handshake(
     {
         // Tell the server why we hang up, so that it can report the stranger precisely.
         let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
-        return Err(DdpError::TokenMismatch { rank, peer });
+        return Err(DdpError::Rendezvous(RendezvousError::TokenMismatch {
+            rank,
+            peer,
+        }));
     }
     let proof = mac(
         token,
@@ -323,32 +331,40 @@ pub(crate) fn client_handshake(
 
 fn refusal(rank: Rank, world: WorldSize, peer: SocketAddr, payload: &[u8]) -> DdpError {
     match RefuseReason::decode(payload) {
-        Ok(RefuseReason::WrongToken) => DdpError::TokenMismatch { rank, peer },
+        Ok(RefuseReason::WrongToken) => {
+            DdpError::Rendezvous(RendezvousError::TokenMismatch { rank, peer })
+        }
         Ok(RefuseReason::WorldSize {
             server_rank,
             server_world,
-        }) => DdpError::WorldSizeMismatch {
+        }) => DdpError::Rendezvous(RendezvousError::WorldSizeMismatch {
             rank,
             other: server_rank,
             ours: world,
             theirs: server_world,
-        },
-        Ok(RefuseReason::DuplicateRank { first, second }) => DdpError::DuplicateRank {
-            rank,
-            claimed: rank,
-            first,
-            second,
-        },
-        Ok(RefuseReason::RankOutOfRange { world }) => DdpError::RankOutOfRange { rank, world },
-        Ok(RefuseReason::UnexpectedPeer { expected }) => DdpError::StoreRefused {
-            rank,
-            reason: format!("{peer} expected rank {expected} on this link, not rank {rank}"),
-        },
-        Ok(RefuseReason::Busy) => DdpError::StoreRefused {
+        }),
+        Ok(RefuseReason::DuplicateRank { first, second }) => {
+            DdpError::Rendezvous(RendezvousError::DuplicateRank {
+                rank,
+                claimed: rank,
+                first,
+                second,
+            })
+        }
+        Ok(RefuseReason::RankOutOfRange { world }) => {
+            DdpError::Config(ConfigError::RankOutOfRange { rank, world })
+        }
+        Ok(RefuseReason::UnexpectedPeer { expected }) => {
+            DdpError::Rendezvous(RendezvousError::StoreRefused {
+                rank,
+                reason: format!("{peer} expected rank {expected} on this link, not rank {rank}"),
+            })
+        }
+        Ok(RefuseReason::Busy) => DdpError::Rendezvous(RendezvousError::StoreRefused {
             rank,
             reason: format!("{peer} has too many open connections"),
-        },
-        Err(error) => DdpError::Protocol { rank, peer, error },
+        }),
+        Err(error) => DdpError::Rendezvous(RendezvousError::Protocol { rank, peer, error }),
     }
 }
 
@@ -532,7 +548,13 @@ mod tests {
             deadline(),
         )
         .unwrap_err();
-        assert!(matches!(err, DdpError::TokenMismatch { .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                DdpError::Rendezvous(RendezvousError::TokenMismatch { .. })
+            ),
+            "{err}"
+        );
         // The client detects the foreign server first and tells it why it leaves.
         assert!(matches!(
             server.join().unwrap(),

@@ -1,5 +1,6 @@
 //! The store client: one authenticated connection to rank 0's store, requests serialised.
 
+use crate::error::{CollectiveError, RendezvousError};
 use std::io::{self, ErrorKind};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -106,12 +107,12 @@ impl StoreClient {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(DdpError::MasterUnreachable {
+                return Err(DdpError::Rendezvous(RendezvousError::MasterUnreachable {
                     rank,
                     addr: master.to_string(),
                     waited: started.elapsed(),
                     last_error,
-                });
+                }));
             }
             thread::sleep(backoff.min(left));
             backoff = (backoff * 2).min(Duration::from_millis(500));
@@ -192,11 +193,11 @@ impl StoreClient {
     }
 
     fn lost(&self, source: io::Error) -> DdpError {
-        DdpError::StoreLost {
+        DdpError::Rendezvous(RendezvousError::StoreLost {
             rank: self.rank,
             addr: self.addr,
             source,
-        }
+        })
     }
 
     /// Sends a request and reads its reply; `wait` (plus the client's slack) bounds the reply
@@ -245,56 +246,60 @@ impl StoreClient {
             Err(FrameError::Io(e))
                 if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
             {
-                return Err(broken(DdpError::StoreTimeout {
-                    rank: self.rank,
-                    op,
-                    key: key.to_owned(),
-                    waited: wait + slack,
-                }))
+                return Err(broken(DdpError::Rendezvous(
+                    RendezvousError::StoreTimeout {
+                        rank: self.rank,
+                        op,
+                        key: key.to_owned(),
+                        waited: wait + slack,
+                    },
+                )))
             }
             Err(FrameError::Io(e)) => return Err(broken(self.lost(e))),
             Err(FrameError::Wire(error)) => {
-                return Err(broken(DdpError::Protocol {
+                return Err(broken(DdpError::Rendezvous(RendezvousError::Protocol {
                     rank: self.rank,
                     peer: self.addr,
                     error,
-                }))
+                })))
             }
         };
-        let reply = Reply::decode(k, &payload).map_err(|error| DdpError::Protocol {
-            rank: self.rank,
-            peer: self.addr,
-            error,
+        let reply = Reply::decode(k, &payload).map_err(|error| {
+            DdpError::Rendezvous(RendezvousError::Protocol {
+                rank: self.rank,
+                peer: self.addr,
+                error,
+            })
         })?;
         match reply {
-            Reply::Aborted(record) => Err(DdpError::JobAborted {
+            Reply::Aborted(record) => Err(DdpError::Collective(CollectiveError::JobAborted {
                 rank: self.rank,
                 during: None,
                 record,
-            }),
-            Reply::Error(reason) => Err(DdpError::StoreRefused {
+            })),
+            Reply::Error(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
                 rank: self.rank,
                 reason,
-            }),
-            Reply::Rejected(reason) => Err(DdpError::StoreRequest {
+            })),
+            Reply::Rejected(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRequest {
                 rank: self.rank,
                 op,
                 key: key.to_owned(),
                 reason,
-            }),
+            })),
             other => Ok(other),
         }
     }
 
     fn unexpected(&self, reply: &Reply) -> DdpError {
         let _ = reply;
-        DdpError::Protocol {
+        DdpError::Rendezvous(RendezvousError::Protocol {
             rank: self.rank,
             peer: self.addr,
             error: WireError::InvalidValue {
                 what: "reply kind for this request",
             },
-        }
+        })
     }
 
     /// Stores `value` under `key`.
@@ -335,12 +340,12 @@ impl StoreClient {
         };
         match self.call(&req, "get", key, timeout)? {
             Reply::Value(v) => Ok(v),
-            Reply::Timeout { .. } => Err(DdpError::StoreTimeout {
+            Reply::Timeout { .. } => Err(DdpError::Rendezvous(RendezvousError::StoreTimeout {
                 rank: self.rank,
                 op: "get",
                 key: key.to_owned(),
                 waited: timeout,
-            }),
+            })),
             other => Err(self.unexpected(&other)),
         }
     }
@@ -408,7 +413,7 @@ impl StoreClient {
     pub(crate) fn abort(&self, record: AbortRecord) -> Result<()> {
         let scope = self.scope.clone().unwrap_or_default();
         match self.call_on_failure(&Request::Abort { scope, record }, "abort") {
-            Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
+            Ok(_) | Err(DdpError::Collective(CollectiveError::JobAborted { .. })) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -418,7 +423,9 @@ impl StoreClient {
         let scope = self.scope.clone().unwrap_or_default();
         match self.call_on_failure(&Request::GetAbort { scope }, "get_abort") {
             Ok(Reply::NoAbort) => Ok(None),
-            Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
+            Err(DdpError::Collective(CollectiveError::JobAborted { record, .. })) => {
+                Ok(Some(record))
+            }
             Ok(other) => Err(self.unexpected(&other)),
             Err(e) => Err(e),
         }
@@ -432,7 +439,9 @@ impl StoreClient {
         };
         match self.call_on_failure(&req, "get_abort") {
             Ok(Reply::NoAbort) => Ok(None),
-            Err(DdpError::JobAborted { record, .. }) => Ok(Some(record)),
+            Err(DdpError::Collective(CollectiveError::JobAborted { record, .. })) => {
+                Ok(Some(record))
+            }
             Ok(other) => Err(self.unexpected(&other)),
             Err(e) => Err(e),
         }
@@ -445,7 +454,7 @@ impl StoreClient {
             record,
         };
         match self.call_on_failure(&req, "abort") {
-            Ok(_) | Err(DdpError::JobAborted { .. }) => Ok(()),
+            Ok(_) | Err(DdpError::Collective(CollectiveError::JobAborted { .. })) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -476,18 +485,20 @@ impl StoreClient {
 fn resolve(master: &MasterAddr, rank: Rank) -> Result<Vec<SocketAddr>> {
     let addrs: Vec<SocketAddr> = (master.host.as_str(), master.port)
         .to_socket_addrs()
-        .map_err(|source| DdpError::MasterUnresolvable {
-            rank,
-            host: master.host.clone(),
-            source,
+        .map_err(|source| {
+            DdpError::Rendezvous(RendezvousError::MasterUnresolvable {
+                rank,
+                host: master.host.clone(),
+                source,
+            })
         })?
         .collect();
     if addrs.is_empty() {
-        return Err(DdpError::MasterUnresolvable {
+        return Err(DdpError::Rendezvous(RendezvousError::MasterUnresolvable {
             rank,
             host: master.host.clone(),
             source: io::Error::new(ErrorKind::NotFound, "no address"),
-        });
+        }));
     }
     Ok(addrs)
 }

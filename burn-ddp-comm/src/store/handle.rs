@@ -1,5 +1,6 @@
 //! The public face of the rendezvous store: a small key-value store shared by every rank.
 
+use crate::error::RendezvousError;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,7 +55,7 @@ impl Store {
     /// Returns the value of `key`, waiting for it to be set (at most the group's store timeout).
     ///
     /// # Errors
-    /// [`DdpError::StoreTimeout`] if nobody sets the key in time; store or job failures.
+    /// [`RendezvousError::StoreTimeout`](crate::RendezvousError::StoreTimeout) if nobody sets the key in time; store or job failures.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
         self.client.get(&Self::key(key))
     }
@@ -79,7 +80,7 @@ impl Store {
     /// Waits until every key in `keys` exists, at most `timeout`.
     ///
     /// # Errors
-    /// [`DdpError::StoreTimeout`] naming the first missing key; store or job failures.
+    /// [`RendezvousError::StoreTimeout`](crate::RendezvousError::StoreTimeout) naming the first missing key; store or job failures.
     pub fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()> {
         let full: Vec<String> = keys.iter().map(|k| Self::key(k)).collect();
         match self.client.wait(&full, timeout)? {
@@ -88,12 +89,12 @@ impl Store {
                 let first = missing
                     .first()
                     .map_or("", |k| k.strip_prefix(USER_PREFIX).unwrap_or(k.as_str()));
-                Err(DdpError::StoreTimeout {
+                Err(DdpError::Rendezvous(RendezvousError::StoreTimeout {
                     rank: self.client.rank(),
                     op: "wait",
                     key: first.to_owned(),
                     waited: timeout,
-                })
+                }))
             }
         }
     }

@@ -11,6 +11,7 @@
 //! few hundred bytes. Authenticated connections (which hold the job token) have their own
 //! limit. Refusals are logged at a bounded rate and kept (for error messages) up to a bound.
 
+use crate::error::RendezvousError;
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, ErrorKind};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -274,13 +275,13 @@ impl StoreServer {
     ) -> Result<Self> {
         let listener = bind_listener(addr).map_err(|source| {
             if source.kind() == ErrorKind::AddrInUse {
-                DdpError::PortInUse {
+                DdpError::Rendezvous(RendezvousError::PortInUse {
                     rank,
                     addr,
                     origin: String::new(),
-                }
+                })
             } else {
-                DdpError::StoreBind { rank, addr, source }
+                DdpError::Rendezvous(RendezvousError::StoreBind { rank, addr, source })
             }
         })?;
         let addr = listener.local_addr()?;

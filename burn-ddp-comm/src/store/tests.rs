@@ -1,5 +1,6 @@
 //! Store tests on real sockets: the server, clients, and a raw socket that misbehaves.
 
+use crate::error::{CollectiveError, RendezvousError};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::thread;
@@ -90,9 +91,9 @@ fn add_on_a_value_that_is_not_a_counter_is_refused_and_the_connection_lives_on()
     let a = join(server.addr(), 0, 1);
     a.set("v", b"abc").unwrap();
     match a.add("v", 1) {
-        Err(DdpError::StoreRequest {
+        Err(DdpError::Rendezvous(RendezvousError::StoreRequest {
             op, key, reason, ..
-        }) => {
+        })) => {
             assert_eq!((op, key.as_str()), ("add", "v"));
             assert!(reason.contains("3-byte"), "{reason}");
         }
@@ -120,7 +121,7 @@ fn user_keys_are_kept_apart_from_internal_keys() {
     assert_eq!(sb.add("arrived", 1).unwrap(), 2);
     sb.wait(&["arrived"], Duration::from_millis(50)).unwrap();
     match sb.wait(&["arrived", "never"], Duration::from_millis(20)) {
-        Err(DdpError::StoreTimeout { op, key, .. }) => {
+        Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { op, key, .. })) => {
             assert_eq!((op, key.as_str()), ("wait", "never"))
         }
         other => panic!("expected StoreTimeout, got {other:?}"),
@@ -129,7 +130,7 @@ fn user_keys_are_kept_apart_from_internal_keys() {
     assert!(sb.delete("c").unwrap());
     assert!(matches!(
         sa.get_timeout("c", Duration::from_millis(20)),
-        Err(DdpError::StoreTimeout { .. })
+        Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
     ));
 }
 
@@ -155,7 +156,7 @@ fn get_times_out_with_the_key_name() {
         .get_timeout("never", Duration::from_millis(50))
         .unwrap_err();
     assert!(
-        matches!(err, DdpError::StoreTimeout { ref key, .. } if key == "never"),
+        matches!(err, DdpError::Rendezvous(RendezvousError::StoreTimeout { ref key, .. }) if key == "never"),
         "{err}"
     );
 }
@@ -164,7 +165,13 @@ fn get_times_out_with_the_key_name() {
 fn wrong_token_is_refused_and_recorded() {
     let server = serve(2);
     let err = join_as(server.addr(), Purpose::Store, 1, 2, "other-job").unwrap_err();
-    assert!(matches!(err, DdpError::TokenMismatch { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DdpError::Rendezvous(RendezvousError::TokenMismatch { .. })
+        ),
+        "{err}"
+    );
     let a = join(server.addr(), 0, 2);
     // A stranger does not abort the job, but it is recorded for diagnostics.
     assert_eq!(a.abort_record().unwrap(), None);
@@ -187,7 +194,13 @@ fn rank_claimed_twice() -> (StoreServer, StoreClient) {
     let server = serve(3);
     let first = join(server.addr(), 1, 3);
     let err = join_as(server.addr(), Purpose::Store, 1, 3, "secret").unwrap_err();
-    assert!(matches!(err, DdpError::DuplicateRank { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DdpError::Rendezvous(RendezvousError::DuplicateRank { .. })
+        ),
+        "{err}"
+    );
     (server, first)
 }
 
@@ -229,7 +242,13 @@ fn after_a_failed_rendezvous_the_store_stays_up_until_the_others_read_the_abort(
 fn world_size_mismatch_is_refused() {
     let server = serve(2);
     let err = join_as(server.addr(), Purpose::Store, 1, 3, "secret").unwrap_err();
-    assert!(matches!(err, DdpError::WorldSizeMismatch { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DdpError::Rendezvous(RendezvousError::WorldSizeMismatch { .. })
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -248,7 +267,9 @@ fn unclean_disconnect_aborts_and_names_the_rank() {
     drop(b); // no goodbye: as if the process died
     let err = a.get_timeout("never", Duration::from_secs(10)).unwrap_err();
     match err {
-        DdpError::JobAborted { record, .. } => assert_eq!(record.culprit, Some(Rank(1))),
+        DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
+            assert_eq!(record.culprit, Some(Rank(1)))
+        }
         other => panic!("{other}"),
     }
 }
@@ -362,7 +383,10 @@ fn survives_truncated_and_malformed_requests() {
 fn port_in_use_is_reported() {
     let server = serve(2);
     let err = StoreServer::bind(server.addr(), Rank(0), world(2), JobToken::new("x")).unwrap_err();
-    assert!(matches!(err, DdpError::PortInUse { .. }), "{err}");
+    assert!(
+        matches!(err, DdpError::Rendezvous(RendezvousError::PortInUse { .. })),
+        "{err}"
+    );
 }
 
 #[test]
@@ -384,7 +408,13 @@ fn unreachable_master_times_out_with_the_address() {
         Instant::now() + Duration::from_millis(600),
     )
     .unwrap_err();
-    assert!(matches!(err, DdpError::MasterUnreachable { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            DdpError::Rendezvous(RendezvousError::MasterUnreachable { .. })
+        ),
+        "{err}"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
 }
 
@@ -470,7 +500,7 @@ fn a_scoped_abort_ends_the_waits_of_its_scope_only() {
     b.end_scope("ft/3", record("second")).unwrap();
     let (got, waited, a) = waiter.join().unwrap();
     assert!(
-        matches!(&got, Err(DdpError::JobAborted { record, .. }) if record.reason == "first"),
+        matches!(&got, Err(DdpError::Collective(CollectiveError::JobAborted { record, .. })) if record.reason == "first"),
         "{got:?}"
     );
     assert!(waited < Duration::from_secs(5), "{waited:?}");
@@ -515,7 +545,10 @@ fn the_lighthouse_marks_lost_members_gone_and_aborts_nothing() {
     assert_eq!(watcher.abort_record().unwrap(), None);
     let again = connect(Purpose::Store, 7);
     assert!(
-        matches!(again, Err(DdpError::DuplicateRank { .. })),
+        matches!(
+            again,
+            Err(DdpError::Rendezvous(RendezvousError::DuplicateRank { .. }))
+        ),
         "{again:?}"
     );
     // A member that says goodbye is gone too: it takes part in no later membership.

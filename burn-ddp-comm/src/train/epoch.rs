@@ -21,6 +21,7 @@
 //! applied anywhere it failed, and a step applied anywhere was applied with the same averaged
 //! gradients), so after a change only the ranks behind need the state.
 
+use crate::error::{JobError, MembershipError, ModelError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -565,13 +566,13 @@ fn epoch_loop<D: EpochDriver + ?Sized>(
                 // `run_split` and `end_epoch` change the membership only when told the job is
                 // fault-tolerant; a driver that returns a change anyway stops training.
                 let rank = driver.group().rank();
-                driver.stop_with(DdpError::TrainingFailed {
+                driver.stop_with(DdpError::Job(JobError::TrainingFailed {
                     rank,
                     culprit: rank,
                     reason: format!(
                         "a change of membership ({c:?}) in a job that is not fault-tolerant"
                     ),
-                });
+                }));
                 break;
             }
         }
@@ -599,7 +600,7 @@ pub fn change<D: Handover + ?Sized>(
         };
         let rec = match agreed {
             Ok(rec) => rec,
-            Err(DdpError::Excluded { .. }) => pg.rejoin()?,
+            Err(DdpError::Membership(MembershipError::Excluded { .. })) => pg.rejoin()?,
             Err(e) => return Err(e),
         };
         let moved = move_state(&pg, &rec, || {
@@ -639,10 +640,12 @@ fn take_state<D: Handover + ?Sized>(
     cursor: &mut Cursor,
     rank: crate::Rank,
 ) -> Result<()> {
-    let bad = |why: &str| DdpError::Model {
-        rank,
-        what: "taking the Learner's state from the source rank",
-        reason: why.to_owned(),
+    let bad = |why: &str| {
+        DdpError::Model(ModelError::Model {
+            rank,
+            what: "taking the Learner's state from the source rank",
+            reason: why.to_owned(),
+        })
     };
     let [at, state] =
         unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;

@@ -3,6 +3,7 @@
 //! rank from rank 0's files, which rank 0 reads and broadcasts (so nodes need no shared file
 //! system). Each Burn line turns its records into bytes and back; this module moves the bytes.
 
+use crate::error::JobError;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -37,14 +38,14 @@ pub fn newest_complete(dir: &Path) -> Option<usize> {
 
 /// The error of a resume asked for without a checkpoint directory.
 pub fn no_directory(epoch: usize, how: &str) -> DdpError {
-    DdpError::Checkpoint {
+    DdpError::Job(JobError::Checkpoint {
         path: format!("epoch {epoch}"),
         what: "resuming",
         reason: format!(
             "asks to resume from epoch {epoch}, but the strategy has no checkpoint \
              directory: call {how}"
         ),
-    }
+    })
 }
 
 /// One of the three records of every epoch, in one directory, for one rank of a group.
@@ -74,8 +75,8 @@ impl RecordFiles {
     /// nothing (and do not make it).
     ///
     /// # Errors
-    /// The record could not be made ([`DdpError::Checkpoint`]) or written
-    /// ([`DdpError::CheckpointIo`], with the path and the OS error).
+    /// The record could not be made ([`JobError::Checkpoint`]) or written
+    /// ([`JobError::CheckpointIo`], with the path and the OS error).
     pub fn save<E: std::fmt::Display>(
         &self,
         epoch: usize,
@@ -85,10 +86,12 @@ impl RecordFiles {
             return Ok(());
         }
         let file = self.path(epoch);
-        let bytes = bytes().map_err(|e| DdpError::Checkpoint {
-            path: file.display().to_string(),
-            what: "serialising the record",
-            reason: e.to_string(),
+        let bytes = bytes().map_err(|e| {
+            DdpError::Job(JobError::Checkpoint {
+                path: file.display().to_string(),
+                what: "serialising the record",
+                reason: e.to_string(),
+            })
         })?;
         write_atomic(&file, &bytes)
     }
@@ -138,11 +141,11 @@ impl RecordFiles {
                 bytes.remove(0);
                 Ok(bytes)
             }
-            _ => Err(DdpError::Checkpoint {
+            _ => Err(DdpError::Job(JobError::Checkpoint {
                 path: file.display().to_string(),
                 what: "restoring",
                 reason: String::from_utf8_lossy(bytes.get(1..).unwrap_or_default()).into_owned(),
-            }),
+            })),
         }
     }
 }

@@ -6,6 +6,7 @@
 //! directory that already holds checkpoints, so that the epochs found there are always its
 //! own. The decision is rank 0's, sent to every rank ([`start_epoch`]).
 
+use crate::error::JobError;
 use std::fs;
 use std::path::Path;
 
@@ -48,7 +49,7 @@ pub fn own_checkpoints(dir: &Path) -> bool {
 /// (rank 0) before training.
 ///
 /// # Errors
-/// `out` exists and cannot be removed ([`DdpError::CheckpointIo`]).
+/// `out` exists and cannot be removed ([`JobError::CheckpointIo`]).
 pub fn prepare_output(
     out: &Path,
     checkpoints: &Path,
@@ -61,11 +62,11 @@ pub fn prepare_output(
     match fs::remove_dir_all(out) {
         Ok(()) => Ok(false),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(source) => Err(DdpError::CheckpointIo {
+        Err(source) => Err(DdpError::Job(JobError::CheckpointIo {
             path: out.to_path_buf(),
             what: "clearing the output directory for a fresh run",
             source,
-        }),
+        })),
     }
 }
 
@@ -183,23 +184,25 @@ impl RunSettings {
         match fs::read_to_string(&file) {
             Ok(text) => Ok(Some(Self::parse(&text))),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(DdpError::CheckpointIo {
+            Err(source) => Err(DdpError::Job(JobError::CheckpointIo {
                 path: file,
                 what: "reading the run's settings",
                 source,
-            }),
+            })),
         }
     }
 
     /// Records the settings in `dir` (made if missing), atomically.
     ///
     /// # Errors
-    /// The directory or the file cannot be written ([`DdpError::CheckpointIo`]).
+    /// The directory or the file cannot be written ([`JobError::CheckpointIo`]).
     pub fn write(&self, dir: &Path) -> Result<()> {
-        fs::create_dir_all(dir).map_err(|source| DdpError::CheckpointIo {
-            path: dir.to_path_buf(),
-            what: "creating the checkpoint directory",
-            source,
+        fs::create_dir_all(dir).map_err(|source| {
+            DdpError::Job(JobError::CheckpointIo {
+                path: dir.to_path_buf(),
+                what: "creating the checkpoint directory",
+                source,
+            })
         })?;
         write_atomic(&dir.join(RUN_FILE), self.text().as_bytes())
     }
@@ -234,8 +237,8 @@ pub struct StartAsk<'a> {
 /// # Errors
 /// On every rank, when rank 0 refuses: the checkpoints were written with other settings or by
 /// a program that recorded none, a fresh run would mix its checkpoints with an earlier run's,
-/// or the settings cannot be recorded ([`DdpError::Checkpoint`] on rank 0,
-/// [`DdpError::TrainingFailed`] naming rank 0 on the others); or the broadcast failed.
+/// or the settings cannot be recorded ([`JobError::Checkpoint`] on rank 0,
+/// [`JobError::TrainingFailed`] naming rank 0 on the others); or the broadcast failed.
 pub fn start_epoch(pg: &ProcessGroup, ask: &StartAsk<'_>) -> Result<Option<usize>> {
     // First byte: 1 = the epoch follows (0 = none), 0 = rank 0's error message follows.
     let (mine, own_error) = if pg.rank() == Rank(0) {
@@ -263,20 +266,20 @@ pub fn start_epoch(pg: &ProcessGroup, ask: &StartAsk<'_>) -> Result<Option<usize
             let epoch = u64::from_le_bytes(epoch.try_into().unwrap_or_default()) as usize;
             Ok((epoch > 0).then_some(epoch))
         }
-        _ => Err(DdpError::TrainingFailed {
+        _ => Err(DdpError::Job(JobError::TrainingFailed {
             rank: pg.rank(),
             culprit: Rank(0),
             reason: String::from_utf8_lossy(bytes.get(1..).unwrap_or_default()).into_owned(),
-        }),
+        })),
     }
 }
 
 fn refused(dir: &Path, what: &'static str, reason: String) -> DdpError {
-    DdpError::Checkpoint {
+    DdpError::Job(JobError::Checkpoint {
         path: dir.display().to_string(),
         what,
         reason,
-    }
+    })
 }
 
 /// Rank 0's decision (see [`start_epoch`]).

@@ -408,6 +408,7 @@ macro_rules! strategy_docs {
 
 #[cfg(test)]
 mod tests {
+    use crate::error::ConfigError;
     use std::cell::Cell;
 
     use super::*;
@@ -470,10 +471,12 @@ mod tests {
     #[test]
     fn the_summary_of_a_failed_run_keeps_the_epochs_it_completed() {
         let state = StrategyState::new(&ProcessGroup::single());
-        state.failure.fail(crate::DdpError::InvalidConfig {
-            field: "f",
-            reason: "lost",
-        });
+        state
+            .failure
+            .fail(crate::DdpError::Config(ConfigError::InvalidConfig {
+                field: "f",
+                reason: "lost",
+            }));
         let splits = || {
             [
                 vec![Metric(vec![1, 2, 3]), Metric(vec![3])],

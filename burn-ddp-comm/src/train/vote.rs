@@ -2,6 +2,7 @@
 //! or failed, and one small all-reduce turns those votes into the same decision on every rank,
 //! so that no rank is left waiting in a collective that the others skipped.
 
+use crate::error::JobError;
 use std::sync::{Arc, Mutex};
 
 use crate::{DdpError, ProcessGroup, Rank, ReduceOp, Result};
@@ -177,11 +178,11 @@ impl Outcome {
             }
             Ok(Decision::Failed { culprit, reason }) => Outcome::Fail(
                 format!("rank {culprit} failed: {reason}"),
-                DdpError::TrainingFailed {
+                DdpError::Job(JobError::TrainingFailed {
                     rank: me,
                     culprit,
                     reason,
-                },
+                }),
             ),
             Err(e) => Outcome::Fail(e.to_string(), e),
         }
@@ -354,11 +355,11 @@ pub fn fail_alone(
     interrupt: impl FnOnce(&str),
 ) -> Flow {
     interrupt(what);
-    failure.fail(DdpError::TrainingFailed {
+    failure.fail(DdpError::Job(JobError::TrainingFailed {
         rank: pg.rank(),
         culprit: pg.rank(),
         reason: what.to_owned(),
-    });
+    }));
     pg.abort();
     Flow::Stop
 }
@@ -588,11 +589,11 @@ mod tests {
         assert_eq!(message, "rank 2 failed: bad batch");
         let slot = FailureSlot::default();
         slot.fail(e);
-        slot.fail(DdpError::TrainingFailed {
+        slot.fail(DdpError::Job(JobError::TrainingFailed {
             rank: Rank(0),
             culprit: Rank(3),
             reason: "later".into(),
-        });
+        }));
         let kept = slot.message().unwrap();
         assert!(
             kept.contains("rank 2") && kept.contains("bad batch"),

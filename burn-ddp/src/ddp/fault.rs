@@ -8,6 +8,7 @@
 //! are dropped, the model is checked across ranks, marked, and the NCCL communicator is created
 //! anew on the new ranks.
 
+use burn_ddp_comm::ModelError;
 use std::marker::PhantomData;
 
 use burn::module::AutodiffModule;
@@ -29,10 +30,12 @@ fn record_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         record,
         (),
     )
-    .map_err(|e| DdpError::Model {
-        rank,
-        what: "serialising the state to send to the ranks behind",
-        reason: e.to_string(),
+    .map_err(|e| {
+        DdpError::Model(ModelError::Model {
+            rank,
+            what: "serialising the state to send to the ranks behind",
+            reason: e.to_string(),
+        })
     })
 }
 
@@ -46,10 +49,12 @@ fn load_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         bytes,
         device,
     )
-    .map_err(|e| DdpError::Model {
-        rank,
-        what: "loading the state received from the source rank",
-        reason: e.to_string(),
+    .map_err(|e| {
+        DdpError::Model(ModelError::Model {
+            rank,
+            what: "loading the state received from the source rank",
+            reason: e.to_string(),
+        })
     })
 }
 
@@ -208,7 +213,7 @@ impl DdpSession {
     ///
     /// # Errors
     /// `cause` itself when it is not a failure of the group ([`DdpError::is_peer_failure`]) or
-    /// the group is not fault-tolerant; [`DdpError::TooFewRanks`]; the store's errors.
+    /// the group is not fault-tolerant; [`MembershipError::TooFewRanks`](burn_ddp_comm::MembershipError::TooFewRanks); the store's errors.
     pub fn recover<B, M, O>(&self, cause: DdpError, state: &mut LoopState<M, O>) -> Result<()>
     where
         B: AutodiffBackend,

@@ -27,6 +27,7 @@
 //! The path takes Burn's `Cuda` with its default element types (`Cuda<f32, i32>`, what
 //! `burn::backend::Cuda` means); other element types use the host-staged transport.
 
+use burn_ddp_comm::ModelError;
 use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
@@ -243,25 +244,25 @@ impl DeviceStep {
         let shape = grad.shape();
         let dtype = grad.dtype();
         if shape.num_elements() != numel {
-            return Err(DdpError::GradientSize {
+            return Err(DdpError::Model(ModelError::GradientSize {
                 rank,
                 param: param.name.clone(),
                 expected: numel,
                 got: shape.num_elements(),
-            });
+            }));
         }
         if !matches!(
             dtype,
             BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
         ) {
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank,
                 what: "reading a gradient",
                 reason: format!(
                     "the gradient of `{}` holds {dtype:?}, not floats",
                     param.name
                 ),
-            });
+            }));
         }
         self.device.get_or_insert_with(|| Gpu::float_device(&grad));
         let flat = Gpu::float_reshape(grad, Shape::new([numel]));
@@ -406,12 +407,13 @@ impl DeviceStep {
         // No gradient here: the reduced presence flags (one read for all of them) tell which
         // parameters some other rank had a gradient for.
         let flags: Vec<CudaFloat> = absent.iter().map(|(_, _, f)| f.clone()).collect();
-        let flags =
-            read_f32::<Gpu>(Gpu::float_cat(flags, 0)).map_err(|reason| DdpError::Model {
+        let flags = read_f32::<Gpu>(Gpu::float_cat(flags, 0)).map_err(|reason| {
+            DdpError::Model(ModelError::Model {
                 rank: comm.rank(),
                 what: "reading the reduced buckets' presence flags",
                 reason,
-            })?;
+            })
+        })?;
         let foreign = absent
             .into_iter()
             .zip(flags)

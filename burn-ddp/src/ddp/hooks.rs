@@ -2,6 +2,7 @@
 //! `backward()`, cannot return errors (Burn's hook signatures), and so record failures in the
 //! session, where `DdpSession::check` and `DdpSession::backward` report them.
 
+use burn_ddp_comm::ModelError;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::distributed::{DistributedParamId, ReduceOperation};
@@ -93,20 +94,20 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
                 .map(|s| s.info.name.clone())
                 .unwrap_or_default();
             let rank = session.pg.rank();
-            r.record_error(DdpError::GradientSize {
+            r.record_error(DdpError::Model(ModelError::GradientSize {
                 rank,
                 param: name,
                 expected,
                 got: values.len(),
-            });
+            }));
         }
         Err(reason) => {
             let rank = session.pg.rank();
-            r.record_error(DdpError::Model {
+            r.record_error(DdpError::Model(ModelError::Model {
                 rank,
                 what: "reading a gradient",
                 reason,
-            });
+            }));
         }
     }
 }
@@ -176,11 +177,13 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
     let values = match read_f32::<B>(tensor.clone()) {
         Ok(v) => v,
         Err(reason) => {
-            session.reducer().record_error(DdpError::Model {
-                rank: session.pg.rank(),
-                what: "reading a tensor to all-reduce",
-                reason,
-            });
+            session
+                .reducer()
+                .record_error(DdpError::Model(ModelError::Model {
+                    rank: session.pg.rank(),
+                    what: "reading a tensor to all-reduce",
+                    reason,
+                }));
             return tensor;
         }
     };

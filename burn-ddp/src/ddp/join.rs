@@ -68,7 +68,7 @@ impl DdpSession {
     /// optimizer's moments (Adam's) lag by the steps it sat out, as with PyTorch's `Join`.
     /// The periodic comparison of replicas pauses inside a join. Without `join`, ranks with
     /// different numbers of batches fail: the first rank to finish leaves the job, and the
-    /// others' next collective names it ([`DdpError::PeerFinished`](crate::DdpError::PeerFinished)).
+    /// others' next collective names it ([`CollectiveError::PeerFinished`](crate::CollectiveError::PeerFinished)).
     ///
     /// ```no_run
     /// # use burn::backend::{Autodiff, NdArray};

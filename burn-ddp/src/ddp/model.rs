@@ -1,6 +1,7 @@
 //! How a model joins a session: `prepare` (check, broadcast, mark, plan) and the plain,
 //! after-backward path `sync_gradients`.
 
+use burn_ddp_comm::ModelError;
 use core::marker::PhantomData;
 use std::collections::HashMap;
 
@@ -194,11 +195,11 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         // them), so the record sent is current.
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         Recorder::<B>::record(&recorder, self.model.clone().into_record(), ()).map_err(|e| {
-            DdpError::Model {
+            DdpError::Model(ModelError::Model {
                 rank,
                 what: "serialising the model to send",
                 reason: e.to_string(),
-            }
+            })
         })
     }
 
@@ -212,12 +213,13 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         self.model.visit(&mut save);
         let device = self.model.devices().into_iter().next().unwrap_or_default();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        let record =
-            Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
+        let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
+            DdpError::Model(ModelError::Model {
                 rank,
                 what: "loading the model received",
                 reason: e.to_string(),
-            })?;
+            })
+        })?;
         let model = self.model.load_record(record).map(&mut Restore {
             path: Path::default(),
             saved: save.saved,
@@ -247,7 +249,7 @@ impl DdpSession {
     /// Every rank must call it, with the same model architecture.
     ///
     /// # Errors
-    /// [`DdpError::ModelMismatch`]; collective failures; a record that cannot be (de)serialised.
+    /// [`ModelError::ModelMismatch`](burn_ddp_comm::ModelError::ModelMismatch); collective failures; a record that cannot be (de)serialised.
     pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(&self, model: M) -> Result<M> {
         self.prepare_with(model, &[], true)
     }
@@ -429,7 +431,7 @@ impl DdpSession {
     ///
     /// # Errors
     /// `model` is not the prepared model (it lacks a parameter the reducer has a gradient for);
-    /// [`DdpError::ReplicasDiverged`].
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged).
     pub fn complete<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,
@@ -465,14 +467,14 @@ impl DdpSession {
         if !register.foreign.is_empty() {
             let mut names: Vec<String> = register.foreign.into_values().map(|f| f.name).collect();
             names.sort();
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank: self.shared.pg.rank(),
                 what: "completing the step's gradients",
                 reason: format!(
                     "the model given to DdpSession::complete has no parameter {names:?}, which \
                      other ranks had gradients for: pass the prepared model"
                 ),
-            });
+            }));
         }
         Ok(grads)
     }
@@ -495,14 +497,14 @@ impl DdpSession {
 
 impl DdpSession {
     /// Compares `model`'s synchronised parameters across ranks (a digest of each, read to the
-    /// host), failing with [`DdpError::ReplicasDiverged`] naming the first that differs. Every
+    /// host), failing with [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged) naming the first that differs. Every
     /// rank must call it at the same point; [`DdpSession::complete`] and
     /// [`DdpSession::sync_gradients`] do every `DdpConfig::check_replicas_every` steps. Buffers
     /// (BatchNorm's running statistics, which each rank updates from its own batches) and
     /// rank-local fields (`#[ddp(skip)]`) are left out.
     ///
     /// # Errors
-    /// [`DdpError::ReplicasDiverged`]; a parameter that cannot be read; collective failures.
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged); a parameter that cannot be read; collective failures.
     pub fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
         model: &M,

@@ -7,6 +7,7 @@
 //! so every rank ends the step with the same model while holding about `1/N` of the optimizer
 //! state.
 
+use burn_ddp_comm::ModelError;
 use std::marker::PhantomData;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -148,13 +149,13 @@ impl DdpSession {
     {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(&self.shared.pg)?;
         if self.shared.reducer().params().is_empty() {
-            return Err(DdpError::Model {
+            return Err(DdpError::Model(ModelError::Model {
                 rank: self.shared.pg.rank(),
                 what: "sharding the optimizer state",
                 reason: "DdpSession::prepare was not called: prepare the model first, then \
                          DdpSession::zero(optimizer, &model)"
                     .into(),
-            });
+            }));
         }
         let skip = self.skip();
         let mut synced = Synced {
@@ -258,11 +259,11 @@ where
         let rank = self.rank();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         let mine = Recorder::<B>::record(&recorder, self.inner.to_record(), ()).map_err(|e| {
-            DdpError::Model {
+            DdpError::Model(ModelError::Model {
                 rank,
                 what: "serialising this rank's optimizer state",
                 reason: e.to_string(),
-            }
+            })
         })?;
         let all = self.session.group().all_gather_bytes(&mine)?;
         if rank != Rank(0) {
@@ -272,12 +273,13 @@ where
         let mut whole: Vec<(ParamId, R)> = Vec::new();
         let mut seen = std::collections::HashSet::new();
         for (from, bytes) in all.into_iter().enumerate() {
-            let shard: O::Record =
-                Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| DdpError::Model {
+            let shard: O::Record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
+                DdpError::Model(ModelError::Model {
                     rank,
                     what: "reading another rank's optimizer state",
                     reason: format!("rank {from}'s: {e}"),
-                })?;
+                })
+            })?;
             // Rank-local parameters' state is every rank's own: rank 0's is kept.
             for (id, state) in shard {
                 if seen.insert(id) {

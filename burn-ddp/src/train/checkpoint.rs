@@ -7,6 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{Checkpointer, CheckpointerError};
 use burn_ddp_comm::train::files::RecordFiles;
 use burn_ddp_comm::train::vote::FailureSlot;
+use burn_ddp_comm::JobError;
 
 /// One of the three records, for burn-train's `AsyncCheckpointer`. Burn's checkpointer thread
 /// turns an error into a stop of the interrupter, which would end training as if asked to; so
@@ -39,15 +40,13 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for RankCheckpointer {
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {
         let path = self.files.path(epoch);
-        self.keep(
-            self.files
-                .delete(epoch)
-                .map_err(|e| crate::DdpError::CheckpointIo {
-                    path,
-                    what: "deleting an old checkpoint",
-                    source: e,
-                }),
-        )
+        self.keep(self.files.delete(epoch).map_err(|e| {
+            crate::DdpError::Job(JobError::CheckpointIo {
+                path,
+                what: "deleting an old checkpoint",
+                source: e,
+            })
+        }))
     }
 
     /// Collective: every rank restores the same epoch; rank 0 reads the file and sends it.
@@ -65,9 +64,11 @@ pub(crate) fn restore<R: Record<B>, B: Backend>(
     let bytes = files.restore(epoch)?;
     BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)
-        .map_err(|e| crate::DdpError::Checkpoint {
-            path: files.path(epoch).display().to_string(),
-            what: "restoring",
-            reason: e.to_string(),
+        .map_err(|e| {
+            crate::DdpError::Job(JobError::Checkpoint {
+                path: files.path(epoch).display().to_string(),
+                what: "restoring",
+                reason: e.to_string(),
+            })
         })
 }

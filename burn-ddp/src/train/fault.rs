@@ -16,6 +16,7 @@ use burn::train::{
     LearningCheckpointer, LearningComponentsTypes,
 };
 use burn_backend::BackendTypes;
+use burn_ddp_comm::ModelError;
 
 use super::DdpStrategy;
 use burn_ddp_comm::group::handover::{learner_records, learner_state, RecordSlot};
@@ -71,10 +72,12 @@ fn load<R: Record<B>, B: Backend>(
 ) -> Result<R> {
     BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)
-        .map_err(|e| DdpError::Model {
-            rank,
-            what: "loading the Learner's state received from the source rank",
-            reason: e.to_string(),
+        .map_err(|e| {
+            DdpError::Model(ModelError::Model {
+                rank,
+                what: "loading the Learner's state received from the source rank",
+                reason: e.to_string(),
+            })
         })
 }
 

@@ -135,7 +135,7 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
     /// application log).
     ///
     /// # Errors
-    /// Training stopped because a rank failed ([`DdpError::TrainingFailed`](crate::DdpError::TrainingFailed), naming it), a
+    /// Training stopped because a rank failed ([`JobError::TrainingFailed`](crate::JobError::TrainingFailed), naming it), a
     /// collective failed, or a checkpoint could not be restored.
     fn launch_ddp<B: Backend>(
         self,

@@ -1,6 +1,7 @@
 //! Establishing the ring's TCP links: listen, publish the address in the store, connect to the
 //! next rank and accept the previous one, each link authenticated with the job token.
 
+use crate::error::{ConfigError, RendezvousError};
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::thread;
@@ -78,7 +79,7 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
             .iter()
             .filter_map(|k| k.rsplit('/').next()?.parse().ok().map(Rank))
             .collect();
-        return Err(DdpError::RendezvousTimeout {
+        return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
             rank,
             addr: store.addr().to_string(),
             waited: started.elapsed(),
@@ -86,7 +87,7 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
             world,
             missing: RankList(missing),
             refused_note: String::new(),
-        });
+        }));
     }
 
     if n == 2 {
@@ -113,9 +114,11 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
             .spawn(move || accept_owned(&listener, &token, setup_owned, prev))?
     };
     let next_stream = connect(setup, next);
-    let prev_stream = acceptor.join().map_err(|_| DdpError::InvalidConfig {
-        field: "transport",
-        reason: "accept thread panicked",
+    let prev_stream = acceptor.join().map_err(|_| {
+        DdpError::Config(ConfigError::InvalidConfig {
+            field: "transport",
+            reason: "accept thread panicked",
+        })
     })?;
     Ok(Ring {
         next: next_stream?,
@@ -128,25 +131,25 @@ fn connect(setup: &LinkSetup<'_>, peer: Rank) -> Result<TcpStream> {
     let addr: SocketAddr = std::str::from_utf8(&raw)
         .ok()
         .and_then(|s| s.parse().ok())
-        .ok_or(DdpError::Protocol {
+        .ok_or(DdpError::Rendezvous(RendezvousError::Protocol {
             rank: setup.rank,
             peer: setup.store.addr(),
             error: crate::wire::WireError::InvalidValue {
                 what: "published transport address",
             },
-        })?;
+        }))?;
     let mut last = std::io::Error::new(ErrorKind::TimedOut, "no attempt");
     let started = Instant::now();
     loop {
         let left = setup.deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            return Err(DdpError::PeerUnreachable {
+            return Err(DdpError::Rendezvous(RendezvousError::PeerUnreachable {
                 rank: setup.rank,
                 peer,
                 addr,
                 waited: started.elapsed(),
                 last_error: last,
-            });
+            }));
         }
         match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
             Ok(mut s) => {
@@ -215,7 +218,7 @@ fn accept_owned(
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    return Err(DdpError::RendezvousTimeout {
+                    return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
                         rank,
                         addr: listener
                             .local_addr()
@@ -228,7 +231,7 @@ fn accept_owned(
                         refused_note: format!(
                             " (rank {expected} published its address but never connected to this rank)"
                         ),
-                    });
+                    }));
                 }
                 thread::sleep(Duration::from_millis(5));
             }

@@ -12,6 +12,7 @@ pub(crate) mod header;
 mod link;
 pub(crate) mod ring;
 
+use crate::error::{CollectiveError, RendezvousError};
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -207,10 +208,10 @@ impl TcpCommunicator {
         plan: &Plan,
     ) -> Result<()> {
         if let Some(first) = &st.failed {
-            return Err(DdpError::GroupAborted {
+            return Err(DdpError::Collective(CollectiveError::GroupAborted {
                 rank: self.me,
                 first: Box::new(first.clone()),
-            });
+            }));
         }
         st.seq += 1;
         let seq = CollectiveSeq(st.seq);
@@ -270,7 +271,7 @@ impl TcpCommunicator {
     ) -> DdpError {
         let op = desc.op;
         let unresponsive = |st: &mut State, v: Verdict| {
-            let err = DdpError::RankUnresponsive {
+            let err = DdpError::Collective(CollectiveError::RankUnresponsive {
                 rank: self.me,
                 culprit: v.culprit,
                 host: v.host,
@@ -278,7 +279,7 @@ impl TcpCommunicator {
                 op,
                 seq,
                 what: v.what,
-            };
+            });
             self.publish(st, op, seq, Some(v.culprit), err)
         };
         if let Some(v) = self.watch.as_ref().and_then(|w| w.verdict()) {
@@ -293,7 +294,7 @@ impl TcpCommunicator {
                 Ok(record) => record,
                 // The store is silent (rank 0 frozen): the neighbour left on its own heartbeat's
                 // verdict, and this rank's heartbeat reaches the same one within its bound.
-                Err(DdpError::StoreTimeout { .. }) => {
+                Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) => {
                     if let Some(v) = self.await_verdict() {
                         return unresponsive(st, v);
                     }
@@ -307,11 +308,11 @@ impl TcpCommunicator {
             (Some(record), _) if record.reporter != self.me || record.culprit.is_some() => {
                 let culprit = record.culprit;
                 (
-                    DdpError::JobAborted {
+                    DdpError::Collective(CollectiveError::JobAborted {
                         rank: self.me,
                         during: Some((op, seq)),
                         record,
-                    },
+                    }),
                     culprit,
                 )
             }
@@ -323,22 +324,22 @@ impl TcpCommunicator {
                     .get_timeout(&crate::store::finished_key(peer), FINISHED_WAIT)
                     .is_ok();
                 if finished {
-                    let err = DdpError::PeerFinished {
+                    let err = DdpError::Collective(CollectiveError::PeerFinished {
                         rank: self.me,
                         peer,
                         op,
                         seq,
-                    };
+                    });
                     return self.publish(st, op, seq, Some(peer), err);
                 }
                 (
-                    DdpError::PeerLost {
+                    DdpError::Collective(CollectiveError::PeerLost {
                         rank: self.me,
                         peer,
                         op,
                         seq,
                         cause: io.kind(),
-                    },
+                    }),
                     Some(peer),
                 )
             }
@@ -346,27 +347,27 @@ impl TcpCommunicator {
                 let diagnosis = self.diagnose_stall(seq, self.neighbour(side));
                 let culprit = diagnosis.culprit();
                 (
-                    DdpError::CollectiveTimeout {
+                    DdpError::Collective(CollectiveError::CollectiveTimeout {
                         rank: self.me,
                         op,
                         seq,
                         waited: self.timeout,
                         diagnosis,
-                    },
+                    }),
                     Some(culprit),
                 )
             }
             (_, RingError::Mismatch(their_seq, theirs)) => {
                 let peer = self.neighbour(Side::Prev);
                 (
-                    DdpError::CollectiveMismatch {
+                    DdpError::Collective(CollectiveError::CollectiveMismatch {
                         rank: self.me,
                         peer,
                         seq,
                         their_seq,
                         ours: *desc,
                         theirs,
-                    },
+                    }),
                     None,
                 )
             }
@@ -379,16 +380,16 @@ impl TcpCommunicator {
                     .peer_addr()
                     .unwrap_or_else(|_| self.store.addr());
                 (
-                    DdpError::Protocol {
+                    DdpError::Rendezvous(RendezvousError::Protocol {
                         rank: self.me,
                         peer,
                         error,
-                    },
+                    }),
                     Some(self.neighbour(Side::Prev)),
                 )
             }
             (_, RingError::Aborted) => (
-                DdpError::GroupAborted {
+                DdpError::Collective(CollectiveError::GroupAborted {
                     rank: self.me,
                     first: Box::new(AbortRecord {
                         reporter: self.me,
@@ -396,7 +397,7 @@ impl TcpCommunicator {
                         collective: Some((op, seq)),
                         reason: "the group was aborted locally".into(),
                     }),
-                },
+                }),
                 None,
             ),
         };
@@ -419,7 +420,10 @@ impl TcpCommunicator {
             collective: Some((op, seq)),
             reason: err.to_string(),
         };
-        if !matches!(err, DdpError::JobAborted { .. }) {
+        if !matches!(
+            err,
+            DdpError::Collective(CollectiveError::JobAborted { .. })
+        ) {
             if let Err(store_err) = self.store.abort(record.clone()) {
                 tracing::debug!(
                     "[rank {}] could not publish the failure: {store_err}",
@@ -451,10 +455,12 @@ impl TcpCommunicator {
                     .collect(),
             )),
             // The store reports the abort another rank already published (it names the culprit).
-            Err(DdpError::JobAborted { record, .. }) => match record.culprit {
-                Some(c) => StallDiagnosis::Stalled(RankList(vec![c])),
-                None => StallDiagnosis::Unknown { neighbour },
-            },
+            Err(DdpError::Collective(CollectiveError::JobAborted { record, .. })) => {
+                match record.culprit {
+                    Some(c) => StallDiagnosis::Stalled(RankList(vec![c])),
+                    None => StallDiagnosis::Unknown { neighbour },
+                }
+            }
             Err(_) => StallDiagnosis::Unknown { neighbour },
         }
     }

@@ -34,6 +34,7 @@
 //! | `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` | where to look for `libnccl` when it is missing, for the message | |
 //! | `OMP_NUM_THREADS` | left as set; the launcher sets it to 1 for several ranks per node when unset | |
 
+use crate::error::ConfigError;
 use std::time::Duration;
 
 use std::ffi::OsString;
@@ -263,11 +264,11 @@ fn flag(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<bool
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" | "detail" => Ok(true),
         "" | "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(DdpError::InvalidEnv {
+        _ => Err(DdpError::Config(ConfigError::InvalidEnv {
             var,
             value: v,
             expected: "1, true, yes or on (or 0, false, no, off)",
-        }),
+        })),
     }
 }
 
@@ -283,11 +284,11 @@ fn fault_tolerance_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<
     }
     let min_ranks = parse_u32(get, MIN_RANKS, "a number of ranks, 1 or more")?.unwrap_or(1);
     if min_ranks == 0 {
-        return Err(DdpError::InvalidEnv {
+        return Err(DdpError::Config(ConfigError::InvalidEnv {
             var: MIN_RANKS,
             value: "0".into(),
             expected: "a number of ranks, 1 or more",
-        });
+        }));
     }
     Ok(Some(FaultTolerance {
         join: flag(get, FT_JOIN)?,
@@ -314,11 +315,11 @@ fn grad_transport_from(
     }
     match get(GRAD_TRANSPORT) {
         None => Ok(GradTransport::Auto),
-        Some(v) => GradTransport::parse(&v).ok_or(DdpError::InvalidEnv {
+        Some(v) => GradTransport::parse(&v).ok_or(DdpError::Config(ConfigError::InvalidEnv {
             var: GRAD_TRANSPORT,
             value: v,
             expected: "auto, host or nccl",
-        }),
+        })),
     }
 }
 
@@ -372,15 +373,13 @@ fn parse_u32(
 ) -> Result<Option<u32>> {
     match get(var) {
         None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| DdpError::InvalidEnv {
+        Some(v) => v.trim().parse().map(Some).map_err(|_| {
+            DdpError::Config(ConfigError::InvalidEnv {
                 var,
                 value: v.clone(),
                 expected,
-            }),
+            })
+        }),
     }
 }
 
@@ -405,11 +404,13 @@ pub(crate) fn parse_duration(v: &str) -> Option<Duration> {
 fn duration(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<Duration>> {
     match get(var) {
         None => Ok(None),
-        Some(v) => parse_duration(&v).map(Some).ok_or(DdpError::InvalidEnv {
-            var,
-            value: v.clone(),
-            expected: "a positive duration such as 90, 2.5s, 500ms or 10m",
-        }),
+        Some(v) => parse_duration(&v)
+            .map(Some)
+            .ok_or(DdpError::Config(ConfigError::InvalidEnv {
+                var,
+                value: v.clone(),
+                expected: "a positive duration such as 90, 2.5s, 500ms or 10m",
+            })),
     }
 }
 

@@ -6,6 +6,7 @@
 //! parent module's.
 
 use super::*;
+use crate::error::ConfigError;
 
 /// Whether this process was started as one rank of a job (by `burn-ddp run`, torchrun, `srun`,
 /// `mpirun`/`mpiexec` or [`spawn`](crate::launch::spawn())), rather than as a single process.
@@ -93,7 +94,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         (Some(h), _) => h,
         (None, Some(h)) => h,
         (None, None) if at.needs_master => {
-            return Err(DdpError::Launch {
+            return Err(DdpError::Config(ConfigError::Launch {
                 launcher: at.launcher.name(),
                 problem: format!(
                     "its {} ranks run on more than one host ({} on this one) and {MASTER_ADDR} \
@@ -105,7 +106,7 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                      ...` (Open MPI) or `mpiexec -genv {MASTER_ADDR} <host> ...` (MPICH), and \
                      {MASTER_PORT} the same way if its default is taken"
                 ),
-            });
+            }));
         }
         (None, None) => "127.0.0.1".to_string(),
     };
@@ -115,11 +116,11 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             .parse::<u16>()
             .ok()
             .filter(|p| *p != 0)
-            .ok_or(DdpError::InvalidEnv {
+            .ok_or(DdpError::Config(ConfigError::InvalidEnv {
                 var,
                 value: v,
                 expected: "a TCP port number (1-65535)",
-            })
+            }))
     };
     let mut port_origin = None;
     let port = match (get(STORE_PORT), get(MASTER_PORT)) {
@@ -148,11 +149,11 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                     "MASTER_PORT + 1: under torchrun its agent serves its own store on \
                      MASTER_PORT={port}; set {STORE_PORT} to choose another port"
                 ));
-                port.checked_add(1).ok_or(DdpError::InvalidEnv {
+                port.checked_add(1).ok_or(DdpError::Config(ConfigError::InvalidEnv {
                     var: MASTER_PORT,
                     value: v,
                     expected: "a port below 65535 under torchrun (burn-ddp's store uses MASTER_PORT + 1; or set BURN_DDP_STORE_PORT)",
-                })?
+                }))?
             } else {
                 port
             }
@@ -194,7 +195,7 @@ fn placement(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
         return slurm(get);
     }
     let rank = get(PMIX_RANK).unwrap_or_default();
-    Err(DdpError::Launch {
+    Err(DdpError::Config(ConfigError::Launch {
         launcher: "PMIx",
         problem: format!(
             "{PMIX_RANK}={rank} is set, but nothing gives the job's size (neither \
@@ -202,20 +203,22 @@ fn placement(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
              cannot tell which job it belongs to"
         ),
         fix: LAUNCHERS.to_string(),
-    })
+    }))
 }
 
 fn torchrun(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
-    let rank = Rank(parse_u32(get, RANK, "a non-negative integer")?.ok_or(
-        DdpError::MissingEnv {
-            var: RANK,
-            hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
-        },
-    )?);
-    let world = world(get, WORLD_SIZE)?.ok_or(DdpError::MissingEnv {
+    let rank = Rank(
+        parse_u32(get, RANK, "a non-negative integer")?.ok_or(DdpError::Config(
+            ConfigError::MissingEnv {
+                var: RANK,
+                hint: "WORLD_SIZE is set, so every process also needs its RANK (0..WORLD_SIZE)",
+            },
+        ))?,
+    );
+    let world = world(get, WORLD_SIZE)?.ok_or(DdpError::Config(ConfigError::MissingEnv {
         var: WORLD_SIZE,
         hint: "RANK is set, so the job size WORLD_SIZE must be set too",
-    })?;
+    }))?;
     let local_world = world_or(get, LOCAL_WORLD_SIZE, world)?;
     let local_rank = LocalRank(
         parse_u32(get, LOCAL_RANK, "a non-negative integer")?.unwrap_or(rank.0 % local_world.get()),
@@ -252,7 +255,7 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
             .into_iter()
             .filter_map(|var| get(var).map(|val| format!("{var}={val}")))
             .collect();
-        return Err(DdpError::Launch {
+        return Err(DdpError::Config(ConfigError::Launch {
             launcher: v.launcher.name(),
             problem: format!(
                 "{} {} set but {} not, so this process would start a job of its own",
@@ -261,14 +264,14 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
                 missing.join(" and ")
             ),
             fix: LAUNCHERS.to_string(),
-        });
+        }));
     }
     let rank = Rank(parse_u32(get, v.rank, "a non-negative integer")?.unwrap_or(0));
     let local_world = world(get, v.local_size)?;
     let local_rank = parse_u32(get, v.local_rank, "a non-negative integer")?;
     let world = world(get, v.size)?.unwrap_or(WorldSize::ONE);
     if let Some(pmix) = get(PMIX_RANK).filter(|r| r.trim() != rank.0.to_string()) {
-        return Err(DdpError::Launch {
+        return Err(DdpError::Config(ConfigError::Launch {
             launcher: v.launcher.name(),
             problem: format!(
                 "{}={} but {PMIX_RANK}={pmix}: two launchers' variables disagree about this \
@@ -278,7 +281,7 @@ fn mpi(get: &impl Fn(&str) -> Option<String>, v: &MpiVars) -> Result<Placement> 
             fix: "Start the program with one launcher (the variables of an outer one may have \
                   leaked into its environment)"
                 .to_string(),
-        });
+        }));
     }
     // Every rank on this host: rank 0's store is on loopback.
     let one_host = local_world == Some(world);
@@ -342,16 +345,16 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
     let step = get("SLURM_STEP_ID").or_else(|| get("SLURM_STEPID"));
     let world = match world(get, "SLURM_STEP_NUM_TASKS")? {
         Some(w) => w,
-        None => world(get, "SLURM_NTASKS")?.ok_or(DdpError::MissingEnv {
+        None => world(get, "SLURM_NTASKS")?.ok_or(DdpError::Config(ConfigError::MissingEnv {
             var: "SLURM_NTASKS",
             hint: "launch with `srun --ntasks=N` (or set RANK and WORLD_SIZE yourself)",
-        })?,
+        }))?,
     };
     if step.is_none() && world.get() > 1 {
         // The batch script of `sbatch -n N` (or an `salloc` shell) is one process of the
         // allocation, not one of its N tasks: the other N - 1 never start.
         let job = get("SLURM_JOB_ID").unwrap_or_else(|| "?".into());
-        return Err(DdpError::Launch {
+        return Err(DdpError::Config(ConfigError::Launch {
             launcher: Launcher::Slurm.name(),
             problem: format!(
                 "this process is the batch script of job {job} (SLURM_NTASKS={world} but no \
@@ -363,7 +366,7 @@ fn slurm(get: &impl Fn(&str) -> Option<String>) -> Result<Placement> {
                   task per rank; add --kill-on-bad-exit=1 so that a rank that fails ends the \
                   step at once)"
                 .to_string(),
-        });
+        }));
     }
     let local_rank =
         LocalRank(parse_u32(get, "SLURM_LOCALID", "a non-negative integer")?.unwrap_or(0));
@@ -484,11 +487,13 @@ fn token(
 fn world(get: &impl Fn(&str) -> Option<String>, var: &'static str) -> Result<Option<WorldSize>> {
     match parse_u32(get, var, "a positive integer")? {
         None => Ok(None),
-        Some(n) => WorldSize::new(n).map(Some).ok_or(DdpError::InvalidEnv {
-            var,
-            value: n.to_string(),
-            expected: "a positive integer",
-        }),
+        Some(n) => WorldSize::new(n)
+            .map(Some)
+            .ok_or(DdpError::Config(ConfigError::InvalidEnv {
+                var,
+                value: n.to_string(),
+                expected: "a positive integer",
+            })),
     }
 }
 
@@ -591,20 +596,29 @@ mod tests {
         let e = group_config_from(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(e.to_string().contains("RANK=\"x\""), "{e}");
         let e = group_config_from(env(&[("WORLD_SIZE", "2")])).unwrap_err();
-        assert!(matches!(e, DdpError::MissingEnv { var: "RANK", .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                DdpError::Config(ConfigError::MissingEnv { var: "RANK", .. })
+            ),
+            "{e}"
+        );
         let e = group_config_from(env(&[("RANK", "0")])).unwrap_err();
         assert!(
             matches!(
                 e,
-                DdpError::MissingEnv {
+                DdpError::Config(ConfigError::MissingEnv {
                     var: "WORLD_SIZE",
                     ..
-                }
+                })
             ),
             "{e}"
         );
         let e = group_config_from(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
-        assert!(matches!(e, DdpError::RankOutOfRange { .. }), "{e}");
+        assert!(
+            matches!(e, DdpError::Config(ConfigError::RankOutOfRange { .. })),
+            "{e}"
+        );
         let e = group_config_from(env(&[("RANK", "0"), ("WORLD_SIZE", "0")])).unwrap_err();
         assert!(e.to_string().contains("WORLD_SIZE"), "{e}");
         let e = group_config_from(env(&[
@@ -697,7 +711,10 @@ mod tests {
         ];
         let e = group_config_from(env(&batch)).unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, DdpError::Launch { .. }), "{msg}");
+        assert!(
+            matches!(e, DdpError::Config(ConfigError::Launch { .. })),
+            "{msg}"
+        );
         assert!(
             msg.contains("srun <program>") && msg.contains("job 2"),
             "{msg}"
@@ -802,7 +819,10 @@ mod tests {
         ] {
             let e = group_config_from(env(&vars)).unwrap_err();
             let msg = e.to_string();
-            assert!(matches!(e, DdpError::Launch { .. }), "{vars:?}: {msg}");
+            assert!(
+                matches!(e, DdpError::Config(ConfigError::Launch { .. })),
+                "{vars:?}: {msg}"
+            );
             assert!(
                 msg.contains("torchrun") && msg.contains("srun") && msg.contains("mpirun"),
                 "{msg}"

@@ -15,6 +15,7 @@
 //!   Dropping it finalizes with a deadline too (`ncclCommFinalize`, then destroy; abort if a peer
 //!   never answers).
 
+use crate::error::{CollectiveError, ConfigError, CudaError};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, CStr};
 use std::fmt;
@@ -140,7 +141,7 @@ impl NcclComm {
     /// call it (collectively, like any collective).
     ///
     /// # Errors
-    /// NCCL missing ([`DdpError::NcclUnavailable`], saying what to install or link), no GPU for
+    /// NCCL missing ([`CudaError::NcclUnavailable`](crate::CudaError::NcclUnavailable), saying what to install or link), no GPU for
     /// this rank, NCCL or driver failures with their text, or the rendezvous deadline.
     pub fn new(pg: &ProcessGroup) -> Result<Self> {
         let ordinal = super::device::ordinal_for(pg.rank(), pg.local_rank(), None)?;
@@ -151,7 +152,7 @@ impl NcclComm {
     /// the GPU its `LOCAL_RANK` names when the process sees several.
     ///
     /// # Errors
-    /// As [`NcclComm::new`], and [`DdpError::DeviceMismatch`] naming both GPUs.
+    /// As [`NcclComm::new`], and [`CudaError::DeviceMismatch`](crate::CudaError::DeviceMismatch) naming both GPUs.
     pub fn on_device(pg: &ProcessGroup, ordinal: usize) -> Result<Self> {
         Self::on_gpu(pg, ordinal, true)
     }
@@ -199,9 +200,11 @@ impl NcclComm {
             .new_stream()
             .map_err(|e| driver_error(rank, "creating the NCCL stream", e))?;
         let id = share_unique_id(pg)?;
-        let nranks = i32::try_from(world.get()).map_err(|_| DdpError::InvalidConfig {
-            field: "WORLD_SIZE",
-            reason: "NCCL takes at most 2^31 - 1 ranks",
+        let nranks = i32::try_from(world.get()).map_err(|_| {
+            DdpError::Config(ConfigError::InvalidConfig {
+                field: "WORLD_SIZE",
+                reason: "NCCL takes at most 2^31 - 1 ranks",
+            })
         })?;
         let mut raw: sys::ncclComm_t = std::ptr::null_mut();
         let mut config = Config::non_blocking();
@@ -287,7 +290,7 @@ impl NcclComm {
 
     /// The error every call after a failure returns.
     fn failed_error(&self, state: &State, first: &str) -> DdpError {
-        DdpError::GroupAborted {
+        DdpError::Collective(CollectiveError::GroupAborted {
             rank: self.rank,
             first: Box::new(AbortRecord {
                 reporter: self.rank,
@@ -295,7 +298,7 @@ impl NcclComm {
                 collective: state.last.as_ref().map(|l| (l.0, l.1)),
                 reason: first.to_owned(),
             }),
-        }
+        })
     }
 
     /// Issues one NCCL call on the stream; `f` gets the communicator and the stream. If NCCL
@@ -373,11 +376,11 @@ impl NcclComm {
         let e = match outcome {
             Ok(()) => return Ok(()),
             Err(Stop::TimedOut) => {
-                let e = DdpError::NcclTimeout {
+                let e = DdpError::Cuda(CudaError::NcclTimeout {
                     rank: self.rank,
                     what: what(),
                     waited,
-                };
+                });
                 self.publish(&e);
                 e
             }
@@ -394,11 +397,11 @@ impl NcclComm {
     /// Another rank's failure, as the job's abort record holds it.
     fn abort_elsewhere(&self) -> Option<DdpError> {
         let record = self.pg.abort_record().ok().flatten()?;
-        Some(DdpError::JobAborted {
+        Some(DdpError::Collective(CollectiveError::JobAborted {
             rank: self.rank,
             during: self.lock().1.last.as_ref().map(|l| (l.0, l.1)),
             record,
-        })
+        }))
     }
 
     /// Marks the communicator failed and aborts it (`ncclCommAbort`): kernels waiting for peers
@@ -435,7 +438,7 @@ impl NcclComm {
     /// before the call.
     ///
     /// # Errors
-    /// The deadline ([`DdpError::NcclTimeout`]), an NCCL or CUDA error, or a failure another
+    /// The deadline ([`CudaError::NcclTimeout`](crate::CudaError::NcclTimeout)), an NCCL or CUDA error, or a failure another
     /// rank published; the communicator is then aborted.
     pub fn wait(&self) -> Result<()> {
         let aborted = {
@@ -682,10 +685,10 @@ fn share_unique_id(pg: &ProcessGroup) -> Result<sys::ncclUniqueId> {
         (Some(store), None) => store.get_timeout(&key, pg.timeouts().rendezvous)?,
         (None, mine) => pg.broadcast_bytes(mine.unwrap_or_default(), Rank(0))?,
     };
-    id_from_bytes(&bytes).ok_or(DdpError::NcclIdMalformed {
+    id_from_bytes(&bytes).ok_or(DdpError::Cuda(CudaError::NcclIdMalformed {
         rank,
         len: bytes.len(),
-    })
+    }))
 }
 
 pub(crate) fn id_to_bytes(id: &sys::ncclUniqueId) -> Vec<u8> {

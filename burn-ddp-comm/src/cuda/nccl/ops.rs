@@ -2,6 +2,7 @@
 //! and typed, on cudarc's slices), the checks of counts, types and spans before a pointer reaches
 //! NCCL, and the tables from our element types and reductions to NCCL's.
 
+use crate::error::{CollectiveError, CudaError};
 use std::ffi::{c_int, c_void};
 use std::fmt;
 
@@ -123,7 +124,7 @@ pub(crate) fn check_span(
 /// `got`). The error names `what` (the bucket's input or output) and what differs.
 ///
 /// # Errors
-/// [`DdpError::Model`] ([`DdpError::bucket_layout`]) for this `rank`.
+/// [`ModelError::Model`](crate::ModelError::Model) ([`DdpError::bucket_layout`]) for this `rank`.
 pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
     rank: Rank,
     what: &str,
@@ -145,7 +146,7 @@ pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
 /// elements of `dtype` ([`check_bucket_tensor`] for the tensor itself).
 ///
 /// # Errors
-/// [`DdpError::Model`] ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
+/// [`ModelError::Model`](crate::ModelError::Model) ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
 pub(crate) fn check_bucket_span(
     rank: Rank,
     what: &str,
@@ -168,21 +169,23 @@ impl NcclComm {
         if expected == got {
             return Ok(());
         }
-        Err(DdpError::BufferSize {
+        Err(DdpError::Collective(CollectiveError::BufferSize {
             rank: self.rank,
             op,
             what,
             expected,
             got,
-        })
+        }))
     }
 
     /// NCCL's reduction for `op` on `dtype`, or an error saying why it is not available.
     fn reduction(&self, op: ReduceOp, dtype: DType, call: &str) -> Result<ncclRedOp_t> {
-        nccl_op(op, dtype, self.version).map_err(|reason| DdpError::NcclUnsupported {
-            rank: self.rank,
-            what: call.into(),
-            reason,
+        nccl_op(op, dtype, self.version).map_err(|reason| {
+            DdpError::Cuda(CudaError::NcclUnsupported {
+                rank: self.rank,
+                what: call.into(),
+                reason,
+            })
         })
     }
 
@@ -239,7 +242,7 @@ impl NcclComm {
     /// receive buffer or write a send buffer before then.
     ///
     /// # Errors
-    /// A peer outside the group or this rank itself ([`DdpError::InvalidGroupCall`]); bfloat16
+    /// A peer outside the group or this rank itself ([`CollectiveError::InvalidGroupCall`](crate::CollectiveError::InvalidGroupCall)); bfloat16
     /// before NCCL 2.10; NCCL refuses a call.
     pub unsafe fn send_recv_raw(&self, ops: &[NcclP2p]) -> Result<CollectiveSeq> {
         for op in ops {
@@ -249,24 +252,24 @@ impl NcclComm {
                 }
             };
             if peer.0 >= self.world.get() || peer == self.rank {
-                return Err(DdpError::InvalidGroupCall {
+                return Err(DdpError::Collective(CollectiveError::InvalidGroupCall {
                     rank: self.rank,
                     what: "NCCL send/recv",
                     reason: format!(
                         "peer {peer} is this rank or outside the group of {} ranks",
                         self.world
                     ),
-                });
+                }));
             }
             if dtype == DType::BF16 && !self.version.has_bf16() {
-                return Err(DdpError::NcclUnsupported {
+                return Err(DdpError::Cuda(CudaError::NcclUnsupported {
                     rank: self.rank,
                     what: "ncclSend/ncclRecv".into(),
                     reason: format!(
                         "bfloat16 needs NCCL 2.10 or later, this is {}",
                         self.version
                     ),
-                });
+                }));
             }
         }
         let op = if ops.iter().all(|o| matches!(o, NcclP2p::Recv { .. })) {
@@ -391,11 +394,11 @@ impl NcclComm {
         root: Rank,
     ) -> Result<CollectiveSeq> {
         if root.0 >= self.world.get() {
-            return Err(DdpError::InvalidRoot {
+            return Err(DdpError::Collective(CollectiveError::InvalidRoot {
                 rank: self.rank,
                 root,
                 world: self.world,
-            });
+            }));
         }
         self.launch(
             CollectiveOp::Broadcast,

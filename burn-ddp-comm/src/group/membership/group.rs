@@ -57,8 +57,8 @@ impl ProcessGroup {
     /// results of the step that failed must be dropped by the caller.
     ///
     /// # Errors
-    /// [`DdpError::NotFaultTolerant`] for other groups; [`DdpError::Excluded`] when the others
-    /// went on without this rank (it may [`rejoin`](Self::rejoin)); [`DdpError::TooFewRanks`];
+    /// [`MembershipError::NotFaultTolerant`](crate::MembershipError::NotFaultTolerant) for other groups; [`MembershipError::Excluded`](crate::MembershipError::Excluded) when the others
+    /// went on without this rank (it may [`rejoin`](Self::rejoin)); [`MembershipError::TooFewRanks`](crate::MembershipError::TooFewRanks);
     /// the store's errors (this rank cannot reach the job).
     pub fn recover(&self, cause: &DdpError, progress: Option<u64>) -> Result<Recovery> {
         let culprit = cause.culprit().filter(|c| *c != self.rank());
@@ -74,11 +74,11 @@ impl ProcessGroup {
         self.change("a process asked to join".into(), None, progress, false)
     }
 
-    /// Joins the job again after [`DdpError::Excluded`]: waits to be admitted at a step
+    /// Joins the job again after [`MembershipError::Excluded`](crate::MembershipError::Excluded): waits to be admitted at a step
     /// boundary, as a new process does; this rank is then behind.
     ///
     /// # Errors
-    /// [`DdpError::JoinFailed`] at the rendezvous timeout, or when the job ended; the
+    /// [`MembershipError::JoinFailed`](crate::MembershipError::JoinFailed) at the rendezvous timeout, or when the job ended; the
     /// store's errors.
     pub fn rejoin(&self) -> Result<Recovery> {
         let e = self.service()?;

@@ -25,11 +25,11 @@
 //!   when the heartbeat bound has passed since this rank checked in (a live rank is told of
 //!   the end within one heartbeat interval);
 //! - never with fewer than [`FaultTolerance::min_ranks`] ranks: below it the survivors wait
-//!   for joiners, up to the rendezvous timeout ([`DdpError::TooFewRanks`]);
+//!   for joiners, up to the rendezvous timeout ([`MembershipError::TooFewRanks`](crate::MembershipError::TooFewRanks));
 //! - a rank that is blamed waits for the bound before it proposes, so that the others, if
 //!   they can reach the store, decide without it.
 //!
-//! A process left out ([`DdpError::Excluded`]: blamed, or too slow) may join again
+//! A process left out ([`MembershipError::Excluded`](crate::MembershipError::Excluded): blamed, or too slow) may join again
 //! ([`ProcessGroup::rejoin`]). The members then open the epoch's ring among themselves and
 //! exchange their **progress** (a number the caller gives, e.g. its count of optimizer
 //! steps): the rank with the most is the source of the state that the ranks behind it adopt
@@ -53,6 +53,7 @@ mod record;
 mod rule;
 mod watch;
 
+use crate::error::{MembershipError, RendezvousError};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -217,12 +218,12 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         )
     };
     let store = connect(Purpose::StoreAux, config.rank).map_err(|e| match e {
-        DdpError::MasterUnreachable {
+        DdpError::Rendezvous(RendezvousError::MasterUnreachable {
             rank,
             addr,
             waited,
             last_error,
-        } => DdpError::MasterUnreachable {
+        }) => DdpError::Rendezvous(RendezvousError::MasterUnreachable {
             rank,
             addr: format!(
                 "{addr} (a fault-tolerant job meets at the store its launcher serves: start it \
@@ -230,7 +231,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
             ),
             waited,
             last_error,
-        },
+        }),
         e => e,
     })?;
     let formed = matches!(
@@ -244,12 +245,12 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         record_first_world(&store, config.world_size.get())?
     };
     if !join && initial_world != config.world_size.get() {
-        return Err(DdpError::WorldSizeMismatch {
+        return Err(DdpError::Rendezvous(RendezvousError::WorldSizeMismatch {
             rank: config.rank,
             other: Rank::ZERO,
             ours: config.world_size,
             theirs: WorldSize::new(initial_world).unwrap_or(WorldSize::ONE),
-        });
+        }));
     }
     let id = match ft.member {
         Some(id) => id,
@@ -358,7 +359,7 @@ impl MembershipService {
                     missing.join(", ")
                 ),
                 WaitOutcome::Missing(missing) => {
-                    return Err(DdpError::RendezvousTimeout {
+                    return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
                         rank: self.config.rank,
                         addr: self.config.master.to_string(),
                         waited: started.elapsed(),
@@ -371,7 +372,7 @@ impl MembershipService {
                                 .collect(),
                         ),
                         refused_note: String::new(),
-                    })
+                    }))
                 }
             }
         }
@@ -388,30 +389,30 @@ impl MembershipService {
     }
 
     fn corrupt(&self, what: &str) -> DdpError {
-        DdpError::StoreRequest {
+        DdpError::Rendezvous(RendezvousError::StoreRequest {
             rank: Rank(self.id),
             op: "get",
             key: what.to_owned(),
             reason: "the store holds something that is not a member list (another burn-ddp \
                      version, or another program writing under ft/)"
                 .into(),
-        }
+        })
     }
 
     /// `e`, or, when it says the store did not answer, that this process is cut off.
     fn cut_off(&self, e: DdpError) -> DdpError {
         let reason = match &e {
-            DdpError::StoreLost { source, .. } => source.to_string(),
-            DdpError::StoreTimeout { op, waited, .. } => {
+            DdpError::Rendezvous(RendezvousError::StoreLost { source, .. }) => source.to_string(),
+            DdpError::Rendezvous(RendezvousError::StoreTimeout { op, waited, .. }) => {
                 format!("a store {op} got no reply within {waited:?}")
             }
             _ => return e,
         };
-        DdpError::StoreUnreachable {
+        DdpError::Membership(MembershipError::StoreUnreachable {
             member: self.id,
             addr: self.config.master.to_string(),
             reason,
-        }
+        })
     }
 
     /// Makes `number` the current epoch, and starts counting join requests from now.
@@ -562,7 +563,7 @@ impl MembershipService {
                 if decided.contains(&self.id) {
                     return Ok(decided);
                 }
-                return Err(DdpError::Excluded {
+                return Err(DdpError::Membership(MembershipError::Excluded {
                     member: self.id,
                     epoch: next,
                     members: decided,
@@ -575,7 +576,7 @@ impl MembershipService {
                             checked_in.elapsed()
                         )
                     },
-                });
+                }));
             }
             let ballot = self.ballot(next, members)?;
             let passed = checked_in.elapsed() >= window;
@@ -591,24 +592,24 @@ impl MembershipService {
                     continue;
                 }
                 if Instant::now() >= overall {
-                    return Err(DdpError::TooFewRanks {
+                    return Err(DdpError::Membership(MembershipError::TooFewRanks {
                         member: self.id,
                         have: proposal.len(),
                         min: self.min_ranks,
                         why: format!("epoch {e} ended: {why}"),
                         waited: checked_in.elapsed(),
-                    });
+                    }));
                 }
             }
             if Instant::now() >= overall {
-                return Err(DdpError::JoinFailed {
+                return Err(DdpError::Membership(MembershipError::JoinFailed {
                     member: self.id,
                     waited: checked_in.elapsed(),
                     why: format!(
                         "the next membership was not decided; still waiting for members {:?}",
                         ballot.missing
                     ),
-                });
+                }));
             }
             if said.elapsed() >= SAY_EVERY {
                 said = Instant::now();
@@ -635,11 +636,11 @@ impl MembershipService {
             let Some(latest) = self.latest_epoch()? else {
                 // The job has not formed yet.
                 if Instant::now() >= deadline {
-                    return Err(DdpError::JoinFailed {
+                    return Err(DdpError::Membership(MembershipError::JoinFailed {
                         member: self.id,
                         waited: started.elapsed(),
                         why: "the job never formed its first membership".into(),
-                    });
+                    }));
                 }
                 std::thread::sleep(POLL * 5);
                 continue;
@@ -668,16 +669,16 @@ impl MembershipService {
                 );
             }
             if self.job_over()? {
-                return Err(DdpError::JoinFailed {
+                return Err(DdpError::Membership(MembershipError::JoinFailed {
                     member: self.id,
                     waited: started.elapsed(),
                     why: "the job finished (every member of its last membership ended) before \
                           it reached a step boundary that let this process in"
                         .into(),
-                });
+                }));
             }
             if Instant::now() >= deadline {
-                return Err(DdpError::JoinFailed {
+                return Err(DdpError::Membership(MembershipError::JoinFailed {
                     member: self.id,
                     waited: started.elapsed(),
                     why: format!(
@@ -685,7 +686,7 @@ impl MembershipService {
                          let this process in; its ranks may be stuck. Raise \
                          BURN_DDP_RENDEZVOUS_TIMEOUT if their steps are that long"
                     ),
-                });
+                }));
             }
             if said.elapsed() >= SAY_EVERY {
                 said = Instant::now();
@@ -769,13 +770,13 @@ impl MembershipService {
         group.all_gather(&[mine], &mut all)?;
         let best = all.iter().copied().max().unwrap_or(-1);
         if best < 0 {
-            return Err(DdpError::JoinFailed {
+            return Err(DdpError::Membership(MembershipError::JoinFailed {
                 member: self.id,
                 waited: started.elapsed(),
                 why: "no rank of the new membership has any state to share (every one of them \
                       is joining)"
                     .into(),
-            });
+            }));
         }
         let source = all.iter().position(|p| *p == best).unwrap_or(0);
         let behind = all
@@ -815,15 +816,14 @@ impl ProcessGroup {
     }
 
     fn service(&self) -> Result<&MembershipService> {
-        self.shared
-            .membership
-            .as_ref()
-            .ok_or(DdpError::NotFaultTolerant {
+        self.shared.membership.as_ref().ok_or(DdpError::Membership(
+            MembershipError::NotFaultTolerant {
                 what: "changing the membership of a group",
                 reason: "this group is not fault-tolerant: start the job with `burn-ddp run \
                          --fault-tolerant` (or set BURN_DDP_FAULT_TOLERANT=1 with a store \
                          served by a launcher)",
-            })
+            },
+        ))
     }
 }
 
@@ -831,6 +831,7 @@ impl ProcessGroup {
 mod tests {
     use super::*;
     use crate::config::{JobToken, MasterAddr, Timeouts};
+    use crate::error::CollectiveError;
     use crate::store::StoreServer;
 
     /// A fault-tolerant job's store in this process, and a client of it.
@@ -873,7 +874,7 @@ mod tests {
         let started = Instant::now();
         let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
         assert!(
-            matches!(&err, DdpError::JoinFailed { why, .. } if why.contains("the job finished")),
+            matches!(&err, DdpError::Membership(MembershipError::JoinFailed { why, .. }) if why.contains("the job finished")),
             "{err}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));
@@ -886,7 +887,7 @@ mod tests {
         let started = Instant::now();
         let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
         assert!(
-            matches!(&err, DdpError::JoinFailed { why, .. } if why.contains("never formed")),
+            matches!(&err, DdpError::Membership(MembershipError::JoinFailed { why, .. }) if why.contains("never formed")),
             "{err}"
         );
         // The rendezvous timeout (2 s) bounds it.
@@ -905,10 +906,13 @@ mod tests {
         assert_eq!(pg.membership(), Some((0, 0)));
         let refused = pg.new_group(&[Rank(0)]).unwrap_err();
         assert!(
-            matches!(refused, DdpError::NotFaultTolerant { .. }),
+            matches!(
+                refused,
+                DdpError::Membership(MembershipError::NotFaultTolerant { .. })
+            ),
             "{refused}"
         );
-        let cause = DdpError::GroupAborted {
+        let cause = DdpError::Collective(CollectiveError::GroupAborted {
             rank: Rank(0),
             first: Box::new(AbortRecord {
                 reporter: Rank(0),
@@ -916,7 +920,7 @@ mod tests {
                 collective: None,
                 reason: "a test".into(),
             }),
-        };
+        });
         let rec = pg.recover(&cause, Some(5)).unwrap();
         assert_eq!(
             (rec.epoch, rec.members.clone(), rec.progress),
@@ -927,7 +931,10 @@ mod tests {
         // Outside a fault-tolerant job there is nothing to recover.
         let plain = ProcessGroup::single().recover(&cause, None).unwrap_err();
         assert!(
-            matches!(plain, DdpError::NotFaultTolerant { .. }),
+            matches!(
+                plain,
+                DdpError::Membership(MembershipError::NotFaultTolerant { .. })
+            ),
             "{plain}"
         );
     }

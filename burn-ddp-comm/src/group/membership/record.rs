@@ -2,6 +2,7 @@
 //! member lists and counters are encoded, the world size the job started with, fresh member
 //! ids, and the last decided membership (which the launcher reads).
 
+use crate::error::RendezvousError;
 use std::time::Duration;
 
 use crate::store::{StoreClient, WaitOutcome};
@@ -60,7 +61,9 @@ pub(super) fn get_now(store: &StoreClient, key: &str) -> Result<Option<Vec<u8>>>
     match store.get_timeout(key, Duration::ZERO) {
         Ok(v) => Ok(Some(v)),
         // The store's own answer that the key is absent (not a reply that never came).
-        Err(DdpError::StoreTimeout { .. }) if !store.is_broken() => Ok(None),
+        Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) if !store.is_broken() => {
+            Ok(None)
+        }
         Err(e) => Err(e),
     }
 }
@@ -82,11 +85,13 @@ pub(super) fn first_world(store: &StoreClient) -> Result<u32> {
     let v = store.get(keys::FIRST_WORLD)?;
     <[u8; 4]>::try_from(v.as_slice())
         .map(u32::from_le_bytes)
-        .map_err(|_| DdpError::StoreRequest {
-            rank: store.rank(),
-            op: "get",
-            key: keys::FIRST_WORLD.into(),
-            reason: "not a world size (another burn-ddp version?)".into(),
+        .map_err(|_| {
+            DdpError::Rendezvous(RendezvousError::StoreRequest {
+                rank: store.rank(),
+                op: "get",
+                key: keys::FIRST_WORLD.into(),
+                reason: "not a world size (another burn-ddp version?)".into(),
+            })
         })
 }
 

@@ -2,6 +2,7 @@
 //! plan, then watches the round for lost nodes (their beat silent for the node timeout) and for
 //! nodes waiting to join.
 
+use crate::error::MembershipError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
@@ -135,9 +136,11 @@ pub(super) fn gather(
             let (nproc, id) = text
                 .split_once('\t')
                 .and_then(|(n, id)| Some((n.parse().ok()?, id.to_owned())))
-                .ok_or_else(|| DdpError::Elastic {
-                    addr: rdzv.addr.clone(),
-                    reason: format!("a malformed arrival in round {number}: {text:?}"),
+                .ok_or_else(|| {
+                    DdpError::Membership(MembershipError::Elastic {
+                        addr: rdzv.addr.clone(),
+                        reason: format!("a malformed arrival in round {number}: {text:?}"),
+                    })
                 })?;
             arrived.push((nproc, id));
         }

@@ -26,6 +26,7 @@
 //! What this cannot survive: the loss of the host's node (the rendezvous and rank 0 live
 //! there), as with torchrun's c10d rendezvous.
 
+use crate::error::{ConfigError, JobError, MembershipError, RendezvousError};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -194,16 +195,16 @@ impl RoundRunner for ProcessRunner {
             round.number
         ));
         job.halt = Some(Arc::clone(halt));
-        let store_port = self
-            .job
-            .master
-            .port
-            .checked_add(1)
-            .ok_or(DdpError::InvalidConfig {
+        let store_port =
+            self.job
+                .master
+                .port
+                .checked_add(1)
+                .ok_or(DdpError::Config(ConfigError::InvalidConfig {
                 field: "--master-port",
                 reason:
                     "must be below 65535 for an elastic job (rank 0's store takes the next port)",
-            })?;
+            }))?;
         let round_no = round.number.to_string();
         let mut vars = vec![
             (env::RESTART_COUNT, round_no.clone()),
@@ -221,7 +222,7 @@ impl RoundRunner for ProcessRunner {
         Ok(match report.failure {
             None if report.halted => RoundEnd::Halted,
             None => RoundEnd::Finished,
-            Some(DdpError::Interrupted) => RoundEnd::Interrupted,
+            Some(DdpError::Job(JobError::Interrupted)) => RoundEnd::Interrupted,
             Some(e) if report.halted => {
                 tracing::debug!("a rank failed while the round was being stopped: {e}");
                 RoundEnd::Halted
@@ -333,7 +334,10 @@ fn serve(
             Ok(Some(s))
         }
         // Another launcher serves it (this machine), or the address is another node's.
-        Err(DdpError::PortInUse { .. } | DdpError::StoreBind { .. }) => Ok(None),
+        Err(
+            DdpError::Rendezvous(RendezvousError::PortInUse { .. })
+            | DdpError::Rendezvous(RendezvousError::StoreBind { .. }),
+        ) => Ok(None),
         Err(e) => Err(e),
     }
 }
@@ -372,7 +376,7 @@ fn participate(
     let mut last_change: Option<String> = None;
     loop {
         if number > elastic.max_restarts && previous.is_none() && last_change.is_none() {
-            return Err(DdpError::Elastic {
+            return Err(DdpError::Membership(MembershipError::Elastic {
                 addr: rdzv.addr.clone(),
                 reason: format!(
                     "the job runs in round {}: admitting node {id} would take restart {number}, \
@@ -380,20 +384,20 @@ fn participate(
                     number - 1,
                     elastic.max_restarts
                 ),
-            });
+            }));
         }
         if number > elastic.max_restarts {
             let why = last_change
                 .take()
                 .unwrap_or_else(|| "the job's membership changed".into());
-            return Err(DdpError::Elastic {
+            return Err(DdpError::Membership(MembershipError::Elastic {
                 addr: rdzv.addr.clone(),
                 reason: format!(
                     "round {number} would be restart {number}, above --max-restarts {}; the \
                      last change: {why}",
                     elastic.max_restarts
                 ),
-            });
+            }));
         }
         let i = rdzv
             .client
@@ -406,10 +410,10 @@ fn participate(
         let plan = wait_plan(&rdzv, number, elastic)?;
         let (plan_nproc, nodes, first_world, previous_world) = match plan {
             Plan::Failed(why) => {
-                return Err(DdpError::Elastic {
+                return Err(DdpError::Membership(MembershipError::Elastic {
                     addr: rdzv.addr.clone(),
                     reason: why,
-                })
+                }))
             }
             Plan::Nodes {
                 nproc,
@@ -450,7 +454,7 @@ fn participate(
                 eprintln!("burn-ddp run: round {number} finished on node {id}");
                 return Ok(round);
             }
-            RoundEnd::Interrupted => return Err(DdpError::Interrupted),
+            RoundEnd::Interrupted => return Err(DdpError::Job(JobError::Interrupted)),
             RoundEnd::Failed(e) => {
                 let why = format!("on node {id}: {e}");
                 eprintln!(
@@ -482,26 +486,28 @@ fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &ElasticConfig) -> Result<Plan> 
     loop {
         match rdzv.client.get_timeout(&plan_key(number), PLAN_POLL) {
             Ok(v) => {
-                return Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
-                    addr: rdzv.addr.clone(),
-                    reason: format!("the plan of round {number} is malformed"),
+                return Plan::decode(&v).ok_or_else(|| {
+                    DdpError::Membership(MembershipError::Elastic {
+                        addr: rdzv.addr.clone(),
+                        reason: format!("the plan of round {number} is malformed"),
+                    })
                 })
             }
-            Err(DdpError::StoreTimeout { .. }) => {}
+            Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) => {}
             Err(e) => return Err(rdzv.lost("waiting for a round to start", e)),
         }
         if let Ok(how) = rdzv.client.get_timeout(END, Duration::ZERO) {
-            return Err(DdpError::Elastic {
+            return Err(DdpError::Membership(MembershipError::Elastic {
                 addr: rdzv.addr.clone(),
                 reason: format!(
                     "the job ended before node {} was admitted: {}",
                     elastic.node_id,
                     String::from_utf8_lossy(&how)
                 ),
-            });
+            }));
         }
         if started.elapsed() >= limit {
-            return Err(DdpError::Elastic {
+            return Err(DdpError::Membership(MembershipError::Elastic {
                 addr: rdzv.addr.clone(),
                 reason: format!(
                     "round {number} did not start within {limit:.0?}: the job runs with its \
@@ -509,7 +515,7 @@ fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &ElasticConfig) -> Result<Plan> 
                      its host stopped coordinating",
                     elastic.nodes.max
                 ),
-            });
+            }));
         }
         if said.elapsed() >= Duration::from_secs(10) {
             said = Instant::now();
@@ -609,11 +615,11 @@ mod tests {
             Ok(match act {
                 Act::Finish(ms) if !halted_within(halt, ms) => RoundEnd::Finished,
                 Act::Fail(ms) if !halted_within(halt, ms) => {
-                    RoundEnd::Failed(DdpError::RankFailed {
+                    RoundEnd::Failed(DdpError::Job(JobError::RankFailed {
                         rank: Rank(round.node_rank * round.nproc_per_node),
                         pid: 0,
                         status: "exited with status 1".into(),
-                    })
+                    }))
                 }
                 Act::Vanish(ms) => {
                     halted_within(halt, ms);

@@ -1,6 +1,7 @@
 //! The rendezvous store's protocol: its keys, the plan of a round and its encoding, and a
 //! launcher's connection to the store with errors that say what the launcher was doing.
 
+use crate::error::{ConfigError, MembershipError, RendezvousError};
 use std::time::{Duration, Instant};
 
 use crate::config::{JobToken, MasterAddr};
@@ -95,10 +96,10 @@ impl Plan {
 
 /// The rendezvous store's "world": the most nodes, each launcher a client of it.
 pub(super) fn max_world(max: u32) -> Result<WorldSize> {
-    WorldSize::new(max).ok_or(DdpError::InvalidConfig {
+    WorldSize::new(max).ok_or(DdpError::Config(ConfigError::InvalidConfig {
         field: "--nnodes",
         reason: "MAX must be at least 1",
-    })
+    }))
 }
 
 /// A connection to the rendezvous store, with errors that say what the launcher was doing.
@@ -125,13 +126,15 @@ impl Rdzv {
             Instant::now() + within,
         )
         .map_err(|e| match e {
-            DdpError::WorldSizeMismatch { theirs, .. } => DdpError::Elastic {
-                addr: endpoint.to_string(),
-                reason: format!(
+            DdpError::Rendezvous(RendezvousError::WorldSizeMismatch { theirs, .. }) => {
+                DdpError::Membership(MembershipError::Elastic {
+                    addr: endpoint.to_string(),
+                    reason: format!(
                     "the rendezvous host admits up to {theirs} nodes, this launcher up to {max}: \
                      give every node's launcher the same --nnodes"
                 ),
-            },
+                })
+            }
             other => other,
         })?;
         Ok(Self {
@@ -141,13 +144,13 @@ impl Rdzv {
     }
 
     pub(super) fn lost(&self, doing: &str, e: DdpError) -> DdpError {
-        DdpError::Elastic {
+        DdpError::Membership(MembershipError::Elastic {
             addr: self.addr.clone(),
             reason: format!(
                 "lost the rendezvous while {doing}: {e}; the job cannot go on without its \
                  host's node (the launcher that serves the rendezvous, with rank 0)"
             ),
-        }
+        })
     }
 
     pub(super) fn round(&self) -> Result<u32> {
@@ -155,12 +158,12 @@ impl Rdzv {
             .client
             .get_timeout(ROUND, REQUEST)
             .map_err(|e| self.lost("reading the round", e))?;
-        String::from_utf8_lossy(&v)
-            .parse()
-            .map_err(|_| DdpError::Elastic {
+        String::from_utf8_lossy(&v).parse().map_err(|_| {
+            DdpError::Membership(MembershipError::Elastic {
                 addr: self.addr.clone(),
                 reason: "the rendezvous holds a malformed round number".into(),
             })
+        })
     }
 
     /// Moves the job from round `from` to the next one (no effect if it already moved),
@@ -191,11 +194,13 @@ impl Rdzv {
 
     pub(super) fn plan(&self, round: u32) -> Result<Option<Plan>> {
         match self.client.get_timeout(&plan_key(round), Duration::ZERO) {
-            Ok(v) => Ok(Some(Plan::decode(&v).ok_or_else(|| DdpError::Elastic {
-                addr: self.addr.clone(),
-                reason: format!("the plan of round {round} is malformed"),
+            Ok(v) => Ok(Some(Plan::decode(&v).ok_or_else(|| {
+                DdpError::Membership(MembershipError::Elastic {
+                    addr: self.addr.clone(),
+                    reason: format!("the plan of round {round} is malformed"),
+                })
             })?)),
-            Err(DdpError::StoreTimeout { .. }) => Ok(None),
+            Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) => Ok(None),
             Err(e) => Err(self.lost("reading a round's plan", e)),
         }
     }

@@ -9,6 +9,7 @@
 //! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
+use burn_ddp_comm::{ConfigError, ModelError};
 use std::collections::HashMap;
 
 use burn_backend::distributed::DistributedParamId;
@@ -154,11 +155,11 @@ impl Reducer {
             if !is_cuda::<B>() || self.transport == GradTransport::Host {
                 if self.transport == GradTransport::Nccl && !self.nccl_refused {
                     self.nccl_refused = true;
-                    self.record_error(DdpError::InvalidConfig {
+                    self.record_error(DdpError::Config(ConfigError::InvalidConfig {
                         field: "DdpConfig::transport",
                         reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA \
                                  backend); other backends use GradTransport::Host or Auto",
-                    });
+                    }));
                 }
                 return false;
             }
@@ -176,7 +177,7 @@ impl Reducer {
             };
             match ordinal {
                 Some(o) if o != comm.device_ordinal() => {
-                    let e = DdpError::DeviceMismatch {
+                    let e = DdpError::Cuda(burn_ddp_comm::CudaError::DeviceMismatch {
                         rank: self.pg.rank(),
                         what: "the gradients of this backward pass",
                         found: o,
@@ -184,7 +185,7 @@ impl Reducer {
                             "NCCL was set up on GPU {} (where the model was at `prepare`)",
                             comm.device_ordinal()
                         ),
-                    };
+                    });
                     self.record_error(e);
                     false
                 }
@@ -195,10 +196,10 @@ impl Reducer {
         {
             let _ = device;
             if self.transport == GradTransport::Nccl && self.error.is_none() {
-                self.record_error(DdpError::InvalidConfig {
+                self.record_error(DdpError::Config(ConfigError::InvalidConfig {
                     field: "DdpConfig::transport",
                     reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
-                });
+                }));
             }
             false
         }
@@ -334,7 +335,7 @@ impl Reducer {
             // left waiting): `check`, and so `DdpSession::backward`, return it.
             let names = self.foreign();
             self.foreign.clear();
-            let e = DdpError::Model {
+            let e = DdpError::Model(ModelError::Model {
                 rank: self.pg.rank(),
                 what: "synchronising gradients",
                 reason: format!(
@@ -345,7 +346,7 @@ impl Reducer {
                      DdpSession::complete(&model, grads) before the optimizer step \
                      (DdpStrategy does)"
                 ),
-            };
+            });
             tracing::debug!("{e}");
             self.deferred.get_or_insert(e);
         }
@@ -780,12 +781,12 @@ impl Drop for Reducer {
 /// changed under it) was abandoned: what the other ranks are told.
 #[cfg(feature = "cuda")]
 fn abandoned(rank: crate::group::Rank) -> DdpError {
-    DdpError::Model {
+    DdpError::Model(ModelError::Model {
         rank,
         what: "synchronising gradients on the GPU",
         reason: "a backward pass ended before its gradient buckets were all launched (it \
                  panicked, or the job's membership changed): NCCL was stopped so that no rank \
                  waits for buckets that will not come"
             .into(),
-    }
+    })
 }

@@ -82,10 +82,12 @@ impl Links<'_> {
         &burn_ddp_comm::cuda::NcclComm,
         &super::super::gpu::NcclLauncher,
     )> {
-        self.nccl.ok_or(DdpError::NotInitialized {
-            what: "the NCCL communicator of the device path",
-            fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
-        })
+        self.nccl.ok_or(DdpError::Collective(
+            burn_ddp_comm::CollectiveError::NotInitialized {
+                what: "the NCCL communicator of the device path",
+                fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
+            },
+        ))
     }
 }
 

@@ -1,0 +1,105 @@
+//! [`ConfigError`]: the process's configuration: environment variables, ranks, options.
+
+use crate::types::{LocalRank, Rank, WorldSize};
+
+/// The process's configuration: environment variables, ranks, options. Nested in
+/// [`DdpError::Config`](crate::DdpError::Config); messages start with the rank that saw the
+/// problem.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A required environment variable is not set.
+    #[error("environment variable {var} is not set. {hint}")]
+    MissingEnv {
+        /// The variable.
+        var: &'static str,
+        /// How to provide it.
+        hint: &'static str,
+    },
+
+    /// A launcher's variables are present but do not describe a job this process can join
+    /// (some of them missing, a batch script instead of its tasks, ranks on several hosts
+    /// without `MASTER_ADDR`).
+    #[error("{launcher}: {problem}. {fix}")]
+    Launch {
+        /// The launcher whose variables were read.
+        launcher: &'static str,
+        /// What is wrong, with the values seen.
+        problem: String,
+        /// How to launch instead.
+        fix: String,
+    },
+
+    /// An environment variable holds a value that cannot be used.
+    #[error("environment variable {var}={value:?} is invalid: expected {expected}")]
+    InvalidEnv {
+        /// The variable.
+        var: &'static str,
+        /// What it held.
+        value: String,
+        /// What it should hold.
+        expected: &'static str,
+    },
+
+    /// The rank does not belong to the world.
+    #[error(
+        "rank {rank} is outside the world of {world} processes (valid ranks are 0..{world}). \
+         Check RANK and WORLD_SIZE: every process must use the same WORLD_SIZE and a distinct RANK below it"
+    )]
+    RankOutOfRange {
+        /// The rank given.
+        rank: Rank,
+        /// The world size given.
+        world: WorldSize,
+    },
+
+    /// The local rank does not belong to the node.
+    #[error(
+        "[rank {rank}] LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}. \
+         Check the launcher's --nproc-per-node"
+    )]
+    LocalRankOutOfRange {
+        /// The global rank.
+        rank: Rank,
+        /// The local rank given.
+        local_rank: LocalRank,
+        /// The node size given.
+        local_world: WorldSize,
+    },
+
+    /// A configuration value is out of its valid range.
+    #[error("invalid configuration: {field} {reason}")]
+    InvalidConfig {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// An option of a tool (the bandwidth tool's) is out of its valid range.
+    #[error("invalid option {option}: {reason}")]
+    InvalidOption {
+        /// The option.
+        option: &'static str,
+        /// What is wrong with its value, and what is accepted.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// The rank that reported this error, when it names one.
+    pub fn rank(&self) -> Option<Rank> {
+        match self {
+            Self::RankOutOfRange { rank, .. } | Self::LocalRankOutOfRange { rank, .. } => {
+                Some(*rank)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether the group failed around this rank
+    /// ([`DdpError::is_peer_failure`](crate::DdpError::is_peer_failure)).
+    pub fn is_peer_failure(&self) -> bool {
+        false
+    }
+}
