@@ -49,7 +49,7 @@
 //!
 //! A Burn release is supported by a crate of glue over these modules (`burn-ddp` for Burn 0.21,
 //! `burn-ddp-burn022` for 0.22.1); everything else is here. For a new release, the glue is,
-//! file by file as in `burn-ddp-burn022/src/` (18 files, 4,509 lines with their unit tests and
+//! file by file as in `burn-ddp-burn022/src/` (18 files, 4,531 lines with their unit tests and
 //! docs, most of them Burn's own traits implemented):
 //!
 //! | What | Over | In the 0.22 line |
