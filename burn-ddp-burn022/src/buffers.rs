@@ -102,7 +102,7 @@ impl GradSync {
     /// buffers.
     ///
     /// # Errors
-    /// A buffer that cannot be read as f32 ([`ModelError::Model`](burn_ddp_comm::ModelError::Model),
+    /// A buffer that cannot be read as f32 ([`ModelError::Access`](burn_ddp_comm::ModelError::Access),
     /// after the broadcast, so the other ranks are not left waiting); collective failures (ranks whose buffers differ in
     /// size fail in the broadcast, which compares lengths).
     pub fn sync_buffers<M: Module>(&mut self, model: M) -> Result<M> {

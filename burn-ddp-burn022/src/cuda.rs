@@ -197,7 +197,7 @@ impl DevicePath {
         let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
         pg.all_reduce(&mut votes, ReduceOp::Sum)?;
         if votes[0] > 0 && votes[1] > 0 {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank,
                 what: "choosing how gradients travel",
                 reason: format!(
@@ -333,7 +333,7 @@ impl Step<'_> {
                     }))
                 }
                 None => {
-                    return Err(DdpError::Model(ModelError::Model {
+                    return Err(DdpError::Model(ModelError::Access {
                         rank: self.rank,
                         what: "synchronising gradients",
                         reason: format!(
@@ -442,7 +442,7 @@ impl Step<'_> {
             .cast(BurnDType::F32)
             .try_into_data()
             .map_err(|e| {
-                DdpError::Cuda(CudaError::Cuda {
+                DdpError::Cuda(CudaError::Driver {
                     rank: self.rank,
                     what: "reading the reduced buckets' presence flags".into(),
                     detail: format!("{e:?}"),
@@ -450,7 +450,7 @@ impl Step<'_> {
             })?
             .try_to_vec::<f32>()
             .map_err(|e| {
-                DdpError::Model(ModelError::Model {
+                DdpError::Model(ModelError::Access {
                     rank: self.rank,
                     what: "reading the reduced buckets' presence flags",
                     reason: format!("{e:?}"),

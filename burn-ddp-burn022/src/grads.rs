@@ -13,7 +13,7 @@ use burn_ddp_comm::{DdpError, Rank, Result};
 
 /// The error for a model whose trainable parameters differ from the prepared one's.
 pub(crate) fn changed(rank: Rank, how: &str) -> DdpError {
-    DdpError::Model(ModelError::Model {
+    DdpError::Model(ModelError::Access {
         rank,
         what: "synchronising gradients",
         reason: format!(

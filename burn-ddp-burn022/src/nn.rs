@@ -251,7 +251,7 @@ impl LayerGroup {
     }
 
     fn model_error(&self, reason: String) -> DdpError {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank: self.pg.rank(),
             what: "all-reducing SyncBatchNorm's statistics",
             reason,

@@ -198,7 +198,7 @@ fn dtype_of(code: u8) -> BurnDType {
 }
 
 fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
-    DdpError::Model(ModelError::Model { rank, what, reason })
+    DdpError::Model(ModelError::Access { rank, what, reason })
 }
 
 fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {

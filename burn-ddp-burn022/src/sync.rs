@@ -518,7 +518,7 @@ fn first_device<M: Module>(model: &M) -> Option<Device> {
 
 /// The error for a call that needs [`GradSync::prepare`] first.
 fn not_prepared(rank: Rank) -> DdpError {
-    DdpError::Model(ModelError::Model {
+    DdpError::Model(ModelError::Access {
         rank,
         what: "synchronising gradients",
         reason: "GradSync::prepare was not called: prepare the model once, on every rank, \
@@ -528,7 +528,7 @@ fn not_prepared(rank: Rank) -> DdpError {
 }
 
 pub(crate) fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
-    DdpError::Model(ModelError::Model {
+    DdpError::Model(ModelError::Access {
         rank,
         what,
         reason: e.to_string(),

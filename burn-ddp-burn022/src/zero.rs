@@ -147,7 +147,7 @@ impl GradSync {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(self.group())?;
         let rank = self.group().rank();
         let prepared = self.trainable_count().ok_or_else(|| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "sharding the optimizer state",
                 reason: "GradSync::prepare was not called: prepare the model first, then \
@@ -158,7 +158,7 @@ impl GradSync {
         let mut trainable = Trainable(Vec::new());
         model.visit(&mut trainable);
         if trainable.0.len() != prepared {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank,
                 what: "sharding the optimizer state",
                 reason: format!(
@@ -253,7 +253,7 @@ impl ZeroOptimizer {
     pub fn gather_record(&self) -> Result<Option<OptimizerRecord>> {
         let rank = self.rank();
         let fail = |what: &'static str, e: String| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what,
                 reason: e,
@@ -288,7 +288,7 @@ impl ZeroOptimizer {
     pub fn load_full_record(mut self, record: OptimizerRecord) -> Result<Self> {
         let rank = self.rank();
         let fail = |e: String| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "loading the whole optimizer state",
                 reason: e,

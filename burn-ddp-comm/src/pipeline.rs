@@ -176,10 +176,10 @@ impl Activation {
     /// Burn's float type named `dtype` (`DType::name`: `f64`, `f32`, `f16`, `bf16`).
     ///
     /// # Errors
-    /// [`ModelError::Model`] for `rank` when the element type cannot travel between stages.
+    /// [`ModelError::Access`] for `rank` when the element type cannot travel between stages.
     pub fn of(rank: Rank, shape: Vec<usize>, dtype: &str, bytes: Vec<u8>) -> Result<Self> {
         let code = float_code(dtype).ok_or_else(|| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "sending an activation to a neighbouring stage",
                 reason: format!(
@@ -403,7 +403,7 @@ impl StagePlan {
     /// dimensions and as many bytes as its shape and element type need.
     ///
     /// # Errors
-    /// As [`ProcessGroup::recv_bytes`]; [`ModelError::Model`] for a malformed message.
+    /// As [`ProcessGroup::recv_bytes`]; [`ModelError::Access`] for a malformed message.
     pub fn recv(&self, from: Rank, i: usize, gradient: bool, dims: usize) -> Result<Activation> {
         let tag = if gradient {
             gradient_tag(i)
@@ -412,7 +412,7 @@ impl StagePlan {
         };
         let msg = self.group.recv_bytes(from, tag)?;
         let bad = |reason: String| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank: self.group.global_rank(),
                 what: "receiving an activation from a neighbouring stage",
                 reason,

@@ -57,7 +57,7 @@ impl<R: Checkpoint> Checkpointer<R> for Memory {
 
 fn load<R: Checkpoint>(bytes: Vec<u8>, rank: Rank) -> Result<R> {
     R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank,
             what: "loading the Learner's state received from the source rank",
             reason: e.to_string(),
@@ -92,7 +92,7 @@ impl DdpStrategy {
         let [model, optim, sched] = learner_records(bytes, rank)?;
         let model: ModuleRecord = load(model, rank)?;
         let model = learner.model().try_load_record(model).map_err(|e| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "loading the Learner's state received from the source rank",
                 reason: e.to_string(),

@@ -132,7 +132,7 @@ pub unsafe fn all_reduce_bucket(
 /// The error of a device path that could not complete Burn's queued work (the gradients) before
 /// a bucket's all-reduce.
 pub fn queued_work_failed(rank: Rank, e: impl fmt::Debug) -> DdpError {
-    DdpError::Cuda(CudaError::Cuda {
+    DdpError::Cuda(CudaError::Driver {
         rank,
         what: "completing Burn's queued work before the bucket's all-reduce".into(),
         detail: format!("{e:?}"),

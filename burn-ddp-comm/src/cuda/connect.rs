@@ -90,7 +90,7 @@ fn decide<C: Trial>(
         Ok(_) => READY,
         Err(
             DdpError::Cuda(CudaError::NcclUnavailable { .. })
-            | DdpError::Cuda(CudaError::Cuda { .. }),
+            | DdpError::Cuda(CudaError::Driver { .. }),
         ) => NO_NCCL,
         Err(_) => FAILED,
     };
@@ -108,7 +108,7 @@ fn decide<C: Trial>(
     let ordinal = match (local, vote[0]) {
         (Err(e), _) if mine == FAILED => return Err(e),
         (_, FAILED) => {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank,
                 what: "choosing the GPUs for NCCL",
                 reason: "another rank failed (see its error)".into(),

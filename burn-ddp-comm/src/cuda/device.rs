@@ -123,7 +123,7 @@ pub(crate) fn choose_ordinal(
 /// No CUDA driver, or the driver fails.
 pub fn device_count(rank: Rank) -> Result<usize> {
     if !driver_present() {
-        return Err(DdpError::Cuda(CudaError::Cuda {
+        return Err(DdpError::Cuda(CudaError::Driver {
             rank,
             what: "loading the CUDA driver (libcuda.so)".into(),
             detail: "the library was not found: this machine has no NVIDIA driver, or the \

@@ -123,7 +123,7 @@ pub(crate) fn driver_error(rank: Rank, what: impl Into<String>, e: DriverError) 
         .ok()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_else(|| format!("{:?}", e.0));
-    DdpError::Cuda(CudaError::Cuda {
+    DdpError::Cuda(CudaError::Driver {
         rank,
         what: what.into(),
         detail: format!("{name}{advice}"),

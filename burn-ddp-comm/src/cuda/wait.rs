@@ -130,7 +130,7 @@ mod tests {
             far(),
             Duration::from_secs(1),
             || {
-                Poll::Failed(DdpError::Cuda(CudaError::Cuda {
+                Poll::Failed(DdpError::Cuda(CudaError::Driver {
                     rank: Rank(0),
                     what: "cuStreamQuery".into(),
                     detail: "CUDA_ERROR_ILLEGAL_ADDRESS".into(),
@@ -139,7 +139,10 @@ mod tests {
             || None,
         );
         assert!(
-            matches!(r, Err(Stop::Failed(DdpError::Cuda(CudaError::Cuda { .. })))),
+            matches!(
+                r,
+                Err(Stop::Failed(DdpError::Cuda(CudaError::Driver { .. })))
+            ),
             "{r:?}"
         );
     }

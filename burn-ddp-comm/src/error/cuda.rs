@@ -18,7 +18,7 @@ pub enum CudaError {
 
     /// The CUDA driver failed or is missing.
     #[error("[rank {rank}] CUDA: {what} failed: {detail}")]
-    Cuda {
+    Driver {
         /// This rank.
         rank: Rank,
         /// The call that failed.
@@ -106,7 +106,7 @@ impl CudaError {
     /// The rank that reported this error, when it names one.
     pub fn rank(&self) -> Option<Rank> {
         match self {
-            Self::Cuda { rank, .. }
+            Self::Driver { rank, .. }
             | Self::NoGpuForRank { rank, .. }
             | Self::DeviceMismatch { rank, .. }
             | Self::Nccl { rank, .. }

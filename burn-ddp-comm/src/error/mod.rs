@@ -101,7 +101,7 @@ impl DdpError {
     /// A gradient bucket that the device paths (both Burn lines) cannot hand to NCCL: a buffer
     /// that is not contiguous, of the wrong size or type, or without a device pointer.
     pub fn bucket_layout(rank: Rank, reason: String) -> Self {
-        ModelError::Model {
+        ModelError::Access {
             rank,
             what: "handing a gradient bucket to NCCL",
             reason,

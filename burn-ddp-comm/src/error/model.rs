@@ -65,7 +65,7 @@ pub enum ModelError {
 
     /// A model's parameters could not be read, written or (de)serialised.
     #[error("[rank {rank}] {what}: {reason}")]
-    Model {
+    Access {
         /// This rank.
         rank: Rank,
         /// What was being done.
@@ -83,7 +83,7 @@ impl ModelError {
             | Self::ReplicasDiverged { rank, .. }
             | Self::GradSyncTimeout { rank, .. }
             | Self::GradientSize { rank, .. }
-            | Self::Model { rank, .. } => Some(*rank),
+            | Self::Access { rank, .. } => Some(*rank),
         }
     }
 

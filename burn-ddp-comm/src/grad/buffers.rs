@@ -14,7 +14,7 @@ use crate::{DdpError, Result};
 /// failed, and then this rank fails.
 ///
 /// # Errors
-/// The broadcast's errors (a dead peer, a deadline), or [`ModelError::Model`](crate::ModelError::Model) naming the buffer
+/// The broadcast's errors (a dead peer, a deadline), or [`ModelError::Access`](crate::ModelError::Access) naming the buffer
 /// this rank could not read.
 pub fn broadcast_buffers(
     pg: &ProcessGroup,
@@ -24,7 +24,7 @@ pub fn broadcast_buffers(
 ) -> Result<Vec<f32>> {
     pg.broadcast(&mut values, root)?;
     if let Some(what) = unreadable {
-        return Err(DdpError::Model(ModelError::Model {
+        return Err(DdpError::Model(ModelError::Access {
             rank: pg.rank(),
             what: "synchronising buffers",
             reason: format!("a buffer cannot be read as f32 ({what})"),

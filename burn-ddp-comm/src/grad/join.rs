@@ -140,7 +140,7 @@ impl Join {
     /// this rank already announced that it ran out; collective failures.
     pub fn step(&mut self, pg: &ProcessGroup, call: JoinCall) -> Result<Round> {
         if self.done {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank: pg.rank(),
                 what: "training with uneven inputs",
                 reason: format!(
@@ -232,7 +232,7 @@ fn announce(pg: &ProcessGroup, call: Option<JoinCall>) -> Result<Round> {
             .map(|(c, ranks)| format!("rank(s) {ranks:?} make {}", c.describe()))
             .collect::<Vec<_>>()
             .join("; ");
-        return Err(DdpError::Model(ModelError::Model {
+        return Err(DdpError::Model(ModelError::Access {
             rank: pg.rank(),
             what: "training with uneven inputs",
             reason: format!(
@@ -297,7 +297,7 @@ impl JoinSlot {
             });
             return Ok(());
         };
-        Err(DdpError::Model(ModelError::Model {
+        Err(DdpError::Model(ModelError::Access {
             rank: pg.rank(),
             what: "training with uneven inputs",
             reason,
@@ -340,7 +340,7 @@ impl JoinSlot {
         };
         let round = active.join.step(pg, JoinCall::Backward)?;
         if active.scale.replace(round.scale(reduction)).is_some() {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank: pg.rank(),
                 what: "training with uneven inputs",
                 reason: format!("the gradients of the previous synchronised backward {hint}"),

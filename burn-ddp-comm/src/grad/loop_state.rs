@@ -40,14 +40,14 @@ pub trait LoopSync<M, O> {
     /// The model's and the optimizer's records as bytes, to send to the ranks behind.
     ///
     /// # Errors
-    /// A record that cannot be serialised (a [`ModelError::Model`](crate::ModelError::Model)).
+    /// A record that cannot be serialised (a [`ModelError::Access`](crate::ModelError::Access)).
     fn state_bytes(&self, model: &M, optim: &O) -> Result<[Vec<u8>; 2]>;
 
     /// `model` and `optim` with the records `bytes` (from [`state_bytes`](Self::state_bytes)
     /// on the source rank) loaded.
     ///
     /// # Errors
-    /// Records that cannot be read or do not fit (a [`ModelError::Model`](crate::ModelError::Model)).
+    /// Records that cannot be read or do not fit (a [`ModelError::Access`](crate::ModelError::Access)).
     fn load_state(&self, model: M, optim: O, bytes: [Vec<u8>; 2]) -> Result<(M, O)>;
 }
 
@@ -194,7 +194,7 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
     fn loaded<S: LoopSync<M, O>>(self, sync: &S, pg: &ProcessGroup, bytes: &[u8]) -> Result<Self> {
         let rank = pg.rank();
         let bad = |why: &str| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "taking the state of the source rank",
                 reason: why.to_owned(),
@@ -256,7 +256,7 @@ mod tests {
         }
         fn load_state(&self, _: f32, _: u64, [m, o]: [Vec<u8>; 2]) -> Result<(f32, u64)> {
             let fail = || {
-                DdpError::Model(ModelError::Model {
+                DdpError::Model(ModelError::Access {
                     rank: self.pg.rank(),
                     what: "loading",
                     reason: "size".into(),

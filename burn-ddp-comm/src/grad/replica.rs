@@ -24,7 +24,7 @@ pub trait Replica: Sized {
     /// statistics folded in first, so that what is sent is current.
     ///
     /// # Errors
-    /// The record cannot be serialised (a [`ModelError::Model`](crate::ModelError::Model) naming
+    /// The record cannot be serialised (a [`ModelError::Access`](crate::ModelError::Access) naming
     /// `rank`).
     fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>>;
 
@@ -34,7 +34,7 @@ pub trait Replica: Sized {
     ///
     /// # Errors
     /// The record cannot be read or does not fit the model (a
-    /// [`ModelError::Model`](crate::ModelError::Model) naming `rank`).
+    /// [`ModelError::Access`](crate::ModelError::Access) naming `rank`).
     fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self>;
 
     /// The values of the float parameters whose names (as [`params`](Self::params) gives
@@ -130,7 +130,7 @@ mod tests {
         }
         fn load_record_bytes(mut self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
             if bytes.len() != self.values.len() {
-                return Err(DdpError::Model(ModelError::Model {
+                return Err(DdpError::Model(ModelError::Access {
                     rank,
                     what: "loading the model received",
                     reason: "wrong size".into(),

@@ -94,11 +94,11 @@ impl ZeroPlan {
     /// all-gather, so that no rank waits in it for one that failed.
     ///
     /// # Errors
-    /// As `all_gather`; [`ModelError::Model`](crate::ModelError::Model) naming what could not be read.
+    /// As `all_gather`; [`ModelError::Access`](crate::ModelError::Access) naming what could not be read.
     pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
         let all = self.all_gather(pg, &mine.values)?;
         match mine.error {
-            Some(e) => Err(DdpError::Model(ModelError::Model {
+            Some(e) => Err(DdpError::Model(ModelError::Access {
                 rank: pg.rank(),
                 what: "sharing the stepped parameters",
                 reason: format!("a parameter cannot be read as f32: {e}"),

@@ -100,12 +100,12 @@ const RECORDS: [&str; 3] = ["model", "optimizer", "scheduler"];
 /// once a checkpointer saved them into `slots`, framed.
 ///
 /// # Errors
-/// A slot the checkpointer did not fill ([`ModelError::Model`], on `rank`).
+/// A slot the checkpointer did not fill ([`ModelError::Access`], on `rank`).
 pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
     let mut bytes = Vec::with_capacity(3);
     for (slot, name) in slots.iter().zip(RECORDS) {
         bytes.push(slot.take().ok_or_else(|| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "serialising the Learner's state for the ranks behind",
                 reason: format!("burn-train's checkpointer did not save the {name} record"),
@@ -118,10 +118,10 @@ pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
 /// The three records of a [`learner_state`] received on `rank`.
 ///
 /// # Errors
-/// The bytes are not a framed state ([`ModelError::Model`]).
+/// The bytes are not a framed state ([`ModelError::Access`]).
 pub fn learner_records(bytes: &[u8], rank: Rank) -> Result<[Vec<u8>; 3]> {
     unframe(bytes).ok_or_else(|| {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank,
             what: "taking the Learner's state from the source rank",
             reason: "the bytes received are not a framed state".into(),

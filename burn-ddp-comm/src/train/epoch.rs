@@ -641,7 +641,7 @@ fn take_state<D: Handover + ?Sized>(
     rank: crate::Rank,
 ) -> Result<()> {
     let bad = |why: &str| {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank,
             what: "taking the Learner's state from the source rank",
             reason: why.to_owned(),

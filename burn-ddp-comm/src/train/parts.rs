@@ -213,7 +213,7 @@ fn cat<T: Clone>(
 
 /// An item that cannot be merged: what is wrong with it.
 pub fn mismatch(what: &str) -> DdpError {
-    DdpError::Model(ModelError::Model {
+    DdpError::Model(ModelError::Access {
         rank: Rank(0),
         what: "merging the ranks' output items for the metrics",
         reason: what.to_owned(),
@@ -241,7 +241,7 @@ pub fn gather(pg: &ProcessGroup, parts: Option<Vec<Part>>) -> Result<Option<Vec<
             continue;
         }
         let parts = Part::decode(b).ok_or_else(|| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank: pg.rank(),
                 what: "decoding an output item",
                 reason: format!("rank {r} sent {} malformed bytes", b.len()),

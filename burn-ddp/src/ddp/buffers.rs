@@ -112,7 +112,7 @@ impl DdpSession {
     /// the model has no buffers.
     ///
     /// # Errors
-    /// A buffer that cannot be read as f32 ([`ModelError::Model`](crate::ModelError::Model), after the broadcast, so the
+    /// A buffer that cannot be read as f32 ([`ModelError::Access`](crate::ModelError::Access), after the broadcast, so the
     /// other ranks are not left waiting); collective failures (ranks whose buffers differ in
     /// size fail in the broadcast, which compares lengths).
     pub fn sync_buffers<B: Backend, M: Module<B>>(&self, model: M) -> Result<M> {

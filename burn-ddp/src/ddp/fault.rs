@@ -31,7 +31,7 @@ fn record_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         (),
     )
     .map_err(|e| {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank,
             what: "serialising the state to send to the ranks behind",
             reason: e.to_string(),
@@ -50,7 +50,7 @@ fn load_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         device,
     )
     .map_err(|e| {
-        DdpError::Model(ModelError::Model {
+        DdpError::Model(ModelError::Access {
             rank,
             what: "loading the state received from the source rank",
             reason: e.to_string(),

@@ -255,7 +255,7 @@ impl DeviceStep {
             dtype,
             BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
         ) {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank,
                 what: "reading a gradient",
                 reason: format!(
@@ -408,7 +408,7 @@ impl DeviceStep {
         // parameters some other rank had a gradient for.
         let flags: Vec<CudaFloat> = absent.iter().map(|(_, _, f)| f.clone()).collect();
         let flags = read_f32::<Gpu>(Gpu::float_cat(flags, 0)).map_err(|reason| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank: comm.rank(),
                 what: "reading the reduced buckets' presence flags",
                 reason,

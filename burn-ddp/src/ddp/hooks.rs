@@ -103,7 +103,7 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
         }
         Err(reason) => {
             let rank = session.pg.rank();
-            r.record_error(DdpError::Model(ModelError::Model {
+            r.record_error(DdpError::Model(ModelError::Access {
                 rank,
                 what: "reading a gradient",
                 reason,
@@ -179,7 +179,7 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
         Err(reason) => {
             session
                 .reducer()
-                .record_error(DdpError::Model(ModelError::Model {
+                .record_error(DdpError::Model(ModelError::Access {
                     rank: session.pg.rank(),
                     what: "reading a tensor to all-reduce",
                     reason,

@@ -195,7 +195,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         // them), so the record sent is current.
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         Recorder::<B>::record(&recorder, self.model.clone().into_record(), ()).map_err(|e| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "serialising the model to send",
                 reason: e.to_string(),
@@ -214,7 +214,7 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         let device = self.model.devices().into_iter().next().unwrap_or_default();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "loading the model received",
                 reason: e.to_string(),
@@ -467,7 +467,7 @@ impl DdpSession {
         if !register.foreign.is_empty() {
             let mut names: Vec<String> = register.foreign.into_values().map(|f| f.name).collect();
             names.sort();
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank: self.shared.pg.rank(),
                 what: "completing the step's gradients",
                 reason: format!(

@@ -149,7 +149,7 @@ impl DdpSession {
     {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(&self.shared.pg)?;
         if self.shared.reducer().params().is_empty() {
-            return Err(DdpError::Model(ModelError::Model {
+            return Err(DdpError::Model(ModelError::Access {
                 rank: self.shared.pg.rank(),
                 what: "sharding the optimizer state",
                 reason: "DdpSession::prepare was not called: prepare the model first, then \
@@ -259,7 +259,7 @@ where
         let rank = self.rank();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         let mine = Recorder::<B>::record(&recorder, self.inner.to_record(), ()).map_err(|e| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "serialising this rank's optimizer state",
                 reason: e.to_string(),
@@ -274,7 +274,7 @@ where
         let mut seen = std::collections::HashSet::new();
         for (from, bytes) in all.into_iter().enumerate() {
             let shard: O::Record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
-                DdpError::Model(ModelError::Model {
+                DdpError::Model(ModelError::Access {
                     rank,
                     what: "reading another rank's optimizer state",
                     reason: format!("rank {from}'s: {e}"),

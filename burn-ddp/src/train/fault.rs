@@ -73,7 +73,7 @@ fn load<R: Record<B>, B: Backend>(
     BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)
         .map_err(|e| {
-            DdpError::Model(ModelError::Model {
+            DdpError::Model(ModelError::Access {
                 rank,
                 what: "loading the Learner's state received from the source rank",
                 reason: e.to_string(),

@@ -124,7 +124,7 @@ pub(crate) fn check_span(
 /// `got`). The error names `what` (the bucket's input or output) and what differs.
 ///
 /// # Errors
-/// [`ModelError::Model`](crate::ModelError::Model) ([`DdpError::bucket_layout`]) for this `rank`.
+/// [`ModelError::Access`](crate::ModelError::Access) ([`DdpError::bucket_layout`]) for this `rank`.
 pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
     rank: Rank,
     what: &str,
@@ -146,7 +146,7 @@ pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
 /// elements of `dtype` ([`check_bucket_tensor`] for the tensor itself).
 ///
 /// # Errors
-/// [`ModelError::Model`](crate::ModelError::Model) ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
+/// [`ModelError::Access`](crate::ModelError::Access) ([`DdpError::bucket_layout`]) for this `rank`, naming `what`.
 pub(crate) fn check_bucket_span(
     rank: Rank,
     what: &str,

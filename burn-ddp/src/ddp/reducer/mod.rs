@@ -335,7 +335,7 @@ impl Reducer {
             // left waiting): `check`, and so `DdpSession::backward`, return it.
             let names = self.foreign();
             self.foreign.clear();
-            let e = DdpError::Model(ModelError::Model {
+            let e = DdpError::Model(ModelError::Access {
                 rank: self.pg.rank(),
                 what: "synchronising gradients",
                 reason: format!(
@@ -781,7 +781,7 @@ impl Drop for Reducer {
 /// changed under it) was abandoned: what the other ranks are told.
 #[cfg(feature = "cuda")]
 fn abandoned(rank: crate::group::Rank) -> DdpError {
-    DdpError::Model(ModelError::Model {
+    DdpError::Model(ModelError::Access {
         rank,
         what: "synchronising gradients on the GPU",
         reason: "a backward pass ended before its gradient buckets were all launched (it \
