@@ -191,7 +191,7 @@ burn_ddp_dev::conformance_suite!(Line022);
 fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
     match opt {
         conformance::Opt::Sgd => SgdConfig::new().init(),
-        conformance::Opt::Adam => AdamConfig::new().init(),
+        conformance::Opt::Adam | conformance::Opt::AdamZero => AdamConfig::new().init(),
     }
 }
 
@@ -210,6 +210,13 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     let (mut opt_ddp, mut opt_ref, mut opt_alone) =
         (optimizer(s.opt), optimizer(s.opt), optimizer(s.opt));
     let lr = conformance::LR;
+    // ZeRO-1: the DDP model steps through the sharded optimizer.
+    let mut zero = (s.opt == conformance::Opt::AdamZero)
+        .then(|| sync.zero(AdamConfig::new().init(), &model).unwrap());
+    let mut step_ddp = |model: M, grads| match zero.as_mut() {
+        Some(zero) => zero.step(lr, model, grads).unwrap(),
+        None => opt_ddp.step(lr, model, grads),
+    };
     for step in 0..STEPS {
         match s.mode {
             conformance::Mode::Plain => {
@@ -220,7 +227,7 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                 );
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 let grads = sync.sync(&model, grads).unwrap();
-                model = opt_ddp.step(lr, model, grads);
+                model = step_ddp(model, grads);
 
                 let loss = alone.loss(
                     shard(x.clone(), rank, PER_RANK),
@@ -254,7 +261,7 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                     );
                 }
                 let grads = sync.sync(&model, acc.grads()).unwrap();
-                model = opt_ddp.step(lr, model, grads);
+                model = step_ddp(model, grads);
                 reference = opt_ref.step(lr, reference, acc_ref.grads());
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }

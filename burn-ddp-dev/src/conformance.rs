@@ -67,6 +67,10 @@ pub enum Opt {
     Sgd,
     /// Adam, Burn's defaults.
     Adam,
+    /// ZeRO-1: the DDP model steps with Adam through the line's sharded optimizer (each rank
+    /// keeps the state of the parameters it owns); the reference and the negative control
+    /// with plain Adam.
+    AdamZero,
 }
 
 /// How each optimizer step's gradients are made.
@@ -133,7 +137,7 @@ fn weight_alone() -> DdpConfig {
 pub fn scenarios() -> Vec<Scenario> {
     use Mode::{Accumulate, Plain};
     use Net::{Conv, Mlp, SharedGrad, Strided};
-    use Opt::{Adam, Sgd};
+    use Opt::{Adam, AdamZero, Sgd};
     let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
         name,
         net,
@@ -248,6 +252,15 @@ pub fn scenarios() -> Vec<Scenario> {
             || shift_alone().with_gradient_as_bucket_view(true),
             &[2],
         ),
+        s("mlp_adam_zero", Mlp, AdamZero, Plain, default, &[2, 3]),
+        s(
+            "conv_adam_zero_accumulate_2",
+            Conv,
+            AdamZero,
+            Accumulate(2),
+            default,
+            &[3],
+        ),
     ]
 }
 
@@ -327,7 +340,8 @@ macro_rules! conformance_suite {
             mlp_sgd, mlp_adam, conv_sgd, conv_adam_after_backward, mlp_small_buckets,
             mlp_accumulate_4, mlp_adam_accumulate_2, shared_gradient_buffer,
             strided_gradient_view, mlp_bf16_compression, mlp_sgd_comm_hook, mlp_adam_bucket_view,
-            mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view);
+            mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_zero,
+            conv_adam_zero_accumulate_2);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

@@ -201,7 +201,7 @@ impl Line for Line021 {
         fn with<M: Net<B> + AutodiffModule<B>>(pg: ProcessGroup, s: &Scenario) -> Trained {
             match s.opt {
                 Opt::Sgd => run::<M, _>(pg, s, || SgdConfig::new().init()),
-                Opt::Adam => run::<M, _>(pg, s, || AdamConfig::new().init()),
+                Opt::Adam | Opt::AdamZero => run::<M, _>(pg, s, || AdamConfig::new().init()),
             }
         }
         match s.net {
@@ -235,6 +235,13 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     let mut opt_ref = make_opt();
     let mut opt_alone = make_opt();
     let lr = conformance::LR;
+    // ZeRO-1: the DDP model steps through the sharded optimizer.
+    let mut zero = (s.opt == conformance::Opt::AdamZero)
+        .then(|| session.zero(AdamConfig::new().init(), &model).unwrap());
+    let mut step_ddp = |model: M, grads| match zero.as_mut() {
+        Some(zero) => zero.try_step(lr, model, grads).unwrap(),
+        None => opt_ddp.step(lr, model, grads),
+    };
     for step in 0..STEPS {
         match s.mode {
             conformance::Mode::Plain => {
@@ -242,7 +249,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
                 let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
                 let grads = session.backward(loss).unwrap();
                 let grads = GradientsParams::from_grads(grads, &model);
-                model = opt_ddp.step(lr, model, grads);
+                model = step_ddp(model, grads);
 
                 let loss = alone.loss(shard(x.clone(), rank), shard(y.clone(), rank));
                 let grads = GradientsParams::from_grads(loss.backward(), &alone);
@@ -274,7 +281,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
                     );
                 }
                 let grads = session.sync_gradients(&model, acc.grads()).unwrap();
-                model = opt_ddp.step(lr, model, grads);
+                model = step_ddp(model, grads);
                 reference = opt_ref.step(lr, reference, acc_ref.grads());
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }
