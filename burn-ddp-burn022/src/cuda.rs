@@ -23,7 +23,7 @@
 //! slice of the reduced output (a view, cast back to its gradient's dtype); the flags are the
 //! only bytes read to the host.
 
-use burn_ddp_comm::{ConfigError, CudaError, ModelError};
+use burn_ddp_comm::{ConfigError, CudaError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -197,10 +197,10 @@ impl DevicePath {
         let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
         pg.all_reduce(&mut votes, ReduceOp::Sum)?;
         if votes[0] > 0 && votes[1] > 0 {
-            return Err(DdpError::Model(ModelError::Access {
+            return Err(DdpError::model_access(
                 rank,
-                what: "choosing how gradients travel",
-                reason: format!(
+                "choosing how gradients travel",
+                format!(
                     "{} rank(s) prepared a model on a CUDA device and {} on another device \
                      (this rank: {}); put every rank's model on its GPU \
                      (burn_ddp_burn022::cuda::rank_device), or every rank's on the CPU",
@@ -208,7 +208,7 @@ impl DevicePath {
                     votes[1],
                     device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"))
                 ),
-            }));
+            ));
         }
         let Some(ordinal) = ordinal else {
             if transport == GradTransport::Nccl {
@@ -333,16 +333,16 @@ impl Step<'_> {
                     }))
                 }
                 None => {
-                    return Err(DdpError::Model(ModelError::Access {
-                        rank: self.rank,
-                        what: "synchronising gradients",
-                        reason: format!(
+                    return Err(DdpError::model_access(
+                        self.rank,
+                        "synchronising gradients",
+                        format!(
                             "the gradient of `{name}` is on {found:?}, not on a CUDA device, but \
                              the model was on GPU {} at `prepare`, where NCCL was set up; keep \
                              the model on that GPU for the whole training",
                             self.path.comm.device_ordinal()
                         ),
-                    }))
+                    ))
                 }
             }
             let g = if g.dtype() == BurnDType::F32 {
@@ -450,11 +450,11 @@ impl Step<'_> {
             })?
             .try_to_vec::<f32>()
             .map_err(|e| {
-                DdpError::Model(ModelError::Access {
-                    rank: self.rank,
-                    what: "reading the reduced buckets' presence flags",
-                    reason: format!("{e:?}"),
-                })
+                DdpError::model_access(
+                    self.rank,
+                    "reading the reduced buckets' presence flags",
+                    format!("{e:?}"),
+                )
             })?;
         let mut first_flag = Vec::with_capacity(plan.buckets.len());
         let mut at = 0;

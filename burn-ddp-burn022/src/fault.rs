@@ -9,7 +9,7 @@ use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::tensor::Bytes;
 use burn_ddp_comm::grad::{LoopState, LoopSync, Replica};
 
-use crate::sync::{model_error, AsReplica};
+use crate::sync::AsReplica;
 use crate::{DdpError, GradSync, ProcessGroup, Result};
 
 impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
@@ -28,10 +28,9 @@ impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
     fn state_bytes(&self, model: &M, optim: &ModuleOptimizer) -> Result<[Vec<u8>; 2]> {
         let rank = self.group().rank();
         let model = AsReplica(model.clone()).record_bytes(rank)?;
-        let optim = optim
-            .to_record()
-            .into_bytes()
-            .map_err(|e| model_error(rank, "serialising the optimizer's state to send", e))?;
+        let optim = optim.to_record().into_bytes().map_err(|e| {
+            DdpError::model_access(rank, "serialising the optimizer's state to send", e)
+        })?;
         Ok([model, optim.to_vec()])
     }
 
@@ -43,8 +42,9 @@ impl<M: Module> LoopSync<M, ModuleOptimizer> for GradSync {
     ) -> Result<(M, ModuleOptimizer)> {
         let rank = self.group().rank();
         let AsReplica(model) = AsReplica(model).load_record_bytes(rank, m)?;
-        let record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(o))
-            .map_err(|e| model_error(rank, "reading the optimizer's state received", e))?;
+        let record = OptimizerRecord::from_bytes(Bytes::from_bytes_vec(o)).map_err(|e| {
+            DdpError::model_access(rank, "reading the optimizer's state received", e)
+        })?;
         Ok((model, optim.load_record(record)))
     }
 }

@@ -13,14 +13,14 @@ use burn_ddp_comm::{DdpError, Rank, Result};
 
 /// The error for a model whose trainable parameters differ from the prepared one's.
 pub(crate) fn changed(rank: Rank, how: &str) -> DdpError {
-    DdpError::Model(ModelError::Access {
+    DdpError::model_access(
         rank,
-        what: "synchronising gradients",
-        reason: format!(
+        "synchronising gradients",
+        format!(
             "the model {how} the one given to GradSync::prepare (its trainable parameters must \
              not change after prepare; call prepare again after freezing or adding layers)"
         ),
-    })
+    )
 }
 
 /// Where a reduced gradient goes back: the device and dtype of the gradient (or of the

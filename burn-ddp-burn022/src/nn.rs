@@ -9,7 +9,6 @@
 //! (`Tensor::from_primitive`). `B` is each backend this crate is built for: `Flex` (feature
 //! `flex`), `NdArray` (`ndarray`), Burn's `Cube` (`cuda`, with or without `fusion`).
 
-use burn_ddp_comm::ModelError;
 use std::cell::RefCell;
 use std::ops::ControlFlow;
 use std::sync::Mutex;
@@ -145,26 +144,18 @@ impl SyncBatchNorm {
             "SyncBatchNorm with {channels} features got an input of shape {:?}",
             input.dims()
         );
-        if !(input.device().is_autodiff() && self.training.is_enabled()) {
-            let device = input.device();
-            return burn::tensor::module::batch_norm(
-                input,
-                self.gamma.val(),
-                self.beta.val(),
-                self.running_mean.value().to_device(&device),
-                self.running_var.value().to_device(&device),
-                self.epsilon,
-            );
-        }
-        let mut shape = [1; D];
-        shape[1] = channels;
-        let (mean, var) = self.global_statistics(input.clone());
-        let std = var.add_scalar(self.epsilon).sqrt().reshape(shape);
-        input
-            .sub(mean.reshape(shape))
-            .div(std)
-            .mul(self.gamma.val().reshape(shape))
-            .add(self.beta.val().reshape(shape))
+        let device = input.device();
+        let (mean, var) = if device.is_autodiff() && self.training.is_enabled() {
+            self.global_statistics(input.clone())
+        } else {
+            let running = (self.running_mean.value(), self.running_var.value());
+            (running.0.to_device(&device), running.1.to_device(&device))
+        };
+        // Burn's normalisation with the given statistics: under autodiff, a composition of
+        // tensor operations, so the gradient reaches the global statistics (and, through their
+        // all-reduce, every rank's batch).
+        let (gamma, beta) = (self.gamma.val(), self.beta.val());
+        burn::tensor::module::batch_norm(input, gamma, beta, mean, var, self.epsilon)
     }
 
     /// The mean and (biased) variance of each channel over every rank's batch, and the
@@ -251,11 +242,11 @@ impl LayerGroup {
     }
 
     fn model_error(&self, reason: String) -> DdpError {
-        DdpError::Model(ModelError::Access {
-            rank: self.pg.rank(),
-            what: "all-reducing SyncBatchNorm's statistics",
+        DdpError::model_access(
+            self.pg.rank(),
+            "all-reducing SyncBatchNorm's statistics",
             reason,
-        })
+        )
     }
 }
 

@@ -13,7 +13,6 @@
 //! (Burn's autodiff frees the graphs that share parameters with the one whose backward runs, so
 //! several graphs cannot wait for their backward at once).
 
-use burn_ddp_comm::ModelError;
 use std::ops::{Deref, Range};
 
 use burn::module::Module;
@@ -197,14 +196,10 @@ fn dtype_of(code: u8) -> BurnDType {
     core::float_type(code, &[F64, F32, F16, BF16], BurnDType::name).unwrap_or(F32)
 }
 
-fn model_error(rank: Rank, what: &'static str, reason: String) -> DdpError {
-    DdpError::Model(ModelError::Access { rank, what, reason })
-}
-
 fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {
     let data = t.try_into_data().map_err(|e| {
         let what = "sending an activation to a neighbouring stage";
-        model_error(rank, what, e.to_string())
+        DdpError::model_access(rank, what, e.to_string())
     })?;
     let shape = data.shape().as_slice().to_vec();
     Activation::of(rank, shape, data.dtype().name(), data.as_bytes().to_vec())
@@ -214,7 +209,7 @@ fn activation<const D: usize>(rank: Rank, t: Tensor<D>) -> Result<Activation> {
 fn tensor<const D: usize>(rank: Rank, a: Activation, device: &Device) -> Result<Tensor<D>> {
     let dtype = dtype_of(a.dtype);
     let data = TensorData::try_from_bytes_vec(a.bytes, a.shape, dtype).map_err(|e| {
-        model_error(
+        DdpError::model_access(
             rank,
             "receiving an activation from a neighbouring stage",
             format!("{e:?}"),

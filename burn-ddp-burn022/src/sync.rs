@@ -1,6 +1,6 @@
 //! [`GradSync`]: a model prepared on every rank, and its gradients reduced after backward.
 
-use burn_ddp_comm::{ConfigError, ModelError};
+use burn_ddp_comm::ConfigError;
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -295,10 +295,12 @@ impl GradSync {
             let values = grad
                 .map(|g| {
                     g.try_into_data()
-                        .map_err(|e| model_error(rank, "reading a gradient", e))?
+                        .map_err(|e| DdpError::model_access(rank, "reading a gradient", e))?
                         .convert::<f32>()
                         .try_into_vec::<f32>()
-                        .map_err(|e| model_error(rank, "reading a gradient", format!("{e:?}")))
+                        .map_err(|e| {
+                            DdpError::model_access(rank, "reading a gradient", format!("{e:?}"))
+                        })
                 })
                 .transpose()?;
             step.push(slot, values.as_deref())
@@ -433,18 +435,18 @@ impl<M: Module> Replica for AsReplica<M> {
             .clone()
             .into_record()
             .into_bytes()
-            .map_err(|e| model_error(rank, "serialising the model to send", e))?
+            .map_err(|e| DdpError::model_access(rank, "serialising the model to send", e))?
             .to_vec())
     }
 
     fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
         drop(self.0.valid());
         let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
-            .map_err(|e| model_error(rank, "reading the model received", e))?;
+            .map_err(|e| DdpError::model_access(rank, "reading the model received", e))?;
         self.0
             .try_load_record(record)
             .map(AsReplica)
-            .map_err(|e| model_error(rank, "loading the model received", e))
+            .map_err(|e| DdpError::model_access(rank, "loading the model received", e))
     }
 
     fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8])) {
@@ -518,21 +520,12 @@ fn first_device<M: Module>(model: &M) -> Option<Device> {
 
 /// The error for a call that needs [`GradSync::prepare`] first.
 fn not_prepared(rank: Rank) -> DdpError {
-    DdpError::Model(ModelError::Access {
+    DdpError::model_access(
         rank,
-        what: "synchronising gradients",
-        reason: "GradSync::prepare was not called: prepare the model once, on every rank, \
-                 before training"
-            .into(),
-    })
-}
-
-pub(crate) fn model_error(rank: Rank, what: &'static str, e: impl std::fmt::Display) -> DdpError {
-    DdpError::Model(ModelError::Access {
-        rank,
-        what,
-        reason: e.to_string(),
-    })
+        "synchronising gradients",
+        "GradSync::prepare was not called: prepare the model once, on every rank, \
+                 before training",
+    )
 }
 
 /// Float parameters in visit order: (what they are, whether they are trainable).

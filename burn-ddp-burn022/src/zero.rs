@@ -18,7 +18,6 @@
 //! rank owns and puts its own ids back. So a whole state saved at one world size loads at any
 //! other.
 
-use burn_ddp_comm::ModelError;
 use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -147,26 +146,25 @@ impl GradSync {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(self.group())?;
         let rank = self.group().rank();
         let prepared = self.trainable_count().ok_or_else(|| {
-            DdpError::Model(ModelError::Access {
+            DdpError::model_access(
                 rank,
-                what: "sharding the optimizer state",
-                reason: "GradSync::prepare was not called: prepare the model first, then \
-                     GradSync::zero(optimizer, &model)"
-                    .into(),
-            })
+                "sharding the optimizer state",
+                "GradSync::prepare was not called: prepare the model first, then \
+                     GradSync::zero(optimizer, &model)",
+            )
         })?;
         let mut trainable = Trainable(Vec::new());
         model.visit(&mut trainable);
         if trainable.0.len() != prepared {
-            return Err(DdpError::Model(ModelError::Access {
+            return Err(DdpError::model_access(
                 rank,
-                what: "sharding the optimizer state",
-                reason: format!(
+                "sharding the optimizer state",
+                format!(
                     "the model has {} trainable parameters, the prepared one {prepared}: pass \
                      the model prepare returned",
                     trainable.0.len()
                 ),
-            }));
+            ));
         }
         let params: Vec<(u64, usize)> = trainable.0.iter().map(|(id, n)| (id.val(), *n)).collect();
         Ok(ZeroOptimizer {
@@ -252,13 +250,7 @@ impl ZeroOptimizer {
     /// A shard that cannot be (de)serialised; collective failures.
     pub fn gather_record(&self) -> Result<Option<OptimizerRecord>> {
         let rank = self.rank();
-        let fail = |what: &'static str, e: String| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what,
-                reason: e,
-            })
-        };
+        let fail = |what: &'static str, e: String| DdpError::model_access(rank, what, e);
         let mine = self
             .inner
             .into_bytes()
@@ -287,13 +279,7 @@ impl ZeroOptimizer {
     /// have (another model's state).
     pub fn load_full_record(mut self, record: OptimizerRecord) -> Result<Self> {
         let rank = self.rank();
-        let fail = |e: String| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "loading the whole optimizer state",
-                reason: e,
-            })
-        };
+        let fail = |e: String| DdpError::model_access(rank, "loading the whole optimizer state", e);
         let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
         let n = self.shards.ids().len() as u64;
         let mut beyond = None;

@@ -329,6 +329,12 @@ macro_rules! distributed_sampler {
             })
         }
 
+        /// The share of `dataset` that `plan` deals (a plan built once for several datasets
+        /// of the job, or another sampler's [`plan`](Self::plan) cloned).
+        pub fn with_plan(dataset: D, plan: $crate::data::ShardPlan) -> Self {
+            Self { dataset, plan }
+        }
+
         /// The seed of the shuffle; must be the same on every rank.
         pub fn with_seed(mut self, seed: u64) -> Self {
             self.plan = self.plan.with_seed(seed);

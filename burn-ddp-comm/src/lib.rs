@@ -63,25 +63,25 @@
 //! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |
 //! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce (`cuda::all_reduce_bucket`) | `cuda::connect`, [`grad::BucketLauncher`], `cuda::DeviceSpan` | `cuda.rs` |
 //! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
+//! | `SyncBatchNorm`: the layer, its forward and the all-reduce of its statistics in the release's autodiff; its configuration from the core | [`sync_batch_norm_config!`] | `nn.rs` |
 //! | the pipeline step's tensor work ([`pipeline::StageOps`]: slice, forward, loss, surrogate, backward); the core walks the schedule ([`pipeline::StagePlan::run`]) | [`pipeline`] | `pipeline.rs` |
 //! | its tests, in its own `tests/`: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run; `conformance_suite!` makes the tests), the adapters' checks (burn-ddp-dev's `adapters`: a closure per check in the line's unit tests), the fault-tolerant and multi-node scenarios (`burn_ddp_dev::fault`, `burn_ddp_dev::netns`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/equivalence.rs`, `tests/fault_tolerant022.rs`, `tests/multinode022.rs`, `data.rs`, `train/item.rs` |
-//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
+//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs: the three records saved into the core's slots and loaded back), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
 //! What such glue looks like is the same from one release to the next wherever two releases'
 //! APIs have the same shape, and a duplicate-code scan finds those places as pairs between the
-//! lines (6 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
+//! lines (3 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
 //! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
 //! code of the core can name: the renderers (`train/render.rs`: `MetricsRenderer` and its
 //! loggers for three types), the `SupervisedLearningStrategy` body (`train/epochs.rs`: the
-//! checkpointer, the start, burn-train's events), the `Handover` implementation
-//! (`train/driver.rs`: three methods of the core's trait, each a call), the pipeline's
-//! `Pipeline` and its step over `StageOps` (`pipeline.rs`), `SyncBatchNormConfig` (a Burn
-//! `Config`) and the normalisation (`nn.rs`), and the sampler's `Dataset::len` with its test
-//! (`data.rs`, the test a closure for the shared check in burn-ddp-dev's `adapters`). The
-//! logic under each is the core's: what each rank shows and writes
+//! checkpointer, the start, burn-train's events), and the pipeline's `Pipeline` (a type of the
+//! line's own, so that its step can be an inherent method) with its step over `StageOps`
+//! (`pipeline.rs`). The logic under each is the core's: what each rank shows and writes
 //! ([`train::terminal::RankOutput`]), the batch vote ([`train::vote::load_batch`]), the
-//! outputs gathered and merged ([`train::parts::gather_merged`]), a bucket's all-reduce on
-//! NCCL (`cuda::all_reduce_bucket`).
+//! outputs gathered and merged ([`train::parts::gather_merged`]), the schedule's walk
+//! ([`pipeline::StagePlan::run`]). Where the items themselves are the same in every release, a
+//! macro of the core writes them in the line's crate ([`distributed_sampler!`],
+//! [`sync_batch_norm_config!`]).
 //!
 //! ## Features
 //!
@@ -113,6 +113,7 @@ pub mod fuzzing;
 pub mod grad;
 pub mod group;
 pub mod launch;
+pub mod nn;
 mod periodic;
 pub mod pipeline;
 mod store;

@@ -9,7 +9,7 @@
 //! for the receiver, so each stage simply runs its list of actions in order; the schedules below
 //! are deadlock-free under that rule (checked by a simulation in the tests).
 
-use crate::error::{CollectiveError, ConfigError, ModelError};
+use crate::error::{CollectiveError, ConfigError};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -176,16 +176,16 @@ impl Activation {
     /// Burn's float type named `dtype` (`DType::name`: `f64`, `f32`, `f16`, `bf16`).
     ///
     /// # Errors
-    /// [`ModelError::Access`] for `rank` when the element type cannot travel between stages.
+    /// [`ModelError::Access`](crate::ModelError::Access) for `rank` when the element type cannot travel between stages.
     pub fn of(rank: Rank, shape: Vec<usize>, dtype: &str, bytes: Vec<u8>) -> Result<Self> {
         let code = float_code(dtype).ok_or_else(|| {
-            DdpError::Model(ModelError::Access {
+            DdpError::model_access(
                 rank,
-                what: "sending an activation to a neighbouring stage",
-                reason: format!(
+                "sending an activation to a neighbouring stage",
+                format!(
                 "its element type {dtype} cannot travel between stages (f64, f32, f16, bf16 can)"
             ),
-            })
+            )
         })?;
         Ok(Self {
             shape,
@@ -403,7 +403,7 @@ impl StagePlan {
     /// dimensions and as many bytes as its shape and element type need.
     ///
     /// # Errors
-    /// As [`ProcessGroup::recv_bytes`]; [`ModelError::Access`] for a malformed message.
+    /// As [`ProcessGroup::recv_bytes`]; [`ModelError::Access`](crate::ModelError::Access) for a malformed message.
     pub fn recv(&self, from: Rank, i: usize, gradient: bool, dims: usize) -> Result<Activation> {
         let tag = if gradient {
             gradient_tag(i)
@@ -412,11 +412,11 @@ impl StagePlan {
         };
         let msg = self.group.recv_bytes(from, tag)?;
         let bad = |reason: String| {
-            DdpError::Model(ModelError::Access {
-                rank: self.group.global_rank(),
-                what: "receiving an activation from a neighbouring stage",
+            DdpError::model_access(
+                self.group.global_rank(),
+                "receiving an activation from a neighbouring stage",
                 reason,
-            })
+            )
         };
         let a = Activation::decode(msg)
             .ok_or_else(|| bad(format!("the message from stage {from} is malformed")))?;

@@ -21,19 +21,23 @@ pub struct ShardAsk {
 }
 
 impl ShardAsk {
-    /// Whether the sampler shuffles.
-    pub fn shuffled(&self) -> bool {
-        self.shuffle.is_some()
-    }
-
-    /// The seed of the shuffle (0 when there is none).
-    pub fn seed(&self) -> u64 {
-        self.shuffle.map_or(0, |(seed, _)| seed)
-    }
-
     /// The epoch (0 when there is no shuffle).
     pub fn epoch(&self) -> u64 {
         self.shuffle.map_or(0, |(_, epoch)| epoch)
+    }
+
+    /// The core's plan of this shard (for a sampler's `with_plan`), at its epoch.
+    ///
+    /// # Panics
+    /// A rank not below the world (the check never asks one).
+    pub fn plan(&self) -> ShardPlan {
+        let plan = ShardPlan::with_replicas(self.rank, self.world).unwrap();
+        let plan = match self.shuffle {
+            Some((seed, _)) => plan.with_seed(seed),
+            None => plan.with_shuffle(false),
+        };
+        plan.set_epoch(self.epoch());
+        plan
     }
 }
 
@@ -75,16 +79,9 @@ pub fn sampler_deals_the_plans_items(sample: impl Fn(ShardAsk) -> Dealt) {
                     world: w,
                     shuffle,
                 };
-                let mut plan = ShardPlan::with_replicas(Rank(rank), w).unwrap();
-                plan = match shuffle {
-                    Some((seed, _)) => plan.with_seed(seed),
-                    None => plan.with_shuffle(false),
-                };
-                if let Some((_, epoch)) = shuffle {
-                    plan.set_epoch(epoch);
-                }
+                let indices = ask.plan().indices(data.len());
                 let want = Dealt {
-                    items: plan.indices(data.len()).iter().map(|&i| data[i]).collect(),
+                    items: indices.iter().map(|&i| data[i]).collect(),
                     past_end_refused: true,
                 };
                 assert_eq!(sample(ask.clone()), want, "{ask:?}");

@@ -58,10 +58,7 @@ mod tests {
     #[test]
     fn the_sampler_deals_the_plans_items() {
         adapters::sampler_deals_the_plans_items(|ask| {
-            let data = InMemDataset::new(ask.data.clone());
-            let s = DistributedSampler::with_replicas(data, ask.rank, ask.world).unwrap();
-            let s = s.with_shuffle(ask.shuffled()).with_seed(ask.seed());
-            s.set_epoch(ask.epoch());
+            let s = DistributedSampler::with_plan(InMemDataset::new(ask.data.clone()), ask.plan());
             adapters::dealt(s.len(), |i| s.get(i))
         });
     }

@@ -40,18 +40,10 @@ impl<B: Backend> SyncNormBackend for Autodiff<Ddp<B>> {
     }
 }
 
-/// [`SyncBatchNorm`]'s configuration: the same fields and defaults as Burn's
-/// `BatchNormConfig`.
-#[derive(Config, Debug)]
-pub struct SyncBatchNormConfig {
-    /// The number of features (channels).
-    pub num_features: usize,
-    /// A value required for numerical stability. Default: 1e-5
-    #[config(default = 1e-5)]
-    pub epsilon: f64,
-    /// Momentum used to update the running statistics. Default: 0.1
-    #[config(default = 0.1)]
-    pub momentum: f64,
+burn_ddp_comm::sync_batch_norm_config! {
+    /// [`SyncBatchNorm`]'s configuration: the same fields and defaults as Burn's
+    /// `BatchNormConfig`.
+    pub struct SyncBatchNormConfig
 }
 
 impl SyncBatchNormConfig {

@@ -21,6 +21,7 @@ const CORE: &[(&str, u8)] = &[
     ("group", 6),
     ("grad", 7),
     ("data", 7),
+    ("nn", 7),
     ("cuda", 7),
     ("pipeline", 7),
     ("train", 8),

@@ -15,10 +15,12 @@ use burn::train::{
     LearnerModel, LearningCheckpointer, SupervisedTrainingEventProcessor, TrainLoader,
     TrainingComponents, ValidLoader,
 };
+use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
 use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
 use burn_ddp_comm::Recovery;
 
+use super::fault;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
 use crate::{GradSync, ProcessGroup, ReduceOp, Result};
@@ -208,13 +210,12 @@ where
     TrainOut<M>: DistributedItem,
     ValidOut<M>: DistributedItem,
 {
-    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>> {
-        self.strategy
-            .snapshot(&self.learner, cursor.epoch, &self.store)
+    fn save_records(&mut self, epoch: usize, slots: &[RecordSlot; 3]) {
+        fault::save_records(&self.learner, epoch, &self.store, slots);
     }
 
-    fn restore(&mut self, state: &[u8]) -> Result<()> {
-        self.strategy.restore_snapshot(&mut self.learner, state)
+    fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {
+        fault::load_records(&mut self.learner, records, self.strategy.rank())
     }
 
     fn reprepare(&mut self) -> Result<()> {

@@ -1,5 +1,6 @@
-//! [`DdpStrategy`] in a fault-tolerant job, its Burn 0.22 half: the Learner's state (model,
-//! optimizer and scheduler records) as bytes for the ranks behind after a change of membership.
+//! [`DdpStrategy`](super::DdpStrategy) in a fault-tolerant job, its Burn 0.22 half: the Learner's model, optimizer
+//! and scheduler records as bytes for the ranks behind after a change of membership (the core's
+//! `Handover::save_records` and `load_records`).
 //! Where training is (the `Cursor`), the change itself (agreeing on the next membership, moving
 //! the state from the rank with the most progress to the ranks behind) and the epoch loop
 //! around it are the core's (burn-ddp-comm's `train::epoch`).
@@ -11,28 +12,17 @@ use burn::train::checkpoint::{
 };
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, LearningCheckpointer};
-use burn_ddp_comm::group::handover::{learner_records, learner_state, RecordSlot};
-use burn_ddp_comm::ModelError;
+use burn_ddp_comm::group::handover::RecordSlot;
 
-use super::DdpStrategy;
 use crate::{DdpError, Rank, Result};
 
 /// One of the Learner's records as bytes, for burn-train's checkpointer.
 #[derive(Clone, Default)]
 struct Memory(RecordSlot);
 
-impl Memory {
-    /// The checkpointer's strategy: saves at every call, deletes nothing.
-    fn keep_all() -> Box<KeepLastNCheckpoints> {
-        Box::new(KeepLastNCheckpoints::new(usize::MAX))
-    }
-}
-
-/// The checkpointer of one record, writing into `memory`'s slot.
-impl<R: Checkpoint> From<&Memory> for AsyncCheckpointer<R> {
-    fn from(memory: &Memory) -> Self {
-        AsyncCheckpointer::new(memory.clone())
-    }
+/// The checkpointer of one record, writing into `slot`.
+fn in_memory<R: Checkpoint>(slot: &RecordSlot) -> AsyncCheckpointer<R> {
+    AsyncCheckpointer::new(Memory(slot.clone()))
 }
 
 impl<R: Checkpoint> Checkpointer<R> for Memory {
@@ -56,51 +46,47 @@ impl<R: Checkpoint> Checkpointer<R> for Memory {
 }
 
 fn load<R: Checkpoint>(bytes: Vec<u8>, rank: Rank) -> Result<R> {
-    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
-        DdpError::Model(ModelError::Access {
-            rank,
-            what: "loading the Learner's state received from the source rank",
-            reason: e.to_string(),
-        })
-    })
+    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| received(rank, e))
 }
 
-impl DdpStrategy {
-    /// The Learner's model, optimizer and scheduler records at `epoch`, as bytes.
-    pub(super) fn snapshot<M: LearnerModel>(
-        &self,
-        learner: &Learner<M>,
-        epoch: usize,
-        store: &EventStoreClient,
-    ) -> Result<Vec<u8>> {
-        let slots: [Memory; 3] = Default::default();
-        let [m, o, s] = &slots;
-        // Saves at every call, deletes nothing (epoch - usize::MAX never is one); dropped at the
-        // end of the statement, which waits for its threads' writes.
-        LearningCheckpointer::<M>::new(m.into(), o.into(), s.into(), Memory::keep_all())
-            .checkpoint(learner, epoch, store);
-        learner_state(&slots.map(|m| m.0), self.rank())
-    }
+/// A record received from the source rank that this Learner cannot load.
+fn received(rank: Rank, e: impl std::fmt::Display) -> DdpError {
+    DdpError::model_access(
+        rank,
+        "loading the Learner's state received from the source rank",
+        e,
+    )
+}
 
-    /// Loads a [`snapshot`](Self::snapshot) into `learner`.
-    pub(super) fn restore_snapshot<M: LearnerModel>(
-        &self,
-        learner: &mut Learner<M>,
-        bytes: &[u8],
-    ) -> Result<()> {
-        let rank = self.rank();
-        let [model, optim, sched] = learner_records(bytes, rank)?;
-        let model: ModuleRecord = load(model, rank)?;
-        let model = learner.model().try_load_record(model).map_err(|e| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "loading the Learner's state received from the source rank",
-                reason: e.to_string(),
-            })
-        })?;
-        learner.load_model(model.into_record());
-        learner.load_optim(load(optim, rank)?);
-        learner.load_scheduler(load(sched, rank)?);
-        Ok(())
-    }
+/// Saves `learner`'s model, optimizer and scheduler records at `epoch` into `slots`, through
+/// burn-train's checkpointer (saving at every call, deleting nothing); it returns once its
+/// threads have written them.
+pub(super) fn save_records<M: LearnerModel>(
+    learner: &Learner<M>,
+    epoch: usize,
+    store: &EventStoreClient,
+    slots: &[RecordSlot; 3],
+) {
+    let keep_all = Box::new(KeepLastNCheckpoints::new(usize::MAX));
+    let [m, o, s] = slots;
+    // Dropped at the end of the statement, which waits for its threads' writes.
+    LearningCheckpointer::<M>::new(in_memory(m), in_memory(o), in_memory(s), keep_all)
+        .checkpoint(learner, epoch, store);
+}
+
+/// Loads another rank's [`save_records`] into `learner`.
+pub(super) fn load_records<M: LearnerModel>(
+    learner: &mut Learner<M>,
+    [model, optim, sched]: [Vec<u8>; 3],
+    rank: Rank,
+) -> Result<()> {
+    let model: ModuleRecord = load(model, rank)?;
+    let model = learner
+        .model()
+        .try_load_record(model)
+        .map_err(|e| received(rank, e))?;
+    learner.load_model(model.into_record());
+    learner.load_optim(load(optim, rank)?);
+    learner.load_scheduler(load(sched, rank)?);
+    Ok(())
 }

@@ -80,8 +80,8 @@ impl BucketCall {
         format!("{which} of bucket {}", self.bucket)
     }
 
-    /// [`check_bucket_tensor`] for the bucket's `which` buffer: contiguous, `self.count`
-    /// elements of the line's dtype `want` (`found`: its elements and dtype).
+    /// Checks the bucket's `which` buffer before its device pointer is taken: contiguous,
+    /// `self.count` elements of the line's dtype `want` (`found`: its elements and dtype).
     ///
     /// # Errors
     /// [`DdpError::bucket_layout`] saying what differs.

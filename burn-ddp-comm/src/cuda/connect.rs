@@ -7,7 +7,7 @@ use super::device::ordinal_for;
 use super::library::usable_nccl;
 use super::nccl::NcclComm;
 use crate::config::GradTransport;
-use crate::error::{CudaError, ModelError};
+use crate::error::CudaError;
 use crate::error::{DdpError, Result};
 use crate::group::ProcessGroup;
 use crate::types::ReduceOp;
@@ -108,11 +108,11 @@ fn decide<C: Trial>(
     let ordinal = match (local, vote[0]) {
         (Err(e), _) if mine == FAILED => return Err(e),
         (_, FAILED) => {
-            return Err(DdpError::Model(ModelError::Access {
+            return Err(DdpError::model_access(
                 rank,
-                what: "choosing the GPUs for NCCL",
-                reason: "another rank failed (see its error)".into(),
-            }))
+                "choosing the GPUs for NCCL",
+                "another rank failed (see its error)",
+            ))
         }
         (Err(e), _) => return refuse(e),
         (Ok(_), NO_NCCL) => {

@@ -31,7 +31,7 @@ pub use device::{
     context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,
 };
 pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
-pub use nccl::{check_bucket_tensor, NcclComm, NcclP2p};
+pub use nccl::{NcclComm, NcclP2p};
 
 /// The cudarc version this crate uses (for [`NcclComm`]'s `CudaSlice` buffers).
 pub use cudarc;

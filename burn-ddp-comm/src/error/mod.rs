@@ -98,15 +98,21 @@ pub enum DdpError {
 }
 
 impl DdpError {
+    /// [`ModelError::Access`]: on `rank`, `what` failed because of `reason` (a Burn error, a
+    /// message). The one constructor of the case, for every line.
+    pub fn model_access(rank: Rank, what: &'static str, reason: impl std::fmt::Display) -> Self {
+        ModelError::Access {
+            rank,
+            what,
+            reason: reason.to_string(),
+        }
+        .into()
+    }
+
     /// A gradient bucket that the device paths (both Burn lines) cannot hand to NCCL: a buffer
     /// that is not contiguous, of the wrong size or type, or without a device pointer.
     pub fn bucket_layout(rank: Rank, reason: String) -> Self {
-        ModelError::Access {
-            rank,
-            what: "handing a gradient bucket to NCCL",
-            reason,
-        }
-        .into()
+        Self::model_access(rank, "handing a gradient bucket to NCCL", reason)
     }
 
     /// The rank that reported this error, when it names one.

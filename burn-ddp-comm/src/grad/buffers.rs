@@ -3,7 +3,6 @@
 //! without a gradient: BatchNorm's running statistics) into one `Vec<f32>` in visit order,
 //! calls [`broadcast_buffers`], and writes the result back in the same order.
 
-use crate::error::ModelError;
 use crate::group::ProcessGroup;
 use crate::types::Rank;
 use crate::{DdpError, Result};
@@ -24,11 +23,11 @@ pub fn broadcast_buffers(
 ) -> Result<Vec<f32>> {
     pg.broadcast(&mut values, root)?;
     if let Some(what) = unreadable {
-        return Err(DdpError::Model(ModelError::Access {
-            rank: pg.rank(),
-            what: "synchronising buffers",
-            reason: format!("a buffer cannot be read as f32 ({what})"),
-        }));
+        return Err(DdpError::model_access(
+            pg.rank(),
+            "synchronising buffers",
+            format!("a buffer cannot be read as f32 ({what})"),
+        ));
     }
     Ok(values)
 }

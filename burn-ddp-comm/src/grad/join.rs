@@ -17,7 +17,6 @@
 //! loop, shadows the others' calls ([`JoinSlot::shadow`], [`Join::next_shadow`]) and leaves it
 //! with the rank whose model every rank loads ([`JoinSlot::leave`], [`Join::finish`]).
 
-use crate::error::ModelError;
 use std::sync::{Mutex, MutexGuard};
 
 use crate::group::ProcessGroup;
@@ -140,15 +139,15 @@ impl Join {
     /// this rank already announced that it ran out; collective failures.
     pub fn step(&mut self, pg: &ProcessGroup, call: JoinCall) -> Result<Round> {
         if self.done {
-            return Err(DdpError::Model(ModelError::Access {
-                rank: pg.rank(),
-                what: "training with uneven inputs",
-                reason: format!(
+            return Err(DdpError::model_access(
+                pg.rank(),
+                "training with uneven inputs",
+                format!(
                     "{} after every rank had run out of batches: make the synchronising calls \
                      inside the join, and none after it",
                     call.describe()
                 ),
-            }));
+            ));
         }
         let round = announce(pg, Some(call))?;
         self.calls += 1;
@@ -232,14 +231,14 @@ fn announce(pg: &ProcessGroup, call: Option<JoinCall>) -> Result<Round> {
             .map(|(c, ranks)| format!("rank(s) {ranks:?} make {}", c.describe()))
             .collect::<Vec<_>>()
             .join("; ");
-        return Err(DdpError::Model(ModelError::Access {
-            rank: pg.rank(),
-            what: "training with uneven inputs",
-            reason: format!(
+        return Err(DdpError::model_access(
+            pg.rank(),
+            "training with uneven inputs",
+            format!(
                 "the ranks still training make different calls: {what}. Every rank must make \
                  the same synchronising calls in the same order"
             ),
-        }));
+        ));
     }
     let mut active = vec![false; world];
     let mut which = None;
@@ -297,11 +296,11 @@ impl JoinSlot {
             });
             return Ok(());
         };
-        Err(DdpError::Model(ModelError::Access {
-            rank: pg.rank(),
-            what: "training with uneven inputs",
+        Err(DdpError::model_access(
+            pg.rank(),
+            "training with uneven inputs",
             reason,
-        }))
+        ))
     }
 
     /// Whether this rank is inside a join.
@@ -340,11 +339,11 @@ impl JoinSlot {
         };
         let round = active.join.step(pg, JoinCall::Backward)?;
         if active.scale.replace(round.scale(reduction)).is_some() {
-            return Err(DdpError::Model(ModelError::Access {
-                rank: pg.rank(),
-                what: "training with uneven inputs",
-                reason: format!("the gradients of the previous synchronised backward {hint}"),
-            }));
+            return Err(DdpError::model_access(
+                pg.rank(),
+                "training with uneven inputs",
+                format!("the gradients of the previous synchronised backward {hint}"),
+            ));
         }
         Ok(Some(round))
     }

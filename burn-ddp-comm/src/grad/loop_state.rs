@@ -11,7 +11,7 @@
 //! whole: no optimizer step was taken on a rank whose synchronisation failed, so the ranks
 //! that recover at equal progress hold equal replicas.
 
-use crate::error::{MembershipError, ModelError};
+use crate::error::MembershipError;
 use crate::group::handover::{frame, move_state, unframe};
 use crate::group::{ProcessGroup, Recovery};
 use crate::types::ReduceOp;
@@ -194,11 +194,7 @@ impl<M: Clone, O: Clone> LoopState<M, O> {
     fn loaded<S: LoopSync<M, O>>(self, sync: &S, pg: &ProcessGroup, bytes: &[u8]) -> Result<Self> {
         let rank = pg.rank();
         let bad = |why: &str| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "taking the state of the source rank",
-                reason: why.to_owned(),
-            })
+            DdpError::model_access(rank, "taking the state of the source rank", why.to_owned())
         };
         let [step, model, optim, extra] =
             unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
@@ -255,13 +251,7 @@ mod tests {
             Ok([model.to_le_bytes().to_vec(), optim.to_le_bytes().to_vec()])
         }
         fn load_state(&self, _: f32, _: u64, [m, o]: [Vec<u8>; 2]) -> Result<(f32, u64)> {
-            let fail = || {
-                DdpError::Model(ModelError::Access {
-                    rank: self.pg.rank(),
-                    what: "loading",
-                    reason: "size".into(),
-                })
-            };
+            let fail = || DdpError::model_access(self.pg.rank(), "loading", "size");
             Ok((
                 f32::from_le_bytes(m.try_into().map_err(|_| fail())?),
                 u64::from_le_bytes(o.try_into().map_err(|_| fail())?),

@@ -130,11 +130,11 @@ mod tests {
         }
         fn load_record_bytes(mut self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
             if bytes.len() != self.values.len() {
-                return Err(DdpError::Model(ModelError::Access {
+                return Err(DdpError::model_access(
                     rank,
-                    what: "loading the model received",
-                    reason: "wrong size".into(),
-                }));
+                    "loading the model received",
+                    "wrong size",
+                ));
             }
             self.values = bytes;
             Ok(self)

@@ -6,7 +6,7 @@
 //! rank computes the same assignment from the same list, so no collective is needed, and a
 //! parameter's state lives on one rank only.
 
-use crate::error::{CollectiveError, ModelError};
+use crate::error::CollectiveError;
 use std::collections::HashMap;
 
 use crate::group::ProcessGroup;
@@ -98,11 +98,11 @@ impl ZeroPlan {
     pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
         let all = self.all_gather(pg, &mine.values)?;
         match mine.error {
-            Some(e) => Err(DdpError::Model(ModelError::Access {
-                rank: pg.rank(),
-                what: "sharing the stepped parameters",
-                reason: format!("a parameter cannot be read as f32: {e}"),
-            })),
+            Some(e) => Err(DdpError::model_access(
+                pg.rank(),
+                "sharing the stepped parameters",
+                format!("a parameter cannot be read as f32: {e}"),
+            )),
             None => Ok(all),
         }
     }

@@ -3,7 +3,6 @@
 //! to point and only to them. What the state holds is the caller's (a Learner's records and its
 //! cursor, a custom loop's model and optimizer).
 
-use crate::error::ModelError;
 use std::sync::{Arc, Mutex};
 
 use super::{ProcessGroup, Recovery};
@@ -93,40 +92,26 @@ impl RecordSlot {
     }
 }
 
-/// The names of a Learner's three records, in the order of [`learner_state`].
+/// The names of a Learner's three records, in the order of [`saved_records`].
 const RECORDS: [&str; 3] = ["model", "optimizer", "scheduler"];
 
-/// A Learner's state for the ranks behind: its three records (model, optimizer, scheduler),
-/// once a checkpointer saved them into `slots`, framed.
+/// A Learner's three records (model, optimizer, scheduler), once a line's checkpointer saved
+/// them into `slots`.
 ///
 /// # Errors
-/// A slot the checkpointer did not fill ([`ModelError::Access`], on `rank`).
-pub fn learner_state(slots: &[RecordSlot; 3], rank: Rank) -> Result<Vec<u8>> {
-    let mut bytes = Vec::with_capacity(3);
-    for (slot, name) in slots.iter().zip(RECORDS) {
-        bytes.push(slot.take().ok_or_else(|| {
-            DdpError::Model(ModelError::Access {
+/// A slot the checkpointer did not fill ([`ModelError::Access`](crate::ModelError::Access), on `rank`).
+pub fn saved_records(slots: &[RecordSlot; 3], rank: Rank) -> Result<[Vec<u8>; 3]> {
+    let mut records: [Vec<u8>; 3] = Default::default();
+    for ((slot, record), name) in slots.iter().zip(&mut records).zip(RECORDS) {
+        *record = slot.take().ok_or_else(|| {
+            DdpError::model_access(
                 rank,
-                what: "serialising the Learner's state for the ranks behind",
-                reason: format!("burn-train's checkpointer did not save the {name} record"),
-            })
-        })?);
+                "serialising the Learner's state for the ranks behind",
+                format!("burn-train's checkpointer did not save the {name} record"),
+            )
+        })?;
     }
-    Ok(frame(&[&bytes[0], &bytes[1], &bytes[2]]))
-}
-
-/// The three records of a [`learner_state`] received on `rank`.
-///
-/// # Errors
-/// The bytes are not a framed state ([`ModelError::Access`]).
-pub fn learner_records(bytes: &[u8], rank: Rank) -> Result<[Vec<u8>; 3]> {
-    unframe(bytes).ok_or_else(|| {
-        DdpError::Model(ModelError::Access {
-            rank,
-            what: "taking the Learner's state from the source rank",
-            reason: "the bytes received are not a framed state".into(),
-        })
-    })
+    Ok(records)
 }
 
 #[cfg(test)]
@@ -153,16 +138,16 @@ mod tests {
         let slots: [RecordSlot; 3] = Default::default();
         slots[0].put(b"m".to_vec());
         slots[2].put(b"s".to_vec());
-        let e = learner_state(&slots, Rank(1)).unwrap_err().to_string();
+        let e = saved_records(&slots, Rank(1)).unwrap_err().to_string();
         assert!(e.contains("did not save the optimizer record"), "{e}");
         slots[0].put(b"m".to_vec());
         slots[1].put(b"o".to_vec());
         slots[2].put(b"s".to_vec());
-        let state = learner_state(&slots, Rank(1)).unwrap();
         assert_eq!(
-            learner_records(&state, Rank(1)).unwrap(),
+            saved_records(&slots, Rank(1)).unwrap(),
             [b"m".to_vec(), b"o".to_vec(), b"s".to_vec()]
         );
-        assert!(learner_records(&state[1..], Rank(1)).is_err());
+        // Taken once: a second state needs a second save.
+        assert!(saved_records(&slots, Rank(1)).is_err());
     }
 }

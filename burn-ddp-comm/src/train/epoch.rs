@@ -21,14 +21,14 @@
 //! applied anywhere it failed, and a step applied anywhere was applied with the same averaged
 //! gradients), so after a change only the ranks behind need the state.
 
-use crate::error::{JobError, MembershipError, ModelError};
+use crate::error::{JobError, MembershipError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::board::MembershipBoard;
 use super::vote::{self, Aside, FailureSlot, Flow, Split, Turn, Vote};
 use crate::data::DataEpoch;
-use crate::group::handover::{frame, move_state, unframe};
+use crate::group::handover::{frame, move_state, saved_records, unframe, RecordSlot};
 use crate::{DdpError, ProcessGroup, Rank, Recovery, Result};
 
 /// The part of an epoch training is in.
@@ -474,18 +474,18 @@ pub trait EpochDriver {
 /// ([`fit_fault_tolerant`]): the Learner's state as bytes for the ranks behind after a change
 /// of membership, and the model prepared anew on the new ranks.
 pub trait Handover: EpochDriver {
-    /// The Learner's state (model, optimizer, scheduler) at `cursor` as bytes, for the ranks
-    /// behind after a change of membership.
-    ///
-    /// # Errors
-    /// A record could not be serialised.
-    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>>;
+    /// Saves the Learner's model, optimizer and scheduler records at `epoch` into `slots`, in
+    /// that order (through burn-train's checkpointer, the one way to the optimizer's and the
+    /// scheduler's records). A slot left empty fails the change on this rank with a
+    /// [`ModelError::Access`](crate::ModelError::Access) naming the record.
+    fn save_records(&mut self, epoch: usize, slots: &[RecordSlot; 3]);
 
-    /// Loads the bytes of another rank's [`snapshot`](Self::snapshot).
+    /// Loads another rank's [`save_records`](Self::save_records): its model, optimizer and
+    /// scheduler records.
     ///
     /// # Errors
-    /// They are not a state of this Learner.
-    fn restore(&mut self, state: &[u8]) -> Result<()>;
+    /// They are not records of this Learner.
+    fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()>;
 
     /// Prepares the model again on the new membership (checks, transports).
     ///
@@ -604,8 +604,10 @@ pub fn change<D: Handover + ?Sized>(
             Err(e) => return Err(e),
         };
         let moved = move_state(&pg, &rec, || {
-            let state = driver.snapshot(cursor)?;
-            Ok(frame(&[&cursor.encode(), &state]))
+            let slots: [RecordSlot; 3] = Default::default();
+            driver.save_records(cursor.epoch, &slots);
+            let [m, o, s] = saved_records(&slots, pg.rank())?;
+            Ok(frame(&[&cursor.encode(), &m, &o, &s]))
         })
         .and_then(|got| match got {
             Some(bytes) => take_state(driver, &bytes, cursor, pg.rank()).map(|()| {
@@ -633,24 +635,19 @@ pub fn change<D: Handover + ?Sized>(
     }
 }
 
-/// Loads a state framed by [`change`]'s source: its cursor and the driver's snapshot.
+/// Loads a state framed by [`change`]'s source: its cursor and the Learner's three records.
 fn take_state<D: Handover + ?Sized>(
     driver: &mut D,
     bytes: &[u8],
     cursor: &mut Cursor,
     rank: crate::Rank,
 ) -> Result<()> {
-    let bad = |why: &str| {
-        DdpError::Model(ModelError::Access {
-            rank,
-            what: "taking the Learner's state from the source rank",
-            reason: why.to_owned(),
-        })
-    };
-    let [at, state] =
+    let bad =
+        |why| DdpError::model_access(rank, "taking the Learner's state from the source rank", why);
+    let [at, m, o, s] =
         unframe(bytes).ok_or_else(|| bad("the bytes received are not a framed state"))?;
     let at = Cursor::decode(&at).ok_or_else(|| bad("no training position"))?;
-    driver.restore(&state)?;
+    driver.load_records([m, o, s])?;
     *cursor = at;
     Ok(())
 }

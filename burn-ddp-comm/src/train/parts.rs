@@ -1,7 +1,6 @@
 //! A step's output item as host data ([`Part`]s), gathered from every rank to rank 0 and merged
 //! there: the Burn-free half of each line's `DistributedItem`.
 
-use crate::error::ModelError;
 use crate::{DdpError, ProcessGroup, Rank, Result};
 
 /// One tensor of an item, on the host: float parts travel as `f32`, integer parts as `i64`.
@@ -213,11 +212,11 @@ fn cat<T: Clone>(
 
 /// An item that cannot be merged: what is wrong with it.
 pub fn mismatch(what: &str) -> DdpError {
-    DdpError::Model(ModelError::Access {
-        rank: Rank(0),
-        what: "merging the ranks' output items for the metrics",
-        reason: what.to_owned(),
-    })
+    DdpError::model_access(
+        Rank(0),
+        "merging the ranks' output items for the metrics",
+        what.to_owned(),
+    )
 }
 
 /// Gathers every rank's item parts (or their absence, `None`) and returns, on rank 0, the parts
@@ -241,11 +240,11 @@ pub fn gather(pg: &ProcessGroup, parts: Option<Vec<Part>>) -> Result<Option<Vec<
             continue;
         }
         let parts = Part::decode(b).ok_or_else(|| {
-            DdpError::Model(ModelError::Access {
-                rank: pg.rank(),
-                what: "decoding an output item",
-                reason: format!("rank {r} sent {} malformed bytes", b.len()),
-            })
+            DdpError::model_access(
+                pg.rank(),
+                "decoding an output item",
+                format!("rank {r} sent {} malformed bytes", b.len()),
+            )
         })?;
         ranks.push(parts);
     }

@@ -8,7 +8,6 @@
 //! are dropped, the model is checked across ranks, marked, and the NCCL communicator is created
 //! anew on the new ranks.
 
-use burn_ddp_comm::ModelError;
 use std::marker::PhantomData;
 
 use burn::module::AutodiffModule;
@@ -31,11 +30,7 @@ fn record_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         (),
     )
     .map_err(|e| {
-        DdpError::Model(ModelError::Access {
-            rank,
-            what: "serialising the state to send to the ranks behind",
-            reason: e.to_string(),
-        })
+        DdpError::model_access(rank, "serialising the state to send to the ranks behind", e)
     })
 }
 
@@ -49,13 +44,7 @@ fn load_bytes<B: burn::tensor::backend::Backend, R: Record<B>>(
         bytes,
         device,
     )
-    .map_err(|e| {
-        DdpError::Model(ModelError::Access {
-            rank,
-            what: "loading the state received from the source rank",
-            reason: e.to_string(),
-        })
-    })
+    .map_err(|e| DdpError::model_access(rank, "loading the state received from the source rank", e))
 }
 
 /// This line's [`LoopSync`]: a session, for models of backend `B`.

@@ -255,14 +255,14 @@ impl DeviceStep {
             dtype,
             BurnDType::F32 | BurnDType::F16 | BurnDType::BF16 | BurnDType::F64
         ) {
-            return Err(DdpError::Model(ModelError::Access {
+            return Err(DdpError::model_access(
                 rank,
-                what: "reading a gradient",
-                reason: format!(
+                "reading a gradient",
+                format!(
                     "the gradient of `{}` holds {dtype:?}, not floats",
                     param.name
                 ),
-            }));
+            ));
         }
         self.device.get_or_insert_with(|| Gpu::float_device(&grad));
         let flat = Gpu::float_reshape(grad, Shape::new([numel]));
@@ -408,11 +408,11 @@ impl DeviceStep {
         // parameters some other rank had a gradient for.
         let flags: Vec<CudaFloat> = absent.iter().map(|(_, _, f)| f.clone()).collect();
         let flags = read_f32::<Gpu>(Gpu::float_cat(flags, 0)).map_err(|reason| {
-            DdpError::Model(ModelError::Access {
-                rank: comm.rank(),
-                what: "reading the reduced buckets' presence flags",
+            DdpError::model_access(
+                comm.rank(),
+                "reading the reduced buckets' presence flags",
                 reason,
-            })
+            )
         })?;
         let foreign = absent
             .into_iter()

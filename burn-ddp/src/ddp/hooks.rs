@@ -103,11 +103,7 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
         }
         Err(reason) => {
             let rank = session.pg.rank();
-            r.record_error(DdpError::Model(ModelError::Access {
-                rank,
-                what: "reading a gradient",
-                reason,
-            }));
+            r.record_error(DdpError::model_access(rank, "reading a gradient", reason));
         }
     }
 }
@@ -177,13 +173,11 @@ pub(crate) fn all_reduce_tensor<B: Backend>(
     let values = match read_f32::<B>(tensor.clone()) {
         Ok(v) => v,
         Err(reason) => {
-            session
-                .reducer()
-                .record_error(DdpError::Model(ModelError::Access {
-                    rank: session.pg.rank(),
-                    what: "reading a tensor to all-reduce",
-                    reason,
-                }));
+            session.reducer().record_error(DdpError::model_access(
+                session.pg.rank(),
+                "reading a tensor to all-reduce",
+                reason,
+            ));
             return tensor;
         }
     };

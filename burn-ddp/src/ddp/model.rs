@@ -1,7 +1,6 @@
 //! How a model joins a session: `prepare` (check, broadcast, mark, plan) and the plain,
 //! after-backward path `sync_gradients`.
 
-use burn_ddp_comm::ModelError;
 use core::marker::PhantomData;
 use std::collections::HashMap;
 
@@ -194,13 +193,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         // `into_record` folds running statistics' pending updates in (on a clone that shares
         // them), so the record sent is current.
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        Recorder::<B>::record(&recorder, self.model.clone().into_record(), ()).map_err(|e| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "serialising the model to send",
-                reason: e.to_string(),
-            })
-        })
+        Recorder::<B>::record(&recorder, self.model.clone().into_record(), ())
+            .map_err(|e| DdpError::model_access(rank, "serialising the model to send", e))
     }
 
     fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
@@ -213,13 +207,8 @@ impl<B: AutodiffBackend, M: AutodiffModule<B>> Replica for AsReplica<'_, B, M> {
         self.model.visit(&mut save);
         let device = self.model.devices().into_iter().next().unwrap_or_default();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
-        let record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "loading the model received",
-                reason: e.to_string(),
-            })
-        })?;
+        let record = Recorder::<B>::load(&recorder, bytes, &device)
+            .map_err(|e| DdpError::model_access(rank, "loading the model received", e))?;
         let model = self.model.load_record(record).map(&mut Restore {
             path: Path::default(),
             saved: save.saved,
@@ -467,14 +456,14 @@ impl DdpSession {
         if !register.foreign.is_empty() {
             let mut names: Vec<String> = register.foreign.into_values().map(|f| f.name).collect();
             names.sort();
-            return Err(DdpError::Model(ModelError::Access {
-                rank: self.shared.pg.rank(),
-                what: "completing the step's gradients",
-                reason: format!(
+            return Err(DdpError::model_access(
+                self.shared.pg.rank(),
+                "completing the step's gradients",
+                format!(
                     "the model given to DdpSession::complete has no parameter {names:?}, which \
                      other ranks had gradients for: pass the prepared model"
                 ),
-            }));
+            ));
         }
         Ok(grads)
     }

@@ -7,7 +7,6 @@
 //! so every rank ends the step with the same model while holding about `1/N` of the optimizer
 //! state.
 
-use burn_ddp_comm::ModelError;
 use std::marker::PhantomData;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -149,13 +148,12 @@ impl DdpSession {
     {
         burn_ddp_comm::grad::NotCarried::Zero.refuse_on(&self.shared.pg)?;
         if self.shared.reducer().params().is_empty() {
-            return Err(DdpError::Model(ModelError::Access {
-                rank: self.shared.pg.rank(),
-                what: "sharding the optimizer state",
-                reason: "DdpSession::prepare was not called: prepare the model first, then \
-                         DdpSession::zero(optimizer, &model)"
-                    .into(),
-            }));
+            return Err(DdpError::model_access(
+                self.shared.pg.rank(),
+                "sharding the optimizer state",
+                "DdpSession::prepare was not called: prepare the model first, then \
+                         DdpSession::zero(optimizer, &model)",
+            ));
         }
         let skip = self.skip();
         let mut synced = Synced {
@@ -259,11 +257,7 @@ where
         let rank = self.rank();
         let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
         let mine = Recorder::<B>::record(&recorder, self.inner.to_record(), ()).map_err(|e| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "serialising this rank's optimizer state",
-                reason: e.to_string(),
-            })
+            DdpError::model_access(rank, "serialising this rank's optimizer state", e)
         })?;
         let all = self.session.group().all_gather_bytes(&mine)?;
         if rank != Rank(0) {
@@ -274,11 +268,11 @@ where
         let mut seen = std::collections::HashSet::new();
         for (from, bytes) in all.into_iter().enumerate() {
             let shard: O::Record = Recorder::<B>::load(&recorder, bytes, &device).map_err(|e| {
-                DdpError::Model(ModelError::Access {
+                DdpError::model_access(
                     rank,
-                    what: "reading another rank's optimizer state",
-                    reason: format!("rank {from}'s: {e}"),
-                })
+                    "reading another rank's optimizer state",
+                    format!("rank {from}'s: {e}"),
+                )
             })?;
             // Rank-local parameters' state is every rank's own: rank 0's is kept.
             for (id, state) in shard {

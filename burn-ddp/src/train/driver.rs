@@ -18,9 +18,11 @@ use burn::train::{
     TrainingComponents, TrainingModel, ValidLoader,
 };
 use burn_backend::BackendTypes;
+use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
 use burn_ddp_comm::train::vote::{FailureSlot, Split, Vote};
 
+use super::fault;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
 use crate::{Ddp, DdpModule, ProcessGroup, Recovery, Result};
@@ -170,13 +172,12 @@ where
     TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
     ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
 {
-    fn snapshot(&mut self, cursor: &Cursor) -> Result<Vec<u8>> {
-        self.strategy
-            .snapshot(&self.learner, cursor.epoch, &self.store)
+    fn save_records(&mut self, epoch: usize, slots: &[RecordSlot; 3]) {
+        fault::save_records(&self.learner, epoch, &self.store, slots);
     }
 
-    fn restore(&mut self, state: &[u8]) -> Result<()> {
-        self.strategy.restore_snapshot(&mut self.learner, state)
+    fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {
+        self.strategy.load_records(&mut self.learner, records)
     }
 
     fn reprepare(&mut self) -> Result<()> {

@@ -1,5 +1,6 @@
-//! [`DdpStrategy`] in a fault-tolerant job, its Burn half: the Learner's state (model,
-//! optimizer and scheduler records) as bytes for the ranks behind after a change of membership.
+//! [`DdpStrategy`] in a fault-tolerant job, its Burn half: the Learner's model, optimizer and
+//! scheduler records as bytes for the ranks behind after a change of membership (the core's
+//! `Handover::save_records` and `load_records`).
 //! Where training is (the `Cursor`), the change itself
 //! (agreeing on the next membership, moving the state from the rank with the most progress to
 //! the ranks behind) and the epoch loop around it are the core's (burn-ddp-comm's
@@ -16,10 +17,9 @@ use burn::train::{
     LearningCheckpointer, LearningComponentsTypes,
 };
 use burn_backend::BackendTypes;
-use burn_ddp_comm::ModelError;
 
 use super::DdpStrategy;
-use burn_ddp_comm::group::handover::{learner_records, learner_state, RecordSlot};
+use burn_ddp_comm::group::handover::RecordSlot;
 
 use crate::{Ddp, DdpError, Result};
 
@@ -28,16 +28,11 @@ use crate::{Ddp, DdpError, Result};
 struct Memory(RecordSlot);
 
 impl Memory {
-    /// The checkpointer's strategy: saves at every call, deletes nothing.
-    fn keep_all() -> Box<KeepLastNCheckpoints> {
-        Box::new(KeepLastNCheckpoints::new(usize::MAX))
-    }
-}
-
-/// The checkpointer of one record, writing into `memory`'s slot.
-impl<R: Record<B> + 'static, B: Backend> From<&Memory> for AsyncCheckpointer<R, B> {
-    fn from(memory: &Memory) -> Self {
-        AsyncCheckpointer::new(memory.clone())
+    /// The checkpointer of one record, writing into `slot`.
+    fn checkpointer<R: Record<B> + 'static, B: Backend>(
+        slot: &RecordSlot,
+    ) -> AsyncCheckpointer<R, B> {
+        AsyncCheckpointer::new(Self(slot.clone()))
     }
 }
 
@@ -73,42 +68,42 @@ fn load<R: Record<B>, B: Backend>(
     BinBytesRecorder::<FullPrecisionSettings>::default()
         .load(bytes, device)
         .map_err(|e| {
-            DdpError::Model(ModelError::Access {
-                rank,
-                what: "loading the Learner's state received from the source rank",
-                reason: e.to_string(),
-            })
+            let what = "loading the Learner's state received from the source rank";
+            DdpError::model_access(rank, what, e)
         })
 }
 
-impl<B: Backend> DdpStrategy<B> {
-    /// The Learner's model, optimizer and scheduler records at `epoch`, as bytes.
-    pub(super) fn snapshot<LC>(
-        &self,
-        learner: &Learner<LC>,
-        epoch: usize,
-        store: &EventStoreClient,
-    ) -> Result<Vec<u8>>
-    where
-        LC: LearningComponentsTypes,
-    {
-        let slots: [Memory; 3] = Default::default();
-        let [m, o, s] = &slots;
-        // Saves at every call, deletes nothing (epoch - usize::MAX never is one); dropped at the
-        // end of the statement, which waits for its threads' writes.
-        LearningCheckpointer::<LC>::new(m.into(), o.into(), s.into(), Memory::keep_all())
-            .checkpoint(learner, epoch, store);
-        learner_state(&slots.map(|m| m.0), self.rank())
-    }
+/// Saves `learner`'s model, optimizer and scheduler records at `epoch` into `slots`, through
+/// burn-train's checkpointer (saving at this call, deleting nothing); it returns once its
+/// threads have written them.
+pub(super) fn save_records<LC: LearningComponentsTypes>(
+    learner: &Learner<LC>,
+    epoch: usize,
+    store: &EventStoreClient,
+    [m, o, s]: &[RecordSlot; 3],
+) {
+    let (m, o, s) = (
+        Memory::checkpointer(m),
+        Memory::checkpointer(o),
+        Memory::checkpointer(s),
+    );
+    let keep_all = Box::new(KeepLastNCheckpoints::new(usize::MAX));
+    // Dropped at the end of the statement, which waits for its threads' writes.
+    LearningCheckpointer::<LC>::new(m, o, s, keep_all).checkpoint(learner, epoch, store);
+}
 
-    /// Loads a [`snapshot`](Self::snapshot) into `learner`.
-    pub(super) fn restore_snapshot<LC>(&self, learner: &mut Learner<LC>, bytes: &[u8]) -> Result<()>
+impl<B: Backend> DdpStrategy<B> {
+    /// Loads another rank's [`save_records`] into `learner`.
+    pub(super) fn load_records<LC>(
+        &self,
+        learner: &mut Learner<LC>,
+        [model, optim, sched]: [Vec<u8>; 3],
+    ) -> Result<()>
     where
         LC: LearningComponentsTypes,
         LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     {
         let rank = self.rank();
-        let [model, optim, sched] = learner_records(bytes, rank)?;
         let model: LearnerModelRecord<LC> = load(model, &self.device, rank)?;
         let optim: LearnerOptimizerRecord<LC> = load(optim, &self.device, rank)?;
         let sched: LearnerSchedulerRecord<LC> = load(sched, &self.device, rank)?;

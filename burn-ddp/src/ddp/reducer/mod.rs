@@ -9,7 +9,7 @@
 //! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
 //! in [`BucketTransport::launch`] and in how a pass collects its results.
 
-use burn_ddp_comm::{ConfigError, ModelError};
+use burn_ddp_comm::ConfigError;
 use std::collections::HashMap;
 
 use burn_backend::distributed::DistributedParamId;
@@ -335,10 +335,10 @@ impl Reducer {
             // left waiting): `check`, and so `DdpSession::backward`, return it.
             let names = self.foreign();
             self.foreign.clear();
-            let e = DdpError::Model(ModelError::Access {
-                rank: self.pg.rank(),
-                what: "synchronising gradients",
-                reason: format!(
+            let e = DdpError::model_access(
+                self.pg.rank(),
+                "synchronising gradients",
+                format!(
                     "in the previous step, parameters without a gradient on this rank had one on \
                      other ranks ({names:?}), and their averaged gradient never reached this \
                      rank's optimizer, so the replicas now differ. Take each step's gradients \
@@ -346,7 +346,7 @@ impl Reducer {
                      DdpSession::complete(&model, grads) before the optimizer step \
                      (DdpStrategy does)"
                 ),
-            });
+            );
             tracing::debug!("{e}");
             self.deferred.get_or_insert(e);
         }
@@ -781,12 +781,11 @@ impl Drop for Reducer {
 /// changed under it) was abandoned: what the other ranks are told.
 #[cfg(feature = "cuda")]
 fn abandoned(rank: crate::group::Rank) -> DdpError {
-    DdpError::Model(ModelError::Access {
+    DdpError::model_access(
         rank,
-        what: "synchronising gradients on the GPU",
-        reason: "a backward pass ended before its gradient buckets were all launched (it \
+        "synchronising gradients on the GPU",
+        "a backward pass ended before its gradient buckets were all launched (it \
                  panicked, or the job's membership changed): NCCL was stopped so that no rank \
-                 waits for buckets that will not come"
-            .into(),
-    })
+                 waits for buckets that will not come",
+    )
 }
