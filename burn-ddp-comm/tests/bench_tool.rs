@@ -2,15 +2,13 @@
 //! range is refused at once, non-zero, naming the option and what is accepted; a small valid
 //! sweep over 2 real processes finishes and checks its results.
 
-mod common;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::spawned::Spawned;
+use burn_ddp_dev::spawned::Spawned;
 
 fn bench(args: &[&str]) -> (bool, String, Duration) {
-    let mut cmd = Command::new(common::spawned::launcher());
+    let mut cmd = Command::new(burn_ddp_dev::spawned::launcher());
     cmd.args(["bench", "all-reduce"])
         .args(args)
         .env_remove("RANK")

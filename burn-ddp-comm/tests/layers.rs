@@ -2,7 +2,7 @@
 //!
 //! - every `crate::<module>` a file names (in code, not comments) is its own module or one in a
 //!   lower layer, so the modules form no cycle;
-//! - burn-ddp-comm names no Burn crate;
+//! - burn-ddp-comm names no Burn crate, nor does burn-ddp-dev (its test harness);
 //! - only `config/env/` of burn-ddp-comm reads environment variables (binaries aside).
 
 use std::collections::BTreeMap;
@@ -59,12 +59,12 @@ const BURN022: &[(&str, u8)] = &[
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
 const BELOW: u8 = 0;
 
-/// The repository (this test is burn-ddp's: its package directory is one below).
+/// The repository (this test is burn-ddp-comm's: its package directory is one below).
 fn root() -> PathBuf {
     let package = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     package
         .parent()
-        .expect("burn-ddp/ is in the repository")
+        .expect("burn-ddp-comm/ is in the repository")
         .to_path_buf()
 }
 
@@ -278,19 +278,26 @@ fn modules_only_use_lower_layers() {
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
+/// The core and the test harness it uses as a dev-dependency (both Burn-free).
 #[test]
 fn the_core_crate_names_no_burn_crate() {
     let mut files = Vec::new();
-    rust_files(&root().join("burn-ddp-comm/src"), &mut files);
-    let manifest = std::fs::read_to_string(root().join("burn-ddp-comm/Cargo.toml")).unwrap();
-    let mut problems: Vec<String> = manifest
-        .lines()
-        .filter(|l| {
-            let l = l.trim_start();
-            l.starts_with("burn") && !l.starts_with("burn-ddp-comm")
-        })
-        .map(|l| format!("burn-ddp-comm/Cargo.toml: {l}"))
-        .collect();
+    let mut problems = Vec::new();
+    for krate in ["burn-ddp-comm", "burn-ddp-dev"] {
+        rust_files(&root().join(krate).join("src"), &mut files);
+        let manifest = std::fs::read_to_string(root().join(krate).join("Cargo.toml")).unwrap();
+        problems.extend(
+            manifest
+                .lines()
+                .filter(|l| {
+                    let l = l.trim_start();
+                    l.starts_with("burn")
+                        && !l.starts_with("burn-ddp-comm")
+                        && !l.starts_with("burn-ddp-dev")
+                })
+                .map(|l| format!("{krate}/Cargo.toml: {l}")),
+        );
+    }
     for file in files {
         let code = code(&std::fs::read_to_string(&file).unwrap());
         for name in [

@@ -2,9 +2,8 @@
 //! in real processes over the TCP transport (world sizes 1 to 4), checked against references
 //! computed in the test.
 
-mod common;
-
-use burn_ddp::{Element, ProcessGroup, Rank, ReduceOp};
+use burn_ddp_comm::{Element, ProcessGroup, Rank, ReduceOp};
+use burn_ddp_dev::procs;
 use half::{bf16, f16};
 
 /// Test element: built from small integers so that every reduction order gives exact results.
@@ -198,25 +197,25 @@ fn collectives_world_1() {
 
 #[test]
 fn collectives_world_2() {
-    common::multi_process(2, "collectives_world_2", all_types);
+    procs::multi_process(2, "collectives_world_2", all_types);
 }
 
 #[test]
 fn collectives_world_3() {
-    common::multi_process(3, "collectives_world_3", all_types);
+    procs::multi_process(3, "collectives_world_3", all_types);
 }
 
 #[test]
 fn collectives_world_4() {
-    common::multi_process(4, "collectives_world_4", all_types);
+    procs::multi_process(4, "collectives_world_4", all_types);
 }
 
 #[test]
 fn collectives_between_threads() {
     use std::time::Duration;
     let groups = ProcessGroup::local(
-        burn_ddp::WorldSize::new(3).unwrap(),
-        burn_ddp::Timeouts::uniform(Duration::from_secs(60)),
+        burn_ddp_comm::WorldSize::new(3).unwrap(),
+        burn_ddp_comm::Timeouts::uniform(Duration::from_secs(60)),
     );
     let handles: Vec<_> = groups
         .into_iter()

@@ -1,13 +1,11 @@
 //! Failure modes of a job, each in real processes: every surviving rank must end with a distinct,
 //! clear error within the test's bound, never a hang or a panic in the library.
 
-mod common;
-
 use burn_ddp_comm::{CollectiveError, ConfigError, RendezvousError};
 use std::time::{Duration, Instant};
 
-use burn_ddp::{DdpError, ProcessGroup, Rank, ReduceOp};
-use common::TestJob;
+use burn_ddp_comm::{DdpError, ProcessGroup, Rank, ReduceOp};
+use burn_ddp_dev::procs::{self, TestJob};
 
 fn rank() -> u32 {
     std::env::var("RANK").unwrap().parse().unwrap()
@@ -20,7 +18,7 @@ fn show(e: &DdpError) -> String {
     s
 }
 
-fn assert_fast(out: &common::Outcomes, bound: Duration) {
+fn assert_fast(out: &procs::Outcomes, bound: Duration) {
     for o in &out.0 {
         assert!(
             o.elapsed < bound,
@@ -35,7 +33,7 @@ fn assert_fast(out: &common::Outcomes, bound: Duration) {
 #[test]
 fn rank_killed_mid_collective() {
     const NAME: &str = "rank_killed_mid_collective";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         if pg.rank() == Rank(1) {
             std::thread::spawn(|| {
@@ -85,7 +83,7 @@ fn rank_killed_mid_collective() {
 #[test]
 fn rank_panics_between_collectives() {
     const NAME: &str = "rank_panics_between_collectives";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = [1.0f32; 4];
         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -107,7 +105,7 @@ fn rank_panics_between_collectives() {
 #[test]
 fn rank_never_arrives_at_rendezvous() {
     const NAME: &str = "rank_never_arrives_at_rendezvous";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         // The warnings of the wait, on stderr for the parent to read.
         let _ = tracing_subscriber::fmt()
             .with_writer(std::io::stderr)
@@ -148,7 +146,7 @@ fn rank_never_arrives_at_rendezvous() {
 #[test]
 fn rank_never_arrives_at_collective() {
     const NAME: &str = "rank_never_arrives_at_collective";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = vec![1.0f32; 1 << 20];
         if pg.rank() == Rank(2) {
@@ -183,7 +181,7 @@ fn rank_never_arrives_at_collective() {
 #[test]
 fn wrong_token_is_refused_on_both_sides() {
     const NAME: &str = "wrong_token_is_refused_on_both_sides";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 1 {
@@ -217,7 +215,7 @@ fn wrong_token_is_refused_on_both_sides() {
 #[test]
 fn rank_at_or_above_world_size() {
     const NAME: &str = "rank_at_or_above_world_size";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if std::env::var("LOCAL_RANK").unwrap() == "1" {
@@ -248,7 +246,7 @@ fn rank_at_or_above_world_size() {
 #[test]
 fn two_ranks_claim_the_same_rank() {
     const NAME: &str = "two_ranks_claim_the_same_rank";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         match &err {
@@ -280,7 +278,7 @@ fn two_ranks_claim_the_same_rank() {
 #[test]
 fn world_size_mismatch() {
     const NAME: &str = "world_size_mismatch";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 1 {
@@ -314,7 +312,7 @@ fn world_size_mismatch() {
 #[test]
 fn master_unreachable() {
     const NAME: &str = "master_unreachable";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         assert!(
@@ -337,7 +335,7 @@ fn master_unreachable() {
 #[test]
 fn port_already_in_use_by_another_job() {
     const NAME: &str = "port_already_in_use_by_another_job";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let err = ProcessGroup::from_env().unwrap_err();
         let text = show(&err);
         if rank() == 0 {
@@ -360,14 +358,14 @@ fn port_already_in_use_by_another_job() {
         return;
     }
     // Job A: a rank 0 in this process, waiting for a rank 1 that never comes.
-    let port = burn_ddp::launch::spawn::free_port().unwrap();
-    let cfg = burn_ddp::GroupConfig::new(
+    let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let cfg = burn_ddp_comm::GroupConfig::new(
         Rank(0),
-        burn_ddp::WorldSize::new(2).unwrap(),
-        burn_ddp::JobToken::new("job-a"),
+        burn_ddp_comm::WorldSize::new(2).unwrap(),
+        burn_ddp_comm::JobToken::new("job-a"),
     )
-    .with_master(burn_ddp::MasterAddr::new("127.0.0.1", port))
-    .with_timeouts(burn_ddp::Timeouts::uniform(Duration::from_secs(8)));
+    .with_master(burn_ddp_comm::MasterAddr::new("127.0.0.1", port))
+    .with_timeouts(burn_ddp_comm::Timeouts::uniform(Duration::from_secs(8)));
     let job_a = std::thread::spawn(move || ProcessGroup::init(cfg));
     // Until job A's store listens on the port (binding it then fails).
     let listening = Instant::now() + Duration::from_secs(10);
@@ -397,7 +395,7 @@ fn port_already_in_use_by_another_job() {
 #[test]
 fn mismatched_collectives_are_reported_not_hung() {
     const NAME: &str = "mismatched_collectives_are_reported_not_hung";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = vec![1.0f32; 10];
         let err = if pg.rank() == Rank(0) {
@@ -430,7 +428,7 @@ fn mismatched_collectives_are_reported_not_hung() {
 #[test]
 fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
     const NAME: &str = "rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = vec![1.0f32; 1024];
         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -452,7 +450,11 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
                 ..
             }) => {
                 assert_eq!(*culprit, Rank(2), "{text}");
-                assert_eq!(*last_completed, burn_ddp::types::CollectiveSeq(1), "{text}");
+                assert_eq!(
+                    *last_completed,
+                    burn_ddp_comm::types::CollectiveSeq(1),
+                    "{text}"
+                );
                 assert!(!host.is_empty() && host != "?", "{text}");
                 assert!(text.contains("has not reached collective #2"), "{text}");
             }
@@ -476,7 +478,7 @@ fn rank_stuck_outside_the_collectives_is_reported_within_the_stall_bound() {
 #[test]
 fn frozen_rank_is_reported_within_the_heartbeat_bound() {
     const NAME: &str = "frozen_rank_is_reported_within_the_heartbeat_bound";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let (pg, mut x) = join_then_freeze_rank_1();
         let started = Instant::now();
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
@@ -506,7 +508,7 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
 #[test]
 fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
     const NAME: &str = "frozen_rank_0_is_reported_within_the_heartbeat_bound";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = vec![1.0f32; 1024];
         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -603,7 +605,7 @@ fn run_with_rank_1_frozen(name: &str) {
 #[test]
 fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
     const NAME: &str = "frozen_rank_is_reported_while_the_others_wait_outside_the_collectives";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let (pg, mut x) = join_then_freeze_rank_1();
         let started = Instant::now();
         let record = {
@@ -641,7 +643,7 @@ fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
 #[test]
 fn desync_debug_mode_shows_both_calls_and_their_lines() {
     const NAME: &str = "desync_debug_mode_shows_both_calls_and_their_lines";
-    if common::is_child(NAME) {
+    if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let mut x = vec![1.0f32; 1024];
         pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
@@ -661,7 +663,7 @@ fn desync_debug_mode_shows_both_calls_and_their_lines() {
         else {
             panic!("unexpected: {text}");
         };
-        assert_eq!(*call, burn_ddp::types::CollectiveSeq(2), "{text}");
+        assert_eq!(*call, burn_ddp_comm::types::CollectiveSeq(2), "{text}");
         let (mine, other) = if pg.rank() == Rank(2) {
             assert_eq!(*peer, Rank(0), "{text}");
             (

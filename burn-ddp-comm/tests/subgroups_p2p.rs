@@ -2,13 +2,11 @@
 //! disjoint sub-groups, messages in order and by tag, both directions at once, batches, and the
 //! failures: a bad argument, a size mismatch, a killed rank named by every other rank.
 
-mod common;
-
 use burn_ddp_comm::CollectiveError;
 use std::time::Duration;
 
-use burn_ddp::{DdpError, P2pOp, ProcessGroup, Rank, ReduceOp};
-use common::TestJob;
+use burn_ddp_comm::{DdpError, P2pOp, ProcessGroup, Rank, ReduceOp};
+use burn_ddp_dev::procs::{self, TestJob};
 
 fn show(pg: &ProcessGroup, e: &DdpError) -> String {
     let s = e.to_string();
@@ -18,7 +16,7 @@ fn show(pg: &ProcessGroup, e: &DdpError) -> String {
 
 #[test]
 fn subgroup_collectives_on_overlapping_and_disjoint_groups() {
-    common::multi_process(
+    procs::multi_process(
         4,
         "subgroup_collectives_on_overlapping_and_disjoint_groups",
         |pg| {
@@ -116,7 +114,7 @@ fn subgroup_collectives_on_overlapping_and_disjoint_groups() {
 
 #[test]
 fn point_to_point_keeps_order_per_tag_and_never_deadlocks() {
-    common::multi_process(
+    procs::multi_process(
         3,
         "point_to_point_keeps_order_per_tag_and_never_deadlocks",
         |pg| {
@@ -194,8 +192,8 @@ fn point_to_point_keeps_order_per_tag_and_never_deadlocks() {
 #[test]
 fn point_to_point_on_threads_of_one_process() {
     let groups = ProcessGroup::local(
-        burn_ddp::WorldSize::new(2).unwrap(),
-        burn_ddp::Timeouts::default(),
+        burn_ddp_comm::WorldSize::new(2).unwrap(),
+        burn_ddp_comm::Timeouts::default(),
     );
     std::thread::scope(|s| {
         for pg in &groups {
@@ -213,7 +211,7 @@ fn point_to_point_on_threads_of_one_process() {
 #[test]
 fn a_message_of_the_wrong_size_is_named_on_the_receiver() {
     const NAME: &str = "a_message_of_the_wrong_size_is_named_on_the_receiver";
-    if let Some(pg) = common::child_group(NAME) {
+    if let Some(pg) = procs::child_group(NAME) {
         if pg.rank() == Rank(0) {
             pg.send(&[1f32; 10], Rank(1), 6).unwrap();
             // The receiver's failure ends the job: this rank hears of it.
@@ -243,7 +241,7 @@ fn a_message_of_the_wrong_size_is_named_on_the_receiver() {
 #[test]
 fn a_killed_stage_is_named_by_every_other_rank() {
     const NAME: &str = "a_killed_stage_is_named_by_every_other_rank";
-    if let Some(pg) = common::child_group(NAME) {
+    if let Some(pg) = procs::child_group(NAME) {
         let me = pg.rank().0;
         let act = vec![1f32; 1 << 16];
         let mut buf = vec![0f32; 1 << 16];
@@ -288,7 +286,7 @@ fn a_killed_stage_is_named_by_every_other_rank() {
         assert!(again.to_string().contains("rank 1"), "{again}");
         return;
     }
-    common::assert_killed_rank_named_fast(3, NAME, 1);
+    procs::assert_killed_rank_named_fast(3, NAME, 1);
 }
 
 /// A rank killed while a sub-group it is not in runs collectives, and while its own sub-group
@@ -296,7 +294,7 @@ fn a_killed_stage_is_named_by_every_other_rank() {
 #[test]
 fn a_killed_rank_is_named_in_its_subgroup() {
     const NAME: &str = "a_killed_rank_is_named_in_its_subgroup";
-    if let Some(pg) = common::child_group(NAME) {
+    if let Some(pg) = procs::child_group(NAME) {
         let me = pg.rank().0;
         let pair = pg.split(Some(me / 2)).unwrap().unwrap();
         if me == 3 {
@@ -319,5 +317,5 @@ fn a_killed_rank_is_named_in_its_subgroup() {
         }
         return;
     }
-    common::assert_killed_rank_named_fast(4, NAME, 3);
+    procs::assert_killed_rank_named_fast(4, NAME, 3);
 }
