@@ -210,6 +210,9 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     let (mut opt_ddp, mut opt_ref, mut opt_alone) =
         (optimizer(s.opt), optimizer(s.opt), optimizer(s.opt));
     let lr = conformance::LR;
+    if s.mode == conformance::Mode::Join {
+        return run_join(sync, model, reference, alone, s);
+    }
     // ZeRO-1: the DDP model steps through the sharded optimizer.
     let mut zero = (s.opt == conformance::Opt::AdamZero)
         .then(|| sync.zero(AdamConfig::new().init(), &model).unwrap());
@@ -265,6 +268,58 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                 reference = opt_ref.step(lr, reference, acc_ref.grads());
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }
+            conformance::Mode::Join => unreachable!("run_join trains it"),
+        }
+    }
+    Trained {
+        ddp: params(&model),
+        reference: params(&reference),
+        alone: params(&alone),
+    }
+}
+
+/// [`conformance::Mode::Join`]: each rank steps on its own batches under `GradSync::join`.
+fn run_join<M: Net>(
+    mut sync: GradSync,
+    model: M,
+    mut reference: M,
+    mut alone: M,
+    s: &Scenario,
+) -> Trained {
+    let world = sync.group().world_size().as_usize();
+    let rank = sync.group().rank().index();
+    let (lr, mine) = (conformance::LR, conformance::batches(world, rank));
+    let mut opt = optimizer(s.opt);
+    let model = sync
+        .join(model, |sync, mut model| {
+            for step in 0..mine {
+                let (x, y) = batch(step, world);
+                let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = sync.sync(&model, grads)?;
+                model = opt.step(lr, model, grads);
+            }
+            Ok(model)
+        })
+        .unwrap();
+    let (mut opt_ref, mut opt_alone) = (optimizer(s.opt), optimizer(s.opt));
+    for step in 0..STEPS {
+        let (x, y) = batch(step, world);
+        // The rows of the ranks that still have a batch.
+        let still: Vec<usize> = (0..world)
+            .filter(|&r| step < conformance::batches(world, r))
+            .collect();
+        let rows = |t: &Tensor<2>| {
+            let parts = still.iter().map(|&r| shard(t.clone(), r, PER_RANK));
+            Tensor::cat(parts.collect(), 0)
+        };
+        let loss = reference.loss(rows(&x), rows(&y));
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
+        if step < mine {
+            let loss = alone.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
+            let grads = GradientsParams::from_grads(loss.backward(), &alone);
+            alone = opt_alone.step(lr, alone, grads);
         }
     }
     Trained {
@@ -530,81 +585,6 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
     }
     if !procs::is_any_child() {
         procs::TestJob::new(2, NAME).run().assert_all_ok();
-    }
-}
-
-/// Uneven inputs under `GradSync::join`: rank r has `counts[r]` batches. What it is documented
-/// to match: one process with Adam that, at each step, trains on the shards of the ranks that
-/// still have a batch (the mean over those ranks), for as many steps as the longest rank. Every
-/// rank ends with that model (the longest rank's, broadcast at the end of the join).
-fn uneven(pg: ProcessGroup, counts: &[usize]) {
-    let world = pg.world_size().as_usize();
-    let rank = pg.rank().index();
-    device().seed(13 + rank as u64);
-    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
-    let model = sync.prepare(Mlp::build(&device())).unwrap();
-    let start = model.clone();
-    let mut opt = optimizer(conformance::Opt::Adam);
-    let trained = sync
-        .join(model, |sync, mut model| {
-            for step in 0..counts[rank] {
-                let (x, y) = batch(step, world);
-                let loss = model.loss(shard(x, rank, PER_RANK), shard(y, rank, PER_RANK));
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                let grads = sync.sync(&model, grads)?;
-                model = opt.step(1e-2, model, grads);
-            }
-            Ok(model)
-        })
-        .unwrap();
-
-    let mut reference = start;
-    let mut opt = optimizer(conformance::Opt::Adam);
-    let longest = counts.iter().copied().max().unwrap();
-    for step in 0..longest {
-        let (x, y) = batch(step, world);
-        let still: Vec<usize> = (0..world).filter(|&r| step < counts[r]).collect();
-        let xs = still
-            .iter()
-            .map(|&r| shard(x.clone(), r, PER_RANK))
-            .collect();
-        let ys = still
-            .iter()
-            .map(|&r| shard(y.clone(), r, PER_RANK))
-            .collect();
-        let loss = reference.loss(Tensor::cat(xs, 0), Tensor::cat(ys, 0));
-        let grads = GradientsParams::from_grads(loss.backward(), &reference);
-        reference = opt.step(1e-2, reference, grads);
-    }
-    assert_close(rank, &params(&trained), &params(&reference), F32);
-    // And every rank holds the same model, bit for bit.
-    let mine: Vec<u8> = params(&trained)
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
-    let all = sync.group().all_gather_bytes(&mine).unwrap();
-    assert!(
-        all.iter().all(|b| *b == mine),
-        "rank {rank}: the ranks' models differ"
-    );
-}
-
-#[test]
-fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training() {
-    for (world, counts) in [(2, &[10, 7][..]), (3, &[7, 10, 9][..])] {
-        let name = format!("uneven_inputs_w{world}");
-        if let Some(pg) = procs::child_group(&name) {
-            uneven(pg, counts);
-            return;
-        }
-        if !procs::is_any_child() && procs::world_selected(world) {
-            procs::TestJob::new(world as u32, &name)
-                .function(
-                    "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
-                )
-                .run()
-                .assert_all_ok();
-        }
     }
 }
 

@@ -81,6 +81,18 @@ pub enum Mode {
     /// `k` batches per step ([`batch_seed`] of `step · k + micro`), accumulated on each rank
     /// without synchronisation, then synchronised once.
     Accumulate(usize),
+    /// Uneven inputs under the line's `join`: rank `r` has [`batches`]`(world, r)` batches,
+    /// one step each; the reference is one process that, at each step, trains on the shards
+    /// of the ranks that still have a batch (the mean over those ranks), for as many steps as
+    /// the longest rank, and every rank ends with its model. The negative control trains on
+    /// this rank's batches alone.
+    Join,
+}
+
+/// How many batches rank `rank` of `world` has in a [`Mode::Join`] scenario: [`STEPS`] for the
+/// last rank, fewer for the others (with 3 ranks, rank 1 runs out first, then rank 0).
+pub fn batches(world: usize, rank: usize) -> usize {
+    STEPS - 3 * ((rank + 1) % world)
 }
 
 /// One scenario of the suite.
@@ -135,7 +147,7 @@ fn weight_alone() -> DdpConfig {
 
 /// The scenarios, in the order of their tests.
 pub fn scenarios() -> Vec<Scenario> {
-    use Mode::{Accumulate, Plain};
+    use Mode::{Accumulate, Join, Plain};
     use Net::{Conv, Mlp, SharedGrad, Strided};
     use Opt::{Adam, AdamZero, Sgd};
     let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
@@ -252,6 +264,15 @@ pub fn scenarios() -> Vec<Scenario> {
             || shift_alone().with_gradient_as_bucket_view(true),
             &[2],
         ),
+        s("mlp_adam_join", Mlp, Adam, Join, default, &[2, 3]),
+        s(
+            "conv_sgd_join_small_buckets",
+            Conv,
+            Sgd,
+            Join,
+            small_buckets,
+            &[3],
+        ),
         s("mlp_adam_zero", Mlp, AdamZero, Plain, default, &[2, 3]),
         s(
             "conv_adam_zero_accumulate_2",
@@ -340,8 +361,8 @@ macro_rules! conformance_suite {
             mlp_sgd, mlp_adam, conv_sgd, conv_adam_after_backward, mlp_small_buckets,
             mlp_accumulate_4, mlp_adam_accumulate_2, shared_gradient_buffer,
             strided_gradient_view, mlp_bf16_compression, mlp_sgd_comm_hook, mlp_adam_bucket_view,
-            mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_zero,
-            conv_adam_zero_accumulate_2);
+            mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_join,
+            conv_sgd_join_small_buckets, mlp_adam_zero, conv_adam_zero_accumulate_2);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

@@ -235,6 +235,9 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     let mut opt_ref = make_opt();
     let mut opt_alone = make_opt();
     let lr = conformance::LR;
+    if s.mode == conformance::Mode::Join {
+        return run_join(&session, model, reference, alone, make_opt);
+    }
     // ZeRO-1: the DDP model steps through the sharded optimizer.
     let mut zero = (s.opt == conformance::Opt::AdamZero)
         .then(|| session.zero(AdamConfig::new().init(), &model).unwrap());
@@ -285,6 +288,57 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
                 reference = opt_ref.step(lr, reference, acc_ref.grads());
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }
+            conformance::Mode::Join => unreachable!("run_join trains it"),
+        }
+    }
+    Trained {
+        ddp: common::params(&model),
+        reference: common::params(&reference),
+        alone: common::params(&alone),
+    }
+}
+
+/// [`conformance::Mode::Join`]: each rank steps on its own batches under `DdpSession::join`.
+fn run_join<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
+    session: &DdpSession,
+    model: M,
+    mut reference: M,
+    mut alone: M,
+    make_opt: impl Fn() -> O,
+) -> Trained {
+    let world = session.group().world_size().as_usize();
+    let rank = session.group().rank().index();
+    let (lr, mine) = (conformance::LR, conformance::batches(world, rank));
+    let mut opt = make_opt();
+    let model = session
+        .join(model, |session, mut model| {
+            for step in 0..mine {
+                let (x, y) = batch(step, world);
+                let grads =
+                    session.gradients(&model, model.loss(shard(x, rank), shard(y, rank)))?;
+                model = opt.step(lr, model, grads);
+            }
+            Ok(model)
+        })
+        .unwrap();
+    let (mut opt_ref, mut opt_alone) = (make_opt(), make_opt());
+    for step in 0..STEPS {
+        let (x, y) = batch(step, world);
+        // The rows of the ranks that still have a batch.
+        let still: Vec<usize> = (0..world)
+            .filter(|&r| step < conformance::batches(world, r))
+            .collect();
+        let rows = |t: &Tensor<B, 2>| {
+            let parts = still.iter().map(|&r| shard(t.clone(), r));
+            Tensor::cat(parts.collect(), 0)
+        };
+        let loss = reference.loss(rows(&x), rows(&y));
+        let grads = GradientsParams::from_grads(loss.backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
+        if step < mine {
+            let loss = alone.loss(shard(x, rank), shard(y, rank));
+            let grads = GradientsParams::from_grads(loss.backward(), &alone);
+            alone = opt_alone.step(lr, alone, grads);
         }
     }
     Trained {
@@ -694,19 +748,14 @@ fn without_broadcast_buffers_each_rank_keeps_its_own() {
     }
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Sync {
-    /// Gradients reduced during backward (`session.gradients`).
-    Overlapped,
-    /// Backward under `no_sync`, then `session.sync_gradients`.
-    After,
-}
-
-/// Uneven inputs under `DdpSession::join`: rank r has `counts[r]` batches. What it is
-/// documented to match: one process with Adam that, at each step, trains on the shards of the
-/// ranks that still have a batch (the mean over those ranks), for as many steps as the longest
-/// rank. Every rank ends with that model (the longest rank's, loaded at the end of the join).
-fn uneven(pg: ProcessGroup, counts: &[usize], sync: Sync) {
+/// Uneven inputs under `DdpSession::join`, each step's backward under `no_sync` and its
+/// gradients synchronised after it (`sync_gradients`; the conformance suite's `Join` scenarios
+/// take the overlapped path): rank r has `counts[r]` batches. What it is documented to match:
+/// one process with Adam that, at each step, trains on the shards of the ranks that still have
+/// a batch (the mean over those ranks), for as many steps as the longest rank. Every rank ends
+/// with that model (the longest rank's, loaded at the end of the join), and the model returned
+/// is synchronised again.
+fn uneven(pg: ProcessGroup, counts: &[usize]) {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
     let device = Default::default();
@@ -720,17 +769,12 @@ fn uneven(pg: ProcessGroup, counts: &[usize], sync: Sync) {
             for step in 0..counts[rank] {
                 let (x, y) = batch(step, world);
                 let loss = model.loss(shard(x, rank), shard(y, rank));
-                let grads = match sync {
-                    Sync::Overlapped => session.gradients(&model, loss)?,
-                    Sync::After => {
-                        let grads = {
-                            let _local = session.no_sync();
-                            session.backward(loss)?
-                        };
-                        let grads = GradientsParams::from_grads(grads, &model);
-                        session.sync_gradients(&model, grads)?
-                    }
+                let grads = {
+                    let _local = session.no_sync();
+                    session.backward(loss)?
                 };
+                let grads = GradientsParams::from_grads(grads, &model);
+                let grads = session.sync_gradients(&model, grads)?;
                 model = opt.step(1e-2, model, grads);
             }
             Ok(model)
@@ -766,24 +810,14 @@ fn uneven(pg: ProcessGroup, counts: &[usize], sync: Sync) {
 }
 
 #[test]
-fn uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training() {
-    for (name, world, counts, sync) in [
-        ("uneven_w2", 2, &[10, 7][..], Sync::Overlapped),
-        ("uneven_w3", 3, &[7, 10, 9][..], Sync::Overlapped),
-        ("uneven_after_backward_w2", 2, &[4, 6][..], Sync::After),
-    ] {
-        if let Some(pg) = common::child_group(name) {
-            uneven(pg, counts, sync);
-            return;
-        }
-        if !common::is_any_child() && common::world_selected(world) {
-            common::TestJob::new(world as u32, name)
-                .function(
-                    "uneven_inputs_under_join_train_like_one_process_on_the_ranks_still_training",
-                )
-                .run()
-                .assert_all_ok();
-        }
+fn uneven_inputs_synced_after_backward_under_join_train_like_one_process() {
+    const NAME: &str = "uneven_inputs_synced_after_backward_under_join_train_like_one_process";
+    if let Some(pg) = common::child_group(NAME) {
+        uneven(pg, &[4, 6]);
+        return;
+    }
+    if !common::is_any_child() && common::world_selected(2) {
+        common::TestJob::new(2, NAME).run().assert_all_ok();
     }
 }
 
