@@ -1,8 +1,10 @@
 //! Multi-node jobs for real on the Burn 0.22.1 line: each node a Linux network namespace with
 //! its own address on a virtual link (`burn_ddp_dev::netns`), the launcher and the
-//! `classifier022` example in each (fixed, and elastic with `--scale-lr`), so that
-//! `MASTER_ADDR` is not loopback and the ranks meet across the link. Needs root and iproute2's
-//! `ip` (the test fails, saying so, without them).
+//! `classifier022` example in each (fixed; elastic with `--scale-lr`, losing a killed node and
+//! a node whose link goes down; fault-tolerant, surviving a node cut off), so that
+//! `MASTER_ADDR` is not loopback and the ranks meet across the link: the scenarios of
+//! `burn_ddp_dev::netns`, which the 0.21 line's classifier passes too. Needs root and
+//! iproute2's `ip` (the test fails, saying so, without them).
 
 /// Two nodes, one rank each: the job trains to the same parameters as 2 ranks on one machine,
 /// bit for bit (the scenario the 0.21 line's classifier passes in `tests/multinode.rs`).
@@ -18,4 +20,20 @@ fn two_nodes_on_a_virtual_link_train_exactly_like_one_machine() {
 #[test]
 fn elastic_job_loses_a_killed_node_goes_on_and_takes_it_back() {
     burn_ddp_dev::netns::elastic_job_loses_a_killed_node_and_takes_it_back("classifier022");
+}
+
+/// `--nnodes 1:2`; node b's link goes down: node a finishes alone, node b says it lost the
+/// rendezvous.
+#[test]
+fn elastic_job_drops_a_node_whose_link_goes_down() {
+    burn_ddp_dev::netns::elastic_job_drops_a_node_whose_link_goes_down("classifier022");
+}
+
+/// A fault-tolerant job on three nodes; node 2's link goes down mid-epoch, the other two go on
+/// without a restart, and a new launcher on node 2 joins back and takes their state.
+#[test]
+fn a_fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back() {
+    burn_ddp_dev::netns::fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back(
+        "classifier022",
+    );
 }
