@@ -117,6 +117,7 @@ pub mod nn;
 mod periodic;
 pub mod pipeline;
 mod store;
+mod sys;
 pub mod train;
 pub mod types;
 mod wire;

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 const CORE: &[(&str, u8)] = &[
     ("wire", 0),
     ("periodic", 0),
+    ("sys", 0),
     ("types", 1),
     ("error", 2),
     ("config", 3),

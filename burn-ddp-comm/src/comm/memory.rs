@@ -16,15 +16,8 @@ pub(crate) fn huge_filled<T: bytemuck::Pod>(len: usize, value: T) -> Vec<T> {
     let end = (ptr + bytes) / HUGE * HUGE;
     if end > start {
         // SAFETY: [start, end) lies inside this vector's allocation, which nothing else references
-        // yet; MADV_HUGEPAGE only changes how the kernel backs the pages, never their contents
-        // or validity, so no Rust invariant depends on it.
-        let advised = unsafe {
-            rustix::mm::madvise(
-                start as *mut _,
-                end - start,
-                rustix::mm::Advice::LinuxHugepage,
-            )
-        };
+        // yet, and is aligned to huge pages.
+        let advised = unsafe { crate::sys::advise_huge_pages(start as *mut u8, end - start) };
         if let Err(e) = advised {
             tracing::trace!("huge pages not available for a {bytes}-byte buffer: {e}");
         }

@@ -149,10 +149,7 @@ pub(crate) fn key(rank: Rank) -> String {
 
 /// This machine's host name, for error messages.
 pub(crate) fn host_name() -> String {
-    let name = rustix::system::uname()
-        .nodename()
-        .to_string_lossy()
-        .into_owned();
+    let name = crate::sys::node_name();
     if name.is_empty() {
         String::from("?")
     } else {

@@ -210,8 +210,8 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         if stop && term_sent.is_none() {
             interrupted = true;
             for s in &slots {
-                spawn::signal(&s.running.child, rustix::process::Signal::TERM);
-                spawn::signal(&s.running.child, rustix::process::Signal::CONT);
+                spawn::signal(&s.running.child, crate::sys::Signal::Term);
+                spawn::signal(&s.running.child, crate::sys::Signal::Cont);
             }
             term_sent = Some(Instant::now());
         }

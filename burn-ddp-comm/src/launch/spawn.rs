@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::env;
 use crate::config::{JobToken, MasterAddr};
+use crate::sys::Signal;
 use crate::types::Rank;
 use crate::{DdpError, Result};
 
@@ -268,8 +269,7 @@ pub(crate) fn start_rank(
         cmd.pre_exec(|| {
             // If the launcher dies (even by SIGKILL), its ranks die with it instead of
             // lingering in a collective forever.
-            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
-                .map_err(std::io::Error::from)
+            crate::sys::die_with_parent()
         });
     }
     let mut child = cmd.spawn().map_err(|source| {
@@ -333,13 +333,8 @@ fn forward(
     })
 }
 
-pub(crate) fn signal(child: &Child, sig: rustix::process::Signal) {
-    if let Some(pid) = i32::try_from(child.id())
-        .ok()
-        .and_then(rustix::process::Pid::from_raw)
-    {
-        let _ = rustix::process::kill_process(pid, sig);
-    }
+pub(crate) fn signal(child: &Child, sig: Signal) {
+    crate::sys::signal(child.id(), sig);
 }
 
 /// Starts the ranks of `job` on this node and supervises them until all have ended.
@@ -401,9 +396,9 @@ pub fn run(job: &LocalJob) -> Result<JobReport> {
             }
             for r in running.iter_mut().filter(|r| r.exit.is_none()) {
                 r.stopped = true;
-                signal(&r.child, rustix::process::Signal::TERM);
+                signal(&r.child, Signal::Term);
                 // A rank frozen by SIGSTOP acts on the SIGTERM only once continued.
-                signal(&r.child, rustix::process::Signal::CONT);
+                signal(&r.child, Signal::Cont);
             }
             term_sent = Some(Instant::now());
         }

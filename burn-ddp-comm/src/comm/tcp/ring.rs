@@ -20,11 +20,11 @@
 use std::io::{self, ErrorKind};
 use std::net::TcpStream;
 use std::ops::Range;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use rustix::event::{poll, PollFd, PollFlags, Timespec};
-use rustix::net::{recv, send, RecvFlags, SendFlags};
+use crate::sys::{self, Ready};
 
 use super::header;
 use crate::comm::reduce::{combine, split, Finish};
@@ -292,7 +292,7 @@ impl Engine<'_> {
             let start = seg.range.start + self.send_off;
             &buf[start..start + n.min(MAX_IO)]
         };
-        match send(sock, bytes, SendFlags::NOSIGNAL) {
+        match sys::send(sock.as_fd(), bytes) {
             Ok(sent) => {
                 if self.hdr_out_sent < header::LEN {
                     self.hdr_out_sent += sent;
@@ -302,8 +302,8 @@ impl Engine<'_> {
                 self.advance();
                 Ok(sent > 0)
             }
-            Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => Ok(false),
-            Err(e) => Err(RingError::Closed(Side::Next, e.into())),
+            Err(e) if would_block(&e) => Ok(false),
+            Err(e) => Err(RingError::Closed(Side::Next, e)),
         }
     }
 
@@ -318,18 +318,10 @@ impl Engine<'_> {
             return Ok(false);
         }
         if self.hdr_in_got < header::LEN {
-            let got = match recv(
-                sock,
-                &mut self.hdr_in[self.hdr_in_got..],
-                RecvFlags::empty(),
-            )
-            .map(|r| r.0)
-            {
+            let got = match sys::recv(sock.as_fd(), &mut self.hdr_in[self.hdr_in_got..]) {
                 Ok(n) => n,
-                Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => {
-                    return Ok(false)
-                }
-                Err(e) => return Err(RingError::Closed(Side::Prev, e.into())),
+                Err(e) if would_block(&e) => return Ok(false),
+                Err(e) => return Err(RingError::Closed(Side::Prev, e)),
             };
             if got == 0 {
                 return Err(RingError::Closed(
@@ -354,26 +346,22 @@ impl Engine<'_> {
             RecvMode::Copy => {
                 let start = seg.range.start + done;
                 let dst = &mut buf[start..start + left.min(MAX_IO)];
-                match recv(sock, dst, RecvFlags::empty()).map(|r| r.0) {
+                match sys::recv(sock.as_fd(), dst) {
                     Ok(n) => {
                         self.processed[self.recv_idx] += n;
                         n
                     }
-                    Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => {
-                        return Ok(false)
-                    }
-                    Err(e) => return Err(RingError::Closed(Side::Prev, e.into())),
+                    Err(e) if would_block(&e) => return Ok(false),
+                    Err(e) => return Err(RingError::Closed(Side::Prev, e)),
                 }
             }
             RecvMode::Reduce(op, finish) => {
                 let want = (left - self.pending).min(self.scratch.len() - self.pending);
                 let dst = &mut self.scratch[self.pending..self.pending + want];
-                let n = match recv(sock, dst, RecvFlags::empty()).map(|r| r.0) {
+                let n = match sys::recv(sock.as_fd(), dst) {
                     Ok(n) => n,
-                    Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => {
-                        return Ok(false)
-                    }
-                    Err(e) => return Err(RingError::Closed(Side::Prev, e.into())),
+                    Err(e) if would_block(&e) => return Ok(false),
+                    Err(e) => return Err(RingError::Closed(Side::Prev, e)),
                 };
                 self.pending += n;
                 let elem = self.dtype.size();
@@ -481,34 +469,31 @@ pub(crate) fn run(
             }));
         }
         let wait = (deadline - now).min(TICK);
-        let t = Timespec::try_from(wait).unwrap_or(Timespec {
-            tv_sec: 0,
-            tv_nsec: 500_000_000,
-        });
-        let out = if want_out {
-            PollFlags::OUT
+        let (next, prev) = (links.next.as_fd(), links.prev.as_fd());
+        let waited = if links.same {
+            let both = Ready {
+                read: want_in,
+                write: want_out,
+            };
+            sys::poll([(next, both)], wait)
         } else {
-            PollFlags::empty()
+            let out = Ready {
+                read: false,
+                write: want_out,
+            };
+            let inn = Ready {
+                read: want_in,
+                write: false,
+            };
+            sys::poll([(next, out), (prev, inn)], wait)
         };
-        let inn = if want_in {
-            PollFlags::IN
-        } else {
-            PollFlags::empty()
-        };
-        let res = if links.same {
-            poll(&mut [PollFd::new(links.next, out | inn)], Some(&t))
-        } else {
-            poll(
-                &mut [PollFd::new(links.next, out), PollFd::new(links.prev, inn)],
-                Some(&t),
-            )
-        };
-        match res {
-            Ok(_) => {}
-            Err(e) if e == rustix::io::Errno::INTR => {}
-            Err(err) => return Err(RingError::Closed(Side::Prev, err.into())),
-        }
+        waited.map_err(|e| RingError::Closed(Side::Prev, e))?;
     }
+}
+
+/// A non-blocking socket with nothing to do now (or a call interrupted): try again later.
+fn would_block(e: &io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
 }
 
 /// The rank on each side of `rank` in a ring of `world`.

@@ -112,12 +112,7 @@ pub struct ElasticConfig {
 impl ElasticConfig {
     /// The default node id: host name and launcher process id.
     pub fn default_node_id() -> String {
-        let name = rustix::system::uname();
-        format!(
-            "{}:{}",
-            name.nodename().to_string_lossy(),
-            std::process::id()
-        )
+        format!("{}:{}", crate::sys::node_name(), std::process::id())
     }
 }
 

@@ -1,0 +1,247 @@
+//! The few system calls this crate makes beyond `std`, as safe functions over `libc` (Linux):
+//! readiness waits, non-blocking socket reads and writes, the host name, signals to a child,
+//! the parent-death signal and huge-page advice.
+//!
+//! `libc` and not a higher-level wrapper such as rustix: a user's Burn already builds `libc`
+//! with the features used here, while rustix is in Burn's tree with other features (through
+//! `tempfile` and `crossterm`), so asking for more of them would rebuild it and every Burn crate
+//! above it the first time a Burn project adds burn-ddp (CI checks the feature sets,
+//! `scripts/feature-check.sh`).
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::time::Duration;
+
+/// What a [`poll`] waits for on one descriptor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ready {
+    /// Bytes to read (or a connection to accept, or the peer's end).
+    pub(crate) read: bool,
+    /// Room to write.
+    pub(crate) write: bool,
+}
+
+/// Waits until one of `fds` is ready for what it asks, or an error or hang-up is pending on
+/// it, for at most `timeout` (to the nanosecond). An interrupted wait returns early, as a
+/// ready one does: callers look at their sockets again either way.
+///
+/// # Errors
+/// `ppoll` failed for another reason than an interruption.
+pub(crate) fn poll<const N: usize>(
+    fds: [(BorrowedFd<'_>, Ready); N],
+    timeout: Duration,
+) -> io::Result<()> {
+    let mut raw = fds.map(|(fd, ready)| libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: if ready.read { libc::POLLIN } else { 0 }
+            | if ready.write { libc::POLLOUT } else { 0 },
+        revents: 0,
+    });
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        // Below 1e9: fits every c_long.
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `raw` is an array of `N` initialised `pollfd`s that lives across the call, whose
+    // descriptors are open (borrowed for the call); `ts` is a valid timespec; a null signal
+    // mask leaves the thread's as it is. The kernel writes only the `revents` fields.
+    let n = unsafe { libc::ppoll(raw.as_mut_ptr(), N as libc::nfds_t, &ts, std::ptr::null()) };
+    match n {
+        0.. => Ok(()),
+        _ => match io::Error::last_os_error() {
+            e if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            e => Err(e),
+        },
+    }
+}
+
+/// Writes what `fd` takes of `buf` now, without raising SIGPIPE on a closed connection.
+///
+/// # Errors
+/// The socket's error: `WouldBlock` when it has no room, `Interrupted`, `BrokenPipe` when the
+/// peer closed.
+pub(crate) fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for reads of `buf.len()` bytes for the call; `fd` is open.
+    let n = unsafe {
+        libc::send(
+            fd.as_raw_fd(),
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// Reads what `fd` has now into `buf` (0: the peer closed).
+///
+/// # Errors
+/// The socket's error: `WouldBlock` when nothing is there, `Interrupted`, a reset.
+pub(crate) fn recv(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call (the kernel writes at
+    // most that many); `fd` is open.
+    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
+}
+
+/// This machine's host name (`uname`'s node name); empty if the kernel does not say.
+pub(crate) fn node_name() -> String {
+    // SAFETY: `utsname` is plain old data (arrays of `c_char`), for which all zeroes is valid.
+    let mut name: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is a valid, writable `utsname` for the call.
+    if unsafe { libc::uname(&mut name) } != 0 {
+        return String::new();
+    }
+    let bytes: Vec<u8> = name
+        .nodename
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// A signal the launcher sends to its ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Signal {
+    /// SIGTERM: end cleanly.
+    Term,
+    /// SIGCONT: wake a stopped process (so that it can take a SIGTERM).
+    Cont,
+}
+
+/// Sends `signal` to the process `pid` (a child of this process); nothing for a pid that
+/// cannot be one (0 or beyond `i32`, which `kill` would read as a process group). A process
+/// that already ended is no error worth reporting: the caller is ending it anyway.
+pub(crate) fn signal(pid: u32, signal: Signal) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    if pid <= 0 {
+        return;
+    }
+    let sig = match signal {
+        Signal::Term => libc::SIGTERM,
+        Signal::Cont => libc::SIGCONT,
+    };
+    // SAFETY: `kill` takes plain integers; `pid` names one process (positive), not a group.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// Asks the kernel to SIGKILL this process when its parent (the thread that forked it) dies.
+/// Async-signal-safe: made between `fork` and `exec`.
+///
+/// # Errors
+/// `prctl` refused.
+pub(crate) fn die_with_parent() -> io::Result<()> {
+    // SAFETY: PR_SET_PDEATHSIG takes the signal number as its one argument; the others are
+    // ignored and passed as zero. No memory is read or written.
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+            0 as libc::c_ulong,
+        )
+    };
+    match r {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// Advises the kernel to back `[start, start + len)` with transparent huge pages.
+///
+/// # Safety
+/// The range must lie inside one allocation of the caller's (page-aligned, as `madvise`
+/// requires, else it fails with `EINVAL`). The advice changes only how the kernel backs the
+/// pages, never their contents or validity, so no Rust invariant depends on it.
+///
+/// # Errors
+/// The kernel declined (huge pages off, an unaligned range).
+pub(crate) unsafe fn advise_huge_pages(start: *mut u8, len: usize) -> io::Result<()> {
+    // SAFETY: the caller's contract: the range is its own allocation's; MADV_HUGEPAGE does not
+    // change the memory's contents.
+    match unsafe { libc::madvise(start.cast(), len, libc::MADV_HUGEPAGE) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+    use std::os::fd::AsFd;
+    use std::time::Instant;
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (b, _) = listener.accept().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        (a, b)
+    }
+
+    const READ: Ready = Ready {
+        read: true,
+        write: false,
+    };
+
+    #[test]
+    fn bytes_sent_are_received_and_an_empty_socket_would_block() {
+        let (a, b) = pair();
+        let mut buf = [0u8; 8];
+        let e = recv(b.as_fd(), &mut buf).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
+        assert_eq!(send(a.as_fd(), b"hello").unwrap(), 5);
+        poll([(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
+        assert_eq!(recv(b.as_fd(), &mut buf).unwrap(), 5);
+        assert_eq!(&buf[..5], b"hello");
+        drop(a);
+        poll([(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
+        assert_eq!(
+            recv(b.as_fd(), &mut buf).unwrap(),
+            0,
+            "the peer's end reads as 0"
+        );
+    }
+
+    #[test]
+    fn a_send_to_a_closed_peer_fails() {
+        let (a, b) = pair();
+        drop(b);
+        // The first write may still be taken; a later one sees the reset or the closed pipe.
+        let failed = (0..100).any(|_| {
+            std::thread::sleep(Duration::from_millis(5));
+            send(a.as_fd(), &[0u8; 1024]).is_err()
+        });
+        assert!(failed, "writes to a closed peer kept succeeding");
+    }
+
+    #[test]
+    fn poll_waits_at_most_its_timeout() {
+        let (_a, b) = pair();
+        let started = Instant::now();
+        poll([(b.as_fd(), READ)], Duration::from_millis(50)).unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(40));
+    }
+
+    #[test]
+    fn the_node_name_is_the_kernels() {
+        let name = node_name();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+        assert_eq!(name, kernel.trim());
+    }
+
+    #[test]
+    fn a_signal_to_a_pid_that_is_no_process_is_ignored() {
+        // 0 and values beyond i32 would name process groups: never sent.
+        signal(0, Signal::Cont);
+        signal(u32::MAX, Signal::Term);
+    }
+}
