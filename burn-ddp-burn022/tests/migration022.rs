@@ -52,6 +52,9 @@ fn the_migrated_program_trains_on_two_ranks_and_evaluates_on_rank_0() {
         ["[rank 0] done: target/learner022-example"],
         "{stdout}"
     );
+    // Burn's evaluator's lines (no terminal here) name the split and no epoch.
+    assert!(stdout.contains("[test]  items 512/512"), "{stdout}");
+    assert!(!stdout.contains("[test] epoch"), "{stdout}");
     let artifacts = dir.join("target/learner022-example");
     for sub in ["train", "valid", "test"] {
         assert!(artifacts.join(sub).is_dir(), "no {sub}/ in {artifacts:?}");

@@ -58,6 +58,9 @@ fn the_migrated_program_trains_on_two_ranks_and_evaluates_on_rank_0() {
     assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
     let done: Vec<&str> = stdout.lines().filter(|l| l.contains("done: ")).collect();
     assert_eq!(done, ["[rank 0] done: target/learner-example"], "{stdout}");
+    // Burn's evaluator's lines (no terminal here) name the split and no epoch.
+    assert!(stdout.contains("[test]  items 512/512"), "{stdout}");
+    assert!(!stdout.contains("[test] epoch"), "{stdout}");
     let artifacts = dir.join("target/learner-example");
     for sub in ["train", "valid", "test"] {
         assert!(artifacts.join(sub).is_dir(), "no {sub}/ in {artifacts:?}");

@@ -88,7 +88,8 @@ impl MetricLogger for NoMetricLogger {
 
 /// Rank 0's progress when its output is not a terminal (a log file, the launcher's pipe): one
 /// line every few seconds and one at the end of each split, with the metrics of the whole job —
-/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...`
+/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...` —
+/// and for Burn's evaluator the test split's name without an epoch, `[test Plain]  items ...`
 /// (burn-ddp-comm's [`ProgressText`]).
 #[derive(Debug)]
 pub struct ProgressLines {
@@ -97,6 +98,8 @@ pub struct ProgressLines {
     epoch: usize,
     epochs: usize,
     items: usize,
+    /// The evaluator's current test split, while it runs.
+    test: Option<String>,
 }
 
 impl ProgressLines {
@@ -108,6 +111,7 @@ impl ProgressLines {
             epoch: 1,
             epochs: 1,
             items: 0,
+            test: None,
         }
     }
 
@@ -120,8 +124,14 @@ impl ProgressLines {
     }
 
     fn line(&mut self, processed: usize) {
-        let items = Some((processed.min(self.items), self.items));
-        if let Some(line) = self.text.line(&self.split, self.epoch, self.epochs, items) {
+        let items = (processed.min(self.items), self.items);
+        let line = match &self.test {
+            Some(name) => self.text.test_line(name, items),
+            None => self
+                .text
+                .line(&self.split, self.epoch, self.epochs, Some(items)),
+        };
+        if let Some(line) = line {
             println!("{line}");
         }
     }
@@ -159,6 +169,7 @@ impl TrainingProgressLogger for ProgressLines {
     fn start_split(&mut self, split: &str, total_items: usize) {
         split.clone_into(&mut self.split);
         self.items = total_items;
+        self.test = None;
     }
     fn update_split(&mut self, items_processed: usize) {
         self.line(items_processed);
@@ -170,8 +181,8 @@ impl TrainingProgressLogger for ProgressLines {
 
 impl EvaluationProgressLogger for ProgressLines {
     fn start_global_progress(&mut self, _total_tests: usize) {}
-    fn start_test(&mut self, _name: &str, total_items: usize) {
-        "test".clone_into(&mut self.split);
+    fn start_test(&mut self, name: &str, total_items: usize) {
+        self.test = Some(name.to_owned());
         self.items = total_items;
     }
     fn update_test_progress(&mut self, items_processed: usize) {

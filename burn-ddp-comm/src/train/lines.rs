@@ -57,6 +57,23 @@ impl<K: Eq + Hash + Clone> ProgressText<K> {
         epochs: usize,
         items: Option<(usize, usize)>,
     ) -> Option<String> {
+        let head = format!("[{split}] epoch {epoch}/{epochs}  ");
+        self.emit(head, split == "train", items)
+    }
+
+    /// The line of Burn's evaluator on the test split `name` after `items` (processed,
+    /// total), or `None` when the last line is too recent (the split's last item always gets
+    /// one): `[test Plain]  items 100/100  Accuracy 98.2 %` (`[test]` for a split named
+    /// `test` or nothing). No epoch: the evaluation comes after training, once.
+    pub fn test_line(&mut self, name: &str, items: (usize, usize)) -> Option<String> {
+        let head = match name {
+            "" | "test" => String::from("[test]  "),
+            name => format!("[test {name}]  "),
+        };
+        self.emit(head, false, Some(items))
+    }
+
+    fn emit(&mut self, head: String, train: bool, items: Option<(usize, usize)>) -> Option<String> {
         let done = items.is_some_and(|(n, total)| n >= total);
         let now = Instant::now();
         if !done
@@ -67,11 +84,7 @@ impl<K: Eq + Hash + Clone> ProgressText<K> {
             return None;
         }
         self.last = Some(now);
-        let metrics = if split == "train" {
-            &self.train
-        } else {
-            &self.valid
-        };
+        let metrics = if train { &self.train } else { &self.valid };
         let metrics: Vec<String> = metrics
             .iter()
             .map(|(id, text)| match self.names.get(id) {
@@ -82,10 +95,7 @@ impl<K: Eq + Hash + Clone> ProgressText<K> {
         let items = items
             .map(|(n, total)| format!("items {n}/{total}  "))
             .unwrap_or_default();
-        Some(format!(
-            "[{split}] epoch {epoch}/{epochs}  {items}{}",
-            metrics.join(" | ")
-        ))
+        Some(format!("{head}{items}{}", metrics.join(" | ")))
     }
 }
 
@@ -116,6 +126,22 @@ mod tests {
         assert_eq!(
             p.line("valid", 1, 3, Some((10, 10))).unwrap(),
             "[valid] epoch 1/3  items 10/10  Loss 0.5"
+        );
+    }
+
+    #[test]
+    fn an_evaluation_line_names_its_split_and_no_epoch() {
+        let mut p = ProgressText::new(Duration::from_secs(3600));
+        p.name(1, "Accuracy".into());
+        p.update(false, 1, "98.2 %".into());
+        assert_eq!(
+            p.test_line("Plain", (10, 100)).unwrap(),
+            "[test Plain]  items 10/100  Accuracy 98.2 %"
+        );
+        assert_eq!(p.test_line("Plain", (20, 100)), None, "throttled");
+        assert_eq!(
+            p.test_line("test", (100, 100)).unwrap(),
+            "[test]  items 100/100  Accuracy 98.2 %"
         );
     }
 }

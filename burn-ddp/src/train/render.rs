@@ -73,22 +73,30 @@ impl MetricLogger for NoMetricLogger {
 /// Rank 0's progress when its output is not a terminal (a log file, the launcher's pipe): one
 /// line every few seconds and one at the end of each epoch's training and validation, with the
 /// metrics of the whole job —
-/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...`
+/// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...` —
+/// and for Burn's evaluator the test split's name without an epoch, `[test Plain]  items ...`
 /// (burn-ddp-comm's [`ProgressText`]).
 #[derive(Debug, Default)]
-pub struct ProgressLines(ProgressText<MetricId>);
+pub struct ProgressLines {
+    text: ProgressText<MetricId>,
+    /// The name of the evaluator's current test split.
+    test: String,
+}
 
 impl ProgressLines {
     /// A line at most every `every` (plus the epoch ends).
     pub fn new(every: Duration) -> Self {
-        Self(ProgressText::new(every))
+        Self {
+            text: ProgressText::new(every),
+            test: String::new(),
+        }
     }
 
     fn update(&mut self, train: bool, state: MetricState) {
         let entry = match state {
             MetricState::Generic(e) | MetricState::Numeric(e, _) => e,
         };
-        self.0
+        self.text
             .update(train, entry.metric_id, entry.serialized_entry.formatted);
     }
 
@@ -97,7 +105,7 @@ impl ProgressLines {
             .progress
             .as_ref()
             .map(|p| (p.items_processed, p.items_total));
-        if let Some(line) = self.0.line(
+        if let Some(line) = self.text.line(
             split,
             item.global_progress.items_processed,
             item.global_progress.items_total,
@@ -124,18 +132,22 @@ impl MetricsRendererTraining for ProgressLines {
 }
 
 impl MetricsRendererEvaluation for ProgressLines {
-    fn update_test(&mut self, _name: EvaluationName, state: MetricState) {
+    fn update_test(&mut self, name: EvaluationName, state: MetricState) {
+        name.as_str().clone_into(&mut self.test);
         self.update(false, state);
     }
     fn render_test(&mut self, item: EvaluationProgress, _progress: Vec<ProgressType>) {
-        self.line("test", &TrainingProgress::from(&item));
+        let items = (item.progress.items_processed, item.progress.items_total);
+        if let Some(line) = self.text.test_line(&self.test, items) {
+            println!("{line}");
+        }
     }
 }
 
 impl MetricsRenderer for ProgressLines {
     fn manual_close(&mut self) {}
     fn register_metric(&mut self, definition: MetricDefinition) {
-        self.0.name(definition.metric_id, definition.name);
+        self.text.name(definition.metric_id, definition.name);
     }
 }
 
