@@ -8,15 +8,21 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::composed::ComposedLrSchedulerConfig;
+use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::AdamConfig;
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
-use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::logger::TrainingProgressLogger;
+use burn::train::metric::store::{Aggregate, Direction, Split};
+use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, MetricEarlyStoppingStrategy,
+    StoppingCondition, SupervisedTraining, TrainOutput, TrainStep,
 };
+use std::io::Write;
 
 const ARTIFACT_DIR: &str = "target/learner022-example";
 
@@ -105,6 +111,56 @@ impl Batcher<Point, PointBatch> for PointBatcher {
     }
 }
 
+/// Burn's training progress, one line per event, appended to a file (as Burn's mnist example's
+/// progress logger does).
+struct FileProgressLogger(std::fs::File);
+
+impl FileProgressLogger {
+    fn new(path: impl AsRef<std::path::Path>) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        Ok(Self(file))
+    }
+
+    fn write(&mut self, line: std::fmt::Arguments<'_>) {
+        if let Err(e) = writeln!(self.0, "{line}") {
+            eprintln!("training progress log: {e}");
+        }
+    }
+}
+
+impl TrainingProgressLogger for FileProgressLogger {
+    fn start(&mut self, epochs: usize, start: usize, _items: Option<usize>, _: Option<&str>) {
+        self.write(format_args!(
+            "[Training] start  epochs={epochs} starting_epoch={start}"
+        ));
+    }
+    fn update_epoch(&mut self, epoch: usize) {
+        self.write(format_args!("[Training] epoch_complete  epoch={epoch}"));
+    }
+    fn start_split(&mut self, split: &str, total_items: usize) {
+        self.write(format_args!(
+            "[Training] split_start  split={split} total_items={total_items}"
+        ));
+    }
+    fn update_split(&mut self, items_processed: usize) {
+        self.write(format_args!(
+            "[Training] split_update  items_processed={items_processed}"
+        ));
+    }
+    fn end_split(&mut self) {
+        self.write(format_args!("[Training] split_end"));
+    }
+    fn end(&mut self) {
+        self.write(format_args!("[Training] end"));
+    }
+    fn log_event_training(&mut self, event: String) {
+        self.write(format_args!("[Training] event  {event}"));
+    }
+}
+
 fn create_artifact_dir(artifact_dir: &str) {
     // Remove existing artifacts before to get an accurate learner summary
     std::fs::remove_dir_all(artifact_dir).ok();
@@ -126,22 +182,45 @@ pub fn run(device: Device) {
         .batch_size(128)
         .build(dataset_valid);
 
+    let lr_scheduler = ComposedLrSchedulerConfig::new()
+        .cosine(CosineAnnealingLrSchedulerConfig::new(1.0, 100))
+        // Warmup
+        .linear(LinearLrSchedulerConfig::new(1e-8, 1.0, 10))
+        .linear(LinearLrSchedulerConfig::new(1e-2, 1e-6, 100));
+    let optimizer = AdamWConfig::new()
+        .with_cautious_weight_decay(true)
+        .with_weight_decay(5e-5);
+
     let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
-        .metric_train_numeric(AccuracyMetric::new())
-        .metric_valid_numeric(AccuracyMetric::new())
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .metric_train_numeric(LearningRateMetric::new())
+        .with_default_checkpointers()
+        .early_stopping(MetricEarlyStoppingStrategy::new(
+            &LossMetric::new(),
+            Aggregate::Mean,
+            Direction::Lowest,
+            Split::Valid,
+            StoppingCondition::NoImprovementSince { n_epochs: 5 },
+        ))
+        .with_progress_logger(
+            FileProgressLogger::new(format!("{ARTIFACT_DIR}/training_progress.log"))
+                .expect("Failed to create training progress log"),
+        )
         .num_epochs(3)
         .summary();
-    let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-2));
+    let result = training.launch(Learner::new(
+        model,
+        optimizer.init(),
+        lr_scheduler.init().unwrap(),
+    ));
 
     let dataloader_test = DataLoaderBuilder::new(PointBatcher)
         .batch_size(128)
         .build(points(512, 20_000));
     let evaluator = EvaluatorBuilder::new(ARTIFACT_DIR)
         .renderer(result.renderer)
-        .metric_numeric(AccuracyMetric::new())
-        .metric_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .summary()
         .build(result.model);
     let result = evaluator.eval("test", dataloader_test);
     drop(result);

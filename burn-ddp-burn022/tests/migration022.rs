@@ -4,15 +4,7 @@
 //! (`examples/learner022_after.rs`, each marked `// ddp:`), and the result trains on 2
 //! processes with the evaluation on rank 0 alone.
 
-#[allow(dead_code)]
-use burn_ddp_dev::diff;
-#[allow(dead_code)]
-use burn_ddp_dev::spawned;
-
-use std::process::Command;
-use std::time::Duration;
-
-use diff::{changed, code};
+use burn_ddp_dev::diff::{self, changed, code};
 
 #[test]
 fn the_guides_migration_changes_at_most_15_lines_each_marked() {
@@ -31,21 +23,13 @@ fn the_guides_migration_changes_at_most_15_lines_each_marked() {
 }
 
 /// The after program trains on 2 processes through the launcher; only rank 0 evaluates and
-/// writes into the training directory.
+/// writes into the training directory: the 2 ranks write exactly the files one process writes
+/// (Burn's metric logs, its checkpoints, its application log, the evaluator's logs, the
+/// progress logger's file), and the progress logger's file once.
 #[test]
-fn the_migrated_program_trains_on_two_ranks_and_evaluates_on_rank_0() {
-    let dir = std::env::temp_dir().join(format!("burn-ddp-migration022-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut cmd = Command::new(spawned::launcher());
-    cmd.args(["run", "--standalone", "--nproc-per-node", "2", "--"])
-        .arg(spawned::example("learner022_after"))
-        .current_dir(&dir)
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID");
-    let run = spawned::Spawned::start(&mut cmd, Duration::from_secs(600)).finish();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+fn the_migrated_program_trains_on_two_ranks_and_writes_what_one_process_writes() {
+    let runs = diff::MigrationRuns::start("learner022_before", "learner022_after");
+    let stdout = &runs.stdout;
     let done: Vec<&str> = stdout.lines().filter(|l| l.contains("done: ")).collect();
     assert_eq!(
         done,
@@ -55,9 +39,26 @@ fn the_migrated_program_trains_on_two_ranks_and_evaluates_on_rank_0() {
     // Burn's evaluator's lines (no terminal here) name the split and no epoch.
     assert!(stdout.contains("[test]  items 512/512"), "{stdout}");
     assert!(!stdout.contains("[test] epoch"), "{stdout}");
-    let artifacts = dir.join("target/learner022-example");
-    for sub in ["train", "valid", "test"] {
-        assert!(artifacts.join(sub).is_dir(), "no {sub}/ in {artifacts:?}");
+    let files = runs.assert_same_files();
+    println!("{files:#?}");
+    for f in [
+        "experiment.log",
+        "training_progress.log",
+        "checkpoint/model-3.bpk",
+    ] {
+        let f = format!("target/learner022-example/{f}");
+        assert!(files.contains(&f), "no {f}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
+    // One process's events, once: rank 1's progress logger wrote nothing.
+    let events = |log: &str, event: &str| log.lines().filter(|l| l.contains(event)).count();
+    let [one, two] = runs.read("target/learner022-example/training_progress.log");
+    for event in [
+        "[Training] start ",
+        "split_start ",
+        "split_end",
+        "[Training] end",
+    ] {
+        assert_eq!(events(&two, event), events(&one, event), "{event}:\n{two}");
+    }
+    assert_eq!(events(&two, "[Training] start "), 1, "{two}");
 }

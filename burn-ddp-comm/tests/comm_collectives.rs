@@ -225,3 +225,56 @@ fn collectives_between_threads() {
         h.join().unwrap();
     }
 }
+
+/// `on_main`: rank 0 alone prepares (slowly), and no rank goes on before it has.
+fn prepared_by_rank_0(pg: ProcessGroup) {
+    let port = std::env::var("MASTER_PORT").unwrap();
+    let dir = std::env::temp_dir().join(format!("burn-ddp-on-main-{port}"));
+    let made = pg
+        .on_main(|| {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("by"), pg.rank().0.to_string()).unwrap();
+            7
+        })
+        .unwrap();
+    assert_eq!(made, pg.is_main().then_some(7));
+    assert_eq!(std::fs::read_to_string(dir.join("by")).unwrap(), "0");
+    pg.barrier().unwrap();
+    if pg.is_main() {
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+#[test]
+fn on_main_runs_on_rank_0_alone_and_every_rank_waits_for_it() {
+    procs::multi_process(
+        3,
+        "on_main_runs_on_rank_0_alone_and_every_rank_waits_for_it",
+        prepared_by_rank_0,
+    );
+}
+
+#[test]
+fn a_global_batch_is_split_evenly_or_refused_with_the_sizes_that_split() {
+    use burn_ddp_comm::data::per_rank_batch;
+    use burn_ddp_comm::{ConfigError, DdpError, WorldSize};
+    let w = |n| WorldSize::new(n).unwrap();
+    assert_eq!(per_rank_batch(256, w(1)).unwrap(), 256);
+    assert_eq!(per_rank_batch(256, w(8)).unwrap(), 32);
+    assert_eq!(ProcessGroup::single().per_rank_batch(64).unwrap(), 64);
+    for (global, world, nearest) in [
+        (100, 3, "99 or 102"),
+        (2, 4, "at least 4"),
+        (0, 2, "at least 2"),
+    ] {
+        let e = per_rank_batch(global, w(world)).unwrap_err();
+        assert!(
+            matches!(e, DdpError::Config(ConfigError::UnevenGlobalBatch { .. })),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.contains(&format!("{global} items")), "{text}");
+        assert!(text.contains(nearest), "{text}");
+    }
+}

@@ -11,15 +11,20 @@ use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::composed::ComposedLrSchedulerConfig;
+use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::AdamConfig;
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
+use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::metric::store::{Aggregate, Direction, Split};
+use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, MetricEarlyStoppingStrategy,
+    StoppingCondition, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::prelude::*;
 
@@ -119,7 +124,8 @@ fn create_artifact_dir(artifact_dir: &str) {
 
 pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
     let pg = ProcessGroup::from_env().expect("joining the job");
-    pg.is_main().then(|| create_artifact_dir(ARTIFACT_DIR));
+    pg.on_main(|| create_artifact_dir(ARTIFACT_DIR))
+        .expect("the job");
     B::seed(&device, 42);
     let model = Model::<B>::new(&device);
 
@@ -132,15 +138,30 @@ pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
         .batch_size(128)
         .build(DistributedSampler::evaluation(dataset_valid, &pg));
 
+    let lr_scheduler = ComposedLrSchedulerConfig::new()
+        .cosine(CosineAnnealingLrSchedulerConfig::new(1.0, 100))
+        // Warmup
+        .linear(LinearLrSchedulerConfig::new(1e-8, 1.0, 10))
+        .linear(LinearLrSchedulerConfig::new(1e-2, 1e-6, 100));
+    let optimizer = AdamWConfig::new()
+        .with_cautious_weight_decay(true)
+        .with_weight_decay(5e-5);
+
     let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
-        .metric_train_numeric(AccuracyMetric::new())
-        .metric_valid_numeric(AccuracyMetric::new())
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .metric_train_numeric(LearningRateMetric::new())
+        .with_file_checkpointer(CompactRecorder::new())
+        .early_stopping(MetricEarlyStoppingStrategy::new(
+            &LossMetric::<B>::new(),
+            Aggregate::Mean,
+            Direction::Lowest,
+            Split::Valid,
+            StoppingCondition::NoImprovementSince { n_epochs: 5 },
+        ))
         .num_epochs(3)
         .summary();
     let ddp = DdpStrategy::<B::Base>::for_group(pg, device.clone()).expect("a process group");
-    let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+    let learner = Learner::new(model, optimizer.init(), lr_scheduler.init().unwrap());
     let result = training.launch_ddp_main(learner, &ddp.with_sampler(dataset_train));
     let result = result.expect("training failed");
     let Some(result) = result else { return }; // the other ranks are done
@@ -150,8 +171,8 @@ pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
         .build(points(512, 20_000));
     let evaluator = EvaluatorBuilder::new(ARTIFACT_DIR)
         .renderer(result.renderer)
-        .metric_numeric(AccuracyMetric::new())
-        .metric_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .summary()
         .build(result.model);
     let renderer = evaluator.eval("test", dataloader_test);
     drop(renderer);

@@ -13,15 +13,20 @@ use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::composed::ComposedLrSchedulerConfig;
+use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::AdamConfig;
+use burn::optim::AdamWConfig;
 use burn::prelude::*;
+use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::metric::store::{Aggregate, Direction, Split};
+use burn::train::metric::{AccuracyMetric, LearningRateMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, SupervisedTraining,
-    TrainOutput, TrainStep,
+    ClassificationOutput, EvaluatorBuilder, InferenceStep, Learner, MetricEarlyStoppingStrategy,
+    StoppingCondition, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp::Ddp;
 
@@ -133,22 +138,41 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
         .batch_size(128)
         .build(dataset_valid);
 
+    let lr_scheduler = ComposedLrSchedulerConfig::new()
+        .cosine(CosineAnnealingLrSchedulerConfig::new(1.0, 100))
+        // Warmup
+        .linear(LinearLrSchedulerConfig::new(1e-8, 1.0, 10))
+        .linear(LinearLrSchedulerConfig::new(1e-2, 1e-6, 100));
+    let optimizer = AdamWConfig::new()
+        .with_cautious_weight_decay(true)
+        .with_weight_decay(5e-5);
+
     let training = SupervisedTraining::new(ARTIFACT_DIR, dataloader_train, dataloader_valid)
-        .metric_train_numeric(AccuracyMetric::new())
-        .metric_valid_numeric(AccuracyMetric::new())
-        .metric_train_numeric(LossMetric::new())
-        .metric_valid_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .metric_train_numeric(LearningRateMetric::new())
+        .with_file_checkpointer(CompactRecorder::new())
+        .early_stopping(MetricEarlyStoppingStrategy::new(
+            &LossMetric::<B>::new(),
+            Aggregate::Mean,
+            Direction::Lowest,
+            Split::Valid,
+            StoppingCondition::NoImprovementSince { n_epochs: 5 },
+        ))
         .num_epochs(3)
         .summary();
-    let result = training.launch(Learner::new(model, AdamConfig::new().init(), 1e-2));
+    let result = training.launch(Learner::new(
+        model,
+        optimizer.init(),
+        lr_scheduler.init().unwrap(),
+    ));
 
     let dataloader_test = DataLoaderBuilder::new(PointBatcher)
         .batch_size(128)
         .build(points(512, 20_000));
     let evaluator = EvaluatorBuilder::new(ARTIFACT_DIR)
         .renderer(result.renderer)
-        .metric_numeric(AccuracyMetric::new())
-        .metric_numeric(LossMetric::new())
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .summary()
         .build(result.model);
     let renderer = evaluator.eval("test", dataloader_test);
     drop(renderer);

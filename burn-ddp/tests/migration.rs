@@ -5,11 +5,7 @@
 
 mod common;
 
-use std::process::Command;
-use std::time::Duration;
-
-use common::diff::{changed, code};
-use common::spawned::{example, launcher, Spawned};
+use common::diff::{self, changed, code};
 
 #[test]
 fn the_guides_migration_changes_at_most_15_lines() {
@@ -41,29 +37,25 @@ fn changed_counts_modifications_once_per_side() {
 }
 
 /// The after program trains on 2 processes through the launcher; only rank 0 evaluates and
-/// writes into the training directory.
+/// writes into the training directory: the 2 ranks write exactly the files one process writes
+/// (Burn's metric logs, its checkpoints, its application log, the evaluator's logs).
 #[test]
-fn the_migrated_program_trains_on_two_ranks_and_evaluates_on_rank_0() {
-    let dir = std::env::temp_dir().join(format!("burn-ddp-migration-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut cmd = Command::new(launcher());
-    cmd.args(["run", "--standalone", "--nproc-per-node", "2", "--"])
-        .arg(example("learner_after"))
-        .current_dir(&dir)
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID");
-    let run = Spawned::start(&mut cmd, Duration::from_secs(600)).finish();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+fn the_migrated_program_trains_on_two_ranks_and_writes_what_one_process_writes() {
+    let runs = diff::MigrationRuns::start("learner_before", "learner_after");
+    let stdout = &runs.stdout;
     let done: Vec<&str> = stdout.lines().filter(|l| l.contains("done: ")).collect();
     assert_eq!(done, ["[rank 0] done: target/learner-example"], "{stdout}");
     // Burn's evaluator's lines (no terminal here) name the split and no epoch.
     assert!(stdout.contains("[test]  items 512/512"), "{stdout}");
     assert!(!stdout.contains("[test] epoch"), "{stdout}");
-    let artifacts = dir.join("target/learner-example");
-    for sub in ["train", "valid", "test"] {
-        assert!(artifacts.join(sub).is_dir(), "no {sub}/ in {artifacts:?}");
+    let files = runs.assert_same_files();
+    println!("{files:#?}");
+    for f in [
+        "experiment.log",
+        "checkpoint/model-3.mpk",
+        "test/test/epoch-1/Loss.log",
+    ] {
+        let f = format!("target/learner-example/{f}");
+        assert!(files.contains(&f), "no {f}");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -138,10 +138,14 @@ impl DdpStrategy {
 /// logs, launches, and reports a failure of any rank as an error.
 pub trait DdpTraining<M: LearnerModel> {
     /// Trains with `ddp`. Rank 0 shows Burn's dashboard when its output is a terminal and
-    /// [`ProgressLines`] otherwise, and writes the metrics (and Burn's `experiment.log`, unless
-    /// the program installed its own `tracing` subscriber) into the training directory; the
-    /// other ranks show nothing and write nothing there ([`Headless`], [`NoMetricLogger`], no
-    /// application log).
+    /// [`ProgressLines`] otherwise, and writes into the training directory: the metrics
+    /// (`train/`, `valid/`), the progress logger's file (`with_progress_logger`), Burn's
+    /// `experiment.log` (unless the program installed its own `tracing` subscriber) and the
+    /// checkpoints. The other ranks show nothing and write nothing there ([`Headless`] as their
+    /// renderer and progress logger, [`NoMetricLogger`], no application log, no checkpoint).
+    /// What a program makes before it launches (a directory, a progress logger's file, Burn's
+    /// file checkpointer's `checkpoint/` directory) it makes on every rank: make the training
+    /// directory with [`ProcessGroup::on_main`] first.
     ///
     /// # Errors
     /// Training stopped because a rank failed ([`JobError::TrainingFailed`](crate::JobError::TrainingFailed), naming it), a
@@ -207,7 +211,10 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
             training = training.with_application_logger(None);
         }
         if !out.metric_files {
-            training = training.with_metric_logger(NoMetricLogger);
+            // Burn's own loggers write into the training directory: rank 0's alone.
+            training = training
+                .with_metric_logger(NoMetricLogger)
+                .with_progress_logger(Headless);
         }
         ddp.state.failure.or_result(training.launch(learner))
     }

@@ -76,6 +76,21 @@ pub enum ConfigError {
         reason: &'static str,
     },
 
+    /// A global batch size the ranks cannot share evenly
+    /// ([`ProcessGroup::per_rank_batch`](crate::ProcessGroup::per_rank_batch)).
+    #[error(
+        "a global batch of {global} items does not split evenly over {world} ranks: give a \
+         multiple of {world} ({nearest}), or set each rank's batch size yourself"
+    )]
+    UnevenGlobalBatch {
+        /// The global batch size asked for.
+        global: usize,
+        /// The world size.
+        world: WorldSize,
+        /// The nearest global batch sizes that do split.
+        nearest: String,
+    },
+
     /// An option of a tool (the bandwidth tool's) is out of its valid range.
     #[error("invalid option {option}: {reason}")]
     InvalidOption {

@@ -432,6 +432,23 @@ impl ProcessGroup {
         self.inner().restart_count
     }
 
+    /// Each rank's batch size for a global batch of `global` items: `global / world size`.
+    ///
+    /// With it (and the line's `DistributedSampler`), a job takes as many optimizer steps per
+    /// epoch, each over `global` items, as one process with a batch of `global`: the learning
+    /// rate and its schedule stay as they were. A per-rank batch of `global` instead makes the
+    /// global batch `global × world size` and the steps per epoch `1 / world size` as many
+    /// (scale the learning rate as for a larger batch). In an elastic job, call it again after
+    /// the world size changed.
+    ///
+    /// # Errors
+    /// [`ConfigError::UnevenGlobalBatch`](crate::ConfigError::UnevenGlobalBatch) when the ranks
+    /// cannot share `global` evenly, naming the nearest sizes they can
+    /// ([`data::per_rank_batch`](crate::data::per_rank_batch)).
+    pub fn per_rank_batch(&self, global: usize) -> Result<usize> {
+        crate::data::per_rank_batch(global, self.world_size())
+    }
+
     /// Whether this is rank 0 (the one that logs, renders and writes checkpoints).
     pub fn is_main(&self) -> bool {
         self.inner().rank.is_zero()

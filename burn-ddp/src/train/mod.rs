@@ -129,10 +129,13 @@ impl<B: Backend> DdpStrategy<B> {
 /// launches, and reports a failure of any rank as an error.
 pub trait DdpTraining<LC: LearningComponentsTypes> {
     /// Trains with `ddp`. Rank 0 shows Burn's dashboard when its output is a terminal and
-    /// [`ProgressLines`] otherwise, and writes the metrics (and Burn's `experiment.log`, unless
-    /// the program installed its own `tracing` subscriber) into the training directory; the
-    /// other ranks show nothing and write nothing there ([`Headless`], [`NoMetricLogger`], no
-    /// application log).
+    /// [`ProgressLines`] otherwise, and writes into the training directory: the metrics
+    /// (`train/`, `valid/`), Burn's `experiment.log` (unless the program installed its own
+    /// `tracing` subscriber) and the checkpoints. The other ranks show nothing and write
+    /// nothing there ([`Headless`], [`NoMetricLogger`], no application log, no checkpoint).
+    /// What a program makes before it launches (a directory, Burn's file checkpointer's
+    /// `checkpoint/` directory) it makes on every rank: make the training directory with
+    /// [`ProcessGroup::on_main`](crate::ProcessGroup::on_main) first.
     ///
     /// # Errors
     /// Training stopped because a rank failed ([`JobError::TrainingFailed`](crate::JobError::TrainingFailed), naming it), a

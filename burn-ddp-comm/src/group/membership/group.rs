@@ -49,6 +49,36 @@ impl ProcessGroup {
             .take()
     }
 
+    /// Runs `prepare` on rank 0 alone, and returns on every rank once rank 0 has run it: what
+    /// rank 0 prepares for the job (the training directory it creates or clears) is there
+    /// before any rank goes on, and no other rank touches it. Rank 0 gets `Some` of what
+    /// `prepare` returned, the other ranks `None`.
+    ///
+    /// ```no_run
+    /// # fn doc(pg: &burn_ddp_comm::ProcessGroup) -> burn_ddp_comm::Result<()> {
+    /// pg.on_main(|| std::fs::create_dir_all("artifacts"))?.transpose()?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A process joining a running fault-tolerant job does not wait (rank 0 prepared the job
+    /// when it started).
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::barrier`]: a rank that failed meanwhile (rank 0 in `prepare`) is
+    /// named, within the group's deadline.
+    pub fn on_main<T>(&self, prepare: impl FnOnce() -> T) -> Result<Option<T>> {
+        let out = self.is_main().then(prepare);
+        let joining = self
+            .shared
+            .membership
+            .as_ref()
+            .is_some_and(|e| (e.admission.lock().unwrap_or_else(|p| p.into_inner())).is_some());
+        if !joining {
+            self.barrier()?;
+        }
+        Ok(out)
+    }
+
     /// After `cause` (a failure of the group: [`DdpError::is_peer_failure`]), agrees with the
     /// other ranks that can still reach the job's store on the next membership, opens its
     /// group (this group, and every clone of it, now has the new ranks: this rank's rank may
