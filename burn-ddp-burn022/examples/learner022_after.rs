@@ -26,8 +26,8 @@ use burn::train::{
     StoppingCondition, SupervisedTraining, TrainOutput, TrainStep,
 };
 use burn_ddp_burn022::train::{DdpStrategy, DdpTraining}; // ddp:
-use burn_ddp_burn022::{DistributedSampler, ProcessGroup};
-use std::io::Write; // ddp:
+use burn_ddp_burn022::{DistributedSampler, ProcessGroup}; // ddp:
+use std::io::Write;
 
 const ARTIFACT_DIR: &str = "target/learner022-example";
 
@@ -174,16 +174,16 @@ fn create_artifact_dir(artifact_dir: &str) {
 
 pub fn run(device: Device) {
     let pg = ProcessGroup::from_env().expect("joining the job"); // ddp:
-    pg.on_main(|| create_artifact_dir(ARTIFACT_DIR))
+    pg.on_main(|| create_artifact_dir(ARTIFACT_DIR)) // ddp:
         .expect("the job"); // ddp:
     device.seed(42);
     let model = Model::new(&device);
 
-    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), &pg)); // ddp:
+    let dataset_train = DistributedSampler::new(points(2048, 0), &pg); // ddp:
     let dataset_valid = points(512, 10_000);
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(64)
-        .build(dataset_train.clone()); // ddp:
+        .build(dataset_train);
     let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
         .batch_size(128)
         .build(DistributedSampler::evaluation(dataset_valid, &pg)); // ddp:
@@ -215,8 +215,12 @@ pub fn run(device: Device) {
         .num_epochs(3)
         .summary();
     let ddp = DdpStrategy::for_group(pg, device.clone()).expect("a process group"); // ddp:
-    let learner = Learner::new(model, optimizer.init(), lr_scheduler.init().unwrap()); // ddp:
-    let result = training.launch_ddp_main(learner, &ddp.with_sampler(dataset_train)); // ddp:
+    let result = training.ddp(&ddp).launch_main(Learner::new(
+        // ddp:
+        model,
+        optimizer.init(),
+        lr_scheduler.init().unwrap(),
+    ));
     let result = result.expect("training failed"); // ddp:
     let Some(result) = result else { return }; // ddp: the other ranks are done
 

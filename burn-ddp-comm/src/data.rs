@@ -73,17 +73,74 @@ pub fn per_rank_batch(global: usize, world: WorldSize) -> Result<usize> {
 /// ```
 #[derive(Debug)]
 pub struct ShardPlan {
+    /// What a training strategy changes: the epoch and this rank's place.
+    state: Arc<PlanState>,
+    seed: u64,
+    shuffle: bool,
+    drop_last: bool,
+    even: bool,
+}
+
+/// The part of a [`ShardPlan`] that changes while it is used, shared with the registry of its
+/// group's training plans ([`training_plans`]).
+#[derive(Debug)]
+struct PlanState {
     /// This rank, and the world size (changed by [`ShardPlan::reshard`] in fault-tolerant jobs).
     rank: AtomicU32,
     world: AtomicU32,
     /// Positions of the epoch's order already used when the current dealing began.
     start: AtomicUsize,
-    seed: u64,
-    shuffle: bool,
-    drop_last: bool,
-    even: bool,
     epoch: AtomicU64,
     cache: Mutex<Option<Cached>>,
+}
+
+impl PlanState {
+    fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
+        if rank.0 >= world.get() {
+            return Err(DdpError::Config(ConfigError::RankOutOfRange {
+                rank,
+                world,
+            }));
+        }
+        self.rank.store(rank.0, Ordering::SeqCst);
+        self.world.store(world.get(), Ordering::SeqCst);
+        self.start.store(start, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn set_epoch(&self, epoch: u64) {
+        self.epoch.store(epoch, Ordering::Relaxed);
+        self.start.store(0, Ordering::SeqCst);
+    }
+}
+
+impl DataEpoch for PlanState {
+    fn set_epoch(&self, epoch: u64) {
+        PlanState::set_epoch(self, epoch);
+    }
+
+    fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
+        PlanState::reshard(self, rank, world, start)
+    }
+}
+
+/// The training plans made by [`ShardPlan::new`] (the line's `DistributedSampler::new`), each
+/// with its group, while they live.
+type Registry = Vec<(crate::group::WeakGroup, std::sync::Weak<PlanState>)>;
+static TRAINING_PLANS: Mutex<Registry> = Mutex::new(Vec::new());
+
+/// The training plans of `group` that are alive: those made by [`ShardPlan::new`] on it (through
+/// a line's `DistributedSampler::new`). A line's training strategy sets their epoch, and deals
+/// the rest of an epoch over a new membership, as it does for the samplers given to its
+/// `with_sampler`.
+pub fn training_plans(group: &ProcessGroup) -> Vec<Arc<dyn DataEpoch>> {
+    let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
+    all.retain(|(_, plan)| plan.strong_count() > 0);
+    all.iter()
+        .filter(|(g, _)| g.is(group))
+        .filter_map(|(_, plan)| plan.upgrade())
+        .map(|plan| plan as Arc<dyn DataEpoch>)
+        .collect()
 }
 
 /// This rank's indices, and what they were computed for.
@@ -105,9 +162,18 @@ struct Dealing {
 }
 
 impl ShardPlan {
-    /// The share of this process's rank in `group`. Defaults as PyTorch: shuffled, seed 0,
-    /// padded (not `drop_last`), epoch 0.
+    /// The share of this process's rank in `group` for training. Defaults as PyTorch:
+    /// shuffled, seed 0, padded (not `drop_last`), epoch 0. The plan is one of the group's
+    /// [`training_plans`]: a line's training strategy on `group` sets its epoch.
     pub fn new(group: &ProcessGroup) -> Self {
+        let plan = Self::unlisted(group);
+        let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
+        all.retain(|(_, plan)| plan.strong_count() > 0);
+        all.push((group.downgrade(), Arc::downgrade(&plan.state)));
+        plan
+    }
+
+    fn unlisted(group: &ProcessGroup) -> Self {
         Self::build(group.rank().0, group.world_size().get())
     }
 
@@ -115,9 +181,9 @@ impl ShardPlan {
         Dealing {
             epoch: self.epoch(),
             n,
-            rank: self.rank.load(Ordering::SeqCst),
-            world: self.world.load(Ordering::SeqCst).max(1),
-            start: self.start.load(Ordering::SeqCst).min(n),
+            rank: self.state.rank.load(Ordering::SeqCst),
+            world: self.state.world.load(Ordering::SeqCst).max(1),
+            start: self.state.start.load(Ordering::SeqCst).min(n),
         }
     }
 
@@ -131,22 +197,15 @@ impl ShardPlan {
     /// # Errors
     /// `RankOutOfRange` if `rank` is not below `world`.
     pub fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
-        if rank.0 >= world.get() {
-            return Err(DdpError::Config(ConfigError::RankOutOfRange {
-                rank,
-                world,
-            }));
-        }
-        self.rank.store(rank.0, Ordering::SeqCst);
-        self.world.store(world.get(), Ordering::SeqCst);
-        self.start.store(start, Ordering::SeqCst);
-        Ok(())
+        self.state.reshard(rank, world, start)
     }
 
     /// The share of this process's rank for validation or evaluation: every item exactly once
     /// over all ranks, in order (no shuffle, shards that differ by at most one item).
     pub fn evaluation(group: &ProcessGroup) -> Self {
-        Self::new(group).with_shuffle(false).with_even_shards(false)
+        Self::unlisted(group)
+            .with_shuffle(false)
+            .with_even_shards(false)
     }
 
     /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
@@ -165,15 +224,17 @@ impl ShardPlan {
 
     fn build(rank: u32, world: u32) -> Self {
         Self {
-            rank: AtomicU32::new(rank),
-            world: AtomicU32::new(world),
-            start: AtomicUsize::new(0),
+            state: Arc::new(PlanState {
+                rank: AtomicU32::new(rank),
+                world: AtomicU32::new(world),
+                start: AtomicUsize::new(0),
+                epoch: AtomicU64::new(0),
+                cache: Mutex::new(None),
+            }),
             seed: 0,
             shuffle: true,
             drop_last: false,
             even: true,
-            epoch: AtomicU64::new(0),
-            cache: Mutex::new(None),
         }
     }
 
@@ -211,17 +272,16 @@ impl ShardPlan {
     /// Sets the epoch, which selects the permutation, and deals it from its start. Same value
     /// on every rank.
     pub fn set_epoch(&self, epoch: u64) {
-        self.epoch.store(epoch, Ordering::Relaxed);
-        self.start.store(0, Ordering::SeqCst);
+        self.state.set_epoch(epoch);
     }
 
     /// The current epoch.
     pub fn epoch(&self) -> u64 {
-        self.epoch.load(Ordering::Relaxed)
+        self.state.epoch.load(Ordering::Relaxed)
     }
 
     fn invalidate(&mut self) {
-        *self.cache.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.state.cache.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// Items of this rank's share of a dataset of `n` items (of what is left of the epoch
@@ -258,7 +318,7 @@ impl ShardPlan {
     /// This rank's indices into a dataset of `n` items for the current epoch, in order.
     pub fn indices(&self, n: usize) -> Arc<[usize]> {
         let key = self.dealing(n);
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cache = self.state.cache.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(c) = cache.as_ref() {
             if c.key == key {
                 return Arc::clone(&c.indices);
@@ -329,8 +389,10 @@ macro_rules! distributed_sampler {
         }
     };
     (@methods $dataset:path) => {
-        /// The share of `dataset` of this process's rank in `group`. Defaults as PyTorch:
-        /// shuffled, seed 0, padded (not `drop_last`), epoch 0.
+        /// The share of `dataset` of this process's rank in `group`, for training. Defaults
+        /// as PyTorch: shuffled, seed 0, padded (not `drop_last`), epoch 0. A training
+        /// strategy on `group` sets its epoch (no `with_sampler` needed); in a loop of your
+        /// own, call [`set_epoch`](Self::set_epoch) at the start of every epoch.
         pub fn new(dataset: D, group: &$crate::ProcessGroup) -> Self {
             Self {
                 dataset,

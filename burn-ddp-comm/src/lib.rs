@@ -70,13 +70,14 @@
 //!
 //! What such glue looks like is the same from one release to the next wherever two releases'
 //! APIs have the same shape, and a duplicate-code scan finds those places as pairs between the
-//! lines (3 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
+//! lines (4 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
 //! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
 //! code of the core can name: the renderers (`train/render.rs`: `MetricsRenderer` and its
 //! loggers for three types), the `SupervisedLearningStrategy` body (`train/epochs.rs`: the
 //! checkpointer, the start, burn-train's events), and the pipeline's `Pipeline` (a type of the
 //! line's own, so that its step can be an inherent method) with its step over `StageOps`
-//! (`pipeline.rs`). The logic under each is the core's: what each rank shows and writes
+//! (`pipeline.rs`), and `DdpTraining::ddp` with its `DdpLaunch` (`train/mod.rs`: a type of the
+//! line's own over its `SupervisedTraining`, so that `launch_main` is an inherent method). The logic under each is the core's: what each rank shows and writes
 //! ([`train::terminal::RankOutput`]), the batch vote ([`train::vote::load_batch`]), the
 //! outputs gathered and merged ([`train::parts::gather_merged`]), the schedule's walk
 //! ([`pipeline::StagePlan::run`]). Where the items themselves are the same in every release, a

@@ -129,11 +129,11 @@ pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
     B::seed(&device, 42);
     let model = Model::<B>::new(&device);
 
-    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), &pg));
+    let dataset_train = DistributedSampler::new(points(2048, 0), &pg);
     let dataset_valid = points(512, 10_000);
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(64)
-        .build(dataset_train.clone());
+        .build(dataset_train);
     let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
         .batch_size(128)
         .build(DistributedSampler::evaluation(dataset_valid, &pg));
@@ -161,8 +161,11 @@ pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
         .num_epochs(3)
         .summary();
     let ddp = DdpStrategy::<B::Base>::for_group(pg, device.clone()).expect("a process group");
-    let learner = Learner::new(model, optimizer.init(), lr_scheduler.init().unwrap());
-    let result = training.launch_ddp_main(learner, &ddp.with_sampler(dataset_train));
+    let result = training.ddp(&ddp).launch_main(Learner::new(
+        model,
+        optimizer.init(),
+        lr_scheduler.init().unwrap(),
+    ));
     let result = result.expect("training failed");
     let Some(result) = result else { return }; // the other ranks are done
 

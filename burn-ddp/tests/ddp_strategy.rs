@@ -264,8 +264,9 @@ impl Run {
             .build(Arc::clone(&valid));
         let config = DdpConfig::default().with_broadcast_buffers(self.broadcast_buffers);
         let session = DdpSession::new(pg, config)?;
+        // The training sampler is not given to `with_sampler`: a `DistributedSampler::new` of
+        // the strategy's group is found by the strategy.
         let ddp = DdpStrategy::<NdArray>::new(session, device)
-            .with_sampler(train)
             .with_sampler(valid)
             .with_checkpoints(self.dir.join("checkpoint"), 3)
             .with_resume(self.resume);
@@ -292,6 +293,13 @@ impl Run {
         }
         let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
         let result = training.launch_ddp(learner, &ddp)?;
+        if self.early_stop_after.is_none() && !self.quit_on_rank_0 {
+            assert_eq!(
+                train.epoch(),
+                self.epochs as u64,
+                "the training sampler's epoch"
+            );
+        }
         Ok(common::params(&result.model))
     }
 }

@@ -177,6 +177,54 @@ pub trait DdpTraining<M: LearnerModel> {
         let result = self.launch_ddp(learner, ddp)?;
         Ok(main.then_some(result))
     }
+
+    /// This training with `ddp`, to launch as Burn's `launch` is: a program's
+    /// `training.launch(Learner::new(...))` becomes
+    /// `training.ddp(&ddp).launch_main(Learner::new(...))` (or `.launch(...)`).
+    fn ddp(self, ddp: &DdpStrategy) -> DdpLaunch<'_, Self>
+    where
+        Self: Sized,
+    {
+        DdpLaunch {
+            training: self,
+            ddp,
+        }
+    }
+}
+
+/// A training and the strategy it trains with ([`DdpTraining::ddp`]).
+#[derive(Debug)]
+pub struct DdpLaunch<'a, T> {
+    training: T,
+    ddp: &'a DdpStrategy,
+}
+
+impl<T> DdpLaunch<'_, T> {
+    /// [`DdpTraining::launch_ddp`].
+    ///
+    /// # Errors
+    /// As [`DdpTraining::launch_ddp`].
+    pub fn launch<M>(self, learner: Learner<M>) -> Result<LearningResult<M>>
+    where
+        M: LearnerModel,
+        T: DdpTraining<M>,
+        DdpStrategy: SupervisedLearningStrategy<M>,
+    {
+        self.training.launch_ddp(learner, self.ddp)
+    }
+
+    /// [`DdpTraining::launch_ddp_main`]: the result on rank 0, `None` on the other ranks.
+    ///
+    /// # Errors
+    /// As [`DdpTraining::launch_ddp`].
+    pub fn launch_main<M>(self, learner: Learner<M>) -> Result<Option<LearningResult<M>>>
+    where
+        M: LearnerModel,
+        T: DdpTraining<M>,
+        DdpStrategy: SupervisedLearningStrategy<M>,
+    {
+        self.training.launch_ddp_main(learner, self.ddp)
+    }
 }
 
 impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {

@@ -262,6 +262,11 @@ impl WeakGroup {
     pub fn upgrade(&self) -> Option<ProcessGroup> {
         self.0.upgrade().map(|shared| ProcessGroup { shared })
     }
+
+    /// Whether this is a handle on `group` (on one of its clones).
+    pub fn is(&self, group: &ProcessGroup) -> bool {
+        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&group.shared))
+    }
 }
 
 impl std::fmt::Debug for WeakGroup {

@@ -116,9 +116,18 @@ impl StrategyState {
         self.resume || self.pg.restart_count() > 0
     }
 
+    /// The samplers whose epoch the strategy sets: those given to `with_sampler`, and the
+    /// group's training samplers (made by a line's `DistributedSampler::new` on it,
+    /// [`data::training_plans`](crate::data::training_plans)).
+    fn samplers(&self) -> Vec<Arc<dyn DataEpoch>> {
+        let mut all = self.samplers.clone();
+        all.extend(crate::data::training_plans(&self.pg));
+        all
+    }
+
     /// Every sampler at `epoch` (from 1).
     pub fn set_epoch(&self, epoch: usize) {
-        for s in &self.samplers {
+        for s in self.samplers() {
             s.set_epoch(epoch as u64);
         }
     }
@@ -132,7 +141,7 @@ impl StrategyState {
     /// A sampler that cannot be dealt again ([`epoch::deal`]).
     pub fn before_split(&self, cursor: &Cursor, fault_tolerant: bool) -> Result<bool> {
         if fault_tolerant {
-            epoch::deal(&self.samplers, &self.pg, cursor)?;
+            epoch::deal(&self.samplers(), &self.pg, cursor)?;
             return Ok(true);
         }
         if cursor.phase == epoch::Phase::Train {
@@ -247,7 +256,7 @@ impl StrategyState {
         let last = driver.close();
         if fault_tolerant {
             let whole = Cursor::start(cursor.epoch.min(epochs));
-            if let Err(e) = epoch::deal(&self.samplers, &self.pg, &whole) {
+            if let Err(e) = epoch::deal(&self.samplers(), &self.pg, &whole) {
                 tracing::warn!(
                     "[rank {}] re-dealing the data after training: {e}",
                     self.rank()
@@ -304,9 +313,11 @@ impl StrategyState {
 macro_rules! strategy_options {
     ($name:ident $(< $g:ident : $bound:path >)?, $state:ident) => {
         impl $(<$g: $bound>)? $name $(<$g>)? {
-            /// A sampler whose epoch the strategy sets at the start of every epoch (the
-            /// training and the validation samplers; share them with the data loaders through
-            /// an `Arc`).
+            /// A sampler whose epoch the strategy sets at the start of every epoch, shared with
+            /// its data loader through an `Arc`. Not needed for a `DistributedSampler::new` of
+            /// the strategy's process group: the strategy finds those itself. Needed for the
+            /// others (a sampler of your own, one of `with_replicas`, and, in a fault-tolerant
+            /// job, the validation sampler, which is dealt again over a new membership).
             pub fn with_sampler(
                 mut self,
                 sampler: std::sync::Arc<dyn $crate::data::DataEpoch>,
@@ -386,9 +397,9 @@ macro_rules! strategy_options {
 macro_rules! strategy_docs {
     () => {
         concat!(
-            "- **Data**: build the data loaders over [`DistributedSampler`](super::DistributedSampler)s\n",
-            "  (without the loader's own `shuffle`) and register them with\n",
-            "  [`with_sampler`](Self::with_sampler): the strategy sets their epoch.\n",
+            "- **Data**: build the training loader over a [`DistributedSampler::new`](super::DistributedSampler::new)\n",
+            "  of the strategy's group (without the loader's own `shuffle`): the strategy sets its epoch\n",
+            "  (other samplers: [`with_sampler`](Self::with_sampler)).\n",
             "- **Metrics**: rank 0's dashboard shows the whole job (losses averaged over the global batch,\n",
             "  accuracy over it, item counts summed); progress counts every rank's items.\n",
             "- **Checkpoints** ([`with_checkpoints`](Self::with_checkpoints)): written by rank 0 alone,\n",
@@ -412,6 +423,31 @@ mod tests {
     use std::cell::Cell;
 
     use super::*;
+
+    #[test]
+    fn the_strategy_sets_the_epoch_of_its_groups_training_samplers_and_no_others() {
+        use crate::data::ShardPlan;
+        let pg = ProcessGroup::single();
+        let other = ProcessGroup::single();
+        let train = ShardPlan::new(&pg);
+        let valid = ShardPlan::evaluation(&pg);
+        let elsewhere = ShardPlan::new(&other);
+        let given = Arc::new(ShardPlan::evaluation(&pg));
+        let mut state = StrategyState::new(&pg);
+        state.samplers.push(given.clone());
+        state.set_epoch(3);
+        assert_eq!(train.epoch(), 3, "a DistributedSampler::new of the group");
+        assert_eq!(given.epoch(), 3, "a sampler given to with_sampler");
+        assert_eq!(valid.epoch(), 0, "an evaluation sampler is dealt once");
+        assert_eq!(elsewhere.epoch(), 0, "a sampler of another group");
+        drop(train);
+        assert_eq!(
+            crate::data::training_plans(&pg).len(),
+            0,
+            "a dropped sampler is gone"
+        );
+        assert_eq!(crate::data::training_plans(&other).len(), 1);
+    }
 
     #[test]
     fn an_admitted_process_starts_at_epoch_1_without_restoring_or_preparing() {

@@ -169,6 +169,57 @@ pub trait DdpTraining<LC: LearningComponentsTypes> {
         let result = self.launch_ddp(learner, ddp)?;
         Ok(main.then_some(result))
     }
+
+    /// This training with `ddp`, to launch as Burn's `launch` is: a program's
+    /// `training.launch(Learner::new(...))` becomes
+    /// `training.ddp(&ddp).launch_main(Learner::new(...))` (or `.launch(...)`).
+    fn ddp<B: Backend>(self, ddp: &DdpStrategy<B>) -> DdpLaunch<'_, Self, B>
+    where
+        Self: Sized,
+    {
+        DdpLaunch {
+            training: self,
+            ddp,
+        }
+    }
+}
+
+/// A training and the strategy it trains with ([`DdpTraining::ddp`]).
+#[derive(Debug)]
+pub struct DdpLaunch<'a, T, B: Backend> {
+    training: T,
+    ddp: &'a DdpStrategy<B>,
+}
+
+impl<T, B: Backend> DdpLaunch<'_, T, B> {
+    /// [`DdpTraining::launch_ddp`].
+    ///
+    /// # Errors
+    /// As [`DdpTraining::launch_ddp`].
+    pub fn launch<LC>(self, learner: Learner<LC>) -> Result<LearningResult<LC::InferenceModel>>
+    where
+        LC: LearningComponentsTypes,
+        T: DdpTraining<LC>,
+        DdpStrategy<B>: SupervisedLearningStrategy<LC>,
+    {
+        self.training.launch_ddp(learner, self.ddp)
+    }
+
+    /// [`DdpTraining::launch_ddp_main`]: the result on rank 0, `None` on the other ranks.
+    ///
+    /// # Errors
+    /// As [`DdpTraining::launch_ddp`].
+    pub fn launch_main<LC>(
+        self,
+        learner: Learner<LC>,
+    ) -> Result<Option<LearningResult<LC::InferenceModel>>>
+    where
+        LC: LearningComponentsTypes,
+        T: DdpTraining<LC>,
+        DdpStrategy<B>: SupervisedLearningStrategy<LC>,
+    {
+        self.training.launch_ddp_main(learner, self.ddp)
+    }
 }
 
 impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for SupervisedTraining<LC> {

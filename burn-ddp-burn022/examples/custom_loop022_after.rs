@@ -1,0 +1,169 @@
+//! The "after" of the guide's Burn 0.22 training-loop migration (section 5):
+//! `custom_loop022_before.rs` on several processes, changed as the guide says (each changed line
+//! is marked `// ddp:`; `tests/custom_loop022.rs` counts them). Every rank trains on its shard of
+//! the data with the gradients averaged over the ranks after each backward, and validates the
+//! whole validation set with the same model.
+//!
+//! `cargo build --release -p burn-ddp-burn022 --example custom_loop022_after`, then
+//! `cargo run --release -p burn-ddp-comm -- run --nproc-per-node 2 -- target/release/examples/custom_loop022_after`.
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::nn::loss::CrossEntropyLoss;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::prelude::*;
+use burn_ddp_burn022::{DdpConfig, DistributedSampler, GradSync, ProcessGroup}; // ddp:
+
+#[derive(Config, Debug)]
+pub struct TrainingConfig {
+    #[config(default = 4)]
+    pub num_epochs: usize,
+    #[config(default = 64)]
+    pub batch_size: usize,
+    #[config(default = 2)]
+    pub num_workers: usize,
+    #[config(default = 42)]
+    pub seed: u64,
+    #[config(default = 1e-2)]
+    pub lr: f64,
+    pub model: ModelConfig,
+    pub optimizer: AdamConfig,
+}
+
+#[derive(Config, Debug)]
+pub struct ModelConfig {
+    #[config(default = 32)]
+    hidden_size: usize,
+}
+
+impl ModelConfig {
+    pub fn init(&self, device: &Device) -> Model {
+        Model {
+            hidden: LinearConfig::new(2, self.hidden_size).init(device),
+            output: LinearConfig::new(self.hidden_size, 2).init(device),
+            activation: Relu::new(),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Model {
+    hidden: Linear,
+    output: Linear,
+    activation: Relu,
+}
+
+impl Model {
+    pub fn forward(&self, points: Tensor<2>) -> Tensor<2> {
+        let hidden = self.activation.forward(self.hidden.forward(points));
+        self.output.forward(hidden)
+    }
+}
+
+/// A point in the plane and whether it lies inside the unit circle.
+#[derive(Clone, Debug)]
+pub struct Point {
+    xy: [f32; 2],
+    inside: bool,
+}
+
+/// `n` points on a deterministic spiral over `[-1.5, 1.5]²`.
+fn points(n: usize, offset: usize) -> InMemDataset<Point> {
+    let items = (offset..offset + n)
+        .map(|i| {
+            let t = i as f32 * 0.618_034;
+            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+            let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
+            Point { xy, inside }
+        })
+        .collect();
+    InMemDataset::new(items)
+}
+
+#[derive(Clone, Debug)]
+pub struct PointBatch {
+    points: Tensor<2>,
+    targets: Tensor<1, Int>,
+}
+
+#[derive(Clone, Default)]
+struct PointBatcher;
+
+impl Batcher<Point, PointBatch> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &Device) -> PointBatch {
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
+        let labels: Vec<i64> = items.iter().map(|p| i64::from(p.inside)).collect();
+        PointBatch {
+            points: Tensor::<1>::from_floats(xy.as_slice(), device).reshape([items.len(), 2]),
+            targets: Tensor::from_ints(labels.as_slice(), device),
+        }
+    }
+}
+
+pub fn run(device: Device) {
+    let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
+    let device = device.autodiff();
+    device.seed(config.seed);
+
+    // Create the model and optimizer.
+    let pg = ProcessGroup::from_env().expect("joining the job"); // ddp:
+    let mut sync = GradSync::new(pg, DdpConfig::default()).expect("a process group"); // ddp:
+    let mut model = config.model.init(&device);
+    model = sync.prepare(model).expect("preparing the model"); // ddp:
+    let mut optim = config.optimizer.init();
+
+    // Create the dataloaders.
+    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), sync.group())); // ddp:
+    let dataloader_train = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(config.batch_size)
+        .num_workers(config.num_workers)
+        .build(dataset_train.clone()); // ddp:
+    let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(config.batch_size)
+        .num_workers(config.num_workers)
+        .build(points(512, 10_000));
+
+    for epoch in 1..config.num_epochs + 1 {
+        dataset_train.set_epoch(epoch as u64); // ddp:
+        for (iteration, batch) in dataloader_train.iter().map(Result::unwrap).enumerate() {
+            let output = model.forward(batch.points);
+            let loss = CrossEntropyLoss::new(None, &output.device())
+                .forward(output.clone(), batch.targets.clone());
+            let accuracy = accuracy(output, batch.targets);
+            println!(
+                "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
+                loss.clone().into_scalar::<f32>(),
+            );
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = sync.sync(&model, grads).expect("gradients"); // ddp:
+            model = optim.step(config.lr, model, grads);
+        }
+
+        // Get the model without autodiff.
+        let model_valid = model.valid();
+        for (iteration, batch) in dataloader_valid.iter().map(Result::unwrap).enumerate() {
+            let output = model_valid.forward(batch.points);
+            let loss = CrossEntropyLoss::new(None, &output.device())
+                .forward(output.clone(), batch.targets.clone());
+            let accuracy = accuracy(output, batch.targets);
+            println!(
+                "[Valid - Epoch {epoch} - Iteration {iteration}] Loss {} | Accuracy {accuracy}",
+                loss.into_scalar::<f32>(),
+            );
+        }
+    }
+}
+
+/// The percentage of correct predictions.
+fn accuracy(output: Tensor<2>, targets: Tensor<1, Int>) -> f32 {
+    let predictions = output.argmax(1).squeeze_dim(1);
+    let num_predictions = targets.dims().iter().product::<usize>() as f32;
+    let num_corrects = predictions.equal(targets).int().sum().into_scalar::<i64>() as f32;
+    num_corrects / num_predictions * 100.0
+}
+
+fn main() {
+    run(Device::default());
+}

@@ -1,0 +1,167 @@
+//! The "before" of the guide's training-loop migration (section 2): a training loop of its own,
+//! shaped like Burn 0.21's `examples/custom-training-loop` (generic over the backend, a config
+//! holding the model's config and Adam's, the model built from its config, a training and a
+//! validation loader, a loop that prints every iteration's loss and accuracy, validation on
+//! `model.valid()`). `custom_loop_after.rs` is the same program on several processes;
+//! `tests/custom_loop.rs` counts the lines between the two and runs the result on 2 ranks.
+//!
+//! It runs as it is: `cargo run --release --example custom_loop_before`. (Its `main` uses
+//! `Autodiff<Ddp<NdArray>>` where Burn's examples use `Autodiff<NdArray>`: step 1 of the guide.)
+
+use burn::backend::{Autodiff, NdArray};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::module::AutodiffModule;
+use burn::nn::loss::CrossEntropyLoss;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_ddp::Ddp;
+
+#[derive(Config, Debug)]
+pub struct TrainingConfig {
+    #[config(default = 4)]
+    pub num_epochs: usize,
+    #[config(default = 64)]
+    pub batch_size: usize,
+    #[config(default = 2)]
+    pub num_workers: usize,
+    #[config(default = 42)]
+    pub seed: u64,
+    #[config(default = 1e-2)]
+    pub lr: f64,
+    pub model: ModelConfig,
+    pub optimizer: AdamConfig,
+}
+
+#[derive(Config, Debug)]
+pub struct ModelConfig {
+    #[config(default = 32)]
+    hidden_size: usize,
+}
+
+impl ModelConfig {
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Model<B> {
+        Model {
+            hidden: LinearConfig::new(2, self.hidden_size).init(device),
+            output: LinearConfig::new(self.hidden_size, 2).init(device),
+            activation: Relu::new(),
+        }
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Model<B: Backend> {
+    hidden: Linear<B>,
+    output: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn forward(&self, points: Tensor<B, 2>) -> Tensor<B, 2> {
+        let hidden = self.activation.forward(self.hidden.forward(points));
+        self.output.forward(hidden)
+    }
+}
+
+/// A point in the plane and whether it lies inside the unit circle.
+#[derive(Clone, Debug)]
+pub struct Point {
+    xy: [f32; 2],
+    inside: bool,
+}
+
+/// `n` points on a deterministic spiral over `[-1.5, 1.5]²`.
+fn points(n: usize, offset: usize) -> InMemDataset<Point> {
+    let items = (offset..offset + n)
+        .map(|i| {
+            let t = i as f32 * 0.618_034;
+            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+            let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
+            Point { xy, inside }
+        })
+        .collect();
+    InMemDataset::new(items)
+}
+
+#[derive(Clone, Debug)]
+pub struct PointBatch<B: Backend> {
+    points: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+}
+
+#[derive(Clone, Default)]
+struct PointBatcher;
+
+impl<B: Backend> Batcher<B, Point, PointBatch<B>> for PointBatcher {
+    fn batch(&self, items: Vec<Point>, device: &B::Device) -> PointBatch<B> {
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
+        let labels: Vec<i64> = items.iter().map(|p| i64::from(p.inside)).collect();
+        PointBatch {
+            points: Tensor::<B, 1>::from_floats(xy.as_slice(), device).reshape([items.len(), 2]),
+            targets: Tensor::from_ints(labels.as_slice(), device),
+        }
+    }
+}
+
+pub fn run<B: AutodiffBackend>(device: B::Device) {
+    let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
+    B::seed(&device, config.seed);
+
+    // Create the model and optimizer.
+    let mut model = config.model.init::<B>(&device);
+    let mut optim = config.optimizer.init();
+
+    // Create the dataloaders.
+    let dataloader_train = DataLoaderBuilder::new(PointBatcher)
+        .batch_size(config.batch_size)
+        .shuffle(config.seed)
+        .num_workers(config.num_workers)
+        .build(points(2048, 0));
+    let dataloader_valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(PointBatcher)
+        .batch_size(config.batch_size)
+        .num_workers(config.num_workers)
+        .build(points(512, 10_000));
+
+    for epoch in 1..config.num_epochs + 1 {
+        for (iteration, batch) in dataloader_train.iter().enumerate() {
+            let output = model.forward(batch.points);
+            let loss = CrossEntropyLoss::new(None, &output.device())
+                .forward(output.clone(), batch.targets.clone());
+            let accuracy = accuracy(output, batch.targets);
+            println!(
+                "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
+                loss.clone().into_scalar(),
+            );
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(config.lr, model, grads);
+        }
+
+        // Get the model without autodiff.
+        let model_valid = model.valid();
+        for (iteration, batch) in dataloader_valid.iter().enumerate() {
+            let output = model_valid.forward(batch.points);
+            let loss = CrossEntropyLoss::new(None, &output.device())
+                .forward(output.clone(), batch.targets.clone());
+            let accuracy = accuracy(output, batch.targets);
+            println!(
+                "[Valid - Epoch {epoch} - Iteration {iteration}] Loss {} | Accuracy {accuracy}",
+                loss.into_scalar(),
+            );
+        }
+    }
+}
+
+/// The percentage of correct predictions.
+fn accuracy<B: Backend>(output: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> f32 {
+    let predictions = output.argmax(1).squeeze_dim(1);
+    let num_predictions = targets.dims().iter().product::<usize>() as f32;
+    let num_corrects = predictions.equal(targets).int().sum().into_scalar();
+    num_corrects.elem::<f32>() / num_predictions * 100.0
+}
+
+fn main() {
+    run::<Autodiff<Ddp<NdArray>>>(Default::default());
+}
