@@ -11,40 +11,7 @@ use crate::group::ProcessGroup;
 use crate::types::{Rank, WorldSize};
 use crate::{DdpError, Result};
 
-/// The batch size of each of `world` ranks for a global batch of `global` items
-/// ([`ProcessGroup::per_rank_batch`]).
-///
-/// ```
-/// use burn_ddp_comm::{data::per_rank_batch, WorldSize};
-///
-/// assert_eq!(per_rank_batch(256, WorldSize::new(4).unwrap())?, 64);
-/// let e = per_rank_batch(100, WorldSize::new(3).unwrap()).unwrap_err();
-/// assert!(e.to_string().contains("99 or 102"), "{e}");
-/// # Ok::<(), burn_ddp_comm::DdpError>(())
-/// ```
-///
-/// # Errors
-/// [`ConfigError::UnevenGlobalBatch`] when `global` is not a positive multiple of `world`,
-/// naming the nearest ones that are.
-pub fn per_rank_batch(global: usize, world: WorldSize) -> Result<usize> {
-    let w = world.as_usize();
-    if global > 0 && global.is_multiple_of(w) {
-        return Ok(global / w);
-    }
-    let below = global / w * w;
-    let above = below.saturating_add(w);
-    let nearest = if below == 0 {
-        format!("at least {above}")
-    } else {
-        format!("{below} or {above}")
-    };
-    Err(ConfigError::UnevenGlobalBatch {
-        global,
-        world,
-        nearest,
-    }
-    .into())
-}
+pub use crate::config::per_rank_batch;
 
 /// This rank's share of a dataset, reshuffled every epoch — the logic of PyTorch's
 /// `DistributedSampler`.

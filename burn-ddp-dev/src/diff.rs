@@ -171,3 +171,23 @@ pub fn assert_custom_loop_on_two_ranks(example: &str) {
     assert_eq!(valid[0].len(), 4 * 8, "{stdout}");
     assert_eq!(valid[0], valid[1], "the ranks validate different models");
 }
+
+/// Checks that every Burn summary in a launcher's `stdout` (rank 0's) names the model under
+/// its header, as Burn's own strategy prints it, and that there is one at least.
+pub fn assert_summaries_name_the_model(stdout: &str) {
+    let lines: Vec<&str> = stdout
+        .lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
+        .collect();
+    let headers: Vec<usize> = (0..lines.len())
+        .filter(|&i| lines[i].contains("Learner Summary"))
+        .collect();
+    assert!(!headers.is_empty(), "no summary:\n{stdout}");
+    for i in headers {
+        assert_eq!(
+            lines.get(i + 1).copied(),
+            Some("Model:"),
+            "a summary without its model:\n{stdout}"
+        );
+    }
+}

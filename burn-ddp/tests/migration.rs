@@ -48,6 +48,8 @@ fn the_migrated_program_trains_on_two_ranks_and_writes_what_one_process_writes()
     // Burn's evaluator's lines (no terminal here) name the split and no epoch.
     assert!(stdout.contains("[test]  items 512/512"), "{stdout}");
     assert!(!stdout.contains("[test] epoch"), "{stdout}");
+    // Burn's summaries, the training's included, show the model as one process's do.
+    diff::assert_summaries_name_the_model(stdout);
     let files = runs.assert_same_files();
     println!("{files:#?}");
     for f in [

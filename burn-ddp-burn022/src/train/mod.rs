@@ -242,7 +242,7 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         );
         let mut training = match out.renderer {
             Renderer::Lines => training.renderer(Box::new(WithMembership::new(
-                ProgressLines::default(),
+                ProgressLines::default().showing_model(ddp.state.model.clone()),
                 board.clone(),
             ))),
             Renderer::DashboardWithMembership => {

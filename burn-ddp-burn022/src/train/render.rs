@@ -17,7 +17,7 @@ use burn::train::renderer::{
 };
 use burn::train::LearnerSummary;
 use burn_ddp_comm::train::board::{MembershipBoard, MEMBERSHIP, WORLD_SIZE};
-use burn_ddp_comm::train::lines::ProgressText;
+use burn_ddp_comm::train::lines::{ModelText, ProgressText};
 
 /// A renderer that shows nothing: the dashboard of ranks other than 0.
 #[derive(Debug, Default, Clone, Copy)]
@@ -100,6 +100,8 @@ pub struct ProgressLines {
     items: usize,
     /// The evaluator's current test split, while it runs.
     test: Option<String>,
+    /// The trained model, for the summary (set by the strategy).
+    model: ModelText,
 }
 
 impl ProgressLines {
@@ -112,7 +114,15 @@ impl ProgressLines {
             epochs: 1,
             items: 0,
             test: None,
+            model: ModelText::default(),
         }
+    }
+
+    /// Prints Burn's summary after training with the model the strategy trained, as Burn's
+    /// own strategy has it.
+    pub(crate) fn showing_model(mut self, model: ModelText) -> Self {
+        self.model = model;
+        self
     }
 
     fn update(&mut self, train: bool, state: MetricState) {
@@ -146,6 +156,15 @@ impl Default for ProgressLines {
 impl MetricsRendererTraining for ProgressLines {
     fn update_train(&mut self, state: MetricState) {
         self.update(true, state);
+    }
+    fn on_train_end(
+        &mut self,
+        summary: Option<LearnerSummary>,
+    ) -> Result<(), Box<dyn core::error::Error>> {
+        if let Some(summary) = summary {
+            println!("{}", self.model.summary(&summary.to_string()));
+        }
+        Ok(())
     }
     fn update_valid(&mut self, state: MetricState) {
         self.update(false, state);

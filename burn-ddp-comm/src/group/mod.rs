@@ -449,9 +449,9 @@ impl ProcessGroup {
     /// # Errors
     /// [`ConfigError::UnevenGlobalBatch`](crate::ConfigError::UnevenGlobalBatch) when the ranks
     /// cannot share `global` evenly, naming the nearest sizes they can
-    /// ([`data::per_rank_batch`](crate::data::per_rank_batch)).
+    /// ([`config::per_rank_batch`](crate::config::per_rank_batch)).
     pub fn per_rank_batch(&self, global: usize) -> Result<usize> {
-        crate::data::per_rank_batch(global, self.world_size())
+        crate::config::per_rank_batch(global, self.world_size())
     }
 
     /// Whether this is rank 0 (the one that logs, renders and writes checkpoints).

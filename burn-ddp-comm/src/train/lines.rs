@@ -105,9 +105,57 @@ impl<K: Eq + Hash + Clone> Default for ProgressText<K> {
     }
 }
 
+/// The trained model's text (its `Display`, as Burn's summary shows it), shared between a
+/// line's strategy, which sets it at the end of training, and rank 0's [`ProgressText`]
+/// renderer, which prints Burn's summary with it: Burn sets a summary's model only in its own
+/// strategy (`LearnerSummary::with_model` is crate-private in burn-train 0.21 and 0.22).
+#[derive(Debug, Clone, Default)]
+pub struct ModelText(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl ModelText {
+    /// The model's text, from the strategy.
+    pub fn set(&self, text: String) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+    }
+
+    /// `summary` (the text of Burn's `LearnerSummary`) with a `Model:` block after its
+    /// header line, as Burn's own strategy prints it, when the model's text was set and the
+    /// summary has none.
+    pub fn summary(&self, summary: &str) -> String {
+        let model = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        match (model, summary.split_once('\n')) {
+            (Some(model), Some((header, rest)))
+                if header.contains("Learner Summary") && !rest.starts_with("Model:") =>
+            {
+                format!("{header}\nModel:\n{model}\n{rest}")
+            }
+            _ => summary.to_owned(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_goes_under_the_summarys_header_once() {
+        let burn = "==== Learner Summary ====\nTotal Epochs: 3\n\n| Split |\n";
+        let model = ModelText::default();
+        assert_eq!(model.summary(burn), burn, "no model text yet");
+        model.set("Model {\n  params: 162\n}".into());
+        let with = model.summary(burn);
+        assert_eq!(
+            with,
+            "==== Learner Summary ====\nModel:\nModel {\n  params: 162\n}\nTotal Epochs: 3\n\n| Split |\n"
+        );
+        assert_eq!(
+            model.summary(&with),
+            with,
+            "a summary that has one keeps it"
+        );
+        assert_eq!(model.summary("something else\n"), "something else\n");
+    }
 
     #[test]
     fn lines_are_throttled_but_every_split_end_is_printed() {

@@ -39,6 +39,8 @@ pub struct StrategyState {
     pub board: MembershipBoard,
     /// The changes of membership of a fault-tolerant job, in order.
     pub changes: ChangeLog,
+    /// The trained model's text, for the summary rank 0's progress lines print.
+    pub model: crate::train::lines::ModelText,
     /// The last epoch whose training and validation both ended (for the summary of a run that
     /// failed in the middle of the next).
     completed: Arc<AtomicUsize>,
@@ -71,6 +73,7 @@ impl StrategyState {
             failure: FailureSlot::default(),
             written: FailureSlot::default(),
             changes: ChangeLog::default(),
+            model: Default::default(),
             completed: Arc::default(),
         }
     }

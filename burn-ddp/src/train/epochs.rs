@@ -105,6 +105,11 @@ where
             start,
             admission,
         );
+        if summary_config.is_some() {
+            // For rank 0's progress lines, which print the summary with it, as Burn's own
+            // strategy does (burn-train keeps a summary's model to itself).
+            self.state.model.set(model.to_string());
+        }
         let summary = summary_config
             .and_then(|s| s.init().ok())
             .and_then(|s| self.completed_only(s));

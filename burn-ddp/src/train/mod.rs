@@ -239,9 +239,10 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         let fault_tolerant = ddp.session().group().is_fault_tolerant();
         let out = RankOutput::choose(ddp.is_main(), fault_tolerant, board.get().is_some());
         let mut training = match out.renderer {
-            Renderer::Lines => {
-                training.renderer(WithMembership::new(ProgressLines::default(), board.clone()))
-            }
+            Renderer::Lines => training.renderer(WithMembership::new(
+                ProgressLines::default().showing_model(ddp.state.model.clone()),
+                board.clone(),
+            )),
             Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time

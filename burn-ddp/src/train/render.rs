@@ -17,7 +17,7 @@ use burn::train::renderer::{
 };
 use burn::train::LearnerSummary;
 use burn_ddp_comm::train::board::{MembershipBoard, MEMBERSHIP, WORLD_SIZE};
-use burn_ddp_comm::train::lines::ProgressText;
+use burn_ddp_comm::train::lines::{ModelText, ProgressText};
 
 /// A renderer that shows nothing: the dashboard of ranks other than 0.
 #[derive(Debug, Default, Clone, Copy)]
@@ -81,6 +81,8 @@ pub struct ProgressLines {
     text: ProgressText<MetricId>,
     /// The name of the evaluator's current test split.
     test: String,
+    /// The trained model, for the summary (set by the strategy).
+    model: ModelText,
 }
 
 impl ProgressLines {
@@ -89,7 +91,15 @@ impl ProgressLines {
         Self {
             text: ProgressText::new(every),
             test: String::new(),
+            model: ModelText::default(),
         }
+    }
+
+    /// Prints Burn's summary after training with the model the strategy trained, as Burn's
+    /// own strategy has it.
+    pub(crate) fn showing_model(mut self, model: ModelText) -> Self {
+        self.model = model;
+        self
     }
 
     fn update(&mut self, train: bool, state: MetricState) {
@@ -119,6 +129,15 @@ impl ProgressLines {
 impl MetricsRendererTraining for ProgressLines {
     fn update_train(&mut self, state: MetricState) {
         self.update(true, state);
+    }
+    fn on_train_end(
+        &mut self,
+        summary: Option<LearnerSummary>,
+    ) -> Result<(), Box<dyn core::error::Error>> {
+        if let Some(summary) = summary {
+            println!("{}", self.model.summary(&summary.to_string()));
+        }
+        Ok(())
     }
     fn update_valid(&mut self, state: MetricState) {
         self.update(false, state);
