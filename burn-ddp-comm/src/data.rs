@@ -96,14 +96,20 @@ impl DataEpoch for PlanState {
 type Registry = Vec<(crate::group::WeakGroup, std::sync::Weak<PlanState>)>;
 static TRAINING_PLANS: Mutex<Registry> = Mutex::new(Vec::new());
 
+/// The registry of training plans, without the plans that were dropped.
+fn registry() -> std::sync::MutexGuard<'static, Registry> {
+    let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
+    all.retain(|(_, plan)| plan.strong_count() > 0);
+    all
+}
+
 /// The training plans of `group` that are alive: those made by [`ShardPlan::new`] on it (through
 /// a line's `DistributedSampler::new`). A line's training strategy sets their epoch, and deals
 /// the rest of an epoch over a new membership, as it does for the samplers given to its
 /// `with_sampler`.
 pub fn training_plans(group: &ProcessGroup) -> Vec<Arc<dyn DataEpoch>> {
-    let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
-    all.retain(|(_, plan)| plan.strong_count() > 0);
-    all.iter()
+    registry()
+        .iter()
         .filter(|(g, _)| g.is(group))
         .filter_map(|(_, plan)| plan.upgrade())
         .map(|plan| plan as Arc<dyn DataEpoch>)
@@ -134,9 +140,7 @@ impl ShardPlan {
     /// [`training_plans`]: a line's training strategy on `group` sets its epoch.
     pub fn new(group: &ProcessGroup) -> Self {
         let plan = Self::unlisted(group);
-        let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
-        all.retain(|(_, plan)| plan.strong_count() > 0);
-        all.push((group.downgrade(), Arc::downgrade(&plan.state)));
+        registry().push((group.downgrade(), Arc::downgrade(&plan.state)));
         plan
     }
 

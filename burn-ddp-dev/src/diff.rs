@@ -5,7 +5,8 @@
 /// leaves out). A `// ddp:` marker that rustfmt moved onto a line of its own (after an opening
 /// parenthesis) is put back at the end of the line above.
 pub fn code(path: &str) -> Vec<String> {
-    let text = std::fs::read_to_string(crate::package_dir().join(path)).unwrap();
+    let file = crate::package_dir().join(path);
+    let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file:?}: {e}"));
     let mut out: Vec<String> = Vec::new();
     for line in text
         .lines()
@@ -58,16 +59,9 @@ impl MigrationRuns {
         use crate::spawned::{example, Spawned};
         use std::process::Command;
         let limit = std::time::Duration::from_secs(600);
-        let tmp = std::env::temp_dir();
-        let dir = |tag: &str| {
-            let d = tmp.join(format!("burn-ddp-{after}-{tag}-{}", std::process::id()));
-            std::fs::remove_dir_all(&d).ok();
-            std::fs::create_dir_all(&d).unwrap();
-            d
-        };
         let mut runs = Self {
-            before: dir("one"),
-            after: dir("two"),
+            before: scratch(&format!("{after}-one")),
+            after: scratch(&format!("{after}-two")),
             stdout: String::new(),
         };
         let mut one = Command::new(example(before));
@@ -101,7 +95,10 @@ impl MigrationRuns {
     /// The text of file `path` (relative to the run's directory) of each run: one process's,
     /// the 2 ranks'.
     pub fn read(&self, path: &str) -> [String; 2] {
-        [&self.before, &self.after].map(|d| std::fs::read_to_string(d.join(path)).unwrap())
+        [&self.before, &self.after].map(|d| {
+            let file = d.join(path);
+            std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{file:?}: {e}"))
+        })
     }
 }
 
@@ -147,8 +144,7 @@ pub fn rank_lines<'a>(stdout: &'a str, rank: u32, start: &str) -> Vec<&'a str> {
 /// 16 per epoch), and both ranks, holding one model, print the same validation of the whole
 /// validation set (512 points, 8 batches), epoch after epoch, to the last digit.
 pub fn assert_custom_loop_on_two_ranks(example: &str) {
-    let dir = std::env::temp_dir().join(format!("burn-ddp-{example}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch(example);
     let stdout = on_two_ranks(example, &dir);
     std::fs::remove_dir_all(&dir).ok();
     for rank in 0..2 {
@@ -175,10 +171,7 @@ pub fn assert_custom_loop_on_two_ranks(example: &str) {
 /// Checks that every Burn summary in a launcher's `stdout` (rank 0's) names the model under
 /// its header, as Burn's own strategy prints it, and that there is one at least.
 pub fn assert_summaries_name_the_model(stdout: &str) {
-    let lines: Vec<&str> = stdout
-        .lines()
-        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
-        .collect();
+    let lines = rank_lines(stdout, 0, "");
     let headers: Vec<usize> = (0..lines.len())
         .filter(|&i| lines[i].contains("Learner Summary"))
         .collect();
@@ -190,4 +183,13 @@ pub fn assert_summaries_name_the_model(stdout: &str) {
             "a summary without its model:\n{stdout}"
         );
     }
+}
+
+/// An empty directory of this test process's, `burn-ddp-<tag>-<pid>` under the temporary
+/// directory (what an earlier run left there removed).
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("burn-ddp-{tag}-{}", std::process::id()));
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::create_dir_all(&dir).expect("the temporary directory is writable");
+    dir
 }

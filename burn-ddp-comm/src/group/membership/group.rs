@@ -40,13 +40,13 @@ impl ProcessGroup {
     /// [`ProcessGroup::from_env`] returned): it is behind, and takes the state of
     /// [`Recovery::source`].
     pub fn take_admission(&self) -> Option<Recovery> {
-        self.shared
-            .membership
-            .as_ref()?
-            .admission
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
+        self.admission()?.take()
+    }
+
+    /// A fault-tolerant job's slot for this process's admission (`None` in other jobs).
+    fn admission(&self) -> Option<std::sync::MutexGuard<'_, Option<Recovery>>> {
+        let service = self.shared.membership.as_ref()?;
+        Some(service.admission.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Runs `prepare` on rank 0 alone, and returns on every rank once rank 0 has run it: what
@@ -68,11 +68,7 @@ impl ProcessGroup {
     /// named, within the group's deadline.
     pub fn on_main<T>(&self, prepare: impl FnOnce() -> T) -> Result<Option<T>> {
         let out = self.is_main().then(prepare);
-        let joining = self
-            .shared
-            .membership
-            .as_ref()
-            .is_some_and(|e| (e.admission.lock().unwrap_or_else(|p| p.into_inner())).is_some());
+        let joining = self.admission().is_some_and(|a| a.is_some());
         if !joining {
             self.barrier()?;
         }
