@@ -252,8 +252,14 @@ impl FtJob {
         }
     }
 
-    fn finish(mut self, ok: bool) -> String {
-        let (success, text) = finish(&mut self.launcher, &self.log, Duration::from_secs(300));
+    fn finish(self, ok: bool) -> String {
+        self.finish_within(ok, Duration::from_secs(300))
+    }
+
+    /// The launcher's output once it ended, as `ok` says (the test fails if it has not ended
+    /// within `limit`).
+    fn finish_within(mut self, ok: bool, limit: Duration) -> String {
+        let (success, text) = finish(&mut self.launcher, &self.log, limit);
         if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
             eprintln!("{text}");
         }
@@ -403,6 +409,29 @@ fn a_frozen_rank_is_left_out_then_rejoins() {
     );
     assert!(text.contains("joined: [m1]"), "{text}");
     assert_unbroken(&finals(&text), 3, steps, &text);
+}
+
+/// 3 ranks; rank 1 is frozen (SIGSTOP) for good: the other two go on without it and finish,
+/// and the launcher, instead of waiting for the frozen process for ever, says it is still
+/// running after the job ended, stops it, and succeeds (its job did).
+#[test]
+fn a_rank_frozen_for_good_is_stopped_once_the_job_ended() {
+    let steps = 150;
+    let job = FtJob::start("frozen-for-good", 3, 0, steps, &[]);
+    let victim = job.pid(1, 1);
+    wait_for(&job.log, "[rank 1] step 20", Duration::from_secs(120));
+    kill(victim, "-STOP");
+    wait_for(&job.log, "left: [m1]", Duration::from_secs(60));
+    // The survivors finish within seconds; the launcher must end well before the test's bound.
+    let text = job.finish_within(true, Duration::from_secs(90));
+    assert!(
+        text.contains(&format!(
+            "rank 1 (member 1, pid {victim}) is still running after the job ended"
+        )),
+        "{text}"
+    );
+    assert!(text.contains("stopping it"), "{text}");
+    assert_unbroken(&finals(&text), 2, steps, &text);
 }
 
 /// 4 ranks; rank 1 is killed, and rank 2 a few milliseconds later, while the survivors are

@@ -92,6 +92,60 @@ struct Slot {
     local: u32,
     member: u32,
     running: Running,
+    /// Since when the launcher has been stopping it (SIGTERM; SIGKILL after the grace period).
+    stopping: Option<Instant>,
+}
+
+/// When a job's last membership is ending: since when some of its members have ended while
+/// others have not (the others end with them, the last steps being collective, or never will:
+/// a process frozen after its last collective).
+#[derive(Debug, Default)]
+struct EndWatch {
+    ending: Option<(u64, Instant)>,
+}
+
+impl EndWatch {
+    /// Takes the job's last membership in; `true` once its members that have not ended are
+    /// [`ENDING_LIMIT`] late.
+    fn late(&mut self, m: &LastMembership) -> bool {
+        let some = m.ended.iter().any(|d| *d);
+        let all = m.ended.iter().all(|d| *d);
+        if !some || all || self.ending.is_some_and(|(e, _)| e != m.epoch) {
+            self.ending = None;
+        } else if self.ending.is_none() {
+            self.ending = Some((m.epoch, Instant::now()));
+        }
+        self.ending
+            .is_some_and(|(_, t)| t.elapsed() >= ENDING_LIMIT)
+    }
+}
+
+/// Why the launcher stops a rank that is still running, if it must: the job ended without it
+/// (a rank left out of the membership, frozen or still asking to join), or it is a member that
+/// has not ended [`ENDING_LIMIT`] after the others of the last membership.
+fn must_stop(slot: &Slot, m: &LastMembership, late: bool) -> Option<String> {
+    let place = m.members.iter().position(|id| *id == slot.member);
+    let over = !m.members.is_empty() && m.ended.iter().all(|d| *d);
+    match place {
+        None if over => Some(format!(
+            "is still running after the job ended (its last membership, epoch {}, was {} and \
+             did not include it: left out, frozen, or still waiting to join)",
+            m.epoch,
+            ids(&m.members)
+        )),
+        Some(i) if late && !m.ended[i] => Some(format!(
+            "has not ended {ENDING_LIMIT:?} after the other members of the job's last \
+             membership (epoch {}) did (frozen?)",
+            m.epoch
+        )),
+        _ => None,
+    }
+}
+
+/// Member ids as the membership lines write them (`[m0, m2]`).
+fn ids(members: &[u32]) -> String {
+    let named: Vec<String> = members.iter().map(|m| format!("m{m}")).collect();
+    format!("[{}]", named.join(", "))
 }
 
 /// Runs this node's ranks of a fault-tolerant job (the store must be served already: by this
@@ -137,6 +191,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                 local,
                 member,
                 running,
+                stopping: None,
             }),
             Err(e) => {
                 for s in &mut slots {
@@ -152,6 +207,8 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     let mut replacements = 0;
     let mut interrupted = false;
     let mut term_sent: Option<Instant> = None;
+    let mut watch = EndWatch::default();
+    let mut looked = Instant::now();
     loop {
         let mut i = 0;
         while i < slots.len() {
@@ -167,7 +224,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
             let (local, member, rank) = (slot.local, slot.member, slot.running.rank);
             let pid = slot.running.child.id();
             ended.push((member, slot.running));
-            if status.success() || interrupted {
+            if status.success() || interrupted || slot.stopping.is_some() {
                 continue;
             }
             eprintln!(
@@ -199,6 +256,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                     local,
                     member: fresh,
                     running,
+                    stopping: None,
                 }),
                 Err(e) => eprintln!("burn-ddp run: {e}"),
             }
@@ -220,25 +278,42 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                 let _ = s.running.child.kill();
             }
         }
+        // A rank the job no longer waits for is stopped: the launcher never waits for ever.
+        if term_sent.is_none() && looked.elapsed() >= Duration::from_secs(1) {
+            looked = Instant::now();
+            if let Ok(Some(m)) = last_membership(&store) {
+                let late = watch.late(&m);
+                for s in slots.iter_mut().filter(|s| s.stopping.is_none()) {
+                    if let Some(why) = must_stop(s, &m, late) {
+                        eprintln!(
+                            "burn-ddp run: rank {} (member {}, pid {}) {why}; stopping it",
+                            s.running.rank,
+                            s.member,
+                            s.running.child.id()
+                        );
+                        spawn::signal(&s.running.child, crate::sys::Signal::Cont);
+                        spawn::signal(&s.running.child, crate::sys::Signal::Term);
+                        s.stopping = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        for s in &mut slots {
+            if s.stopping.is_some_and(|t| t.elapsed() >= job.grace) {
+                let _ = s.running.child.kill();
+            }
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
 
     // Node 0 serves the store: it stays up until the job's last members have all ended.
     if serving && !interrupted {
         let mut said = Instant::now();
-        // Since when some member of the last membership (this epoch) has ended: the others end
-        // with it (the last steps are collective), or never will (a process frozen after its
-        // last collective), so the store's service is bounded from then on.
-        let mut ending: Option<(u64, Instant)> = None;
+        let mut watch = EndWatch::default();
         loop {
             match last_membership(&store) {
                 Ok(Some(m)) if !m.members.is_empty() && !m.ended.iter().all(|d| *d) => {
-                    if !m.ended.iter().any(|d| *d) || ending.is_some_and(|(e, _)| e != m.epoch) {
-                        ending = None;
-                    } else if ending.is_none() {
-                        ending = Some((m.epoch, Instant::now()));
-                    }
-                    if ending.is_some_and(|(_, t)| t.elapsed() >= ENDING_LIMIT) {
+                    if watch.late(&m) {
                         let waiting: Vec<u32> = m
                             .members
                             .iter()
@@ -247,8 +322,9 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                             .map(|(id, _)| *id)
                             .collect();
                         eprintln!(
-                            "burn-ddp run: members {waiting:?} have not ended {ENDING_LIMIT:?} \
-                             after the others of the last membership: stopping the job's store"
+                            "burn-ddp run: members {} have not ended {ENDING_LIMIT:?} after the \
+                             others of the last membership: stopping the job's store",
+                            ids(&waiting)
                         );
                         break;
                     }
