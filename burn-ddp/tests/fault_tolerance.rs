@@ -434,6 +434,42 @@ fn a_rank_frozen_for_good_is_stopped_once_the_job_ended() {
     assert_unbroken(&finals(&text), 2, steps, &text);
 }
 
+/// Launchers whose ranks are not the running job's are refused at once, saying to add `--join`,
+/// and the job never notices them (no membership change): a stray `--nnodes 2 --node-rank 1`
+/// launcher (ranks 3..=5, which the job never had), and the job's own command run again (its
+/// member ids 0..=2 are taken).
+#[test]
+fn launchers_whose_ranks_are_not_the_jobs_are_refused_without_churning_it() {
+    let steps = 200;
+    let job = FtJob::start("stray", 3, 0, steps, &[("FT_PAUSE_MS", "30")]);
+    wait_for(&job.log, "[rank 0] step 10", Duration::from_secs(120));
+    for (name, options) in [
+        (
+            "stray.log",
+            &["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "3"][..],
+        ),
+        ("again.log", &["--nproc-per-node", "3"][..]),
+    ] {
+        let log = job.dir.join(name);
+        let mut stray = launcher_cmd(job.port, options, steps, &[], &log)
+            .spawn()
+            .unwrap();
+        let (ok, said) = finish(&mut stray, &log, Duration::from_secs(60));
+        assert!(!ok, "{said}");
+        assert!(said.contains("are not the fault-tolerant job's"), "{said}");
+        assert!(said.contains("the job is already running"), "{said}");
+        assert!(said.contains("start its launcher with `--join`"), "{said}");
+        assert!(!said.contains("[rank "), "it started ranks:\n{said}");
+        if name == "stray.log" {
+            assert!(said.contains("ranks 3..=5"), "{said}");
+            assert!(said.contains("a world of 3"), "{said}");
+        }
+    }
+    let text = job.finish(true);
+    assert!(!text.contains("membership epoch 1"), "{text}");
+    assert_unbroken(&finals(&text), 3, steps, &text);
+}
+
 /// 4 ranks; rank 1 is killed, and rank 2 a few milliseconds later, while the survivors are
 /// still agreeing: they agree again, and the two left end equal.
 #[test]

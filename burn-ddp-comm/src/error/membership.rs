@@ -97,6 +97,23 @@ pub enum MembershipError {
         reason: String,
     },
 
+    /// A launcher of a fault-tolerant job (without `--join`) found that its ranks are not the
+    /// job's: the job is already running (its first processes were started, and their member
+    /// ids cannot be taken again), or it was started with another world size.
+    #[error(
+        "this launcher's ranks {first}..={last} are not the fault-tolerant job's: {reason}. To add \
+         this node's processes to the running job, start its launcher with `--join` (they take \
+         fresh member ids); to start a new job, give it another --master-port (or --rdzv-id)"
+    )]
+    NotThisJob {
+        /// The first rank this launcher would start.
+        first: u32,
+        /// The last.
+        last: u32,
+        /// What the job's store shows.
+        reason: String,
+    },
+
     /// A feature that a fault-tolerant job cannot offer (its state would not survive a change
     /// of membership).
     #[error("{what} is not available in a fault-tolerant job: {reason}")]

@@ -356,10 +356,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     if args.fault_tolerant {
         let serving = node_rank == 0 && !args.join;
         let _lighthouse = if serving {
-            Some(super::fault::Lighthouse::bind(
-                &job.master,
-                job.token.clone(),
-            )?)
+            Some(super::fault::Lighthouse::serve(&job)?)
         } else {
             None
         };

@@ -14,7 +14,7 @@
 //! - the node succeeds when its ranks that are members of the job's last membership all
 //!   ended successfully (ranks lost on the way are said, not fatal).
 
-use crate::error::{JobError, MembershipError};
+use crate::error::{JobError, MembershipError, RendezvousError};
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -55,6 +55,34 @@ impl Lighthouse {
         Ok(Self {
             server: StoreServer::bind_lighthouse(addr, token)?,
         })
+    }
+
+    /// [`Lighthouse::bind`] for node 0's launcher of `job`: when the port is taken by the
+    /// store of this very job (same token), which is running, the error says so, and to add
+    /// `--join` ([`MembershipError::NotThisJob`]), instead of only that the port is in use.
+    ///
+    /// # Errors
+    /// As [`Lighthouse::bind`].
+    pub fn serve(job: &LocalJob) -> Result<Self> {
+        match Self::bind(&job.master, job.token.clone()) {
+            Err(e @ DdpError::Rendezvous(RendezvousError::PortInUse { .. })) => {
+                let world = job.nproc_per_node * job.nnodes;
+                let ours = StoreClient::connect(
+                    &job.master,
+                    Purpose::StoreAux,
+                    Rank::ZERO,
+                    WorldSize::new(world).unwrap_or(WorldSize::ONE),
+                    &job.token,
+                    STORE_REQUEST,
+                    Instant::now() + Duration::from_secs(2),
+                );
+                match ours {
+                    Ok(store) => Err(check_first_launch(&store, job, world).err().unwrap_or(e)),
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
     }
 
     /// The address it listens on.
@@ -125,9 +153,8 @@ impl EndWatch {
 /// has not ended [`ENDING_LIMIT`] after the others of the last membership.
 fn must_stop(slot: &Slot, m: &LastMembership, late: bool) -> Option<String> {
     let place = m.members.iter().position(|id| *id == slot.member);
-    let over = !m.members.is_empty() && m.ended.iter().all(|d| *d);
     match place {
-        None if over => Some(format!(
+        None if m.outcome().is_some() => Some(format!(
             "is still running after the job ended (its last membership, epoch {}, was {} and \
              did not include it: left out, frozen, or still waiting to join)",
             m.epoch,
@@ -164,8 +191,8 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         STORE_REQUEST,
         Instant::now() + STORE_CONNECT,
     )?;
-    if serving {
-        record_first_world(&store, world)?;
+    if !ft.join {
+        check_first_launch(&store, job, world)?;
     }
     let common = |member: u32, join: bool| -> Vec<(OsString, OsString)> {
         let mut v: Vec<(OsString, OsString)> = vec![
@@ -227,15 +254,22 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
             if status.success() || interrupted || slot.stopping.is_some() {
                 continue;
             }
+            let outcome = last_membership(&store)
+                .ok()
+                .flatten()
+                .and_then(|m| m.outcome());
+            let after = match &outcome {
+                Some(outcome) => format!("after the job ended: {outcome}"),
+                None => "the job goes on without it".into(),
+            };
             eprintln!(
-                "burn-ddp run: rank {rank} (member {member}, pid {pid}) {}; the job goes on \
-                 without it",
+                "burn-ddp run: rank {rank} (member {member}, pid {pid}) {}; {after}",
                 describe(status)
             );
             let finished = ended
                 .iter()
                 .any(|(_, r)| r.exit.is_some_and(|s| s.success()));
-            if replacements >= ft.max_restarts || finished {
+            if replacements >= ft.max_restarts || finished || outcome.is_some() {
                 continue;
             }
             let fresh = match fresh_member_id(&store) {
@@ -359,6 +393,38 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         replacements,
         failure,
     })
+}
+
+/// A launcher that starts the first processes of a job (not `--join`): the job must not be
+/// running yet (its first member ids would be taken twice, and a job that formed without this
+/// node's ranks never admits them) and must have been started with the same world size.
+fn check_first_launch(store: &StoreClient, job: &LocalJob, world: u32) -> Result<()> {
+    let first = record_first_world(store, world)?;
+    let running = last_membership(store)?;
+    let mut reasons = Vec::new();
+    if let Some(m) = &running {
+        reasons.push(format!(
+            "the job is already running (membership epoch {}, members {})",
+            m.epoch,
+            ids(&m.members)
+        ));
+    }
+    if first != world {
+        reasons.push(format!(
+            "the job started with a world of {first}, and this launcher's --nnodes {} × \
+             --nproc-per-node {} makes {world}",
+            job.nnodes, job.nproc_per_node
+        ));
+    }
+    if reasons.is_empty() {
+        return Ok(());
+    }
+    let from = job.node_rank * job.nproc_per_node;
+    Err(DdpError::Membership(MembershipError::NotThisJob {
+        first: from,
+        last: from + job.nproc_per_node.saturating_sub(1),
+        reason: reasons.join("; "),
+    }))
 }
 
 /// This node's verdict: its ranks in the job's last membership must all have succeeded.

@@ -257,6 +257,26 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         None if join => fresh_member_id(&store)?,
         None => config.rank.0,
     };
+    if let (true, Some(id)) = (join, ft.member) {
+        // Only ids the job handed out are ever admitted (the rule reads the known ids): any
+        // other would ask to join for ever, ending a membership epoch at each request.
+        let handed = get_now(&store, keys::NEXT_ID)?.and_then(|v| decode_i64(&v));
+        let known = u64::from(initial_world) + u64::try_from(handed.unwrap_or(0)).unwrap_or(0);
+        if u64::from(id) >= known {
+            return Err(DdpError::Membership(MembershipError::JoinFailed {
+                member: id,
+                waited: started.elapsed(),
+                why: format!(
+                    "member id {id} is not one of the running job's (it started with {} \
+                     processes, ids 0..{initial_world}, and handed {} more to joining ones): a \
+                     process that joins takes a fresh id. Leave BURN_DDP_MEMBER_ID unset, or \
+                     start it with `burn-ddp run --fault-tolerant --join`",
+                    initial_world,
+                    handed.unwrap_or(0)
+                ),
+            }));
+        }
+    }
     if formed && !ft.join {
         tracing::warn!(
             "[member {id}] the job was already running: this process joins it (as \
@@ -476,9 +496,8 @@ impl MembershipService {
     }
 
     /// Whether every member of the newest epoch finished normally or is gone: the job is over.
-    fn job_over(&self) -> Result<bool> {
-        Ok(last_membership(&self.store)?
-            .is_some_and(|m| !m.members.is_empty() && m.ended.iter().all(|e| *e)))
+    fn job_over(&self) -> Result<Option<String>> {
+        Ok(last_membership(&self.store)?.and_then(|m| m.outcome()))
     }
 
     /// Every member id handed out so far: the first processes' and the joining ones' (a
@@ -668,13 +687,13 @@ impl MembershipService {
                     self.id
                 );
             }
-            if self.job_over()? {
+            if let Some(outcome) = self.job_over()? {
                 return Err(DdpError::Membership(MembershipError::JoinFailed {
                     member: self.id,
                     waited: started.elapsed(),
-                    why: "the job finished (every member of its last membership ended) before \
-                          it reached a step boundary that let this process in"
-                        .into(),
+                    why: format!(
+                        "{outcome} before it reached a step boundary that let this process in"
+                    ),
                 }));
             }
             if Instant::now() >= deadline {
@@ -878,6 +897,45 @@ mod tests {
             "{err}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_joining_process_is_told_that_the_job_failed_when_every_member_was_lost() {
+        let (_server, master, token, store) = lighthouse();
+        record_first_world(&store, 1).unwrap();
+        store.set(&keys::members(0), b"0").unwrap();
+        store.set(keys::EPOCH, b"0").unwrap();
+        store.set(&crate::store::gone_key(Rank(0)), b"").unwrap();
+        let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
+        assert!(
+            matches!(&err, DdpError::Membership(MembershipError::JoinFailed { why, .. }) if why.contains("the job failed: every member of its last membership")),
+            "{err}"
+        );
+    }
+
+    /// A member id the job never handed out is refused at once: it would ask to join for ever
+    /// (the rule admits known ids only), ending a membership epoch at each request.
+    #[test]
+    fn a_member_id_the_job_never_handed_out_is_refused_at_once() {
+        let (_server, master, token, store) = lighthouse();
+        record_first_world(&store, 1).unwrap();
+        store.set(&keys::members(0), b"0").unwrap();
+        store.set(keys::EPOCH, b"0").unwrap();
+        let mut config = config(&master, &token, true);
+        if let Some(ft) = config.fault_tolerance.as_mut() {
+            ft.member = Some(5);
+        }
+        let started = Instant::now();
+        let err = ProcessGroup::init(config).unwrap_err();
+        assert!(
+            matches!(&err, DdpError::Membership(MembershipError::JoinFailed { why, .. }) if why.contains("member id 5 is not one of the running job's") && why.contains("--join")),
+            "{err}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(
+            get_now(&store, keys::JOINS).unwrap().is_none(),
+            "it asked to join"
+        );
     }
 
     #[test]

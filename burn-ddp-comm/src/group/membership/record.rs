@@ -109,6 +109,26 @@ pub(crate) struct LastMembership {
     pub(crate) members: Vec<u32>,
     /// For each member, whether it ended (finished normally, or gone).
     pub(crate) ended: Vec<bool>,
+    /// For each member, whether it finished normally.
+    pub(crate) finished: Vec<bool>,
+}
+
+impl LastMembership {
+    /// How the job ended, once every member ended: `None` while some member has not.
+    pub(crate) fn outcome(&self) -> Option<String> {
+        if self.members.is_empty() || !self.ended.iter().all(|e| *e) {
+            return None;
+        }
+        Some(if self.finished.iter().any(|f| *f) {
+            "the job finished (every member of its last membership ended)".into()
+        } else {
+            format!(
+                "the job failed: every member of its last membership (epoch {}, members {:?}) \
+                 was lost",
+                self.epoch, self.members
+            )
+        })
+    }
 }
 
 /// The newest decided membership of the job on `store`; `None` before the job formed.
@@ -134,10 +154,12 @@ pub(crate) fn last_membership(store: &StoreClient) -> Result<Option<LastMembersh
         WaitOutcome::Missing(missing) => keys.iter().map(|k| !missing.contains(k)).collect(),
     };
     let ended = present.chunks(2).map(|c| c[0] || c[1]).collect();
+    let finished = present.chunks(2).map(|c| c[0]).collect();
     Ok(Some(LastMembership {
         epoch,
         members,
         ended,
+        finished,
     }))
 }
 
