@@ -70,7 +70,7 @@ mod sync;
 pub mod train;
 mod zero;
 
-pub use burn_ddp_comm::data::DataEpoch;
+pub use burn_ddp_comm::data::{surviving, DataEpoch};
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
     grad::{LoopState, PowerSgd},

@@ -91,16 +91,26 @@ impl DataEpoch for PlanState {
     }
 }
 
-/// The training plans made by [`ShardPlan::new`] (the line's `DistributedSampler::new`), each
-/// with its group, while they live.
-type Registry = Vec<(crate::group::WeakGroup, std::sync::Weak<PlanState>)>;
+/// The plans made on a group ([`ShardPlan::new`], [`ShardPlan::evaluation`], through the line's
+/// `DistributedSampler`), each with its group and whether it is a training plan, while they
+/// live.
+type Registry = Vec<(crate::group::WeakGroup, std::sync::Weak<PlanState>, bool)>;
 static TRAINING_PLANS: Mutex<Registry> = Mutex::new(Vec::new());
 
 /// The registry of training plans, without the plans that were dropped.
 fn registry() -> std::sync::MutexGuard<'static, Registry> {
     let mut all = TRAINING_PLANS.lock().unwrap_or_else(|p| p.into_inner());
-    all.retain(|(_, plan)| plan.strong_count() > 0);
+    all.retain(|(_, plan, _)| plan.strong_count() > 0);
     all
+}
+
+/// The plans of `group` that are alive, the training plans only if `training`.
+fn plans(group: &ProcessGroup, training: bool) -> Vec<Arc<PlanState>> {
+    registry()
+        .iter()
+        .filter(|(g, _, t)| g.is(group) && (*t || !training))
+        .filter_map(|(_, plan, _)| plan.upgrade())
+        .collect()
 }
 
 /// The training plans of `group` that are alive: those made by [`ShardPlan::new`] on it (through
@@ -108,12 +118,83 @@ fn registry() -> std::sync::MutexGuard<'static, Registry> {
 /// the rest of an epoch over a new membership, as it does for the samplers given to its
 /// `with_sampler`.
 pub fn training_plans(group: &ProcessGroup) -> Vec<Arc<dyn DataEpoch>> {
-    registry()
-        .iter()
-        .filter(|(g, _)| g.is(group))
-        .filter_map(|(_, plan)| plan.upgrade())
+    plans(group, true)
+        .into_iter()
         .map(|plan| plan as Arc<dyn DataEpoch>)
         .collect()
+}
+
+/// Runs `work`, a pass over the job's data that the ranks make together after training or
+/// outside it (an evaluation whose counts are all-reduced), so that a fault-tolerant job
+/// survives the loss of a rank during it: when `work` fails because the group failed
+/// ([`DdpError::is_peer_failure`]), the ranks that can still reach the job agree on a new
+/// membership ([`ProcessGroup::recover`]), every sampler made on the group (the line's
+/// `DistributedSampler::new` and `::evaluation`) is dealt again over it from the start of its
+/// epoch, and `work` runs again from its start, on every rank of the new membership. `work`
+/// must start from nothing each time (an evaluation does). Outside fault-tolerant jobs it runs
+/// `work` once.
+///
+/// ```no_run
+/// # fn doc(pg: &burn_ddp_comm::ProcessGroup) -> burn_ddp_comm::Result<()> {
+/// use burn_ddp_comm::ReduceOp;
+/// let hits = burn_ddp_comm::data::surviving(pg, || {
+///     let mut counts = [0.0f64; 2]; // score this rank's shard of the test set here
+///     pg.all_reduce(&mut counts, ReduceOp::Sum)?;
+///     Ok::<_, burn_ddp_comm::DdpError>(counts)
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// What `work` returns when it is not a failure of the group (or the job is not
+/// fault-tolerant); [`ProcessGroup::recover`]'s errors: this rank was left out of the new
+/// membership, or too few ranks are left.
+pub fn surviving<T, E>(group: &ProcessGroup, mut work: impl FnMut() -> Result<T, E>) -> Result<T, E>
+where
+    E: FailureOf + From<DdpError>,
+{
+    loop {
+        let e = match work() {
+            Ok(done) => return Ok(done),
+            Err(e) => e,
+        };
+        let failure = e.ddp_error();
+        let Some(cause) = failure.filter(|c| group.is_fault_tolerant() && c.is_peer_failure())
+        else {
+            return Err(e);
+        };
+        // Every rank holds the state training ended with: none is behind.
+        let rec = group.recover(cause, Some(0))?;
+        for plan in plans(group, false) {
+            plan.reshard(rec.rank, rec.world, 0)?;
+        }
+        if group.is_main() {
+            println!(
+                "[membership] {} (after training: the work the ranks were doing together runs \
+                 again over the new membership)",
+                rec.summary()
+            );
+        }
+    }
+}
+
+/// An error that may be a [`DdpError`]: what [`surviving`]'s work returns, a `DdpError` or a
+/// boxed error (a program's own, or a `DdpError` it passed on with `?`).
+pub trait FailureOf {
+    /// The [`DdpError`] this error is, if it is one.
+    fn ddp_error(&self) -> Option<&DdpError>;
+}
+
+impl FailureOf for DdpError {
+    fn ddp_error(&self) -> Option<&DdpError> {
+        Some(self)
+    }
+}
+
+impl FailureOf for Box<dyn std::error::Error + Send + Sync> {
+    fn ddp_error(&self) -> Option<&DdpError> {
+        self.downcast_ref()
+    }
 }
 
 /// This rank's indices, and what they were computed for.
@@ -139,13 +220,14 @@ impl ShardPlan {
     /// shuffled, seed 0, padded (not `drop_last`), epoch 0. The plan is one of the group's
     /// [`training_plans`]: a line's training strategy on `group` sets its epoch.
     pub fn new(group: &ProcessGroup) -> Self {
-        let plan = Self::unlisted(group);
-        registry().push((group.downgrade(), Arc::downgrade(&plan.state)));
-        plan
+        Self::listed(group, true)
     }
 
-    fn unlisted(group: &ProcessGroup) -> Self {
-        Self::build(group.rank().0, group.world_size().get())
+    /// A plan of `group`'s rank, in the registry of its plans.
+    fn listed(group: &ProcessGroup, training: bool) -> Self {
+        let plan = Self::build(group.rank().0, group.world_size().get());
+        registry().push((group.downgrade(), Arc::downgrade(&plan.state), training));
+        plan
     }
 
     fn dealing(&self, n: usize) -> Dealing {
@@ -174,7 +256,7 @@ impl ShardPlan {
     /// The share of this process's rank for validation or evaluation: every item exactly once
     /// over all ranks, in order (no shuffle, shards that differ by at most one item).
     pub fn evaluation(group: &ProcessGroup) -> Self {
-        Self::unlisted(group)
+        Self::listed(group, false)
             .with_shuffle(false)
             .with_even_shards(false)
     }

@@ -140,7 +140,33 @@ fn counter_job_child() {
         }
         std::thread::sleep(pause);
     }
+    if std::env::var_os("FT_EVAL").is_some() {
+        println!("evaluation total {}", evaluate(&pg));
+    }
     println!("final step {step} digest {:016x}", digest(&state));
+}
+
+/// Items of the evaluation after training.
+const EVAL_ITEMS: usize = 1000;
+
+/// An evaluation after training, as the classifier's: each rank sums its shard of the items
+/// (item `i` counts `i + 1`), over 40 rounds of collectives 50 ms apart, then the sums are
+/// all-reduced. Through `surviving`, a rank lost meanwhile is survived: the total is the sum
+/// of every item once, `EVAL_ITEMS * (EVAL_ITEMS + 1) / 2`.
+fn evaluate(pg: &ProcessGroup) -> f64 {
+    let plan = burn_ddp_comm::data::ShardPlan::evaluation(pg);
+    burn_ddp_comm::data::surviving(pg, || {
+        println!("evaluating as rank {} of {}", pg.rank(), pg.world_size());
+        for _ in 0..40 {
+            pg.barrier()?;
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let shard = (0..plan.len(EVAL_ITEMS)).filter_map(|k| plan.index(EVAL_ITEMS, k));
+        let mut sum = [shard.map(|i| i as f64 + 1.0).sum::<f64>()];
+        pg.all_reduce(&mut sum, ReduceOp::Sum)?;
+        Ok::<_, DdpError>(sum[0])
+    })
+    .unwrap_or_else(|e| panic!("evaluating: {e}"))
 }
 
 /// A launcher of a fault-tolerant counter job, its output in a log.
@@ -468,6 +494,38 @@ fn launchers_whose_ranks_are_not_the_jobs_are_refused_without_churning_it() {
     let text = job.finish(true);
     assert!(!text.contains("membership epoch 1"), "{text}");
     assert_unbroken(&finals(&text), 3, steps, &text);
+}
+
+/// 3 ranks train, then evaluate together (`surviving`); rank 1 is SIGKILLed during the
+/// evaluation: the two others agree on a membership of two, deal the items again between
+/// themselves, evaluate again, and get the total of every item once; the job succeeds.
+#[test]
+fn a_rank_lost_in_the_evaluation_after_training_is_survived() {
+    let steps = 40;
+    let job = FtJob::start("eval", 3, 0, steps, &[("FT_EVAL", "1")]);
+    let victim = job.pid(1, 1);
+    wait_for(
+        &job.log,
+        "[rank 1] evaluating as rank 1 of 3",
+        Duration::from_secs(120),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    kill(victim, "-KILL");
+    let text = job.finish(true);
+    let want = format!("evaluation total {}", EVAL_ITEMS * (EVAL_ITEMS + 1) / 2);
+    let totals: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("evaluation total"))
+        .collect();
+    assert_eq!(totals.len(), 2, "{text}");
+    assert!(totals.iter().all(|l| l.ends_with(&want)), "{text}");
+    assert!(text.contains("evaluating as rank 1 of 2"), "{text}");
+    assert!(text.contains("left: [m1]"), "{text}");
+    assert!(
+        text.contains("after training: the work the ranks were doing together"),
+        "{text}"
+    );
+    assert_unbroken(&finals(&text), 2, steps, &text);
 }
 
 /// 4 ranks; rank 1 is killed, and rank 2 a few milliseconds later, while the survivors are

@@ -174,7 +174,10 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
         return Err(format!("training failed: {e}").into());
     }
 
-    let accuracy = evaluate(&result.model, &*test_loader, &pg)?;
+    // Every rank scores its shard of the test set; in a fault-tolerant job a rank lost meanwhile
+    // is survived (the others deal the test set again among themselves and score it again).
+    let accuracy =
+        burn_ddp_burn022::surviving(&pg, || evaluate(&result.model, &*test_loader, &pg))?;
     // In a fault-tolerant job (`burn-ddp run --fault-tolerant`) rank 0 may have changed.
     if pg.is_main() {
         println!(

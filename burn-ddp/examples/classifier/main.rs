@@ -183,7 +183,9 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
         .summary()
         .launch_ddp(Learner::new(model, AdamConfig::new().init(), lr), &ddp)?;
 
-    let accuracy = evaluate(&result.model, &test_loader, &pg)?;
+    // Every rank scores its shard of the test set; in a fault-tolerant job a rank lost meanwhile
+    // is survived (the others deal the test set again among themselves and score it again).
+    let accuracy = burn_ddp::surviving(&pg, || evaluate(&result.model, &test_loader, &pg))?;
     // In a fault-tolerant job (`burn-ddp run --fault-tolerant`) rank 0 may have changed.
     let main = pg.is_main();
     if main {

@@ -78,8 +78,10 @@ impl ProcessGroup {
     /// After `cause` (a failure of the group: [`DdpError::is_peer_failure`]), agrees with the
     /// other ranks that can still reach the job's store on the next membership, opens its
     /// group (this group, and every clone of it, now has the new ranks: this rank's rank may
-    /// change), and compares the ranks' `progress` (e.g. optimizer steps taken; `None` for
-    /// none) so that the ranks behind take the source's state ([`Recovery`]). The partial
+    /// change), and compares the ranks' `progress` (e.g. optimizer steps taken; `None` when
+    /// this rank has no state at all, as a process that joined and has not taken one yet) so
+    /// that the ranks behind take the source's state ([`Recovery`]). Ranks that keep no count
+    /// but hold the job's state pass the same `Some` value. The partial
     /// results of the step that failed must be dropped by the caller.
     ///
     /// # Errors
@@ -213,6 +215,9 @@ impl ProcessGroup {
                 started,
             ) {
                 Ok(r) => return Ok(r),
+                // Not a failure of the new group (no rank has any state): agreeing again
+                // would end the same way.
+                Err(err) if !err.is_peer_failure() => return Err(err),
                 Err(err) => {
                     tracing::warn!(
                         "[member {}] membership epoch {next} failed at once: {err}",
