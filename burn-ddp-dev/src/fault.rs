@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use burn_ddp_comm::grad::LoopState;
+use burn_ddp_comm::train::files::path;
 use burn_ddp_comm::DdpError;
 
 use crate::spawned::{children, classifier_args, digests, example, finish, rank_of, wait_for};
@@ -183,6 +184,60 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
         d.iter().all(|(_, x)| *x == d[0].1),
         "the replicas differ:\n{text}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The classifier example `name` on 3 fault-tolerant ranks, 2 epochs, checkpoints kept: rank 0
+/// is SIGKILLed as soon as the first file of epoch 1's checkpoint appears (its writes go on
+/// threads of their own). The others must still be at the end of epoch 1: their new rank 0
+/// writes the checkpoint of epoch 1 again, so at the end both epochs' checkpoints are
+/// complete, with no temporary file left, and the survivors are equal.
+pub fn rank_zero_dies_while_it_writes_a_checkpoint(name: &str) {
+    let dir = scratch(&format!("{name}-ckpt"));
+    let log = dir.join("launcher.log");
+    let out = dir.join("out");
+    let checkpoints = out.join("checkpoint");
+    let mut job = launch(
+        3,
+        0,
+        &example(name),
+        &classifier_args(&out, 2, 1536, 128),
+        &log,
+    );
+    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
+    let zero = children(job.id())
+        .into_iter()
+        .find(|p| rank_of(*p) == Some(0))
+        .expect("no process of rank 0");
+    let first = path(&checkpoints, "model", 1);
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !first.exists() {
+        assert!(Instant::now() < deadline, "no checkpoint of epoch 1");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let status = Command::new("kill")
+        .args(["-KILL", &zero.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
+    assert!(ok, "{text}");
+    assert!(text.contains("left: [m0]"), "{text}");
+    for epoch in [1, 2] {
+        for part in ["model", "optim", "scheduler"] {
+            let file = path(&checkpoints, part, epoch);
+            assert!(file.is_file(), "{} is missing:\n{text}", file.display());
+        }
+    }
+    let temporaries: Vec<String> = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp-"))
+        .collect();
+    assert!(temporaries.is_empty(), "{temporaries:?}");
+    let d = digests(&text);
+    assert_eq!(d.len(), 2, "{text}");
+    assert_eq!(d[0].1, d[1].1, "the survivors differ:\n{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

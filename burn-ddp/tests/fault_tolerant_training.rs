@@ -35,6 +35,13 @@ fn rank_zero_is_lost_and_a_replacement_joins_the_running_classifier() {
     fault::rank_zero_is_lost_and_a_replacement_joins("classifier");
 }
 
+/// Rank 0 is SIGKILLed as it writes the checkpoint of epoch 1: the new rank 0 writes it again,
+/// both epochs' checkpoints are complete at the end, no temporary file is left.
+#[test]
+fn rank_zero_lost_while_it_writes_a_checkpoint_loses_no_checkpoint() {
+    fault::rank_zero_dies_while_it_writes_a_checkpoint("classifier");
+}
+
 /// The optimizer of the custom loop.
 type Adam = OptimizerAdaptor<burn::optim::Adam, Mlp<Train>, Train>;
 

@@ -17,6 +17,7 @@ use burn::train::{
 };
 use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
+use burn_ddp_comm::train::files::SavedLog;
 use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
 use burn_ddp_comm::Recovery;
 
@@ -81,6 +82,10 @@ where
 
     fn failure(&self) -> &FailureSlot {
         &self.strategy.state.failure
+    }
+
+    fn saved(&self) -> &SavedLog {
+        &self.strategy.state.saved
     }
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {

@@ -38,8 +38,10 @@ where
             components.summary = None;
         }
         if let Some(dir) = &self.state.checkpoints {
-            let part =
-                |name| RankCheckpointer(RecordFiles::new(dir.clone(), name, self.group().clone()));
+            let part = |name| {
+                let files = RecordFiles::new(dir.clone(), name, self.group().clone());
+                RankCheckpointer(files.with_log(self.state.saved.clone()))
+            };
             let interrupter = components.interrupter.clone();
             components.checkpointer = Some(LearningCheckpointer::new(
                 AsyncCheckpointer::new(part("model")).with_interrupter(interrupter.clone()),

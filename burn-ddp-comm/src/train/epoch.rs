@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::board::MembershipBoard;
+use super::files::SavedLog;
 use super::vote::{self, Aside, FailureSlot, Flow, Split, Turn, Vote};
 use crate::data::DataEpoch;
 use crate::group::handover::{frame, move_state, saved_records, unframe, RecordSlot};
@@ -437,6 +438,10 @@ pub trait EpochDriver {
     /// then whether its early-stopping strategy says to stop.
     fn main_epoch_end(&mut self, epoch: usize) -> bool;
 
+    /// The epochs whose checkpoint rank 0 has written (the strategy's
+    /// [`StrategyState::saved`](super::strategy::StrategyState::saved)).
+    fn saved(&self) -> &SavedLog;
+
     /// This rank's vote when its Learner was interrupted (a quit in the dashboard, an error it
     /// holds: [`vote::interrupted`]); None when it was not.
     fn interrupted(&self) -> Option<Vote>;
@@ -453,8 +458,19 @@ pub trait EpochDriver {
     /// every rank's vote ([`end_epoch`]).
     fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
         let mut vote = Vote::Item;
-        if self.group().rank() == Rank::ZERO && self.main_epoch_end(epoch) {
-            vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+        if self.group().rank() == Rank::ZERO {
+            if self.main_epoch_end(epoch) {
+                vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
+            }
+            // In a fault-tolerant job the epoch ends once its checkpoint is on disk: if rank 0
+            // dies while it writes, the others are still at this epoch's end, and their new
+            // rank 0 writes it again.
+            if fault_tolerant {
+                let limit = self.group().timeouts().collective;
+                if let Err(e) = self.saved().wait(epoch, limit) {
+                    vote = Vote::Failed(e);
+                }
+            }
         }
         if let Some(v) = self.interrupted() {
             vote = v;

@@ -6,6 +6,8 @@
 use crate::error::JobError;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::checkpoint::write_atomic;
 use crate::{DdpError, ProcessGroup, Rank, Result};
@@ -48,12 +50,73 @@ pub fn no_directory(epoch: usize, how: &str) -> DdpError {
     })
 }
 
+/// Which epochs' records rank 0 has written (the line's checkpointers write them on threads of
+/// their own): in a fault-tolerant job rank 0 waits, at the end of an epoch, until the epoch's
+/// three records are on disk before the ranks agree the epoch is over. If rank 0 dies while it
+/// writes, the others are still at the end of that epoch, and their new rank 0 writes the
+/// checkpoint again: no epoch's checkpoint is lost to a change of membership.
+#[derive(Debug, Clone, Default)]
+pub struct SavedLog(Arc<(Mutex<Saved>, Condvar)>);
+
+#[derive(Debug, Default)]
+struct Saved {
+    /// Whether records are written through this log (a strategy with checkpoints).
+    armed: bool,
+    /// For each of [`PARTS`], the newest epoch written.
+    newest: [Option<usize>; 3],
+    /// A record that could not be written.
+    failed: Option<String>,
+}
+
+impl SavedLog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Saved> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn record(&self, f: impl FnOnce(&mut Saved)) {
+        f(&mut self.lock());
+        self.0 .1.notify_all();
+    }
+
+    /// Waits until rank 0 has written every record of `epoch`, within `limit`. Returns at
+    /// once when no records are written through this log (no checkpoints).
+    ///
+    /// # Errors
+    /// A record could not be written (its message), or `limit` passed.
+    pub fn wait(&self, epoch: usize, limit: Duration) -> std::result::Result<(), String> {
+        let deadline = Instant::now() + limit;
+        let mut saved = self.lock();
+        loop {
+            if !saved.armed || saved.newest.iter().all(|e| e.is_some_and(|e| e >= epoch)) {
+                return Ok(());
+            }
+            if let Some(failed) = &saved.failed {
+                return Err(failed.clone());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "rank 0 did not finish writing the checkpoint of epoch {epoch} within \
+                     {limit:?} (BURN_DDP_TIMEOUT)"
+                ));
+            }
+            saved = self
+                .0
+                 .1
+                .wait_timeout(saved, left.min(Duration::from_millis(100)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
 /// One of the three records of every epoch, in one directory, for one rank of a group.
 #[derive(Debug, Clone)]
 pub struct RecordFiles {
     dir: PathBuf,
     name: &'static str,
     pg: ProcessGroup,
+    log: Option<SavedLog>,
 }
 
 impl RecordFiles {
@@ -63,7 +126,15 @@ impl RecordFiles {
             dir: dir.into(),
             name,
             pg,
+            log: None,
         }
+    }
+
+    /// Records in `log` each epoch written (and a record that could not be).
+    pub fn with_log(mut self, log: SavedLog) -> Self {
+        log.record(|s| s.armed = true);
+        self.log = Some(log);
+        self
     }
 
     /// The file of `epoch`.
@@ -86,14 +157,24 @@ impl RecordFiles {
             return Ok(());
         }
         let file = self.path(epoch);
-        let bytes = bytes().map_err(|e| {
-            DdpError::Job(JobError::Checkpoint {
-                path: file.display().to_string(),
-                what: "serialising the record",
-                reason: e.to_string(),
+        let written = bytes()
+            .map_err(|e| {
+                DdpError::Job(JobError::Checkpoint {
+                    path: file.display().to_string(),
+                    what: "serialising the record",
+                    reason: e.to_string(),
+                })
             })
-        })?;
-        write_atomic(&file, &bytes)
+            .and_then(|bytes| write_atomic(&file, &bytes));
+        if let Some(log) = &self.log {
+            let part = PARTS.iter().position(|p| *p == self.name);
+            match (&written, part) {
+                (Ok(()), Some(i)) => log.record(|s| s.newest[i] = s.newest[i].max(Some(epoch))),
+                (Ok(()), None) => {}
+                (Err(e), _) => log.record(|s| s.failed = Some(e.to_string())),
+            }
+        }
+        written
     }
 
     /// Rank 0 removes the record of `epoch` (absent is fine).
@@ -178,6 +259,42 @@ mod tests {
         // A killed writer's temporary is not a checkpoint.
         fs::write(dir.join(".model-4.bin.tmp-77"), b"x").unwrap();
         assert_eq!(newest_complete(&dir), Some(2));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The log of written epochs: nothing to wait for without checkpoints; with them, the wait
+    /// ends once the three records of the epoch are written (by a writer thread, as burn-train's
+    /// checkpointers write), at the first record that could not be, or at its limit.
+    #[test]
+    fn the_saved_log_waits_for_every_record_of_the_epoch() {
+        let dir = scratch("saved-log");
+        let pg = ProcessGroup::local(WorldSize::ONE, Timeouts::uniform(Duration::from_secs(20)))
+            .remove(0);
+        let log = SavedLog::default();
+        assert_eq!(log.wait(1, Duration::ZERO), Ok(()), "no checkpoints");
+        let parts: Vec<RecordFiles> = PARTS
+            .iter()
+            .map(|p| RecordFiles::new(&dir, p, pg.clone()).with_log(log.clone()))
+            .collect();
+        let late = log.wait(1, Duration::from_millis(50)).unwrap_err();
+        assert!(late.contains("checkpoint of epoch 1 within"), "{late}");
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for part in &parts {
+                    std::thread::sleep(Duration::from_millis(100));
+                    part.save(1, || Ok::<_, String>(vec![1])).unwrap();
+                }
+            });
+            assert_eq!(log.wait(1, Duration::from_secs(20)), Ok(()));
+        });
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(PARTS.iter().all(|p| path(&dir, p, 1).is_file()));
+        parts[0]
+            .save(2, || Err::<Vec<u8>, _>("the record does not serialise"))
+            .unwrap_err();
+        let failed = log.wait(2, Duration::from_secs(20)).unwrap_err();
+        assert!(failed.contains("the record does not serialise"), "{failed}");
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::board::MembershipBoard;
 use super::epoch::{self, ChangeLog, Cursor, Handover, SplitAt};
-use super::files::{self, RecordFiles};
+use super::files::{self, RecordFiles, SavedLog};
 use super::run::{self, RunSettings};
 use super::vote::{FailureSlot, Split};
 use crate::data::DataEpoch;
@@ -35,6 +35,9 @@ pub struct StrategyState {
     pub failure: FailureSlot,
     /// A checkpoint rank 0 could not write (where the line's checkpointer reports it apart).
     pub written: FailureSlot,
+    /// The epochs whose checkpoint rank 0 has written (its checkpointers' records go through
+    /// it: `RecordFiles::with_log`).
+    pub saved: SavedLog,
     /// The world size and the last change of membership, for rank 0's dashboard.
     pub board: MembershipBoard,
     /// The changes of membership of a fault-tolerant job, in order.
@@ -63,6 +66,7 @@ impl StrategyState {
     /// resume, no run settings.
     pub fn new(pg: &ProcessGroup) -> Self {
         Self {
+            saved: SavedLog::default(),
             board: MembershipBoard::at_start(pg),
             pg: pg.clone(),
             checkpoints: None,

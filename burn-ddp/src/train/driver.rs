@@ -20,6 +20,7 @@ use burn::train::{
 use burn_backend::BackendTypes;
 use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
+use burn_ddp_comm::train::files::SavedLog;
 use burn_ddp_comm::train::vote::{FailureSlot, Split, Vote};
 
 use super::fault;
@@ -75,6 +76,10 @@ where
 
     fn failure(&self) -> &FailureSlot {
         &self.strategy.state.failure
+    }
+
+    fn saved(&self) -> &SavedLog {
+        &self.strategy.state.saved
     }
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {

@@ -44,7 +44,8 @@ where
         if let Some(dir) = &self.state.checkpoints {
             let pg = self.session.group().clone();
             let part = |name| RankCheckpointer {
-                files: RecordFiles::new(dir.clone(), name, pg.clone()),
+                files: RecordFiles::new(dir.clone(), name, pg.clone())
+                    .with_log(self.state.saved.clone()),
                 failed: self.state.written.clone(),
             };
             let interrupter = components.interrupter.clone();

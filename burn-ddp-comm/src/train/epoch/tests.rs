@@ -254,6 +254,7 @@ struct Driver {
     batches: usize,
     stop_after: Option<usize>,
     log: RefCell<Vec<String>>,
+    saved: crate::train::files::SavedLog,
 }
 
 impl Driver {
@@ -292,6 +293,9 @@ impl EpochDriver for Driver {
         self.log.borrow_mut().push(format!("end {epoch}"));
         self.stop_after == Some(epoch)
     }
+    fn saved(&self) -> &crate::train::files::SavedLog {
+        &self.saved
+    }
     fn interrupted(&self) -> Option<Vote> {
         None
     }
@@ -315,6 +319,7 @@ fn driver(batches: usize, stop_after: Option<usize>) -> Driver {
         batches,
         stop_after,
         log: RefCell::default(),
+        saved: Default::default(),
     }
 }
 
