@@ -64,10 +64,11 @@ pub enum MembershipError {
     /// A process of a fault-tolerant job lost the job's store (its link is down, or the
     /// launcher that serves the store is gone): it cannot take part in any membership.
     #[error(
-        "[member {member}] cannot reach the job's store at {addr} (node 0's launcher serves it): \
-         this process is cut off from the job, which goes on without it ({reason}). When its \
-         network is back, a replacement can join the running job (burn-ddp run --fault-tolerant \
-         --join, or --max-restarts)"
+        "[member {member}] cannot reach the job's store at {addr}, which node 0's launcher \
+         serves ({reason}): either this process is cut off from it, and the job goes on without \
+         it (when its network is back, a replacement can join the running job: burn-ddp run \
+         --fault-tolerant --join, or --max-restarts), or node 0's launcher is gone, and the job \
+         with it (the launcher's store does not survive its host)"
     )]
     StoreUnreachable {
         /// This process's member id.

@@ -188,8 +188,9 @@ pub enum RendezvousError {
 
     /// The connection to the store broke.
     #[error(
-        "[rank {rank}] lost the connection to the rendezvous store at {addr} ({source}): rank 0, which \
-         hosts it, has exited or crashed. See rank 0's output for the cause"
+        "[rank {rank}] lost the connection to the rendezvous store at {addr} ({source}): its host \
+         (rank 0; in a fault-tolerant job, node 0's launcher) has exited or crashed, or the \
+         network to it is down. See that process's output for the cause"
     )]
     StoreLost {
         /// This rank.

@@ -574,8 +574,9 @@ impl Watch {
                     host: self.host.clone(),
                     last_completed: CollectiveSeq(self.progress.completed.load(Ordering::SeqCst)),
                     what: format!(
-                        "is cut off from the job: the launcher's store at {} has not replied \
-                         for {store_quiet:.0?}",
+                        "has lost the job's store: the launcher's store at {} has not \
+                         replied for {store_quiet:.0?} (this rank is cut off from it, or node \
+                         0's launcher is gone)",
                         self.link.master
                     ),
                     store_silent: true,

@@ -58,7 +58,8 @@ pub struct RunArgs {
     /// Elastic job: seconds more nodes may join once MIN are there, before a round starts.
     #[arg(long, default_value_t = 10.0)]
     rdzv_join_window: f64,
-    /// Elastic job: seconds a round waits for MIN nodes before the job fails.
+    /// Elastic job: seconds a round waits for MIN nodes before the job fails. Fault-tolerant
+    /// job: seconds a launcher tries to reach the job's store.
     #[arg(long, default_value_t = 600.0)]
     rdzv_timeout: f64,
     /// Elastic job: seconds of silence after which a node's launcher is taken as lost.
@@ -364,6 +365,7 @@ fn run(args: RunArgs) -> Result<ExitCode> {
             max_restarts: args.max_restarts,
             min_ranks: args.min_ranks,
             join: args.join,
+            store_connect: seconds("--rdzv-timeout", args.rdzv_timeout)?,
         };
         let report = super::fault::run(&job, ft, serving)?;
         return match report.failure {

@@ -28,8 +28,6 @@ use crate::store::{resolve_bind, StoreClient, StoreServer};
 use crate::types::{Rank, WorldSize};
 use crate::{DdpError, Result};
 
-/// How long a launcher tries to reach the job's store.
-const STORE_CONNECT: Duration = Duration::from_secs(60);
 /// The bound of one request of the launcher to the store.
 const STORE_REQUEST: Duration = Duration::from_secs(10);
 /// How long node 0's launcher keeps the store up once the job ended, for the other launchers
@@ -101,6 +99,8 @@ pub struct FaultTolerantLaunch {
     /// This node's ranks join a running job (`burn-ddp run --fault-tolerant --join`) instead
     /// of forming it with the others.
     pub join: bool,
+    /// How long this launcher tries to reach the job's store (`--rdzv-timeout`).
+    pub store_connect: Duration,
 }
 
 /// How a fault-tolerant node ended.
@@ -189,8 +189,23 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         WorldSize::new(world).unwrap_or(WorldSize::ONE),
         &job.token,
         STORE_REQUEST,
-        Instant::now() + STORE_CONNECT,
-    )?;
+        Instant::now() + ft.store_connect,
+    )
+    .map_err(|e| match e {
+        DdpError::Rendezvous(RendezvousError::MasterUnreachable {
+            addr,
+            waited,
+            last_error,
+            ..
+        }) => DdpError::Membership(MembershipError::FaultTolerantJob {
+            reason: format!(
+                "the job's store at {addr} was unreachable for {waited:.0?} (last error: \
+                 {last_error}). Check that node 0's launcher of the job runs and that \
+                 --master-addr/--master-port point to it; --rdzv-timeout sets how long to try"
+            ),
+        }),
+        e => e,
+    })?;
     if !ft.join {
         check_first_launch(&store, job, world)?;
     }

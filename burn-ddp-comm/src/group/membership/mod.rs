@@ -632,13 +632,25 @@ impl MembershipService {
             }
             if said.elapsed() >= SAY_EVERY {
                 said = Instant::now();
+                let mut state = vec![format!("checked in {:?}", ballot.checked)];
+                if !ballot.missing.is_empty() {
+                    state.push(format!("waiting for {:?}", ballot.missing));
+                }
+                if !ballot.joiners.is_empty() {
+                    state.push(format!("joining {:?}", ballot.joiners));
+                }
+                let have = ballot.checked.len() + ballot.joiners.len();
+                if ballot.missing.is_empty() && have < self.min_ranks as usize {
+                    state.push(format!(
+                        "{have} rank(s), fewer than the {} it needs (BURN_DDP_MIN_RANKS): \
+                         waiting for processes to join",
+                        self.min_ranks
+                    ));
+                }
                 tracing::warn!(
-                    "[member {}] epoch {e} ended ({why}); deciding epoch {next}: checked in \
-                     {:?}, waiting for {:?}, joining {:?}",
+                    "[member {}] epoch {e} ended ({why}); deciding epoch {next}: {}",
                     self.id,
-                    ballot.checked,
-                    ballot.missing,
-                    ballot.joiners
+                    state.join("; ")
                 );
             }
             std::thread::sleep(POLL);

@@ -418,10 +418,18 @@ fn participate(
             } => (nproc, nodes, first_world, previous_world),
         };
         let Some(node_rank) = nodes.iter().position(|n| n == id) else {
+            let why = if nodes.len() >= elastic.nodes.max as usize {
+                format!("its maximum of {} nodes", elastic.nodes.max)
+            } else {
+                format!(
+                    "{} node(s) ({}), decided before this node asked",
+                    nodes.len(),
+                    nodes.join(", ")
+                )
+            };
             eprintln!(
-                "burn-ddp run: round {number} started with its maximum of {} nodes without \
-                 node {id}; it waits for the next round",
-                elastic.nodes.max
+                "burn-ddp run: round {number} started with {why}, without node {id}; it waits \
+                 for the next round"
             );
             number += 1;
             continue;
