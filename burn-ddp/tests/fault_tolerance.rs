@@ -528,6 +528,43 @@ fn a_rank_lost_in_the_evaluation_after_training_is_survived() {
     assert_unbroken(&finals(&text), 2, steps, &text);
 }
 
+/// Ctrl-C in the launcher's terminal (SIGINT to its whole process group, ranks included) is an
+/// interrupt: no rank is reported as failed or replaced, though replacements are allowed, and
+/// the launcher ends as interrupted.
+#[test]
+fn ctrl_c_to_the_process_group_is_an_interrupt_not_failures_to_replace() {
+    use std::os::unix::process::CommandExt;
+    let dir = scratch("ctrl-c");
+    let log = dir.join("launcher.log");
+    let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
+    let mut launcher = launcher_cmd(
+        port,
+        &["--nproc-per-node", "3", "--max-restarts", "3"],
+        100_000,
+        &[],
+        &log,
+    )
+    .process_group(0)
+    .spawn()
+    .unwrap();
+    wait_for(&log, "[rank 2] step 10", Duration::from_secs(120));
+    let group = format!("-{}", launcher.id());
+    let status = Command::new("kill")
+        .args(["-INT", "--", &group])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (ok, text) = finish(&mut launcher, &log, Duration::from_secs(60));
+    assert!(!ok, "{text}");
+    assert!(!text.contains("starting member"), "{text}");
+    assert!(!text.contains("the job goes on without it"), "{text}");
+    assert!(text.contains("interrupted"), "{text}");
+    if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
+        eprintln!("{text}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// 4 ranks; rank 1 is killed, and rank 2 a few milliseconds later, while the survivors are
 /// still agreeing: they agree again, and the two left end equal.
 #[test]

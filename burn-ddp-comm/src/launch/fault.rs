@@ -266,6 +266,20 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
             let (local, member, rank) = (slot.local, slot.member, slot.running.rank);
             let pid = slot.running.child.id();
             ended.push((member, slot.running));
+            // Ctrl-C reaches the ranks too (one process group), often before this loop sees
+            // the launcher's own flag: an interrupt, not a failure to replace.
+            let stop = job.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+            if stop || std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGINT)
+            {
+                if !interrupted && !status.success() {
+                    eprintln!(
+                        "burn-ddp run: rank {rank} (member {member}, pid {pid}) was \
+                         interrupted; it is not replaced"
+                    );
+                }
+                interrupted |= stop;
+                continue;
+            }
             if status.success() || interrupted || slot.stopping.is_some() {
                 continue;
             }

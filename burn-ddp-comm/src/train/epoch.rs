@@ -338,12 +338,13 @@ pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> 
         };
         iteration += 1;
         pending += batch * world;
+        // The first step after a change, of whichever split: how long the change took.
+        if let Some(changes) = at.changes {
+            changes.stepped(at.pg.rank() == Rank::ZERO, at.split);
+        }
         let mut moved = stepped == Stepped::Moved;
         if at.split == Split::Training && moved {
             step_cursor(at.cursor.as_deref_mut(), &mut pending, iteration);
-            if let Some(changes) = at.changes {
-                changes.stepped(at.pg.rank() == Rank::ZERO);
-            }
             moved = false;
         }
         if let Some(Err(e)) = out.map(|out| steps.report(out)) {
@@ -720,14 +721,15 @@ impl ChangeLog {
         changes.all.push(rec);
     }
 
-    /// An optimizer step was taken: the first after a change, rank 0 (`main`) says how long
-    /// the change took.
-    pub fn stepped(&self, main: bool) {
+    /// A step of `split` was taken: the first after a change, rank 0 (`main`) says how long
+    /// the change took (to the end of that step: a validation step when the change came
+    /// during validation).
+    pub fn stepped(&self, main: bool, split: Split) {
         let first = self.lock().first_step.take();
         if let (Some((membership, since)), true) = (first, main) {
             println!(
-                "[membership] the first step of membership epoch {membership} is done, {} ms \
-                 after the change began",
+                "[membership] the first step of membership epoch {membership} is done (a \
+                 {split} step), {} ms after the change began",
                 since.elapsed().as_millis()
             );
         }

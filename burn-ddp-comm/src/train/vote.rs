@@ -198,6 +198,15 @@ pub enum Split {
     Validation,
 }
 
+impl std::fmt::Display for Split {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Split::Training => "training",
+            Split::Validation => "validation",
+        })
+    }
+}
+
 /// What every rank does at one step of an epoch loop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Turn {
