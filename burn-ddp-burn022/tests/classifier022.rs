@@ -240,3 +240,10 @@ fn a_checkpoint_that_cannot_be_written_fails_the_job_naming_it() {
     assert!(!stdout.contains("final test accuracy"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Damaged checkpoint files and run files are refused on every rank naming the file, what is
+/// wrong and the fix; never a panic (Burn's own decoder panics on bytes it cannot read).
+#[test]
+fn damaged_checkpoints_are_refused_naming_the_file_and_the_fix() {
+    burn_ddp_dev::damage::damaged_checkpoints_are_refused("classifier022");
+}

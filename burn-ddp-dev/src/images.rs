@@ -86,17 +86,45 @@ fn segment_distance(p: Point, a: Point, b: Point) -> f32 {
 
 // ------------------------------------------------------------------- MNIST
 
-/// MNIST from the four IDX files in `dir` (as distributed, after `gunzip`).
+/// MNIST's classes (digits).
+pub const DIGITS: usize = 10;
+
+/// MNIST from the four IDX files in `dir` (as distributed, after `gunzip`). Everything read is
+/// checked (magic numbers, dimensions, sizes, labels) and refused naming the file and the fix.
 pub fn mnist(dir: &Path) -> Result<(Vec<Item>, Vec<Item>), String> {
     let load = |images: &str, labels_file: &str| -> Result<Vec<Item>, String> {
-        let pixels = idx(&dir.join(images), 0x0803)?;
-        let labels = idx(&dir.join(labels_file), 0x0801)?;
-        let count = labels.len();
-        if pixels.len() != count * SIDE * SIDE {
-            return Err(format!(
-                "{images} holds {} bytes of pixels, expected {count} images of {SIDE}×{SIDE} \
-                 to match {labels_file}",
-                pixels.len()
+        let read = |name: &str| read_file(&dir.join(name));
+        let name = |f: &str| dir.join(f).display().to_string();
+        let (pixels, shape) = idx(&read(images)?, 0x0803).map_err(|e| fix(&name(images), &e))?;
+        let (labels, _) =
+            idx(&read(labels_file)?, 0x0801).map_err(|e| fix(&name(labels_file), &e))?;
+        if shape[1..] != [SIDE, SIDE] {
+            return Err(fix(
+                &name(images),
+                &format!(
+                    "its images are {}×{}, not MNIST's {SIDE}×{SIDE}",
+                    shape[1], shape[2]
+                ),
+            ));
+        }
+        if shape[0] != labels.len() {
+            return Err(fix(
+                &name(images),
+                &format!(
+                    "it holds {} images and {labels_file} {} labels",
+                    shape[0],
+                    labels.len()
+                ),
+            ));
+        }
+        if let Some((i, l)) = labels
+            .iter()
+            .enumerate()
+            .find(|(_, l)| usize::from(**l) >= DIGITS)
+        {
+            return Err(fix(
+                &name(labels_file),
+                &format!("label {l} of item {i} is not a digit (0 to 9)"),
             ));
         }
         Ok(pixels
@@ -114,9 +142,16 @@ pub fn mnist(dir: &Path) -> Result<(Vec<Item>, Vec<Item>), String> {
     ))
 }
 
-/// The payload of an IDX file whose magic number is `magic`.
-fn idx(path: &Path, magic: u32) -> Result<Vec<u8>, String> {
-    let bytes = std::fs::read(path).map_err(|e| {
+/// What is wrong with `file`, and what to do about it.
+fn fix(file: &str, why: &str) -> String {
+    format!(
+        "{file}: {why}. --mnist needs the four uncompressed IDX files of MNIST as distributed \
+         (download them again if they were damaged)"
+    )
+}
+
+fn read_file(path: &Path) -> Result<Vec<u8>, String> {
+    std::fs::read(path).map_err(|e| {
         let mut gz = path.as_os_str().to_owned();
         gz.push(".gz");
         let hint = if Path::new(&gz).exists() {
@@ -125,33 +160,46 @@ fn idx(path: &Path, magic: u32) -> Result<Vec<u8>, String> {
             " (point --mnist at the directory holding the four uncompressed IDX files)"
         };
         format!("cannot read {}: {e}{hint}", path.display())
-    })?;
+    })
+}
+
+/// The payload and dimensions of the bytes of an IDX file of unsigned bytes whose magic number is
+/// `magic` (its last byte is the number of dimensions); what is wrong with them otherwise.
+pub fn idx(bytes: &[u8], magic: u32) -> Result<(Vec<u8>, Vec<usize>), String> {
     let header = |i: usize| -> Option<u32> {
         Some(u32::from_be_bytes(
             bytes.get(4 * i..4 * i + 4)?.try_into().ok()?,
         ))
     };
-    let found =
-        header(0).ok_or_else(|| format!("{} is too short for an IDX file", path.display()))?;
+    let found = header(0).ok_or("it is too short for an IDX file")?;
     if found != magic {
         return Err(format!(
-            "{} is not an IDX file of the expected kind (magic {found:#010x}, expected {magic:#010x})",
-            path.display()
+            "it is not an IDX file of the expected kind (magic number {found:#010x}, expected \
+             {magic:#010x})"
         ));
     }
     let dims = (magic & 0xff) as usize;
-    let start = 4 + 4 * dims;
-    let count: usize = (1..=dims)
+    let shape: Vec<usize> = (1..=dims)
         .map(|i| header(i).map(|d| d as usize))
-        .try_fold(1usize, |acc, d| d.map(|d| acc * d))
-        .ok_or_else(|| format!("{} has a truncated header", path.display()))?;
-    match bytes.get(start..start + count) {
-        Some(data) => Ok(data.to_vec()),
-        None => Err(format!(
-            "{} is truncated: its header announces {count} values",
-            path.display()
-        )),
+        .collect::<Option<_>>()
+        .ok_or("its header is truncated")?;
+    let count = shape
+        .iter()
+        .try_fold(1usize, |acc, d| acc.checked_mul(*d))
+        .ok_or("its header announces more values than can exist")?;
+    let start = 4 + 4 * dims;
+    let held = bytes.len() - start.min(bytes.len());
+    if held != count {
+        return Err(format!(
+            "its header announces {count} values ({}), the file holds {held}",
+            shape
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(" × ")
+        ));
     }
+    Ok((bytes[start..].to_vec(), shape))
 }
 
 // ------------------------------------------------------------------ options
@@ -206,4 +254,88 @@ pub fn check_sizes(train: usize, test: usize, world: usize) -> Result<(), String
         return Err("the test set is empty: there is nothing to measure accuracy on".into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bytes of an IDX file of unsigned bytes with `shape` and `data`.
+    fn idx_file(shape: &[u32], data: &[u8]) -> Vec<u8> {
+        let mut bytes = (0x0800u32 | shape.len() as u32).to_be_bytes().to_vec();
+        for d in shape {
+            bytes.extend_from_slice(&d.to_be_bytes());
+        }
+        bytes.extend_from_slice(data);
+        bytes
+    }
+
+    /// A directory of the four MNIST files: `n` images with these labels.
+    fn mnist_dir(name: &str, labels: &[u8], side: u32) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-idx-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = labels.len() as u32;
+        let pixels = vec![7u8; (n * side * side) as usize];
+        for (images, labels_file) in [
+            ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+            ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+        ] {
+            std::fs::write(dir.join(images), idx_file(&[n, side, side], &pixels)).unwrap();
+            std::fs::write(dir.join(labels_file), idx_file(&[n], labels)).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn mnist_files_are_read_and_damage_is_named() {
+        let dir = mnist_dir("good", &[0, 9, 3], SIDE as u32);
+        let (train, test) = mnist(&dir).unwrap();
+        assert_eq!((train.len(), test.len(), train[1].label), (3, 3, 9));
+        let dir = mnist_dir("label", &[0, 12], SIDE as u32);
+        let e = mnist(&dir).unwrap_err();
+        assert!(
+            e.contains("train-labels-idx1-ubyte: label 12 of item 1 is not a digit"),
+            "{e}"
+        );
+        let dir = mnist_dir("side", &[1], 14);
+        let e = mnist(&dir).unwrap_err();
+        assert!(e.contains("its images are 14×14, not MNIST's 28×28"), "{e}");
+        let dir = mnist_dir("count", &[1], SIDE as u32);
+        std::fs::write(dir.join("train-labels-idx1-ubyte"), idx_file(&[2], &[1, 2])).unwrap();
+        let e = mnist(&dir).unwrap_err();
+        assert!(
+            e.contains("it holds 1 images and train-labels-idx1-ubyte 2 labels"),
+            "{e}"
+        );
+        assert!(e.contains("download them again"), "{e}");
+        std::fs::write(dir.join("train-labels-idx1-ubyte"), [0u8, 0, 8, 1, 0xff]).unwrap();
+        let e = mnist(&dir).unwrap_err();
+        assert!(e.contains("its header is truncated"), "{e}");
+    }
+
+    proptest::proptest! {
+        /// Any bytes are read or refused, never a panic (overflowing headers included); a
+        /// well-formed file reads back.
+        #[test]
+        fn idx_reads_or_refuses_any_bytes(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+            dims in proptest::collection::vec(proptest::num::u32::ANY, 0..4),
+            shape in proptest::collection::vec(0u32..5, 1..4),
+        ) {
+            let _ = idx(&bytes, 0x0803);
+            let mut forged = (0x0800u32 | dims.len() as u32).to_be_bytes().to_vec();
+            for d in &dims {
+                forged.extend_from_slice(&d.to_be_bytes());
+            }
+            forged.extend_from_slice(&bytes);
+            let _ = idx(&forged, 0x0800 | dims.len() as u32);
+            let n: u32 = shape.iter().product();
+            let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
+            let magic = 0x0800 | shape.len() as u32;
+            let (got, dims) = idx(&idx_file(&shape, &data), magic).unwrap();
+            proptest::prop_assert_eq!(got, data);
+            proptest::prop_assert_eq!(dims, shape.iter().map(|d| *d as usize).collect::<Vec<_>>());
+        }
+    }
 }

@@ -13,6 +13,7 @@
 //! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
 //! - [`netns`]: several "nodes" on one machine (network namespaces), and the two-node
 //!   scenario every line's classifier passes
+//! - [`damage`]: damaged checkpoint and run files, refused on resume (both lines' classifiers)
 //! - [`diff`]: the lines a migration changed
 //! - [`hooks`]: a communication hook the equivalence tests train with
 //! - [`args`]: the step benchmarks' command line
@@ -22,6 +23,7 @@ pub mod adapters;
 pub mod args;
 pub mod compare;
 pub mod conformance;
+pub mod damage;
 pub mod diff;
 pub mod fault;
 pub mod hooks;

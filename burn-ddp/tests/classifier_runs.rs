@@ -135,6 +135,13 @@ fn a_resume_uses_only_its_own_runs_checkpoints_and_keeps_the_logs_right() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// Damaged checkpoint files and run files are refused on every rank naming the file, what is
+/// wrong and the fix; never a panic (Burn's own decoder panics on bytes it cannot read).
+#[test]
+fn damaged_checkpoints_are_refused_naming_the_file_and_the_fix() {
+    burn_ddp_dev::damage::damaged_checkpoints_are_refused("classifier");
+}
+
 /// Sizes that leave a rank a last batch of one image, or no test image at all, train and
 /// report; sizes and options that leave nothing to train on are refused before training.
 #[test]

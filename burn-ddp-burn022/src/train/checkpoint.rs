@@ -37,11 +37,22 @@ impl<R: Checkpoint> Checkpointer<R> for RankCheckpointer {
 /// Collective: the record of `epoch` on every rank, from rank 0's file.
 pub(crate) fn restore<R: Checkpoint>(files: &RecordFiles, epoch: usize) -> crate::Result<R> {
     let bytes = files.restore(epoch)?;
-    R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| {
+    let bad = |reason: String| {
         DdpError::Job(JobError::Checkpoint {
             path: files.path(epoch).display().to_string(),
             what: "restoring",
-            reason: e.to_string(),
+            reason,
         })
-    })
+    };
+    // Burn's decoders may panic on bytes they cannot decode (a record of another model).
+    let load = || R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes));
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
+        Ok(Ok(record)) => Ok(record),
+        Ok(Err(e)) => Err(bad(e.to_string())),
+        Err(panic) => Err(bad(format!(
+            "Burn could not decode it ({}): it is corrupt, or holds a record of another model or \
+             optimizer. Resume with the program that wrote it, or start afresh in another directory",
+            burn_ddp_comm::train::vote::panic_text(&*panic)
+        ))),
+    }
 }

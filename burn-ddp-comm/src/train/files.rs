@@ -38,6 +38,50 @@ pub fn newest_complete(dir: &Path) -> Option<usize> {
         .max()
 }
 
+/// The first bytes of a checkpoint file written by burn-ddp: then the record's length (8 bytes,
+/// little-endian), its SHA-256 (32 bytes), and the record as the Burn line made it.
+const MAGIC: &[u8; 8] = b"BURNDDP\x01";
+const HEADER: usize = MAGIC.len() + 8 + 32;
+
+/// A record as written to its file: [`MAGIC`], its length and digest, the record.
+fn seal(record: &[u8]) -> Vec<u8> {
+    use sha2::Digest;
+    let mut bytes = Vec::with_capacity(HEADER + record.len());
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&(record.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(&sha2::Sha256::digest(record));
+    bytes.extend_from_slice(record);
+    bytes
+}
+
+/// The record in the bytes of a checkpoint file, checked: what is wrong with them otherwise.
+/// Files without the header (written before burn-ddp wrote one) are passed on as they are.
+pub fn unseal(mut bytes: Vec<u8>) -> std::result::Result<Vec<u8>, String> {
+    use sha2::Digest;
+    if !bytes.starts_with(MAGIC) {
+        return Ok(bytes);
+    }
+    if bytes.len() < HEADER {
+        return Err(format!(
+            "it is truncated: {} bytes, shorter than the {HEADER}-byte header",
+            bytes.len()
+        ));
+    }
+    let len = u64::from_le_bytes(bytes[8..16].try_into().unwrap_or_default());
+    let held = (bytes.len() - HEADER) as u64;
+    if len != held {
+        return Err(format!(
+            "it is truncated or was appended to: its header announces a record of {len} bytes, \
+             the file holds {held}"
+        ));
+    }
+    if sha2::Sha256::digest(&bytes[HEADER..])[..] != bytes[16..HEADER] {
+        return Err("it is corrupt: the record does not match the digest written with it".into());
+    }
+    bytes.drain(..HEADER);
+    Ok(bytes)
+}
+
 /// The error of a resume asked for without a checkpoint directory.
 pub fn no_directory(epoch: usize, how: &str) -> DdpError {
     DdpError::Job(JobError::Checkpoint {
@@ -165,7 +209,7 @@ impl RecordFiles {
                     reason: e.to_string(),
                 })
             })
-            .and_then(|bytes| write_atomic(&file, &bytes));
+            .and_then(|bytes| write_atomic(&file, &seal(&bytes)));
         if let Some(log) = &self.log {
             let part = PARTS.iter().position(|p| *p == self.name);
             match (&written, part) {
@@ -202,14 +246,22 @@ impl RecordFiles {
         let file = self.path(epoch);
         // First byte: 1 = the record follows, 0 = rank 0's error message follows.
         let mine = if self.pg.rank() == Rank(0) {
-            match fs::read(&file) {
+            let read = fs::read(&file).map_err(|e| format!("rank 0 cannot read it: {e}"));
+            match read.and_then(|b| {
+                unseal(b).map_err(|why| {
+                    format!(
+                        "{why}. Resume from an earlier epoch's checkpoint (remove this epoch's \
+                         files), or start afresh in another directory"
+                    )
+                })
+            }) {
                 Ok(mut b) => {
                     b.insert(0, 1);
                     b
                 }
                 Err(e) => {
                     let mut m = vec![0];
-                    m.extend_from_slice(format!("rank 0 cannot read it: {e}").as_bytes());
+                    m.extend_from_slice(e.as_bytes());
                     m
                 }
             }
@@ -260,6 +312,34 @@ mod tests {
         fs::write(dir.join(".model-4.bin.tmp-77"), b"x").unwrap();
         assert_eq!(newest_complete(&dir), Some(2));
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    proptest::proptest! {
+        /// A sealed record comes back as it was; cut short, extended, or with any byte after
+        /// the magic changed, it is refused; any bytes are read or refused without a panic.
+        #[test]
+        fn sealed_records_round_trip_and_damage_is_refused(
+            record in proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+            flip in proptest::num::usize::ANY,
+            cut in proptest::num::usize::ANY,
+            junk in proptest::collection::vec(proptest::num::u8::ANY, 0..80),
+        ) {
+            let sealed = seal(&record);
+            proptest::prop_assert_eq!(unseal(sealed.clone()), Ok(record.clone()));
+            let mut flipped = sealed.clone();
+            let at = MAGIC.len() + flip % (flipped.len() - MAGIC.len());
+            flipped[at] ^= 0x20;
+            proptest::prop_assert!(unseal(flipped).is_err());
+            let short = MAGIC.len() + cut % (sealed.len() - MAGIC.len());
+            proptest::prop_assert!(unseal(sealed[..short].to_vec()).is_err());
+            let mut long = sealed.clone();
+            long.push(0);
+            proptest::prop_assert!(unseal(long).is_err());
+            let mut any = MAGIC.to_vec();
+            any.extend(&junk);
+            let _ = unseal(any);
+            let _ = unseal(junk);
+        }
     }
 
     /// The log of written epochs: nothing to wait for without checkpoints; with them, the wait

@@ -142,16 +142,28 @@ impl RunSettings {
         text
     }
 
-    fn parse(text: &str) -> Self {
+    /// The settings in the text of a [`RUN_FILE`]; what is wrong with it otherwise (the first
+    /// line that is not `key = value`, a comment or blank, or a key given twice).
+    fn parse(text: &str) -> std::result::Result<Self, String> {
         let mut settings = Self::new();
-        for line in text.lines().map(str::trim) {
+        for (n, line) in text.lines().map(str::trim).enumerate() {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let (k, v) = line.split_once('=').unwrap_or((line, ""));
-            settings.set(k, v);
+            let Some((k, v)) = line.split_once('=') else {
+                return Err(format!("line {} is not `key = value`: {line:?}", n + 1));
+            };
+            let key = k.trim();
+            if key.is_empty() || settings.get(key).is_some() {
+                return Err(format!(
+                    "line {} gives {} key: {line:?}",
+                    n + 1,
+                    if key.is_empty() { "no" } else { "a repeated" }
+                ));
+            }
+            settings.set(key, v.trim());
         }
-        settings
+        Ok(settings)
     }
 
     /// The compared settings on which `self` (this run) and `recorded` (the checkpoints' run)
@@ -181,8 +193,26 @@ impl RunSettings {
     /// The file exists but cannot be read.
     pub fn read(dir: &Path) -> Result<Option<Self>> {
         let file = dir.join(RUN_FILE);
-        match fs::read_to_string(&file) {
-            Ok(text) => Ok(Some(Self::parse(&text))),
+        let damaged = |why: String| {
+            DdpError::Job(JobError::Checkpoint {
+                path: file.display().to_string(),
+                what: "reading the run's settings",
+                reason: format!(
+                    "{why}. burn-ddp writes this file with the checkpoints; restore it, or \
+                     start afresh in another directory"
+                ),
+            })
+        };
+        match fs::read(&file) {
+            Ok(bytes) => {
+                let text = String::from_utf8(bytes).map_err(|e| {
+                    damaged(format!(
+                        "it is not text (byte {})",
+                        e.utf8_error().valid_up_to()
+                    ))
+                })?;
+                Self::parse(&text).map(Some).map_err(damaged)
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(source) => Err(DdpError::Job(JobError::CheckpointIo {
                 path: file,
@@ -418,7 +448,7 @@ mod tests {
             .with("data", "shapes\nx = 1")
             .with(WORLD_SIZE, 2)
             .with(EPOCHS, 3);
-        let back = RunSettings::parse(&a.text());
+        let back = RunSettings::parse(&a.text()).unwrap();
         assert_eq!(back, a);
         assert_eq!(back.get("data"), Some("shapes x = 1"));
         let b = RunSettings::new()
@@ -435,6 +465,52 @@ mod tests {
             ]
         );
         assert!(a.differences(&back).is_empty());
+    }
+
+    /// A damaged run file is refused naming the file, the line and the fix; never read as other
+    /// settings, never a panic.
+    #[test]
+    fn a_damaged_run_file_is_refused_naming_the_line() {
+        for (text, why) in [
+            ("lr = 1\ngarbage\n", "line 2 is not `key = value`"),
+            ("= 3\n", "line 1 gives no key"),
+            ("lr = 1\nlr = 2\n", "line 2 gives a repeated key"),
+        ] {
+            assert_eq!(
+                RunSettings::parse(text).unwrap_err(),
+                format!("{why}: {:?}", text.lines().last().unwrap())
+            );
+        }
+        let dir = scratch("damaged-run");
+        fs::write(dir.join(RUN_FILE), b"lr = \xff\xfe").unwrap();
+        let e = RunSettings::read(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains(RUN_FILE) && e.contains("it is not text (byte 5)"),
+            "{e}"
+        );
+        assert!(e.contains("start afresh in another directory"), "{e}");
+        fs::write(dir.join(RUN_FILE), b"# ok\n\nlr = 2\n").unwrap();
+        assert_eq!(
+            RunSettings::read(&dir).unwrap().unwrap().get("lr"),
+            Some("2")
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    proptest::proptest! {
+        /// Any settings round-trip through the file; any text parses or is refused, without a
+        /// panic.
+        #[test]
+        fn run_files_round_trip_and_any_text_is_read_or_refused(
+            pairs in proptest::collection::vec(("[a-z][a-z0-9 =\n-]{0,8}", "\\PC{0,12}"), 0..6),
+            text in "\\PC{0,64}(\n\\PC{0,16}){0,4}",
+        ) {
+            let settings = pairs
+                .iter()
+                .fold(RunSettings::new(), |s, (k, v)| s.with(k, v));
+            proptest::prop_assert_eq!(RunSettings::parse(&settings.text()), Ok(settings));
+            let _ = RunSettings::parse(&text);
+        }
     }
 
     /// Rank 0's decisions: a fresh run records its settings and refuses a directory holding
