@@ -447,9 +447,16 @@ fn a_rank_frozen_for_good_is_stopped_once_the_job_ended() {
     let victim = job.pid(1, 1);
     wait_for(&job.log, "[rank 1] step 20", Duration::from_secs(120));
     kill(victim, "-STOP");
+    let stopped = Instant::now();
     wait_for(&job.log, "left: [m1]", Duration::from_secs(60));
+    let done = wait_for(&job.log, "[rank 0] final step", Duration::from_secs(60));
     // The survivors finish within seconds; the launcher must end well before the test's bound.
     let text = job.finish_within(true, Duration::from_secs(90));
+    eprintln!(
+        "SIGSTOP for good -> the survivors' end: {:?}; -> the launcher's end: {:?}",
+        done - stopped,
+        stopped.elapsed()
+    );
     assert!(
         text.contains(&format!(
             "rank 1 (member 1, pid {victim}) is still running after the job ended"
@@ -511,7 +518,17 @@ fn a_rank_lost_in_the_evaluation_after_training_is_survived() {
     );
     std::thread::sleep(Duration::from_millis(500));
     kill(victim, "-KILL");
+    let killed = Instant::now();
+    let again = wait_for(
+        &job.log,
+        "evaluating as rank 1 of 2",
+        Duration::from_secs(60),
+    );
     let text = job.finish(true);
+    eprintln!(
+        "SIGKILL during the evaluation -> the evaluation starts again: {:?}",
+        again - killed
+    );
     let want = format!("evaluation total {}", EVAL_ITEMS * (EVAL_ITEMS + 1) / 2);
     let totals: Vec<&str> = text
         .lines()
