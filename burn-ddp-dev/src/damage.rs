@@ -3,29 +3,14 @@
 //! rank with an error naming the file and the fix, never a panic.
 
 use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
 
-use crate::spawned::{example, Spawned};
+use crate::spawned::small_run;
 
-/// Runs the classifier example `name` on 2 ranks, one small epoch (more with `args`), in `out`:
-/// whether it succeeded, and its stdout and stderr.
+/// The classifier example `name` on 2 ranks, small ([`small_run`]): whether it succeeded, and
+/// its stdout and stderr.
 fn run(name: &str, out: &Path, args: &[&str]) -> (bool, String) {
-    let mut cmd = Command::new(example(name));
-    cmd.args(["--nproc", "2", "--batch-size", "16", "--train-size", "96"])
-        .args(["--test-size", "32", "--epochs", "1", "--out"])
-        .arg(out)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .env_remove("RUST_LOG");
-    let output = Spawned::start(&mut cmd, Duration::from_secs(300)).finish();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    (output.status.success(), text)
+    let (output, stdout, stderr) = small_run(name, out, &[&["--epochs", "1"], args].concat());
+    (output.status.success(), format!("{stdout}{stderr}"))
 }
 
 /// The classifier example `name` writes the checkpoint of epoch 1; each damage in turn (the

@@ -135,6 +135,28 @@ pub fn classifier_args(out: &Path, epochs: u32, train: u32, test: u32) -> Vec<St
     args
 }
 
+/// Runs the classifier example `name` on 2 ranks, small and fast (96 training images, 32 test
+/// images, batch 16, 2 epochs), writing into `out`, with `args` after the defaults (a later
+/// option wins): its output, stdout and stderr. Its logs into a pipe carry no colour codes.
+pub fn small_run(name: &str, out: &Path, args: &[&str]) -> (Output, String, String) {
+    let mut cmd = Command::new(example(name));
+    cmd.args(["--nproc", "2", "--batch-size", "16", "--train-size", "96"])
+        .args(["--test-size", "32", "--epochs", "2", "--out"])
+        .arg(out)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID")
+        .env_remove("RUST_LOG");
+    let output = Spawned::start(&mut cmd, Duration::from_secs(300)).finish();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        !stderr.contains('\x1b'),
+        "colour codes in piped logs:\n{stderr}"
+    );
+    (output, stdout, stderr)
+}
+
 /// The parameter digest rank `rank` printed last in `log` (the classifier's `--print-digest`,
 /// `[rank N] parameter digest: ...`).
 pub fn digest(log: &str, rank: u32) -> String {

@@ -6,10 +6,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::time::Duration;
-
-use common::spawned::Spawned;
+use std::process::Output;
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("burn-ddp-runs-{name}-{}", std::process::id()));
@@ -17,26 +14,9 @@ fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// Runs the example on 2 ranks, small and fast, writing into `out`, with `args` after the
-/// defaults (a later option wins).
+/// The example on 2 ranks, small and fast, writing into `out` (`spawned::small_run`).
 fn run(out: &Path, args: &[&str]) -> (Output, String, String) {
-    let mut cmd = Command::new(common::spawned::example("classifier"));
-    cmd.args(["--nproc", "2", "--batch-size", "16", "--train-size", "96"])
-        .args(["--test-size", "32", "--epochs", "2", "--out"])
-        .arg(out)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("SLURM_PROCID")
-        .env_remove("RUST_LOG");
-    let output = Spawned::start(&mut cmd, Duration::from_secs(300)).finish();
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    // Logs into a pipe carry no colour codes.
-    assert!(
-        !stderr.contains('\x1b'),
-        "colour codes in piped logs:\n{stderr}"
-    );
-    (output, stdout, stderr)
+    common::spawned::small_run("classifier", out, args)
 }
 
 fn finished(out: &(Output, String, String)) -> bool {

@@ -6,9 +6,6 @@
 use burn::tensor::Bytes;
 use burn::train::checkpoint::{Checkpoint, Checkpointer, CheckpointerError};
 use burn_ddp_comm::train::files::RecordFiles;
-use burn_ddp_comm::JobError;
-
-use crate::DdpError;
 
 /// One of the three records, for burn-train's `AsyncCheckpointer`.
 pub(crate) struct RankCheckpointer(pub(crate) RecordFiles);
@@ -36,23 +33,7 @@ impl<R: Checkpoint> Checkpointer<R> for RankCheckpointer {
 
 /// Collective: the record of `epoch` on every rank, from rank 0's file.
 pub(crate) fn restore<R: Checkpoint>(files: &RecordFiles, epoch: usize) -> crate::Result<R> {
-    let bytes = files.restore(epoch)?;
-    let bad = |reason: String| {
-        DdpError::Job(JobError::Checkpoint {
-            path: files.path(epoch).display().to_string(),
-            what: "restoring",
-            reason,
-        })
-    };
-    // Burn's decoders may panic on bytes they cannot decode (a record of another model).
-    let load = || R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes));
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
-        Ok(Ok(record)) => Ok(record),
-        Ok(Err(e)) => Err(bad(e.to_string())),
-        Err(panic) => Err(bad(format!(
-            "Burn could not decode it ({}): it is corrupt, or holds a record of another model or \
-             optimizer. Resume with the program that wrote it, or start afresh in another directory",
-            burn_ddp_comm::train::vote::panic_text(&*panic)
-        ))),
-    }
+    files.restore_with(epoch, |bytes| {
+        R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes))
+    })
 }

@@ -236,6 +236,38 @@ impl RecordFiles {
         }
     }
 
+    /// Collective: every rank gets the record of `epoch` (rank 0 reads the file and sends its
+    /// bytes), as `decode` (the Burn line's recorder) makes it from the bytes. A panic of
+    /// `decode` (Burn's decoders may panic on bytes they cannot read) is an error too.
+    ///
+    /// # Errors
+    /// As [`RecordFiles::restore`]; `decode` failed or panicked
+    /// ([`JobError::Checkpoint`], naming the file).
+    pub fn restore_with<R, E: std::fmt::Display>(
+        &self,
+        epoch: usize,
+        decode: impl FnOnce(Vec<u8>) -> std::result::Result<R, E>,
+    ) -> Result<R> {
+        let bytes = self.restore(epoch)?;
+        let bad = |reason: String| {
+            DdpError::Job(JobError::Checkpoint {
+                path: self.path(epoch).display().to_string(),
+                what: "restoring",
+                reason,
+            })
+        };
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decode(bytes))) {
+            Ok(Ok(record)) => Ok(record),
+            Ok(Err(e)) => Err(bad(e.to_string())),
+            Err(panic) => Err(bad(format!(
+                "Burn could not decode it ({}): it is corrupt, or holds a record of another \
+                 model or optimizer. Resume with the program that wrote it, or start afresh in \
+                 another directory",
+                super::vote::panic_text(&*panic)
+            ))),
+        }
+    }
+
     /// Collective: every rank gets the bytes of the record of `epoch`, which rank 0 reads and
     /// sends.
     ///

@@ -61,23 +61,8 @@ pub(crate) fn restore<R: Record<B>, B: Backend>(
     epoch: usize,
     device: &B::Device,
 ) -> crate::Result<R> {
-    let bytes = files.restore(epoch)?;
-    let bad = |reason: String| {
-        crate::DdpError::Job(JobError::Checkpoint {
-            path: files.path(epoch).display().to_string(),
-            what: "restoring",
-            reason,
-        })
-    };
-    // Burn 0.21's recorder panics on bytes it cannot decode (a record of another model).
-    let load = || BinBytesRecorder::<FullPrecisionSettings>::default().load(bytes, device);
-    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(load)) {
-        Ok(Ok(record)) => Ok(record),
-        Ok(Err(e)) => Err(bad(e.to_string())),
-        Err(panic) => Err(bad(format!(
-            "Burn could not decode it ({}): it is corrupt, or holds a record of another model or \
-             optimizer. Resume with the program that wrote it, or start afresh in another directory",
-            burn_ddp_comm::train::vote::panic_text(&*panic)
-        ))),
-    }
+    // Burn 0.21's recorder panics on bytes it cannot decode: `restore_with` catches it.
+    files.restore_with(epoch, |bytes| {
+        BinBytesRecorder::<FullPrecisionSettings>::default().load(bytes, device)
+    })
 }
