@@ -41,6 +41,13 @@ fn rank_zero_lost_while_it_writes_a_checkpoint_loses_no_checkpoint() {
     fault::rank_zero_dies_while_it_writes_a_checkpoint("classifier022");
 }
 
+/// Rank 0 is frozen, left out, then continued: it rejoins, and the summary is printed once, by
+/// the rank 0 of the last membership.
+#[test]
+fn a_frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary() {
+    fault::frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary("classifier022");
+}
+
 const LOOP_CHILD: &str = "custom_loop_child";
 
 #[derive(Module, Debug)]

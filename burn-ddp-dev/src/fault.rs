@@ -187,6 +187,54 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The classifier example `name` on 3 fault-tolerant ranks: rank 0 is frozen (SIGSTOP) in the
+/// first epoch, left out (the process started as rank 1 becomes rank 0), then continued: it
+/// rejoins the running job as another rank. At the end one summary is printed, by the rank 0 of
+/// the last membership, not by the process that began as rank 0; the three end equal.
+pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &str) {
+    let dir = scratch(&format!("{name}-summary"));
+    let log = dir.join("launcher.log");
+    let mut job = launch(
+        3,
+        0,
+        &example(name),
+        &classifier_args(&dir.join("out"), 3, 1536, 128),
+        &log,
+    );
+    wait_for(&log, "[train] epoch 1/3", Duration::from_secs(300));
+    std::thread::sleep(Duration::from_millis(1500));
+    let zero = children(job.id())
+        .into_iter()
+        .find(|p| rank_of(*p) == Some(0))
+        .expect("no process of rank 0");
+    let signal = |sig: &str| {
+        let status = Command::new("kill")
+            .args([sig, &zero.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    signal("-STOP");
+    wait_for(&log, "left: [m0]", Duration::from_secs(60));
+    signal("-CONT");
+    let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
+    assert!(ok, "{text}");
+    assert!(text.contains("joined: [m0]"), "{text}");
+    let summaries: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("Learner Summary"))
+        .collect();
+    assert_eq!(summaries.len(), 1, "{text}");
+    assert!(summaries[0].starts_with("[rank 1] "), "{text}");
+    let d = digests(&text);
+    assert_eq!(d.len(), 3, "{text}");
+    assert!(
+        d.iter().all(|(_, x)| *x == d[0].1),
+        "the replicas differ:\n{text}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The classifier example `name` on 3 fault-tolerant ranks, 2 epochs, checkpoints kept: rank 0
 /// is SIGKILLed as soon as the first file of epoch 1's checkpoint appears (its writes go on
 /// threads of their own). The others must still be at the end of epoch 1: their new rank 0

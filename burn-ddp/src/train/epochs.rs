@@ -37,10 +37,6 @@ where
         mut components: TrainingComponents<LC>,
     ) -> LearningResult<LC::InferenceModel> {
         learner.fork(&self.device);
-        if !self.is_main() {
-            // The summary reads rank 0's metric logs.
-            components.summary = None;
-        }
         if let Some(dir) = &self.state.checkpoints {
             let pg = self.session.group().clone();
             let part = |name| RankCheckpointer {
@@ -80,7 +76,9 @@ where
             Err(e) => return self.abandon(e, learner, components),
         };
 
-        let summary_config = components.summary.clone();
+        // Burn's summary reads rank 0's metric logs: the rank that is rank 0 when training ends
+        // prints it (in a fault-tolerant job, not always the one that began as rank 0).
+        let summary_config = components.summary.take();
         if self.is_main() {
             components
                 .event_processor
@@ -112,6 +110,7 @@ where
             self.state.model.set(model.to_string());
         }
         let summary = summary_config
+            .filter(|_| self.is_main())
             .and_then(|s| s.init().ok())
             .and_then(|s| self.completed_only(s));
         processor.process_train(LearnerEvent::End(summary));
