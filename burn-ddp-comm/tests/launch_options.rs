@@ -55,18 +55,8 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
             ],
             "1 of the at least 2 node(s) arrived within 1s ([lonely])",
         ),
-        // Nothing serves this port: a joining launcher tries for --rdzv-timeout, and says so.
-        (
-            &[
-                "--fault-tolerant",
-                "--join",
-                "--rdzv-timeout",
-                "1",
-                "--master-port",
-                &port,
-            ],
-            "was unreachable for 1s",
-        ),
+        // Nothing serves this port: a joining launcher tries for --rdzv-timeout (not a fixed
+        // 60 s: the case is bounded below), and says so.
         (
             &[
                 "--fault-tolerant",

@@ -73,18 +73,37 @@ pub fn launch_on(
         .unwrap()
 }
 
-/// Kills (SIGKILL) the rank of `launcher` started as `rank`.
-pub fn kill_rank(launcher: &Child, rank: u32) -> Instant {
-    let pid = children(launcher.id())
+/// The pid of the process of `launcher` started as `rank`.
+pub fn pid_of(launcher: &Child, rank: u32) -> u32 {
+    children(launcher.id())
         .into_iter()
         .find(|p| rank_of(*p) == Some(rank))
-        .unwrap_or_else(|| panic!("no process of rank {rank}"));
+        .unwrap_or_else(|| panic!("no process of rank {rank}"))
+}
+
+/// Sends `sig` (`-KILL`, `-STOP`, ...) to `pid`.
+pub fn signal(pid: u32, sig: &str) {
     let status = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
+        .args([sig, &pid.to_string()])
         .status()
         .unwrap();
-    assert!(status.success());
+    assert!(status.success(), "kill {sig} {pid} failed");
+}
+
+/// Kills (SIGKILL) the rank of `launcher` started as `rank`.
+pub fn kill_rank(launcher: &Child, rank: u32) -> Instant {
+    signal(pid_of(launcher, rank), "-KILL");
     Instant::now()
+}
+
+/// Asserts that `count` processes printed their parameter digest in `text`, all equal.
+fn assert_equal_replicas(text: &str, count: usize) {
+    let d = digests(text);
+    assert_eq!(d.len(), count, "{text}");
+    assert!(
+        d.iter().all(|(_, x)| *x == d[0].1),
+        "the replicas differ:\n{text}"
+    );
 }
 
 /// The steps into the epoch a membership line says the job went on from.
@@ -151,9 +170,7 @@ pub fn classifier_loses_a_rank_mid_epoch(name: &str) {
         "{text}"
     );
     assert!(text.contains("final test accuracy"), "{text}");
-    let d = digests(&text);
-    assert_eq!(d.len(), 2, "{text}");
-    assert_eq!(d[0].1, d[1].1, "the survivors differ:\n{text}");
+    assert_equal_replicas(&text, 2);
     assert!(
         text.contains("lost on the way: member 1 was killed by signal 9"),
         "{text}"
@@ -178,12 +195,7 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
     // The new rank 0 (started as rank 1) shows the dashboard's lines and the result.
     assert!(text.contains("[rank 1] [membership]"), "{text}");
     assert!(text.contains("[rank 1] final test accuracy"), "{text}");
-    let d = digests(&text);
-    assert_eq!(d.len(), 3, "{text}");
-    assert!(
-        d.iter().all(|(_, x)| *x == d[0].1),
-        "the replicas differ:\n{text}"
-    );
+    assert_equal_replicas(&text, 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -203,20 +215,10 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
     );
     wait_for(&log, "[train] epoch 1/3", Duration::from_secs(300));
     std::thread::sleep(Duration::from_millis(1500));
-    let zero = children(job.id())
-        .into_iter()
-        .find(|p| rank_of(*p) == Some(0))
-        .expect("no process of rank 0");
-    let signal = |sig: &str| {
-        let status = Command::new("kill")
-            .args([sig, &zero.to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    };
-    signal("-STOP");
+    let zero = pid_of(&job, 0);
+    signal(zero, "-STOP");
     wait_for(&log, "left: [m0]", Duration::from_secs(60));
-    signal("-CONT");
+    signal(zero, "-CONT");
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
     assert!(text.contains("joined: [m0]"), "{text}");
@@ -226,12 +228,7 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
         .collect();
     assert_eq!(summaries.len(), 1, "{text}");
     assert!(summaries[0].starts_with("[rank 1] "), "{text}");
-    let d = digests(&text);
-    assert_eq!(d.len(), 3, "{text}");
-    assert!(
-        d.iter().all(|(_, x)| *x == d[0].1),
-        "the replicas differ:\n{text}"
-    );
+    assert_equal_replicas(&text, 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -253,21 +250,14 @@ pub fn rank_zero_dies_while_it_writes_a_checkpoint(name: &str) {
         &log,
     );
     wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
-    let zero = children(job.id())
-        .into_iter()
-        .find(|p| rank_of(*p) == Some(0))
-        .expect("no process of rank 0");
+    let zero = pid_of(&job, 0);
     let first = path(&checkpoints, "model", 1);
     let deadline = Instant::now() + Duration::from_secs(300);
     while !first.exists() {
         assert!(Instant::now() < deadline, "no checkpoint of epoch 1");
         std::thread::sleep(Duration::from_millis(1));
     }
-    let status = Command::new("kill")
-        .args(["-KILL", &zero.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal(zero, "-KILL");
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
     assert!(text.contains("left: [m0]"), "{text}");
@@ -283,9 +273,7 @@ pub fn rank_zero_dies_while_it_writes_a_checkpoint(name: &str) {
         .filter(|n| n.contains(".tmp-"))
         .collect();
     assert!(temporaries.is_empty(), "{temporaries:?}");
-    let d = digests(&text);
-    assert_eq!(d.len(), 2, "{text}");
-    assert_eq!(d[0].1, d[1].1, "the survivors differ:\n{text}");
+    assert_equal_replicas(&text, 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
