@@ -22,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use super::spawn::{self, describe, LocalJob, RankExit, Running};
 use crate::config::{env, JobToken, MasterAddr};
-use crate::group::{fresh_member_id, last_membership, record_first_world, LastMembership};
+use crate::group::{
+    fresh_member_id, last_membership, member_list as ids, record_first_world, LastMembership,
+};
 use crate::store::auth::Purpose;
 use crate::store::{resolve_bind, StoreClient, StoreServer};
 use crate::types::{Rank, WorldSize};
@@ -64,18 +66,8 @@ impl Lighthouse {
     pub fn serve(job: &LocalJob) -> Result<Self> {
         match Self::bind(&job.master, job.token.clone()) {
             Err(e @ DdpError::Rendezvous(RendezvousError::PortInUse { .. })) => {
-                let world = job.nproc_per_node * job.nnodes;
-                let ours = StoreClient::connect(
-                    &job.master,
-                    Purpose::StoreAux,
-                    Rank::ZERO,
-                    WorldSize::new(world).unwrap_or(WorldSize::ONE),
-                    &job.token,
-                    STORE_REQUEST,
-                    Instant::now() + Duration::from_secs(2),
-                );
-                match ours {
-                    Ok(store) => Err(check_first_launch(&store, job, world).err().unwrap_or(e)),
+                match connect(job, Instant::now() + Duration::from_secs(2)) {
+                    Ok(store) => Err(check_first_launch(&store, job).err().unwrap_or(e)),
                     Err(_) => Err(e),
                 }
             }
@@ -169,29 +161,13 @@ fn must_stop(slot: &Slot, m: &LastMembership, late: bool) -> Option<String> {
     }
 }
 
-/// Member ids as the membership lines write them (`[m0, m2]`).
-fn ids(members: &[u32]) -> String {
-    let named: Vec<String> = members.iter().map(|m| format!("m{m}")).collect();
-    format!("[{}]", named.join(", "))
-}
-
 /// Runs this node's ranks of a fault-tolerant job (the store must be served already: by this
 /// launcher on node 0, see [`Lighthouse`]).
 ///
 /// # Errors
 /// A rank cannot be started, or the store cannot be reached at the start.
 pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<FaultTolerantReport> {
-    let world = job.nproc_per_node * job.nnodes;
-    let store = StoreClient::connect(
-        &job.master,
-        Purpose::StoreAux,
-        Rank(job.node_rank * job.nproc_per_node),
-        WorldSize::new(world).unwrap_or(WorldSize::ONE),
-        &job.token,
-        STORE_REQUEST,
-        Instant::now() + ft.store_connect,
-    )
-    .map_err(|e| match e {
+    let store = connect(job, Instant::now() + ft.store_connect).map_err(|e| match e {
         DdpError::Rendezvous(RendezvousError::MasterUnreachable {
             addr,
             waited,
@@ -207,7 +183,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
         e => e,
     })?;
     if !ft.join {
-        check_first_launch(&store, job, world)?;
+        check_first_launch(&store, job)?;
     }
     let common = |member: u32, join: bool| -> Vec<(OsString, OsString)> {
         let mut v: Vec<(OsString, OsString)> = vec![
@@ -424,10 +400,25 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     })
 }
 
+/// This launcher's connection to the job's store, tried until `until`.
+fn connect(job: &LocalJob, until: Instant) -> Result<StoreClient> {
+    let world = job.nproc_per_node * job.nnodes;
+    StoreClient::connect(
+        &job.master,
+        Purpose::StoreAux,
+        Rank(job.node_rank * job.nproc_per_node),
+        WorldSize::new(world).unwrap_or(WorldSize::ONE),
+        &job.token,
+        STORE_REQUEST,
+        until,
+    )
+}
+
 /// A launcher that starts the first processes of a job (not `--join`): the job must not be
 /// running yet (its first member ids would be taken twice, and a job that formed without this
 /// node's ranks never admits them) and must have been started with the same world size.
-fn check_first_launch(store: &StoreClient, job: &LocalJob, world: u32) -> Result<()> {
+fn check_first_launch(store: &StoreClient, job: &LocalJob) -> Result<()> {
+    let world = job.nproc_per_node * job.nnodes;
     let first = record_first_world(store, world)?;
     let running = last_membership(store)?;
     let mut reasons = Vec::new();

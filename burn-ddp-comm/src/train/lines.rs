@@ -132,6 +132,14 @@ impl ModelText {
             _ => summary.to_owned(),
         }
     }
+
+    /// Prints Burn's summary of a run, if there is one, with the model ([`ModelText::summary`]):
+    /// what rank 0's progress lines print when training ends.
+    pub fn print(&self, summary: Option<impl std::fmt::Display>) {
+        if let Some(summary) = summary {
+            println!("{}", self.summary(&summary.to_string()));
+        }
+    }
 }
 
 #[cfg(test)]

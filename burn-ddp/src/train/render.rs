@@ -134,9 +134,7 @@ impl MetricsRendererTraining for ProgressLines {
         &mut self,
         summary: Option<LearnerSummary>,
     ) -> Result<(), Box<dyn core::error::Error>> {
-        if let Some(summary) = summary {
-            println!("{}", self.model.summary(&summary.to_string()));
-        }
+        self.model.print(summary);
         Ok(())
     }
     fn update_valid(&mut self, state: MetricState) {

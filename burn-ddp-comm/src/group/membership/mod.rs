@@ -65,8 +65,11 @@ use crate::store::auth::Purpose;
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
+use record::ids_handed_out;
 use record::{decode, decode_i64, encode, first_world, get_now, keys};
-pub(crate) use record::{fresh_member_id, last_membership, record_first_world, LastMembership};
+pub(crate) use record::{
+    fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
+};
 use rule::{minus, Ballot};
 use watch::{watch_joins, JoinWatch};
 
@@ -113,10 +116,7 @@ impl Recovery {
 
     /// One line for logs and dashboards: who left and joined, the new world size, why.
     pub fn summary(&self) -> String {
-        let ids = |v: &[u32]| {
-            let list: Vec<String> = v.iter().map(|i| format!("m{i}")).collect();
-            format!("[{}]", list.join(", "))
-        };
+        let ids = member_list;
         if self.previous.is_empty() {
             return format!(
                 "membership epoch {}: this process joined the running job as rank {} of {} \
@@ -260,9 +260,8 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
     if let (true, Some(id)) = (join, ft.member) {
         // Only ids the job handed out are ever admitted (the rule reads the known ids): any
         // other would ask to join for ever, ending a membership epoch at each request.
-        let handed = get_now(&store, keys::NEXT_ID)?.and_then(|v| decode_i64(&v));
-        let known = u64::from(initial_world) + u64::try_from(handed.unwrap_or(0)).unwrap_or(0);
-        if u64::from(id) >= known {
+        let handed = ids_handed_out(&store)?;
+        if id >= initial_world.saturating_add(handed) {
             return Err(DdpError::Membership(MembershipError::JoinFailed {
                 member: id,
                 waited: started.elapsed(),
@@ -271,8 +270,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
                      processes, ids 0..{initial_world}, and handed {} more to joining ones): a \
                      process that joins takes a fresh id. Leave BURN_DDP_MEMBER_ID unset, or \
                      start it with `burn-ddp run --fault-tolerant --join`",
-                    initial_world,
-                    handed.unwrap_or(0)
+                    initial_world, handed
                 ),
             }));
         }
@@ -503,10 +501,7 @@ impl MembershipService {
     /// Every member id handed out so far: the first processes' and the joining ones' (a
     /// process left out of a membership may ask to join again under its id).
     fn known_ids(&self) -> Result<Vec<u32>> {
-        let n = get_now(&self.store, keys::NEXT_ID)?
-            .and_then(|v| decode_i64(&v))
-            .unwrap_or(0);
-        let n = u32::try_from(n.max(0)).unwrap_or(u32::MAX);
+        let n = ids_handed_out(&self.store)?;
         Ok((0..self.initial_world.saturating_add(n)).collect())
     }
 
@@ -884,6 +879,13 @@ mod tests {
         (server, master, token, client)
     }
 
+    /// Records in `store` a job of one process (member 0) that formed its first membership.
+    fn formed_job_of_one(store: &StoreClient) {
+        record_first_world(store, 1).unwrap();
+        store.set(&keys::members(0), b"0").unwrap();
+        store.set(keys::EPOCH, b"0").unwrap();
+    }
+
     fn config(master: &MasterAddr, token: &JobToken, join: bool) -> GroupConfig {
         GroupConfig::new(Rank(0), WorldSize::ONE, token.clone())
             .with_master(master.clone())
@@ -898,9 +900,7 @@ mod tests {
     fn a_joining_process_is_told_that_the_job_is_over() {
         let (_server, master, token, store) = lighthouse();
         // A job of one process that formed and finished.
-        record_first_world(&store, 1).unwrap();
-        store.set(&keys::members(0), b"0").unwrap();
-        store.set(keys::EPOCH, b"0").unwrap();
+        formed_job_of_one(&store);
         store.set(&keys::finished(0), b"1").unwrap();
         let started = Instant::now();
         let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
@@ -914,9 +914,7 @@ mod tests {
     #[test]
     fn a_joining_process_is_told_that_the_job_failed_when_every_member_was_lost() {
         let (_server, master, token, store) = lighthouse();
-        record_first_world(&store, 1).unwrap();
-        store.set(&keys::members(0), b"0").unwrap();
-        store.set(keys::EPOCH, b"0").unwrap();
+        formed_job_of_one(&store);
         store.set(&crate::store::gone_key(Rank(0)), b"").unwrap();
         let err = ProcessGroup::init(config(&master, &token, true)).unwrap_err();
         assert!(
@@ -930,9 +928,7 @@ mod tests {
     #[test]
     fn a_member_id_the_job_never_handed_out_is_refused_at_once() {
         let (_server, master, token, store) = lighthouse();
-        record_first_world(&store, 1).unwrap();
-        store.set(&keys::members(0), b"0").unwrap();
-        store.set(keys::EPOCH, b"0").unwrap();
+        formed_job_of_one(&store);
         let mut config = config(&master, &token, true);
         if let Some(ft) = config.fault_tolerance.as_mut() {
             ft.member = Some(5);

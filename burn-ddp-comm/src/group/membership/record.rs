@@ -95,6 +95,20 @@ pub(super) fn first_world(store: &StoreClient) -> Result<u32> {
         })
 }
 
+/// How many member ids were handed to joining processes so far (above the first world size).
+pub(super) fn ids_handed_out(store: &StoreClient) -> Result<u32> {
+    let n = get_now(store, keys::NEXT_ID)?
+        .and_then(|v| decode_i64(&v))
+        .unwrap_or(0);
+    Ok(u32::try_from(n.max(0)).unwrap_or(u32::MAX))
+}
+
+/// Member ids as the membership lines write them (`[m0, m2]`).
+pub(crate) fn member_list(ids: &[u32]) -> String {
+    let named: Vec<String> = ids.iter().map(|m| format!("m{m}")).collect();
+    format!("[{}]", named.join(", "))
+}
+
 /// A fresh member id for a process joining the job.
 pub(crate) fn fresh_member_id(store: &StoreClient) -> Result<u32> {
     let first = first_world(store)?;
