@@ -4,7 +4,7 @@
 //! [`distributed_sampler!`](crate::distributed_sampler).
 
 use crate::error::{ConfigError, MembershipError};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::group::ProcessGroup;
@@ -58,6 +58,11 @@ struct PlanState {
     /// Positions of the epoch's order already used when the current dealing began.
     start: AtomicUsize,
     epoch: AtomicU64,
+    /// The items of an epoch (the dataset's length) once the plan was read, when each is
+    /// counted once (`usize::MAX`: not known, or a `drop_last` plan).
+    items: AtomicUsize,
+    /// Whether every rank gets as many items (padded).
+    even: AtomicBool,
     cache: Mutex<Option<Cached>>,
 }
 
@@ -78,6 +83,20 @@ impl PlanState {
     fn set_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Relaxed);
         self.start.store(0, Ordering::SeqCst);
+    }
+
+    /// The epoch's items, and this rank's share of what is left of them, once known.
+    fn items_and_share(&self) -> Option<(usize, usize)> {
+        let n = Some(self.items.load(Ordering::Relaxed)).filter(|&n| n != usize::MAX)?;
+        let m = n - self.start.load(Ordering::SeqCst).min(n);
+        let w = self.world.load(Ordering::SeqCst).max(1) as usize;
+        let share = if self.even.load(Ordering::Relaxed) {
+            m.div_ceil(w)
+        } else {
+            m.saturating_sub(self.rank.load(Ordering::SeqCst) as usize)
+                .div_ceil(w)
+        };
+        Some((n, share))
     }
 }
 
@@ -122,6 +141,21 @@ pub fn training_plans(group: &ProcessGroup) -> Vec<Arc<dyn DataEpoch>> {
         .into_iter()
         .map(|plan| plan as Arc<dyn DataEpoch>)
         .collect()
+}
+
+/// The items of an epoch of the data that `group`'s rank reads `share` items of (the
+/// dataset's length, each item counted once): found among the group's plans that were read
+/// (a line's `DistributedSampler`, training or evaluation) by this rank's share of what is
+/// left of the epoch, when every plan with that share agrees on it.
+pub fn items_of_share(group: &ProcessGroup, share: usize) -> Option<usize> {
+    let all = plans(group, false);
+    let mut known = all
+        .iter()
+        .filter_map(|p| p.items_and_share())
+        .filter(|&(_, s)| s == share)
+        .map(|(n, _)| n);
+    let first = known.next()?;
+    known.all(|n| n == first).then_some(first)
 }
 
 /// Runs `work`, a pass over the job's data that the ranks make together after training or
@@ -231,6 +265,9 @@ impl ShardPlan {
     }
 
     fn dealing(&self, n: usize) -> Dealing {
+        if !self.drop_last {
+            self.state.items.store(n, Ordering::Relaxed);
+        }
         Dealing {
             epoch: self.epoch(),
             n,
@@ -282,6 +319,8 @@ impl ShardPlan {
                 world: AtomicU32::new(world),
                 start: AtomicUsize::new(0),
                 epoch: AtomicU64::new(0),
+                items: AtomicUsize::new(usize::MAX),
+                even: AtomicBool::new(true),
                 cache: Mutex::new(None),
             }),
             seed: 0,
@@ -318,6 +357,7 @@ impl ShardPlan {
     /// even shards, since every step is a collective.
     pub fn with_even_shards(mut self, even: bool) -> Self {
         self.even = even;
+        self.state.even.store(even, Ordering::Relaxed);
         self.invalidate();
         self
     }

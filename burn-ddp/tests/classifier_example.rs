@@ -37,10 +37,11 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         .arg(example())
         .args(["--epochs", "1", "--batch-size", "16"])
         .args([
+            // Neither split divides evenly over 2 ranks: the training shards are padded.
             "--train-size",
-            "192",
+            "191",
             "--test-size",
-            "64",
+            "63",
             "--print-digest",
             "--out",
         ])
@@ -65,8 +66,12 @@ fn two_ranks_agree_and_only_rank_0_writes() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("[rank 0] [train] epoch 1/1  items 192/192"),
-        "progress counts every rank's items: {stdout}"
+        stdout.contains("[rank 0] [train] epoch 1/1  items 191/191"),
+        "progress counts every item once, not the padding: {stdout}"
+    );
+    assert!(
+        stdout.contains("[rank 0] [valid] epoch 1/1  items 63/63"),
+        "validation counts every item once: {stdout}"
     );
     let rank1: Vec<&str> = stdout
         .lines()

@@ -60,13 +60,13 @@ fn loader_at<I: 'static>(
 }
 
 impl<M: LearnerModel> Run<'_, M> {
-    /// A split's count of every rank's items for burn-train's events: counted at the start,
-    /// or in a fault-tolerant job this rank's share times the world size.
+    /// A split's count of every rank's items for burn-train's events
+    /// ([`StrategyState::job_progress`](burn_ddp_comm::train::strategy::StrategyState)): the
+    /// epoch's items once each, else counted at the start, else (a fault-tolerant job) this
+    /// rank's share times the world size.
     fn total(&self, split: usize, mine: usize) -> usize {
-        self.totals
-            .map_or(mine * self.strategy.group().world_size().as_usize(), |t| {
-                t[split]
-            })
+        let counted = self.totals.map(|t| t[split]);
+        self.strategy.state.job_progress((0, mine), 0, counted).1
     }
 }
 

@@ -119,18 +119,14 @@ impl DdpStrategy {
         self.state.rank()
     }
 
-    /// Progress of this rank's loader counted for the whole job, after `base` positions of the
-    /// epoch dealt before the current membership (fault-tolerant jobs): every rank has as many
-    /// items, or one fewer, by the sampler's construction. `total`: every rank's items, when
-    /// counted (a job whose membership does not change).
+    /// Progress of this rank's loader counted for the whole job
+    /// ([`StrategyState::job_progress`]): `total`, every rank's items, when counted (a job
+    /// whose membership does not change).
     fn global(&self, p: Progress, total: Option<usize>, base: u64) -> Progress {
-        let w = self.group().world_size().as_usize();
-        let base = usize::try_from(base).unwrap_or(usize::MAX);
-        let done = base.saturating_add(p.items_processed * w);
-        match total {
-            Some(total) => Progress::new(done.min(total), total, p.unit),
-            None => Progress::new(done, base.saturating_add(p.items_total * w), p.unit),
-        }
+        let (done, total) =
+            self.state
+                .job_progress((p.items_processed, p.items_total), base, total);
+        Progress::new(done, total, p.unit)
     }
 }
 

@@ -112,15 +112,15 @@ impl<B: Backend> DdpStrategy<B> {
         self.state.rank()
     }
 
-    /// Progress of this rank's loader, counted for the whole job (every rank has as many
-    /// items, or one fewer, by the sampler's construction), after `base` items of the epoch
-    /// dealt before the current membership (fault-tolerant jobs).
+    /// Progress of this rank's loader, counted for the whole job
+    /// ([`StrategyState::job_progress`]).
     fn global(&self, p: Progress, base: u64) -> Progress {
-        let w = self.session.group().world_size().as_usize();
-        let base = usize::try_from(base).unwrap_or(usize::MAX);
+        let (items_processed, items_total) =
+            self.state
+                .job_progress((p.items_processed, p.items_total), base, None);
         Progress {
-            items_processed: base.saturating_add(p.items_processed * w),
-            items_total: base.saturating_add(p.items_total * w),
+            items_processed,
+            items_total,
         }
     }
 }
