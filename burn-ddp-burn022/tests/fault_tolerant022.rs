@@ -34,6 +34,14 @@ fn rank_zero_is_lost_and_a_replacement_joins_the_running_classifier() {
     fault::rank_zero_is_lost_and_a_replacement_joins("classifier022");
 }
 
+/// The chaos run's short schedule (`burn_ddp_dev::chaos`): 20 faults of every kind on
+/// 3-rank jobs of the classifier, each survived within the bound, every job ending with equal
+/// replicas, every item counted once and its checkpoints intact.
+#[test]
+fn a_chaos_schedule_of_20_faults_is_survived() {
+    fault::chaos_schedule("classifier022", 20);
+}
+
 /// Rank 0 is SIGKILLed as it writes the checkpoint of epoch 1: the new rank 0 writes it again,
 /// both epochs' checkpoints are complete at the end, no temporary file is left.
 #[test]

@@ -374,3 +374,40 @@ pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The chaos run ([`crate::chaos`]) on the classifier example `name`: `faults` faults on jobs
+/// of 3 ranks (3 epochs of 1,536 images each), seeded by `BURN_DDP_CHAOS_SEED` or else the
+/// clock (the seed is printed, and named in a failure). Every invariant must hold.
+pub fn chaos_schedule(name: &str, faults: usize) {
+    let seed = std::env::var("BURN_DDP_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        });
+    let chaos = crate::chaos::Chaos {
+        program: example(name),
+        launcher: crate::spawned::launcher(),
+        nproc: 3,
+        faults,
+        limit: Duration::from_secs(900),
+        seed,
+        epochs: 3,
+        train: 1536,
+        test: 128,
+        heartbeat: Duration::from_secs(3),
+        bound: Duration::from_secs(60),
+        dir: scratch(&format!("{name}-chaos")),
+    };
+    eprintln!("chaos run of {faults} faults on {name}, seed {seed} (BURN_DDP_CHAOS_SEED)");
+    match crate::chaos::run(&chaos) {
+        Ok(report) => {
+            eprintln!("{}", report.text(&chaos));
+            assert!(report.total() >= faults, "{}", report.text(&chaos));
+            let _ = std::fs::remove_dir_all(&chaos.dir);
+        }
+        Err(e) => panic!("chaos run (seed {seed}) failed: {e}"),
+    }
+}

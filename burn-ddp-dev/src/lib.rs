@@ -11,6 +11,7 @@
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
 //! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
+//! - [`chaos`]: the chaos run, a seeded random schedule of faults on fault-tolerant jobs
 //! - [`netns`]: several "nodes" on one machine (network namespaces), and the two-node
 //!   scenario every line's classifier passes
 //! - [`damage`]: damaged checkpoint and run files, refused on resume (both lines' classifiers)
@@ -21,6 +22,7 @@
 
 pub mod adapters;
 pub mod args;
+pub mod chaos;
 pub mod compare;
 pub mod conformance;
 pub mod damage;

@@ -28,6 +28,14 @@ fn the_classifier_loses_a_rank_mid_epoch_and_finishes_without_a_restart() {
     fault::classifier_loses_a_rank_mid_epoch("classifier");
 }
 
+/// The chaos run's short schedule (`burn_ddp_dev::chaos`): 20 faults of every kind on
+/// 3-rank jobs of the classifier, each survived within the bound, every job ending with equal
+/// replicas, every item counted once and its checkpoints intact.
+#[test]
+fn a_chaos_schedule_of_20_faults_is_survived() {
+    fault::chaos_schedule("classifier", 20);
+}
+
 /// Rank 0 is SIGKILLed mid-epoch with one replacement allowed: rank 1 becomes rank 0, the
 /// replacement joins the running job and takes a survivor's state; the three end identical.
 #[test]

@@ -42,6 +42,8 @@ pub(super) struct Run<'s, M: LearnerModel> {
     /// Every rank's items of the training and the validation split, counted at the start of a
     /// job whose membership does not change.
     pub(super) totals: Option<[usize; 2]>,
+    /// The epoch burn-train's event processor (and so rank 0's progress lines) is at.
+    pub(super) shown: usize,
 }
 
 /// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
@@ -68,6 +70,20 @@ impl<M: LearnerModel> Run<'_, M> {
         let counted = self.totals.map(|t| t[split]);
         self.strategy.state.job_progress((0, mine), 0, counted).1
     }
+
+    /// Tells burn-train's event processor that the epochs before `epoch` ended, when it was
+    /// not told: a rank left out of a fault-tolerant job that joins it again resumes at the
+    /// job's epoch, which may be later than the one it was in (its progress lines, as rank 0,
+    /// would name that one).
+    fn show_epoch(&mut self, epoch: usize) {
+        if self.shown != epoch && epoch > 0 {
+            self.interrupter.fail_on_error(
+                self.processor
+                    .process_train(LearnerEvent::EndEpoch(epoch - 1)),
+            );
+            self.shown = epoch;
+        }
+    }
 }
 
 impl<M> EpochDriver for Run<'_, M>
@@ -90,6 +106,7 @@ where
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
+        self.show_epoch(epoch);
         let loader = match loader_at(self.strategy, &self.train, cursor, fault_tolerant) {
             Ok(loader) => loader,
             Err(e) => {
@@ -140,6 +157,7 @@ where
 
     fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
         let epoch = cursor.epoch;
+        self.show_epoch(epoch);
         let loader = match loader_at(self.strategy, &self.valid, cursor, fault_tolerant) {
             Ok(loader) => loader,
             Err(e) => {
@@ -176,6 +194,7 @@ where
             .fail_on_error(p.process_valid(LearnerEvent::EndSplit(epoch)));
         self.interrupter
             .fail_on_error(p.process_train(LearnerEvent::EndEpoch(epoch)));
+        self.shown = epoch + 1;
         ended
     }
 
@@ -288,6 +307,7 @@ impl DdpStrategy {
             store: components.event_store,
             accumulation: components.grad_accumulation,
             totals,
+            shown: starting_epoch,
         };
         self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {

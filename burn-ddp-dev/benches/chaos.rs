@@ -1,0 +1,165 @@
+//! The chaos run's long schedule (`burn_ddp_dev::chaos`): fault-tolerant jobs of a Burn line's
+//! classifier example under a seeded random schedule of faults, every invariant checked.
+//!
+//! ```text
+//! cargo bench -p burn-ddp-dev --bench chaos                            # 1,200 faults, Burn 0.21 line
+//! cargo bench -p burn-ddp-dev --bench chaos -- --line 0.22 --faults 200 --seed 7
+//! ```
+//!
+//! It builds the line's classifier example and the launcher in the release profile first
+//! (`--program`/`--launcher` take built ones instead), prints the report, and exits 1 with the
+//! failing job's log when an invariant does not hold.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use burn_ddp_dev::chaos::{self, Chaos};
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    about = "burn-ddp's chaos run: a seeded random schedule of faults on fault-tolerant jobs"
+)]
+struct Args {
+    /// The Burn line whose classifier example runs: 0.21 or 0.22.
+    #[arg(long, default_value = "0.21", value_parser = ["0.21", "0.22"])]
+    line: String,
+    /// Faults to inject in all.
+    #[arg(long, default_value_t = 1200)]
+    faults: usize,
+    /// Stop injecting after this many minutes.
+    #[arg(long, default_value_t = 180)]
+    minutes: u64,
+    /// The schedule's seed (default: the clock's seconds; printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Ranks of each job.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=8))]
+    nproc: u32,
+    /// Epochs of each job, over this many generated training images.
+    #[arg(long, default_value_t = 6)]
+    epochs: u32,
+    #[arg(long, default_value_t = 3072)]
+    train: u32,
+    /// The ranks' failure-detection bound, in seconds.
+    #[arg(long, default_value_t = 3)]
+    heartbeat: u64,
+    /// The bound on every recovery and return to full strength, in seconds.
+    #[arg(long, default_value_t = 60)]
+    bound: u64,
+    /// A built classifier example to run instead of building the line's.
+    #[arg(long)]
+    program: Option<PathBuf>,
+    /// A built `burn-ddp` launcher to use instead of building it.
+    #[arg(long)]
+    launcher: Option<PathBuf>,
+    /// Where the jobs write (default: a directory under the system's temporary one).
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Passed by `cargo bench`.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// `cargo build --release` of `what` in the workspace: the built file under `target/release`.
+fn built(what: &[&str], file: &str) -> Result<PathBuf, String> {
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .ok_or("no workspace above burn-ddp-dev")?;
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--release", "--locked"])
+        .args(what)
+        .current_dir(workspace)
+        .status()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build --release {} failed", what.join(" ")));
+    }
+    // The bench runs as target/release/deps/chaos-<hash>.
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let release = exe
+        .parent()
+        .and_then(Path::parent)
+        .ok_or("the bench is not under target/<profile>/deps")?;
+    Ok(release.join(file))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let (package, example) = match args.line.as_str() {
+        "0.22" => ("burn-ddp-burn022", "classifier022"),
+        _ => ("burn-ddp", "classifier"),
+    };
+    let program = match args.program.clone().map(Ok).unwrap_or_else(|| {
+        built(
+            &["-p", package, "--example", example],
+            &format!("examples/{example}"),
+        )
+    }) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let launcher = match args
+        .launcher
+        .clone()
+        .map(Ok)
+        .unwrap_or_else(|| built(&["-p", "burn-ddp-comm", "--bin", "burn-ddp"], "burn-ddp"))
+    {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("chaos: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    });
+    let chaos = Chaos {
+        program,
+        launcher,
+        nproc: args.nproc,
+        faults: args.faults,
+        limit: Duration::from_secs(args.minutes * 60),
+        seed,
+        epochs: args.epochs,
+        train: args.train,
+        test: 256,
+        heartbeat: Duration::from_secs(args.heartbeat),
+        bound: Duration::from_secs(args.bound),
+        dir: args.dir.clone().unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("burn-ddp-chaos-{}", std::process::id()))
+        }),
+    };
+    eprintln!(
+        "chaos: {} faults on {}, seed {seed}, jobs in {}",
+        chaos.faults,
+        chaos.program.display(),
+        chaos.dir.display()
+    );
+    match chaos::run(&chaos) {
+        Ok(report) => {
+            print!("{}", report.text(&chaos));
+            if report.total() < chaos.faults {
+                eprintln!(
+                    "chaos: only {} of {} faults within {} minutes",
+                    report.total(),
+                    chaos.faults,
+                    args.minutes
+                );
+                return ExitCode::FAILURE;
+            }
+            let _ = std::fs::remove_dir_all(&chaos.dir);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("chaos (seed {seed}): an invariant did not hold: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,516 @@
+//! The chaos run: fault-tolerant jobs of a Burn line's classifier example under the real
+//! launcher (`burn-ddp run --fault-tolerant`), hit by a seeded random schedule of faults, each
+//! checked as it is survived and every job checked when it ends. `cargo bench -p burn-ddp-dev
+//! --bench chaos` runs a long schedule; both lines' tests run a short one.
+//!
+//! Faults, one at a time on a job at full strength (every slot a member that has trained a
+//! step), every kind once in each round of six in a random order: a rank SIGKILLed; SIGTERMed; frozen (SIGSTOP) for less than the heartbeat bound,
+//! which the job must absorb without a change; frozen for longer, so that it is left out, then
+//! resumed (SIGCONT); a rank killed and then its replacement killed while it joins; two ranks
+//! killed at once. Any rank may be hit, rank 0 included.
+//!
+//! Checked after each fault: the survivors complete a step within [`Chaos::bound`] (the
+//! recovery time is measured from the signal to rank 0's line saying so) and the job is back
+//! to full strength within the same bound, or has ended. Checked when a job ends: the launcher
+//! exits with success; every rank that ends prints the same parameter digest (the ranks also
+//! compare their replicas every 100 steps as they train, and fail if they differ); every epoch's
+//! training and validation count every item once (`items N/N`); the checkpoints of the last two
+//! epochs are complete, their seals intact, and no temporary file is left.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+use crate::spawned::children;
+
+/// A chaos run's settings.
+#[derive(Debug, Clone)]
+pub struct Chaos {
+    /// The classifier example of the line under test.
+    pub program: PathBuf,
+    /// The `burn-ddp` launcher.
+    pub launcher: PathBuf,
+    /// Ranks of each job.
+    pub nproc: u32,
+    /// Faults to inject in all (the run stops at the first job end after this many).
+    pub faults: usize,
+    /// The run stops injecting after this long (and lets its job end).
+    pub limit: Duration,
+    /// The seed of the schedule (kinds, victims, gaps, freeze lengths).
+    pub seed: u64,
+    /// Epochs of each job, and its generated training and test images.
+    pub epochs: u32,
+    pub train: u32,
+    pub test: u32,
+    /// The failure-detection bound given to the ranks (`BURN_DDP_HEARTBEAT_TIMEOUT`).
+    pub heartbeat: Duration,
+    /// The bound on every wait of the harness: recovery, return to full strength.
+    pub bound: Duration,
+    /// Where the jobs write their logs and checkpoints.
+    pub dir: PathBuf,
+}
+
+/// The kinds of fault, in the order the report lists them.
+const KINDS: [&str; 6] = [
+    "SIGKILL",
+    "SIGTERM",
+    "frozen under the heartbeat bound",
+    "frozen past the heartbeat bound, then resumed",
+    "replacement killed while it joined",
+    "two ranks killed at once",
+];
+
+/// What a chaos run saw.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Processes hit, by kind of fault ([`KINDS`]).
+    pub faults: BTreeMap<&'static str, usize>,
+    /// From each fault that changed the membership to the survivors' first step, by kind.
+    pub recoveries: BTreeMap<&'static str, Vec<Duration>>,
+    /// From each such fault to the job's return to full strength.
+    pub restored: Vec<Duration>,
+    /// Jobs run, and their epochs checked.
+    pub jobs: usize,
+    pub epochs_checked: usize,
+    /// Waits of the harness, each within the bound.
+    pub waits: usize,
+    /// How long the run took.
+    pub took: Duration,
+}
+
+impl Report {
+    /// Faults injected in all (processes hit).
+    pub fn total(&self) -> usize {
+        self.faults.values().sum()
+    }
+
+    /// The report's text.
+    pub fn text(&self, chaos: &Chaos) -> String {
+        let mut out = format!(
+            "chaos: {} faults survived in {} jobs of {} ranks of {} (seed {}, heartbeat bound {:?}, {:.1} min)\n",
+            self.total(),
+            self.jobs,
+            chaos.nproc,
+            chaos
+                .program
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            chaos.seed,
+            chaos.heartbeat,
+            self.took.as_secs_f64() / 60.0
+        );
+        out += "  faults (processes hit), by kind:\n";
+        for kind in KINDS {
+            out += &format!(
+                "    {kind}: {}\n",
+                self.faults.get(kind).copied().unwrap_or(0)
+            );
+        }
+        let all: Vec<Duration> = self.recoveries.values().flatten().copied().collect();
+        out += &format!(
+            "  fault -> the survivors' first step ({} changes): {}\n",
+            all.len(),
+            percentiles(&all)
+        );
+        for kind in KINDS {
+            if let Some(times) = self.recoveries.get(kind) {
+                out += &format!("    {kind}: {}\n", percentiles(times));
+            }
+        }
+        out += &format!(
+            "  fault -> full strength again: {}\n",
+            percentiles(&self.restored)
+        );
+        out += &format!(
+            "  invariants held: {} waits within {:?}; every job exited 0 with bit-identical \
+             replicas; {} epochs counted every item once (training and validation); the last two \
+             checkpoints of every job complete and sealed, no temporary left\n",
+            self.waits, chaos.bound, self.epochs_checked
+        );
+        out
+    }
+}
+
+/// `p50 / p90 / p99 / max` of `times`, in ms.
+fn percentiles(times: &[Duration]) -> String {
+    if times.is_empty() {
+        return "none".into();
+    }
+    let mut ms: Vec<u128> = times.iter().map(Duration::as_millis).collect();
+    ms.sort_unstable();
+    let at = |q: f64| ms[((ms.len() - 1) as f64 * q).round() as usize];
+    format!(
+        "p50 {} ms, p90 {} ms, p99 {} ms, max {} ms",
+        at(0.5),
+        at(0.9),
+        at(0.99),
+        ms[ms.len() - 1]
+    )
+}
+
+/// Runs the schedule: jobs one after the other until `chaos.faults` faults were injected or
+/// `chaos.limit` passed. Any invariant that does not hold ends the run with what was seen
+/// (the job's log included).
+///
+/// # Errors
+/// The invariant that did not hold, and the job's log.
+pub fn run(chaos: &Chaos) -> Result<Report, String> {
+    let started = Instant::now();
+    let mut rng = StdRng::seed_from_u64(chaos.seed);
+    let mut report = Report::default();
+    std::fs::create_dir_all(&chaos.dir).map_err(|e| format!("{}: {e}", chaos.dir.display()))?;
+    while report.total() < chaos.faults && started.elapsed() < chaos.limit {
+        let mut job = Job::start(chaos, report.jobs)?;
+        report.jobs += 1;
+        let ended = job.inject(chaos, &mut rng, &mut report, started);
+        let checked = ended.and_then(|()| job.check(chaos));
+        job.stop();
+        match checked {
+            Ok(epochs) => report.epochs_checked += epochs,
+            Err(e) => {
+                let log = job.text();
+                return Err(format!(
+                    "job {} ({}): {e}\n{log}",
+                    job.index,
+                    job.log.display()
+                ));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&job.out);
+    }
+    report.took = started.elapsed();
+    Ok(report)
+}
+
+/// One fault-tolerant job under the launcher.
+struct Job {
+    index: usize,
+    launcher: Child,
+    log: PathBuf,
+    out: PathBuf,
+    /// Bytes of the log parsed for membership epochs so far, and what they said.
+    memberships: Memberships,
+}
+
+/// What rank 0 said about membership epochs: each epoch's world size, and the epochs whose
+/// first step is done.
+#[derive(Debug, Default, Clone)]
+struct Memberships {
+    worlds: BTreeMap<u64, u32>,
+    stepped: Vec<u64>,
+    replacements: usize,
+}
+
+impl Memberships {
+    fn parse(text: &str) -> Self {
+        let mut m = Self::default();
+        for line in text.lines() {
+            if let Some(rest) = line.split("[membership] membership epoch ").nth(1) {
+                let epoch = rest.split(':').next().and_then(|k| k.parse().ok());
+                let world = rest
+                    .split("world size ")
+                    .nth(1)
+                    .and_then(|w| w.split_whitespace().next())
+                    .and_then(|w| w.parse().ok());
+                if let (Some(epoch), Some(world)) = (epoch, world) {
+                    m.worlds.insert(epoch, world);
+                }
+            }
+            if let Some(rest) = line.split("the first step of membership epoch ").nth(1) {
+                if let Some(k) = rest.split_whitespace().next().and_then(|k| k.parse().ok()) {
+                    m.stepped.push(k);
+                }
+            }
+            if line.contains("in its place (local rank") {
+                m.replacements += 1;
+            }
+        }
+        m
+    }
+
+    /// The newest membership epoch (0: the first).
+    fn newest(&self) -> u64 {
+        self.worlds.keys().next_back().copied().unwrap_or(0)
+    }
+
+    /// Whether a membership epoch after `epoch` took its first step.
+    fn stepped_after(&self, epoch: u64) -> bool {
+        self.stepped.iter().any(|&k| k > epoch)
+    }
+
+    /// Whether the newest membership has `nproc` ranks and took a step.
+    fn full(&self, nproc: u32) -> bool {
+        match self.worlds.iter().next_back() {
+            None => true,
+            Some((&k, &w)) => w == nproc && self.stepped.contains(&k),
+        }
+    }
+}
+
+impl Job {
+    fn start(chaos: &Chaos, index: usize) -> Result<Self, String> {
+        let port = burn_ddp_comm::launch::spawn::free_port().map_err(|e| e.to_string())?;
+        let log = chaos.dir.join(format!("job-{index}.log"));
+        let out = chaos.dir.join(format!("job-{index}"));
+        let _ = std::fs::remove_dir_all(&out);
+        let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+        let err = file.try_clone().map_err(|e| e.to_string())?;
+        let args = crate::spawned::classifier_args(&out, chaos.epochs, chaos.train, chaos.test);
+        let launcher = Command::new(&chaos.launcher)
+            .args([
+                "run",
+                "--fault-tolerant",
+                "--master-port",
+                &port.to_string(),
+            ])
+            .args(["--rdzv-id", &format!("chaos-{port}")])
+            .args(["--nproc-per-node", &chaos.nproc.to_string()])
+            .args(["--max-restarts", "1000000"])
+            .arg("--")
+            .arg(&chaos.program)
+            .args(&args)
+            .env("BURN_DDP_TIMEOUT", "10m")
+            .env(
+                "BURN_DDP_HEARTBEAT_TIMEOUT",
+                format!("{}ms", chaos.heartbeat.as_millis()),
+            )
+            .env_remove("RANK")
+            .env_remove("BURN_DDP_JOB_TOKEN")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| format!("{}: {e}", chaos.launcher.display()))?;
+        Ok(Self {
+            index,
+            launcher,
+            log,
+            out,
+            memberships: Memberships::default(),
+        })
+    }
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn refresh(&mut self) -> &Memberships {
+        self.memberships = Memberships::parse(&self.text());
+        &self.memberships
+    }
+
+    /// Whether the launcher has exited.
+    fn ended(&mut self) -> bool {
+        !matches!(self.launcher.try_wait(), Ok(None))
+    }
+
+    /// The ranks' pids.
+    fn ranks(&self) -> Vec<u32> {
+        children(self.launcher.id())
+    }
+
+    /// Waits until `done` holds on the job's memberships, or the launcher exits (`false`), for
+    /// at most `bound`.
+    fn wait(
+        &mut self,
+        bound: Duration,
+        what: &str,
+        mut done: impl FnMut(&Memberships) -> bool,
+    ) -> Result<bool, String> {
+        let deadline = Instant::now() + bound;
+        loop {
+            if done(self.refresh()) {
+                return Ok(true);
+            }
+            if self.ended() {
+                return Ok(false);
+            }
+            if Instant::now() > deadline {
+                return Err(format!("a hang: {what} not within {bound:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Injects faults until the run has its count or its time, then lets the job end.
+    fn inject(
+        &mut self,
+        chaos: &Chaos,
+        rng: &mut StdRng,
+        report: &mut Report,
+        started: Instant,
+    ) -> Result<(), String> {
+        // Faults start once training does.
+        let deadline = Instant::now() + chaos.bound.max(Duration::from_secs(300));
+        while !self.text().contains("[train] epoch 1/") {
+            if self.ended() || Instant::now() > deadline {
+                return Err("the job did not start training".into());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Every kind once in each round of six, in a random order.
+        let mut bag: Vec<&'static str> = Vec::new();
+        while report.total() < chaos.faults && started.elapsed() < chaos.limit && !self.ended() {
+            std::thread::sleep(Duration::from_millis(rng.random_range(200..1500)));
+            let pids = self.ranks();
+            if pids.len() < chaos.nproc as usize {
+                continue;
+            }
+            let before = self.refresh().newest();
+            if bag.is_empty() {
+                bag = KINDS.to_vec();
+                bag.shuffle(rng);
+            }
+            let kind = bag.pop().unwrap_or(KINDS[0]);
+            let at = Instant::now();
+            let victim = pids[rng.random_range(0..pids.len())];
+            let changes = match kind {
+                "SIGKILL" => signal(victim, rustix::process::Signal::KILL),
+                "SIGTERM" => signal(victim, rustix::process::Signal::TERM),
+                "frozen under the heartbeat bound" => {
+                    signal(victim, rustix::process::Signal::STOP);
+                    std::thread::sleep(chaos.heartbeat.mul_f64(rng.random_range(0.1..0.5)));
+                    signal(victim, rustix::process::Signal::CONT);
+                    false
+                }
+                "frozen past the heartbeat bound, then resumed" => {
+                    // Resumed meanwhile, while the survivors' recovery is timed.
+                    let frozen = chaos.heartbeat.mul_f64(rng.random_range(1.3..2.5));
+                    let sent = signal(victim, rustix::process::Signal::STOP);
+                    std::thread::spawn(move || {
+                        std::thread::sleep(frozen);
+                        signal(victim, rustix::process::Signal::CONT);
+                    });
+                    sent
+                }
+                "replacement killed while it joined" => {
+                    let replaced = self.memberships.replacements;
+                    signal(victim, rustix::process::Signal::KILL);
+                    report.waits += 1;
+                    let fresh =
+                        self.wait(chaos.bound, "a replacement", |m| m.replacements > replaced)?;
+                    if fresh {
+                        std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
+                        if let Some(&joiner) = self.ranks().iter().find(|p| !pids.contains(p)) {
+                            signal(joiner, rustix::process::Signal::KILL);
+                            *report.faults.entry(kind).or_default() += 1;
+                        }
+                    }
+                    true
+                }
+                _ => {
+                    let other = pids[(pids.iter().position(|&p| p == victim).unwrap_or(0)
+                        + rng.random_range(1..pids.len()))
+                        % pids.len()];
+                    signal(victim, rustix::process::Signal::KILL);
+                    signal(other, rustix::process::Signal::KILL);
+                    *report.faults.entry(kind).or_default() += 1;
+                    true
+                }
+            };
+            *report.faults.entry(kind).or_default() += 1;
+            if !changes {
+                continue;
+            }
+            report.waits += 2;
+            if self.wait(
+                chaos.bound,
+                "the survivors' first step after the fault",
+                |m| m.stepped_after(before),
+            )? {
+                report
+                    .recoveries
+                    .entry(kind)
+                    .or_default()
+                    .push(at.elapsed());
+            }
+            if self.wait(chaos.bound, "the job's return to full strength", |m| {
+                m.full(chaos.nproc)
+            })? {
+                report.restored.push(at.elapsed());
+            }
+        }
+        // The job ends on its own: its remaining epochs are not bounded by the fault bound.
+        let deadline = Instant::now() + Duration::from_secs(1800);
+        while !self.ended() {
+            if Instant::now() > deadline {
+                return Err(
+                    "a hang: the job did not end within 30 minutes of the last fault".into(),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+
+    /// The end-of-job invariants; the epochs checked.
+    fn check(&mut self, chaos: &Chaos) -> Result<usize, String> {
+        let status = self.launcher.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            return Err(format!("the launcher exited with {status}"));
+        }
+        let text = self.text();
+        let digests = crate::spawned::digests(&text);
+        if digests.is_empty() || digests.iter().any(|(_, d)| *d != digests[0].1) {
+            return Err(format!(
+                "the replicas differ (or none printed a digest): {digests:?}"
+            ));
+        }
+        if !text.contains("final test accuracy") {
+            return Err("no final test accuracy".into());
+        }
+        let epochs = chaos.epochs;
+        for e in 1..=epochs {
+            for (split, n) in [("train", chaos.train), ("valid", chaos.test)] {
+                let line = format!("[{split}] epoch {e}/{epochs}  items {n}/{n}  ");
+                if !text.contains(&line) {
+                    return Err(format!("no line {line:?}: not every item counted once"));
+                }
+            }
+        }
+        check_checkpoints(&self.out.join("checkpoint"), epochs as usize)?;
+        Ok(2 * epochs as usize)
+    }
+
+    /// Ends what is left of the job (after a failed check).
+    fn stop(&mut self) {
+        for pid in self.ranks() {
+            signal(pid, rustix::process::Signal::KILL);
+        }
+        let _ = self.launcher.kill();
+        let _ = self.launcher.wait();
+    }
+}
+
+/// The checkpoints of the last two of `epochs`: complete, sealed, no temporary file beside.
+fn check_checkpoints(dir: &Path, epochs: usize) -> Result<(), String> {
+    for epoch in epochs.saturating_sub(1).max(1)..=epochs {
+        for part in burn_ddp_comm::train::files::PARTS {
+            let file = burn_ddp_comm::train::files::path(dir, part, epoch);
+            let bytes = std::fs::read(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            burn_ddp_comm::train::files::unseal(bytes)
+                .map_err(|e| format!("{}: {e}", file.display()))?;
+        }
+    }
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.contains(".tmp") {
+            return Err(format!("a temporary checkpoint file was left: {name}"));
+        }
+    }
+    Ok(())
+}
+
+/// Sends `sig` to `pid`: whether it was sent (the process may have just exited).
+fn signal(pid: u32, sig: rustix::process::Signal) -> bool {
+    rustix::process::Pid::from_raw(pid as i32)
+        .is_some_and(|p| rustix::process::kill_process(p, sig).is_ok())
+}
