@@ -166,7 +166,8 @@ pub fn run(chaos: &Chaos) -> Result<Report, String> {
     let mut report = Report::default();
     std::fs::create_dir_all(&chaos.dir).map_err(|e| format!("{}: {e}", chaos.dir.display()))?;
     while report.total() < chaos.faults && started.elapsed() < chaos.limit {
-        let mut job = Job::start(chaos, report.jobs)?;
+        let mut job = Job::start(chaos, report.jobs)
+            .map_err(|e| format!("job {} could not start: {e}", report.jobs))?;
         report.jobs += 1;
         let ended = job.inject(chaos, &mut rng, &mut report, started);
         let checked = ended.and_then(|()| job.check(chaos));
@@ -176,7 +177,7 @@ pub fn run(chaos: &Chaos) -> Result<Report, String> {
             Err(e) => {
                 let log = job.text();
                 return Err(format!(
-                    "job {} ({}): {e}\n{log}",
+                    "an invariant did not hold in job {} ({}): {e}\n{log}",
                     job.index,
                     job.log.display()
                 ));
