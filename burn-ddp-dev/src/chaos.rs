@@ -18,6 +18,7 @@
 //! epochs are complete, their seals intact, and no temporary file is left.
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -74,9 +75,14 @@ pub struct Report {
     pub recoveries: BTreeMap<&'static str, Vec<Duration>>,
     /// From each such fault to the job's return to full strength.
     pub restored: Vec<Duration>,
-    /// Jobs run, and their epochs checked.
+    /// Jobs run, and their splits checked (training and validation of every epoch).
     pub jobs: usize,
-    pub epochs_checked: usize,
+    pub splits_checked: usize,
+    /// Splits whose last step trained (or evaluated) but whose outputs never reached rank 0:
+    /// a rank failed between the step and the gather of its outputs, and the change of
+    /// membership found the split over. Their progress line never reached `items N/N`, and
+    /// rank 0's metrics of that split miss that step.
+    pub unshown: usize,
     /// Waits of the harness, each within the bound.
     pub waits: usize,
     /// How long the run took.
@@ -129,9 +135,11 @@ impl Report {
         );
         out += &format!(
             "  invariants held: {} waits within {:?}; every job exited 0 with bit-identical \
-             replicas; {} epochs counted every item once (training and validation); the last two \
-             checkpoints of every job complete and sealed, no temporary left\n",
-            self.waits, chaos.bound, self.epochs_checked
+             replicas; {} splits (training and validation of every epoch) counted every item \
+             once, {} of them ended by a change after their last step, whose outputs (metrics) \
+             never reached rank 0; the last two checkpoints of every job complete and sealed, \
+             no temporary left\n",
+            self.waits, chaos.bound, self.splits_checked, self.unshown
         );
         out
     }
@@ -173,7 +181,10 @@ pub fn run(chaos: &Chaos) -> Result<Report, String> {
         let checked = ended.and_then(|()| job.check(chaos));
         job.stop();
         match checked {
-            Ok(epochs) => report.epochs_checked += epochs,
+            Ok((splits, unshown)) => {
+                report.splits_checked += splits;
+                report.unshown += unshown;
+            }
             Err(e) => {
                 let log = job.text();
                 return Err(format!(
@@ -287,6 +298,10 @@ impl Job {
             .stdin(Stdio::null())
             .stdout(file)
             .stderr(err)
+            // Its own process group, as a shell's job control gives it: a group whose member's
+            // parent is outside it is not orphaned, so a rank stopped in it never brings the
+            // kernel's SIGHUP to the launcher.
+            .process_group(0)
             .spawn()
             .map_err(|e| format!("{}: {e}", chaos.launcher.display()))?;
         Ok(Self {
@@ -312,9 +327,13 @@ impl Job {
         !matches!(self.launcher.try_wait(), Ok(None))
     }
 
-    /// The ranks' pids.
+    /// The ranks' pids: the launcher's children that run the program (with `RANK` set), not
+    /// one it is starting (forked, not yet the program).
     fn ranks(&self) -> Vec<u32> {
         children(self.launcher.id())
+            .into_iter()
+            .filter(|&pid| crate::spawned::rank_of(pid).is_some())
+            .collect()
     }
 
     /// Waits until `done` holds on the job's memberships, or the launcher exits (`false`), for
@@ -359,7 +378,7 @@ impl Job {
         // Every kind once in each round of six, in a random order.
         let mut bag: Vec<&'static str> = Vec::new();
         while report.total() < chaos.faults && started.elapsed() < chaos.limit && !self.ended() {
-            std::thread::sleep(Duration::from_millis(rng.random_range(200..1500)));
+            std::thread::sleep(Duration::from_millis(rng.random_range(100..1000)));
             let pids = self.ranks();
             if pids.len() < chaos.nproc as usize {
                 continue;
@@ -451,8 +470,9 @@ impl Job {
         Ok(())
     }
 
-    /// The end-of-job invariants; the epochs checked.
-    fn check(&mut self, chaos: &Chaos) -> Result<usize, String> {
+    /// The end-of-job invariants: the splits checked, and those of them whose last step's
+    /// outputs never reached rank 0 ([`ended_by_a_change`]).
+    fn check(&mut self, chaos: &Chaos) -> Result<(usize, usize), String> {
         let status = self.launcher.wait().map_err(|e| e.to_string())?;
         if !status.success() {
             return Err(format!("the launcher exited with {status}"));
@@ -468,16 +488,21 @@ impl Job {
             return Err("no final test accuracy".into());
         }
         let epochs = chaos.epochs;
+        let mut unshown = 0;
         for e in 1..=epochs {
             for (split, n) in [("train", chaos.train), ("valid", chaos.test)] {
                 let line = format!("[{split}] epoch {e}/{epochs}  items {n}/{n}  ");
-                if !text.contains(&line) {
+                if text.contains(&line) {
+                    continue;
+                }
+                if !ended_by_a_change(&text, e, split) {
                     return Err(format!("no line {line:?}: not every item counted once"));
                 }
+                unshown += 1;
             }
         }
         check_checkpoints(&self.out.join("checkpoint"), epochs as usize)?;
-        Ok(2 * epochs as usize)
+        Ok((2 * epochs as usize, unshown))
     }
 
     /// Ends what is left of the job (after a failed check).
@@ -488,6 +513,31 @@ impl Job {
         let _ = self.launcher.kill();
         let _ = self.launcher.wait();
     }
+}
+
+/// Whether `split` (`train`, `valid`) of `epoch` ended with a change of membership after its
+/// last step (rank 0's line `[membership] membership epoch K: ... (at epoch E, training, ...)`,
+/// then the first step of epoch K in the next split, or the end of training): the step ran on
+/// every survivor, but its outputs were lost with the rank that failed before they reached
+/// rank 0.
+fn ended_by_a_change(text: &str, epoch: u32, split: &str) -> bool {
+    let (phase, next) = match split {
+        "train" => ("training", "(a validation step)"),
+        _ => ("validation", "(a training step)"),
+    };
+    let at = format!("(at epoch {epoch}, {phase}, ");
+    text.lines()
+        .filter(|l| l.contains("[membership] membership epoch ") && l.contains(&at))
+        .filter_map(|l| {
+            let rest = l.split("[membership] membership epoch ").nth(1)?;
+            rest.split(':').next()?.parse::<u64>().ok()
+        })
+        .any(|k| {
+            let first = format!("the first step of membership epoch {k} is done ");
+            let stepped = text.lines().find(|l| l.contains(&first));
+            // No first step: the change came after the last split of training.
+            stepped.is_none_or(|l| l.contains(next))
+        })
 }
 
 /// The checkpoints of the last two of `epochs`: complete, sealed, no temporary file beside.
@@ -514,4 +564,60 @@ fn check_checkpoints(dir: &Path, epochs: usize) -> Result<(), String> {
 fn signal(pid: u32, sig: rustix::process::Signal) -> bool {
     rustix::process::Pid::from_raw(pid as i32)
         .is_some_and(|p| rustix::process::kill_process(p, sig).is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn membership_lines_are_read_as_rank_0_prints_them() {
+        let text = "\
+[rank 0] [train] epoch 1/3  items 48/1536\n\
+burn-ddp run: starting member 3 in its place (local rank 1; replacement 1 of 9); it joins\n\
+[rank 2] [membership] membership epoch 1: world size 2 (was 3); left: [m1]; joined: []\n\
+[rank 2] [membership] the first step of membership epoch 1 is done (a training step), 5 ms\n\
+[rank 2] [membership] membership epoch 2: world size 3 (was 2); left: []; joined: [m3]\n";
+        let m = Memberships::parse(text);
+        assert_eq!(m.newest(), 2);
+        assert_eq!(m.replacements, 1);
+        assert!(m.stepped_after(0) && !m.stepped_after(1));
+        // Epoch 2 has all three ranks but has not stepped yet: not full strength.
+        assert!(!m.full(3));
+        let m = Memberships::parse(&format!(
+            "{text}[rank 0] [membership] the first step of membership epoch 2 is done\n"
+        ));
+        assert!(m.full(3) && !m.full(4));
+        assert!(
+            Memberships::parse("").full(3),
+            "a job that never changed is whole"
+        );
+    }
+
+    #[test]
+    fn a_split_ended_by_a_change_is_told_from_one_cut_short() {
+        let ended = "\
+[rank 2] [membership] membership epoch 36: world size 2 (was 3); left: [m32] (at epoch 5, training, 76 steps in)\n\
+[rank 2] [membership] the first step of membership epoch 36 is done (a validation step), 304 ms\n";
+        assert!(ended_by_a_change(ended, 5, "train"));
+        assert!(!ended_by_a_change(ended, 4, "train"));
+        assert!(!ended_by_a_change(ended, 5, "valid"));
+        let mid = ended.replace("(a validation step)", "(a training step)");
+        assert!(!ended_by_a_change(&mid, 5, "train"), "the split went on");
+        let last = "[rank 0] [membership] membership epoch 3: world size 2 (was 3); left: [m1] (at epoch 6, validation, 1 steps in)\n";
+        assert!(
+            ended_by_a_change(last, 6, "valid"),
+            "training ended with the change"
+        );
+    }
+
+    #[test]
+    fn percentiles_are_taken_from_the_sorted_times() {
+        let times: Vec<Duration> = (1..=100).rev().map(Duration::from_millis).collect();
+        assert_eq!(
+            percentiles(&times),
+            "p50 51 ms, p90 90 ms, p99 99 ms, max 100 ms"
+        );
+        assert_eq!(percentiles(&[]), "none");
+    }
 }
