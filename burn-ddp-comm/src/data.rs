@@ -187,6 +187,8 @@ pub fn surviving<T, E>(group: &ProcessGroup, mut work: impl FnMut() -> Result<T,
 where
     E: FailureOf + From<DdpError>,
 {
+    // A replacement let in now would start training, not this work.
+    group.close_joins();
     loop {
         let e = match work() {
             Ok(done) => return Ok(done),

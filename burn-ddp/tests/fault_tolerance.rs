@@ -508,8 +508,26 @@ fn launchers_whose_ranks_are_not_the_jobs_are_refused_without_churning_it() {
 /// themselves, evaluate again, and get the total of every item once; the job succeeds.
 #[test]
 fn a_rank_lost_in_the_evaluation_after_training_is_survived() {
+    evaluation_loses_rank_1("eval", 0);
+}
+
+/// As above with a replacement allowed: the launcher starts one at once, but it is not let
+/// into a job whose training is over (it would start training while the others evaluate:
+/// the chaos run found the job stuck so); the two survivors evaluate again and end, the
+/// replacement waits and is stopped when the job ended, and the launcher succeeds.
+#[test]
+fn a_replacement_is_not_let_in_after_training() {
+    let text = evaluation_loses_rank_1("eval-replaced", 1);
+    assert!(text.contains("starting member 3 in its place"), "{text}");
+    assert!(!text.contains("joined: [m3]"), "{text}");
+}
+
+/// 3 ranks of the counter job train and evaluate, `restarts` replacements allowed; rank 1 is
+/// SIGKILLed during the evaluation; the two others must evaluate again and end with the total
+/// of every item once. The launcher's log (the job in a directory named `name`).
+fn evaluation_loses_rank_1(name: &str, restarts: u32) -> String {
     let steps = 40;
-    let job = FtJob::start("eval", 3, 0, steps, &[("FT_EVAL", "1")]);
+    let job = FtJob::start(name, 3, restarts, steps, &[("FT_EVAL", "1")]);
     let victim = job.pid(1, 1);
     wait_for(
         &job.log,
@@ -543,6 +561,7 @@ fn a_rank_lost_in_the_evaluation_after_training_is_survived() {
         "{text}"
     );
     assert_unbroken(&finals(&text), 2, steps, &text);
+    text
 }
 
 /// Ctrl-C in the launcher's terminal (SIGINT to its whole process group, ranks included) is an

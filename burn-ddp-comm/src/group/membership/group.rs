@@ -93,6 +93,18 @@ impl ProcessGroup {
         self.change(cause.to_string(), culprit, progress, true)
     }
 
+    /// Closes a fault-tolerant job to processes asking to join, for the rest of this
+    /// process's membership: after training, a replacement would start training while the
+    /// members do the work that follows it (an evaluation), so the changes of membership this
+    /// process decides from now on leave joiners out; they wait until the job ends, and their
+    /// launcher then stops them. [`surviving`](crate::data::surviving) calls it. Nothing for
+    /// other groups.
+    pub fn close_joins(&self) {
+        if let Ok(e) = self.service() {
+            e.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
     /// Lets in the processes that asked to join ([`ProcessGroup::join_pending`]): every rank
     /// of the group calls it at the same step boundary; the joiners are behind.
     ///

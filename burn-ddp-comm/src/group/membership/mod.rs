@@ -170,6 +170,9 @@ pub(super) struct MembershipService {
     watcher: Option<Periodic>,
     /// A joining process's admission, for the caller to take.
     admission: Mutex<Option<Recovery>>,
+    /// Training is over ([`ProcessGroup::close_joins`]): the memberships this process decides
+    /// let no process in (a joiner would start training while the members evaluate).
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for MembershipService {
@@ -311,6 +314,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         joins,
         watcher,
         admission: Mutex::new(None),
+        closed: std::sync::atomic::AtomicBool::new(false),
         config,
     };
     if join {
@@ -505,9 +509,14 @@ impl MembershipService {
         Ok((0..self.initial_world.saturating_add(n)).collect())
     }
 
-    /// The store's view of the epoch after `members` (`next`).
+    /// The store's view of the epoch after `members` (`next`): no joiners once this process
+    /// closed the job to them.
     fn ballot(&self, next: u64, members: &[u32]) -> Result<Ballot> {
-        let joiners: Vec<u32> = minus(&self.known_ids()?, members);
+        let joiners: Vec<u32> = if self.closed.load(Ordering::SeqCst) {
+            Vec::new()
+        } else {
+            minus(&self.known_ids()?, members)
+        };
         let everyone: Vec<u32> = members.iter().chain(&joiners).copied().collect();
         let mut keys: Vec<String> = everyone.iter().map(|m| keys::checkin(next, *m)).collect();
         keys.extend(everyone.iter().map(|m| crate::store::gone_key(Rank(*m))));
