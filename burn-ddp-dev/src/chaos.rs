@@ -57,7 +57,7 @@ pub struct Chaos {
 }
 
 /// The kinds of fault, in the order the report lists them.
-const KINDS: [&str; 6] = [
+pub const KINDS: [&str; 6] = [
     "SIGKILL",
     "SIGTERM",
     "frozen under the heartbeat bound",
