@@ -123,7 +123,9 @@ pub mod train;
 pub mod types;
 mod wire;
 
-pub use config::{FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts};
+pub use config::{
+    EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts,
+};
 pub use error::{
     CollectiveError, ConfigError, CudaError, DdpError, JobError, MembershipError, ModelError,
     RendezvousError, Result,

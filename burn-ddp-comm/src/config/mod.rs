@@ -98,13 +98,64 @@ impl fmt::Debug for JobToken {
     }
 }
 
-/// Where rank 0 serves the rendezvous store (`MASTER_ADDR:MASTER_PORT`).
+/// Where the job's store is: served by rank 0 (or by a fault-tolerant job's launcher) on
+/// `MASTER_ADDR:MASTER_PORT`, or, for a fault-tolerant job, kept by an etcd cluster
+/// ([`MasterAddr::etcd`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MasterAddr {
     /// Host name or IP address.
     pub host: String,
     /// TCP port.
     pub port: u16,
+    /// The etcd cluster that keeps the store of a fault-tolerant job instead
+    /// (`BURN_DDP_ETCD_ENDPOINTS`, set by `burn-ddp run --rdzv-backend etcd`); `host` and `port`
+    /// are then unused.
+    pub etcd: Option<EtcdStore>,
+}
+
+/// An etcd cluster that keeps a fault-tolerant job's store: no process of the job serves it,
+/// so the job survives the loss of any node (and of a minority of etcd's members). The job's
+/// keys lie under a prefix derived from its job token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdStore {
+    /// The members' client endpoints, `host:port` (or `http://host:port`).
+    pub endpoints: Vec<String>,
+}
+
+impl EtcdStore {
+    /// Parses a comma-separated endpoint list (`--rdzv-endpoint`, `BURN_DDP_ETCD_ENDPOINTS`).
+    ///
+    /// # Errors
+    /// The reason, when the list is empty or an endpoint has no port.
+    pub fn parse(list: &str) -> std::result::Result<Self, String> {
+        let endpoints: Vec<String> = list
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if endpoints.is_empty() {
+            return Err("no endpoint: give host:port[,host:port...]".into());
+        }
+        for e in &endpoints {
+            let hostport = e.split_once("://").map_or(e.as_str(), |(_, r)| r);
+            let port = hostport
+                .rsplit_once(':')
+                .map(|(_, p)| p.trim_end_matches('/'));
+            if port.and_then(|p| p.parse::<u16>().ok()).is_none() {
+                return Err(format!(
+                    "endpoint {e:?} has no port: give host:port (etcd's client port is 2379 by default)"
+                ));
+            }
+        }
+        Ok(Self { endpoints })
+    }
+}
+
+impl fmt::Display for EtcdStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "etcd cluster {}", self.endpoints.join(","))
+    }
 }
 
 impl MasterAddr {
@@ -113,12 +164,22 @@ impl MasterAddr {
         Self {
             host: host.into(),
             port,
+            etcd: None,
         }
+    }
+
+    /// The store kept by the etcd cluster `store` instead.
+    pub fn with_etcd(mut self, store: EtcdStore) -> Self {
+        self.etcd = Some(store);
+        self
     }
 }
 
 impl fmt::Display for MasterAddr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(etcd) = &self.etcd {
+            return etcd.fmt(f);
+        }
         if self.host.contains(':') && !self.host.starts_with('[') {
             write!(f, "[{}]:{}", self.host, self.port)
         } else {

@@ -211,7 +211,7 @@ impl Heartbeat {
         stopper: LinkStopper,
         host: super::StoreHost,
     ) -> Option<Self> {
-        let master = MasterAddr::new(store.addr().ip().to_string(), store.addr().port());
+        let master = store.master();
         let bounds = Bounds {
             silence: timeouts.heartbeat,
             stall: timeouts.stall,

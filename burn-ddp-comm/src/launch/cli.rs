@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use super::bench::{AllReduceBench, BenchDType, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
-use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
+use crate::config::{EtcdStore, JobToken, MasterAddr, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
 
 /// Distributed data parallel training for Burn.
@@ -31,6 +31,15 @@ enum Command {
     /// List the GPUs the CUDA driver shows this process (like `nvidia-smi -L`, straight from
     /// `libcuda.so.1`, for machines without the driver's tools).
     Gpus,
+}
+
+/// What keeps a fault-tolerant job's store (`--rdzv-backend`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RdzvBackend {
+    /// Node 0's launcher serves it.
+    Builtin,
+    /// An etcd cluster keeps it.
+    Etcd,
 }
 
 /// Options of `burn-ddp run`.
@@ -104,6 +113,21 @@ pub struct RunArgs {
     /// launchers with the same --rdzv-id and --master-addr) instead of forming it.
     #[arg(long, requires = "fault_tolerant")]
     join: bool,
+    /// Fault-tolerant job: what keeps the job's store. `builtin`: node 0's launcher serves it
+    /// (the job ends if node 0 is lost). `etcd`: an etcd cluster (--rdzv-endpoint) keeps it,
+    /// so the job survives the loss of any node; the ranks need burn-ddp's `etcd` feature.
+    #[arg(
+        long,
+        value_enum,
+        default_value = "builtin",
+        requires = "fault_tolerant"
+    )]
+    rdzv_backend: RdzvBackend,
+    /// With --rdzv-backend etcd: the etcd members' client endpoints, `host:port,...` (give
+    /// every member, so that any one may be lost). Give every job its own --rdzv-id: the job's
+    /// keys lie under a prefix derived from it.
+    #[arg(long)]
+    rdzv_endpoint: Option<String>,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
@@ -307,11 +331,38 @@ fn run(args: RunArgs) -> Result<ExitCode> {
             }))
         }
     };
-    let master = if args.standalone {
+    let mut master = if args.standalone {
         MasterAddr::new("127.0.0.1", spawn::free_port()?)
     } else {
         MasterAddr::new(args.master_addr, args.master_port)
     };
+    match (args.rdzv_backend, &args.rdzv_endpoint) {
+        (RdzvBackend::Etcd, Some(list)) => {
+            let store = EtcdStore::parse(list).map_err(|_| {
+                DdpError::Config(ConfigError::InvalidConfig {
+                    field: "--rdzv-endpoint",
+                    reason: "must list the etcd members' client endpoints, host:port each, \
+                             separated by commas (etcd's client port is 2379 by default)",
+                })
+            })?;
+            master = master.with_etcd(store);
+        }
+        (RdzvBackend::Etcd, None) => {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "--rdzv-backend etcd",
+                reason: "needs --rdzv-endpoint host:port[,host:port...]: the etcd members' \
+                         client endpoints",
+            }))
+        }
+        (RdzvBackend::Builtin, Some(_)) => {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "--rdzv-endpoint",
+                reason: "names an etcd cluster: add --rdzv-backend etcd (the builtin store is \
+                         served by node 0's launcher at --master-addr:--master-port)",
+            }))
+        }
+        (RdzvBackend::Builtin, None) => {}
+    }
     let token = match (args.rdzv_id, super::env::job_token()) {
         (Some(id), _) => JobToken::new(format!("rdzv:{id}")),
         (None, Some(t)) => JobToken::new(t),
@@ -355,7 +406,8 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if args.fault_tolerant {
-        let serving = node_rank == 0 && !args.join;
+        // On etcd no launcher serves the store: node 0 is no different from the others.
+        let serving = node_rank == 0 && !args.join && job.master.etcd.is_none();
         let _lighthouse = if serving {
             Some(super::fault::Lighthouse::serve(&job)?)
         } else {

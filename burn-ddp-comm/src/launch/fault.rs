@@ -174,11 +174,20 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
             last_error,
             ..
         }) => DdpError::Membership(MembershipError::FaultTolerantJob {
-            reason: format!(
-                "the job's store at {addr} was unreachable for {waited:.0?} (last error: \
-                 {last_error}). Check that node 0's launcher of the job runs and that \
-                 --master-addr/--master-port point to it; --rdzv-timeout sets how long to try"
-            ),
+            reason: if job.master.etcd.is_some() {
+                format!(
+                    "the job's store, the {addr}, was unreachable for {waited:.0?} (last \
+                     error: {last_error}). Check that a majority of its members run and that \
+                     --rdzv-endpoint lists their client endpoints; --rdzv-timeout sets how \
+                     long to try"
+                )
+            } else {
+                format!(
+                    "the job's store at {addr} was unreachable for {waited:.0?} (last error: \
+                     {last_error}). Check that node 0's launcher of the job runs and that \
+                     --master-addr/--master-port point to it; --rdzv-timeout sets how long to try"
+                )
+            },
         }),
         e => e,
     })?;

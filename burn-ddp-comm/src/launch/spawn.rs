@@ -134,6 +134,9 @@ impl LocalJob {
         if self.nproc_per_node > 1 && !env::omp_num_threads_set() {
             vars.push(("OMP_NUM_THREADS".into(), "1".into()));
         }
+        if let Some(etcd) = &self.master.etcd {
+            vars.push((env::ETCD_ENDPOINTS.into(), etcd.endpoints.join(",").into()));
+        }
         vars.extend(self.env.iter().cloned());
         vars
     }

@@ -1,4 +1,6 @@
-//! The store client: one authenticated connection to rank 0's store, requests serialised.
+//! The store client: one authenticated connection to rank 0's store (or a fault-tolerant
+//! job's launcher), requests serialised; or, for a fault-tolerant job whose store an etcd
+//! cluster keeps, the same requests answered by etcd (`etcd.rs`).
 
 use crate::error::{CollectiveError, RendezvousError};
 use std::io::{self, ErrorKind};
@@ -31,6 +33,16 @@ pub(crate) enum WaitOutcome {
     Missing(Vec<String>),
 }
 
+/// What carries a client's requests.
+#[derive(Debug)]
+enum Link {
+    /// A connection to a store served by a burn-ddp process.
+    Tcp(Mutex<TcpStream>),
+    /// The job's keys on an etcd cluster.
+    #[cfg(feature = "etcd")]
+    Etcd(Box<super::etcd::EtcdLink>),
+}
+
 /// A connection to the store.
 #[derive(Debug)]
 pub(crate) struct StoreClient {
@@ -42,7 +54,7 @@ pub(crate) struct StoreClient {
     /// A request got no reply in time or its connection failed: a late reply could still
     /// arrive and be taken for the next one's, so no request is sent on it again.
     broken: AtomicBool,
-    stream: Mutex<TcpStream>,
+    link: Link,
     /// Every key of this client lies under `scope/`, and its abort record is the scope's (a
     /// fault-tolerant job's membership epoch, `ft/<n>`): `None` for the job's own keys.
     scope: Option<String>,
@@ -63,6 +75,9 @@ impl StoreClient {
         timeout: Duration,
         deadline: Instant,
     ) -> Result<Self> {
+        if let Some(etcd) = &master.etcd {
+            return Self::connect_etcd(etcd, purpose, rank, token, timeout, deadline);
+        }
         let started = Instant::now();
         let addrs = resolve(master, rank)?;
         let mut backoff = Duration::from_millis(20);
@@ -93,7 +108,7 @@ impl StoreClient {
                                     timeout,
                                     slack: REPLY_SLACK,
                                     broken: AtomicBool::new(false),
-                                    stream: Mutex::new(stream),
+                                    link: Link::Tcp(Mutex::new(stream)),
                                     scope: None,
                                 })
                             }
@@ -117,6 +132,60 @@ impl StoreClient {
             thread::sleep(backoff.min(left));
             backoff = (backoff * 2).min(Duration::from_millis(500));
         }
+    }
+
+    /// A client of the job's keys on the etcd cluster `etcd`; a presence connection
+    /// ([`Purpose::Store`]) claims member id `rank` for this process.
+    #[cfg(feature = "etcd")]
+    fn connect_etcd(
+        etcd: &crate::config::EtcdStore,
+        purpose: Purpose,
+        rank: Rank,
+        token: &JobToken,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<Self> {
+        let started = Instant::now();
+        let member = (purpose == Purpose::Store).then_some(rank);
+        match super::etcd::EtcdLink::connect(etcd, token, member, deadline) {
+            Ok(link) => Ok(Self {
+                addr: link.addr(),
+                rank,
+                timeout,
+                slack: REPLY_SLACK,
+                broken: AtomicBool::new(false),
+                link: Link::Etcd(Box::new(link)),
+                scope: None,
+            }),
+            Err(Ok(reason)) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
+                rank,
+                reason,
+            })),
+            Err(Err(last_error)) => Err(DdpError::Rendezvous(RendezvousError::MasterUnreachable {
+                rank,
+                addr: etcd.to_string(),
+                waited: started.elapsed(),
+                last_error,
+            })),
+        }
+    }
+
+    /// Without the `etcd` feature, a store on etcd is refused, saying how to build with it.
+    #[cfg(not(feature = "etcd"))]
+    fn connect_etcd(
+        _: &crate::config::EtcdStore,
+        _: Purpose,
+        _: Rank,
+        _: &JobToken,
+        _: Duration,
+        _: Instant,
+    ) -> Result<Self> {
+        Err(DdpError::Config(crate::error::ConfigError::InvalidConfig {
+            field: crate::config::env::ETCD_ENDPOINTS,
+            reason: "names an etcd cluster, but this program was built without etcd support: \
+                     enable the `etcd` feature of burn-ddp (or burn-ddp-burn022, \
+                     burn-ddp-comm) and build again",
+        }))
     }
 
     /// The client with `slack` as the extra time a reply may take beyond its request's wait
@@ -180,16 +249,24 @@ impl StoreClient {
         self.addr
     }
 
+    /// Where to connect again to the same store: the address this client reached (no second
+    /// name lookup), or the same etcd cluster.
+    pub(crate) fn master(&self) -> MasterAddr {
+        match &self.link {
+            Link::Tcp(_) => MasterAddr::new(self.addr.ip().to_string(), self.addr.port()),
+            #[cfg(feature = "etcd")]
+            Link::Etcd(etcd) => etcd.master(),
+        }
+    }
+
     /// This end's address of the store connection: the interface that reaches the master, which
     /// is also the one the transport listens on.
     pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.lock().local_addr()
-    }
-
-    fn lock(&self) -> MutexGuard<'_, TcpStream> {
-        // The stream holds no invariant a panic could break mid-way that a later request would
-        // trust: each request writes a whole frame and reads a whole reply.
-        self.stream.lock().unwrap_or_else(|p| p.into_inner())
+        match &self.link {
+            Link::Tcp(stream) => lock(stream).local_addr(),
+            #[cfg(feature = "etcd")]
+            Link::Etcd(etcd) => etcd.local_addr(),
+        }
     }
 
     fn lost(&self, source: io::Error) -> DdpError {
@@ -226,7 +303,52 @@ impl StoreClient {
         wait: Duration,
         slack: Duration,
     ) -> Result<Reply> {
-        let mut stream = self.lock();
+        let reply = match &self.link {
+            Link::Tcp(stream) => self.tcp_exchange(stream, request, op, key, wait, slack)?,
+            #[cfg(feature = "etcd")]
+            Link::Etcd(etcd) => etcd.execute(request, wait, slack).map_err(|f| match f {
+                super::etcd::EtcdFailure::Timeout => {
+                    DdpError::Rendezvous(RendezvousError::StoreTimeout {
+                        rank: self.rank,
+                        op,
+                        key: key.to_owned(),
+                        waited: wait + slack,
+                    })
+                }
+                super::etcd::EtcdFailure::Lost(e) => self.lost(e),
+            })?,
+        };
+        match reply {
+            Reply::Aborted(record) => Err(DdpError::Collective(CollectiveError::JobAborted {
+                rank: self.rank,
+                during: None,
+                record,
+            })),
+            Reply::Error(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
+                rank: self.rank,
+                reason,
+            })),
+            Reply::Rejected(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRequest {
+                rank: self.rank,
+                op,
+                key: key.to_owned(),
+                reason,
+            })),
+            other => Ok(other),
+        }
+    }
+
+    /// One request and its reply on a connection to a burn-ddp store.
+    fn tcp_exchange(
+        &self,
+        stream: &Mutex<TcpStream>,
+        request: &Request,
+        op: &'static str,
+        key: &str,
+        wait: Duration,
+        slack: Duration,
+    ) -> Result<Reply> {
+        let mut stream = lock(stream);
         if self.is_broken() {
             return Err(self.lost(io::Error::new(
                 ErrorKind::BrokenPipe,
@@ -264,31 +386,13 @@ impl StoreClient {
                 })))
             }
         };
-        let reply = Reply::decode(k, &payload).map_err(|error| {
+        Reply::decode(k, &payload).map_err(|error| {
             DdpError::Rendezvous(RendezvousError::Protocol {
                 rank: self.rank,
                 peer: self.addr,
                 error,
             })
-        })?;
-        match reply {
-            Reply::Aborted(record) => Err(DdpError::Collective(CollectiveError::JobAborted {
-                rank: self.rank,
-                during: None,
-                record,
-            })),
-            Reply::Error(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
-                rank: self.rank,
-                reason,
-            })),
-            Reply::Rejected(reason) => Err(DdpError::Rendezvous(RendezvousError::StoreRequest {
-                rank: self.rank,
-                op,
-                key: key.to_owned(),
-                reason,
-            })),
-            other => Ok(other),
-        }
+        })
     }
 
     fn unexpected(&self, reply: &Reply) -> DdpError {
@@ -469,7 +573,17 @@ impl StoreClient {
 
     /// Tells the store this rank leaves cleanly. Best effort, bounded by `timeout`.
     pub(crate) fn bye(&self, timeout: Duration) {
-        let mut stream = self.lock();
+        // Without the `etcd` feature the match has one arm.
+        #[allow(clippy::infallible_destructuring_match)]
+        let stream = match &self.link {
+            Link::Tcp(stream) => stream,
+            #[cfg(feature = "etcd")]
+            Link::Etcd(etcd) => {
+                let _ = etcd.execute(&Request::Bye, timeout, Duration::ZERO);
+                return;
+            }
+        };
+        let mut stream = lock(stream);
         if self.is_broken() {
             return;
         }
@@ -480,6 +594,12 @@ impl StoreClient {
             let _ = wire::read_frame(&mut *stream, MAX_FRAME);
         }
     }
+}
+
+fn lock(stream: &Mutex<TcpStream>) -> MutexGuard<'_, TcpStream> {
+    // The stream holds no invariant a panic could break mid-way that a later request would
+    // trust: each request writes a whole frame and reads a whole reply.
+    stream.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn resolve(master: &MasterAddr, rank: Rank) -> Result<Vec<SocketAddr>> {

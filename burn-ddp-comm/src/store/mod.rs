@@ -12,6 +12,8 @@
 
 pub(crate) mod auth;
 mod client;
+#[cfg(feature = "etcd")]
+mod etcd;
 mod handle;
 pub(crate) mod protocol;
 mod server;

@@ -12,6 +12,7 @@
 //! | `RANK`, `WORLD_SIZE` | global rank and job size (torchrun) | single process when neither is set |
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
 //! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | host: the first of Slurm's node list; loopback when every rank is on this host (required under `mpirun` across hosts). Port: derived from the job under Slurm and Open MPI ([`job_port`]), else `29500` |
+//! | `BURN_DDP_ETCD_ENDPOINTS` | a fault-tolerant job's store is kept by this etcd cluster (`host:port,...`; set by `burn-ddp run --rdzv-backend etcd`; needs the `etcd` feature) | unset: the launcher's store |
 //! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
 //! | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `PMIX_NAMESPACE`, `OMPI_MCA_ess_base_jobid` | Open MPI's `mpirun` (when `RANK` is not set); `PMIX_RANK` must agree | |
 //! | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | MPICH's and Intel MPI's `mpiexec` (Hydra), when neither `RANK` nor Open MPI's are set | |
@@ -40,8 +41,8 @@ use std::time::Duration;
 use std::ffi::OsString;
 
 use crate::config::{
-    FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher, MasterAddr, Timeouts,
-    DEFAULT_MASTER_PORT,
+    EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher, MasterAddr,
+    Timeouts, DEFAULT_MASTER_PORT,
 };
 use crate::types::{LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
@@ -64,6 +65,9 @@ pub const MASTER_PORT: &str = "MASTER_PORT";
 /// Port of burn-ddp's store when it must differ from `MASTER_PORT` (default under torchrun:
 /// `MASTER_PORT + 1`, since torchrun's agent serves its own store on `MASTER_PORT`).
 pub const STORE_PORT: &str = "BURN_DDP_STORE_PORT";
+/// The etcd cluster that keeps a fault-tolerant job's store (`host:port,...`), instead of the
+/// launcher on `MASTER_ADDR:MASTER_PORT` (set by `burn-ddp run --rdzv-backend etcd`).
+pub const ETCD_ENDPOINTS: &str = "BURN_DDP_ETCD_ENDPOINTS";
 /// The job secret.
 pub const JOB_TOKEN: &str = "BURN_DDP_JOB_TOKEN";
 /// All deadlines at once.

@@ -159,7 +159,17 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             }
         }
     };
-    let master = MasterAddr::new(host, port);
+    let mut master = MasterAddr::new(host, port);
+    if let Some(list) = get(ETCD_ENDPOINTS) {
+        let store = EtcdStore::parse(&list).map_err(|_| {
+            DdpError::Config(ConfigError::InvalidEnv {
+                var: ETCD_ENDPOINTS,
+                value: list.clone(),
+                expected: "a comma-separated list of etcd client endpoints, host:port each",
+            })
+        })?;
+        master = master.with_etcd(store);
+    }
     let token = token(&get, at.job.as_ref(), &master);
     let mut cfg = GroupConfig::new(rank, world, token)
         .with_master(master)
@@ -173,6 +183,14 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
         .then(|| debug_desync_from(&get))
         .transpose()?;
     cfg.fault_tolerance = fault_tolerance_from(&get)?;
+    if cfg.master.etcd.is_some() && cfg.fault_tolerance.is_none() {
+        return Err(DdpError::Config(ConfigError::InvalidConfig {
+            field: ETCD_ENDPOINTS,
+            reason: "keeps the store of a fault-tolerant job only (BURN_DDP_FAULT_TOLERANT=1, \
+                     as `burn-ddp run --fault-tolerant --rdzv-backend etcd` sets); a job \
+                     without it ends with any rank, so rank 0's store is no weaker: unset it",
+        }));
+    }
     cfg.validate()?;
     Ok(cfg)
 }

@@ -1,0 +1,827 @@
+//! The store of a fault-tolerant job on an etcd cluster (`burn-ddp run --fault-tolerant
+//! --rdzv-backend etcd --rdzv-endpoint …`): no process of the job serves it, so the job
+//! survives the loss of any node, and etcd's Raft keeps it while a majority of its members live.
+//!
+//! [`EtcdLink`] answers the store's [`Request`]s with the same [`Reply`]s as the launcher's
+//! store (`server.rs`, lighthouse mode), so everything above `StoreClient` is the same on both:
+//!
+//! - a key `k` is `<prefix>k/<k>`, where the prefix comes from the job token (one per job id);
+//! - a wait (`get`, `wait`) reads its keys and the abort records in one transaction and, while
+//!   something is missing, watches the job's prefix for the next change, up to its deadline;
+//! - `add` and `compare_set` are transactions on the key's revision or value;
+//! - the first abort record of the job or of a scope is a put guarded by the key's absence;
+//! - **presence**: a process's presence connection (`Purpose::Store`) is a lease kept alive
+//!   from this process: `<prefix>member/<id>` records that the id was claimed (once, for the
+//!   job's life), `<prefix>present/<id>` lives with the lease. [`gone_key`] of an id reads as
+//!   present when the process said goodbye (a real key) or when its lease expired or was
+//!   revoked (the process exited, crashed, or was stopped longer than [`LEASE_TTL`]).
+//!
+//! Every call is bounded: each RPC attempt by [`ATTEMPT`], failed attempts (a dead member, a
+//! leader election) are retried on the other endpoints until the request's own deadline.
+
+use std::io::{self, ErrorKind};
+use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+};
+use sha2::{Digest, Sha256};
+use tokio::runtime::Runtime;
+
+use super::protocol::{Reply, Request};
+use super::server::gone_key;
+use crate::config::{EtcdStore, JobToken};
+use crate::types::{AbortRecord, Rank};
+
+/// How long a process's presence lease lives without a keep-alive: a process stopped (SIGSTOP)
+/// for longer is gone for the job, as one that exited.
+pub(crate) const LEASE_TTL: Duration = Duration::from_secs(10);
+/// The bound of one RPC attempt; a failed one is retried until the request's deadline.
+const ATTEMPT: Duration = Duration::from_secs(2);
+/// The longest a wait watches before it reads its keys again (a watch whose member died
+/// stays silent).
+const WATCH_SLICE: Duration = Duration::from_secs(1);
+/// etcd refuses transactions of more than 128 operations (`--max-txn-ops`).
+const TXN_OPS: usize = 100;
+
+/// Why a request got no reply.
+#[derive(Debug)]
+pub(crate) enum EtcdFailure {
+    /// No member answered within the request's deadline.
+    Timeout,
+    /// The cluster refused it or cannot be reached.
+    Lost(io::Error),
+}
+
+type Outcome<T> = std::result::Result<T, EtcdFailure>;
+
+fn runtime() -> io::Result<&'static Runtime> {
+    static RT: OnceLock<std::result::Result<Runtime, String>> = OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("burn-ddp-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())
+    })
+    .as_ref()
+    .map_err(|e| io::Error::other(format!("could not start the etcd client's runtime: {e}")))
+}
+
+/// The key prefix of the job whose token is `token` (the token itself never reaches etcd).
+pub(crate) fn job_prefix(token: &JobToken) -> String {
+    let mut h = Sha256::new();
+    h.update(b"burn-ddp etcd job prefix\0");
+    h.update(token.expose().as_bytes());
+    let digest = h.finalize();
+    let hex: String = digest[..12].iter().map(|b| format!("{b:02x}")).collect();
+    format!("burn-ddp/{hex}/")
+}
+
+/// Whether an etcd error may pass on another attempt (a member down, no leader yet).
+fn transient(e: &etcd_client::Error) -> bool {
+    use tonic::Code;
+    match e {
+        etcd_client::Error::GRpcStatus(s) => matches!(
+            s.code(),
+            Code::Unavailable
+                | Code::DeadlineExceeded
+                | Code::Unknown
+                | Code::Internal
+                | Code::Cancelled
+                | Code::Aborted
+        ),
+        etcd_client::Error::TransportError(_)
+        | etcd_client::Error::IoError(_)
+        | etcd_client::Error::WatchError(_)
+        | etcd_client::Error::LeaseKeepAliveError(_) => true,
+        _ => false,
+    }
+}
+
+fn lost(what: &str, endpoints: &str, e: impl std::fmt::Display) -> EtcdFailure {
+    EtcdFailure::Lost(io::Error::other(format!(
+        "etcd cluster {endpoints}: {what}: {e}"
+    )))
+}
+
+/// A presence lease of this process's member id.
+#[derive(Debug)]
+struct Presence {
+    member: u32,
+    lease: i64,
+    keeper: tokio::task::JoinHandle<()>,
+    said_bye: AtomicBool,
+}
+
+/// One process's connection to the job's keys on an etcd cluster.
+pub(crate) struct EtcdLink {
+    client: Client,
+    store: EtcdStore,
+    prefix: String,
+    endpoints: String,
+    addr: SocketAddr,
+    presence: Option<Presence>,
+}
+
+impl std::fmt::Debug for EtcdLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdLink")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .field("presence", &self.presence.as_ref().map(|p| p.member))
+            .finish()
+    }
+}
+
+/// What a wait read: the job's or a scope's abort record, and each key's value.
+struct Snapshot {
+    revision: i64,
+    abort: Option<AbortRecord>,
+    values: Vec<Option<Vec<u8>>>,
+}
+
+impl EtcdLink {
+    /// Connects to `store`'s cluster, trying until `deadline`; with `member`, claims that member
+    /// id's presence (refused when the id was claimed before: ids are never reused).
+    ///
+    /// `Err(Ok(reason))`: refused; `Err(Err(e))`: unreachable until the deadline.
+    pub(crate) fn connect(
+        store: &EtcdStore,
+        token: &JobToken,
+        member: Option<Rank>,
+        deadline: Instant,
+    ) -> std::result::Result<Self, std::result::Result<String, io::Error>> {
+        let rt = runtime().map_err(Err)?;
+        let endpoints = store.endpoints.join(",");
+        let addr = store
+            .endpoints
+            .iter()
+            .find_map(|e| e.to_socket_addrs().ok().and_then(|mut a| a.next()))
+            .ok_or_else(|| {
+                Err(io::Error::new(
+                    ErrorKind::NotFound,
+                    format!("none of the etcd endpoints {endpoints} resolves"),
+                ))
+            })?;
+        let urls: Vec<String> = store
+            .endpoints
+            .iter()
+            .map(|e| {
+                if e.contains("://") {
+                    e.clone()
+                } else {
+                    format!("http://{e}")
+                }
+            })
+            .collect();
+        let options = ConnectOptions::new()
+            .with_connect_timeout(ATTEMPT)
+            .with_timeout(ATTEMPT)
+            .with_keep_alive(Duration::from_secs(2), ATTEMPT);
+        let client = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = rt.block_on(async {
+                tokio::time::timeout(
+                    left.min(ATTEMPT * 2),
+                    Client::connect(urls.clone(), Some(options.clone())),
+                )
+                .await
+            });
+            let error = match attempt {
+                Ok(Ok(c)) => break c,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => "no answer".to_string(),
+            };
+            if Instant::now() >= deadline {
+                return Err(Err(io::Error::new(ErrorKind::TimedOut, error)));
+            }
+            std::thread::sleep(Duration::from_millis(200).min(left));
+        };
+        let mut link = Self {
+            client,
+            store: store.clone(),
+            prefix: job_prefix(token),
+            endpoints,
+            addr,
+            presence: None,
+        };
+        // A first read proves that a member answers (the client connects lazily).
+        match link.run(deadline, |mut c, p| async move {
+            c.get(format!("{p}abort"), None).await.map(|_| ())
+        }) {
+            Ok(()) => {}
+            Err(EtcdFailure::Timeout) => {
+                return Err(Err(io::Error::new(
+                    ErrorKind::TimedOut,
+                    "no member of the etcd cluster answered",
+                )))
+            }
+            Err(EtcdFailure::Lost(e)) => return Err(Err(e)),
+        }
+        if let Some(member) = member {
+            link.claim(member, deadline)?;
+        }
+        Ok(link)
+    }
+
+    /// The cluster, to connect to it again.
+    pub(crate) fn master(&self) -> crate::config::MasterAddr {
+        crate::config::MasterAddr::new(self.addr.ip().to_string(), self.addr.port())
+            .with_etcd(self.store.clone())
+    }
+
+    /// An address of the cluster (the first endpoint), for messages.
+    pub(crate) fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// This host's address on the route to the cluster: the interface the transport listens on.
+    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
+        let bind: SocketAddr = if self.addr.is_ipv4() {
+            "0.0.0.0:0".parse().expect("a literal address")
+        } else {
+            "[::]:0".parse().expect("a literal address")
+        };
+        let s = UdpSocket::bind(bind)?;
+        s.connect(self.addr)?;
+        s.local_addr()
+    }
+
+    fn key(&self, key: &str) -> String {
+        format!("{}k/{key}", self.prefix)
+    }
+
+    fn abort_key(&self, scope: &str) -> String {
+        if scope.is_empty() {
+            format!("{}abort", self.prefix)
+        } else {
+            format!("{}scope/{scope}", self.prefix)
+        }
+    }
+
+    /// Runs `op` (given a client and the job prefix) until it succeeds, fails for good, or
+    /// `deadline` passes; each attempt bounded by [`ATTEMPT`].
+    fn run<T, F, Fut>(&self, deadline: Instant, op: F) -> Outcome<T>
+    where
+        F: Fn(Client, String) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let rt = runtime().map_err(EtcdFailure::Lost)?;
+        rt.block_on(self.attempts(deadline, op))
+    }
+
+    async fn attempts<T, F, Fut>(&self, deadline: Instant, op: F) -> Outcome<T>
+    where
+        F: Fn(Client, String) -> Fut,
+        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let mut backoff = Duration::from_millis(20);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(EtcdFailure::Timeout);
+            }
+            let attempt = tokio::time::timeout(
+                left.min(ATTEMPT),
+                op(self.client.clone(), self.prefix.clone()),
+            )
+            .await;
+            match attempt {
+                Ok(Ok(v)) => return Ok(v),
+                Ok(Err(e)) if !transient(&e) => {
+                    return Err(lost("request refused", &self.endpoints, e))
+                }
+                Ok(Err(_)) | Err(_) => {}
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = (backoff * 2).min(Duration::from_millis(400));
+        }
+    }
+
+    /// Claims the presence of member id `member`: a lease kept alive from this process.
+    fn claim(
+        &mut self,
+        member: Rank,
+        deadline: Instant,
+    ) -> std::result::Result<(), std::result::Result<String, io::Error>> {
+        let failure = |f: EtcdFailure| match f {
+            EtcdFailure::Timeout => Err(io::Error::new(
+                ErrorKind::TimedOut,
+                "no member of the etcd cluster answered",
+            )),
+            EtcdFailure::Lost(e) => Err(e),
+        };
+        let ttl = i64::try_from(LEASE_TTL.as_secs()).unwrap_or(10);
+        let lease = self
+            .run(deadline, |mut c, _| async move {
+                c.lease_grant(ttl, None).await.map(|r| r.id())
+            })
+            .map_err(failure)?;
+        let id = member.0;
+        let here = self.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        let claimed = self
+            .run(deadline, |mut c, p| {
+                let here = here.clone();
+                async move {
+                    let member_key = format!("{p}member/{id}");
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(
+                            member_key.clone(),
+                            CompareOp::Equal,
+                            0,
+                        )])
+                        .and_then([
+                            TxnOp::put(member_key.clone(), here, None),
+                            TxnOp::put(
+                                format!("{p}present/{id}"),
+                                "",
+                                Some(PutOptions::new().with_lease(lease)),
+                            ),
+                        ])
+                        .or_else([TxnOp::get(member_key, None)]);
+                    let r = c.txn(txn).await?;
+                    let first = match r.op_responses().into_iter().next() {
+                        Some(TxnOpResponse::Get(g)) => g
+                            .kvs()
+                            .first()
+                            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()),
+                        _ => None,
+                    };
+                    Ok((r.succeeded(), first))
+                }
+            })
+            .map_err(failure)?;
+        if let (false, first) = claimed {
+            let _ = self.run(Instant::now() + ATTEMPT, |mut c, _| async move {
+                c.lease_revoke(lease).await.map(|_| ())
+            });
+            return Err(Ok(format!(
+                "member id {id} was claimed by two processes ({} and {here}); a process that \
+                 joins a running fault-tolerant job takes a fresh id (leave BURN_DDP_MEMBER_ID \
+                 unset)",
+                first.unwrap_or_else(|| "an earlier one".into())
+            )));
+        }
+        let client = self.client.clone();
+        let keeper =
+            runtime()
+                .map_err(Err)?
+                .spawn(keep_alive(client, lease, id, self.endpoints.clone()));
+        self.presence = Some(Presence {
+            member: id,
+            lease,
+            keeper,
+            said_bye: AtomicBool::new(false),
+        });
+        Ok(())
+    }
+
+    /// Reads `keys` and the abort records that end a wait on them, in as few transactions as
+    /// etcd allows.
+    async fn snapshot(&self, keys: &[String], deadline: Instant) -> Outcome<Snapshot> {
+        // Per key: its own value; for a gone key, also the member and presence records.
+        let mut reads: Vec<String> = vec![self.abort_key("")];
+        let mut scopes = Vec::new();
+        for k in keys {
+            let mut at = 0;
+            while let Some(i) = k[at..].find('/') {
+                let scope = &k[..at + i];
+                if !scopes.iter().any(|s: &String| s == scope) {
+                    scopes.push(scope.to_owned());
+                }
+                at += i + 1;
+            }
+        }
+        reads.extend(scopes.iter().map(|s| self.abort_key(s)));
+        let first_key = reads.len();
+        for k in keys {
+            reads.push(self.key(k));
+            if let Some(id) = gone_id(k) {
+                reads.push(format!("{}member/{id}", self.prefix));
+                reads.push(format!("{}present/{id}", self.prefix));
+            }
+        }
+        let mut found: Vec<Option<Vec<u8>>> = Vec::with_capacity(reads.len());
+        let mut revision = None;
+        for chunk in reads.chunks(TXN_OPS) {
+            let (rev, values) = self
+                .attempts(deadline, |mut c, _| {
+                    let ops: Vec<TxnOp> =
+                        chunk.iter().map(|k| TxnOp::get(k.clone(), None)).collect();
+                    async move {
+                        let r = c.txn(Txn::new().and_then(ops)).await?;
+                        let rev = r.header().map(|h| h.revision()).unwrap_or(0);
+                        let values = r
+                            .op_responses()
+                            .into_iter()
+                            .map(|op| match op {
+                                TxnOpResponse::Get(g) => {
+                                    g.kvs().first().map(|kv| kv.value().to_vec())
+                                }
+                                _ => None,
+                            })
+                            .collect::<Vec<_>>();
+                        Ok((rev, values))
+                    }
+                })
+                .await?;
+            revision.get_or_insert(rev);
+            found.extend(values);
+        }
+        let abort = found[..first_key]
+            .iter()
+            .flatten()
+            .find_map(|v| decode_record(v));
+        let mut values = Vec::with_capacity(keys.len());
+        let mut at = first_key;
+        for k in keys {
+            let own = found[at].take();
+            at += 1;
+            let value = if gone_id(k).is_some() {
+                let (claimed, present) = (found[at].is_some(), found[at + 1].is_some());
+                at += 2;
+                own.or_else(|| {
+                    (claimed && !present).then(|| {
+                        b"its presence lease expired or was revoked: its process exited, \
+                          crashed, or was stopped longer than the lease"
+                            .to_vec()
+                    })
+                })
+            } else {
+                own
+            };
+            values.push(value);
+        }
+        Ok(Snapshot {
+            revision: revision.unwrap_or(0),
+            abort,
+            values,
+        })
+    }
+
+    /// Waits until something under the job's prefix changes after `revision`, for at most
+    /// `wait`.
+    async fn changed_after(&self, revision: i64, wait: Duration) {
+        let end = tokio::time::Instant::now() + wait;
+        let mut client = self.client.clone();
+        let options = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let mut stream = match tokio::time::timeout(
+            wait,
+            client.watch(self.prefix.clone(), Some(options)),
+        )
+        .await
+        {
+            Ok(Ok(s)) => s,
+            _ => {
+                tokio::time::sleep_until(
+                    end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
+                )
+                .await;
+                return;
+            }
+        };
+        loop {
+            match tokio::time::timeout_at(end, stream.message()).await {
+                Ok(Ok(Some(r))) if r.events().is_empty() && !r.canceled() => continue,
+                Ok(Ok(Some(_))) | Err(_) => return,
+                Ok(Ok(None)) | Ok(Err(_)) => {
+                    // The watch broke (its member died): read again after a short pause.
+                    tokio::time::sleep_until(
+                        end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
+                    )
+                    .await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits up to `timeout` until every key exists; `Ok(Ok(values))` or `Ok(Err(reply))`
+    /// (an abort record, or the keys still missing at the deadline).
+    async fn wait_for(
+        &self,
+        keys: &[String],
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Outcome<std::result::Result<Vec<Vec<u8>>, Reply>> {
+        let until = Instant::now() + timeout;
+        loop {
+            let snap = self.snapshot(keys, deadline).await?;
+            if snap.values.iter().all(Option::is_some) {
+                return Ok(Ok(snap.values.into_iter().flatten().collect()));
+            }
+            if let Some(record) = snap.abort {
+                return Ok(Err(Reply::Aborted(record)));
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing = keys
+                    .iter()
+                    .zip(&snap.values)
+                    .filter(|(_, v)| v.is_none())
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                return Ok(Err(Reply::Timeout { missing }));
+            }
+            self.changed_after(snap.revision, left.min(WATCH_SLICE))
+                .await;
+        }
+    }
+
+    /// Answers `request` as the launcher's store would; `wait` is the request's own wait,
+    /// `slack` the time a reply may take beyond it.
+    pub(crate) fn execute(
+        &self,
+        request: &Request,
+        wait: Duration,
+        slack: Duration,
+    ) -> Outcome<Reply> {
+        let deadline = Instant::now() + wait + slack.max(ATTEMPT);
+        let rt = runtime().map_err(EtcdFailure::Lost)?;
+        rt.block_on(async { self.answer(request, deadline).await })
+    }
+
+    async fn answer(&self, request: &Request, deadline: Instant) -> Outcome<Reply> {
+        match request {
+            Request::Set { key, value } => {
+                let (k, v) = (self.key(key), value.clone());
+                self.attempts(deadline, |mut c, _| {
+                    let (k, v) = (k.clone(), v.clone());
+                    async move { c.put(k, v, None).await.map(|_| ()) }
+                })
+                .await?;
+                Ok(Reply::Ok)
+            }
+            Request::Get { key, timeout } => {
+                match self
+                    .wait_for(std::slice::from_ref(key), *timeout, deadline)
+                    .await?
+                {
+                    Ok(mut values) => Ok(Reply::Value(values.remove(0))),
+                    Err(reply) => Ok(reply),
+                }
+            }
+            Request::Wait { keys, timeout } => match self.wait_for(keys, *timeout, deadline).await?
+            {
+                Ok(_) => Ok(Reply::Ok),
+                Err(reply) => Ok(reply),
+            },
+            Request::Add { key, delta } => self.add(key, *delta, deadline).await,
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
+                let k = self.key(key);
+                let (succeeded, current) = self
+                    .attempts(deadline, |mut c, _| {
+                        let k = k.clone();
+                        let compare = match expected {
+                            Some(v) => Compare::value(k.clone(), CompareOp::Equal, v.clone()),
+                            None => Compare::create_revision(k.clone(), CompareOp::Equal, 0),
+                        };
+                        let txn = Txn::new()
+                            .when([compare])
+                            .and_then([TxnOp::put(k.clone(), desired.clone(), None)])
+                            .or_else([TxnOp::get(k, None)]);
+                        async move {
+                            let r = c.txn(txn).await?;
+                            let current = match r.op_responses().into_iter().next() {
+                                Some(TxnOpResponse::Get(g)) => {
+                                    g.kvs().first().map(|kv| kv.value().to_vec())
+                                }
+                                _ => None,
+                            };
+                            Ok((r.succeeded(), current))
+                        }
+                    })
+                    .await?;
+                Ok(Reply::Value(if succeeded {
+                    desired.clone()
+                } else {
+                    current.unwrap_or_default()
+                }))
+            }
+            Request::Delete { key } => {
+                let k = self.key(key);
+                let deleted = self
+                    .attempts(deadline, |mut c, _| {
+                        let k = k.clone();
+                        async move { c.delete(k, None).await.map(|r| r.deleted()) }
+                    })
+                    .await?;
+                Ok(Reply::Bool(deleted > 0))
+            }
+            Request::Abort { scope, record } => {
+                let k = self.abort_key(scope);
+                let v = encode_record(record);
+                self.attempts(deadline, |mut c, _| {
+                    let txn = Txn::new()
+                        .when([Compare::create_revision(k.clone(), CompareOp::Equal, 0)])
+                        .and_then([TxnOp::put(k.clone(), v.clone(), None)]);
+                    async move { c.txn(txn).await.map(|_| ()) }
+                })
+                .await?;
+                Ok(Reply::Ok)
+            }
+            Request::GetAbort { scope } => {
+                let keys = [self.abort_key(""), self.abort_key(scope)];
+                let found = self
+                    .attempts(deadline, |mut c, _| {
+                        let ops: Vec<TxnOp> =
+                            keys.iter().map(|k| TxnOp::get(k.clone(), None)).collect();
+                        async move {
+                            let r = c.txn(Txn::new().and_then(ops)).await?;
+                            Ok(r.op_responses().into_iter().find_map(|op| match op {
+                                TxnOpResponse::Get(g) => {
+                                    g.kvs().first().map(|kv| kv.value().to_vec())
+                                }
+                                _ => None,
+                            }))
+                        }
+                    })
+                    .await?;
+                Ok(match found.as_deref().and_then(decode_record) {
+                    Some(r) => Reply::Aborted(r),
+                    None => Reply::NoAbort,
+                })
+            }
+            // etcd refuses nobody on the job's behalf (its own authentication is etcd's).
+            Request::Refusals => Ok(Reply::Refusals(Vec::new())),
+            Request::Bye => {
+                if let Some(p) = &self.presence {
+                    let (gone, present) = (
+                        self.key(&gone_key(Rank(p.member))),
+                        format!("{}present/{}", self.prefix, p.member),
+                    );
+                    let lease = p.lease;
+                    self.attempts(deadline, |mut c, _| {
+                        let txn = Txn::new().and_then([
+                            TxnOp::put(gone.clone(), "it left the job", None),
+                            TxnOp::delete(present.clone(), None),
+                        ]);
+                        async move {
+                            c.txn(txn).await?;
+                            c.lease_revoke(lease).await.map(|_| ())
+                        }
+                    })
+                    .await?;
+                    p.said_bye.store(true, Ordering::SeqCst);
+                    p.keeper.abort();
+                }
+                Ok(Reply::Ok)
+            }
+        }
+    }
+
+    /// `add` as a compare-and-swap on the key's revision.
+    async fn add(&self, key: &str, delta: i64, deadline: Instant) -> Outcome<Reply> {
+        let k = self.key(key);
+        loop {
+            let (revision, value) = self
+                .attempts(deadline, |mut c, _| {
+                    let k = k.clone();
+                    async move {
+                        let r = c.get(k, None).await?;
+                        Ok(r.kvs()
+                            .first()
+                            .map(|kv| (kv.mod_revision(), Some(kv.value().to_vec())))
+                            .unwrap_or((0, None)))
+                    }
+                })
+                .await?;
+            let current = match value {
+                None => 0,
+                Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
+                    Ok(b) => i64::from_le_bytes(b),
+                    Err(_) => {
+                        return Ok(Reply::Rejected(format!(
+                            "`add` on key {key:?}, which holds a {}-byte value, not a counter \
+                             set by `add`; use a different key",
+                            v.len()
+                        )))
+                    }
+                },
+            };
+            let next = current.wrapping_add(delta);
+            let swapped = self
+                .attempts(deadline, |mut c, _| {
+                    let txn = Txn::new()
+                        .when([Compare::mod_revision(k.clone(), CompareOp::Equal, revision)])
+                        .and_then([TxnOp::put(k.clone(), next.to_le_bytes().to_vec(), None)]);
+                    async move { c.txn(txn).await.map(|r| r.succeeded()) }
+                })
+                .await?;
+            if swapped {
+                return Ok(Reply::Int(next));
+            }
+        }
+    }
+}
+
+impl Drop for EtcdLink {
+    fn drop(&mut self) {
+        let Some(p) = self.presence.take() else {
+            return;
+        };
+        p.keeper.abort();
+        if !p.said_bye.load(Ordering::SeqCst) {
+            // As a store connection closed without goodbye: the process is gone for the job
+            // now, not when the lease would expire.
+            let lease = p.lease;
+            let _ = self.run(Instant::now() + ATTEMPT, |mut c, _| async move {
+                c.lease_revoke(lease).await.map(|_| ())
+            });
+        }
+    }
+}
+
+/// Keeps lease `lease` alive until it is revoked or expires (then says so once).
+async fn keep_alive(mut client: Client, lease: i64, member: u32, endpoints: String) {
+    let period = LEASE_TTL / 4;
+    loop {
+        if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(lease).await {
+            loop {
+                if keeper.keep_alive().await.is_err() {
+                    break;
+                }
+                match tokio::time::timeout(period, stream.message()).await {
+                    Ok(Ok(Some(r))) if r.ttl() > 0 => {}
+                    Ok(Ok(Some(_))) => {
+                        tracing::warn!(
+                            "member {member}: its presence lease on the etcd cluster \
+                             {endpoints} expired (this process was stopped or cut off for \
+                             longer than {LEASE_TTL:?}): the job counts it as gone"
+                        );
+                        return;
+                    }
+                    _ => break,
+                }
+                tokio::time::sleep(period).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The member id of a [`gone_key`], if `key` is one.
+fn gone_id(key: &str) -> Option<u32> {
+    key.strip_prefix("ft/gone/")?.parse().ok()
+}
+
+fn encode_record(record: &AbortRecord) -> Vec<u8> {
+    let (kind, payload) = Reply::Aborted(record.clone()).encode();
+    let mut v = Vec::with_capacity(payload.len() + 1);
+    v.push(kind);
+    v.extend(payload);
+    v
+}
+
+fn decode_record(v: &[u8]) -> Option<AbortRecord> {
+    let (kind, payload) = v.split_first()?;
+    match Reply::decode(*kind, payload) {
+        Ok(Reply::Aborted(r)) => Some(r),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gone_keys_are_recognised() {
+        assert_eq!(gone_id(&gone_key(Rank(7))), Some(7));
+        assert_eq!(gone_id("ft/3/gone/7"), None);
+        assert_eq!(gone_id("ft/gone/x"), None);
+    }
+
+    #[test]
+    fn abort_records_round_trip_and_garbage_is_none() {
+        let r = AbortRecord {
+            reporter: Rank(1),
+            culprit: Some(Rank(2)),
+            collective: None,
+            reason: "rank 2 died".into(),
+        };
+        assert_eq!(decode_record(&encode_record(&r)), Some(r));
+        assert_eq!(decode_record(b""), None);
+        assert_eq!(decode_record(b"\x25garbage"), None);
+    }
+
+    #[test]
+    fn a_job_prefix_depends_on_the_token_only_and_hides_it() {
+        let a = job_prefix(&JobToken::new("rdzv:job-a"));
+        assert_eq!(a, job_prefix(&JobToken::new("rdzv:job-a")));
+        assert_ne!(a, job_prefix(&JobToken::new("rdzv:job-b")));
+        assert!(a.starts_with("burn-ddp/") && a.ends_with('/') && !a.contains("job-a"));
+    }
+}
