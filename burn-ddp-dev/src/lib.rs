@@ -27,6 +27,7 @@ pub mod compare;
 pub mod conformance;
 pub mod damage;
 pub mod diff;
+pub mod etcd;
 pub mod fault;
 pub mod hooks;
 pub mod images;
