@@ -213,6 +213,23 @@ pub fn etcd_launcher() -> PathBuf {
     profile_dir.join("burn-ddp")
 }
 
+/// The example `name` of the package under test, built with its `etcd` feature now (`cargo test
+/// --test X` builds no example; cargo does nothing when it is current).
+pub fn etcd_example(name: &str) -> PathBuf {
+    let status = Command::new(env!("CARGO"))
+        .args(["build", "--features", "etcd", "--example", name])
+        .current_dir(crate::package_dir())
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "building the example {name} with etcd failed"
+    );
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    profile_dir.join("examples").join(name)
+}
+
 /// The scenario every line's classifier passes on the etcd store: a fault-tolerant job of three
 /// nodes (network namespaces), one rank each, its store kept by a three-member etcd cluster
 /// with one member on each node. Mid-epoch, node 0 dies whole: its launcher, rank 0 and the
@@ -223,7 +240,7 @@ pub fn node_loss_scenario(example: &str, name: &str) {
     let dir = crate::netns::scratch(name);
     let cluster = EtcdCluster::start(&net, &[0, 1, 2], &dir);
     let launcher = etcd_launcher();
-    let program = crate::spawned::example(example);
+    let program = etcd_example(example);
     let mut children = Vec::new();
     let mut logs = Vec::new();
     for node in 0..3 {

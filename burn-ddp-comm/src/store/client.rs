@@ -249,6 +249,14 @@ impl StoreClient {
         self.addr
     }
 
+    /// Stops renewing this client's presence lease on etcd, as a stopped process would.
+    #[cfg(all(test, feature = "etcd"))]
+    pub(crate) fn freeze_presence(&self) {
+        if let Link::Etcd(etcd) = &self.link {
+            etcd.freeze_presence();
+        }
+    }
+
     /// Where to connect again to the same store: the address this client reached (no second
     /// name lookup), or the same etcd cluster.
     pub(crate) fn master(&self) -> MasterAddr {

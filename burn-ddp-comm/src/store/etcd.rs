@@ -229,6 +229,14 @@ impl EtcdLink {
         Ok(link)
     }
 
+    /// Stops renewing this process's presence lease, as a stopped process would.
+    #[cfg(test)]
+    pub(crate) fn freeze_presence(&self) {
+        if let Some(p) = &self.presence {
+            p.keeper.abort();
+        }
+    }
+
     /// The cluster, to connect to it again.
     pub(crate) fn master(&self) -> crate::config::MasterAddr {
         crate::config::MasterAddr::new(self.addr.ip().to_string(), self.addr.port())
@@ -796,6 +804,230 @@ fn decode_record(v: &[u8]) -> Option<AbortRecord> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::MasterAddr;
+    use crate::store::auth::Purpose;
+    use crate::store::{StoreClient, WaitOutcome};
+    use crate::types::WorldSize;
+    use crate::{CollectiveError, DdpError, RendezvousError};
+    use std::process::{Child, Command, Stdio};
+
+    /// One etcd member on loopback (Debian's etcd-server), stopped by PID when dropped.
+    struct Member {
+        child: Child,
+        dir: std::path::PathBuf,
+        client: u16,
+    }
+
+    impl Member {
+        fn start() -> Self {
+            let port = || {
+                std::net::TcpListener::bind("127.0.0.1:0")
+                    .unwrap()
+                    .local_addr()
+                    .unwrap()
+                    .port()
+            };
+            let (client, peer) = (port(), port());
+            let dir =
+                std::env::temp_dir().join(format!("burn-ddp-etcd-{}-{client}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            let child = Command::new("etcd")
+                .args(["--name", "t", "--data-dir"])
+                .arg(&dir)
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &format!("t=http://127.0.0.1:{peer}"),
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "these tests need etcd on PATH (Debian: `apt-get install etcd-server`; \
+                         .ci/run installs it): {e}"
+                    )
+                });
+            Self { child, dir, client }
+        }
+
+        fn master(&self) -> MasterAddr {
+            MasterAddr::new("127.0.0.1", self.client).with_etcd(EtcdStore {
+                endpoints: vec![format!("127.0.0.1:{}", self.client)],
+            })
+        }
+    }
+
+    impl Drop for Member {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn connect(
+        master: &MasterAddr,
+        purpose: Purpose,
+        rank: u32,
+        token: &str,
+    ) -> crate::Result<StoreClient> {
+        StoreClient::connect(
+            master,
+            purpose,
+            Rank(rank),
+            WorldSize::new(3).unwrap(),
+            &JobToken::new(token),
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(30),
+        )
+    }
+
+    /// The requests everything above the store client uses, answered by etcd as by the
+    /// launcher's store: values, counters, compare-and-set, waits that time out naming what is
+    /// missing, and a wait woken by the value it waits for.
+    #[test]
+    fn etcd_answers_the_stores_requests() {
+        let m = Member::start();
+        let a = connect(&m.master(), Purpose::StoreAux, 0, "job-a").unwrap();
+        let b = connect(&m.master(), Purpose::StoreAux, 1, "job-a").unwrap();
+        a.set("k", b"v").unwrap();
+        assert_eq!(b.get("k").unwrap(), b"v");
+        assert_eq!(a.add("n", 2).unwrap(), 2);
+        assert_eq!(b.add("n", 5).unwrap(), 7);
+        assert!(matches!(
+            a.add("k", 1),
+            Err(DdpError::Rendezvous(RendezvousError::StoreRequest { .. }))
+        ));
+        assert_eq!(a.compare_set("c", None, b"1").unwrap(), b"1");
+        assert_eq!(
+            b.compare_set("c", None, b"2").unwrap(),
+            b"1",
+            "absent expected, present found"
+        );
+        assert_eq!(b.compare_set("c", Some(b"1"), b"3").unwrap(), b"3");
+        assert!(a.delete("c").unwrap());
+        assert!(!a.delete("c").unwrap());
+        let t = Instant::now();
+        assert_eq!(
+            a.wait(&["k".into(), "missing".into()], Duration::from_millis(300))
+                .unwrap(),
+            WaitOutcome::Missing(vec!["missing".into()])
+        );
+        assert!(t.elapsed() >= Duration::from_millis(300));
+        let waiter = std::thread::spawn(move || b.get_timeout("late", Duration::from_secs(20)));
+        std::thread::sleep(Duration::from_millis(300));
+        a.set("late", b"here").unwrap();
+        let t = Instant::now();
+        assert_eq!(waiter.join().unwrap().unwrap(), b"here");
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the watch did not wake the wait"
+        );
+        // Another job (token) sees none of these keys.
+        let other = connect(&m.master(), Purpose::StoreAux, 0, "job-b").unwrap();
+        assert!(matches!(
+            other.get_timeout("k", Duration::from_millis(100)),
+            Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
+        ));
+    }
+
+    /// An abort record of a scope ends the waits on its keys, and only those; the job's ends
+    /// every wait; the first record of each stays.
+    #[test]
+    fn abort_records_end_the_waits_of_their_scope() {
+        let m = Member::start();
+        let a = connect(&m.master(), Purpose::StoreAux, 0, "job").unwrap();
+        let scoped = connect(&m.master(), Purpose::StoreAux, 1, "job")
+            .unwrap()
+            .with_scope(Some("ft/4".into()));
+        let record = |why: &str| AbortRecord {
+            reporter: Rank(0),
+            culprit: Some(Rank(2)),
+            collective: None,
+            reason: why.into(),
+        };
+        let waiter = std::thread::spawn(move || {
+            let r = scoped.get_timeout("never", Duration::from_secs(20));
+            (r, scoped)
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        a.end_scope("ft/4", record("rank 2 died")).unwrap();
+        a.end_scope("ft/4", record("second")).unwrap();
+        let (r, scoped) = waiter.join().unwrap();
+        match r {
+            Err(DdpError::Collective(CollectiveError::JobAborted { record, .. })) => {
+                assert_eq!(record.reason, "rank 2 died")
+            }
+            other => panic!("expected the scope's abort, got {other:?}"),
+        }
+        assert_eq!(
+            scoped.abort_record().unwrap().unwrap().reason,
+            "rank 2 died"
+        );
+        // Keys outside the scope are not ended by it.
+        assert!(matches!(
+            a.get_timeout("ft/5/x", Duration::from_millis(200)),
+            Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
+        ));
+        assert_eq!(a.abort_record().unwrap(), None);
+        a.abort(record("the job")).unwrap();
+        assert!(matches!(
+            a.get_timeout("ft/5/x", Duration::from_secs(5)),
+            Err(DdpError::Collective(CollectiveError::JobAborted { .. }))
+        ));
+    }
+
+    /// Presence: a member id is claimed once; a process that says goodbye, or whose client is
+    /// dropped without it (a crash), reads as gone at once; one that stops renewing its lease
+    /// (frozen, cut off) reads as gone when the lease expires.
+    #[test]
+    fn presence_is_a_lease_and_gone_reads_when_it_ends() {
+        let m = Member::start();
+        let watcher = connect(&m.master(), Purpose::StoreAux, 0, "job").unwrap();
+        let gone = |id| {
+            matches!(
+                watcher.wait(&[gone_key(Rank(id))], Duration::ZERO).unwrap(),
+                WaitOutcome::Ready
+            )
+        };
+        let p1 = connect(&m.master(), Purpose::Store, 1, "job").unwrap();
+        let p2 = connect(&m.master(), Purpose::Store, 2, "job").unwrap();
+        assert!(!gone(1) && !gone(2) && !gone(9));
+        match connect(&m.master(), Purpose::Store, 1, "job") {
+            Err(DdpError::Rendezvous(RendezvousError::StoreRefused { reason, .. })) => {
+                assert!(
+                    reason.contains("member id 1 was claimed by two processes"),
+                    "{reason}"
+                )
+            }
+            other => panic!("a second claim of id 1 was not refused: {other:?}"),
+        }
+        p1.bye(Duration::from_secs(5));
+        assert_eq!(watcher.get(&gone_key(Rank(1))).unwrap(), b"it left the job");
+        drop(p2);
+        assert!(gone(2), "a presence dropped without goodbye is not gone");
+        // Frozen: the keep-alive task stops (as in a stopped process); the lease expires.
+        let p3 = connect(&m.master(), Purpose::Store, 3, "job").unwrap();
+        p3.freeze_presence();
+        let t = Instant::now();
+        watcher
+            .get_timeout(&gone_key(Rank(3)), LEASE_TTL + Duration::from_secs(10))
+            .unwrap();
+        assert!(
+            t.elapsed() <= LEASE_TTL + Duration::from_secs(3),
+            "{:?}",
+            t.elapsed()
+        );
+    }
 
     #[test]
     fn gone_keys_are_recognised() {
