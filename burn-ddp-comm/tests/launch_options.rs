@@ -68,6 +68,39 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
             ],
             "--rdzv-timeout sets how long to try",
         ),
+        (&["--rdzv-backend", "etcd"], "--fault-tolerant"),
+        (
+            &["--fault-tolerant", "--rdzv-backend", "etcd"],
+            "needs --rdzv-endpoint",
+        ),
+        (
+            &["--fault-tolerant", "--rdzv-endpoint", "10.0.0.1:2379"],
+            "add --rdzv-backend etcd",
+        ),
+        (
+            &[
+                "--fault-tolerant",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "10.0.0.1",
+            ],
+            "host:port each",
+        ),
+        // Nobody listens at the endpoint: a launcher built with `etcd` tries for
+        // --rdzv-timeout and names the cluster; one built without says how to build it.
+        (
+            &[
+                "--fault-tolerant",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-timeout",
+                "2",
+                "--rdzv-endpoint",
+                &format!("127.0.0.1:{port}"),
+            ],
+            "etcd",
+        ),
     ];
     for (args, expected) in cases {
         let started = Instant::now();
@@ -81,6 +114,13 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        if args.contains(&"--rdzv-timeout") && args.contains(&"etcd") {
+            assert!(
+                stderr.contains("--rdzv-endpoint lists their client endpoints")
+                    || stderr.contains("needs a launcher built with etcd support"),
+                "{args:?}: {stderr}"
+            );
+        }
         assert!(started.elapsed() < Duration::from_secs(30), "{args:?}");
     }
 }

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use super::bench::{AllReduceBench, BenchDType, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
-use crate::config::{EtcdStore, JobToken, MasterAddr, DEFAULT_MASTER_PORT};
+use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
 
 /// Distributed data parallel training for Burn.
@@ -331,21 +331,30 @@ fn run(args: RunArgs) -> Result<ExitCode> {
             }))
         }
     };
-    let mut master = if args.standalone {
+    let master = if args.standalone {
         MasterAddr::new("127.0.0.1", spawn::free_port()?)
     } else {
         MasterAddr::new(args.master_addr, args.master_port)
     };
-    match (args.rdzv_backend, &args.rdzv_endpoint) {
+    let etcd: Option<crate::config::EtcdStore> = match (args.rdzv_backend, &args.rdzv_endpoint) {
         (RdzvBackend::Etcd, Some(list)) => {
-            let store = EtcdStore::parse(list).map_err(|_| {
+            let store = crate::config::EtcdStore::parse(list).map_err(|_| {
                 DdpError::Config(ConfigError::InvalidConfig {
                     field: "--rdzv-endpoint",
                     reason: "must list the etcd members' client endpoints, host:port each, \
                              separated by commas (etcd's client port is 2379 by default)",
                 })
             })?;
-            master = master.with_etcd(store);
+            if !cfg!(feature = "etcd") {
+                return Err(DdpError::Config(ConfigError::InvalidConfig {
+                    field: "--rdzv-backend etcd",
+                    reason: "needs a launcher built with etcd support: `cargo install \
+                             burn-ddp-comm --features cli,etcd` (or `cargo run -p burn-ddp-comm \
+                             --features cli,etcd -- run ...`); the ranks need burn-ddp's `etcd` \
+                             feature too",
+                }));
+            }
+            Some(store)
         }
         (RdzvBackend::Etcd, None) => {
             return Err(DdpError::Config(ConfigError::InvalidConfig {
@@ -361,8 +370,12 @@ fn run(args: RunArgs) -> Result<ExitCode> {
                          served by node 0's launcher at --master-addr:--master-port)",
             }))
         }
-        (RdzvBackend::Builtin, None) => {}
-    }
+        (RdzvBackend::Builtin, None) => None,
+    };
+    let master = match etcd {
+        Some(store) => master.with_etcd(store),
+        None => master,
+    };
     let token = match (args.rdzv_id, super::env::job_token()) {
         (Some(id), _) => JobToken::new(format!("rdzv:{id}")),
         (None, Some(t)) => JobToken::new(t),
