@@ -45,7 +45,6 @@ pub struct ShardPlan {
     seed: u64,
     shuffle: bool,
     drop_last: bool,
-    even: bool,
 }
 
 /// The part of a [`ShardPlan`] that changes while it is used, shared with the registry of its
@@ -266,6 +265,11 @@ impl ShardPlan {
         plan
     }
 
+    /// Whether every rank gets as many items (the state's flag: the registry reads it too).
+    fn even(&self) -> bool {
+        self.state.even.load(Ordering::Relaxed)
+    }
+
     fn dealing(&self, n: usize) -> Dealing {
         if !self.drop_last {
             self.state.items.store(n, Ordering::Relaxed);
@@ -328,7 +332,6 @@ impl ShardPlan {
             seed: 0,
             shuffle: true,
             drop_last: false,
-            even: true,
         }
     }
 
@@ -358,7 +361,6 @@ impl ShardPlan {
     /// at most one: for validation, whose metrics should count every item once. Training needs
     /// even shards, since every step is a collective.
     pub fn with_even_shards(mut self, even: bool) -> Self {
-        self.even = even;
         self.state.even.store(even, Ordering::Relaxed);
         self.invalidate();
         self
@@ -384,7 +386,7 @@ impl ShardPlan {
     pub fn len(&self, n: usize) -> usize {
         let d = self.dealing(n);
         let (m, w) = (n - d.start, d.world as usize);
-        if !self.even {
+        if !self.even() {
             m.saturating_sub(d.rank as usize).div_ceil(w)
         } else if self.drop_last {
             m / w
@@ -425,7 +427,7 @@ impl ShardPlan {
             key.rank as usize,
             key.world as usize,
             self.shuffle.then_some((self.seed, key.epoch)),
-            if self.even {
+            if self.even() {
                 Tail::Even {
                     drop_last: self.drop_last,
                 }

@@ -120,11 +120,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-    });
+    let seed = args.seed.unwrap_or_else(burn_ddp_dev::chaos::clock_seed);
     let chaos = Chaos {
         program,
         launcher,

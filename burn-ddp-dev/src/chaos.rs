@@ -560,8 +560,15 @@ fn check_checkpoints(dir: &Path, epochs: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// A seed from the clock (seconds since 1970), for a schedule not given one.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 /// Sends `sig` to `pid`: whether it was sent (the process may have just exited).
-fn signal(pid: u32, sig: rustix::process::Signal) -> bool {
+pub fn signal(pid: u32, sig: rustix::process::Signal) -> bool {
     rustix::process::Pid::from_raw(pid as i32)
         .is_some_and(|p| rustix::process::kill_process(p, sig).is_ok())
 }

@@ -81,13 +81,18 @@ pub fn pid_of(launcher: &Child, rank: u32) -> u32 {
         .unwrap_or_else(|| panic!("no process of rank {rank}"))
 }
 
-/// Sends `sig` (`-KILL`, `-STOP`, ...) to `pid`.
+/// Sends `sig` (`-KILL`, `-STOP`, `-CONT`, `-TERM`) to `pid`, which must be running
+/// ([`crate::chaos::signal`] for a process that may have exited).
 pub fn signal(pid: u32, sig: &str) {
-    let status = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill {sig} {pid} failed");
+    use rustix::process::Signal;
+    let s = match sig {
+        "-KILL" => Signal::KILL,
+        "-STOP" => Signal::STOP,
+        "-CONT" => Signal::CONT,
+        "-TERM" => Signal::TERM,
+        other => panic!("no such signal in these tests: {other}"),
+    };
+    assert!(crate::chaos::signal(pid, s), "kill {sig} {pid} failed");
 }
 
 /// Kills (SIGKILL) the rank of `launcher` started as `rank`.
@@ -382,11 +387,7 @@ pub fn chaos_schedule(name: &str, faults: usize) {
     let seed = std::env::var("BURN_DDP_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs())
-        });
+        .unwrap_or_else(crate::chaos::clock_seed);
     let chaos = crate::chaos::Chaos {
         program: example(name),
         launcher: crate::spawned::launcher(),

@@ -257,6 +257,17 @@ impl StoreClient {
         }
     }
 
+    /// Whether this presence connection's lease on etcd expired (its process was stopped or
+    /// cut off for longer than the lease): the job counts the process as gone for good. Never
+    /// for a connection to a burn-ddp store (it closes with its process).
+    pub(crate) fn presence_expired(&self) -> bool {
+        match &self.link {
+            Link::Tcp(_) => false,
+            #[cfg(feature = "etcd")]
+            Link::Etcd(etcd) => etcd.presence_expired(),
+        }
+    }
+
     /// Where to connect again to the same store: the address this client reached (no second
     /// name lookup), or the same etcd cluster.
     pub(crate) fn master(&self) -> MasterAddr {

@@ -22,7 +22,7 @@
 use std::io::{self, ErrorKind};
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
@@ -116,6 +116,8 @@ struct Presence {
     lease: i64,
     keeper: tokio::task::JoinHandle<()>,
     said_bye: AtomicBool,
+    /// The lease expired: the job counts this process as gone, for good.
+    expired: Arc<AtomicBool>,
 }
 
 /// One process's connection to the job's keys on an etcd cluster.
@@ -235,6 +237,14 @@ impl EtcdLink {
         if let Some(p) = &self.presence {
             p.keeper.abort();
         }
+    }
+
+    /// Whether this process's presence lease expired (it was stopped or cut off for longer
+    /// than [`LEASE_TTL`]): the job counts it as gone for good.
+    pub(crate) fn presence_expired(&self) -> bool {
+        self.presence
+            .as_ref()
+            .is_some_and(|p| p.expired.load(Ordering::SeqCst))
     }
 
     /// The cluster, to connect to it again.
@@ -377,15 +387,20 @@ impl EtcdLink {
             )));
         }
         let client = self.client.clone();
-        let keeper =
-            runtime()
-                .map_err(Err)?
-                .spawn(keep_alive(client, lease, id, self.endpoints.clone()));
+        let expired = Arc::new(AtomicBool::new(false));
+        let keeper = runtime().map_err(Err)?.spawn(keep_alive(
+            client,
+            lease,
+            id,
+            self.endpoints.clone(),
+            Arc::clone(&expired),
+        ));
         self.presence = Some(Presence {
             member: id,
             lease,
             keeper,
             said_bye: AtomicBool::new(false),
+            expired,
         });
         Ok(())
     }
@@ -753,7 +768,13 @@ impl Drop for EtcdLink {
 }
 
 /// Keeps lease `lease` alive until it is revoked or expires (then says so once).
-async fn keep_alive(mut client: Client, lease: i64, member: u32, endpoints: String) {
+async fn keep_alive(
+    mut client: Client,
+    lease: i64,
+    member: u32,
+    endpoints: String,
+    expired: Arc<AtomicBool>,
+) {
     let period = LEASE_TTL / 4;
     loop {
         if let Ok((mut keeper, mut stream)) = client.lease_keep_alive(lease).await {
@@ -764,6 +785,7 @@ async fn keep_alive(mut client: Client, lease: i64, member: u32, endpoints: Stri
                 match tokio::time::timeout(period, stream.message()).await {
                     Ok(Ok(Some(r))) if r.ttl() > 0 => {}
                     Ok(Ok(Some(_))) => {
+                        expired.store(true, Ordering::SeqCst);
                         tracing::warn!(
                             "member {member}: its presence lease on the etcd cluster \
                              {endpoints} expired (this process was stopped or cut off for \

@@ -712,6 +712,17 @@ impl MembershipService {
                     ),
                 }));
             }
+            if self.presence.presence_expired() {
+                return Err(DdpError::Membership(MembershipError::JoinFailed {
+                    member: self.id,
+                    waited: started.elapsed(),
+                    why: "its presence lease on the job's etcd cluster expired (this process \
+                          was stopped or cut off for longer than the lease): the job counts \
+                          it as gone for good and never lets it in again; its launcher starts \
+                          a replacement when --max-restarts allows"
+                        .into(),
+                }));
+            }
             if Instant::now() >= deadline {
                 return Err(DdpError::Membership(MembershipError::JoinFailed {
                     member: self.id,
