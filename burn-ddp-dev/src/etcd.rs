@@ -257,15 +257,7 @@ pub fn node_loss_scenario(example: &str, name: &str) {
     let mut logs = Vec::new();
     for node in 0..3 {
         let out = dir.join(format!("out-{node}"));
-        let mut args: Vec<String> = [
-            "RUST_LOG=burn_ddp=info",
-            "BURN_DDP_TIMEOUT=10m",
-            "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.push(launcher.display().to_string());
+        let mut args: Vec<String> = Vec::new();
         args.extend(
             [
                 "run",
@@ -294,7 +286,8 @@ pub fn node_loss_scenario(example: &str, name: &str) {
         args.push(program.display().to_string());
         args.extend(crate::spawned::classifier_args(&out, 2, 3072, 96));
         let log = dir.join(format!("node-{node}.log"));
-        children.push(net.start(node, Path::new("/usr/bin/env"), &args, &log));
+        let (env, args) = crate::netns::env_with(&launcher, args);
+        children.push(net.start(node, &env, &args, &log));
         logs.push(log);
     }
     // Mid-epoch: training has begun, and then some steps more; the etcd member that dies with

@@ -199,13 +199,18 @@ fn elastic_args(net: &Net, example: &str, node: &str, out: &Path, epochs: u32) -
 
 /// `env` then the launcher: the environment every node's launcher gets.
 pub fn env_launcher(args: Vec<String>) -> (PathBuf, Vec<String>) {
+    env_with(&crate::spawned::launcher(), args)
+}
+
+/// `env` then `launcher`: the environment every node's launcher gets.
+pub fn env_with(launcher: &Path, args: Vec<String>) -> (PathBuf, Vec<String>) {
     let mut all = strings(&[
         "RUST_LOG=burn_ddp=info",
         // Failure detection, not the collective deadline, must bound every wait.
         "BURN_DDP_TIMEOUT=10m",
         "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
     ]);
-    all.push(crate::spawned::launcher().display().to_string());
+    all.push(launcher.display().to_string());
     all.extend(args);
     (PathBuf::from("/usr/bin/env"), all)
 }
@@ -488,7 +493,7 @@ pub fn elastic_job_loses_a_killed_node_and_takes_it_back(example: &str) {
 /// parameters as 2 ranks on one machine (`--nproc 2`, loopback), bit for bit. The scenario
 /// every line passes.
 pub fn two_nodes_train_like_one_machine(example: &str) {
-    use crate::spawned::{classifier_args, digest, launcher};
+    use crate::spawned::{classifier_args, digest};
     let net = Net::new(2);
     let dir = std::env::temp_dir().join(format!("burn-ddp-mn-{example}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -501,16 +506,7 @@ pub fn two_nodes_train_like_one_machine(example: &str) {
     };
     let mut nodes = Vec::new();
     for i in 0..2 {
-        let mut args: Vec<String> = [
-            "RUST_LOG=burn_ddp=info",
-            // Failure detection, not the collective deadline, must bound every wait.
-            "BURN_DDP_TIMEOUT=10m",
-            "BURN_DDP_HEARTBEAT_TIMEOUT=3s",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.push(launcher().display().to_string());
+        let mut args: Vec<String> = Vec::new();
         args.extend(
             [
                 "run",
@@ -532,7 +528,8 @@ pub fn two_nodes_train_like_one_machine(example: &str) {
         args.push(program.display().to_string());
         args.extend(job_args(&dir.join("out")));
         let log = dir.join(format!("node{i}.log"));
-        nodes.push((net.start(i, Path::new("/usr/bin/env"), &args, &log), log));
+        let (env, args) = env_launcher(args);
+        nodes.push((net.start(i, &env, &args, &log), log));
     }
     let logs: Vec<String> = nodes
         .iter_mut()
