@@ -326,14 +326,15 @@ impl StoreClient {
             Link::Tcp(stream) => self.tcp_exchange(stream, request, op, key, wait, slack)?,
             #[cfg(feature = "etcd")]
             Link::Etcd(etcd) => etcd.execute(request, wait, slack).map_err(|f| match f {
-                super::etcd::EtcdFailure::Timeout => {
-                    DdpError::Rendezvous(RendezvousError::StoreTimeout {
-                        rank: self.rank,
-                        op,
-                        key: key.to_owned(),
-                        waited: wait + slack,
-                    })
-                }
+                // No reply at all: not the store's answer that a key is missing (a
+                // `StoreTimeout`, which readers take for "absent").
+                super::etcd::EtcdFailure::Timeout => self.lost(io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!(
+                        "no member of the etcd cluster answered the store {op} within {:?}",
+                        wait + slack.max(super::etcd::ATTEMPT)
+                    ),
+                )),
                 super::etcd::EtcdFailure::Lost(e) => self.lost(e),
             })?,
         };

@@ -40,7 +40,7 @@ use crate::types::{AbortRecord, Rank};
 /// for longer is gone for the job, as one that exited.
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(10);
 /// The bound of one RPC attempt; a failed one is retried until the request's deadline.
-const ATTEMPT: Duration = Duration::from_secs(2);
+pub(crate) const ATTEMPT: Duration = Duration::from_secs(2);
 /// The longest a wait watches before it reads its keys again (a watch whose member died
 /// stays silent).
 const WATCH_SLICE: Duration = Duration::from_secs(1);
@@ -54,6 +54,19 @@ pub(crate) enum EtcdFailure {
     Timeout,
     /// The cluster refused it or cannot be reached.
     Lost(io::Error),
+}
+
+impl EtcdFailure {
+    /// The connection's I/O error for this failure.
+    fn into_io(self) -> io::Error {
+        match self {
+            EtcdFailure::Timeout => io::Error::new(
+                ErrorKind::TimedOut,
+                "no member of the etcd cluster answered",
+            ),
+            EtcdFailure::Lost(e) => e,
+        }
+    }
 }
 
 type Outcome<T> = std::result::Result<T, EtcdFailure>;
@@ -213,18 +226,10 @@ impl EtcdLink {
             presence: None,
         };
         // A first read proves that a member answers (the client connects lazily).
-        match link.run(deadline, |mut c, p| async move {
+        link.run(deadline, |mut c, p| async move {
             c.get(format!("{p}abort"), None).await.map(|_| ())
-        }) {
-            Ok(()) => {}
-            Err(EtcdFailure::Timeout) => {
-                return Err(Err(io::Error::new(
-                    ErrorKind::TimedOut,
-                    "no member of the etcd cluster answered",
-                )))
-            }
-            Err(EtcdFailure::Lost(e)) => return Err(Err(e)),
-        }
+        })
+        .map_err(|f| Err(f.into_io()))?;
         if let Some(member) = member {
             link.claim(member, deadline)?;
         }
@@ -328,13 +333,7 @@ impl EtcdLink {
         member: Rank,
         deadline: Instant,
     ) -> std::result::Result<(), std::result::Result<String, io::Error>> {
-        let failure = |f: EtcdFailure| match f {
-            EtcdFailure::Timeout => Err(io::Error::new(
-                ErrorKind::TimedOut,
-                "no member of the etcd cluster answered",
-            )),
-            EtcdFailure::Lost(e) => Err(e),
-        };
+        let failure = |f: EtcdFailure| Err(f.into_io());
         let ttl = i64::try_from(LEASE_TTL.as_secs()).unwrap_or(10);
         let lease = self
             .run(deadline, |mut c, _| async move {
@@ -405,23 +404,21 @@ impl EtcdLink {
         Ok(())
     }
 
-    /// Reads `keys` and the abort records that end a wait on them, in as few transactions as
-    /// etcd allows.
-    async fn snapshot(&self, keys: &[String], deadline: Instant) -> Outcome<Snapshot> {
-        // Per key: its own value; for a gone key, also the member and presence records.
+    /// The etcd keys a wait on `keys` reads, and the index of the first of `keys`' own: first
+    /// the abort records that end the wait (the job's, then each enclosing scope's), then per
+    /// key its value and, for a [`gone_key`], its member and presence records.
+    fn wait_reads(&self, keys: &[String]) -> (Vec<String>, usize) {
         let mut reads: Vec<String> = vec![self.abort_key("")];
-        let mut scopes = Vec::new();
         for k in keys {
             let mut at = 0;
             while let Some(i) = k[at..].find('/') {
-                let scope = &k[..at + i];
-                if !scopes.iter().any(|s: &String| s == scope) {
-                    scopes.push(scope.to_owned());
+                let scope = self.abort_key(&k[..at + i]);
+                if !reads.contains(&scope) {
+                    reads.push(scope);
                 }
                 at += i + 1;
             }
         }
-        reads.extend(scopes.iter().map(|s| self.abort_key(s)));
         let first_key = reads.len();
         for k in keys {
             reads.push(self.key(k));
@@ -430,9 +427,19 @@ impl EtcdLink {
                 reads.push(format!("{}present/{id}", self.prefix));
             }
         }
-        let mut found: Vec<Option<Vec<u8>>> = Vec::with_capacity(reads.len());
+        (reads, first_key)
+    }
+
+    /// Reads `keys` (etcd keys) in as few transactions as etcd allows: the revision of the
+    /// first, and each key's value.
+    async fn read(
+        &self,
+        keys: &[String],
+        deadline: Instant,
+    ) -> Outcome<(i64, Vec<Option<Vec<u8>>>)> {
+        let mut found: Vec<Option<Vec<u8>>> = Vec::with_capacity(keys.len());
         let mut revision = None;
-        for chunk in reads.chunks(TXN_OPS) {
+        for chunk in keys.chunks(TXN_OPS) {
             let (rev, values) = self
                 .attempts(deadline, |mut c, _| {
                     let ops: Vec<TxnOp> =
@@ -457,6 +464,18 @@ impl EtcdLink {
             revision.get_or_insert(rev);
             found.extend(values);
         }
+        Ok((revision.unwrap_or(0), found))
+    }
+
+    /// Reads what a wait on `keys` needs (`reads` and `first_key` from [`Self::wait_reads`]).
+    async fn snapshot(
+        &self,
+        keys: &[String],
+        reads: &[String],
+        first_key: usize,
+        deadline: Instant,
+    ) -> Outcome<Snapshot> {
+        let (revision, mut found) = self.read(reads, deadline).await?;
         let abort = found[..first_key]
             .iter()
             .flatten()
@@ -482,34 +501,38 @@ impl EtcdLink {
             values.push(value);
         }
         Ok(Snapshot {
-            revision: revision.unwrap_or(0),
+            revision,
             abort,
             values,
         })
     }
 
-    /// Waits until something under the job's prefix changes after `revision`, for at most
-    /// `wait`.
-    async fn changed_after(&self, revision: i64, wait: Duration) {
+    /// Waits until one of `keys` (etcd keys) changes after `revision`, for at most `wait`.
+    async fn changed_after(&self, keys: &[String], revision: i64, wait: Duration) {
         let end = tokio::time::Instant::now() + wait;
+        let pause = || {
+            tokio::time::sleep_until(
+                end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
+            )
+        };
+        let options = || WatchOptions::new().with_start_revision(revision + 1);
+        let Some((first, rest)) = keys.split_first() else {
+            return pause().await;
+        };
+        // One stream, one watcher per key: a write elsewhere in the job (a heartbeat) does not
+        // wake this wait.
         let mut client = self.client.clone();
-        let options = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
-        let mut stream = match tokio::time::timeout(
-            wait,
-            client.watch(self.prefix.clone(), Some(options)),
-        )
-        .await
-        {
-            Ok(Ok(s)) => s,
-            _ => {
-                tokio::time::sleep_until(
-                    end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
-                )
-                .await;
-                return;
+        let watched = tokio::time::timeout_at(end, async {
+            let mut stream = client.watch(first.clone(), Some(options())).await?;
+            for k in rest {
+                stream.watch(k.clone(), Some(options())).await?;
             }
+            Ok::<_, etcd_client::Error>(stream)
+        })
+        .await;
+        let mut stream = match watched {
+            Ok(Ok(s)) => s,
+            _ => return pause().await,
         };
         loop {
             match tokio::time::timeout_at(end, stream.message()).await {
@@ -517,11 +540,7 @@ impl EtcdLink {
                 Ok(Ok(Some(_))) | Err(_) => return,
                 Ok(Ok(None)) | Ok(Err(_)) => {
                     // The watch broke (its member died): read again after a short pause.
-                    tokio::time::sleep_until(
-                        end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
-                    )
-                    .await;
-                    return;
+                    return pause().await;
                 }
             }
         }
@@ -536,8 +555,9 @@ impl EtcdLink {
         deadline: Instant,
     ) -> Outcome<std::result::Result<Vec<Vec<u8>>, Reply>> {
         let until = Instant::now() + timeout;
+        let (reads, first_key) = self.wait_reads(keys);
         loop {
-            let snap = self.snapshot(keys, deadline).await?;
+            let snap = self.snapshot(keys, &reads, first_key, deadline).await?;
             if snap.values.iter().all(Option::is_some) {
                 return Ok(Ok(snap.values.into_iter().flatten().collect()));
             }
@@ -554,7 +574,7 @@ impl EtcdLink {
                     .collect();
                 return Ok(Err(Reply::Timeout { missing }));
             }
-            self.changed_after(snap.revision, left.min(WATCH_SLICE))
+            self.changed_after(&reads, snap.revision, left.min(WATCH_SLICE))
                 .await;
         }
     }
@@ -657,21 +677,8 @@ impl EtcdLink {
             }
             Request::GetAbort { scope } => {
                 let keys = [self.abort_key(""), self.abort_key(scope)];
-                let found = self
-                    .attempts(deadline, |mut c, _| {
-                        let ops: Vec<TxnOp> =
-                            keys.iter().map(|k| TxnOp::get(k.clone(), None)).collect();
-                        async move {
-                            let r = c.txn(Txn::new().and_then(ops)).await?;
-                            Ok(r.op_responses().into_iter().find_map(|op| match op {
-                                TxnOpResponse::Get(g) => {
-                                    g.kvs().first().map(|kv| kv.value().to_vec())
-                                }
-                                _ => None,
-                            }))
-                        }
-                    })
-                    .await?;
+                let (_, values) = self.read(&keys, deadline).await?;
+                let found = values.into_iter().flatten().next();
                 Ok(match found.as_deref().and_then(decode_record) {
                     Some(r) => Reply::Aborted(r),
                     None => Reply::NoAbort,
@@ -960,6 +967,28 @@ mod tests {
             other.get_timeout("k", Duration::from_millis(100)),
             Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
         ));
+    }
+
+    /// A cluster that stops answering is a lost store, not a missing key: readers that take a
+    /// `StoreTimeout` for "absent" (the launcher's reading of the last membership) must not
+    /// read an unreachable cluster as an empty job.
+    #[test]
+    fn an_unreachable_cluster_is_a_lost_store_not_a_missing_key() {
+        let m = Member::start();
+        let a = connect(&m.master(), Purpose::StoreAux, 0, "job").unwrap();
+        assert!(matches!(
+            a.get_timeout("absent", Duration::ZERO),
+            Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
+        ));
+        drop(m);
+        let t = Instant::now();
+        match a.get_timeout("absent", Duration::ZERO) {
+            Err(DdpError::Rendezvous(RendezvousError::StoreLost { source, .. })) => {
+                assert_eq!(source.kind(), ErrorKind::TimedOut, "{source}")
+            }
+            other => panic!("expected a lost store, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     }
 
     /// An abort record of a scope ends the waits on its keys, and only those; the job's ends
