@@ -64,19 +64,19 @@ pub enum MembershipError {
     /// A process of a fault-tolerant job lost the job's store (its link is down, or the
     /// launcher that serves the store is gone): it cannot take part in any membership.
     #[error(
-        "[member {member}] cannot reach the job's store at {addr}, which node 0's launcher \
-         serves ({reason}): either this process is cut off from it, and the job goes on without \
-         it (when its network is back, a replacement can join the running job: burn-ddp run \
-         --fault-tolerant --join, or --max-restarts), or node 0's launcher is gone, and the job \
-         with it (the launcher's store does not survive its host)"
+        "[member {member}] cannot reach the job's store, {addr} ({reason}): {meaning} (when its \
+         network is back, a replacement can join the running job: burn-ddp run \
+         --fault-tolerant --join, or --max-restarts)"
     )]
     StoreUnreachable {
         /// This process's member id.
         member: u32,
-        /// The store's address.
+        /// The store: where it is served, or the etcd cluster that keeps it.
         addr: String,
         /// The store request that failed.
         reason: String,
+        /// What it means, by the kind of store.
+        meaning: String,
     },
 
     /// A process that asked to join a running fault-tolerant job was not admitted.

@@ -569,15 +569,23 @@ impl Watch {
             }
             // The launcher serves it: this rank is cut off from the job.
             super::StoreHost::Launcher if store_quiet > self.bounds.silence => {
+                let (store, or) = match &self.link.master.etcd {
+                    Some(_) => (
+                        format!("the job's store, the {}", self.link.master),
+                        "or a majority of its members is down",
+                    ),
+                    None => (
+                        format!("the launcher's store at {}", self.link.master),
+                        "or node 0's launcher is gone",
+                    ),
+                };
                 return Some(Verdict {
                     culprit: self.rank,
                     host: self.host.clone(),
                     last_completed: CollectiveSeq(self.progress.completed.load(Ordering::SeqCst)),
                     what: format!(
-                        "has lost the job's store: the launcher's store at {} has not \
-                         replied for {store_quiet:.0?} (this rank is cut off from it, or node \
-                         0's launcher is gone)",
-                        self.link.master
+                        "has lost the job's store: {store} has not replied for \
+                         {store_quiet:.0?} (this rank is cut off from it, {or})"
                     ),
                     store_silent: true,
                 });
