@@ -150,16 +150,21 @@ fn counter_job_child() {
 const EVAL_ITEMS: usize = 1000;
 
 /// An evaluation after training, as the classifier's: each rank sums its shard of the items
-/// (item `i` counts `i + 1`), over 40 rounds of collectives 50 ms apart, then the sums are
+/// (item `i` counts `i + 1`), over 40 rounds of collectives 50 ms apart (`FT_EVAL_PAUSE_MS`),
+/// then the sums are
 /// all-reduced. Through `surviving`, a rank lost meanwhile is survived: the total is the sum
 /// of every item once, `EVAL_ITEMS * (EVAL_ITEMS + 1) / 2`.
 fn evaluate(pg: &ProcessGroup) -> f64 {
     let plan = burn_ddp_comm::data::ShardPlan::evaluation(pg);
     burn_ddp_comm::data::surviving(pg, || {
         println!("evaluating as rank {} of {}", pg.rank(), pg.world_size());
+        let pause = std::env::var("FT_EVAL_PAUSE_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
         for _ in 0..40 {
             pg.barrier()?;
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(pause));
         }
         let shard = (0..plan.len(EVAL_ITEMS)).filter_map(|k| plan.index(EVAL_ITEMS, k));
         let mut sum = [shard.map(|i| i as f64 + 1.0).sum::<f64>()];
@@ -306,7 +311,7 @@ fn kill(pid: u32, sig: &str) {
     assert!(status.success());
 }
 
-/// The final digests, by launcher rank prefix (the rank a process was started as).
+/// The final digests, by launcher rank prefix (the rank of the process when it printed them).
 fn finals(text: &str) -> Vec<(String, u64, String)> {
     text.lines()
         .filter_map(|l| {
@@ -520,6 +525,40 @@ fn a_replacement_is_not_let_in_after_training() {
     let text = evaluation_loses_rank_1("eval-replaced", 1);
     assert!(text.contains("starting member 3 in its place"), "{text}");
     assert!(!text.contains("joined: [m3]"), "{text}");
+}
+
+/// A node started with `--join` while the job evaluates after training asks to join and is
+/// never let in (training is over); the job finishes without it, and that node's launcher
+/// succeeds, saying its processes were not needed (it said "every rank of this node was lost"
+/// and failed before).
+#[test]
+fn a_node_that_joins_after_training_is_not_let_in_and_succeeds() {
+    let steps = 40;
+    let job = FtJob::start(
+        "late-node",
+        3,
+        0,
+        steps,
+        &[("FT_EVAL", "1"), ("FT_EVAL_PAUSE_MS", "250")],
+    );
+    wait_for(
+        &job.log,
+        "evaluating as rank 0 of 3",
+        Duration::from_secs(120),
+    );
+    let (mut joiner, log) = job.join("late-node.log");
+    let (ok, joined) = finish(&mut joiner, &log, Duration::from_secs(120));
+    let text = job.finish(true);
+    assert!(
+        ok,
+        "the late node's launcher failed:\n{joined}\n---- the job ----\n{text}"
+    );
+    assert!(
+        joined.contains("before this node's processes were let in"),
+        "{joined}"
+    );
+    assert!(!text.contains("joined: [m3]"), "{text}");
+    assert_unbroken(&finals(&text), 3, steps, &text);
 }
 
 /// 3 ranks of the counter job train and evaluate, `restarts` replacements allowed; rank 1 is

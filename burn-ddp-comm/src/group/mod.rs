@@ -33,7 +33,7 @@ pub use crate::types::{
 use desync::DesyncCheck;
 pub use membership::Recovery;
 pub(crate) use membership::{
-    fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
+    any_admitted, fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
 };
 use p2p::P2p;
 pub use p2p::P2pOp;

@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 use super::spawn::{self, describe, LocalJob, RankExit, Running};
 use crate::config::{env, JobToken, MasterAddr};
 use crate::group::{
-    fresh_member_id, last_membership, member_list as ids, record_first_world, LastMembership,
+    any_admitted, fresh_member_id, last_membership, member_list as ids, record_first_world,
+    LastMembership,
 };
 use crate::store::auth::Purpose;
 use crate::store::{resolve_bind, StoreClient, StoreServer};
@@ -400,7 +401,10 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
 
     let last = last_membership(&store);
     let exits: Vec<(u32, RankExit)> = ended.into_iter().map(|(m, r)| (m, r.into_exit())).collect();
-    let failure = judge(&exits, &last, interrupted);
+    let ours: Vec<u32> = exits.iter().map(|(m, _)| *m).collect();
+    // Unknown (the store lost): counted as let in, so that a loss is never taken for success.
+    let admitted = any_admitted(&store, &ours).unwrap_or(true);
+    let failure = judge(&exits, &last, admitted, interrupted);
     Ok(FaultTolerantReport {
         exits,
         last: last.ok().flatten().map(|m| (m.epoch, m.members)),
@@ -456,10 +460,13 @@ fn check_first_launch(store: &StoreClient, job: &LocalJob) -> Result<()> {
     }))
 }
 
-/// This node's verdict: its ranks in the job's last membership must all have succeeded.
+/// This node's verdict: its ranks in the job's last membership must all have succeeded. A node
+/// none of whose processes was ever let in (`admitted` false: they asked to join a job whose
+/// training was over) succeeds with a job that finished: it was not needed.
 fn judge(
     exits: &[(u32, RankExit)],
     last: &Result<Option<LastMembership>>,
+    admitted: bool,
     interrupted: bool,
 ) -> Option<DdpError> {
     if interrupted {
@@ -509,6 +516,19 @@ fn judge(
         }));
     }
     if mine.is_empty() {
+        if !admitted
+            && last
+                .as_ref()
+                .is_ok_and(|m| m.as_ref().is_some_and(|m| m.finished_well()))
+        {
+            eprintln!(
+                "burn-ddp run: the job finished with members {members:?} before this node's \
+                 processes were let in (they asked to join after its training was over); \
+                 nothing was left for them to do ({})",
+                ends()
+            );
+            return None;
+        }
         return Some(DdpError::Membership(MembershipError::FaultTolerantJob {
             reason: format!(
                 "every rank of this node was lost; the job went on with members {members:?} \

@@ -265,6 +265,9 @@ pub(crate) fn start_rank(
         job.output == Output::Inherit || (job.output == Output::Dashboard && rank == Rank(0));
     if !direct {
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        if job.output != Output::Capture {
+            cmd.env(env::RANK_MARKERS, "1");
+        }
     }
     // SAFETY: the closure runs in the child between fork and exec and only makes one
     // async-signal-safe system call (prctl), touching no memory shared with the parent.
@@ -298,8 +301,49 @@ pub(crate) fn start_rank(
     })
 }
 
+/// The start and end of the line with which a rank tells its launcher its new rank (an APC
+/// escape sequence, which a terminal ignores should one show it).
+const MARKER: (&str, &str) = ("\x1b_burn-ddp rank ", "\x1b\\");
+
+/// The marker line of `rank`.
+fn marker(rank: Rank) -> String {
+    format!("{}{}{}", MARKER.0, rank.0, MARKER.1)
+}
+
+/// The rank a marker line announces, if `line` is one.
+fn marked(line: &str) -> Option<Rank> {
+    line.strip_prefix(MARKER.0)?
+        .strip_suffix(MARKER.1)?
+        .parse()
+        .ok()
+        .map(Rank)
+}
+
+/// Tells this process's launcher (when it follows ranks: [`env::rank_markers`]) that this
+/// process is now rank `rank`: its next lines on stdout and stderr are prefixed `[rank
+/// {rank}]`. Called by a fault-tolerant process when a change of membership gives it a rank.
+pub fn announce_rank(rank: Rank) {
+    if !env::rank_markers() {
+        return;
+    }
+    let line = format!("{}\n", marker(rank));
+    let _ = std::io::stdout().lock().write_all(line.as_bytes());
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
+
+/// What the launcher prints for the line `text` of a rank's output: `[rank N] text`, or `None`
+/// for a marker, which makes `rank` the rank of the lines after it.
+fn prefixed(rank: &mut Rank, text: &str) -> Option<String> {
+    if let Some(now) = marked(text) {
+        *rank = now;
+        return None;
+    }
+    Some(format!("[rank {rank}] {text}\n"))
+}
+
 fn forward(
-    rank: Rank,
+    mut rank: Rank,
     stream: impl Read + Send + 'static,
     output: Output,
     to_stderr: bool,
@@ -315,13 +359,15 @@ fn forward(
                 Ok(_) => {
                     let text = String::from_utf8_lossy(&line);
                     let text = text.trim_end_matches('\n');
+                    let Some(msg) = prefixed(&mut rank, text) else {
+                        continue;
+                    };
                     match output {
                         Output::Capture => {
                             captured.push_str(text);
                             captured.push('\n');
                         }
                         _ => {
-                            let msg = format!("[rank {rank}] {text}\n");
                             let _ = if to_stderr {
                                 std::io::stderr().lock().write_all(msg.as_bytes())
                             } else {
@@ -477,6 +523,40 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
+
+    #[test]
+    fn a_rank_marker_is_read_back_and_other_lines_are_not_markers() {
+        for r in [0, 1, 7, 4095] {
+            assert_eq!(marked(&marker(Rank(r))), Some(Rank(r)));
+        }
+        for line in [
+            "",
+            "[membership] rank 1",
+            "\x1b_burn-ddp rank \x1b\\",
+            "\x1b_burn-ddp rank x\x1b\\",
+            "\x1b_burn-ddp rank 3",
+        ] {
+            assert_eq!(marked(line), None, "{line:?}");
+        }
+    }
+
+    #[test]
+    fn the_forwarder_follows_the_rank_a_process_announces() {
+        // What a rank writes: a line, then the marker of its new rank, then another line.
+        let mut rank = Rank(2);
+        let shown: Vec<Option<String>> = ["before", &marker(Rank(0)), "after"]
+            .iter()
+            .map(|l| prefixed(&mut rank, l))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                Some("[rank 2] before\n".to_string()),
+                None,
+                Some("[rank 0] after\n".to_string())
+            ]
+        );
+    }
 
     #[test]
     fn a_rank_killed_by_a_signal_is_blamed_before_one_that_exited_with_an_error() {

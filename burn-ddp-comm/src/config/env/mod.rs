@@ -31,6 +31,7 @@
 //! | `BURN_DDP_FT_JOIN=1` | this process joins a running fault-tolerant job | off |
 //! | `BURN_DDP_MEMBER_ID` | the member id this process claims in a fault-tolerant job | `RANK`, or a fresh id when joining |
 //! | `BURN_DDP_MIN_RANKS` | the fewest ranks a fault-tolerant job goes on with | 1 |
+//! | `BURN_DDP_RANK_MARKERS=1` | the launcher prefixes this process's output with its rank: a fault-tolerant process tells it its rank after each change of membership, in a line the launcher swallows (set by `burn-ddp run` when it prefixes) | off |
 //! | `CUDA_VISIBLE_DEVICES` | the GPUs this process sees (read for choosing and naming a rank's GPU) | all |
 //! | `LD_LIBRARY_PATH`, `VIRTUAL_ENV`, `CONDA_PREFIX`, `HOME` | where to look for `libnccl` when it is missing, for the message | |
 //! | `OMP_NUM_THREADS` | left as set; the launcher sets it to 1 for several ranks per node when unset | |
@@ -104,6 +105,16 @@ pub const FT_JOIN: &str = "BURN_DDP_FT_JOIN";
 pub const MEMBER_ID: &str = "BURN_DDP_MEMBER_ID";
 /// In a fault-tolerant job: the fewest ranks it goes on with ([`FaultTolerance::min_ranks`]).
 pub const MIN_RANKS: &str = "BURN_DDP_MIN_RANKS";
+
+/// The launcher prefixes this process's output lines with its rank and follows its changes: a
+/// fault-tolerant process writes a marker line ([`crate::launch::spawn::announce_rank`]) when a
+/// change of membership gives it another rank. Set by `burn-ddp run` for the ranks it prefixes.
+pub const RANK_MARKERS: &str = "BURN_DDP_RANK_MARKERS";
+
+/// Whether this process's launcher follows its rank through marker lines ([`RANK_MARKERS`]).
+pub fn rank_markers() -> bool {
+    std::env::var(RANK_MARKERS).is_ok_and(|v| v == "1")
+}
 
 /// The variable that turns on the check before every collective ([`GroupConfig::debug_desync`]).
 pub const DEBUG_DESYNC: &str = "BURN_DDP_DEBUG_DESYNC";

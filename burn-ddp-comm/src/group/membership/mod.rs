@@ -66,10 +66,10 @@ use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
 use record::ids_handed_out;
-use record::{decode, decode_i64, encode, first_world, get_now, keys};
 pub(crate) use record::{
-    fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
+    any_admitted, fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
 };
+use record::{decode, decode_i64, encode, first_world, get_now, keys};
 use rule::{minus, Ballot};
 use watch::{watch_joins, JoinWatch};
 
@@ -430,15 +430,33 @@ impl MembershipService {
             }
             _ => return e,
         };
+        let master = &self.config.master;
+        let (addr, meaning) = match master.etcd {
+            Some(_) => (
+                format!("the {master}"),
+                "this process is cut off from a majority of its members (or a majority is \
+                 down), and the job goes on without it",
+            ),
+            None => (
+                format!("at {master}, which node 0's launcher serves"),
+                "either this process is cut off from it, and the job goes on without it, or \
+                 node 0's launcher is gone, and the job with it (the launcher's store does not \
+                 survive its host; --rdzv-backend etcd does)",
+            ),
+        };
         DdpError::Membership(MembershipError::StoreUnreachable {
             member: self.id,
-            addr: self.config.master.to_string(),
+            addr,
             reason,
+            meaning: meaning.into(),
         })
     }
 
-    /// Makes `number` the current epoch, and starts counting join requests from now.
+    /// Makes `number` the current epoch (this process is let into the job: the first
+    /// membership, or a join), and starts counting join requests from now.
     fn begin(&self, number: u64, members: Vec<u32>) -> Result<()> {
+        // Its launcher tells a node whose processes were never let in from one that lost them.
+        self.store.set(&keys::admitted(self.id), b"1")?;
         let joins = self.joins_now()?;
         self.joins.seen.store(joins, Ordering::SeqCst);
         self.joins.pending.store(false, Ordering::SeqCst);
@@ -761,6 +779,8 @@ impl MembershipService {
             rank,
             what: "an empty membership was opened",
         })?;
+        // The launcher's `[rank N]` prefix follows the rank this process has now.
+        crate::launch::spawn::announce_rank(rank);
         let client = StoreClient::connect(
             &self.config.master,
             Purpose::StoreAux,

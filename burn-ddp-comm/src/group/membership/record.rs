@@ -27,6 +27,10 @@ pub(super) mod keys {
     pub(crate) fn finished(id: u32) -> String {
         format!("ft/finished/{id}")
     }
+    /// Member `id` was let into the job (a member of some epoch).
+    pub(crate) fn admitted(id: u32) -> String {
+        format!("ft/admitted/{id}")
+    }
     /// The newest decided epoch.
     pub(crate) const EPOCH: &str = "ft/epoch";
     /// How many member ids were handed to joining processes (counter).
@@ -128,6 +132,14 @@ pub(crate) struct LastMembership {
 }
 
 impl LastMembership {
+    /// Whether the job finished: every member of its last membership ended, one of them
+    /// normally.
+    pub(crate) fn finished_well(&self) -> bool {
+        !self.members.is_empty()
+            && self.ended.iter().all(|e| *e)
+            && self.finished.iter().any(|f| *f)
+    }
+
     /// How the job ended, once every member ended: `None` while some member has not.
     pub(crate) fn outcome(&self) -> Option<String> {
         if self.members.is_empty() || !self.ended.iter().all(|e| *e) {
@@ -143,6 +155,18 @@ impl LastMembership {
             )
         })
     }
+}
+
+/// Whether any of member ids `ids` was ever let into the job on `store`.
+pub(crate) fn any_admitted(store: &StoreClient, ids: &[u32]) -> Result<bool> {
+    if ids.is_empty() {
+        return Ok(false);
+    }
+    let keys: Vec<String> = ids.iter().map(|m| keys::admitted(*m)).collect();
+    Ok(match store.wait(&keys, Duration::ZERO)? {
+        WaitOutcome::Ready => true,
+        WaitOutcome::Missing(missing) => missing.len() < keys.len(),
+    })
 }
 
 /// The newest decided membership of the job on `store`; `None` before the job formed.
