@@ -4,6 +4,7 @@
 //! ```text
 //! cargo bench -p burn-ddp-dev --bench chaos                            # 1,200 faults, Burn 0.21 line
 //! cargo bench -p burn-ddp-dev --bench chaos -- --line 0.22 --faults 200 --seed 7
+//! cargo bench -p burn-ddp-dev --bench chaos -- --etcd --faults 200   # nodes, etcd, link cuts
 //! ```
 //!
 //! It builds the line's classifier example and the launcher in the release profile first
@@ -58,6 +59,12 @@ struct Args {
     /// Where the jobs write (default: a directory under the system's temporary one).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// Each job on as many nodes (network namespaces; root) as ranks, its store on an etcd
+    /// cluster of one member per node (Debian's etcd-server), with two more kinds of fault: a
+    /// node's link cut, a node lost whole with its etcd member. Builds the program and the
+    /// launcher with `etcd` (which needs protoc).
+    #[arg(long)]
+    etcd: bool,
     /// Passed by `cargo bench`.
     #[arg(long, hide = true)]
     bench: bool,
@@ -92,6 +99,13 @@ fn built(what: &[&str], file: &str) -> Result<PathBuf, String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if args.etcd && args.nproc < 3 {
+        eprintln!(
+            "chaos: --etcd runs one etcd member per rank's node, and a node lost whole must leave \
+             a majority of members: give --nproc 3 or more"
+        );
+        return ExitCode::FAILURE;
+    }
     let (package, example) = match args.line.as_str() {
         "0.22" => ("burn-ddp-burn022", "classifier022"),
         _ => ("burn-ddp", "classifier"),
@@ -99,10 +113,11 @@ fn main() -> ExitCode {
     // Paths given are relative to the workspace, where `cargo bench` is run from.
     let given = |p: &Option<PathBuf>| p.as_ref().map(|p| workspace().join(p));
     let program = match given(&args.program).map(Ok).unwrap_or_else(|| {
-        built(
-            &["-p", package, "--example", example],
-            &format!("examples/{example}"),
-        )
+        let mut what = vec!["-p", package, "--example", example];
+        if args.etcd {
+            what.extend(["--features", "etcd"]);
+        }
+        built(&what, &format!("examples/{example}"))
     }) {
         Ok(p) => p,
         Err(e) => {
@@ -110,10 +125,20 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let launcher = match given(&args.launcher)
-        .map(Ok)
-        .unwrap_or_else(|| built(&["-p", "burn-ddp-comm", "--bin", "burn-ddp"], "burn-ddp"))
-    {
+    let launcher = match given(&args.launcher).map(Ok).unwrap_or_else(|| {
+        let features = if args.etcd { "cli,etcd" } else { "cli" };
+        built(
+            &[
+                "-p",
+                "burn-ddp-comm",
+                "--features",
+                features,
+                "--bin",
+                "burn-ddp",
+            ],
+            "burn-ddp",
+        )
+    }) {
         Ok(p) => p,
         Err(e) => {
             eprintln!("chaos: {e}");
@@ -136,6 +161,7 @@ fn main() -> ExitCode {
         dir: given(&args.dir).unwrap_or_else(|| {
             std::env::temp_dir().join(format!("burn-ddp-chaos-{}", std::process::id()))
         }),
+        etcd: args.etcd,
     };
     eprintln!(
         "chaos: {} faults on {}, seed {seed}, jobs in {}",

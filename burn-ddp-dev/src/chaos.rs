@@ -9,6 +9,15 @@
 //! resumed (SIGCONT); a rank killed and then its replacement killed while it joins; two ranks
 //! killed at once. Any rank may be hit, rank 0 included.
 //!
+//! With [`Chaos::etcd`], each job runs on as many nodes (network namespaces) as it has ranks,
+//! one rank and one member of a three-or-more-member etcd cluster on each, its store on that
+//! cluster (`--rdzv-backend etcd`), and two more kinds join the rounds (eight): a node's link
+//! cut for longer than the heartbeat bound, then restored; a node lost whole (its launcher, its
+//! rank and its etcd member, which may lead the cluster: the store's host), then started again
+//! (the member with its data, a launcher with `--join`). A node whose launcher ended because
+//! its node was cut off gets a new one with `--join` once its link is back, as an operator or a
+//! cluster's requeue would.
+//!
 //! Checked after each fault: the survivors complete a step within [`Chaos::bound`] (the
 //! recovery time is measured from the signal to rank 0's line saying so) and the job is back
 //! to full strength within the same bound, or has ended. Checked when a job ends: the launcher
@@ -54,6 +63,20 @@ pub struct Chaos {
     pub bound: Duration,
     /// Where the jobs write their logs and checkpoints.
     pub dir: PathBuf,
+    /// Each job on `nproc` nodes (network namespaces, root needed) with its store on an etcd
+    /// cluster of one member per node; the launcher and the program built with `etcd`.
+    pub etcd: bool,
+}
+
+impl Chaos {
+    /// The kinds of fault of this run: [`KINDS`], and with etcd [`NODE_KINDS`] too.
+    pub fn kinds(&self) -> Vec<&'static str> {
+        let mut kinds = KINDS.to_vec();
+        if self.etcd {
+            kinds.extend(NODE_KINDS);
+        }
+        kinds
+    }
 }
 
 /// The kinds of fault, in the order the report lists them.
@@ -64,6 +87,12 @@ pub const KINDS: [&str; 6] = [
     "frozen past the heartbeat bound, then resumed",
     "replacement killed while it joined",
     "two ranks killed at once",
+];
+
+/// The kinds of fault on nodes, in a run on etcd and network namespaces.
+pub const NODE_KINDS: [&str; 2] = [
+    "link cut past the heartbeat bound, then restored",
+    "node lost whole (launcher, rank, etcd member), then started again",
 ];
 
 /// What a chaos run saw.
@@ -85,6 +114,9 @@ pub struct Report {
     pub unshown: usize,
     /// Waits of the harness, each within the bound.
     pub waits: usize,
+    /// Node launchers lost with their node or ended by a cut link, each followed by one that
+    /// joined.
+    pub rejoined: usize,
     /// How long the run took.
     pub took: Duration,
 }
@@ -98,10 +130,15 @@ impl Report {
     /// The report's text.
     pub fn text(&self, chaos: &Chaos) -> String {
         let mut out = format!(
-            "chaos: {} faults survived in {} jobs of {} ranks of {} (seed {}, heartbeat bound {:?}, {:.1} min)\n",
+            "chaos: {} faults survived in {} jobs of {} ranks{} of {} (seed {}, heartbeat bound {:?}, {:.1} min)\n",
             self.total(),
             self.jobs,
             chaos.nproc,
+            if chaos.etcd {
+                " (one per node, the store on an etcd member per node)"
+            } else {
+                ""
+            },
             chaos
                 .program
                 .file_name()
@@ -111,8 +148,8 @@ impl Report {
             chaos.heartbeat,
             self.took.as_secs_f64() / 60.0
         );
-        out += "  faults (processes hit), by kind:\n";
-        for kind in KINDS {
+        out += "  faults (processes or nodes hit), by kind:\n";
+        for kind in chaos.kinds() {
             out += &format!(
                 "    {kind}: {}\n",
                 self.faults.get(kind).copied().unwrap_or(0)
@@ -124,7 +161,7 @@ impl Report {
             all.len(),
             percentiles(&all)
         );
-        for kind in KINDS {
+        for kind in chaos.kinds() {
             if let Some(times) = self.recoveries.get(kind) {
                 out += &format!("    {kind}: {}\n", percentiles(times));
             }
@@ -141,6 +178,13 @@ impl Report {
              no temporary left\n",
             self.waits, chaos.bound, self.splits_checked, self.unshown
         );
+        if chaos.etcd {
+            out += &format!(
+                "  on etcd: {} node launchers lost with their node or ended by a cut link, each \
+                 followed by one that joined the running job (--join)\n",
+                self.rejoined
+            );
+        }
         out
     }
 }
@@ -188,26 +232,40 @@ pub fn run(chaos: &Chaos) -> Result<Report, String> {
             Err(e) => {
                 let log = job.text();
                 return Err(format!(
-                    "an invariant did not hold in job {} ({}): {e}\n{log}",
+                    "an invariant did not hold in job {} (logs in {}): {e}\n{log}",
                     job.index,
-                    job.log.display()
+                    chaos.dir.display()
                 ));
             }
         }
         let _ = std::fs::remove_dir_all(&job.out);
+        let _ = std::fs::remove_dir_all(chaos.dir.join(format!("job-{}-etcd", job.index)));
     }
     report.took = started.elapsed();
     Ok(report)
 }
 
-/// One fault-tolerant job under the launcher.
+/// One fault-tolerant job under the launcher (one per node).
 struct Job {
     index: usize,
-    launcher: Child,
-    log: PathBuf,
+    /// Every launcher started, in order; `nodes[n]` is the index of node `n`'s current one.
+    launchers: Vec<Launcher>,
+    nodes: Vec<usize>,
     out: PathBuf,
+    /// The network namespaces and etcd cluster of a job on etcd.
+    cluster: Option<(crate::netns::Net, crate::etcd::EtcdCluster)>,
+    /// The launcher's arguments after `run` (without `--node-rank`) and the program's.
+    args: Vec<String>,
     /// Bytes of the log parsed for membership epochs so far, and what they said.
     memberships: Memberships,
+}
+
+/// One launcher of a job: its process and its log.
+struct Launcher {
+    child: Child,
+    log: PathBuf,
+    /// Its node was cut off or killed: it may end with failure.
+    faulted: bool,
 }
 
 /// What rank 0 said about membership epochs: each epoch's world size, and the epochs whose
@@ -267,54 +325,130 @@ impl Memberships {
 
 impl Job {
     fn start(chaos: &Chaos, index: usize) -> Result<Self, String> {
-        let port = burn_ddp_comm::launch::spawn::free_port().map_err(|e| e.to_string())?;
-        let log = chaos.dir.join(format!("job-{index}.log"));
         let out = chaos.dir.join(format!("job-{index}"));
         let _ = std::fs::remove_dir_all(&out);
-        let file = std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
-        let err = file.try_clone().map_err(|e| e.to_string())?;
-        let args = crate::spawned::classifier_args(&out, chaos.epochs, chaos.train, chaos.test);
-        let launcher = Command::new(&chaos.launcher)
-            .args([
-                "run",
-                "--fault-tolerant",
-                "--master-port",
-                &port.to_string(),
-            ])
-            .args(["--rdzv-id", &format!("chaos-{port}")])
-            .args(["--nproc-per-node", &chaos.nproc.to_string()])
-            .args(["--max-restarts", "1000000"])
-            .arg("--")
-            .arg(&chaos.program)
-            .args(&args)
-            .env("BURN_DDP_TIMEOUT", "10m")
-            .env(
+        let program = crate::spawned::classifier_args(&out, chaos.epochs, chaos.train, chaos.test);
+        let mut job = Self {
+            index,
+            launchers: Vec::new(),
+            nodes: Vec::new(),
+            out,
+            cluster: None,
+            args: Vec::new(),
+            memberships: Memberships::default(),
+        };
+        let id = format!("chaos-{}-{index}", std::process::id());
+        let mut args: Vec<String> = ["--fault-tolerant", "--rdzv-id", &id]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--max-restarts".into(), "1000000".into()]);
+        if chaos.etcd {
+            let net = crate::netns::Net::new(chaos.nproc as usize);
+            // Not under the job's output, which the program clears when it starts.
+            let data = chaos.dir.join(format!("job-{index}-etcd"));
+            let _ = std::fs::remove_dir_all(&data);
+            std::fs::create_dir_all(&data).map_err(|e| format!("{}: {e}", data.display()))?;
+            let nodes: Vec<usize> = (0..chaos.nproc as usize).collect();
+            let cluster = crate::etcd::EtcdCluster::start(&net, &nodes, &data);
+            args.extend([
+                "--nnodes".into(),
+                chaos.nproc.to_string(),
+                "--nproc-per-node".into(),
+                "1".into(),
+                "--rdzv-backend".into(),
+                "etcd".into(),
+                "--rdzv-endpoint".into(),
+                cluster.endpoints(),
+                "--rdzv-timeout".into(),
+                "120".into(),
+            ]);
+            job.cluster = Some((net, cluster));
+        } else {
+            let port = burn_ddp_comm::launch::spawn::free_port().map_err(|e| e.to_string())?;
+            args.extend([
+                "--master-port".into(),
+                port.to_string(),
+                "--nproc-per-node".into(),
+                chaos.nproc.to_string(),
+            ]);
+        }
+        args.push("--".into());
+        args.push(chaos.program.display().to_string());
+        args.extend(program);
+        job.args = args;
+        let nodes = if chaos.etcd { chaos.nproc as usize } else { 1 };
+        for node in 0..nodes {
+            job.launch(chaos, node, false)?;
+        }
+        Ok(job)
+    }
+
+    /// Starts a launcher on `node` (`join`: one that joins the running job).
+    fn launch(&mut self, chaos: &Chaos, node: usize, join: bool) -> Result<(), String> {
+        let log = chaos.dir.join(format!(
+            "job-{}-launcher-{}.log",
+            self.index,
+            self.launchers.len()
+        ));
+        let mut args = vec!["run".to_string()];
+        if self.cluster.is_some() {
+            args.extend(["--node-rank".into(), node.to_string()]);
+        }
+        if join {
+            args.push("--join".into());
+        }
+        args.extend(self.args.iter().cloned());
+        let env = [
+            ("BURN_DDP_TIMEOUT", "10m".to_string()),
+            (
                 "BURN_DDP_HEARTBEAT_TIMEOUT",
                 format!("{}ms", chaos.heartbeat.as_millis()),
-            )
+            ),
+        ];
+        let mut command = match &self.cluster {
+            Some((net, _)) => net.command(node, &chaos.launcher, &args, &log),
+            None => {
+                let file =
+                    std::fs::File::create(&log).map_err(|e| format!("{}: {e}", log.display()))?;
+                let err = file.try_clone().map_err(|e| e.to_string())?;
+                let mut c = Command::new(&chaos.launcher);
+                c.args(&args).stdin(Stdio::null()).stdout(file).stderr(err);
+                c
+            }
+        };
+        let child = command
+            .envs(env)
             .env_remove("RANK")
             .env_remove("BURN_DDP_JOB_TOKEN")
             .env_remove("RUST_LOG")
-            .stdin(Stdio::null())
-            .stdout(file)
-            .stderr(err)
             // Its own process group, as a shell's job control gives it: a group whose member's
             // parent is outside it is not orphaned, so a rank stopped in it never brings the
             // kernel's SIGHUP to the launcher.
             .process_group(0)
             .spawn()
             .map_err(|e| format!("{}: {e}", chaos.launcher.display()))?;
-        Ok(Self {
-            index,
-            launcher,
+        let launcher = Launcher {
+            child,
             log,
-            out,
-            memberships: Memberships::default(),
-        })
+            faulted: false,
+        };
+        if node < self.nodes.len() {
+            self.nodes[node] = self.launchers.len();
+        } else {
+            self.nodes.push(self.launchers.len());
+        }
+        self.launchers.push(launcher);
+        Ok(())
     }
 
+    /// Every launcher's log, in the order they started.
     fn text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.launchers
+            .iter()
+            .map(|l| std::fs::read_to_string(&l.log).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn refresh(&mut self) -> &Memberships {
@@ -322,29 +456,63 @@ impl Job {
         &self.memberships
     }
 
-    /// Whether the launcher has exited.
+    /// Whether every node's current launcher has exited.
     fn ended(&mut self) -> bool {
-        !matches!(self.launcher.try_wait(), Ok(None))
+        let current: Vec<usize> = self.nodes.clone();
+        current
+            .into_iter()
+            .all(|i| !matches!(self.launchers[i].child.try_wait(), Ok(None)))
     }
 
-    /// The ranks' pids: the launcher's children that run the program (with `RANK` set), not
-    /// one it is starting (forked, not yet the program).
+    /// Starts a joining launcher on each node whose launcher ended after its node's fault,
+    /// while the job goes on.
+    fn revive(&mut self, chaos: &Chaos, report: &mut Report) -> Result<(), String> {
+        if self.cluster.is_none() {
+            return Ok(());
+        }
+        for node in 0..self.nodes.len() {
+            let l = &mut self.launchers[self.nodes[node]];
+            let exited = !matches!(l.child.try_wait(), Ok(None));
+            if l.faulted && exited && !self.ended_job() {
+                self.launch(chaos, node, true)?;
+                report.rejoined += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the job has finished (a rank printed the final accuracy).
+    fn ended_job(&self) -> bool {
+        self.text().contains("final test accuracy")
+    }
+
+    /// The ranks' pids: the launchers' children that run the program (with `RANK` set), not
+    /// one being started (forked, not yet the program).
     fn ranks(&self) -> Vec<u32> {
-        children(self.launcher.id())
-            .into_iter()
+        self.nodes
+            .iter()
+            .flat_map(|&i| children(self.launchers[i].child.id()))
             .filter(|&pid| crate::spawned::rank_of(pid).is_some())
             .collect()
     }
 
-    /// Waits until `done` holds on the job's memberships, or the launcher exits (`false`), for
-    /// at most `bound`.
+    /// The node whose launcher is the parent of rank process `pid`.
+    fn node_of(&self, pid: u32) -> Option<usize> {
+        (0..self.nodes.len())
+            .find(|&n| children(self.launchers[self.nodes[n]].child.id()).contains(&pid))
+    }
+
+    /// Waits until `done` holds on the job's memberships, or the job ends (`false`), for at most
+    /// the run's bound; nodes whose launcher ended with their fault get a new one meanwhile.
     fn wait(
         &mut self,
-        bound: Duration,
+        chaos: &Chaos,
+        report: &mut Report,
         what: &str,
         mut done: impl FnMut(&Memberships) -> bool,
     ) -> Result<bool, String> {
-        let deadline = Instant::now() + bound;
+        report.waits += 1;
+        let deadline = Instant::now() + chaos.bound;
         loop {
             if done(self.refresh()) {
                 return Ok(true);
@@ -352,8 +520,9 @@ impl Job {
             if self.ended() {
                 return Ok(false);
             }
+            self.revive(chaos, report)?;
             if Instant::now() > deadline {
-                return Err(format!("a hang: {what} not within {bound:?}"));
+                return Err(format!("a hang: {what} not within {:?}", chaos.bound));
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -375,17 +544,18 @@ impl Job {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        // Every kind once in each round of six, in a random order.
+        // Every kind once in each round, in a random order.
         let mut bag: Vec<&'static str> = Vec::new();
         while report.total() < chaos.faults && started.elapsed() < chaos.limit && !self.ended() {
             std::thread::sleep(Duration::from_millis(rng.random_range(100..1000)));
+            self.revive(chaos, report)?;
             let pids = self.ranks();
             if pids.len() < chaos.nproc as usize {
                 continue;
             }
             let before = self.refresh().newest();
             if bag.is_empty() {
-                bag = KINDS.to_vec();
+                bag = chaos.kinds();
                 bag.shuffle(rng);
             }
             let kind = bag.pop().unwrap_or(KINDS[0]);
@@ -413,9 +583,9 @@ impl Job {
                 "replacement killed while it joined" => {
                     let replaced = self.memberships.replacements;
                     signal(victim, rustix::process::Signal::KILL);
-                    report.waits += 1;
-                    let fresh =
-                        self.wait(chaos.bound, "a replacement", |m| m.replacements > replaced)?;
+                    let fresh = self.wait(chaos, report, "a replacement", |m| {
+                        m.replacements > replaced
+                    })?;
                     if fresh {
                         std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
                         if let Some(&joiner) = self.ranks().iter().find(|p| !pids.contains(p)) {
@@ -425,7 +595,7 @@ impl Job {
                     }
                     true
                 }
-                _ => {
+                "two ranks killed at once" => {
                     let other = pids[(pids.iter().position(|&p| p == victim).unwrap_or(0)
                         + rng.random_range(1..pids.len()))
                         % pids.len()];
@@ -434,14 +604,23 @@ impl Job {
                     *report.faults.entry(kind).or_default() += 1;
                     true
                 }
+                "link cut past the heartbeat bound, then restored" => {
+                    let cut = chaos.heartbeat.mul_f64(rng.random_range(1.3..2.5));
+                    self.cut(victim, cut)?
+                }
+                _ => {
+                    let lost = self.lose_node(chaos, rng, victim)?;
+                    report.rejoined += usize::from(lost);
+                    lost
+                }
             };
             *report.faults.entry(kind).or_default() += 1;
             if !changes {
                 continue;
             }
-            report.waits += 2;
             if self.wait(
-                chaos.bound,
+                chaos,
+                report,
                 "the survivors' first step after the fault",
                 |m| m.stepped_after(before),
             )? {
@@ -451,7 +630,7 @@ impl Job {
                     .or_default()
                     .push(at.elapsed());
             }
-            if self.wait(chaos.bound, "the job's return to full strength", |m| {
+            if self.wait(chaos, report, "the job's return to full strength", |m| {
                 m.full(chaos.nproc)
             })? {
                 report.restored.push(at.elapsed());
@@ -465,17 +644,77 @@ impl Job {
                     "a hang: the job did not end within 30 minutes of the last fault".into(),
                 );
             }
+            self.revive(chaos, report)?;
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(())
     }
 
+    /// Cuts the link of the node of rank process `victim` for `cut` (restored meanwhile, while
+    /// the survivors' recovery is timed): whether it was cut.
+    fn cut(&mut self, victim: u32, cut: Duration) -> Result<bool, String> {
+        let (Some(node), Some((net, _))) = (self.node_of(victim), &self.cluster) else {
+            return Ok(false);
+        };
+        net.link(node, false);
+        let current = self.nodes[node];
+        self.launchers[current].faulted = true;
+        let ns = net.ns(node);
+        std::thread::spawn(move || {
+            std::thread::sleep(cut);
+            let up = Command::new("ip")
+                .args(["-n", &ns, "link", "set", "eth0", "up"])
+                .status();
+            if !up.as_ref().is_ok_and(|s| s.success()) {
+                eprintln!("chaos: the link of {ns} could not be set up again: {up:?}");
+            }
+        });
+        Ok(true)
+    }
+
+    /// Kills the node of rank process `victim` whole (its launcher, its rank, its etcd member,
+    /// made the cluster's leader first half of the time), then starts it again: its etcd member
+    /// with its data, a launcher that joins the running job. Whether a node was lost.
+    fn lose_node(&mut self, chaos: &Chaos, rng: &mut StdRng, victim: u32) -> Result<bool, String> {
+        let Some(node) = self.node_of(victim) else {
+            return Ok(false);
+        };
+        let Some((net, cluster)) = &mut self.cluster else {
+            return Ok(false);
+        };
+        if rng.random_bool(0.5) {
+            let other = (node + 1) % chaos.nproc as usize;
+            cluster.make_leader(net, node, other);
+        }
+        net.kill(node);
+        let killed = Instant::now();
+        while cluster.running(node) {
+            if killed.elapsed() > Duration::from_secs(10) {
+                return Err(format!(
+                    "node {node}'s etcd member still runs 10 s after its node was killed"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        cluster.restart(net, node);
+        let current = self.nodes[node];
+        self.launchers[current].faulted = true;
+        let _ = self.launchers[current].child.wait();
+        self.launch(chaos, node, true)?;
+        Ok(true)
+    }
+
     /// The end-of-job invariants: the splits checked, and those of them whose last step's
     /// outputs never reached rank 0 ([`ended_by_a_change`]).
     fn check(&mut self, chaos: &Chaos) -> Result<(usize, usize), String> {
-        let status = self.launcher.wait().map_err(|e| e.to_string())?;
-        if !status.success() {
-            return Err(format!("the launcher exited with {status}"));
+        for (node, &i) in self.nodes.iter().enumerate() {
+            let status = self.launchers[i].child.wait().map_err(|e| e.to_string())?;
+            if !status.success() {
+                return Err(format!(
+                    "the launcher of node {node} ({}) exited with {status}",
+                    self.launchers[i].log.display()
+                ));
+            }
         }
         let text = self.text();
         let digests = crate::spawned::digests(&text);
@@ -505,13 +744,17 @@ impl Job {
         Ok((2 * epochs as usize, unshown))
     }
 
-    /// Ends what is left of the job (after a failed check).
+    /// Ends what is left of the job (after a failed check): its ranks, its launchers, its
+    /// nodes and etcd cluster.
     fn stop(&mut self) {
         for pid in self.ranks() {
             signal(pid, rustix::process::Signal::KILL);
         }
-        let _ = self.launcher.kill();
-        let _ = self.launcher.wait();
+        for l in &mut self.launchers {
+            let _ = l.child.kill();
+            let _ = l.child.wait();
+        }
+        self.cluster = None;
     }
 }
 

@@ -22,6 +22,9 @@ const PEER_PORT: u16 = 2380;
 pub struct EtcdCluster {
     members: Vec<(usize, Child)>,
     addrs: Vec<String>,
+    /// `--initial-cluster`: every member's name and peer URL.
+    initial: String,
+    etcd: PathBuf,
     dir: PathBuf,
 }
 
@@ -35,56 +38,80 @@ impl EtcdCluster {
                  installs them)"
             )
         });
-        let name = |i: usize| format!("m{i}");
-        let cluster: Vec<String> = nodes
+        let initial: Vec<String> = nodes
             .iter()
-            .map(|i| format!("{}=http://{}:{PEER_PORT}", name(*i), net.addr(*i)))
+            .map(|i| format!("{}=http://{}:{PEER_PORT}", member_name(*i), net.addr(*i)))
             .collect();
-        let mut members = Vec::new();
-        for &i in nodes {
-            let data = dir.join(format!("etcd-{i}"));
-            let _ = std::fs::remove_dir_all(&data);
-            let log = File::create(dir.join(format!("etcd-{i}.log"))).unwrap();
-            let a = net.addr(i);
-            let child = Command::new("ip")
-                .args(["netns", "exec", &net.ns(i)])
-                .arg(&etcd)
-                .args(["--name", &name(i), "--data-dir"])
-                .arg(&data)
-                .args([
-                    "--listen-client-urls",
-                    &format!("http://{a}:{CLIENT_PORT}"),
-                    "--advertise-client-urls",
-                    &format!("http://{a}:{CLIENT_PORT}"),
-                    "--listen-peer-urls",
-                    &format!("http://{a}:{PEER_PORT}"),
-                    "--initial-advertise-peer-urls",
-                    &format!("http://{a}:{PEER_PORT}"),
-                    "--initial-cluster",
-                    &cluster.join(","),
-                    "--initial-cluster-state",
-                    "new",
-                    "--initial-cluster-token",
-                    &format!("burn-ddp-test-{}", std::process::id()),
-                ])
-                .stdin(Stdio::null())
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .spawn()
-                .unwrap();
-            members.push((i, child));
-        }
         let addrs = nodes
             .iter()
             .map(|i| format!("{}:{CLIENT_PORT}", net.addr(*i)))
             .collect();
-        let c = Self {
-            members,
+        let mut c = Self {
+            members: Vec::new(),
             addrs,
+            initial: initial.join(","),
+            etcd,
             dir: dir.to_owned(),
         };
+        for &i in nodes {
+            let data = dir.join(format!("etcd-{i}"));
+            let _ = std::fs::remove_dir_all(&data);
+            let child = c.spawn_member(net, i, "new");
+            c.members.push((i, child));
+        }
         c.wait_healthy(net, nodes[0], Duration::from_secs(60));
         c
+    }
+
+    /// Starts the member of node `i` (`state`: `new` for a new cluster, `existing` for a member
+    /// that comes back with its data), its output appended to its log.
+    fn spawn_member(&self, net: &Net, i: usize, state: &str) -> Child {
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("etcd-{i}.log")))
+            .unwrap();
+        let a = net.addr(i);
+        Command::new("ip")
+            .args(["netns", "exec", &net.ns(i)])
+            .arg(&self.etcd)
+            .args(["--name", &member_name(i), "--data-dir"])
+            .arg(self.dir.join(format!("etcd-{i}")))
+            .args([
+                "--listen-client-urls",
+                &format!("http://{a}:{CLIENT_PORT}"),
+                "--advertise-client-urls",
+                &format!("http://{a}:{CLIENT_PORT}"),
+                "--listen-peer-urls",
+                &format!("http://{a}:{PEER_PORT}"),
+                "--initial-advertise-peer-urls",
+                &format!("http://{a}:{PEER_PORT}"),
+                "--initial-cluster",
+                &self.initial,
+                "--initial-cluster-state",
+                state,
+                "--initial-cluster-token",
+                &format!("burn-ddp-test-{}", std::process::id()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    /// Starts the member of node `node` again, with the data it had (after its node was killed):
+    /// it catches up with the cluster's log.
+    pub fn restart(&mut self, net: &Net, node: usize) {
+        let child = self.spawn_member(net, node, "existing");
+        match self.members.iter_mut().find(|(i, _)| *i == node) {
+            Some((_, c)) => {
+                let _ = c.kill();
+                let _ = c.wait();
+                *c = child;
+            }
+            None => self.members.push((node, child)),
+        }
     }
 
     /// The client endpoints, `host:port,...` (`--rdzv-endpoint`).
@@ -160,7 +187,7 @@ impl EtcdCluster {
         let list = run(&["member", "list"]);
         let id = list
             .lines()
-            .find(|l| l.split(", ").nth(2) == Some(&format!("m{node}")))
+            .find(|l| l.split(", ").nth(2) == Some(&member_name(node)))
             .and_then(|l| l.split(", ").next())
             .unwrap_or_else(|| panic!("member m{node} is not in the cluster: {list}"))
             .to_owned();
@@ -183,6 +210,11 @@ impl Drop for EtcdCluster {
             let _ = c.wait();
         }
     }
+}
+
+/// The etcd member name of node `i`.
+fn member_name(i: usize) -> String {
+    format!("m{i}")
 }
 
 /// The path of `program` on `PATH`.

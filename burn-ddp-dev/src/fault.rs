@@ -197,9 +197,14 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
         text.contains("this process joined the running job"),
         "{text}"
     );
-    // The new rank 0 (started as rank 1) shows the dashboard's lines and the result.
-    assert!(text.contains("[rank 1] [membership]"), "{text}");
-    assert!(text.contains("[rank 1] final test accuracy"), "{text}");
+    // The new rank 0 (started as rank 1) shows the dashboard's lines and the result, under the
+    // prefix of the rank it is now: the launcher follows the change.
+    assert!(
+        text.contains("[rank 0] [membership] the first step of membership epoch 1 is done"),
+        "{text}"
+    );
+    assert!(text.contains("[rank 0] final test accuracy"), "{text}");
+    assert!(!text.contains("[rank 1] final test accuracy"), "{text}");
     assert_equal_replicas(&text, 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -232,7 +237,8 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
         .filter(|l| l.contains("Learner Summary"))
         .collect();
     assert_eq!(summaries.len(), 1, "{text}");
-    assert!(summaries[0].starts_with("[rank 1] "), "{text}");
+    // Under the prefix of its rank now, not of the slot it started in (rank 1's).
+    assert!(summaries[0].starts_with("[rank 0] "), "{text}");
     assert_equal_replicas(&text, 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -384,13 +390,32 @@ pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
 /// of 3 ranks (3 epochs of 1,536 images each), seeded by `BURN_DDP_CHAOS_SEED` or else the
 /// clock (the seed is printed, and named in a failure). Every invariant must hold.
 pub fn chaos_schedule(name: &str, faults: usize) {
+    chaos_with(name, faults, false);
+}
+
+/// [`chaos_schedule`] with each job on three nodes (network namespaces) and its store on an
+/// etcd cluster of one member per node: link cuts and the loss of a whole node (with its etcd
+/// member) among the faults. The example and the launcher are built with `etcd`.
+pub fn chaos_schedule_on_etcd(name: &str, faults: usize) {
+    chaos_with(name, faults, true);
+}
+
+fn chaos_with(name: &str, faults: usize, etcd: bool) {
     let seed = std::env::var("BURN_DDP_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(crate::chaos::clock_seed);
+    let (program, launcher) = if etcd {
+        (
+            crate::etcd::etcd_example(name),
+            crate::etcd::etcd_launcher(),
+        )
+    } else {
+        (example(name), crate::spawned::launcher())
+    };
     let chaos = crate::chaos::Chaos {
-        program: example(name),
-        launcher: crate::spawned::launcher(),
+        program,
+        launcher,
         nproc: 3,
         faults,
         limit: Duration::from_secs(900),
@@ -400,7 +425,8 @@ pub fn chaos_schedule(name: &str, faults: usize) {
         test: 128,
         heartbeat: Duration::from_secs(3),
         bound: Duration::from_secs(60),
-        dir: scratch(&format!("{name}-chaos")),
+        dir: scratch(&format!("{name}-chaos{}", if etcd { "-etcd" } else { "" })),
+        etcd,
     };
     eprintln!("chaos run of {faults} faults on {name}, seed {seed} (BURN_DDP_CHAOS_SEED)");
     match crate::chaos::run(&chaos) {

@@ -93,18 +93,23 @@ impl Net {
 
     /// Starts `program args` on node `i`, its stdout and stderr into `log`.
     pub fn start(&self, i: usize, program: &Path, args: &[String], log: &Path) -> Child {
+        self.command(i, program, args, log).spawn().unwrap()
+    }
+
+    /// The command that runs `program args` on node `i` (`ip netns exec`, which becomes the
+    /// program), its stdout and stderr into `log`.
+    pub fn command(&self, i: usize, program: &Path, args: &[String], log: &Path) -> Command {
         let out = File::create(log).unwrap();
-        Command::new("ip")
-            .args(["netns", "exec", &self.ns(i)])
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.ns(i)])
             .arg(program)
             .args(args)
             .env_remove("RANK")
             .env_remove("SLURM_PROCID")
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap()
+            .stderr(out);
+        c
     }
 
     /// Kills every process of node `i` at once (SIGKILL), as if the machine died.
