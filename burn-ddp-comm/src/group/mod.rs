@@ -31,9 +31,12 @@ pub use crate::types::{
     AbortRecord, CollectiveSeq, LocalRank, Rank, RankList, StallDiagnosis, WorldSize,
 };
 use desync::DesyncCheck;
+#[cfg(test)]
+pub(crate) use membership::marker_line;
 pub use membership::Recovery;
 pub(crate) use membership::{
-    any_admitted, fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
+    any_admitted, fresh_member_id, last_membership, marked_rank, member_list, record_first_world,
+    LastMembership,
 };
 use p2p::P2p;
 pub use p2p::P2pOp;

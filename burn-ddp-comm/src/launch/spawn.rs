@@ -301,41 +301,10 @@ pub(crate) fn start_rank(
     })
 }
 
-/// The start and end of the line with which a rank tells its launcher its new rank (an APC
-/// escape sequence, which a terminal ignores should one show it).
-const MARKER: (&str, &str) = ("\x1b_burn-ddp rank ", "\x1b\\");
-
-/// The marker line of `rank`.
-fn marker(rank: Rank) -> String {
-    format!("{}{}{}", MARKER.0, rank.0, MARKER.1)
-}
-
-/// The rank a marker line announces, if `line` is one.
-fn marked(line: &str) -> Option<Rank> {
-    line.strip_prefix(MARKER.0)?
-        .strip_suffix(MARKER.1)?
-        .parse()
-        .ok()
-        .map(Rank)
-}
-
-/// Tells this process's launcher (when it follows ranks: [`env::rank_markers`]) that this
-/// process is now rank `rank`: its next lines on stdout and stderr are prefixed `[rank
-/// {rank}]`. Called by a fault-tolerant process when a change of membership gives it a rank.
-pub fn announce_rank(rank: Rank) {
-    if !env::rank_markers() {
-        return;
-    }
-    let line = format!("{}\n", marker(rank));
-    let _ = std::io::stdout().lock().write_all(line.as_bytes());
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-}
-
 /// What the launcher prints for the line `text` of a rank's output: `[rank N] text`, or `None`
 /// for a marker, which makes `rank` the rank of the lines after it.
 fn prefixed(rank: &mut Rank, text: &str) -> Option<String> {
-    if let Some(now) = marked(text) {
+    if let Some(now) = crate::group::marked_rank(text) {
         *rank = now;
         return None;
     }
@@ -525,26 +494,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_rank_marker_is_read_back_and_other_lines_are_not_markers() {
-        for r in [0, 1, 7, 4095] {
-            assert_eq!(marked(&marker(Rank(r))), Some(Rank(r)));
-        }
-        for line in [
-            "",
-            "[membership] rank 1",
-            "\x1b_burn-ddp rank \x1b\\",
-            "\x1b_burn-ddp rank x\x1b\\",
-            "\x1b_burn-ddp rank 3",
-        ] {
-            assert_eq!(marked(line), None, "{line:?}");
-        }
-    }
-
-    #[test]
     fn the_forwarder_follows_the_rank_a_process_announces() {
         // What a rank writes: a line, then the marker of its new rank, then another line.
         let mut rank = Rank(2);
-        let shown: Vec<Option<String>> = ["before", &marker(Rank(0)), "after"]
+        let shown: Vec<Option<String>> = ["before", &crate::group::marker_line(Rank(0)), "after"]
             .iter()
             .map(|l| prefixed(&mut rank, l))
             .collect();

@@ -107,7 +107,7 @@ pub const MEMBER_ID: &str = "BURN_DDP_MEMBER_ID";
 pub const MIN_RANKS: &str = "BURN_DDP_MIN_RANKS";
 
 /// The launcher prefixes this process's output lines with its rank and follows its changes: a
-/// fault-tolerant process writes a marker line ([`crate::launch::spawn::announce_rank`]) when a
+/// fault-tolerant process writes a marker line (`group/membership/marker.rs`) when a
 /// change of membership gives it another rank. Set by `burn-ddp run` for the ranks it prefixes.
 pub const RANK_MARKERS: &str = "BURN_DDP_RANK_MARKERS";
 

@@ -49,6 +49,7 @@
 //! through the store and rebuilds the group.
 
 mod group;
+pub(crate) mod marker;
 mod record;
 mod rule;
 mod watch;
@@ -65,6 +66,9 @@ use crate::store::auth::Purpose;
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
+pub(crate) use marker::marked as marked_rank;
+#[cfg(test)]
+pub(crate) use marker::marker as marker_line;
 use record::ids_handed_out;
 pub(crate) use record::{
     any_admitted, fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
@@ -780,7 +784,7 @@ impl MembershipService {
             what: "an empty membership was opened",
         })?;
         // The launcher's `[rank N]` prefix follows the rank this process has now.
-        crate::launch::spawn::announce_rank(rank);
+        marker::announce_rank(rank);
         let client = StoreClient::connect(
             &self.config.master,
             Purpose::StoreAux,
