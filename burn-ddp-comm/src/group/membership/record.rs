@@ -135,9 +135,7 @@ impl LastMembership {
     /// Whether the job finished: every member of its last membership ended, one of them
     /// normally.
     pub(crate) fn finished_well(&self) -> bool {
-        !self.members.is_empty()
-            && self.ended.iter().all(|e| *e)
-            && self.finished.iter().any(|f| *f)
+        self.outcome().is_some() && self.finished.iter().any(|f| *f)
     }
 
     /// How the job ended, once every member ended: `None` while some member has not.
