@@ -42,6 +42,7 @@ impl SyncBatchNormConfig {
     /// As `BatchNormConfig::init`: `num_features` zero, `epsilon` not finite and positive, or
     /// `momentum` not finite and within `[0, 1]`.
     pub fn init(&self, device: &burn::tensor::Device) -> SyncBatchNorm {
+        burn_ddp_comm::nn::made_collective_layer();
         BatchNormConfig::new(self.num_features)
             .with_epsilon(self.epsilon)
             .with_momentum(self.momentum)
@@ -99,6 +100,7 @@ pub struct SyncBatchNorm {
 
 impl From<BatchNorm> for SyncBatchNorm {
     fn from(bn: BatchNorm) -> Self {
+        burn_ddp_comm::nn::made_collective_layer();
         Self {
             gamma: bn.gamma,
             beta: bn.beta,
@@ -137,6 +139,7 @@ impl SyncBatchNorm {
                 "SyncBatchNorm needs an input [batch, channels, ...]"
             )
         };
+        burn_ddp_comm::nn::made_collective_layer();
         let [channels] = self.gamma.shape().dims();
         assert_eq!(
             input.dims()[1],

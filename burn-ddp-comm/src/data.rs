@@ -62,6 +62,9 @@ struct PlanState {
     items: AtomicUsize,
     /// Whether every rank gets as many items (padded).
     even: AtomicBool,
+    /// Whether a fault-tolerant job deals every item once instead of padding
+    /// ([`DataEpoch::set_every_item_once`]).
+    once: AtomicBool,
     cache: Mutex<Option<Cached>>,
 }
 
@@ -84,12 +87,19 @@ impl PlanState {
         self.start.store(0, Ordering::SeqCst);
     }
 
+    /// Whether the shards are evened out by padding (a plan that pads, unless a fault-tolerant
+    /// job deals every item once); a `drop_last` plan drops instead.
+    fn pads(&self) -> bool {
+        self.even.load(Ordering::Relaxed) && !self.once.load(Ordering::Relaxed)
+    }
+
     /// The epoch's items, and this rank's share of what is left of them, once known.
     fn items_and_share(&self) -> Option<(usize, usize)> {
         let n = Some(self.items.load(Ordering::Relaxed)).filter(|&n| n != usize::MAX)?;
         let m = n - self.start.load(Ordering::SeqCst).min(n);
         let w = self.world.load(Ordering::SeqCst).max(1) as usize;
-        let share = if self.even.load(Ordering::Relaxed) {
+        // Known only for plans that do not drop: even means padded.
+        let share = if self.pads() {
             m.div_ceil(w)
         } else {
             m.saturating_sub(self.rank.load(Ordering::SeqCst) as usize)
@@ -106,6 +116,10 @@ impl DataEpoch for PlanState {
 
     fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
         PlanState::reshard(self, rank, world, start)
+    }
+
+    fn set_every_item_once(&self, once: bool) {
+        self.once.store(once, Ordering::Relaxed);
     }
 }
 
@@ -248,6 +262,7 @@ struct Dealing {
     rank: u32,
     world: u32,
     start: usize,
+    even: bool,
 }
 
 impl ShardPlan {
@@ -265,9 +280,12 @@ impl ShardPlan {
         plan
     }
 
-    /// Whether every rank gets as many items (the state's flag: the registry reads it too).
+    /// Whether every rank gets as many items: the plan's setting (the state's flag: the
+    /// registry reads it too), unless a fault-tolerant job deals every item once instead of
+    /// padding ([`DataEpoch::set_every_item_once`]; a `drop_last` plan still drops).
     fn even(&self) -> bool {
         self.state.even.load(Ordering::Relaxed)
+            && (self.drop_last || !self.state.once.load(Ordering::Relaxed))
     }
 
     fn dealing(&self, n: usize) -> Dealing {
@@ -280,6 +298,7 @@ impl ShardPlan {
             rank: self.state.rank.load(Ordering::SeqCst),
             world: self.state.world.load(Ordering::SeqCst).max(1),
             start: self.state.start.load(Ordering::SeqCst).min(n),
+            even: self.even(),
         }
     }
 
@@ -287,7 +306,8 @@ impl ShardPlan {
     /// ranks left or joined): this rank is `rank` of `world`, and the first `start` positions
     /// of the epoch's order (the same on every rank) were already used. Every rank of the new
     /// membership calls it with the same `world` and `start`; the remaining items are dealt as
-    /// at the start of an epoch (strided, padded or dropped to even shards). The next
+    /// at the start of an epoch (strided, padded or dropped to even shards; each once when
+    /// [`DataEpoch::set_every_item_once`] says so, as a fault-tolerant job does). The next
     /// [`set_epoch`](Self::set_epoch) keeps the membership and starts at 0 again.
     ///
     /// # Errors
@@ -327,6 +347,7 @@ impl ShardPlan {
                 epoch: AtomicU64::new(0),
                 items: AtomicUsize::new(usize::MAX),
                 even: AtomicBool::new(true),
+                once: AtomicBool::new(false),
                 cache: Mutex::new(None),
             }),
             seed: 0,
@@ -427,7 +448,7 @@ impl ShardPlan {
             key.rank as usize,
             key.world as usize,
             self.shuffle.then_some((self.seed, key.epoch)),
-            if self.even() {
+            if key.even {
                 Tail::Even {
                     drop_last: self.drop_last,
                 }
@@ -482,6 +503,10 @@ macro_rules! distributed_sampler {
                 start: usize,
             ) -> $crate::Result<()> {
                 self.plan.reshard(rank, world, start)
+            }
+
+            fn set_every_item_once(&self, once: bool) {
+                $crate::data::DataEpoch::set_every_item_once(&self.plan, once);
             }
         }
     };
@@ -625,6 +650,18 @@ pub trait DataEpoch: Send + Sync {
             reason: "use burn-ddp's DistributedSampler, or implement DataEpoch::reshard",
         }))
     }
+
+    /// Whether to deal a fault-tolerant job's training items every one once — shards that
+    /// differ by at most one item, the training split's last step partial (the ranks without
+    /// a batch take part with no gradient) — instead of evening them out by padding, which
+    /// trains up to `world - 1` items twice whenever a change of membership leaves a rest
+    /// that the new world size does not divide. A fault-tolerant strategy sets it before
+    /// each dealing: `true`, unless the model has layers whose forward pass runs collectives
+    /// (`SyncBatchNorm`), which a rank without a batch cannot join. The default ignores it
+    /// (the data deals as it does).
+    fn set_every_item_once(&self, once: bool) {
+        let _ = once;
+    }
 }
 
 impl DataEpoch for ShardPlan {
@@ -634,6 +671,10 @@ impl DataEpoch for ShardPlan {
 
     fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
         ShardPlan::reshard(self, rank, world, start)
+    }
+
+    fn set_every_item_once(&self, once: bool) {
+        self.state.set_every_item_once(once);
     }
 }
 
@@ -790,6 +831,53 @@ mod tests {
                 let l0 = second[0].len(n);
                 prop_assert!(second.iter().all(|p| p.len(n) == l0));
             }
+        }
+
+        /// A fault-tolerant job's dealing (every item once, `DataEpoch::set_every_item_once`):
+        /// after `start` positions, the rest is dealt over `w` ranks with each item exactly
+        /// once, nothing to skip as padding, shares that differ by at most one item (the
+        /// largest first), strided so that full steps of any batch size use a prefix; the
+        /// plans' item count is known. A `drop_last` plan still drops.
+        #[test]
+        fn a_fault_tolerant_dealing_deals_every_item_once(
+            n in 1usize..300, w in 1u32..7, start in 0usize..300, seed in any::<u64>(),
+            epoch in 0u64..100, drop_last in any::<bool>(),
+        ) {
+            let start = start.min(n);
+            let ws = WorldSize::new(w).unwrap();
+            let plans: Vec<ShardPlan> = (0..w)
+                .map(|r| {
+                    let p = ShardPlan::with_replicas(Rank(r), ws)
+                        .unwrap()
+                        .with_seed(seed)
+                        .with_drop_last(drop_last);
+                    DataEpoch::set_every_item_once(&p, true);
+                    p.set_epoch(epoch);
+                    p.reshard(Rank(r), ws, start).unwrap();
+                    p
+                })
+                .collect();
+            let m = n - start;
+            let mut seen = vec![0usize; n];
+            for (r, p) in plans.iter().enumerate() {
+                let want = if drop_last { m / w as usize } else { m.saturating_sub(r).div_ceil(w as usize) };
+                prop_assert_eq!(p.len(n), want);
+                for i in 0..p.len(n) {
+                    prop_assert!(!p.is_padding(n, i));
+                    seen[p.index(n, i).unwrap()] += 1;
+                }
+                if !drop_last {
+                    prop_assert_eq!(p.state.items_and_share(), Some((n, want)));
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c <= 1), "an item dealt twice: {seen:?}");
+            let dealt: usize = seen.iter().sum();
+            prop_assert_eq!(dealt, if drop_last { m / w as usize * w as usize } else { m });
+            // The positions dealt are the rest of the epoch's order: its first `start`
+            // positions are the same dealing's, which is not dealt again.
+            let mut order: Vec<usize> = (0..n).collect();
+            permute(&mut order, seed, epoch);
+            prop_assert!(order[..start].iter().all(|&i| seen[i] == 0));
         }
     }
 

@@ -32,3 +32,20 @@ macro_rules! sync_batch_norm_config {
         }
     };
 }
+
+/// Whether this process made a layer whose forward pass runs collectives.
+static COLLECTIVE_LAYERS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Records that this process made a layer whose forward pass runs collectives (each line's
+/// `SyncBatchNorm`). A rank with no batch cannot take part in such a forward pass, so a
+/// fault-tolerant job then keeps even (padded) training shards after a change of membership
+/// instead of a partial last step ([`collective_layers`]).
+pub fn made_collective_layer() {
+    COLLECTIVE_LAYERS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether this process made a layer whose forward pass runs collectives
+/// ([`made_collective_layer`]).
+pub fn collective_layers() -> bool {
+    COLLECTIVE_LAYERS.load(std::sync::atomic::Ordering::Relaxed)
+}

@@ -38,10 +38,11 @@ struct Args {
     /// Ranks of each job.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=8))]
     nproc: u32,
-    /// Epochs of each job, over this many generated training images.
+    /// Epochs of each job, over this many generated training images (by default a number no
+    /// world size of 2 to 4 divides, so that epochs end with a partial step).
     #[arg(long, default_value_t = 6)]
     epochs: u32,
-    #[arg(long, default_value_t = 3072)]
+    #[arg(long, default_value_t = 3073)]
     train: u32,
     /// The ranks' failure-detection bound, in seconds.
     #[arg(long, default_value_t = 3)]

@@ -730,7 +730,7 @@ impl Job {
         let mut unshown = 0;
         for e in 1..=epochs {
             for (split, n) in [("train", chaos.train), ("valid", chaos.test)] {
-                let line = format!("[{split}] epoch {e}/{epochs}  items {n}/{n}  ");
+                let line = crate::fault::every_item_once(split, e, epochs, n);
                 if text.contains(&line) {
                     continue;
                 }

@@ -120,6 +120,17 @@ pub fn steps_in(line: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// Training images of the fault scenarios: divided by no world size they run at (1 to 4), so
+/// that every epoch ends with shares that differ by one item, and a padded item would show as
+/// one more than the epoch has in the progress line.
+const TRAIN_ITEMS: u32 = 1537;
+
+/// The progress line of `split`'s last step in `epoch` of `epochs` when every item of its `n`
+/// was counted once (a fault-tolerant job counts every rank's items, each once).
+pub fn every_item_once(split: &str, epoch: u32, epochs: u32, n: u32) -> String {
+    format!("[{split}] epoch {epoch}/{epochs}  items {n}/{n}  ")
+}
+
 /// The classifier example `name` on 3 fault-tolerant ranks (`restarts` replacements allowed)
 /// in a fresh directory, with rank `victim` SIGKILLed 1.5 s into the first epoch: the
 /// directory, the launcher's log, the launcher, and when the kill happened.
@@ -135,7 +146,7 @@ fn classifier_losing(
         3,
         restarts,
         &example(name),
-        &classifier_args(&dir.join("out"), 2, 1536, 128),
+        &classifier_args(&dir.join("out"), 2, TRAIN_ITEMS, 128),
         &log,
     );
     wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
@@ -176,6 +187,12 @@ pub fn classifier_loses_a_rank_mid_epoch(name: &str) {
     );
     assert!(text.contains("final test accuracy"), "{text}");
     assert_equal_replicas(&text, 2);
+    // Every item of both epochs trained once, across the change (no padding: the progress
+    // counts every rank's items).
+    for epoch in 1..=2 {
+        let line = every_item_once("train", epoch, 2, TRAIN_ITEMS);
+        assert!(text.contains(&line), "no {line:?}:\n{text}");
+    }
     assert!(
         text.contains("lost on the way: member 1 was killed by signal 9"),
         "{text}"
@@ -421,7 +438,7 @@ fn chaos_with(name: &str, faults: usize, etcd: bool) {
         limit: Duration::from_secs(900),
         seed,
         epochs: 3,
-        train: 1536,
+        train: TRAIN_ITEMS,
         test: 128,
         heartbeat: Duration::from_secs(3),
         bound: Duration::from_secs(60),

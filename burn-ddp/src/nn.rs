@@ -50,6 +50,7 @@ impl SyncBatchNormConfig {
     /// A new [`SyncBatchNorm`] (γ = 1, β = 0, running mean 0, running variance 1, as
     /// `BatchNorm`).
     pub fn init<B: Backend>(&self, device: &B::Device) -> SyncBatchNorm<B> {
+        burn_ddp_comm::nn::made_collective_layer();
         SyncBatchNorm {
             gamma: Initializer::Ones.init([self.num_features], device),
             beta: Initializer::Zeros.init([self.num_features], device),
@@ -100,6 +101,7 @@ pub struct SyncBatchNorm<B: Backend> {
 
 impl<B: Backend> From<BatchNorm<B>> for SyncBatchNorm<B> {
     fn from(bn: BatchNorm<B>) -> Self {
+        burn_ddp_comm::nn::made_collective_layer();
         Self {
             gamma: bn.gamma,
             beta: bn.beta,
@@ -135,6 +137,7 @@ impl<B: SyncNormBackend> SyncBatchNorm<B> {
                 "SyncBatchNorm needs an input [batch, channels, ...]"
             )
         };
+        burn_ddp_comm::nn::made_collective_layer();
         let channels = input.dims()[1];
         let mut shape = [1; D];
         shape[1] = channels;

@@ -68,7 +68,10 @@ impl<M: LearnerModel> Run<'_, M> {
     /// rank's share times the world size.
     fn total(&self, split: usize, mine: usize) -> usize {
         let counted = self.totals.map(|t| t[split]);
-        self.strategy.state.job_progress((0, mine), 0, counted).1
+        self.strategy
+            .state
+            .job_progress((0, mine), 0, None, counted)
+            .1
     }
 
     /// Tells burn-train's event processor that the epochs before `epoch` ended, when it was

@@ -8,7 +8,7 @@ use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
     SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
-use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepFault, StepResult, Stepped};
+use burn_ddp_comm::train::epoch::{guarded, SplitSteps, StepAt, StepFault, StepResult, Stepped};
 use burn_ddp_comm::train::parts::gather_merged;
 use burn_ddp_comm::train::vote::{self, Vote};
 
@@ -75,8 +75,8 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
 }
 
 impl<M: LearnerModel> SplitParts<'_, M> {
-    fn global(&self, p: Progress) -> Progress {
-        self.strategy.global(p, self.total, self.base)
+    fn global(&self, p: Progress, done: Option<u64>) -> Progress {
+        self.strategy.global(p, self.total, self.base, done)
     }
 
     fn load<I>(&self, iter: &mut dyn DataLoaderIterator<I>, split: &str) -> (Option<I>, Vote, u64) {
@@ -104,7 +104,7 @@ where
     M: LearnerModel,
     TrainOut<M>: DistributedItem,
 {
-    type Out = (TrainOut<M>, Progress, usize);
+    type Out = (Option<TrainOut<M>>, Progress, usize);
 
     fn load(&mut self) -> (Vote, u64) {
         let (item, vote, used) = self.parts.load(&mut *self.iter, "training");
@@ -112,17 +112,30 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
-        let Some(item) = self.item.take() else {
-            return Ok((Stepped::NoBatch, None));
+    fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
+        let item = match self.item.take() {
+            Some(item) => Some(item),
+            None if at.full => return Ok((Stepped::NoBatch, None)),
+            // A partial step (a fault-tolerant job's last of the split): this rank has no
+            // batch, joins the step's synchronisation with no gradient and takes the same
+            // optimizer step.
+            None => None,
         };
         sync_buffers(self.learner, self.sync)?;
-        let progress = self.parts.global(self.iter.progress());
+        let progress = self.parts.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;
-        let out = guarded("the training step", item, |item| learner.train_step(item))?;
+        let out = item
+            .map(|item| guarded("the training step", item, |item| learner.train_step(item)))
+            .transpose()?;
+        let (grads, out) = match out {
+            Some(o) => (o.grads, Some(o.item)),
+            None => (GradientsParams::new(), None),
+        };
         let stepped = match self.accumulation {
             Some(k) => {
-                self.accumulator.accumulate(&learner.model(), out.grads);
+                if out.is_some() {
+                    self.accumulator.accumulate(&learner.model(), grads);
+                }
                 self.accumulated += 1;
                 if self.accumulated >= k {
                     self.accumulated = 0;
@@ -133,19 +146,21 @@ where
                 }
             }
             None => {
-                optimizer_step(learner, self.sync, out.grads)?;
+                optimizer_step(learner, self.sync, grads)?;
                 Stepped::Moved
             }
         };
-        Ok((stepped, Some((out.item, progress, iteration))))
+        Ok((stepped, Some((out, progress, at.iteration))))
     }
 
     fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
         let device = p.strategy.device.clone().inner();
-        if let Some(merged) = gather_merged(p.strategy.group(), Some(out.into_parts()), |r| {
-            DistributedItem::merge(r, &device)
-        })? {
+        if let Some(merged) = gather_merged(
+            p.strategy.group(),
+            out.map(DistributedItem::into_parts),
+            |r| DistributedItem::merge(r, &device),
+        )? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
                 merged,
                 progress,
@@ -160,7 +175,8 @@ where
 
     fn finish(&mut self) -> std::result::Result<(), StepFault> {
         // The last micro-steps of the epoch: every rank ran as many (the loop goes on only
-        // while every rank has a batch), so every rank steps here, or none.
+        // while every rank has a batch, or, a partial step, counts one on the ranks without),
+        // so every rank steps here, or none.
         if self.accumulated > 0 {
             self.accumulated = 0;
             optimizer_step(self.learner, self.sync, self.accumulator.grads())?;
@@ -204,8 +220,9 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
-        let progress = self.parts.global(self.iter.progress());
+    fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
+        let iteration = at.iteration;
+        let progress = self.parts.global(self.iter.progress(), at.done);
         let model = &self.model;
         let out = self
             .item

@@ -206,6 +206,23 @@ pub enum Stepped {
     NoBatch,
 }
 
+/// What every rank knows of a step before it runs it ([`SplitSteps::step`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepAt {
+    /// burn-train's iteration count in the split, from 1.
+    pub iteration: usize,
+    /// Every rank has a batch. In validation the last step may leave some out; in a
+    /// fault-tolerant job's training split, so may the last step when every item is dealt
+    /// once ([`vote::partial_steps`]): a rank without a batch then takes part in the step's
+    /// collectives with no gradient (zeros, as PyTorch's `Join` with its default
+    /// `divide_by_initial_world_size`), and every rank applies the same averaged step.
+    pub full: bool,
+    /// In a fault-tolerant job, the positions of the split's order used once this step is done
+    /// (every rank's batches together, each item counted once; the same on every rank): the
+    /// job's progress through the split. `None` elsewhere.
+    pub done: Option<u64>,
+}
+
 /// What [`SplitSteps::step`] returns: what the step did and what to report, or why it could
 /// not be taken.
 pub type StepResult<O> = std::result::Result<(Stepped, Option<O>), StepFault>;
@@ -221,13 +238,14 @@ pub trait SplitSteps {
     /// iteration.
     type Out;
 
-    /// Runs the step on the batch loaded (in validation this rank may have none while others
-    /// do; it still takes part in the step's collectives). `iteration` is burn-train's count in
-    /// the split, from 1. Returns what it did and, unless it had no batch, what to report.
+    /// Runs the step on the batch loaded. This rank may have none while others do (`at.full`
+    /// false: validation's last step, a fault-tolerant training split's partial last step);
+    /// it still takes part in the step's collectives. Returns what it did and what to report
+    /// (every rank reports: the report gathers the outputs).
     ///
     /// # Errors
     /// The step could not be taken: [`StepFault`].
-    fn step(&mut self, iteration: usize) -> StepResult<Self::Out>;
+    fn step(&mut self, at: StepAt) -> StepResult<Self::Out>;
 
     /// After the step: its outputs gathered for the metrics of the whole job. A training step's
     /// change of state counts (the cursor moves on) before this; a validation step's after.
@@ -302,13 +320,12 @@ fn fault(f: StepFault, at: &SplitAt<'_>, interrupt: impl FnOnce(&str)) -> Ended 
 pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> Ended {
     let ft = at.cursor.is_some();
     let mut iteration = at.cursor.as_ref().map_or(0, |c| c.iteration);
-    let world = u64::from(at.pg.world_size().get());
     // Positions of the epoch's order used by the micro-steps since the last optimizer step.
     let mut pending = 0u64;
     loop {
         let (vote, items) = steps.load();
         let interrupt = |m: &str| steps.interrupt(m);
-        let (turn, batch) = if ft {
+        let (turn, heard) = if ft {
             let aside = Aside {
                 items,
                 join: steps.asks_join(),
@@ -319,25 +336,29 @@ pub fn run_split<S: SplitSteps + ?Sized>(steps: &mut S, mut at: SplitAt<'_>) -> 
                 Ok((Turn::Step, heard)) if heard.join && !steps.mid_accumulation() => {
                     return Ended::Change(Change::Grow)
                 }
-                Ok((turn, heard)) => (turn, heard.items),
+                Ok(agreed) => agreed,
                 Err(e) => return fault(e.into(), &at, |m| steps.interrupt(m)),
             }
         } else {
-            let turn = vote::turn(at.pg, &vote, at.split, at.epoch, at.failure, interrupt);
-            (turn, 0)
+            vote::turn(at.pg, &vote, at.split, at.epoch, at.failure, interrupt)
         };
         match turn {
             Turn::Step => {}
             Turn::End => break,
             Turn::Stop => return Ended::Stop,
         }
-        let (stepped, out) = match steps.step(iteration + 1) {
+        let step = StepAt {
+            iteration: iteration + 1,
+            full: heard.every,
+            done: at.cursor.as_ref().map(|c| c.done + pending + heard.items),
+        };
+        let (stepped, out) = match steps.step(step) {
             Ok((Stepped::NoBatch, _)) => break,
             Ok(s) => s,
             Err(f) => return fault(f, &at, |m| steps.interrupt(m)),
         };
         iteration += 1;
-        pending += batch * world;
+        pending += heard.items;
         // The first step after a change, of whichever split: how long the change took.
         if let Some(changes) = at.changes {
             changes.stepped(at.pg.rank() == Rank::ZERO, at.split);
@@ -670,14 +691,18 @@ fn take_state<D: Handover + ?Sized>(
 }
 
 /// Every sampler at `cursor`'s epoch, dealing the rest of it over `pg`'s current membership
-/// (a fault-tolerant job, before each split and after a change).
+/// (a fault-tolerant job, before each split and after a change): every item once, the
+/// training split's last step partial ([`vote::partial_steps`]), unless the model has layers whose
+/// forward pass runs collectives, whose shards are padded to even ones.
 ///
 /// # Errors
 /// A sampler that cannot be dealt again ([`DataEpoch::reshard`]).
 pub fn deal(samplers: &[Arc<dyn DataEpoch>], pg: &ProcessGroup, cursor: &Cursor) -> Result<()> {
     let (rank, world) = (pg.rank(), pg.world_size());
     let start = usize::try_from(cursor.done).unwrap_or(usize::MAX);
+    let once = vote::partial_steps();
     for s in samplers {
+        s.set_every_item_once(once);
         s.set_epoch(cursor.epoch as u64);
         s.reshard(rank, world, start)?;
     }

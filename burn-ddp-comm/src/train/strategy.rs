@@ -138,19 +138,28 @@ impl StrategyState {
     /// jobs). Counted once each when the split's sampler knows the epoch's items (burn-ddp's
     /// `DistributedSampler`): not the padding that evens out the training shards, nor the
     /// ranks with one item fewer in an evaluation; else `counted` (every rank's items, when the
-    /// line counted them), else this rank's times the world size. `(done, total)`.
+    /// line counted them), else this rank's times the world size. In a fault-tolerant job the
+    /// step says how far the split is, every rank's items counted once
+    /// ([`StepAt::done`](super::epoch::StepAt::done)): that count is the progress, not capped,
+    /// so that an item trained twice would show as more items than the epoch has.
+    /// `(done, total)`.
     pub fn job_progress(
         &self,
         (processed, total): (usize, usize),
         base: u64,
+        step_done: Option<u64>,
         counted: Option<usize>,
     ) -> (usize, usize) {
         let w = self.pg.world_size().as_usize();
         let base = usize::try_from(base).unwrap_or(usize::MAX);
         let done = base.saturating_add(processed.saturating_mul(w));
+        let exact = step_done.map(|d| usize::try_from(d).unwrap_or(usize::MAX));
         match crate::data::items_of_share(&self.pg, total).or(counted) {
-            Some(n) => (done.min(n), n),
-            None => (done, base.saturating_add(total.saturating_mul(w))),
+            Some(n) => (exact.unwrap_or(done.min(n)), n),
+            None => (
+                exact.unwrap_or(done),
+                base.saturating_add(total.saturating_mul(w)),
+            ),
         }
     }
 

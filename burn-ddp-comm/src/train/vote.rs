@@ -77,14 +77,25 @@ pub struct Aside {
     pub join: bool,
 }
 
-/// What the ranks learn of each other's asides.
+/// What the ranks learn of each other's votes and asides.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Heard {
-    /// The largest batch of the step: every rank's, but in a split's last step (a data
-    /// position that every rank computes alike).
+    /// The items of every rank's batch together: the positions of the split's order the step
+    /// uses (each rank deals its share of them), the same on every rank.
     pub items: u64,
+    /// Every rank has a batch.
+    pub every: bool,
     /// Some rank saw a process asking to join.
     pub join: bool,
+}
+
+/// Whether a fault-tolerant training split takes a partial step — some ranks without a batch,
+/// which take part with no gradient — when its ranks' shares differ by one item (every item
+/// dealt once): unless this process made layers whose forward pass runs collectives
+/// ([`crate::nn::collective_layers`]), which a rank without a batch cannot join; the split
+/// then ends at the first rank out of batches, and its data is padded to even shards instead.
+pub fn partial_steps() -> bool {
+    !crate::nn::collective_layers()
 }
 
 /// One small all-reduce: every rank's vote, and what they decide together.
@@ -106,14 +117,21 @@ pub fn agree_aside(pg: &ProcessGroup, vote: &Vote, aside: Aside) -> Result<(Deci
         Vote::Stop(_) => (0, 1, 0),
         Vote::Failed(_) => (0, 0, 1),
     };
-    // Max of (has, 1 - has, stop, failed, items, join): any rank has an item, any has none,
-    // any stops, any failed, the largest batch, any saw a joining process.
-    let items = i64::try_from(aside.items).unwrap_or(i64::MAX);
-    let mut flags = [has, 1 - has, stop, failed, items, i64::from(aside.join)];
+    // Max of (has, 1 - has, stop, failed, join, then one slot per rank for its items): any
+    // rank has an item, any has none, any stops, any failed, any saw a joining process, and
+    // every rank's batch.
+    const SLOTS: usize = 5;
+    let mut flags = vec![has, 1 - has, stop, failed, i64::from(aside.join)];
+    flags.resize(SLOTS + pg.world_size().as_usize(), 0);
+    flags[SLOTS + pg.rank().0 as usize] = i64::try_from(aside.items).unwrap_or(i64::MAX);
     pg.all_reduce(&mut flags, ReduceOp::Max)?;
     let heard = Heard {
-        items: u64::try_from(flags[4]).unwrap_or(0),
-        join: flags[5] == 1,
+        items: flags[SLOTS..]
+            .iter()
+            .map(|&n| u64::try_from(n).unwrap_or(0))
+            .fold(0u64, u64::saturating_add),
+        every: flags[1] == 0,
+        join: flags[4] == 1,
     };
     if flags[2] == 0 && flags[3] == 0 {
         return Ok((
@@ -219,9 +237,9 @@ pub enum Turn {
 }
 
 /// One step's agreement in an epoch loop over `split`: every rank's `vote` (collective), the
-/// end of the epoch when the split says so, else [`apply_decision`]. A training rank that still
-/// had a batch when another ran out is told so with a warning (its remaining batches are
-/// skipped).
+/// end of the epoch when the split says so, else [`apply_decision`]; and what the ranks heard
+/// of each other. A training rank that still had a batch when another ran out is told so with
+/// a warning (its remaining batches are skipped).
 pub fn turn(
     pg: &ProcessGroup,
     vote: &Vote,
@@ -229,18 +247,23 @@ pub fn turn(
     epoch: usize,
     failure: &FailureSlot,
     interrupt: impl FnOnce(&str),
-) -> Turn {
-    match agree(pg, vote) {
-        Ok(decision) => decide_turn(pg, vote, decision, split, epoch, failure, interrupt),
+) -> (Turn, Heard) {
+    match agree_aside(pg, vote, Aside::default()) {
+        Ok((decision, heard)) => (
+            decide_turn(pg, vote, decision, split, epoch, failure, false, interrupt),
+            heard,
+        ),
         Err(e) => {
             apply_decision(Err(e), pg.rank(), failure, interrupt);
-            Turn::Stop
+            (Turn::Stop, Heard::default())
         }
     }
 }
 
 /// [`turn`] with every rank's [`Aside`], for a fault-tolerant job: a failed collective is
-/// returned (the caller recovers from it) instead of stopping training.
+/// returned (the caller recovers from it) instead of stopping training, and a training split
+/// whose ranks' shares differ by one item (every item dealt once) takes its partial last step
+/// when [`partial_steps`] allows it, instead of ending.
 ///
 /// # Errors
 /// The vote's collective failed.
@@ -254,10 +277,15 @@ pub fn try_turn(
     interrupt: impl FnOnce(&str),
 ) -> Result<(Turn, Heard)> {
     let (decision, heard) = agree_aside(pg, vote, aside)?;
-    let turn = decide_turn(pg, vote, decision, split, epoch, failure, interrupt);
+    let partial = partial_steps();
+    let turn = decide_turn(
+        pg, vote, decision, split, epoch, failure, partial, interrupt,
+    );
     Ok((turn, heard))
 }
 
+/// `partial`: a training step may go on while some rank has a batch.
+#[allow(clippy::too_many_arguments)]
 fn decide_turn(
     pg: &ProcessGroup,
     vote: &Vote,
@@ -265,6 +293,7 @@ fn decide_turn(
     split: Split,
     epoch: usize,
     failure: &FailureSlot,
+    partial: bool,
     interrupt: impl FnOnce(&str),
 ) -> Turn {
     if let Decision::Go {
@@ -273,6 +302,7 @@ fn decide_turn(
     } = &decision
     {
         match split {
+            Split::Training if partial && *any_item => {}
             Split::Training if !all_items => {
                 if *vote == Vote::Item {
                     tracing::warn!(
@@ -534,25 +564,13 @@ mod tests {
     #[test]
     fn turns_end_training_when_any_rank_runs_out_and_validation_when_all_do() {
         let turns = |split: Split, votes: fn(u32) -> Vote| -> Vec<(Turn, Option<String>)> {
-            let groups = ProcessGroup::local(
-                WorldSize::new(3).unwrap(),
-                Timeouts::uniform(Duration::from_secs(20)),
-            );
-            std::thread::scope(|s| {
-                let handles: Vec<_> = groups
-                    .into_iter()
-                    .map(|pg| {
-                        s.spawn(move || {
-                            let mut told = None;
-                            let slot = FailureSlot::default();
-                            let t = turn(&pg, &votes(pg.rank().0), split, 1, &slot, |m| {
-                                told = Some(m.to_owned())
-                            });
-                            (t, told)
-                        })
-                    })
-                    .collect();
-                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            crate::group::on_local_ranks(3, |pg| {
+                let mut told = None;
+                let slot = FailureSlot::default();
+                let (t, _) = turn(&pg, &votes(pg.rank().0), split, 1, &slot, |m| {
+                    told = Some(m.to_owned())
+                });
+                (t, told)
             })
         };
         let short = |r: u32| if r == 2 { Vote::NoItem } else { Vote::Item };
@@ -574,6 +592,42 @@ mod tests {
                 .iter()
                 .all(|t| *t == (Turn::Stop, Some("rank 1: quit".into()))));
         }
+    }
+
+    /// In a fault-tolerant training split whose shares differ by one item (every item dealt
+    /// once), a rank out of batches does not end the split while another has one: every rank
+    /// takes the partial step and hears how many items it uses and that it is partial; the
+    /// split ends once no rank has a batch.
+    #[test]
+    fn a_fault_tolerant_training_split_takes_its_partial_last_step() {
+        let turns = |batches: fn(u32) -> u64| -> Vec<(Turn, Heard)> {
+            crate::group::on_local_ranks(3, |pg| {
+                let items = batches(pg.rank().0);
+                let vote = if items > 0 { Vote::Item } else { Vote::NoItem };
+                let aside = Aside { items, join: false };
+                let slot = FailureSlot::default();
+                try_turn(&pg, &vote, aside, Split::Training, 1, &slot, |m| {
+                    panic!("interrupted: {m}")
+                })
+                .unwrap()
+            })
+        };
+        let partial = Heard {
+            items: 5,
+            every: false,
+            join: false,
+        };
+        assert_eq!(
+            turns(|r| [3, 2, 0][r as usize]),
+            vec![(Turn::Step, partial); 3]
+        );
+        let full = Heard {
+            items: 12,
+            every: true,
+            join: false,
+        };
+        assert_eq!(turns(|_| 4), vec![(Turn::Step, full); 3]);
+        assert!(turns(|_| 0).iter().all(|(t, _)| *t == Turn::End));
     }
 
     #[test]

@@ -4,14 +4,16 @@
 
 use burn::data::dataloader::{DataLoaderIterator, Progress};
 use burn::module::Module;
-use burn::optim::GradientsAccumulator;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent,
     LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainStep, TrainingItem,
 };
 use burn_backend::BackendTypes;
-use burn_ddp_comm::train::epoch::{guarded, Cursor, SplitSteps, StepFault, StepResult, Stepped};
+use burn_ddp_comm::train::epoch::{
+    guarded, Cursor, SplitSteps, StepAt, StepFault, StepResult, Stepped,
+};
 use burn_ddp_comm::train::parts::gather_merged;
 use burn_ddp_comm::train::vote::{self, FailureSlot, Vote};
 
@@ -137,7 +139,7 @@ where
     LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     TrainOut<LC>: DistributedItem<Backend = LC::Backend>,
 {
-    type Out = (TrainOut<LC>, Progress, usize);
+    type Out = (Option<TrainOut<LC>>, Progress, usize);
 
     fn load(&mut self) -> (Vote, u64) {
         let p = &self.parts;
@@ -151,26 +153,42 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
-        let Some(item) = self.item.take() else {
-            return Ok((Stepped::NoBatch, None));
+    fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
+        let item = match self.item.take() {
+            Some(item) => Some(item),
+            None if at.full => return Ok((Stepped::NoBatch, None)),
+            // A partial step (a fault-tolerant job's last of the split): this rank has no
+            // batch, joins the step's synchronisation with no gradient and takes the same
+            // optimizer step.
+            None => None,
         };
         let ddp = self.parts.strategy;
         let session = &ddp.session;
         ddp.sync_buffers(self.learner)?;
-        let progress = ddp.global(self.iter.progress(), self.parts.base);
+        let progress = ddp.global(self.iter.progress(), self.parts.base, at.done);
         let learner = &mut *self.learner;
-        let accumulating = self.accumulation.is_some();
-        let out = guarded("the training step", item, |item| {
-            // Micro-steps of an accumulation are reduced once, at the optimizer step.
-            let _local = accumulating.then(|| session.no_sync());
-            learner.train_step(item)
-        })?;
+        // Micro-steps of an accumulation are reduced once, at the optimizer step; a partial
+        // step after its backward (a rank without a batch has no backward to join).
+        let local = self.accumulation.is_some() || !at.full;
+        let out = item
+            .map(|item| {
+                guarded("the training step", item, |item| {
+                    let _local = local.then(|| session.no_sync());
+                    learner.train_step(item)
+                })
+            })
+            .transpose()?;
         session.check()?;
+        let (grads, out) = match out {
+            Some(o) => (o.grads, Some(o.item)),
+            None => (GradientsParams::new(), None),
+        };
         let stepped = match self.accumulation {
             Some(k) => {
                 learner.lr_step();
-                self.accumulator.accumulate(&learner.model(), out.grads);
+                if out.is_some() {
+                    self.accumulator.accumulate(&learner.model(), grads);
+                }
                 self.accumulated += 1;
                 if self.accumulated >= k {
                     let grads =
@@ -182,9 +200,15 @@ where
                     Stepped::Accumulated
                 }
             }
+            None if !at.full => {
+                let grads = session.sync_gradients(&learner.model(), grads)?;
+                learner.lr_step();
+                learner.optimizer_step(grads);
+                Stepped::Moved
+            }
             // Parameters this rank's batch did not use but others' did get the average.
             None => {
-                let grads = session.complete(&learner.model(), out.grads)?;
+                let grads = session.complete(&learner.model(), grads)?;
                 // After the synchronisation: a step that failed leaves the schedule where it
                 // was.
                 learner.lr_step();
@@ -192,16 +216,16 @@ where
                 Stepped::Moved
             }
         };
-        Ok((stepped, Some((out.item, progress, iteration))))
+        Ok((stepped, Some((out, progress, at.iteration))))
     }
 
     fn report(&mut self, (out, progress, iteration): Self::Out) -> Result<()> {
         let p = &mut self.parts;
-        if let Some(merged) =
-            gather_merged(p.strategy.session.group(), Some(out.into_parts()), |r| {
-                DistributedItem::merge(r, &p.strategy.device)
-            })?
-        {
+        if let Some(merged) = gather_merged(
+            p.strategy.session.group(),
+            out.map(DistributedItem::into_parts),
+            |r| DistributedItem::merge(r, &p.strategy.device),
+        )? {
             p.processor
                 .process_train(LearnerEvent::ProcessedItem(TrainingItem::new(
                     merged,
@@ -268,11 +292,12 @@ where
         (vote, used)
     }
 
-    fn step(&mut self, iteration: usize) -> StepResult<Self::Out> {
+    fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
+        let iteration = at.iteration;
         let progress = self
             .parts
             .strategy
-            .global(self.iter.progress(), self.parts.base);
+            .global(self.iter.progress(), self.parts.base, at.done);
         let model = &self.model;
         let out = self
             .item

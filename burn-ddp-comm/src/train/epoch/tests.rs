@@ -37,6 +37,8 @@ struct Fake {
     accumulation: usize,
     loaded: bool,
     log: RefCell<Vec<String>>,
+    /// What each step was told.
+    seen: RefCell<Vec<StepAt>>,
 }
 
 impl Fake {
@@ -48,6 +50,7 @@ impl Fake {
             accumulation: 1,
             loaded: false,
             log: RefCell::default(),
+            seen: RefCell::default(),
         }
     }
 
@@ -69,7 +72,9 @@ impl SplitSteps for Fake {
         }
     }
 
-    fn step(&mut self, iteration: usize) -> StepResult<()> {
+    fn step(&mut self, at: StepAt) -> StepResult<()> {
+        self.seen.borrow_mut().push(at);
+        let iteration = at.iteration;
         if self.panics_at == Some(iteration) {
             return Err(StepFault::Alone("the training step panicked: boom".into()));
         }
@@ -106,6 +111,26 @@ fn on_ranks(
     split: Split,
     fake: impl Fn(u32) -> Fake + Sync,
 ) -> Vec<(String, Vec<String>, Option<DdpError>)> {
+    on_ranks_at(world, split, None, fake)
+        .into_iter()
+        .map(|(ended, log, failure, _)| (ended, log, failure))
+        .collect()
+}
+
+/// [`on_ranks`] from `cursor` when given (a fault-tolerant job); also what each rank's steps
+/// were told and its cursor after the split.
+#[allow(clippy::type_complexity)]
+fn on_ranks_at(
+    world: u32,
+    split: Split,
+    cursor: Option<Cursor>,
+    fake: impl Fn(u32) -> Fake + Sync,
+) -> Vec<(
+    String,
+    Vec<String>,
+    Option<DdpError>,
+    (Vec<StepAt>, Option<Cursor>),
+)> {
     let groups = ProcessGroup::local(
         WorldSize::new(world).unwrap(),
         Timeouts::uniform(Duration::from_secs(20)),
@@ -118,16 +143,18 @@ fn on_ranks(
                 s.spawn(move || {
                     let mut steps = fake(pg.rank().0);
                     let failure = FailureSlot::default();
+                    let mut cursor = cursor;
                     let at = SplitAt {
                         pg: &pg,
                         split,
                         epoch: 1,
                         failure: &failure,
-                        cursor: None,
+                        cursor: cursor.as_mut(),
                         changes: None,
                     };
                     let ended = format!("{:?}", run_split(&mut steps, at));
-                    (ended, steps.log(), failure.take())
+                    let seen = steps.seen.borrow().clone();
+                    (ended, steps.log(), failure.take(), (seen, cursor))
                 })
             })
             .collect();
@@ -142,6 +169,40 @@ fn training_ends_on_every_rank_when_one_runs_out() {
         assert_eq!(ended, "Done");
         assert_eq!(log, ["step 1", "step 2", "finish"]);
         assert!(failure.is_none());
+    }
+}
+
+/// A fault-tolerant job deals every item once after a change, so shares may differ by one
+/// batch: the ranks out of batches take part in the last step (told it is partial) instead of
+/// ending the split, and the cursor and the steps' progress count every rank's items once.
+#[test]
+fn a_fault_tolerant_training_split_takes_its_partial_last_step() {
+    let mut start = Cursor::start(1);
+    start.done = 100;
+    let out = on_ranks_at(3, Split::Training, Some(start), |r| {
+        Fake::new(if r == 0 { 3 } else { 2 })
+    });
+    for (rank, (ended, log, failure, (seen, cursor))) in out.iter().enumerate() {
+        assert_eq!(ended, "Done", "rank {rank}");
+        assert!(failure.is_none(), "rank {rank}");
+        let last = if rank == 0 {
+            "step 3"
+        } else {
+            "step 3 (no batch)"
+        };
+        assert_eq!(log, &["step 1", "step 2", last, "finish"], "rank {rank}");
+        let told: Vec<_> = seen.iter().map(|s| (s.full, s.done)).collect();
+        assert_eq!(
+            told,
+            [(true, Some(112)), (true, Some(124)), (false, Some(128))],
+            "rank {rank}"
+        );
+        let c = cursor.expect("a cursor");
+        assert_eq!(
+            (c.iteration, c.done, c.progress),
+            (3, 128, 3),
+            "rank {rank}"
+        );
     }
 }
 
@@ -184,8 +245,8 @@ fn a_stop_vote_stops_every_rank_before_the_step() {
         fn load(&mut self) -> (Vote, u64) {
             (Vote::Stop("early stopping".into()), 0)
         }
-        fn step(&mut self, i: usize) -> StepResult<()> {
-            self.0.step(i)
+        fn step(&mut self, at: StepAt) -> StepResult<()> {
+            self.0.step(at)
         }
         fn report(&mut self, (): ()) -> Result<()> {
             Ok(())
