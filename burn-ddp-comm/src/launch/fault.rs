@@ -232,6 +232,9 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     }
 
     let mut ended: Vec<(u32, Running)> = Vec::new();
+    // Whether a process of this node failed only once the job had ended (it was out of the
+    // job, left out or never let in, and asked to join after training).
+    let mut outlived = false;
     let mut replacements = 0;
     let mut interrupted = false;
     let mut term_sent: Option<Instant> = None;
@@ -273,6 +276,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
                 .ok()
                 .flatten()
                 .and_then(|m| m.outcome());
+            outlived |= outcome.is_some();
             let after = match &outcome {
                 Some(outcome) => format!("after the job ended: {outcome}"),
                 None => "the job goes on without it".into(),
@@ -404,7 +408,7 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
     let ours: Vec<u32> = exits.iter().map(|(m, _)| *m).collect();
     // Unknown (the store lost): counted as let in, so that a loss is never taken for success.
     let admitted = any_admitted(&store, &ours).unwrap_or(true);
-    let failure = judge(&exits, &last, admitted, interrupted);
+    let failure = judge(&exits, &last, admitted, outlived, interrupted);
     Ok(FaultTolerantReport {
         exits,
         last: last.ok().flatten().map(|m| (m.epoch, m.members)),
@@ -461,12 +465,15 @@ fn check_first_launch(store: &StoreClient, job: &LocalJob) -> Result<()> {
 }
 
 /// This node's verdict: its ranks in the job's last membership must all have succeeded. A node
-/// none of whose processes was ever let in (`admitted` false: they asked to join a job whose
-/// training was over) succeeds with a job that finished: it was not needed.
+/// with none there succeeds with a job that finished when none of its processes was ever let in
+/// (`admitted` false: they asked to join a job whose training was over), or when one of them was
+/// still alive when the job ended and failed only after (`outlived`: left out, cut off or frozen
+/// past the heartbeat bound, it asked to join again after training): it was not needed.
 fn judge(
     exits: &[(u32, RankExit)],
     last: &Result<Option<LastMembership>>,
     admitted: bool,
+    outlived: bool,
     interrupted: bool,
 ) -> Option<DdpError> {
     if interrupted {
@@ -515,16 +522,22 @@ fn judge(
             ),
         }));
     }
+    let finished_well = || {
+        last.as_ref()
+            .is_ok_and(|m| m.as_ref().is_some_and(|m| m.finished_well()))
+    };
     if mine.is_empty() {
-        if !admitted
-            && last
-                .as_ref()
-                .is_ok_and(|m| m.as_ref().is_some_and(|m| m.finished_well()))
-        {
+        if (!admitted || outlived) && finished_well() {
+            let how = if admitted {
+                "while this node's processes were out of it (left out after a fault, they asked \
+                 to join again after its training was over)"
+            } else {
+                "before this node's processes were let in (they asked to join after its \
+                 training was over)"
+            };
             eprintln!(
-                "burn-ddp run: the job finished with members {members:?} before this node's \
-                 processes were let in (they asked to join after its training was over); \
-                 nothing was left for them to do ({})",
+                "burn-ddp run: the job finished with members {members:?} {how}; nothing was \
+                 left for them to do ({})",
                 ends()
             );
             return None;
@@ -549,4 +562,57 @@ fn judge(
         );
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    fn exit(rank: u32, raw: i32) -> RankExit {
+        RankExit {
+            rank: Rank(rank),
+            status: ExitStatusExt::from_raw(raw),
+            stopped: false,
+            output: String::new(),
+        }
+    }
+
+    /// A job that finished well with members 0 and 1.
+    fn finished() -> Result<Option<LastMembership>> {
+        Ok(Some(LastMembership {
+            epoch: 4,
+            members: vec![0, 1],
+            ended: vec![true, true],
+            finished: vec![true, true],
+        }))
+    }
+
+    /// A node whose one process (member 2) was let in, left out after a fault, and failed when
+    /// it asked to join again after the job had finished: the node succeeds when that failure
+    /// came after the job's end (`outlived`), and fails when its process was lost before.
+    /// (The chaos run on etcd found this: a node whose link was cut near the end of training
+    /// failed, saying "every rank of this node was lost", in a job that finished.)
+    #[test]
+    fn a_node_left_out_that_fails_only_after_the_job_finished_succeeds() {
+        let exits = [(2, exit(2, 1 << 8))];
+        assert!(judge(&exits, &finished(), true, true, false).is_none());
+        let lost = judge(&exits, &finished(), true, false, false).expect("a failure");
+        assert!(
+            lost.to_string()
+                .contains("every rank of this node was lost"),
+            "{lost}"
+        );
+        // Never let in: not needed, as before.
+        assert!(judge(&exits, &finished(), false, false, false).is_none());
+        // A job that failed is no success for anyone.
+        let failed = Ok(Some(LastMembership {
+            finished: vec![false, false],
+            ..finished().unwrap().unwrap()
+        }));
+        assert!(judge(&exits, &failed, true, true, false).is_some());
+        // A member of the last membership that failed fails its node.
+        let member = [(1, exit(1, 1 << 8))];
+        assert!(judge(&member, &finished(), true, true, false).is_some());
+    }
 }
