@@ -561,6 +561,13 @@ impl Job {
             let kind = bag.pop().unwrap_or(KINDS[0]);
             let at = Instant::now();
             let victim = pids[rng.random_range(0..pids.len())];
+            // Named in a broken invariant's message.
+            let fault = format!(
+                "{kind}: process {victim} (started as rank {}) on node {:?}, in membership \
+                 epoch {before}",
+                crate::spawned::rank_of(victim).map_or("?".into(), |r| r.to_string()),
+                self.node_of(victim),
+            );
             let changes = match kind {
                 "SIGKILL" => signal(victim, rustix::process::Signal::KILL),
                 "SIGTERM" => signal(victim, rustix::process::Signal::TERM),
@@ -621,7 +628,7 @@ impl Job {
             if self.wait(
                 chaos,
                 report,
-                "the survivors' first step after the fault",
+                &format!("the survivors' first step after the fault ({fault})"),
                 |m| m.stepped_after(before),
             )? {
                 report
@@ -630,9 +637,8 @@ impl Job {
                     .or_default()
                     .push(at.elapsed());
             }
-            if self.wait(chaos, report, "the job's return to full strength", |m| {
-                m.full(chaos.nproc)
-            })? {
+            let what = format!("the job's return to full strength after the fault ({fault})");
+            if self.wait(chaos, report, &what, |m| m.full(chaos.nproc))? {
                 report.restored.push(at.elapsed());
             }
         }
