@@ -200,6 +200,66 @@ pub fn classifier_loses_a_rank_mid_epoch(name: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The items behind the entries of a Burn metric file (`value,count` lines; burn-train 0.22
+/// adds an epoch's `value,final`) and their mean, weighted by the counts.
+fn logged(file: &Path) -> (u32, f64) {
+    let text = std::fs::read_to_string(file)
+        .unwrap_or_else(|e| panic!("{} cannot be read: {e}", file.display()));
+    let (mut n, mut sum) = (0u32, 0.0);
+    for line in text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.ends_with(",final"))
+    {
+        let (v, c) = line.split_once(',').unwrap_or((line, "1"));
+        let (v, c): (f64, u32) = (v.parse().unwrap(), c.parse().unwrap());
+        n += c;
+        sum += v * f64::from(c);
+    }
+    (n, sum / f64::from(n.max(1)))
+}
+
+/// The value a progress line shows after `metric` (`Accuracy epoch 62.35 % - batch ...`).
+fn shown(line: &str, metric: &str) -> f64 {
+    let at = line
+        .find(&format!("{metric} epoch "))
+        .unwrap_or_else(|| panic!("{line}"));
+    let rest = &line[at + metric.len() + 7..];
+    rest.split(' ')
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"))
+}
+
+/// The job's metric files in `out` hold every epoch's items (`train` training and `test`
+/// validation images; at most one step of `step` images is lost, when a rank fails between a
+/// step and the gather of its outputs), whichever process wrote them, and the accuracy rank 0
+/// printed at each epoch's end is theirs: a rank that became rank 0 mid-epoch shows and
+/// writes the whole epoch's metrics.
+fn assert_whole_metrics(out: &Path, text: &str, epochs: u32, (train, test): (u32, u32), step: u32) {
+    for epoch in 1..=epochs {
+        let (n, mean) = logged(&out.join(format!("train/epoch-{epoch}/Accuracy.log")));
+        assert!(
+            n <= train && n + step > train,
+            "epoch {epoch}: {n} of {train} training items logged:\n{text}"
+        );
+        let end = every_item_once("train", epoch, epochs, train);
+        let line = text
+            .lines()
+            .find(|l| l.contains(&end))
+            .unwrap_or_else(|| panic!("no {end:?}:\n{text}"));
+        let printed = shown(line, "Accuracy");
+        assert!(
+            (printed - mean).abs() < 0.006,
+            "epoch {epoch}: printed {printed}, logged {mean}:\n{text}"
+        );
+        let (n, _) = logged(&out.join(format!("valid/epoch-{epoch}/Accuracy.log")));
+        assert!(
+            n <= test && n > 0,
+            "epoch {epoch}: {n} of {test} validation items logged:\n{text}"
+        );
+    }
+}
+
 /// Rank 0 (the dashboard's) of the classifier example `name` is SIGKILLed mid-epoch with one
 /// replacement allowed: rank 1 becomes rank 0 and carries on the progress lines, the
 /// replacement joins the running job, takes a survivor's Learner state and position, and the
@@ -223,6 +283,9 @@ pub fn rank_zero_is_lost_and_a_replacement_joins(name: &str) {
     assert!(text.contains("[rank 0] final test accuracy"), "{text}");
     assert!(!text.contains("[rank 1] final test accuracy"), "{text}");
     assert_equal_replicas(&text, 3);
+    // Rank 0's successor shows and writes the whole job's metrics, the epoch it took over in
+    // included (3 ranks × batch 16 per step).
+    assert_whole_metrics(&dir.join("out"), &text, 2, (TRAIN_ITEMS, 128), 48);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -140,6 +140,7 @@ where
                 interrupter,
                 total: totals.map(|t| t[0]),
                 base: if fault_tolerant { cursor.done } else { 0 },
+                everywhere: fault_tolerant,
             },
             learner,
             sync,
@@ -154,7 +155,11 @@ where
             .split_at(Split::Training, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
         drop(split);
-        interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+        // A change of membership ends the split's loop, not the split: the rest of the epoch
+        // follows, and the epoch's metrics go on.
+        if !matches!(ended, Ended::Change(_)) {
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+        }
         ended
     }
 
@@ -182,6 +187,7 @@ where
                 interrupter: &self.interrupter,
                 total: self.totals.map(|t| t[1]),
                 base: if fault_tolerant { cursor.done } else { 0 },
+                everywhere: fault_tolerant,
             },
             model: self.learner.model().valid(),
             iter: loader.iter(),
@@ -192,6 +198,9 @@ where
             .split_at(Split::Validation, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
         drop(split);
+        if matches!(ended, Ended::Change(_)) {
+            return ended;
+        }
         let p = &mut self.processor;
         self.interrupter
             .fail_on_error(p.process_valid(LearnerEvent::EndSplit(epoch)));
@@ -242,6 +251,8 @@ where
     }
 
     fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {
+        // The metrics of the epoch under way were processed elsewhere until now.
+        self.strategy.state.metrics.took_state();
         fault::load_records(&mut self.learner, records, self.strategy.rank())
     }
 

@@ -97,7 +97,7 @@ where
             self.state.model.set(model.to_string());
         }
         let summary = summary_config
-            .filter(|_| self.is_main())
+            .filter(|_| self.is_main() && !self.state.failure.out_of_the_job())
             .and_then(|s| s.init().ok())
             .and_then(|s| self.completed_only(s));
         interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));

@@ -57,7 +57,7 @@ use burn_ddp_comm::train::terminal::{RankOutput, Renderer};
 
 pub use burn_ddp_comm::train::public::*;
 pub use item::{DistributedItem, Part, TensorParts};
-pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
+pub use render::{Headless, JobMetricLogger, NoMetricLogger, ProgressLines, WithMembership};
 
 use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 
@@ -231,16 +231,17 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         let strategy: Arc<dyn SupervisedLearningStrategy<M>> = Arc::new(ddp.clone());
         let training = self.with_training_strategy(TrainingStrategy::Custom(strategy));
         let board = &ddp.state.board;
-        let out = RankOutput::choose(
-            ddp.is_main(),
-            ddp.group().is_fault_tolerant(),
-            board.get().is_some(),
-        );
+        let pg = ddp.group();
+        let fault_tolerant = pg.is_fault_tolerant();
+        let out = RankOutput::choose(ddp.is_main(), fault_tolerant, board.get().is_some());
+        let mut lines = ProgressLines::default().showing_model(ddp.state.model.clone());
+        if fault_tolerant {
+            lines = lines.while_main_of(pg.clone());
+        }
         let mut training = match out.renderer {
-            Renderer::Lines => training.renderer(Box::new(WithMembership::new(
-                ProgressLines::default().showing_model(ddp.state.model.clone()),
-                board.clone(),
-            ))),
+            Renderer::Lines => {
+                training.renderer(Box::new(WithMembership::new(lines, board.clone())))
+            }
             Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
@@ -254,11 +255,18 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
         if !out.application_log {
             training = training.with_application_logger(None);
         }
-        if !out.metric_files {
+        // In a fault-tolerant job every rank records the metrics and the one that is rank 0
+        // writes them (where the strategy knows the training directory).
+        let metric_dir = ddp.state.metric_dir().filter(|_| fault_tolerant);
+        if let Some(dir) = metric_dir {
+            let log = ddp.state.metrics.clone();
+            training = training.with_metric_logger(JobMetricLogger::new(dir, log, pg.clone()));
+        } else if !out.metric_files {
             // Burn's own loggers write into the training directory: rank 0's alone.
-            training = training
-                .with_metric_logger(NoMetricLogger)
-                .with_progress_logger(Headless);
+            training = training.with_metric_logger(NoMetricLogger);
+        }
+        if !out.metric_files {
+            training = training.with_progress_logger(Headless);
         }
         ddp.state.failure.or_result(training.launch(learner))
     }

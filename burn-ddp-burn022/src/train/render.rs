@@ -86,6 +86,8 @@ impl MetricLogger for NoMetricLogger {
     fn log_epoch_summary(&mut self, _summary: EpochSummary) {}
 }
 
+burn_ddp_comm::job_metric_logger!();
+
 /// Rank 0's progress when its output is not a terminal (a log file, the launcher's pipe): one
 /// line every few seconds and one at the end of each split, with the metrics of the whole job —
 /// `[train] epoch 1/3  items 6400/16000  Loss epoch 0.412 - batch 0.388 | Accuracy ...` —
@@ -116,6 +118,13 @@ impl ProgressLines {
             test: None,
             model: ModelText::default(),
         }
+    }
+
+    /// Prints only while this process is `pg`'s rank 0 (a fault-tolerant job, where every rank
+    /// follows the metrics and any may become rank 0).
+    pub(crate) fn while_main_of(mut self, pg: crate::ProcessGroup) -> Self {
+        self.text = self.text.while_main_of(pg);
+        self
     }
 
     /// Prints Burn's summary after training with the model the strategy trained, as Burn's

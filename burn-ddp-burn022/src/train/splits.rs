@@ -72,6 +72,9 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
     pub(super) total: Option<usize>,
     /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
     pub(super) base: u64,
+    /// Whether every rank processes every step's outputs (a fault-tolerant job: any rank may
+    /// become rank 0, and then shows and writes the whole epoch's metrics).
+    pub(super) everywhere: bool,
 }
 
 impl<M: LearnerModel> SplitParts<'_, M> {
@@ -159,6 +162,7 @@ where
         if let Some(merged) = gather_merged(
             p.strategy.group(),
             out.map(DistributedItem::into_parts),
+            p.everywhere,
             |r| DistributedItem::merge(r, &device),
         )? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(
@@ -238,6 +242,7 @@ where
         if let Some(merged) = gather_merged(
             p.strategy.group(),
             out.map(DistributedItem::into_parts),
+            p.everywhere,
             |r| DistributedItem::merge(r, &device),
         )? {
             let event = LearnerEvent::ProcessedItem(TrainingItem::new(

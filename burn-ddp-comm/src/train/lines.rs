@@ -15,6 +15,9 @@ pub struct ProgressText<K> {
     names: HashMap<K, String>,
     train: Vec<(K, String)>,
     valid: Vec<(K, String)>,
+    /// Prints only while this process is the group's rank 0 (a fault-tolerant job, where every
+    /// rank follows the metrics and any may become rank 0).
+    main_of: Option<crate::ProcessGroup>,
 }
 
 impl<K: Eq + Hash + Clone> ProgressText<K> {
@@ -26,7 +29,14 @@ impl<K: Eq + Hash + Clone> ProgressText<K> {
             names: HashMap::new(),
             train: Vec::new(),
             valid: Vec::new(),
+            main_of: None,
         }
+    }
+
+    /// Lines only while this process is `pg`'s rank 0 (none on the others).
+    pub fn while_main_of(mut self, pg: crate::ProcessGroup) -> Self {
+        self.main_of = Some(pg);
+        self
     }
 
     /// The display name of metric `id`.
@@ -74,6 +84,9 @@ impl<K: Eq + Hash + Clone> ProgressText<K> {
     }
 
     fn emit(&mut self, head: String, train: bool, items: Option<(usize, usize)>) -> Option<String> {
+        if self.main_of.as_ref().is_some_and(|pg| !pg.is_main()) {
+            return None;
+        }
         let done = items.is_some_and(|(n, total)| n >= total);
         let now = Instant::now();
         if !done

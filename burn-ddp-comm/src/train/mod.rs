@@ -27,6 +27,7 @@ pub mod board;
 pub mod epoch;
 pub mod files;
 pub mod lines;
+pub mod metric_log;
 pub mod parts;
 pub mod run;
 pub mod strategy;

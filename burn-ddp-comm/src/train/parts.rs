@@ -219,19 +219,24 @@ pub fn mismatch(what: &str) -> DdpError {
     )
 }
 
-/// Gathers every rank's item parts (or their absence, `None`) and returns, on rank 0, the parts
+/// Gathers every rank's item parts (or their absence, `None`) and returns, on rank 0 (on every
+/// rank when `everywhere`: a fault-tolerant job, where any rank may become rank 0), the parts
 /// of every rank that had an item, in rank order; `None` on the other ranks and when no rank
 /// had an item.
 ///
 /// # Errors
 /// The collective failed; a rank sent bytes that do not decode.
-pub fn gather(pg: &ProcessGroup, parts: Option<Vec<Part>>) -> Result<Option<Vec<Vec<Part>>>> {
+pub fn gather(
+    pg: &ProcessGroup,
+    parts: Option<Vec<Part>>,
+    everywhere: bool,
+) -> Result<Option<Vec<Vec<Part>>>> {
     let mut bytes = Vec::new();
     if let Some(parts) = parts {
         Part::encode(&parts, &mut bytes);
     }
     let all = pg.all_gather_bytes(&bytes)?;
-    if pg.rank() != Rank(0) {
+    if pg.rank() != Rank(0) && !everywhere {
         return Ok(None);
     }
     let mut ranks = Vec::new();
@@ -251,18 +256,19 @@ pub fn gather(pg: &ProcessGroup, parts: Option<Vec<Part>>) -> Result<Option<Vec<
     Ok((!ranks.is_empty()).then_some(ranks))
 }
 
-/// [`gather`], and the parts merged on rank 0 into one item by `merge` (a line's
-/// `DistributedItem::merge`): the merged item on rank 0, `None` on the other ranks and when no
-/// rank had an item.
+/// [`gather`], and the parts merged into one item by `merge` (a line's
+/// `DistributedItem::merge`) where they were gathered: the merged item on rank 0 (on every
+/// rank when `everywhere`), `None` on the other ranks and when no rank had an item.
 ///
 /// # Errors
 /// As [`gather`]; what `merge` returns.
 pub fn gather_merged<T>(
     pg: &ProcessGroup,
     parts: Option<Vec<Part>>,
+    everywhere: bool,
     merge: impl FnOnce(Vec<Vec<Part>>) -> Result<T>,
 ) -> Result<Option<T>> {
-    gather(pg, parts)?.map(merge).transpose()
+    gather(pg, parts, everywhere)?.map(merge).transpose()
 }
 
 #[cfg(test)]

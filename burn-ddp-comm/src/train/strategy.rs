@@ -11,6 +11,7 @@ use std::sync::Arc;
 use super::board::MembershipBoard;
 use super::epoch::{self, ChangeLog, Cursor, Handover, SplitAt};
 use super::files::{self, RecordFiles, SavedLog};
+use super::metric_log::MetricLog;
 use super::run::{self, RunSettings};
 use super::vote::{FailureSlot, Split};
 use crate::data::DataEpoch;
@@ -44,6 +45,11 @@ pub struct StrategyState {
     pub changes: ChangeLog,
     /// The trained model's text, for the summary rank 0's progress lines print.
     pub model: crate::train::lines::ModelText,
+    /// The training directory (`with_training_dir`), where the rank that is rank 0 of a
+    /// fault-tolerant job writes the metrics.
+    pub training_dir: Option<PathBuf>,
+    /// A fault-tolerant job's metric lines on this process ([`MetricLog`]).
+    pub metrics: MetricLog,
     /// The last epoch whose training and validation both ended (for the summary of a run that
     /// failed in the middle of the next).
     completed: Arc<AtomicUsize>,
@@ -79,7 +85,18 @@ impl StrategyState {
             changes: ChangeLog::default(),
             model: Default::default(),
             completed: Arc::default(),
+            training_dir: None,
+            metrics: MetricLog::default(),
         }
+    }
+
+    /// Where a fault-tolerant job's rank 0 writes the metrics: the training directory given
+    /// to `with_training_dir`, else the one that holds the checkpoint directory given to
+    /// `with_checkpoints` (Burn's layout, `{dir}/checkpoint`), else none (then only the
+    /// process that starts as rank 0 writes them, through Burn's own logger).
+    pub fn metric_dir(&self) -> Option<PathBuf> {
+        (self.training_dir.clone())
+            .or_else(|| Some(self.checkpoints.as_ref()?.parent()?.to_path_buf()))
     }
 
     /// The group the strategy trains on.
@@ -375,6 +392,17 @@ macro_rules! strategy_options {
             ) -> Self {
                 self.$state.checkpoints = Some(dir.into());
                 self.$state.keep = keep.max(1);
+                self
+            }
+
+            /// The training directory the program gives Burn (`SupervisedTraining::new(dir, ..)`,
+            /// which keeps it to itself): in a fault-tolerant job, the process that becomes
+            /// rank 0 writes the metrics there (all of them: every rank computes every step's
+            /// metrics). Needed only when the checkpoints given to `with_checkpoints` are not
+            /// in its `checkpoint/` directory; without either, only the process that starts as
+            /// rank 0 writes metrics.
+            pub fn with_training_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+                self.$state.training_dir = Some(dir.into());
                 self
             }
 

@@ -428,6 +428,19 @@ impl FailureSlot {
             .map(ToString::to_string)
     }
 
+    /// Whether the recorded error left this process out of a fault-tolerant job (left out of
+    /// a membership, not let back in, cut off from the store): what it holds of the run is
+    /// not the job's, so it prints no summary of it.
+    pub fn out_of_the_job(&self) -> bool {
+        use crate::error::MembershipError as M;
+        matches!(
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).as_ref(),
+            Some(DdpError::Membership(
+                M::Excluded { .. } | M::JoinFailed { .. } | M::StoreUnreachable { .. }
+            ))
+        )
+    }
+
     /// Takes the recorded error, leaving none.
     pub fn take(&self) -> Option<DdpError> {
         self.0.lock().unwrap_or_else(|p| p.into_inner()).take()

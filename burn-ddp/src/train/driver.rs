@@ -182,6 +182,8 @@ where
     }
 
     fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {
+        // The metrics of the epoch under way were processed elsewhere until now.
+        self.strategy.state.metrics.took_state();
         self.strategy.load_records(&mut self.learner, records)
     }
 
@@ -240,7 +242,8 @@ impl<B: Backend> DdpStrategy<B> {
             store: components.event_store,
             accumulation: components.grad_accumulation,
             epochs,
-            shown: self.is_main(),
+            // Every rank of a fault-tolerant job processes the events (`train`).
+            shown: self.is_main() || self.session.group().is_fault_tolerant(),
         };
         self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {

@@ -77,9 +77,11 @@ where
         };
 
         // Burn's summary reads rank 0's metric logs: the rank that is rank 0 when training ends
-        // prints it (in a fault-tolerant job, not always the one that began as rank 0).
+        // prints it (in a fault-tolerant job, not always the one that began as rank 0). Every
+        // rank of a fault-tolerant job processes every event, so that the one that becomes rank
+        // 0 holds the whole run's metrics (its output shows only while it is rank 0).
         let summary_config = components.summary.take();
-        if self.is_main() {
+        if self.is_main() || self.session.group().is_fault_tolerant() {
             components
                 .event_processor
                 .process_train(LearnerEvent::Start);
@@ -110,7 +112,7 @@ where
             self.state.model.set(model.to_string());
         }
         let summary = summary_config
-            .filter(|_| self.is_main())
+            .filter(|_| self.is_main() && !self.state.failure.out_of_the_job())
             .and_then(|s| s.init().ok())
             .and_then(|s| self.completed_only(s));
         processor.process_train(LearnerEvent::End(summary));

@@ -55,7 +55,7 @@ use burn::train::{
 
 pub use burn_ddp_comm::train::public::*;
 pub use item::{DistributedItem, Part, TensorParts};
-pub use render::{Headless, NoMetricLogger, ProgressLines, WithMembership};
+pub use render::{Headless, JobMetricLogger, NoMetricLogger, ProgressLines, WithMembership};
 
 use crate::{DdpSession, Rank, Result};
 
@@ -238,11 +238,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         let board = &ddp.state.board;
         let fault_tolerant = ddp.session().group().is_fault_tolerant();
         let out = RankOutput::choose(ddp.is_main(), fault_tolerant, board.get().is_some());
+        let pg = ddp.session().group();
+        let mut lines = ProgressLines::default().showing_model(ddp.state.model.clone());
+        if fault_tolerant {
+            lines = lines.while_main_of(pg.clone());
+        }
         let mut training = match out.renderer {
-            Renderer::Lines => training.renderer(WithMembership::new(
-                ProgressLines::default().showing_model(ddp.state.model.clone()),
-                board.clone(),
-            )),
+            Renderer::Lines => training.renderer(WithMembership::new(lines, board.clone())),
             Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
@@ -256,7 +258,13 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         if !out.application_log {
             training = training.with_application_logger(None);
         }
-        if !out.metric_files {
+        // In a fault-tolerant job every rank records the metrics and the one that is rank 0
+        // writes them (where the strategy knows the training directory).
+        let metric_dir = ddp.state.metric_dir().filter(|_| fault_tolerant);
+        if let Some(dir) = metric_dir {
+            let log = ddp.state.metrics.clone();
+            training = training.with_metric_logger(JobMetricLogger::new(dir, log, pg.clone()));
+        } else if !out.metric_files {
             training = training.with_metric_logger(NoMetricLogger);
         }
         ddp.state.failure.or_result(training.launch(learner))

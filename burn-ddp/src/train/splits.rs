@@ -96,6 +96,9 @@ pub(super) struct SplitParts<'r, B: Backend, LC: LearningComponentsTypes> {
     global: Progress,
     /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
     base: u64,
+    /// Whether every rank processes every step's outputs (a fault-tolerant job: any rank may
+    /// become rank 0, and then shows and writes the whole epoch's metrics).
+    everywhere: bool,
 }
 
 impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
@@ -117,6 +120,7 @@ impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
                 items_total: epochs,
             },
             base: if fault_tolerant { cursor.done } else { 0 },
+            everywhere: fault_tolerant,
         }
     }
 }
@@ -224,6 +228,7 @@ where
         if let Some(merged) = gather_merged(
             p.strategy.session.group(),
             out.map(DistributedItem::into_parts),
+            p.everywhere,
             |r| DistributedItem::merge(r, &p.strategy.device),
         )? {
             p.processor
@@ -241,7 +246,7 @@ where
     fn finish(&mut self) -> std::result::Result<(), StepFault> {
         // Validation and the checkpoint see rank 0's buffers on every rank.
         self.parts.strategy.sync_buffers(self.learner)?;
-        if self.parts.strategy.is_main() {
+        if self.parts.strategy.is_main() || self.parts.everywhere {
             let epoch = self.parts.global.items_processed;
             self.parts
                 .processor
@@ -312,6 +317,7 @@ where
         if let Some(merged) = gather_merged(
             p.strategy.session.group(),
             out.map(DistributedItem::into_parts),
+            p.everywhere,
             |r| DistributedItem::merge(r, &p.strategy.device),
         )? {
             p.processor
@@ -327,7 +333,7 @@ where
     }
 
     fn finish(&mut self) -> std::result::Result<(), StepFault> {
-        if self.parts.strategy.is_main() {
+        if self.parts.strategy.is_main() || self.parts.everywhere {
             let epoch = self.parts.global.items_processed;
             self.parts
                 .processor

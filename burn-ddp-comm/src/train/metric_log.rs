@@ -1,0 +1,346 @@
+//! The metric files of a fault-tolerant job, which any rank may end up writing: every rank
+//! computes every step's metrics (the outputs are gathered on every rank) and keeps the lines
+//! Burn's file logger would write, and the rank that is rank 0 writes them into the training
+//! directory, in Burn's layout (`train/epoch-1/Accuracy.log`, one serialized entry per line),
+//! so that Burn's summary and a resumed dashboard read them as Burn's own.
+//!
+//! A rank that becomes rank 0 mid-run writes what it holds: the epochs it saw from their start
+//! are written whole (the file made anew, so a line its predecessor wrote but did not flush is
+//! not lost, and none is written twice); an epoch it joined in the middle of (it took the state
+//! from another rank) is appended to, from the change on, after what its predecessor wrote on
+//! that machine.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// One metric's lines in one split's epoch.
+#[derive(Debug, Default)]
+struct Lines {
+    lines: Vec<String>,
+    /// Open for writing (while this process is rank 0), with how many lines it has.
+    out: Option<(File, usize)>,
+}
+
+/// The lines of one split's epoch, by file name (`Accuracy.log`).
+#[derive(Debug, Default)]
+struct EpochLines {
+    /// Whether this process saw the epoch's split from its start.
+    whole: bool,
+    files: BTreeMap<String, Lines>,
+}
+
+#[derive(Debug, Default)]
+struct Log {
+    /// By directory under the training directory (`train/epoch-1`).
+    epochs: BTreeMap<String, EpochLines>,
+    /// Set when this process took the state from another rank: the next epoch directory it
+    /// starts is not whole.
+    behind: bool,
+    /// The first error writing, reported once.
+    warned: bool,
+}
+
+/// A fault-tolerant job's metric lines on one process, shared between the line's metric
+/// logger and its strategy (cloned, one log).
+#[derive(Debug, Clone, Default)]
+pub struct MetricLog(Arc<Mutex<Log>>);
+
+impl MetricLog {
+    fn log(&self) -> std::sync::MutexGuard<'_, Log> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This process took the training state from another rank (it joined the running job, or
+    /// rejoined it after being left out): the epochs under way are not whole here.
+    pub fn took_state(&self) {
+        let mut log = self.log();
+        log.behind = true;
+        for e in log.epochs.values_mut() {
+            e.whole = false;
+        }
+    }
+
+    /// Records `line` of file `file` in `epoch_dir` (relative to `dir`, the training
+    /// directory), and writes it there when `write` (this process is rank 0), after what this
+    /// process holds and has not written (see the module's documentation). A file that cannot
+    /// be written is warned about once; training goes on.
+    pub fn record(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
+        let mut log = self.log();
+        let behind = std::mem::take(&mut log.behind);
+        if !write {
+            // Not (or no longer) rank 0: what another process writes is not written here.
+            for e in log.epochs.values_mut() {
+                e.files.values_mut().for_each(|l| l.out = None);
+            }
+        }
+        let mut failed = log
+            .epochs
+            .iter_mut()
+            .filter(|_| write)
+            .find_map(|(name, e)| e.open(&dir.join(name)).err().map(|err| (name.clone(), err)));
+        let lines = log
+            .epochs
+            .entry(epoch_dir.to_owned())
+            .or_insert_with(|| EpochLines {
+                whole: !behind,
+                ..EpochLines::default()
+            });
+        let path = dir.join(epoch_dir);
+        let opened = if write { lines.open(&path) } else { Ok(()) };
+        let whole = lines.whole;
+        let held = lines.files.entry(file.to_owned()).or_default();
+        if write && held.out.is_none() {
+            // A file new here: made anew in a whole epoch, appended to in another (after what
+            // this process's predecessor wrote).
+            let f = std::fs::create_dir_all(&path).and_then(|()| {
+                let mut o = OpenOptions::new();
+                o.create(true);
+                if whole {
+                    o.write(true).truncate(true)
+                } else {
+                    o.append(true)
+                };
+                o.open(path.join(file))
+            });
+            match f {
+                Ok(f) => held.out = Some((f, 0)),
+                Err(e) => failed = failed.or(Some((epoch_dir.to_owned(), e))),
+            }
+        }
+        held.lines.push(line);
+        let written = opened.and_then(|()| if write { lines.flush() } else { Ok(()) });
+        let failed = failed.or_else(|| written.err().map(|err| (epoch_dir.to_owned(), err)));
+        if let (Some((name, err)), false) = (failed, log.warned) {
+            log.warned = true;
+            let path = dir.join(name);
+            tracing::warn!(
+                "burn-ddp: the metrics cannot be written into {} ({err}); training goes on",
+                path.display()
+            );
+        }
+    }
+
+    /// The lines this process holds of `file` in `epoch_dir`, or `None` (then the file is
+    /// read).
+    pub fn lines(&self, epoch_dir: &str, file: &str) -> Option<Vec<String>> {
+        let log = self.log();
+        let lines = &log.epochs.get(epoch_dir)?.files.get(file)?.lines;
+        Some(lines.clone())
+    }
+
+    /// The lines of `path`, one entry each (what a metric logger reads back).
+    pub fn read_file(path: &Path) -> Vec<String> {
+        File::open(path)
+            .map(|f| {
+                BufReader::new(f)
+                    .lines()
+                    .map_while(std::result::Result::ok)
+                    .filter(|l| !l.is_empty())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl EpochLines {
+    /// Opens the files not open yet in `dir`: a whole epoch's anew, from its first line; the
+    /// others to append to, after the lines held now (their writer was another process).
+    fn open(&mut self, dir: &Path) -> std::io::Result<()> {
+        for (name, l) in &mut self.files {
+            if l.out.is_some() {
+                continue;
+            }
+            std::fs::create_dir_all(dir)?;
+            let path = dir.join(name);
+            l.out = Some(if self.whole {
+                (File::create(&path)?, 0)
+            } else {
+                let f = OpenOptions::new().append(true).create(true).open(&path)?;
+                (f, l.lines.len())
+            });
+        }
+        self.flush()
+    }
+
+    /// Writes the lines not written yet into the open files.
+    fn flush(&mut self) -> std::io::Result<()> {
+        for l in self.files.values_mut() {
+            if let Some((f, n)) = &mut l.out {
+                for line in &l.lines[*n..] {
+                    writeln!(f, "{line}")?;
+                }
+                *n = l.lines.len();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A line's metric logger over a [`MetricLog`], written once for every line (their Burn types
+/// have the same paths): `JobMetricLogger::new(dir, log, group)`, Burn's file logger's layout
+/// under `dir` (`train/epoch-1/Accuracy.log`), written by whichever process is the group's
+/// rank 0, read back from what this process holds.
+///
+/// ```ignore
+/// burn_ddp_comm::job_metric_logger!();
+/// ```
+#[macro_export]
+macro_rules! job_metric_logger {
+    () => {
+        /// The metric logger of every rank of a fault-tolerant job: every rank records every
+        /// step's metrics (their outputs are gathered on every rank), and the one that is rank 0
+        /// writes them into the training directory, in the layout of Burn's file logger, so
+        /// that a rank that becomes rank 0 mid-run writes the whole run's metrics
+        /// (burn-ddp-comm's `train::metric_log`).
+        pub struct JobMetricLogger {
+            dir: std::path::PathBuf,
+            log: $crate::train::metric_log::MetricLog,
+            pg: $crate::ProcessGroup,
+            names: std::collections::HashMap<burn::train::metric::MetricId, String>,
+        }
+
+        impl JobMetricLogger {
+            /// Writes into `dir` while this process is `pg`'s rank 0, recording into `log`.
+            pub(crate) fn new(
+                dir: std::path::PathBuf,
+                log: $crate::train::metric_log::MetricLog,
+                pg: $crate::ProcessGroup,
+            ) -> Self {
+                Self {
+                    dir,
+                    log,
+                    pg,
+                    names: std::collections::HashMap::new(),
+                }
+            }
+
+            /// Burn's file name of metric `name`.
+            fn file(name: &str) -> String {
+                format!("{}.log", name.replace(' ', "_"))
+            }
+        }
+
+        impl burn::train::logger::MetricLogger for JobMetricLogger {
+            fn log(
+                &mut self,
+                update: burn::train::metric::store::MetricsUpdate,
+                epoch: usize,
+                split: &burn::train::metric::store::Split,
+            ) {
+                let dir = format!("{split}/epoch-{epoch}");
+                let write = self.pg.is_main();
+                let numeric = update.entries_numeric.iter().map(|u| &u.entry);
+                for entry in update.entries.iter().chain(numeric) {
+                    let Some(name) = self.names.get(&entry.metric_id) else {
+                        continue;
+                    };
+                    let line = entry.serialized_entry.serialized.clone();
+                    self.log
+                        .record(&self.dir, &dir, &Self::file(name), line, write);
+                }
+            }
+
+            fn read_numeric(
+                &mut self,
+                name: &str,
+                epoch: usize,
+                split: &burn::train::metric::store::Split,
+            ) -> std::result::Result<Vec<burn::train::metric::NumericEntry>, String> {
+                let dir = format!("{split}/epoch-{epoch}");
+                let file = Self::file(name);
+                let lines = self.log.lines(&dir, &file).unwrap_or_else(|| {
+                    $crate::train::metric_log::MetricLog::read_file(
+                        &self.dir.join(&dir).join(&file),
+                    )
+                });
+                lines
+                    .iter()
+                    .map(|l| burn::train::metric::NumericEntry::deserialize(l))
+                    .collect()
+            }
+
+            fn log_metric_definition(&mut self, definition: burn::train::metric::MetricDefinition) {
+                self.names
+                    .insert(definition.metric_id, definition.name.to_string());
+            }
+
+            fn log_epoch_summary(&mut self, _summary: burn::train::metric::store::EpochSummary) {}
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("burn-ddp-metrics-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn file(dir: &Path) -> Vec<String> {
+        MetricLog::read_file(&dir.join("train/epoch-1/Loss.log"))
+    }
+
+    fn record(log: &MetricLog, dir: &Path, from: usize, to: usize, write: bool) {
+        for i in from..to {
+            log.record(dir, "train/epoch-1", "Loss.log", format!("{i},32"), write);
+        }
+    }
+
+    fn lines(from: usize, to: usize) -> Vec<String> {
+        (from..to).map(|i| format!("{i},32")).collect()
+    }
+
+    #[test]
+    fn a_rank_that_becomes_rank_zero_writes_the_whole_epoch_once() {
+        let dir = scratch("whole");
+        let (old, new) = (MetricLog::default(), MetricLog::default());
+        // Rank 0 writes 5 lines, and dies with its last 2 not flushed; rank 1 holds all 5.
+        record(&old, &dir, 0, 3, true);
+        record(&new, &dir, 0, 5, false);
+        assert_eq!(file(&dir), lines(0, 3));
+        // Rank 1 is rank 0 now: the epoch is written whole, then line by line.
+        record(&new, &dir, 5, 8, true);
+        assert_eq!(file(&dir), lines(0, 8));
+        assert_eq!(new.lines("train/epoch-1", "Loss.log"), Some(lines(0, 8)));
+        assert_eq!(new.lines("train/epoch-2", "Loss.log"), None);
+        // A rank that never is rank 0 writes nothing.
+        let other = scratch("other");
+        record(&MetricLog::default(), &other, 0, 4, false);
+        assert!(!&other.join("train").exists());
+    }
+
+    #[test]
+    fn a_process_that_joined_mid_epoch_appends_after_its_predecessor() {
+        let dir = scratch("joined");
+        let (old, joiner) = (MetricLog::default(), MetricLog::default());
+        record(&old, &dir, 0, 6, true);
+        // The joiner took the state at line 4: it holds 4 and 5, which its predecessor wrote.
+        joiner.took_state();
+        record(&joiner, &dir, 4, 6, false);
+        record(&joiner, &dir, 6, 9, true);
+        assert_eq!(file(&dir), lines(0, 9));
+        // Its next epoch is whole: made anew.
+        let next = &dir.join("train/epoch-2/Loss.log");
+        std::fs::create_dir_all(next.parent().unwrap()).unwrap();
+        std::fs::write(next, "stale,1\n").unwrap();
+        joiner.record(&dir, "train/epoch-2", "Loss.log", "1,32".into(), true);
+        assert_eq!(MetricLog::read_file(next), ["1,32"]);
+    }
+
+    #[test]
+    fn a_rank_zero_left_out_stops_writing() {
+        let dir = scratch("left");
+        let log = MetricLog::default();
+        record(&log, &dir, 0, 2, true);
+        record(&log, &dir, 2, 4, false);
+        assert_eq!(file(&dir), lines(0, 2));
+    }
+}
