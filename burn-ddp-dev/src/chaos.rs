@@ -23,8 +23,10 @@
 //! to full strength within the same bound, or has ended. Checked when a job ends: the launcher
 //! exits with success; every rank that ends prints the same parameter digest (the ranks also
 //! compare their replicas every 100 steps as they train, and fail if they differ); every epoch's
-//! training and validation count every item once (`items N/N`); the checkpoints of the last two
-//! epochs are complete, their seals intact, and no temporary file is left.
+//! training and validation count every item once (`items N/N`); the metric files (written by
+//! whichever process was rank 0) hold every epoch's items, none twice, less at most one step
+//! per change; the checkpoints of the last two epochs are complete, their seals intact, and no
+//! temporary file is left.
 
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
@@ -174,7 +176,8 @@ impl Report {
             "  invariants held: {} waits within {:?}; every job exited 0 with bit-identical \
              replicas; {} splits (training and validation of every epoch) counted every item \
              once, {} of them ended by a change after their last step, whose outputs (metrics) \
-             never reached rank 0; the last two checkpoints of every job complete and sealed, \
+             never reached rank 0; the metric files of every split held its items, none twice; \
+             the last two checkpoints of every job complete and sealed, \
              no temporary left\n",
             self.waits, chaos.bound, self.splits_checked, self.unshown
         );
@@ -746,6 +749,7 @@ impl Job {
                 unshown += 1;
             }
         }
+        check_metric_files(&self.out, &text, chaos)?;
         check_checkpoints(&self.out.join("checkpoint"), epochs as usize)?;
         Ok((2 * epochs as usize, unshown))
     }
@@ -787,6 +791,38 @@ fn ended_by_a_change(text: &str, epoch: u32, split: &str) -> bool {
             // No first step: the change came after the last split of training.
             stepped.is_none_or(|l| l.contains(next))
         })
+}
+
+/// The job's metric files in `out` (Burn's, written by whichever process was rank 0) hold every
+/// epoch's items of both splits, none twice: as many as the split has, less at most one step's
+/// per change of membership in it (a step whose outputs were lost with a rank that failed
+/// before they were gathered).
+fn check_metric_files(out: &Path, text: &str, chaos: &Chaos) -> Result<(), String> {
+    // Per rank and step: the classifier's training batch (`classifier_args`) and its
+    // validation batch.
+    let splits = [
+        ("train", "training", chaos.train, 16),
+        ("valid", "validation", chaos.test, 256),
+    ];
+    for e in 1..=chaos.epochs {
+        for (split, phase, n, batch) in splits {
+            let at = format!("(at epoch {e}, {phase}, ");
+            let changes = text
+                .lines()
+                .filter(|l| l.contains("[membership] membership epoch ") && l.contains(&at))
+                .count() as u32;
+            let file = out.join(format!("{split}/epoch-{e}/Accuracy.log"));
+            let (logged, _) = crate::fault::logged(&file)?;
+            if logged > n || logged + changes * batch * chaos.nproc < n {
+                return Err(format!(
+                    "{}: {logged} items logged of the {n} of epoch {e}'s {phase} \
+                     ({changes} changes of membership in it): the metrics are not the epoch's",
+                    file.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The checkpoints of the last two of `epochs`: complete, sealed, no temporary file beside.

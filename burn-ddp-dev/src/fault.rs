@@ -202,20 +202,24 @@ pub fn classifier_loses_a_rank_mid_epoch(name: &str) {
 
 /// The items behind the entries of a Burn metric file (`value,count` lines; burn-train 0.22
 /// adds an epoch's `value,final`) and their mean, weighted by the counts.
-fn logged(file: &Path) -> (u32, f64) {
-    let text = std::fs::read_to_string(file)
-        .unwrap_or_else(|e| panic!("{} cannot be read: {e}", file.display()));
+///
+/// # Errors
+/// The file cannot be read, or a line is not an entry.
+pub fn logged(file: &Path) -> Result<(u32, f64), String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let (mut n, mut sum) = (0u32, 0.0);
     for line in text
         .lines()
         .filter(|l| !l.is_empty() && !l.ends_with(",final"))
     {
         let (v, c) = line.split_once(',').unwrap_or((line, "1"));
-        let (v, c): (f64, u32) = (v.parse().unwrap(), c.parse().unwrap());
+        let bad = || format!("{}: {line:?} is not an entry", file.display());
+        let v: f64 = v.parse().map_err(|_| bad())?;
+        let c: u32 = c.parse().map_err(|_| bad())?;
         n += c;
         sum += v * f64::from(c);
     }
-    (n, sum / f64::from(n.max(1)))
+    Ok((n, sum / f64::from(n.max(1))))
 }
 
 /// The value a progress line shows after `metric` (`Accuracy epoch 62.35 % - batch ...`).
@@ -237,7 +241,7 @@ fn shown(line: &str, metric: &str) -> f64 {
 /// writes the whole epoch's metrics.
 fn assert_whole_metrics(out: &Path, text: &str, epochs: u32, (train, test): (u32, u32), step: u32) {
     for epoch in 1..=epochs {
-        let (n, mean) = logged(&out.join(format!("train/epoch-{epoch}/Accuracy.log")));
+        let (n, mean) = logged(&out.join(format!("train/epoch-{epoch}/Accuracy.log"))).unwrap();
         assert!(
             n <= train && n + step > train,
             "epoch {epoch}: {n} of {train} training items logged:\n{text}"
@@ -252,7 +256,7 @@ fn assert_whole_metrics(out: &Path, text: &str, epochs: u32, (train, test): (u32
             (printed - mean).abs() < 0.006,
             "epoch {epoch}: printed {printed}, logged {mean}:\n{text}"
         );
-        let (n, _) = logged(&out.join(format!("valid/epoch-{epoch}/Accuracy.log")));
+        let (n, _) = logged(&out.join(format!("valid/epoch-{epoch}/Accuracy.log"))).unwrap();
         assert!(
             n <= test && n > 0,
             "epoch {epoch}: {n} of {test} validation items logged:\n{text}"

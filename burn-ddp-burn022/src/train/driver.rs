@@ -68,10 +68,7 @@ impl<M: LearnerModel> Run<'_, M> {
     /// rank's share times the world size.
     fn total(&self, split: usize, mine: usize) -> usize {
         let counted = self.totals.map(|t| t[split]);
-        self.strategy
-            .state
-            .job_progress((0, mine), 0, None, counted)
-            .1
+        self.strategy.state.job_progress((0, mine), None, counted).1
     }
 
     /// Tells burn-train's event processor that the epochs before `epoch` ended, when it was
@@ -139,7 +136,6 @@ where
                 processor,
                 interrupter,
                 total: totals.map(|t| t[0]),
-                base: if fault_tolerant { cursor.done } else { 0 },
                 everywhere: fault_tolerant,
             },
             learner,
@@ -186,7 +182,6 @@ where
                 processor: &mut self.processor,
                 interrupter: &self.interrupter,
                 total: self.totals.map(|t| t[1]),
-                base: if fault_tolerant { cursor.done } else { 0 },
                 everywhere: fault_tolerant,
             },
             model: self.learner.model().valid(),

@@ -122,10 +122,10 @@ impl DdpStrategy {
     /// Progress of this rank's loader counted for the whole job
     /// ([`StrategyState::job_progress`]): `total`, every rank's items, when counted (a job
     /// whose membership does not change); `done`, the step's count in a fault-tolerant job.
-    fn global(&self, p: Progress, total: Option<usize>, base: u64, done: Option<u64>) -> Progress {
+    fn global(&self, p: Progress, total: Option<usize>, done: Option<u64>) -> Progress {
         let (done, total) =
             self.state
-                .job_progress((p.items_processed, p.items_total), base, done, total);
+                .job_progress((p.items_processed, p.items_total), done, total);
         Progress::new(done, total, p.unit)
     }
 }

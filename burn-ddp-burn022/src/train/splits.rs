@@ -70,8 +70,6 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
     pub(super) interrupter: &'r Interrupter,
     /// Every rank's items of the split (counted where the membership does not change).
     pub(super) total: Option<usize>,
-    /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
-    pub(super) base: u64,
     /// Whether every rank processes every step's outputs (a fault-tolerant job: any rank may
     /// become rank 0, and then shows and writes the whole epoch's metrics).
     pub(super) everywhere: bool,
@@ -79,7 +77,7 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
 
 impl<M: LearnerModel> SplitParts<'_, M> {
     fn global(&self, p: Progress, done: Option<u64>) -> Progress {
-        self.strategy.global(p, self.total, self.base, done)
+        self.strategy.global(p, self.total, done)
     }
 
     fn load<I>(&self, iter: &mut dyn DataLoaderIterator<I>, split: &str) -> (Option<I>, Vote, u64) {
@@ -116,13 +114,8 @@ where
     }
 
     fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
-        let item = match self.item.take() {
-            Some(item) => Some(item),
-            None if at.full => return Ok((Stepped::NoBatch, None)),
-            // A partial step (a fault-tolerant job's last of the split): this rank has no
-            // batch, joins the step's synchronisation with no gradient and takes the same
-            // optimizer step.
-            None => None,
+        let Some(item) = at.batch(self.item.take()) else {
+            return Ok((Stepped::NoBatch, None));
         };
         sync_buffers(self.learner, self.sync)?;
         let progress = self.parts.global(self.iter.progress(), at.done);

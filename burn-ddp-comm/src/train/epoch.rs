@@ -223,6 +223,20 @@ pub struct StepAt {
     pub done: Option<u64>,
 }
 
+impl StepAt {
+    /// What a training step does with this rank's `batch`: `Some(Some(batch))` trains on it;
+    /// `Some(None)`, a rank without a batch in a partial step, joins the step's
+    /// synchronisation with no gradient and takes the same optimizer step; `None`, a rank
+    /// without a batch in a step said to be full, takes no step ([`Stepped::NoBatch`]).
+    pub fn batch<I>(&self, batch: Option<I>) -> Option<Option<I>> {
+        match batch {
+            Some(b) => Some(Some(b)),
+            None if self.full => None,
+            None => Some(None),
+        }
+    }
+}
+
 /// What [`SplitSteps::step`] returns: what the step did and what to report, or why it could
 /// not be taken.
 pub type StepResult<O> = std::result::Result<(Stepped, Option<O>), StepFault>;

@@ -95,16 +95,7 @@ impl MetricLog {
         if write && held.out.is_none() {
             // A file new here: made anew in a whole epoch, appended to in another (after what
             // this process's predecessor wrote).
-            let f = std::fs::create_dir_all(&path).and_then(|()| {
-                let mut o = OpenOptions::new();
-                o.create(true);
-                if whole {
-                    o.write(true).truncate(true)
-                } else {
-                    o.append(true)
-                };
-                o.open(path.join(file))
-            });
+            let f = std::fs::create_dir_all(&path).and_then(|()| open(&path.join(file), whole));
             match f {
                 Ok(f) => held.out = Some((f, 0)),
                 Err(e) => failed = failed.or(Some((epoch_dir.to_owned(), e))),
@@ -145,6 +136,17 @@ impl MetricLog {
     }
 }
 
+/// `path` to append to, emptied first when `anew`. Every write goes to the end of the file
+/// (`O_APPEND`): a process that still wrote after another made the file anew (a rank 0 frozen,
+/// then left out, whose logger ran on before it learnt so) adds lines at the end, it does not
+/// write over the file's start or leave a hole.
+fn open(path: &Path, anew: bool) -> std::io::Result<File> {
+    if anew {
+        File::create(path)?;
+    }
+    OpenOptions::new().append(true).create(true).open(path)
+}
+
 impl EpochLines {
     /// Opens the files not open yet in `dir`: a whole epoch's anew, from its first line; the
     /// others to append to, after the lines held now (their writer was another process).
@@ -155,12 +157,8 @@ impl EpochLines {
             }
             std::fs::create_dir_all(dir)?;
             let path = dir.join(name);
-            l.out = Some(if self.whole {
-                (File::create(&path)?, 0)
-            } else {
-                let f = OpenOptions::new().append(true).create(true).open(&path)?;
-                (f, l.lines.len())
-            });
+            let f = open(&path, self.whole)?;
+            l.out = Some((f, if self.whole { 0 } else { l.lines.len() }));
         }
         self.flush()
     }

@@ -150,9 +150,8 @@ impl StrategyState {
     }
 
     /// The job's progress through a split, from this rank's loader (`processed` of `total`
-    /// items): every rank has as many items, or one fewer, by the sampler's construction;
-    /// `base` positions of the epoch were dealt before the current membership (fault-tolerant
-    /// jobs). Counted once each when the split's sampler knows the epoch's items (burn-ddp's
+    /// items): every rank has as many items, or one fewer, by the sampler's construction.
+    /// Counted once each when the split's sampler knows the epoch's items (burn-ddp's
     /// `DistributedSampler`): not the padding that evens out the training shards, nor the
     /// ranks with one item fewer in an evaluation; else `counted` (every rank's items, when the
     /// line counted them), else this rank's times the world size. In a fault-tolerant job the
@@ -163,20 +162,15 @@ impl StrategyState {
     pub fn job_progress(
         &self,
         (processed, total): (usize, usize),
-        base: u64,
         step_done: Option<u64>,
         counted: Option<usize>,
     ) -> (usize, usize) {
         let w = self.pg.world_size().as_usize();
-        let base = usize::try_from(base).unwrap_or(usize::MAX);
-        let done = base.saturating_add(processed.saturating_mul(w));
+        let done = processed.saturating_mul(w);
         let exact = step_done.map(|d| usize::try_from(d).unwrap_or(usize::MAX));
         match crate::data::items_of_share(&self.pg, total).or(counted) {
             Some(n) => (exact.unwrap_or(done.min(n)), n),
-            None => (
-                exact.unwrap_or(done),
-                base.saturating_add(total.saturating_mul(w)),
-            ),
+            None => (exact.unwrap_or(done), total.saturating_mul(w)),
         }
     }
 

@@ -103,27 +103,37 @@ pub fn partial_steps() -> bool {
 /// # Errors
 /// The collective failed (it names the rank at fault).
 pub fn agree(pg: &ProcessGroup, vote: &Vote) -> Result<Decision> {
-    agree_aside(pg, vote, Aside::default()).map(|(d, _)| d)
+    agree_with(pg, vote, None).map(|(d, _)| d)
 }
 
-/// [`agree`], with every rank's [`Aside`] in the same all-reduce.
+/// [`agree`], with every rank's [`Aside`] in the same all-reduce (one more value per rank:
+/// every rank of the job must call it alike).
 ///
 /// # Errors
 /// The collective failed (it names the rank at fault).
 pub fn agree_aside(pg: &ProcessGroup, vote: &Vote, aside: Aside) -> Result<(Decision, Heard)> {
+    agree_with(pg, vote, Some(aside))
+}
+
+/// [`agree`], with every rank's [`Aside`] when there is one (every rank alike): without it, the
+/// five values of the votes alone, and nothing heard of batches' items.
+fn agree_with(pg: &ProcessGroup, vote: &Vote, aside: Option<Aside>) -> Result<(Decision, Heard)> {
     let (has, stop, failed) = match vote {
         Vote::Item => (1, 0, 0),
         Vote::NoItem => (0, 0, 0),
         Vote::Stop(_) => (0, 1, 0),
         Vote::Failed(_) => (0, 0, 1),
     };
-    // Max of (has, 1 - has, stop, failed, join, then one slot per rank for its items): any
-    // rank has an item, any has none, any stops, any failed, any saw a joining process, and
-    // every rank's batch.
+    // Max of (has, 1 - has, stop, failed, join, then with an aside one slot per rank for its
+    // items): any rank has an item, any has none, any stops, any failed, any saw a joining
+    // process, and every rank's batch.
     const SLOTS: usize = 5;
-    let mut flags = vec![has, 1 - has, stop, failed, i64::from(aside.join)];
-    flags.resize(SLOTS + pg.world_size().as_usize(), 0);
-    flags[SLOTS + pg.rank().0 as usize] = i64::try_from(aside.items).unwrap_or(i64::MAX);
+    let join = aside.is_some_and(|a| a.join);
+    let mut flags = vec![has, 1 - has, stop, failed, i64::from(join)];
+    if let Some(aside) = aside {
+        flags.resize(SLOTS + pg.world_size().as_usize(), 0);
+        flags[SLOTS + pg.rank().0 as usize] = i64::try_from(aside.items).unwrap_or(i64::MAX);
+    }
     pg.all_reduce(&mut flags, ReduceOp::Max)?;
     let heard = Heard {
         items: flags[SLOTS..]
@@ -238,7 +248,7 @@ pub enum Turn {
 
 /// One step's agreement in an epoch loop over `split`: every rank's `vote` (collective), the
 /// end of the epoch when the split says so, else [`apply_decision`]; and what the ranks heard
-/// of each other. A training rank that still had a batch when another ran out is told so with
+/// of each other (no asides: whether every rank had a batch). A training rank that still had a batch when another ran out is told so with
 /// a warning (its remaining batches are skipped).
 pub fn turn(
     pg: &ProcessGroup,
@@ -248,7 +258,7 @@ pub fn turn(
     failure: &FailureSlot,
     interrupt: impl FnOnce(&str),
 ) -> (Turn, Heard) {
-    match agree_aside(pg, vote, Aside::default()) {
+    match agree_with(pg, vote, None) {
         Ok((decision, heard)) => (
             decide_turn(pg, vote, decision, split, epoch, failure, false, interrupt),
             heard,
@@ -677,5 +687,36 @@ mod tests {
         );
         assert!(slot.take().is_some());
         assert!(slot.take().is_none());
+    }
+
+    #[test]
+    fn a_process_left_out_of_the_job_is_told_apart_from_one_that_failed_in_it() {
+        use crate::error::{JobError, MembershipError};
+        let slot = FailureSlot::default();
+        assert!(!slot.out_of_the_job());
+        slot.fail(DdpError::Job(JobError::TrainingFailed {
+            rank: Rank(0),
+            culprit: Rank(1),
+            reason: "a rank failed".into(),
+        }));
+        assert!(
+            !slot.out_of_the_job(),
+            "a member's failure: its summary is the job's"
+        );
+        let slot = FailureSlot::default();
+        slot.fail(DdpError::Membership(MembershipError::JoinFailed {
+            member: 0,
+            waited: Duration::from_secs(1),
+            why: "the job finished".into(),
+        }));
+        assert!(slot.out_of_the_job());
+        let slot = FailureSlot::default();
+        slot.fail(DdpError::Membership(MembershipError::Excluded {
+            member: 0,
+            epoch: 2,
+            members: vec![1, 2],
+            why: "frozen".into(),
+        }));
+        assert!(slot.out_of_the_job());
     }
 }

@@ -114,10 +114,10 @@ impl<B: Backend> DdpStrategy<B> {
 
     /// Progress of this rank's loader, counted for the whole job
     /// ([`StrategyState::job_progress`]; `done`: the step's count in a fault-tolerant job).
-    fn global(&self, p: Progress, base: u64, done: Option<u64>) -> Progress {
+    fn global(&self, p: Progress, done: Option<u64>) -> Progress {
         let (items_processed, items_total) =
             self.state
-                .job_progress((p.items_processed, p.items_total), base, done, None);
+                .job_progress((p.items_processed, p.items_total), done, None);
         Progress {
             items_processed,
             items_total,

@@ -94,8 +94,6 @@ pub(super) struct SplitParts<'r, B: Backend, LC: LearningComponentsTypes> {
     interrupter: &'r Interrupter,
     /// The epoch, of how many.
     global: Progress,
-    /// Positions of the epoch dealt before the current membership (fault-tolerant jobs).
-    base: u64,
     /// Whether every rank processes every step's outputs (a fault-tolerant job: any rank may
     /// become rank 0, and then shows and writes the whole epoch's metrics).
     everywhere: bool,
@@ -119,7 +117,6 @@ impl<'r, B: Backend, LC: LearningComponentsTypes> SplitParts<'r, B, LC> {
                 items_processed: cursor.epoch,
                 items_total: epochs,
             },
-            base: if fault_tolerant { cursor.done } else { 0 },
             everywhere: fault_tolerant,
         }
     }
@@ -158,18 +155,13 @@ where
     }
 
     fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
-        let item = match self.item.take() {
-            Some(item) => Some(item),
-            None if at.full => return Ok((Stepped::NoBatch, None)),
-            // A partial step (a fault-tolerant job's last of the split): this rank has no
-            // batch, joins the step's synchronisation with no gradient and takes the same
-            // optimizer step.
-            None => None,
+        let Some(item) = at.batch(self.item.take()) else {
+            return Ok((Stepped::NoBatch, None));
         };
         let ddp = self.parts.strategy;
         let session = &ddp.session;
         ddp.sync_buffers(self.learner)?;
-        let progress = ddp.global(self.iter.progress(), self.parts.base, at.done);
+        let progress = ddp.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;
         // Micro-steps of an accumulation are reduced once, at the optimizer step; a partial
         // step after its backward (a rank without a batch has no backward to join).
@@ -299,10 +291,7 @@ where
 
     fn step(&mut self, at: StepAt) -> StepResult<Self::Out> {
         let iteration = at.iteration;
-        let progress = self
-            .parts
-            .strategy
-            .global(self.iter.progress(), self.parts.base, at.done);
+        let progress = self.parts.strategy.global(self.iter.progress(), at.done);
         let model = &self.model;
         let out = self
             .item

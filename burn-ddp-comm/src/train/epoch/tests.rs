@@ -432,3 +432,16 @@ fn fit_ends_where_the_epoch_vote_says_stop() {
     assert_eq!(end.completed(), 1);
     assert!(d.failure.take().is_none());
 }
+
+#[test]
+fn a_rank_without_a_batch_steps_only_in_a_partial_step() {
+    let at = |full| StepAt {
+        iteration: 3,
+        full,
+        done: Some(96),
+    };
+    assert_eq!(at(true).batch(Some(7)), Some(Some(7)));
+    assert_eq!(at(false).batch(Some(7)), Some(Some(7)));
+    assert_eq!(at(false).batch(None::<u8>), Some(None));
+    assert_eq!(at(true).batch(None::<u8>), None);
+}
