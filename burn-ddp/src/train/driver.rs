@@ -44,6 +44,9 @@ struct Run<'s, B: Backend, LC: LearningComponentsTypes> {
     /// Whether this rank's dashboard was started (rank 0's was; a rank that becomes rank 0
     /// starts its own).
     shown: bool,
+    /// The epoch burn-train's metric store is at, for each split (training, validation): it
+    /// counts the ends of epochs it was told of, and names the metric files' directories by it.
+    at: [usize; 2],
 }
 
 /// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
@@ -59,6 +62,32 @@ fn loader_at<B: Backend, BB: Backend, I: 'static>(
     } else {
         loader.clone()
     })
+}
+
+impl<B: Backend, LC: LearningComponentsTypes> Run<'_, B, LC> {
+    /// Tells burn-train's event processor that the epochs of split `split` (0: training, 1:
+    /// validation) before `epoch` ended, when it was not told: a process that joined a running
+    /// fault-tolerant job, or rejoined it, starts at the job's epoch, and its metric store (whose
+    /// count of epochs names the metric files it writes as rank 0) must be there too.
+    fn show_epoch(&mut self, split: usize, epoch: usize) {
+        if self.at[split] < epoch && self.shown {
+            if split == 0 {
+                self.processor
+                    .process_train(LearnerEvent::EndEpoch(epoch - 1));
+            } else {
+                self.processor
+                    .process_valid(LearnerEvent::EndEpoch(epoch - 1));
+            }
+        }
+        self.at[split] = self.at[split].max(epoch);
+    }
+
+    /// The split's end of epoch was processed (`SplitSteps::finish`) when it ended well.
+    fn ended(&mut self, split: usize, epoch: usize, ended: &Ended) {
+        if matches!(ended, Ended::Done) {
+            self.at[split] = epoch + 1;
+        }
+    }
 }
 
 impl<B, LC> EpochDriver for Run<'_, B, LC>
@@ -83,6 +112,7 @@ where
     }
 
     fn train(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
+        self.show_epoch(0, cursor.epoch);
         let ddp = self.strategy;
         let loader = match loader_at(ddp, &self.train, cursor, fault_tolerant) {
             Ok(loader) => loader,
@@ -109,10 +139,14 @@ where
             item: None,
         };
         let at = ddp.state.split_at(Split::Training, cursor, fault_tolerant);
-        epoch::run_split(&mut split, at)
+        let ended = epoch::run_split(&mut split, at);
+        drop(split);
+        self.ended(0, cursor.epoch, &ended);
+        ended
     }
 
     fn valid(&mut self, cursor: &mut Cursor, fault_tolerant: bool) -> Ended {
+        self.show_epoch(1, cursor.epoch);
         let ddp = self.strategy;
         let loader = match loader_at(ddp, &self.valid, cursor, fault_tolerant) {
             Ok(loader) => loader,
@@ -138,7 +172,10 @@ where
         let at = ddp
             .state
             .split_at(Split::Validation, cursor, fault_tolerant);
-        epoch::run_split(&mut split, at)
+        let ended = epoch::run_split(&mut split, at);
+        drop(split);
+        self.ended(1, cursor.epoch, &ended);
+        ended
     }
 
     fn main_epoch_end(&mut self, epoch: usize) -> bool {
@@ -244,6 +281,7 @@ impl<B: Backend> DdpStrategy<B> {
             epochs,
             // Every rank of a fault-tolerant job processes the events (`train`).
             shown: self.is_main() || self.session.group().is_fault_tolerant(),
+            at: [starting_epoch; 2],
         };
         self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
