@@ -552,8 +552,11 @@ impl Job {
         while report.total() < chaos.faults && started.elapsed() < chaos.limit && !self.ended() {
             std::thread::sleep(Duration::from_millis(rng.random_range(100..1000)));
             self.revive(chaos, report)?;
+            // A fault hits a job at full strength whose processes are all members: a process
+            // more is one waiting to join (a node's old rank, back after its link was cut, and
+            // its `--join` launcher's), whose loss would change nothing to wait for.
             let pids = self.ranks();
-            if pids.len() < chaos.nproc as usize {
+            if pids.len() != chaos.nproc as usize {
                 continue;
             }
             let before = self.refresh().newest();
