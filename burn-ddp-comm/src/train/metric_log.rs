@@ -178,16 +178,17 @@ impl EpochLines {
 }
 
 /// A line's metric logger over a [`MetricLog`], written once for every line (their Burn types
-/// have the same paths): `JobMetricLogger::new(dir, log, group)`, Burn's file logger's layout
+/// have the same paths, under the line's Burn crate, given by name: the core names none):
+/// `JobMetricLogger::new(dir, log, group)`, Burn's file logger's layout
 /// under `dir` (`train/epoch-1/Accuracy.log`), written by whichever process is the group's
 /// rank 0, read back from what this process holds.
 ///
 /// ```ignore
-/// burn_ddp_comm::job_metric_logger!();
+/// burn_ddp_comm::job_metric_logger!(burn);
 /// ```
 #[macro_export]
 macro_rules! job_metric_logger {
-    () => {
+    ($b:ident) => {
         /// The metric logger of every rank of a fault-tolerant job: every rank records every
         /// step's metrics (their outputs are gathered on every rank), and the one that is rank 0
         /// writes them into the training directory, in the layout of Burn's file logger, so
@@ -197,7 +198,7 @@ macro_rules! job_metric_logger {
             dir: std::path::PathBuf,
             log: $crate::train::metric_log::MetricLog,
             pg: $crate::ProcessGroup,
-            names: std::collections::HashMap<burn::train::metric::MetricId, String>,
+            names: std::collections::HashMap<$b::train::metric::MetricId, String>,
         }
 
         impl JobMetricLogger {
@@ -221,12 +222,12 @@ macro_rules! job_metric_logger {
             }
         }
 
-        impl burn::train::logger::MetricLogger for JobMetricLogger {
+        impl $b::train::logger::MetricLogger for JobMetricLogger {
             fn log(
                 &mut self,
-                update: burn::train::metric::store::MetricsUpdate,
+                update: $b::train::metric::store::MetricsUpdate,
                 epoch: usize,
-                split: &burn::train::metric::store::Split,
+                split: &$b::train::metric::store::Split,
             ) {
                 let dir = format!("{split}/epoch-{epoch}");
                 let write = self.pg.is_main();
@@ -245,8 +246,8 @@ macro_rules! job_metric_logger {
                 &mut self,
                 name: &str,
                 epoch: usize,
-                split: &burn::train::metric::store::Split,
-            ) -> std::result::Result<Vec<burn::train::metric::NumericEntry>, String> {
+                split: &$b::train::metric::store::Split,
+            ) -> std::result::Result<Vec<$b::train::metric::NumericEntry>, String> {
                 let dir = format!("{split}/epoch-{epoch}");
                 let file = Self::file(name);
                 let lines = self.log.lines(&dir, &file).unwrap_or_else(|| {
@@ -256,16 +257,16 @@ macro_rules! job_metric_logger {
                 });
                 lines
                     .iter()
-                    .map(|l| burn::train::metric::NumericEntry::deserialize(l))
+                    .map(|l| $b::train::metric::NumericEntry::deserialize(l))
                     .collect()
             }
 
-            fn log_metric_definition(&mut self, definition: burn::train::metric::MetricDefinition) {
+            fn log_metric_definition(&mut self, definition: $b::train::metric::MetricDefinition) {
                 self.names
                     .insert(definition.metric_id, definition.name.to_string());
             }
 
-            fn log_epoch_summary(&mut self, _summary: burn::train::metric::store::EpochSummary) {}
+            fn log_epoch_summary(&mut self, _summary: $b::train::metric::store::EpochSummary) {}
         }
     };
 }

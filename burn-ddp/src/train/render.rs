@@ -70,7 +70,7 @@ impl MetricLogger for NoMetricLogger {
     fn log_epoch_summary(&mut self, _summary: EpochSummary) {}
 }
 
-burn_ddp_comm::job_metric_logger!();
+burn_ddp_comm::job_metric_logger!(burn);
 
 /// Rank 0's progress when its output is not a terminal (a log file, the launcher's pipe): one
 /// line every few seconds and one at the end of each epoch's training and validation, with the
