@@ -39,6 +39,8 @@ struct Log {
     /// Set when this process took the state from another rank: the next epoch directory it
     /// starts is not whole.
     behind: bool,
+    /// Whether this process was rank 0 at the last line (its files are open).
+    writing: bool,
     /// The first error writing, reported once.
     warned: bool,
 }
@@ -70,17 +72,19 @@ impl MetricLog {
     pub fn record(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
         let mut log = self.log();
         let behind = std::mem::take(&mut log.behind);
-        if !write {
-            // Not (or no longer) rank 0: what another process writes is not written here.
-            for e in log.epochs.values_mut() {
-                e.files.values_mut().for_each(|l| l.out = None);
+        let mut failed = None;
+        if write != std::mem::replace(&mut log.writing, write) {
+            for (name, e) in &mut log.epochs {
+                if write {
+                    // Became rank 0: what this process holds is written out.
+                    let opened = e.open(&dir.join(name)).and_then(|()| e.flush());
+                    failed = failed.or(opened.err().map(|err| (name.clone(), err)));
+                } else {
+                    // No longer rank 0: what another process writes is not written here.
+                    e.files.values_mut().for_each(|l| l.out = None);
+                }
             }
         }
-        let mut failed = log
-            .epochs
-            .iter_mut()
-            .filter(|_| write)
-            .find_map(|(name, e)| e.open(&dir.join(name)).err().map(|err| (name.clone(), err)));
         let lines = log
             .epochs
             .entry(epoch_dir.to_owned())
@@ -88,22 +92,20 @@ impl MetricLog {
                 whole: !behind,
                 ..EpochLines::default()
             });
-        let path = dir.join(epoch_dir);
-        let opened = if write { lines.open(&path) } else { Ok(()) };
-        let whole = lines.whole;
-        let held = lines.files.entry(file.to_owned()).or_default();
-        if write && held.out.is_none() {
-            // A file new here: made anew in a whole epoch, appended to in another (after what
-            // this process's predecessor wrote).
-            let f = std::fs::create_dir_all(&path).and_then(|()| open(&path.join(file), whole));
-            match f {
-                Ok(f) => held.out = Some((f, 0)),
-                Err(e) => failed = failed.or(Some((epoch_dir.to_owned(), e))),
-            }
+        lines.files.entry(file.to_owned()).or_default();
+        if write {
+            // A file new here is made anew in a whole epoch, appended to in another (after
+            // what this process's predecessor wrote).
+            let opened = lines.open(&dir.join(epoch_dir));
+            failed = failed.or(opened.err().map(|err| (epoch_dir.to_owned(), err)));
         }
-        held.lines.push(line);
-        let written = opened.and_then(|()| if write { lines.flush() } else { Ok(()) });
-        let failed = failed.or_else(|| written.err().map(|err| (epoch_dir.to_owned(), err)));
+        if let Some(held) = lines.files.get_mut(file) {
+            held.lines.push(line);
+        }
+        if write {
+            let written = lines.flush();
+            failed = failed.or(written.err().map(|err| (epoch_dir.to_owned(), err)));
+        }
         if let (Some((name, err)), false) = (failed, log.warned) {
             log.warned = true;
             let path = dir.join(name);
@@ -148,8 +150,9 @@ fn open(path: &Path, anew: bool) -> std::io::Result<File> {
 }
 
 impl EpochLines {
-    /// Opens the files not open yet in `dir`: a whole epoch's anew, from its first line; the
-    /// others to append to, after the lines held now (their writer was another process).
+    /// Opens the files not open yet in `dir` (their lines go out at the next [`flush`](Self::flush)):
+    /// a whole epoch's anew, from its first line; the others to append to, after the lines
+    /// held now (their writer was another process).
     fn open(&mut self, dir: &Path) -> std::io::Result<()> {
         for (name, l) in &mut self.files {
             if l.out.is_some() {
@@ -160,7 +163,7 @@ impl EpochLines {
             let f = open(&path, self.whole)?;
             l.out = Some((f, if self.whole { 0 } else { l.lines.len() }));
         }
-        self.flush()
+        Ok(())
     }
 
     /// Writes the lines not written yet into the open files.
