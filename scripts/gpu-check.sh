@@ -57,7 +57,7 @@ case $BUDGET in '' | *[!0-9]*) echo "gpu-check: --budget takes whole seconds, no
 
 missing=0
 lack() { printf 'gpu-check: missing: %s\n' "$*" >&2; missing=$((missing + 1)); }
-manifest() { sed -n "s/^$1=//p" "$HERE/MANIFEST" 2>/dev/null | head -1; }
+manifest() { sed -n "s/^$1=//p" "$HERE/MANIFEST" 2>/dev/null | sed -n 1p; }
 
 # --- the bundle: which variants it holds ----------------------------------------------------
 binaries_of() { # variant -> the binaries its steps run, relative to bin/
@@ -95,13 +95,13 @@ fi
 
 # --- glibc: the bundle's binaries were linked on another machine ---------------------------
 need_glibc=$(manifest glibc)
-have_glibc=$( (getconf GNU_LIBC_VERSION 2>/dev/null || ldd --version 2>/dev/null | head -1) | grep -oE '[0-9]+\.[0-9]+' | tail -1)
+have_glibc=$( (getconf GNU_LIBC_VERSION 2>/dev/null || ldd --version 2>/dev/null | sed -n 1p) | grep -oE '[0-9]+\.[0-9]+' | tail -1)
 if [ -n "$need_glibc" ]; then
     if [ -z "$have_glibc" ]; then
         echo "gpu-check: cannot run here: this machine has no glibc (getconf and ldd say nothing); the bundle's binaries need glibc $need_glibc or newer" >&2
         exit 2
     fi
-    if [ "$(printf '%s\n%s\n' "$need_glibc" "$have_glibc" | sort -V | head -1)" != "$need_glibc" ]; then
+    if [ "$(printf '%s\n%s\n' "$need_glibc" "$have_glibc" | sort -V | sed -n 1p)" != "$need_glibc" ]; then
         echo "gpu-check: cannot run here: this machine's glibc is $have_glibc, the bundle's binaries need $need_glibc or newer (built on $(manifest build_os)). Build the bundle on a machine with glibc $have_glibc or older (scripts/gpu-bundle.sh), or run it on a newer system" >&2
         exit 2
     fi
@@ -175,7 +175,7 @@ find_lib() {
             [ -e "$hit" ] && { echo "$hit"; return 0; }
         done
     done <<<"$SITES"
-    hit=$(find /usr /opt /root /home /workspace -maxdepth 8 -name "$name" \( -type f -o -type l \) 2>/dev/null | head -1)
+    hit=$(find /usr /opt /root /home /workspace -maxdepth 8 -name "$name" \( -type f -o -type l \) -print -quit 2>/dev/null || true)
     [ -n "$hit" ] && { echo "$hit"; return 0; }
     return 1
 }
@@ -196,7 +196,7 @@ if command -v nvidia-smi >/dev/null 2>&1; then
         echo "gpu-check: no GPU here: nvidia-smi lists none ($(head -1 <<<"$GPUS"))." >&2
         exit 2
     fi
-    DEVICE=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+    DEVICE=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed -n 1p)
 elif [ -z "$cuda_lib" ]; then
     echo "gpu-check: no GPU here: neither nvidia-smi nor the driver's libcuda.so.1 was found (no NVIDIA driver). Run this on a machine with an NVIDIA GPU and its driver; in a container, start it with GPU access." >&2
     exit 2

@@ -100,7 +100,7 @@ if [ "$slurm" = 1 ]; then
     state=$(job_wait "$job" 120)
     took=$((SECONDS - t))
     if [ "$state" = FAILED ] && grep -q 'srun <program>' "$out" && [ "$took" -lt 60 ]; then
-        pass "sbatch without srun: refused in $took s: $(grep -o 'this process is the batch script[^:]*' "$out" | head -n 1)"
+        pass "sbatch without srun: refused in $took s: $(grep -o 'this process is the batch script[^:]*' "$out" | sed -n 1p)"
     else
         fail "sbatch without srun: job $job $state after $took s; expected FAILED within 60 s saying 'srun <program>'"
         show "$out"

@@ -119,7 +119,7 @@ EOF
     SLURM_CTLD_PID=$!
     slurmd -D -f "$SLURM_CONF" >"$SLURM_DIR/log/slurmd.out" 2>&1 &
     SLURM_D_PID=$!
-    if ! slurm_wait_for "sinfo -h -o %T | grep -qx idle" 30; then
+    if ! slurm_wait_for "sinfo -h -o %T | grep -x idle" 30; then
         echo "slurm-cluster: the node is not idle 30 s after start:"
         sinfo 2>&1 | tail -n 3
         tail -n 5 "$SLURM_DIR/log/slurmctld.log" "$SLURM_DIR/log/slurmd.log" 2>/dev/null
