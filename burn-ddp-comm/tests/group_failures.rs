@@ -553,13 +553,14 @@ fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
     assert!(out.rank(1).ok() && out.rank(2).ok(), "{}", out.report());
 }
 
-/// Joins the 3-rank job and completes one all-reduce; then rank 1 freezes itself (SIGSTOP: a hung
-/// node, a swapped-out process) and never returns, after leaving its pid in the store for
-/// [`kill_frozen_rank_1`]. The others get the group and a buffer.
+/// Joins the 3-rank job; then rank 1 freezes itself (SIGSTOP: a hung node, a swapped-out
+/// process) and never returns, after leaving its pid in the store for [`kill_frozen_rank_1`].
+/// The others get the group and a buffer. Rank 1 freezes as soon as it has the group, before any
+/// collective: the moment its heartbeat thread may not have run yet, so its first heartbeat must
+/// already be in the store when the group is handed over (else nobody ever judges its silence).
 fn join_then_freeze_rank_1() -> (ProcessGroup, Vec<f32>) {
     let pg = ProcessGroup::from_env().unwrap();
-    let mut x = vec![1.0f32; 1024];
-    pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    let x = vec![1.0f32; 1024];
     if pg.rank() == Rank(1) {
         let me = rustix::process::getpid();
         pg.store()

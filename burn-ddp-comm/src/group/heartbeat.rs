@@ -405,6 +405,10 @@ impl Watcher {
             seen: HashMap::new(),
             store_ok: Instant::now(),
         };
+        // The first heartbeat is in the store before the group is handed to its user: a rank
+        // that dies or freezes right after joining (before its watcher thread first ran) would
+        // otherwise never have published one, and the others judge only silence they saw begin.
+        watch.publish();
         let mut stopped_for_record = false;
         let thread = {
             let verdict = Arc::clone(&verdict);
@@ -487,7 +491,8 @@ impl Watch {
             Ok(Some(r)) if r.reporter != self.rank || r.culprit.is_some_and(|c| c != self.rank))
     }
 
-    fn tick(&mut self) -> Option<Verdict> {
+    /// Publishes this rank's next heartbeat (reconnecting first when the connection broke).
+    fn publish(&mut self) {
         self.beat += 1;
         let mine = Beat {
             beat: self.beat,
@@ -506,6 +511,11 @@ impl Watch {
         if self.store.set(&key(self.rank), &mine.encode()).is_ok() {
             self.store_ok = now;
         }
+    }
+
+    fn tick(&mut self) -> Option<Verdict> {
+        self.publish();
+        let now = Instant::now();
         for r in self.world.ranks().filter(|r| *r != self.rank) {
             let Ok(bytes) = self.store.get_timeout(&key(r), Duration::from_millis(1)) else {
                 continue; // not published yet, or the store is busy: judged below
