@@ -124,7 +124,8 @@ pub mod types;
 mod wire;
 
 pub use config::{
-    EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr, Timeouts,
+    Algorithm, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr,
+    Timeouts,
 };
 pub use error::{
     CollectiveError, ConfigError, CudaError, DdpError, JobError, MembershipError, ModelError,

@@ -31,28 +31,67 @@ pub(crate) fn poll<const N: usize>(
     fds: [(BorrowedFd<'_>, Ready); N],
     timeout: Duration,
 ) -> io::Result<()> {
-    let mut raw = fds.map(|(fd, ready)| libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: if ready.read { libc::POLLIN } else { 0 }
-            | if ready.write { libc::POLLOUT } else { 0 },
+    poll_set(&fds, timeout).map(|_| ())
+}
+
+/// Most descriptors [`poll_set`] waits on.
+pub(crate) const POLL_SET_MAX: usize = 64;
+
+/// [`poll`] over up to [`POLL_SET_MAX`] descriptors (those after are not waited on); returns
+/// which are ready or have an error or hang-up pending, as a bit per entry.
+///
+/// # Errors
+/// `ppoll` failed for another reason than an interruption.
+pub(crate) fn poll_set(fds: &[(BorrowedFd<'_>, Ready)], timeout: Duration) -> io::Result<u64> {
+    let n = fds.len().min(POLL_SET_MAX);
+    let mut raw = [libc::pollfd {
+        fd: -1,
+        events: 0,
         revents: 0,
-    });
+    }; POLL_SET_MAX];
+    for (slot, (fd, ready)) in raw.iter_mut().zip(&fds[..n]) {
+        slot.fd = fd.as_raw_fd();
+        slot.events =
+            if ready.read { libc::POLLIN } else { 0 } | if ready.write { libc::POLLOUT } else { 0 };
+    }
     let ts = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         // Below 1e9: fits every c_long.
         tv_nsec: timeout.subsec_nanos() as libc::c_long,
     };
-    // SAFETY: `raw` is an array of `N` initialised `pollfd`s that lives across the call, whose
-    // descriptors are open (borrowed for the call); `ts` is a valid timespec; a null signal
-    // mask leaves the thread's as it is. The kernel writes only the `revents` fields.
-    let n = unsafe { libc::ppoll(raw.as_mut_ptr(), N as libc::nfds_t, &ts, std::ptr::null()) };
-    match n {
-        0.. => Ok(()),
+    // SAFETY: `raw` holds `n` initialised `pollfd`s whose descriptors are open (borrowed for the
+    // call) and lives across it; `ts` is a valid timespec; a null signal mask leaves the
+    // thread's as it is. The kernel writes only the `revents` fields of the first `n`.
+    let got = unsafe { libc::ppoll(raw.as_mut_ptr(), n as libc::nfds_t, &ts, std::ptr::null()) };
+    match got {
+        0.. => Ok(raw[..n]
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.revents != 0)
+            .fold(0u64, |mask, (i, _)| mask | 1 << i)),
         _ => match io::Error::last_os_error() {
-            e if e.kind() == io::ErrorKind::Interrupted => Ok(()),
+            e if e.kind() == io::ErrorKind::Interrupted => Ok(0),
             e => Err(e),
         },
     }
+}
+
+/// Copies what `fd` has now into `buf` without taking it off the socket (0: the peer closed).
+///
+/// # Errors
+/// The socket's error: `WouldBlock` when nothing is there, `Interrupted`, a reset.
+pub(crate) fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is valid for writes of `buf.len()` bytes for the call (the kernel writes at
+    // most that many); `fd` is open.
+    let n = unsafe {
+        libc::recv(
+            fd.as_raw_fd(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    usize::try_from(n).map_err(|_| io::Error::last_os_error())
 }
 
 /// Writes what `fd` takes of `buf` now, without raising SIGPIPE on a closed connection.

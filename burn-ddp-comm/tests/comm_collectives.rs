@@ -3,7 +3,7 @@
 //! computed in the test.
 
 use burn_ddp_comm::{Element, ProcessGroup, Rank, ReduceOp};
-use burn_ddp_dev::procs;
+use burn_ddp_dev::procs::{self, TestJob};
 use half::{bf16, f16};
 
 /// Test element: built from small integers so that every reduction order gives exact results.
@@ -172,7 +172,56 @@ fn collectives<T: TestElem>(pg: &ProcessGroup) {
     pg.barrier().unwrap();
 }
 
+/// Sums whose order shows in the last bits (values of every magnitude, signs mixed), maxima
+/// over NaN and ±0: every rank must end with the same bytes, whichever algorithm ran, at sizes
+/// on both sides of the threshold between recursive doubling and the ring.
+fn identical_on_every_rank(pg: &ProcessGroup) {
+    let r = pg.rank().0;
+    let w = pg.world_size().as_usize();
+    for n in [1usize, 999, 5_000, 40_000] {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ (u64::from(r) << 32) ^ n as u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let values: Vec<f32> = (0..n)
+            .map(|i| match next() % 16 {
+                0 if i % 3 == 0 => f32::NAN,
+                1 => -0.0,
+                2 => 0.0,
+                k => (k as f32 - 8.0) * 10f32.powi((next() % 12) as i32 - 6),
+            })
+            .collect();
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+            let mut mine = values.clone();
+            if op == ReduceOp::Sum || op == ReduceOp::Mean {
+                mine.iter_mut()
+                    .filter(|x| x.is_nan())
+                    .for_each(|x| *x = 1.5);
+            }
+            pg.all_reduce(&mut mine, op).unwrap();
+            let mut all = vec![0f32; n * w];
+            pg.all_gather(&mine, &mut all).unwrap();
+            for (k, theirs) in all.chunks(n).enumerate() {
+                let same = theirs
+                    .iter()
+                    .zip(&mine)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                if let Some(i) = same {
+                    panic!(
+                        "{op} of {n} f32: rank {k} has {:?} at {i}, rank {r} {:?}",
+                        theirs[i], mine[i]
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn all_types(pg: ProcessGroup) {
+    identical_on_every_rank(&pg);
     collectives::<f32>(&pg);
     collectives::<f64>(&pg);
     collectives::<f16>(&pg);
@@ -208,6 +257,56 @@ fn collectives_world_3() {
 #[test]
 fn collectives_world_4() {
     procs::multi_process(4, "collectives_world_4", all_types);
+}
+
+/// Every collective on the ring alone (`BURN_DDP_ALGO=ring`: no links for recursive doubling).
+#[test]
+fn collectives_world_3_on_the_ring() {
+    const NAME: &str = "collectives_world_3_on_the_ring";
+    if let Some(pg) = procs::child_group(NAME) {
+        return all_types(pg);
+    }
+    TestJob::new(3, NAME)
+        .env("BURN_DDP_ALGO", "ring")
+        .run()
+        .assert_all_ok();
+}
+
+/// Every all-reduce, broadcast, all-gather and barrier by recursive doubling, 64 MiB included
+/// (`BURN_DDP_ALGO=tree`), in a world that is not a power of two (ranks 0 and 1 fold, then 4
+/// exchange).
+#[test]
+fn collectives_world_5_by_recursive_doubling() {
+    const NAME: &str = "collectives_world_5_by_recursive_doubling";
+    if let Some(pg) = procs::child_group(NAME) {
+        return all_types(pg);
+    }
+    TestJob::new(5, NAME)
+        .env("BURN_DDP_ALGO", "tree")
+        .run()
+        .assert_all_ok();
+}
+
+/// Ranks that chose different algorithms would wait on different links: every rank is refused
+/// at start, with the variable to set.
+#[test]
+fn ranks_with_different_algorithms_are_refused_with_the_fix() {
+    const NAME: &str = "ranks_with_different_algorithms_are_refused_with_the_fix";
+    if procs::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err().to_string();
+        assert!(
+            err.contains("algorithm") && err.contains("BURN_DDP_ALGO"),
+            "{err}"
+        );
+        assert!(err.contains("ring") && err.contains("tree"), "{err}");
+        return;
+    }
+    TestJob::new(3, NAME)
+        .env("BURN_DDP_ALGO", "tree")
+        .rank_env(1, "BURN_DDP_ALGO", "ring")
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
+        .run()
+        .assert_all_ok();
 }
 
 #[test]

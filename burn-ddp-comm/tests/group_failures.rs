@@ -422,6 +422,81 @@ fn mismatched_collectives_are_reported_not_hung() {
     assert_fast(&out, Duration::from_secs(20));
 }
 
+/// Rank 3 of 5 is killed while the ranks run small all-reduces (recursive doubling: rank 3
+/// exchanges with ranks 2 and 1 directly, the others only hear of it through them): every
+/// survivor names rank 3, fast, though most never had a link to it.
+#[test]
+fn rank_killed_in_small_collectives_is_named_by_every_survivor() {
+    const NAME: &str = "rank_killed_in_small_collectives_is_named_by_every_survivor";
+    if procs::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        if pg.rank() == Rank(3) {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                let me = rustix::process::getpid();
+                let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+            });
+        }
+        let mut buf = vec![1.0f32; 100];
+        let err = (0..10_000_000)
+            .map(|_| pg.all_reduce(&mut buf, ReduceOp::Sum))
+            .find_map(Result::err)
+            .expect("the collectives cannot all succeed once rank 3 is dead");
+        let text = show(&err);
+        let culprit = match &err {
+            DdpError::Collective(CollectiveError::PeerLost { peer, .. }) => Some(*peer),
+            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => record.culprit,
+            DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => {
+                Some(*culprit)
+            }
+            other => panic!("unexpected error: {other}"),
+        };
+        assert_eq!(culprit, Some(Rank(3)), "{text}");
+        assert!(text.contains("all_reduce #"), "{text}");
+        return;
+    }
+    let out = TestJob::new(5, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_ALGO", "auto")
+        .run();
+    assert!(!out.rank(3).ok(), "{}", out.report());
+    for r in [0, 1, 2, 4] {
+        assert!(out.rank(r).ok(), "{}", out.report());
+    }
+    assert_fast(&out, Duration::from_secs(20));
+}
+
+/// Rank 2 calls a large all-reduce (the ring) where the others call a small one (recursive
+/// doubling): no link carries both, yet the mismatch is reported at once, not after the
+/// 10-minute deadline.
+#[test]
+fn collectives_that_chose_different_algorithms_are_reported_as_a_mismatch() {
+    const NAME: &str = "collectives_that_chose_different_algorithms_are_reported_as_a_mismatch";
+    if procs::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        pg.barrier().unwrap();
+        let mut x = vec![1.0f32; if pg.rank() == Rank(2) { 1 << 20 } else { 10 }];
+        let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+        let text = show(&err);
+        assert!(
+            matches!(
+                err,
+                DdpError::Collective(CollectiveError::CollectiveMismatch { .. })
+                    | DdpError::Collective(CollectiveError::JobAborted { .. })
+            ),
+            "{text}"
+        );
+        assert!(text.contains("mismatch"), "{text}");
+        return;
+    }
+    let out = TestJob::new(4, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_ALGO", "auto")
+        .run();
+    out.assert_all_ok();
+    assert_fast(&out, Duration::from_secs(20));
+}
+
 /// Rank 2 is alive (its heartbeat beats) but stops calling collectives — a deadlock or an
 /// endless loop in user code. The others are told within the stall bound, not the 10-minute
 /// collective timeout, with the rank, its host and its last completed collective.

@@ -30,6 +30,7 @@ pub use crate::types::{CollectiveDesc, CollectiveOp, DType, Element, ReduceOp};
 pub use local::LocalCommunicator;
 pub use queue::{Queue, DRAIN_LIMIT};
 pub use tcp::TcpCommunicator;
+pub(crate) use tcp::Tuning;
 
 /// Collectives on host memory. Buffers are raw bytes holding whole elements of the given
 /// [`DType`]; lengths are validated by [`ProcessGroup`](crate::ProcessGroup) before they get here.
@@ -86,6 +87,16 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// Marks the group failed and releases its connections so that peers fail fast too.
     /// Later calls return `GroupAborted`.
     fn abort(&self);
+
+    /// Runs the following collectives with `algorithm`; every rank must switch at the same
+    /// point of its sequence. Transports with one algorithm ignore it.
+    ///
+    /// # Errors
+    /// The transport cannot run `algorithm` (a TCP group connected for the ring only).
+    fn set_algorithm(&self, algorithm: crate::config::Algorithm) -> Result<()> {
+        let _ = algorithm;
+        Ok(())
+    }
 }
 
 /// A watch on the other ranks that the process group hands a communicator (its heartbeat, see

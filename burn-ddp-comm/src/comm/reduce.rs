@@ -42,12 +42,38 @@ trait Num: bytemuck::Pod {
     fn div(self, n: u32) -> Self;
 }
 
+/// The NaN of `a` and `b` (`a` when both are and `a_above`, its bit pattern being the larger).
+#[inline(always)]
+fn nan_of<T: Copy + PartialEq>(a: T, b: T, a_above: bool) -> T {
+    #[allow(clippy::eq_op)]
+    let a_nan = a != a;
+    #[allow(clippy::eq_op)]
+    let b_nan = b != b;
+    match (a_nan, b_nan) {
+        (true, true) if a_above => a,
+        (true, true) => b,
+        (true, false) => a,
+        _ => b,
+    }
+}
+
 macro_rules! float_num {
     ($($t:ty),*) => {$(
         impl Num for $t {
             #[inline(always)] fn add(self, o: Self) -> Self { self + o }
-            #[inline(always)] fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)] fn min(self, o: Self) -> Self { if o < self { o } else { self } }
+            // Symmetric in its arguments, bit for bit, because recursive doubling combines
+            // in both directions at once (`a ⊕ b` on one rank, `b ⊕ a` on its partner): NaN
+            // wins (the larger bit pattern of two), and +0 is above -0.
+            #[inline(always)] fn max(self, o: Self) -> Self {
+                if self.is_nan() || o.is_nan() { nan_of(self, o, self.to_bits() > o.to_bits()) }
+                else if o > self { o } else if self > o { self }
+                else if self.is_sign_negative() { o } else { self }
+            }
+            #[inline(always)] fn min(self, o: Self) -> Self {
+                if self.is_nan() || o.is_nan() { nan_of(self, o, self.to_bits() > o.to_bits()) }
+                else if o < self { o } else if self < o { self }
+                else if self.is_sign_negative() { self } else { o }
+            }
             #[inline(always)] fn div(self, n: u32) -> Self { self / (n as $t) }
         }
     )*};
@@ -236,6 +262,43 @@ mod tests {
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), &[2.0, 3.0, -4.0]);
         combine(DType::F32, ReduceOp::Mean, &mut d, &s, Finish::DivideBy(2));
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&d), &[2.0, 3.0, -4.0]);
+    }
+
+    #[test]
+    fn float_max_and_min_are_symmetric_bit_for_bit() {
+        let values = [
+            0.0f32,
+            -0.0,
+            1.0,
+            -1.0,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7fc0_0001),
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ];
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            for &a in &values {
+                for &b in &values {
+                    let mut ab = bytes(&[a]);
+                    combine(DType::F32, op, &mut ab, &bytes(&[b]), Finish::None);
+                    let mut ba = bytes(&[b]);
+                    combine(DType::F32, op, &mut ba, &bytes(&[a]), Finish::None);
+                    assert_eq!(ab, ba, "{op:?} of {a:?} and {b:?}");
+                    let r = bytemuck::cast_slice::<u8, f32>(&ab)[0];
+                    assert_eq!(r.is_nan(), a.is_nan() || b.is_nan(), "{op:?} {a} {b}");
+                }
+            }
+        }
+        let mut d = bytes(&[-0.0f32]);
+        combine(
+            DType::F32,
+            ReduceOp::Max,
+            &mut d,
+            &bytes(&[0.0f32]),
+            Finish::None,
+        );
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&d)[0].to_bits(), 0);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Configuration of a process group: who this process is, where the master is, how long to wait.
 //!
-//! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`]
+//! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`], [`Algorithm`]
 //! - `env/`: [`env`](mod@env), the one module of burn-ddp (both crates) that reads environment
 //!   variables: it turns `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... into a [`GroupConfig`]
 //!   (`env/placement.rs`: which launcher started the process and where it put it), and resolves
@@ -219,6 +219,17 @@ impl GradTransport {
     }
 }
 
+pub use crate::types::Algorithm;
+
+/// The largest all-reduce, in bytes, that [`Algorithm::Auto`] runs by recursive doubling in a
+/// group of three or more (in a group of two, [`TREE_MAX_BYTES_2`]). The crossover measured
+/// with `burn-ddp bench all-reduce --algo ring,tree` (docs/design.md).
+pub const TREE_MAX_BYTES: usize = 64 << 10;
+
+/// [`TREE_MAX_BYTES`] in a group of two, where the ring is already one exchange each way (of
+/// halves, pipelined) and only saves its second hop's latency.
+pub const TREE_MAX_BYTES_2: usize = 16 << 10;
+
 /// Everything a process needs to join a job.
 #[derive(Debug, Clone)]
 pub struct GroupConfig {
@@ -252,6 +263,9 @@ pub struct GroupConfig {
     /// The launcher whose variables [`env::group_config_from_env`] read, for its advice in
     /// messages; `None` otherwise.
     pub launcher: Option<Launcher>,
+    /// How collectives between processes run; every rank must choose the same. `Auto`:
+    /// `BURN_DDP_ALGO` decides, by size when unset.
+    pub algorithm: Algorithm,
 }
 
 /// Who started the process, as its environment tells ([`env::group_config_from_env`]).
@@ -325,6 +339,7 @@ impl GroupConfig {
             port_origin: None,
             fault_tolerance: None,
             launcher: None,
+            algorithm: Algorithm::Auto,
         }
     }
 
@@ -339,6 +354,13 @@ impl GroupConfig {
     /// `BURN_DDP_DEBUG_DESYNC` says.
     pub fn with_debug_desync(mut self, on: bool) -> Self {
         self.debug_desync = Some(on);
+        self
+    }
+
+    /// Chooses how collectives between processes run, whatever `BURN_DDP_ALGO` says (every
+    /// rank must choose the same).
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
         self
     }
 

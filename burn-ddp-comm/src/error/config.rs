@@ -67,6 +67,25 @@ pub enum ConfigError {
         local_world: WorldSize,
     },
 
+    /// Ranks of one group chose different collective algorithms, which would wait on
+    /// different links.
+    #[error(
+        "[rank {rank}] this rank runs collectives with algorithm {ours}, rank {peer} with {theirs}: \
+         every rank of a group must use the same. Set BURN_DDP_ALGO (auto, ring or tree) to the \
+         same value for every rank, or leave it unset everywhere, and give GroupConfig::algorithm \
+         the same value on every rank"
+    )]
+    AlgorithmMismatch {
+        /// This rank.
+        rank: Rank,
+        /// This rank's algorithm.
+        ours: crate::types::Algorithm,
+        /// The first rank that chose another.
+        peer: Rank,
+        /// Its algorithm.
+        theirs: crate::types::Algorithm,
+    },
+
     /// A configuration value is out of its valid range.
     #[error("invalid configuration: {field} {reason}")]
     InvalidConfig {
@@ -105,9 +124,9 @@ impl ConfigError {
     /// The rank that reported this error, when it names one.
     pub fn rank(&self) -> Option<Rank> {
         match self {
-            Self::RankOutOfRange { rank, .. } | Self::LocalRankOutOfRange { rank, .. } => {
-                Some(*rank)
-            }
+            Self::RankOutOfRange { rank, .. }
+            | Self::LocalRankOutOfRange { rank, .. }
+            | Self::AlgorithmMismatch { rank, .. } => Some(*rank),
             _ => None,
         }
     }

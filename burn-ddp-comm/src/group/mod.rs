@@ -43,8 +43,8 @@ pub use p2p::P2pOp;
 use sub::SubInfo;
 
 use self::heartbeat::{Heartbeat, Progress};
-use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator};
-use crate::config::{GroupConfig, JobToken, Timeouts};
+use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator, Tuning};
+use crate::config::{Algorithm, GroupConfig, JobToken, Timeouts};
 use crate::types::{CollectiveDesc, CollectiveOp, Element, ReduceOp};
 use crate::{DdpError, Result};
 
@@ -61,6 +61,8 @@ struct Inner {
     local_world: WorldSize,
     timeouts: Timeouts,
     token: JobToken,
+    /// How collectives between processes run (sub-groups run theirs the same way).
+    algorithm: Algorithm,
     /// Which attempt of a restarted job this is.
     restart_count: u32,
     /// `BURN_DDP_DEBUG_DESYNC`: compare every collective across all ranks before running it.
@@ -105,6 +107,7 @@ impl Inner {
         deadline: Instant,
     ) -> Result<Self> {
         let desync = DesyncCheck::new(crate::config::env::debug_desync(config.debug_desync)?);
+        let algorithm = crate::config::env::algorithm(config.algorithm)?;
         let mut comm = TcpCommunicator::connect(
             Arc::clone(&client),
             config.rank,
@@ -113,8 +116,19 @@ impl Inner {
             WORLD_TAG,
             deadline,
             config.timeouts,
+            Tuning {
+                algorithm,
+                local_world: config.local_world_size,
+            },
         )
-        .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
+        .inspect_err(|e| {
+            rendezvous::publish(&client, config.rank, None, e);
+            // As after a failed rendezvous: rank 0's store stays up until the others have read
+            // the record (a rank that failed the same check, or waits for a link from this one).
+            if let Some(server) = &server {
+                server.linger_after_abort(config.rank);
+            }
+        })?;
         let heartbeat = Heartbeat::start(
             &client,
             config.rank,
@@ -151,6 +165,7 @@ impl Inner {
             local_world: config.local_world_size,
             timeouts: config.timeouts,
             token: config.token.clone(),
+            algorithm,
             restart_count: config.restart_count,
             desync,
             tag: WORLD_TAG.into(),
@@ -189,6 +204,7 @@ impl Inner {
             local_world,
             timeouts,
             token,
+            algorithm: Algorithm::Auto,
             restart_count,
             desync: None,
             tag: WORLD_TAG.into(),
@@ -394,6 +410,7 @@ impl ProcessGroup {
                     local_world: world,
                     timeouts,
                     token: JobToken::new("local"),
+                    algorithm: Algorithm::Auto,
                     restart_count: 0,
                     desync: DesyncCheck::new(desync),
                     tag: WORLD_TAG.into(),
@@ -472,6 +489,15 @@ impl ProcessGroup {
     /// The transport's name (`"tcp"`, `"local"`).
     pub fn transport(&self) -> &'static str {
         self.inner().comm.transport()
+    }
+
+    /// Runs the following collectives with `algorithm` (the bench's comparison: every rank
+    /// switches at the same point).
+    ///
+    /// # Errors
+    /// As [`Communicator::set_algorithm`].
+    pub(crate) fn set_algorithm(&self, algorithm: Algorithm) -> Result<()> {
+        self.inner().comm.set_algorithm(algorithm)
     }
 
     /// The prefix of this group's store keys (distinct for every sub-group).

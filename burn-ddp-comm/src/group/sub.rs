@@ -17,7 +17,7 @@ use std::time::Instant;
 use super::heartbeat::SubgroupWatch;
 use super::p2p::P2p;
 use super::{Inner, ProcessGroup};
-use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator};
+use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator, Tuning};
 use crate::types::{Rank, RankList, WorldSize};
 use crate::{DdpError, Result};
 
@@ -215,6 +215,10 @@ impl ProcessGroup {
                 &tag,
                 deadline,
                 timeouts,
+                Tuning {
+                    algorithm: inner.algorithm,
+                    local_world: inner.local_world,
+                },
             )
             .map_err(|e| {
                 DdpError::Collective(CollectiveError::InGroup {
@@ -248,6 +252,7 @@ impl ProcessGroup {
             local_world: inner.local_world,
             timeouts,
             token: inner.token.clone(),
+            algorithm: inner.algorithm,
             restart_count: inner.restart_count,
             desync: super::DesyncCheck::new(inner.desync.is_some()),
             tag,

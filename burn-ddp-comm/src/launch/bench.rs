@@ -13,6 +13,7 @@ use half::{bf16, f16};
 
 use crate::comm::memory::huge_filled;
 use crate::comm::{Element, ReduceOp};
+use crate::config::Algorithm;
 use crate::store::auth::{self, Purpose};
 use crate::types::Rank;
 use crate::{DdpError, ProcessGroup, Result};
@@ -74,6 +75,9 @@ pub struct AllReduceBench {
     /// Measure NCCL on each rank's GPU instead of the process group's transport (`cuda`
     /// feature).
     pub nccl: bool,
+    /// Collective algorithms to compare within each size, in interleaved rounds (empty: the
+    /// group's own choice).
+    pub algorithms: Vec<Algorithm>,
 }
 
 impl Default for AllReduceBench {
@@ -87,6 +91,7 @@ impl Default for AllReduceBench {
             target: Duration::from_millis(400),
             skip_loopback: false,
             nccl: false,
+            algorithms: Vec::new(),
         }
     }
 }
@@ -210,6 +215,12 @@ impl AllReduceBench {
         } else {
             (MAX_HOST_BYTES, "the host transport")
         };
+        if self.nccl && !self.algorithms.is_empty() {
+            return bad(
+                "--algo",
+                "compares the host transport's algorithms; NCCL chooses its own".into(),
+            );
+        }
         if self.max_bytes < elem {
             return bad(
                 "--max-bytes",
@@ -305,9 +316,104 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<
             *x = T::from_i32(pattern(pg.rank().0, i));
         }
         pg.all_reduce(slice, opts.op)?;
-        rows.push(row(pg, opts, bytes, secs[0], slice)?);
+        rows.push(row(pg, opts, (bytes, secs[0]), slice, None)?);
     }
     Ok(rows)
+}
+
+/// Per size, the median time of each algorithm compared (in the order given).
+type AlgorithmTimes = Vec<(usize, Vec<f64>)>;
+
+/// Rounds of each algorithm per size in [`sweep_algorithms`], interleaved.
+const ALGORITHM_ROUNDS: usize = 5;
+
+/// The sweep over several algorithms: within each size, `ALGORITHM_ROUNDS` rounds of every
+/// algorithm in turn (the same iterations each), so that all see the same machine conditions;
+/// a row per algorithm with its median time, checked on fresh data. Returns the rows and, per
+/// size, the median times in the order of `opts.algorithms`.
+fn sweep_algorithms<T: BenchElem>(
+    pg: &ProcessGroup,
+    opts: &AllReduceBench,
+) -> BenchResult<(Vec<BenchRow>, AlgorithmTimes)> {
+    let elem = std::mem::size_of::<T>();
+    let mut buf: Vec<T> = huge_filled(opts.max_bytes / elem, T::from_i32(1));
+    let (mut rows, mut times) = (Vec::new(), Vec::new());
+    for bytes in sizes(opts, elem) {
+        let slice = &mut buf[..bytes / elem];
+        for &a in &opts.algorithms {
+            pg.set_algorithm(a)?;
+            for _ in 0..2 {
+                pg.all_reduce(slice, opts.op)?;
+            }
+        }
+        // Iterations from the slowest algorithm's estimate, the same for all.
+        let mut est = [0f64];
+        for &a in &opts.algorithms {
+            pg.set_algorithm(a)?;
+            let t = Instant::now();
+            pg.all_reduce(slice, opts.op)?;
+            est[0] = est[0].max(t.elapsed().as_secs_f64());
+        }
+        pg.all_reduce(&mut est, ReduceOp::Max)?;
+        let per_round = opts.target.as_secs_f64() / ALGORITHM_ROUNDS as f64;
+        let iters = (per_round / est[0].max(1e-7)).clamp(3.0, 500.0) as usize;
+        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); opts.algorithms.len()];
+        for _ in 0..ALGORITHM_ROUNDS {
+            for (k, &a) in opts.algorithms.iter().enumerate() {
+                pg.set_algorithm(a)?;
+                for (i, x) in slice.iter_mut().enumerate() {
+                    *x = T::from_i32(pattern(pg.rank().0, i));
+                }
+                pg.barrier()?;
+                let t = Instant::now();
+                for _ in 0..iters {
+                    pg.all_reduce(slice, opts.op)?;
+                }
+                let mut s = [t.elapsed().as_secs_f64() / iters as f64];
+                pg.all_reduce(&mut s, ReduceOp::Max)?;
+                secs[k].push(s[0]);
+            }
+        }
+        let mut medians = Vec::with_capacity(secs.len());
+        for (&a, s) in opts.algorithms.iter().zip(secs) {
+            pg.set_algorithm(a)?;
+            for (i, x) in slice.iter_mut().enumerate() {
+                *x = T::from_i32(pattern(pg.rank().0, i));
+            }
+            pg.all_reduce(slice, opts.op)?;
+            let m = median(s);
+            rows.push(row(pg, opts, (bytes, m), slice, Some(a))?);
+            medians.push(m);
+        }
+        times.push((bytes, medians));
+    }
+    Ok((rows, times))
+}
+
+/// Prints each size's time under every algorithm as a ratio to the first's.
+fn print_ratios(algorithms: &[Algorithm], times: &[(usize, Vec<f64>)]) {
+    let Some((first, rest)) = algorithms.split_first() else {
+        return;
+    };
+    if rest.is_empty() {
+        return;
+    }
+    println!("#");
+    println!(
+        "# time of {first} / time of each other algorithm, per size ({ALGORITHM_ROUNDS} interleaved rounds, medians):"
+    );
+    for (bytes, t) in times {
+        let ratios: Vec<String> = rest
+            .iter()
+            .zip(&t[1..])
+            .map(|(a, x)| format!("{a} {:.2}x", t[0] / x))
+            .collect();
+        println!(
+            "# {bytes:>10} B: {first} {:.1} us; {}",
+            t[0] * 1e6,
+            ratios.join(", ")
+        );
+    }
 }
 
 /// Prints the table's footer (nccl-tests' wrong-value count and average bus bandwidth) and
@@ -328,9 +434,9 @@ fn print_summary(rows: &[BenchRow]) -> u64 {
 fn row<T: BenchElem>(
     pg: &ProcessGroup,
     opts: &AllReduceBench,
-    bytes: usize,
-    seconds: f64,
+    (bytes, seconds): (usize, f64),
     result: &[T],
+    algorithm: Option<Algorithm>,
 ) -> BenchResult<BenchRow> {
     let world = pg.world_size().get();
     let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
@@ -350,7 +456,7 @@ fn row<T: BenchElem>(
         wrong: wrong[0].max(0) as u64,
     };
     if pg.is_main() {
-        print_row(Some(r), opts);
+        print_row(Some(r), opts, algorithm);
     }
     Ok(r)
 }
@@ -448,7 +554,7 @@ fn sweep_nccl<T: BenchElem + cudarc::driver::DeviceRepr + Default>(
             .stream()
             .clone_dtoh(&dev)
             .map_err(|e| cuda("reading the result", e))?;
-        rows.push(row(pg, opts, bytes, secs[0], &back[..count])?);
+        rows.push(row(pg, opts, (bytes, secs[0]), &back[..count], None)?);
         comm.stream()
             .memcpy_htod(&host, &mut dev)
             .map_err(|e| cuda("resetting the benchmark buffer", e))?;
@@ -467,10 +573,10 @@ fn dtype_name(d: BenchDType) -> &'static str {
     }
 }
 
-fn print_row(row: Option<BenchRow>, opts: &AllReduceBench) {
+fn print_row(row: Option<BenchRow>, opts: &AllReduceBench, algorithm: Option<Algorithm>) {
     if let Some(r) = row {
         println!(
-            "{:>12} {:>12} {:>8} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>7}",
+            "{:>12} {:>12} {:>8} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>7}{}",
             r.bytes,
             r.count,
             dtype_name(opts.dtype),
@@ -478,7 +584,8 @@ fn print_row(row: Option<BenchRow>, opts: &AllReduceBench) {
             r.seconds * 1e6,
             r.algbw,
             r.busbw,
-            r.wrong
+            r.wrong,
+            algorithm.map(|a| format!(" {a:>5}")).unwrap_or_default()
         );
     }
 }
@@ -737,7 +844,11 @@ pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
             }
         };
     }
-    let rows = with_type!(sweep, &pg, opts)?;
+    let (rows, times) = if opts.algorithms.is_empty() {
+        (with_type!(sweep, &pg, opts)?, Vec::new())
+    } else {
+        with_type!(sweep_algorithms, &pg, opts)?
+    };
     let comparison = if world.get() >= 2 && !opts.skip_loopback {
         with_type!(compare, &pg, &mut link, reference)?
     } else {
@@ -745,6 +856,7 @@ pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
     };
     if pg.is_main() {
         let wrong = print_summary(&rows);
+        print_ratios(&opts.algorithms, &times);
         if let Some((stream, ring)) = comparison {
             println!("#");
             println!(

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use super::bench::{AllReduceBench, BenchDType, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
-use crate::config::{JobToken, MasterAddr, DEFAULT_MASTER_PORT};
+use crate::config::{Algorithm, JobToken, MasterAddr, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
 
 /// Distributed data parallel training for Burn.
@@ -211,12 +211,24 @@ pub struct BenchArgs {
     /// rank's GPU (`LOCAL_RANK`; needs the `cuda` feature).
     #[arg(long, value_enum, default_value = "host")]
     transport: TransportArg,
+    /// Collective algorithms to compare, interleaved in rounds within each size (`ring,tree`):
+    /// each row then names its algorithm, and the ratios to the first are printed at the end.
+    /// Unset: the group's own choice (`BURN_DDP_ALGO`, by size when unset).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    algo: Vec<AlgoArg>,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum TransportArg {
     Host,
     Nccl,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum AlgoArg {
+    Auto,
+    Ring,
+    Tree,
 }
 
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
@@ -518,6 +530,15 @@ fn bench(args: BenchArgs) -> BenchResult<ExitCode> {
         target: Duration::from_millis(args.target_ms),
         skip_loopback: args.no_loopback,
         nccl: matches!(args.transport, TransportArg::Nccl),
+        algorithms: args
+            .algo
+            .iter()
+            .map(|a| match a {
+                AlgoArg::Auto => Algorithm::Auto,
+                AlgoArg::Ring => Algorithm::Ring,
+                AlgoArg::Tree => Algorithm::Tree,
+            })
+            .collect(),
     };
     // Refused here, before any rank starts.
     opts.check()?;

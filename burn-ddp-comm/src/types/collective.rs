@@ -266,6 +266,51 @@ elements! {
     u8 => U8,
 }
 
+/// Which algorithm the TCP transport runs a collective with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    /// By size: recursive doubling (log n steps) for all-reduces, broadcasts and all-gathers
+    /// of at most [`TREE_MAX_BYTES`](crate::config::TREE_MAX_BYTES) (between two ranks
+    /// [`TREE_MAX_BYTES_2`](crate::config::TREE_MAX_BYTES_2)) and for barriers, the pipelined
+    /// ring (bandwidth-optimal, 2(n−1) steps) above. The only choice `BURN_DDP_ALGO` may
+    /// replace.
+    #[default]
+    Auto,
+    /// The ring for every collective (opens no other link).
+    Ring,
+    /// Recursive doubling for every all-reduce, broadcast, all-gather and barrier, whatever
+    /// its size (reduce-scatters stay on the ring). For measuring; `Auto` is faster above the
+    /// threshold.
+    Tree,
+}
+
+impl Algorithm {
+    /// Parses `auto`, `ring` and `tree`, in any case.
+    pub fn parse(v: &str) -> Option<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(Self::Auto),
+            "ring" => Some(Self::Ring),
+            "tree" => Some(Self::Tree),
+            _ => None,
+        }
+    }
+
+    /// The name `parse` reads back.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Ring => "ring",
+            Self::Tree => "tree",
+        }
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

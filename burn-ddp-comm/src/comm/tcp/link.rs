@@ -4,10 +4,13 @@
 use crate::error::{ConfigError, RendezvousError};
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use crate::config::JobToken;
+use super::tree;
+use crate::config::{Algorithm, JobToken};
 use crate::store::auth::{self, Purpose, RefuseReason, ServerHandshakeError};
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{Rank, RankList, WorldSize};
@@ -72,23 +75,7 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
         .iter()
         .map(|r| format!("{tag}/addr/{r}"))
         .collect();
-    let started = Instant::now();
-    let left = deadline.saturating_duration_since(started);
-    if let WaitOutcome::Missing(missing) = store.wait(&keys, left)? {
-        let missing: Vec<Rank> = missing
-            .iter()
-            .filter_map(|k| k.rsplit('/').next()?.parse().ok().map(Rank))
-            .collect();
-        return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
-            rank,
-            addr: store.addr().to_string(),
-            waited: started.elapsed(),
-            joined: (n as usize).saturating_sub(missing.len()),
-            world,
-            missing: RankList(missing),
-            refused_note: String::new(),
-        }));
-    }
+    wait_published(setup, &keys)?;
 
     if n == 2 {
         // One full-duplex connection: rank 0 connects, rank 1 accepts.
@@ -126,9 +113,34 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
     })
 }
 
-fn connect(setup: &LinkSetup<'_>, peer: Rank) -> Result<TcpStream> {
-    let raw = setup.store.get(&format!("{}/addr/{peer}", setup.tag))?;
-    let addr: SocketAddr = std::str::from_utf8(&raw)
+/// Waits until every key of `keys` (each ending in `/{rank}`) is in the store.
+///
+/// # Errors
+/// `RendezvousTimeout` naming the ranks whose keys are missing at the deadline.
+fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<()> {
+    let started = Instant::now();
+    let left = setup.deadline.saturating_duration_since(started);
+    if let WaitOutcome::Missing(missing) = setup.store.wait(keys, left)? {
+        let missing: Vec<Rank> = missing
+            .iter()
+            .filter_map(|k| k.rsplit('/').next()?.parse().ok().map(Rank))
+            .collect();
+        return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
+            rank: setup.rank,
+            addr: setup.store.addr().to_string(),
+            waited: started.elapsed(),
+            joined: setup.world.as_usize().saturating_sub(missing.len()),
+            world: setup.world,
+            missing: RankList(missing),
+            refused_note: String::new(),
+        }));
+    }
+    Ok(())
+}
+
+/// A transport address published in the store.
+fn parse_addr(setup: &LinkSetup<'_>, raw: &[u8]) -> Result<SocketAddr> {
+    std::str::from_utf8(raw)
         .ok()
         .and_then(|s| s.parse().ok())
         .ok_or(DdpError::Rendezvous(RendezvousError::Protocol {
@@ -137,7 +149,136 @@ fn connect(setup: &LinkSetup<'_>, peer: Rank) -> Result<TcpStream> {
             error: crate::wire::WireError::InvalidValue {
                 what: "published transport address",
             },
-        }))?;
+        }))
+}
+
+/// Opens the links of recursive doubling (`tree.rs`) for `algorithm`, after checking that every
+/// rank of the group chose the same one: one link per partner, by place (`None` elsewhere; all
+/// `None` for [`Algorithm::Ring`]).
+///
+/// # Errors
+/// `AlgorithmMismatch` naming a rank that chose another algorithm; as [`open_ring`].
+pub(crate) fn open_tree(
+    setup: &LinkSetup<'_>,
+    algorithm: Algorithm,
+) -> Result<Vec<Option<TcpStream>>> {
+    let LinkSetup {
+        store,
+        rank,
+        world,
+        tag,
+        deadline,
+        ..
+    } = *setup;
+    let n = world.as_usize();
+    let listener = if algorithm == Algorithm::Ring {
+        None
+    } else {
+        Some(TcpListener::bind(SocketAddr::new(
+            store.local_addr()?.ip(),
+            0,
+        ))?)
+    };
+    let addr = match &listener {
+        Some(l) => l.local_addr()?.to_string(),
+        None => "-".into(),
+    };
+    // Every rank counts itself under its algorithm before it publishes its address: once every
+    // address is there, a count short of the world means some rank chose another algorithm.
+    let count_key = format!("{tag}/algo-count/{algorithm}");
+    store.add(&count_key, 1)?;
+    store.set(
+        &format!("{tag}/tree/{rank}"),
+        format!("{algorithm} {addr}").as_bytes(),
+    )?;
+    let keys: Vec<String> = (0..n).map(|r| format!("{tag}/tree/{r}")).collect();
+    wait_published(setup, &keys)?;
+    let published = |peer: usize| -> Result<(Option<Algorithm>, Vec<u8>)> {
+        let raw = store.get(&keys[peer])?;
+        let text = String::from_utf8_lossy(&raw).into_owned();
+        let (algo, addr) = text.split_once(' ').unwrap_or((text.as_str(), ""));
+        Ok((Algorithm::parse(algo), addr.as_bytes().to_vec()))
+    };
+    if store.add(&count_key, 0)? != n as i64 {
+        for peer in 0..n {
+            match published(peer)?.0 {
+                Some(theirs) if theirs == algorithm => {}
+                theirs => {
+                    return Err(DdpError::Config(ConfigError::AlgorithmMismatch {
+                        rank,
+                        ours: algorithm,
+                        peer: Rank(peer as u32),
+                        theirs: theirs.unwrap_or(Algorithm::Auto),
+                    }))
+                }
+            }
+        }
+    }
+    let mut links: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    let Some(listener) = listener else {
+        return Ok(links);
+    };
+    let me = rank.index();
+    let partners = tree::partners(me, n);
+    // Each pair's lower rank accepts, the higher one connects; accepting on a thread lets a rank
+    // do both at once.
+    let higher: Vec<Rank> = partners
+        .iter()
+        .filter(|&&p| p > me)
+        .map(|&p| Rank(p as u32))
+        .collect();
+    let give_up = Arc::new(AtomicBool::new(false));
+    let acceptor = {
+        let token = setup.token.clone();
+        let give_up = Arc::clone(&give_up);
+        thread::Builder::new()
+            .name("burn-ddp-accept".into())
+            .spawn(move || {
+                accept_all(
+                    &listener,
+                    &token,
+                    (rank, world, deadline),
+                    &higher,
+                    &give_up,
+                )
+            })?
+    };
+    let mut failed = None;
+    for &p in partners.iter().filter(|&&p| p < me) {
+        let peer = Rank(p as u32);
+        let linked = published(p)
+            .and_then(|(_, raw)| parse_addr(setup, &raw))
+            .and_then(|addr| connect_to(setup, peer, addr));
+        match linked {
+            Ok(s) => links[p] = Some(s),
+            Err(e) => {
+                give_up.store(true, Ordering::Relaxed);
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    let accepted = acceptor.join().map_err(|_| {
+        DdpError::Config(ConfigError::InvalidConfig {
+            field: "transport",
+            reason: "accept thread panicked",
+        })
+    })?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    for (r, s) in accepted? {
+        links[r.index()] = Some(s);
+    }
+    Ok(links)
+}
+
+fn connect(setup: &LinkSetup<'_>, peer: Rank) -> Result<TcpStream> {
+    let raw = setup.store.get(&format!("{}/addr/{peer}", setup.tag))?;
+    connect_to(setup, peer, parse_addr(setup, &raw)?)
+}
+
+fn connect_to(setup: &LinkSetup<'_>, peer: Rank, addr: SocketAddr) -> Result<TcpStream> {
     let mut last = std::io::Error::new(ErrorKind::TimedOut, "no attempt");
     let started = Instant::now();
     loop {
@@ -184,23 +325,49 @@ fn accept(listener: &TcpListener, setup: &LinkSetup<'_>, expected: Rank) -> Resu
 fn accept_owned(
     listener: &TcpListener,
     token: &JobToken,
-    (rank, world, deadline): (Rank, WorldSize, Instant),
+    who: (Rank, WorldSize, Instant),
     expected: Rank,
 ) -> Result<TcpStream> {
+    let mut got = accept_all(listener, token, who, &[expected], &AtomicBool::new(false))?;
+    match got.pop() {
+        Some((_, s)) => Ok(s),
+        None => unreachable!("accept_all returns one link per expected rank"),
+    }
+}
+
+/// Accepts one authenticated link from each rank of `expected`, in any order; returns them with
+/// their rank. Stops early, with what it has, once `give_up` is set.
+fn accept_all(
+    listener: &TcpListener,
+    token: &JobToken,
+    (rank, world, deadline): (Rank, WorldSize, Instant),
+    expected: &[Rank],
+    give_up: &AtomicBool,
+) -> Result<Vec<(Rank, TcpStream)>> {
     listener.set_nonblocking(true)?;
     let started = Instant::now();
-    loop {
+    let mut got: Vec<(Rank, TcpStream)> = Vec::with_capacity(expected.len());
+    while got.len() < expected.len() {
+        let waiting = |got: &[(Rank, TcpStream)]| -> Vec<Rank> {
+            expected
+                .iter()
+                .copied()
+                .filter(|r| !got.iter().any(|(g, _)| g == r))
+                .collect()
+        };
         match listener.accept() {
             Ok((mut s, peer)) => {
                 s.set_nonblocking(false)?;
                 let hs_deadline = deadline.min(Instant::now() + Duration::from_secs(10));
+                let missing = waiting(&got);
                 match auth::server_handshake(&mut s, &[Purpose::Transport], token, hs_deadline) {
-                    Ok(hello) if hello.rank == expected && hello.world == world => {
+                    Ok(hello) if missing.contains(&hello.rank) && hello.world == world => {
                         auth::welcome(&mut s)?;
                         tune(&s)?;
-                        return Ok(s);
+                        got.push((hello.rank, s));
                     }
                     Ok(hello) => {
+                        let expected = missing.first().copied().unwrap_or(hello.rank);
                         let _ = auth::refuse(&mut s, &RefuseReason::UnexpectedPeer { expected });
                         tracing::warn!(
                             "[rank {rank}] refused a transport link from {peer}: it claims rank {} (world {}), expected rank {expected}",
@@ -217,7 +384,18 @@ fn accept_owned(
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if give_up.load(Ordering::Relaxed) {
+                    break;
+                }
                 if Instant::now() >= deadline {
+                    let missing = waiting(&got);
+                    let who = match missing.as_slice() {
+                        [one] => format!("rank {one} published its address"),
+                        many => format!(
+                            "ranks {} published their addresses",
+                            RankList(many.to_vec())
+                        ),
+                    };
                     return Err(DdpError::Rendezvous(RendezvousError::RendezvousTimeout {
                         rank,
                         addr: listener
@@ -225,12 +403,10 @@ fn accept_owned(
                             .map(|a| a.to_string())
                             .unwrap_or_default(),
                         waited: started.elapsed(),
-                        joined: world.as_usize() - 1,
+                        joined: world.as_usize() - missing.len(),
                         world,
-                        missing: RankList(vec![expected]),
-                        refused_note: format!(
-                            " (rank {expected} published its address but never connected to this rank)"
-                        ),
+                        missing: RankList(missing),
+                        refused_note: format!(" ({who} but never connected to this rank)"),
                     }));
                 }
                 thread::sleep(Duration::from_millis(5));
@@ -238,4 +414,5 @@ fn accept_owned(
             Err(e) => return Err(e.into()),
         }
     }
+    Ok(got)
 }

@@ -2,6 +2,8 @@
 //!
 //! - `header.rs`: the header that opens each collective (sequence number + descriptor)
 //! - `ring.rs`: collective plans and the streaming engine
+//! - `tree.rs`: recursive doubling, for small all-reduces and barriers (log n steps), run by the
+//!   same engine over links of its own
 //! - `link.rs`: connection setup through the store
 //!
 //! A failure on any link (a peer died, a deadline passed, a mismatch) poisons the communicator,
@@ -11,17 +13,22 @@
 pub(crate) mod header;
 mod link;
 pub(crate) mod ring;
+mod tree;
 
 use crate::error::{CollectiveError, RendezvousError};
-use std::net::{Shutdown, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
-use self::ring::{Links, Plan, RingError, Side};
+use self::ring::{Links, Plan, RecvMode, RecvSeg, RingError, SendSeg, Side, Waits};
+use self::tree::Step;
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
+use crate::comm::reduce::Finish;
+use crate::config::{Algorithm, TREE_MAX_BYTES, TREE_MAX_BYTES_2};
 use crate::config::{JobToken, Timeouts};
+use crate::error::ConfigError;
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{AbortRecord, CollectiveSeq, Rank, RankList, StallDiagnosis, WorldSize};
 use crate::{DdpError, Result};
@@ -35,12 +42,39 @@ const FINISHED_WAIT: Duration = Duration::from_millis(100);
 #[derive(Debug)]
 struct State {
     ring: Ring,
+    /// The links of recursive doubling, by place (`None` for ranks this one never exchanges
+    /// with, and for all under [`Algorithm::Ring`]).
+    tree: Vec<Option<TcpStream>>,
+    /// The algorithm collectives run with now (the connected one, or the bench's choice).
+    algorithm: Algorithm,
     seq: u64,
     failed: Option<AbortRecord>,
     /// Receive scratch for reductions (u64 for alignment).
     scratch: Vec<u64>,
     /// Work buffer of reduce-scatter (kept to avoid reallocating per call).
     work: Vec<u8>,
+    /// Recursive doubling's buffer: the running result, then the copy of it being sent (u64 for
+    /// alignment).
+    exchange: Vec<u64>,
+}
+
+/// How a [`TcpCommunicator`] runs its collectives, the same on every rank of a group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Tuning {
+    /// The algorithm (resolved from `BURN_DDP_ALGO` already).
+    pub algorithm: Algorithm,
+    /// How many ranks run on this host: more than its cores, and the engine sleeps at once
+    /// instead of spinning first.
+    pub local_world: WorldSize,
+}
+
+/// Where an engine failure happened: the peers on either side of the link (by place) and the
+/// receiving side's address, for the error.
+#[derive(Debug, Clone, Copy)]
+struct Hop {
+    next: Rank,
+    prev: Rank,
+    prev_addr: Option<SocketAddr>,
 }
 
 /// Collectives between processes over a TCP ring (see the module docs).
@@ -63,6 +97,10 @@ pub struct TcpCommunicator {
     links: Arc<LinkStopper>,
     /// The process group's heartbeat, once handed over ([`TcpCommunicator::watch_with`]).
     watch: Option<Arc<dyn PeerWatch>>,
+    /// How long the engine spins before it sleeps ([`Waits::spin`]).
+    spin: Duration,
+    /// The algorithm the links were opened for.
+    connected: Algorithm,
 }
 
 /// What stops a [`TcpCommunicator`]'s collectives: its abort flag and clones of its link
@@ -103,7 +141,9 @@ impl LinkStopper {
 }
 
 impl TcpCommunicator {
-    /// Opens the ring links of a group of `world >= 2` ranks through the store.
+    /// Opens the links of a group of `world >= 2` ranks through the store: the ring's, and
+    /// recursive doubling's unless `tuning` says [`Algorithm::Ring`].
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         store: Arc<StoreClient>,
         rank: Rank,
@@ -112,21 +152,34 @@ impl TcpCommunicator {
         tag: &str,
         rendezvous_deadline: Instant,
         timeouts: Timeouts,
+        tuning: Tuning,
     ) -> Result<Self> {
-        let ring = link::open_ring(&LinkSetup {
+        let setup = LinkSetup {
             store: &store,
             rank,
             world,
             token,
             tag,
             deadline: rendezvous_deadline,
-        })?;
+        };
+        let ring = link::open_ring(&setup)?;
+        let tree = link::open_tree(&setup, tuning.algorithm)?;
         ring.next.set_nonblocking(true)?;
         let mut handles = vec![ring.next.try_clone()?];
         if let Some(prev) = &ring.prev {
             prev.set_nonblocking(true)?;
             handles.push(prev.try_clone()?);
         }
+        for link in tree.iter().flatten() {
+            link.set_nonblocking(true)?;
+            handles.push(link.try_clone()?);
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let spin = if tuning.local_world.as_usize() > cores {
+            Duration::ZERO
+        } else {
+            ring::SPIN
+        };
         Ok(Self {
             rank,
             world,
@@ -137,16 +190,21 @@ impl TcpCommunicator {
             store,
             state: Mutex::new(State {
                 ring,
+                tree,
+                algorithm: tuning.algorithm,
                 seq: 0,
                 failed: None,
                 scratch: vec![0u64; ring::SCRATCH / 8],
                 work: Vec::new(),
+                exchange: Vec::new(),
             }),
             links: Arc::new(LinkStopper {
                 abort: Arc::new(AtomicBool::new(false)),
                 links: handles,
             }),
             watch: None,
+            spin,
+            connected: tuning.algorithm,
         })
     }
 
@@ -191,21 +249,44 @@ impl TcpCommunicator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn neighbour(&self, side: Side) -> Rank {
+    /// The ring's hop: the neighbours of this rank's place and the previous one's address.
+    fn ring_hop(&self, st: &State) -> Hop {
         let (next, prev) = ring::neighbours(self.rank, self.world.get());
-        self.global(match side {
-            Side::Next => next,
-            Side::Prev => prev,
-        })
+        Hop {
+            next,
+            prev,
+            prev_addr: st
+                .ring
+                .prev
+                .as_ref()
+                .unwrap_or(&st.ring.next)
+                .peer_addr()
+                .ok(),
+        }
     }
 
-    /// Runs `plan` over `buf` as collective `desc`.
-    fn run(
+    /// Whether an all-reduce, broadcast or all-gather of `bytes` (the whole buffer) runs by
+    /// recursive doubling.
+    fn by_tree(&self, st: &State, bytes: usize) -> bool {
+        match st.algorithm {
+            Algorithm::Ring => false,
+            Algorithm::Tree => true,
+            Algorithm::Auto if self.world.get() == 2 => bytes <= TREE_MAX_BYTES_2,
+            Algorithm::Auto => bytes <= TREE_MAX_BYTES,
+        }
+    }
+
+    /// Runs collective `desc` as `body` does it: numbers it, tells the watch, and turns a
+    /// failure into the error to report.
+    fn collective(
         &self,
         st: &mut State,
         desc: &CollectiveDesc,
-        buf: &mut [u8],
-        plan: &Plan,
+        body: impl FnOnce(
+            &mut State,
+            CollectiveSeq,
+            Waits<'_>,
+        ) -> std::result::Result<(), (RingError, Hop)>,
     ) -> Result<()> {
         if let Some(first) = &st.failed {
             return Err(DdpError::Collective(CollectiveError::GroupAborted {
@@ -215,35 +296,186 @@ impl TcpCommunicator {
         }
         st.seq += 1;
         let seq = CollectiveSeq(st.seq);
-        let links = Links {
-            next: &st.ring.next,
-            prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
-            same: st.ring.prev.is_none(),
-        };
         let span = tracing::trace_span!("collective", rank = self.me.0, seq = seq.0, op = %desc.op);
         let _enter = span.enter();
-        let deadline = Instant::now() + self.timeout;
-        let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
         if let Some(w) = &self.watch {
             w.enter(seq);
         }
-        let result = ring::run(
-            links,
-            buf,
-            plan,
-            seq,
-            desc,
-            scratch,
-            deadline,
-            &self.links.abort,
-        );
+        let waits = Waits {
+            deadline: Instant::now() + self.timeout,
+            abort: &self.links.abort,
+            spin: self.spin,
+            foreign: &[],
+        };
+        let result = body(st, seq, waits);
         // On failure the watch keeps judging this wait until the failure is named (`fail` may
         // wait for its verdict), then the collective ends.
-        let result = result.map_err(|e| self.fail(st, desc, seq, e));
+        let result = result.map_err(|(e, hop)| self.fail(st, desc, seq, e, hop));
         if let Some(w) = &self.watch {
             w.leave(seq, result.is_ok());
         }
         result
+    }
+
+    /// Runs `plan` over `buf` on the ring as collective `desc`.
+    fn run(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        buf: &mut [u8],
+        plan: &Plan,
+    ) -> Result<()> {
+        self.collective(st, desc, |st, seq, waits| {
+            let hop = self.ring_hop(st);
+            let links = Links {
+                next: &st.ring.next,
+                prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
+                same: st.ring.prev.is_none(),
+            };
+            let foreign: Vec<(&TcpStream, usize)> = st
+                .tree
+                .iter()
+                .enumerate()
+                .filter_map(|(place, l)| Some((l.as_ref()?, place)))
+                .collect();
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
+            let waits = Waits {
+                foreign: &foreign,
+                ..waits
+            };
+            ring::run(links, buf, plan, (seq, desc), scratch, waits).map_err(|e| (e, hop))
+        })
+    }
+
+    /// Runs `moves` (a broadcast or an all-gather of `tree.rs`) over `buf` as collective
+    /// `desc`: each one `ring::run` over the partner's link, copying only.
+    fn run_moves(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        buf: &mut [u8],
+        moves: &[tree::Move],
+    ) -> Result<()> {
+        self.collective(st, desc, |st, seq, waits| {
+            let ring_hop = self.ring_hop(st);
+            let State {
+                ring,
+                tree,
+                scratch,
+                ..
+            } = st;
+            let foreign = ring_links(ring, &ring_hop);
+            let waits = Waits {
+                foreign: &foreign,
+                ..waits
+            };
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
+            for m in moves {
+                let (link, hop) = partner_link(tree, m.peer)?;
+                let plan = Plan {
+                    sends: m
+                        .send
+                        .iter()
+                        .map(|r| SendSeg {
+                            range: r.clone(),
+                            gate: None,
+                        })
+                        .collect(),
+                    recvs: m
+                        .recv
+                        .iter()
+                        .map(|r| RecvSeg {
+                            range: r.clone(),
+                            mode: RecvMode::Copy,
+                        })
+                        .collect(),
+                };
+                let links = Links {
+                    next: link,
+                    prev: link,
+                    same: true,
+                };
+                ring::run(links, buf, &plan, (seq, desc), scratch, waits).map_err(|e| (e, hop))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// All-reduces `buf` (`count` elements) by recursive doubling as collective `desc` (see
+    /// `tree.rs`): each step one `ring::run` over the partner's link.
+    fn run_tree(&self, st: &mut State, desc: &CollectiveDesc, buf: &mut [u8]) -> Result<()> {
+        let rank = self.rank.index();
+        let world = self.world.as_usize();
+        let op = desc.reduce;
+        self.collective(st, desc, |st, seq, waits| {
+            let ring_hop = self.ring_hop(st);
+            let State {
+                ring,
+                tree,
+                exchange,
+                scratch,
+                ..
+            } = st;
+            let len = buf.len();
+            exchange.resize((2 * len).div_ceil(8).max(1), 0);
+            let work: &mut [u8] = &mut bytemuck::cast_slice_mut(exchange.as_mut_slice())[..2 * len];
+            work[..len].copy_from_slice(buf);
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
+            let foreign = ring_links(ring, &ring_hop);
+            let waits = Waits {
+                foreign: &foreign,
+                ..waits
+            };
+            let steps = tree::schedule(rank, world);
+            let last_exchange = steps.iter().rposition(|s| matches!(s, Step::Exchange(_)));
+            for (i, &step) in steps.iter().enumerate() {
+                let (link, hop) = partner_link(tree, step.peer())?;
+                let finish = match (op, Some(i) == last_exchange) {
+                    (ReduceOp::Mean, true) => Finish::DivideBy(world as u32),
+                    _ => Finish::None,
+                };
+                let whole = 0..len;
+                let reduce = RecvSeg {
+                    range: whole.clone(),
+                    mode: RecvMode::Reduce(op, finish),
+                };
+                let send = |range| SendSeg { range, gate: None };
+                let plan = match step {
+                    Step::Give(_) | Step::Return(_) => Plan {
+                        sends: vec![send(whole)],
+                        recvs: vec![],
+                    },
+                    Step::Take(_) => Plan {
+                        sends: vec![],
+                        recvs: vec![reduce],
+                    },
+                    Step::Receive(_) => Plan {
+                        sends: vec![],
+                        recvs: vec![RecvSeg {
+                            range: whole,
+                            mode: RecvMode::Copy,
+                        }],
+                    },
+                    // What goes out is a copy: what comes in is combined into the running
+                    // result while it is still being sent.
+                    Step::Exchange(_) => {
+                        work.copy_within(0..len, len);
+                        Plan {
+                            sends: vec![send(len..2 * len)],
+                            recvs: vec![reduce],
+                        }
+                    }
+                };
+                let links = Links {
+                    next: link,
+                    prev: link,
+                    same: true,
+                };
+                ring::run(links, work, &plan, (seq, desc), scratch, waits).map_err(|e| (e, hop))?;
+            }
+            buf.copy_from_slice(&work[..len]);
+            Ok(())
+        })
     }
 
     /// The watch's verdict, waited for up to its bound (`None` without a watch).
@@ -268,7 +500,14 @@ impl TcpCommunicator {
         desc: &CollectiveDesc,
         seq: CollectiveSeq,
         e: RingError,
+        hop: Hop,
     ) -> DdpError {
+        let neighbour = |side: Side| {
+            self.global(match side {
+                Side::Next => hop.next,
+                Side::Prev => hop.prev,
+            })
+        };
         let op = desc.op;
         let unresponsive = |st: &mut State, v: Verdict| {
             let err = DdpError::Collective(CollectiveError::RankUnresponsive {
@@ -317,7 +556,7 @@ impl TcpCommunicator {
                 )
             }
             (_, RingError::Closed(side, io)) => {
-                let peer = self.neighbour(side);
+                let peer = neighbour(side);
                 // A neighbour that ended normally left its mark in the store before closing.
                 let finished = self
                     .store
@@ -344,7 +583,7 @@ impl TcpCommunicator {
                 )
             }
             (_, RingError::Timeout(side)) => {
-                let diagnosis = self.diagnose_stall(seq, self.neighbour(side));
+                let diagnosis = self.diagnose_stall(seq, neighbour(side));
                 let culprit = diagnosis.culprit();
                 (
                     DdpError::Collective(CollectiveError::CollectiveTimeout {
@@ -358,36 +597,35 @@ impl TcpCommunicator {
                 )
             }
             (_, RingError::Mismatch(their_seq, theirs)) => {
-                let peer = self.neighbour(Side::Prev);
-                (
-                    DdpError::Collective(CollectiveError::CollectiveMismatch {
-                        rank: self.me,
-                        peer,
-                        seq,
-                        their_seq,
-                        ours: *desc,
-                        theirs,
-                    }),
-                    None,
-                )
+                let mismatch = CollectiveError::CollectiveMismatch {
+                    rank: self.me,
+                    peer: neighbour(Side::Prev),
+                    seq,
+                    their_seq,
+                    ours: *desc,
+                    theirs,
+                };
+                (DdpError::Collective(mismatch), None)
             }
-            (_, RingError::Protocol(error)) => {
-                let peer = st
-                    .ring
-                    .prev
-                    .as_ref()
-                    .unwrap_or(&st.ring.next)
-                    .peer_addr()
-                    .unwrap_or_else(|_| self.store.addr());
-                (
-                    DdpError::Rendezvous(RendezvousError::Protocol {
-                        rank: self.me,
-                        peer,
-                        error,
-                    }),
-                    Some(self.neighbour(Side::Prev)),
-                )
+            (_, RingError::Foreign(place, their_seq, theirs)) => {
+                let mismatch = CollectiveError::CollectiveMismatch {
+                    rank: self.me,
+                    peer: self.global(Rank(place as u32)),
+                    seq,
+                    their_seq,
+                    ours: *desc,
+                    theirs,
+                };
+                (DdpError::Collective(mismatch), None)
             }
+            (_, RingError::Protocol(error)) => (
+                DdpError::Rendezvous(RendezvousError::Protocol {
+                    rank: self.me,
+                    peer: hop.prev_addr.unwrap_or_else(|| self.store.addr()),
+                    error,
+                }),
+                Some(neighbour(Side::Prev)),
+            ),
             (_, RingError::Aborted) => (
                 DdpError::Collective(CollectiveError::GroupAborted {
                     rank: self.me,
@@ -466,6 +704,38 @@ impl TcpCommunicator {
     }
 }
 
+/// The ring's links with the neighbours' places: what a collective of recursive doubling
+/// watches for a peer that runs it on the ring ([`Waits::foreign`]).
+fn ring_links<'a>(ring: &'a Ring, hop: &Hop) -> Vec<(&'a TcpStream, usize)> {
+    let mut links = vec![(&ring.next, hop.next.index())];
+    if let Some(p) = &ring.prev {
+        links.push((p, hop.prev.index()));
+    }
+    links
+}
+
+/// The link of recursive doubling to `peer`, and the hop to name when it fails.
+fn partner_link(
+    tree: &[Option<TcpStream>],
+    peer: usize,
+) -> std::result::Result<(&TcpStream, Hop), (RingError, Hop)> {
+    let hop = |prev_addr| Hop {
+        next: Rank(peer as u32),
+        prev: Rank(peer as u32),
+        prev_addr,
+    };
+    match tree.get(peer).and_then(Option::as_ref) {
+        Some(link) => Ok((link, hop(link.peer_addr().ok()))),
+        None => {
+            let missing = std::io::Error::new(
+                std::io::ErrorKind::NotConnected,
+                "no link of recursive doubling to this rank",
+            );
+            Err((RingError::Closed(Side::Next, missing), hop(None)))
+        }
+    }
+}
+
 impl Communicator for TcpCommunicator {
     fn rank(&self) -> Rank {
         self.rank
@@ -482,21 +752,24 @@ impl Communicator for TcpCommunicator {
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let count = buf.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::AllReduce, dtype, count).reduce(op);
-        let plan = ring::all_reduce(self.rank.index(), self.world.as_usize(), count, dtype, op);
         let mut st = self.lock();
+        if self.by_tree(&st, buf.len()) {
+            return self.run_tree(&mut st, &desc, buf);
+        }
+        let plan = ring::all_reduce(self.rank.index(), self.world.as_usize(), count, dtype, op);
         self.run(&mut st, &desc, buf, &plan)
     }
 
     fn broadcast(&self, buf: &mut [u8], dtype: DType, root: Rank) -> Result<()> {
         let count = buf.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::Broadcast, dtype, count).root(root);
-        let plan = ring::broadcast(
-            self.rank.index(),
-            self.world.as_usize(),
-            root.index(),
-            buf.len(),
-        );
+        let (rank, world) = (self.rank.index(), self.world.as_usize());
         let mut st = self.lock();
+        if self.by_tree(&st, buf.len()) {
+            let moves = tree::broadcast(rank, world, root.index(), buf.len());
+            return self.run_moves(&mut st, &desc, buf, &moves);
+        }
+        let plan = ring::broadcast(rank, world, root.index(), buf.len());
         self.run(&mut st, &desc, buf, &plan)
     }
 
@@ -505,8 +778,13 @@ impl Communicator for TcpCommunicator {
         let r = self.rank.index();
         recv[r * block..(r + 1) * block].copy_from_slice(send);
         let desc = CollectiveDesc::new(CollectiveOp::AllGather, dtype, block / dtype.size());
-        let plan = ring::all_gather(r, self.world.as_usize(), block);
+        let world = self.world.as_usize();
         let mut st = self.lock();
+        if self.by_tree(&st, recv.len()) {
+            let moves = tree::all_gather(r, world, block);
+            return self.run_moves(&mut st, &desc, recv, &moves);
+        }
+        let plan = ring::all_gather(r, world, block);
         self.run(&mut st, &desc, recv, &plan)
     }
 
@@ -536,6 +814,10 @@ impl Communicator for TcpCommunicator {
     fn barrier(&self) -> Result<()> {
         let mut one = 1i32.to_le_bytes();
         let desc = CollectiveDesc::new(CollectiveOp::Barrier, DType::I32, 1);
+        let mut st = self.lock();
+        if st.algorithm != Algorithm::Ring {
+            return self.run_tree(&mut st, &desc, &mut one);
+        }
         let plan = ring::all_reduce(
             self.rank.index(),
             self.world.as_usize(),
@@ -543,12 +825,23 @@ impl Communicator for TcpCommunicator {
             DType::I32,
             ReduceOp::Sum,
         );
-        let mut st = self.lock();
         self.run(&mut st, &desc, &mut one, &plan)
     }
 
     fn abort(&self) {
         self.links.stop();
+    }
+
+    fn set_algorithm(&self, algorithm: Algorithm) -> Result<()> {
+        if algorithm != Algorithm::Ring && self.connected == Algorithm::Ring {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "algorithm",
+                reason: "this group was connected for the ring only (BURN_DDP_ALGO=ring), so it \
+                         has no links for recursive doubling",
+            }));
+        }
+        self.lock().algorithm = algorithm;
+        Ok(())
     }
 }
 

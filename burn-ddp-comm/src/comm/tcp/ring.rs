@@ -38,8 +38,9 @@ const MAX_IO: usize = 1 << 20;
 pub(crate) const SCRATCH: usize = 256 << 10;
 /// Longest sleep in `poll` before re-checking the deadline and the abort flag.
 const TICK: Duration = Duration::from_millis(500);
-/// How long to keep retrying without sleeping after the last byte moved. See Note [Ring engine].
-const SPIN: Duration = Duration::from_micros(300);
+/// How long to keep retrying without sleeping after the last byte moved, when the host has a
+/// core per rank. See Note [Ring engine].
+pub(crate) const SPIN: Duration = Duration::from_micros(300);
 
 /// How received bytes are applied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,6 +209,9 @@ pub(crate) enum RingError {
     Mismatch(CollectiveSeq, CollectiveDesc),
     /// The previous rank sent an invalid header.
     Protocol(WireError),
+    /// The rank at this place opened this collective on a link of the other algorithm (see
+    /// [`Waits::foreign`]).
+    Foreign(usize, CollectiveSeq, CollectiveDesc),
     /// The group was aborted from outside (watchdog) while this collective waited.
     Aborted,
 }
@@ -407,21 +411,50 @@ impl Engine<'_> {
 // has just written, so it reads from cache; the all-gather half receives straight into the
 // destination. Sends use MSG_NOSIGNAL so a dead peer is an EPIPE error, not a SIGPIPE.
 
+/// How a collective waits: its deadline, the flag that aborts it, how long it spins before it
+/// sleeps, and the links it watches for a peer that runs the same collective with the other
+/// algorithm.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waits<'a> {
+    pub deadline: Instant,
+    pub abort: &'a AtomicBool,
+    /// How long to keep retrying without sleeping after the last byte moved (see Note [Ring
+    /// engine]); zero when this host runs more ranks than it has cores, where a spinning rank
+    /// only delays the peer it waits for.
+    pub spin: Duration,
+    /// The links of the other algorithm (ring or recursive doubling) with the peer's place. No
+    /// bytes of this collective travel on them; a header with this collective's sequence number
+    /// there means the peer runs it the other way (it called another collective, whose size
+    /// chose the other algorithm), which no header check on this collective's own links would
+    /// ever see: both sides would wait for the deadline. See Note [Foreign headers].
+    pub foreign: &'a [(&'a TcpStream, usize)],
+}
+
+// Note [Foreign headers]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// Ring and recursive doubling use separate links. When every rank runs collective `seq` with one
+// algorithm, nothing with sequence number `seq` is ever sent on the other algorithm's links: the
+// previous collectives' bytes were all consumed before they ended, and a peer that has moved on
+// can only send headers of later collectives there. So when the engine sleeps, it also waits for
+// those links to become readable and peeks (MSG_PEEK: the bytes stay for their collective) at
+// the header there: `seq` means a mismatch, reported as one naming the peer; anything else (a
+// later collective, the peer's end of the link closing) takes the link off the watch for the
+// rest of this collective. In any mix of algorithms some rank runs the ring while its next rank
+// does not (or a rank of the tree waits for a partner on the ring), and that rank sees the
+// header at once.
+
 /// Runs one collective on a ring. `scratch` must hold at least one element and be aligned for
 /// every element type (the caller allocates it as `u64`s).
 ///
 /// # Errors
 /// See [`RingError`].
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     links: Links<'_>,
     buf: &mut [u8],
     plan: &Plan,
-    seq: CollectiveSeq,
-    desc: &CollectiveDesc,
+    (seq, desc): (CollectiveSeq, &CollectiveDesc),
     scratch: &mut [u8],
-    deadline: Instant,
-    abort: &AtomicBool,
+    waits: Waits<'_>,
 ) -> Result<(), RingError> {
     let mut e = Engine {
         plan,
@@ -440,6 +473,7 @@ pub(crate) fn run(
     // Ranks that neither send nor receive payload still exchange headers, which keeps the
     // sequence check (and the barrier semantics of an all-reduce) uniform.
     e.advance();
+    let mut watched: Vec<bool> = vec![true; waits.foreign.len()];
     let mut last_progress = Instant::now();
     loop {
         let sent = e.try_send(links.next, buf)?;
@@ -451,43 +485,84 @@ pub(crate) fn run(
             last_progress = Instant::now();
             continue;
         }
-        if last_progress.elapsed() < SPIN {
+        if last_progress.elapsed() < waits.spin {
             std::hint::spin_loop();
             continue;
         }
-        if abort.load(Ordering::Relaxed) {
+        if waits.abort.load(Ordering::Relaxed) {
             return Err(RingError::Aborted);
         }
         let now = Instant::now();
         let want_out = e.sendable() > 0;
         let want_in = !e.recv_done();
-        if now >= deadline {
+        if now >= waits.deadline {
             return Err(RingError::Timeout(if want_in {
                 Side::Prev
             } else {
                 Side::Next
             }));
         }
-        let wait = (deadline - now).min(TICK);
+        let wait = (waits.deadline - now).min(TICK);
         let (next, prev) = (links.next.as_fd(), links.prev.as_fd());
-        let waited = if links.same {
-            let both = Ready {
-                read: want_in,
-                write: want_out,
-            };
-            sys::poll([(next, both)], wait)
+        let mut fds = Vec::with_capacity(2 + waits.foreign.len());
+        if links.same {
+            fds.push((
+                next,
+                Ready {
+                    read: want_in,
+                    write: want_out,
+                },
+            ));
         } else {
-            let out = Ready {
-                read: false,
-                write: want_out,
-            };
-            let inn = Ready {
-                read: want_in,
-                write: false,
-            };
-            sys::poll([(next, out), (prev, inn)], wait)
-        };
-        waited.map_err(|e| RingError::Closed(Side::Prev, e))?;
+            fds.push((
+                next,
+                Ready {
+                    read: false,
+                    write: want_out,
+                },
+            ));
+            fds.push((
+                prev,
+                Ready {
+                    read: want_in,
+                    write: false,
+                },
+            ));
+        }
+        let base = fds.len();
+        let mut watching = Vec::new();
+        for (i, (link, _)) in waits.foreign.iter().enumerate() {
+            if watched[i] && base + watching.len() < sys::POLL_SET_MAX {
+                fds.push((
+                    link.as_fd(),
+                    Ready {
+                        read: true,
+                        write: false,
+                    },
+                ));
+                watching.push(i);
+            }
+        }
+        let ready = sys::poll_set(&fds, wait).map_err(|e| RingError::Closed(Side::Prev, e))?;
+        for (k, &i) in watching.iter().enumerate() {
+            if ready & (1 << (base + k)) == 0 {
+                continue;
+            }
+            let (link, place) = waits.foreign[i];
+            let mut h = [0u8; header::LEN];
+            match sys::peek(link.as_fd(), &mut h) {
+                Err(e) if would_block(&e) => {}
+                Ok(header::LEN) => match header::decode(&h) {
+                    Ok((their_seq, theirs)) if their_seq == seq => {
+                        return Err(RingError::Foreign(place, their_seq, theirs));
+                    }
+                    _ => watched[i] = false,
+                },
+                // A later collective's partial header, the peer's end closing, an error: not
+                // this collective's business (its own links report a dead peer).
+                _ => watched[i] = false,
+            }
+        }
     }
 }
 

@@ -26,6 +26,7 @@
 //! | `BURN_DDP_RESTART_COUNT`, `TORCHELASTIC_RESTART_COUNT`, `SLURM_RESTART_COUNT` | which attempt of a restarted (or requeued) job this is, the first set | 0 |
 //! | `BURN_DDP_RUN_ID`, `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`, `LSB_JOBID`, `PBS_JOBID` | the job's identity across its restarts and requeues, recorded with its checkpoints ([`run_id`]) | none |
 //! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
+//! | `BURN_DDP_ALGO` | how collectives between processes run: `auto` (recursive doubling for small all-reduces and barriers, the ring above), `ring`, `tree`; the same on every rank | `auto` |
 //! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
 //! | `BURN_DDP_FAULT_TOLERANT=1` | a fault-tolerant job: the ranks survive the loss of others (set by `burn-ddp run --fault-tolerant`, whose launcher serves the store) | off |
 //! | `BURN_DDP_FT_JOIN=1` | this process joins a running fault-tolerant job | off |
@@ -42,8 +43,8 @@ use std::time::Duration;
 use std::ffi::OsString;
 
 use crate::config::{
-    EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher, MasterAddr,
-    Timeouts, DEFAULT_MASTER_PORT,
+    Algorithm, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher,
+    MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
 };
 use crate::types::{LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
@@ -118,6 +119,8 @@ pub fn rank_markers() -> bool {
 
 /// The variable that turns on the check before every collective ([`GroupConfig::debug_desync`]).
 pub const DEBUG_DESYNC: &str = "BURN_DDP_DEBUG_DESYNC";
+/// How collectives between processes run ([`Algorithm`]).
+pub const ALGO: &str = "BURN_DDP_ALGO";
 /// How GPU gradient buckets travel ([`GradTransport`]).
 pub const GRAD_TRANSPORT: &str = "BURN_DDP_GRAD_TRANSPORT";
 /// The world size of the round before this one in an elastic job (`burn-ddp run --nnodes
@@ -312,6 +315,29 @@ fn fault_tolerance_from(get: &impl Fn(&str) -> Option<String>) -> Result<Option<
     }))
 }
 
+/// The collective algorithm: `explicit` when it is `Ring` or `Tree`, else `BURN_DDP_ALGO` when
+/// set, else `Auto`.
+///
+/// # Errors
+/// `InvalidEnv` when the variable holds something other than `auto`, `ring` or `tree`.
+pub fn algorithm(explicit: Algorithm) -> Result<Algorithm> {
+    algorithm_from(explicit, &|k: &str| std::env::var(k).ok())
+}
+
+fn algorithm_from(explicit: Algorithm, get: &impl Fn(&str) -> Option<String>) -> Result<Algorithm> {
+    if explicit != Algorithm::Auto {
+        return Ok(explicit);
+    }
+    match get(ALGO) {
+        None => Ok(Algorithm::Auto),
+        Some(v) => Algorithm::parse(&v).ok_or(DdpError::Config(ConfigError::InvalidEnv {
+            var: ALGO,
+            value: v,
+            expected: "auto, ring or tree",
+        })),
+    }
+}
+
 /// The gradient transport: `explicit` when it is `Host` or `Nccl`, else
 /// `BURN_DDP_GRAD_TRANSPORT` when set, else `Auto`.
 ///
@@ -486,5 +512,29 @@ mod tests {
         .unwrap();
         assert_eq!(cfg.timeouts.rendezvous, Duration::from_secs(20));
         assert_eq!(cfg.timeouts.collective, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn the_algorithm_variable_replaces_only_auto() {
+        let get = env(&[("BURN_DDP_ALGO", " Tree ")]);
+        assert_eq!(
+            algorithm_from(Algorithm::Auto, &get).unwrap(),
+            Algorithm::Tree
+        );
+        assert_eq!(
+            algorithm_from(Algorithm::Ring, &get).unwrap(),
+            Algorithm::Ring
+        );
+        assert_eq!(
+            algorithm_from(Algorithm::Auto, &env(&[])).unwrap(),
+            Algorithm::Auto
+        );
+        let err = algorithm_from(Algorithm::Auto, &env(&[("BURN_DDP_ALGO", "star")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("BURN_DDP_ALGO") && err.contains("auto, ring or tree"),
+            "{err}"
+        );
     }
 }
