@@ -18,6 +18,20 @@ fn show(e: &DdpError) -> String {
     s
 }
 
+/// `err` reports a mismatch of collectives (this rank's, or the one another rank published).
+fn assert_mismatch(err: &DdpError) {
+    let text = show(err);
+    assert!(
+        matches!(
+            err,
+            DdpError::Collective(CollectiveError::CollectiveMismatch { .. })
+                | DdpError::Collective(CollectiveError::JobAborted { .. })
+        ),
+        "{text}"
+    );
+    assert!(text.contains("mismatch"), "{text}");
+}
+
 fn assert_fast(out: &procs::Outcomes, bound: Duration) {
     for o in &out.0 {
         assert!(
@@ -403,16 +417,7 @@ fn mismatched_collectives_are_reported_not_hung() {
         } else {
             pg.broadcast(&mut x, Rank(0)).unwrap_err()
         };
-        let text = show(&err);
-        assert!(
-            matches!(
-                err,
-                DdpError::Collective(CollectiveError::CollectiveMismatch { .. })
-                    | DdpError::Collective(CollectiveError::JobAborted { .. })
-            ),
-            "{text}"
-        );
-        assert!(text.contains("mismatch"), "{text}");
+        assert_mismatch(&err);
         return;
     }
     let out = TestJob::new(2, NAME)
@@ -477,16 +482,7 @@ fn collectives_that_chose_different_algorithms_are_reported_as_a_mismatch() {
         pg.barrier().unwrap();
         let mut x = vec![1.0f32; if pg.rank() == Rank(2) { 1 << 20 } else { 10 }];
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
-        let text = show(&err);
-        assert!(
-            matches!(
-                err,
-                DdpError::Collective(CollectiveError::CollectiveMismatch { .. })
-                    | DdpError::Collective(CollectiveError::JobAborted { .. })
-            ),
-            "{text}"
-        );
-        assert!(text.contains("mismatch"), "{text}");
+        assert_mismatch(&err);
         return;
     }
     let out = TestJob::new(4, NAME)

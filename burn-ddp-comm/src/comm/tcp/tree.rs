@@ -220,59 +220,84 @@ mod tests {
     use super::*;
     use std::collections::VecDeque;
 
-    /// Runs every rank's schedule over in-memory queues with `op`, each rank's value its input;
-    /// returns every rank's result.
-    fn simulate(world: usize, inputs: &[u64], op: impl Fn(u64, u64) -> u64) -> Vec<u64> {
-        let mut acc = inputs.to_vec();
-        let scheds: Vec<Vec<Step>> = (0..world).map(|r| schedule(r, world)).collect();
+    /// One rank's step as the simulator sees it: the partner, what to send it, and whether a
+    /// message from it is awaited.
+    type SimStep<M> = (usize, Option<M>, bool);
+
+    /// Drives every rank's steps over in-memory queues, one link per ordered pair: `step(state,
+    /// r, i)` gives rank r's i-th step (called once per step, before its message is awaited),
+    /// `take(state, r, i, m)` applies the message it awaited. Panics on a deadlock or on bytes
+    /// left on a link.
+    fn drive<S, M>(
+        state: &mut S,
+        lens: &[usize],
+        step: impl Fn(&S, usize, usize) -> SimStep<M>,
+        take: impl Fn(&mut S, usize, usize, M),
+    ) {
+        let world = lens.len();
         let mut at = vec![0usize; world];
-        // Messages in flight: (from, to) -> values.
-        let mut wire: std::collections::HashMap<(usize, usize), VecDeque<u64>> = Default::default();
-        // Whether a rank has sent its part of the current step.
-        let mut sent = vec![false; world];
+        let mut current: Vec<Option<(usize, bool)>> = vec![None; world];
+        let mut wire: std::collections::HashMap<(usize, usize), VecDeque<M>> = Default::default();
         let mut rounds = 0;
-        while (0..world).any(|r| at[r] < scheds[r].len()) {
+        while (0..world).any(|r| at[r] < lens[r]) {
             rounds += 1;
-            assert!(rounds < 10_000, "world {world}: the schedules deadlock");
+            assert!(rounds < 10_000, "world {world}: the steps deadlock");
             for r in 0..world {
-                let Some(&step) = scheds[r].get(at[r]) else {
+                if at[r] == lens[r] {
                     continue;
-                };
-                let q = step.peer();
-                if !sent[r] {
-                    if matches!(step, Step::Give(_) | Step::Exchange(_) | Step::Return(_)) {
-                        wire.entry((r, q)).or_default().push_back(acc[r]);
-                    }
-                    sent[r] = true;
                 }
-                let done = match step {
-                    Step::Give(_) | Step::Return(_) => true,
-                    Step::Take(_) | Step::Exchange(_) => {
-                        match wire.entry((q, r)).or_default().pop_front() {
-                            Some(x) => {
-                                acc[r] = op(acc[r], x);
-                                true
-                            }
-                            None => false,
+                let (peer, awaits) = match current[r] {
+                    Some(c) => c,
+                    None => {
+                        let (peer, send, awaits) = step(state, r, at[r]);
+                        if let Some(m) = send {
+                            wire.entry((r, peer)).or_default().push_back(m);
                         }
+                        current[r] = Some((peer, awaits));
+                        (peer, awaits)
                     }
-                    Step::Receive(_) => match wire.entry((q, r)).or_default().pop_front() {
-                        Some(x) => {
-                            acc[r] = x;
+                };
+                let done = !awaits
+                    || match wire.entry((peer, r)).or_default().pop_front() {
+                        Some(m) => {
+                            take(state, r, at[r], m);
                             true
                         }
                         None => false,
-                    },
-                };
+                    };
                 if done {
                     at[r] += 1;
-                    sent[r] = false;
+                    current[r] = None;
                 }
             }
         }
         assert!(
             wire.values().all(|q| q.is_empty()),
             "world {world}: bytes left on a link"
+        );
+    }
+
+    /// Runs every rank's all-reduce schedule with `op`, each rank's value its input; returns
+    /// every rank's result.
+    fn simulate(world: usize, inputs: &[u64], op: impl Fn(u64, u64) -> u64) -> Vec<u64> {
+        let scheds: Vec<Vec<Step>> = (0..world).map(|r| schedule(r, world)).collect();
+        let lens: Vec<usize> = scheds.iter().map(Vec::len).collect();
+        let mut acc = inputs.to_vec();
+        drive(
+            &mut acc,
+            &lens,
+            |acc, r, i| {
+                let s = scheds[r][i];
+                let sends = matches!(s, Step::Give(_) | Step::Exchange(_) | Step::Return(_));
+                let awaits = !matches!(s, Step::Give(_) | Step::Return(_));
+                (s.peer(), sends.then_some(acc[r]), awaits)
+            },
+            |acc, r, i, x| {
+                acc[r] = match scheds[r][i] {
+                    Step::Receive(_) => x,
+                    _ => op(acc[r], x),
+                }
+            },
         );
         acc
     }
@@ -312,48 +337,22 @@ mod tests {
         }
     }
 
-    /// Runs every rank's moves over in-memory queues; returns every rank's buffer.
+    /// Runs every rank's moves; returns every rank's buffer.
     fn simulate_moves(mut bufs: Vec<Vec<u8>>, moves: &[Vec<Move>]) -> Vec<Vec<u8>> {
-        let world = bufs.len();
-        let mut at = vec![0usize; world];
-        let mut sent = vec![false; world];
-        let mut wire: std::collections::HashMap<(usize, usize), VecDeque<Vec<u8>>> =
-            Default::default();
-        let mut rounds = 0;
-        while (0..world).any(|r| at[r] < moves[r].len()) {
-            rounds += 1;
-            assert!(rounds < 10_000, "world {world}: the moves deadlock");
-            for r in 0..world {
-                let Some(m) = moves[r].get(at[r]) else {
-                    continue;
-                };
-                if !sent[r] {
-                    if let Some(range) = &m.send {
-                        let bytes = bufs[r][range.clone()].to_vec();
-                        wire.entry((r, m.peer)).or_default().push_back(bytes);
-                    }
-                    sent[r] = true;
-                }
-                let done = match &m.recv {
-                    None => true,
-                    Some(range) => match wire.entry((m.peer, r)).or_default().pop_front() {
-                        Some(bytes) => {
-                            assert_eq!(bytes.len(), range.len(), "world {world}: {r} <- {m:?}");
-                            bufs[r][range.clone()].copy_from_slice(&bytes);
-                            true
-                        }
-                        None => false,
-                    },
-                };
-                if done {
-                    at[r] += 1;
-                    sent[r] = false;
-                }
-            }
-        }
-        assert!(
-            wire.values().all(|q| q.is_empty()),
-            "world {world}: bytes left on a link"
+        let lens: Vec<usize> = moves.iter().map(Vec::len).collect();
+        drive(
+            &mut bufs,
+            &lens,
+            |bufs, r, i| {
+                let m = &moves[r][i];
+                let send = m.send.as_ref().map(|range| bufs[r][range.clone()].to_vec());
+                (m.peer, send, m.recv.is_some())
+            },
+            |bufs, r, i, bytes| {
+                let range = moves[r][i].recv.clone().unwrap_or(0..0);
+                assert_eq!(bytes.len(), range.len(), "rank {r} step {i}");
+                bufs[r][range].copy_from_slice(&bytes);
+            },
         );
         bufs
     }
