@@ -16,7 +16,7 @@ pub(crate) mod ring;
 mod tree;
 
 use crate::error::{CollectiveError, RendezvousError};
-use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -69,12 +69,13 @@ pub(crate) struct Tuning {
 }
 
 /// Where an engine failure happened: the peers on either side of the link (by place) and the
-/// receiving side's address, for the error.
+/// link it received on, whose address the error names (looked up only then).
 #[derive(Debug, Clone, Copy)]
 struct Hop {
     next: Rank,
     prev: Rank,
-    prev_addr: Option<SocketAddr>,
+    /// The receiving link: the ring's (`None`) or the one of recursive doubling to this place.
+    prev_link: Option<usize>,
 }
 
 /// Collectives between processes over a TCP ring (see the module docs).
@@ -99,8 +100,6 @@ pub struct TcpCommunicator {
     watch: Option<Arc<dyn PeerWatch>>,
     /// How long the engine spins before it sleeps ([`Waits::spin`]).
     spin: Duration,
-    /// The algorithm the links were opened for.
-    connected: Algorithm,
 }
 
 /// What stops a [`TcpCommunicator`]'s collectives: its abort flag and clones of its link
@@ -204,7 +203,6 @@ impl TcpCommunicator {
             }),
             watch: None,
             spin,
-            connected: tuning.algorithm,
         })
     }
 
@@ -249,19 +247,13 @@ impl TcpCommunicator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The ring's hop: the neighbours of this rank's place and the previous one's address.
-    fn ring_hop(&self, st: &State) -> Hop {
+    /// The ring's hop: the neighbours of this rank's place.
+    fn ring_hop(&self) -> Hop {
         let (next, prev) = ring::neighbours(self.rank, self.world.get());
         Hop {
             next,
             prev,
-            prev_addr: st
-                .ring
-                .prev
-                .as_ref()
-                .unwrap_or(&st.ring.next)
-                .peer_addr()
-                .ok(),
+            prev_link: None,
         }
     }
 
@@ -326,7 +318,7 @@ impl TcpCommunicator {
         plan: &Plan,
     ) -> Result<()> {
         self.collective(st, desc, |st, seq, waits| {
-            let hop = self.ring_hop(st);
+            let hop = self.ring_hop();
             let links = Links {
                 next: &st.ring.next,
                 prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
@@ -357,7 +349,7 @@ impl TcpCommunicator {
         moves: &[tree::Move],
     ) -> Result<()> {
         self.collective(st, desc, |st, seq, waits| {
-            let ring_hop = self.ring_hop(st);
+            let ring_hop = self.ring_hop();
             let State {
                 ring,
                 tree,
@@ -408,7 +400,7 @@ impl TcpCommunicator {
         let world = self.world.as_usize();
         let op = desc.reduce;
         self.collective(st, desc, |st, seq, waits| {
-            let ring_hop = self.ring_hop(st);
+            let ring_hop = self.ring_hop();
             let State {
                 ring,
                 tree,
@@ -621,7 +613,14 @@ impl TcpCommunicator {
             (_, RingError::Protocol(error)) => (
                 DdpError::Rendezvous(RendezvousError::Protocol {
                     rank: self.me,
-                    peer: hop.prev_addr.unwrap_or_else(|| self.store.addr()),
+                    peer: match hop.prev_link {
+                        None => st.ring.prev.as_ref().unwrap_or(&st.ring.next).peer_addr(),
+                        Some(p) => match st.tree.get(p).and_then(Option::as_ref) {
+                            Some(link) => link.peer_addr(),
+                            None => Err(std::io::ErrorKind::NotConnected.into()),
+                        },
+                    }
+                    .unwrap_or_else(|_| self.store.addr()),
                     error,
                 }),
                 Some(neighbour(Side::Prev)),
@@ -719,19 +718,19 @@ fn partner_link(
     tree: &[Option<TcpStream>],
     peer: usize,
 ) -> std::result::Result<(&TcpStream, Hop), (RingError, Hop)> {
-    let hop = |prev_addr| Hop {
+    let hop = Hop {
         next: Rank(peer as u32),
         prev: Rank(peer as u32),
-        prev_addr,
+        prev_link: Some(peer),
     };
     match tree.get(peer).and_then(Option::as_ref) {
-        Some(link) => Ok((link, hop(link.peer_addr().ok()))),
+        Some(link) => Ok((link, hop)),
         None => {
             let missing = std::io::Error::new(
                 std::io::ErrorKind::NotConnected,
                 "no link of recursive doubling to this rank",
             );
-            Err((RingError::Closed(Side::Next, missing), hop(None)))
+            Err((RingError::Closed(Side::Next, missing), hop))
         }
     }
 }
@@ -833,14 +832,17 @@ impl Communicator for TcpCommunicator {
     }
 
     fn set_algorithm(&self, algorithm: Algorithm) -> Result<()> {
-        if algorithm != Algorithm::Ring && self.connected == Algorithm::Ring {
+        let mut st = self.lock();
+        // Connected for the ring only: no link of recursive doubling (every other choice opens
+        // one to at least one partner).
+        if algorithm != Algorithm::Ring && st.tree.iter().all(Option::is_none) {
             return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "algorithm",
                 reason: "this group was connected for the ring only (BURN_DDP_ALGO=ring), so it \
                          has no links for recursive doubling",
             }));
         }
-        self.lock().algorithm = algorithm;
+        st.algorithm = algorithm;
         Ok(())
     }
 }
