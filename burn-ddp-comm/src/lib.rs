@@ -125,7 +125,7 @@ mod wire;
 
 pub use config::{
     Algorithm, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr,
-    Timeouts,
+    Timeouts, Transport,
 };
 pub use error::{
     CollectiveError, ConfigError, CudaError, DdpError, JobError, MembershipError, ModelError,

@@ -1,5 +1,6 @@
 //! Every collective, every element type, every reduce operation, sizes 0, 1, odd and 64 MiB,
-//! in real processes over the TCP transport (world sizes 1 to 4), checked against references
+//! in real processes (world sizes 1 to 5) over shared memory (the default on one host) and over
+//! TCP (the ring, recursive doubling, and both chosen by size), checked against references
 //! computed in the test.
 
 use burn_ddp_comm::{Element, ProcessGroup, Rank, ReduceOp};
@@ -244,32 +245,50 @@ fn collectives_world_1() {
     all_types(ProcessGroup::single());
 }
 
+/// Runs `all_types` in `world` processes with `env` (each rank checks that its group moves
+/// collectives over `transport`).
+fn job(world: u32, name: &str, transport: &str, env: &[(&str, &str)]) {
+    if let Some(pg) = procs::child_group(name) {
+        assert_eq!(pg.transport(), transport);
+        return all_types(pg);
+    }
+    env.iter()
+        .fold(TestJob::new(world, name), |job, (k, v)| job.env(k, v))
+        .run()
+        .assert_all_ok();
+}
+
+/// Ranks of one host share memory unless told otherwise.
 #[test]
 fn collectives_world_2() {
-    procs::multi_process(2, "collectives_world_2", all_types);
+    job(2, "collectives_world_2", "shm", &[]);
 }
 
 #[test]
 fn collectives_world_3() {
-    procs::multi_process(3, "collectives_world_3", all_types);
+    job(3, "collectives_world_3", "shm", &[]);
 }
 
 #[test]
 fn collectives_world_4() {
-    procs::multi_process(4, "collectives_world_4", all_types);
+    job(4, "collectives_world_4", "shm", &[]);
+}
+
+#[test]
+fn collectives_world_2_over_tcp() {
+    job(2, "collectives_world_2_over_tcp", "tcp", &[("BURN_DDP_TRANSPORT", "tcp")]);
+}
+
+#[test]
+fn collectives_world_4_over_tcp() {
+    job(4, "collectives_world_4_over_tcp", "tcp", &[("BURN_DDP_TRANSPORT", "tcp")]);
 }
 
 /// Every collective on the ring alone (`BURN_DDP_ALGO=ring`: no links for recursive doubling).
 #[test]
 fn collectives_world_3_on_the_ring() {
-    const NAME: &str = "collectives_world_3_on_the_ring";
-    if let Some(pg) = procs::child_group(NAME) {
-        return all_types(pg);
-    }
-    TestJob::new(3, NAME)
-        .env("BURN_DDP_ALGO", "ring")
-        .run()
-        .assert_all_ok();
+    let env = [("BURN_DDP_TRANSPORT", "tcp"), ("BURN_DDP_ALGO", "ring")];
+    job(3, "collectives_world_3_on_the_ring", "tcp", &env);
 }
 
 /// Every all-reduce, broadcast, all-gather and barrier by recursive doubling, 64 MiB included
@@ -277,12 +296,31 @@ fn collectives_world_3_on_the_ring() {
 /// exchange).
 #[test]
 fn collectives_world_5_by_recursive_doubling() {
-    const NAME: &str = "collectives_world_5_by_recursive_doubling";
-    if let Some(pg) = procs::child_group(NAME) {
-        return all_types(pg);
+    let env = [("BURN_DDP_TRANSPORT", "tcp"), ("BURN_DDP_ALGO", "tree")];
+    job(5, "collectives_world_5_by_recursive_doubling", "tcp", &env);
+}
+
+/// Shared memory asked for by every rank, in a world that is not a power of two.
+#[test]
+fn collectives_world_5_in_shared_memory() {
+    let env = [("BURN_DDP_TRANSPORT", "shm")];
+    job(5, "collectives_world_5_in_shared_memory", "shm", &env);
+}
+
+/// Ranks that chose different transports are all refused at start, with the variable to set.
+#[test]
+fn ranks_with_different_transports_are_refused_with_the_fix() {
+    const NAME: &str = "ranks_with_different_transports_are_refused_with_the_fix";
+    if procs::is_child(NAME) {
+        let err = ProcessGroup::from_env().unwrap_err().to_string();
+        assert!(err.contains("BURN_DDP_TRANSPORT"), "{err}");
+        assert!(err.contains("tcp") && err.contains("shm"), "{err}");
+        return;
     }
-    TestJob::new(5, NAME)
-        .env("BURN_DDP_ALGO", "tree")
+    TestJob::new(3, NAME)
+        .env("BURN_DDP_TRANSPORT", "shm")
+        .rank_env(2, "BURN_DDP_TRANSPORT", "tcp")
+        .env("BURN_DDP_RENDEZVOUS_TIMEOUT", "60")
         .run()
         .assert_all_ok();
 }

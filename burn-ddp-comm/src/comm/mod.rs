@@ -97,6 +97,17 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         let _ = algorithm;
         Ok(())
     }
+
+    /// Moves the following collectives over `transport` (`Auto`: shared memory when the group
+    /// has a segment); every rank must switch at the same point of its sequence. Transports
+    /// with one way of moving bytes ignore it.
+    ///
+    /// # Errors
+    /// `Shm` asked of a group without a shared segment.
+    fn set_transport(&self, transport: crate::config::Transport) -> Result<()> {
+        let _ = transport;
+        Ok(())
+    }
 }
 
 /// A watch on the other ranks that the process group hands a communicator (its heartbeat, see

@@ -1,6 +1,6 @@
 //! Configuration of a process group: who this process is, where the master is, how long to wait.
 //!
-//! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`], [`Algorithm`]
+//! - `mod.rs`: [`GroupConfig`], [`Timeouts`], [`MasterAddr`], [`JobToken`], [`GradTransport`], [`Algorithm`], [`Transport`]
 //! - `env/`: [`env`](mod@env), the one module of burn-ddp (both crates) that reads environment
 //!   variables: it turns `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... into a [`GroupConfig`]
 //!   (`env/placement.rs`: which launcher started the process and where it put it), and resolves
@@ -219,7 +219,7 @@ impl GradTransport {
     }
 }
 
-pub use crate::types::Algorithm;
+pub use crate::types::{Algorithm, Transport};
 
 /// The largest all-reduce, in bytes, that [`Algorithm::Auto`] runs by recursive doubling in a
 /// group of three or more (in a group of two, [`TREE_MAX_BYTES_2`]). The crossover measured
@@ -266,6 +266,9 @@ pub struct GroupConfig {
     /// How collectives between processes run; every rank must choose the same. `Auto`:
     /// `BURN_DDP_ALGO` decides, by size when unset.
     pub algorithm: Algorithm,
+    /// How ranks of one host move the bytes of collectives; every rank must choose the same.
+    /// `Auto`: `BURN_DDP_TRANSPORT` decides, shared memory when the whole group shares a host.
+    pub transport: Transport,
 }
 
 /// Who started the process, as its environment tells ([`env::group_config_from_env`]).
@@ -340,6 +343,7 @@ impl GroupConfig {
             fault_tolerance: None,
             launcher: None,
             algorithm: Algorithm::Auto,
+            transport: Transport::Auto,
         }
     }
 
@@ -361,6 +365,13 @@ impl GroupConfig {
     /// rank must choose the same).
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self
+    }
+
+    /// Chooses how ranks of one host move the bytes of collectives, whatever
+    /// `BURN_DDP_TRANSPORT` says (every rank must choose the same).
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
         self
     }
 

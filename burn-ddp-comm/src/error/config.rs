@@ -86,6 +86,37 @@ pub enum ConfigError {
         theirs: crate::types::Algorithm,
     },
 
+    /// Ranks of one group chose different transports.
+    #[error(
+        "[rank {rank}] this rank moves collectives over transport {ours}, rank {peer} over \
+         {theirs}: every rank of a group must use the same. Set BURN_DDP_TRANSPORT (auto, tcp or \
+         shm) to the same value for every rank, or leave it unset everywhere, and give \
+         GroupConfig::transport the same value on every rank"
+    )]
+    TransportMismatch {
+        /// This rank.
+        rank: Rank,
+        /// This rank's transport.
+        ours: crate::types::Transport,
+        /// The first rank that chose another.
+        peer: Rank,
+        /// Its transport.
+        theirs: crate::types::Transport,
+    },
+
+    /// Shared memory was asked for (`BURN_DDP_TRANSPORT=shm`) and cannot be used.
+    #[error(
+        "[rank {rank}] shared memory cannot carry this group's collectives: {reason}. Fix that, \
+         or let the group fall back to TCP (BURN_DDP_TRANSPORT=auto, the default) or ask for it \
+         (BURN_DDP_TRANSPORT=tcp)"
+    )]
+    SharedMemory {
+        /// This rank.
+        rank: Rank,
+        /// What failed, and on which rank.
+        reason: String,
+    },
+
     /// A configuration value is out of its valid range.
     #[error("invalid configuration: {field} {reason}")]
     InvalidConfig {
@@ -126,7 +157,9 @@ impl ConfigError {
         match self {
             Self::RankOutOfRange { rank, .. }
             | Self::LocalRankOutOfRange { rank, .. }
-            | Self::AlgorithmMismatch { rank, .. } => Some(*rank),
+            | Self::AlgorithmMismatch { rank, .. }
+            | Self::TransportMismatch { rank, .. }
+            | Self::SharedMemory { rank, .. } => Some(*rank),
             _ => None,
         }
     }

@@ -44,7 +44,7 @@ use sub::SubInfo;
 
 use self::heartbeat::{Heartbeat, Progress};
 use crate::comm::{Communicator, LocalCommunicator, TcpCommunicator, Tuning};
-use crate::config::{Algorithm, GroupConfig, JobToken, Timeouts};
+use crate::config::{Algorithm, GroupConfig, JobToken, Timeouts, Transport};
 use crate::types::{CollectiveDesc, CollectiveOp, Element, ReduceOp};
 use crate::{DdpError, Result};
 
@@ -63,6 +63,8 @@ struct Inner {
     token: JobToken,
     /// How collectives between processes run (sub-groups run theirs the same way).
     algorithm: Algorithm,
+    /// How ranks of one host move their bytes (sub-groups choose theirs the same way).
+    transport: Transport,
     /// Which attempt of a restarted job this is.
     restart_count: u32,
     /// `BURN_DDP_DEBUG_DESYNC`: compare every collective across all ranks before running it.
@@ -108,6 +110,7 @@ impl Inner {
     ) -> Result<Self> {
         let desync = DesyncCheck::new(crate::config::env::debug_desync(config.debug_desync)?);
         let algorithm = crate::config::env::algorithm(config.algorithm)?;
+        let transport = crate::config::env::transport(config.transport)?;
         let mut comm = TcpCommunicator::connect(
             Arc::clone(&client),
             config.rank,
@@ -119,6 +122,7 @@ impl Inner {
             Tuning {
                 algorithm,
                 local_world: config.local_world_size,
+                transport,
             },
         )
         .inspect_err(|e| {
@@ -152,9 +156,10 @@ impl Inner {
         )
         .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
         tracing::info!(
-            "[rank {}] process group ready: {} ranks over tcp (store {}{})",
+            "[rank {}] process group ready: {} ranks over {} (store {}{})",
             config.rank,
             config.world_size,
+            comm.transport(),
             client.addr(),
             client.scope().map(|s| format!(", {s}")).unwrap_or_default()
         );
@@ -166,6 +171,7 @@ impl Inner {
             timeouts: config.timeouts,
             token: config.token.clone(),
             algorithm,
+            transport,
             restart_count: config.restart_count,
             desync,
             tag: WORLD_TAG.into(),
@@ -205,6 +211,7 @@ impl Inner {
             timeouts,
             token,
             algorithm: Algorithm::Auto,
+            transport: Transport::Auto,
             restart_count,
             desync: None,
             tag: WORLD_TAG.into(),
@@ -411,6 +418,7 @@ impl ProcessGroup {
                     timeouts,
                     token: JobToken::new("local"),
                     algorithm: Algorithm::Auto,
+                    transport: Transport::Auto,
                     restart_count: 0,
                     desync: DesyncCheck::new(desync),
                     tag: WORLD_TAG.into(),
@@ -498,6 +506,15 @@ impl ProcessGroup {
     /// As [`Communicator::set_algorithm`].
     pub(crate) fn set_algorithm(&self, algorithm: Algorithm) -> Result<()> {
         self.inner().comm.set_algorithm(algorithm)
+    }
+
+    /// Moves the following collectives over `transport` (the bench's comparison: every rank
+    /// switches at the same point).
+    ///
+    /// # Errors
+    /// As [`Communicator::set_transport`].
+    pub(crate) fn set_transport(&self, transport: Transport) -> Result<()> {
+        self.inner().comm.set_transport(transport)
     }
 
     /// The prefix of this group's store keys (distinct for every sub-group).

@@ -218,6 +218,7 @@ impl ProcessGroup {
                 Tuning {
                     algorithm: inner.algorithm,
                     local_world: inner.local_world,
+                    transport: inner.transport,
                 },
             )
             .map_err(|e| {
@@ -253,6 +254,7 @@ impl ProcessGroup {
             timeouts,
             token: inner.token.clone(),
             algorithm: inner.algorithm,
+            transport: inner.transport,
             restart_count: inner.restart_count,
             desync: super::DesyncCheck::new(inner.desync.is_some()),
             tag,

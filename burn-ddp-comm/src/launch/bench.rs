@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use crate::comm::memory::huge_filled;
 use crate::comm::{Element, ReduceOp};
-use crate::config::Algorithm;
+use crate::config::{Algorithm, Transport};
 use crate::store::auth::{self, Purpose};
 use crate::types::Rank;
 use crate::{DdpError, ProcessGroup, Result};
@@ -78,6 +78,43 @@ pub struct AllReduceBench {
     /// Collective algorithms to compare within each size, in interleaved rounds (empty: the
     /// group's own choice).
     pub algorithms: Vec<Algorithm>,
+    /// Transports to compare within each size, in interleaved rounds (empty: the group's own
+    /// choice); each TCP one with every algorithm of `algorithms`.
+    pub transports: Vec<Transport>,
+}
+
+/// One way of running the all-reduce that the bench compares: a transport and an algorithm,
+/// each `None` where the group's own choice stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Way {
+    /// The transport.
+    pub transport: Option<Transport>,
+    /// The algorithm (TCP's; shared memory has one).
+    pub algorithm: Option<Algorithm>,
+}
+
+impl std::fmt::Display for Way {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.transport, self.algorithm) {
+            (Some(t), Some(a)) => write!(f, "{t}/{a}"),
+            (Some(t), None) => write!(f, "{t}"),
+            (None, Some(a)) => write!(f, "{a}"),
+            (None, None) => f.write_str("auto"),
+        }
+    }
+}
+
+impl Way {
+    /// Makes `pg` run the following collectives this way (every rank at the same point).
+    fn take(self, pg: &ProcessGroup) -> Result<()> {
+        if let Some(t) = self.transport {
+            pg.set_transport(t)?;
+        }
+        if let Some(a) = self.algorithm {
+            pg.set_algorithm(a)?;
+        }
+        Ok(())
+    }
 }
 
 impl Default for AllReduceBench {
@@ -92,6 +129,7 @@ impl Default for AllReduceBench {
             skip_loopback: false,
             nccl: false,
             algorithms: Vec::new(),
+            transports: Vec::new(),
         }
     }
 }
@@ -221,6 +259,12 @@ impl AllReduceBench {
                 "compares the host transport's algorithms; NCCL chooses its own".into(),
             );
         }
+        if self.nccl && !self.transports.is_empty() {
+            return bad(
+                "--transport",
+                "nccl is measured alone: it cannot be compared with tcp or shm in one run".into(),
+            );
+        }
         if self.max_bytes < elem {
             return bad(
                 "--max-bytes",
@@ -321,35 +365,94 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<
     Ok(rows)
 }
 
-/// Per size, the median time of each algorithm compared (in the order given).
-type AlgorithmTimes = Vec<(usize, Vec<f64>)>;
+/// The ways `opts` compares, in order: every transport with every algorithm (shared memory
+/// once, having one); empty when it compares none.
+pub fn ways(opts: &AllReduceBench) -> Vec<Way> {
+    if opts.algorithms.is_empty() && opts.transports.is_empty() {
+        return Vec::new();
+    }
+    let transports: Vec<Option<Transport>> = match opts.transports.as_slice() {
+        [] => vec![None],
+        ts => ts.iter().copied().map(Some).collect(),
+    };
+    let algorithms: Vec<Option<Algorithm>> = match opts.algorithms.as_slice() {
+        [] => vec![None],
+        al => al.iter().copied().map(Some).collect(),
+    };
+    let mut out = Vec::new();
+    for t in transports {
+        if t == Some(Transport::Shm) {
+            out.push(Way {
+                transport: t,
+                algorithm: None,
+            });
+            continue;
+        }
+        for &a in &algorithms {
+            out.push(Way {
+                transport: t,
+                algorithm: a,
+            });
+        }
+    }
+    out
+}
 
-/// Rounds of each algorithm per size in [`sweep_algorithms`], interleaved.
+/// Per size, the median time of each way compared (in the order given) and single-core
+/// `memcpy`'s bandwidth of the same bytes (GB/s, measured on rank 0).
+type WayTimes = Vec<(usize, Vec<f64>, f64)>;
+
+/// Rounds of each way per size in [`sweep_ways`], interleaved.
 const ALGORITHM_ROUNDS: usize = 5;
 
-/// The sweep over several algorithms: within each size, `ALGORITHM_ROUNDS` rounds of every
-/// algorithm in turn (the same iterations each), so that all see the same machine conditions;
-/// a row per algorithm with its median time, checked on fresh data. Returns the rows and, per
-/// size, the median times in the order of `opts.algorithms`.
-fn sweep_algorithms<T: BenchElem>(
+/// `memcpy` of `src` into `dst` on this core: bytes per second, the median of 5 timed runs of
+/// enough copies to fill `target`.
+fn memcpy_bandwidth(src: &[u8], dst: &mut [u8], target: Duration) -> f64 {
+    let t = Instant::now();
+    dst.copy_from_slice(src);
+    let once = t.elapsed().as_secs_f64().max(1e-8);
+    let iters = (target.as_secs_f64() / 5.0 / once).clamp(1.0, 10_000.0) as usize;
+    let mut runs = Vec::with_capacity(5);
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..iters {
+            dst.copy_from_slice(std::hint::black_box(src));
+        }
+        std::hint::black_box(&mut *dst);
+        runs.push(src.len() as f64 * iters as f64 / t.elapsed().as_secs_f64());
+    }
+    median(runs)
+}
+
+/// The sweep over several ways: within each size, `ALGORITHM_ROUNDS` rounds of every way in
+/// turn (the same iterations each), so that all see the same machine conditions; a row per way
+/// with its median time, checked on fresh data. Returns the rows and, per size, the median
+/// times in the order of `ways`, and `memcpy`'s bandwidth on rank 0 (the others wait).
+fn sweep_ways<T: BenchElem>(
     pg: &ProcessGroup,
     opts: &AllReduceBench,
-) -> BenchResult<(Vec<BenchRow>, AlgorithmTimes)> {
+    ways: &[Way],
+) -> BenchResult<(Vec<BenchRow>, WayTimes)> {
     let elem = std::mem::size_of::<T>();
     let mut buf: Vec<T> = huge_filled(opts.max_bytes / elem, T::from_i32(1));
+    let mut copy: Vec<u8> = if pg.is_main() {
+        huge_filled(opts.max_bytes, 0u8)
+    } else {
+        Vec::new()
+    };
     let (mut rows, mut times) = (Vec::new(), Vec::new());
     for bytes in sizes(opts, elem) {
         let slice = &mut buf[..bytes / elem];
-        for &a in &opts.algorithms {
-            pg.set_algorithm(a)?;
+        for &w in ways {
+            w.take(pg)?;
             for _ in 0..2 {
                 pg.all_reduce(slice, opts.op)?;
             }
         }
-        // Iterations from the slowest algorithm's estimate, the same for all.
+        // Iterations from the slowest way's estimate, the same for all.
         let mut est = [0f64];
-        for &a in &opts.algorithms {
-            pg.set_algorithm(a)?;
+        for &w in ways {
+            w.take(pg)?;
             let t = Instant::now();
             pg.all_reduce(slice, opts.op)?;
             est[0] = est[0].max(t.elapsed().as_secs_f64());
@@ -357,10 +460,10 @@ fn sweep_algorithms<T: BenchElem>(
         pg.all_reduce(&mut est, ReduceOp::Max)?;
         let per_round = opts.target.as_secs_f64() / ALGORITHM_ROUNDS as f64;
         let iters = (per_round / est[0].max(1e-7)).clamp(3.0, 500.0) as usize;
-        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); opts.algorithms.len()];
+        let mut secs: Vec<Vec<f64>> = vec![Vec::new(); ways.len()];
         for _ in 0..ALGORITHM_ROUNDS {
-            for (k, &a) in opts.algorithms.iter().enumerate() {
-                pg.set_algorithm(a)?;
+            for (k, &w) in ways.iter().enumerate() {
+                w.take(pg)?;
                 for (i, x) in slice.iter_mut().enumerate() {
                     *x = T::from_i32(pattern(pg.rank().0, i));
                 }
@@ -375,43 +478,56 @@ fn sweep_algorithms<T: BenchElem>(
             }
         }
         let mut medians = Vec::with_capacity(secs.len());
-        for (&a, s) in opts.algorithms.iter().zip(secs) {
-            pg.set_algorithm(a)?;
+        for (&w, s) in ways.iter().zip(secs) {
+            w.take(pg)?;
             for (i, x) in slice.iter_mut().enumerate() {
                 *x = T::from_i32(pattern(pg.rank().0, i));
             }
             pg.all_reduce(slice, opts.op)?;
             let m = median(s);
-            rows.push(row(pg, opts, (bytes, m), slice, Some(a))?);
+            rows.push(row(pg, opts, (bytes, m), slice, Some(w))?);
             medians.push(m);
         }
-        times.push((bytes, medians));
+        let memcpy = if pg.is_main() {
+            let src: &[u8] = bytemuck::cast_slice(&*slice);
+            memcpy_bandwidth(src, &mut copy[..bytes], opts.target) / 1e9
+        } else {
+            0.0
+        };
+        pg.barrier()?;
+        times.push((bytes, medians, memcpy));
     }
     Ok((rows, times))
 }
 
-/// Prints each size's time under every algorithm as a ratio to the first's.
-fn print_ratios(algorithms: &[Algorithm], times: &[(usize, Vec<f64>)]) {
-    let Some((first, rest)) = algorithms.split_first() else {
+/// Prints each size's time under every way as a ratio to the first's, and each way's bus
+/// bandwidth as a share of `memcpy`'s.
+fn print_ratios(ways: &[Way], world: u32, times: &WayTimes) {
+    let Some((first, rest)) = ways.split_first() else {
         return;
     };
-    if rest.is_empty() {
-        return;
-    }
     println!("#");
     println!(
-        "# time of {first} / time of each other algorithm, per size ({ALGORITHM_ROUNDS} interleaved rounds, medians):"
+        "# time of {first} / time of each other way, per size ({ALGORITHM_ROUNDS} interleaved rounds, medians); \
+         busbw as a share of single-core memcpy of the same bytes on rank 0:"
     );
-    for (bytes, t) in times {
+    let bus = 2.0 * (f64::from(world) - 1.0) / f64::from(world);
+    for (bytes, t, memcpy) in times {
         let ratios: Vec<String> = rest
             .iter()
             .zip(&t[1..])
-            .map(|(a, x)| format!("{a} {:.2}x", t[0] / x))
+            .map(|(w, x)| format!("{w} {:.2}x", t[0] / x))
+            .collect();
+        let shares: Vec<String> = ways
+            .iter()
+            .zip(t)
+            .map(|(w, x)| format!("{w} {:.0}%", 100.0 * (*bytes as f64 / x * bus / 1e9) / memcpy))
             .collect();
         println!(
-            "# {bytes:>10} B: {first} {:.1} us; {}",
+            "# {bytes:>10} B: {first} {:.1} us; {}; memcpy {memcpy:.2} GB/s: {}",
             t[0] * 1e6,
-            ratios.join(", ")
+            ratios.join(", "),
+            shares.join(", ")
         );
     }
 }
@@ -436,7 +552,7 @@ fn row<T: BenchElem>(
     opts: &AllReduceBench,
     (bytes, seconds): (usize, f64),
     result: &[T],
-    algorithm: Option<Algorithm>,
+    way: Option<Way>,
 ) -> BenchResult<BenchRow> {
     let world = pg.world_size().get();
     let integer = matches!(T::DTYPE, crate::DType::I32 | crate::DType::I64);
@@ -456,7 +572,7 @@ fn row<T: BenchElem>(
         wrong: wrong[0].max(0) as u64,
     };
     if pg.is_main() {
-        print_row(Some(r), opts, algorithm);
+        print_row(Some(r), opts, way);
     }
     Ok(r)
 }
@@ -573,7 +689,7 @@ fn dtype_name(d: BenchDType) -> &'static str {
     }
 }
 
-fn print_row(row: Option<BenchRow>, opts: &AllReduceBench, algorithm: Option<Algorithm>) {
+fn print_row(row: Option<BenchRow>, opts: &AllReduceBench, way: Option<Way>) {
     if let Some(r) = row {
         println!(
             "{:>12} {:>12} {:>8} {:>6} {:>10.1} {:>8.3} {:>8.3} {:>7}{}",
@@ -585,7 +701,7 @@ fn print_row(row: Option<BenchRow>, opts: &AllReduceBench, algorithm: Option<Alg
             r.algbw,
             r.busbw,
             r.wrong,
-            algorithm.map(|a| format!(" {a:>5}")).unwrap_or_default()
+            way.map(|w| format!(" {:>8}", w.to_string())).unwrap_or_default()
         );
     }
 }
@@ -844,10 +960,11 @@ pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
             }
         };
     }
-    let (rows, times) = if opts.algorithms.is_empty() {
+    let ways = ways(opts);
+    let (rows, times) = if ways.is_empty() {
         (with_type!(sweep, &pg, opts)?, Vec::new())
     } else {
-        with_type!(sweep_algorithms, &pg, opts)?
+        with_type!(sweep_ways, &pg, opts, &ways)?
     };
     let comparison = if world.get() >= 2 && !opts.skip_loopback {
         with_type!(compare, &pg, &mut link, reference)?
@@ -856,7 +973,7 @@ pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
     };
     if pg.is_main() {
         let wrong = print_summary(&rows);
-        print_ratios(&opts.algorithms, &times);
+        print_ratios(&ways, world.get(), &times);
         if let Some((stream, ring)) = comparison {
             println!("#");
             println!(

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use super::bench::{AllReduceBench, BenchDType, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
-use crate::config::{Algorithm, JobToken, MasterAddr, DEFAULT_MASTER_PORT};
+use crate::config::{Algorithm, JobToken, MasterAddr, Transport, DEFAULT_MASTER_PORT};
 use crate::{DdpError, ReduceOp, Result};
 
 /// Distributed data parallel training for Burn.
@@ -207,10 +207,13 @@ pub struct BenchArgs {
     /// Skip the single-stream TCP measurement.
     #[arg(long)]
     no_loopback: bool,
-    /// Transport to measure: the process group's (TCP between processes), or NCCL on each
-    /// rank's GPU (`LOCAL_RANK`; needs the `cuda` feature).
-    #[arg(long, value_enum, default_value = "host")]
-    transport: TransportArg,
+    /// Transport to measure: the process group's own choice (`host`: shared memory between
+    /// ranks of one host, TCP otherwise), several compared in interleaved rounds within each
+    /// size (`tcp,shm`: each row names its transport, the ratios to the first and the share of
+    /// single-core memcpy are printed at the end), or NCCL on each rank's GPU (`nccl`, alone;
+    /// `LOCAL_RANK`; needs the `cuda` feature).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "host")]
+    transport: Vec<TransportArg>,
     /// Collective algorithms to compare, interleaved in rounds within each size (`ring,tree`):
     /// each row then names its algorithm, and the ratios to the first are printed at the end.
     /// Unset: the group's own choice (`BURN_DDP_ALGO`, by size when unset).
@@ -222,6 +225,8 @@ pub struct BenchArgs {
 enum TransportArg {
     Host,
     Nccl,
+    Tcp,
+    Shm,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -529,7 +534,16 @@ fn bench(args: BenchArgs) -> BenchResult<ExitCode> {
         },
         target: Duration::from_millis(args.target_ms),
         skip_loopback: args.no_loopback,
-        nccl: matches!(args.transport, TransportArg::Nccl),
+        nccl: args.transport.iter().any(|t| matches!(t, TransportArg::Nccl)),
+        transports: args
+            .transport
+            .iter()
+            .filter_map(|t| match t {
+                TransportArg::Tcp => Some(Transport::Tcp),
+                TransportArg::Shm => Some(Transport::Shm),
+                TransportArg::Host | TransportArg::Nccl => None,
+            })
+            .collect(),
         algorithms: args
             .algo
             .iter()

@@ -311,6 +311,47 @@ impl std::fmt::Display for Algorithm {
     }
 }
 
+/// How the ranks of a group that share a host move the bytes of their collectives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transport {
+    /// Shared memory when every rank of the group runs on one host (same kernel, host name
+    /// and namespaces), TCP otherwise. The only choice `BURN_DDP_TRANSPORT` may replace.
+    #[default]
+    Auto,
+    /// TCP for every collective, even between ranks of one host (loopback).
+    Tcp,
+    /// Shared memory, and an error at connection when the group's ranks are not all on one
+    /// host or the memory cannot be set up.
+    Shm,
+}
+
+impl Transport {
+    /// Parses `auto`, `tcp` and `shm`, in any case.
+    pub fn parse(v: &str) -> Option<Self> {
+        match v.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(Self::Auto),
+            "tcp" => Some(Self::Tcp),
+            "shm" => Some(Self::Shm),
+            _ => None,
+        }
+    }
+
+    /// The name `parse` reads back.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Tcp => "tcp",
+            Self::Shm => "shm",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

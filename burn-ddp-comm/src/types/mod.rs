@@ -11,5 +11,7 @@ mod collective;
 mod rank;
 
 pub use abort::{AbortRecord, StallDiagnosis};
-pub use collective::{Algorithm, CollectiveDesc, CollectiveOp, DType, Element, ReduceOp};
+pub use collective::{
+    Algorithm, CollectiveDesc, CollectiveOp, DType, Element, ReduceOp, Transport,
+};
 pub use rank::{CollectiveSeq, LocalRank, Rank, RankList, WorldSize};

@@ -117,7 +117,7 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
 ///
 /// # Errors
 /// `RendezvousTimeout` naming the ranks whose keys are missing at the deadline.
-fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<()> {
+pub(crate) fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<()> {
     let started = Instant::now();
     let left = setup.deadline.saturating_duration_since(started);
     if let WaitOutcome::Missing(missing) = setup.store.wait(keys, left)? {

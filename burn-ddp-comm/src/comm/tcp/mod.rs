@@ -5,6 +5,8 @@
 //! - `tree.rs`: recursive doubling, for small all-reduces and barriers (log n steps), run by the
 //!   same engine over links of its own
 //! - `link.rs`: connection setup through the store
+//! - `shm/`: collectives through memory shared by ranks of one host, which keep their links
+//!   (to learn of a peer's death, and to stop the others on a failure)
 //!
 //! A failure on any link (a peer died, a deadline passed, a mismatch) poisons the communicator,
 //! publishes an [`AbortRecord`] in the store and closes every link, so that the other ranks stop
@@ -13,6 +15,7 @@
 pub(crate) mod header;
 mod link;
 pub(crate) mod ring;
+mod shm;
 mod tree;
 
 use crate::error::{CollectiveError, RendezvousError};
@@ -22,11 +25,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
+use self::shm::{Shm, ShmError};
 use self::ring::{Links, Plan, RecvMode, RecvSeg, RingError, SendSeg, Side, Waits};
 use self::tree::Step;
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
 use crate::comm::reduce::Finish;
-use crate::config::{Algorithm, TREE_MAX_BYTES, TREE_MAX_BYTES_2};
+use crate::config::{Algorithm, Transport, TREE_MAX_BYTES, TREE_MAX_BYTES_2};
 use crate::config::{JobToken, Timeouts};
 use crate::error::ConfigError;
 use crate::store::{StoreClient, WaitOutcome};
@@ -56,6 +60,9 @@ struct State {
     /// Recursive doubling's buffer: the running result, then the copy of it being sent (u64 for
     /// alignment).
     exchange: Vec<u64>,
+    /// The segment shared with the group's other ranks, when they are all on this host and
+    /// agreed to use it.
+    shm: Option<Shm>,
 }
 
 /// How a [`TcpCommunicator`] runs its collectives, the same on every rank of a group.
@@ -66,6 +73,8 @@ pub(crate) struct Tuning {
     /// How many ranks run on this host: more than its cores, and the engine sleeps at once
     /// instead of spinning first.
     pub local_world: WorldSize,
+    /// The transport between ranks of one host (resolved from `BURN_DDP_TRANSPORT` already).
+    pub transport: Transport,
 }
 
 /// Where an engine failure happened: the peers on either side of the link (by place) and the
@@ -100,6 +109,9 @@ pub struct TcpCommunicator {
     watch: Option<Arc<dyn PeerWatch>>,
     /// How long the engine spins before it sleeps ([`Waits::spin`]).
     spin: Duration,
+    /// Whether collectives run in the shared segment now (it exists, and the bench did not
+    /// switch to TCP).
+    on_shm: AtomicBool,
 }
 
 /// What stops a [`TcpCommunicator`]'s collectives: its abort flag and clones of its link
@@ -163,6 +175,7 @@ impl TcpCommunicator {
         };
         let ring = link::open_ring(&setup)?;
         let tree = link::open_tree(&setup, tuning.algorithm)?;
+        let shm = shm::open(&setup, tuning.transport)?;
         ring.next.set_nonblocking(true)?;
         let mut handles = vec![ring.next.try_clone()?];
         if let Some(prev) = &ring.prev {
@@ -173,6 +186,7 @@ impl TcpCommunicator {
             link.set_nonblocking(true)?;
             handles.push(link.try_clone()?);
         }
+        let on_shm = shm.is_some();
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let spin = if tuning.local_world.as_usize() > cores {
             Duration::ZERO
@@ -196,6 +210,7 @@ impl TcpCommunicator {
                 scratch: vec![0u64; ring::SCRATCH / 8],
                 work: Vec::new(),
                 exchange: Vec::new(),
+                shm,
             }),
             links: Arc::new(LinkStopper {
                 abort: Arc::new(AtomicBool::new(false)),
@@ -203,6 +218,7 @@ impl TcpCommunicator {
             }),
             watch: None,
             spin,
+            on_shm: AtomicBool::new(on_shm),
         })
     }
 
@@ -468,6 +484,65 @@ impl TcpCommunicator {
             buf.copy_from_slice(&work[..len]);
             Ok(())
         })
+    }
+
+    /// Runs collective `desc` in the shared segment as `body` does it (see `shm/`); the group's
+    /// links are watched for a peer's end meanwhile.
+    fn run_shm(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        body: impl FnOnce(&mut Shm, (CollectiveSeq, &CollectiveDesc), &shm::Watch<'_>) -> std::result::Result<(), ShmError>,
+    ) -> Result<()> {
+        self.collective(st, desc, |st, seq, waits| {
+            let hop = self.ring_hop();
+            let State {
+                ring, tree, shm, ..
+            } = st;
+            let mut links = vec![(&ring.next, Some(Side::Next), hop.next.index())];
+            if let Some(p) = &ring.prev {
+                links.push((p, Some(Side::Prev), hop.prev.index()));
+            }
+            links.extend(
+                tree.iter()
+                    .enumerate()
+                    .filter_map(|(place, l)| Some((l.as_ref()?, None, place))),
+            );
+            let watch = shm::Watch {
+                deadline: waits.deadline,
+                abort: waits.abort,
+                spin: waits.spin,
+                links: &links,
+            };
+            let Some(shm) = shm else {
+                let e = std::io::Error::new(std::io::ErrorKind::NotConnected, "no shared segment");
+                return Err((RingError::Closed(Side::Next, e), hop));
+            };
+            body(shm, (seq, desc), &watch).map_err(|e| {
+                let at = |place: usize, by_ring: bool| Hop {
+                    next: Rank(place as u32),
+                    prev: Rank(place as u32),
+                    prev_link: (!by_ring).then_some(place),
+                };
+                match e {
+                    ShmError::Link(side, place, io) => (
+                        RingError::Closed(side.unwrap_or(Side::Next), io),
+                        at(place, side.is_some()),
+                    ),
+                    ShmError::Timeout(place) => (RingError::Timeout(Side::Prev), at(place, true)),
+                    ShmError::Mismatch(place, their_seq, theirs) => {
+                        (RingError::Mismatch(their_seq, theirs), at(place, true))
+                    }
+                    ShmError::Protocol(place, w) => (RingError::Protocol(w), at(place, true)),
+                    ShmError::Aborted => (RingError::Aborted, hop),
+                }
+            })
+        })
+    }
+
+    /// Whether collectives run in the shared segment now.
+    fn shm_now(&self) -> bool {
+        self.on_shm.load(Ordering::Relaxed)
     }
 
     /// The watch's verdict, waited for up to its bound (`None` without a watch).
@@ -745,13 +820,20 @@ impl Communicator for TcpCommunicator {
     }
 
     fn transport(&self) -> &'static str {
-        "tcp"
+        if self.shm_now() {
+            "shm"
+        } else {
+            "tcp"
+        }
     }
 
     fn all_reduce(&self, buf: &mut [u8], dtype: DType, op: ReduceOp) -> Result<()> {
         let count = buf.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::AllReduce, dtype, count).reduce(op);
         let mut st = self.lock();
+        if self.shm_now() {
+            return self.run_shm(&mut st, &desc, |shm, c, w| shm.all_reduce(c, buf, dtype, op, w));
+        }
         if self.by_tree(&st, buf.len()) {
             return self.run_tree(&mut st, &desc, buf);
         }
@@ -764,6 +846,9 @@ impl Communicator for TcpCommunicator {
         let desc = CollectiveDesc::new(CollectiveOp::Broadcast, dtype, count).root(root);
         let (rank, world) = (self.rank.index(), self.world.as_usize());
         let mut st = self.lock();
+        if self.shm_now() {
+            return self.run_shm(&mut st, &desc, |shm, c, w| shm.broadcast(c, buf, root.index(), w));
+        }
         if self.by_tree(&st, buf.len()) {
             let moves = tree::broadcast(rank, world, root.index(), buf.len());
             return self.run_moves(&mut st, &desc, buf, &moves);
@@ -779,6 +864,9 @@ impl Communicator for TcpCommunicator {
         let desc = CollectiveDesc::new(CollectiveOp::AllGather, dtype, block / dtype.size());
         let world = self.world.as_usize();
         let mut st = self.lock();
+        if self.shm_now() {
+            return self.run_shm(&mut st, &desc, |shm, c, w| shm.all_gather(c, recv, w));
+        }
         if self.by_tree(&st, recv.len()) {
             let moves = tree::all_gather(r, world, block);
             return self.run_moves(&mut st, &desc, recv, &moves);
@@ -796,8 +884,13 @@ impl Communicator for TcpCommunicator {
     ) -> Result<()> {
         let block = recv.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::ReduceScatter, dtype, block).reduce(op);
-        let plan = ring::reduce_scatter(self.rank.index(), self.world.as_usize(), block, dtype, op);
         let mut st = self.lock();
+        if self.shm_now() {
+            return self.run_shm(&mut st, &desc, |shm, c, w| {
+                shm.reduce_scatter(c, send, recv, (dtype, op), w)
+            });
+        }
+        let plan = ring::reduce_scatter(self.rank.index(), self.world.as_usize(), block, dtype, op);
         let mut work = std::mem::take(&mut st.work);
         work.clear();
         work.extend_from_slice(send);
@@ -814,6 +907,9 @@ impl Communicator for TcpCommunicator {
         let mut one = 1i32.to_le_bytes();
         let desc = CollectiveDesc::new(CollectiveOp::Barrier, DType::I32, 1);
         let mut st = self.lock();
+        if self.shm_now() {
+            return self.run_shm(&mut st, &desc, |shm, c, w| shm.barrier(c, w));
+        }
         if st.algorithm != Algorithm::Ring {
             return self.run_tree(&mut st, &desc, &mut one);
         }
@@ -843,6 +939,23 @@ impl Communicator for TcpCommunicator {
             }));
         }
         st.algorithm = algorithm;
+        Ok(())
+    }
+
+    fn set_transport(&self, transport: Transport) -> Result<()> {
+        let st = self.lock();
+        let shm = match transport {
+            Transport::Tcp => false,
+            Transport::Shm | Transport::Auto => st.shm.is_some(),
+        };
+        if transport == Transport::Shm && !shm {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "transport",
+                reason: "this group has no shared segment (its ranks are not all on one host, \
+                         or it was connected with BURN_DDP_TRANSPORT=tcp)",
+            }));
+        }
+        self.on_shm.store(shm, Ordering::Relaxed);
         Ok(())
     }
 }

@@ -27,6 +27,7 @@
 //! | `BURN_DDP_RUN_ID`, `TORCHELASTIC_RUN_ID`, `SLURM_JOB_ID`, `LSB_JOBID`, `PBS_JOBID` | the job's identity across its restarts and requeues, recorded with its checkpoints ([`run_id`]) | none |
 //! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
 //! | `BURN_DDP_ALGO` | how collectives between processes run: `auto` (recursive doubling for small all-reduces and barriers, the ring above), `ring`, `tree`; the same on every rank | `auto` |
+//! | `BURN_DDP_TRANSPORT` | how ranks of one host move the bytes of collectives: `auto` (shared memory when every rank of the group is on one host, TCP otherwise), `tcp`, `shm`; the same on every rank | `auto` |
 //! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
 //! | `BURN_DDP_FAULT_TOLERANT=1` | a fault-tolerant job: the ranks survive the loss of others (set by `burn-ddp run --fault-tolerant`, whose launcher serves the store) | off |
 //! | `BURN_DDP_FT_JOIN=1` | this process joins a running fault-tolerant job | off |
@@ -44,7 +45,7 @@ use std::ffi::OsString;
 
 use crate::config::{
     Algorithm, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, Launcher,
-    MasterAddr, Timeouts, DEFAULT_MASTER_PORT,
+    MasterAddr, Timeouts, Transport, DEFAULT_MASTER_PORT,
 };
 use crate::types::{LocalRank, Rank, WorldSize};
 use crate::{DdpError, Result};
@@ -121,6 +122,8 @@ pub fn rank_markers() -> bool {
 pub const DEBUG_DESYNC: &str = "BURN_DDP_DEBUG_DESYNC";
 /// How collectives between processes run ([`Algorithm`]).
 pub const ALGO: &str = "BURN_DDP_ALGO";
+/// How ranks of one host move the bytes of collectives ([`Transport`]).
+pub const TRANSPORT: &str = "BURN_DDP_TRANSPORT";
 /// How GPU gradient buckets travel ([`GradTransport`]).
 pub const GRAD_TRANSPORT: &str = "BURN_DDP_GRAD_TRANSPORT";
 /// The world size of the round before this one in an elastic job (`burn-ddp run --nnodes
@@ -325,17 +328,20 @@ pub fn algorithm(explicit: Algorithm) -> Result<Algorithm> {
 }
 
 fn algorithm_from(explicit: Algorithm, get: &impl Fn(&str) -> Option<String>) -> Result<Algorithm> {
-    if explicit != Algorithm::Auto {
-        return Ok(explicit);
-    }
-    match get(ALGO) {
-        None => Ok(Algorithm::Auto),
-        Some(v) => Algorithm::parse(&v).ok_or(DdpError::Config(ConfigError::InvalidEnv {
-            var: ALGO,
-            value: v,
-            expected: "auto, ring or tree",
-        })),
-    }
+    choice_from(explicit, Algorithm::Auto, ALGO, Algorithm::parse, "auto, ring or tree", get)
+}
+
+/// The transport between ranks of one host: `explicit` when it is `Tcp` or `Shm`, else
+/// `BURN_DDP_TRANSPORT` when set, else `Auto`.
+///
+/// # Errors
+/// `InvalidEnv` when the variable holds something other than `auto`, `tcp` or `shm`.
+pub fn transport(explicit: Transport) -> Result<Transport> {
+    transport_from(explicit, &|k: &str| std::env::var(k).ok())
+}
+
+fn transport_from(explicit: Transport, get: &impl Fn(&str) -> Option<String>) -> Result<Transport> {
+    choice_from(explicit, Transport::Auto, TRANSPORT, Transport::parse, "auto, tcp or shm", get)
 }
 
 /// The gradient transport: `explicit` when it is `Host` or `Nccl`, else
@@ -351,15 +357,29 @@ fn grad_transport_from(
     explicit: GradTransport,
     get: &impl Fn(&str) -> Option<String>,
 ) -> Result<GradTransport> {
-    if explicit != GradTransport::Auto {
+    let parse = GradTransport::parse;
+    choice_from(explicit, GradTransport::Auto, GRAD_TRANSPORT, parse, "auto, host or nccl", get)
+}
+
+/// A choice of the code's (`explicit`) unless it is `auto`, else the variable `var` when set
+/// (read by `parse`), else `auto`.
+fn choice_from<T: Copy + PartialEq>(
+    explicit: T,
+    auto: T,
+    var: &'static str,
+    parse: fn(&str) -> Option<T>,
+    expected: &'static str,
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<T> {
+    if explicit != auto {
         return Ok(explicit);
     }
-    match get(GRAD_TRANSPORT) {
-        None => Ok(GradTransport::Auto),
-        Some(v) => GradTransport::parse(&v).ok_or(DdpError::Config(ConfigError::InvalidEnv {
-            var: GRAD_TRANSPORT,
+    match get(var) {
+        None => Ok(auto),
+        Some(v) => parse(&v).ok_or(DdpError::Config(ConfigError::InvalidEnv {
+            var,
             value: v,
-            expected: "auto, host or nccl",
+            expected,
         })),
     }
 }
@@ -534,6 +554,21 @@ mod tests {
             .to_string();
         assert!(
             err.contains("BURN_DDP_ALGO") && err.contains("auto, ring or tree"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn the_transport_variable_replaces_only_auto() {
+        let get = env(&[("BURN_DDP_TRANSPORT", "SHM")]);
+        assert_eq!(transport_from(Transport::Auto, &get).unwrap(), Transport::Shm);
+        assert_eq!(transport_from(Transport::Tcp, &get).unwrap(), Transport::Tcp);
+        assert_eq!(transport_from(Transport::Auto, &env(&[])).unwrap(), Transport::Auto);
+        let err = transport_from(Transport::Auto, &env(&[("BURN_DDP_TRANSPORT", "rdma")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("BURN_DDP_TRANSPORT") && err.contains("auto, tcp or shm"),
             "{err}"
         );
     }

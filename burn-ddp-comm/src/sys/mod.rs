@@ -12,6 +12,8 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::Duration;
 
+pub(crate) mod shared;
+
 /// What a [`poll`] waits for on one descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ready {

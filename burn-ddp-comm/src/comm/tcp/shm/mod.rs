@@ -1,0 +1,519 @@
+//! Collectives through memory shared by the ranks of one host (see Note [Shared-memory
+//! collectives]).
+//!
+//! - `mod.rs`: the segment's layout, the counters the ranks wait on, the collectives
+//! - `setup.rs`: whether a group uses it, and handing the segment to every rank
+//!
+//! The group keeps its TCP links: they carry nothing here, but a peer that dies closes them,
+//! which is how a waiting rank learns it at once, and a failure closes them to stop the others
+//! (`tcp/mod.rs` turns every failure into the error to report, as for the ring).
+
+mod setup;
+
+pub(crate) use setup::open;
+
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use super::header;
+use super::ring::Side;
+use crate::comm::reduce::{combine, split, Finish};
+use crate::sys::shared::{self, Mapping};
+use crate::sys::{self, Ready};
+use crate::types::{CollectiveDesc, CollectiveSeq, DType, ReduceOp};
+use crate::wire::WireError;
+
+// Note [Shared-memory collectives]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The segment holds, after a header, one control line per rank (its counter, a futex word, and
+// the descriptors of its last two collectives) and one slot per rank of two halves of `chunk`
+// bytes. A collective moves its buffer chunk by chunk; each chunk goes through the next half of
+// every rank's slot (they alternate over the life of the group).
+//
+// A rank writes only its own slot and control line. It tells the others "what I wrote is there"
+// by raising its counter (a sync), and reads another rank's slot only after seeing that rank's
+// counter reach the same sync. Every sync waits for every rank, so when a rank writes a half
+// again (two chunks later) every other rank has passed a later sync, which it raises only after
+// reading what that half held. A rank that dies mid-write never raises its counter: nobody reads
+// what it left.
+//
+// - all-reduce, per chunk: write the chunk except the part this rank reduces; sync; reduce that
+//   part (this rank's value, then every other rank's in rank order: the order of summation
+//   depends on the world size only, and each element is computed by one rank, so every rank
+//   ends with the same bits); write the result; sync; copy the other parts' results.
+// - broadcast: the root writes; sync; the others copy.
+// - all-gather: each writes its block's chunk; sync; each copies the others'.
+// - reduce-scatter: each writes the chunk of every block but its own; sync; each reduces its
+//   block.
+// - barrier: one sync.
+//
+// The first sync of a collective also compares every rank's descriptor (kept by sequence
+// number's parity, since a fast rank may write its next one while a slow one still reads),
+// which catches ranks calling different collectives before any byte is misread.
+//
+// Waiting spins for `spin`, then sleeps on the peer's futex in slices of `SLICE`, looking
+// between slices at the deadline, the abort flag (the heartbeat's verdict sets it), and the
+// group's TCP links (a closed link is a dead peer).
+
+/// Longest sleep between two looks at the deadline, the abort flag and the links.
+const SLICE: Duration = Duration::from_millis(2);
+/// Bytes before the control lines.
+const HEADER: usize = 4096;
+/// Bytes of one rank's control line (two cache lines).
+const LINE: usize = 128;
+/// Where in a control line the descriptors are (after the counter and the sleepers' count).
+const DESC_AT: usize = 64;
+const MAGIC: u64 = u64::from_le_bytes(*b"BDDSHM01");
+/// The largest half a rank's slot has, and the most the whole segment's slots hold.
+const CHUNK_MAX: usize = 1 << 20;
+const SLOTS_MAX: usize = 64 << 20;
+/// The smallest half (a reduce-scatter puts a piece of every block in one).
+const CHUNK_MIN: usize = 64 << 10;
+
+/// How big each half of a rank's slot is for `world` ranks: 1 MiB, less when the slots would
+/// pass 64 MiB together, at least 64 KiB and 64 bytes per rank.
+pub(crate) fn chunk_for(world: usize) -> usize {
+    let fair = SLOTS_MAX / (2 * world.max(1));
+    let chunk = fair.clamp(CHUNK_MIN, CHUNK_MAX).max(64 * world);
+    chunk / 64 * 64
+}
+
+/// The segment's size for `world` ranks with halves of `chunk` bytes.
+pub(crate) fn segment_len(world: usize, chunk: usize) -> usize {
+    data_at(world) + world * 2 * chunk
+}
+
+fn data_at(world: usize) -> usize {
+    (HEADER + world * LINE).next_multiple_of(4096)
+}
+
+/// Why a shared-memory collective stopped.
+#[derive(Debug)]
+pub(crate) enum ShmError {
+    /// A TCP link of the group closed or failed (on that side of the ring, or the link of
+    /// recursive doubling to that place).
+    Link(Option<Side>, usize, io::Error),
+    /// The deadline passed while waiting for the rank at this place.
+    Timeout(usize),
+    /// The rank at this place runs another collective.
+    Mismatch(usize, CollectiveSeq, CollectiveDesc),
+    /// The rank at this place wrote a descriptor that does not decode.
+    Protocol(usize, WireError),
+    /// The group was aborted from outside while this rank waited.
+    Aborted,
+}
+
+/// What a wait looks at besides the counters.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Watch<'a> {
+    pub deadline: Instant,
+    pub abort: &'a AtomicBool,
+    pub spin: Duration,
+    /// The group's TCP links: the ring's (by side) and recursive doubling's, with the place at
+    /// the other end.
+    pub links: &'a [(&'a TcpStream, Option<Side>, usize)],
+}
+
+/// This rank's view of the segment.
+#[derive(Debug)]
+pub(crate) struct Shm {
+    map: Mapping,
+    place: usize,
+    world: usize,
+    chunk: usize,
+    /// This rank's syncs so far (what its counter holds).
+    count: u32,
+    /// Chunks moved so far (the next one's half is its parity).
+    chunks: u64,
+}
+
+impl Shm {
+    /// Takes a mapping of a segment laid out for `world` ranks (checked by `setup.rs`).
+    fn new(map: Mapping, place: usize, world: usize, chunk: usize) -> Self {
+        debug_assert!(map.len() >= segment_len(world, chunk));
+        Self {
+            map,
+            place,
+            world,
+            chunk,
+            count: 0,
+            chunks: 0,
+        }
+    }
+
+    /// Writes the header of a fresh segment.
+    fn init(map: &Mapping, world: usize, chunk: usize) {
+        let base = map.base();
+        // SAFETY: the header's first 16 bytes are in the mapping (at least one page), aligned,
+        // and no other process maps it yet.
+        unsafe {
+            base.cast::<u64>().write(MAGIC);
+            base.add(8).cast::<u32>().write(world as u32);
+            base.add(12).cast::<u32>().write(chunk as u32);
+        }
+    }
+
+    /// Reads a segment's header: its world and chunk, or `None` when it is no segment.
+    fn read_header(map: &Mapping) -> Option<(usize, usize)> {
+        let base = map.base();
+        if map.len() < HEADER {
+            return None;
+        }
+        // SAFETY: the first 16 bytes are mapped and aligned; the creator wrote them before
+        // handing the segment over and never writes them again.
+        let (magic, world, chunk) = unsafe {
+            (
+                base.cast::<u64>().read(),
+                base.add(8).cast::<u32>().read() as usize,
+                base.add(12).cast::<u32>().read() as usize,
+            )
+        };
+        (magic == MAGIC && world > 0 && map.len() >= segment_len(world, chunk))
+            .then_some((world, chunk))
+    }
+
+    fn line(&self, place: usize) -> *mut u8 {
+        // SAFETY: `place < world`, so the line is inside the control area.
+        unsafe { self.map.base().add(HEADER + place * LINE) }
+    }
+
+    fn counter(&self, place: usize) -> &AtomicU32 {
+        // SAFETY: the first word of a control line: aligned, inside the mapping for its life,
+        // and only ever accessed atomically by every process.
+        unsafe { &*self.line(place).cast::<AtomicU32>() }
+    }
+
+    fn sleepers(&self, place: usize) -> &AtomicU32 {
+        // SAFETY: as `counter`, the line's second word.
+        unsafe { &*self.line(place).add(4).cast::<AtomicU32>() }
+    }
+
+    /// Half `half` of `place`'s slot.
+    fn half(&self, place: usize, half: usize) -> *mut u8 {
+        let at = data_at(self.world) + (2 * place + half) * self.chunk;
+        // SAFETY: `place < world` and `half < 2`: inside the slots.
+        unsafe { self.map.base().add(at) }
+    }
+
+    /// The half the next chunk uses.
+    fn next_half(&mut self) -> usize {
+        let h = (self.chunks % 2) as usize;
+        self.chunks += 1;
+        h
+    }
+
+    /// Bytes `range` of half `half` of this rank's slot, to write.
+    fn mine(&mut self, half: usize, range: std::ops::Range<usize>) -> &mut [u8] {
+        debug_assert!(range.end <= self.chunk);
+        // SAFETY: this rank's own slot, which only it writes; others read it only between the
+        // sync that follows this write and the next (Note [Shared-memory collectives]), during
+        // which this rank does not write it. `&mut self` keeps this the only borrow here.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.half(self.place, half).add(range.start), range.len())
+        }
+    }
+
+    /// Bytes `range` of half `half` of `place`'s slot, to read after a sync that `place` passed
+    /// after writing them.
+    fn theirs(&self, place: usize, half: usize, range: std::ops::Range<usize>) -> &[u8] {
+        debug_assert!(range.end <= self.chunk);
+        // SAFETY: `place` wrote these bytes before raising its counter to the sync this rank
+        // passed (acquire), and writes the half again only after this rank's next sync.
+        unsafe { std::slice::from_raw_parts(self.half(place, half).add(range.start), range.len()) }
+    }
+
+    /// Records the descriptor of collective `seq`, for the others' check at its first sync.
+    fn begin(&self, seq: CollectiveSeq, desc: &CollectiveDesc) {
+        let h = header::encode(seq, desc);
+        let at = DESC_AT + (seq.0 % 2) as usize * header::LEN;
+        // SAFETY: inside this rank's control line; read by others only after this rank's next
+        // sync, and written again only for collective seq + 2, after a sync every rank passes
+        // after reading this one.
+        unsafe {
+            std::ptr::copy_nonoverlapping(h.as_ptr(), self.line(self.place).add(at), h.len());
+        }
+    }
+
+    /// Checks every other rank's descriptor of collective `seq` against `desc`.
+    fn check(&self, seq: CollectiveSeq, desc: &CollectiveDesc) -> Result<(), ShmError> {
+        let at = DESC_AT + (seq.0 % 2) as usize * header::LEN;
+        for q in (0..self.world).filter(|&q| q != self.place) {
+            let mut h = [0u8; header::LEN];
+            // SAFETY: `q` wrote it before the sync just passed (see `begin`).
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.line(q).add(at), h.as_mut_ptr(), h.len());
+            }
+            let (their_seq, theirs) = header::decode(&h).map_err(|e| ShmError::Protocol(q, e))?;
+            if their_seq != seq || theirs != *desc {
+                return Err(ShmError::Mismatch(q, their_seq, theirs));
+            }
+        }
+        Ok(())
+    }
+
+    /// Raises this rank's counter and waits until every other rank's reached it.
+    fn sync(&mut self, watch: &Watch<'_>) -> Result<(), ShmError> {
+        self.count = self.count.wrapping_add(1);
+        let me = self.counter(self.place);
+        me.store(self.count, Ordering::SeqCst);
+        if self.sleepers(self.place).load(Ordering::SeqCst) > 0 {
+            shared::wake(me);
+        }
+        let target = self.count;
+        let reached = |v: u32| (v.wrapping_sub(target) as i32) >= 0;
+        let started = Instant::now();
+        for q in (0..self.world).filter(|&q| q != self.place) {
+            let word = self.counter(q);
+            let mut spins = 0u32;
+            loop {
+                let v = word.load(Ordering::Acquire);
+                if reached(v) {
+                    break;
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 64 != 0 {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                if watch.abort.load(Ordering::Relaxed) {
+                    return Err(ShmError::Aborted);
+                }
+                let now = Instant::now();
+                if now.duration_since(started) < watch.spin {
+                    continue;
+                }
+                if now >= watch.deadline {
+                    return Err(ShmError::Timeout(q));
+                }
+                look_at_links(watch.links)?;
+                let sleepers = self.sleepers(q);
+                sleepers.fetch_add(1, Ordering::SeqCst);
+                let v = word.load(Ordering::SeqCst);
+                if !reached(v) {
+                    shared::wait(word, v, SLICE.min(watch.deadline - now));
+                }
+                sleepers.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        std::sync::atomic::fence(Ordering::Acquire);
+        Ok(())
+    }
+
+    /// The first sync of collective `seq`, with the check of every rank's descriptor.
+    fn first_sync(
+        &mut self,
+        seq: CollectiveSeq,
+        desc: &CollectiveDesc,
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.sync(watch)?;
+        self.check(seq, desc)
+    }
+
+    /// All-reduces `buf` (whole elements of `dtype`) with `op`.
+    pub(crate) fn all_reduce(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.begin(seq, desc);
+        let elem = dtype.size();
+        let per = self.chunk / elem * elem;
+        let finish = match op {
+            ReduceOp::Mean => Finish::DivideBy(self.world as u32),
+            _ => Finish::None,
+        };
+        let (me, world) = (self.place, self.world);
+        let mut first = true;
+        let mut start = 0;
+        while first || start < buf.len() {
+            let len = per.min(buf.len() - start);
+            let h = self.next_half();
+            let parts = split(len / elem, elem, world);
+            let chunk = &mut buf[start..start + len];
+            for (_, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
+                self.mine(h, r.clone()).copy_from_slice(&chunk[r.clone()]);
+            }
+            if first {
+                self.first_sync(seq, desc, watch)?;
+                first = false;
+            } else {
+                self.sync(watch)?;
+            }
+            let mine = parts[me].clone();
+            let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
+            for (i, &q) in others.iter().enumerate() {
+                let last = if i + 1 == others.len() { finish } else { Finish::None };
+                let theirs = self.theirs(q, h, mine.clone());
+                combine(dtype, op, &mut chunk[mine.clone()], theirs, last);
+            }
+            self.mine(h, mine.clone()).copy_from_slice(&chunk[mine]);
+            self.sync(watch)?;
+            for (q, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
+                chunk[r.clone()].copy_from_slice(self.theirs(q, h, r.clone()));
+            }
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// Copies `root`'s `buf` to every rank.
+    pub(crate) fn broadcast(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        buf: &mut [u8],
+        root: usize,
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.begin(seq, desc);
+        let mut first = true;
+        let mut start = 0;
+        while first || start < buf.len() {
+            let len = self.chunk.min(buf.len() - start);
+            let h = self.next_half();
+            if self.place == root {
+                self.mine(h, 0..len).copy_from_slice(&buf[start..start + len]);
+            }
+            if first {
+                self.first_sync(seq, desc, watch)?;
+                first = false;
+            } else {
+                self.sync(watch)?;
+            }
+            if self.place != root {
+                buf[start..start + len].copy_from_slice(self.theirs(root, h, 0..len));
+            }
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// Concatenates every rank's block of `recv` (this rank's is in place already) into every
+    /// rank's `recv`.
+    pub(crate) fn all_gather(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        recv: &mut [u8],
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.begin(seq, desc);
+        let (me, world) = (self.place, self.world);
+        let block = recv.len() / world;
+        let mut first = true;
+        let mut start = 0;
+        while first || start < block {
+            let len = self.chunk.min(block - start);
+            let h = self.next_half();
+            let at = me * block + start;
+            self.mine(h, 0..len).copy_from_slice(&recv[at..at + len]);
+            if first {
+                self.first_sync(seq, desc, watch)?;
+                first = false;
+            } else {
+                self.sync(watch)?;
+            }
+            for q in (0..world).filter(|&q| q != me) {
+                let at = q * block + start;
+                recv[at..at + len].copy_from_slice(self.theirs(q, h, 0..len));
+            }
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// Reduces `send` (a block per rank) with `op`; this rank's block of the result goes to
+    /// `recv`.
+    pub(crate) fn reduce_scatter(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        send: &[u8],
+        recv: &mut [u8],
+        (dtype, op): (DType, ReduceOp),
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.begin(seq, desc);
+        let (me, world) = (self.place, self.world);
+        let elem = dtype.size();
+        let block = recv.len();
+        // A piece of every block goes in one half.
+        let per = (self.chunk / world / elem * elem).max(elem);
+        let finish = match op {
+            ReduceOp::Mean => Finish::DivideBy(world as u32),
+            _ => Finish::None,
+        };
+        recv.copy_from_slice(&send[me * block..(me + 1) * block]);
+        let mut first = true;
+        let mut start = 0;
+        while first || start < block {
+            let len = per.min(block - start);
+            let h = self.next_half();
+            for p in (0..world).filter(|&p| p != me) {
+                let at = p * block + start;
+                self.mine(h, p * len..(p + 1) * len)
+                    .copy_from_slice(&send[at..at + len]);
+            }
+            if first {
+                self.first_sync(seq, desc, watch)?;
+                first = false;
+            } else {
+                self.sync(watch)?;
+            }
+            let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
+            for (i, &q) in others.iter().enumerate() {
+                let last = if i + 1 == others.len() { finish } else { Finish::None };
+                let theirs = self.theirs(q, h, me * len..(me + 1) * len);
+                combine(dtype, op, &mut recv[start..start + len], theirs, last);
+            }
+            start += len;
+        }
+        Ok(())
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub(crate) fn barrier(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        self.begin(seq, desc);
+        self.first_sync(seq, desc, watch)
+    }
+}
+
+/// Fails when one of the group's TCP links was closed or failed (its peer died or stopped the
+/// group); a link with bytes on it is a protocol failure, as nothing travels there now.
+fn look_at_links(links: &[(&TcpStream, Option<Side>, usize)]) -> Result<(), ShmError> {
+    const READ: Ready = Ready {
+        read: true,
+        write: false,
+    };
+    let fds: Vec<_> = links.iter().map(|(s, ..)| (s.as_fd(), READ)).collect();
+    let ready = sys::poll_set(&fds, Duration::ZERO)
+        .map_err(|e| ShmError::Link(links[0].1, links[0].2, e))?;
+    for (i, &(s, side, place)) in links.iter().enumerate().take(sys::POLL_SET_MAX) {
+        if ready & (1 << i) == 0 {
+            continue;
+        }
+        let mut byte = [0u8];
+        match sys::peek(s.as_fd(), &mut byte) {
+            Ok(0) => {
+                let eof = io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the link");
+                return Err(ShmError::Link(side, place, eof));
+            }
+            Ok(_) => {
+                let what = "bytes on a link that carries none while collectives run in shared memory";
+                let e = io::Error::new(io::ErrorKind::InvalidData, what);
+                return Err(ShmError::Link(side, place, e));
+            }
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+            Err(e) => return Err(ShmError::Link(side, place, e)),
+        }
+    }
+    Ok(())
+}
