@@ -276,12 +276,22 @@ fn collectives_world_4() {
 
 #[test]
 fn collectives_world_2_over_tcp() {
-    job(2, "collectives_world_2_over_tcp", "tcp", &[("BURN_DDP_TRANSPORT", "tcp")]);
+    job(
+        2,
+        "collectives_world_2_over_tcp",
+        "tcp",
+        &[("BURN_DDP_TRANSPORT", "tcp")],
+    );
 }
 
 #[test]
 fn collectives_world_4_over_tcp() {
-    job(4, "collectives_world_4_over_tcp", "tcp", &[("BURN_DDP_TRANSPORT", "tcp")]);
+    job(
+        4,
+        "collectives_world_4_over_tcp",
+        "tcp",
+        &[("BURN_DDP_TRANSPORT", "tcp")],
+    );
 }
 
 /// Every collective on the ring alone (`BURN_DDP_ALGO=ring`: no links for recursive doubling).

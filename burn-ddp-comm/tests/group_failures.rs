@@ -49,6 +49,7 @@ fn rank_killed_mid_collective() {
     const NAME: &str = "rank_killed_mid_collective";
     if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
+        assert_eq!(pg.transport(), "shm");
         if pg.rank() == Rank(1) {
             std::thread::spawn(|| {
                 std::thread::sleep(Duration::from_millis(300));
@@ -85,9 +86,11 @@ fn rank_killed_mid_collective() {
         );
         return;
     }
-    // A 10-minute collective timeout: only prompt failure detection can meet the bound.
+    // A 10-minute collective timeout: only prompt failure detection can meet the bound. The
+    // ranks share memory: only their TCP links, which carry nothing, tell them of the death.
     let out = TestJob::new(3, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_TRANSPORT", "shm")
         .run();
     assert!(!out.rank(1).ok(), "{}", out.report());
     assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
@@ -427,14 +430,14 @@ fn mismatched_collectives_are_reported_not_hung() {
     assert_fast(&out, Duration::from_secs(20));
 }
 
-/// Rank 3 of 5 is killed while the ranks run small all-reduces (recursive doubling: rank 3
-/// exchanges with ranks 2 and 1 directly, the others only hear of it through them): every
-/// survivor names rank 3, fast, though most never had a link to it.
-#[test]
-fn rank_killed_in_small_collectives_is_named_by_every_survivor() {
-    const NAME: &str = "rank_killed_in_small_collectives_is_named_by_every_survivor";
-    if procs::is_child(NAME) {
+/// Rank 3 of 5 is killed while the ranks run small all-reduces (over TCP by recursive
+/// doubling: rank 3 exchanges with ranks 2 and 1 directly, the others only hear of it through
+/// them; in shared memory every rank waits for rank 3, and only its ring neighbours have a link
+/// to it): every survivor names rank 3, fast, though most never had a link to it.
+fn rank_3_killed_in_small_collectives(name: &str, transport: &str) {
+    if procs::is_child(name) {
         let pg = ProcessGroup::from_env().unwrap();
+        assert_eq!(pg.transport(), transport);
         if pg.rank() == Rank(3) {
             std::thread::spawn(|| {
                 std::thread::sleep(Duration::from_millis(300));
@@ -460,15 +463,130 @@ fn rank_killed_in_small_collectives_is_named_by_every_survivor() {
         assert!(text.contains("all_reduce #"), "{text}");
         return;
     }
-    let out = TestJob::new(5, NAME)
+    let out = TestJob::new(5, name)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_ALGO", "auto")
+        .env("BURN_DDP_TRANSPORT", transport)
         .run();
     assert!(!out.rank(3).ok(), "{}", out.report());
     for r in [0, 1, 2, 4] {
         assert!(out.rank(r).ok(), "{}", out.report());
     }
     assert_fast(&out, Duration::from_secs(20));
+}
+
+#[test]
+fn rank_killed_in_small_collectives_is_named_by_every_survivor() {
+    let name = "rank_killed_in_small_collectives_is_named_by_every_survivor";
+    rank_3_killed_in_small_collectives(name, "tcp");
+}
+
+#[test]
+fn rank_killed_in_small_shared_memory_collectives_is_named_by_every_survivor() {
+    let name = "rank_killed_in_small_shared_memory_collectives_is_named_by_every_survivor";
+    rank_3_killed_in_small_collectives(name, "shm");
+}
+
+/// The inode of the shared segment this process maps (`/proc/self/maps`).
+fn segment_inode() -> Option<u64> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let line = maps.lines().find(|l| l.contains("/memfd:burn-ddp"))?;
+    line.split_whitespace().nth(4)?.parse().ok()
+}
+
+/// Whether any process maps the shared segment of inode `ino`, or holds a descriptor of it.
+fn segment_held(ino: u64) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    for proc in std::fs::read_dir("/proc").ok()?.flatten() {
+        let path = proc.path();
+        if !path
+            .file_name()?
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+        {
+            continue;
+        }
+        let maps = std::fs::read_to_string(path.join("maps")).unwrap_or_default();
+        if maps.lines().any(|l| {
+            l.contains("/memfd:burn-ddp") && l.split_whitespace().nth(4) == Some(&ino.to_string())
+        }) {
+            return Some(format!("{} maps it", path.display()));
+        }
+        for fd in std::fs::read_dir(path.join("fd"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let target = std::fs::read_link(fd.path()).unwrap_or_default();
+            if target.to_string_lossy().contains("memfd:burn-ddp")
+                && std::fs::metadata(fd.path()).is_ok_and(|m| m.ino() == ino)
+            {
+                return Some(format!("{} holds it", fd.path().display()));
+            }
+        }
+    }
+    None
+}
+
+fn shm_names() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("burn"))
+        .collect()
+}
+
+/// Every rank is SIGKILLed in the middle of shared-memory collectives: nothing of the segment
+/// survives them (no name in `/dev/shm`, no process that maps it or holds it).
+#[test]
+fn nothing_of_the_shared_segment_survives_a_kill_of_every_rank() {
+    const NAME: &str = "nothing_of_the_shared_segment_survives_a_kill_of_every_rank";
+    let report = std::env::temp_dir().join(format!("{NAME}-{}", std::process::id()));
+    if procs::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        assert_eq!(pg.transport(), "shm");
+        let mut pids = vec![0i64; 3];
+        pg.all_gather(&[i64::from(std::process::id())], &mut pids)
+            .unwrap();
+        if pg.rank() == Rank(0) {
+            let ino = segment_inode().expect("rank 0 maps the segment");
+            let path = std::env::var("SEGMENT_REPORT").unwrap();
+            std::fs::write(path, format!("{ino}")).unwrap();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                for &pid in pids.iter().rev() {
+                    let pid = rustix::process::Pid::from_raw(pid as i32).unwrap();
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            });
+        }
+        let mut buf = vec![1.0f32; 4 << 20];
+        // Until killed: a rank that learns of another's death first waits for its own.
+        while pg.all_reduce(&mut buf, ReduceOp::Sum).is_ok() {}
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+    let before = shm_names();
+    let out = TestJob::new(3, NAME)
+        .env("BURN_DDP_TRANSPORT", "shm")
+        .env("SEGMENT_REPORT", report.display())
+        .timeout(Duration::from_secs(120))
+        .run();
+    for r in 0..3 {
+        assert!(!out.rank(r).ok(), "every rank is killed: {}", out.report());
+    }
+    let ino: u64 = std::fs::read_to_string(&report)
+        .unwrap_or_else(|e| panic!("rank 0 wrote no report ({e}): {}", out.report()))
+        .trim()
+        .parse()
+        .unwrap();
+    let _ = std::fs::remove_file(&report);
+    assert_eq!(segment_held(ino), None, "segment inode {ino} survived");
+    assert_eq!(shm_names(), before, "names left in /dev/shm");
 }
 
 /// Rank 2 calls a large all-reduce (the ring) where the others call a small one (recursive
@@ -488,6 +606,7 @@ fn collectives_that_chose_different_algorithms_are_reported_as_a_mismatch() {
     let out = TestJob::new(4, NAME)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_ALGO", "auto")
+        .env("BURN_DDP_TRANSPORT", "tcp")
         .run();
     out.assert_all_ok();
     assert_fast(&out, Duration::from_secs(20));

@@ -521,7 +521,12 @@ fn print_ratios(ways: &[Way], world: u32, times: &WayTimes) {
         let shares: Vec<String> = ways
             .iter()
             .zip(t)
-            .map(|(w, x)| format!("{w} {:.0}%", 100.0 * (*bytes as f64 / x * bus / 1e9) / memcpy))
+            .map(|(w, x)| {
+                format!(
+                    "{w} {:.0}%",
+                    100.0 * (*bytes as f64 / x * bus / 1e9) / memcpy
+                )
+            })
             .collect();
         println!(
             "# {bytes:>10} B: {first} {:.1} us; {}; memcpy {memcpy:.2} GB/s: {}",
@@ -701,7 +706,8 @@ fn print_row(row: Option<BenchRow>, opts: &AllReduceBench, way: Option<Way>) {
             r.algbw,
             r.busbw,
             r.wrong,
-            way.map(|w| format!(" {:>8}", w.to_string())).unwrap_or_default()
+            way.map(|w| format!(" {:>8}", w.to_string()))
+                .unwrap_or_default()
         );
     }
 }

@@ -534,7 +534,10 @@ fn bench(args: BenchArgs) -> BenchResult<ExitCode> {
         },
         target: Duration::from_millis(args.target_ms),
         skip_loopback: args.no_loopback,
-        nccl: args.transport.iter().any(|t| matches!(t, TransportArg::Nccl)),
+        nccl: args
+            .transport
+            .iter()
+            .any(|t| matches!(t, TransportArg::Nccl)),
         transports: args
             .transport
             .iter()

@@ -29,7 +29,8 @@ pub(crate) fn memory_file(name: &CStr, len: usize) -> io::Result<OwnedFd> {
     }
     // SAFETY: `fd` was just returned open by the kernel and is owned by nothing else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let size = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let size =
+        libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
     if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, size) } != 0 {
         return Err(io::Error::last_os_error());
@@ -314,7 +315,10 @@ mod tests {
         (&a).write_all(b"x").unwrap();
         assert_eq!(recv_fd(&b).unwrap_err().kind(), io::ErrorKind::InvalidData);
         drop(a);
-        assert_eq!(recv_fd(&b).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+        assert_eq!(
+            recv_fd(&b).unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
     }
 
     #[test]

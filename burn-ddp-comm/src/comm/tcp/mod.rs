@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
-use self::shm::{Shm, ShmError};
 use self::ring::{Links, Plan, RecvMode, RecvSeg, RingError, SendSeg, Side, Waits};
+use self::shm::{Shm, ShmError};
 use self::tree::Step;
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
 use crate::comm::reduce::Finish;
@@ -492,7 +492,11 @@ impl TcpCommunicator {
         &self,
         st: &mut State,
         desc: &CollectiveDesc,
-        body: impl FnOnce(&mut Shm, (CollectiveSeq, &CollectiveDesc), &shm::Watch<'_>) -> std::result::Result<(), ShmError>,
+        body: impl FnOnce(
+            &mut Shm,
+            (CollectiveSeq, &CollectiveDesc),
+            &shm::Watch<'_>,
+        ) -> std::result::Result<(), ShmError>,
     ) -> Result<()> {
         self.collective(st, desc, |st, seq, waits| {
             let hop = self.ring_hop();
@@ -832,7 +836,9 @@ impl Communicator for TcpCommunicator {
         let desc = CollectiveDesc::new(CollectiveOp::AllReduce, dtype, count).reduce(op);
         let mut st = self.lock();
         if self.shm_now() {
-            return self.run_shm(&mut st, &desc, |shm, c, w| shm.all_reduce(c, buf, dtype, op, w));
+            return self.run_shm(&mut st, &desc, |shm, c, w| {
+                shm.all_reduce(c, buf, dtype, op, w)
+            });
         }
         if self.by_tree(&st, buf.len()) {
             return self.run_tree(&mut st, &desc, buf);
@@ -847,7 +853,9 @@ impl Communicator for TcpCommunicator {
         let (rank, world) = (self.rank.index(), self.world.as_usize());
         let mut st = self.lock();
         if self.shm_now() {
-            return self.run_shm(&mut st, &desc, |shm, c, w| shm.broadcast(c, buf, root.index(), w));
+            return self.run_shm(&mut st, &desc, |shm, c, w| {
+                shm.broadcast(c, buf, root.index(), w)
+            });
         }
         if self.by_tree(&st, buf.len()) {
             let moves = tree::broadcast(rank, world, root.index(), buf.len());

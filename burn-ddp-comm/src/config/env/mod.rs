@@ -328,7 +328,14 @@ pub fn algorithm(explicit: Algorithm) -> Result<Algorithm> {
 }
 
 fn algorithm_from(explicit: Algorithm, get: &impl Fn(&str) -> Option<String>) -> Result<Algorithm> {
-    choice_from(explicit, Algorithm::Auto, ALGO, Algorithm::parse, "auto, ring or tree", get)
+    choice_from(
+        explicit,
+        Algorithm::Auto,
+        ALGO,
+        Algorithm::parse,
+        "auto, ring or tree",
+        get,
+    )
 }
 
 /// The transport between ranks of one host: `explicit` when it is `Tcp` or `Shm`, else
@@ -341,7 +348,14 @@ pub fn transport(explicit: Transport) -> Result<Transport> {
 }
 
 fn transport_from(explicit: Transport, get: &impl Fn(&str) -> Option<String>) -> Result<Transport> {
-    choice_from(explicit, Transport::Auto, TRANSPORT, Transport::parse, "auto, tcp or shm", get)
+    choice_from(
+        explicit,
+        Transport::Auto,
+        TRANSPORT,
+        Transport::parse,
+        "auto, tcp or shm",
+        get,
+    )
 }
 
 /// The gradient transport: `explicit` when it is `Host` or `Nccl`, else
@@ -358,7 +372,14 @@ fn grad_transport_from(
     get: &impl Fn(&str) -> Option<String>,
 ) -> Result<GradTransport> {
     let parse = GradTransport::parse;
-    choice_from(explicit, GradTransport::Auto, GRAD_TRANSPORT, parse, "auto, host or nccl", get)
+    choice_from(
+        explicit,
+        GradTransport::Auto,
+        GRAD_TRANSPORT,
+        parse,
+        "auto, host or nccl",
+        get,
+    )
 }
 
 /// A choice of the code's (`explicit`) unless it is `auto`, else the variable `var` when set
@@ -561,9 +582,18 @@ mod tests {
     #[test]
     fn the_transport_variable_replaces_only_auto() {
         let get = env(&[("BURN_DDP_TRANSPORT", "SHM")]);
-        assert_eq!(transport_from(Transport::Auto, &get).unwrap(), Transport::Shm);
-        assert_eq!(transport_from(Transport::Tcp, &get).unwrap(), Transport::Tcp);
-        assert_eq!(transport_from(Transport::Auto, &env(&[])).unwrap(), Transport::Auto);
+        assert_eq!(
+            transport_from(Transport::Auto, &get).unwrap(),
+            Transport::Shm
+        );
+        assert_eq!(
+            transport_from(Transport::Tcp, &get).unwrap(),
+            Transport::Tcp
+        );
+        assert_eq!(
+            transport_from(Transport::Auto, &env(&[])).unwrap(),
+            Transport::Auto
+        );
         let err = transport_from(Transport::Auto, &env(&[("BURN_DDP_TRANSPORT", "rdma")]))
             .unwrap_err()
             .to_string();

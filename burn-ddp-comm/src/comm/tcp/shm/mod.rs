@@ -212,7 +212,10 @@ impl Shm {
         // sync that follows this write and the next (Note [Shared-memory collectives]), during
         // which this rank does not write it. `&mut self` keeps this the only borrow here.
         unsafe {
-            std::slice::from_raw_parts_mut(self.half(self.place, half).add(range.start), range.len())
+            std::slice::from_raw_parts_mut(
+                self.half(self.place, half).add(range.start),
+                range.len(),
+            )
         }
     }
 
@@ -274,7 +277,7 @@ impl Shm {
                     break;
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 != 0 {
+                if !spins.is_multiple_of(64) {
                     std::hint::spin_loop();
                     continue;
                 }
@@ -349,7 +352,11 @@ impl Shm {
             let mine = parts[me].clone();
             let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
             for (i, &q) in others.iter().enumerate() {
-                let last = if i + 1 == others.len() { finish } else { Finish::None };
+                let last = if i + 1 == others.len() {
+                    finish
+                } else {
+                    Finish::None
+                };
                 let theirs = self.theirs(q, h, mine.clone());
                 combine(dtype, op, &mut chunk[mine.clone()], theirs, last);
             }
@@ -378,7 +385,8 @@ impl Shm {
             let len = self.chunk.min(buf.len() - start);
             let h = self.next_half();
             if self.place == root {
-                self.mine(h, 0..len).copy_from_slice(&buf[start..start + len]);
+                self.mine(h, 0..len)
+                    .copy_from_slice(&buf[start..start + len]);
             }
             if first {
                 self.first_sync(seq, desc, watch)?;
@@ -466,7 +474,11 @@ impl Shm {
             }
             let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
             for (i, &q) in others.iter().enumerate() {
-                let last = if i + 1 == others.len() { finish } else { Finish::None };
+                let last = if i + 1 == others.len() {
+                    finish
+                } else {
+                    Finish::None
+                };
                 let theirs = self.theirs(q, h, me * len..(me + 1) * len);
                 combine(dtype, op, &mut recv[start..start + len], theirs, last);
             }
@@ -507,11 +519,16 @@ fn look_at_links(links: &[(&TcpStream, Option<Side>, usize)]) -> Result<(), ShmE
                 return Err(ShmError::Link(side, place, eof));
             }
             Ok(_) => {
-                let what = "bytes on a link that carries none while collectives run in shared memory";
+                let what =
+                    "bytes on a link that carries none while collectives run in shared memory";
                 let e = io::Error::new(io::ErrorKind::InvalidData, what);
                 return Err(ShmError::Link(side, place, e));
             }
-            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) => {}
             Err(e) => return Err(ShmError::Link(side, place, e)),
         }
     }

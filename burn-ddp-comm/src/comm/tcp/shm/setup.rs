@@ -41,7 +41,11 @@ const HELLO: Duration = Duration::from_secs(10);
 /// errors as when opening links.
 pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option<Shm>> {
     let LinkSetup {
-        store, rank, world, tag, ..
+        store,
+        rank,
+        world,
+        tag,
+        ..
     } = *setup;
     let n = world.as_usize();
     let identity = shared::host_identity();
@@ -118,15 +122,17 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
         wait_published(setup, std::slice::from_ref(&seg_key))?;
         let raw = String::from_utf8_lossy(&store.get(&seg_key)?).into_owned();
         match raw.split_once(' ') {
-            Some(("ok", name)) => attach(setup, name).map(|(map, world, chunk)| {
-                Shm::new(map, rank.index(), world, chunk)
-            }),
+            Some(("ok", name)) => attach(setup, name)
+                .map(|(map, world, chunk)| Shm::new(map, rank.index(), world, chunk)),
             Some((_, why)) => Err(format!("rank 0 could not create it: {why}")),
             None => Err("rank 0 published no segment".into()),
         }
         .and_then(|shm| match shm.world == n {
             true => Ok(shm),
-            false => Err(format!("rank 0's segment is for {} ranks, not {n}", shm.world)),
+            false => Err(format!(
+                "rank 0's segment is for {} ranks, not {n}",
+                shm.world
+            )),
         })
     };
     // Everyone says whether it attached; only when all did is the segment used.
@@ -218,7 +224,8 @@ fn serve(
                         continue;
                     }
                 };
-                shared::send_fd(&sock, fd).map_err(|e| format!("handing it to rank {place}: {e}"))?;
+                shared::send_fd(&sock, fd)
+                    .map_err(|e| format!("handing it to rank {place}: {e}"))?;
                 served[place] = true;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
@@ -253,7 +260,8 @@ fn hello(
     published: &impl Fn(usize) -> Result<(Option<Transport>, u32)>,
 ) -> std::result::Result<usize, String> {
     sock.set_nonblocking(false).map_err(|e| e.to_string())?;
-    sock.set_read_timeout(Some(HELLO)).map_err(|e| e.to_string())?;
+    sock.set_read_timeout(Some(HELLO))
+        .map_err(|e| e.to_string())?;
     let mut claim = [0u8; 4];
     (&*sock)
         .read_exact(&mut claim)
