@@ -44,7 +44,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// Number of ranks.
     fn world_size(&self) -> WorldSize;
 
-    /// Short name of the transport (`"tcp"`, `"local"`).
+    /// Short name of the transport (`"shm"`, `"tcp"`, `"local"`).
     fn transport(&self) -> &'static str;
 
     /// Reduces `buf` across ranks in place.

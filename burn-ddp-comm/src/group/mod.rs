@@ -494,7 +494,7 @@ impl ProcessGroup {
         self.inner().timeouts
     }
 
-    /// The transport's name (`"tcp"`, `"local"`).
+    /// The transport's name (`"shm"`, `"tcp"`, `"local"`).
     pub fn transport(&self) -> &'static str {
         self.inner().comm.transport()
     }
