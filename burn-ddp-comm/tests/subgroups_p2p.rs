@@ -114,10 +114,35 @@ fn subgroup_collectives_on_overlapping_and_disjoint_groups() {
 
 #[test]
 fn point_to_point_keeps_order_per_tag_and_never_deadlocks() {
-    procs::multi_process(
-        3,
+    p2p_order(
         "point_to_point_keeps_order_per_tag_and_never_deadlocks",
-        |pg| {
+        "shm",
+    );
+}
+
+#[test]
+fn point_to_point_over_tcp_keeps_order_per_tag_and_never_deadlocks() {
+    p2p_order(
+        "point_to_point_over_tcp_keeps_order_per_tag_and_never_deadlocks",
+        "tcp",
+    );
+}
+
+/// Order per tag, sends that never wait for the receiver, large messages both ways at once, in
+/// three processes whose group moves its messages over `transport` (through shared memory when
+/// they share it, the default on one host).
+fn p2p_order(name: &str, transport: &str) {
+    if !procs::is_child(name) {
+        TestJob::new(3, name)
+            .env("BURN_DDP_TRANSPORT", transport)
+            .run()
+            .assert_all_ok();
+        return;
+    }
+    {
+        let pg = ProcessGroup::from_env().unwrap();
+        assert_eq!(pg.transport(), transport);
+        {
             let me = pg.rank().0;
             let next = Rank((me + 1) % 3);
             let prev = Rank((me + 2) % 3);
@@ -185,8 +210,8 @@ fn point_to_point_keeps_order_per_tag_and_never_deadlocks() {
             let e = pg.recv(&mut [0u8], Rank(me), 0).unwrap_err();
             assert!(e.to_string().contains("itself"), "{e}");
             pg.barrier().unwrap();
-        },
-    );
+        }
+    }
 }
 
 #[test]
@@ -240,8 +265,20 @@ fn a_message_of_the_wrong_size_is_named_on_the_receiver() {
 /// before the 10-minute deadline. Stage 0 waits for a gradient the dead stage never sent.
 #[test]
 fn a_killed_stage_is_named_by_every_other_rank() {
-    const NAME: &str = "a_killed_stage_is_named_by_every_other_rank";
-    if let Some(pg) = procs::child_group(NAME) {
+    killed_stage("a_killed_stage_is_named_by_every_other_rank", "shm");
+}
+
+#[test]
+fn a_killed_stage_over_tcp_is_named_by_every_other_rank() {
+    killed_stage(
+        "a_killed_stage_over_tcp_is_named_by_every_other_rank",
+        "tcp",
+    );
+}
+
+fn killed_stage(name: &str, transport: &str) {
+    if let Some(pg) = procs::child_group(name) {
+        assert_eq!(pg.transport(), transport);
         let me = pg.rank().0;
         let act = vec![1f32; 1 << 16];
         let mut buf = vec![0f32; 1 << 16];
@@ -286,7 +323,7 @@ fn a_killed_stage_is_named_by_every_other_rank() {
         assert!(again.to_string().contains("rank 1"), "{again}");
         return;
     }
-    procs::assert_killed_rank_named_fast(3, NAME, 1);
+    procs::assert_killed_rank_named_fast_with(3, name, 1, &[("BURN_DDP_TRANSPORT", transport)]);
 }
 
 /// A rank killed while a sub-group it is not in runs collectives, and while its own sub-group

@@ -310,7 +310,19 @@ impl TestJob {
 /// prompt failure detection can meet that.
 #[allow(dead_code)]
 pub fn assert_killed_rank_named_fast(world: u32, name: &str, killed: u32) {
-    let out = TestJob::new(world, name)
+    assert_killed_rank_named_fast_with(world, name, killed, &[]);
+}
+
+/// [`assert_killed_rank_named_fast`] with more variables for every rank (`env`).
+pub fn assert_killed_rank_named_fast_with(
+    world: u32,
+    name: &str,
+    killed: u32,
+    env: &[(&str, &str)],
+) {
+    let out = env
+        .iter()
+        .fold(TestJob::new(world, name), |job, (k, v)| job.env(k, v))
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
         .run();

@@ -6,6 +6,8 @@
 //! - `tcp/`: ring collectives between processes over TCP
 //! - `local.rs`: collectives between the threads of one process
 //! - `p2p.rs`: point-to-point messages (send/recv), between processes and between threads
+//! - `pipe.rs`: a byte stream through shared memory between two processes of one host (the
+//!   point-to-point messages of a group that shares memory)
 //! - `queue.rs`: [`Queue`], a stream of device collectives as the release of their buffers
 //!   needs it (waited for, stopped, drained)
 //!
@@ -22,6 +24,7 @@ use crate::Result;
 mod local;
 pub(crate) mod memory;
 pub(crate) mod p2p;
+mod pipe;
 mod queue;
 pub(crate) mod reduce;
 pub(crate) mod tcp;

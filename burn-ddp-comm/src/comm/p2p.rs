@@ -14,6 +14,12 @@
 //! takes the oldest message of its sender with its tag. Each carries its element type, and a
 //! receive into a buffer of another length or type fails naming both.
 //!
+//! Between processes of one host whose group moves its collectives through shared memory, the
+//! same framed messages travel through a shared-memory pipe instead (`pipe.rs`): the sender
+//! creates it on first use and hands it over the receiver's abstract Unix socket, to a receiver
+//! that checks who connected (its user and process id, as the kernel records them, against the
+//! id that rank published in the job's store).
+//!
 //! Nothing here waits without a deadline: the caller (the process group) passes the deadline
 //! and an `interrupt` check (the heartbeat's verdict, the job's abort record) that every wait
 //! calls between short slices.
@@ -22,11 +28,14 @@ use crate::error::RendezvousError;
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::pipe::{PipeReader, PipeWriter};
 use crate::config::JobToken;
 use crate::store::auth::{self, Purpose, RefuseReason};
 use crate::store::StoreClient;
@@ -190,10 +199,44 @@ pub(crate) enum SendError {
     Setup(DdpError),
 }
 
+/// A connection that sends take in turn.
+type Shared<T> = Arc<Mutex<T>>;
+
+/// Where an outgoing connection's bytes go.
+#[derive(Debug)]
+enum Link {
+    Tcp(TcpStream),
+    Pipe(PipeWriter),
+}
+
+impl Link {
+    fn shutdown(&self) {
+        match self {
+            Self::Tcp(s) => {
+                let _ = s.shutdown(Shutdown::Both);
+            }
+            Self::Pipe(p) => p.shutdown(),
+        }
+    }
+}
+
+impl Write for Link {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Self::Tcp(s) => s.write(buf),
+            Self::Pipe(p) => p.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// One outgoing connection and its next sequence number.
 #[derive(Debug)]
 struct Outgoing {
-    stream: TcpStream,
+    stream: Link,
     seq: u64,
     broken: Option<ErrorKind>,
 }
@@ -207,7 +250,13 @@ pub(crate) struct TcpP2p {
     store: Arc<StoreClient>,
     token: JobToken,
     mailbox: Arc<Mailbox>,
-    outgoing: Mutex<HashMap<Rank, Arc<Mutex<Outgoing>>>>,
+    /// Outgoing connections by receiver, over shared memory or not.
+    outgoing: Mutex<HashMap<(Rank, bool), Shared<Outgoing>>>,
+    /// Whether this endpoint has a shared-memory socket (the group's ranks share a host and
+    /// its collectives go through shared memory).
+    shm: bool,
+    /// Whether sends go through shared memory now (`shm`, unless the bench switched to TCP).
+    sends_by_shm: AtomicBool,
     /// Clones of the incoming connections, so that dropping the endpoint ends their readers.
     incoming: Arc<Mutex<Vec<TcpStream>>>,
     stop: Arc<AtomicBool>,
@@ -219,31 +268,59 @@ fn endpoint_key(tag: &str, place: Rank) -> String {
     format!("{tag}/p2p/{place}")
 }
 
+/// The store key of place `place`'s shared-memory socket.
+fn pipe_key(tag: &str, place: Rank) -> String {
+    format!("{tag}/p2p-shm/{place}")
+}
+
+/// The process id that place `place` published with its transport (`comm/tcp/shm/setup.rs`).
+fn published_pid(store: &StoreClient, tag: &str, place: Rank) -> Option<u32> {
+    let raw = store.get(&format!("{tag}/transport/{place}")).ok()?;
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    text.split_once(' ')?.1.trim().parse().ok()
+}
+
 impl TcpP2p {
-    /// Opens this rank's endpoint: listens, publishes the address, accepts senders on a thread.
+    /// Opens this rank's endpoint: listens (on a shared-memory socket too when `shm`: the
+    /// group's collectives go through shared memory), publishes the address, accepts senders
+    /// on a thread.
     pub(crate) fn open(
         store: Arc<StoreClient>,
         token: JobToken,
-        place: Rank,
-        size: WorldSize,
+        (place, size): (Rank, WorldSize),
         tag: &str,
+        shm: bool,
     ) -> Result<Self> {
         let listener = TcpListener::bind(SocketAddr::new(store.local_addr()?.ip(), 0))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
+        let pipes = if shm {
+            let name = format!("burn-ddp-p2p-{:032x}", rand::random::<u128>());
+            let l = UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(
+                name.as_bytes(),
+            )?)?;
+            l.set_nonblocking(true)?;
+            store.set(&pipe_key(tag, place), name.as_bytes())?;
+            Some(l)
+        } else {
+            None
+        };
         let mailbox = Arc::new(Mailbox::default());
         let incoming = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let acceptor = {
-            let (mailbox, incoming, stop, token) = (
-                Arc::clone(&mailbox),
-                Arc::clone(&incoming),
-                Arc::clone(&stop),
-                token.clone(),
-            );
+            let ends = Ends {
+                token: token.clone(),
+                size,
+                mailbox: Arc::clone(&mailbox),
+                incoming: Arc::clone(&incoming),
+                stop: Arc::clone(&stop),
+                store: Arc::clone(&store),
+                tag: tag.to_string(),
+            };
             std::thread::Builder::new()
                 .name(format!("burn-ddp-p2p-{place}"))
-                .spawn(move || accept_loop(&listener, &token, size, &mailbox, &incoming, &stop))?
+                .spawn(move || accept_loop(&listener, pipes.as_ref(), &ends))?
         };
         store.set(&endpoint_key(tag, place), addr.to_string().as_bytes())?;
         Ok(Self {
@@ -254,6 +331,8 @@ impl TcpP2p {
             token,
             mailbox,
             outgoing: Mutex::new(HashMap::new()),
+            shm,
+            sends_by_shm: AtomicBool::new(shm),
             incoming,
             stop,
             acceptor: Some(acceptor),
@@ -264,21 +343,29 @@ impl TcpP2p {
         &self.mailbox
     }
 
-    /// The connection to `dst`, opened on first use.
-    fn connection(
+    /// Sends the following messages through shared memory or over TCP (the bench's
+    /// comparison); returns whether shared memory is used.
+    pub(crate) fn send_by_shm(&self, on: bool) -> bool {
+        let on = on && self.shm;
+        self.sends_by_shm.store(on, Ordering::SeqCst);
+        on
+    }
+
+    /// Whether sends go through shared memory now.
+    pub(crate) fn sends_by_shm(&self) -> bool {
+        self.sends_by_shm.load(Ordering::SeqCst)
+    }
+
+    /// The value of `key` in the store, waited for in slices.
+    fn published(
         &self,
-        dst: Rank,
+        key: &str,
         deadline: Instant,
         interrupt: &dyn Fn() -> Option<DdpError>,
-    ) -> std::result::Result<Arc<Mutex<Outgoing>>, SendError> {
-        let mut map = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = map.get(&dst) {
-            return Ok(Arc::clone(c));
-        }
-        let key = endpoint_key(&self.tag, dst);
-        let raw = loop {
-            match self.store.get_timeout(&key, SLICE) {
-                Ok(raw) => break raw,
+    ) -> std::result::Result<Vec<u8>, SendError> {
+        loop {
+            match self.store.get_timeout(key, SLICE) {
+                Ok(raw) => return Ok(raw),
                 Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) => {
                     if let Some(e) = interrupt() {
                         return Err(SendError::Interrupted(e));
@@ -289,7 +376,48 @@ impl TcpP2p {
                 }
                 Err(e) => return Err(SendError::Setup(e)),
             }
-        };
+        }
+    }
+
+    /// A shared-memory pipe to `dst`: connects to its socket, says which rank this is, and
+    /// hands it the pipe.
+    fn pipe_to(
+        &self,
+        dst: Rank,
+        deadline: Instant,
+        interrupt: &dyn Fn() -> Option<DdpError>,
+    ) -> std::result::Result<Link, SendError> {
+        let raw = self.published(&pipe_key(&self.tag, dst), deadline, interrupt)?;
+        let link = |e: std::io::Error| SendError::Link(e.kind());
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(&raw).map_err(link)?;
+        let mut sock = UnixStream::connect_addr(&addr).map_err(link)?;
+        sock.write_all(&self.place.0.to_le_bytes()).map_err(link)?;
+        PipeWriter::create(sock).map(Link::Pipe).map_err(link)
+    }
+
+    /// The connection to `dst` (through shared memory if `by_shm`), opened on first use.
+    fn connection(
+        &self,
+        dst: Rank,
+        by_shm: bool,
+        deadline: Instant,
+        interrupt: &dyn Fn() -> Option<DdpError>,
+    ) -> std::result::Result<Arc<Mutex<Outgoing>>, SendError> {
+        let mut map = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = map.get(&(dst, by_shm)) {
+            return Ok(Arc::clone(c));
+        }
+        if by_shm {
+            let c = Arc::new(Mutex::new(Outgoing {
+                stream: self.pipe_to(dst, deadline, interrupt)?,
+                seq: 0,
+                broken: None,
+            }));
+            map.insert((dst, true), Arc::clone(&c));
+            return Ok(c);
+        }
+        let key = endpoint_key(&self.tag, dst);
+        let raw = self.published(&key, deadline, interrupt)?;
         let addr: SocketAddr = std::str::from_utf8(&raw)
             .ok()
             .and_then(|s| s.parse().ok())
@@ -321,11 +449,11 @@ impl TcpP2p {
             .set_write_timeout(Some(SLICE))
             .map_err(|e| SendError::Link(e.kind()))?;
         let c = Arc::new(Mutex::new(Outgoing {
-            stream,
+            stream: Link::Tcp(stream),
             seq: 0,
             broken: None,
         }));
-        map.insert(dst, Arc::clone(&c));
+        map.insert((dst, false), Arc::clone(&c));
         Ok(c)
     }
 
@@ -339,7 +467,7 @@ impl TcpP2p {
         deadline: Instant,
         interrupt: &dyn Fn() -> Option<DdpError>,
     ) -> std::result::Result<u64, SendError> {
-        let conn = self.connection(dst, deadline, interrupt)?;
+        let conn = self.connection(dst, self.sends_by_shm(), deadline, interrupt)?;
         let mut out = conn.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(kind) = out.broken {
             return Err(SendError::Link(kind));
@@ -359,7 +487,7 @@ impl TcpP2p {
                 SendError::Link(kind) => *kind,
                 _ => ErrorKind::Interrupted,
             });
-            let _ = out.stream.shutdown(Shutdown::Both);
+            out.stream.shutdown();
         }
         result.map(|()| seq)
     }
@@ -369,8 +497,10 @@ impl TcpP2p {
         self.stop.store(true, Ordering::SeqCst);
         let out = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
         for c in out.values() {
-            let c = c.lock().unwrap_or_else(|p| p.into_inner());
-            let _ = c.stream.shutdown(Shutdown::Both);
+            c.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .stream
+                .shutdown();
         }
         for s in self
             .incoming
@@ -394,7 +524,7 @@ impl Drop for TcpP2p {
 
 /// Writes all of `bytes` before `deadline`, calling `interrupt` between slices.
 fn write_all(
-    stream: &mut TcpStream,
+    stream: &mut Link,
     mut bytes: &[u8],
     deadline: Instant,
     interrupt: &dyn Fn() -> Option<DdpError>,
@@ -418,73 +548,126 @@ fn write_all(
     Ok(())
 }
 
-/// Accepts senders until `stop`; each gets a reader thread.
-fn accept_loop(
-    listener: &TcpListener,
-    token: &JobToken,
+/// What the endpoint's accepting thread needs.
+struct Ends {
+    token: JobToken,
     size: WorldSize,
-    mailbox: &Arc<Mailbox>,
-    incoming: &Arc<Mutex<Vec<TcpStream>>>,
-    stop: &AtomicBool,
-) {
-    while !stop.load(Ordering::SeqCst) {
-        let (mut s, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-            Err(e) => {
-                tracing::debug!("point-to-point endpoint: accept failed: {e}");
-                std::thread::sleep(ACCEPT_POLL);
-                continue;
-            }
-        };
-        if s.set_nonblocking(false).is_err() {
-            continue;
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let from = match auth::server_handshake(&mut s, &[Purpose::Transport], token, deadline) {
-            Ok(hello) if hello.world == size && size.contains(hello.rank) => {
-                if auth::welcome(&mut s).is_err() {
-                    continue;
+    mailbox: Arc<Mailbox>,
+    incoming: Arc<Mutex<Vec<TcpStream>>>,
+    stop: Arc<AtomicBool>,
+    store: Arc<StoreClient>,
+    tag: String,
+}
+
+/// Starts a thread that reads `from`'s messages from `link` into the mailbox.
+fn spawn_reader(ends: &Ends, from: Rank, link: impl Read + Send + 'static) {
+    let mailbox = Arc::clone(&ends.mailbox);
+    let spawned = std::thread::Builder::new()
+        .name(format!("burn-ddp-p2p-from-{from}"))
+        .spawn(move || read_loop(link, from, &mailbox));
+    if let Err(e) = spawned {
+        tracing::warn!("point-to-point endpoint: no reader thread for rank {from}: {e}");
+    }
+}
+
+/// Accepts senders (over TCP, and through shared memory when `pipes`) until `stop`; each gets
+/// a reader thread.
+fn accept_loop(listener: &TcpListener, pipes: Option<&UnixListener>, ends: &Ends) {
+    while !ends.stop.load(Ordering::SeqCst) {
+        let mut idle = true;
+        if let Some(pipes) = pipes {
+            match pipes.accept() {
+                Ok((sock, _)) => {
+                    idle = false;
+                    match accept_pipe(sock, ends) {
+                        Ok((from, reader)) => spawn_reader(ends, from, reader),
+                        Err(why) => tracing::warn!("refused a shared-memory pipe: {why}"),
+                    }
                 }
-                hello.rank
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => tracing::debug!("point-to-point endpoint: accept failed: {e}"),
             }
-            Ok(hello) => {
-                let _ = auth::refuse(&mut s, &RefuseReason::RankOutOfRange { world: size });
-                tracing::warn!(
-                    "refused a point-to-point link from {peer}: it claims rank {} of {}, this \
-                     group has {size} ranks",
-                    hello.rank,
-                    hello.world
-                );
-                continue;
-            }
-            Err(e) => {
-                tracing::warn!("refused a point-to-point link from {peer}: {e}");
-                continue;
-            }
-        };
-        let _ = s.set_nodelay(true);
-        if let Ok(clone) = s.try_clone() {
-            incoming
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(clone);
         }
-        let mailbox = Arc::clone(mailbox);
-        let spawned = std::thread::Builder::new()
-            .name(format!("burn-ddp-p2p-from-{from}"))
-            .spawn(move || read_loop(s, from, &mailbox));
-        if let Err(e) = spawned {
-            tracing::warn!("point-to-point endpoint: no reader thread for rank {from}: {e}");
+        match listener.accept() {
+            Ok((s, peer)) => {
+                idle = false;
+                if let Some((from, s)) = accept_tcp(s, peer, ends) {
+                    spawn_reader(ends, from, s);
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => tracing::debug!("point-to-point endpoint: accept failed: {e}"),
+        }
+        if idle {
+            std::thread::sleep(ACCEPT_POLL);
         }
     }
 }
 
+/// A shared-memory pipe from the process at the other end of `sock`, if it proves to be the
+/// rank it claims: the kernel's record of its user and process id must be this user and the id
+/// that rank published in the store.
+fn accept_pipe(sock: UnixStream, ends: &Ends) -> std::result::Result<(Rank, PipeReader), String> {
+    sock.set_nonblocking(false).map_err(|e| e.to_string())?;
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    let mut claim = [0u8; 4];
+    (&sock)
+        .read_exact(&mut claim)
+        .map_err(|e| format!("no rank said: {e}"))?;
+    let from = Rank(u32::from_le_bytes(claim));
+    if !ends.size.contains(from) {
+        return Err(format!("{from} is no rank of this group of {}", ends.size));
+    }
+    let (pid, uid) = crate::sys::shared::peer(&sock).map_err(|e| e.to_string())?;
+    let expected = published_pid(&ends.store, &ends.tag, from);
+    if uid != crate::sys::shared::user() || Some(pid) != expected {
+        return Err(format!(
+            "a process (pid {pid}, uid {uid}) claimed rank {from}, whose pid is {expected:?}"
+        ));
+    }
+    let reader = PipeReader::accept(sock, Arc::clone(&ends.stop))
+        .map_err(|e| format!("rank {from}'s pipe: {e}"))?;
+    Ok((from, reader))
+}
+
+/// The authenticated sender at the other end of `s`, or `None` (refused, logged).
+fn accept_tcp(mut s: TcpStream, peer: SocketAddr, ends: &Ends) -> Option<(Rank, TcpStream)> {
+    let size = ends.size;
+    s.set_nonblocking(false).ok()?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let from = match auth::server_handshake(&mut s, &[Purpose::Transport], &ends.token, deadline) {
+        Ok(hello) if hello.world == size && size.contains(hello.rank) => {
+            auth::welcome(&mut s).ok()?;
+            hello.rank
+        }
+        Ok(hello) => {
+            let _ = auth::refuse(&mut s, &RefuseReason::RankOutOfRange { world: size });
+            tracing::warn!(
+                "refused a point-to-point link from {peer}: it claims rank {} of {}, this \
+                 group has {size} ranks",
+                hello.rank,
+                hello.world
+            );
+            return None;
+        }
+        Err(e) => {
+            tracing::warn!("refused a point-to-point link from {peer}: {e}");
+            return None;
+        }
+    };
+    let _ = s.set_nodelay(true);
+    if let Ok(clone) = s.try_clone() {
+        ends.incoming
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(clone);
+    }
+    Some((from, s))
+}
+
 /// Reads `from`'s messages into `mailbox` until its connection ends.
-fn read_loop(mut s: TcpStream, from: Rank, mailbox: &Mailbox) {
+fn read_loop(mut s: impl Read, from: Rank, mailbox: &Mailbox) {
     let mut expected = 1u64;
     loop {
         let mut header = [0u8; MSG_HEADER];

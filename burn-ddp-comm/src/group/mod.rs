@@ -150,9 +150,9 @@ impl Inner {
         let p2p = P2p::tcp(
             &client,
             &config.token,
-            config.rank,
-            config.world_size,
+            (config.rank, config.world_size),
             WORLD_TAG,
+            comm.transport() == "shm",
         )
         .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
         tracing::info!(
@@ -514,7 +514,9 @@ impl ProcessGroup {
     /// # Errors
     /// As [`Communicator::set_transport`].
     pub(crate) fn set_transport(&self, transport: Transport) -> Result<()> {
-        self.inner().comm.set_transport(transport)
+        self.inner().comm.set_transport(transport)?;
+        self.inner().p2p.send_by_shm(self.transport() == "shm");
+        Ok(())
     }
 
     /// The prefix of this group's store keys (distinct for every sub-group).

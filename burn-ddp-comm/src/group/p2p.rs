@@ -60,15 +60,16 @@ impl P2p {
     }
 
     /// A group of processes' transport with this rank's endpoint open and published: a sender
-    /// never waits for the receiver to reach its first point-to-point call.
+    /// never waits for the receiver to reach its first point-to-point call. Messages go through
+    /// shared memory when `shm` (the group's collectives do).
     pub(super) fn tcp(
         store: &Arc<crate::store::StoreClient>,
         token: &crate::config::JobToken,
-        place: Rank,
-        size: crate::types::WorldSize,
+        (place, size): (Rank, crate::types::WorldSize),
         tag: &str,
+        shm: bool,
     ) -> Result<Self> {
-        let endpoint = TcpP2p::open(Arc::clone(store), token.clone(), place, size, tag)?;
+        let endpoint = TcpP2p::open(Arc::clone(store), token.clone(), (place, size), tag, shm)?;
         Ok(Self::new(Kind::Tcp(Arc::new(endpoint))))
     }
 
@@ -78,6 +79,14 @@ impl P2p {
         let n = c.entry((op, peer)).or_insert(0);
         *n += 1;
         CollectiveSeq(*n)
+    }
+
+    /// Sends the following messages through shared memory (when the endpoint has it) or over
+    /// TCP: the bench's comparison.
+    pub(super) fn send_by_shm(&self, on: bool) {
+        if let Kind::Tcp(e) = &self.kind {
+            e.send_by_shm(on);
+        }
     }
 
     pub(super) fn close(&self) {

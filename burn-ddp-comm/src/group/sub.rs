@@ -233,7 +233,8 @@ impl ProcessGroup {
                 comm.watch_with(Arc::new(SubgroupWatch(Arc::clone(h))));
                 h.also_stop(comm.weak_stopper());
             }
-            let p2p = P2p::tcp(store, &inner.token, place, size, &tag).map_err(|e| {
+            let shm = comm.transport() == "shm";
+            let p2p = P2p::tcp(store, &inner.token, (place, size), &tag, shm).map_err(|e| {
                 DdpError::Collective(CollectiveError::InGroup {
                     group: name.clone(),
                     group_rank: place,

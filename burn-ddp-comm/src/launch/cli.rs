@@ -160,6 +160,16 @@ pub struct P2pArgs {
     /// Milliseconds of one burst of transfers (1 to 10000).
     #[arg(long, default_value_t = 100)]
     target_ms: u64,
+    /// Transports to compare in interleaved rounds (`tcp,shm`; each row names its own).
+    /// Unset: the group's own choice (shared memory between ranks of one host).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    transport: Vec<P2pTransportArg>,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum P2pTransportArg {
+    Tcp,
+    Shm,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -493,6 +503,14 @@ fn bench_p2p(args: P2pArgs) -> BenchResult<ExitCode> {
         max_bytes: args.max_bytes,
         rounds: args.rounds,
         target: Duration::from_millis(args.target_ms),
+        transports: args
+            .transport
+            .iter()
+            .map(|t| match t {
+                P2pTransportArg::Tcp => Transport::Tcp,
+                P2pTransportArg::Shm => Transport::Shm,
+            })
+            .collect(),
     };
     opts.check()?;
     if super::env::rank_is_set() {

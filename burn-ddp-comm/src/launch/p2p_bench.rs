@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::bench::{BenchError, BenchResult};
 use crate::comm::memory::huge_filled;
 use crate::comm::ReduceOp;
+use crate::config::Transport;
 use crate::group::P2pOp;
 use crate::types::Rank;
 use crate::{DdpError, ProcessGroup, Result};
@@ -28,6 +29,8 @@ pub struct P2pBench {
     pub rounds: usize,
     /// Target measuring time of one burst; the burst length adapts to it.
     pub target: Duration,
+    /// Transports to compare in interleaved rounds (empty: the group's own choice).
+    pub transports: Vec<Transport>,
 }
 
 impl Default for P2pBench {
@@ -37,6 +40,7 @@ impl Default for P2pBench {
             max_bytes: 64 << 20,
             rounds: 5,
             target: Duration::from_millis(100),
+            transports: Vec::new(),
         }
     }
 }
@@ -69,10 +73,11 @@ impl P2pBench {
     }
 }
 
-/// One size's medians, GB/s.
+/// One size's medians over one transport, GB/s.
 #[derive(Debug, Clone, Copy)]
 struct Row {
     bytes: usize,
+    transport: Option<Transport>,
     one_way: f64,
     both_ways: f64,
     busbw: f64,
@@ -93,7 +98,14 @@ fn timed(pg: &ProcessGroup, f: impl FnOnce() -> BenchResult<()>) -> BenchResult<
     Ok(secs[0])
 }
 
-fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> BenchResult<Row> {
+/// One size's rows, a row per transport of `ways` (`None`: the group's own), in interleaved
+/// rounds.
+fn measure(
+    pg: &ProcessGroup,
+    opts: &P2pBench,
+    bytes: usize,
+    ways: &[Option<Transport>],
+) -> BenchResult<Vec<Row>> {
     let me = pg.rank();
     let count = bytes / 4;
     let send: Vec<f32> = huge_filled(count, me.0 as f32 + 1.0);
@@ -101,19 +113,30 @@ fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> BenchResult<Row>
     let mut ring: Vec<f32> = huge_filled(count, 1.0);
     let peer = Rank(1 - me.0.min(1));
     let pair = me.0 < 2;
-    // One message to estimate the burst length (every rank must agree on it).
-    let est = timed(pg, || {
-        match me.0 {
-            0 => pg.send(&send, Rank(1), 0)?,
-            1 => pg.recv(&mut recv, Rank(0), 0)?,
-            _ => {}
-        }
-        Ok(())
-    })?;
+    let take = |way: Option<Transport>| match way {
+        Some(t) => pg.set_transport(t),
+        None => Ok(()),
+    };
+    // One message over each to estimate the burst length (every rank must agree on it).
+    let mut est = 0f64;
+    for &way in ways {
+        take(way)?;
+        est = est.max(timed(pg, || {
+            match me.0 {
+                0 => pg.send(&send, Rank(1), 0)?,
+                1 => pg.recv(&mut recv, Rank(0), 0)?,
+                _ => {}
+            }
+            Ok(())
+        })?);
+    }
     let burst = (opts.target.as_secs_f64() / est.max(1e-7)).clamp(2.0, 200.0) as usize;
-    let (mut one, mut both, mut bus) = (Vec::new(), Vec::new(), Vec::new());
+    let mut medians = vec![(Vec::new(), Vec::new(), Vec::new()); ways.len()];
     let world = pg.world_size().get() as f64;
-    for _ in 0..opts.rounds {
+    for round in 0..opts.rounds * ways.len() {
+        let k = round % ways.len();
+        take(ways[k])?;
+        let (one, both, bus) = &mut medians[k];
         let t = timed(pg, || {
             for _ in 0..burst {
                 match me.0 {
@@ -151,12 +174,17 @@ fn measure(pg: &ProcessGroup, opts: &P2pBench, bytes: usize) -> BenchResult<Row>
             wrong: recv.iter().filter(|&&v| v != 1.0).count() as u64,
         });
     }
-    Ok(Row {
-        bytes,
-        one_way: median(one),
-        both_ways: median(both),
-        busbw: median(bus),
-    })
+    Ok(ways
+        .iter()
+        .zip(medians)
+        .map(|(&transport, (one, both, bus))| Row {
+            bytes,
+            transport,
+            one_way: median(one),
+            both_ways: median(both),
+            busbw: median(bus),
+        })
+        .collect())
 }
 
 /// Runs the benchmark as one rank of the job in the environment and prints the table on rank 0.
@@ -173,6 +201,10 @@ pub fn run_worker(opts: &P2pBench) -> BenchResult<()> {
         })
         .into());
     }
+    let ways: Vec<Option<Transport>> = match opts.transports.as_slice() {
+        [] => vec![None],
+        ts => ts.iter().copied().map(Some).collect(),
+    };
     if pg.is_main() {
         println!(
             "# burn-ddp bench p2p: {} ranks, {} transport; rank 0 -> rank 1 one way, ranks 0 <-> 1 \
@@ -192,16 +224,18 @@ pub fn run_worker(opts: &P2pBench) -> BenchResult<()> {
     }
     let mut bytes = opts.min_bytes / 4 * 4;
     while bytes <= opts.max_bytes {
-        let r = measure(&pg, opts, bytes)?;
-        if pg.is_main() {
-            println!(
-                "  {:>10} {:>12.3} {:>12.3} {:>12.3} {:>12.2}",
-                r.bytes,
-                r.one_way,
-                r.both_ways,
-                r.busbw,
-                r.one_way / r.busbw
-            );
+        for r in measure(&pg, opts, bytes, &ways)? {
+            if pg.is_main() {
+                println!(
+                    "  {:>10} {:>12.3} {:>12.3} {:>12.3} {:>12.2}{}",
+                    r.bytes,
+                    r.one_way,
+                    r.both_ways,
+                    r.busbw,
+                    r.one_way / r.busbw,
+                    r.transport.map(|t| format!(" {t:>5}")).unwrap_or_default()
+                );
+            }
         }
         bytes = bytes.saturating_mul(4);
     }
