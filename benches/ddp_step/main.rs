@@ -5,7 +5,8 @@
 //!   `benches/plain-autodiff` without Burn's `distributed` feature);
 //! - `buckets`: 2 ranks, 200 parameters of 4 KiB: bucketed sync vs one all-reduce per parameter
 //!   (how Burn's own DDP synchronises), each against the same steps with no sync at all;
-//! - `scaling`: weak scaling, 2 ranks × 1 thread vs 1 rank × 1 thread, same batch per rank;
+//! - `scaling`: weak scaling, 2 ranks × 1 thread (over TCP and over shared memory) vs 1 rank × 1
+//!   thread, same batch per rank;
 //! - `lines` (feature `lines`, which builds Burn 0.22.1 too): 2 ranks, the MLP: the sync cost
 //!   (step minus the no-sync step) of the Burn 0.22.1 line (`GradSync`, after backward, on Flex)
 //!   against the 0.21 line (`Autodiff<Ddp<NdArray>>`, overlapped with backward), each against its
@@ -290,10 +291,22 @@ fn single_thread_env() -> Vec<(OsString, OsString)> {
 
 /// Runs this binary as a job of `nproc` ranks in worker mode; returns rank 0's output.
 fn run_job(nproc: u32, kind: &str, spec: Spec) -> anyhow::Result<String> {
+    run_job_with(nproc, kind, spec, &[])
+}
+
+/// [`run_job`] with more variables for every rank.
+fn run_job_with(
+    nproc: u32,
+    kind: &str,
+    spec: Spec,
+    env: &[(&str, &str)],
+) -> anyhow::Result<String> {
     let exe = std::env::current_exe()?;
     let mut job = LocalJob::standalone(exe, Vec::new(), nproc)?;
     job.output = Output::Capture;
     job.env = single_thread_env();
+    job.env
+        .extend(env.iter().map(|(k, v)| (k.into(), v.into())));
     job.env.push((WORKER.into(), spec.to_env(kind).into()));
     let exits = spawn::run(&job)?.into_result()?;
     Ok(exits
@@ -413,9 +426,11 @@ fn bench_buckets(rounds: usize) -> anyhow::Result<()> {
 }
 
 fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
-    println!("\n## weak scaling: MLP, same batch per rank, 1 compute thread per rank");
-    println!("| batch per rank | 1 rank step (ms) | 2 ranks step (ms) | samples/s 1 → 2 | efficiency (t1 / t2) |");
-    println!("|---|---|---|---|---|");
+    println!("\n## weak scaling: MLP, same batch per rank, 1 compute thread per rank; 2 ranks over TCP and over shared memory, interleaved");
+    println!("| batch per rank | 1 rank step (ms) | 2 ranks tcp (ms) | 2 ranks shm (ms) | samples/s 1 → 2 tcp, shm | efficiency tcp, shm (t1 / t2) |");
+    println!("|---|---|---|---|---|---|");
+    // The runs of one round, rotated every round: (ranks, transport).
+    const RUNS: [(u32, &str); 3] = [(1, "tcp"), (2, "tcp"), (2, "shm")];
     for batch in [64, 256] {
         let spec = Spec {
             which: Which::Mlp,
@@ -423,26 +438,30 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
             steps: 40,
             rounds: 1,
         };
-        let mut one = Vec::new();
-        let mut two = Vec::new();
+        let mut times: [Vec<f64>; 3] = Default::default();
         for round in 0..rounds {
-            let order: [u32; 2] = if round % 2 == 0 { [1, 2] } else { [2, 1] };
-            for world in order {
-                let mut r = parse(&run_job(world, "scaling", spec)?)
+            for k in 0..RUNS.len() {
+                let i = (k + round) % RUNS.len();
+                let (world, transport) = RUNS[i];
+                let env = [("BURN_DDP_TRANSPORT", transport)];
+                let mut r = parse(&run_job_with(world, "scaling", spec, &env)?)
                     .remove("ddp")
                     .unwrap_or_default();
-                if world == 1 { &mut one } else { &mut two }.append(&mut r);
+                times[i].append(&mut r);
             }
         }
-        let (t1, t2) = (summary(&one), summary(&two));
+        let [t1, tcp, shm] = times.map(|t| summary(&t));
         let b = batch as f64;
         println!(
-            "| {batch} | {:.3} | {:.3} | {:.0} → {:.0} | {:.1} % |",
+            "| {batch} | {:.3} | {:.3} | {:.3} | {:.0} → {:.0}, {:.0} | {:.1} %, {:.1} % |",
             t1 * 1e3,
-            t2 * 1e3,
+            tcp * 1e3,
+            shm * 1e3,
             b / t1,
-            2.0 * b / t2,
-            t1 / t2 * 100.0
+            2.0 * b / tcp,
+            2.0 * b / shm,
+            t1 / tcp * 100.0,
+            t1 / shm * 100.0
         );
     }
     Ok(())

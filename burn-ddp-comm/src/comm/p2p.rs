@@ -81,7 +81,15 @@ struct MailState {
 pub(crate) struct Mailbox {
     state: Mutex<MailState>,
     arrived: Condvar,
+    /// Buffers of large messages already received, for the next ones (a fresh one costs a page
+    /// fault per 4 KiB as it fills).
+    spare: Mutex<Vec<Vec<u8>>>,
 }
+
+/// Messages below this size get fresh buffers.
+const SPARE_MIN: usize = 64 << 10;
+/// Most spare buffers a mailbox keeps.
+const SPARE_MAX: usize = 4;
 
 /// What [`Mailbox::take`] found.
 #[derive(Debug)]
@@ -97,6 +105,33 @@ pub(crate) enum Take {
 impl Mailbox {
     fn lock(&self) -> MutexGuard<'_, MailState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A buffer of `len` bytes for an arriving message (contents unspecified).
+    pub(crate) fn buffer(&self, len: usize) -> Vec<u8> {
+        if len >= SPARE_MIN {
+            let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+            let fits = spare
+                .iter()
+                .position(|b| b.len() == len)
+                .or_else(|| spare.iter().position(|b| b.capacity() >= len));
+            if let Some(i) = fits {
+                let mut b = spare.swap_remove(i);
+                b.resize(len, 0);
+                return b;
+            }
+        }
+        vec![0u8; len]
+    }
+
+    /// Takes back the buffer of a message its receiver has copied out.
+    pub(crate) fn recycle(&self, bytes: Vec<u8>) {
+        if bytes.len() >= SPARE_MIN {
+            let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+            if spare.len() < SPARE_MAX {
+                spare.push(bytes);
+            }
+        }
     }
 
     pub(crate) fn deliver(&self, from: Rank, msg: Message) {
@@ -706,7 +741,7 @@ fn read_loop(mut s: impl Read, from: Rank, mailbox: &Mailbox) {
             return;
         }
         expected += 1;
-        let mut bytes = vec![0u8; len as usize];
+        let mut bytes = mailbox.buffer(len as usize);
         if let Err(e) = s.read_exact(&mut bytes) {
             mailbox.close(from, Closed::Link(e.kind()));
             return;

@@ -282,9 +282,19 @@ impl ProcessGroup {
                     }));
                 }
                 bytes.copy_from_slice(&m.bytes);
+                self.recycle(m.bytes);
             }
         }
         Ok(())
+    }
+
+    /// Hands the buffer of a message copied out back to the mailbox, for the next one.
+    fn recycle(&self, bytes: Vec<u8>) {
+        match &self.inner().p2p.kind {
+            Kind::Local(l) => l.mailbox().recycle(bytes),
+            Kind::Tcp(endpoint) => endpoint.mailbox().recycle(bytes),
+            Kind::None => {}
+        }
     }
 
     fn check_peer(&self, peer: Rank, what: &'static str) -> Result<()> {
