@@ -837,7 +837,7 @@ impl Communicator for TcpCommunicator {
         let mut st = self.lock();
         if self.shm_now() {
             return self.run_shm(&mut st, &desc, |shm, c, w| {
-                shm.all_reduce(c, buf, dtype, op, w)
+                shm.all_reduce(c, buf, (dtype, op), w)
             });
         }
         if self.by_tree(&st, buf.len()) {

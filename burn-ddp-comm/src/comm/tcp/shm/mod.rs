@@ -14,6 +14,7 @@ pub(crate) use setup::open;
 
 use std::io;
 use std::net::TcpStream;
+use std::ops::Range;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -88,6 +89,23 @@ pub(crate) fn segment_len(world: usize, chunk: usize) -> usize {
 
 fn data_at(world: usize) -> usize {
     (HEADER + world * LINE).next_multiple_of(4096)
+}
+
+/// Which side of a chunk's sync a collective's step is on.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    /// Before: this rank writes its half.
+    Write,
+    /// After: this rank reads the others' halves.
+    Read,
+}
+
+/// What a reduction does after the last combine: divide by the world for a mean.
+fn finish(op: ReduceOp, world: usize) -> Finish {
+    match op {
+        ReduceOp::Mean => Finish::DivideBy(world as u32),
+        _ => Finish::None,
+    }
 }
 
 /// Why a shared-memory collective stopped.
@@ -305,196 +323,201 @@ impl Shm {
         Ok(())
     }
 
-    /// The first sync of collective `seq`, with the check of every rank's descriptor.
-    fn first_sync(
+    /// Runs collective `seq` over `total` bytes in chunks of at most `per` (at least one, so
+    /// that an empty one still checks the descriptors): for each, `step` writes this rank's
+    /// half ([`Phase::Write`]), a sync (the first also compares every rank's descriptor), then
+    /// `step` reads the others' halves ([`Phase::Read`]). `step` gets the chunk's range and half.
+    fn chunks(
         &mut self,
-        seq: CollectiveSeq,
-        desc: &CollectiveDesc,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        (total, per): (usize, usize),
         watch: &Watch<'_>,
+        mut step: impl FnMut(&mut Self, Phase, Range<usize>, usize) -> Result<(), ShmError>,
     ) -> Result<(), ShmError> {
-        self.sync(watch)?;
-        self.check(seq, desc)
+        self.begin(seq, desc);
+        let mut first = true;
+        let mut start = 0;
+        while first || start < total {
+            let range = start..start + per.min(total - start);
+            let h = self.next_half();
+            step(self, Phase::Write, range.clone(), h)?;
+            self.sync(watch)?;
+            if first {
+                self.check(seq, desc)?;
+                first = false;
+            }
+            start = range.end;
+            step(self, Phase::Read, range, h)?;
+        }
+        Ok(())
     }
 
     /// All-reduces `buf` (whole elements of `dtype`) with `op`.
     pub(crate) fn all_reduce(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        collective: (CollectiveSeq, &CollectiveDesc),
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
+        (dtype, op): (DType, ReduceOp),
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
         let elem = dtype.size();
         let per = self.chunk / elem * elem;
-        let finish = match op {
-            ReduceOp::Mean => Finish::DivideBy(self.world as u32),
-            _ => Finish::None,
-        };
         let (me, world) = (self.place, self.world);
-        let mut first = true;
-        let mut start = 0;
-        while first || start < buf.len() {
-            let len = per.min(buf.len() - start);
-            let h = self.next_half();
-            let parts = split(len / elem, elem, world);
-            let chunk = &mut buf[start..start + len];
-            for (_, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
-                self.mine(h, r.clone()).copy_from_slice(&chunk[r.clone()]);
-            }
-            if first {
-                self.first_sync(seq, desc, watch)?;
-                first = false;
+        let finish = finish(op, world);
+        let mut parts = Vec::new();
+        self.chunks(
+            collective,
+            (buf.len(), per),
+            watch,
+            |shm, phase, range, h| {
+                let chunk = &mut buf[range];
+                match phase {
+                    // The chunk, but for the part this rank reduces.
+                    Phase::Write => {
+                        parts = split(chunk.len() / elem, elem, world);
+                        for (_, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
+                            shm.mine(h, r.clone()).copy_from_slice(&chunk[r.clone()]);
+                        }
+                    }
+                    // That part reduced (this rank's value first, then the others' in rank
+                    // order) and shared, then the other parts' results.
+                    Phase::Read => {
+                        let mine = parts[me].clone();
+                        shm.fold(
+                            h,
+                            mine.clone(),
+                            &mut chunk[mine.clone()],
+                            (dtype, op, finish),
+                        );
+                        shm.mine(h, mine.clone()).copy_from_slice(&chunk[mine]);
+                        shm.sync(watch)?;
+                        for (q, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
+                            chunk[r.clone()].copy_from_slice(shm.theirs(q, h, r.clone()));
+                        }
+                    }
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Combines every other rank's bytes `range` of half `h` into `acc`, in rank order, then
+    /// `finish`.
+    fn fold(
+        &self,
+        h: usize,
+        range: Range<usize>,
+        acc: &mut [u8],
+        (dtype, op, finish): (DType, ReduceOp, Finish),
+    ) {
+        let others: Vec<usize> = (0..self.world).filter(|&q| q != self.place).collect();
+        for (i, &q) in others.iter().enumerate() {
+            let last = if i + 1 == others.len() {
+                finish
             } else {
-                self.sync(watch)?;
-            }
-            let mine = parts[me].clone();
-            let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
-            for (i, &q) in others.iter().enumerate() {
-                let last = if i + 1 == others.len() {
-                    finish
-                } else {
-                    Finish::None
-                };
-                let theirs = self.theirs(q, h, mine.clone());
-                combine(dtype, op, &mut chunk[mine.clone()], theirs, last);
-            }
-            self.mine(h, mine.clone()).copy_from_slice(&chunk[mine]);
-            self.sync(watch)?;
-            for (q, r) in parts.iter().enumerate().filter(|&(q, _)| q != me) {
-                chunk[r.clone()].copy_from_slice(self.theirs(q, h, r.clone()));
-            }
-            start += len;
+                Finish::None
+            };
+            combine(dtype, op, acc, self.theirs(q, h, range.clone()), last);
         }
-        Ok(())
     }
 
     /// Copies `root`'s `buf` to every rank.
     pub(crate) fn broadcast(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        collective: (CollectiveSeq, &CollectiveDesc),
         buf: &mut [u8],
         root: usize,
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
-        let mut first = true;
-        let mut start = 0;
-        while first || start < buf.len() {
-            let len = self.chunk.min(buf.len() - start);
-            let h = self.next_half();
-            if self.place == root {
-                self.mine(h, 0..len)
-                    .copy_from_slice(&buf[start..start + len]);
-            }
-            if first {
-                self.first_sync(seq, desc, watch)?;
-                first = false;
-            } else {
-                self.sync(watch)?;
-            }
-            if self.place != root {
-                buf[start..start + len].copy_from_slice(self.theirs(root, h, 0..len));
-            }
-            start += len;
-        }
-        Ok(())
+        let me = self.place;
+        let per = self.chunk;
+        self.chunks(
+            collective,
+            (buf.len(), per),
+            watch,
+            |shm, phase, range, h| {
+                let len = range.len();
+                match phase {
+                    Phase::Write if me == root => shm.mine(h, 0..len).copy_from_slice(&buf[range]),
+                    Phase::Read if me != root => {
+                        buf[range].copy_from_slice(shm.theirs(root, h, 0..len))
+                    }
+                    _ => {}
+                }
+                Ok(())
+            },
+        )
     }
 
     /// Concatenates every rank's block of `recv` (this rank's is in place already) into every
     /// rank's `recv`.
     pub(crate) fn all_gather(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        collective: (CollectiveSeq, &CollectiveDesc),
         recv: &mut [u8],
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
         let (me, world) = (self.place, self.world);
         let block = recv.len() / world;
-        let mut first = true;
-        let mut start = 0;
-        while first || start < block {
-            let len = self.chunk.min(block - start);
-            let h = self.next_half();
-            let at = me * block + start;
-            self.mine(h, 0..len).copy_from_slice(&recv[at..at + len]);
-            if first {
-                self.first_sync(seq, desc, watch)?;
-                first = false;
-            } else {
-                self.sync(watch)?;
+        let per = self.chunk;
+        self.chunks(collective, (block, per), watch, |shm, phase, range, h| {
+            let len = range.len();
+            let at = |q: usize| q * block + range.start..q * block + range.end;
+            match phase {
+                Phase::Write => shm.mine(h, 0..len).copy_from_slice(&recv[at(me)]),
+                Phase::Read => {
+                    for q in (0..world).filter(|&q| q != me) {
+                        recv[at(q)].copy_from_slice(shm.theirs(q, h, 0..len));
+                    }
+                }
             }
-            for q in (0..world).filter(|&q| q != me) {
-                let at = q * block + start;
-                recv[at..at + len].copy_from_slice(self.theirs(q, h, 0..len));
-            }
-            start += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Reduces `send` (a block per rank) with `op`; this rank's block of the result goes to
     /// `recv`.
     pub(crate) fn reduce_scatter(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        collective: (CollectiveSeq, &CollectiveDesc),
         send: &[u8],
         recv: &mut [u8],
         (dtype, op): (DType, ReduceOp),
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
         let (me, world) = (self.place, self.world);
         let elem = dtype.size();
         let block = recv.len();
         // A piece of every block goes in one half.
         let per = (self.chunk / world / elem * elem).max(elem);
-        let finish = match op {
-            ReduceOp::Mean => Finish::DivideBy(world as u32),
-            _ => Finish::None,
-        };
+        let finish = finish(op, world);
         recv.copy_from_slice(&send[me * block..(me + 1) * block]);
-        let mut first = true;
-        let mut start = 0;
-        while first || start < block {
-            let len = per.min(block - start);
-            let h = self.next_half();
-            for p in (0..world).filter(|&p| p != me) {
-                let at = p * block + start;
-                self.mine(h, p * len..(p + 1) * len)
-                    .copy_from_slice(&send[at..at + len]);
+        self.chunks(collective, (block, per), watch, |shm, phase, range, h| {
+            let len = range.len();
+            match phase {
+                Phase::Write => {
+                    for p in (0..world).filter(|&p| p != me) {
+                        let at = p * block + range.start;
+                        shm.mine(h, p * len..(p + 1) * len)
+                            .copy_from_slice(&send[at..at + len]);
+                    }
+                }
+                Phase::Read => {
+                    let piece = me * len..(me + 1) * len;
+                    shm.fold(h, piece, &mut recv[range], (dtype, op, finish));
+                }
             }
-            if first {
-                self.first_sync(seq, desc, watch)?;
-                first = false;
-            } else {
-                self.sync(watch)?;
-            }
-            let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
-            for (i, &q) in others.iter().enumerate() {
-                let last = if i + 1 == others.len() {
-                    finish
-                } else {
-                    Finish::None
-                };
-                let theirs = self.theirs(q, h, me * len..(me + 1) * len);
-                combine(dtype, op, &mut recv[start..start + len], theirs, last);
-            }
-            start += len;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Returns once every rank has entered the barrier.
     pub(crate) fn barrier(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        collective: (CollectiveSeq, &CollectiveDesc),
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
-        self.first_sync(seq, desc, watch)
+        self.chunks(collective, (0, 1), watch, |_, _, _, _| Ok(()))
     }
 }
 
