@@ -438,7 +438,7 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
             steps: 40,
             rounds: 1,
         };
-        let mut times: [Vec<f64>; 3] = Default::default();
+        let mut times: [Vec<Vec<f64>>; 3] = Default::default();
         for round in 0..rounds {
             for k in 0..RUNS.len() {
                 let i = (k + round) % RUNS.len();
