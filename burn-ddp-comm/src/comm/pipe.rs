@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::sys::shared::{self, Mapping};
-use crate::sys::{self, Ready};
+use crate::sys::{self, Peeked};
 
 /// Bytes of the ring.
 pub(crate) const RING: usize = 4 << 20;
@@ -80,23 +80,10 @@ impl Shared {
 
 /// Whether the other end's socket reads as closed (its process left), or failed.
 fn gone(sock: &UnixStream) -> bool {
-    let read = Ready {
-        read: true,
-        write: false,
-    };
-    match sys::poll([(sock.as_fd(), read)], Duration::ZERO) {
-        Ok(()) => {}
-        Err(_) => return true,
-    }
-    let mut b = [0u8];
-    match sys::peek(sock.as_fd(), &mut b) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(e) => !matches!(
-            e.kind(),
-            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-        ),
-    }
+    matches!(
+        sys::peek_state(sock.as_fd()),
+        Peeked::Closed | Peeked::Failed(_)
+    )
 }
 
 /// Sleeps on `word` (which held `seen`) for a slice, flagging `asleep` for the other side.

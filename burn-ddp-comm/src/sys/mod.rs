@@ -96,6 +96,36 @@ pub(crate) fn peek(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
     usize::try_from(n).map_err(|_| io::Error::last_os_error())
 }
 
+/// What a socket shows now, seen without taking anything off it.
+#[derive(Debug)]
+pub(crate) enum Peeked {
+    /// Nothing to read.
+    Quiet,
+    /// Bytes to read.
+    Bytes,
+    /// The peer's end: it closed the connection (or its process exited).
+    Closed,
+    /// The socket's error (a reset).
+    Failed(io::Error),
+}
+
+/// Looks at `fd` without waiting and without taking its bytes ([`peek`]).
+pub(crate) fn peek_state(fd: BorrowedFd<'_>) -> Peeked {
+    match peek(fd, &mut [0u8]) {
+        Ok(0) => Peeked::Closed,
+        Ok(_) => Peeked::Bytes,
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ) =>
+        {
+            Peeked::Quiet
+        }
+        Err(e) => Peeked::Failed(e),
+    }
+}
+
 /// Writes what `fd` takes of `buf` now, without raising SIGPIPE on a closed connection.
 ///
 /// # Errors

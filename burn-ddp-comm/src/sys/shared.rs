@@ -180,12 +180,10 @@ pub(crate) fn user() -> u32 {
 /// alignment).
 const CONTROL: usize = 4;
 
-/// Sends `fd` and one byte over `sock`.
-///
-/// # Errors
-/// `sendmsg` failed (the peer left).
-pub(crate) fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
-    let mut byte = [1u8];
+/// Calls `f` with a message of one byte (`byte`) and a control buffer of [`CONTROL`] words
+/// (its whole length in `msg_controllen`), both living across the call.
+fn one_byte_message<R>(byte: u8, f: impl FnOnce(&mut libc::msghdr) -> R) -> R {
+    let mut byte = [byte];
     let mut iov = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
         iov_len: 1,
@@ -196,21 +194,35 @@ pub(crate) fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    f(&mut msg)
+}
+
+/// Sends `fd` and one byte over `sock`.
+///
+/// # Errors
+/// `sendmsg` failed (the peer left).
+pub(crate) fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
+    one_byte_message(1, |msg| send_fd_in(sock, fd, msg))
+}
+
+fn send_fd_in(sock: &UnixStream, fd: BorrowedFd<'_>, msg: &mut libc::msghdr) -> io::Result<()> {
     // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
-    debug_assert!(space <= std::mem::size_of_val(&control));
+    debug_assert!(space <= CONTROL * 8);
     msg.msg_controllen = space as _;
-    // SAFETY: `msg` points at `control`, which has room for one header and one descriptor
-    // (`space` bytes, checked above), so CMSG_FIRSTHDR is non-null and its data writable.
+    // SAFETY: `msg` points at its control buffer, which has room for one header and one
+    // descriptor (`space` bytes, checked above), so CMSG_FIRSTHDR is non-null and its data
+    // writable.
     unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        let cmsg = libc::CMSG_FIRSTHDR(msg);
         (*cmsg).cmsg_level = libc::SOL_SOCKET;
         (*cmsg).cmsg_type = libc::SCM_RIGHTS;
         (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
         std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd.as_raw_fd());
     }
     // SAFETY: `msg` and everything it points to are valid for the call.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), msg, libc::MSG_NOSIGNAL) };
     match n {
         1 => Ok(()),
         0 => Err(io::ErrorKind::WriteZero.into()),
@@ -223,20 +235,12 @@ pub(crate) fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>) -> io::Result<()> {
 /// # Errors
 /// `recvmsg` failed or timed out, the peer closed, or the message held no descriptor.
 pub(crate) fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
-    let mut byte = [0u8];
-    let mut iov = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    let mut control = [0u64; CONTROL];
-    // SAFETY: `msghdr` is plain old data, for which all zeroes is valid.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    one_byte_message(0, |msg| recv_fd_in(sock, msg))
+}
+
+fn recv_fd_in(sock: &UnixStream, msg: &mut libc::msghdr) -> io::Result<OwnedFd> {
     // SAFETY: `msg` and the buffers it points to are valid and writable for the call.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), msg, libc::MSG_CMSG_CLOEXEC) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -246,7 +250,7 @@ pub(crate) fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
     // SAFETY: the kernel filled `msg`'s control buffer (of the length it reports back); the
     // CMSG_* walkers stay inside it.
     unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        let mut cmsg = libc::CMSG_FIRSTHDR(msg);
         while !cmsg.is_null() {
             if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
                 let fd = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>());
@@ -254,7 +258,7 @@ pub(crate) fn recv_fd(sock: &UnixStream) -> io::Result<OwnedFd> {
                     return Ok(OwnedFd::from_raw_fd(fd));
                 }
             }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            cmsg = libc::CMSG_NXTHDR(msg, cmsg);
         }
     }
     Err(io::Error::new(

@@ -340,12 +340,7 @@ impl TcpCommunicator {
                 prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
                 same: st.ring.prev.is_none(),
             };
-            let foreign: Vec<(&TcpStream, usize)> = st
-                .tree
-                .iter()
-                .enumerate()
-                .filter_map(|(place, l)| Some((l.as_ref()?, place)))
-                .collect();
+            let foreign: Vec<(&TcpStream, usize)> = tree_links(&st.tree).collect();
             let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
             let waits = Waits {
                 foreign: &foreign,
@@ -503,15 +498,8 @@ impl TcpCommunicator {
             let State {
                 ring, tree, shm, ..
             } = st;
-            let mut links = vec![(&ring.next, Some(Side::Next), hop.next.index())];
-            if let Some(p) = &ring.prev {
-                links.push((p, Some(Side::Prev), hop.prev.index()));
-            }
-            links.extend(
-                tree.iter()
-                    .enumerate()
-                    .filter_map(|(place, l)| Some((l.as_ref()?, None, place))),
-            );
+            let mut links = ring_links(ring, &hop);
+            links.extend(tree_links(tree));
             let watch = shm::Watch {
                 deadline: waits.deadline,
                 abort: waits.abort,
@@ -523,21 +511,20 @@ impl TcpCommunicator {
                 return Err((RingError::Closed(Side::Next, e), hop));
             };
             body(shm, (seq, desc), &watch).map_err(|e| {
-                let at = |place: usize, by_ring: bool| Hop {
+                // The rank at fault is named on both sides of the hop; no link is named (a
+                // protocol error here is a descriptor in the segment, not bytes on a link).
+                let at = |place: usize| Hop {
                     next: Rank(place as u32),
                     prev: Rank(place as u32),
-                    prev_link: (!by_ring).then_some(place),
+                    prev_link: None,
                 };
                 match e {
-                    ShmError::Link(side, place, io) => (
-                        RingError::Closed(side.unwrap_or(Side::Next), io),
-                        at(place, side.is_some()),
-                    ),
-                    ShmError::Timeout(place) => (RingError::Timeout(Side::Prev), at(place, true)),
+                    ShmError::Link(place, io) => (RingError::Closed(Side::Prev, io), at(place)),
+                    ShmError::Timeout(place) => (RingError::Timeout(Side::Prev), at(place)),
                     ShmError::Mismatch(place, their_seq, theirs) => {
-                        (RingError::Mismatch(their_seq, theirs), at(place, true))
+                        (RingError::Mismatch(their_seq, theirs), at(place))
                     }
-                    ShmError::Protocol(place, w) => (RingError::Protocol(w), at(place, true)),
+                    ShmError::Protocol(place, w) => (RingError::Protocol(w), at(place)),
                     ShmError::Aborted => (RingError::Aborted, hop),
                 }
             })
@@ -790,6 +777,13 @@ fn ring_links<'a>(ring: &'a Ring, hop: &Hop) -> Vec<(&'a TcpStream, usize)> {
         links.push((p, hop.prev.index()));
     }
     links
+}
+
+/// The links of recursive doubling with the partner's place.
+fn tree_links(tree: &[Option<TcpStream>]) -> impl Iterator<Item = (&TcpStream, usize)> {
+    tree.iter()
+        .enumerate()
+        .filter_map(|(place, l)| Some((l.as_ref()?, place)))
 }
 
 /// The link of recursive doubling to `peer`, and the hop to name when it fails.

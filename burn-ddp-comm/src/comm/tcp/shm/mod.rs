@@ -20,10 +20,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::header;
-use super::ring::Side;
 use crate::comm::reduce::{combine, split, Finish};
 use crate::sys::shared::{self, Mapping};
-use crate::sys::{self, Ready};
+use crate::sys::{self, Peeked};
 use crate::types::{CollectiveDesc, CollectiveSeq, DType, ReduceOp};
 use crate::wire::WireError;
 
@@ -111,9 +110,8 @@ fn finish(op: ReduceOp, world: usize) -> Finish {
 /// Why a shared-memory collective stopped.
 #[derive(Debug)]
 pub(crate) enum ShmError {
-    /// A TCP link of the group closed or failed (on that side of the ring, or the link of
-    /// recursive doubling to that place).
-    Link(Option<Side>, usize, io::Error),
+    /// The group's TCP link to the rank at this place closed or failed.
+    Link(usize, io::Error),
     /// The deadline passed while waiting for the rank at this place.
     Timeout(usize),
     /// The rank at this place runs another collective.
@@ -130,9 +128,9 @@ pub(crate) struct Watch<'a> {
     pub deadline: Instant,
     pub abort: &'a AtomicBool,
     pub spin: Duration,
-    /// The group's TCP links: the ring's (by side) and recursive doubling's, with the place at
+    /// The group's TCP links: the ring's and recursive doubling's, with the place at
     /// the other end.
-    pub links: &'a [(&'a TcpStream, Option<Side>, usize)],
+    pub links: &'a [(&'a TcpStream, usize)],
 }
 
 /// This rank's view of the segment.
@@ -523,37 +521,20 @@ impl Shm {
 
 /// Fails when one of the group's TCP links was closed or failed (its peer died or stopped the
 /// group); a link with bytes on it is a protocol failure, as nothing travels there now.
-fn look_at_links(links: &[(&TcpStream, Option<Side>, usize)]) -> Result<(), ShmError> {
-    const READ: Ready = Ready {
-        read: true,
-        write: false,
-    };
-    let fds: Vec<_> = links.iter().map(|(s, ..)| (s.as_fd(), READ)).collect();
-    let ready = sys::poll_set(&fds, Duration::ZERO)
-        .map_err(|e| ShmError::Link(links[0].1, links[0].2, e))?;
-    for (i, &(s, side, place)) in links.iter().enumerate().take(sys::POLL_SET_MAX) {
-        if ready & (1 << i) == 0 {
-            continue;
-        }
-        let mut byte = [0u8];
-        match sys::peek(s.as_fd(), &mut byte) {
-            Ok(0) => {
-                let eof = io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the link");
-                return Err(ShmError::Link(side, place, eof));
+fn look_at_links(links: &[(&TcpStream, usize)]) -> Result<(), ShmError> {
+    for &(s, place) in links {
+        let e = match sys::peek_state(s.as_fd()) {
+            Peeked::Quiet => continue,
+            Peeked::Closed => {
+                io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the link")
             }
-            Ok(_) => {
-                let what =
-                    "bytes on a link that carries none while collectives run in shared memory";
-                let e = io::Error::new(io::ErrorKind::InvalidData, what);
-                return Err(ShmError::Link(side, place, e));
-            }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-                ) => {}
-            Err(e) => return Err(ShmError::Link(side, place, e)),
-        }
+            Peeked::Bytes => io::Error::new(
+                io::ErrorKind::InvalidData,
+                "bytes on a link that carries none while collectives run in shared memory",
+            ),
+            Peeked::Failed(e) => e,
+        };
+        return Err(ShmError::Link(place, e));
     }
     Ok(())
 }
