@@ -51,11 +51,7 @@ fn rank_killed_mid_collective() {
         let pg = ProcessGroup::from_env().unwrap();
         assert_eq!(pg.transport(), "shm");
         if pg.rank() == Rank(1) {
-            std::thread::spawn(|| {
-                std::thread::sleep(Duration::from_millis(300));
-                let me = rustix::process::getpid();
-                let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
-            });
+            procs::kill_self_after(Duration::from_millis(300));
         }
         let mut buf = vec![1.0f32; 16 << 20];
         let err = (0..10_000)
@@ -439,28 +435,9 @@ fn rank_3_killed_in_small_collectives(name: &str, transport: &str) {
         let pg = ProcessGroup::from_env().unwrap();
         assert_eq!(pg.transport(), transport);
         if pg.rank() == Rank(3) {
-            std::thread::spawn(|| {
-                std::thread::sleep(Duration::from_millis(300));
-                let me = rustix::process::getpid();
-                let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
-            });
+            procs::kill_self_after(Duration::from_millis(300));
         }
-        let mut buf = vec![1.0f32; 100];
-        let err = (0..10_000_000)
-            .map(|_| pg.all_reduce(&mut buf, ReduceOp::Sum))
-            .find_map(Result::err)
-            .expect("the collectives cannot all succeed once rank 3 is dead");
-        let text = show(&err);
-        let culprit = match &err {
-            DdpError::Collective(CollectiveError::PeerLost { peer, .. }) => Some(*peer),
-            DdpError::Collective(CollectiveError::JobAborted { record, .. }) => record.culprit,
-            DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => {
-                Some(*culprit)
-            }
-            other => panic!("unexpected error: {other}"),
-        };
-        assert_eq!(culprit, Some(Rank(3)), "{text}");
-        assert!(text.contains("all_reduce #"), "{text}");
+        procs::all_reduces_fail_naming(&pg, 100, Rank(3));
         return;
     }
     let out = TestJob::new(5, name)

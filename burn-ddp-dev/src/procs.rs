@@ -13,7 +13,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use burn_ddp_comm::launch::spawn::{describe, LocalJob, Output};
-use burn_ddp_comm::ProcessGroup;
+use burn_ddp_comm::{CollectiveError, DdpError, ProcessGroup, Rank, ReduceOp};
 
 /// Environment variable that marks a child process and names its test.
 pub const CHILD: &str = "BURN_DDP_TEST_CHILD";
@@ -112,6 +112,8 @@ pub struct TestJob {
     master_port: Option<u16>,
     /// The test function the children run, when it is not `test` itself.
     function: Option<String>,
+    /// The network namespace of each rank (`ip netns exec`), by rank.
+    namespaces: Vec<String>,
 }
 
 impl TestJob {
@@ -127,7 +129,16 @@ impl TestJob {
             skip: Vec::new(),
             master_port: None,
             function: None,
+            namespaces: Vec::new(),
         }
+    }
+
+    /// Runs rank `r` in node `node_of(r)` of `net` (its own network namespace: another "host"
+    /// to the ranks), meeting at the store of rank 0's node.
+    pub fn on_nodes(mut self, net: &crate::netns::Net, node_of: impl Fn(u32) -> usize) -> Self {
+        self.namespaces = (0..self.world).map(|r| net.ns(node_of(r))).collect();
+        let master = net.addr(node_of(0));
+        self.env("MASTER_ADDR", master)
     }
 
     /// Children run test function `f` (for tests that start several jobs, each tagged by `test`).
@@ -212,7 +223,14 @@ impl TestJob {
             if self.skip.contains(&local) {
                 continue;
             }
-            let mut cmd = child_command(&exe);
+            let mut cmd = match self.namespaces.get(local as usize) {
+                Some(ns) => {
+                    let mut cmd = Command::new("ip");
+                    cmd.args(["netns", "exec", ns]).arg(&exe);
+                    cmd
+                }
+                None => child_command(&exe),
+            };
             cmd.args(&args)
                 .envs(job.rank_env(local))
                 .env(CHILD, &self.test)
@@ -320,9 +338,16 @@ pub fn assert_killed_rank_named_fast_with(
     killed: u32,
     env: &[(&str, &str)],
 ) {
-    let out = env
+    let job = env
         .iter()
-        .fold(TestJob::new(world, name), |job, (k, v)| job.env(k, v))
+        .fold(TestJob::new(world, name), |job, (k, v)| job.env(k, v));
+    assert_killed_rank_named_fast_in(job, killed);
+}
+
+/// [`assert_killed_rank_named_fast`] for the job `job` as set up by the caller.
+pub fn assert_killed_rank_named_fast_in(job: TestJob, killed: u32) {
+    let world = job.world;
+    let out = job
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
         .run();
@@ -336,6 +361,40 @@ pub fn assert_killed_rank_named_fast_with(
             out.report()
         );
     }
+}
+
+/// Kills this process with `SIGKILL` after `delay` (from a thread of its own): a rank that dies
+/// mid-run, with no chance to say goodbye.
+pub fn kill_self_after(delay: Duration) {
+    thread::spawn(move || {
+        thread::sleep(delay);
+        let me = rustix::process::getpid();
+        let _ = rustix::process::kill_process(me, rustix::process::Signal::KILL);
+    });
+}
+
+/// Runs all-reduces of `len` f32 on `pg` until one fails (a rank died), prints the error, and
+/// checks that it names `culprit` (as the peer lost, in the job's abort record, or by the
+/// heartbeat's verdict) and the all-reduce it stopped. Returns the error's text.
+pub fn all_reduces_fail_naming(pg: &ProcessGroup, len: usize, culprit: Rank) -> String {
+    let mut buf = vec![1.0f32; len];
+    let err = (0..100_000_000)
+        .map(|_| pg.all_reduce(&mut buf, ReduceOp::Sum))
+        .find_map(Result::err)
+        .unwrap_or_else(|| {
+            panic!("the all-reduces cannot all succeed once rank {culprit} is dead")
+        });
+    let text = err.to_string();
+    println!("rank {} error: {text}", pg.rank());
+    let named = match &err {
+        DdpError::Collective(CollectiveError::PeerLost { peer, .. }) => Some(*peer),
+        DdpError::Collective(CollectiveError::JobAborted { record, .. }) => record.culprit,
+        DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => Some(*culprit),
+        other => panic!("unexpected error: {other}"),
+    };
+    assert_eq!(named, Some(culprit), "{text}");
+    assert!(text.contains("all_reduce #"), "{text}");
+    text
 }
 
 /// Runs `body` on every rank of a `world`-rank job of test `name`; all ranks must succeed.

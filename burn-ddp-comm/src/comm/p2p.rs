@@ -312,7 +312,7 @@ fn pipe_key(tag: &str, place: Rank) -> String {
 fn published_pid(store: &StoreClient, tag: &str, place: Rank) -> Option<u32> {
     let raw = store.get(&format!("{tag}/transport/{place}")).ok()?;
     let text = String::from_utf8_lossy(&raw).into_owned();
-    text.split_once(' ')?.1.trim().parse().ok()
+    text.split_whitespace().nth(1)?.parse().ok()
 }
 
 impl TcpP2p {

@@ -315,13 +315,16 @@ impl std::fmt::Display for Algorithm {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Transport {
     /// Shared memory when every rank of the group runs on one host (same kernel, host name
-    /// and namespaces), TCP otherwise. The only choice `BURN_DDP_TRANSPORT` may replace.
+    /// and namespaces); when the ranks are spread over hosts with as many (at least 2) on each,
+    /// large all-reduces in two levels (shared memory in each host, a TCP ring per local rank
+    /// across hosts) and the rest over TCP; TCP otherwise. The only choice `BURN_DDP_TRANSPORT`
+    /// may replace.
     #[default]
     Auto,
     /// TCP for every collective, even between ranks of one host (loopback).
     Tcp,
-    /// Shared memory, and an error at connection when the group's ranks are not all on one
-    /// host or the memory cannot be set up.
+    /// Shared memory as under `Auto`, and an error at connection when the group's ranks are
+    /// neither all on one host nor as many on each host, or the memory cannot be set up.
     Shm,
 }
 

@@ -6,7 +6,9 @@
 //!   same engine over links of its own
 //! - `link.rs`: connection setup through the store
 //! - `shm/`: collectives through memory shared by ranks of one host, which keep their links
-//!   (to learn of a peer's death, and to stop the others on a failure)
+//!   (to learn of a peer's death, and to stop the others on a failure); for a group spread over
+//!   hosts with as many ranks on each, large all-reduces in two levels: shared memory inside
+//!   each host, a ring per local index across hosts
 //!
 //! A failure on any link (a peer died, a deadline passed, a mismatch) poisons the communicator,
 //! publishes an [`AbortRecord`] in the store and closes every link, so that the other ranks stop
@@ -26,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
 use self::ring::{Links, Plan, RecvMode, RecvSeg, RingError, SendSeg, Side, Waits};
-use self::shm::{Shm, ShmError};
+use self::shm::{Hierarchy, Segment, Shm, ShmError};
 use self::tree::Step;
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
-use crate::comm::reduce::Finish;
+use crate::comm::reduce::{split, Finish};
 use crate::config::{Algorithm, Transport, TREE_MAX_BYTES, TREE_MAX_BYTES_2};
 use crate::config::{JobToken, Timeouts};
 use crate::error::ConfigError;
@@ -60,9 +62,9 @@ struct State {
     /// Recursive doubling's buffer: the running result, then the copy of it being sent (u64 for
     /// alignment).
     exchange: Vec<u64>,
-    /// The segment shared with the group's other ranks, when they are all on this host and
-    /// agreed to use it.
-    shm: Option<Shm>,
+    /// The memory shared with the group's other ranks (all of them, or those of this host),
+    /// when they agreed to use it.
+    shm: Option<Segment>,
 }
 
 /// How a [`TcpCommunicator`] runs its collectives, the same on every rank of a group.
@@ -83,8 +85,19 @@ pub(crate) struct Tuning {
 struct Hop {
     next: Rank,
     prev: Rank,
-    /// The receiving link: the ring's (`None`) or the one of recursive doubling to this place.
-    prev_link: Option<usize>,
+    /// The receiving link.
+    prev_link: Via,
+}
+
+/// Which of a rank's links something came in on.
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    /// The ring's.
+    Ring,
+    /// Recursive doubling's, to this place.
+    Tree(usize),
+    /// The ring across hosts of a [`Hierarchy`].
+    Across,
 }
 
 /// Collectives between processes over a TCP ring (see the module docs).
@@ -112,6 +125,8 @@ pub struct TcpCommunicator {
     /// Whether collectives run in the shared segment now (it exists, and the bench did not
     /// switch to TCP).
     on_shm: AtomicBool,
+    /// The transport's name with the segment: `shm` (the whole group), `shm+tcp` (per host).
+    shared: &'static str,
 }
 
 /// What stops a [`TcpCommunicator`]'s collectives: its abort flag and clones of its link
@@ -186,7 +201,17 @@ impl TcpCommunicator {
             link.set_nonblocking(true)?;
             handles.push(link.try_clone()?);
         }
+        if let Some(Segment::PerHost(h)) = &shm {
+            for link in std::iter::once(&h.cross.next).chain(&h.cross.prev) {
+                link.set_nonblocking(true)?;
+                handles.push(link.try_clone()?);
+            }
+        }
         let on_shm = shm.is_some();
+        let shared = match &shm {
+            Some(Segment::PerHost(_)) => "shm+tcp",
+            _ => "shm",
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let spin = if tuning.local_world.as_usize() > cores {
             Duration::ZERO
@@ -219,6 +244,7 @@ impl TcpCommunicator {
             watch: None,
             spin,
             on_shm: AtomicBool::new(on_shm),
+            shared,
         })
     }
 
@@ -269,7 +295,7 @@ impl TcpCommunicator {
         Hop {
             next,
             prev,
-            prev_link: None,
+            prev_link: Via::Ring,
         }
     }
 
@@ -505,35 +531,128 @@ impl TcpCommunicator {
                 abort: waits.abort,
                 spin: waits.spin,
                 links: &links,
+                busy: false,
             };
-            let Some(shm) = shm else {
+            let Some(Segment::Whole(shm)) = shm else {
                 let e = std::io::Error::new(std::io::ErrorKind::NotConnected, "no shared segment");
                 return Err((RingError::Closed(Side::Next, e), hop));
             };
-            body(shm, (seq, desc), &watch).map_err(|e| {
-                // The rank at fault is named on both sides of the hop; no link is named (a
-                // protocol error here is a descriptor in the segment, not bytes on a link).
-                let at = |place: usize| Hop {
-                    next: Rank(place as u32),
-                    prev: Rank(place as u32),
-                    prev_link: None,
-                };
-                match e {
-                    ShmError::Link(place, io) => (RingError::Closed(Side::Prev, io), at(place)),
-                    ShmError::Timeout(place) => (RingError::Timeout(Side::Prev), at(place)),
-                    ShmError::Mismatch(place, their_seq, theirs) => {
-                        (RingError::Mismatch(their_seq, theirs), at(place))
-                    }
-                    ShmError::Protocol(place, w) => (RingError::Protocol(w), at(place)),
-                    ShmError::Aborted => (RingError::Aborted, hop),
-                }
-            })
+            body(shm, (seq, desc), &watch).map_err(|e| shm_failure(e, |q| q, hop))
         })
     }
 
-    /// Whether collectives run in the shared segment now.
-    fn shm_now(&self) -> bool {
-        self.on_shm.load(Ordering::Relaxed)
+    /// All-reduces `buf` in a [`Hierarchy`] as collective `desc` (Note [Hierarchical
+    /// all-reduce]): reduce-scatter in this host's segment, this rank's part all-reduced on its
+    /// ring across hosts, all-gather in the segment.
+    fn run_hier(
+        &self,
+        st: &mut State,
+        desc: &CollectiveDesc,
+        buf: &mut [u8],
+        (dtype, op): (DType, ReduceOp),
+    ) -> Result<()> {
+        let world = self.world.as_usize();
+        self.collective(st, desc, |st, seq, waits| {
+            let hop = self.ring_hop();
+            let State {
+                ring,
+                tree,
+                shm,
+                work,
+                scratch,
+                ..
+            } = st;
+            let Some(Segment::PerHost(h)) = shm else {
+                let e = std::io::Error::new(std::io::ErrorKind::NotConnected, "no hierarchy");
+                return Err((RingError::Closed(Side::Next, e), hop));
+            };
+            let Hierarchy {
+                shm,
+                cross,
+                local,
+                across,
+                host,
+            } = h;
+            let (index, per_host, hosts) = (shm.place(), shm.world(), across.len());
+            let cross_hop = {
+                let (next, prev) = ring::neighbours(Rank(*host as u32), hosts as u32);
+                Hop {
+                    next: Rank(across[next.index()] as u32),
+                    prev: Rank(across[prev.index()] as u32),
+                    prev_link: Via::Across,
+                }
+            };
+            // The flat links (idle now, but a peer may already send its next collective there)
+            // and the ring across hosts tell of a peer's end.
+            let mut flat = ring_links(ring, &hop);
+            flat.extend(tree_links(tree));
+            let mut watched = flat.clone();
+            watched.push((&cross.next, cross_hop.next.index()));
+            if let Some(p) = &cross.prev {
+                watched.push((p, cross_hop.prev.index()));
+            }
+            let watch = shm::Watch {
+                deadline: waits.deadline,
+                abort: waits.abort,
+                spin: waits.spin,
+                links: &watched,
+                busy: true,
+            };
+            let in_host = |e| shm_failure(e, |q| local[q], hop);
+            let elem = dtype.size();
+            let parts = split(buf.len() / elem, elem, per_host);
+            let part = parts[index].clone();
+            // Sums stay sums until the last addition across hosts, which divides by the world.
+            let (step_op, finish) = match op {
+                ReduceOp::Mean => (ReduceOp::Sum, Finish::DivideBy(world as u32)),
+                other => (other, Finish::None),
+            };
+            work.clear();
+            work.extend_from_slice(&buf[part.clone()]);
+            shm.reduce_parts(
+                (seq, desc),
+                buf,
+                &parts,
+                work,
+                (dtype, step_op, Finish::None),
+                &watch,
+            )
+            .map_err(in_host)?;
+            let plan = ring::all_reduce_finishing(
+                *host,
+                hosts,
+                work.len() / elem,
+                (dtype, step_op),
+                finish,
+            );
+            let links = Links {
+                next: &cross.next,
+                prev: cross.prev.as_ref().unwrap_or(&cross.next),
+                same: cross.prev.is_none(),
+            };
+            let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
+            let waits = Waits {
+                foreign: &flat,
+                ..waits
+            };
+            ring::run(links, work, &plan, (seq, desc), scratch, waits)
+                .map_err(|e| (e, cross_hop))?;
+            buf[part].copy_from_slice(work);
+            shm.gather_parts(((seq, desc), true), buf, &parts, &watch)
+                .map_err(in_host)
+        })
+    }
+
+    /// The shared memory collectives use now.
+    fn shm_now<'a>(&self, st: &'a State) -> Option<&'a Segment> {
+        st.shm
+            .as_ref()
+            .filter(|_| self.on_shm.load(Ordering::Relaxed))
+    }
+
+    /// Whether every collective runs in a segment shared by the whole group now.
+    fn whole_now(&self, st: &State) -> bool {
+        matches!(self.shm_now(st), Some(Segment::Whole(_)))
     }
 
     /// The watch's verdict, waited for up to its bound (`None` without a watch).
@@ -680,10 +799,16 @@ impl TcpCommunicator {
                 DdpError::Rendezvous(RendezvousError::Protocol {
                     rank: self.me,
                     peer: match hop.prev_link {
-                        None => st.ring.prev.as_ref().unwrap_or(&st.ring.next).peer_addr(),
-                        Some(p) => match st.tree.get(p).and_then(Option::as_ref) {
+                        Via::Ring => st.ring.prev.as_ref().unwrap_or(&st.ring.next).peer_addr(),
+                        Via::Tree(p) => match st.tree.get(p).and_then(Option::as_ref) {
                             Some(link) => link.peer_addr(),
                             None => Err(std::io::ErrorKind::NotConnected.into()),
+                        },
+                        Via::Across => match &st.shm {
+                            Some(Segment::PerHost(h)) => {
+                                h.cross.prev.as_ref().unwrap_or(&h.cross.next).peer_addr()
+                            }
+                            _ => Err(std::io::ErrorKind::NotConnected.into()),
                         },
                     }
                     .unwrap_or_else(|_| self.store.addr()),
@@ -769,6 +894,27 @@ impl TcpCommunicator {
     }
 }
 
+/// A shared-memory collective's failure as the ring's, naming the group place of the rank at
+/// fault (`place` maps the segment's places to the group's). No link is named: a protocol
+/// error here is a descriptor in the segment, not bytes on a link.
+fn shm_failure(e: ShmError, place: impl Fn(usize) -> usize, hop: Hop) -> (RingError, Hop) {
+    let at = |p: usize| Hop {
+        next: Rank(p as u32),
+        prev: Rank(p as u32),
+        prev_link: Via::Ring,
+    };
+    match e {
+        // The watched links carry group places already.
+        ShmError::Link(p, io) => (RingError::Closed(Side::Prev, io), at(p)),
+        ShmError::Timeout(q) => (RingError::Timeout(Side::Prev), at(place(q))),
+        ShmError::Mismatch(q, their_seq, theirs) => {
+            (RingError::Mismatch(their_seq, theirs), at(place(q)))
+        }
+        ShmError::Protocol(q, w) => (RingError::Protocol(w), at(place(q))),
+        ShmError::Aborted => (RingError::Aborted, hop),
+    }
+}
+
 /// The ring's links with the neighbours' places: what a collective of recursive doubling
 /// watches for a peer that runs it on the ring ([`Waits::foreign`]).
 fn ring_links<'a>(ring: &'a Ring, hop: &Hop) -> Vec<(&'a TcpStream, usize)> {
@@ -794,7 +940,7 @@ fn partner_link(
     let hop = Hop {
         next: Rank(peer as u32),
         prev: Rank(peer as u32),
-        prev_link: Some(peer),
+        prev_link: Via::Tree(peer),
     };
     match tree.get(peer).and_then(Option::as_ref) {
         Some(link) => Ok((link, hop)),
@@ -818,10 +964,9 @@ impl Communicator for TcpCommunicator {
     }
 
     fn transport(&self) -> &'static str {
-        if self.shm_now() {
-            "shm"
-        } else {
-            "tcp"
+        match self.on_shm.load(Ordering::Relaxed) {
+            true => self.shared,
+            false => "tcp",
         }
     }
 
@@ -829,12 +974,19 @@ impl Communicator for TcpCommunicator {
         let count = buf.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::AllReduce, dtype, count).reduce(op);
         let mut st = self.lock();
-        if self.shm_now() {
-            return self.run_shm(&mut st, &desc, |shm, c, w| {
-                shm.all_reduce(c, buf, (dtype, op), w)
-            });
+        let by_tree = self.by_tree(&st, buf.len());
+        match self.shm_now(&st) {
+            Some(Segment::Whole(_)) => {
+                return self.run_shm(&mut st, &desc, |shm, c, w| {
+                    shm.all_reduce(c, buf, (dtype, op), w)
+                })
+            }
+            Some(Segment::PerHost(_)) if !by_tree => {
+                return self.run_hier(&mut st, &desc, buf, (dtype, op))
+            }
+            _ => {}
         }
-        if self.by_tree(&st, buf.len()) {
+        if by_tree {
             return self.run_tree(&mut st, &desc, buf);
         }
         let plan = ring::all_reduce(self.rank.index(), self.world.as_usize(), count, dtype, op);
@@ -846,7 +998,7 @@ impl Communicator for TcpCommunicator {
         let desc = CollectiveDesc::new(CollectiveOp::Broadcast, dtype, count).root(root);
         let (rank, world) = (self.rank.index(), self.world.as_usize());
         let mut st = self.lock();
-        if self.shm_now() {
+        if self.whole_now(&st) {
             return self.run_shm(&mut st, &desc, |shm, c, w| {
                 shm.broadcast(c, buf, root.index(), w)
             });
@@ -866,7 +1018,7 @@ impl Communicator for TcpCommunicator {
         let desc = CollectiveDesc::new(CollectiveOp::AllGather, dtype, block / dtype.size());
         let world = self.world.as_usize();
         let mut st = self.lock();
-        if self.shm_now() {
+        if self.whole_now(&st) {
             return self.run_shm(&mut st, &desc, |shm, c, w| shm.all_gather(c, recv, w));
         }
         if self.by_tree(&st, recv.len()) {
@@ -887,7 +1039,7 @@ impl Communicator for TcpCommunicator {
         let block = recv.len() / dtype.size();
         let desc = CollectiveDesc::new(CollectiveOp::ReduceScatter, dtype, block).reduce(op);
         let mut st = self.lock();
-        if self.shm_now() {
+        if self.whole_now(&st) {
             return self.run_shm(&mut st, &desc, |shm, c, w| {
                 shm.reduce_scatter(c, send, recv, (dtype, op), w)
             });
@@ -909,7 +1061,7 @@ impl Communicator for TcpCommunicator {
         let mut one = 1i32.to_le_bytes();
         let desc = CollectiveDesc::new(CollectiveOp::Barrier, DType::I32, 1);
         let mut st = self.lock();
-        if self.shm_now() {
+        if self.whole_now(&st) {
             return self.run_shm(&mut st, &desc, |shm, c, w| shm.barrier(c, w));
         }
         if st.algorithm != Algorithm::Ring {
@@ -953,8 +1105,9 @@ impl Communicator for TcpCommunicator {
         if transport == Transport::Shm && !shm {
             return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "transport",
-                reason: "this group has no shared segment (its ranks are not all on one host, \
-                         or it was connected with BURN_DDP_TRANSPORT=tcp)",
+                reason: "this group has no shared segment (its ranks are neither all on one \
+                         host nor as many on each host, or it was connected with \
+                         BURN_DDP_TRANSPORT=tcp)",
             }));
         }
         self.on_shm.store(shm, Ordering::Relaxed);

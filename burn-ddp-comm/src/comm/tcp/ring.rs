@@ -89,6 +89,22 @@ pub(crate) fn all_reduce(
     dtype: DType,
     op: ReduceOp,
 ) -> Plan {
+    let finish = match op {
+        ReduceOp::Mean => Finish::DivideBy(world as u32),
+        _ => Finish::None,
+    };
+    all_reduce_finishing(rank, world, count, (dtype, op), finish)
+}
+
+/// [`all_reduce`], with `finish` after the last combine of each segment (a hierarchy's ring
+/// across hosts divides a mean by the whole world there).
+pub(crate) fn all_reduce_finishing(
+    rank: usize,
+    world: usize,
+    count: usize,
+    (dtype, op): (DType, ReduceOp),
+    finish: Finish,
+) -> Plan {
     let segs = split(count, dtype.size(), world);
     let r = rank as isize;
     let steps = 2 * (world - 1);
@@ -99,11 +115,7 @@ pub(crate) fn all_reduce(
             gate: k.checked_sub(1),
         });
         let mode = if k < world - 1 {
-            let finish = if k == world - 2 && op == ReduceOp::Mean {
-                Finish::DivideBy(world as u32)
-            } else {
-                Finish::None
-            };
+            let finish = if k == world - 2 { finish } else { Finish::None };
             RecvMode::Reduce(op, finish)
         } else {
             RecvMode::Copy

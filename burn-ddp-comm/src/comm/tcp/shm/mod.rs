@@ -3,6 +3,8 @@
 //!
 //! - `mod.rs`: the segment's layout, the counters the ranks wait on, the collectives
 //! - `setup.rs`: whether a group uses it, and handing the segment to every rank
+//! - a group spread over hosts with as many ranks on each uses a segment per host and rings
+//!   across hosts for its large all-reduces ([`Hierarchy`], Note [Hierarchical all-reduce])
 //!
 //! The group keeps its TCP links: they carry nothing here, but a peer that dies closes them,
 //! which is how a waiting rank learns it at once, and a failure closes them to stop the others
@@ -20,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use super::header;
+use super::link::Ring;
 use crate::comm::reduce::{combine, split, Finish};
 use crate::sys::shared::{self, Mapping};
 use crate::sys::{self, Peeked};
@@ -57,6 +60,32 @@ use crate::wire::WireError;
 // Waiting spins for `spin`, then sleeps on the peer's futex in slices of `SLICE`, looking
 // between slices at the deadline, the abort flag (the heartbeat's verdict sets it), and the
 // group's TCP links (a closed link is a dead peer).
+
+// Note [Hierarchical all-reduce]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A group of H hosts with L ranks each (L >= 2, H >= 2) has a segment per host and L rings
+// across hosts: ring i joins the ranks of local index i of every host, in host order (hosts in
+// the order of their first rank). An all-reduce of `count` elements, above the size recursive
+// doubling takes:
+//
+// 1. Inside each host, a reduce-scatter in the segment: the buffer is split into L contiguous
+//    parts (sizes differ by at most one element); local rank i reduces part i, its own value
+//    first, then the other local ranks' in local order (the shared-memory order above).
+// 2. Ring i all-reduces part i across hosts: the TCP ring's order, which depends on the number
+//    of hosts only (`ring.rs`). A mean sums in both steps and divides by the whole world once, at
+//    the last addition of step 2, as the flat ring does.
+// 3. Inside each host, an all-gather of the parts in the segment.
+//
+// So every element is the same sum on every rank, in an order fixed by the layout (H, L, and
+// which ranks share a host): run to run, the same job gives the same bits. Against the flat ring
+// the order differs, so float sums agree to rounding only; integers, max, min, and floats whose
+// partial sums are exact agree bit for bit (the test compares both).
+//
+// In step 2 each rank sends 2(H-1)/H of its part, so a host sends 2(H-1)/H of the buffer, about
+// what the flat ring sends out of a host whose ranks are adjacent on it, but over L streams at
+// once instead of one, in 2(H-1) steps instead of 2(n-1), and with no loopback TCP inside the
+// host: the shared-memory steps move memory at memory speed. The other collectives (and small
+// all-reduces) run on the flat TCP links.
 
 /// Longest sleep between two looks at the deadline, the abort flag and the links.
 const SLICE: Duration = Duration::from_millis(2);
@@ -131,6 +160,39 @@ pub(crate) struct Watch<'a> {
     /// The group's TCP links: the ring's and recursive doubling's, with the place at
     /// the other end.
     pub links: &'a [(&'a TcpStream, usize)],
+    /// Whether bytes may arrive on those links while this rank waits here (a [`Hierarchy`]'s
+    /// links carry its other collectives): then they say only that the peer lives.
+    pub busy: bool,
+}
+
+/// The shared memory a group uses.
+#[derive(Debug)]
+pub(crate) enum Segment {
+    /// Every rank is on this host: every collective runs in the segment.
+    Whole(Shm),
+    /// The ranks are spread over several hosts, as many on each.
+    PerHost(Hierarchy),
+}
+
+/// A group spread over several hosts with as many ranks on each: this host's segment and this
+/// rank's ring across hosts (Note [Hierarchical all-reduce]).
+#[derive(Debug)]
+pub(crate) struct Hierarchy {
+    /// The segment of this host's ranks (its places are their local indices).
+    pub shm: Shm,
+    /// The ring of this rank's local index across hosts (its places are the hosts).
+    pub cross: Ring,
+    /// The group places of this host's ranks, by local index.
+    pub local: Vec<usize>,
+    /// The group places of the ranks on `cross`, by host.
+    pub across: Vec<usize>,
+    /// This rank's host (its place on `cross`).
+    pub host: usize,
+}
+
+/// Bytes `range` of `part` (a part's own offsets), clipped to the part.
+fn clip(part: &Range<usize>, range: &Range<usize>) -> Range<usize> {
+    (part.start + range.start).min(part.end)..(part.start + range.end).min(part.end)
 }
 
 /// This rank's view of the segment.
@@ -158,6 +220,16 @@ impl Shm {
             count: 0,
             chunks: 0,
         }
+    }
+
+    /// This rank's place in the segment.
+    pub(crate) fn place(&self) -> usize {
+        self.place
+    }
+
+    /// How many ranks share the segment.
+    pub(crate) fn world(&self) -> usize {
+        self.world
     }
 
     /// Writes the header of a fresh segment.
@@ -307,7 +379,7 @@ impl Shm {
                 if now >= watch.deadline {
                     return Err(ShmError::Timeout(q));
                 }
-                look_at_links(watch.links)?;
+                look_at_links(watch.links, watch.busy)?;
                 let sleepers = self.sleepers(q);
                 sleepers.fetch_add(1, Ordering::SeqCst);
                 let v = word.load(Ordering::SeqCst);
@@ -323,19 +395,24 @@ impl Shm {
 
     /// Runs collective `seq` over `total` bytes in chunks of at most `per` (at least one, so
     /// that an empty one still checks the descriptors): for each, `step` writes this rank's
-    /// half ([`Phase::Write`]), a sync (the first also compares every rank's descriptor), then
-    /// `step` reads the others' halves ([`Phase::Read`]). `step` gets the chunk's range and half.
+    /// half ([`Phase::Write`]), a sync (the first also compares every rank's descriptor, unless
+    /// `checked`: a later part of a collective whose first part did), then `step` reads the
+    /// others' halves ([`Phase::Read`]). `step` gets the chunk's range and half.
     fn chunks(
         &mut self,
-        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        ((seq, desc), checked): ((CollectiveSeq, &CollectiveDesc), bool),
         (total, per): (usize, usize),
         watch: &Watch<'_>,
         mut step: impl FnMut(&mut Self, Phase, Range<usize>, usize) -> Result<(), ShmError>,
     ) -> Result<(), ShmError> {
-        self.begin(seq, desc);
-        let mut first = true;
+        if !checked {
+            self.begin(seq, desc);
+        }
+        let mut first = !checked;
+        let mut started = false;
         let mut start = 0;
-        while first || start < total {
+        while !started || start < total {
+            started = true;
             let range = start..start + per.min(total - start);
             let h = self.next_half();
             step(self, Phase::Write, range.clone(), h)?;
@@ -364,7 +441,7 @@ impl Shm {
         let finish = finish(op, world);
         let mut parts = Vec::new();
         self.chunks(
-            collective,
+            (collective, false),
             (buf.len(), per),
             watch,
             |shm, phase, range, h| {
@@ -430,7 +507,7 @@ impl Shm {
         let me = self.place;
         let per = self.chunk;
         self.chunks(
-            collective,
+            (collective, false),
             (buf.len(), per),
             watch,
             |shm, phase, range, h| {
@@ -455,17 +532,33 @@ impl Shm {
         recv: &mut [u8],
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
+        let blocks = split(recv.len(), 1, self.world);
+        self.gather_parts((collective, false), recv, &blocks, watch)
+    }
+
+    /// Copies every other rank's part of `buf` (`parts`, one per rank, of any sizes) into
+    /// this rank's `buf`; `checked` as for [`Shm::chunks`].
+    pub(crate) fn gather_parts(
+        &mut self,
+        collective: ((CollectiveSeq, &CollectiveDesc), bool),
+        buf: &mut [u8],
+        parts: &[Range<usize>],
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
         let (me, world) = (self.place, self.world);
-        let block = recv.len() / world;
+        let longest = parts.iter().map(Range::len).max().unwrap_or(0);
         let per = self.chunk;
-        self.chunks(collective, (block, per), watch, |shm, phase, range, h| {
-            let len = range.len();
-            let at = |q: usize| q * block + range.start..q * block + range.end;
+        self.chunks(collective, (longest, per), watch, |shm, phase, range, h| {
             match phase {
-                Phase::Write => shm.mine(h, 0..len).copy_from_slice(&recv[at(me)]),
+                Phase::Write => {
+                    let piece = clip(&parts[me], &range);
+                    shm.mine(h, 0..piece.len()).copy_from_slice(&buf[piece]);
+                }
                 Phase::Read => {
                     for q in (0..world).filter(|&q| q != me) {
-                        recv[at(q)].copy_from_slice(shm.theirs(q, h, 0..len));
+                        let piece = clip(&parts[q], &range);
+                        let len = piece.len();
+                        buf[piece].copy_from_slice(shm.theirs(q, h, 0..len));
                     }
                 }
             }
@@ -484,29 +577,53 @@ impl Shm {
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
         let (me, world) = (self.place, self.world);
-        let elem = dtype.size();
-        let block = recv.len();
-        // A piece of every block goes in one half.
-        let per = (self.chunk / world / elem * elem).max(elem);
+        let blocks = split(send.len() / dtype.size(), dtype.size(), world);
+        recv.copy_from_slice(&send[blocks[me].clone()]);
         let finish = finish(op, world);
-        recv.copy_from_slice(&send[me * block..(me + 1) * block]);
-        self.chunks(collective, (block, per), watch, |shm, phase, range, h| {
-            let len = range.len();
-            match phase {
-                Phase::Write => {
-                    for p in (0..world).filter(|&p| p != me) {
-                        let at = p * block + range.start;
-                        shm.mine(h, p * len..(p + 1) * len)
-                            .copy_from_slice(&send[at..at + len]);
+        self.reduce_parts(collective, send, &blocks, recv, (dtype, op, finish), watch)
+    }
+
+    /// Reduces `src` split into `parts` (one per rank, of any sizes in whole elements) with
+    /// `op`: this rank's part of the result into `acc`, which holds this rank's own values of
+    /// it on entry (the others' are combined in rank order, then `finish`).
+    pub(crate) fn reduce_parts(
+        &mut self,
+        collective: (CollectiveSeq, &CollectiveDesc),
+        src: &[u8],
+        parts: &[Range<usize>],
+        acc: &mut [u8],
+        reduce: (DType, ReduceOp, Finish),
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        let (me, world) = (self.place, self.world);
+        let elem = reduce.0.size();
+        let longest = parts.iter().map(Range::len).max().unwrap_or(0);
+        // A piece of every part goes in one half.
+        let per = (self.chunk / world / elem * elem).max(elem);
+        self.chunks(
+            (collective, false),
+            (longest, per),
+            watch,
+            |shm, phase, range, h| {
+                match phase {
+                    Phase::Write => {
+                        for p in (0..world).filter(|&p| p != me) {
+                            let piece = clip(&parts[p], &range);
+                            let at = p * per..p * per + piece.len();
+                            shm.mine(h, at).copy_from_slice(&src[piece]);
+                        }
+                    }
+                    Phase::Read => {
+                        let piece = clip(&parts[me], &range);
+                        let at = me * per..me * per + piece.len();
+                        let start = piece.start - parts[me].start;
+                        let mine = &mut acc[start..start + piece.len()];
+                        shm.fold(h, at, mine, reduce);
                     }
                 }
-                Phase::Read => {
-                    let piece = me * len..(me + 1) * len;
-                    shm.fold(h, piece, &mut recv[range], (dtype, op, finish));
-                }
-            }
-            Ok(())
-        })
+                Ok(())
+            },
+        )
     }
 
     /// Returns once every rank has entered the barrier.
@@ -515,16 +632,18 @@ impl Shm {
         collective: (CollectiveSeq, &CollectiveDesc),
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
-        self.chunks(collective, (0, 1), watch, |_, _, _, _| Ok(()))
+        self.chunks((collective, false), (0, 1), watch, |_, _, _, _| Ok(()))
     }
 }
 
 /// Fails when one of the group's TCP links was closed or failed (its peer died or stopped the
-/// group); a link with bytes on it is a protocol failure, as nothing travels there now.
-fn look_at_links(links: &[(&TcpStream, usize)]) -> Result<(), ShmError> {
+/// group); a link with bytes on it is a protocol failure, as nothing travels there now, unless
+/// the links are `busy` (a [`Hierarchy`]'s, which carry its other collectives).
+fn look_at_links(links: &[(&TcpStream, usize)], busy: bool) -> Result<(), ShmError> {
     for &(s, place) in links {
         let e = match sys::peek_state(s.as_fd()) {
             Peeked::Quiet => continue,
+            Peeked::Bytes if busy => continue,
             Peeked::Closed => {
                 io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the link")
             }

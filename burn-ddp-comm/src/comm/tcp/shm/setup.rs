@@ -2,9 +2,15 @@
 //! every rank.
 //!
 //! 1. Every rank counts itself under its transport choice and under its host's identity
-//!    (`sys::shared::host_identity`), and publishes its choice and process id. A choice that
-//!    differs is a `TransportMismatch` on every rank; a group not all on one host uses TCP (or
-//!    fails, when `shm` was asked for).
+//!    (`sys::shared::host_identity`), and publishes its choice, process id and host. A choice
+//!    that differs is a `TransportMismatch` on every rank.
+//!    - All on one host: steps 2 to 4 for the group.
+//!    - The same number (at least 2) on each of several hosts: steps 2 to 4 for the ranks of
+//!      each host (a segment per host), every rank of the group says whether its host's
+//!      segment is attached, and only when all are does each open its ring across hosts (the
+//!      ranks of its local index on every host): a [`Hierarchy`].
+//!    - Otherwise TCP (or an error, when `shm` was asked for; silently when no two ranks share a
+//!      host).
 //! 2. Place 0 creates the segment (an anonymous memory file), listens on an abstract Unix socket
 //!    with a random name, and publishes the name (or why it could not).
 //! 3. The others connect and say their place; place 0 hands the memory file over only to a
@@ -22,12 +28,12 @@ use std::time::{Duration, Instant};
 
 use sha2::Digest;
 
-use super::{chunk_for, segment_len, Shm};
-use crate::comm::tcp::link::{wait_published, LinkSetup};
+use super::{chunk_for, segment_len, Hierarchy, Segment, Shm};
+use crate::comm::tcp::link::{self, wait_published, LinkSetup};
 use crate::config::Transport;
 use crate::error::ConfigError;
 use crate::sys::shared::{self, Mapping};
-use crate::types::Rank;
+use crate::types::{Rank, WorldSize};
 use crate::{DdpError, Result};
 
 /// How long place 0 waits for a connected rank to say which it is.
@@ -39,7 +45,7 @@ const HELLO: Duration = Duration::from_secs(10);
 /// # Errors
 /// `TransportMismatch`; `SharedMemory` (for `Shm`) naming what failed; store and rendezvous
 /// errors as when opening links.
-pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option<Shm>> {
+pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option<Segment>> {
     let LinkSetup {
         store,
         rank,
@@ -57,18 +63,22 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
     let key = |r: usize| format!("{tag}/transport/{r}");
     store.set(
         &key(rank.index()),
-        format!("{transport} {}", std::process::id()).as_bytes(),
+        format!("{transport} {} {host}", std::process::id()).as_bytes(),
     )?;
     let keys: Vec<String> = (0..n).map(key).collect();
     wait_published(setup, &keys)?;
-    let published = |peer: usize| -> Result<(Option<Transport>, u32)> {
+    let published = |peer: usize| -> Result<Published> {
         let raw = String::from_utf8_lossy(&store.get(&keys[peer])?).into_owned();
-        let (choice, pid) = raw.split_once(' ').unwrap_or((raw.as_str(), ""));
-        Ok((Transport::parse(choice), pid.parse().unwrap_or(0)))
+        let mut words = raw.split_whitespace();
+        Ok(Published {
+            transport: words.next().and_then(Transport::parse),
+            pid: words.next().and_then(|p| p.parse().ok()).unwrap_or(0),
+            host: words.next().unwrap_or_default().to_string(),
+        })
     };
     if store.add(&count_key, 0)? != n as i64 {
         for peer in 0..n {
-            match published(peer)?.0 {
+            match published(peer)?.transport {
                 Some(theirs) if theirs == transport => {}
                 theirs => {
                     return Err(DdpError::Config(ConfigError::TransportMismatch {
@@ -81,27 +91,82 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
             }
         }
     }
-    let refuse = |reason: String| -> Result<Option<Shm>> {
-        match transport {
-            Transport::Shm => Err(DdpError::Config(ConfigError::SharedMemory { rank, reason })),
-            _ => {
-                tracing::warn!("[rank {rank}] collectives go over TCP: {reason}");
-                Ok(None)
-            }
-        }
-    };
     if transport == Transport::Tcp {
         return Ok(None);
     }
+    let refuse = refusal(rank, transport);
     let together = store.add(&host_key, 0)?;
-    if together != n as i64 {
-        return refuse(format!(
-            "{together} of the group's {n} ranks run on this host ({}); shared memory needs \
-             them all on one (same kernel, host name, network and process namespaces)",
-            crate::sys::node_name()
-        ));
+    if together == n as i64 {
+        let pid = |peer: usize| published(peer).map(|p| p.pid);
+        return match one_host(setup, &pid)? {
+            Ok(shm) => Ok(Some(Segment::Whole(shm))),
+            Err(why) => refuse(why).map(|()| None),
+        };
     }
+    let hosts = (0..n)
+        .map(|p| published(p).map(|p| p.host))
+        .collect::<Result<Vec<String>>>()?;
+    let layout = Layout::of(&hosts, rank.index());
+    let Some(layout) = layout.filter(|l| l.hosts() >= 2 && l.local.len() >= 2) else {
+        return match hosts_share_nothing(&hosts) {
+            // One rank per host: nothing to share, nothing to warn of.
+            true if transport == Transport::Auto => Ok(None),
+            _ => refuse(format!(
+                "{together} of the group's {n} ranks run on this host ({}); shared memory needs \
+                 them all on one host (same kernel, host name, network and process namespaces), \
+                 or the same number, at least 2, on every host",
+                crate::sys::node_name()
+            ))
+            .map(|()| None),
+        };
+    };
+    match per_host(setup, &layout, &published)? {
+        Ok(hierarchy) => Ok(Some(Segment::PerHost(hierarchy))),
+        Err(why) => refuse(why).map(|()| None),
+    }
+}
 
+/// What a rank published about itself.
+struct Published {
+    transport: Option<Transport>,
+    pid: u32,
+    /// Its host's identity (hashed).
+    host: String,
+}
+
+/// What to do when shared memory cannot be used: fail under `shm`, warn under `auto` (the group
+/// then goes over TCP).
+fn refusal(rank: Rank, transport: Transport) -> impl Fn(String) -> Result<()> {
+    move |reason: String| match transport {
+        Transport::Shm => Err(DdpError::Config(ConfigError::SharedMemory { rank, reason })),
+        _ => {
+            tracing::warn!("[rank {rank}] collectives go over TCP: {reason}");
+            Ok(())
+        }
+    }
+}
+
+/// Whether no two of `hosts` are the same.
+fn hosts_share_nothing(hosts: &[String]) -> bool {
+    let mut sorted: Vec<&String> = hosts.iter().collect();
+    sorted.sort();
+    sorted.windows(2).all(|w| w[0] != w[1])
+}
+
+/// The segment of a group whose ranks all run on one host: steps 2 to 4. `pid(place)` is what that place published as its process id.
+/// `Ok(Err(why))` when some rank could not attach it (every rank gets the same answer).
+fn one_host(
+    setup: &LinkSetup<'_>,
+    pid: &impl Fn(usize) -> Result<u32>,
+) -> Result<std::result::Result<Shm, String>> {
+    let LinkSetup {
+        store,
+        rank,
+        world,
+        tag,
+        ..
+    } = *setup;
+    let n = world.as_usize();
     let seg_key = format!("{tag}/shm-segment");
     let fail_key = format!("{tag}/shm-failed");
     let chunk = chunk_for(n);
@@ -114,7 +179,7 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
             }
             Ok((fd, map, listener, name)) => {
                 store.set(&seg_key, format!("ok {name}").as_bytes())?;
-                serve(setup, &listener, fd.as_fd(), &published, &fail_key)
+                serve(setup, &listener, fd.as_fd(), pid, &fail_key)
                     .map(|()| Shm::new(map, 0, n, chunk))
             }
         }
@@ -135,32 +200,154 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
             )),
         })
     };
-    // Everyone says whether it attached; only when all did is the segment used.
-    let done_key = |r: usize| format!("{tag}/shm-attached/{r}");
-    let ok_key = format!("{tag}/shm-ok");
-    match &attached {
-        Ok(_) => {
+    if let Err(why) = &attached {
+        store.add(&fail_key, 1)?;
+        tracing::debug!("[rank {rank}] could not attach the shared segment: {why}");
+    }
+    let why = agree(
+        setup,
+        "shm-attached",
+        attached.as_ref().err().map(String::as_str),
+    )?;
+    Ok(match why {
+        None => attached,
+        Some((r, why)) => Err(format!("rank {r} could not attach the segment: {why}")),
+    })
+}
+
+/// Every rank of `setup`'s group says whether its step `what` succeeded (`failed`: why not) and
+/// learns whether all did: `None`, or the first rank that failed and why.
+fn agree(
+    setup: &LinkSetup<'_>,
+    what: &str,
+    failed: Option<&str>,
+) -> Result<Option<(usize, String)>> {
+    let LinkSetup {
+        store,
+        rank,
+        world,
+        tag,
+        ..
+    } = *setup;
+    let n = world.as_usize();
+    let done_key = |r: usize| format!("{tag}/{what}/{r}");
+    let ok_key = format!("{tag}/{what}-ok");
+    match failed {
+        None => {
             store.add(&ok_key, 1)?;
             store.set(&done_key(rank.index()), b"ok")?;
         }
-        Err(why) => {
-            store.add(&fail_key, 1)?;
-            store.set(&done_key(rank.index()), why.as_bytes())?;
-        }
+        Some(why) => store.set(&done_key(rank.index()), why.as_bytes())?,
     }
     let done: Vec<String> = (0..n).map(done_key).collect();
     wait_published(setup, &done)?;
     if store.add(&ok_key, 0)? == n as i64 {
-        return Ok(attached.ok());
+        return Ok(None);
     }
     for (r, key) in done.iter().enumerate() {
         let said = store.get(key)?;
         if said != b"ok" {
-            let why = String::from_utf8_lossy(&said).into_owned();
-            return refuse(format!("rank {r} could not attach the segment: {why}"));
+            return Ok(Some((r, String::from_utf8_lossy(&said).into_owned())));
         }
     }
-    refuse("a rank could not attach the segment".into())
+    Ok(Some((0, "a rank did not say".into())))
+}
+
+/// Where the ranks of a group spread over hosts are: by host (in the order of each host's first
+/// place), the places on it in order.
+#[derive(Debug)]
+struct Layout {
+    by_host: Vec<Vec<usize>>,
+    /// This rank's host.
+    host: usize,
+    /// The places on this rank's host.
+    local: Vec<usize>,
+}
+
+impl Layout {
+    /// The layout of places whose hosts are `hosts`, seen from `place`; `None` unless every
+    /// host has as many ranks.
+    fn of(hosts: &[String], place: usize) -> Option<Self> {
+        let mut names: Vec<&str> = Vec::new();
+        let mut by_host: Vec<Vec<usize>> = Vec::new();
+        for (p, h) in hosts.iter().enumerate() {
+            match names.iter().position(|n| n == h) {
+                Some(i) => by_host[i].push(p),
+                None => {
+                    names.push(h);
+                    by_host.push(vec![p]);
+                }
+            }
+        }
+        let host = names.iter().position(|n| *n == hosts[place])?;
+        let per = by_host[0].len();
+        if by_host.iter().any(|h| h.len() != per) {
+            return None;
+        }
+        let local = by_host[host].clone();
+        Some(Self {
+            by_host,
+            host,
+            local,
+        })
+    }
+
+    fn hosts(&self) -> usize {
+        self.by_host.len()
+    }
+}
+
+/// The shared segment of this rank's host and its ring across hosts (see
+/// [`Hierarchy`]); `Ok(Err(why))` when some rank of the group could not attach its host's
+/// segment (every rank of the group gets the same answer).
+fn per_host(
+    setup: &LinkSetup<'_>,
+    layout: &Layout,
+    published: &impl Fn(usize) -> Result<Published>,
+) -> Result<std::result::Result<Hierarchy, String>> {
+    let me = setup.rank.index();
+    let index = layout.local.iter().position(|&p| p == me).unwrap_or(0);
+    let across: Vec<usize> = layout.by_host.iter().map(|h| h[index]).collect();
+    let (Some(per_host), Some(hosts)) = (
+        WorldSize::new(layout.local.len() as u32),
+        WorldSize::new(across.len() as u32),
+    ) else {
+        return Ok(Err("a host without ranks".into()));
+    };
+    let host_tag = format!("{}/host{}", setup.tag, layout.host);
+    let host_setup = LinkSetup {
+        rank: Rank(index as u32),
+        world: per_host,
+        tag: &host_tag,
+        ..setup.clone()
+    };
+    let pid = |q: usize| published(layout.local[q]).map(|p| p.pid);
+    let attached = one_host(&host_setup, &pid)?;
+    let why = attached.as_ref().err().map(String::as_str);
+    if let Some((r, why)) = agree(setup, "host-shm-attached", why)? {
+        return Ok(Err(format!(
+            "rank {r} could not attach its host's segment: {why}"
+        )));
+    }
+    let shm = match attached {
+        Ok(shm) => shm,
+        Err(why) => return Ok(Err(why)),
+    };
+    // One ring per local index, through the ranks of that index on every host.
+    let cross_tag = format!("{}/across{index}", setup.tag);
+    let cross = link::open_ring(&LinkSetup {
+        rank: Rank(layout.host as u32),
+        world: hosts,
+        tag: &cross_tag,
+        ..setup.clone()
+    })?;
+    Ok(Ok(Hierarchy {
+        shm,
+        cross,
+        local: layout.local.clone(),
+        across,
+        host: layout.host,
+    }))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -200,7 +387,7 @@ fn serve(
     setup: &LinkSetup<'_>,
     listener: &UnixListener,
     fd: std::os::fd::BorrowedFd<'_>,
-    published: &impl Fn(usize) -> Result<(Option<Transport>, u32)>,
+    pid: &impl Fn(usize) -> Result<u32>,
     fail_key: &str,
 ) -> std::result::Result<(), String> {
     let n = setup.world.as_usize();
@@ -213,7 +400,7 @@ fn serve(
     while served.iter().any(|s| !s) {
         match listener.accept() {
             Ok((sock, _)) => {
-                let place = match hello(&sock, published) {
+                let place = match hello(&sock, n, pid) {
                     Ok(place) if !served[place] => place,
                     Ok(place) => {
                         tracing::warn!("[rank 0] refused the segment to a second rank {place}");
@@ -257,7 +444,8 @@ fn serve(
 /// record of its user and process id must be this user and the id that place published.
 fn hello(
     sock: &UnixStream,
-    published: &impl Fn(usize) -> Result<(Option<Transport>, u32)>,
+    world: usize,
+    pid: &impl Fn(usize) -> Result<u32>,
 ) -> std::result::Result<usize, String> {
     sock.set_nonblocking(false).map_err(|e| e.to_string())?;
     sock.set_read_timeout(Some(HELLO))
@@ -267,11 +455,16 @@ fn hello(
         .read_exact(&mut claim)
         .map_err(|e| format!("no rank said: {e}"))?;
     let place = u32::from_le_bytes(claim) as usize;
-    let (pid, uid) = shared::peer(sock).map_err(|e| e.to_string())?;
-    let (_, expected) = published(place).map_err(|e| e.to_string())?;
-    if uid != shared::user() || pid == 0 || pid != expected {
+    if place == 0 || place >= world {
         return Err(format!(
-            "a process (pid {pid}, uid {uid}) claimed rank {place}, whose pid is {expected}"
+            "a process claimed rank {place} of a group of {world}"
+        ));
+    }
+    let (theirs, uid) = shared::peer(sock).map_err(|e| e.to_string())?;
+    let expected = pid(place).map_err(|e| e.to_string())?;
+    if uid != shared::user() || theirs == 0 || theirs != expected {
+        return Err(format!(
+            "a process (pid {theirs}, uid {uid}) claimed rank {place}, whose pid is {expected}"
         ));
     }
     Ok(place)
@@ -300,4 +493,33 @@ fn attach(
     let (world, chunk) =
         Shm::read_header(&map).ok_or_else(|| "it is not a segment of this version".to_string())?;
     Ok((map, world, chunk))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(names: &str) -> Vec<String> {
+        names.chars().map(String::from).collect()
+    }
+
+    #[test]
+    fn hosts_are_ordered_by_their_first_rank_and_ranks_by_their_place() {
+        let l = Layout::of(&hosts("abab"), 3).unwrap();
+        assert_eq!(l.by_host, vec![vec![0, 2], vec![1, 3]]);
+        assert_eq!((l.host, l.local.as_slice()), (1, &[1, 3][..]));
+        let l = Layout::of(&hosts("bbaacc"), 2).unwrap();
+        assert_eq!(l.by_host, vec![vec![0, 1], vec![2, 3], vec![4, 5]]);
+        assert_eq!((l.host, l.local.as_slice(), l.hosts()), (1, &[2, 3][..], 3));
+    }
+
+    #[test]
+    fn hosts_of_unequal_ranks_have_no_layout() {
+        assert!(Layout::of(&hosts("aab"), 0).is_none());
+        assert!(Layout::of(&hosts("abbb"), 0).is_none());
+        // One rank per host is a layout, of nothing to share.
+        assert_eq!(Layout::of(&hosts("abc"), 1).unwrap().local, vec![1]);
+        assert!(hosts_share_nothing(&hosts("abc")));
+        assert!(!hosts_share_nothing(&hosts("abca")));
+    }
 }
