@@ -256,6 +256,47 @@ fn rank_killed_mid_two_level_all_reduce_is_named_by_every_survivor() {
     procs::assert_killed_rank_named_fast_in(TestJob::new(4, NAME).on_nodes(&net, node_of), 3);
 }
 
+/// Point-to-point in the same job: between ranks of one host through a shared-memory pipe,
+/// between hosts over TCP; every message arrives whole, in order.
+#[test]
+fn point_to_point_goes_through_shared_memory_inside_a_host_only() {
+    const NAME: &str = "point_to_point_goes_through_shared_memory_inside_a_host_only";
+    if procs::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let (r, w) = (pg.rank().0, pg.world_size().get());
+        let message = |from: u32, to: u32, k: usize| -> Vec<f32> {
+            (0..100_000 + k)
+                .map(|i| (from * 100 + to * 10) as f32 + i as f32)
+                .collect()
+        };
+        for k in 0..3 {
+            for to in (0..w).filter(|&q| q != r) {
+                pg.send(&message(r, to, k), Rank(to), k as u32).unwrap();
+            }
+            for from in (0..w).filter(|&q| q != r) {
+                let mut got = vec![0f32; 100_000 + k];
+                pg.recv(&mut got, Rank(from), k as u32).unwrap();
+                assert!(got == message(from, r, k), "message {k} from rank {from}");
+            }
+        }
+        // One pipe to the other rank of this host and one from it, mapped by this process;
+        // none with the other host.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let pipes = maps
+            .lines()
+            .filter(|l| l.contains("memfd:burn-ddp-p2p"))
+            .count();
+        assert_eq!(pipes, 2, "{maps}");
+        pg.barrier().unwrap();
+        return;
+    }
+    let net = Net::new(2);
+    TestJob::new(4, NAME)
+        .on_nodes(&net, node_of)
+        .run()
+        .assert_all_ok();
+}
+
 /// Hosts with different numbers of ranks (two on one, one on the other): under `auto` the group
 /// goes over TCP; under `shm` every rank is refused, told why.
 #[test]

@@ -287,9 +287,10 @@ pub(crate) struct TcpP2p {
     mailbox: Arc<Mailbox>,
     /// Outgoing connections by receiver, over shared memory or not.
     outgoing: Mutex<HashMap<(Rank, bool), Shared<Outgoing>>>,
-    /// Whether this endpoint has a shared-memory socket (the group's ranks share a host and
-    /// its collectives go through shared memory).
-    shm: bool,
+    /// The places this endpoint reaches through shared memory, by place (those of its host,
+    /// when the group's collectives use shared memory there); none without a shared-memory
+    /// socket.
+    shm: Vec<bool>,
     /// Whether sends go through shared memory now (`shm`, unless the bench switched to TCP).
     sends_by_shm: AtomicBool,
     /// Clones of the incoming connections, so that dropping the endpoint ends their readers.
@@ -316,20 +317,27 @@ fn published_pid(store: &StoreClient, tag: &str, place: Rank) -> Option<u32> {
 }
 
 impl TcpP2p {
-    /// Opens this rank's endpoint: listens (on a shared-memory socket too when `shm`: the
-    /// group's collectives go through shared memory), publishes the address, accepts senders
-    /// on a thread.
+    /// Opens this rank's endpoint: listens (on a shared-memory socket too when `same_host` has
+    /// other places: those of this host, when the group's collectives go through shared memory
+    /// there), publishes the address, accepts senders on a thread.
     pub(crate) fn open(
         store: Arc<StoreClient>,
         token: JobToken,
         (place, size): (Rank, WorldSize),
         tag: &str,
-        shm: bool,
+        same_host: &[Rank],
     ) -> Result<Self> {
         let listener = TcpListener::bind(SocketAddr::new(store.local_addr()?.ip(), 0))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let pipes = if shm {
+        let mut shm = vec![false; size.as_usize()];
+        for r in same_host.iter().filter(|&&r| r != place) {
+            if let Some(s) = shm.get_mut(r.index()) {
+                *s = true;
+            }
+        }
+        let any = shm.contains(&true);
+        let pipes = if any {
             let name = format!("burn-ddp-p2p-{:032x}", rand::random::<u128>());
             let l = UnixListener::bind_addr(&std::os::unix::net::SocketAddr::from_abstract_name(
                 name.as_bytes(),
@@ -367,7 +375,7 @@ impl TcpP2p {
             mailbox,
             outgoing: Mutex::new(HashMap::new()),
             shm,
-            sends_by_shm: AtomicBool::new(shm),
+            sends_by_shm: AtomicBool::new(any),
             incoming,
             stop,
             acceptor: Some(acceptor),
@@ -381,7 +389,7 @@ impl TcpP2p {
     /// Sends the following messages through shared memory or over TCP (the bench's
     /// comparison); returns whether shared memory is used.
     pub(crate) fn send_by_shm(&self, on: bool) -> bool {
-        let on = on && self.shm;
+        let on = on && self.shm.contains(&true);
         self.sends_by_shm.store(on, Ordering::SeqCst);
         on
     }
@@ -502,7 +510,8 @@ impl TcpP2p {
         deadline: Instant,
         interrupt: &dyn Fn() -> Option<DdpError>,
     ) -> std::result::Result<u64, SendError> {
-        let conn = self.connection(dst, self.sends_by_shm(), deadline, interrupt)?;
+        let by_shm = self.sends_by_shm() && self.shm.get(dst.index()).copied().unwrap_or(false);
+        let conn = self.connection(dst, by_shm, deadline, interrupt)?;
         let mut out = conn.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(kind) = out.broken {
             return Err(SendError::Link(kind));

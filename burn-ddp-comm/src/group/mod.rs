@@ -152,7 +152,7 @@ impl Inner {
             &config.token,
             (config.rank, config.world_size),
             WORLD_TAG,
-            comm.transport() == "shm",
+            &comm.same_host(),
         )
         .inspect_err(|e| rendezvous::publish(&client, config.rank, None, e))?;
         tracing::info!(
@@ -515,7 +515,7 @@ impl ProcessGroup {
     /// As [`Communicator::set_transport`].
     pub(crate) fn set_transport(&self, transport: Transport) -> Result<()> {
         self.inner().comm.set_transport(transport)?;
-        self.inner().p2p.send_by_shm(self.transport() == "shm");
+        self.inner().p2p.send_by_shm(self.transport() != "tcp");
         Ok(())
     }
 

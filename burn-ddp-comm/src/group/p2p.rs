@@ -67,9 +67,15 @@ impl P2p {
         token: &crate::config::JobToken,
         (place, size): (Rank, crate::types::WorldSize),
         tag: &str,
-        shm: bool,
+        same_host: &[Rank],
     ) -> Result<Self> {
-        let endpoint = TcpP2p::open(Arc::clone(store), token.clone(), (place, size), tag, shm)?;
+        let endpoint = TcpP2p::open(
+            Arc::clone(store),
+            token.clone(),
+            (place, size),
+            tag,
+            same_host,
+        )?;
         Ok(Self::new(Kind::Tcp(Arc::new(endpoint))))
     }
 

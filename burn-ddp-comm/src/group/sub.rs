@@ -233,14 +233,15 @@ impl ProcessGroup {
                 comm.watch_with(Arc::new(SubgroupWatch(Arc::clone(h))));
                 h.also_stop(comm.weak_stopper());
             }
-            let shm = comm.transport() == "shm";
-            let p2p = P2p::tcp(store, &inner.token, (place, size), &tag, shm).map_err(|e| {
-                DdpError::Collective(CollectiveError::InGroup {
-                    group: name.clone(),
-                    group_rank: place,
-                    inner: Box::new(e),
-                })
-            })?;
+            let same_host = comm.same_host();
+            let p2p =
+                P2p::tcp(store, &inner.token, (place, size), &tag, &same_host).map_err(|e| {
+                    DdpError::Collective(CollectiveError::InGroup {
+                        group: name.clone(),
+                        group_rank: place,
+                        inner: Box::new(e),
+                    })
+                })?;
             (Box::new(comm), p2p)
         };
         tracing::debug!(

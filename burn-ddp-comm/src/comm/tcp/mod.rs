@@ -256,6 +256,17 @@ impl TcpCommunicator {
         self
     }
 
+    /// The places of the group that share this rank's segment (every place, or those of its
+    /// host in a hierarchy; none without one): point-to-point reaches them through shared
+    /// memory.
+    pub(crate) fn same_host(&self) -> Vec<Rank> {
+        match &self.lock().shm {
+            Some(Segment::Whole(_)) => self.world.ranks().collect(),
+            Some(Segment::PerHost(h)) => h.local.iter().map(|&p| Rank(p as u32)).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// The global rank at ring place `place`.
     fn global(&self, place: Rank) -> Rank {
         match &self.members {
