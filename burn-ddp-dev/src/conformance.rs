@@ -321,6 +321,13 @@ pub fn run<L: Line>(name: &str) {
     for &world in scenario.worlds {
         let job = format!("{name}_w{world}");
         if let Some(pg) = procs::child_group(&job) {
+            // CI runs the suite once more with TCP forced (the default on one host is shared
+            // memory): the job must use what was asked for.
+            if let Ok(asked) = std::env::var("BURN_DDP_TRANSPORT") {
+                if world > 1 && asked != "auto" {
+                    assert_eq!(pg.transport(), asked, "the job ignored BURN_DDP_TRANSPORT");
+                }
+            }
             let tolerance = scenario.tolerance.map_or(L::F32, |t| Tolerance {
                 rel: t.rel.max(L::F32.rel),
                 floor: t.floor.max(L::F32.floor),
