@@ -372,11 +372,7 @@ impl TcpCommunicator {
     ) -> Result<()> {
         self.collective(st, desc, |st, seq, waits| {
             let hop = self.ring_hop();
-            let links = Links {
-                next: &st.ring.next,
-                prev: st.ring.prev.as_ref().unwrap_or(&st.ring.next),
-                same: st.ring.prev.is_none(),
-            };
+            let links = engine_links(&st.ring);
             let foreign: Vec<(&TcpStream, usize)> = tree_links(&st.tree).collect();
             let scratch: &mut [u8] = bytemuck::cast_slice_mut(st.scratch.as_mut_slice());
             let waits = Waits {
@@ -598,10 +594,7 @@ impl TcpCommunicator {
             let mut flat = ring_links(ring, &hop);
             flat.extend(tree_links(tree));
             let mut watched = flat.clone();
-            watched.push((&cross.next, cross_hop.next.index()));
-            if let Some(p) = &cross.prev {
-                watched.push((p, cross_hop.prev.index()));
-            }
+            watched.extend(ring_links(cross, &cross_hop));
             let watch = shm::Watch {
                 deadline: waits.deadline,
                 abort: waits.abort,
@@ -636,11 +629,7 @@ impl TcpCommunicator {
                 (dtype, step_op),
                 finish,
             );
-            let links = Links {
-                next: &cross.next,
-                prev: cross.prev.as_ref().unwrap_or(&cross.next),
-                same: cross.prev.is_none(),
-            };
+            let links = engine_links(cross);
             let scratch: &mut [u8] = bytemuck::cast_slice_mut(scratch.as_mut_slice());
             let waits = Waits {
                 foreign: &flat,
@@ -934,6 +923,15 @@ fn ring_links<'a>(ring: &'a Ring, hop: &Hop) -> Vec<(&'a TcpStream, usize)> {
         links.push((p, hop.prev.index()));
     }
     links
+}
+
+/// A ring's links as the engine takes them (one connection both ways in a ring of two).
+fn engine_links(ring: &Ring) -> Links<'_> {
+    Links {
+        next: &ring.next,
+        prev: ring.prev.as_ref().unwrap_or(&ring.next),
+        same: ring.prev.is_none(),
+    }
 }
 
 /// The links of recursive doubling with the partner's place.
