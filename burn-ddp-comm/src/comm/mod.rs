@@ -32,8 +32,8 @@ pub(crate) mod tcp;
 pub use crate::types::{CollectiveDesc, CollectiveOp, DType, Element, ReduceOp};
 pub use local::LocalCommunicator;
 pub use queue::{Queue, DRAIN_LIMIT};
-pub use tcp::TcpCommunicator;
 pub(crate) use tcp::Tuning;
+pub use tcp::{SharedArena, TcpCommunicator};
 
 /// Collectives on host memory. Buffers are raw bytes holding whole elements of the given
 /// [`DType`]; lengths are validated by [`ProcessGroup`](crate::ProcessGroup) before they get here.
@@ -86,6 +86,35 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`Communicator::all_reduce`].
     fn barrier(&self) -> Result<()>;
+
+    /// Allocates `bytes` for every rank in memory that all ranks map (a collective): `None`
+    /// when the group does not run its collectives in one shared segment now, or the memory
+    /// could not be had (every rank gets the same answer, and a warning says why).
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn allocate_shared(&self, bytes: usize) -> Result<Option<SharedArena>> {
+        let _ = bytes;
+        Ok(None)
+    }
+
+    /// Reduces bytes `at` of every rank's region of `arena` (whole elements of `dtype`) with
+    /// `op`, where they lie: every rank's region ends with the result.
+    ///
+    /// # Errors
+    /// As [`Communicator::all_reduce`].
+    fn all_reduce_shared(
+        &self,
+        arena: &SharedArena,
+        at: std::ops::Range<usize>,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        // SAFETY: an arena from a communicator that does not override this method is touched
+        // by no other rank.
+        let buf = unsafe { arena.bytes_mut(arena.place(), at) };
+        self.all_reduce(buf, dtype, op)
+    }
 
     /// Marks the group failed and releases its connections so that peers fail fast too.
     /// Later calls return `GroupAborted`.

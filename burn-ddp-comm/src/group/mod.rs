@@ -567,6 +567,47 @@ impl ProcessGroup {
         )
     }
 
+    /// Allocates `bytes` for every rank in memory that all ranks of this host map (a
+    /// collective): `None` when the group does not run its collectives in one shared segment,
+    /// or the memory could not be had (every rank gets the same answer). Regions are reserved
+    /// until the group ends.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce`].
+    #[track_caller]
+    pub(crate) fn allocate_shared(
+        &self,
+        bytes: usize,
+    ) -> Result<Option<Arc<crate::comm::SharedArena>>> {
+        self.desync(CollectiveDesc::new(
+            CollectiveOp::Allocate,
+            crate::DType::U8,
+            bytes,
+        ))?;
+        self.scoped(self.inner().comm.allocate_shared(bytes))
+            .map(|a| a.map(Arc::new))
+    }
+
+    /// Reduces bytes `at` (whole `T`s) of every rank's region of `arena`, where they lie: every
+    /// rank's region ends with the result, as [`ProcessGroup::all_reduce`] of those values
+    /// would give.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::all_reduce`].
+    #[track_caller]
+    pub(crate) fn all_reduce_shared<T: Element>(
+        &self,
+        arena: &crate::comm::SharedArena,
+        at: std::ops::Range<usize>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let count = at.len() / T::DTYPE.size();
+        self.desync(
+            CollectiveDesc::new(CollectiveOp::AllReduceShared, T::DTYPE, count).reduce(op),
+        )?;
+        self.scoped(self.inner().comm.all_reduce_shared(arena, at, T::DTYPE, op))
+    }
+
     /// Copies `root`'s `buf` into every rank's `buf` (all must have the same length).
     ///
     /// # Errors

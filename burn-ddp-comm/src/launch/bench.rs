@@ -81,6 +81,10 @@ pub struct AllReduceBench {
     /// Transports to compare within each size, in interleaved rounds (empty: the group's own
     /// choice); each TCP one with every algorithm of `algorithms`.
     pub transports: Vec<Transport>,
+    /// Compare, after the ways of `transports`, shared memory with the buffer in memory every
+    /// rank maps (each rank's in its own region of an arena): the shared gradient buckets'
+    /// all-reduce, which copies nothing into or out of the segment.
+    pub shm_in_place: bool,
 }
 
 /// One way of running the all-reduce that the bench compares: a transport and an algorithm,
@@ -91,10 +95,15 @@ pub struct Way {
     pub transport: Option<Transport>,
     /// The algorithm (TCP's; shared memory has one).
     pub algorithm: Option<Algorithm>,
+    /// The buffer lies in memory every rank maps and is reduced there (shared memory only).
+    pub in_place: bool,
 }
 
 impl std::fmt::Display for Way {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.in_place {
+            return f.write_str("shm-in-place");
+        }
         match (self.transport, self.algorithm) {
             (Some(t), Some(a)) => write!(f, "{t}/{a}"),
             (Some(t), None) => write!(f, "{t}"),
@@ -130,6 +139,7 @@ impl Default for AllReduceBench {
             nccl: false,
             algorithms: Vec::new(),
             transports: Vec::new(),
+            shm_in_place: false,
         }
     }
 }
@@ -259,7 +269,7 @@ impl AllReduceBench {
                 "compares the host transport's algorithms; NCCL chooses its own".into(),
             );
         }
-        if self.nccl && !self.transports.is_empty() {
+        if self.nccl && (!self.transports.is_empty() || self.shm_in_place) {
             return bad(
                 "--transport",
                 "nccl is measured alone: it cannot be compared with tcp or shm in one run".into(),
@@ -368,8 +378,13 @@ fn sweep<T: BenchElem>(pg: &ProcessGroup, opts: &AllReduceBench) -> BenchResult<
 /// The ways `opts` compares, in order: every transport with every algorithm (shared memory
 /// once, having one); empty when it compares none.
 pub fn ways(opts: &AllReduceBench) -> Vec<Way> {
+    let in_place = opts.shm_in_place.then_some(Way {
+        transport: Some(Transport::Shm),
+        algorithm: None,
+        in_place: true,
+    });
     if opts.algorithms.is_empty() && opts.transports.is_empty() {
-        return Vec::new();
+        return in_place.into_iter().collect();
     }
     let transports: Vec<Option<Transport>> = match opts.transports.as_slice() {
         [] => vec![None],
@@ -385,6 +400,7 @@ pub fn ways(opts: &AllReduceBench) -> Vec<Way> {
             out.push(Way {
                 transport: t,
                 algorithm: None,
+                in_place: false,
             });
             continue;
         }
@@ -392,10 +408,43 @@ pub fn ways(opts: &AllReduceBench) -> Vec<Way> {
             out.push(Way {
                 transport: t,
                 algorithm: a,
+                in_place: false,
             });
         }
     }
+    out.extend(in_place);
     out
+}
+
+/// The values `w` reduces: `buf`, or (for an in-place way) as many in this rank's region of
+/// `arena`. No collective may run while the slice lives.
+fn values_of<'a, T: BenchElem>(
+    w: &Way,
+    buf: &'a mut [T],
+    arena: Option<&'a crate::comm::SharedArena>,
+) -> &'a mut [T] {
+    match arena.filter(|_| w.in_place) {
+        // SAFETY: this rank's region, which no other rank touches outside a shared all-reduce
+        // (none runs while the slice lives); page-aligned, so aligned for `T`.
+        Some(a) => bytemuck::cast_slice_mut(unsafe {
+            a.bytes_mut(a.place(), 0..std::mem::size_of_val(buf))
+        }),
+        None => buf,
+    }
+}
+
+/// One all-reduce of the values of `w` (see [`values_of`]).
+fn reduce_way<T: BenchElem>(
+    pg: &ProcessGroup,
+    w: &Way,
+    buf: &mut [T],
+    arena: Option<&crate::comm::SharedArena>,
+    op: ReduceOp,
+) -> Result<()> {
+    match arena.filter(|_| w.in_place) {
+        Some(a) => pg.all_reduce_shared::<T>(a, 0..std::mem::size_of_val(buf), op),
+        None => pg.all_reduce(buf, op),
+    }
 }
 
 /// Per size, the median time of each way compared (in the order given) and single-core
@@ -440,13 +489,27 @@ fn sweep_ways<T: BenchElem>(
     } else {
         Vec::new()
     };
+    // The in-place way's buffers: an arena of the largest size (every rank alike).
+    let arena = match ways.iter().find(|w| w.in_place) {
+        Some(w) => {
+            w.take(pg)?;
+            Some(pg.allocate_shared(opts.max_bytes)?.ok_or_else(|| {
+                BenchError::from(DdpError::Config(ConfigError::InvalidOption {
+                    option: "--transport",
+                    reason: "shm-in-place needs every rank on one host, in shared memory".into(),
+                }))
+            })?)
+        }
+        None => None,
+    };
+    let arena = arena.as_deref();
     let (mut rows, mut times) = (Vec::new(), Vec::new());
     for bytes in sizes(opts, elem) {
         let slice = &mut buf[..bytes / elem];
         for &w in ways {
             w.take(pg)?;
             for _ in 0..2 {
-                pg.all_reduce(slice, opts.op)?;
+                reduce_way(pg, &w, slice, arena, opts.op)?;
             }
         }
         // Iterations from the slowest way's estimate, the same for all.
@@ -454,7 +517,7 @@ fn sweep_ways<T: BenchElem>(
         for &w in ways {
             w.take(pg)?;
             let t = Instant::now();
-            pg.all_reduce(slice, opts.op)?;
+            reduce_way(pg, &w, slice, arena, opts.op)?;
             est[0] = est[0].max(t.elapsed().as_secs_f64());
         }
         pg.all_reduce(&mut est, ReduceOp::Max)?;
@@ -464,13 +527,13 @@ fn sweep_ways<T: BenchElem>(
         for _ in 0..ALGORITHM_ROUNDS {
             for (k, &w) in ways.iter().enumerate() {
                 w.take(pg)?;
-                for (i, x) in slice.iter_mut().enumerate() {
+                for (i, x) in values_of(&w, slice, arena).iter_mut().enumerate() {
                     *x = T::from_i32(pattern(pg.rank().0, i));
                 }
                 pg.barrier()?;
                 let t = Instant::now();
                 for _ in 0..iters {
-                    pg.all_reduce(slice, opts.op)?;
+                    reduce_way(pg, &w, slice, arena, opts.op)?;
                 }
                 let mut s = [t.elapsed().as_secs_f64() / iters as f64];
                 pg.all_reduce(&mut s, ReduceOp::Max)?;
@@ -480,12 +543,13 @@ fn sweep_ways<T: BenchElem>(
         let mut medians = Vec::with_capacity(secs.len());
         for (&w, s) in ways.iter().zip(secs) {
             w.take(pg)?;
-            for (i, x) in slice.iter_mut().enumerate() {
+            for (i, x) in values_of(&w, slice, arena).iter_mut().enumerate() {
                 *x = T::from_i32(pattern(pg.rank().0, i));
             }
-            pg.all_reduce(slice, opts.op)?;
+            reduce_way(pg, &w, slice, arena, opts.op)?;
             let m = median(s);
-            rows.push(row(pg, opts, (bytes, m), slice, Some(w))?);
+            let values = values_of(&w, slice, arena);
+            rows.push(row(pg, opts, (bytes, m), values, Some(w))?);
             medians.push(m);
         }
         let memcpy = if pg.is_main() {

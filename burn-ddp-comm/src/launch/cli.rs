@@ -221,7 +221,9 @@ pub struct BenchArgs {
     /// ranks of one host, TCP otherwise), several compared in interleaved rounds within each
     /// size (`tcp,shm`: each row names its transport, the ratios to the first and the share of
     /// single-core memcpy are printed at the end), or NCCL on each rank's GPU (`nccl`, alone;
-    /// `LOCAL_RANK`; needs the `cuda` feature).
+    /// `LOCAL_RANK`; needs the `cuda` feature). `shm-in-place` (measured after the others):
+    /// shared memory with each rank's buffer in memory every rank maps, reduced where it lies,
+    /// as shared gradient buckets are.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "host")]
     transport: Vec<TransportArg>,
     /// Collective algorithms to compare, interleaved in rounds within each size (`ring,tree`):
@@ -237,6 +239,7 @@ enum TransportArg {
     Nccl,
     Tcp,
     Shm,
+    ShmInPlace,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -562,9 +565,13 @@ fn bench(args: BenchArgs) -> BenchResult<ExitCode> {
             .filter_map(|t| match t {
                 TransportArg::Tcp => Some(Transport::Tcp),
                 TransportArg::Shm => Some(Transport::Shm),
-                TransportArg::Host | TransportArg::Nccl => None,
+                TransportArg::Host | TransportArg::Nccl | TransportArg::ShmInPlace => None,
             })
             .collect(),
+        shm_in_place: args
+            .transport
+            .iter()
+            .any(|t| matches!(t, TransportArg::ShmInPlace)),
         algorithms: args
             .algo
             .iter()

@@ -38,6 +38,47 @@ pub(crate) fn memory_file(name: &CStr, len: usize) -> io::Result<OwnedFd> {
     Ok(fd)
 }
 
+/// The size of a page of memory.
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf reads no memory of ours.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(p).ok().filter(|&p| p > 0).unwrap_or(4096)
+}
+
+/// Extends the memory file `fd` by `len` bytes from its size rounded up to a page, reserved up
+/// front as [`memory_file`] does: the offset at which the new bytes start.
+///
+/// # Errors
+/// The memory could not be reserved (`ENOSPC`, `ENOMEM`), or `fstat` failed.
+pub(crate) fn grow(fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
+    let at = file_len(fd)?.next_multiple_of(page_size());
+    let (Ok(start), Ok(size)) = (libc::off_t::try_from(at), libc::off_t::try_from(len)) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
+    // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
+    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, start, size) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(at)
+}
+
+/// Gives the memory of bytes `offset..offset + len` of the memory file `fd` back to the system
+/// (they read as zeros after), keeping the file's size.
+///
+/// # Errors
+/// `fallocate` refused.
+pub(crate) fn punch(fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
+    let (Ok(start), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
+    if unsafe { libc::fallocate(fd.as_raw_fd(), mode, start, size) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The size of the file `fd`.
 ///
 /// # Errors
@@ -71,6 +112,17 @@ impl Mapping {
     /// # Errors
     /// `mmap` refused (no address space, a file shorter than `len` is not refused but faults).
     pub(crate) fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<Self> {
+        Self::map_at(fd, 0, len)
+    }
+
+    /// Maps `len` bytes of `fd` from `offset` (a multiple of the page size), shared with every
+    /// other process that maps them.
+    ///
+    /// # Errors
+    /// As [`Mapping::map`]; an offset that is no multiple of the page size.
+    pub(crate) fn map_at(fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<Self> {
+        let offset = libc::off_t::try_from(offset)
+            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
         if len == 0 {
             return Err(io::ErrorKind::InvalidInput.into());
         }
@@ -83,7 +135,7 @@ impl Mapping {
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 fd.as_raw_fd(),
-                0,
+                offset,
             )
         };
         if p == libc::MAP_FAILED {

@@ -140,6 +140,10 @@ pub enum CollectiveOp {
     Send = 6,
     /// A point-to-point message from one rank (`ProcessGroup::recv`).
     Recv = 7,
+    /// The ranks of one host allocate buffers in the memory they share (shared-memory buckets).
+    Allocate = 8,
+    /// An all-reduce of buffers that lie in the memory the ranks share, reduced where they lie.
+    AllReduceShared = 9,
 }
 
 impl CollectiveOp {
@@ -156,6 +160,8 @@ impl CollectiveOp {
             5 => CollectiveOp::Barrier,
             6 => CollectiveOp::Send,
             7 => CollectiveOp::Recv,
+            8 => CollectiveOp::Allocate,
+            9 => CollectiveOp::AllReduceShared,
             _ => return None,
         })
     }
@@ -170,6 +176,8 @@ impl CollectiveOp {
             CollectiveOp::Barrier => "barrier",
             CollectiveOp::Send => "send",
             CollectiveOp::Recv => "recv",
+            CollectiveOp::Allocate => "allocate",
+            CollectiveOp::AllReduceShared => "all_reduce_shared",
         }
     }
 }
@@ -225,9 +233,9 @@ impl fmt::Display for CollectiveDesc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}({} x {}", self.op, self.count, self.dtype)?;
         match self.op {
-            CollectiveOp::AllReduce | CollectiveOp::ReduceScatter => {
-                write!(f, ", {}", self.reduce)?
-            }
+            CollectiveOp::AllReduce
+            | CollectiveOp::AllReduceShared
+            | CollectiveOp::ReduceScatter => write!(f, ", {}", self.reduce)?,
             CollectiveOp::Broadcast => write!(f, ", root {}", self.root)?,
             _ => {}
         }

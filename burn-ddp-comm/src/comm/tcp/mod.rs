@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use self::link::{LinkSetup, Ring};
 use self::ring::{Links, Plan, RecvMode, RecvSeg, RingError, SendSeg, Side, Waits};
+pub use self::shm::SharedArena;
 use self::shm::{Hierarchy, Segment, Shm, ShmError};
 use self::tree::Step;
 use super::{CollectiveDesc, CollectiveOp, Communicator, DType, PeerWatch, ReduceOp, Verdict};
@@ -1084,6 +1085,54 @@ impl Communicator for TcpCommunicator {
             ReduceOp::Sum,
         );
         self.run(&mut st, &desc, &mut one, &plan)
+    }
+
+    fn allocate_shared(&self, bytes: usize) -> Result<Option<SharedArena>> {
+        let desc = CollectiveDesc::new(CollectiveOp::Allocate, DType::U8, bytes);
+        let mut st = self.lock();
+        if !self.whole_now(&st) {
+            return Ok(None);
+        }
+        let mut made = None;
+        self.run_shm(&mut st, &desc, |shm, c, w| {
+            made = Some(shm.allocate(c, bytes, w)?);
+            Ok(())
+        })?;
+        Ok(match made {
+            Some(Ok(arena)) => Some(arena),
+            Some(Err(why)) => {
+                tracing::warn!("[rank {}] buffers stay on the heap: {why}", self.me);
+                None
+            }
+            None => None,
+        })
+    }
+
+    fn all_reduce_shared(
+        &self,
+        arena: &SharedArena,
+        at: std::ops::Range<usize>,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let desc = CollectiveDesc::new(
+            CollectiveOp::AllReduceShared,
+            dtype,
+            at.len() / dtype.size(),
+        )
+        .reduce(op);
+        let mut st = self.lock();
+        if self.whole_now(&st) {
+            return self.run_shm(&mut st, &desc, |shm, c, w| {
+                shm.all_reduce_shared(c, arena, at, (dtype, op), w)
+            });
+        }
+        drop(st);
+        // Moved over TCP since the arena was allocated: this rank's region is a buffer as any.
+        // SAFETY: no other rank touches the arena outside a shared all-reduce, which runs only
+        // in the segment.
+        let buf = unsafe { arena.bytes_mut(arena.place(), at) };
+        self.all_reduce(buf, dtype, op)
     }
 
     fn abort(&self) {

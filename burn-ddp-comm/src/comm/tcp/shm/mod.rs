@@ -17,7 +17,7 @@ pub(crate) use setup::open;
 use std::io;
 use std::net::TcpStream;
 use std::ops::Range;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -199,6 +199,8 @@ fn clip(part: &Range<usize>, range: &Range<usize>) -> Range<usize> {
 #[derive(Debug)]
 pub(crate) struct Shm {
     map: Mapping,
+    /// The segment's memory file, which [`Shm::allocate`] extends.
+    file: OwnedFd,
     place: usize,
     world: usize,
     chunk: usize,
@@ -210,10 +212,11 @@ pub(crate) struct Shm {
 
 impl Shm {
     /// Takes a mapping of a segment laid out for `world` ranks (checked by `setup.rs`).
-    fn new(map: Mapping, place: usize, world: usize, chunk: usize) -> Self {
+    fn new((map, file): (Mapping, OwnedFd), place: usize, world: usize, chunk: usize) -> Self {
         debug_assert!(map.len() >= segment_len(world, chunk));
         Self {
             map,
+            file,
             place,
             world,
             chunk,
@@ -626,6 +629,123 @@ impl Shm {
         )
     }
 
+    /// Allocates `bytes` for every rank in memory they all map (collective `Allocate`, Note
+    /// [Shared buckets]): place 0 extends the segment's memory file by a region per rank and
+    /// says where; every rank maps the regions and says whether it could. `Ok(Err(why))` when
+    /// some rank could not (every rank gets the same answer).
+    pub(crate) fn allocate(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        bytes: usize,
+        watch: &Watch<'_>,
+    ) -> Result<Result<SharedArena, String>, ShmError> {
+        let world = self.world;
+        let per = bytes.max(1).next_multiple_of(shared::page_size());
+        let total = per.checked_mul(world);
+        self.begin(seq, desc);
+        // Where the regions start, or u64::MAX and why not (an errno, 0: too large).
+        let h = self.next_half();
+        if self.place == 0 {
+            let said = match total.map(|t| shared::grow(self.file.as_fd(), t)) {
+                Some(Ok(at)) => [at as u64, 0],
+                Some(Err(e)) => [u64::MAX, e.raw_os_error().unwrap_or(-1) as u64],
+                None => [u64::MAX, 0],
+            };
+            self.mine(h, 0..16)
+                .copy_from_slice(bytemuck::cast_slice(&said));
+        }
+        self.sync(watch)?;
+        self.check(seq, desc)?;
+        let mut said = [0u64; 2];
+        bytemuck::cast_slice_mut(&mut said).copy_from_slice(self.theirs(0, h, 0..16));
+        let mib = |b: usize| b.div_ceil(1 << 20);
+        let mapped = match (said, total) {
+            ([at, _], Some(total)) if at != u64::MAX => self
+                .file
+                .try_clone()
+                .and_then(|file| {
+                    let map = Mapping::map_at(self.file.as_fd(), at as usize, total)?;
+                    Ok((map, file, at as usize))
+                })
+                .map_err(|e| format!("mapping {} MiB failed: {e}", mib(total))),
+            ([_, errno], Some(total)) if errno != 0 => Err(format!(
+                "the host could not reserve {} MiB of shared memory for {world} ranks' buckets \
+                 ({}); free memory, raise the memory limit of the job's container or cgroup, \
+                 or turn shared buckets off (DdpConfig::with_shared_buckets(false))",
+                mib(total),
+                io::Error::from_raw_os_error(errno as i32)
+            )),
+            _ => Err(format!(
+                "{bytes} bytes for each of {world} ranks is too large"
+            )),
+        };
+        // Whether this rank mapped them.
+        let h = self.next_half();
+        let failed = u64::from(mapped.is_err());
+        self.mine(h, 0..8).copy_from_slice(&failed.to_le_bytes());
+        self.sync(watch)?;
+        let first_failed = (0..world).find(|&q| self.theirs(q, h, 0..8) != [0u8; 8]);
+        Ok(match (mapped, first_failed) {
+            (Ok((map, file, at)), None) => Ok(SharedArena {
+                map,
+                per,
+                place: self.place,
+                file,
+                at,
+            }),
+            (Err(why), _) => Err(why),
+            (Ok(_), Some(q)) => Err(format!("the rank at place {q} could not map them")),
+        })
+    }
+
+    /// All-reduces bytes `at` of every rank's region of `arena` (whole elements of `dtype`)
+    /// with `op`, where they lie (collective `AllReduceShared`, Note [Shared buckets]): the
+    /// same chunks and parts as [`Shm::all_reduce`], and so the same bits.
+    pub(crate) fn all_reduce_shared(
+        &mut self,
+        (seq, desc): (CollectiveSeq, &CollectiveDesc),
+        arena: &SharedArena,
+        at: Range<usize>,
+        (dtype, op): (DType, ReduceOp),
+        watch: &Watch<'_>,
+    ) -> Result<(), ShmError> {
+        let (me, world) = (self.place, self.world);
+        let elem = dtype.size();
+        let per = self.chunk / elem * elem;
+        let last = finish(op, world);
+        self.begin(seq, desc);
+        // Every rank's values are in place.
+        self.sync(watch)?;
+        self.check(seq, desc)?;
+        let others: Vec<usize> = (0..world).filter(|&q| q != me).collect();
+        let mut start = at.start;
+        while start < at.end {
+            let end = (start + per).min(at.end);
+            let part = split((end - start) / elem, elem, world)[me].clone();
+            let part = start + part.start..start + part.end;
+            // SAFETY: only this rank touches bytes `part` of any region during this
+            // collective (each part has one reducer), and the others wrote their values
+            // before the sync just passed.
+            let acc = unsafe { arena.bytes_mut(me, part.clone()) };
+            for (i, &q) in others.iter().enumerate() {
+                let f = if i + 1 == others.len() {
+                    last
+                } else {
+                    Finish::None
+                };
+                // SAFETY: as above; `q`'s region is another part of the mapping than `acc`.
+                combine(dtype, op, acc, unsafe { arena.bytes(q, part.clone()) }, f);
+            }
+            for &q in &others {
+                // SAFETY: as above.
+                unsafe { arena.bytes_mut(q, part.clone()) }.copy_from_slice(acc);
+            }
+            start = end;
+        }
+        // Every part's result is in every region.
+        self.sync(watch)
+    }
+
     /// Returns once every rank has entered the barrier.
     pub(crate) fn barrier(
         &mut self,
@@ -633,6 +753,75 @@ impl Shm {
         watch: &Watch<'_>,
     ) -> Result<(), ShmError> {
         self.chunks((collective, false), (0, 1), watch, |_, _, _, _| Ok(()))
+    }
+}
+
+/// Buffers in memory that every rank of a host maps (see [`Shm::allocate`]): a region of the
+/// same size per rank, which only that rank writes, but during a shared all-reduce. Dropping
+/// it gives this rank's region's memory back (no other rank touches it outside a shared
+/// all-reduce, which this rank no longer joins).
+#[derive(Debug)]
+pub struct SharedArena {
+    map: Mapping,
+    /// Bytes of each region (a multiple of the page size).
+    per: usize,
+    /// This rank's region.
+    place: usize,
+    /// The segment's memory file, and where in it the regions start.
+    file: OwnedFd,
+    at: usize,
+}
+
+impl Drop for SharedArena {
+    fn drop(&mut self) {
+        let mine = self.at + self.place * self.per;
+        if let Err(e) = shared::punch(self.file.as_fd(), mine, self.per) {
+            tracing::debug!("the memory of a shared arena stays reserved: {e}");
+        }
+    }
+}
+
+impl SharedArena {
+    /// Bytes in each rank's region.
+    pub(crate) fn len(&self) -> usize {
+        self.per
+    }
+
+    /// This rank's place among the regions.
+    pub(crate) fn place(&self) -> usize {
+        self.place
+    }
+
+    /// The start of `place`'s region.
+    pub(crate) fn region(&self, place: usize) -> *mut u8 {
+        assert!(
+            (place + 1) * self.per <= self.map.len(),
+            "region {place} is outside the arena"
+        );
+        // SAFETY: inside the mapping (checked above).
+        unsafe { self.map.base().add(place * self.per) }
+    }
+
+    /// Bytes `range` of `place`'s region, to read.
+    ///
+    /// # Safety
+    /// No process writes those bytes while the slice lives.
+    pub(crate) unsafe fn bytes(&self, place: usize, range: Range<usize>) -> &[u8] {
+        assert!(range.start <= range.end && range.end <= self.per);
+        // SAFETY: inside the region (checked above); the caller rules out writers.
+        unsafe { std::slice::from_raw_parts(self.region(place).add(range.start), range.len()) }
+    }
+
+    /// Bytes `range` of `place`'s region, to write.
+    ///
+    /// # Safety
+    /// No process reads or writes those bytes while the slice lives, and no other slice of
+    /// them does in this one.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn bytes_mut(&self, place: usize, range: Range<usize>) -> &mut [u8] {
+        assert!(range.start <= range.end && range.end <= self.per);
+        // SAFETY: inside the region (checked above); the caller rules out every other access.
+        unsafe { std::slice::from_raw_parts_mut(self.region(place).add(range.start), range.len()) }
     }
 }
 

@@ -180,7 +180,7 @@ fn one_host(
             Ok((fd, map, listener, name)) => {
                 store.set(&seg_key, format!("ok {name}").as_bytes())?;
                 serve(setup, &listener, fd.as_fd(), pid, &fail_key)
-                    .map(|()| Shm::new(map, 0, n, chunk))
+                    .map(|()| Shm::new((map, fd), 0, n, chunk))
             }
         }
     } else {
@@ -471,11 +471,11 @@ fn hello(
 }
 
 /// Connects to place 0's socket `name`, says this rank's place, and maps the segment it is
-/// handed: the mapping, and the world and chunk it was laid out for.
+/// handed: the mapping with its memory file, and the world and chunk it was laid out for.
 fn attach(
     setup: &LinkSetup<'_>,
     name: &str,
-) -> std::result::Result<(Mapping, usize, usize), String> {
+) -> std::result::Result<((Mapping, std::os::fd::OwnedFd), usize, usize), String> {
     use std::io::Write;
     let addr = SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| e.to_string())?;
     let sock = UnixStream::connect_addr(&addr).map_err(|e| {
@@ -492,7 +492,7 @@ fn attach(
     let map = Mapping::map(fd.as_fd(), len).map_err(|e| format!("mapping it: {e}"))?;
     let (world, chunk) =
         Shm::read_header(&map).ok_or_else(|| "it is not a segment of this version".to_string())?;
-    Ok((map, world, chunk))
+    Ok(((map, fd), world, chunk))
 }
 
 #[cfg(test)]
