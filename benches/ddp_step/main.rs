@@ -5,8 +5,8 @@
 //!   `benches/plain-autodiff` without Burn's `distributed` feature);
 //! - `buckets`: 2 ranks, 200 parameters of 4 KiB: bucketed sync vs one all-reduce per parameter
 //!   (how Burn's own DDP synchronises), each against the same steps with no sync at all;
-//! - `scaling`: weak scaling, 2 ranks × 1 thread (over TCP and over shared memory) vs 1 rank × 1
-//!   thread, same batch per rank;
+//! - `scaling`: weak scaling, 2 ranks × 1 thread (over TCP, and over shared memory with the
+//!   buckets in it and on the heap) vs 1 rank × 1 thread, same batch per rank;
 //! - `lines` (feature `lines`, which builds Burn 0.22.1 too): 2 ranks, the MLP: the sync cost
 //!   (step minus the no-sync step) of the Burn 0.22.1 line (`GradSync`, after backward, on Flex)
 //!   against the 0.21 line (`Autodiff<Ddp<NdArray>>`, overlapped with backward), each against its
@@ -97,7 +97,10 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
     };
     match kind {
         "overhead" | "scaling" => {
-            report("ddp", &worker_steps(&pg, DdpConfig::default(), true, spec));
+            let shared = std::env::var_os(HEAP_BUCKETS).is_none();
+            // (`overhead` runs at world size 1, where buckets never leave the heap.)
+            let config = DdpConfig::default().with_shared_buckets(shared);
+            report("ddp", &worker_steps(&pg, config, true, spec));
         }
         "buckets" => {
             for _ in 0..spec.rounds {
@@ -425,12 +428,20 @@ fn bench_buckets(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Set for a `scaling` run whose buckets stay on the heap (`DdpConfig::shared_buckets` off).
+const HEAP_BUCKETS: &str = "BURN_DDP_BENCH_HEAP_BUCKETS";
+
 fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
-    println!("\n## weak scaling: MLP, same batch per rank, 1 compute thread per rank; 2 ranks over TCP and over shared memory, interleaved");
-    println!("| batch per rank | 1 rank step (ms) | 2 ranks tcp (ms) | 2 ranks shm (ms) | samples/s 1 → 2 tcp, shm | efficiency tcp, shm (t1 / t2) |");
-    println!("|---|---|---|---|---|---|");
-    // The runs of one round, rotated every round: (ranks, transport).
-    const RUNS: [(u32, &str); 3] = [(1, "tcp"), (2, "tcp"), (2, "shm")];
+    println!("\n## weak scaling: MLP, same batch per rank, 1 compute thread per rank; 2 ranks over TCP, and over shared memory with buckets in it (shm) and on the heap (shm heap), interleaved");
+    println!("| batch per rank | 1 rank step (ms) | 2 ranks tcp (ms) | 2 ranks shm (ms) | 2 ranks shm heap (ms) | samples/s 1 → 2 tcp, shm, shm heap | efficiency tcp, shm, shm heap (t1 / t2) |");
+    println!("|---|---|---|---|---|---|---|");
+    // The runs of one round, rotated every round: (ranks, transport, heap buckets).
+    const RUNS: [(u32, &str, bool); 4] = [
+        (1, "tcp", false),
+        (2, "tcp", false),
+        (2, "shm", false),
+        (2, "shm", true),
+    ];
     for batch in [64, 256] {
         let spec = Spec {
             which: Which::Mlp,
@@ -438,30 +449,36 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
             steps: 40,
             rounds: 1,
         };
-        let mut times: [Vec<Vec<f64>>; 3] = Default::default();
+        let mut times: [Vec<Vec<f64>>; 4] = Default::default();
         for round in 0..rounds {
             for k in 0..RUNS.len() {
                 let i = (k + round) % RUNS.len();
-                let (world, transport) = RUNS[i];
-                let env = [("BURN_DDP_TRANSPORT", transport)];
+                let (world, transport, heap) = RUNS[i];
+                let mut env = vec![("BURN_DDP_TRANSPORT", transport)];
+                if heap {
+                    env.push((HEAP_BUCKETS, "1"));
+                }
                 let mut r = parse(&run_job_with(world, "scaling", spec, &env)?)
                     .remove("ddp")
                     .unwrap_or_default();
                 times[i].append(&mut r);
             }
         }
-        let [t1, tcp, shm] = times.map(|t| summary(&t));
+        let [t1, tcp, shm, heap] = times.map(|t| summary(&t));
         let b = batch as f64;
         println!(
-            "| {batch} | {:.3} | {:.3} | {:.3} | {:.0} → {:.0}, {:.0} | {:.1} %, {:.1} % |",
+            "| {batch} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} → {:.0}, {:.0}, {:.0} | {:.1} %, {:.1} %, {:.1} % |",
             t1 * 1e3,
             tcp * 1e3,
             shm * 1e3,
+            heap * 1e3,
             b / t1,
             2.0 * b / tcp,
             2.0 * b / shm,
+            2.0 * b / heap,
             t1 / tcp * 100.0,
-            t1 / shm * 100.0
+            t1 / shm * 100.0,
+            t1 / heap * 100.0
         );
     }
     Ok(())

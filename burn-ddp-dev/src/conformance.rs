@@ -274,6 +274,37 @@ pub fn scenarios() -> Vec<Scenario> {
             &[3],
         ),
         s("mlp_adam_zero", Mlp, AdamZero, Plain, default, &[2, 3]),
+        // Buckets in memory the host's ranks share, reduced where they lie (in shared memory,
+        // the default transport of these jobs; heap buckets over TCP): one bucket, many with a
+        // join's shadow passes, and buckets of one gradient released into them.
+        s(
+            "mlp_adam_shared_buckets",
+            Mlp,
+            Adam,
+            Plain,
+            || default().with_shared_buckets(true),
+            &[2, 3],
+        ),
+        s(
+            "conv_sgd_join_shared_small_buckets",
+            Conv,
+            Sgd,
+            Join,
+            || small_buckets().with_shared_buckets(true),
+            &[3],
+        ),
+        s(
+            "mlp_small_shared_buckets_bucket_view",
+            Mlp,
+            Sgd,
+            Plain,
+            || {
+                small_buckets()
+                    .with_gradient_as_bucket_view(true)
+                    .with_shared_buckets(true)
+            },
+            &[2],
+        ),
         s(
             "conv_adam_zero_accumulate_2",
             Conv,
@@ -369,7 +400,9 @@ macro_rules! conformance_suite {
             mlp_accumulate_4, mlp_adam_accumulate_2, shared_gradient_buffer,
             strided_gradient_view, mlp_bf16_compression, mlp_sgd_comm_hook, mlp_adam_bucket_view,
             mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_join,
-            conv_sgd_join_small_buckets, mlp_adam_zero, conv_adam_zero_accumulate_2);
+            conv_sgd_join_small_buckets, mlp_adam_zero, mlp_adam_shared_buckets,
+            conv_sgd_join_shared_small_buckets, mlp_small_shared_buckets_bucket_view,
+            conv_adam_zero_accumulate_2);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

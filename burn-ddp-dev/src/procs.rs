@@ -384,16 +384,23 @@ pub fn all_reduces_fail_naming(pg: &ProcessGroup, len: usize, culprit: Rank) -> 
         .unwrap_or_else(|| {
             panic!("the all-reduces cannot all succeed once rank {culprit} is dead")
         });
+    assert_names(pg, &err, culprit, "all_reduce #")
+}
+
+/// Prints `err` (a collective's failure on `pg`'s rank) and checks that it names `culprit` (as
+/// the peer lost, in the job's abort record, or by the heartbeat's verdict) and the collective
+/// it stopped (`stopped`, e.g. `all_reduce #`). Returns the error's text.
+pub fn assert_names(pg: &ProcessGroup, err: &DdpError, culprit: Rank, stopped: &str) -> String {
     let text = err.to_string();
     println!("rank {} error: {text}", pg.rank());
-    let named = match &err {
+    let named = match err {
         DdpError::Collective(CollectiveError::PeerLost { peer, .. }) => Some(*peer),
         DdpError::Collective(CollectiveError::JobAborted { record, .. }) => record.culprit,
         DdpError::Collective(CollectiveError::RankUnresponsive { culprit, .. }) => Some(*culprit),
         other => panic!("unexpected error: {other}"),
     };
     assert_eq!(named, Some(culprit), "{text}");
-    assert!(text.contains("all_reduce #"), "{text}");
+    assert!(text.contains(stopped), "{text}");
     text
 }
 

@@ -12,6 +12,7 @@ use half::{bf16, f16};
 
 use super::{BucketShape, Compression, GradReduction, PowerSgd, PowerSgdState, PowerSgdStats};
 use crate::group::ProcessGroup;
+use crate::types::ReduceOp;
 use crate::{DdpError, Result};
 
 /// How a bucket is all-reduced. The communication thread calls it for every bucket of every
@@ -38,6 +39,14 @@ pub trait CommHook: Send {
         data: &mut [f32],
         layout: Option<&BucketShape>,
     ) -> Result<()>;
+
+    /// `Some(op)` when [`reduce`](Self::reduce) is one all-reduce of the bucket as it is, with
+    /// `op` (no compression, no layout): the transport may then run it where the bucket lies,
+    /// in memory the ranks of a host share, instead of calling `reduce` (Note [Shared
+    /// buckets]). `None` (the default) always calls `reduce`.
+    fn plain_all_reduce(&self) -> Option<ReduceOp> {
+        None
+    }
 }
 
 /// The default hook: one all-reduce of the bucket, in f32 or cast to the wire format of
@@ -59,6 +68,10 @@ impl CommHook for AllReduce {
         _layout: Option<&BucketShape>,
     ) -> Result<()> {
         reduce_bucket(pg, data, self.reduction, self.compression)
+    }
+
+    fn plain_all_reduce(&self) -> Option<ReduceOp> {
+        (self.compression == Compression::None).then(|| self.reduction.op())
     }
 }
 

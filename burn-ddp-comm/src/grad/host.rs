@@ -11,6 +11,7 @@ use crate::error::{CollectiveError, ModelError};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
+use super::shared::{BucketBuf, SharedBuckets};
 use super::{
     BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, HookChoice, LaunchOrder, Worker,
 };
@@ -25,7 +26,7 @@ enum HostJob {
     /// A bucket, reduced by the hook.
     Bucket {
         bucket: usize,
-        data: Vec<f32>,
+        data: BucketBuf,
         layout: Option<BucketShape>,
     },
     /// Not a bucket: one all-reduce issued during a pass, uncompressed, behind the buckets
@@ -39,7 +40,7 @@ enum HostJob {
 struct Answer {
     /// `None` for a [`HostJob::Plain`].
     bucket: Option<usize>,
-    result: Result<Vec<f32>>,
+    result: Result<BucketBuf>,
 }
 
 /// The host-staged transport's communication thread: buckets are reduced by a [`CommHook`]
@@ -53,6 +54,8 @@ pub struct HostComm {
     outstanding: usize,
     /// Whether the hook reads each bucket's layout.
     wants_layout: bool,
+    /// Where buckets may lie instead of the heap.
+    shared: SharedBuckets,
     /// The first failure among the answers taken since the last [`collect`](Self::collect),
     /// which returns it.
     failed: Option<DdpError>,
@@ -68,13 +71,21 @@ impl std::fmt::Debug for HostComm {
 }
 
 impl HostComm {
-    /// Starts the communication thread of `pg`'s rank, reducing every bucket with `hook`.
+    /// Starts the communication thread of `pg`'s rank, reducing every bucket with `hook`;
+    /// with `shared_buckets` (and a hook that is a [plain
+    /// all-reduce](CommHook::plain_all_reduce)), [`buffers`](Self::buffers) lays buckets out in
+    /// memory shared by the ranks of the host, where they are reduced in place.
     ///
     /// # Errors
     /// [`DdpError::Io`] if the thread cannot be started.
-    pub fn start(pg: &ProcessGroup, mut hook: Box<dyn CommHook>) -> Result<Self> {
+    pub fn start(
+        pg: &ProcessGroup,
+        mut hook: Box<dyn CommHook>,
+        shared_buckets: bool,
+    ) -> Result<Self> {
         let comm = pg.clone();
         let wants_layout = hook.wants_layout();
+        let plain = hook.plain_all_reduce();
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
             move |job| match job {
@@ -84,9 +95,12 @@ impl HostComm {
                     layout,
                 } => Answer {
                     bucket: Some(bucket),
-                    result: hook
-                        .reduce(&comm, bucket, &mut data, layout.as_ref())
-                        .map(|()| data),
+                    result: match plain {
+                        // Where it lies, when shared (Note [Shared buckets]).
+                        Some(op) if data.is_shared() => data.all_reduce(&comm, op),
+                        _ => hook.reduce(&comm, bucket, &mut data, layout.as_ref()),
+                    }
+                    .map(|()| data),
                 },
                 HostJob::Plain {
                     mut data,
@@ -99,7 +113,7 @@ impl HostComm {
                         reduction,
                         super::Compression::None,
                     )
-                    .map(|()| data),
+                    .map(|()| data.into()),
                 },
             },
         )?;
@@ -108,8 +122,21 @@ impl HostComm {
             worker,
             outstanding: 0,
             wants_layout,
+            shared: SharedBuckets::new(shared_buckets && plain.is_some()),
             failed: None,
         })
+    }
+
+    /// Zeroed buckets of `lens` f32s for one pass in memory shared by the ranks of the host,
+    /// or `None` when they go on the heap (the group has no such memory, the configuration or
+    /// the hook rules it out, or it could not be had). A collective the first time, and
+    /// whenever a plan needs more room: call it at the same point on every rank, with no
+    /// bucket in flight, and drop the buckets of one pass before asking for the next's.
+    ///
+    /// # Errors
+    /// The group's failure; an internal error when the last pass's buckets still live.
+    pub fn buffers(&mut self, lens: &[usize]) -> Result<Option<Vec<BucketBuf>>> {
+        self.shared.buffers(&self.pg, lens)
     }
 
     /// Whether [`launch`](Self::launch) wants each bucket's layout.
@@ -137,7 +164,7 @@ impl HostComm {
     pub fn launch(
         &mut self,
         bucket: usize,
-        data: Vec<f32>,
+        data: BucketBuf,
         layout: Option<BucketShape>,
     ) -> Result<()> {
         if !self.worker.send(HostJob::Bucket {
@@ -158,7 +185,7 @@ impl HostComm {
     /// The first failure among the answers (or one taken earlier by
     /// [`all_reduce_in_order`](Self::all_reduce_in_order)); [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout)
     /// when the thread does not answer in time.
-    pub fn collect(&mut self, results: &mut [Option<Vec<f32>>]) -> Result<()> {
+    pub fn collect(&mut self, results: &mut [Option<BucketBuf>]) -> Result<()> {
         while self.outstanding > 0 {
             match self.next_answer() {
                 Ok(Answer {
@@ -190,7 +217,7 @@ impl HostComm {
         &mut self,
         data: Vec<f32>,
         reduction: GradReduction,
-        results: &mut [Option<Vec<f32>>],
+        results: &mut [Option<BucketBuf>],
     ) -> Result<Vec<f32>> {
         if !self.worker.send(HostJob::Plain { data, reduction }) {
             return Err(self.stopped());
@@ -200,7 +227,7 @@ impl HostComm {
                 Answer {
                     bucket: None,
                     result,
-                } => return result,
+                } => return result.map(|b| b.into_vec(usize::MAX)),
                 Answer {
                     bucket: Some(bucket),
                     result,
@@ -211,7 +238,12 @@ impl HostComm {
 
     /// A bucket's answer: its values into `results`, its failure kept for `collect` (the first
     /// one wins).
-    fn keep(&mut self, bucket: usize, result: Result<Vec<f32>>, results: &mut [Option<Vec<f32>>]) {
+    fn keep(
+        &mut self,
+        bucket: usize,
+        result: Result<BucketBuf>,
+        results: &mut [Option<BucketBuf>],
+    ) {
         self.outstanding = self.outstanding.saturating_sub(1);
         match result {
             Ok(v) => {
@@ -263,7 +295,7 @@ impl HostSync {
     pub fn start(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
         let hooks = HookChoice::of(config);
         Ok(Self {
-            comm: HostComm::start(pg, hooks.make())?,
+            comm: HostComm::start(pg, hooks.make(), config.shared_buckets)?,
             hooks,
         })
     }
@@ -281,13 +313,17 @@ impl HostSync {
     /// never finished).
     pub fn begin<'a, K>(&'a mut self, plan: &'a BucketPlan<K>) -> Result<HostStep<'a, K>> {
         self.comm.collect(&mut [])?;
-        let buckets = (0..plan.buckets.len())
-            .map(|b| Some(vec![0.0f32; plan.buffer_len(b)]))
+        let lens: Vec<usize> = (0..plan.buckets.len())
+            .map(|b| plan.buffer_len(b))
             .collect();
+        let buckets = match self.comm.buffers(&lens)? {
+            Some(shared) => shared.into_iter().map(Some).collect(),
+            None => lens.iter().map(|&l| Some(vec![0.0f32; l].into())).collect(),
+        };
         Ok(HostStep {
             order: LaunchOrder::new(plan),
             buckets,
-            results: vec![None; plan.buckets.len()],
+            results: (0..plan.buckets.len()).map(|_| None).collect(),
             stopped: false,
             comm: &mut self.comm,
             plan,
@@ -301,8 +337,8 @@ pub struct HostStep<'a, K> {
     comm: &'a mut HostComm,
     plan: &'a BucketPlan<K>,
     /// Buckets being packed (taken when launched): values, then one presence flag per slot.
-    buckets: Vec<Option<Vec<f32>>>,
-    results: Vec<Option<Vec<f32>>>,
+    buckets: Vec<Option<BucketBuf>>,
+    results: Vec<Option<BucketBuf>>,
     /// Which slots are pushed, and which bucket launches next.
     order: LaunchOrder,
     /// The communication thread stopped taking buckets.
@@ -318,7 +354,7 @@ impl<K> std::fmt::Debug for HostStep<'_, K> {
     }
 }
 
-impl<K> HostStep<'_, K> {
+impl<'a, K> HostStep<'a, K> {
     /// Packs the gradient of parameter `slot` (`None`: this rank has none); buckets that are
     /// complete leave for the communication thread.
     ///
@@ -385,7 +421,7 @@ impl<K> HostStep<'_, K> {
     /// # Errors
     /// The first failure of the step: a collective error naming the rank at fault, or
     /// [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout) when the communication thread does not answer in time.
-    pub fn finish(mut self) -> Result<Reduced> {
+    pub fn finish(mut self) -> Result<Reduced<'a>> {
         self.order.mark_rest_final();
         let launched = if self.stopped {
             Err(self.comm.stopped())
@@ -423,26 +459,29 @@ impl<K> HostStep<'_, K> {
             layout,
             left,
             taken: vec![false; self.plan.slots.len()],
+            _sync: std::marker::PhantomData,
         })
     }
 }
 
 /// The reduced gradients of one step, by slot: read ([`get`](Self::get)) or taken
 /// ([`take`](Self::take), which frees each bucket once its last gradient is out, and hands a
-/// bucket that holds one gradient over as that gradient, without a copy).
+/// heap bucket that holds one gradient over as that gradient, without a copy). It borrows the
+/// [`HostSync`] (whose shared buckets it may hold) until it is dropped.
 #[derive(Debug)]
-pub struct Reduced {
+pub struct Reduced<'a> {
     /// Each bucket's values and flags (empty once every gradient in it was taken).
-    buckets: Vec<Vec<f32>>,
+    buckets: Vec<BucketBuf>,
     /// Per slot: bucket, offset, element count, index of its presence flag.
     layout: Vec<(usize, usize, usize, usize)>,
     /// Per bucket: its slots not taken yet.
     left: Vec<usize>,
     /// Per slot: taken already.
     taken: Vec<bool>,
+    _sync: std::marker::PhantomData<&'a mut HostSync>,
 }
 
-impl Reduced {
+impl Reduced<'_> {
     /// The reduced gradient of parameter `slot`; `None` when no rank had a gradient for it
     /// (leave it without one, as a single process would), or when it was taken.
     pub fn get(&self, slot: usize) -> Option<&[f32]> {
@@ -465,14 +504,12 @@ impl Reduced {
         if self.left[bucket] > 0 {
             return present.then(|| buffer[offset..offset + numel].to_vec());
         }
-        let mut last = std::mem::take(buffer);
+        let last = std::mem::replace(buffer, Vec::new().into());
         match present {
             false => None,
-            // The bucket holds this gradient alone (values, then its one flag).
-            true if offset == 0 && last.len() == numel + 1 => {
-                last.truncate(numel);
-                Some(last)
-            }
+            // The bucket holds this gradient alone (values, then its one flag): a heap bucket
+            // becomes it.
+            true if offset == 0 && last.len() == numel + 1 => Some(last.into_vec(numel)),
             true => Some(last[offset..offset + numel].to_vec()),
         }
     }
@@ -590,7 +627,10 @@ mod tests {
                 }
                 assert_eq!(red.take(slot), None, "slot {slot} taken twice");
             }
-            assert!(red.buckets.iter().all(Vec::is_empty), "every bucket freed");
+            assert!(
+                red.buckets.iter().all(|b| b.is_empty()),
+                "every bucket freed"
+            );
         }
     }
 
@@ -604,18 +644,22 @@ mod tests {
                 reduction: GradReduction::Sum,
                 compression: Compression::None,
             };
-            let mut comm = HostComm::start(&pg, Box::new(hook)).unwrap();
+            let mut comm = HostComm::start(&pg, Box::new(hook), true).unwrap();
             let mut results = vec![None, None];
-            comm.launch(0, vec![r + 1.0; 2], None).unwrap();
+            comm.launch(0, vec![r + 1.0; 2].into(), None).unwrap();
             let plain = comm
                 .all_reduce_in_order(vec![10.0 * (r + 1.0)], GradReduction::Mean, &mut results)
                 .unwrap();
             assert_eq!(plain, vec![15.0]);
-            assert_eq!(results[0], Some(vec![3.0; 2]), "bucket 0's answer was kept");
+            assert_eq!(
+                results[0].as_deref(),
+                Some(&[3.0; 2][..]),
+                "bucket 0's answer was kept"
+            );
             assert_eq!(comm.outstanding(), 0);
-            comm.launch(1, vec![r; 1], None).unwrap();
+            comm.launch(1, vec![r; 1].into(), None).unwrap();
             comm.collect(&mut results).unwrap();
-            assert_eq!(results[1], Some(vec![1.0]));
+            assert_eq!(results[1].as_deref(), Some(&[1.0][..]));
         });
     }
 

@@ -625,15 +625,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, '_, B> {
 }
 
 /// Puts the reduced gradients back into `grads`: every parameter some rank had a gradient for.
-struct Put<'a, B> {
+struct Put<'a, 'h, B> {
     grads: &'a mut GradientsParams,
     plan: &'a BucketPlan<ParamId>,
     /// Taken slot by slot: each bucket freed once its gradients are out.
-    reduced: &'a mut Reduced,
+    reduced: &'a mut Reduced<'h>,
     _b: PhantomData<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, '_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let Some(values) = self
             .plan

@@ -104,6 +104,8 @@ pub(crate) struct Reducer {
     hooks: HookChoice,
     /// `DdpConfig::gradient_as_bucket_view`: gradients released into their buckets.
     bucket_view: bool,
+    /// `DdpConfig::shared_buckets`: host buckets in memory shared by the ranks of the host.
+    shared_buckets: bool,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
     nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
@@ -135,6 +137,7 @@ impl Reducer {
             transport: config.transport,
             hooks: HookChoice::of(config),
             bucket_view: config.gradient_as_bucket_view,
+            shared_buckets: config.shared_buckets,
             #[cfg(feature = "cuda")]
             nccl: None,
             #[cfg(feature = "cuda")]
@@ -377,20 +380,36 @@ impl Reducer {
         let buckets = match device_buckets {
             Some(b) => b,
             None => {
-                // Values, then the presence flags (`BucketPlan::buffer_len`).
-                let mut buffers = Vec::with_capacity(n);
-                for bucket in 0..n {
-                    let size = plan.buffer_len(bucket);
-                    let mut b = self
-                        .spare
-                        .iter()
-                        .position(|s| s.capacity() >= size)
-                        .map(|i| self.spare.swap_remove(i))
-                        .unwrap_or_default();
-                    b.clear();
-                    b.resize(size, 0.0);
-                    buffers.push(Some(b));
-                }
+                // Values, then the presence flags (`BucketPlan::buffer_len`): in memory shared
+                // with the host's other ranks when the group has it (a collective the first
+                // time: every rank's pass begins here), else on the heap.
+                let lens: Vec<usize> = (0..n).map(|b| plan.buffer_len(b)).collect();
+                let shared = match self.comm.as_mut() {
+                    Some(comm) => comm.buffers(&lens),
+                    None => HostComm::start(&self.pg, self.hooks.make(), self.shared_buckets)
+                        .and_then(|comm| self.comm.insert(comm).buffers(&lens)),
+                };
+                let buffers = match shared {
+                    Ok(Some(shared)) => shared.into_iter().map(Some).collect(),
+                    heap => {
+                        if let Err(e) = heap {
+                            self.error.get_or_insert(e);
+                        }
+                        let mut buffers = Vec::with_capacity(n);
+                        for &size in &lens {
+                            let mut b = self
+                                .spare
+                                .iter()
+                                .position(|s| s.capacity() >= size)
+                                .map(|i| self.spare.swap_remove(i))
+                                .unwrap_or_default();
+                            b.clear();
+                            b.resize(size, 0.0);
+                            buffers.push(Some(b.into()));
+                        }
+                        buffers
+                    }
+                };
                 Buckets::Host(HostBuckets {
                     buffers,
                     results: (0..n).map(|_| None).collect(),
@@ -463,7 +482,6 @@ impl Reducer {
             #[cfg(feature = "cuda")]
             compression: self.compression,
             comm: &mut self.comm,
-            hooks: &self.hooks,
             plan,
             #[cfg(feature = "cuda")]
             nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
@@ -660,7 +678,7 @@ impl Reducer {
         // Bucket by bucket, each buffer reused or freed as soon as its values are out, so at
         // most one bucket is alive beside the results.
         for (b, (slots, _)) in plan.buckets.iter().enumerate() {
-            let Some(mut bucket) = host.results[b].take() else {
+            let Some(bucket) = host.results[b].take() else {
                 if self.bucket_view {
                     for &i in slots {
                         if let Some(o) = origin[i] {
@@ -673,10 +691,9 @@ impl Reducer {
             };
             if let ([i], true) = (slots.as_slice(), self.bucket_view) {
                 if let Some(o) = origin[*i] {
-                    // The bucket becomes the gradient: no copy.
+                    // The bucket becomes the gradient: no copy of a heap bucket.
                     let info = &plan.slots[*i].info;
-                    bucket.truncate(info.numel);
-                    out.push((o, bucket, info.shape.clone()));
+                    out.push((o, bucket.into_vec(info.numel), info.shape.clone()));
                     continue;
                 }
             }
@@ -696,9 +713,10 @@ impl Reducer {
                     }
                 }
             }
-            // Kept for the next pass, unless the memory is the point.
+            // Kept for the next pass, unless the memory is the point (a shared bucket goes
+            // back to its arena).
             if !self.bucket_view {
-                self.spare.push(bucket);
+                self.spare.extend(bucket.into_heap());
             }
         }
         // In the model's order (the buckets were walked in launch order).

@@ -4,7 +4,7 @@
 //! Burn lines uses, which reduces them in launch order through a communication hook), and the
 //! links a launch needs from the reducer. The device path's buckets are `gpu.rs`'s.
 
-use burn_ddp_comm::grad::{HookChoice, HostComm};
+use burn_ddp_comm::grad::{BucketBuf, HostComm};
 
 #[cfg(feature = "cuda")]
 use super::super::{Compression, GradReduction};
@@ -39,8 +39,8 @@ impl Buckets {
 /// A host pass's buckets: being packed (taken when launched), and the answers that came back.
 #[derive(Debug)]
 pub(super) struct HostBuckets {
-    pub(super) buffers: Vec<Option<Vec<f32>>>,
-    pub(super) results: Vec<Option<Vec<f32>>>,
+    pub(super) buffers: Vec<Option<BucketBuf>>,
+    pub(super) results: Vec<Option<BucketBuf>>,
 }
 
 /// What launching a bucket needs from the reducer: the transports' long-lived parts.
@@ -53,8 +53,6 @@ pub(crate) struct Links<'a> {
     pub(super) compression: Compression,
     /// The host-staged transport's communication thread, started at the first launch.
     pub(super) comm: &'a mut Option<HostComm>,
-    /// What the communication thread reduces buckets with.
-    pub(super) hooks: &'a HookChoice,
     /// The pass's plan (for the layout of a bucket, when the hook reads it).
     pub(super) plan: &'a super::Plan,
     #[cfg(feature = "cuda")]
@@ -136,11 +134,12 @@ impl BucketTransport for HostBuckets {
         let Some(data) = self.buffers[bucket].take() else {
             return Ok(());
         };
-        let comm = match links.comm {
-            Some(comm) => comm,
-            None => links
-                .comm
-                .insert(HostComm::start(links.pg, links.hooks.make())?),
+        // Started by the pass's `begin`, which lays the buckets out.
+        let Some(comm) = links.comm.as_mut() else {
+            return Err(crate::DdpError::Internal {
+                rank: links.pg.rank(),
+                what: "a host bucket was launched before its pass began",
+            });
         };
         let layout = comm.wants_layout().then(|| links.plan.bucket_shape(bucket));
         comm.launch(bucket, data, layout)
