@@ -756,8 +756,9 @@ impl Shm {
     }
 }
 
-/// Buffers in memory that every rank of a host maps (see [`Shm::allocate`]): a region of the
-/// same size per rank, which only that rank writes, but during a shared all-reduce. Dropping
+/// Buffers in memory that every rank of a host maps (the group's shared segment extends its
+/// memory file for them, Note [Shared buckets] in `grad/shared.rs`): a region of the same size
+/// per rank, which only that rank writes, but during a shared all-reduce. Dropping
 /// it gives this rank's region's memory back (no other rank touches it outside a shared
 /// all-reduce, which this rank no longer joins).
 #[derive(Debug)]
