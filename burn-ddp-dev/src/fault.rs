@@ -243,7 +243,7 @@ fn assert_whole_metrics(out: &Path, text: &str, epochs: u32, (train, test): (u32
     for epoch in 1..=epochs {
         let (n, mean) = logged(&out.join(format!("train/epoch-{epoch}/Accuracy.log"))).unwrap();
         assert!(
-            n <= train && n + step > train,
+            n <= train && n + step >= train,
             "epoch {epoch}: {n} of {train} training items logged:\n{text}"
         );
         let end = every_item_once("train", epoch, epochs, train);
