@@ -110,10 +110,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<()> {
-        // SAFETY: an arena from a communicator that does not override this method is touched
-        // by no other rank.
-        let buf = unsafe { arena.bytes_mut(arena.place(), at) };
-        self.all_reduce(buf, dtype, op)
+        all_reduce_own_region(self, arena, at, dtype, op)
     }
 
     /// Marks the group failed and releases its connections so that peers fail fast too.
@@ -166,4 +163,23 @@ pub(crate) struct Verdict {
     pub(crate) what: String,
     /// The verdict is that the store went silent (so it cannot be published there).
     pub(crate) store_silent: bool,
+}
+
+/// All-reduces bytes `at` of this rank's region of `arena` as a buffer of its own, for a
+/// communicator whose collectives do not run in the arena's segment (one that never allocates
+/// arenas, or a group moved over TCP since).
+///
+/// # Errors
+/// As [`Communicator::all_reduce`].
+pub(crate) fn all_reduce_own_region<C: Communicator + ?Sized>(
+    comm: &C,
+    arena: &SharedArena,
+    at: std::ops::Range<usize>,
+    dtype: DType,
+    op: ReduceOp,
+) -> Result<()> {
+    // SAFETY: other ranks touch an arena's regions only inside a shared all-reduce in its
+    // segment, which this communicator does not run.
+    let buf = unsafe { arena.bytes_mut(arena.place(), at) };
+    comm.all_reduce(buf, dtype, op)
 }

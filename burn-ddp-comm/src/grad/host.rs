@@ -317,12 +317,12 @@ impl HostSync {
             .map(|b| plan.buffer_len(b))
             .collect();
         let buckets = match self.comm.buffers(&lens)? {
-            Some(shared) => shared.into_iter().map(Some).collect(),
-            None => lens.iter().map(|&l| Some(vec![0.0f32; l].into())).collect(),
+            Some(shared) => shared,
+            None => BucketBuf::on_heap(&lens, &mut Vec::new()),
         };
         Ok(HostStep {
             order: LaunchOrder::new(plan),
-            buckets,
+            buckets: buckets.into_iter().map(Some).collect(),
             results: (0..plan.buckets.len()).map(|_| None).collect(),
             stopped: false,
             comm: &mut self.comm,

@@ -30,8 +30,9 @@ use crate::{DdpError, Result};
 // results out of it (2(n-1)/n of the bucket each, per rank).
 //
 // Regions are reused pass after pass (zeroed at the start of each); a new plan that does not fit
-// gets a new arena, and the old one stays reserved until the group ends. A pass's buffers must be
-// dropped before the next pass asks for its own (a lease says so).
+// gets a new arena, and each rank gives its region of the old one back to the system when it
+// drops it (a hole punched in the memory file). A pass's buffers must be dropped before the next
+// pass asks for its own (a lease says so).
 
 /// A gradient bucket's values: on the heap, or in this rank's region of an arena shared with
 /// the other ranks of its host (Note [Shared buckets]).
@@ -117,6 +118,23 @@ impl BucketBuf {
             }
             Buf::Shared(_) => self[..len.min(self.len())].to_vec(),
         }
+    }
+
+    /// Zeroed heap buckets of `lens` values each, reusing buffers of `spare` large enough
+    /// (those taken leave it).
+    pub fn on_heap(lens: &[usize], spare: &mut Vec<Vec<f32>>) -> Vec<BucketBuf> {
+        lens.iter()
+            .map(|&len| {
+                let mut v = spare
+                    .iter()
+                    .position(|s| s.capacity() >= len)
+                    .map(|i| spare.swap_remove(i))
+                    .unwrap_or_default();
+                v.clear();
+                v.resize(len, 0.0);
+                v.into()
+            })
+            .collect()
     }
 
     /// The heap buffer, to reuse; `None` for a shared bucket (which goes back to its arena).

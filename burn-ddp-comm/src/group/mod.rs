@@ -569,8 +569,8 @@ impl ProcessGroup {
 
     /// Allocates `bytes` for every rank in memory that all ranks of this host map (a
     /// collective): `None` when the group does not run its collectives in one shared segment,
-    /// or the memory could not be had (every rank gets the same answer). Regions are reserved
-    /// until the group ends.
+    /// or the memory could not be had (every rank gets the same answer). A rank's region is
+    /// reserved until that rank drops its arena, which gives the memory back to the system.
     ///
     /// # Errors
     /// As [`ProcessGroup::all_reduce`].

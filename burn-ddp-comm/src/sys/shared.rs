@@ -8,7 +8,7 @@
 
 use std::ffi::CStr;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
@@ -29,13 +29,23 @@ pub(crate) fn memory_file(name: &CStr, len: usize) -> io::Result<OwnedFd> {
     }
     // SAFETY: `fd` was just returned open by the kernel and is owned by nothing else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let size =
-        libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    fallocate(fd.as_fd(), 0, 0, len)?;
+    Ok(fd)
+}
+
+/// `fallocate(2)` of bytes `offset..offset + len` of `fd` with `mode`.
+///
+/// # Errors
+/// An offset or length beyond `off_t`, or the kernel refused.
+fn fallocate(fd: BorrowedFd<'_>, mode: libc::c_int, offset: usize, len: usize) -> io::Result<()> {
+    let (Ok(start), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
+        return Err(io::ErrorKind::InvalidInput.into());
+    };
     // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
-    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, size) } != 0 {
+    if unsafe { libc::fallocate(fd.as_raw_fd(), mode, start, size) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(fd)
+    Ok(())
 }
 
 /// The size of a page of memory.
@@ -52,13 +62,7 @@ pub(crate) fn page_size() -> usize {
 /// The memory could not be reserved (`ENOSPC`, `ENOMEM`), or `fstat` failed.
 pub(crate) fn grow(fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
     let at = file_len(fd)?.next_multiple_of(page_size());
-    let (Ok(start), Ok(size)) = (libc::off_t::try_from(at), libc::off_t::try_from(len)) else {
-        return Err(io::ErrorKind::InvalidInput.into());
-    };
-    // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
-    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, start, size) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    fallocate(fd, 0, at, len)?;
     Ok(at)
 }
 
@@ -68,15 +72,8 @@ pub(crate) fn grow(fd: BorrowedFd<'_>, len: usize) -> io::Result<usize> {
 /// # Errors
 /// `fallocate` refused.
 pub(crate) fn punch(fd: BorrowedFd<'_>, offset: usize, len: usize) -> io::Result<()> {
-    let (Ok(start), Ok(size)) = (libc::off_t::try_from(offset), libc::off_t::try_from(len)) else {
-        return Err(io::ErrorKind::InvalidInput.into());
-    };
     let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
-    // SAFETY: `fd` is open; `fallocate` reads no memory of ours.
-    if unsafe { libc::fallocate(fd.as_raw_fd(), mode, start, size) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    fallocate(fd, mode, offset, len)
 }
 
 /// The size of the file `fd`.

@@ -1129,10 +1129,7 @@ impl Communicator for TcpCommunicator {
         }
         drop(st);
         // Moved over TCP since the arena was allocated: this rank's region is a buffer as any.
-        // SAFETY: no other rank touches the arena outside a shared all-reduce, which runs only
-        // in the segment.
-        let buf = unsafe { arena.bytes_mut(arena.place(), at) };
-        self.all_reduce(buf, dtype, op)
+        super::all_reduce_own_region(self, arena, at, dtype, op)
     }
 
     fn abort(&self) {

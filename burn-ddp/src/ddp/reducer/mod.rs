@@ -16,7 +16,9 @@ use burn_backend::distributed::DistributedParamId;
 
 #[cfg(feature = "cuda")]
 use burn_ddp_comm::grad::ANSWER_SLACK;
-use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HookChoice, HostComm, LaunchOrder, Slot};
+use burn_ddp_comm::grad::{
+    BucketBuf, BucketOrder, BucketPlan, HookChoice, HostComm, LaunchOrder, Slot,
+};
 
 #[cfg(feature = "cuda")]
 use super::Compression;
@@ -390,28 +392,16 @@ impl Reducer {
                         .and_then(|comm| self.comm.insert(comm).buffers(&lens)),
                 };
                 let buffers = match shared {
-                    Ok(Some(shared)) => shared.into_iter().map(Some).collect(),
+                    Ok(Some(shared)) => shared,
                     heap => {
                         if let Err(e) = heap {
                             self.error.get_or_insert(e);
                         }
-                        let mut buffers = Vec::with_capacity(n);
-                        for &size in &lens {
-                            let mut b = self
-                                .spare
-                                .iter()
-                                .position(|s| s.capacity() >= size)
-                                .map(|i| self.spare.swap_remove(i))
-                                .unwrap_or_default();
-                            b.clear();
-                            b.resize(size, 0.0);
-                            buffers.push(Some(b.into()));
-                        }
-                        buffers
+                        BucketBuf::on_heap(&lens, &mut self.spare)
                     }
                 };
                 Buckets::Host(HostBuckets {
-                    buffers,
+                    buffers: buffers.into_iter().map(Some).collect(),
                     results: (0..n).map(|_| None).collect(),
                 })
             }
