@@ -47,9 +47,9 @@ use crate::{DdpError, Result};
 /// visible GPU per process: that GPU; several: the one `LOCAL_RANK` names.
 ///
 /// ```no_run
-/// # fn main() -> burn_ddp_burn022::Result<()> {
-/// let group = burn_ddp_burn022::ProcessGroup::from_env()?;
-/// let device = burn_ddp_burn022::cuda::rank_device(&group)?; // Device::cuda(ordinal)
+#[doc = concat!(" # fn main() -> ", env!("CARGO_CRATE_NAME"), "::Result<()> {")]
+#[doc = concat!(" let group = ", env!("CARGO_CRATE_NAME"), "::ProcessGroup::from_env()?;")]
+#[doc = concat!(" let device = ", env!("CARGO_CRATE_NAME"), "::cuda::rank_device(&group)?; // Device::cuda(ordinal)")]
 /// # Ok(()) }
 /// ```
 ///
@@ -203,10 +203,11 @@ impl DevicePath {
                 format!(
                     "{} rank(s) prepared a model on a CUDA device and {} on another device \
                      (this rank: {}); put every rank's model on its GPU \
-                     (burn_ddp_burn022::cuda::rank_device), or every rank's on the CPU",
+                     ({}::cuda::rank_device), or every rank's on the CPU",
                     votes[0],
                     votes[1],
-                    device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"))
+                    device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}")),
+                    env!("CARGO_CRATE_NAME"),
                 ),
             ));
         }
@@ -214,9 +215,11 @@ impl DevicePath {
             if transport == GradTransport::Nccl {
                 return Err(DdpError::Config(ConfigError::InvalidConfig {
                     field: "DdpConfig::transport",
-                    reason: "GradTransport::Nccl needs a model on a CUDA device \
-                             (Device::cuda, see burn_ddp_burn022::cuda::rank_device); other \
-                             devices use GradTransport::Host or Auto",
+                    reason: concat!(
+                        "GradTransport::Nccl needs a model on a CUDA device (Device::cuda, see ",
+                        env!("CARGO_CRATE_NAME"),
+                        "::cuda::rank_device); other devices use GradTransport::Host or Auto"
+                    ),
                 }));
             }
             return Ok(None);

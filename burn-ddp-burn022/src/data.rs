@@ -18,14 +18,14 @@ burn_ddp_comm::distributed_sampler! {
     ///
     /// ```
     /// use burn::data::dataset::{Dataset, InMemDataset};
-    /// use burn_ddp_burn022::{DistributedSampler, Rank, WorldSize};
+    #[doc = concat!(" use ", env!("CARGO_CRATE_NAME"), "::{DistributedSampler, Rank, WorldSize};")]
     ///
     /// let data = InMemDataset::new((0..10).collect::<Vec<u32>>());
     /// let shard = DistributedSampler::with_replicas(data, Rank(1), WorldSize::new(3).unwrap())?
     ///     .with_seed(42);
     /// shard.set_epoch(3);
     /// assert_eq!(shard.len(), 4); // ceil(10 / 3): padded
-    /// # Ok::<(), burn_ddp_burn022::DdpError>(())
+    #[doc = concat!(" # Ok::<(), ", env!("CARGO_CRATE_NAME"), "::DdpError>(())")]
     /// ```
     pub struct DistributedSampler<D>; dataset: Dataset<I>
 }

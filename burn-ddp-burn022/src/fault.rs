@@ -58,13 +58,13 @@ impl GradSync {
     /// ```no_run
     /// # use burn::module::Module;
     /// # use burn::optim::{AdamConfig, GradientsParams};
-    /// use burn_ddp_burn022::{DdpConfig, GradSync, ProcessGroup};
+    #[doc = concat!(" use ", env!("CARGO_CRATE_NAME"), "::{DdpConfig, GradSync, ProcessGroup};")]
     /// # fn model() -> burn::nn::Linear { burn::nn::LinearConfig::new(4, 1).init(&Default::default()) }
     /// # fn loss(m: &burn::nn::Linear) -> burn::Tensor<1> {
     /// #     m.forward(burn::Tensor::<2>::zeros([2, 4], &Default::default())).mean()
     /// # }
     ///
-    /// # fn main() -> burn_ddp_burn022::Result<()> {
+    #[doc = concat!(" # fn main() -> ", env!("CARGO_CRATE_NAME"), "::Result<()> {")]
     /// // Under `burn-ddp run --fault-tolerant`:
     /// let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
     /// let mut state = sync.loop_state(model(), AdamConfig::new().init(), Vec::new())?;

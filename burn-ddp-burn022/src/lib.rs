@@ -65,6 +65,7 @@ mod fault;
 mod grads;
 pub mod nn;
 pub mod pipeline;
+mod release;
 mod sync;
 #[cfg(feature = "train")]
 pub mod train;

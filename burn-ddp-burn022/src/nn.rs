@@ -263,9 +263,11 @@ fn group_sum(t: Tensor<1>) -> Tensor<1> {
         ControlFlow::Break(sum) => sum,
         ControlFlow::Continue(t) => {
             group.fail(format!(
-                "the tensor is on a backend that burn-ddp-burn022 was not built for ({:?}): \
-                 enable its feature for that backend (`flex`, `ndarray` or `cuda`)",
-                t.device()
+                "the tensor is on a backend that {} was not built for ({:?}): enable its \
+                 feature for that backend ({})",
+                env!("CARGO_PKG_NAME"),
+                t.device(),
+                crate::release::BACKEND_FEATURES
             ));
             t
         }

@@ -83,7 +83,11 @@ impl GradSync {
         if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {
             return Err(DdpError::Config(ConfigError::InvalidConfig {
                 field: "DdpConfig::transport",
-                reason: "GradTransport::Nccl needs burn-ddp-burn022's `cuda` feature",
+                reason: concat!(
+                    "GradTransport::Nccl needs ",
+                    env!("CARGO_PKG_NAME"),
+                    "'s `cuda` feature"
+                ),
             }));
         }
         if config.power_sgd.is_some() {
@@ -341,8 +345,8 @@ impl GradSync {
     ///
     /// ```no_run
     /// # use burn::optim::{GradientsParams, Optimizer, SgdConfig};
-    /// # use burn_ddp_burn022::{DdpConfig, GradSync, ProcessGroup};
-    /// # fn main() -> burn_ddp_burn022::Result<()> {
+    #[doc = concat!(" # use ", env!("CARGO_CRATE_NAME"), "::{DdpConfig, GradSync, ProcessGroup};")]
+    #[doc = concat!(" # fn main() -> ", env!("CARGO_CRATE_NAME"), "::Result<()> {")]
     /// # let device = Default::default();
     /// # let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
     /// # let model = sync.prepare(burn::nn::LinearConfig::new(4, 1).init(&device))?;

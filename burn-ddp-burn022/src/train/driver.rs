@@ -114,10 +114,8 @@ where
                 return Ended::Stop;
             }
         };
-        let start = LearnerEvent::StartSplit {
-            epoch_number: epoch,
-            total_items: self.total(0, loader.num_items()),
-        };
+        let total = self.total(0, loader.num_items());
+        let start = crate::release::start_split(epoch, total);
         self.interrupter
             .fail_on_error(self.processor.process_train(start));
         let Run {
@@ -137,6 +135,7 @@ where
                 interrupter,
                 total: totals.map(|t| t[0]),
                 everywhere: fault_tolerant,
+                last: None,
             },
             learner,
             sync,
@@ -150,11 +149,15 @@ where
             .state
             .split_at(Split::Training, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
+        let last = (split.parts.last.take())
+            .unwrap_or_else(|| crate::release::progress(0, Some(total), None));
         drop(split);
         // A change of membership ends the split's loop, not the split: the rest of the epoch
         // follows, and the epoch's metrics go on.
         if !matches!(ended, Ended::Change(_)) {
-            interrupter.fail_on_error(processor.process_train(LearnerEvent::EndSplit(epoch)));
+            let end = crate::release::end_split(epoch, last, matches!(ended, Ended::Done));
+            interrupter.fail_on_error(processor.flush());
+            interrupter.fail_on_error(processor.process_train(end));
         }
         ended
     }
@@ -169,10 +172,8 @@ where
                 return Ended::Stop;
             }
         };
-        let start = LearnerEvent::StartSplit {
-            epoch_number: epoch,
-            total_items: self.total(1, loader.num_items()),
-        };
+        let total = self.total(1, loader.num_items());
+        let start = crate::release::start_split(epoch, total);
         self.interrupter
             .fail_on_error(self.processor.process_valid(start));
         let strategy = self.strategy;
@@ -183,6 +184,7 @@ where
                 interrupter: &self.interrupter,
                 total: self.totals.map(|t| t[1]),
                 everywhere: fault_tolerant,
+                last: None,
             },
             model: self.learner.model().valid(),
             iter: loader.iter(),
@@ -192,13 +194,16 @@ where
             .state
             .split_at(Split::Validation, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
+        let last = (split.parts.last.take())
+            .unwrap_or_else(|| crate::release::progress(0, Some(total), None));
         drop(split);
         if matches!(ended, Ended::Change(_)) {
             return ended;
         }
+        let end = crate::release::end_split(epoch, last, matches!(ended, Ended::Done));
         let p = &mut self.processor;
-        self.interrupter
-            .fail_on_error(p.process_valid(LearnerEvent::EndSplit(epoch)));
+        self.interrupter.fail_on_error(p.flush());
+        self.interrupter.fail_on_error(p.process_valid(end));
         self.interrupter
             .fail_on_error(p.process_train(LearnerEvent::EndEpoch(epoch)));
         self.shown = epoch + 1;

@@ -29,7 +29,7 @@ pub trait DistributedItem: Sized {
     fn merge(ranks: Vec<Vec<Part>>, device: &Device) -> Result<Self>;
 }
 
-/// Burn 0.22 tensors to and from [`Part`]s (`use burn_ddp_burn022::train::TensorParts` to call
+#[doc = concat!(" Burn 0.22 tensors to and from [`Part`]s (`use ", env!("CARGO_CRATE_NAME"), "::train::TensorParts` to call")]
 /// `Part::float(tensor)` and the others).
 pub trait TensorParts: Sized {
     /// A float tensor's values.

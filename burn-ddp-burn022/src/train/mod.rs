@@ -5,9 +5,9 @@
 //! ```no_run
 //! # use burn::train::{Learner, LearnerModel, SupervisedTraining};
 //! # fn doc<M: LearnerModel>(training: SupervisedTraining<M>, learner: Learner<M>,
-//! #     ddp: burn_ddp_burn022::train::DdpStrategy) -> burn_ddp_burn022::Result<()>
-//! # where burn_ddp_burn022::train::DdpStrategy: burn::train::SupervisedLearningStrategy<M> {
-//! use burn_ddp_burn022::train::DdpTraining;
+#![doc = concat!(" #     ddp: ", env!("CARGO_CRATE_NAME"), "::train::DdpStrategy) -> ", env!("CARGO_CRATE_NAME"), "::Result<()>")]
+#![doc = concat!(" # where ", env!("CARGO_CRATE_NAME"), "::train::DdpStrategy: burn::train::SupervisedLearningStrategy<M> {")]
+#![doc = concat!(" use ", env!("CARGO_CRATE_NAME"), "::train::DdpTraining;")]
 //! // `ddp` = DdpStrategy::for_group(ProcessGroup::from_env()?, device)?, once per process.
 //! let result = training.launch_ddp(learner, &ddp)?; // an error if any rank failed
 //! # Ok(()) }
@@ -123,10 +123,12 @@ impl DdpStrategy {
     /// ([`StrategyState::job_progress`]): `total`, every rank's items, when counted (a job
     /// whose membership does not change); `done`, the step's count in a fault-tolerant job.
     fn global(&self, p: Progress, total: Option<usize>, done: Option<u64>) -> Progress {
+        let (processed, mine) = crate::release::counts(&p);
         let (done, total) =
             self.state
-                .job_progress((p.items_processed, p.items_total), done, total);
-        Progress::new(done, total, p.unit)
+                .job_progress((processed, mine.unwrap_or(processed)), done, total);
+        // A total this rank's loader does not know stays unknown for the job.
+        crate::release::progress(done, mine.map(|_| total), p.unit)
     }
 }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::train::logger::{EvaluationProgressLogger, MetricLogger, TrainingProgressLogger};
+use burn::train::logger::MetricLogger;
 use burn::train::metric::store::{EpochSummary, MetricsUpdate, Split};
 use burn::train::metric::{
     MetricAttributes, MetricDefinition, MetricEntry, MetricId, NumericAttributes, NumericEntry,
@@ -42,25 +42,6 @@ impl MetricsRendererEvaluation for Headless {
     ) -> Result<(), Box<dyn core::error::Error>> {
         Ok(())
     }
-}
-
-impl TrainingProgressLogger for Headless {
-    fn start(&mut self, _epochs: usize, _start: usize, _items: Option<usize>, _: Option<&str>) {}
-    fn update_epoch(&mut self, _epoch: usize) {}
-    fn start_split(&mut self, _split: &str, _total_items: usize) {}
-    fn update_split(&mut self, _items_processed: usize) {}
-    fn end_split(&mut self) {}
-    fn end(&mut self) {}
-    fn log_event_training(&mut self, _event: String) {}
-}
-
-impl EvaluationProgressLogger for Headless {
-    fn start_global_progress(&mut self, _total_tests: usize) {}
-    fn start_test(&mut self, _name: &str, _total_items: usize) {}
-    fn update_test_progress(&mut self, _items_processed: usize) {}
-    fn end_test(&mut self) {}
-    fn end_global_progress(&mut self) {}
-    fn log_event_evaluation(&mut self, _event: String) {}
 }
 
 impl MetricsRenderer for Headless {
@@ -142,7 +123,37 @@ impl ProgressLines {
             .update(train, entry.metric_id, entry.serialized_entry.formatted);
     }
 
-    fn line(&mut self, processed: usize) {
+    /// Training starts: `epochs` in all, from epoch `start` (burn-train's progress logger's
+    /// `start`).
+    pub(crate) fn start_training(&mut self, epochs: usize, start: usize) {
+        self.epochs = epochs;
+        self.epoch = start;
+    }
+
+    /// Epoch `epoch` (from 0) begins.
+    pub(crate) fn at_epoch(&mut self, epoch: usize) {
+        self.epoch = epoch + 1;
+    }
+
+    /// A split of `items` items begins.
+    pub(crate) fn begin_split(&mut self, split: &str, items: usize) {
+        split.clone_into(&mut self.split);
+        self.items = items;
+        self.test = None;
+    }
+
+    /// The evaluator's test split `name`, of `items` items, begins.
+    pub(crate) fn begin_test(&mut self, name: &str, items: usize) {
+        self.test = Some(name.to_owned());
+        self.items = items;
+    }
+
+    /// `processed` items of the split (of `total`, when the release says it with each step):
+    /// a line when one is due.
+    pub(crate) fn progress(&mut self, processed: usize, total: Option<usize>) {
+        if let Some(total) = total {
+            self.items = total;
+        }
         let items = (processed.min(self.items), self.items);
         let line = match &self.test {
             Some(name) => self.text.test_line(name, items),
@@ -184,41 +195,6 @@ impl MetricsRendererEvaluation for ProgressLines {
     }
 }
 
-impl TrainingProgressLogger for ProgressLines {
-    fn start(&mut self, epochs: usize, start: usize, _items: Option<usize>, _: Option<&str>) {
-        self.epochs = epochs;
-        self.epoch = start;
-    }
-    fn update_epoch(&mut self, epoch: usize) {
-        self.epoch = epoch + 1;
-    }
-    fn start_split(&mut self, split: &str, total_items: usize) {
-        split.clone_into(&mut self.split);
-        self.items = total_items;
-        self.test = None;
-    }
-    fn update_split(&mut self, items_processed: usize) {
-        self.line(items_processed);
-    }
-    fn end_split(&mut self) {}
-    fn end(&mut self) {}
-    fn log_event_training(&mut self, _event: String) {}
-}
-
-impl EvaluationProgressLogger for ProgressLines {
-    fn start_global_progress(&mut self, _total_tests: usize) {}
-    fn start_test(&mut self, name: &str, total_items: usize) {
-        self.test = Some(name.to_owned());
-        self.items = total_items;
-    }
-    fn update_test_progress(&mut self, items_processed: usize) {
-        self.line(items_processed);
-    }
-    fn end_test(&mut self) {}
-    fn end_global_progress(&mut self) {}
-    fn log_event_evaluation(&mut self, _event: String) {}
-}
-
 impl MetricsRenderer for ProgressLines {
     fn manual_close(&mut self) {}
     fn register_metric(&mut self, definition: MetricDefinition) {
@@ -233,7 +209,7 @@ impl MetricsRenderer for ProgressLines {
 /// checkpoint it resumed from), read from the strategy's [`MembershipBoard`] at every training
 /// step. With an empty board it adds nothing.
 pub struct WithMembership<R> {
-    inner: R,
+    pub(crate) inner: R,
     board: MembershipBoard,
     /// Whether the current split is the training's (the metrics are shown with its steps).
     training: bool,
@@ -257,6 +233,23 @@ impl<R: MetricsRenderer> WithMembership<R> {
             board,
             training: false,
             ids: None,
+        }
+    }
+
+    /// A split begins (the training split's steps show the membership).
+    pub(crate) fn begin_split(&mut self, split: &str) {
+        self.training = split == <&str>::from(Split::Train);
+    }
+
+    /// The evaluator's test split begins.
+    pub(crate) fn begin_test(&mut self) {
+        self.training = false;
+    }
+
+    /// A step of the current split: the membership with the training split's.
+    pub(crate) fn step(&mut self) {
+        if self.training {
+            self.show();
         }
     }
 
@@ -331,56 +324,6 @@ impl<R: MetricsRenderer> MetricsRendererEvaluation for WithMembership<R> {
     }
 }
 
-impl<R: MetricsRenderer> TrainingProgressLogger for WithMembership<R> {
-    fn start(&mut self, epochs: usize, start: usize, items: Option<usize>, label: Option<&str>) {
-        self.inner.start(epochs, start, items, label);
-    }
-    fn update_epoch(&mut self, epoch: usize) {
-        self.inner.update_epoch(epoch);
-    }
-    fn start_split(&mut self, split: &str, total_items: usize) {
-        self.training = split == <&str>::from(Split::Train);
-        self.inner.start_split(split, total_items);
-    }
-    fn update_split(&mut self, items_processed: usize) {
-        if self.training {
-            self.show();
-        }
-        self.inner.update_split(items_processed);
-    }
-    fn end_split(&mut self) {
-        self.inner.end_split();
-    }
-    fn end(&mut self) {
-        self.inner.end();
-    }
-    fn log_event_training(&mut self, event: String) {
-        self.inner.log_event_training(event);
-    }
-}
-
-impl<R: MetricsRenderer> EvaluationProgressLogger for WithMembership<R> {
-    fn start_global_progress(&mut self, total_tests: usize) {
-        self.inner.start_global_progress(total_tests);
-    }
-    fn start_test(&mut self, name: &str, total_items: usize) {
-        self.training = false;
-        self.inner.start_test(name, total_items);
-    }
-    fn update_test_progress(&mut self, items_processed: usize) {
-        self.inner.update_test_progress(items_processed);
-    }
-    fn end_test(&mut self) {
-        self.inner.end_test();
-    }
-    fn end_global_progress(&mut self) {
-        self.inner.end_global_progress();
-    }
-    fn log_event_evaluation(&mut self, event: String) {
-        self.inner.log_event_evaluation(event);
-    }
-}
-
 impl<R: MetricsRenderer> MetricsRenderer for WithMembership<R> {
     fn manual_close(&mut self) {
         self.inner.manual_close();
@@ -394,67 +337,13 @@ impl<R: MetricsRenderer> MetricsRenderer for WithMembership<R> {
 mod tests {
     use super::*;
 
-    /// A renderer that writes down what it is told (and, as [`ProgressLines`], a line per
-    /// step).
-    #[derive(Default)]
-    struct Recorder(Vec<String>);
-
-    impl MetricsRendererTraining for Recorder {
-        fn update_train(&mut self, state: MetricState) {
-            let text = match state {
-                MetricState::Generic(e) => format!("text {}", e.serialized_entry.formatted),
-                MetricState::Numeric(e, v) => {
-                    format!(
-                        "number {} = {:?}",
-                        e.serialized_entry.formatted,
-                        v.map(|v| v.current())
-                    )
-                }
-            };
-            self.0.push(text);
-        }
-        fn update_valid(&mut self, _state: MetricState) {}
-    }
-
-    impl MetricsRendererEvaluation for Recorder {
-        fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
-    }
-
-    impl TrainingProgressLogger for Recorder {
-        fn start(&mut self, _: usize, _: usize, _: Option<usize>, _: Option<&str>) {}
-        fn update_epoch(&mut self, _epoch: usize) {}
-        fn start_split(&mut self, split: &str, _total_items: usize) {
-            self.0.push(format!("split {split}"));
-        }
-        fn update_split(&mut self, items_processed: usize) {
-            self.0.push(format!("step {items_processed}"));
-        }
-        fn end_split(&mut self) {}
-        fn end(&mut self) {}
-        fn log_event_training(&mut self, _event: String) {}
-    }
-
-    impl EvaluationProgressLogger for Recorder {
-        fn start_global_progress(&mut self, _total_tests: usize) {}
-        fn start_test(&mut self, _name: &str, _total_items: usize) {}
-        fn update_test_progress(&mut self, _items_processed: usize) {}
-        fn end_test(&mut self) {}
-        fn end_global_progress(&mut self) {}
-        fn log_event_evaluation(&mut self, _event: String) {}
-    }
-
-    impl MetricsRenderer for Recorder {
-        fn manual_close(&mut self) {}
-        fn register_metric(&mut self, definition: MetricDefinition) {
-            self.0.push(format!("register {}", definition.name));
-        }
-    }
+    use crate::release::testing::{start_split, update_split, Recorder};
 
     fn epoch(r: &mut WithMembership<Recorder>) {
-        r.start_split("train", 2);
-        r.update_split(1);
-        r.start_split("valid", 1);
-        r.update_split(1);
+        start_split(r, "train", 2);
+        update_split(r, 1);
+        start_split(r, "valid", 1);
+        update_split(r, 1);
     }
 
     #[test]
@@ -473,8 +362,8 @@ mod tests {
         board.resumed(3);
         let mut r = WithMembership::new(Recorder::default(), board);
         epoch(&mut r);
-        r.start_split("train", 2);
-        r.update_split(2);
+        start_split(&mut r, "train", 2);
+        update_split(&mut r, 2);
         let text = "text round 1: world size 1 (was 2), from the checkpoint of epoch 3";
         assert_eq!(
             r.inner.0,

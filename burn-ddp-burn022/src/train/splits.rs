@@ -73,11 +73,16 @@ pub(super) struct SplitParts<'r, M: LearnerModel> {
     /// Whether every rank processes every step's outputs (a fault-tolerant job: any rank may
     /// become rank 0, and then shows and writes the whole epoch's metrics).
     pub(super) everywhere: bool,
+    /// The progress of the split's last step, for the whole job (its end event carries it).
+    pub(super) last: Option<Progress>,
 }
 
 impl<M: LearnerModel> SplitParts<'_, M> {
-    fn global(&self, p: Progress, done: Option<u64>) -> Progress {
-        self.strategy.global(p, self.total, done)
+    /// The job's progress at this step (kept as the split's last).
+    fn global(&mut self, p: Progress, done: Option<u64>) -> Progress {
+        let p = self.strategy.global(p, self.total, done);
+        self.last = Some(p.clone());
+        p
     }
 
     fn load<I>(&self, iter: &mut dyn DataLoaderIterator<I>, split: &str) -> (Option<I>, Vote, u64) {
