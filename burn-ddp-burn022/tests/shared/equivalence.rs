@@ -1,7 +1,7 @@
-// The equivalence tests of the Burn lines that share burn-ddp-burn022's sources, included by
-// each line's `tests/equivalence.rs` after `use <the line's crate> as line;` (an included file
-// has no inner attributes or docs of its own; its tests keep their names, which the
-// multi-process harness runs by).
+// The equivalence tests of the Burn lines that share burn-ddp-burn022's sources, included by each
+// line's `tests/equivalence.rs` after `use <the line's crate> as line;` (an included file has no
+// inner attributes or docs of its own; its tests keep their names, which the multi-process harness
+// runs by).
 
 use burn_ddp_comm::{CollectiveError, ModelError};
 use burn_ddp_dev::procs;

@@ -1,4 +1,4 @@
-//! A small convolutional classifier for 28×28 grey images (Burn 0.22 modules), with a BatchNorm
+//! A small convolutional classifier for 28×28 grey images (Burn 0.22 and 0.23 modules), with a BatchNorm
 //! (whose running statistics every rank keeps equal), the steps burn-train's Learner calls, and
 //! its data batches.
 
