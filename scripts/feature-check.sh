@@ -6,7 +6,7 @@
 # A feature more on a crate Burn already builds (rustix's `process`, half's `default`, ...) would
 # change that crate's build and so rebuild it and every crate above it, Burn's included.
 #
-#   scripts/feature-check.sh            # both lines; exit 1 naming the packages that change
+#   scripts/feature-check.sh            # every line; exit 1 naming the packages that change
 #
 # Burn 0.21's project asks for Burn's `distributed` feature too: the 0.21 line's backend
 # implements Burn's `DistributedBackend` trait, which only exists with it, so a 0.21 project
@@ -63,4 +63,6 @@ check() {
 status=0
 check burn-ddp 0.21.0 '"train", "tui", "ndarray", "distributed"' || status=1
 check burn-ddp-burn022 0.22.1 '"train", "tui", "ndarray"' || status=1
+# Burn 0.23 has no NdArray: its CPU backend is Flex.
+check burn-ddp-burn023 0.23.0-pre.1 '"train", "tui", "flex"' || status=1
 exit "$status"

@@ -6,9 +6,9 @@
 #
 # CLASSIFIER: a built classifier example (target/debug/examples/classifier after
 # `cargo test --workspace`, or the release one); each OTHER_CLASSIFIER (the Burn 0.22 line's
-# classifier022) goes through checks 1 and 6 too. Files go to $LAUNCHER_CHECK_DIR (default: a
-# fresh directory under $TMPDIR, removed when every check passed). Run as root (the daemons,
-# apt-get). Checks:
+# classifier022, the Burn 0.23 line's classifier023) goes through checks 1 and 6 too. Files go
+# to $LAUNCHER_CHECK_DIR (default: a fresh directory under $TMPDIR, removed when every check
+# passed). Run as root (the daemons, apt-get). Checks:
 #   1. srun -n2: one job of world size 2, one final accuracy;
 #   2. the binary in an sbatch script without srun: refused within seconds, saying "srun";
 #   3. sbatch --requeue, `scontrol requeue` after the epoch-1 checkpoint: the requeued job

@@ -16,9 +16,9 @@ use burn::optim::AdamConfig;
 use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{Learner, SupervisedTraining};
+use clap::Parser;
 use line::train::{prepare_output, DdpStrategy, DdpTraining, RunSettings};
 use line::{DdpConfig, DistributedSampler, GradSync, ProcessGroup, ReduceOp};
-use clap::Parser;
 
 use model::{Batch, Cnn, ImageBatcher};
 
@@ -162,8 +162,7 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
 
     // Every rank scores its shard of the test set; in a fault-tolerant job a rank lost meanwhile
     // is survived (the others deal the test set again among themselves and score it again).
-    let accuracy =
-        line::surviving(&pg, || evaluate(&result.model, &*test_loader, &pg))?;
+    let accuracy = line::surviving(&pg, || evaluate(&result.model, &*test_loader, &pg))?;
     // In a fault-tolerant job (`burn-ddp run --fault-tolerant`) rank 0 may have changed.
     if pg.is_main() {
         println!(

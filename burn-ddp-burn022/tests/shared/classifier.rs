@@ -16,7 +16,11 @@ fn example() -> PathBuf {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("{}-{name}-{}", env!("CARGO_PKG_NAME"), std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "{}-{name}-{}",
+        env!("CARGO_PKG_NAME"),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }

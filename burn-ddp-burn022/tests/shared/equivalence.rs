@@ -13,8 +13,8 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
-use line::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
 use compare::{assert_close, F32};
+use line::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
 
 use burn_ddp_dev::conformance::{self, Line, Scenario, Trained, IN, OUT, PER_RANK, STEPS};
 
@@ -860,7 +860,11 @@ fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
     if procs::is_any_child() || !procs::world_selected(3) {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("{}-zero-{}", env!("CARGO_PKG_NAME"), std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "{}-zero-{}",
+        env!("CARGO_PKG_NAME"),
+        std::process::id()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     for world in [2, 3] {
         procs::TestJob::new(world, NAME)

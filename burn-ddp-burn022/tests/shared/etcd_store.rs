@@ -4,7 +4,10 @@
 
 #[test]
 fn losing_the_node_of_rank_0_and_an_etcd_member_mid_epoch_is_survived() {
-    burn_ddp_dev::etcd::node_loss_scenario(EXAMPLE, concat!("etcd-node-loss-", env!("CARGO_PKG_NAME")));
+    burn_ddp_dev::etcd::node_loss_scenario(
+        EXAMPLE,
+        concat!("etcd-node-loss-", env!("CARGO_PKG_NAME")),
+    );
 }
 
 /// The chaos run on etcd, as `burn-ddp/tests/etcd_store.rs`, with the classifier example.

@@ -7,14 +7,14 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Distribution, Tensor};
-use line::{
-    DdpConfig, DdpError, GradSync, GroupConfig, JobToken, LoopState, MasterAddr, PowerSgd,
-    ProcessGroup, Rank, WorldSize,
-};
 use burn_ddp_comm::launch::fault::Lighthouse;
 use burn_ddp_comm::FaultTolerance;
 use burn_ddp_comm::MembershipError;
 use burn_ddp_dev::fault;
+use line::{
+    DdpConfig, DdpError, GradSync, GroupConfig, JobToken, LoopState, MasterAddr, PowerSgd,
+    ProcessGroup, Rank, WorldSize,
+};
 
 /// 3 ranks train the classifier example; rank 1 is SIGKILLed in the middle of the first epoch; the
 /// survivors agree on a membership of two, go on from the step they were at without a restart,

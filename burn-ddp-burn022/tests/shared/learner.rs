@@ -24,9 +24,7 @@ use burn::train::{
     InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
 };
 use line::train::{DdpStrategy, DdpTraining};
-use line::{
-    DdpConfig, DdpError, DistributedSampler, GradSync, ProcessGroup, Timeouts, WorldSize,
-};
+use line::{DdpConfig, DdpError, DistributedSampler, GradSync, ProcessGroup, Timeouts, WorldSize};
 
 #[derive(Module, Debug)]
 struct Reg {
@@ -173,8 +171,11 @@ fn run(dir: &Path, fail_after: usize) -> Vec<Result<(), DdpError>> {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("{}-learner-{name}-{}", env!("CARGO_PKG_NAME"), std::process::id()));
+    let dir = std::env::temp_dir().join(format!(
+        "{}-learner-{name}-{}",
+        env!("CARGO_PKG_NAME"),
+        std::process::id()
+    ));
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }

@@ -29,11 +29,7 @@ fn the_migrated_program_trains_on_two_ranks_and_writes_what_one_process_writes()
     let runs = diff::MigrationRuns::start(BEFORE, AFTER);
     let stdout = &runs.stdout;
     let done: Vec<&str> = stdout.lines().filter(|l| l.contains("done: ")).collect();
-    assert_eq!(
-        done,
-        [format!("[rank 0] done: {ARTIFACTS}")],
-        "{stdout}"
-    );
+    assert_eq!(done, [format!("[rank 0] done: {ARTIFACTS}")], "{stdout}");
     // Burn's evaluator's lines (no terminal here) name the split and no epoch.
     assert!(stdout.contains(EVALUATED), "{stdout}");
     assert!(!stdout.contains("[test] epoch"), "{stdout}");

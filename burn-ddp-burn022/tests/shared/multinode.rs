@@ -29,7 +29,5 @@ fn elastic_job_drops_a_node_whose_link_goes_down() {
 /// without a restart, and a new launcher on node 2 joins back and takes their state.
 #[test]
 fn a_fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back() {
-    burn_ddp_dev::netns::fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back(
-        EXAMPLE,
-    );
+    burn_ddp_dev::netns::fault_tolerant_job_survives_a_node_cut_off_and_takes_a_node_back(EXAMPLE);
 }

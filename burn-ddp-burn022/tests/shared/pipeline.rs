@@ -13,9 +13,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Distribution, Tensor};
+use compare::{assert_close, F32};
 use line::pipeline::{HybridLayout, Pipeline, Schedule, StageInput};
 use line::{DdpConfig, GradSync, ProcessGroup};
-use compare::{assert_close, F32};
 
 const STEPS: usize = 10;
 const ROWS: usize = 10;
