@@ -153,15 +153,13 @@ mod train {
     }
 }
 
-/// A renderer for the renderers' tests, and the calls that tell one of a split's progress.
+/// The renderers' tests' recorder as a progress logger of this release, and the calls that tell
+/// a logger of a split's progress.
 #[cfg(all(test, feature = "train"))]
 pub(crate) mod testing {
     use burn::train::logger::{EvaluationProgressLogger, TrainingProgressLogger};
-    use burn::train::metric::MetricDefinition;
-    use burn::train::renderer::{
-        EvaluationName, MetricState, MetricsRenderer, MetricsRendererEvaluation,
-        MetricsRendererTraining,
-    };
+
+    pub(crate) use crate::train::render_tests::Recorder;
 
     /// Starts a split of `total` items on `r`.
     pub(crate) fn start_split(r: &mut impl TrainingProgressLogger, split: &str, total: usize) {
@@ -171,31 +169,6 @@ pub(crate) mod testing {
     /// Tells `r` that `processed` items of the split are done.
     pub(crate) fn update_split(r: &mut impl TrainingProgressLogger, processed: usize) {
         r.update_split(processed);
-    }
-
-    /// A renderer that writes down what it is told (and, as `ProgressLines`, a line per step).
-    #[derive(Default)]
-    pub(crate) struct Recorder(pub(crate) Vec<String>);
-
-    impl MetricsRendererTraining for Recorder {
-        fn update_train(&mut self, state: MetricState) {
-            let text = match state {
-                MetricState::Generic(e) => format!("text {}", e.serialized_entry.formatted),
-                MetricState::Numeric(e, v) => {
-                    format!(
-                        "number {} = {:?}",
-                        e.serialized_entry.formatted,
-                        v.map(|v| v.current())
-                    )
-                }
-            };
-            self.0.push(text);
-        }
-        fn update_valid(&mut self, _state: MetricState) {}
-    }
-
-    impl MetricsRendererEvaluation for Recorder {
-        fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
     }
 
     impl TrainingProgressLogger for Recorder {
@@ -219,12 +192,5 @@ pub(crate) mod testing {
         fn end_test(&mut self) {}
         fn end_global_progress(&mut self) {}
         fn log_event_evaluation(&mut self, _event: String) {}
-    }
-
-    impl MetricsRenderer for Recorder {
-        fn manual_close(&mut self) {}
-        fn register_metric(&mut self, definition: MetricDefinition) {
-            self.0.push(format!("register {}", definition.name));
-        }
     }
 }

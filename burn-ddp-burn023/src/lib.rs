@@ -68,14 +68,4 @@ pub mod train;
 #[path = "../../burn-ddp-burn022/src/zero.rs"]
 mod zero;
 
-pub use burn_ddp_comm::data::{surviving, DataEpoch};
-pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
-pub use burn_ddp_comm::{
-    grad::{LoopState, PowerSgd},
-    spawn, CollectiveError, Compression, ConfigError, CudaError, DdpConfig, DdpError,
-    GradReduction, GroupConfig, JobError, JobToken, MasterAddr, MembershipError, ModelError,
-    ParamInfo, ProcessGroup, Rank, ReduceOp, RendezvousError, Result, Timeouts, WorldSize,
-};
-pub use data::DistributedSampler;
-pub use sync::GradSync;
-pub use zero::ZeroOptimizer;
+include!("../../burn-ddp-burn022/src/exports.rs");

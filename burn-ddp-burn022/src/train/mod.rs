@@ -57,6 +57,8 @@ use burn_ddp_comm::train::terminal::{RankOutput, Renderer};
 
 pub use burn_ddp_comm::train::public::*;
 pub use item::{DistributedItem, Part, TensorParts};
+#[cfg(test)]
+pub(crate) use render::tests as render_tests;
 pub use render::{Headless, JobMetricLogger, NoMetricLogger, ProgressLines, WithMembership};
 
 use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};

@@ -334,10 +334,40 @@ impl<R: MetricsRenderer> MetricsRenderer for WithMembership<R> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    use crate::release::testing::{start_split, update_split, Recorder};
+    use crate::release::testing::{start_split, update_split};
+
+    /// A renderer that writes down what it is told (and, as [`ProgressLines`], a line per
+    /// step); each release's `release::testing` makes it a progress logger.
+    #[derive(Default)]
+    pub(crate) struct Recorder(pub(crate) Vec<String>);
+
+    impl MetricsRendererTraining for Recorder {
+        fn update_train(&mut self, state: MetricState) {
+            let text = match state {
+                MetricState::Generic(e) => format!("text {}", e.serialized_entry.formatted),
+                MetricState::Numeric(e, v) => {
+                    let v = v.map(|v| v.current());
+                    format!("number {} = {v:?}", e.serialized_entry.formatted)
+                }
+            };
+            self.0.push(text);
+        }
+        fn update_valid(&mut self, _state: MetricState) {}
+    }
+
+    impl MetricsRendererEvaluation for Recorder {
+        fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+    }
+
+    impl MetricsRenderer for Recorder {
+        fn manual_close(&mut self) {}
+        fn register_metric(&mut self, definition: MetricDefinition) {
+            self.0.push(format!("register {}", definition.name));
+        }
+    }
 
     fn epoch(r: &mut WithMembership<Recorder>) {
         start_split(r, "train", 2);
