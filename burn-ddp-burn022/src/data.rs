@@ -1,11 +1,11 @@
-//! Sharding a Burn 0.22 dataset over the ranks of a job: [`DistributedSampler`] (the dealing
+//! Sharding a Burn dataset over the ranks of a job: [`DistributedSampler`] (the dealing
 //! itself is burn-ddp-comm's `ShardPlan`, shared with the Burn 0.21 line).
 
 use burn::data::dataset::{Dataset, DatasetError};
 
 burn_ddp_comm::distributed_sampler! {
     /// This rank's share of a dataset, reshuffled every epoch — PyTorch's `DistributedSampler`,
-    /// as a Burn 0.22 [`Dataset`] that wraps another.
+    /// as a Burn [`Dataset`] that wraps another.
     ///
     /// Every epoch the indices `0..len` are permuted with a generator seeded by `(seed, epoch)` (or
     /// left in order with `with_shuffle(false)`), made a multiple of the world size (padded with the

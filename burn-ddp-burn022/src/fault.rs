@@ -1,8 +1,8 @@
-//! A custom training loop in a fault-tolerant job (`burn-ddp run --fault-tolerant`) on Burn
-//! 0.22: [`GradSync::loop_state`], [`GradSync::step_boundary`] and [`GradSync::recover`] carry
-//! a [`LoopState`] (model, `ModuleOptimizer`, steps, the loop's own bytes) across changes of
-//! membership. The protocol is the core's (`burn_ddp_comm::grad::LoopState`); this module gives
-//! it the records of Burn 0.22's module and optimizer as bytes.
+//! A custom training loop in a fault-tolerant job (`burn-ddp run --fault-tolerant`) on Burn 0.22 or
+//! 0.23: [`GradSync::loop_state`], [`GradSync::step_boundary`] and [`GradSync::recover`] carry a
+//! [`LoopState`] (model, `ModuleOptimizer`, steps, the loop's own bytes) across changes of
+//! membership. The protocol is the core's (`burn_ddp_comm::grad::LoopState`); this module gives it
+//! the records of Burn's module and optimizer as bytes.
 
 use burn::module::Module;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};

@@ -1,4 +1,4 @@
-//! Taking a model's gradients out of Burn 0.22's `GradientsParams` in a fixed order (the
+//! Taking a model's gradients out of Burn's `GradientsParams` in a fixed order (the
 //! trainable parameters in visit order, checked against the bucket plan), and putting the
 //! reduced ones back: what the host-staged and the NCCL paths of
 //! [`GradSync::sync`](crate::GradSync::sync) share; and a tensor made anew from f32 values,

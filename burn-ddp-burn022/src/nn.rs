@@ -1,13 +1,13 @@
-//! Layers that need the whole job: [`SyncBatchNorm`], Burn 0.22's `BatchNorm` with the
+//! Layers that need the whole job: [`SyncBatchNorm`], Burn's `BatchNorm` with the
 //! statistics of the global batch (PyTorch's `SyncBatchNorm`).
 //!
-//! Burn 0.22 has no backend of ours to carry a collective inside autodiff, so the all-reduce of
-//! the statistics is an autodiff operation of this module's own, on Burn's extension API:
-//! the tensor's autodiff primitive taken out of `Dispatch` (`Tensor::try_into_primitive` for
-//! `Autodiff<B, C>`), an operation registered with burn-autodiff's public `Backward` whose
-//! backward all-reduces the incoming gradient, and the result put back
-//! (`Tensor::from_primitive`). `B` is each backend this crate is built for: `Flex` (feature
-//! `flex`), `NdArray` (`ndarray`), Burn's `Cube` (`cuda`, with or without `fusion`).
+//! Burn 0.22 and 0.23 have no backend of ours to carry a collective inside autodiff, so the
+//! all-reduce of the statistics is an autodiff operation of this module's own, on Burn's extension
+//! API: the tensor's autodiff primitive taken out of `Dispatch` (`Tensor::try_into_primitive` for
+//! `Autodiff<B, C>`), an operation registered with burn-autodiff's public `Backward` whose backward
+//! all-reduces the incoming gradient, and the result put back (`Tensor::from_primitive`). `B` is
+//! each backend this crate is built for: `Flex` (feature `flex`), `NdArray` (`ndarray`), Burn's
+//! `Cube` (`cuda`, with or without `fusion`).
 
 use std::cell::RefCell;
 use std::ops::ControlFlow;
@@ -62,7 +62,7 @@ impl SyncBatchNormConfig {
 /// autodiff, or the layer's `training` flag off) it is `BatchNorm` on the running statistics,
 /// with no collective.
 ///
-/// A drop-in for Burn 0.22's `BatchNorm` (input `[batch, channels, ...]`): the same fields, so
+/// A drop-in for Burn's `BatchNorm` (input `[batch, channels, ...]`): the same fields, so
 /// the same record, and `SyncBatchNorm::from(batch_norm)` / [`SyncBatchNorm::into_batch_norm`]
 /// convert a built layer. Change the field's type and config; nothing else.
 ///
@@ -288,7 +288,7 @@ mod tracked {
     pub(super) fn sum(group: &LayerGroup, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>> {
         #[cfg(feature = "flex")]
         let t = on::<burn::backend::Flex>(group, t)?;
-        // Burn 0.22 deprecates NdArray, but still offers it.
+        // Burn 0.22 deprecates NdArray, but still offers it (0.23 has none).
         #[cfg(feature = "ndarray")]
         #[allow(deprecated)]
         let t = on::<burn::backend::NdArray>(group, t)?;

@@ -1,10 +1,10 @@
-//! Pipeline parallelism on Burn 0.22.1: a model split into stages, one per rank of a pipeline
-//! group, micro-batches run with the GPipe or 1F1B schedule; and hybrid parallelism, the
+//! Pipeline parallelism on Burn 0.22.1 and 0.23: a model split into stages, one per rank of a
+//! pipeline group, micro-batches run with the GPipe or 1F1B schedule; and hybrid parallelism, the
 //! pipeline replicated data-parallel ([`HybridLayout`], [`Pipeline::step_synced`] with a
 //! [`GradSync`] on the stage's replica group).
 //!
 //! The core's step (burn-ddp-comm's `StagePlan::run`, as for the Burn 0.21 line) over Burn
-//! 0.22 tensors (`StageOps`), with the core's schedules, tags and activation framing: the first
+//! tensors (`StageOps`), with the core's schedules, tags and activation framing: the first
 //! stage cuts its batch into micro-batches; activations go downstream and their gradients
 //! upstream as point-to-point messages; the last stage scales each micro-batch's loss by its
 //! share of the batch; every stage sums its parameter gradients over the micro-batches, which
@@ -25,7 +25,7 @@ use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 use crate::GradSync;
 
 /// One rank's stage of a pipeline: the core's [`StagePlan`] (stage, schedule, group; its
-/// accessors are this type's through `Deref`) and the executor on Burn 0.22 tensors.
+/// accessors are this type's through `Deref`) and the executor on Burn tensors.
 #[derive(Debug, Clone)]
 pub struct Pipeline {
     plan: StagePlan,
@@ -40,11 +40,11 @@ impl Deref for Pipeline {
 }
 
 /// What the first stage feeds the pipeline (the batch, or its number of rows): the core's
-/// [`core::StageInput`] of a Burn 0.22 tensor.
+/// [`core::StageInput`] of a Burn tensor.
 pub type StageInput<const D: usize> = core::StageInput<Tensor<D>>;
 
-/// What one pipeline step produced on this rank: the core's [`core::StepOutput`] of Burn
-/// 0.22's gradients.
+/// What one pipeline step produced on this rank: the core's [`core::StepOutput`] of Burn's
+/// gradients.
 pub type StepOutput = core::StepOutput<GradientsParams>;
 
 impl Pipeline {

@@ -396,7 +396,7 @@ impl GradSync {
                 .map(drop),
             Some(JoinCall::Backward) | None => Err(DdpError::Internal {
                 rank: pg.rank(),
-                what: "a join announced a call the Burn 0.22 line never makes",
+                what: "a join announced a call this line never makes",
             }),
         })
     }
@@ -422,7 +422,7 @@ fn scale<M: Module>(model: &M, mut grads: GradientsParams, factor: f32) -> Gradi
     grads
 }
 
-/// This line's [`Replica`]: a Burn 0.22 module, every float parameter compared, its record as
+/// This line's [`Replica`]: a Burn module, every float parameter compared, its record as
 /// Burn's module record bytes.
 pub(crate) struct AsReplica<M>(pub(crate) M);
 

@@ -1,4 +1,4 @@
-//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`) on Burn 0.22: the optimizer state
+//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`) on Burn 0.22 and 0.23: the optimizer state
 //! sharded over the ranks, on the core's `ZeroPlan` (the same ownership rule as the Burn 0.21
 //! line's `DdpSession::zero`).
 //!
@@ -8,7 +8,7 @@
 //! parameters are all-gathered, so every rank ends the step with the same model while holding
 //! about `1/N` of the optimizer state.
 //!
-//! Checkpoints go through bytes. Burn 0.22's `OptimizerRecord` keeps its entries private, but
+//! Checkpoints go through bytes. Burn's `OptimizerRecord` keeps its entries private, but
 //! its burnpack encoding is public (`burn-pack`): each entry is keyed by the parameter's
 //! `ParamId` (tensors `"{id}.{field}"` with the id beside them, scalars `"{id}.{field}"`, the
 //! parameter's path under `"{id}"`). [`ZeroOptimizer::gather_record`] rewrites every rank's

@@ -1,5 +1,5 @@
 //! Checkpoints of the Learner (model, optimizer, LR scheduler) for
-//! [`DdpStrategy`](super::DdpStrategy): Burn 0.22's records as bytes, moved by burn-ddp-comm's
+//! [`DdpStrategy`](super::DdpStrategy): Burn's records as bytes, moved by burn-ddp-comm's
 //! [`RecordFiles`] (written by rank 0 alone, atomically; restored on every rank from rank 0's
 //! files).
 

@@ -1,4 +1,4 @@
-//! [`DdpStrategy`]'s run on burn-train 0.22 as the core's epoch loop drives it
+//! [`DdpStrategy`]'s run on burn-train (0.22, 0.23) as the core's epoch loop drives it
 //! (burn-ddp-comm's `train::epoch::fit`): each split over the Learner's loaders
 //! (`splits.rs`) between burn-train's split events, the end of an epoch (rank 0's checkpoint
 //! and early stop, then every rank's vote), and in a fault-tolerant job the Learner's state

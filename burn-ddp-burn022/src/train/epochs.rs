@@ -1,4 +1,4 @@
-//! [`DdpStrategy`] as burn-train 0.22's `SupervisedLearningStrategy`: the start (checkpointers,
+//! [`DdpStrategy`] as burn-train's `SupervisedLearningStrategy`: the start (checkpointers,
 //! the epoch to resume after, the model prepared), `fit` (the core's epoch loop over the run of
 //! `driver.rs`), and the summary of a run that failed.
 

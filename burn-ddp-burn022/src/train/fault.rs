@@ -1,9 +1,9 @@
-//! [`DdpStrategy`](super::DdpStrategy) in a fault-tolerant job, its Burn 0.22 half: the Learner's model, optimizer
-//! and scheduler records as bytes for the ranks behind after a change of membership (the core's
-//! `Handover::save_records` and `load_records`).
-//! Where training is (the `Cursor`), the change itself (agreeing on the next membership, moving
-//! the state from the rank with the most progress to the ranks behind) and the epoch loop
-//! around it are the core's (burn-ddp-comm's `train::epoch`).
+//! [`DdpStrategy`](super::DdpStrategy) in a fault-tolerant job, its Burn half: the Learner's model,
+//! optimizer and scheduler records as bytes for the ranks behind after a change of membership (the
+//! core's `Handover::save_records` and `load_records`). Where training is (the `Cursor`), the
+//! change itself (agreeing on the next membership, moving the state from the rank with the most
+//! progress to the ranks behind) and the epoch loop around it are the core's (burn-ddp-comm's
+//! `train::epoch`).
 
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;

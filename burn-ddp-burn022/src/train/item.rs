@@ -1,5 +1,5 @@
 //! Global metrics: each step's output items of every rank, merged into one item on rank 0
-//! (burn-ddp-comm's `train::parts` moves them; this module turns Burn 0.22 tensors into parts and
+//! (burn-ddp-comm's `train::parts` moves them; this module turns Burn tensors into parts and
 //! back).
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -29,7 +29,7 @@ pub trait DistributedItem: Sized {
     fn merge(ranks: Vec<Vec<Part>>, device: &Device) -> Result<Self>;
 }
 
-#[doc = concat!(" Burn 0.22 tensors to and from [`Part`]s (`use ", env!("CARGO_CRATE_NAME"), "::train::TensorParts` to call")]
+#[doc = concat!(" Burn tensors to and from [`Part`]s (`use ", env!("CARGO_CRATE_NAME"), "::train::TensorParts` to call")]
 /// `Part::float(tensor)` and the others).
 pub trait TensorParts: Sized {
     /// A float tensor's values.

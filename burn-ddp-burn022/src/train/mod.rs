@@ -1,4 +1,4 @@
-//! Training with burn-train 0.22's `SupervisedTraining` (the Learner, its dashboard, metrics and
+//! Training with burn-train's `SupervisedTraining` (the Learner, its dashboard, metrics and
 //! checkpoints) on several processes: [`DdpStrategy`], a `SupervisedLearningStrategy` for
 //! `TrainingStrategy::Custom`.
 //!
@@ -27,7 +27,7 @@
 //! says whether it has a batch, wants to stop (a quit in the dashboard, an interrupter) or
 //! failed (a data error, a checkpoint rank 0 could not write); then the training step
 //! (forward and backward on this rank's batch); then the gradients reduced across the ranks
-//! ([`GradSync`], after backward: Burn 0.22 leaves no way to start during it)
+//! ([`GradSync`], after backward: Burn 0.22 and 0.23 leave no way to start during it)
 //! and the optimizer step; then the step's output items gathered to rank 0, which merges them
 //! ([`DistributedItem`]) so that the dashboard's metrics are those of the whole job. Validation
 //! is sharded the same way and merged the same way. A decision to stop — by any rank, for any
@@ -63,7 +63,7 @@ pub use render::{Headless, JobMetricLogger, NoMetricLogger, ProgressLines, WithM
 
 use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 
-/// burn-train 0.22's `SupervisedLearningStrategy` for one process per rank: use it through
+/// burn-train's `SupervisedLearningStrategy` for one process per rank: use it through
 /// [`DdpTraining::launch_ddp`], or pass `TrainingStrategy::Custom(Arc::new(strategy))` to
 /// `SupervisedTraining` yourself.
 ///
@@ -134,7 +134,7 @@ impl DdpStrategy {
     }
 }
 
-/// [`DdpStrategy`] on burn-train 0.22's `SupervisedTraining`: sets what each rank shows and
+/// [`DdpStrategy`] on burn-train's `SupervisedTraining`: sets what each rank shows and
 /// logs, launches, and reports a failure of any rank as an error.
 pub trait DdpTraining<M: LearnerModel> {
     /// Trains with `ddp`. Rank 0 shows Burn's dashboard when its output is a terminal and

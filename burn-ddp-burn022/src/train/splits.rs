@@ -1,4 +1,4 @@
-//! The two splits of an epoch on burn-train 0.22, as the core's epoch loop runs them
+//! The two splits of an epoch on burn-train 0.22 and 0.23, as the core's epoch loop runs them
 //! (burn-ddp-comm's `train::epoch::run_split`): loading a batch and voting on it, one step,
 //! the step's outputs gathered for rank 0's metrics, the end of the split.
 
