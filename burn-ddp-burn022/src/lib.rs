@@ -65,10 +65,22 @@ mod fault;
 mod grads;
 pub mod nn;
 pub mod pipeline;
+#[cfg(feature = "train")]
+mod progress;
 mod release;
 mod sync;
 #[cfg(feature = "train")]
 pub mod train;
 mod zero;
 
-include!("exports.rs");
+pub use burn_ddp_comm::data::{surviving, DataEpoch};
+pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
+pub use burn_ddp_comm::{
+    grad::{LoopState, PowerSgd},
+    spawn, CollectiveError, Compression, ConfigError, CudaError, DdpConfig, DdpError,
+    GradReduction, GroupConfig, JobError, JobToken, MasterAddr, MembershipError, ModelError,
+    ParamInfo, ProcessGroup, Rank, ReduceOp, RendezvousError, Result, Timeouts, WorldSize,
+};
+pub use data::DistributedSampler;
+pub use sync::GradSync;
+pub use zero::ZeroOptimizer;

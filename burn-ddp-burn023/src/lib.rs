@@ -33,8 +33,9 @@
 //! **One source for two releases.** Burn 0.23 kept the module, gradient, record, dataset and
 //! optimizer APIs this glue uses from 0.22, so this crate compiles burn-ddp-burn022's sources
 //! (`../burn-ddp-burn022/src/`) against Burn 0.23; what differs between the two releases is in
-//! this crate's own `release.rs` (burn-train 0.23's split events and progress loggers, which
-//! carry a `Progress` instead of counts; the backends `SyncBatchNorm` can run on). Everything
+//! this crate's own `release.rs` and `progress.rs` (burn-train 0.23's split events and progress
+//! loggers, which carry a `Progress` instead of counts; the backends `SyncBatchNorm` can run
+//! on). Everything
 //! the 0.22 line offers is here: [`GradSync`] (buckets, mean or sum, fp16/bf16 on the wire,
 //! presence semantics, accumulation), [`nn::SyncBatchNorm`] (on this crate's `flex` feature),
 //! [`DistributedSampler`], [`train::DdpStrategy`] for burn-train's `SupervisedTraining` (rank
@@ -59,6 +60,8 @@ mod grads;
 pub mod nn;
 #[path = "../../burn-ddp-burn022/src/pipeline.rs"]
 pub mod pipeline;
+#[cfg(feature = "train")]
+mod progress;
 mod release;
 #[path = "../../burn-ddp-burn022/src/sync.rs"]
 mod sync;
@@ -68,4 +71,14 @@ pub mod train;
 #[path = "../../burn-ddp-burn022/src/zero.rs"]
 mod zero;
 
-include!("../../burn-ddp-burn022/src/exports.rs");
+pub use burn_ddp_comm::data::{surviving, DataEpoch};
+pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
+pub use burn_ddp_comm::{
+    grad::{LoopState, PowerSgd},
+    spawn, CollectiveError, Compression, ConfigError, CudaError, DdpConfig, DdpError,
+    GradReduction, GroupConfig, JobError, JobToken, MasterAddr, MembershipError, ModelError,
+    ParamInfo, ProcessGroup, Rank, ReduceOp, RendezvousError, Result, Timeouts, WorldSize,
+};
+pub use data::DistributedSampler;
+pub use sync::GradSync;
+pub use zero::ZeroOptimizer;

@@ -49,11 +49,12 @@
 //!
 //! A Burn release is supported by a crate of glue over these modules (`burn-ddp` for Burn 0.21,
 //! `burn-ddp-burn022` for 0.22.1, `burn-ddp-burn023` for 0.23.0-pre.1); everything else is here.
-//! The glue is, file by file as in `burn-ddp-burn022/src/` (20 files, 4,769 lines with their
+//! The glue is, file by file as in `burn-ddp-burn022/src/` (20 files, 4,773 lines with their
 //! unit tests and docs, most of them Burn's own traits implemented), below. A release whose APIs
 //! have the shape of one already supported does not copy it: `burn-ddp-burn023` compiles
 //! `burn-ddp-burn022/src/` against Burn 0.23 (`#[path]`), and what differs between the two
-//! releases is each crate's `release.rs` (2 files, 276 lines of its own in `burn-ddp-burn023/src/`):
+//! releases is each crate's `release.rs` and `progress.rs` (3 files, 296 lines of its own in
+//! `burn-ddp-burn023/src/`, `lib.rs` included):
 //!
 //! | What | Over | In the 0.22 line |
 //! |---|---|---|
@@ -72,9 +73,10 @@
 //! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs: the three records saved into the core's slots and loaded back), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
 //! Between `burn-ddp-burn022` and `burn-ddp-burn023` a duplicate-code scan finds, as
-//! unavoidable: the two `release.rs` files' progress-logger impls (the same trait methods of two
-//! releases, with different signatures: counts against `Progress`), and the migration examples,
-//! each a whole user program of its release. Between releases of different shapes the glue is
+//! unavoidable: the two `progress.rs` files' progress-logger impls (the same trait methods of two
+//! releases, with different signatures: counts against `Progress`), the root re-exports of each
+//! `lib.rs` (a crate's public API, listed where a reader looks for it), and the migration
+//! examples, each a whole user program of its release. Between releases of different shapes the glue is
 //! written per line, and a duplicate-code scan finds those places as pairs between the
 //! lines (4 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
 //! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
