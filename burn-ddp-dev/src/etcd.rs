@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::netns::Net;
 
 /// The features the etcd tests build with, over the workspace.
-pub const ETCD_FEATURES: &str = "burn-ddp/etcd,burn-ddp-burn022/etcd";
+pub const ETCD_FEATURES: &str = "burn-ddp/etcd,burn-ddp-burn022/etcd,burn-ddp-burn023/etcd";
 
 /// etcd's client port on each node.
 pub const CLIENT_PORT: u16 = 2379;
@@ -248,10 +248,10 @@ pub fn etcd_launcher() -> PathBuf {
     profile_dir.join("burn-ddp")
 }
 
-/// The example `name`, built now with both lines' `etcd` feature over the whole workspace (`cargo
-/// test --test X` builds no example; cargo does nothing when it is current). The features are
-/// those of `cargo test --workspace --features burn-ddp/etcd,burn-ddp-burn022/etcd` (how .ci/run
-/// runs these tests), so that Burn is not built a second time with another feature set.
+/// The example `name`, built now with every line's `etcd` feature over the whole workspace
+/// (`cargo test --test X` builds no example; cargo does nothing when it is current). The
+/// features are [`ETCD_FEATURES`], those .ci/run tests with (`cargo test --workspace --features
+/// ...`), so that Burn is not built a second time with another feature set.
 pub fn etcd_example(name: &str) -> PathBuf {
     let status = Command::new(env!("CARGO"))
         .args([

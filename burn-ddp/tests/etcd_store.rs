@@ -1,8 +1,9 @@
 //! The store of a fault-tolerant job on a real etcd cluster (three members, one per node of
 //! three network namespaces): losing the node of rank 0, with its etcd member, mid-epoch does
 //! not stop training (`burn-ddp-dev/src/etcd.rs`). Needs the `etcd` feature, root and Debian's
-//! `etcd-server`: `cargo test --workspace --features burn-ddp/etcd,burn-ddp-burn022/etcd
-//! --test etcd_store` (.ci/run runs it).
+//! `etcd-server`: `cargo test --workspace --features
+//! burn-ddp/etcd,burn-ddp-burn022/etcd,burn-ddp-burn023/etcd --test etcd_store` (.ci/run runs
+//! it).
 
 #[test]
 fn losing_the_node_of_rank_0_and_an_etcd_member_mid_epoch_is_survived() {
