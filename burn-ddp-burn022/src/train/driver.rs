@@ -7,7 +7,7 @@
 use std::sync::MutexGuard;
 use std::time::Instant;
 
-use burn::data::dataloader::DataLoader;
+use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::GradientsAccumulator;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{
@@ -59,6 +59,18 @@ fn loader_at<I: 'static>(
     } else {
         loader.clone()
     })
+}
+
+/// burn-train's event for the end of a split of `total` items at `epoch` that `ended`: `last`,
+/// the job's progress at its last step (none taken: none of its items).
+fn end_event<T>(
+    epoch: usize,
+    last: Option<Progress>,
+    total: usize,
+    ended: &Ended,
+) -> LearnerEvent<T> {
+    let last = last.unwrap_or_else(|| crate::release::progress(0, Some(total), None));
+    crate::release::end_split(epoch, last, matches!(ended, Ended::Done))
 }
 
 impl<M: LearnerModel> Run<'_, M> {
@@ -149,13 +161,12 @@ where
             .state
             .split_at(Split::Training, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
-        let last = (split.parts.last.take())
-            .unwrap_or_else(|| crate::release::progress(0, Some(total), None));
+        let last = split.parts.last.take();
         drop(split);
         // A change of membership ends the split's loop, not the split: the rest of the epoch
         // follows, and the epoch's metrics go on.
         if !matches!(ended, Ended::Change(_)) {
-            let end = crate::release::end_split(epoch, last, matches!(ended, Ended::Done));
+            let end = end_event(epoch, last, total, &ended);
             interrupter.fail_on_error(processor.flush());
             interrupter.fail_on_error(processor.process_train(end));
         }
@@ -194,13 +205,12 @@ where
             .state
             .split_at(Split::Validation, cursor, fault_tolerant);
         let ended = epoch::run_split(&mut split, at);
-        let last = (split.parts.last.take())
-            .unwrap_or_else(|| crate::release::progress(0, Some(total), None));
+        let last = split.parts.last.take();
         drop(split);
         if matches!(ended, Ended::Change(_)) {
             return ended;
         }
-        let end = crate::release::end_split(epoch, last, matches!(ended, Ended::Done));
+        let end = end_event(epoch, last, total, &ended);
         let p = &mut self.processor;
         self.interrupter.fail_on_error(p.flush());
         self.interrupter.fail_on_error(p.process_valid(end));
