@@ -12,15 +12,19 @@
 #   burn-ddp-gpu-check-022.tar.xz       b022: Burn 0.22.1, kernels through LLVM
 #   burn-ddp-gpu-check-022fusion.tar.xz b022-fusion: the same with fusion and autotune
 #   burn-ddp-gpu-check-022cpp.tar.xz    b022-cpp: Burn 0.22.1, kernels through NVRTC
+#   burn-ddp-gpu-check-023.tar.xz       b023: Burn 0.23.0-pre.1, kernels through LLVM
+#   burn-ddp-gpu-check-023fusion.tar.xz b023-fusion: the same with fusion and autotune
+#   burn-ddp-gpu-check-023cpp.tar.xz    b023-cpp: Burn 0.23.0-pre.1, kernels through NVRTC
 #
-# A Burn 0.22 variant is one archive: its two binaries carry LLVM statically (127 MB each,
+# A Burn 0.22 or 0.23 variant is one archive: its two binaries carry LLVM statically (127 MB each,
 # stripped) and compress to about 31 MiB together; two variants would pass the limit.
 #
 # On the GPU machine, one archive (and one variant, within 10 minutes) at a time, in that order:
 #
 #   mkdir b && tar -xJf burn-ddp-gpu-check-021.tar.xz -C b && b/gpu-check.sh --variant core
 #
-# Burn 0.22.1's CUDA runtime links LLVM, whose build script would download it: the archives
+# Burn 0.22.1's and 0.23's CUDA runtimes link LLVM (the same bundle, tracel-llvm 23.1.0-4), whose
+# build script would download it: the archives
 # that need it build after scripts/offline-llvm.sh has put the PyPI build of LLVM in its place.
 #
 # CUDARC_CUDA_VERSION (default 13000: CUDA 13.0, the driver of our GPU machine) selects the CUDA
@@ -43,8 +47,9 @@ need objdump "binutils: reads the glibc versions the binaries need"
 need xz "xz-utils"
 
 # archive -> its variants
-declare -A PACKS=([021]="core plain fusion" [022]="b022" [022fusion]="b022-fusion" [022cpp]="b022-cpp")
-ORDER="021 022 022fusion 022cpp"
+declare -A PACKS=([021]="core plain fusion" [022]="b022" [022fusion]="b022-fusion" [022cpp]="b022-cpp"
+    [023]="b023" [023fusion]="b023-fusion" [023cpp]="b023-cpp")
+ORDER="021 022 022fusion 022cpp 023 023fusion 023cpp"
 WANT=${*:-$ORDER}
 for a in $WANT; do
     [ -n "${PACKS[$a]:-}" ] || { say "no archive '$a' (archives: $ORDER)"; exit 2; }
@@ -55,16 +60,18 @@ cargo_args() {
     case $1 in
         plain) echo "-p burn-ddp --features cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
         fusion) echo "-p burn-ddp --features fusion --test ddp_equivalence --bench cuda_step" ;;
-        b022) echo "-p burn-ddp-burn022 --features cuda --test cuda022 --bench cuda_step022" ;;
-        b022-fusion) echo "-p burn-ddp-burn022 --features fusion --test cuda022 --bench cuda_step022" ;;
-        b022-cpp) echo "-p burn-ddp-burn022 --features cuda-cpp --test cuda022 --bench cuda_step022" ;;
+        b02[23]*) # b022, b022-fusion, b022-cpp and the same for 0.23: the line's crate and features
+            local n=${1:1:3} features=${1#b02?}
+            features=${features#-}
+            [ "$features" = cpp ] && features=cuda-cpp
+            echo "-p burn-ddp-burn$n --features ${features:-cuda} --test cuda$n --bench cuda_step$n" ;;
     esac
 }
 targets_of() {
     case $1 in
         plain) echo "cuda_nccl ddp_equivalence cuda_step" ;;
         fusion) echo "ddp_equivalence cuda_step" ;;
-        b022*) echo "cuda022 cuda_step022" ;;
+        b02[23]*) echo "cuda${1:1:3} cuda_step${1:1:3}" ;;
     esac
 }
 
@@ -72,7 +79,7 @@ targets_of() {
 build_variant() { # variant, stage
     local variant=$1 stage=$2 json
     [ "$variant" = core ] && return 0 # built with `plain` (same features)
-    case $variant in b022*) scripts/offline-llvm.sh >/dev/null ;; esac
+    case $variant in b02[23]*) scripts/offline-llvm.sh >/dev/null ;; esac
     say "building $variant ($(cargo_args "$variant"), CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION)"
     json=$OUT/$variant.json
     # shellcheck disable=SC2046 # the arguments are words
@@ -118,7 +125,7 @@ for a in $WANT; do
     chmod +x "$stage/gpu-check.sh"
     symbols=$(find "$stage/bin" -type f -exec objdump -T {} + 2>/dev/null)
     glibc=$(grep -oE 'GLIBC_[0-9]+\.[0-9]+(\.[0-9]+)?' <<<"$symbols" | sed 's/GLIBC_//' | sort -uV | tail -1 || true)
-    # LLVM (the Burn 0.22 archives) is C++: libstdc++ is linked dynamically.
+    # LLVM (the Burn 0.22 and 0.23 archives) is C++: libstdc++ is linked dynamically.
     glibcxx=$(grep -oE 'GLIBCXX_[0-9]+\.[0-9]+(\.[0-9]+)*' <<<"$symbols" | sed 's/GLIBCXX_//' | sort -uV | tail -1 || true)
     {
         echo "archive=$a"

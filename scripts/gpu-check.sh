@@ -3,7 +3,7 @@
 # builds on a machine without a GPU; needs no Rust toolchain and no network here. It needs an
 # NVIDIA GPU and its driver (libcuda.so.1; nvidia-smi is not needed), NCCL's libnccl.so.2 (a
 # system package or pip's nvidia-nccl-cu1x wheel) for every NCCL step, and, for the steps whose
-# kernels cubecl compiles as CUDA C++ (the Burn 0.21 line, and 0.22's `b022-cpp`), NVRTC and the
+# kernels cubecl compiles as CUDA C++ (the Burn 0.21 line, `b022-cpp` and `b023-cpp`), NVRTC and the
 # CUDA headers. A missing NVRTC, header or NCCL skips only the steps that need it.
 #
 #   gpu-check.sh [--variant NAME[,NAME...]|all] [--list] [--report FILE] [--budget SECONDS]
@@ -20,6 +20,8 @@
 #                at world size 1 (tests/cuda022.rs) and its step time against plain Burn 0.22
 #   b022-fusion  the same with fusion and autotune
 #   b022-cpp     the same with kernels as CUDA C++ through NVRTC (cubecl's cuda-cpp)
+#   b023, b023-fusion, b023-cpp
+#                the same three for Burn 0.23.0-pre.1 (tests/cuda023.rs, the same test source)
 #
 # --budget is per variant (default 540 s, so that one variant fits a 10-minute session); no step
 # starts with less than 30 s of it left. --nccl takes libnccl.so.2 or its directory, --nvrtc
@@ -31,7 +33,7 @@
 set -uo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
-ALL_VARIANTS="core plain fusion b022 b022-fusion b022-cpp"
+ALL_VARIANTS="core plain fusion b022 b022-fusion b022-cpp b023 b023-fusion b023-cpp"
 REPORT=$PWD/gpu-verification.md
 BUDGET=540
 WANT=
@@ -64,7 +66,7 @@ binaries_of() { # variant -> the binaries its steps run, relative to bin/
     case $1 in
         core) echo "cuda_nccl burn-ddp" ;;
         plain | fusion) echo "$1/ddp_equivalence $1/cuda_step" ;;
-        b022 | b022-fusion | b022-cpp) echo "$1/cuda022 $1/cuda_step022" ;;
+        b02[23] | b02[23]-fusion | b02[23]-cpp) echo "$1/cuda${1:1:3} $1/cuda_step${1:1:3}" ;;
     esac
 }
 HELD=
@@ -107,7 +109,7 @@ if [ -n "$need_glibc" ]; then
     fi
 fi
 
-# The Burn 0.22 archives link LLVM, which is C++: libstdc++.so.6 must have their GLIBCXX version.
+# The Burn 0.22 and 0.23 archives link LLVM, which is C++: libstdc++.so.6 must have their GLIBCXX version.
 need_glibcxx=$(manifest glibcxx)
 if [ -n "$need_glibcxx" ]; then
     libstdcxx=$(ldconfig -p 2>/dev/null | awk '$1 == "libstdc++.so.6" { print $NF; exit }')
@@ -373,13 +375,13 @@ for v in $VARIANTS; do
                 row "$v-exit-of-a-failed-join-under-a-debugger" "not run: neither cuda-gdb nor gdb is installed" ""
             fi
             ;;
-        b022 | b022-fusion)
-            run "$v-nccl-world-1" 240 nccl "$BIN/$v/cuda022" --test-threads 1
-            run "$v-step-overhead" 180 nccl "$BIN/$v/cuda_step022" --rounds 3
+        b02[23] | b02[23]-fusion)
+            run "$v-nccl-world-1" 240 nccl "$BIN/$v/cuda${v:1:3}" --test-threads 1
+            run "$v-step-overhead" 180 nccl "$BIN/$v/cuda_step${v:1:3}" --rounds 3
             ;;
-        b022-cpp)
-            run "$v-nccl-world-1" 240 nccl,nvrtc,headers "$BIN/$v/cuda022" --test-threads 1
-            run "$v-step-overhead" 180 nccl,nvrtc,headers "$BIN/$v/cuda_step022" --rounds 3
+        b02[23]-cpp)
+            run "$v-nccl-world-1" 240 nccl,nvrtc,headers "$BIN/$v/cuda${v:1:3}" --test-threads 1
+            run "$v-step-overhead" 180 nccl,nvrtc,headers "$BIN/$v/cuda_step${v:1:3}" --rounds 3
             ;;
     esac
 done

@@ -49,7 +49,10 @@ standin() {
 }
 standin "$B/bin/cuda_nccl"
 for v in plain fusion; do standin "$B/bin/$v/ddp_equivalence"; standin "$B/bin/$v/cuda_step"; done
-for v in b022 b022-fusion b022-cpp; do standin "$B/bin/$v/cuda022"; standin "$B/bin/$v/cuda_step022"; done
+for v in b022 b022-fusion b022-cpp b023 b023-fusion b023-cpp; do
+    standin "$B/bin/$v/cuda${v:1:3}"
+    standin "$B/bin/$v/cuda_step${v:1:3}"
+done
 glibc=$( (getconf GNU_LIBC_VERSION 2>/dev/null || ldd --version | sed -n 1p) | grep -oE '[0-9]+\.[0-9]+' | tail -1)
 printf 'archive=rehearsal\nglibc=%s\nbuild_os=this machine\ncommit=rehearsal\n' "$glibc" >"$B/MANIFEST"
 
@@ -105,20 +108,23 @@ expect_report driver-only "(from libcuda; no nvidia-smi)"
 # 2. NCCL only in a Python environment nobody activated: found, linked as libnccl.so; the NCCL
 #    steps of variants that need nothing else run.
 h=$(home_with venv-nccl nccl)
-check venv-nccl 1 "$h" "$WORK/driver" --variant core,b022
+check venv-nccl 1 "$h" "$WORK/driver" --variant core,b022,b023-fusion
 expect_out venv-nccl "libnccl $h/.venv/lib/$site/nccl/lib/libnccl.so.2"
 expect_report venv-nccl "| core-nccl-world-1 | pass |"
 expect_report venv-nccl "| b022-nccl-world-1 | pass |"
 expect_report venv-nccl "| b022-step-overhead | pass |"
+expect_report venv-nccl "| b023-fusion-nccl-world-1 | pass |"
+expect_report venv-nccl "| b023-fusion-step-overhead | pass |"
 
 # 3. pip's nvidia/cu13 layout, no system toolkit: headers and NVRTC from there, every step runs.
 h=$(home_with cu13 nccl cu13)
-check cu13 0 "$h" "$WORK/driver" --variant plain,b022-cpp
+check cu13 0 "$h" "$WORK/driver" --variant plain,b022-cpp,b023-cpp
 expect_out cu13 "CUDA_PATH=$h/.venv/lib/$site/cu13"
 expect_out cu13 "libnvrtc $h/.venv/lib/$site/cu13/lib/libnvrtc.so.13"
 expect_report cu13 "| plain-zero-copy-world-1 | pass |"
 expect_report cu13 "| plain-exit-of-a-failed-join-under-"
 expect_report cu13 "| b022-cpp-nccl-world-1 | pass |"
+expect_report cu13 "| b023-cpp-step-overhead | pass |"
 
 # 4. Paths given on the command line win over the search.
 mkdir -p "$WORK/given/nccl" "$WORK/given/include"

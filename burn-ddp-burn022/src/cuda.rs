@@ -77,12 +77,13 @@ type Primitive = <Cube as BackendTypes>::FloatTensorPrimitive;
 /// [`CubeBackend`], which is a fusion backend exactly when `Cube`'s primitive is a fusion
 /// handle.
 trait Resolve<B> {
-    fn resolve(self) -> CubeTensor;
+    /// The cubecl tensor; `Err`: what Burn said when running the fused work that makes it.
+    fn resolve(self) -> std::result::Result<CubeTensor, String>;
 }
 
 impl<B> Resolve<B> for CubeTensor {
-    fn resolve(self) -> CubeTensor {
-        self
+    fn resolve(self) -> std::result::Result<CubeTensor, String> {
+        Ok(self)
     }
 }
 
@@ -91,9 +92,9 @@ where
     R: burn_fusion::FusionRuntime,
     B: burn_fusion::FusionBackend<FusionRuntime = R, FloatTensorPrimitive = CubeTensor>,
 {
-    fn resolve(self) -> CubeTensor {
+    fn resolve(self) -> std::result::Result<CubeTensor, String> {
         let client = self.client.clone();
-        client.resolve_tensor_float::<B>(self)
+        crate::release::fusion_resolved(client.resolve_tensor_float::<B>(self))
     }
 }
 
@@ -102,7 +103,7 @@ fn cube_tensor(rank: Rank, t: Tensor<1>, what: &str) -> Result<CubeTensor> {
     let primitive: Primitive = t.try_into_primitive::<Cube>().map_err(|e| {
         DdpError::bucket_layout(rank, format!("the {what} is not a cubecl tensor: {e:?}"))
     })?;
-    Ok(<Primitive as Resolve<CubeBackend>>::resolve(primitive))
+    <Primitive as Resolve<CubeBackend>>::resolve(primitive).map_err(|e| queued_work_failed(rank, e))
 }
 
 /// The bucket element type for a compression setting: NCCL's, and Burn's.

@@ -8,6 +8,13 @@
 /// for its error when a tensor is on another.
 pub(crate) const BACKEND_FEATURES: &str = "`flex`, `ndarray` or `cuda`";
 
+/// The cubecl tensor that resolving a fusion tensor gave (burn-fusion 0.22's resolve cannot
+/// fail), as the `cuda` module takes it.
+#[cfg(feature = "cuda")]
+pub(crate) fn fusion_resolved<T>(resolved: T) -> Result<T, String> {
+    Ok(resolved)
+}
+
 #[cfg(feature = "train")]
 pub(crate) use train::*;
 

@@ -41,15 +41,19 @@
 //! [`DistributedSampler`], [`train::DdpStrategy`] for burn-train's `SupervisedTraining` (rank
 //! 0's dashboard showing the whole job, sharded validation, rank-0 checkpoints, resume,
 //! collective stops, fault-tolerant jobs), buffers, `join`, ZeRO-1 ([`ZeroOptimizer`]) and
-//! [`pipeline`]s.
-//!
-//! Not yet on this line: the NCCL path (the 0.22 line's `cuda` feature); gradients of a model on
-//! a GPU go through the host-staged transport here.
+//! [`pipeline`]s, and the NCCL path (features `cuda`, `fusion`, `cuda-cpp`): with `cuda`, a
+//! model on a CUDA device has its buckets packed on the GPU and all-reduced by NCCL there (the
+//! `cuda` module). Burn 0.23's CUDA runtime links LLVM: run `scripts/offline-llvm.sh` once
+//! before building it without network. That path is built and linked in CI but has not yet
+//! run on a GPU on this line.
 
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 #[path = "../../burn-ddp-burn022/src/buffers.rs"]
 mod buffers;
+#[cfg(feature = "cuda")]
+#[path = "../../burn-ddp-burn022/src/cuda.rs"]
+pub mod cuda;
 #[path = "../../burn-ddp-burn022/src/data.rs"]
 mod data;
 #[path = "../../burn-ddp-burn022/src/fault.rs"]

@@ -5,7 +5,14 @@
 
 /// The features of this crate that give [`SyncBatchNorm`](crate::nn::SyncBatchNorm) a backend,
 /// for its error when a tensor is on another.
-pub(crate) const BACKEND_FEATURES: &str = "`flex`";
+pub(crate) const BACKEND_FEATURES: &str = "`flex` or `cuda`";
+
+/// The cubecl tensor that resolving a fusion tensor gave, or what failed in the fused work
+/// that makes it (burn-fusion 0.23's resolve returns Burn's `ExecutionError`).
+#[cfg(feature = "cuda")]
+pub(crate) fn fusion_resolved<T, E: std::fmt::Debug>(resolved: Result<T, E>) -> Result<T, String> {
+    resolved.map_err(|e| format!("{e:?}"))
+}
 
 #[cfg(feature = "train")]
 pub(crate) use train::*;

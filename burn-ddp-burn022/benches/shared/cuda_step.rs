@@ -1,0 +1,160 @@
+// The step time on the GPU of the Burn lines that share burn-ddp-burn022's sources, included by
+// each line's `benches/cuda_stepNNN.rs` after `use <its crate> as line;` and `const RELEASE`
+// (an included file has no inner docs).
+
+use burn_ddp_dev::args;
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Distribution, Tensor};
+use line::config::GradTransport;
+use line::{DdpConfig, GradSync, ProcessGroup};
+
+const WARMUP: usize = 10;
+
+#[derive(Module, Debug)]
+struct Mlp {
+    layers: Vec<Linear>,
+    act: Relu,
+}
+
+impl Mlp {
+    /// `depth` hidden layers of `width` (many parameters: several buckets at the defaults).
+    fn new(device: &Device, width: usize, depth: usize) -> Self {
+        let mut layers = vec![LinearConfig::new(64, width).init(device)];
+        layers.extend((0..depth).map(|_| LinearConfig::new(width, width).init(device)));
+        layers.push(LinearConfig::new(width, 10).init(device));
+        Self {
+            layers,
+            act: Relu::new(),
+        }
+    }
+
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let mut h = x;
+        let last = self.layers.len() - 1;
+        for (i, l) in self.layers.iter().enumerate() {
+            h = l.forward(h);
+            if i < last {
+                h = self.act.forward(h);
+            }
+        }
+        (h - y).square().mean()
+    }
+}
+
+/// How a side reaches its gradients' final values.
+enum Side {
+    Plain,
+    Sync(GradTransport),
+}
+
+/// Seconds per step of `steps` SGD steps (after `WARMUP`), each synchronised with the device.
+fn time_steps(
+    side: &Side,
+    device: &Device,
+    (width, depth, batch): (usize, usize, usize),
+    steps: usize,
+) -> Vec<f64> {
+    let mut sync = match side {
+        Side::Plain => None,
+        Side::Sync(t) => Some(
+            GradSync::new(
+                ProcessGroup::single(),
+                DdpConfig {
+                    transport: *t,
+                    ..DdpConfig::default()
+                },
+            )
+            .expect("GradSync"),
+        ),
+    };
+    let model = Mlp::new(device, width, depth);
+    let mut model = match sync.as_mut() {
+        Some(s) => s.prepare(model).expect("prepare"),
+        None => model,
+    };
+    if let (Some(s), Side::Sync(GradTransport::Nccl)) = (&sync, side) {
+        assert!(
+            s.uses_nccl(),
+            "GradTransport::Nccl did not take the NCCL path"
+        );
+    }
+    let mut optim = SgdConfig::new().init();
+    let x = Tensor::<2>::random([batch, 64], Distribution::Normal(0.0, 1.0), device);
+    let y = Tensor::<2>::random([batch, 10], Distribution::Normal(0.0, 1.0), device);
+    let mut times = Vec::with_capacity(steps);
+    for step in 0..WARMUP + steps {
+        let t0 = Instant::now();
+        let grads =
+            GradientsParams::from_grads(model.loss(x.clone(), y.clone()).backward(), &model);
+        let grads = match sync.as_mut() {
+            Some(s) => s.sync(&model, grads).expect("sync"),
+            None => grads,
+        };
+        model = optim.step(0.01, model, grads);
+        device.sync().expect("device sync");
+        if step >= WARMUP {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> ExitCode {
+    let rounds = match args::parse(&[]) {
+        Ok(a) => a.rounds,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let device = match line::cuda::rank_device(&ProcessGroup::single()) {
+        Ok(d) => d.autodiff(),
+        Err(e) => {
+            eprintln!("no GPU for this benchmark: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("# Burn {RELEASE} on {device:?}: plain vs GradSync, world size 1 ({rounds} rounds, medians of per-round medians)");
+    println!("| model | plain step (ms) | GradSync, nothing to sync (ms) | overhead | GradSync, NCCL device path (ms) | overhead |");
+    println!("|---|---|---|---|---|---|");
+    let sides = [
+        Side::Plain,
+        Side::Sync(GradTransport::Auto),
+        Side::Sync(GradTransport::Nccl),
+    ];
+    for (name, shape, steps) in [
+        ("MLP 1024x4", (1024, 4, 256), 200),
+        ("MLP 256x24", (256, 24, 64), 100),
+    ] {
+        let mut per_side: [Vec<f64>; 3] = Default::default();
+        for round in 0..rounds {
+            // Rotate the order so drift in the machine's speed hits every side alike.
+            for k in 0..3 {
+                let s = (round + k) % 3;
+                per_side[s].push(median(&mut time_steps(&sides[s], &device, shape, steps)));
+            }
+        }
+        let [p, a, n] = per_side.map(|mut v| median(&mut v));
+        println!(
+            "| {name} (batch {}) | {:.3} | {:.3} | {:+.2} % | {:.3} | {:+.2} % |",
+            shape.2,
+            p * 1e3,
+            a * 1e3,
+            (a / p - 1.0) * 100.0,
+            n * 1e3,
+            (n / p - 1.0) * 100.0
+        );
+    }
+    ExitCode::SUCCESS
+}
