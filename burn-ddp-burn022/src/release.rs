@@ -1,8 +1,8 @@
 //! What this line's Burn release, 0.22.1, does differently from the next, below the modules that
-//! use it (the split events, a loader's counts, `SyncBatchNorm`'s backends); `progress.rs` has
-//! the progress-logger impls. burn-ddp-burn023 compiles every other file of `src/` against Burn
-//! 0.23 with its own two; the rest of the crate names these items instead of the release's
-//! differing APIs.
+//! use it (the split events, a loader's counts, `SyncBatchNorm`'s backends, a fusion tensor's
+//! resolve); `progress.rs` has the progress-logger impls. burn-ddp-burn023 compiles every other
+//! file of `src/` against Burn 0.23 with its own two; the rest of the crate names these items
+//! instead of the release's differing APIs.
 
 /// The features of this crate that give [`SyncBatchNorm`](crate::nn::SyncBatchNorm) a backend,
 /// for its error when a tensor is on another.

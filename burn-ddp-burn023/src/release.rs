@@ -1,5 +1,6 @@
 //! What Burn 0.23 does differently from 0.22, below the modules that use it (the split events,
-//! a loader's counts, `SyncBatchNorm`'s backends); `progress.rs` has the progress-logger impls.
+//! a loader's counts, `SyncBatchNorm`'s backends, a fusion tensor's resolve); `progress.rs` has
+//! the progress-logger impls.
 //! These two files are this crate's own; every other is burn-ddp-burn022's, compiled against
 //! Burn 0.23 (see the crate's documentation), and burn-ddp-burn022 has both for 0.22.
 
