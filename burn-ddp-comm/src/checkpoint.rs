@@ -11,6 +11,12 @@ use crate::{DdpError, Result};
 /// disk, then renamed over `path` (and the directory synced). A reader sees the old file or the
 /// new one, never a mix; a crash mid-write leaves the old file intact.
 ///
+/// The temporary is locked (`flock`) until it is renamed, and a writer removes, after its own
+/// rename, only the temporaries of `path` it can lock: those of writers that died. In a
+/// fault-tolerant job two processes may write the same checkpoint: a rank 0 frozen mid-write and
+/// left out, and the new membership's rank 0, which writes it again. The frozen one's temporary
+/// stays until it resumes and renames it (the same epoch's record, so the same bytes).
+///
 /// # Errors
 /// The I/O error, with the path.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
@@ -32,7 +38,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .unwrap_or_default();
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
-        let mut f = File::create(&tmp).map_err(|e| io("creating the temporary file", e))?;
+        let mut f = locked_temporary(&tmp).map_err(|e| io("creating the temporary file", e))?;
         f.write_all(bytes).map_err(|e| io("writing", e))?;
         f.sync_all().map_err(|e| io("flushing to disk", e))?;
         fs::rename(&tmp, path).map_err(|e| io("renaming into place", e))?;
@@ -49,15 +55,44 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     result
 }
 
-/// Removes temporaries of `name` left by writers that were killed mid-write (one process
-/// writes a given checkpoint, so after its own rename no other temporary of it is live).
+/// Creates the temporary file `tmp` and locks it for this writer. Another writer's
+/// [`remove_stale_temporaries`] may remove it between its creation and the lock (it was not
+/// locked yet): then it is created again, a few times at most.
+fn locked_temporary(tmp: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::MetadataExt;
+    let mut tries = 0;
+    loop {
+        let f = File::create(tmp)?;
+        f.lock()?;
+        let (ours, there) = (f.metadata()?, fs::metadata(tmp));
+        if there.is_ok_and(|m| (m.dev(), m.ino()) == (ours.dev(), ours.ino())) {
+            return Ok(f);
+        }
+        tries += 1;
+        if tries == 5 {
+            return Err(std::io::Error::other(
+                "another writer kept removing it as it was created",
+            ));
+        }
+    }
+}
+
+/// Removes the temporaries of `name` whose writer died mid-write: those whose lock this
+/// process can take. A live writer's, frozen or not, holds its lock and stays.
 fn remove_stale_temporaries(dir: &Path, name: &str) {
     let prefix = format!(".{name}.tmp-");
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
-        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+        if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        // Removed while the lock is held, so its writer cannot have taken it in between.
+        let Ok(f) = File::open(entry.path()) else {
+            continue;
+        };
+        if f.try_lock().is_ok() {
             let _ = fs::remove_file(entry.path());
         }
     }
@@ -79,6 +114,31 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("latest.bin")]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A writer frozen mid-write (here: a temporary whose lock another open file holds, as
+    /// the frozen process would) keeps its temporary through another writer's write, and its
+    /// rename then succeeds.
+    #[test]
+    fn a_live_writers_temporary_survives_another_writers_cleanup() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-live-{}", std::process::id()));
+        let path = dir.join("model-1.bin");
+        fs::create_dir_all(&dir).unwrap();
+        let frozen = dir.join(".model-1.bin.tmp-999998");
+        let held = locked_temporary(&frozen).unwrap();
+        fs::write(&frozen, b"same").unwrap();
+        write_atomic(&path, b"same").unwrap();
+        assert!(frozen.exists(), "a live writer's temporary was removed");
+        fs::rename(&frozen, &path).unwrap();
+        drop(held);
+        assert_eq!(fs::read(&path).unwrap(), b"same");
+        write_atomic(&path, b"next").unwrap();
+        let names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("model-1.bin")]);
         fs::remove_dir_all(&dir).unwrap();
     }
 

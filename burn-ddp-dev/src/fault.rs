@@ -334,17 +334,7 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
 /// complete, with no temporary file left, and the survivors are equal.
 pub fn rank_zero_dies_while_it_writes_a_checkpoint(name: &str) {
     let dir = scratch(&format!("{name}-ckpt"));
-    let log = dir.join("launcher.log");
-    let out = dir.join("out");
-    let checkpoints = out.join("checkpoint");
-    let mut job = launch(
-        3,
-        0,
-        &example(name),
-        &classifier_args(&out, 2, 1536, 128),
-        &log,
-    );
-    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
+    let (mut job, log, checkpoints) = checkpointing_job(&dir, name, 2);
     let zero = pid_of(&job, 0);
     let first = path(&checkpoints, "model", 1);
     let deadline = Instant::now() + Duration::from_secs(300);
@@ -356,20 +346,111 @@ pub fn rank_zero_dies_while_it_writes_a_checkpoint(name: &str) {
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
     assert!(text.contains("left: [m0]"), "{text}");
-    for epoch in [1, 2] {
+    assert_checkpoints_complete(&checkpoints, &[1, 2], &text);
+    assert_equal_replicas(&text, 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// As [`rank_zero_dies_while_it_writes_a_checkpoint`] (3 epochs), but rank 0 is frozen
+/// (SIGSTOP) with a checkpoint's temporary file of epoch 1 or 2 half written, past the
+/// heartbeat bound: the others leave it out and their new rank 0 writes that checkpoint again
+/// (clearing the temporaries of dead writers) before they train the next epoch; then it is
+/// continued. Its own write must still complete (its temporary is not a dead writer's), it
+/// rejoins, and the job ends well with the last two epochs' checkpoints complete and no
+/// temporary left. A write is caught only if its temporary is still there once the signal has
+/// landed: the scenario tries each of those epochs' writes (three each) until one is.
+pub fn rank_zero_frozen_while_it_writes_a_checkpoint(name: &str) {
+    let dir = scratch(&format!("{name}-ckpt-frozen"));
+    let (mut job, log, checkpoints) = checkpointing_job(&dir, name, 3);
+    let zero = pid_of(&job, 0);
+    let mine = format!(".tmp-{zero}");
+    // A temporary of rank 0's, of epoch 1 or 2 (one of epoch 3 would leave no epoch to rejoin).
+    let temporary = || {
+        let entries = std::fs::read_dir(&checkpoints).ok()?;
+        entries.flatten().find_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let epoch = (1..=2).find(|k| name.contains(&format!("-{k}.bin")))?;
+            name.ends_with(&mine).then(|| (e.path(), epoch))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (caught, epoch) = loop {
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 was never frozen with a temporary file half written"
+        );
+        if !job.try_wait().is_ok_and(|s| s.is_none()) {
+            panic!(
+                "the job ended before rank 0 was frozen mid-write:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
+        let Some((tmp, epoch)) = temporary() else {
+            std::thread::sleep(Duration::from_micros(200));
+            continue;
+        };
+        signal(zero, "-STOP");
+        if tmp.exists() {
+            break (tmp, epoch);
+        }
+        // Renamed before the signal landed: the next write.
+        signal(zero, "-CONT");
+    };
+    wait_for(&log, "left: [m0]", Duration::from_secs(60));
+    // The survivors' end of that epoch waits for their new rank 0's write of its checkpoint.
+    wait_for(
+        &log,
+        &format!("[train] epoch {}/3", epoch + 1),
+        Duration::from_secs(60),
+    );
+    signal(zero, "-CONT");
+    let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
+    assert!(
+        ok,
+        "rank 0 frozen while writing {}:\n{text}",
+        caught.display()
+    );
+    assert!(text.contains("joined: [m0]"), "{text}");
+    assert_checkpoints_complete(&checkpoints, &[2, 3], &text);
+    assert_equal_replicas(&text, 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The job of the checkpoint scenarios in `dir` (`epochs` of them), once it trains: its launcher, its log and
+/// its checkpoint directory.
+fn checkpointing_job(dir: &Path, name: &str, epochs: u32) -> (Child, PathBuf, PathBuf) {
+    let log = dir.join("launcher.log");
+    let out = dir.join("out");
+    let job = launch(
+        3,
+        0,
+        &example(name),
+        &classifier_args(&out, epochs, 1536, 128),
+        &log,
+    );
+    wait_for(
+        &log,
+        &format!("[train] epoch 1/{epochs}"),
+        Duration::from_secs(300),
+    );
+    (job, log, out.join("checkpoint"))
+}
+
+/// The checkpoints (model, optimizer, scheduler) of `epochs` are in `checkpoints`, and no
+/// temporary file.
+fn assert_checkpoints_complete(checkpoints: &Path, epochs: &[usize], text: &str) {
+    for &epoch in epochs {
         for part in ["model", "optim", "scheduler"] {
-            let file = path(&checkpoints, part, epoch);
+            let file = path(checkpoints, part, epoch);
             assert!(file.is_file(), "{} is missing:\n{text}", file.display());
         }
     }
-    let temporaries: Vec<String> = std::fs::read_dir(&checkpoints)
+    let temporaries: Vec<String> = std::fs::read_dir(checkpoints)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .filter(|n| n.contains(".tmp-"))
         .collect();
     assert!(temporaries.is_empty(), "{temporaries:?}");
-    assert_equal_replicas(&text, 2);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The number of steps of the custom-loop scenario

@@ -50,6 +50,14 @@ fn rank_zero_lost_while_it_writes_a_checkpoint_loses_no_checkpoint() {
     fault::rank_zero_dies_while_it_writes_a_checkpoint("classifier");
 }
 
+/// Rank 0 is frozen with a checkpoint half written, left out, then continued: its write
+/// completes though the new rank 0 wrote that checkpoint again meanwhile, it rejoins, and the
+/// job ends well with its checkpoints complete.
+#[test]
+fn rank_zero_frozen_while_it_writes_a_checkpoint_rejoins_and_the_job_ends_well() {
+    fault::rank_zero_frozen_while_it_writes_a_checkpoint("classifier");
+}
+
 /// Rank 0 is frozen, left out, then continued: it rejoins, and the summary is printed once, by
 /// the rank 0 of the last membership.
 #[test]
