@@ -62,7 +62,11 @@ pub fn spawn<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     if env::launched() {
         let group = ProcessGroup::from_env()?;
         let rank = group.rank();
-        return f(group).map_err(|e| {
+        let result = f(group.clone());
+        if result.is_err() {
+            group.mark_failed();
+        }
+        return result.map_err(|e| {
             DdpError::Job(JobError::RankError {
                 rank,
                 source: e.into(),

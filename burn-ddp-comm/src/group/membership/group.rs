@@ -105,6 +105,18 @@ impl ProcessGroup {
         }
     }
 
+    /// In a fault-tolerant job: this process ends with a failure (its program's error), so that
+    /// when it leaves, the job's record counts it as gone, not as finished. Without it, a
+    /// process that returns an error is recorded as finished, and a launcher would read a job
+    /// whose last members all failed as one that finished. [`spawn`](crate::launch::spawn())
+    /// calls it when its function fails; a program that makes its group itself calls it before
+    /// it exits with an error. Nothing outside fault-tolerant jobs.
+    pub fn mark_failed(&self) {
+        if let Ok(e) = self.service() {
+            e.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
     /// Lets in the processes that asked to join ([`ProcessGroup::join_pending`]): every rank
     /// of the group calls it at the same step boundary; the joiners are behind.
     ///

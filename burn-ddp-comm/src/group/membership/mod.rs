@@ -177,6 +177,9 @@ pub(super) struct MembershipService {
     /// Training is over ([`ProcessGroup::close_joins`]): the memberships this process decides
     /// let no process in (a joiner would start training while the members evaluate).
     closed: std::sync::atomic::AtomicBool,
+    /// The process ends with a failure ([`ProcessGroup::mark_failed`]): it leaves the job
+    /// without being recorded as finished.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for MembershipService {
@@ -196,7 +199,9 @@ struct Epoch {
 
 impl Drop for MembershipService {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        // Finished: it ended without a panic or an error. A process that failed only leaves
+        // (gone), so the job's record does not count it as one that finished.
+        if !std::thread::panicking() && !self.failed.load(Ordering::SeqCst) {
             let _ = self
                 .store
                 .set_bounded(&keys::finished(self.id), b"1", Duration::from_secs(2));
@@ -319,6 +324,7 @@ pub(super) fn start(config: GroupConfig, ft: FaultTolerance) -> Result<ProcessGr
         watcher,
         admission: Mutex::new(None),
         closed: std::sync::atomic::AtomicBool::new(false),
+        failed: std::sync::atomic::AtomicBool::new(false),
         config,
     };
     if join {
@@ -953,6 +959,31 @@ mod tests {
             "{err}"
         );
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    /// A process that ends well is recorded as finished; one that ends with a failure
+    /// ([`ProcessGroup::mark_failed`]) only as gone: the launcher must not read the end of a
+    /// job whose last members all failed as one that finished.
+    #[test]
+    fn a_process_that_failed_is_not_recorded_as_finished() {
+        for failed in [false, true] {
+            let (_server, master, token, store) = lighthouse();
+            let pg = ProcessGroup::init(config(&master, &token, false)).unwrap();
+            if failed {
+                pg.mark_failed();
+            }
+            drop(pg);
+            let last = record::last_membership(&store).unwrap().unwrap();
+            assert_eq!(last.finished, vec![!failed], "failed: {failed}");
+            assert_eq!(last.ended, vec![true], "failed: {failed}");
+            let outcome = last.outcome().unwrap();
+            let expected = if failed {
+                "the job failed"
+            } else {
+                "the job finished"
+            };
+            assert!(outcome.starts_with(expected), "{outcome}");
+        }
     }
 
     #[test]

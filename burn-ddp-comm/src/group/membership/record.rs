@@ -148,7 +148,7 @@ impl LastMembership {
         } else {
             format!(
                 "the job failed: every member of its last membership (epoch {}, members {:?}) \
-                 was lost",
+                 failed or was lost",
                 self.epoch, self.members
             )
         })
