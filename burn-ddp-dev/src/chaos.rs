@@ -121,6 +121,8 @@ pub struct Report {
     pub rejoined: usize,
     /// How long the run took.
     pub took: Duration,
+    /// Every fault injected, in order, with when (from the run's start): what a failure names.
+    pub schedule: Vec<String>,
 }
 
 impl Report {
@@ -234,10 +236,16 @@ pub fn run(chaos: &Chaos) -> Result<Report, String> {
             }
             Err(e) => {
                 let log = job.text();
+                // The causes last: a report cut to its end (CI's) still says why.
                 return Err(format!(
-                    "an invariant did not hold in job {} (logs in {}): {e}\n{log}",
+                    "an invariant did not hold in job {} (logs in {}): {e}\n{log}\n\
+                     ---- the faults injected, in order ----\n{}\n\
+                     ---- what the logs say went wrong ----\n{}\n\
+                     ---- the broken invariant ----\n{e}",
                     job.index,
-                    chaos.dir.display()
+                    chaos.dir.display(),
+                    report.schedule.join("\n"),
+                    causes(&log, &chaos.program).join("\n"),
                 ));
             }
         }
@@ -574,6 +582,10 @@ impl Job {
                 crate::spawned::rank_of(victim).map_or("?".into(), |r| r.to_string()),
                 self.node_of(victim),
             );
+            report.schedule.push(format!(
+                "{:>7.1} s  {fault}",
+                started.elapsed().as_secs_f64()
+            ));
             let changes = match kind {
                 "SIGKILL" => signal(victim, rustix::process::Signal::KILL),
                 "SIGTERM" => signal(victim, rustix::process::Signal::TERM),
@@ -604,6 +616,10 @@ impl Job {
                         if let Some(&joiner) = self.ranks().iter().find(|p| !pids.contains(p)) {
                             signal(joiner, rustix::process::Signal::KILL);
                             *report.faults.entry(kind).or_default() += 1;
+                            report.schedule.push(format!(
+                                "{:>7.1} s  {kind}: its replacement, process {joiner}",
+                                started.elapsed().as_secs_f64()
+                            ));
                         }
                     }
                     true
@@ -615,6 +631,10 @@ impl Job {
                     signal(victim, rustix::process::Signal::KILL);
                     signal(other, rustix::process::Signal::KILL);
                     *report.faults.entry(kind).or_default() += 1;
+                    report.schedule.push(format!(
+                        "{:>7.1} s  {kind}: with it process {other}",
+                        started.elapsed().as_secs_f64()
+                    ));
                     true
                 }
                 "link cut past the heartbeat bound, then restored" => {
@@ -771,6 +791,31 @@ impl Job {
     }
 }
 
+/// The lines of a job's logs that say why something failed: the library's errors, failed
+/// changes of membership, panics, `program`'s own error line (`<name>: <error>`), the
+/// launcher's verdicts on its ranks.
+fn causes<'a>(log: &'a str, program: &Path) -> Vec<&'a str> {
+    const SIGNS: [&str; 6] = [
+        " ERROR ",
+        "panicked at",
+        "error:",
+        "exited with",
+        "was left out",
+        "failed",
+    ];
+    let own = program
+        .file_stem()
+        .map(|n| format!("{}: ", n.to_string_lossy()));
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            SIGNS.iter().any(|s| l.contains(s)) || own.as_ref().is_some_and(|o| l.contains(o))
+        })
+        .collect();
+    // The last ones: a failure ends a job.
+    lines[lines.len().saturating_sub(80)..].to_vec()
+}
+
 /// Whether `split` (`train`, `valid`) of `epoch` ended with a change of membership after its
 /// last step (rank 0's line `[membership] membership epoch K: ... (at epoch E, training, ...)`,
 /// then the first step of epoch K in the next split, or the end of training): the step ran on
@@ -887,6 +932,22 @@ burn-ddp run: starting member 3 in its place (local rank 1; replacement 1 of 9);
             Memberships::parse("").full(3),
             "a job that never changed is whole"
         );
+    }
+
+    #[test]
+    fn the_causes_of_a_failure_are_picked_from_the_logs() {
+        let log = "\
+[rank 0] [train] epoch 1/3  items 48/1536 | Loss epoch 1.37\n\
+[rank 1] 2026-11-29T11:59:34Z  WARN [rank 1] the change of membership failed (x); agreeing again\n\
+[rank 2] classifier022: the sampler could not be dealt again\n\
+[rank 2] classifier: not this program's line\n\
+burn-ddp run: rank 2 (member 8, pid 9) exited with status 1; the job goes on without it\n\
+[rank 0] final test accuracy: 99.00%\n";
+        let picked = causes(log, Path::new("target/debug/examples/classifier022"));
+        assert_eq!(picked.len(), 3, "{picked:?}");
+        assert!(picked[0].contains("membership failed"));
+        assert!(picked[1].contains("classifier022: the sampler"));
+        assert!(picked[2].contains("exited with status 1"));
     }
 
     #[test]
