@@ -56,25 +56,24 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Creates the temporary file `tmp` and locks it for this writer. Another writer's
-/// [`remove_stale_temporaries`] may remove it between its creation and the lock (it was not
-/// locked yet): then it is created again, a few times at most.
+/// [`remove_stale_temporaries`] may hold its lock or remove it between its creation and the
+/// lock (it was not locked yet): then it is created again, for at most about 50 ms (never a
+/// blocking lock: the other writer may be frozen while it holds it).
 fn locked_temporary(tmp: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::MetadataExt;
-    let mut tries = 0;
-    loop {
+    for _ in 0..50 {
         let f = File::create(tmp)?;
-        f.lock()?;
-        let (ours, there) = (f.metadata()?, fs::metadata(tmp));
-        if there.is_ok_and(|m| (m.dev(), m.ino()) == (ours.dev(), ours.ino())) {
-            return Ok(f);
+        if f.try_lock().is_ok() {
+            let (ours, there) = (f.metadata()?, fs::metadata(tmp));
+            if there.is_ok_and(|m| (m.dev(), m.ino()) == (ours.dev(), ours.ino())) {
+                return Ok(f);
+            }
         }
-        tries += 1;
-        if tries == 5 {
-            return Err(std::io::Error::other(
-                "another writer kept removing it as it was created",
-            ));
-        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
+    Err(std::io::Error::other(
+        "another writer of this checkpoint kept it locked or removed it as it was created",
+    ))
 }
 
 /// Removes the temporaries of `name` whose writer died mid-write: those whose lock this
@@ -139,6 +138,26 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("model-1.bin")]);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A temporary whose lock another holder keeps (a cleaner frozen while it holds it) fails
+    /// the write with an error, at once, not a wait without end.
+    #[test]
+    fn a_temporary_locked_by_another_fails_the_write_instead_of_waiting() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-held-{}", std::process::id()));
+        let path = dir.join("model-2.bin");
+        fs::create_dir_all(&dir).unwrap();
+        let tmp = dir.join(format!(".model-2.bin.tmp-{}", std::process::id()));
+        let holder = File::create(&tmp).unwrap();
+        holder.lock().unwrap();
+        let started = std::time::Instant::now();
+        let err = write_atomic(&path, b"x").unwrap_err().to_string();
+        assert!(err.contains("creating the temporary file"), "{err}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert!(!path.exists());
+        drop(holder);
+        write_atomic(&path, b"x").unwrap();
         fs::remove_dir_all(&dir).unwrap();
     }
 
