@@ -24,7 +24,7 @@
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
-use burn_ddp_dev::args;
+use burn_ddp_dev::args::{self, median};
 #[cfg(feature = "lines")]
 mod step_model_022;
 
@@ -238,20 +238,6 @@ impl Spec {
             rounds: it.next()?.parse().ok()?,
         };
         Some((kind, spec))
-    }
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
     }
 }
 

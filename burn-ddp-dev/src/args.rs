@@ -1,6 +1,8 @@
 //! The command line of the step benchmarks: `cargo bench` appends `--bench`; the rest are
 //! `--rounds N` and, for benchmarks that have several parts, their names.
 
+pub use burn_ddp_comm::launch::bench::median;
+
 /// What a benchmark was asked to run.
 pub struct Args {
     /// Rounds of interleaved measurements (default 5).

@@ -17,7 +17,7 @@
 //! cargo bench -p burn-ddp --features cuda --bench cuda_step -- --rounds 5
 //! ```
 
-use burn_ddp_dev::args;
+use burn_ddp_dev::args::{self, median};
 
 use std::process::ExitCode;
 
@@ -56,11 +56,6 @@ impl Trainer<Decorated> for DdpTrainer {
     ) -> <Decorated as AutodiffBackend>::Gradients {
         self.0.backward(loss).expect("synchronised backward")
     }
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// One side of the comparison.
@@ -130,12 +125,12 @@ fn main() -> ExitCode {
             // Rotate the order so drift in the machine's speed hits every side alike.
             for k in 0..SIDES.len() {
                 let s = (round + k) % SIDES.len();
-                let (mut t, b) = side_steps(SIDES[s].0, which, batch, steps);
-                times[s].push(median(&mut t));
+                let (t, b) = side_steps(SIDES[s].0, which, batch, steps);
+                times[s].push(median(&t));
                 buckets[s] = b;
             }
         }
-        let medians: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
+        let medians: Vec<f64> = times.iter().map(|t| median(t)).collect();
         let cells: Vec<String> = medians
             .iter()
             .zip(&buckets)

@@ -68,15 +68,14 @@ fn loss<B: Backend>(y: Tensor<B, 2>) -> Tensor<B, 1> {
 /// Median seconds per step of `step`, after one warm-up step.
 fn median_step(mut step: impl FnMut()) -> f64 {
     step();
-    let mut t: Vec<f64> = (0..STEPS)
+    let t: Vec<f64> = (0..STEPS)
         .map(|_| {
             let s = Instant::now();
             step();
             s.elapsed().as_secs_f64()
         })
         .collect();
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+    burn_ddp_dev::args::median(&t)
 }
 
 /// The unsplit model's step on the whole batch cut into `m` micro-batches whose gradients are

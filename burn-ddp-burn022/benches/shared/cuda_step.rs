@@ -2,7 +2,7 @@
 // each line's `benches/cuda_stepNNN.rs` after `use <its crate> as line;` and `const RELEASE`
 // (an included file has no inner docs).
 
-use burn_ddp_dev::args;
+use burn_ddp_dev::args::{self, median};
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -105,11 +105,6 @@ fn time_steps(
     times
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() -> ExitCode {
     let rounds = match args::parse(&[]) {
         Ok(a) => a.rounds,
@@ -142,10 +137,10 @@ fn main() -> ExitCode {
             // Rotate the order so drift in the machine's speed hits every side alike.
             for k in 0..3 {
                 let s = (round + k) % 3;
-                per_side[s].push(median(&mut time_steps(&sides[s], &device, shape, steps)));
+                per_side[s].push(median(&time_steps(&sides[s], &device, shape, steps)));
             }
         }
-        let [p, a, n] = per_side.map(|mut v| median(&mut v));
+        let [p, a, n] = per_side.map(|v| median(&v));
         println!(
             "| {name} (batch {}) | {:.3} | {:.3} | {:+.2} % | {:.3} | {:+.2} % |",
             shape.2,

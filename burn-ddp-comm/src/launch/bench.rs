@@ -470,7 +470,7 @@ fn memcpy_bandwidth(src: &[u8], dst: &mut [u8], target: Duration) -> f64 {
         std::hint::black_box(&mut *dst);
         runs.push(src.len() as f64 * iters as f64 / t.elapsed().as_secs_f64());
     }
-    median(runs)
+    median(&runs)
 }
 
 /// The sweep over several ways: within each size, `ALGORITHM_ROUNDS` rounds of every way in
@@ -547,7 +547,7 @@ fn sweep_ways<T: BenchElem>(
                 *x = T::from_i32(pattern(pg.rank().0, i));
             }
             reduce_way(pg, &w, slice, arena, opts.op)?;
-            let m = median(s);
+            let m = median(&s);
             let values = values_of(&w, slice, arena);
             rows.push(row(pg, opts, (bytes, m), values, Some(w))?);
             medians.push(m);
@@ -940,9 +940,18 @@ const REFERENCE: usize = 64 << 20;
 /// Interleaved rounds of the comparison.
 const ROUNDS: usize = 9;
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `samples`: the middle one, or the mean of the two middle ones for an even
+/// count; NaN for none. The one median of the bandwidth tool, the point-to-point benchmark and
+/// the step benchmarks (`burn_ddp_dev::args::median`).
+pub fn median(samples: &[f64]) -> f64 {
+    let mut v = samples.to_vec();
     v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    let n = v.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => v[n / 2],
+        _ => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Alternates one single-stream transfer and one all-reduce of the same size, `ROUNDS` times,
@@ -972,7 +981,7 @@ fn compare<T: BenchElem>(
         pg.all_reduce(&mut secs, ReduceOp::Max)?;
         ring.push(bytes as f64 / secs[0] / 1e9 * 2.0 * (world - 1.0) / world);
     }
-    Ok((!stream.is_empty()).then(|| (median(stream), median(ring))))
+    Ok((!stream.is_empty()).then(|| (median(&stream), median(&ring))))
 }
 
 /// Runs the benchmark as one rank of the job in the environment and prints the table on rank 0.
@@ -1058,4 +1067,17 @@ pub fn run_worker(opts: &AllReduceBench) -> BenchResult<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median;
+
+    #[test]
+    fn the_median_is_the_middle_sample_or_the_mean_of_the_two_middle_ones() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[7.0]), 7.0);
+        assert!(median(&[]).is_nan());
+    }
 }

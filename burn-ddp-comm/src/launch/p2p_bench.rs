@@ -10,7 +10,7 @@
 use crate::error::ConfigError;
 use std::time::{Duration, Instant};
 
-use super::bench::{BenchError, BenchResult};
+use super::bench::{median, BenchError, BenchResult};
 use crate::comm::memory::huge_filled;
 use crate::comm::ReduceOp;
 use crate::config::Transport;
@@ -81,11 +81,6 @@ struct Row {
     one_way: f64,
     both_ways: f64,
     busbw: f64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Seconds of `f` on the slowest rank (every rank calls it).
@@ -180,9 +175,9 @@ fn measure(
         .map(|(&transport, (one, both, bus))| Row {
             bytes,
             transport,
-            one_way: median(one),
-            both_ways: median(both),
-            busbw: median(bus),
+            one_way: median(&one),
+            both_ways: median(&both),
+            busbw: median(&bus),
         })
         .collect())
 }
