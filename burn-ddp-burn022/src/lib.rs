@@ -54,6 +54,10 @@
 //! packed on the GPU and all-reduced by NCCL there, out of place (the `cuda` module); everything
 //! else is host-staged (read from the device, reduced over the process group's TCP ring or
 //! in-process transport, written back to the device), on every backend.
+//!
+//! Feature `hold-systemstat` (default) holds systemstat below 0.2.8 in your project's resolve,
+//! compiling nothing: 0.2.8 breaks burn-train 0.22.1 whenever its `sys-metrics` feature is on
+//! (Burn's default features with `train`); `docs/guide.md`, section 1, says when to turn it off.
 
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 

@@ -46,6 +46,11 @@
 //! `cuda` module). Burn 0.23's CUDA runtime links LLVM: run `scripts/offline-llvm.sh` once
 //! before building it without network. That path is built and linked in CI but has not yet
 //! run on a GPU on this line.
+//!
+//! Feature `hold-systemstat` (default) holds systemstat below 0.2.8 in your project's resolve,
+//! compiling nothing: 0.2.8 breaks burn-train 0.23.0-pre.1 whenever its `sys-metrics` feature
+//! is on (Burn's default features with `train`); `docs/guide.md`, section 1, says when to turn
+//! it off.
 
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
