@@ -40,7 +40,6 @@ const BURN: &[(&str, u8)] = &[
     ("pipeline", 3),
     ("cuda", 4),
     ("train", 4),
-    ("fuzzing", 5),
 ];
 
 /// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them), and

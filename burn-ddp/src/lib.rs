@@ -60,7 +60,6 @@
 //! - `train` (default): [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner.
 //! - `cuda`: NCCL through cudarc for `Autodiff<Ddp<Cuda>>`; `fusion`: the same with Burn's
 //!   fusion and autotuning (what `burn = { features = ["cuda"] }` gives).
-//! - `fuzzing`: entry points for the fuzz targets (not a public API).
 //! - `hold-systemstat` (default): holds systemstat below 0.2.8 in your project's resolve,
 //!   compiling nothing: 0.2.8 breaks burn-train 0.21.0 whenever its `sys-metrics` feature is on
 //!   (Burn's default features with `train`). `docs/guide.md`, section 1, says when to turn it off.
@@ -81,9 +80,6 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod data;
 mod ddp;
-#[cfg(feature = "fuzzing")]
-#[doc(hidden)]
-pub mod fuzzing;
 pub mod nn;
 #[cfg(feature = "train")]
 #[cfg_attr(docsrs, doc(cfg(feature = "train")))]

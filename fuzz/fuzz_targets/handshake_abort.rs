@@ -2,4 +2,4 @@
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| burn_ddp::fuzzing::handshake_and_abort(data));
+fuzz_target!(|data: &[u8]| burn_ddp_comm::fuzzing::handshake_and_abort(data));

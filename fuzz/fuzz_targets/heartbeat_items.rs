@@ -2,4 +2,8 @@
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| burn_ddp::fuzzing::heartbeat_and_items(data));
+// Heartbeats read from the store, and the metric items ranks send to rank 0.
+fuzz_target!(|data: &[u8]| {
+    burn_ddp_comm::fuzzing::heartbeat(data);
+    burn_ddp_comm::fuzzing::output_items(data);
+});
