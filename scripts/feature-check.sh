@@ -16,6 +16,8 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lines.sh
+. "$root/scripts/lines.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -61,8 +63,7 @@ check() {
 }
 
 status=0
-check burn-ddp 0.21.0 '"train", "tui", "ndarray", "distributed"' || status=1
-check burn-ddp-burn022 0.22.1 '"train", "tui", "ndarray"' || status=1
-# Burn 0.23 has no NdArray: its CPU backend is Flex.
-check burn-ddp-burn023 0.23.0-pre.1 '"train", "tui", "flex"' || status=1
+for line in "${burn_lines[@]}"; do
+    check "$line" "$(line_release "$line")" "\"train\", \"tui\", $(line_backend "$line")" || status=1
+done
 exit "$status"

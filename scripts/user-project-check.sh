@@ -3,8 +3,8 @@
 # its default features and those Burn's own examples turn on, the line's crate by path, no lock
 # file, so every dependency at its newest release) is resolved afresh and compiled with
 # `cargo check`. The workspace's own builds use its Cargo.lock and cannot see a new release of a
-# dependency that breaks a user's build (systemstat 0.2.8 broke burn-train 0.21.0 and 0.22.1: see
-# `systemstat` in the root Cargo.toml); this does.
+# dependency that breaks a user's build (systemstat 0.2.8 broke burn-train 0.21.0, 0.22.1 and
+# 0.23.0-pre.1: see `systemstat` in the root Cargo.toml); this does.
 #
 #   scripts/user-project-check.sh                  # every line
 #   scripts/user-project-check.sh burn-ddp-burn022 # some: burn-ddp, burn-ddp-burn022, burn-ddp-burn023
@@ -21,6 +21,8 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=lines.sh
+. "$root/scripts/lines.sh"
 target=${USER_PROJECT_TARGET:-$root/target/user-project}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -138,19 +140,15 @@ EOF
 }
 
 lines=("$@")
-[ ${#lines[@]} -gt 0 ] || lines=(burn-ddp burn-ddp-burn022 burn-ddp-burn023)
+[ ${#lines[@]} -gt 0 ] || lines=("${burn_lines[@]}")
+for line in "${lines[@]}"; do
+    line_release "$line" >/dev/null || {
+        echo "user-project-check: unknown line '$line' (${burn_lines[*]})" >&2
+        exit 2
+    }
+done
 status=0
 for line in "${lines[@]}"; do
-    case $line in
-    # Burn 0.21's project has `distributed` too: the 0.21 line needs it (the guide says so).
-    burn-ddp) check burn-ddp 0.21.0 '"ndarray", "distributed"' || status=1 ;;
-    burn-ddp-burn022) check burn-ddp-burn022 0.22.1 '"ndarray"' || status=1 ;;
-    # Burn 0.23 has no NdArray: its CPU backend is Flex.
-    burn-ddp-burn023) check burn-ddp-burn023 0.23.0-pre.1 '"flex"' || status=1 ;;
-    *)
-        echo "user-project-check: unknown line '$line' (burn-ddp, burn-ddp-burn022 or burn-ddp-burn023)" >&2
-        exit 2
-        ;;
-    esac
+    check "$line" "$(line_release "$line")" "$(line_backend "$line")" || status=1
 done
 exit "$status"
