@@ -370,7 +370,7 @@ for v in $VARIANTS; do
             if [ -n "$DEBUGGER" ]; then
                 run "$v-exit-of-a-failed-join-under-$(basename "$DEBUGGER")" 120 nvrtc,headers \
                     env BURN_DDP_GRAD_TRANSPORT=host BURN_DDP_TEST_WORLDS=2 BURN_DDP_TEST_CHILD_WRAPPER="$SCRATCH/under-debugger" \
-                    "$BIN/$v/ddp_equivalence" --test-threads 1 --exact a_join_step_without_complete_is_an_error_at_the_next_backward
+                    "$BIN/$v/ddp_equivalence" --test-threads 1 --exact ddp_equivalence::a_join_step_without_complete_is_an_error_at_the_next_backward
             else
                 row "$v-exit-of-a-failed-join-under-a-debugger" "not run: neither cuda-gdb nor gdb is installed" ""
             fi

@@ -1,6 +1,6 @@
 //! The "after" of the guide's Burn 0.22 training-loop migration (section 5):
 //! `custom_loop022_before.rs` on several processes, changed as the guide says (each changed line
-//! is marked `// ddp:`; `tests/custom_loop022.rs` counts them). Every rank trains on its shard of
+//! is marked `// ddp:`; `tests/integration/custom_loop.rs` counts them). Every rank trains on its shard of
 //! the data with the gradients averaged over the ranks after each backward, and validates the
 //! whole validation set with the same model.
 //!

@@ -3,7 +3,7 @@
 //! config and Adam's, the model built from its config, a training and a validation loader, a loop
 //! that prints every iteration's loss and accuracy, validation on `model.valid()`).
 //! `custom_loop022_after.rs` is the same program on several processes;
-//! `tests/custom_loop022.rs` counts the lines between the two and runs the result on 2 ranks.
+//! `tests/integration/custom_loop.rs` counts the lines between the two and runs the result on 2 ranks.
 //!
 //! It runs as it is: `cargo run --release -p burn-ddp-burn022 --example custom_loop022_before`.
 

@@ -1,7 +1,7 @@
 //! The "before" of the guide's Burn 0.22 section: a Burn 0.22.1 program shaped like Burn's own
 //! examples, trained with Burn's Learner and dashboard, then evaluated by Burn's evaluator, all
 //! in one directory it starts by clearing. `learner022_after.rs` is the same program on several
-//! processes; `tests/migration022.rs` counts the lines between the two.
+//! processes; `tests/integration/migration.rs` counts the lines between the two.
 //!
 //! It runs as it is: `cargo run --release -p burn-ddp-burn022 --example learner022_before`.
 

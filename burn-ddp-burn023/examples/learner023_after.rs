@@ -1,5 +1,5 @@
 //! The "after" of the guide's Burn 0.23 section: `learner023_before.rs` on several processes,
-//! changed as the guide says (`tests/migration023.rs` counts the lines; each changed line is
+//! changed as the guide says (`tests/integration/migration.rs` counts the lines; each changed line is
 //! marked `// ddp:`). Every rank trains on its shard of the data with gradients averaged after
 //! each backward; rank 0 shows Burn's dashboard, writes the metrics and runs Burn's evaluator,
 //! as the single process did.

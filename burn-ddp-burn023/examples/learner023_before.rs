@@ -2,7 +2,7 @@
 //! Burn's own `examples/simple-regression` (a table of 8 features, a target to predict, an MLP
 //! with mean squared error), trained with Burn's Learner and a progress logger on 0.23's
 //! `Progress`, then evaluated by Burn's evaluator, all in one directory it starts by clearing.
-//! `learner023_after.rs` is the same program on several processes; `tests/migration023.rs`
+//! `learner023_after.rs` is the same program on several processes; `tests/integration/migration.rs`
 //! counts the lines between the two.
 //!
 //! It runs as it is: `cargo run --release -p burn-ddp-burn023 --example learner023_before`.

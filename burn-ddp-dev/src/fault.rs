@@ -509,7 +509,8 @@ pub fn drive_loop<C, M: Clone, O: Clone>(
 pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
     let dir = scratch(&format!("loop-{child}"));
     let (log, log_join) = (dir.join("launcher.log"), dir.join("joiner.log"));
-    let args: Vec<String> = [child, "--exact", "--nocapture", "--test-threads=1"]
+    let path = crate::procs::test_path(child);
+    let args: Vec<String> = [path.as_str(), "--exact", "--nocapture", "--test-threads=1"]
         .iter()
         .map(|s| s.to_string())
         .collect();

@@ -33,6 +33,53 @@ pub fn world_selected(world: usize) -> bool {
     }
 }
 
+/// The full name of test `name` in this test binary, for `--exact`: a crate's integration tests
+/// are one binary with a module per former file, so the harness knows test `conv_sgd` as
+/// `equivalence::conv_sgd`. `name` is a test function's name (or a path ending in one): the
+/// binary lists its tests once (`--list`), and the one test whose path ends in `::name` is
+/// returned. A name that no test or several tests end in panics, naming them (qualify it with
+/// its module then).
+pub fn test_path(name: &str) -> String {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let list = LIST.get_or_init(|| {
+        let exe = std::env::current_exe().expect("test binary path");
+        let out = Command::new(&exe)
+            .args(["--list", "--format", "terse"])
+            .env_remove(CHILD)
+            .output()
+            .unwrap_or_else(|e| panic!("listing the tests of {}: {e}", exe.display()));
+        assert!(
+            out.status.success(),
+            "listing the tests of {} failed: {}",
+            exe.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.strip_suffix(": test"))
+            .map(str::to_string)
+            .collect()
+    });
+    resolve_test(list, name)
+}
+
+/// [`test_path`]'s choice among the tests `list` (full paths).
+fn resolve_test(list: &[String], name: &str) -> String {
+    if list.iter().any(|t| t == name) {
+        return name.to_string();
+    }
+    let suffix = format!("::{name}");
+    let found: Vec<&String> = list.iter().filter(|t| t.ends_with(&suffix)).collect();
+    match found.as_slice() {
+        [one] => one.to_string(),
+        [] => panic!("this test binary has no test named {name:?} (its tests: {list:?})"),
+        many => panic!(
+            "several tests of this test binary end in {name:?}: {many:?}; name one by its \
+             module path"
+        ),
+    }
+}
+
 /// In a child process of test `name`: `true`.
 pub fn is_child(name: &str) -> bool {
     std::env::var(CHILD).is_ok_and(|v| v == name)
@@ -198,10 +245,7 @@ impl TestJob {
     pub fn run(self) -> Outcomes {
         let exe = std::env::current_exe().expect("test binary path");
         let args: Vec<OsString> = vec![
-            self.function
-                .clone()
-                .unwrap_or_else(|| self.test.clone())
-                .into(),
+            test_path(self.function.as_deref().unwrap_or(&self.test)).into(),
             "--exact".into(),
             "--nocapture".into(),
             "--test-threads=1".into(),
@@ -425,5 +469,45 @@ fn child_command(exe: &std::path::Path) -> Command {
             cmd
         }
         None => Command::new(exe),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve_test;
+
+    fn list() -> Vec<String> {
+        [
+            "equivalence::conv_sgd",
+            "equivalence::conv_sgd_join",
+            "a::same",
+            "b::same",
+            "top",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    #[test]
+    fn a_function_name_resolves_to_its_one_module_path() {
+        assert_eq!(resolve_test(&list(), "conv_sgd"), "equivalence::conv_sgd");
+        assert_eq!(
+            resolve_test(&list(), "conv_sgd_join"),
+            "equivalence::conv_sgd_join"
+        );
+        assert_eq!(resolve_test(&list(), "a::same"), "a::same");
+        assert_eq!(resolve_test(&list(), "top"), "top");
+    }
+
+    #[test]
+    #[should_panic(expected = "several tests of this test binary end in \"same\"")]
+    fn a_name_two_modules_share_must_be_qualified() {
+        resolve_test(&list(), "same");
+    }
+
+    #[test]
+    #[should_panic(expected = "has no test named \"sgd\"")]
+    fn a_name_no_test_has_is_refused() {
+        resolve_test(&list(), "sgd");
     }
 }

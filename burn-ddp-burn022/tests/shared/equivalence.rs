@@ -1,5 +1,5 @@
 // The equivalence tests of the Burn lines that share burn-ddp-burn022's sources, included by each
-// line's `tests/equivalence.rs` after `use <the line's crate> as line;` (an included file has no
+// line's `tests/integration/equivalence.rs` after `use <the line's crate> as line;` (an included file has no
 // inner attributes or docs of its own; its tests keep their names, which the multi-process harness
 // runs by).
 
