@@ -509,11 +509,7 @@ pub fn drive_loop<C, M: Clone, O: Clone>(
 pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
     let dir = scratch(&format!("loop-{child}"));
     let (log, log_join) = (dir.join("launcher.log"), dir.join("joiner.log"));
-    let path = crate::procs::test_path(child);
-    let args: Vec<String> = [path.as_str(), "--exact", "--nocapture", "--test-threads=1"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let args = crate::procs::rerun_args(child);
     let env = [("BURN_DDP_TEST_CHILD", child)];
     let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
     let exe = std::env::current_exe().unwrap();

@@ -63,6 +63,14 @@ pub fn test_path(name: &str) -> String {
     resolve_test(list, name)
 }
 
+/// The arguments that make this test binary run test `name` ([`test_path`]) alone, its output
+/// not captured: what every harness that re-runs a test in a child process passes.
+pub fn rerun_args(name: &str) -> Vec<String> {
+    let mut args = vec![test_path(name)];
+    args.extend(["--exact", "--nocapture", "--test-threads=1"].map(String::from));
+    args
+}
+
 /// [`test_path`]'s choice among the tests `list` (full paths).
 fn resolve_test(list: &[String], name: &str) -> String {
     if list.iter().any(|t| t == name) {
@@ -244,12 +252,10 @@ impl TestJob {
     /// signal into its output and fails that rank.
     pub fn run(self) -> Outcomes {
         let exe = std::env::current_exe().expect("test binary path");
-        let args: Vec<OsString> = vec![
-            test_path(self.function.as_deref().unwrap_or(&self.test)).into(),
-            "--exact".into(),
-            "--nocapture".into(),
-            "--test-threads=1".into(),
-        ];
+        let args: Vec<OsString> = rerun_args(self.function.as_deref().unwrap_or(&self.test))
+            .into_iter()
+            .map(OsString::from)
+            .collect();
         let mut job =
             LocalJob::standalone(exe.clone(), args.clone(), self.world).expect("free port");
         job.output = Output::Capture;

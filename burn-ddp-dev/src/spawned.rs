@@ -268,13 +268,7 @@ pub fn assert_summary_counts_completed_epochs(stdout: &str) {
 /// stdout after checking that it passed. The test does its real work when it finds `var` set.
 pub fn rerun_in_child(name: &str, var: &str, dir: &std::path::Path) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            &crate::procs::test_path(name),
-            "--nocapture",
-            "--test-threads",
-            "1",
-        ])
+        .args(crate::procs::rerun_args(name))
         .env(var, dir)
         .output()
         .unwrap();

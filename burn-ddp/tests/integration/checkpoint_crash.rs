@@ -11,7 +11,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::Tensor;
 use burn_ddp::checkpoint::{load_module, save_module, write_atomic};
-use burn_ddp_dev::procs::test_path;
+use burn_ddp_dev::procs::rerun_args;
 
 type B = NdArray;
 
@@ -65,11 +65,7 @@ fn killed_writer_leaves_a_loadable_checkpoint() {
              see both an overwrite and an interrupted write"
         );
         let mut child = Command::new(&exe)
-            .args([
-                "--exact",
-                test_path("killed_writer_leaves_a_loadable_checkpoint").as_str(),
-                "--nocapture",
-            ])
+            .args(rerun_args("killed_writer_leaves_a_loadable_checkpoint"))
             .env(CHILD, &dir)
             .spawn()
             .unwrap();
