@@ -298,8 +298,9 @@ struct Job {
     args: Vec<String>,
     /// Bytes of the log parsed for membership epochs so far, and what they said.
     memberships: Memberships,
-    /// Every process a fault hit.
-    hit: Vec<u32>,
+    /// Every process a fault killed (signalled, or lost with its node); not those frozen or
+    /// cut off, which are meant to live on.
+    killed: Vec<u32>,
 }
 
 /// One launcher of a job: its process and its log.
@@ -390,7 +391,7 @@ impl Job {
             cluster: None,
             args: Vec::new(),
             memberships: Memberships::default(),
-            hit: Vec::new(),
+            killed: Vec::new(),
         };
         let id = format!("chaos-{}-{index}", std::process::id());
         let mut args: Vec<String> = ["--fault-tolerant", "--rdzv-id", &id]
@@ -624,7 +625,6 @@ impl Job {
             let kind = bag.pop().unwrap_or(KINDS[0]);
             let at = Instant::now();
             let victim = pids[rng.random_range(0..pids.len())];
-            self.hit.push(victim);
             // Named in a broken invariant's message.
             let fault = format!(
                 "{kind}: process {victim} (started as rank {}) on node {:?}, in membership \
@@ -638,6 +638,9 @@ impl Job {
             ));
             // How long a fault that ends by itself (a freeze, a cut link) lasts.
             let mut lapse = None;
+            if !kind.starts_with("frozen") && !kind.starts_with("link cut") {
+                self.killed.push(victim);
+            }
             let changes = match kind {
                 "SIGKILL" => signal(victim, rustix::process::Signal::KILL),
                 "SIGTERM" => signal(victim, rustix::process::Signal::TERM),
@@ -667,7 +670,7 @@ impl Job {
                     if fresh {
                         std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
                         if let Some(&joiner) = self.ranks().iter().find(|p| !pids.contains(p)) {
-                            self.hit.push(joiner);
+                            self.killed.push(joiner);
                             signal(joiner, rustix::process::Signal::KILL);
                             *report.faults.entry(kind).or_default() += 1;
                             report.schedule.push(format!(
@@ -682,7 +685,7 @@ impl Job {
                     let other = pids[(pids.iter().position(|&p| p == victim).unwrap_or(0)
                         + rng.random_range(1..pids.len()))
                         % pids.len()];
-                    self.hit.push(other);
+                    self.killed.push(other);
                     signal(victim, rustix::process::Signal::KILL);
                     signal(other, rustix::process::Signal::KILL);
                     *report.faults.entry(kind).or_default() += 1;
@@ -821,7 +824,7 @@ impl Job {
             let status = self.launchers[i].child.wait().map_err(|e| e.to_string())?;
             if !status.success() {
                 let log = std::fs::read_to_string(&self.launchers[i].log).unwrap_or_default();
-                if killed_in_the_end(&log, &self.hit).is_some() {
+                if killed_in_the_end(&log, &self.killed).is_some() {
                     late += 1;
                     continue;
                 }
@@ -1005,12 +1008,12 @@ pub fn clock_seed() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// The process of `hit` whose death failed a launcher whose log is `log`: the launcher's error
-/// says a member of the job's last membership was killed, and its line on that member names a
-/// process a fault hit. A rank killed after the job's last change of membership (its collectives
+/// The process of `killed` whose death failed a launcher whose log is `log`: the launcher's
+/// error says a member of the job's last membership was killed, and its line on that member
+/// names a process a fault killed. A rank killed after the job's last change of membership (its collectives
 /// all done, its end not yet recorded) fails the job, as it must: the launcher cannot know what
 /// the program still had to do.
-fn killed_in_the_end(log: &str, hit: &[u32]) -> Option<u32> {
+fn killed_in_the_end(log: &str, killed: &[u32]) -> Option<u32> {
     let error = log
         .lines()
         .rev()
@@ -1029,7 +1032,7 @@ fn killed_in_the_end(log: &str, hit: &[u32]) -> Option<u32> {
             .0
             .parse()
             .ok()?;
-        hit.contains(&pid).then_some(pid)
+        killed.contains(&pid).then_some(pid)
     })
 }
 
