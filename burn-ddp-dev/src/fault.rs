@@ -12,7 +12,9 @@ use burn_ddp_comm::grad::LoopState;
 use burn_ddp_comm::train::files::path;
 use burn_ddp_comm::DdpError;
 
-use crate::spawned::{children, classifier_args, digests, example, finish, rank_of, wait_for};
+use crate::spawned::{
+    children, classifier_args, digests, example, finish, paced, rank_of, wait_for, FAULT_PACE,
+};
 
 /// A fresh scratch directory for the test `name`.
 pub fn scratch(name: &str) -> PathBuf {
@@ -146,7 +148,10 @@ fn classifier_losing(
         3,
         restarts,
         &example(name),
-        &classifier_args(&dir.join("out"), 2, TRAIN_ITEMS, 128),
+        &paced(
+            classifier_args(&dir.join("out"), 2, TRAIN_ITEMS, 128),
+            FAULT_PACE,
+        ),
         &log,
     );
     wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
@@ -304,7 +309,7 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
         3,
         0,
         &example(name),
-        &classifier_args(&dir.join("out"), 3, 1536, 128),
+        &paced(classifier_args(&dir.join("out"), 3, 1536, 128), FAULT_PACE),
         &log,
     );
     wait_for(&log, "[train] epoch 1/3", Duration::from_secs(300));

@@ -4,6 +4,8 @@
 
 use std::f32::consts::PI;
 use std::path::Path;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -256,9 +258,82 @@ pub fn check_sizes(train: usize, test: usize, world: usize) -> Result<(), String
     Ok(())
 }
 
+// ------------------------------------------------------------------ pace
+
+/// The classifier examples' `--min-step-ms`: a training step takes at least `period`, however
+/// fast the machine, so that a run can be watched and a test's fault lands mid-epoch on an
+/// optimised build as on a debug one. A step that is slower anyway is not delayed; a zero
+/// period never waits.
+#[derive(Debug, Default)]
+pub struct Pace {
+    period: Duration,
+    last: Mutex<Option<Instant>>,
+}
+
+impl Pace {
+    /// At most one step per `period`.
+    pub fn new(period: Duration) -> Self {
+        Self {
+            period,
+            last: Mutex::new(None),
+        }
+    }
+
+    /// Waits until `period` has passed since the previous call returned (the first returns at
+    /// once).
+    pub fn wait(&self) {
+        if self.period.is_zero() {
+            return;
+        }
+        let mut last = self.last.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(due) = last.map(|at| at + self.period) {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+        }
+        *last = Some(Instant::now());
+    }
+}
+
+/// A number of milliseconds (`--min-step-ms`).
+pub fn millis(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>()
+        .map(Duration::from_millis)
+        .map_err(|e| format!("not a whole number of milliseconds: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pace_spaces_its_steps_by_its_period_and_a_zero_one_never_waits() {
+        let pace = Pace::new(Duration::from_millis(30));
+        let start = Instant::now();
+        for _ in 0..3 {
+            pace.wait();
+        }
+        // Two periods at least between the first step and the third (sleep never wakes early).
+        assert!(start.elapsed() >= Duration::from_millis(60));
+        let none = Pace::default();
+        for _ in 0..3 {
+            none.wait();
+        }
+        assert!(
+            none.last.lock().unwrap().is_none(),
+            "a zero period recorded a step"
+        );
+    }
+
+    #[test]
+    fn min_step_ms_takes_whole_milliseconds() {
+        assert_eq!(millis("250"), Ok(Duration::from_millis(250)));
+        assert!(millis("0.5")
+            .unwrap_err()
+            .contains("whole number of milliseconds"));
+        assert!(millis("-1").is_err());
+    }
 
     /// The bytes of an IDX file of unsigned bytes with `shape` and `data`.
     fn idx_file(shape: &[u32], data: &[u8]) -> Vec<u8> {

@@ -339,7 +339,13 @@ fn fault_tolerant_args(
     }
     args.push("--".into());
     args.push(crate::spawned::example(example).display().to_string());
-    args.extend(crate::spawned::classifier_args(out, 3, 1536, 128));
+    // Node 2 is cut off a moment into the first epoch, ends once it has lost the store, and
+    // is started again to join: the job must still be training then.
+    let classifier = crate::spawned::classifier_args(out, 3, 1536, 128);
+    args.extend(crate::spawned::paced(
+        classifier,
+        2 * crate::spawned::FAULT_PACE,
+    ));
     args
 }
 

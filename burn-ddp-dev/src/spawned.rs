@@ -118,6 +118,18 @@ pub fn example(name: &str) -> PathBuf {
     path
 }
 
+/// The least time a classifier step takes (`--min-step-ms`) in the scenarios that inject their
+/// fault a moment after an epoch starts: its 32 steps then outlast that moment, and what must
+/// follow the fault before the job ends (a replacement joining, a frozen rank rejoining), on a
+/// machine or build however fast. A step that takes longer anyway is not delayed.
+pub const FAULT_PACE: std::time::Duration = std::time::Duration::from_millis(150);
+
+/// `args` with `--min-step-ms` of `step`.
+pub fn paced(mut args: Vec<String>, step: std::time::Duration) -> Vec<String> {
+    args.extend(["--min-step-ms".into(), step.as_millis().to_string()]);
+    args
+}
+
 /// The classifier example's arguments for a test job: `epochs` over `train` generated images
 /// in batches of 16 per rank, `test` test images, the parameter digest printed at the end
 /// ([`digest`]), its files in `out`.

@@ -7,7 +7,7 @@ use burn_ddp_dev::images;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::{Dataset, InMemDataset};
@@ -60,6 +60,10 @@ struct Args {
     /// Every rank prints a digest of its final parameters (to check that they agree).
     #[arg(long)]
     print_digest: bool,
+    /// Each training step takes at least this many milliseconds (a pause before its batch
+    /// when it would be quicker): to watch a run, or to inject a fault mid-epoch on any machine.
+    #[arg(long, default_value = "0", value_parser = images::millis)]
+    min_step_ms: Duration,
     /// In an elastic job (`burn-ddp run --nnodes MIN:MAX`), scale the learning rate with the
     /// world size: `--lr` is the first round's, each later round trains with
     /// `lr × world / first world` (the linear scaling rule for the changed global batch).
@@ -125,10 +129,10 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
             .with_shuffle(false)
             .with_even_shards(false),
     );
-    let train_loader = DataLoaderBuilder::new(ImageBatcher)
+    let train_loader = DataLoaderBuilder::new(ImageBatcher::paced(args.min_step_ms))
         .batch_size(args.batch_size)
         .build(Arc::clone(&train_set));
-    let test_loader = DataLoaderBuilder::new(ImageBatcher)
+    let test_loader = DataLoaderBuilder::new(ImageBatcher::default())
         .batch_size(256)
         .build(Arc::clone(&test_set));
 

@@ -10,7 +10,10 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 
-use crate::images::{Item, SIDE};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::images::{Item, Pace, SIDE};
 
 #[derive(Module, Debug)]
 pub struct Cnn {
@@ -85,10 +88,23 @@ pub struct Batch {
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct ImageBatcher;
+pub struct ImageBatcher {
+    /// Paces the batches it makes (training's: `--min-step-ms`).
+    pace: Arc<Pace>,
+}
+
+impl ImageBatcher {
+    /// A batcher whose batches are made at most one per `period`.
+    pub fn paced(period: Duration) -> Self {
+        Self {
+            pace: Arc::new(Pace::new(period)),
+        }
+    }
+}
 
 impl Batcher<Item, Batch> for ImageBatcher {
     fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
+        self.pace.wait();
         let n = items.len();
         let pixels: Vec<f32> = items
             .iter()

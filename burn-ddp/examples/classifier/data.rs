@@ -2,11 +2,14 @@
 //! `images.rs`, shared with the Burn 0.22 example).
 
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::prelude::*;
 
+use crate::images::Pace;
 pub use crate::images::{Item, SHAPES, SIDE};
 
 pub struct Data {
@@ -47,10 +50,23 @@ pub struct Batch<B: Backend> {
 }
 
 #[derive(Debug, Clone, Default)]
-pub struct ImageBatcher;
+pub struct ImageBatcher {
+    /// Paces the batches it makes (training's: `--min-step-ms`).
+    pace: Arc<Pace>,
+}
+
+impl ImageBatcher {
+    /// A batcher whose batches are made at most one per `period`.
+    pub fn paced(period: Duration) -> Self {
+        Self {
+            pace: Arc::new(Pace::new(period)),
+        }
+    }
+}
 
 impl<B: Backend> Batcher<B, Item, Batch<B>> for ImageBatcher {
     fn batch(&self, items: Vec<Item>, device: &B::Device) -> Batch<B> {
+        self.pace.wait();
         let n = items.len();
         let pixels: Vec<f32> = items
             .iter()

@@ -25,7 +25,7 @@ mod model;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
@@ -84,6 +84,10 @@ struct Args {
     /// Every rank prints a digest of its final parameters (to check that they agree).
     #[arg(long)]
     print_digest: bool,
+    /// Each training step takes at least this many milliseconds (a pause before its batch
+    /// when it would be quicker): to watch a run, or to inject a fault mid-epoch on any machine.
+    #[arg(long, default_value = "0", value_parser = images::millis)]
+    min_step_ms: Duration,
     /// Compress the gradients with PowerSGD of this rank (off by default; a resume starts its
     /// warm-up again).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -146,10 +150,10 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
             .with_shuffle(false)
             .with_even_shards(false),
     );
-    let train_loader = DataLoaderBuilder::new(ImageBatcher)
+    let train_loader = DataLoaderBuilder::new(ImageBatcher::paced(args.min_step_ms))
         .batch_size(args.batch_size)
         .build(Arc::clone(&train_set));
-    let test_loader = DataLoaderBuilder::<Inner, _, _>::new(ImageBatcher)
+    let test_loader = DataLoaderBuilder::<Inner, _, _>::new(ImageBatcher::default())
         .batch_size(256)
         .build(Arc::clone(&test_set));
 
