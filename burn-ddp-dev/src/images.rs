@@ -4,7 +4,7 @@
 
 use std::f32::consts::PI;
 use std::path::Path;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use rand::rngs::StdRng;
@@ -263,11 +263,11 @@ pub fn check_sizes(train: usize, test: usize, world: usize) -> Result<(), String
 /// The classifier examples' `--min-step-ms`: a training step takes at least `period`, however
 /// fast the machine, so that a run can be watched and a test's fault lands mid-epoch on an
 /// optimised build as on a debug one. A step that is slower anyway is not delayed; a zero
-/// period never waits.
-#[derive(Debug, Default)]
+/// period never waits. Its clones share one pace (a batcher is cloned with it).
+#[derive(Debug, Clone, Default)]
 pub struct Pace {
     period: Duration,
-    last: Mutex<Option<Instant>>,
+    last: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Pace {
@@ -275,7 +275,7 @@ impl Pace {
     pub fn new(period: Duration) -> Self {
         Self {
             period,
-            last: Mutex::new(None),
+            last: Arc::default(),
         }
     }
 
@@ -294,13 +294,6 @@ impl Pace {
         }
         *last = Some(Instant::now());
     }
-}
-
-/// A number of milliseconds (`--min-step-ms`).
-pub fn millis(s: &str) -> Result<Duration, String> {
-    s.parse::<u64>()
-        .map(Duration::from_millis)
-        .map_err(|e| format!("not a whole number of milliseconds: {e}"))
 }
 
 #[cfg(test)]
@@ -324,15 +317,6 @@ mod tests {
             none.last.lock().unwrap().is_none(),
             "a zero period recorded a step"
         );
-    }
-
-    #[test]
-    fn min_step_ms_takes_whole_milliseconds() {
-        assert_eq!(millis("250"), Ok(Duration::from_millis(250)));
-        assert!(millis("0.5")
-            .unwrap_err()
-            .contains("whole number of milliseconds"));
-        assert!(millis("-1").is_err());
     }
 
     /// The bytes of an IDX file of unsigned bytes with `shape` and `data`.

@@ -62,8 +62,8 @@ struct Args {
     print_digest: bool,
     /// Each training step takes at least this many milliseconds (a pause before its batch
     /// when it would be quicker): to watch a run, or to inject a fault mid-epoch on any machine.
-    #[arg(long, default_value = "0", value_parser = images::millis)]
-    min_step_ms: Duration,
+    #[arg(long, default_value_t = 0)]
+    min_step_ms: u64,
     /// In an elastic job (`burn-ddp run --nnodes MIN:MAX`), scale the learning rate with the
     /// world size: `--lr` is the first round's, each later round trains with
     /// `lr × world / first world` (the linear scaling rule for the changed global batch).
@@ -129,7 +129,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Failure> {
             .with_shuffle(false)
             .with_even_shards(false),
     );
-    let train_loader = DataLoaderBuilder::new(ImageBatcher::paced(args.min_step_ms))
+    let pace = images::Pace::new(Duration::from_millis(args.min_step_ms));
+    let train_loader = DataLoaderBuilder::new(ImageBatcher(pace))
         .batch_size(args.batch_size)
         .build(Arc::clone(&train_set));
     let test_loader = DataLoaderBuilder::new(ImageBatcher::default())

@@ -10,9 +10,6 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use crate::images::{Item, Pace, SIDE};
 
 #[derive(Module, Debug)]
@@ -87,24 +84,13 @@ pub struct Batch {
     pub targets: Tensor<1, Int>,
 }
 
+/// Its batches are made at most one per the pace's period (training's: `--min-step-ms`).
 #[derive(Debug, Clone, Default)]
-pub struct ImageBatcher {
-    /// Paces the batches it makes (training's: `--min-step-ms`).
-    pace: Arc<Pace>,
-}
-
-impl ImageBatcher {
-    /// A batcher whose batches are made at most one per `period`.
-    pub fn paced(period: Duration) -> Self {
-        Self {
-            pace: Arc::new(Pace::new(period)),
-        }
-    }
-}
+pub struct ImageBatcher(pub Pace);
 
 impl Batcher<Item, Batch> for ImageBatcher {
     fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
-        self.pace.wait();
+        self.0.wait();
         let n = items.len();
         let pixels: Vec<f32> = items
             .iter()

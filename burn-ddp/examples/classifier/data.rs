@@ -2,8 +2,6 @@
 //! `images.rs`, shared with the Burn 0.22 example).
 
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
@@ -49,24 +47,13 @@ pub struct Batch<B: Backend> {
     pub targets: Tensor<B, 1, Int>,
 }
 
+/// Its batches are made at most one per the pace's period (training's: `--min-step-ms`).
 #[derive(Debug, Clone, Default)]
-pub struct ImageBatcher {
-    /// Paces the batches it makes (training's: `--min-step-ms`).
-    pace: Arc<Pace>,
-}
-
-impl ImageBatcher {
-    /// A batcher whose batches are made at most one per `period`.
-    pub fn paced(period: Duration) -> Self {
-        Self {
-            pace: Arc::new(Pace::new(period)),
-        }
-    }
-}
+pub struct ImageBatcher(pub Pace);
 
 impl<B: Backend> Batcher<B, Item, Batch<B>> for ImageBatcher {
     fn batch(&self, items: Vec<Item>, device: &B::Device) -> Batch<B> {
-        self.pace.wait();
+        self.0.wait();
         let n = items.len();
         let pixels: Vec<f32> = items
             .iter()

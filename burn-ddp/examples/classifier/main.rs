@@ -86,8 +86,8 @@ struct Args {
     print_digest: bool,
     /// Each training step takes at least this many milliseconds (a pause before its batch
     /// when it would be quicker): to watch a run, or to inject a fault mid-epoch on any machine.
-    #[arg(long, default_value = "0", value_parser = images::millis)]
-    min_step_ms: Duration,
+    #[arg(long, default_value_t = 0)]
+    min_step_ms: u64,
     /// Compress the gradients with PowerSGD of this rank (off by default; a resume starts its
     /// warm-up again).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
@@ -150,7 +150,8 @@ fn train(args: &Args, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error 
             .with_shuffle(false)
             .with_even_shards(false),
     );
-    let train_loader = DataLoaderBuilder::new(ImageBatcher::paced(args.min_step_ms))
+    let pace = images::Pace::new(Duration::from_millis(args.min_step_ms));
+    let train_loader = DataLoaderBuilder::new(ImageBatcher(pace))
         .batch_size(args.batch_size)
         .build(Arc::clone(&train_set));
     let test_loader = DataLoaderBuilder::<Inner, _, _>::new(ImageBatcher::default())
