@@ -142,24 +142,38 @@ impl EndWatch {
 }
 
 /// Why the launcher stops a rank that is still running, if it must: the job ended without it
-/// (a rank left out of the membership, frozen or still asking to join), or it is a member that
-/// has not ended [`ENDING_LIMIT`] after the others of the last membership.
-fn must_stop(slot: &Slot, m: &LastMembership, late: bool) -> Option<String> {
-    let place = m.members.iter().position(|id| *id == slot.member);
+/// (a rank left out of the membership, frozen or still asking to join: it outlived the job,
+/// which did not need it), or it is a member that has not ended [`ENDING_LIMIT`] after the
+/// others of the last membership (a failure of the job).
+fn must_stop(member: u32, m: &LastMembership, late: bool) -> Option<Stop> {
+    let place = m.members.iter().position(|id| *id == member);
     match place {
-        None if m.outcome().is_some() => Some(format!(
-            "is still running after the job ended (its last membership, epoch {}, was {} and \
-             did not include it: left out, frozen, or still waiting to join)",
-            m.epoch,
-            ids(&m.members)
-        )),
-        Some(i) if late && !m.ended[i] => Some(format!(
-            "has not ended {ENDING_LIMIT:?} after the other members of the job's last \
-             membership (epoch {}) did (frozen?)",
-            m.epoch
-        )),
+        None if m.outcome().is_some() => Some(Stop {
+            why: format!(
+                "is still running after the job ended (its last membership, epoch {}, was {} \
+                 and did not include it: left out, frozen, or still waiting to join)",
+                m.epoch,
+                ids(&m.members)
+            ),
+            outlived: true,
+        }),
+        Some(i) if late && !m.ended[i] => Some(Stop {
+            why: format!(
+                "has not ended {ENDING_LIMIT:?} after the other members of the job's last \
+                 membership (epoch {}) did (frozen?)",
+                m.epoch
+            ),
+            outlived: false,
+        }),
         _ => None,
     }
+}
+
+/// A rank the launcher stops ([`must_stop`]).
+struct Stop {
+    why: String,
+    /// The job ended without it: a process out of the job, alive at its end, not needed.
+    outlived: bool,
 }
 
 /// Runs this node's ranks of a fault-tolerant job (the store must be served already: by this
@@ -233,7 +247,8 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
 
     let mut ended: Vec<(u32, Running)> = Vec::new();
     // Whether a process of this node failed only once the job had ended (it was out of the
-    // job, left out or never let in, and asked to join after training).
+    // job, left out or never let in, and asked to join after training), or was stopped here
+    // because the job had ended without it (still frozen, or still waiting to join).
     let mut outlived = false;
     let mut replacements = 0;
     let mut interrupted = false;
@@ -337,13 +352,15 @@ pub fn run(job: &LocalJob, ft: FaultTolerantLaunch, serving: bool) -> Result<Fau
             if let Ok(Some(m)) = last_membership(&store) {
                 let late = watch.late(&m);
                 for s in slots.iter_mut().filter(|s| s.stopping.is_none()) {
-                    if let Some(why) = must_stop(s, &m, late) {
+                    if let Some(stop) = must_stop(s.member, &m, late) {
                         eprintln!(
-                            "burn-ddp run: rank {} (member {}, pid {}) {why}; stopping it",
+                            "burn-ddp run: rank {} (member {}, pid {}) {}; stopping it",
                             s.running.rank,
                             s.member,
-                            s.running.child.id()
+                            s.running.child.id(),
+                            stop.why
                         );
+                        outlived |= stop.outlived;
                         spawn::signal(&s.running.child, crate::sys::Signal::Cont);
                         spawn::signal(&s.running.child, crate::sys::Signal::Term);
                         s.stopping = Some(Instant::now());
@@ -467,8 +484,9 @@ fn check_first_launch(store: &StoreClient, job: &LocalJob) -> Result<()> {
 /// This node's verdict: its ranks in the job's last membership must all have succeeded. A node
 /// with none there succeeds with a job that finished when none of its processes was ever let in
 /// (`admitted` false: they asked to join a job whose training was over), or when one of them was
-/// still alive when the job ended and failed only after (`outlived`: left out, cut off or frozen
-/// past the heartbeat bound, it asked to join again after training): it was not needed.
+/// still alive when the job ended and failed or was stopped only after (`outlived`: left out, cut
+/// off or frozen past the heartbeat bound, it asked to join again after training, or was still
+/// frozen at the end): it was not needed.
 fn judge(
     exits: &[(u32, RankExit)],
     last: &Result<Option<LastMembership>>,
@@ -529,8 +547,8 @@ fn judge(
     if mine.is_empty() {
         if (!admitted || outlived) && finished_well() {
             let how = if admitted {
-                "while this node's processes were out of it (left out after a fault, they asked \
-                 to join again after its training was over)"
+                "while this node's processes were out of it (left out after a fault, they were \
+                 still frozen or asking to join again when its training was over)"
             } else {
                 "before this node's processes were let in (they asked to join after its \
                  training was over)"
@@ -614,5 +632,48 @@ mod tests {
         // A member of the last membership that failed fails its node.
         let member = [(1, exit(1, 1 << 8))];
         assert!(judge(&member, &finished(), true, true, false).is_some());
+    }
+
+    /// The launcher stops a process the finished job did not include (frozen past its end, or
+    /// still waiting to join) as one that outlived the job, so its node succeeds; a member of
+    /// the last membership that has not ended late after the others is stopped as a failure.
+    /// (The chaos run on etcd found this: a node whose rank was frozen, left out and still
+    /// frozen when training ended failed, saying "every rank of this node was lost".)
+    #[test]
+    fn a_process_stopped_because_the_job_ended_without_it_outlived_the_job() {
+        let done = finished().unwrap().unwrap();
+        let stop = must_stop(2, &done, false).expect("stopped");
+        assert!(
+            stop.outlived && stop.why.contains("did not include it"),
+            "{}",
+            stop.why
+        );
+        let stopped = [(2, exit(2, libc::SIGTERM))];
+        assert!(judge(&stopped, &finished(), true, stop.outlived, false).is_none());
+        assert!(
+            must_stop(1, &done, true).is_none(),
+            "a member that ended is not stopped"
+        );
+        let running = LastMembership {
+            ended: vec![true, false],
+            finished: vec![true, false],
+            ..done.clone()
+        };
+        assert!(must_stop(1, &running, false).is_none(), "not late yet");
+        let late = must_stop(1, &running, true).expect("stopped");
+        assert!(
+            !late.outlived && late.why.contains("frozen?"),
+            "{}",
+            late.why
+        );
+        let unfinished = LastMembership {
+            ended: vec![false, false],
+            finished: vec![false, false],
+            ..done
+        };
+        assert!(
+            must_stop(2, &unfinished, false).is_none(),
+            "the job goes on: it may join"
+        );
     }
 }
