@@ -41,6 +41,14 @@ use crate::types::{AbortRecord, Rank};
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(10);
 /// The bound of one RPC attempt; a failed one is retried until the request's deadline.
 pub(crate) const ATTEMPT: Duration = Duration::from_secs(2);
+/// The least time a request is given, however short its own wait: one attempt stuck on a member
+/// that is cut off or dead ([`ATTEMPT`]; the client may route a request there until its
+/// keep-alive finds it gone), the remaining majority's election of a leader (etcd's default
+/// election timeout is 1 s, randomised up to twice that), and an attempt on the new leader. With
+/// [`ATTEMPT`] alone, a process's first request after a member's loss could time out on that
+/// member and the process take itself for cut off from a majority that was there (seen in the
+/// chaos run on etcd: ranks 0 and 2 "cannot reach the job's store" while only node 1 was cut).
+pub(crate) const FAILOVER: Duration = Duration::from_secs(5);
 /// The longest a wait watches before it reads its keys again (a watch whose member died
 /// stays silent).
 const WATCH_SLICE: Duration = Duration::from_secs(1);
@@ -587,7 +595,7 @@ impl EtcdLink {
         wait: Duration,
         slack: Duration,
     ) -> Outcome<Reply> {
-        let deadline = Instant::now() + wait + slack.max(ATTEMPT);
+        let deadline = Instant::now() + wait + slack.max(FAILOVER);
         let rt = runtime().map_err(EtcdFailure::Lost)?;
         rt.block_on(async { self.answer(request, deadline).await })
     }
