@@ -829,16 +829,11 @@ impl Job {
                     continue;
                 }
                 // Its own last words first: a report cut to its start (CI's) still says why.
-                let said: Vec<&str> = log
-                    .lines()
-                    .filter(|l| l.starts_with("burn-ddp"))
-                    .rev()
-                    .take(4)
-                    .collect();
+                let said: Vec<&str> = log.lines().filter(|l| l.starts_with("burn-ddp")).collect();
                 return Err(format!(
                     "the launcher of node {node} ({}) exited with {status}, its last lines: {}",
                     self.launchers[i].log.display(),
-                    said.into_iter().rev().collect::<Vec<_>>().join(" | ")
+                    said[said.len().saturating_sub(4)..].join(" | ")
                 ));
             }
         }

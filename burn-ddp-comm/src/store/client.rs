@@ -332,7 +332,7 @@ impl StoreClient {
                     ErrorKind::TimedOut,
                     format!(
                         "no member of the etcd cluster answered the store {op} within {:?}",
-                        wait + slack.max(super::etcd::FAILOVER)
+                        super::etcd::allowed(wait, slack)
                     ),
                 )),
                 super::etcd::EtcdFailure::Lost(e) => self.lost(e),

@@ -49,6 +49,12 @@ pub(crate) const ATTEMPT: Duration = Duration::from_secs(2);
 /// member and the process take itself for cut off from a majority that was there (seen in the
 /// chaos run on etcd: ranks 0 and 2 "cannot reach the job's store" while only node 1 was cut).
 pub(crate) const FAILOVER: Duration = Duration::from_secs(5);
+
+/// The time a request of its own `wait`, whose reply may take `slack` beyond it, is given in all
+/// (what [`EtcdLink::execute`] waits, and what its timeout reports).
+pub(crate) fn allowed(wait: Duration, slack: Duration) -> Duration {
+    wait + slack.max(FAILOVER)
+}
 /// The longest a wait watches before it reads its keys again (a watch whose member died
 /// stays silent).
 const WATCH_SLICE: Duration = Duration::from_secs(1);
@@ -595,7 +601,7 @@ impl EtcdLink {
         wait: Duration,
         slack: Duration,
     ) -> Outcome<Reply> {
-        let deadline = Instant::now() + wait + slack.max(FAILOVER);
+        let deadline = Instant::now() + allowed(wait, slack);
         let rt = runtime().map_err(EtcdFailure::Lost)?;
         rt.block_on(async { self.answer(request, deadline).await })
     }
