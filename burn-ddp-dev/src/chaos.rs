@@ -638,6 +638,8 @@ impl Job {
             ));
             // How long a fault that ends by itself (a freeze, a cut link) lasts.
             let mut lapse = None;
+            // A membership epoch the job's return to full strength must come after (below).
+            let mut restored_after = None;
             if !kind.starts_with("frozen") && !kind.starts_with("link cut") {
                 self.killed.push(victim);
             }
@@ -670,6 +672,7 @@ impl Job {
                     if fresh {
                         std::thread::sleep(Duration::from_millis(rng.random_range(0..800)));
                         if let Some(&joiner) = self.ranks().iter().find(|p| !pids.contains(p)) {
+                            let replaced = self.memberships.replacements;
                             self.killed.push(joiner);
                             signal(joiner, rustix::process::Signal::KILL);
                             *report.faults.entry(kind).or_default() += 1;
@@ -677,6 +680,17 @@ impl Job {
                                 "{:>7.1} s  {kind}: its replacement, process {joiner}",
                                 started.elapsed().as_secs_f64()
                             ));
+                            // The joiner may have joined already: until the survivors notice
+                            // its loss, the newest membership is the full one it is in, and a
+                            // fault let in then would hit a job of two members and a process
+                            // still joining (two ranks killed at once would end it, as it
+                            // must). So full strength counts again only in a membership that
+                            // began after the joiner's own replacement was started.
+                            if self.wait(chaos, report, "the joiner's replacement", |m| {
+                                m.replacements > replaced
+                            })? {
+                                restored_after = Some(self.memberships.newest());
+                            }
                         }
                     }
                     true
@@ -743,7 +757,10 @@ impl Job {
             }
             let what = format!("the job's return to full strength after the fault ({fault})");
             // A change may still follow an absorbed fault (the victim's own side giving up).
-            if self.wait(chaos, report, &what, |m| m.full(chaos.nproc))? && !absorbed {
+            let full = |m: &Memberships| {
+                m.full(chaos.nproc) && restored_after.is_none_or(|e| m.newest() > e)
+            };
+            if self.wait(chaos, report, &what, full)? && !absorbed {
                 report.restored.push(at.elapsed());
             }
         }
