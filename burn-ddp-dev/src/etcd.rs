@@ -14,6 +14,17 @@ use crate::netns::Net;
 /// The features the etcd tests build with, over the workspace.
 pub const ETCD_FEATURES: &str = "burn-ddp/etcd,burn-ddp-burn022/etcd,burn-ddp-burn023/etcd";
 
+/// The features of the builds the etcd tests make (the launcher, an example): those the run
+/// that built the tests names in `BURN_DDP_TEST_FEATURES` (.ci/run builds them with more than
+/// [`ETCD_FEATURES`]), else [`ETCD_FEATURES`]. With the test build's own features over the
+/// whole workspace, cargo finds every unit current and builds nothing.
+pub fn build_features() -> String {
+    std::env::var("BURN_DDP_TEST_FEATURES")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| ETCD_FEATURES.to_string())
+}
+
 /// etcd's client port on each node.
 pub const CLIENT_PORT: u16 = 2379;
 const PEER_PORT: u16 = 2380;
@@ -226,52 +237,31 @@ pub fn which(program: &str) -> Option<PathBuf> {
     })
 }
 
-/// The `burn-ddp` launcher built with the `etcd` feature (built now; cargo does nothing when
-/// it is current).
-pub fn etcd_launcher() -> PathBuf {
+/// The `burn-ddp` launcher and the example `name`, built now with every line's `etcd` feature
+/// over the whole workspace, in one cargo run (`cargo test --test X` builds no example; cargo
+/// does nothing when they are current). The features are [`build_features`], those the tests
+/// were built with (`cargo test --workspace --features ...`), so that Burn is not built a second
+/// time with another feature set; and the launcher is built beside an example because an
+/// example's build, as a test build, turns on the dev-dependencies' features: a build of the
+/// launcher alone would resolve the core's dependencies without them and compile the core again.
+pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
     let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "-p",
-            "burn-ddp-comm",
-            "--features",
-            "cli,etcd",
-            "--bin",
-            "burn-ddp",
-        ])
-        .current_dir(crate::package_dir())
-        .status()
-        .unwrap();
-    assert!(status.success(), "building the launcher with etcd failed");
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    profile_dir.join("burn-ddp")
-}
-
-/// The example `name`, built now with every line's `etcd` feature over the whole workspace
-/// (`cargo test --test X` builds no example; cargo does nothing when it is current). The
-/// features are [`ETCD_FEATURES`], those .ci/run tests with (`cargo test --workspace --features
-/// ...`), so that Burn is not built a second time with another feature set.
-pub fn etcd_example(name: &str) -> PathBuf {
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--workspace",
-            "--features",
-            ETCD_FEATURES,
-            "--example",
-            name,
-        ])
+        .args(["build", "--workspace", "--features"])
+        .arg(build_features())
+        .args(["--bin", "burn-ddp", "--example", name])
         .current_dir(crate::package_dir())
         .status()
         .unwrap();
     assert!(
         status.success(),
-        "building the example {name} with etcd failed"
+        "building the launcher and the example {name} with etcd failed"
     );
     let exe = std::env::current_exe().unwrap();
     let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    profile_dir.join("examples").join(name)
+    (
+        profile_dir.join("burn-ddp"),
+        profile_dir.join("examples").join(name),
+    )
 }
 
 /// The scenario every line's classifier passes on the etcd store: a fault-tolerant job of three
@@ -283,8 +273,7 @@ pub fn node_loss_scenario(example: &str, name: &str) {
     let net = Net::new(3);
     let dir = crate::netns::scratch(name);
     let cluster = EtcdCluster::start(&net, &[0, 1, 2], &dir);
-    let launcher = etcd_launcher();
-    let program = etcd_example(example);
+    let (launcher, program) = etcd_builds(example);
     let mut children = Vec::new();
     let mut logs = Vec::new();
     for node in 0..3 {

@@ -573,10 +573,8 @@ fn chaos_with(name: &str, faults: usize, etcd: bool) {
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(crate::chaos::clock_seed);
     let (program, launcher) = if etcd {
-        (
-            crate::etcd::etcd_example(name),
-            crate::etcd::etcd_launcher(),
-        )
+        let (launcher, program) = crate::etcd::etcd_builds(name);
+        (program, launcher)
     } else {
         (example(name), crate::spawned::launcher())
     };
