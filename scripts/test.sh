@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 select=("$@")
 [ ${#select[@]} -gt 0 ] || select=(--workspace)
 if [ "${BURN_DDP_TEST_RUNNER:-}" != cargo ] && cargo nextest --version >/dev/null 2>&1; then
-    cargo nextest run "${select[@]}" --no-fail-fast
+    # Three slots per CPU (.config/nextest.toml says how tests take them); NEXTEST_TEST_THREADS
+    # chooses another count.
+    threads=${NEXTEST_TEST_THREADS:-$((3 * $(nproc)))}
+    cargo nextest run "${select[@]}" --no-fail-fast --test-threads "$threads"
     cargo test "${select[@]}" --doc
 else
     [ "${BURN_DDP_TEST_RUNNER:-}" = cargo ] || echo "test.sh: cargo-nextest is not installed; cargo test runs the binaries one after another" >&2
