@@ -251,13 +251,12 @@ pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
         .args(["--bin", "burn-ddp", "--example", name])
         .current_dir(crate::package_dir())
         .status()
-        .unwrap();
+        .expect("cargo (the one that built this test) could not be started");
     assert!(
         status.success(),
         "building the launcher and the example {name} with etcd failed"
     );
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
+    let profile_dir = crate::spawned::profile_dir();
     (
         profile_dir.join("burn-ddp"),
         profile_dir.join("examples").join(name),

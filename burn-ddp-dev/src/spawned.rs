@@ -100,13 +100,20 @@ impl Drop for Spawned {
     }
 }
 
+/// The target folder of this test binary's profile, where cargo puts the workspace's binaries
+/// and examples: a test binary lies in `target/<profile>/deps/`.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("the running test binary has a path");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("a test binary lies in target/<profile>/deps/")
+        .to_path_buf()
+}
+
 /// The built example `name` (`cargo test` builds the examples; `cargo test --test X` does not,
 /// so it is built here when missing).
 pub fn example(name: &str) -> PathBuf {
-    // target/<profile>/deps/<this test> -> target/<profile>/examples/<name>
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    let path = profile_dir.join("examples").join(name);
+    let path = profile_dir().join("examples").join(name);
     if !path.exists() {
         let status = Command::new(env!("CARGO"))
             .args(["build", "--example", name])
@@ -192,9 +199,7 @@ pub fn digests(log: &str) -> Vec<(String, String)> {
 
 /// The `burn-ddp` launcher (built from burn-ddp-comm when missing).
 pub fn launcher() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(|d| d.parent()).unwrap();
-    let path = profile_dir.join("burn-ddp");
+    let path = profile_dir().join("burn-ddp");
     if !path.exists() {
         let status = Command::new(env!("CARGO"))
             .args(["build", "-p", "burn-ddp-comm", "--bin", "burn-ddp"])
