@@ -19,6 +19,12 @@ the current content, whatever the commits' dates say. This holds when runs do no
 .ci/run holds a lock for that. Nothing else may build into CI's target folder (a working tree's
 build there would be taken for the content recorded).
 
+Cargo does not rebuild a workspace crate because the workspace moved, and each CI run is a
+clone in a folder of its own: a path compiled in (`env!("CARGO_MANIFEST_DIR")`) would name an
+earlier clone's folder, gone by then. So the script refuses a tracked source of a library, test
+or example that has one; such code reads the variable when it runs (cargo and cargo-nextest set
+it for the tests and programs they run).
+
 RECORD is rewritten before the run builds anything (lines `<sha256> <mtime_ns> <path>`).
 """
 
@@ -64,6 +70,22 @@ def main():
     now = time.time_ns()
     kept = changed = 0
     lines = []
+    compiled_in = [
+        path
+        for path in tracked()
+        if path.endswith(".rs")
+        and "/benches/" not in f"/{path}"
+        and os.path.isfile(path)
+        and 'env!("CARGO_MANIFEST_DIR")' in open(path, encoding="utf-8").read()
+    ]
+    if compiled_in:
+        sys.exit(
+            "ci_mtimes: these sources compile in the folder of the clone they were built in, "
+            "which CI's cached build would keep after the clone is gone: "
+            + ", ".join(compiled_in)
+            + '; read it when the code runs, std::env::var_os("CARGO_MANIFEST_DIR"), instead '
+            "of env!(\"CARGO_MANIFEST_DIR\")"
+        )
     for path in tracked():
         if os.path.islink(path) or not os.path.isfile(path):
             continue
