@@ -42,12 +42,6 @@ def tracked():
     return [p.decode() for p in out.split(b"\0") if p]
 
 
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load(record):
@@ -70,36 +64,36 @@ def main():
     now = time.time_ns()
     kept = changed = 0
     lines = []
-    compiled_in = [
-        path
-        for path in tracked()
-        if path.endswith(".rs")
-        and "/benches/" not in f"/{path}"
-        and os.path.isfile(path)
-        and 'env!("CARGO_MANIFEST_DIR")' in open(path, encoding="utf-8").read()
-    ]
+    compiled_in = []
+    for path in tracked():
+        if os.path.islink(path) or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            content = f.read()
+        if (
+            path.endswith(".rs")
+            and "/benches/" not in f"/{path}"
+            and b'env!("CARGO_MANIFEST_DIR")' in content
+        ):
+            compiled_in.append(path)
+        digest = hashlib.sha256(content).hexdigest()
+        old = known.get(path)
+        if old is not None and old[0] == digest:
+            ns = old[1]
+            kept += 1
+        else:
+            ns = now
+            changed += 1
+        os.utime(path, ns=(ns, ns))
+        lines.append(f"{digest} {ns} {path}\n")
     if compiled_in:
         sys.exit(
             "ci_mtimes: these sources compile in the folder of the clone they were built in, "
             "which CI's cached build would keep after the clone is gone: "
             + ", ".join(compiled_in)
             + '; read it when the code runs, std::env::var_os("CARGO_MANIFEST_DIR"), instead '
-            "of env!(\"CARGO_MANIFEST_DIR\")"
+            'of env!("CARGO_MANIFEST_DIR")'
         )
-    for path in tracked():
-        if os.path.islink(path) or not os.path.isfile(path):
-            continue
-        digest = sha256(path)
-        old = known.get(path)
-        if old is not None and old[0] == digest:
-            ns = old[1]
-            os.utime(path, ns=(ns, ns))
-            kept += 1
-        else:
-            ns = now
-            os.utime(path, ns=(ns, ns))
-            changed += 1
-        lines.append(f"{digest} {ns} {path}\n")
     tmp = f"{record}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(lines)

@@ -64,14 +64,11 @@ const BURN022: &[(&str, u8)] = &[
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
 const BELOW: u8 = 0;
 
-/// The repository (this test is burn-ddp-comm's: its package directory is one below). Read
-/// when the test runs (cargo and cargo-nextest set `CARGO_MANIFEST_DIR` for the tests they run),
-/// not when it is compiled: CI's cached test binary may have been built in another clone.
+/// The repository (this test is burn-ddp-comm's: its package directory is one below), read
+/// when the test runs, not when it is compiled: CI's cached test binary may have been built in
+/// another clone.
 fn root() -> PathBuf {
-    let package = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect(
-        "CARGO_MANIFEST_DIR is not set: run this test with cargo test or cargo nextest run",
-    ));
-    package
+    burn_ddp_dev::package_dir()
         .parent()
         .expect("burn-ddp-comm/ is in the repository")
         .to_path_buf()
