@@ -47,6 +47,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::data::dataloader::Progress;
 use burn::tensor::Device;
+#[cfg(feature = "tui")]
 use burn::train::renderer::tui::TuiMetricsRendererWrapper;
 use burn::train::{
     Learner, LearnerModel, LearningResult, SupervisedLearningStrategy, SupervisedTraining,
@@ -246,12 +247,19 @@ impl<M: LearnerModel> DdpTraining<M> for SupervisedTraining<M> {
             Renderer::Lines => {
                 training.renderer(Box::new(WithMembership::new(lines, board.clone())))
             }
+            #[cfg(feature = "tui")]
             Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
                 // estimate uses).
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
                 training.renderer(Box::new(WithMembership::new(tui, board.clone())))
+            }
+            // Without this crate's `tui` feature Burn's dashboard is not compiled in (Burn's
+            // own `tui` may be, for its choice below): progress lines with the membership.
+            #[cfg(not(feature = "tui"))]
+            Renderer::DashboardWithMembership => {
+                training.renderer(Box::new(WithMembership::new(lines, board.clone())))
             }
             Renderer::Burn => training,
             Renderer::Headless => training.renderer(Box::new(Headless)),

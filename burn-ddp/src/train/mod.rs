@@ -47,6 +47,7 @@ use burn_ddp_comm::train::terminal::{RankOutput, Renderer};
 
 use burn::data::dataloader::Progress;
 use burn::tensor::backend::Backend;
+#[cfg(feature = "tui")]
 use burn::train::renderer::tui::TuiMetricsRendererWrapper;
 use burn::train::{
     Learner, LearningComponentsTypes, LearningResult, SupervisedLearningStrategy,
@@ -245,12 +246,19 @@ impl<LC: LearningComponentsTypes + Send + 'static> DdpTraining<LC> for Supervise
         }
         let mut training = match out.renderer {
             Renderer::Lines => training.renderer(WithMembership::new(lines, board.clone())),
+            #[cfg(feature = "tui")]
             Renderer::DashboardWithMembership => {
                 // Burn's terminal dashboard, as burn-train would make it (without the epoch
                 // of an explicit `SupervisedTraining::checkpoint`, which only its time
                 // estimate uses).
                 let tui = TuiMetricsRendererWrapper::new(training.interrupter(), None);
                 training.renderer(WithMembership::new(tui, board.clone()))
+            }
+            // Without this crate's `tui` feature Burn's dashboard is not compiled in (Burn's
+            // own `tui` may be, for its choice below): progress lines with the membership.
+            #[cfg(not(feature = "tui"))]
+            Renderer::DashboardWithMembership => {
+                training.renderer(WithMembership::new(lines, board.clone()))
             }
             Renderer::Burn => training,
             Renderer::Headless => training.renderer(Headless),
