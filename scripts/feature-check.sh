@@ -1,69 +1,139 @@
 #!/usr/bin/env bash
-# Adding burn-ddp to a Burn project rebuilds none of the project's crates: for each Burn line, a
-# project that depends on Burn with its default features and the Learner's (`train`, `tui`, a
-# CPU backend: what Burn's own examples ask for) is resolved without and with the line, and every
-# package of the first build must be in the second with the same version and the same features.
-# A feature more on a crate Burn already builds (rustix's `process`, half's `default`, ...) would
-# change that crate's build and so rebuild it and every crate above it, Burn's included.
+# Adding burn-ddp to a Burn project rebuilds none of the project's crates, whatever Burn features
+# the project chose. For each Burn line and each feature set below, a project that depends on
+# Burn is resolved afresh (every dependency at its newest release) without and with the line;
+# every package of the first build must be in the second with the same version and the same
+# features. A feature more on a crate Burn already builds (rustix's `termios`, time's
+# `local-offset`, Burn's `tui`, ...) would change that crate's build and so rebuild it and every
+# crate above it, Burn's included. Then the project with the line is compiled (`cargo check`), so
+# that a dependency release that breaks such a project shows here too.
 #
-#   scripts/feature-check.sh            # every line; exit 1 naming the packages that change
-#
-# Burn 0.21's project asks for Burn's `distributed` feature too: the 0.21 line's backend
+# The sets (Burn's features; the line with its default features, and with its `tui` feature in
+# the `+tui` sets):
+#   defaults       Burn's default features, `train` and a CPU backend (Burn's Learner examples)
+#   defaults+tui   the same with `tui` (Burn's dashboard)
+#   bare           `default-features = false` with `std`, `train` and a CPU backend (Burn's
+#                  custom-training-loop examples)
+#   bare+tui       the same with `tui`
+# Burn 0.21's projects ask for Burn's `distributed` feature too: the 0.21 line's backend
 # implements Burn's `DistributedBackend` trait, which only exists with it, so a 0.21 project
-# without it builds Burn once more with it (the guide says to add it).
+# without it builds Burn once more with it (the guide says to add it). They have no `bare` sets:
+# burn-backend 0.21.0's `distributed` feature compiles `use cubecl::device::DeviceId;`
+# (src/backend/distributed/ops.rs, line 1) without turning on its `cubecl` feature, so a Burn 0.21
+# project with `default-features = false` and `distributed` does not compile until some crate
+# turns `burn-backend/cubecl` on (the 0.21 line does, and so changes it).
 #
-# Needs the crates.io index (cargo resolves the two projects; nothing is compiled).
+#   scripts/feature-check.sh                  # every line and set; exit 1 naming what changes
+#   scripts/feature-check.sh --resolve-only   # the comparison alone, nothing compiled
+#
+# FEATURE_CHECK_TARGET: the compiled projects' target folder (default `target/feature-check`;
+# CI gives the user-project check's, in its cache, so each run recompiles only what a new
+# release changed). Needs the crates.io index and the crates' sources (cargo fetches them).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=lines.sh
 . "$root/scripts/lines.sh"
+compile=1
+case ${1:-} in
+--resolve-only) compile=0 ;;
+"") ;;
+*)
+    echo "usage: scripts/feature-check.sh [--resolve-only]" >&2
+    exit 2
+    ;;
+esac
+target=${FEATURE_CHECK_TARGET:-$root/target/feature-check}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-# check LINE_CRATE BURN_VERSION BURN_FEATURES
+# line_sets LINE: the feature sets that apply to LINE's release (above).
+line_sets() {
+    case $1 in
+    burn-ddp) echo defaults defaults+tui ;;
+    *) echo defaults defaults+tui bare bare+tui ;;
+    esac
+}
+
+# check LINE SET
 check() {
-    local line=$1 burn=$2 features=$3
+    local line=$1 set=$2 burn defaults features ours=""
+    burn=$(line_release "$line")
+    case $set in
+    defaults*) defaults=true features="\"train\"" ;;
+    bare*) defaults=false features="\"std\", \"train\"" ;;
+    esac
+    case $set in
+    *+tui) features="$features, \"tui\"" ours=', features = ["tui"]' ;;
+    esac
+    # Burn 0.22's bare sets on Flex, the backend of Burn 0.22's custom-loop examples; every
+    # other set on the line's CPU backend (lines.sh).
+    case $line-$set in
+    burn-ddp-burn022-bare*) features="$features, \"flex\"" ;;
+    *) features="$features, $(line_backend "$line")" ;;
+    esac
+    local dir=$work/$line-$set
     for side in without with; do
-        mkdir -p "$work/$line/$side/src"
-        echo 'fn main() {}' >"$work/$line/$side/src/main.rs"
+        mkdir -p "$dir/$side/src"
         {
-            printf '[package]\nname = "project"\nversion = "0.1.0"\nedition = "2021"\n\n'
-            printf '[dependencies]\nburn = { version = "=%s", features = [%s] }\n' \
-                "$burn" "$features"
+            printf '[package]\nname = "project"\nversion = "0.1.0"\nedition = "2021"\npublish = false\n\n'
+            printf '[dependencies]\nburn = { version = "=%s", default-features = %s, features = [%s] }\n' \
+                "$burn" "$defaults" "$features"
             if [ "$side" = with ]; then
-                printf '%s = { path = "%s/%s" }\n' "$line" "$root" "$line"
+                printf '%s = { path = "%s/%s"%s }\n' "$line" "$root" "$line" "$ours"
             fi
             printf '\n[workspace]\n'
-        } >"$work/$line/$side/Cargo.toml"
+        } >"$dir/$side/Cargo.toml"
     done
+    echo 'fn main() {}' >"$dir/without/src/main.rs"
+    line_main "$line" >"$dir/with/src/main.rs"
     # The same versions on both sides: the project with the line resolves first, and the one
     # without starts from its lock file (cargo drops the packages it does not need).
-    (cd "$work/$line/with" && cargo generate-lockfile --quiet)
-    cp "$work/$line/with/Cargo.lock" "$work/$line/without/"
+    (cd "$dir/with" && cargo generate-lockfile --quiet)
+    cp "$dir/with/Cargo.lock" "$dir/without/"
     for side in without with; do
-        (cd "$work/$line/$side" &&
+        (cd "$dir/$side" &&
             cargo tree --quiet -e normal,build -f '{p}|{f}' --prefix none |
             sed 's/ (\*)$//' | grep -v '^project v' | sort -u >"../$side.txt")
     done
-    local changed
-    changed=$(comm -23 "$work/$line/without.txt" "$work/$line/with.txt")
+    local what="a Burn $burn project (default-features = $defaults, [$features])" changed
+    changed=$(comm -23 "$dir/without.txt" "$dir/with.txt")
     if [ -n "$changed" ]; then
-        echo "feature-check: adding $line to a Burn $burn project changes how these of its packages build (package|features without it):" >&2
+        echo "feature-check: adding $line$ours to $what changes how these of its packages build (package|features without it):" >&2
         printf '%s\n' "$changed" >&2
         echo "with it:" >&2
         while IFS='|' read -r pkg _; do
-            grep -F "$pkg|" "$work/$line/with.txt" >&2 || echo "$pkg: not built" >&2
+            grep -F "$pkg|" "$dir/with.txt" >&2 || echo "$pkg: not built" >&2
         done <<<"$changed"
         return 1
     fi
-    printf 'feature-check: %s adds %d packages to a Burn %s project and changes none of its %d\n' \
-        "$line" "$(($(wc -l <"$work/$line/with.txt") - $(wc -l <"$work/$line/without.txt")))" \
-        "$burn" "$(wc -l <"$work/$line/without.txt")"
+    local added=$(($(wc -l <"$dir/with.txt") - $(wc -l <"$dir/without.txt")))
+    local kept
+    kept=$(wc -l <"$dir/without.txt")
+    if [ "$compile" = 0 ]; then
+        printf 'feature-check: %s%s adds %d packages to %s and changes none of its %d\n' \
+            "$line" "$ours" "$added" "$what" "$kept"
+        return 0
+    fi
+    local start=$SECONDS
+    if ! (cd "$dir/with" && cargo check --quiet --target-dir "$target") >"$dir/check.log" 2>&1; then
+        {
+            printf 'feature-check: %s with %s%s does NOT compile (every dependency at its newest release):\n' \
+                "$what" "$line" "$ours"
+            awk '/^error/ { on = 1 } on { print } /^$/ { on = 0 }' "$dir/check.log" | head -60
+            grep -q '^error' "$dir/check.log" || tail -30 "$dir/check.log"
+            echo "feature-check: scripts/user-project-check.sh $line names the dependency release that broke such a build, when one did."
+        } >&2
+        return 1
+    fi
+    printf 'feature-check: %s%s adds %d packages to %s, changes none of its %d, and compiles (%d s)\n' \
+        "$line" "$ours" "$added" "$what" "$kept" "$((SECONDS - start))"
 }
 
 status=0
 for line in "${burn_lines[@]}"; do
-    check "$line" "$(line_release "$line")" "\"train\", \"tui\", $(line_backend "$line")" || status=1
+    for set in $(line_sets "$line"); do
+        check "$line" "$set" || status=1
+    done
 done
 exit "$status"

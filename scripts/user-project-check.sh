@@ -33,32 +33,6 @@ trap 'rm -rf "$work"' EXIT
 # backend.
 common='"std", "train", "tui", "metrics", "dataset", "vision"'
 
-# line_main LINE: a program that uses the line (its gradient sync's configuration and the Learner
-# strategy's type), so that the check reaches the line's code, not only its dependencies'.
-line_main() {
-    case $1 in
-    burn-ddp)
-        cat <<'EOF'
-type B = burn::backend::Autodiff<burn_ddp::Ddp<burn::backend::NdArray>>;
-fn main() {
-    let _config = burn_ddp::DdpConfig::default();
-    println!("{}", std::any::type_name::<burn_ddp::prelude::DdpStrategy<B>>());
-}
-EOF
-        ;;
-    burn-ddp-burn022 | burn-ddp-burn023)
-        local krate=${1//-/_}
-        cat <<EOF
-fn main() {
-    let _config = $krate::DdpConfig::default();
-    println!("{} {}", std::any::type_name::<$krate::GradSync>(),
-        std::any::type_name::<$krate::train::DdpStrategy>());
-}
-EOF
-        ;;
-    esac
-}
-
 # write_manifest DIR LINE BURN_VERSION FEATURES [HOLD_CRATE HOLD_BELOW HOLD_FLOOR]
 write_manifest() {
     local dir=$1 line=$2 burn=$3 features=$4
