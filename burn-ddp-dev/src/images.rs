@@ -329,9 +329,14 @@ mod tests {
         bytes
     }
 
+    /// Where [`mnist_dir`] puts the files named `name`.
+    fn mnist_path(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("burn-ddp-idx-{name}-{}", std::process::id()))
+    }
+
     /// A directory of the four MNIST files: `n` images with these labels.
     fn mnist_dir(name: &str, labels: &[u8], side: u32) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("burn-ddp-idx-{name}-{}", std::process::id()));
+        let dir = mnist_path(name);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let n = labels.len() as u32;
@@ -371,6 +376,9 @@ mod tests {
         std::fs::write(dir.join("train-labels-idx1-ubyte"), [0u8, 0, 8, 1, 0xff]).unwrap();
         let e = mnist(&dir).unwrap_err();
         assert!(e.contains("its header is truncated"), "{e}");
+        for name in ["good", "label", "side", "count"] {
+            let _ = std::fs::remove_dir_all(mnist_path(name));
+        }
     }
 
     proptest::proptest! {

@@ -317,6 +317,7 @@ mod tests {
         let other = scratch("other");
         record(&MetricLog::default(), &other, 0, 4, false);
         assert!(!&other.join("train").exists());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -335,6 +336,7 @@ mod tests {
         std::fs::write(next, "stale,1\n").unwrap();
         joiner.record(&dir, "train/epoch-2", "Loss.log", "1,32".into(), true);
         assert_eq!(MetricLog::read_file(next), ["1,32"]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -344,5 +346,6 @@ mod tests {
         record(&log, &dir, 0, 2, true);
         record(&log, &dir, 2, 4, false);
         assert_eq!(file(&dir), lines(0, 2));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
