@@ -116,11 +116,16 @@ srun --kill-on-bad-exit=1 "$BIN" --epochs 3 --train-size 4096 --test-size 256 --
 EOF
     t=$SECONDS
     job=$(sbatch --parsable -n2 --requeue --open-mode=append -o "$out" "$WORK/requeue.sh")
+    # Epoch 1's checkpoint is complete once its three records are there: burn-train writes
+    # each on a thread of its own (AsyncCheckpointer), so the small scheduler record is often
+    # renamed into place while the model's is still being written (a requeue then found no
+    # complete checkpoint and the job started again, rightly). Each is renamed into place whole.
+    epoch1() { for part in model optim scheduler; do [ -f "$dir/checkpoint/$part-1.bin" ] || return 1; done; }
     for ((i = 0; i < 1200; i++)); do
-        [ -f "$dir/checkpoint/scheduler-1.bin" ] && break
+        epoch1 && break
         sleep 0.25
     done
-    if [ ! -f "$dir/checkpoint/scheduler-1.bin" ]; then
+    if ! epoch1; then
         fail "requeue: no epoch-1 checkpoint within 300 s"
         show "$out"
     else
