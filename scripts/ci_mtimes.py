@@ -42,8 +42,6 @@ def tracked():
     return [p.decode() for p in out.split(b"\0") if p]
 
 
-
-
 def load(record):
     known = {}
     try:

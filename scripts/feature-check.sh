@@ -120,7 +120,7 @@ check() {
         {
             printf 'feature-check: %s with %s%s does NOT compile (every dependency at its newest release):\n' \
                 "$what" "$line" "$ours"
-            awk '/^error/ { on = 1 } on { print } /^$/ { on = 0 }' "$dir/check.log" | head -60
+            compile_errors "$dir/check.log"
             grep -q '^error' "$dir/check.log" || tail -30 "$dir/check.log"
             echo "feature-check: scripts/user-project-check.sh $line names the dependency release that broke such a build, when one did."
         } >&2

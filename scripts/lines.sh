@@ -52,3 +52,9 @@ EOF
     *) return 1 ;;
     esac
 }
+
+# compile_errors LOG: the errors of a cargo log, each with its notes (up to the blank line that
+# ends it), the first 60 lines.
+compile_errors() {
+    awk '/^error/ { on = 1 } on { print } /^$/ { on = 0 }' "$1" | head -60
+}

@@ -76,8 +76,7 @@ check() {
         printf '\nuser-project-check: a fresh Burn %s project (features %s, %s) with %s does NOT compile.\n' \
             "$burn" "$common" "$backend" "$line"
         echo "The errors (cargo check, every dependency at its newest release):"
-        # Each error with its notes (up to the blank line that ends it), the first 60 lines.
-        awk '/^error/ { on = 1 } on { print } /^$/ { on = 0 }' "$work/$line.log" | head -60
+        compile_errors "$work/$line.log"
     } >&2
     local failed
     failed=$(grep -o 'could not compile `[^`]*`' "$work/$line.log" | sort -u | tr -d '`' |
