@@ -110,17 +110,34 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The built example `name` (`cargo test` builds the examples; `cargo test --test X` does not,
-/// so it is built here when missing).
+/// The workspace's root package, which holds the Burn 0.21 line's light examples in the
+/// repository's top-level `examples/` (the root Cargo.toml says why they are not the line's).
+pub const ROOT_PACKAGE: &str = "burn-ddp-workspace";
+
+/// The built example `name`: the package under test's (`examples/<name>.rs` or
+/// `examples/<name>/`), else the root package's. Cargo puts every package's examples in one
+/// folder, `target/<profile>/examples/`. `cargo test --workspace` builds them all; `cargo test
+/// -p <package>` builds only that package's, and `cargo test --test X` none, so a missing one
+/// is built here, with its own package selected (`-p`), so that the build's features are that
+/// package's.
 pub fn example(name: &str) -> PathBuf {
     let path = profile_dir().join("examples").join(name);
     if !path.exists() {
-        let status = Command::new(env!("CARGO"))
+        let examples = crate::package_dir().join("examples");
+        let own = examples.join(format!("{name}.rs")).exists() || examples.join(name).is_dir();
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo
             .args(["build", "--example", name])
-            .current_dir(crate::package_dir())
-            .status()
-            .unwrap();
-        assert!(status.success(), "building the {name} example failed");
+            .current_dir(crate::package_dir());
+        if !own {
+            cargo.args(["-p", ROOT_PACKAGE]);
+        }
+        let status = cargo.status().unwrap();
+        assert!(
+            status.success(),
+            "building the {name} example failed (neither {examples:?} nor the root package's \
+             examples/ has it?)"
+        );
     }
     path
 }

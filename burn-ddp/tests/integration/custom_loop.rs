@@ -1,7 +1,8 @@
 //! The guide's training-loop migration (`docs/guide.md`, section 2): a loop of its own shaped
-//! like Burn 0.21's `examples/custom-training-loop` (`examples/custom_loop_before.rs`) moves to
-//! burn-ddp in at most 15 changed lines (`examples/custom_loop_after.rs`), and the result
-//! trains on 2 processes holding one model.
+//! like Burn 0.21's `examples/custom-training-loop` (the repository's top-level
+//! `examples/custom_loop_before.rs`, the root package's) moves to burn-ddp in at most 15 changed
+//! lines (`examples/custom_loop_after.rs`), and the result trains on 2 processes holding one
+//! model.
 
 use crate::common;
 
@@ -9,8 +10,8 @@ use common::diff::{self, changed, code};
 
 #[test]
 fn the_training_loop_migration_changes_at_most_15_lines() {
-    let before = code("examples/custom_loop_before.rs");
-    let after = code("examples/custom_loop_after.rs");
+    let before = code("../examples/custom_loop_before.rs");
+    let after = code("../examples/custom_loop_after.rs");
     let (added, removed) = changed(&before, &after);
     // Plus one line that both files already hold: the backend in `main`, `Autodiff<NdArray>`
     // in Burn's examples, `Autodiff<Ddp<NdArray>>` here (step 1 of the guide).

@@ -1,7 +1,8 @@
 //! The guide's promise (`docs/guide.md`): a generic Burn program that trains with the Learner
-//! and then runs Burn's evaluator (`examples/learner_before.rs`, shaped like Burn's own
-//! examples) moves to burn-ddp in at most 15 changed lines (`examples/learner_after.rs`), and
-//! the result trains on 2 processes with the evaluation on rank 0 alone.
+//! and then runs Burn's evaluator (the repository's top-level `examples/learner_before.rs`, the
+//! root package's, shaped like Burn's own examples) moves to burn-ddp in at most 15 changed
+//! lines (`examples/learner_after.rs`), and the result trains on 2 processes with the evaluation
+//! on rank 0 alone.
 
 use crate::common;
 
@@ -9,8 +10,8 @@ use common::diff::{self, changed, code};
 
 #[test]
 fn the_guides_migration_changes_at_most_15_lines() {
-    let before = code("examples/learner_before.rs");
-    let after = code("examples/learner_after.rs");
+    let before = code("../examples/learner_before.rs");
+    let after = code("../examples/learner_after.rs");
     let (added, removed) = changed(&before, &after);
     // Plus one line that both files already hold: the backend in `main`, `Autodiff<NdArray>`
     // in Burn's examples, `Autodiff<Ddp<NdArray>>` here (step 1 of the guide).

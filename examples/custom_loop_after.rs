@@ -1,12 +1,10 @@
-//! The "before" of the guide's training-loop migration (section 2): a training loop of its own,
-//! shaped like Burn 0.21's `examples/custom-training-loop` (generic over the backend, a config
-//! holding the model's config and Adam's, the model built from its config, a training and a
-//! validation loader, a loop that prints every iteration's loss and accuracy, validation on
-//! `model.valid()`). `custom_loop_after.rs` is the same program on several processes;
-//! `tests/integration/custom_loop.rs` counts the lines between the two and runs the result on 2 ranks.
+//! The "after" of the guide's training-loop migration (section 2): `custom_loop_before.rs` on
+//! several processes, changed as the guide says (`burn-ddp/tests/integration/custom_loop.rs` counts the lines).
+//! Every rank trains on its shard of the data with the gradients averaged over the ranks during
+//! backward, and validates the whole validation set with the same model.
 //!
-//! It runs as it is: `cargo run --release --example custom_loop_before`. (Its `main` uses
-//! `Autodiff<Ddp<NdArray>>` where Burn's examples use `Autodiff<NdArray>`: step 1 of the guide.)
+//! `cargo build --release --example custom_loop_after`, then
+//! `cargo run --release -p burn-ddp-comm -- run --nproc-per-node 2 -- target/release/examples/custom_loop_after`.
 
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::batcher::Batcher;
@@ -15,10 +13,9 @@ use burn::data::dataset::InMemDataset;
 use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLoss;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, Optimizer};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
-use burn_ddp::Ddp;
+use burn_ddp::{Ddp, DdpAutodiffBackend, DdpConfig, DdpSession, DistributedSampler, ProcessGroup};
 
 #[derive(Config, Debug)]
 pub struct TrainingConfig {
@@ -106,26 +103,30 @@ impl<B: Backend> Batcher<B, Point, PointBatch<B>> for PointBatcher {
     }
 }
 
-pub fn run<B: AutodiffBackend>(device: B::Device) {
+pub fn run<B: DdpAutodiffBackend>(device: B::Device) {
     let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
     B::seed(&device, config.seed);
 
     // Create the model and optimizer.
+    let pg = ProcessGroup::from_env().expect("joining the job");
+    let session = DdpSession::new(pg.clone(), DdpConfig::default()).expect("a process group");
     let mut model = config.model.init::<B>(&device);
+    model = session.prepare(model).expect("preparing the model");
     let mut optim = config.optimizer.init();
 
     // Create the dataloaders.
+    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), &pg));
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
-        .shuffle(config.seed)
         .num_workers(config.num_workers)
-        .build(points(2048, 0));
+        .build(dataset_train.clone());
     let dataloader_valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(PointBatcher)
         .batch_size(config.batch_size)
         .num_workers(config.num_workers)
         .build(points(512, 10_000));
 
     for epoch in 1..config.num_epochs + 1 {
+        dataset_train.set_epoch(epoch as u64);
         for (iteration, batch) in dataloader_train.iter().enumerate() {
             let output = model.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
@@ -135,7 +136,7 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
                 "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
                 loss.clone().into_scalar(),
             );
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = session.gradients(&model, loss).expect("gradients");
             model = optim.step(config.lr, model, grads);
         }
 
