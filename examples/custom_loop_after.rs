@@ -1,5 +1,6 @@
 //! The "after" of the guide's training-loop migration (section 2): `custom_loop_before.rs` on
-//! several processes, changed as the guide says (`burn-ddp/tests/integration/custom_loop.rs` counts the lines).
+//! several processes, changed as the guide says (`burn-ddp/tests/integration/custom_loop.rs`
+//! counts the lines).
 //! Every rank trains on its shard of the data with the gradients averaged over the ranks during
 //! backward, and validates the whole validation set with the same model.
 //!

@@ -3,7 +3,8 @@
 //! holding the model's config and Adam's, the model built from its config, a training and a
 //! validation loader, a loop that prints every iteration's loss and accuracy, validation on
 //! `model.valid()`). `custom_loop_after.rs` is the same program on several processes;
-//! `burn-ddp/tests/integration/custom_loop.rs` counts the lines between the two and runs the result on 2 ranks.
+//! `burn-ddp/tests/integration/custom_loop.rs` counts the lines between the two and runs the
+//! result on 2 ranks.
 //!
 //! It runs as it is: `cargo run --release --example custom_loop_before`. (Its `main` uses
 //! `Autodiff<Ddp<NdArray>>` where Burn's examples use `Autodiff<NdArray>`: step 1 of the guide.)

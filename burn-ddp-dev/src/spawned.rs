@@ -132,7 +132,9 @@ pub fn example(name: &str) -> PathBuf {
         if !own {
             cargo.args(["-p", ROOT_PACKAGE]);
         }
-        let status = cargo.status().unwrap();
+        let status = cargo
+            .status()
+            .expect("cargo, which runs this test, can be started again to build an example");
         assert!(
             status.success(),
             "building the {name} example failed (neither {examples:?} nor the root package's \
