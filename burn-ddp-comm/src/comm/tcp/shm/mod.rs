@@ -379,10 +379,23 @@ impl Shm {
                 if now.duration_since(started) < watch.spin {
                     continue;
                 }
-                if now >= watch.deadline {
-                    return Err(ShmError::Timeout(q));
+                let failed = if now >= watch.deadline {
+                    Err(ShmError::Timeout(q))
+                } else {
+                    look_at_links(watch.links, watch.busy)
+                };
+                if let Err(e) = failed {
+                    // A peer raises its counter before it can end: one that passed this sync,
+                    // finished its last collective and closed its links between this rank's
+                    // look at its counter and at the links has not failed (seen once, the 0.23
+                    // frozen-rank-zero scenario: the last rank to the job's last all-reduce was
+                    // told rank 0 had left mid-collective). A peer that did not reach the sync
+                    // is the failure; the loop looks at every later peer the same way.
+                    if reached(word.load(Ordering::SeqCst)) {
+                        break;
+                    }
+                    return Err(e);
                 }
-                look_at_links(watch.links, watch.busy)?;
                 let sleepers = self.sleepers(q);
                 sleepers.fetch_add(1, Ordering::SeqCst);
                 let v = word.load(Ordering::SeqCst);
