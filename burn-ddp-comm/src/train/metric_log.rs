@@ -9,6 +9,20 @@
 //! not lost, and none is written twice); an epoch it joined in the middle of (it took the state
 //! from another rank) is appended to, from the change on, after what its predecessor wrote on
 //! that machine.
+//!
+//! Rank 0 writes only while its membership has not ended ([`ProcessGroup::membership_ended`]:
+//! the logger asks the store before each update). A rank 0 frozen past the heartbeat bound and
+//! then continued can finish the step it was in from what its peers had posted before they
+//! went on without it; its lines for that step are held back ([`MetricLog::hold`]), then
+//! dropped if it takes another rank's state (the step was not the job's), or recorded before
+//! its next line if it does not (the job went on from its state, that step included). The
+//! logger runs on burn-train's event threads, a few milliseconds behind the step; a change of
+//! membership takes longer (the others' decision, then the state moved), so the answer is about
+//! the membership the step ran in. Should the logger reach a line only after this process took
+//! another's state, it records it as a rank's that is no longer rank 0: kept here, not written
+//! (a process that took a state writes an epoch under way only from its change on).
+//!
+//! [`ProcessGroup::membership_ended`]: crate::ProcessGroup::membership_ended
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -43,6 +57,8 @@ struct Log {
     writing: bool,
     /// The first error writing, reported once.
     warned: bool,
+    /// Lines held back while this process's membership had ended: `(epoch_dir, file, line)`.
+    held: Vec<(String, String, String)>,
 }
 
 /// A fault-tolerant job's metric lines on one process, shared between the line's metric
@@ -63,6 +79,18 @@ impl MetricLog {
         for e in log.epochs.values_mut() {
             e.whole = false;
         }
+        // The lines held back were of a step the job did not take.
+        log.held.clear();
+    }
+
+    /// Holds back `line` of `file` in `epoch_dir`: rank 0's line of a step after its
+    /// membership ended (see the module's documentation). Recorded before the next line that
+    /// [`record`](Self::record) is given, unless this process takes another rank's state
+    /// first ([`took_state`](Self::took_state)).
+    pub fn hold(&self, epoch_dir: &str, file: &str, line: String) {
+        self.log()
+            .held
+            .push((epoch_dir.to_owned(), file.to_owned(), line));
     }
 
     /// Records `line` of file `file` in `epoch_dir` (relative to `dir`, the training
@@ -70,6 +98,14 @@ impl MetricLog {
     /// process holds and has not written (see the module's documentation). A file that cannot
     /// be written is warned about once; training goes on.
     pub fn record(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
+        let held = std::mem::take(&mut self.log().held);
+        for (epoch_dir, file, line) in held {
+            self.record_one(dir, &epoch_dir, &file, line, write);
+        }
+        self.record_one(dir, epoch_dir, file, line, write);
+    }
+
+    fn record_one(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
         let mut log = self.log();
         let behind = std::mem::take(&mut log.behind);
         let mut failed = None;
@@ -234,14 +270,21 @@ macro_rules! job_metric_logger {
             ) {
                 let dir = format!("{split}/epoch-{epoch}");
                 let write = self.pg.is_main();
+                // Rank 0 writes for the job only while its membership stands (the module's
+                // documentation): one request to the store per update, on rank 0 alone.
+                let hold = write && self.pg.membership_ended();
                 let numeric = update.entries_numeric.iter().map(|u| &u.entry);
                 for entry in update.entries.iter().chain(numeric) {
                     let Some(name) = self.names.get(&entry.metric_id) else {
                         continue;
                     };
                     let line = entry.serialized_entry.serialized.clone();
-                    self.log
-                        .record(&self.dir, &dir, &Self::file(name), line, write);
+                    if hold {
+                        self.log.hold(&dir, &Self::file(name), line);
+                    } else {
+                        self.log
+                            .record(&self.dir, &dir, &Self::file(name), line, write);
+                    }
                 }
             }
 
@@ -336,6 +379,26 @@ mod tests {
         std::fs::write(next, "stale,1\n").unwrap();
         joiner.record(&dir, "train/epoch-2", "Loss.log", "1,32".into(), true);
         assert_eq!(MetricLog::read_file(next), ["1,32"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn lines_held_back_are_dropped_with_a_state_taken_and_kept_without() {
+        let dir = scratch("held");
+        let log = MetricLog::default();
+        record(&log, &dir, 0, 2, true);
+        // Rank 0's membership ended under it: its step's line is held back, not written.
+        log.hold("train/epoch-1", "Loss.log", "2,32".into());
+        assert_eq!(file(&dir), lines(0, 2));
+        // It went on with its own state (the job's): the line comes before the next one.
+        record(&log, &dir, 3, 4, true);
+        assert_eq!(file(&dir), lines(0, 4));
+        // Held back again, then it takes another rank's state: the step was not the job's.
+        log.hold("train/epoch-1", "Loss.log", "stale,32".into());
+        log.took_state();
+        record(&log, &dir, 4, 5, false);
+        assert_eq!(log.lines("train/epoch-1", "Loss.log"), Some(lines(0, 5)));
+        assert_eq!(file(&dir), lines(0, 4));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -25,6 +25,19 @@ impl ProcessGroup {
         Some((e.id, e.epoch().0))
     }
 
+    /// In a fault-tolerant job: whether the current membership has ended, asked of the store
+    /// (one request, bounded by the heartbeat bound): a rank recorded its end, or the store
+    /// does not answer. A rank frozen past the heartbeat bound and then continued can still
+    /// finish a collective from what its peers had posted before they ended the membership
+    /// without it, and go on as if its step were the job's; what it would write for the job
+    /// (rank 0's metric files) must wait for this answer. `false` outside fault-tolerant jobs.
+    pub fn membership_ended(&self) -> bool {
+        self.shared
+            .membership
+            .as_ref()
+            .is_some_and(|e| e.current_ended())
+    }
+
     /// In a fault-tolerant job: whether a process has asked to join since the current
     /// membership began (this rank's view, read from the store each heartbeat interval). The
     /// ranks must agree on a step boundary (a collective of theirs), then all call

@@ -583,6 +583,13 @@ impl MembershipService {
         })
     }
 
+    /// Whether this process's current epoch has ended (a rank recorded its end) or the store
+    /// does not answer (a process cut off from the store is out of the job, whatever it sees).
+    fn current_ended(&self) -> bool {
+        let (e, _) = self.epoch();
+        !matches!(self.store.scope_record(&keys::scope(e)), Ok(None))
+    }
+
     /// Ends epoch `e` (its first record says why; its rings and waits stop).
     fn end(&self, e: u64, rank: Rank, culprit: Option<Rank>, reason: String) {
         let record = AbortRecord {
@@ -944,6 +951,25 @@ mod tests {
                 join,
                 ..FaultTolerance::default()
             })
+    }
+
+    /// What rank 0's metric logger asks before it writes: whether a rank recorded the end of
+    /// this process's membership (a frozen rank 0 continued after the others went on).
+    #[test]
+    fn the_end_of_the_current_membership_is_seen_in_the_store() {
+        assert!(!ProcessGroup::single().membership_ended());
+        let (_server, master, token, store) = lighthouse();
+        let pg = ProcessGroup::init(config(&master, &token, false)).unwrap();
+        assert_eq!(pg.membership().map(|(_, e)| e), Some(0));
+        assert!(!pg.membership_ended());
+        let record = AbortRecord {
+            reporter: Rank(1),
+            culprit: Some(Rank(0)),
+            collective: None,
+            reason: "rank 0 sent no heartbeat".into(),
+        };
+        store.end_scope(&keys::scope(0), record).unwrap();
+        assert!(pg.membership_ended());
     }
 
     #[test]
