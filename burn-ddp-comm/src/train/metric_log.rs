@@ -27,7 +27,8 @@
 //! meanwhile. So a rank that takes the files over does not write into its predecessor's: it
 //! puts a new file under each name (what it keeps of the old one copied, then renamed into
 //! place), and what the old rank 0 writes through the files it had open reaches a file no
-//! longer named (seen in a run of the test step: a 0.22 chaos run's epoch 1 logged 48 items over, one step twice).
+//! longer named (seen in a run of the test step: a 0.22 chaos run's epoch 1 logged 48 items
+//! over, one step twice).
 //!
 //! [`ProcessGroup::membership_ended`]: crate::ProcessGroup::membership_ended
 
@@ -105,58 +106,13 @@ impl MetricLog {
     /// process holds and has not written (see the module's documentation). A file that cannot
     /// be written is warned about once; training goes on.
     pub fn record(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
-        let held = std::mem::take(&mut self.log().held);
-        for (epoch_dir, file, line) in held {
-            self.record_one(dir, &epoch_dir, &file, line, write);
-        }
-        self.record_one(dir, epoch_dir, file, line, write);
-    }
-
-    fn record_one(&self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
+        // Under one lock: a `took_state` cannot come between taking the held lines and
+        // recording them.
         let mut log = self.log();
-        let behind = std::mem::take(&mut log.behind);
-        let mut failed = None;
-        if write != std::mem::replace(&mut log.writing, write) {
-            for (name, e) in &mut log.epochs {
-                if write {
-                    // Became rank 0: what this process holds is written out.
-                    let opened = e.open(&dir.join(name)).and_then(|()| e.flush());
-                    failed = failed.or(opened.err().map(|err| (name.clone(), err)));
-                } else {
-                    // No longer rank 0: what another process writes is not written here.
-                    e.files.values_mut().for_each(|l| l.out = None);
-                }
-            }
+        for (epoch_dir, file, line) in std::mem::take(&mut log.held) {
+            log.record(dir, &epoch_dir, &file, line, write);
         }
-        let lines = log
-            .epochs
-            .entry(epoch_dir.to_owned())
-            .or_insert_with(|| EpochLines {
-                whole: !behind,
-                ..EpochLines::default()
-            });
-        lines.files.entry(file.to_owned()).or_default();
-        if write {
-            // A file new here is made anew in a whole epoch, appended to in another (after
-            // what this process's predecessor wrote).
-            let opened = lines.open(&dir.join(epoch_dir));
-            failed = failed.or(opened.err().map(|err| (epoch_dir.to_owned(), err)));
-        }
-        if let Some(held) = lines.files.get_mut(file) {
-            held.lines.push(line);
-        }
-        if write {
-            let written = lines.flush();
-            failed = failed.or(written.err().map(|err| (epoch_dir.to_owned(), err)));
-        }
-        if let (Some((name, err)), false) = (failed, log.warned) {
-            log.warned = true;
-            let path = dir.join(name);
-            tracing::warn!(
-                "burn-ddp: the metrics cannot be written into {} ({err}); training goes on",
-                path.display()
-            );
-        }
+        log.record(dir, epoch_dir, file, line, write);
     }
 
     /// The lines this process holds of `file` in `epoch_dir`, or `None` (then the file is
@@ -181,6 +137,55 @@ impl MetricLog {
     }
 }
 
+impl Log {
+    /// [`MetricLog::record`] of one line.
+    fn record(&mut self, dir: &Path, epoch_dir: &str, file: &str, line: String, write: bool) {
+        let behind = std::mem::take(&mut self.behind);
+        let mut failed = None;
+        if write != std::mem::replace(&mut self.writing, write) {
+            for (name, e) in &mut self.epochs {
+                if write {
+                    // Became rank 0: what this process holds is written out.
+                    let opened = e.open(&dir.join(name)).and_then(|()| e.flush());
+                    failed = failed.or(opened.err().map(|err| (name.clone(), err)));
+                } else {
+                    // No longer rank 0: what another process writes is not written here.
+                    e.files.values_mut().for_each(|l| l.out = None);
+                }
+            }
+        }
+        let lines = self
+            .epochs
+            .entry(epoch_dir.to_owned())
+            .or_insert_with(|| EpochLines {
+                whole: !behind,
+                ..EpochLines::default()
+            });
+        lines.files.entry(file.to_owned()).or_default();
+        if write {
+            // A file new here is made anew in a whole epoch, appended to in another (after
+            // what this process's predecessor wrote).
+            let opened = lines.open(&dir.join(epoch_dir));
+            failed = failed.or(opened.err().map(|err| (epoch_dir.to_owned(), err)));
+        }
+        if let Some(held) = lines.files.get_mut(file) {
+            held.lines.push(line);
+        }
+        if write {
+            let written = lines.flush();
+            failed = failed.or(written.err().map(|err| (epoch_dir.to_owned(), err)));
+        }
+        if let (Some((name, err)), false) = (failed, self.warned) {
+            self.warned = true;
+            let path = dir.join(name);
+            tracing::warn!(
+                "burn-ddp: the metrics cannot be written into {} ({err}); training goes on",
+                path.display()
+            );
+        }
+    }
+}
+
 /// `path` to append to, emptied first when `anew`, as a file of its own: its content (none when
 /// `anew`, else what `path` holds) goes into a temporary beside it, renamed over `path`. A
 /// process that wrote `path` before still holds the old file open: a rank 0 frozen, then left
@@ -190,11 +195,14 @@ impl MetricLog {
 fn open(path: &Path, anew: bool) -> std::io::Result<File> {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    let kept = match std::fs::read(path) {
-        Ok(_) if anew => Vec::new(),
-        Ok(bytes) => bytes,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-        Err(e) => return Err(e),
+    let kept = if anew {
+        Vec::new()
+    } else {
+        match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        }
     };
     let placed = (|| {
         let mut f = OpenOptions::new()
