@@ -1,8 +1,10 @@
-//! The "after" of the guide's Burn 0.22 training-loop migration (section 5):
+//! The "after" of the guide's training-loop migration for Burn 0.22 and 0.23 (section 5):
 //! `custom_loop022_before.rs` on several processes, changed as the guide says (each changed line
-//! is marked `// ddp:`; `tests/integration/custom_loop.rs` counts them). Every rank trains on its shard of
-//! the data with the gradients averaged over the ranks after each backward, and validates the
-//! whole validation set with the same model.
+//! is marked `// ddp:`; `tests/integration/custom_loop.rs` counts them). Every rank trains on
+//! its shard of the data with the gradients averaged over the ranks after each backward and
+//! validates its shard of the validation set with the same model; rank 0 alone prints the job's
+//! loss and accuracy (the ranks' sums added) and saves the model. The data's generator is
+//! seeded: every rank must hold the same dataset, which the sampler checks.
 //!
 //! `cargo build --release -p burn-ddp-burn022 --example custom_loop022_after`, then
 //! `cargo run --release -p burn-ddp-comm -- run --nproc-per-node 2 -- target/release/examples/custom_loop022_after`.
@@ -14,7 +16,8 @@ use burn::nn::loss::CrossEntropyLoss;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
-use burn_ddp_burn022::{DdpConfig, DistributedSampler, GradSync, ProcessGroup}; // ddp:
+use burn_ddp_burn022::{main_println, DistributedSampler, GradSync}; // ddp:
+use rand::prelude::*;
 
 #[derive(Config, Debug)]
 pub struct TrainingConfig {
@@ -69,12 +72,11 @@ pub struct Point {
     inside: bool,
 }
 
-/// `n` points on a deterministic spiral over `[-1.5, 1.5]²`.
-fn points(n: usize, offset: usize) -> InMemDataset<Point> {
-    let items = (offset..offset + n)
-        .map(|i| {
-            let t = i as f32 * 0.618_034;
-            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+/// `n` points drawn uniformly from `[-1.5, 1.5]²`.
+fn points(n: usize, rng: &mut impl Rng) -> InMemDataset<Point> {
+    let items = (0..n)
+        .map(|_| {
+            let xy = [rng.random_range(-1.5..1.5), rng.random_range(-1.5..1.5)];
             let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
             Point { xy, inside }
         })
@@ -102,68 +104,88 @@ impl Batcher<Point, PointBatch> for PointBatcher {
     }
 }
 
-pub fn run(device: Device) {
+/// The loss summed over a batch's items, its correct predictions, and its items.
+fn score(output: Tensor<2>, targets: Tensor<1, Int>, loss: &Tensor<1>) -> [f64; 3] {
+    let items = targets.dims()[0] as f64;
+    let predictions = output.argmax(1).squeeze_dim(1);
+    let correct = predictions.equal(targets).int().sum().into_scalar::<i64>() as f64;
+    [loss.clone().into_scalar::<f64>() * items, correct, items]
+}
+
+pub fn run(device: Device, artifact_dir: &str) {
     let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
     let device = device.autodiff();
     device.seed(config.seed);
+    let mut rng = StdRng::seed_from_u64(config.seed); // ddp:
+    let mut sync = GradSync::from_env().expect("joining the job"); // ddp:
 
     // Create the model and optimizer.
-    let pg = ProcessGroup::from_env().expect("joining the job"); // ddp:
-    let mut sync = GradSync::new(pg, DdpConfig::default()).expect("a process group"); // ddp:
     let mut model = config.model.init(&device);
-    model = sync.prepare(model).expect("preparing the model"); // ddp:
+    model = sync.prepare(model).expect("the same model on every rank"); // ddp:
     let mut optim = config.optimizer.init();
 
-    // Create the dataloaders.
-    let dataset_train = std::sync::Arc::new(DistributedSampler::new(points(2048, 0), sync.group())); // ddp:
+    // Create the datasets and dataloaders.
+    let dataset_train = points(2048, &mut rng);
+    let dataset_valid = points(512, &mut rng);
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
         .num_workers(config.num_workers)
-        .build(dataset_train.clone()); // ddp:
+        .build(DistributedSampler::new(dataset_train, sync.group())); // ddp:
     let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
         .num_workers(config.num_workers)
-        .build(points(512, 10_000));
+        .build(DistributedSampler::evaluation(dataset_valid, sync.group())); // ddp:
 
     for epoch in 1..config.num_epochs + 1 {
-        dataset_train.set_epoch(epoch as u64); // ddp:
-        for (iteration, batch) in dataloader_train.iter().map(Result::unwrap).enumerate() {
+        sync.set_epoch(epoch); // ddp:
+        let mut train = [0.0; 3];
+        for batch in dataloader_train.iter().map(Result::unwrap) {
             let output = model.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
-                loss.clone().into_scalar::<f32>(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            train.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            let grads = sync.sync(&model, grads).expect("gradients"); // ddp:
+            let grads = sync.sync(&model, grads).expect("the job's gradients"); // ddp:
             model = optim.step(config.lr, model, grads);
         }
+        let [loss, correct, items] = sync.group().sum(train).expect("the job's sums"); // ddp:
+        main_println!(
+            // ddp:
+            "[Train - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
 
         // Get the model without autodiff.
         let model_valid = model.valid();
-        for (iteration, batch) in dataloader_valid.iter().map(Result::unwrap).enumerate() {
+        let mut valid = [0.0; 3];
+        for batch in dataloader_valid.iter().map(Result::unwrap) {
             let output = model_valid.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Valid - Epoch {epoch} - Iteration {iteration}] Loss {} | Accuracy {accuracy}",
-                loss.into_scalar::<f32>(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            valid.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
         }
+        let [loss, correct, items] = sync.group().sum(valid).expect("the job's sums"); // ddp:
+        main_println!(
+            // ddp:
+            "[Valid - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
     }
-}
 
-/// The percentage of correct predictions.
-fn accuracy(output: Tensor<2>, targets: Tensor<1, Int>) -> f32 {
-    let predictions = output.argmax(1).squeeze_dim(1);
-    let num_predictions = targets.dims().iter().product::<usize>() as f32;
-    let num_corrects = predictions.equal(targets).int().sum().into_scalar::<i64>() as f32;
-    num_corrects / num_predictions * 100.0
+    if !sync.is_main() {
+        // ddp:
+        return; // ddp:
+    } // ddp:
+    std::fs::create_dir_all(artifact_dir).expect("the artifact directory can be created");
+    model
+        .save_file(format!("{artifact_dir}/model.bpk"))
+        .expect("Trained model should be saved successfully");
 }
 
 fn main() {
-    run(Device::default());
+    run(Device::default(), "artifacts");
 }

@@ -1,9 +1,11 @@
-//! The "before" of the guide's Burn 0.22 training-loop migration (section 5): a training loop of
-//! its own, shaped like Burn's `examples/custom-training-loop` (a config holding the model's
-//! config and Adam's, the model built from its config, a training and a validation loader, a loop
-//! that prints every iteration's loss and accuracy, validation on `model.valid()`).
+//! The "before" of the guide's training-loop migration for Burn 0.22 and 0.23 (section 5): a
+//! training loop of its own, shaped like Burn's own custom-loop examples (a config holding the
+//! model's config and Adam's, the model built from its config, data generated in the program
+//! with `rand`, a training and a validation loader, the epoch's loss and accuracy printed after
+//! each pass, validation on `model.valid()`, the model saved at the end).
 //! `custom_loop022_after.rs` is the same program on several processes;
-//! `tests/integration/custom_loop.rs` counts the lines between the two and runs the result on 2 ranks.
+//! `tests/integration/custom_loop.rs` counts the lines between the two and runs the result on 2
+//! ranks. The same source builds on Burn 0.22.1 and 0.23.0-pre.1.
 //!
 //! It runs as it is: `cargo run --release -p burn-ddp-burn022 --example custom_loop022_before`.
 
@@ -14,6 +16,7 @@ use burn::nn::loss::CrossEntropyLoss;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
+use rand::prelude::*;
 
 #[derive(Config, Debug)]
 pub struct TrainingConfig {
@@ -68,12 +71,11 @@ pub struct Point {
     inside: bool,
 }
 
-/// `n` points on a deterministic spiral over `[-1.5, 1.5]²`.
-fn points(n: usize, offset: usize) -> InMemDataset<Point> {
-    let items = (offset..offset + n)
-        .map(|i| {
-            let t = i as f32 * 0.618_034;
-            let xy = [1.5 * (t * 7.0).sin(), 1.5 * (t * 3.0).cos()];
+/// `n` points drawn uniformly from `[-1.5, 1.5]²`.
+fn points(n: usize, rng: &mut impl Rng) -> InMemDataset<Point> {
+    let items = (0..n)
+        .map(|_| {
+            let xy = [rng.random_range(-1.5..1.5), rng.random_range(-1.5..1.5)];
             let inside = xy[0] * xy[0] + xy[1] * xy[1] < 1.0;
             Point { xy, inside }
         })
@@ -101,63 +103,79 @@ impl Batcher<Point, PointBatch> for PointBatcher {
     }
 }
 
-pub fn run(device: Device) {
+/// The loss summed over a batch's items, its correct predictions, and its items.
+fn score(output: Tensor<2>, targets: Tensor<1, Int>, loss: &Tensor<1>) -> [f64; 3] {
+    let items = targets.dims()[0] as f64;
+    let predictions = output.argmax(1).squeeze_dim(1);
+    let correct = predictions.equal(targets).int().sum().into_scalar::<i64>() as f64;
+    [loss.clone().into_scalar::<f64>() * items, correct, items]
+}
+
+pub fn run(device: Device, artifact_dir: &str) {
     let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
     let device = device.autodiff();
     device.seed(config.seed);
+    let mut rng = rand::rng();
 
     // Create the model and optimizer.
     let mut model = config.model.init(&device);
     let mut optim = config.optimizer.init();
 
-    // Create the dataloaders.
+    // Create the datasets and dataloaders.
+    let dataset_train = points(2048, &mut rng);
+    let dataset_valid = points(512, &mut rng);
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
         .shuffle(config.seed)
         .num_workers(config.num_workers)
-        .build(points(2048, 0));
+        .build(dataset_train);
     let dataloader_valid = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
         .num_workers(config.num_workers)
-        .build(points(512, 10_000));
+        .build(dataset_valid);
 
     for epoch in 1..config.num_epochs + 1 {
-        for (iteration, batch) in dataloader_train.iter().map(Result::unwrap).enumerate() {
+        let mut train = [0.0; 3];
+        for batch in dataloader_train.iter().map(Result::unwrap) {
             let output = model.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
-                loss.clone().into_scalar::<f32>(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            train.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(config.lr, model, grads);
         }
+        let [loss, correct, items] = train;
+        println!(
+            "[Train - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
 
         // Get the model without autodiff.
         let model_valid = model.valid();
-        for (iteration, batch) in dataloader_valid.iter().map(Result::unwrap).enumerate() {
+        let mut valid = [0.0; 3];
+        for batch in dataloader_valid.iter().map(Result::unwrap) {
             let output = model_valid.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Valid - Epoch {epoch} - Iteration {iteration}] Loss {} | Accuracy {accuracy}",
-                loss.into_scalar::<f32>(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            valid.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
         }
+        let [loss, correct, items] = valid;
+        println!(
+            "[Valid - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
     }
-}
 
-/// The percentage of correct predictions.
-fn accuracy(output: Tensor<2>, targets: Tensor<1, Int>) -> f32 {
-    let predictions = output.argmax(1).squeeze_dim(1);
-    let num_predictions = targets.dims().iter().product::<usize>() as f32;
-    let num_corrects = predictions.equal(targets).int().sum().into_scalar::<i64>() as f32;
-    num_corrects / num_predictions * 100.0
+    std::fs::create_dir_all(artifact_dir).expect("the artifact directory can be created");
+    model
+        .save_file(format!("{artifact_dir}/model.bpk"))
+        .expect("Trained model should be saved successfully");
 }
 
 fn main() {
-    run(Device::default());
+    run(Device::default(), "artifacts");
 }

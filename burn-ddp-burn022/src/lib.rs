@@ -77,7 +77,8 @@ mod sync;
 pub mod train;
 mod zero;
 
-pub use burn_ddp_comm::data::{surviving, DataEpoch};
+pub use burn_ddp_comm::data::{surviving, DataEpoch, EpochNumber, ShardPlan};
+pub use burn_ddp_comm::main_println;
 pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 pub use burn_ddp_comm::{
     grad::{LoopState, PowerSgd},

@@ -65,6 +65,25 @@ impl std::fmt::Debug for GradSync {
 }
 
 impl GradSync {
+    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
+    /// torchrun, Slurm or mpirun) and synchronises gradients over it with the default
+    /// [`DdpConfig`]: `GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
+    /// master) and [`GradSync::new`].
+    pub fn from_env() -> Result<Self> {
+        Self::new(ProcessGroup::from_env()?, DdpConfig::default())
+    }
+
+    /// Sets the epoch of every training sampler made on this group
+    /// ([`DistributedSampler::new`](crate::DistributedSampler::new)), which selects its
+    /// shuffle, as the Learner strategy does: call it at the start of each epoch of a loop of
+    /// your own (any integer the loop counts in). Same value on every rank.
+    pub fn set_epoch(&self, epoch: impl burn_ddp_comm::data::EpochNumber) {
+        burn_ddp_comm::data::set_training_epoch(&self.pg, epoch);
+    }
+
     /// Gradient synchronisation over `pg` (this process's rank of the job), with `config`
     /// (bucket sizes, mean or sum, compression, transport; its `overlap` does not apply to this
     /// line: it reduces after backward). With the `cuda` feature, a model on a CUDA device has
@@ -131,6 +150,12 @@ impl GradSync {
     /// The process group.
     pub fn group(&self) -> &ProcessGroup {
         &self.pg
+    }
+
+    /// Whether this is rank 0, the rank that prints and saves
+    /// ([`main_println!`](crate::main_println)).
+    pub fn is_main(&self) -> bool {
+        self.pg.is_main()
     }
 
     /// The configuration.
@@ -246,6 +271,8 @@ impl GradSync {
         if let Some(e) = self.layers.take() {
             return Err(e);
         }
+        // The datasets of samplers made since the last step, compared across the ranks.
+        burn_ddp_comm::data::check_datasets(&self.pg)?;
         // Inside a join: announced first; no comparison of replicas (the ranks that ran out
         // no longer step), and the mean is over the ranks still training.
         let Some(round) = self.join.announce(&self.pg, JoinCall::Gradients)? else {

@@ -38,7 +38,9 @@ pub use crate::config::per_rank_batch;
 /// assert!(plan.index(10, 3).is_some());
 /// # Ok::<(), burn_ddp_comm::DdpError>(())
 /// ```
-#[derive(Debug)]
+///
+/// Clones share the plan: [`set_epoch`](Self::set_epoch) on one sets the epoch of all.
+#[derive(Debug, Clone)]
 pub struct ShardPlan {
     /// What a training strategy changes: the epoch and this rank's place.
     state: Arc<PlanState>,
@@ -66,6 +68,11 @@ struct PlanState {
     /// ([`DataEpoch::set_every_item_once`]).
     once: AtomicBool,
     cache: Mutex<Option<Cached>>,
+    /// The dataset of the sampler the plan was made for (its `new` or `evaluation`), to be
+    /// compared across the ranks ([`check_datasets`]).
+    print: Mutex<Option<DatasetPrint>>,
+    /// Whether [`check_datasets`] compared it.
+    checked: AtomicBool,
 }
 
 impl PlanState {
@@ -154,6 +161,18 @@ pub fn training_plans(group: &ProcessGroup) -> Vec<Arc<dyn DataEpoch>> {
         .into_iter()
         .map(|plan| plan as Arc<dyn DataEpoch>)
         .collect()
+}
+
+/// Sets the epoch of every training plan of `group` ([`training_plans`]: a line's
+/// `DistributedSampler::new` on it), as a training strategy does at the start of each epoch:
+/// what a loop of your own calls through its line's `GradSync::set_epoch` or
+/// `DdpSession::set_epoch`, instead of keeping each sampler to set its epoch. Same value on
+/// every rank.
+pub fn set_training_epoch(group: &ProcessGroup, epoch: impl EpochNumber) {
+    let epoch = epoch.epoch();
+    for plan in plans(group, true) {
+        plan.set_epoch(epoch);
+    }
 }
 
 /// The items of an epoch of the data that `group`'s rank reads `share` items of (the
@@ -246,6 +265,222 @@ impl FailureOf for Box<dyn std::error::Error + Send + Sync> {
     }
 }
 
+/// An epoch number as a training loop counts it, for `set_epoch`: `u64`, `usize`, `u32`, or
+/// `i32` (an integer literal; a negative one counts as epoch 0).
+pub trait EpochNumber: Copy {
+    /// The epoch as the permutation's seed takes it.
+    fn epoch(self) -> u64;
+}
+
+impl EpochNumber for u64 {
+    fn epoch(self) -> u64 {
+        self
+    }
+}
+
+impl EpochNumber for usize {
+    fn epoch(self) -> u64 {
+        self as u64
+    }
+}
+
+impl EpochNumber for u32 {
+    fn epoch(self) -> u64 {
+        u64::from(self)
+    }
+}
+
+impl EpochNumber for i32 {
+    fn epoch(self) -> u64 {
+        u64::try_from(self).unwrap_or(0)
+    }
+}
+
+/// What a dataset looked like when a sampler was made for it: its length, and a digest of the
+/// `Debug` text of up to [`DatasetPrint::SAMPLED`] of its items, spread over it.
+/// [`check_datasets`] compares the prints of the ranks' samplers: a sampler deals shards of one
+/// dataset as if every rank held the same one, which a dataset generated from an unseeded
+/// generator, or read from different files, is not. The items are read twice: a dataset whose
+/// items change from one read to the next (random augmentation in `get`) has no digest, and
+/// only its length is compared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatasetPrint {
+    len: u64,
+    digest: Option<u64>,
+}
+
+impl DatasetPrint {
+    /// How many items are read (twice each) and digested.
+    pub const SAMPLED: usize = 16;
+
+    /// The print of a dataset of `len` items whose item `i` `get(i)` returns (an item that
+    /// cannot be read is digested as missing).
+    pub fn of<I: std::fmt::Debug, G: ItemOf<I>>(
+        len: usize,
+        mut get: impl FnMut(usize) -> G,
+    ) -> Self {
+        let mut pass = || {
+            use std::fmt::Write as _;
+            use std::hash::Hasher as _;
+            /// Feeds formatted text to the hasher without building the string.
+            struct Feed(std::collections::hash_map::DefaultHasher);
+            impl std::fmt::Write for Feed {
+                fn write_str(&mut self, s: &str) -> std::fmt::Result {
+                    self.0.write(s.as_bytes());
+                    Ok(())
+                }
+            }
+            let mut feed = Feed(std::collections::hash_map::DefaultHasher::new());
+            let sampled = len.min(Self::SAMPLED);
+            for k in 0..sampled {
+                let i = k * len / sampled;
+                // Formatting into a hasher cannot fail.
+                let _ = match get(i).item() {
+                    Some(item) => write!(feed, "{i}:{item:?};"),
+                    None => write!(feed, "{i}:missing;"),
+                };
+            }
+            feed.0.finish()
+        };
+        let (first, second) = (pass(), pass());
+        Self {
+            len: len as u64,
+            digest: (first == second).then_some(first),
+        }
+    }
+
+    /// The dataset's length.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the dataset was empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The digest of its sampled items; `None` when they changed between two reads.
+    pub fn digest(&self) -> Option<u64> {
+        self.digest
+    }
+}
+
+/// What a Burn release's `Dataset::get` returns (`Option<I>` on Burn 0.21, `Result<I, _>` on
+/// 0.22 and 0.23), as an item if there is one.
+pub trait ItemOf<I> {
+    /// The item, if one was read.
+    fn item(self) -> Option<I>;
+}
+
+impl<I> ItemOf<I> for Option<I> {
+    fn item(self) -> Option<I> {
+        self
+    }
+}
+
+impl<I, E> ItemOf<I> for std::result::Result<I, E> {
+    fn item(self) -> Option<I> {
+        self.ok()
+    }
+}
+
+/// Compares across the ranks of `group` the datasets of the samplers made on it (a line's
+/// `DistributedSampler::new` and `::evaluation`) since the last comparison, by their
+/// [`DatasetPrint`]s: one small all-gather, and nothing at all when no sampler was made since.
+/// Each line's gradient synchronisation calls it before a step, so a job whose ranks hold
+/// different data (a dataset generated without a seed) fails at its first step instead of
+/// training on shards of different datasets. Not in fault-tolerant jobs, whose ranks may make
+/// their samplers in different memberships (a replacement makes its own when it joins).
+///
+/// # Errors
+/// [`ConfigError::DatasetsDiffer`] naming the sampler and the ranks whose datasets differ, how,
+/// and how to fix it; the all-gather's failures.
+pub fn check_datasets(group: &ProcessGroup) -> Result<()> {
+    if group.is_fault_tolerant() {
+        return Ok(());
+    }
+    // The group's samplers in the order they were made, numbered from 1.
+    let fresh: Vec<(usize, Arc<PlanState>, DatasetPrint)> = plans(group, false)
+        .into_iter()
+        .enumerate()
+        .filter(|(_, p)| !p.checked.load(Ordering::Relaxed))
+        .filter_map(|(i, p)| {
+            let print = (*p.print.lock().unwrap_or_else(|e| e.into_inner()))?;
+            Some((i + 1, p, print))
+        })
+        .collect();
+    if fresh.is_empty() {
+        return Ok(());
+    }
+    const WORDS: usize = 4;
+    let mut mine = Vec::with_capacity(fresh.len() * 8 * WORDS);
+    for (n, _, print) in &fresh {
+        let words = [
+            *n as u64,
+            print.len,
+            print.digest.unwrap_or(0),
+            u64::from(print.digest.is_some()),
+        ];
+        for w in words {
+            mine.extend_from_slice(&w.to_le_bytes());
+        }
+    }
+    for (_, plan, _) in &fresh {
+        plan.checked.store(true, Ordering::Relaxed);
+    }
+    let all = group.all_gather_bytes(&mine)?;
+    let decode = |bytes: &[u8]| -> Vec<[u64; WORDS]> {
+        bytes
+            .chunks_exact(8 * WORDS)
+            .map(|c| {
+                std::array::from_fn(|k| {
+                    let mut w = [0u8; 8];
+                    w.copy_from_slice(&c[8 * k..8 * k + 8]);
+                    u64::from_le_bytes(w)
+                })
+            })
+            .collect()
+    };
+    let first = decode(&all[0]);
+    for (r, bytes) in all.iter().enumerate().skip(1) {
+        let theirs = decode(bytes);
+        if theirs.len() != first.len() {
+            return Err(DdpError::Config(ConfigError::DatasetsDiffer {
+                rank: group.rank(),
+                sampler: first.len().min(theirs.len()) + 1,
+                detail: format!(
+                    "rank 0 made {} DistributedSampler(s) on the group since the last check, \
+                     rank {r} made {}: every rank must make the same samplers in the same order",
+                    first.len(),
+                    theirs.len()
+                ),
+            }));
+        }
+        for (a, b) in first.iter().zip(&theirs) {
+            let detail = if a[0] != b[0] {
+                format!("rank 0's is sampler {}, rank {r}'s sampler {}", a[0], b[0])
+            } else if a[1] != b[1] {
+                format!("rank 0's has {} items, rank {r}'s {}", a[1], b[1])
+            } else if a[3] == 1 && b[3] == 1 && a[2] != b[2] {
+                format!(
+                    "both have {} items, but they differ (among {} items read on each rank and \
+                     compared by their Debug text)",
+                    a[1],
+                    (a[1] as usize).min(DatasetPrint::SAMPLED)
+                )
+            } else {
+                continue;
+            };
+            return Err(DdpError::Config(ConfigError::DatasetsDiffer {
+                rank: group.rank(),
+                sampler: a[0] as usize,
+                detail,
+            }));
+        }
+    }
+    Ok(())
+}
+
 /// This rank's indices, and what they were computed for.
 #[derive(Debug)]
 struct Cached {
@@ -263,6 +498,10 @@ struct Dealing {
     world: u32,
     start: usize,
     even: bool,
+    /// The plan's own settings: clones of a plan share its state (and this cache) but may set
+    /// their own.
+    seed: Option<u64>,
+    drop_last: bool,
 }
 
 impl ShardPlan {
@@ -299,6 +538,8 @@ impl ShardPlan {
             world: self.state.world.load(Ordering::SeqCst).max(1),
             start: self.state.start.load(Ordering::SeqCst).min(n),
             even: self.even(),
+            seed: self.shuffle.then_some(self.seed),
+            drop_last: self.drop_last,
         }
     }
 
@@ -349,6 +590,8 @@ impl ShardPlan {
                 even: AtomicBool::new(true),
                 once: AtomicBool::new(false),
                 cache: Mutex::new(None),
+                print: Mutex::new(None),
+                checked: AtomicBool::new(false),
             }),
             seed: 0,
             shuffle: true,
@@ -388,9 +631,18 @@ impl ShardPlan {
     }
 
     /// Sets the epoch, which selects the permutation, and deals it from its start. Same value
-    /// on every rank.
-    pub fn set_epoch(&self, epoch: u64) {
-        self.state.set_epoch(epoch);
+    /// on every rank; any integer a loop counts in ([`EpochNumber`]).
+    pub fn set_epoch(&self, epoch: impl EpochNumber) {
+        self.state.set_epoch(epoch.epoch());
+    }
+
+    /// Records what the dataset this plan deals looked like ([`DatasetPrint`]), for
+    /// [`check_datasets`] to compare across the ranks. A line's `DistributedSampler::new` and
+    /// `::evaluation` call it.
+    #[doc(hidden)]
+    pub fn with_dataset_print(self, print: DatasetPrint) -> Self {
+        *self.state.print.lock().unwrap_or_else(|p| p.into_inner()) = Some(print);
+        self
     }
 
     /// The current epoch.
@@ -447,10 +699,10 @@ impl ShardPlan {
             key.start,
             key.rank as usize,
             key.world as usize,
-            self.shuffle.then_some((self.seed, key.epoch)),
+            key.seed.map(|seed| (seed, key.epoch)),
             if key.even {
                 Tail::Even {
-                    drop_last: self.drop_last,
+                    drop_last: key.drop_last,
                 }
             } else {
                 Tail::Uneven
@@ -483,8 +735,19 @@ macro_rules! distributed_sampler {
         $(#[$meta])*
         #[derive(Debug)]
         $vis struct $name<D> {
-            dataset: D,
+            dataset: ::std::sync::Arc<D>,
             plan: $crate::data::ShardPlan,
+        }
+
+        /// A clone shares the dataset and the plan: give a clone to the data loader and keep
+        /// the sampler to set its epoch.
+        impl<D> ::std::clone::Clone for $name<D> {
+            fn clone(&self) -> Self {
+                Self {
+                    dataset: ::std::sync::Arc::clone(&self.dataset),
+                    plan: self.plan.clone(),
+                }
+            }
         }
 
         impl<D> $name<D> {
@@ -515,10 +778,22 @@ macro_rules! distributed_sampler {
         /// as PyTorch: shuffled, seed 0, padded (not `drop_last`), epoch 0. A training
         /// strategy on `group` sets its epoch (no `with_sampler` needed); in a loop of your
         /// own, call [`set_epoch`](Self::set_epoch) at the start of every epoch.
-        pub fn new(dataset: D, group: &$crate::ProcessGroup) -> Self {
+        ///
+        /// Every rank must hold the same dataset: the sampler records its length and a digest
+        /// of a few of its items (their `Debug` text), which the next gradient synchronisation
+        /// compares across the ranks, failing with
+        /// [`ConfigError::DatasetsDiffer`](crate::ConfigError::DatasetsDiffer) when they
+        /// differ (a dataset generated from an unseeded generator). For items without `Debug`,
+        /// `with_plan(dataset, ShardPlan::new(group))` makes the same sampler unchecked.
+        pub fn new<I>(dataset: D, group: &$crate::ProcessGroup) -> Self
+        where
+            D: $dataset,
+            I: ::std::fmt::Debug,
+        {
+            let print = $crate::data::DatasetPrint::of(dataset.len(), |i| dataset.get(i));
             Self {
-                dataset,
-                plan: $crate::data::ShardPlan::new(group),
+                dataset: ::std::sync::Arc::new(dataset),
+                plan: $crate::data::ShardPlan::new(group).with_dataset_print(print),
             }
         }
 
@@ -526,10 +801,16 @@ macro_rules! distributed_sampler {
         /// item exactly once over all ranks, in order (no shuffle, shards that differ by at most
         /// one item). The same as `new(..).with_shuffle(false).with_even_shards(false)`; its
         /// epoch never matters, so a training strategy need not set it.
-        pub fn evaluation(dataset: D, group: &$crate::ProcessGroup) -> Self {
+        /// Its dataset is compared across the ranks as `new`'s is.
+        pub fn evaluation<I>(dataset: D, group: &$crate::ProcessGroup) -> Self
+        where
+            D: $dataset,
+            I: ::std::fmt::Debug,
+        {
+            let print = $crate::data::DatasetPrint::of(dataset.len(), |i| dataset.get(i));
             Self {
-                dataset,
-                plan: $crate::data::ShardPlan::evaluation(group),
+                dataset: ::std::sync::Arc::new(dataset),
+                plan: $crate::data::ShardPlan::evaluation(group).with_dataset_print(print),
             }
         }
 
@@ -543,7 +824,7 @@ macro_rules! distributed_sampler {
             world: $crate::WorldSize,
         ) -> $crate::Result<Self> {
             Ok(Self {
-                dataset,
+                dataset: ::std::sync::Arc::new(dataset),
                 plan: $crate::data::ShardPlan::with_replicas(rank, world)?,
             })
         }
@@ -551,7 +832,10 @@ macro_rules! distributed_sampler {
         /// The share of `dataset` that `plan` deals (a plan built once for several datasets
         /// of the job, or another sampler's [`plan`](Self::plan) cloned).
         pub fn with_plan(dataset: D, plan: $crate::data::ShardPlan) -> Self {
-            Self { dataset, plan }
+            Self {
+                dataset: ::std::sync::Arc::new(dataset),
+                plan,
+            }
         }
 
         /// The seed of the shuffle; must be the same on every rank.
@@ -583,8 +867,10 @@ macro_rules! distributed_sampler {
             self
         }
 
-        /// Sets the epoch, which selects the permutation. Same value on every rank.
-        pub fn set_epoch(&self, epoch: u64) {
+        /// Sets the epoch, which selects the permutation (and so every clone's). Same value on
+        /// every rank; any integer a loop counts in (`usize`, `u64`, `u32`, an integer
+        /// literal).
+        pub fn set_epoch(&self, epoch: impl $crate::data::EpochNumber) {
             self.plan.set_epoch(epoch);
         }
 
@@ -600,7 +886,7 @@ macro_rules! distributed_sampler {
 
         /// The wrapped dataset.
         pub fn inner(&self) -> &D {
-            &self.dataset
+            &*self.dataset
         }
 
         /// This rank's indices into the wrapped dataset for the current epoch, in order.
@@ -666,7 +952,7 @@ pub trait DataEpoch: Send + Sync {
 
 impl DataEpoch for ShardPlan {
     fn set_epoch(&self, epoch: u64) {
-        ShardPlan::set_epoch(self, epoch);
+        self.state.set_epoch(epoch);
     }
 
     fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
@@ -1005,4 +1291,135 @@ mod tests {
 
     // Computed independently from the SplitMix64 and Lemire definitions (a short Python script).
     const PERMUTATION_42_3: [usize; 10] = [8, 2, 0, 4, 6, 3, 7, 5, 1, 9];
+
+    /// Runs `per_rank(group)` on each rank of an in-process group of `world` ranks.
+    fn on_ranks<T: Send + 'static>(
+        world: u32,
+        per_rank: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
+    ) -> Vec<T> {
+        let groups = ProcessGroup::local(
+            WorldSize::new(world).unwrap(),
+            crate::Timeouts::uniform(std::time::Duration::from_secs(20)),
+        );
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                let f = per_rank.clone();
+                std::thread::spawn(move || f(g))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// The print of `n` items whose item `i` is `item(i)`.
+    fn print_of(n: usize, item: impl Fn(usize) -> u64) -> DatasetPrint {
+        DatasetPrint::of(n, |i| Some(item(i)))
+    }
+
+    #[test]
+    fn a_print_tells_datasets_apart_by_length_and_items_and_leaves_changing_items_out() {
+        let same = print_of(100, |i| i as u64);
+        assert_eq!(same, print_of(100, |i| i as u64));
+        assert_eq!(same.len(), 100);
+        assert!(same.digest().is_some());
+        assert_ne!(same.digest(), print_of(101, |i| i as u64).digest());
+        // Item 0 is always read: a generator seeded differently changes it.
+        assert_ne!(same.digest(), print_of(100, |i| i as u64 + 7).digest());
+        // Items that change between two reads (augmentation in `get`): no digest.
+        let reads = std::sync::atomic::AtomicU64::new(0);
+        let changing = DatasetPrint::of(100, |_| Some(reads.fetch_add(1, Ordering::Relaxed)));
+        assert_eq!(changing.digest(), None);
+        assert_eq!(changing.len(), 100);
+        // An item that cannot be read is digested as missing, not skipped.
+        let missing = DatasetPrint::of(4, |i| (i != 2).then_some(i));
+        assert_ne!(missing.digest(), DatasetPrint::of(4, Some).digest());
+    }
+
+    #[test]
+    fn datasets_that_differ_between_ranks_fail_the_check_naming_the_sampler_and_the_fix() {
+        // Rank 1's second sampler has other items (a generator without a seed).
+        let out = on_ranks(2, |g| {
+            let r = g.rank().0 as u64;
+            let _a = ShardPlan::new(&g).with_dataset_print(print_of(64, |i| i as u64));
+            let _b = ShardPlan::new(&g).with_dataset_print(print_of(64, |i| i as u64 * (1 + r)));
+            check_datasets(&g).map_err(|e| e.to_string())
+        });
+        for (rank, out) in out.iter().enumerate() {
+            let e = out.as_ref().unwrap_err();
+            assert!(e.contains(&format!("[rank {rank}]")), "{e}");
+            assert!(e.contains("DistributedSampler 2 "), "{e}");
+            assert!(e.contains("both have 64 items, but they differ"), "{e}");
+            assert!(e.contains("seed_from_u64"), "{e}");
+        }
+        // Lengths.
+        let out = on_ranks(2, |g| {
+            let n = 64 + g.rank().0 as usize;
+            let _a = ShardPlan::evaluation(&g).with_dataset_print(print_of(n, |i| i as u64));
+            check_datasets(&g).map_err(|e| e.to_string())
+        });
+        let e = out[1].as_ref().unwrap_err();
+        assert!(e.contains("rank 0's has 64 items, rank 1's 65"), "{e}");
+    }
+
+    #[test]
+    fn the_same_datasets_pass_once_and_changing_items_are_compared_by_length() {
+        let out = on_ranks(3, |g| {
+            let r = g.rank().0 as u64;
+            let same = ShardPlan::new(&g).with_dataset_print(print_of(50, |i| i as u64));
+            // Every rank's items change from one read to the next: its length alone is compared.
+            let reads = std::sync::atomic::AtomicU64::new(r * 1000);
+            let augmented = ShardPlan::new(&g).with_dataset_print(DatasetPrint::of(50, |_| {
+                Some(reads.fetch_add(1, Ordering::Relaxed))
+            }));
+            check_datasets(&g)?;
+            // Compared once: a second check with no new sampler runs no collective, so rank 0
+            // alone calling it does not wait for the others.
+            if g.is_main() {
+                check_datasets(&g)?;
+            }
+            // Samplers made later are compared at the next check.
+            let later =
+                ShardPlan::new(&g).with_dataset_print(print_of(10 + r as usize, |i| i as u64));
+            let e = check_datasets(&g).unwrap_err().to_string();
+            drop((same, augmented, later));
+            Ok::<_, DdpError>(e)
+        });
+        for (rank, e) in out.into_iter().enumerate() {
+            let e = e.unwrap();
+            assert!(e.contains("DistributedSampler 3 "), "rank {rank}: {e}");
+        }
+    }
+
+    #[test]
+    fn clones_share_the_epoch_and_keep_their_own_settings() {
+        let plan = ShardPlan::with_replicas(Rank(0), WorldSize::new(2).unwrap()).unwrap();
+        let shuffled = plan.clone().with_seed(9);
+        let in_order = plan.clone().with_shuffle(false);
+        // Any integer a loop counts in.
+        shuffled.set_epoch(3usize);
+        assert_eq!(in_order.epoch(), 3);
+        plan.set_epoch(4u64);
+        assert_eq!(shuffled.epoch(), 4);
+        in_order.set_epoch(5);
+        assert_eq!(plan.epoch(), 5);
+        in_order.set_epoch(-1);
+        assert_eq!(plan.epoch(), 0);
+        // The shared cache does not hand one clone's order to another.
+        assert_eq!(&in_order.indices(10)[..], &[0, 2, 4, 6, 8]);
+        assert_ne!(&shuffled.indices(10)[..], &[0, 2, 4, 6, 8]);
+        assert_eq!(&in_order.indices(10)[..], &[0, 2, 4, 6, 8]);
+    }
+
+    #[test]
+    fn the_mean_and_sums_of_the_ranks_values_reach_every_rank() {
+        let out = on_ranks(3, |g| {
+            let r = f64::from(g.rank().0);
+            let mean = g.mean(r as f32 * 2.0)?;
+            let sums = g.sum([r, 1.0])?;
+            Ok::<_, DdpError>((mean, sums))
+        });
+        for o in out {
+            assert_eq!(o.unwrap(), (2.0, [3.0, 3.0]));
+        }
+    }
 }

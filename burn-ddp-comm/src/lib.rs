@@ -144,3 +144,28 @@ pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery, WeakGroup};
 pub use launch::spawn;
 pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};
 pub use wire::WireError;
+
+/// `println!` on rank 0 only, for a training loop of your own: the job prints each line once.
+/// Rank 0 of the job this process joined ([`group::is_main_process`]: the last
+/// [`ProcessGroup::init`] or `from_env`, the current membership's in a fault-tolerant job);
+/// a process that has joined no job prints. The arguments are evaluated on every rank, so a
+/// collective among them (the job's mean loss, [`ProcessGroup::mean`]) runs everywhere, and
+/// only rank 0 prints.
+///
+/// ```no_run
+/// # fn doc(pg: &burn_ddp_comm::ProcessGroup, epoch: usize, loss: f32) {
+/// burn_ddp_comm::main_println!(
+///     "[Train - Epoch {epoch}] Loss {:.3}",
+///     pg.mean(loss).expect("the job's loss"),
+/// );
+/// # }
+/// ```
+#[macro_export]
+macro_rules! main_println {
+    ($($arg:tt)*) => {{
+        let line = ::std::format!($($arg)*);
+        if $crate::group::is_main_process() {
+            ::std::println!("{line}");
+        }
+    }};
+}

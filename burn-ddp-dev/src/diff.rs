@@ -139,7 +139,7 @@ pub fn rank_lines<'a>(stdout: &'a str, rank: u32, start: &str) -> Vec<&'a str> {
         .collect()
 }
 
-/// The migrated training loops of both lines (`custom_loop_after`, `custom_loop022_after`) on 2
+/// The migrated training loop of the Burn 0.21 line (`custom_loop_after`) on 2
 /// ranks: each rank takes half the optimizer steps of one process (2,048 points, batches of 64:
 /// 16 per epoch), and both ranks, holding one model, print the same validation of the whole
 /// validation set (512 points, 8 batches), epoch after epoch, to the last digit.
@@ -166,6 +166,35 @@ pub fn assert_custom_loop_on_two_ranks(example: &str) {
     });
     assert_eq!(valid[0].len(), 4 * 8, "{stdout}");
     assert_eq!(valid[0], valid[1], "the ranks validate different models");
+}
+
+/// The migrated training loop of Burn 0.22 and 0.23 (`custom_loop022_after`) on 2 ranks: rank
+/// 0 alone prints each epoch's training and validation lines (4 epochs), with the job's counts
+/// (2,048 training points a pass, each rank's 1,024 added; the 512 validation points dealt once
+/// over the ranks), rank 1 prints none, and the model is saved once, under `artifacts/`.
+pub fn assert_custom_loop_prints_and_saves_once(example: &str) {
+    let dir = scratch(example);
+    let stdout = on_two_ranks(example, &dir);
+    let saved: Vec<_> = std::fs::read_dir(dir.join("artifacts"))
+        .map(|d| d.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
+        .unwrap_or_default();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(saved, ["model.bpk"], "the saved model:\n{stdout}");
+    for (part, items) in [("Train", 2048), ("Valid", 512)] {
+        let lines = rank_lines(&stdout, 0, &format!("[{part} - Epoch "));
+        assert_eq!(lines.len(), 4, "rank 0's {part} lines:\n{stdout}");
+        for (epoch, line) in (1..).zip(&lines) {
+            assert!(
+                line.starts_with(&format!("[{part} - Epoch {epoch}] Loss ")),
+                "{line}"
+            );
+            assert!(line.ends_with(&format!("% of {items} points")), "{line}");
+        }
+    }
+    assert!(
+        rank_lines(&stdout, 1, "[").is_empty(),
+        "rank 1 printed:\n{stdout}"
+    );
 }
 
 /// Checks that every Burn summary in a launcher's `stdout` (rank 0's) names the model under

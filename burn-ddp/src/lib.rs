@@ -91,7 +91,8 @@ pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
 
 #[cfg(feature = "cuda")]
 pub use backend::DdpCuda;
-pub use burn_ddp_comm::data::surviving;
+pub use burn_ddp_comm::data::{surviving, EpochNumber, ShardPlan};
+pub use burn_ddp_comm::main_println;
 pub use burn_ddp_comm::{
     spawn, CollectiveError, CollectiveOp, ConfigError, CudaError, DType, DdpError, Element,
     FaultTolerance, GradTransport, GroupConfig, JobError, JobToken, LocalRank, MasterAddr,

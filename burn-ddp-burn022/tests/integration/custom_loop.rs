@@ -1,10 +1,26 @@
-//! The guide's training-loop migration for Burn 0.22 users (`docs/guide.md`, section 5): a loop
-//! of its own shaped like Burn's `examples/custom-training-loop`
-//! (`examples/custom_loop022_before.rs`) moves to `GradSync` in at most 15 changed lines
+//! The guide's training-loop migration for Burn 0.22 and 0.23 users (`docs/guide.md`, section
+//! 5): a loop of its own shaped like Burn's custom-loop examples
+//! (`examples/custom_loop022_before.rs`: data generated with `rand`, the epoch's metrics printed,
+//! the model saved) moves to `GradSync` in at most 15 changed lines
 //! (`examples/custom_loop022_after.rs`, each marked `// ddp:`), and the result trains on 2
-//! processes holding one model.
+//! processes holding one model, printing the job's metrics and saving the model once. A dataset
+//! that differs between the ranks (the "before" program's unseeded generator, kept) is refused
+//! at the first step, naming the fix.
 
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use burn::data::dataset::InMemDataset;
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn_ddp_burn022::{
+    DdpConfig, DistributedSampler, GradSync, ProcessGroup, Timeouts, WorldSize,
+};
 use burn_ddp_dev::diff::{self, changed, code};
+use rand::Rng;
 
 #[test]
 fn the_training_loop_migration_changes_at_most_15_lines_each_marked() {
@@ -19,10 +35,62 @@ fn the_training_loop_migration_changes_at_most_15_lines_each_marked() {
         "every added or modified line is marked `// ddp:`"
     );
     assert!(before.iter().any(|l| l.contains("optim.step(")));
+    assert!(before.iter().any(|l| l.contains("rand::rng()")));
+    assert!(before.iter().any(|l| l.contains(".save_file(")));
     assert!(!before.iter().any(|l| l.contains("burn_ddp")));
 }
 
 #[test]
-fn the_migrated_loop_trains_on_two_ranks_holding_one_model() {
-    diff::assert_custom_loop_on_two_ranks("custom_loop022_after");
+fn the_migrated_loop_trains_on_two_ranks_printing_and_saving_once() {
+    diff::assert_custom_loop_prints_and_saves_once("custom_loop022_after");
+}
+
+#[derive(Module, Debug)]
+struct Net {
+    linear: Linear,
+}
+
+#[test]
+fn datasets_generated_without_a_seed_are_refused_at_the_first_step() {
+    let groups = ProcessGroup::local(
+        WorldSize::new(2).unwrap(),
+        Timeouts::uniform(Duration::from_secs(60)),
+    );
+    let handles: Vec<_> = groups
+        .into_iter()
+        .map(|pg| {
+            thread::spawn(move || {
+                // The "before" program's data: a generator without a seed, on every rank.
+                let mut rng = rand::rng();
+                let points: Vec<[u32; 2]> =
+                    (0..256).map(|_| [rng.random(), rng.random()]).collect();
+                let sampler = Arc::new(DistributedSampler::new(InMemDataset::new(points), &pg));
+                let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+                let device = Device::default().autodiff();
+                device.seed(1);
+                let model = sync
+                    .prepare(Net {
+                        linear: LinearConfig::new(2, 1).init(&device),
+                    })
+                    .unwrap();
+                let x = Tensor::<2>::ones([4, 2], &device);
+                let grads =
+                    GradientsParams::from_grads(model.linear.forward(x).sum().backward(), &model);
+                let e = sync.sync(&model, grads).unwrap_err().to_string();
+                drop(sampler);
+                e
+            })
+        })
+        .collect();
+    for (rank, h) in handles.into_iter().enumerate() {
+        let e = h.join().unwrap();
+        assert!(
+            e.contains(&format!(
+                "[rank {rank}] the dataset of DistributedSampler 1 "
+            )),
+            "{e}"
+        );
+        assert!(e.contains("both have 256 items, but they differ"), "{e}");
+        assert!(e.contains("seed_from_u64"), "{e}");
+    }
 }

@@ -24,7 +24,9 @@ use burn::train::{
     InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput, TrainStep,
 };
 use line::train::{DdpStrategy, DdpTraining};
-use line::{DdpConfig, DdpError, DistributedSampler, GradSync, ProcessGroup, Timeouts, WorldSize};
+use line::{
+    DdpConfig, DdpError, DistributedSampler, GradSync, ProcessGroup, ShardPlan, Timeouts, WorldSize,
+};
 
 #[derive(Module, Debug)]
 struct Reg {
@@ -123,14 +125,16 @@ fn run(dir: &Path, fail_after: usize) -> Vec<Result<(), DdpError>> {
             thread::spawn(move || -> Result<(), DdpError> {
                 let rank = pg.rank().0;
                 let device = Device::default().autodiff();
+                // `with_plan`: `new` would read items for its dataset check, which count
+                // towards `fail_after`.
                 let train = Arc::new(
-                    DistributedSampler::new(
+                    DistributedSampler::with_plan(
                         Failing {
                             inner: InMemDataset::new(rows(96)),
                             fail_after: (rank == 1).then_some(fail_after),
                             reads: AtomicUsize::new(0),
                         },
-                        &pg,
+                        ShardPlan::new(&pg),
                     )
                     .with_seed(3),
                 );

@@ -149,6 +149,19 @@ pub enum ConfigError {
         /// What is wrong with its value, and what is accepted.
         reason: String,
     },
+
+    /// The ranks' datasets of a `DistributedSampler` differ (their lengths, or a sample of
+    /// their items): the sampler deals shards as if every rank held the same dataset
+    /// ([`check_datasets`](crate::data::check_datasets)).
+    #[error("[rank {rank}] the dataset of DistributedSampler {sampler} (the samplers counted in the order they were made on the group) differs between ranks: {detail}. A DistributedSampler deals shards of one dataset that every rank holds alike: build it the same way on every rank (seed any random generator that makes it, e.g. `StdRng::seed_from_u64(42)` instead of `rand::rng()`, and read the same files)")]
+    DatasetsDiffer {
+        /// This rank.
+        rank: Rank,
+        /// The sampler, counted from 1 in the order the samplers were made on the group.
+        sampler: usize,
+        /// What differs, and on which ranks.
+        detail: String,
+    },
 }
 
 impl ConfigError {
@@ -159,7 +172,8 @@ impl ConfigError {
             | Self::LocalRankOutOfRange { rank, .. }
             | Self::AlgorithmMismatch { rank, .. }
             | Self::TransportMismatch { rank, .. }
-            | Self::SharedMemory { rank, .. } => Some(*rank),
+            | Self::SharedMemory { rank, .. }
+            | Self::DatasetsDiffer { rank, .. } => Some(*rank),
             _ => None,
         }
     }

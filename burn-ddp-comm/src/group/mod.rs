@@ -51,6 +51,22 @@ use crate::{DdpError, Result};
 pub use crate::store::Store;
 use crate::store::{StoreClient, StoreServer};
 
+/// The group this process joined last with [`ProcessGroup::init`] (or `from_env`), for
+/// [`is_main_process`].
+static PROCESS_GROUP: RwLock<Option<WeakGroup>> = RwLock::new(None);
+
+/// Whether this process is rank 0 of the job it joined last ([`ProcessGroup::init`] or
+/// `from_env`, while that group lives; in a fault-tolerant job, of the current membership), or
+/// has joined none (a program run as one process). What
+/// [`main_println!`](crate::main_println) asks.
+pub fn is_main_process() -> bool {
+    let joined = PROCESS_GROUP.read().unwrap_or_else(|p| p.into_inner());
+    match joined.as_ref().and_then(WeakGroup::upgrade) {
+        Some(group) => group.is_main(),
+        None => true,
+    }
+}
+
 /// How long rank 0 keeps the store up at exit for ranks that are still finishing.
 const DEPARTURE_GRACE: Duration = Duration::from_secs(30);
 
@@ -367,6 +383,12 @@ impl ProcessGroup {
     /// `RankOutOfRange`, `PortInUse`, `MasterUnreachable`, `TokenMismatch`, `WorldSizeMismatch`,
     /// `DuplicateRank`, `RendezvousTimeout`, ... each naming the fix.
     pub fn init(config: GroupConfig) -> Result<Self> {
+        let group = Self::init_with(config)?;
+        *PROCESS_GROUP.write().unwrap_or_else(|p| p.into_inner()) = Some(group.downgrade());
+        Ok(group)
+    }
+
+    fn init_with(config: GroupConfig) -> Result<Self> {
         config.validate()?;
         if let Some(ft) = config.fault_tolerance.clone() {
             return membership::start(config, ft);
@@ -484,9 +506,39 @@ impl ProcessGroup {
         crate::config::per_rank_batch(global, self.world_size())
     }
 
-    /// Whether this is rank 0 (the one that logs, renders and writes checkpoints).
+    /// Whether this is rank 0 (the one that logs, renders and writes checkpoints). A loop of
+    /// your own prints with [`main_println!`](crate::main_println) and saves under `if
+    /// group.is_main()`, so that a job prints each line and writes each file once.
     pub fn is_main(&self) -> bool {
         self.inner().rank.is_zero()
+    }
+
+    /// The mean over the ranks of `value`, each rank's own (the loss or a metric of its shard),
+    /// on every rank: the job's value, which is what a loop prints. With the training sampler
+    /// every rank has as many batches, so the mean of the ranks' per-batch means is the job's
+    /// mean; for counts over shards of different sizes (an evaluation), use
+    /// [`sum`](Self::sum). A collective: every rank calls it, rank 0 included where only it
+    /// prints (`main_println!` evaluates its arguments on every rank).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    #[track_caller]
+    pub fn mean(&self, value: impl Into<f64>) -> Result<f64> {
+        let [sum] = self.sum([value.into()])?;
+        Ok(sum / f64::from(self.world_size().get()))
+    }
+
+    /// The sums over the ranks of `values` (each rank's counts, or sums of a loss over its
+    /// items), on every rank: `let [correct, seen] = group.sum([correct, seen])?;` gives the
+    /// job's accuracy of a sharded evaluation as `correct / seen`. A collective, as
+    /// [`mean`](Self::mean).
+    ///
+    /// # Errors
+    /// As [`all_reduce`](Self::all_reduce).
+    #[track_caller]
+    pub fn sum<const N: usize>(&self, mut values: [f64; N]) -> Result<[f64; N]> {
+        self.all_reduce(&mut values, ReduceOp::Sum)?;
+        Ok(values)
     }
 
     /// The deadlines this group uses.

@@ -147,6 +147,25 @@ pub(crate) fn current() -> Option<Arc<Shared>> {
 }
 
 impl DdpSession {
+    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
+    /// torchrun, Slurm or mpirun) and creates the session over it with the default
+    /// [`DdpConfig`]: `DdpSession::new(ProcessGroup::from_env()?, DdpConfig::default())`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
+    /// master) and [`DdpSession::new`].
+    pub fn from_env() -> Result<Self> {
+        Self::new(ProcessGroup::from_env()?, DdpConfig::default())
+    }
+
+    /// Sets the epoch of every training sampler made on this session's group
+    /// ([`DistributedSampler::new`](crate::DistributedSampler::new)), which selects its
+    /// shuffle, as the Learner strategy does: call it at the start of each epoch of a loop of
+    /// your own (any integer the loop counts in). Same value on every rank.
+    pub fn set_epoch(&self, epoch: impl burn_ddp_comm::data::EpochNumber) {
+        burn_ddp_comm::data::set_training_epoch(&self.shared.pg, epoch);
+    }
+
     /// Creates the session and installs it: for this process when `pg` spans processes, for
     /// this thread when `pg` is a rank of an in-process group ([`ProcessGroup::local`]).
     ///
@@ -184,9 +203,26 @@ impl DdpSession {
         &self.shared.pg
     }
 
+    /// Whether this is rank 0, the rank that prints and saves
+    /// ([`main_println!`](crate::main_println)).
+    pub fn is_main(&self) -> bool {
+        self.shared.pg.is_main()
+    }
+
     /// The session's configuration.
     pub fn config(&self) -> &DdpConfig {
         &self.shared.config
+    }
+
+    /// Compares across the ranks the datasets of the `DistributedSampler`s made on the group
+    /// since the last comparison (`burn_ddp_comm::data::check_datasets`; nothing when none
+    /// was made). [`DdpSession::backward`] and the Learner strategy call it before each step.
+    ///
+    /// # Errors
+    /// [`ConfigError::DatasetsDiffer`](crate::ConfigError::DatasetsDiffer) naming the sampler
+    /// and the ranks whose datasets differ; a failed all-gather.
+    pub fn check_datasets(&self) -> Result<()> {
+        burn_ddp_comm::data::check_datasets(&self.shared.pg)
     }
 
     /// The error of the last gradient synchronisation, if it failed. Burn's hooks cannot return
@@ -210,6 +246,7 @@ impl DdpSession {
         &self,
         loss: burn::tensor::Tensor<B, 1>,
     ) -> Result<B::Gradients> {
+        self.check_datasets()?;
         let grads = loss.backward();
         self.check()?;
         Ok(grads)

@@ -160,6 +160,7 @@ where
         };
         let ddp = self.parts.strategy;
         let session = &ddp.session;
+        session.check_datasets()?;
         ddp.sync_buffers(self.learner)?;
         let progress = ddp.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;

@@ -29,8 +29,8 @@ use burn::train::{
 };
 use burn_ddp::train::{DdpStrategy, DdpTraining};
 use burn_ddp::{
-    ddp, Ddp, DdpConfig, DdpError, DdpSession, DistributedSampler, ProcessGroup, Rank, Timeouts,
-    WorldSize,
+    ddp, Ddp, DdpConfig, DdpError, DdpSession, DistributedSampler, ProcessGroup, Rank, ShardPlan,
+    Timeouts, WorldSize,
 };
 
 type B = Autodiff<Ddp<NdArray>>;
@@ -239,15 +239,17 @@ impl Run {
         } else {
             (None, None)
         };
+        // `with_plan`: `new` would read items for its dataset check, which count towards
+        // `fail_after`.
         let train = Arc::new(
-            DistributedSampler::new(
+            DistributedSampler::with_plan(
                 Broken {
                     inner: InMemDataset::new(rows(96)),
                     bad,
                     fail_after,
                     reads: Default::default(),
                 },
-                &pg,
+                ShardPlan::new(&pg),
             )
             .with_seed(3),
         );
