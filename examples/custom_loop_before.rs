@@ -1,10 +1,10 @@
 //! The "before" of the guide's training-loop migration (section 2): a training loop of its own,
-//! shaped like Burn 0.21's `examples/custom-training-loop` (generic over the backend, a config
-//! holding the model's config and Adam's, the model built from its config, a training and a
-//! validation loader, a loop that prints every iteration's loss and accuracy, validation on
-//! `model.valid()`). `custom_loop_after.rs` is the same program on several processes;
-//! `burn-ddp/tests/integration/custom_loop.rs` counts the lines between the two and runs the
-//! result on 2 ranks.
+//! shaped like Burn 0.21's custom-loop examples (generic over the backend, a config holding the
+//! model's config and Adam's, the model built from its config, data generated in the program, a
+//! training and a validation loader, the epoch's loss and accuracy printed after each pass,
+//! validation on `model.valid()`, the model saved at the end). `custom_loop_after.rs` is the
+//! same program on several processes; `burn-ddp/tests/integration/custom_loop.rs` counts the
+//! lines between the two and runs the result on 2 ranks.
 //!
 //! It runs as it is: `cargo run --release --example custom_loop_before`. (Its `main` uses
 //! `Autodiff<Ddp<NdArray>>` where Burn's examples use `Autodiff<NdArray>`: step 1 of the guide.)
@@ -18,6 +18,7 @@ use burn::nn::loss::CrossEntropyLoss;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::record::CompactRecorder;
 use burn::tensor::backend::AutodiffBackend;
 use burn_ddp::Ddp;
 
@@ -107,7 +108,20 @@ impl<B: Backend> Batcher<B, Point, PointBatch<B>> for PointBatcher {
     }
 }
 
-pub fn run<B: AutodiffBackend>(device: B::Device) {
+/// The loss summed over a batch's items, its correct predictions, and its items.
+fn score<B: Backend>(
+    output: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    loss: &Tensor<B, 1>,
+) -> [f64; 3] {
+    let items = targets.dims()[0] as f64;
+    let predictions = output.argmax(1).squeeze_dim(1);
+    let correct: f64 = predictions.equal(targets).int().sum().into_scalar().elem();
+    let loss: f64 = loss.clone().into_scalar().elem();
+    [loss * items, correct, items]
+}
+
+pub fn run<B: AutodiffBackend>(device: B::Device, artifact_dir: &str) {
     let config = TrainingConfig::new(ModelConfig::new(), AdamConfig::new());
     B::seed(&device, config.seed);
 
@@ -115,54 +129,60 @@ pub fn run<B: AutodiffBackend>(device: B::Device) {
     let mut model = config.model.init::<B>(&device);
     let mut optim = config.optimizer.init();
 
-    // Create the dataloaders.
+    // Create the datasets and dataloaders.
+    let dataset_train = points(2048, 0);
+    let dataset_valid = points(512, 10_000);
     let dataloader_train = DataLoaderBuilder::new(PointBatcher)
         .batch_size(config.batch_size)
         .shuffle(config.seed)
         .num_workers(config.num_workers)
-        .build(points(2048, 0));
+        .build(dataset_train);
     let dataloader_valid = DataLoaderBuilder::<B::InnerBackend, _, _>::new(PointBatcher)
         .batch_size(config.batch_size)
         .num_workers(config.num_workers)
-        .build(points(512, 10_000));
+        .build(dataset_valid);
 
     for epoch in 1..config.num_epochs + 1 {
-        for (iteration, batch) in dataloader_train.iter().enumerate() {
+        let mut train = [0.0; 3];
+        for batch in dataloader_train.iter() {
             let output = model.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Train - Epoch {epoch} - Iteration {iteration}] Loss {:.3} | Accuracy {accuracy:.3} %",
-                loss.clone().into_scalar(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            train.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(config.lr, model, grads);
         }
+        let [loss, correct, items] = train;
+        println!(
+            "[Train - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
 
         // Get the model without autodiff.
         let model_valid = model.valid();
-        for (iteration, batch) in dataloader_valid.iter().enumerate() {
+        let mut valid = [0.0; 3];
+        for batch in dataloader_valid.iter() {
             let output = model_valid.forward(batch.points);
             let loss = CrossEntropyLoss::new(None, &output.device())
                 .forward(output.clone(), batch.targets.clone());
-            let accuracy = accuracy(output, batch.targets);
-            println!(
-                "[Valid - Epoch {epoch} - Iteration {iteration}] Loss {} | Accuracy {accuracy}",
-                loss.into_scalar(),
-            );
+            let scored = score(output, batch.targets, &loss);
+            valid.iter_mut().zip(scored).for_each(|(sum, x)| *sum += x);
         }
+        let [loss, correct, items] = valid;
+        println!(
+            "[Valid - Epoch {epoch}] Loss {:.3} | Accuracy {:.3} % of {items} points",
+            loss / items,
+            100.0 * correct / items,
+        );
     }
-}
 
-/// The percentage of correct predictions.
-fn accuracy<B: Backend>(output: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> f32 {
-    let predictions = output.argmax(1).squeeze_dim(1);
-    let num_predictions = targets.dims().iter().product::<usize>() as f32;
-    let num_corrects = predictions.equal(targets).int().sum().into_scalar();
-    num_corrects.elem::<f32>() / num_predictions * 100.0
+    model
+        .save_file(format!("{artifact_dir}/model"), &CompactRecorder::new())
+        .expect("Trained model should be saved successfully");
 }
 
 fn main() {
-    run::<Autodiff<Ddp<NdArray>>>(Default::default());
+    run::<Autodiff<Ddp<NdArray>>>(Default::default(), "artifacts");
 }

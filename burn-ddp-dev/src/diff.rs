@@ -139,47 +139,19 @@ pub fn rank_lines<'a>(stdout: &'a str, rank: u32, start: &str) -> Vec<&'a str> {
         .collect()
 }
 
-/// The migrated training loop of the Burn 0.21 line (`custom_loop_after`) on 2
-/// ranks: each rank takes half the optimizer steps of one process (2,048 points, batches of 64:
-/// 16 per epoch), and both ranks, holding one model, print the same validation of the whole
-/// validation set (512 points, 8 batches), epoch after epoch, to the last digit.
-pub fn assert_custom_loop_on_two_ranks(example: &str) {
-    let dir = scratch(example);
-    let stdout = on_two_ranks(example, &dir);
-    std::fs::remove_dir_all(&dir).ok();
-    for rank in 0..2 {
-        let steps = rank_lines(&stdout, rank, "[Train - Epoch 1 ").len();
-        assert_eq!(steps, 16, "rank {rank}'s steps in epoch 1:\n{stdout}");
-    }
-    // The loader's 2 workers hand the batches over in either order: compare each epoch's
-    // batches as a set.
-    let valid = [0, 1].map(|r| {
-        let mut lines: Vec<String> = rank_lines(&stdout, r, "[Valid - Epoch ")
-            .into_iter()
-            .map(|l| match (l.find(" - Iteration"), l.find(']')) {
-                (Some(a), Some(b)) => format!("{}{}", &l[..a], &l[b..]),
-                _ => l.to_owned(),
-            })
-            .collect();
-        lines.sort();
-        lines
-    });
-    assert_eq!(valid[0].len(), 4 * 8, "{stdout}");
-    assert_eq!(valid[0], valid[1], "the ranks validate different models");
-}
-
-/// The migrated training loop of Burn 0.22 and 0.23 (`custom_loop022_after`) on 2 ranks: rank
-/// 0 alone prints each epoch's training and validation lines (4 epochs), with the job's counts
-/// (2,048 training points a pass, each rank's 1,024 added; the 512 validation points dealt once
-/// over the ranks), rank 1 prints none, and the model is saved once, under `artifacts/`.
-pub fn assert_custom_loop_prints_and_saves_once(example: &str) {
+/// A migrated training loop of the guide (`custom_loop_after`, `custom_loop022_after`) on 2
+/// ranks: rank 0 alone prints each epoch's training and validation lines (4 epochs), with the
+/// job's counts (2,048 training points a pass, each rank's 1,024 added; 512 validation points:
+/// dealt once over the ranks and added, or all validated by rank 0), rank 1 prints none, and
+/// the model is saved once, as `artifacts/<model_file>`.
+pub fn assert_custom_loop_prints_and_saves_once(example: &str, model_file: &str) {
     let dir = scratch(example);
     let stdout = on_two_ranks(example, &dir);
     let saved: Vec<_> = std::fs::read_dir(dir.join("artifacts"))
         .map(|d| d.filter_map(|e| e.ok().map(|e| e.file_name())).collect())
         .unwrap_or_default();
     std::fs::remove_dir_all(&dir).ok();
-    assert_eq!(saved, ["model.bpk"], "the saved model:\n{stdout}");
+    assert_eq!(saved, [model_file], "the saved model:\n{stdout}");
     for (part, items) in [("Train", 2048), ("Valid", 512)] {
         let lines = rank_lines(&stdout, 0, &format!("[{part} - Epoch "));
         assert_eq!(lines.len(), 4, "rank 0's {part} lines:\n{stdout}");

@@ -42,7 +42,7 @@ fn the_training_loop_migration_changes_at_most_15_lines_each_marked() {
 
 #[test]
 fn the_migrated_loop_trains_on_two_ranks_printing_and_saving_once() {
-    diff::assert_custom_loop_prints_and_saves_once("custom_loop022_after");
+    diff::assert_custom_loop_prints_and_saves_once("custom_loop022_after", "model.bpk");
 }
 
 #[derive(Module, Debug)]
