@@ -169,6 +169,19 @@ pub fn assert_custom_loop_prints_and_saves_once(example: &str, model_file: &str)
     );
 }
 
+/// Checks `error`, rank `rank`'s, of the custom-loop tests' first step over a sampler of 256
+/// items generated without a seed: it names the rank, the first sampler, what differs, and the
+/// fix.
+pub fn assert_unseeded_data_refused(rank: usize, error: &str) {
+    let named = format!("[rank {rank}] the dataset of DistributedSampler 1 ");
+    assert!(error.contains(&named), "{error}");
+    assert!(
+        error.contains("both have 256 items, but they differ"),
+        "{error}"
+    );
+    assert!(error.contains("seed_from_u64"), "{error}");
+}
+
 /// Checks that every Burn summary in a launcher's `stdout` (rank 0's) names the model under
 /// its header, as Burn's own strategy prints it, and that there is one at least.
 pub fn assert_summaries_name_the_model(stdout: &str) {

@@ -73,14 +73,7 @@ fn datasets_generated_without_a_seed_are_refused_at_the_first_step() {
             .unwrap_err()
             .to_string();
         println!("rank {rank} error: {e}");
-        assert!(
-            e.contains(&format!(
-                "[rank {rank}] the dataset of DistributedSampler 1 "
-            )),
-            "{e}"
-        );
-        assert!(e.contains("both have 256 items, but they differ"), "{e}");
-        assert!(e.contains("seed_from_u64"), "{e}");
+        diff::assert_unseeded_data_refused(rank, &e);
         return;
     }
     if !common::is_any_child() {
