@@ -75,6 +75,23 @@ struct PlanState {
     checked: AtomicBool,
 }
 
+/// Plans, of any group, holding a [`DatasetPrint`] that [`check_datasets`] has not compared
+/// yet (a plan dropped unchecked leaves the count).
+static UNCHECKED_PRINTS: AtomicUsize = AtomicUsize::new(0);
+
+impl Drop for PlanState {
+    fn drop(&mut self) {
+        let printed = self
+            .print
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some();
+        if printed && !*self.checked.get_mut() {
+            UNCHECKED_PRINTS.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
 impl PlanState {
     fn reshard(&self, rank: Rank, world: WorldSize, start: usize) -> Result<()> {
         if rank.0 >= world.get() {
@@ -321,26 +338,17 @@ impl DatasetPrint {
     ) -> Self {
         let mut pass = || {
             use std::fmt::Write as _;
-            use std::hash::Hasher as _;
-            /// Feeds formatted text to the hasher without building the string.
-            struct Feed(std::collections::hash_map::DefaultHasher);
-            impl std::fmt::Write for Feed {
-                fn write_str(&mut self, s: &str) -> std::fmt::Result {
-                    self.0.write(s.as_bytes());
-                    Ok(())
-                }
-            }
-            let mut feed = Feed(std::collections::hash_map::DefaultHasher::new());
+            let mut text = String::new();
             let sampled = len.min(Self::SAMPLED);
             for k in 0..sampled {
                 let i = k * len / sampled;
-                // Formatting into a hasher cannot fail.
+                // Formatting into a String cannot fail.
                 let _ = match get(i).item() {
-                    Some(item) => write!(feed, "{i}:{item:?};"),
-                    None => write!(feed, "{i}:missing;"),
+                    Some(item) => write!(text, "{i}:{item:?};"),
+                    None => write!(text, "{i}:missing;"),
                 };
             }
-            feed.0.finish()
+            crate::grad::digest(text.as_bytes())
         };
         let (first, second) = (pass(), pass());
         Self {
@@ -396,7 +404,8 @@ impl<I, E> ItemOf<I> for std::result::Result<I, E> {
 /// [`ConfigError::DatasetsDiffer`] naming the sampler and the ranks whose datasets differ, how,
 /// and how to fix it; the all-gather's failures.
 pub fn check_datasets(group: &ProcessGroup) -> Result<()> {
-    if group.is_fault_tolerant() {
+    // Every step of every line calls this: with no print waiting anywhere, one atomic load.
+    if group.is_fault_tolerant() || UNCHECKED_PRINTS.load(Ordering::Relaxed) == 0 {
         return Ok(());
     }
     // The group's samplers in the order they were made, numbered from 1.
@@ -412,35 +421,26 @@ pub fn check_datasets(group: &ProcessGroup) -> Result<()> {
     if fresh.is_empty() {
         return Ok(());
     }
-    const WORDS: usize = 4;
-    let mut mine = Vec::with_capacity(fresh.len() * 8 * WORDS);
-    for (n, _, print) in &fresh {
-        let words = [
-            *n as u64,
-            print.len,
-            print.digest.unwrap_or(0),
-            u64::from(print.digest.is_some()),
-        ];
-        for w in words {
-            mine.extend_from_slice(&w.to_le_bytes());
+    // Each sampler as [its number, length, digest, whether it has a digest].
+    let mine: Vec<[u64; 4]> = fresh
+        .iter()
+        .map(|(n, _, print)| {
+            let digest = print.digest.unwrap_or(0);
+            [
+                *n as u64,
+                print.len,
+                digest,
+                u64::from(print.digest.is_some()),
+            ]
+        })
+        .collect();
+    for (_, plan, _) in &fresh {
+        if !plan.checked.swap(true, Ordering::Relaxed) {
+            UNCHECKED_PRINTS.fetch_sub(1, Ordering::Relaxed);
         }
     }
-    for (_, plan, _) in &fresh {
-        plan.checked.store(true, Ordering::Relaxed);
-    }
-    let all = group.all_gather_bytes(&mine)?;
-    let decode = |bytes: &[u8]| -> Vec<[u64; WORDS]> {
-        bytes
-            .chunks_exact(8 * WORDS)
-            .map(|c| {
-                std::array::from_fn(|k| {
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&c[8 * k..8 * k + 8]);
-                    u64::from_le_bytes(w)
-                })
-            })
-            .collect()
-    };
+    let all = group.all_gather_bytes(bytemuck::cast_slice(&mine))?;
+    let decode = |bytes: &[u8]| bytemuck::pod_collect_to_vec::<u8, [u64; 4]>(bytes);
     let first = decode(&all[0]);
     for (r, bytes) in all.iter().enumerate().skip(1) {
         let theirs = decode(bytes);
@@ -641,7 +641,11 @@ impl ShardPlan {
     /// `::evaluation` call it.
     #[doc(hidden)]
     pub fn with_dataset_print(self, print: DatasetPrint) -> Self {
-        *self.state.print.lock().unwrap_or_else(|p| p.into_inner()) = Some(print);
+        let mut slot = self.state.print.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.replace(print).is_none() && !self.state.checked.load(Ordering::Relaxed) {
+            UNCHECKED_PRINTS.fetch_add(1, Ordering::Relaxed);
+        }
+        drop(slot);
         self
     }
 
@@ -790,11 +794,7 @@ macro_rules! distributed_sampler {
             D: $dataset,
             I: ::std::fmt::Debug,
         {
-            let print = $crate::data::DatasetPrint::of(dataset.len(), |i| dataset.get(i));
-            Self {
-                dataset: ::std::sync::Arc::new(dataset),
-                plan: $crate::data::ShardPlan::new(group).with_dataset_print(print),
-            }
+            Self::printed(dataset, $crate::data::ShardPlan::new(group))
         }
 
         /// The share of `dataset` of this process's rank for validation or evaluation: every
@@ -807,11 +807,18 @@ macro_rules! distributed_sampler {
             D: $dataset,
             I: ::std::fmt::Debug,
         {
+            Self::printed(dataset, $crate::data::ShardPlan::evaluation(group))
+        }
+
+        /// The sampler of `plan` over `dataset`, with the dataset's print for the comparison
+        /// across the ranks.
+        fn printed<I>(dataset: D, plan: $crate::data::ShardPlan) -> Self
+        where
+            D: $dataset,
+            I: ::std::fmt::Debug,
+        {
             let print = $crate::data::DatasetPrint::of(dataset.len(), |i| dataset.get(i));
-            Self {
-                dataset: ::std::sync::Arc::new(dataset),
-                plan: $crate::data::ShardPlan::evaluation(group).with_dataset_print(print),
-            }
+            Self::with_plan(dataset, plan.with_dataset_print(print))
         }
 
         /// The share of `rank` in a world of `world` ranks (PyTorch's `num_replicas`, `rank`).
@@ -823,10 +830,10 @@ macro_rules! distributed_sampler {
             rank: $crate::Rank,
             world: $crate::WorldSize,
         ) -> $crate::Result<Self> {
-            Ok(Self {
-                dataset: ::std::sync::Arc::new(dataset),
-                plan: $crate::data::ShardPlan::with_replicas(rank, world)?,
-            })
+            Ok(Self::with_plan(
+                dataset,
+                $crate::data::ShardPlan::with_replicas(rank, world)?,
+            ))
         }
 
         /// The share of `dataset` that `plan` deals (a plan built once for several datasets
@@ -1292,25 +1299,6 @@ mod tests {
     // Computed independently from the SplitMix64 and Lemire definitions (a short Python script).
     const PERMUTATION_42_3: [usize; 10] = [8, 2, 0, 4, 6, 3, 7, 5, 1, 9];
 
-    /// Runs `per_rank(group)` on each rank of an in-process group of `world` ranks.
-    fn on_ranks<T: Send + 'static>(
-        world: u32,
-        per_rank: impl Fn(ProcessGroup) -> T + Send + Sync + Clone + 'static,
-    ) -> Vec<T> {
-        let groups = ProcessGroup::local(
-            WorldSize::new(world).unwrap(),
-            crate::Timeouts::uniform(std::time::Duration::from_secs(20)),
-        );
-        let handles: Vec<_> = groups
-            .into_iter()
-            .map(|g| {
-                let f = per_rank.clone();
-                std::thread::spawn(move || f(g))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    }
-
     /// The print of `n` items whose item `i` is `item(i)`.
     fn print_of(n: usize, item: impl Fn(usize) -> u64) -> DatasetPrint {
         DatasetPrint::of(n, |i| Some(item(i)))
@@ -1338,7 +1326,7 @@ mod tests {
     #[test]
     fn datasets_that_differ_between_ranks_fail_the_check_naming_the_sampler_and_the_fix() {
         // Rank 1's second sampler has other items (a generator without a seed).
-        let out = on_ranks(2, |g| {
+        let out = crate::group::on_local_ranks(2, |g| {
             let r = g.rank().0 as u64;
             let _a = ShardPlan::new(&g).with_dataset_print(print_of(64, |i| i as u64));
             let _b = ShardPlan::new(&g).with_dataset_print(print_of(64, |i| i as u64 * (1 + r)));
@@ -1352,7 +1340,7 @@ mod tests {
             assert!(e.contains("seed_from_u64"), "{e}");
         }
         // Lengths.
-        let out = on_ranks(2, |g| {
+        let out = crate::group::on_local_ranks(2, |g| {
             let n = 64 + g.rank().0 as usize;
             let _a = ShardPlan::evaluation(&g).with_dataset_print(print_of(n, |i| i as u64));
             check_datasets(&g).map_err(|e| e.to_string())
@@ -1363,7 +1351,7 @@ mod tests {
 
     #[test]
     fn the_same_datasets_pass_once_and_changing_items_are_compared_by_length() {
-        let out = on_ranks(3, |g| {
+        let out = crate::group::on_local_ranks(3, |g| {
             let r = g.rank().0 as u64;
             let same = ShardPlan::new(&g).with_dataset_print(print_of(50, |i| i as u64));
             // Every rank's items change from one read to the next: its length alone is compared.
@@ -1412,7 +1400,7 @@ mod tests {
 
     #[test]
     fn the_mean_and_sums_of_the_ranks_values_reach_every_rank() {
-        let out = on_ranks(3, |g| {
+        let out = crate::group::on_local_ranks(3, |g| {
             let r = f64::from(g.rank().0);
             let mean = g.mean(r as f32 * 2.0)?;
             let sums = g.sum([r, 1.0])?;
