@@ -348,7 +348,7 @@ impl DatasetPrint {
                     None => write!(text, "{i}:missing;"),
                 };
             }
-            crate::grad::digest(text.as_bytes())
+            crate::types::digest(text.as_bytes())
         };
         let (first, second) = (pass(), pass());
         Self {

@@ -5,6 +5,7 @@
 use super::ParamInfo;
 use crate::error::ModelError;
 use crate::group::ProcessGroup;
+pub use crate::types::digest;
 use crate::types::{Rank, ReduceOp};
 use crate::{DdpError, Result};
 
@@ -88,23 +89,6 @@ fn first_mismatch(rank: Rank, lists: &[Vec<String>]) -> Result<()> {
         }));
     }
     Ok(())
-}
-
-/// A 64-bit digest of a parameter's bytes, the same in every process: words of 8 bytes mixed
-/// by multiplication and rotation (several GB/s), then the length. For telling equal values
-/// from different ones, not against an adversary.
-pub fn digest(bytes: &[u8]) -> u64 {
-    const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
-    let mut words = bytes.chunks_exact(8);
-    for w in &mut words {
-        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
-        h = (h ^ v).wrapping_mul(K).rotate_left(29);
-    }
-    for &b in words.remainder() {
-        h = (h ^ u64::from(b)).wrapping_mul(K).rotate_left(29);
-    }
-    (h ^ bytes.len() as u64).wrapping_mul(K)
 }
 
 /// The periodic comparison of the ranks' parameters: [`ReplicaCheck::due`] counts synchronised
@@ -219,19 +203,6 @@ mod tests {
         assert!(first_mismatch(Rank(0), &[lines(&[&a]), lines(&[&a])]).is_ok());
         let err = first_mismatch(Rank(0), &[lines(&[&a]), lines(&[])]).unwrap_err();
         assert!(err.to_string().contains("fewer parameters"), "{err}");
-    }
-
-    #[test]
-    fn digests_tell_values_apart_and_repeat() {
-        let a: Vec<u8> = (0..1003u32)
-            .flat_map(|v| (v as f32).to_le_bytes())
-            .collect();
-        let mut b = a.clone();
-        b[517] ^= 1;
-        assert_eq!(digest(&a), digest(&a.clone()));
-        assert_ne!(digest(&a), digest(&b));
-        assert_ne!(digest(&a[..8]), digest(&a[..9]));
-        assert_ne!(digest(&[]), digest(&[0]));
     }
 
     #[test]

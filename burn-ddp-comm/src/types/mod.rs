@@ -8,10 +8,12 @@
 
 mod abort;
 mod collective;
+mod digest;
 mod rank;
 
 pub use abort::{AbortRecord, StallDiagnosis};
 pub use collective::{
     Algorithm, CollectiveDesc, CollectiveOp, DType, Element, ReduceOp, Transport,
 };
+pub use digest::digest;
 pub use rank::{CollectiveSeq, LocalRank, Rank, RankList, WorldSize};
