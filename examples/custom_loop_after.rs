@@ -1,6 +1,6 @@
 //! The "after" of the guide's training-loop migration (section 2): `custom_loop_before.rs` on
 //! several processes, changed as the guide says (each changed line is marked `// ddp:`;
-//! `burn-ddp/tests/integration/custom_loop.rs` counts them). Every rank trains on its shard of
+//! `burn-ddp-burn021/tests/integration/custom_loop.rs` counts them). Every rank trains on its shard of
 //! the data with the gradients averaged over the ranks during backward; rank 0 alone prints the
 //! job's training loss and accuracy (the ranks' sums added) and its validation of the whole
 //! validation set, and saves the model.

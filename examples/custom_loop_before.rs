@@ -3,7 +3,7 @@
 //! model's config and Adam's, the model built from its config, data generated in the program, a
 //! training and a validation loader, the epoch's loss and accuracy printed after each pass,
 //! validation on `model.valid()`, the model saved at the end). `custom_loop_after.rs` is the
-//! same program on several processes; `burn-ddp/tests/integration/custom_loop.rs` counts the
+//! same program on several processes; `burn-ddp-burn021/tests/integration/custom_loop.rs` counts the
 //! lines between the two and runs the result on 2 ranks.
 //!
 //! It runs as it is: `cargo run --release --example custom_loop_before`. (Its `main` uses

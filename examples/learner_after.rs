@@ -1,5 +1,5 @@
 //! The "after" of `docs/guide.md`: `examples/learner_before.rs` on several processes, changed
-//! as the guide says (`burn-ddp/tests/integration/migration.rs` counts the lines). Every rank
+//! as the guide says (`burn-ddp-burn021/tests/integration/migration.rs` counts the lines). Every rank
 //! trains on its shard of the data with gradients averaged during backward; rank 0 shows Burn's
 //! dashboard, writes the metrics and runs Burn's evaluator, as the single process did.
 //!

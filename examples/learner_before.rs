@@ -2,7 +2,7 @@
 //! (`examples/mnist`): generic over the backend, trained with Burn's Learner and dashboard, then
 //! evaluated by Burn's evaluator, all in one directory it starts by clearing.
 //! `examples/learner_after.rs` is the same program on several processes;
-//! `burn-ddp/tests/integration/migration.rs` counts the lines between the two.
+//! `burn-ddp-burn021/tests/integration/migration.rs` counts the lines between the two.
 //!
 //! It runs as it is: `cargo run --release --example learner_before`. (Its `main` uses
 //! `Autodiff<Ddp<NdArray>>` where Burn's examples use `Autodiff<NdArray>`: with burn-ddp in the

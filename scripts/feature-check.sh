@@ -50,7 +50,7 @@ trap 'rm -rf "$work"' EXIT
 # line_sets LINE: the feature sets that apply to LINE's release (above).
 line_sets() {
     case $1 in
-    burn-ddp) echo defaults defaults+tui ;;
+    burn-0-21) echo defaults defaults+tui ;;
     *) echo defaults defaults+tui bare bare+tui ;;
     esac
 }
@@ -64,12 +64,12 @@ check() {
     bare*) defaults=false features="\"std\", \"train\"" ;;
     esac
     case $set in
-    *+tui) features="$features, \"tui\"" ours=', features = ["tui"]' ;;
+    *+tui) features="$features, \"tui\"" ours=tui ;;
     esac
     # Burn 0.22's bare sets on Flex, the backend of Burn 0.22's custom-loop examples; every
     # other set on the line's CPU backend (lines.sh).
     case $line-$set in
-    burn-ddp-burn022-bare*) features="$features, \"flex\"" ;;
+    burn-0-22-bare*) features="$features, \"flex\"" ;;
     *) features="$features, $(line_backend "$line")" ;;
     esac
     local dir=$work/$line-$set
@@ -80,7 +80,7 @@ check() {
             printf '[dependencies]\nburn = { version = "=%s", default-features = %s, features = [%s] }\n' \
                 "$burn" "$defaults" "$features"
             if [ "$side" = with ]; then
-                printf '%s = { path = "%s/%s"%s }\n' "$line" "$root" "$line" "$ours"
+                line_dependency "$line" "$root" "$ours"
             fi
             printf '\n[workspace]\n'
         } >"$dir/$side/Cargo.toml"
@@ -97,9 +97,10 @@ check() {
             sed 's/ (\*)$//' | grep -v '^project v' | sort -u >"../$side.txt")
     done
     local what="a Burn $burn project (default-features = $defaults, [$features])" changed
+    local ddp="burn-ddp ($line${ours:+, $ours})"
     changed=$(comm -23 "$dir/without.txt" "$dir/with.txt")
     if [ -n "$changed" ]; then
-        echo "feature-check: adding $line$ours to $what changes how these of its packages build (package|features without it):" >&2
+        echo "feature-check: adding $ddp to $what changes how these of its packages build (package|features without it):" >&2
         printf '%s\n' "$changed" >&2
         echo "with it:" >&2
         while IFS='|' read -r pkg _; do
@@ -111,23 +112,23 @@ check() {
     local kept
     kept=$(wc -l <"$dir/without.txt")
     if [ "$compile" = 0 ]; then
-        printf 'feature-check: %s%s adds %d packages to %s and changes none of its %d\n' \
-            "$line" "$ours" "$added" "$what" "$kept"
+        printf 'feature-check: %s adds %d packages to %s and changes none of its %d\n' \
+            "$ddp" "$added" "$what" "$kept"
         return 0
     fi
     local start=$SECONDS
     if ! (cd "$dir/with" && cargo check --quiet --target-dir "$target") >"$dir/check.log" 2>&1; then
         {
-            printf 'feature-check: %s with %s%s does NOT compile (every dependency at its newest release):\n' \
-                "$what" "$line" "$ours"
+            printf 'feature-check: %s with %s does NOT compile (every dependency at its newest release):\n' \
+                "$what" "$ddp"
             compile_errors "$dir/check.log"
             grep -q '^error' "$dir/check.log" || tail -30 "$dir/check.log"
             echo "feature-check: scripts/user-project-check.sh $line names the dependency release that broke such a build, when one did."
         } >&2
         return 1
     fi
-    printf 'feature-check: %s%s adds %d packages to %s, changes none of its %d, and compiles (%d s)\n' \
-        "$line" "$ours" "$added" "$what" "$kept" "$((SECONDS - start))"
+    printf 'feature-check: %s adds %d packages to %s, changes none of its %d, and compiles (%d s)\n' \
+        "$ddp" "$added" "$what" "$kept" "$((SECONDS - start))"
 }
 
 status=0

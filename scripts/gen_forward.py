@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates burn-ddp/src/backend/forward.rs: `Ddp<B>` forwards every operation of Burn's backend
+"""Generates burn-ddp-burn021/src/backend/forward.rs: `Ddp<B>` forwards every operation of Burn's backend
 traits to `B`, provided methods included, so that `B`'s own kernels are kept.
 
 The signatures are read from the burn-backend sources cargo fetched (located with `cargo metadata`),
@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OUT = ROOT / "burn-ddp" / "src" / "backend" / "forward.rs"
+OUT = ROOT / "burn-ddp-burn021" / "src" / "backend" / "forward.rs"
 
 # (file under burn-backend/src/backend, trait, whether the trait is generic over `B`)
 TRAITS = [

@@ -58,20 +58,24 @@ done
 # variant -> cargo arguments, and the executables it needs (target names)
 cargo_args() {
     case $1 in
-        plain) echo "-p burn-ddp --features cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
-        fusion) echo "-p burn-ddp --features fusion --test ddp_equivalence --bench cuda_step" ;;
-        b02[23]*) # b022, b022-fusion, b022-cpp and the same for 0.23: the line's crate and features
+        plain) echo "-p burn-ddp-burn021 --features cuda --test cuda_nccl --test ddp_equivalence --bench cuda_step" ;;
+        fusion) echo "-p burn-ddp-burn021 --features fusion --test ddp_equivalence --bench cuda_step" ;;
+        b02[23]*) # b022, b022-fusion, b022-cpp and the same for 0.23: burn-ddp-gradsync built for the release
             local n=${1:1:3} features=${1#b02?}
             features=${features#-}
             [ "$features" = cpp ] && features=cuda-cpp
-            echo "-p burn-ddp-burn$n --features ${features:-cuda} --test cuda$n --bench cuda_step$n" ;;
+            if [ "$n" = 022 ]; then
+                echo "-p burn-ddp-gradsync --features ${features:-cuda} --test cuda --bench cuda_step"
+            else
+                echo "-p burn-ddp-gradsync --no-default-features --features burn-0-23,train,hold-systemstat,${features:-cuda} --test cuda --bench cuda_step"
+            fi ;;
     esac
 }
 targets_of() {
     case $1 in
         plain) echo "cuda_nccl ddp_equivalence cuda_step" ;;
         fusion) echo "ddp_equivalence cuda_step" ;;
-        b02[23]*) echo "cuda${1:1:3} cuda_step${1:1:3}" ;;
+        b02[23]*) echo "cuda cuda_step" ;;
     esac
 }
 

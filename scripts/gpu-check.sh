@@ -17,11 +17,11 @@
 #                overhead against plain Autodiff<Cuda>, and a failed join's exit under a debugger
 #   fusion       the same with Burn's fusion and autotune (what users' builds get; 2 processes)
 #   b022         Burn 0.22.1 (kernels through LLVM's NVPTX backend): GradSync on the NCCL path
-#                at world size 1 (tests/cuda022.rs) and its step time against plain Burn 0.22
+#                at world size 1 (burn-ddp-gradsync/tests/cuda.rs) and its step time against plain Burn 0.22
 #   b022-fusion  the same with fusion and autotune
 #   b022-cpp     the same with kernels as CUDA C++ through NVRTC (cubecl's cuda-cpp)
 #   b023, b023-fusion, b023-cpp
-#                the same three for Burn 0.23.0-pre.1 (tests/cuda023.rs, the same test source)
+#                the same three for Burn 0.23.0-pre.1 (the same test, built for Burn 0.23)
 #
 # --budget is per variant (default 540 s, so that one variant fits a 10-minute session); no step
 # starts with less than 30 s of it left. --nccl takes libnccl.so.2 or its directory, --nvrtc
@@ -66,7 +66,7 @@ binaries_of() { # variant -> the binaries its steps run, relative to bin/
     case $1 in
         core) echo "cuda_nccl burn-ddp" ;;
         plain | fusion) echo "$1/ddp_equivalence $1/cuda_step" ;;
-        b02[23] | b02[23]-fusion | b02[23]-cpp) echo "$1/cuda${1:1:3} $1/cuda_step${1:1:3}" ;;
+        b02[23] | b02[23]-fusion | b02[23]-cpp) echo "$1/cuda $1/cuda_step" ;;
     esac
 }
 HELD=
@@ -376,12 +376,12 @@ for v in $VARIANTS; do
             fi
             ;;
         b02[23] | b02[23]-fusion)
-            run "$v-nccl-world-1" 240 nccl "$BIN/$v/cuda${v:1:3}" --test-threads 1
-            run "$v-step-overhead" 180 nccl "$BIN/$v/cuda_step${v:1:3}" --rounds 3
+            run "$v-nccl-world-1" 240 nccl "$BIN/$v/cuda" --test-threads 1
+            run "$v-step-overhead" 180 nccl "$BIN/$v/cuda_step" --rounds 3
             ;;
         b02[23]-cpp)
-            run "$v-nccl-world-1" 240 nccl,nvrtc,headers "$BIN/$v/cuda${v:1:3}" --test-threads 1
-            run "$v-step-overhead" 180 nccl,nvrtc,headers "$BIN/$v/cuda_step${v:1:3}" --rounds 3
+            run "$v-nccl-world-1" 240 nccl,nvrtc,headers "$BIN/$v/cuda" --test-threads 1
+            run "$v-step-overhead" 180 nccl,nvrtc,headers "$BIN/$v/cuda_step" --rounds 3
             ;;
     esac
 done

@@ -50,8 +50,8 @@ standin() {
 standin "$B/bin/cuda_nccl"
 for v in plain fusion; do standin "$B/bin/$v/ddp_equivalence"; standin "$B/bin/$v/cuda_step"; done
 for v in b022 b022-fusion b022-cpp b023 b023-fusion b023-cpp; do
-    standin "$B/bin/$v/cuda${v:1:3}"
-    standin "$B/bin/$v/cuda_step${v:1:3}"
+    standin "$B/bin/$v/cuda"
+    standin "$B/bin/$v/cuda_step"
 done
 glibc=$( (getconf GNU_LIBC_VERSION 2>/dev/null || ldd --version | sed -n 1p) | grep -oE '[0-9]+\.[0-9]+' | tail -1)
 printf 'archive=rehearsal\nglibc=%s\nbuild_os=this machine\ncommit=rehearsal\n' "$glibc" >"$B/MANIFEST"

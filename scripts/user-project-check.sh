@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# A new user's first build: for each Burn line, a project made as a new user makes one (Burn with
-# its default features and those Burn's own examples turn on, the line's crate by path, no lock
-# file, so every dependency at its newest release) is resolved afresh and compiled with
+# A new user's first build: for each Burn release, a project made as a new user makes one (Burn
+# with its default features and those Burn's own examples turn on, `burn-ddp` by path with that
+# release's feature as the README writes it, no lock file, so every dependency at its newest
+# release) is resolved afresh and compiled with
 # `cargo check`. The workspace's own builds use its Cargo.lock and cannot see a new release of a
 # dependency that breaks a user's build (systemstat 0.2.8 broke burn-train 0.21.0, 0.22.1 and
 # 0.23.0-pre.1: see `systemstat` in the root Cargo.toml); this does.
 #
-#   scripts/user-project-check.sh                  # every line
-#   scripts/user-project-check.sh burn-ddp-burn022 # some: burn-ddp, burn-ddp-burn022, burn-ddp-burn023
+#   scripts/user-project-check.sh            # every release
+#   scripts/user-project-check.sh burn-0-22  # some: burn-0-21, burn-0-22, burn-0-23
 #
 # When a project does not compile, the script names the crates that failed, and finds the
 # dependency release that broke them: each crate the errors name (`systemstat::…`, or a file of
@@ -39,7 +40,7 @@ write_manifest() {
     {
         printf '[package]\nname = "user-project-%s"\nversion = "0.1.0"\nedition = "2021"\npublish = false\n\n' "$line"
         printf '[dependencies]\nburn = { version = "=%s", features = [%s] }\n' "$burn" "$features"
-        printf '%s = { path = "%s/%s" }\n' "$line" "$root" "$line"
+        line_dependency "$line" "$root"
         if [ $# -gt 4 ]; then
             # A version constraint that is never compiled (no target matches `cfg(any())`)
             # but that the resolver honours, as the line's own `systemstat` one.
@@ -116,7 +117,7 @@ lines=("$@")
 [ ${#lines[@]} -gt 0 ] || lines=("${burn_lines[@]}")
 for line in "${lines[@]}"; do
     line_release "$line" >/dev/null || {
-        echo "user-project-check: unknown line '$line' (${burn_lines[*]})" >&2
+        echo "user-project-check: unknown release '$line' (${burn_lines[*]})" >&2
         exit 2
     }
 done

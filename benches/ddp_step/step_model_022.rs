@@ -1,4 +1,4 @@
-//! The `Mlp` of `burn-ddp-step-model`, on Burn 0.22.1 (`burn022`), trained with burn-ddp-burn022's
+//! The `Mlp` of `burn-ddp-step-model`, on Burn 0.22.1 (`burn022`), trained with burn-ddp-gradsync's
 //! `GradSync`: the other side of the `lines` comparison. Same shapes, same batch, same
 //! optimizer, same timing as `time_steps`.
 
@@ -12,7 +12,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp::ProcessGroup;
-use burn_ddp_burn022::{DdpConfig, GradSync};
+use burn_ddp_gradsync::{DdpConfig, GradSync};
 
 #[derive(Module, Debug)]
 struct Mlp {

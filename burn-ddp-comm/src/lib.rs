@@ -47,14 +47,14 @@
 //!
 //! ## What a Burn line implements
 //!
-//! A Burn release is supported by a crate of glue over these modules (`burn-ddp` for Burn 0.21,
-//! `burn-ddp-burn022` for 0.22.1, `burn-ddp-burn023` for 0.23.0-pre.1); everything else is here.
-//! The glue is, file by file as in `burn-ddp-burn022/src/` (20 files, 4,791 lines with their
-//! unit tests and docs, most of them Burn's own traits implemented), below. A release whose APIs
-//! have the shape of one already supported does not copy it: `burn-ddp-burn023` compiles
-//! `burn-ddp-burn022/src/` against Burn 0.23 (`#[path]`), and what differs between the two
-//! releases is each crate's `release.rs` and `progress.rs` (3 files, 309 lines of its own in
-//! `burn-ddp-burn023/src/`, `lib.rs` included):
+//! A Burn release is supported by a crate of glue over these modules (`burn-ddp-burn021` for Burn
+//! 0.21, `burn-ddp-gradsync` for 0.22.1 and 0.23.0-pre.1; `burn-ddp`, the crate users add,
+//! re-exports the one its features choose); everything else is here. The glue is, file by file
+//! as in `burn-ddp-gradsync/src/` (most of it Burn's own traits implemented), below. A release
+//! whose APIs have the shape of one already supported does not copy it: `burn-ddp-gradsync` is
+//! one source built against Burn 0.22 or 0.23 (its features `burn-0-22`, `burn-0-23`), and what
+//! differs between the two releases is one file per release in its `src/release/` and
+//! `src/progress/`:
 //!
 //! | What | Over | In the 0.22 line |
 //! |---|---|---|
@@ -72,13 +72,12 @@
 //! | its tests, in its own `tests/`: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run per scenario: plain, accumulated, under the line's `join`, with its ZeRO-1 optimizer; `conformance_suite!` makes the tests), the adapters' checks (burn-ddp-dev's `adapters`: a closure per check in the line's unit tests), the fault-tolerant and multi-node scenarios (`burn_ddp_dev::fault`, `burn_ddp_dev::netns`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/integration/` (`equivalence.rs`, `fault_tolerant.rs`, `multinode.rs`), `data.rs`, `train/item.rs` |
 //! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs: the three records saved into the core's slots and loaded back), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::lines`] | `train/` |
 //!
-//! Between `burn-ddp-burn022` and `burn-ddp-burn023` a duplicate-code scan finds, as
-//! unavoidable: the two `progress.rs` files' progress-logger impls (the same trait methods of two
-//! releases, with different signatures: counts against `Progress`), the root re-exports of each
-//! `lib.rs` (a crate's public API, listed where a reader looks for it), and the migration
-//! examples, each a whole user program of its release. Between releases of different shapes the glue is
+//! Between Burn 0.22's and 0.23's files a duplicate-code scan finds, as unavoidable: the two
+//! `progress/` files' progress-logger impls (the same trait methods of two releases, with
+//! different signatures: counts against `Progress`) and the migration examples, each a whole user
+//! program of its release. Between releases of different shapes the glue is
 //! written per line, and a duplicate-code scan finds those places as pairs between the
-//! lines (4 between `burn-ddp/src` and `burn-ddp-burn022/src`, six or more lines alike). Each
+//! lines (4 between `burn-ddp-burn021/src` and `burn-ddp-gradsync/src`, six or more lines alike). Each
 //! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
 //! code of the core can name: the renderers (`train/render.rs`: `MetricsRenderer` and its
 //! loggers for three types), the `SupervisedLearningStrategy` body (`train/epochs.rs`: the

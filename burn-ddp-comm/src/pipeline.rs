@@ -2,7 +2,7 @@
 //! (the GPipe and 1F1B schedules), how a batch is cut into micro-batches, the tags of the
 //! messages between stages, and the framing of an activation (shape and element type ahead of
 //! its bytes), and the step that runs the schedule ([`StagePlan::run`]) over a line's tensors
-//! ([`StageOps`]: `burn_ddp::pipeline` and `burn_ddp_burn022::pipeline`).
+//! ([`StageOps`]: `burn_ddp::pipeline` on every Burn release).
 //!
 //! Stages exchange activations downstream and their gradients upstream with point-to-point
 //! messages ([`ProcessGroup::send_bytes`](crate::ProcessGroup::send_bytes)). Sends never wait

@@ -108,8 +108,8 @@ fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let (package, example) = match args.line.as_str() {
-        "0.22" => ("burn-ddp-burn022", "classifier022"),
-        _ => ("burn-ddp", "classifier"),
+        "0.22" => ("burn-ddp-gradsync", "classifier022"),
+        _ => ("burn-ddp-burn021", "classifier"),
     };
     // Paths given are relative to the workspace, where `cargo bench` is run from.
     let given = |p: &Option<PathBuf>| p.as_ref().map(|p| workspace().join(p));

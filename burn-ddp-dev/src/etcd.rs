@@ -11,8 +11,12 @@ use std::time::{Duration, Instant};
 
 use crate::netns::Net;
 
-/// The features the etcd tests build with, over the workspace.
-pub const ETCD_FEATURES: &str = "burn-ddp/etcd,burn-ddp-burn022/etcd,burn-ddp-burn023/etcd";
+/// The features the etcd tests build with, over the workspace (Burn 0.21 and 0.22).
+pub const ETCD_FEATURES: &str = "burn-ddp-burn021/etcd,burn-ddp-gradsync/etcd";
+
+/// The features the etcd tests of Burn 0.23 build `burn-ddp-gradsync` with, alone (a build of
+/// one Burn release: `--no-default-features`, since its default release is 0.22).
+pub const ETCD_FEATURES_023: &str = "burn-0-23,train,hold-systemstat,etcd";
 
 /// The features of the builds the etcd tests make (the launcher, an example): those the run
 /// that built the tests names in `BURN_DDP_TEST_FEATURES` (.ci/run builds them with more than
@@ -23,6 +27,15 @@ pub fn build_features() -> String {
         .ok()
         .filter(|f| !f.trim().is_empty())
         .unwrap_or_else(|| ETCD_FEATURES.to_string())
+}
+
+/// The same for the run that built Burn 0.23's tests (`burn-ddp-gradsync` alone):
+/// `BURN_DDP_TEST_FEATURES_023`, else [`ETCD_FEATURES_023`].
+pub fn build_features_023() -> String {
+    std::env::var("BURN_DDP_TEST_FEATURES_023")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+        .unwrap_or_else(|| ETCD_FEATURES_023.to_string())
 }
 
 /// etcd's client port on each node.
@@ -237,30 +250,63 @@ pub fn which(program: &str) -> Option<PathBuf> {
     })
 }
 
-/// The `burn-ddp` launcher and the example `name`, built now with every line's `etcd` feature
-/// over the whole workspace, in one cargo run (`cargo test --test X` builds no example; cargo
-/// does nothing when they are current). The features are [`build_features`], those the tests
-/// were built with (`cargo test --workspace --features ...`), so that Burn is not built a second
-/// time with another feature set; and the launcher is built beside an example because an
-/// example's build, as a test build, turns on the dev-dependencies' features: a build of the
-/// launcher alone would resolve the core's dependencies without them and compile the core again.
+/// The `burn-ddp` launcher and the example `name`, built now with the `etcd` feature (`cargo
+/// test --test X` builds no example; cargo does nothing when they are current), with the
+/// features the tests were built with, so that Burn is not built a second time with another
+/// feature set. Burn 0.21's and 0.22's examples: over the whole workspace ([`build_features`]),
+/// in one cargo run with the launcher, because an example's build, as a test build, turns on
+/// the dev-dependencies' features: a build of the launcher alone would resolve the core's
+/// dependencies without them and compile the core again. Burn 0.23's (`...023`):
+/// `burn-ddp-gradsync` alone, built for that release ([`build_features_023`]); a workspace
+/// build is Burn 0.22's, so the launcher comes from one as above when it is not built yet.
 pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--workspace", "--features"])
-        .arg(build_features())
-        .args(["--bin", "burn-ddp", "--example", name])
-        .current_dir(crate::package_dir())
-        .status()
-        .expect("cargo (the one that built this test) could not be started");
-    assert!(
-        status.success(),
-        "building the launcher and the example {name} with etcd failed"
-    );
     let profile_dir = crate::spawned::profile_dir();
-    (
-        profile_dir.join("burn-ddp"),
-        profile_dir.join("examples").join(name),
-    )
+    let launcher = profile_dir.join("burn-ddp");
+    let mut builds = Vec::new();
+    if name.ends_with("023") {
+        builds.push(vec![
+            "-p".to_string(),
+            "burn-ddp-gradsync".to_string(),
+            "--no-default-features".to_string(),
+            "--features".to_string(),
+            build_features_023(),
+            "--example".to_string(),
+            name.to_string(),
+        ]);
+        if !launcher.exists() {
+            builds.push(vec![
+                "--workspace".to_string(),
+                "--features".to_string(),
+                build_features(),
+                "--bin".to_string(),
+                "burn-ddp".to_string(),
+            ]);
+        }
+    } else {
+        builds.push(vec![
+            "--workspace".to_string(),
+            "--features".to_string(),
+            build_features(),
+            "--bin".to_string(),
+            "burn-ddp".to_string(),
+            "--example".to_string(),
+            name.to_string(),
+        ]);
+    }
+    for args in builds {
+        let status = Command::new(env!("CARGO"))
+            .arg("build")
+            .args(&args)
+            .current_dir(crate::package_dir())
+            .status()
+            .expect("cargo (the one that built this test) could not be started");
+        assert!(
+            status.success(),
+            "building the launcher and the example {name} with etcd failed (cargo build {})",
+            args.join(" ")
+        );
+    }
+    (launcher, profile_dir.join("examples").join(name))
 }
 
 /// The scenario every line's classifier passes on the etcd store: a fault-tolerant job of three

@@ -1,5 +1,5 @@
 //! Development-only helpers of burn-ddp, without Burn, shared by both Burn lines' tests,
-//! examples and benches (a dev-dependency of `burn-ddp`, `burn-ddp-burn022` and the root
+//! examples and benches (a dev-dependency of `burn-ddp-burn021`, `burn-ddp-gradsync` and the root
 //! package's step benchmarks; never published):
 //!
 //! - [`procs`]: the multi-process test harness (a test function run as the ranks of a real job)

@@ -1,118 +1,93 @@
 //! # burn-ddp
 //!
-//! Distributed data parallel training for [Burn](https://burn.dev): one process per device, on one
-//! machine or many, with PyTorch-DDP semantics and torchrun-compatible launching.
+//! Distributed data-parallel training for [Burn](https://burn.dev): one process per device, on one
+//! machine or many, gradients all-reduced across processes, started by `burn-ddp run`, torchrun,
+//! Slurm or `mpirun`; a deadline on every wait, and an error that names the rank at fault.
 //!
-//! ## Quick start
+//! **One crate for every supported Burn release.** A feature chooses the release, and the same
+//! paths (`use burn_ddp::{DistributedSampler, ProcessGroup, ...}`) serve each:
 //!
-//! 1. Join the job: [`ProcessGroup::from_env`] reads `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... as
-//!    set by `burn-ddp run`, `torchrun --no-python` or Slurm's `srun`.
-//! 2. Run collectives: [`ProcessGroup::all_reduce`], [`ProcessGroup::broadcast`],
-//!    [`ProcessGroup::all_gather`], [`ProcessGroup::reduce_scatter`], [`ProcessGroup::barrier`].
+//! | Burn | feature | `Cargo.toml` | gradients |
+//! |---|---|---|---|
+//! | 0.22.1 | `burn-0-22` (default) | `burn-ddp = "0.1"` | `GradSync` after backward, in buckets |
+//! | 0.23.0-pre.1 | `burn-0-23` | `burn-ddp = { version = "0.1", default-features = false, features = ["burn-0-23", "train", "hold-systemstat"] }` | the 0.22 API |
+//! | 0.21.0 | `burn-0-21` | `burn-ddp = { version = "0.1", default-features = false, features = ["burn-0-21", "train", "hold-systemstat"] }` | `Autodiff<Ddp<B>>` during backward |
+//!
+//! Exactly one release feature is on in a build; two (a dependency of yours asking for another
+//! release, or the default `burn-0-22` left on beside yours) is a compile error that says which.
+//! This crate compiles nothing of its own: it re-exports the chosen release's line
+//! (`burn-ddp-burn021` for Burn 0.21, `burn-ddp-gradsync` for 0.22 and 0.23, one source built for
+//! either), whose items and documentation follow, and passes its other features (`train`, `tui`, `etcd`, `cuda`, `fusion`, `cuda-cpp`,
+//! `flex`, `ndarray`, `hold-systemstat`) to that line alone.
+//!
+//! On the default release (Burn 0.22.1), a custom training loop:
 //!
 //! ```no_run
-//! use burn_ddp::{ProcessGroup, ReduceOp};
+//! # #[cfg(feature = "burn-0-22")] mod with_0_22 {
+//! use burn::module::Module;
+//! use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+//! use burn_ddp::{main_println, GradSync};
+//! # fn model() -> burn::nn::Linear { burn::nn::LinearConfig::new(4, 1).init(&Default::default()) }
+//! # fn loss(m: &burn::nn::Linear) -> burn::Tensor<1> {
+//! #     m.forward(burn::Tensor::<2>::zeros([2, 4], &Default::default())).mean()
+//! # }
 //!
-//! let pg = ProcessGroup::from_env()?;
-//! let mut x = vec![pg.rank().0 as f32; 4];
-//! pg.all_reduce(&mut x, ReduceOp::Sum)?;
-//! # Ok::<(), burn_ddp::DdpError>(())
+//! # pub fn run() {
+//! // One process per rank, started by `burn-ddp run` (or torchrun, or srun).
+//! let mut sync = GradSync::from_env().expect("joining the job");
+//! let mut model = sync.prepare(model()).expect("one model"); // rank 0's weights everywhere
+//! let mut optim = SgdConfig::new().init();
+//! for epoch in 1..=2 {
+//!     sync.set_epoch(epoch); // every sampler of the job deals this epoch's shards
+//!     let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+//!     let grads = sync.sync(&model, grads).expect("gradients"); // the mean over every rank
+//!     model = optim.step(0.1, model, grads);
+//!     main_println!("epoch {epoch} done"); // rank 0 alone
+//! }
+//! # } }
+//! # fn main() {}
 //! ```
 //!
-//! ## Two crates
-//!
-//! Everything that moves bytes and manages processes — ranks, the rendezvous store, the TCP and
-//! NCCL communicators, the process group, the launcher — lives in
-//! [`burn_ddp_comm`], which does not depend on Burn. This crate
-//! adds the Burn integration and re-exports what its users need, so `burn_ddp::ProcessGroup`,
-//! `burn_ddp::group`, `burn_ddp::launch`, ... keep working.
-//!
-//! ## Modules
-//!
-//! Burn integration (this crate):
-//!
-//! - `backend/` — [`Ddp`], the backend decorator (`forward.rs`: the generated forwarding,
-//!   `convert.rs`: tensor conversions, `mod.rs`: the gradient hooks)
-//! - `ddp/` — [`DdpSession`], [`DdpConfig`], [`DdpModule`] (`model.rs`: checks and broadcast of
-//!   the model, `reducer/`: the bucketed reducer, `hooks.rs`: the gradient hooks,
-//!   `buffers.rs`: `sync_buffers`, `join.rs`: uneven inputs, `zero.rs`: [`ZeroOptimizer`])
-//! - [`nn`] — [`SyncBatchNorm`](nn::SyncBatchNorm): BatchNorm over the global batch
-//! - [`pipeline`] — pipeline parallelism ([`Pipeline`](pipeline::Pipeline): GPipe and 1F1B over
-//!   micro-batches) and hybrid layouts ([`HybridLayout`](pipeline::HybridLayout))
-//! - [`checkpoint`] — saving and loading Burn modules atomically
-//! - [`data`] — [`DistributedSampler`]: each rank's shard of a Burn dataset
-//! - `train` — [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner (feature `train`)
-//! - `cuda` — the zero-copy NCCL gradient path of `Autodiff<Ddp<Cuda>>` (feature `cuda`)
-//!
-//! Re-exported from burn-ddp-comm:
-//!
-//! - [`group`] — the process group: rendezvous, collectives, heartbeat, store handle, sub-groups
-//!   ([`ProcessGroup::new_group`], [`ProcessGroup::split`]), point-to-point
-//!   ([`ProcessGroup::send`], [`ProcessGroup::recv`], [`ProcessGroup::batch_send_recv`])
-//! - [`comm`] — communicators (TCP ring between processes, shared memory between threads)
-//! - [`types`] — ranks, collective descriptions, abort records
-//! - [`config`] — configuration types, and [`config::env`], the one module that reads the
-//!   environment
-//! - [`launch`] — `spawn`, the launcher and the bandwidth tool
-//!
-//! ## Features
-//!
-//! - `train` (default): [`DdpStrategy`](train::DdpStrategy) for burn-train's Learner.
-//! - `cuda`: NCCL through cudarc for `Autodiff<Ddp<Cuda>>`; `fusion`: the same with Burn's
-//!   fusion and autotuning (what `burn = { features = ["cuda"] }` gives).
-//! - `hold-systemstat` (default): holds systemstat below 0.2.8 in your project's resolve,
-//!   compiling nothing: 0.2.8 breaks burn-train 0.21.0 whenever its `sys-metrics` feature is on
-//!   (Burn's default features with `train`). `docs/guide.md`, section 1, says when to turn it off.
-//!
-//! ## Never a silent hang
-//!
-//! Every blocking wait has a deadline ([`Timeouts`], 10 minutes by default, `BURN_DDP_TIMEOUT` to
-//! change). A rank that dies, stalls or calls a different collective is reported on every other
-//! rank by name, with the collective's sequence number.
+//! The guide (`docs/guide.md`) moves an existing Burn program over, on each release.
 
-#![cfg_attr(docsrs, feature(doc_cfg))]
-#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![warn(missing_docs)]
 
-mod backend;
-pub mod checkpoint;
-#[cfg(feature = "cuda")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub mod cuda;
-pub mod data;
-mod ddp;
-pub mod nn;
-#[cfg(feature = "train")]
-#[cfg_attr(docsrs, doc(cfg(feature = "train")))]
-pub mod train;
+#[cfg(not(any(feature = "burn-0-21", feature = "gradsync")))]
+compile_error!(
+    "burn-ddp: no Burn release is chosen. Turn on one of the features `burn-0-21`, `burn-0-22` \
+     (the default) or `burn-0-23`, the release of the `burn` your project depends on: for \
+     example `burn-ddp = { version = \"0.1\", default-features = false, features = \
+     [\"burn-0-23\", \"train\", \"hold-systemstat\"] }`"
+);
 
-pub mod pipeline;
+#[cfg(all(feature = "burn-0-21", feature = "gradsync"))]
+compile_error!(
+    "burn-ddp: feature `burn-0-21` is on beside `burn-0-22` or `burn-0-23`, but one build serves \
+     one Burn release. `burn-0-22` is a default feature: for Burn 0.21 write `burn-ddp = { version = \
+     \"0.1\", default-features = false, features = [\"burn-0-21\", \"train\", \
+     \"hold-systemstat\"] }` (`cargo tree -e features -i burn-ddp` shows which of your \
+     dependencies turns on each)"
+);
 
-pub use burn_ddp_comm::{comm, config, grad, group, launch, types};
+#[cfg(all(feature = "burn-0-21", any(feature = "flex", feature = "ndarray")))]
+compile_error!(
+    "burn-ddp: features `flex` and `ndarray` are for Burn 0.22 and 0.23 (the backends their \
+     `SyncBatchNorm` runs on); on Burn 0.21 (`burn-0-21`) `SyncBatchNorm` runs on every backend: \
+     remove them"
+);
 
-#[cfg(feature = "cuda")]
-pub use backend::DdpCuda;
-pub use burn_ddp_comm::data::{surviving, EpochNumber, ShardPlan};
-pub use burn_ddp_comm::main_println;
-pub use burn_ddp_comm::{
-    spawn, CollectiveError, CollectiveOp, ConfigError, CudaError, DType, DdpError, Element,
-    FaultTolerance, GradTransport, GroupConfig, JobError, JobToken, LocalRank, MasterAddr,
-    MembershipError, ModelError, P2pOp, PeerWait, ProcessGroup, Rank, Recovery, ReduceOp,
-    RendezvousError, Result, Timeouts, WireError, WorldSize,
-};
-/// `#[ddp]`: see [`DdpModule`].
-pub use burn_ddp_macros::ddp;
-pub use data::{DataEpoch, DistributedSampler};
-pub use ddp::{
-    Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
-    LoopState, NoSyncGuard, ParamInfo, PowerSgd, ZeroOptimizer,
-};
+#[cfg(all(feature = "burn-0-21", feature = "cuda-cpp"))]
+compile_error!(
+    "burn-ddp: feature `cuda-cpp` is for Burn 0.22 and 0.23; Burn 0.21's CUDA backend \
+     (`burn-0-21` with `cuda` or `fusion`) has no such choice: remove it"
+);
 
-/// What a training program needs, in one import: `use burn_ddp::prelude::*;`.
-pub mod prelude {
-    #[cfg(feature = "train")]
-    pub use crate::train::{DdpStrategy, DdpTraining};
-    pub use crate::{
-        ddp, Ddp, DdpAutodiffBackend, DdpConfig, DdpError, DdpModule, DdpSession,
-        DistributedSampler, ProcessGroup,
-    };
-}
+#[cfg(feature = "burn-0-21")]
+#[doc(inline)]
+pub use burn_ddp_burn021::*;
+
+// Burn 0.22 and 0.23: one crate, built for the release that `burn-0-22` or `burn-0-23` chose
+// (it refuses neither and both with errors of its own).
+#[cfg(all(feature = "gradsync", not(feature = "burn-0-21")))]
+#[doc(inline)]
+pub use burn_ddp_gradsync::*;

@@ -183,8 +183,8 @@ impl StoreClient {
         Err(DdpError::Config(crate::error::ConfigError::InvalidConfig {
             field: crate::config::env::ETCD_ENDPOINTS,
             reason: "names an etcd cluster, but this program was built without etcd support: \
-                     enable the `etcd` feature of burn-ddp (or burn-ddp-burn022, \
-                     burn-ddp-comm) and build again",
+                     enable the `etcd` feature of burn-ddp (or of burn-ddp-comm) and build \
+                     again",
         }))
     }
 

@@ -1,6 +1,6 @@
 //! The Burn-free half of training with a Learner on several processes, shared by every Burn
 //! line's strategy (`burn_ddp::train::DdpStrategy` for Burn 0.21,
-//! `burn_ddp_burn022::train::DdpStrategy` for Burn 0.22.1):
+//! `burn_ddp::train::DdpStrategy` for Burn 0.22.1 and 0.23):
 //!
 //! - [`epoch`]: the epoch loop itself ([`fit`](epoch::fit), [`run_split`](epoch::run_split)),
 //!   over the two traits a line implements ([`EpochDriver`](epoch::EpochDriver),

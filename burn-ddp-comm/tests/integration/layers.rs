@@ -42,8 +42,7 @@ const BURN: &[(&str, u8)] = &[
     ("train", 4),
 ];
 
-/// burn-ddp-burn022's top-level modules (Burn 0.22.1; the core crate is below them), and
-/// burn-ddp-burn023's, which are the same.
+/// burn-ddp-gradsync's top-level modules (Burn 0.22.1 and 0.23; the core crate is below them).
 const BURN022: &[(&str, u8)] = &[
     ("data", 1),
     ("nn", 1),
@@ -55,7 +54,7 @@ const BURN022: &[(&str, u8)] = &[
     ("zero", 4),
     ("fault", 4),
     ("train", 4),
-    // What differs between Burn 0.22 and 0.23 (each line's own): the events and counts below
+    // What differs between Burn 0.22 and 0.23 (a file per release in each): the events and counts below
     // everything that uses them, the progress-logger impls above the renderers they are for.
     ("release", 0),
     ("progress", 5),
@@ -272,19 +271,12 @@ fn modules_only_use_lower_layers() {
         foreign_modules: &[],
     });
     problems.extend(check(&Crate {
-        dir: "burn-ddp",
+        dir: "burn-ddp-burn021",
         layers: BURN,
         foreign_modules: &["group", "comm", "config", "grad", "launch", "types"],
     }));
     problems.extend(check(&Crate {
-        dir: "burn-ddp-burn022",
-        layers: BURN022,
-        foreign_modules: &["comm", "config", "grad", "group", "launch", "types"],
-    }));
-    // Burn 0.23's line: its own files (`release`, `progress`) against the same layers, since it
-    // compiles burn-ddp-burn022's other modules.
-    problems.extend(check(&Crate {
-        dir: "burn-ddp-burn023",
+        dir: "burn-ddp-gradsync",
         layers: BURN022,
         foreign_modules: &["comm", "config", "grad", "group", "launch", "types"],
     }));
@@ -336,9 +328,8 @@ fn only_the_env_module_reads_the_environment() {
     let mut problems = Vec::new();
     for dir in [
         "burn-ddp-comm/src",
-        "burn-ddp/src",
-        "burn-ddp-burn022/src",
-        "burn-ddp-burn023/src",
+        "burn-ddp-burn021/src",
+        "burn-ddp-gradsync/src",
     ] {
         let mut files = Vec::new();
         rust_files(&root().join(dir), &mut files);
@@ -471,12 +462,7 @@ fn circles(uses: &BTreeMap<String, Vec<String>>) -> Vec<Vec<String>> {
 #[test]
 fn sibling_modules_form_no_circle() {
     let mut found = Vec::new();
-    for krate in [
-        "burn-ddp-comm",
-        "burn-ddp",
-        "burn-ddp-burn022",
-        "burn-ddp-burn023",
-    ] {
+    for krate in ["burn-ddp-comm", "burn-ddp-burn021", "burn-ddp-gradsync"] {
         let src = root().join(krate).join("src");
         let mut dirs = vec![src.clone()];
         let mut i = 0;

@@ -1,0 +1,587 @@
+//! [`GradSync`]: a model prepared on every rank, and its gradients reduced after backward.
+
+use burn_ddp_comm::ConfigError;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::store::ModuleRecord;
+#[cfg(feature = "cuda")]
+use burn::tensor::Device;
+use burn::tensor::{Bytes, Tensor, TensorData};
+use burn_ddp_comm::config::GradTransport;
+use burn_ddp_comm::grad::{
+    check_and_load, compare_replicas, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync,
+    JoinCall, JoinSlot, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
+};
+use burn_ddp_comm::train::vote::FailureSlot;
+use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
+
+use crate::grads::{put_grads, take_grads};
+
+/// Gradient synchronisation for one rank: [`prepare`](Self::prepare) the model once, then
+/// [`sync`](Self::sync) the gradients of every step before the optimizer sees them.
+///
+/// Every rank must make the same calls in the same order (each is a collective).
+pub struct GradSync {
+    pg: ProcessGroup,
+    config: DdpConfig,
+    host: HostSync,
+    /// The prepared model's trainable parameters (slot = position in visit order).
+    plan: Option<BucketPlan<usize>>,
+    /// Counts synchronised steps for the periodic comparison of the replicas.
+    replicas: ReplicaCheck,
+    /// Uneven-input mode, inside [`GradSync::join`] (shared with the shadow loop, which makes
+    /// this sync's calls).
+    pub(crate) join: Arc<JoinSlot>,
+    /// What this process's `SyncBatchNorm` layers could not all-reduce (`nn`).
+    layers: FailureSlot,
+    /// NCCL for a model on a GPU (set up by `prepare`).
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda::DevicePath>,
+    /// Waits for the work queued on the prepared model's devices, run when this is dropped.
+    drain: DeviceDrain,
+}
+
+impl Drop for GradSync {
+    /// Waits (at most [`DEVICE_DRAIN_LIMIT`]) for the work still queued on the prepared model's
+    /// devices, so that a program that returns right after queueing GPU work does not unload
+    /// the CUDA compiler under the device thread still using it.
+    fn drop(&mut self) {
+        self.drain.run(self.pg.rank(), DEVICE_DRAIN_LIMIT);
+    }
+}
+
+impl std::fmt::Debug for GradSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradSync")
+            .field("rank", &self.pg.rank())
+            .field("world_size", &self.pg.world_size())
+            .field("config", &self.config)
+            .field("params", &self.plan.as_ref().map_or(0, |p| p.slots.len()))
+            .field("nccl", &self.uses_nccl())
+            .finish()
+    }
+}
+
+impl GradSync {
+    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
+    /// torchrun, Slurm or mpirun) and synchronises gradients over it with the default
+    /// [`DdpConfig`]: `GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())`.
+    ///
+    /// # Errors
+    /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
+    /// master) and [`GradSync::new`].
+    pub fn from_env() -> Result<Self> {
+        Self::new(ProcessGroup::from_env()?, DdpConfig::default())
+    }
+
+    /// Sets the epoch of every training sampler made on this group
+    /// ([`DistributedSampler::new`](crate::DistributedSampler::new)), which selects its
+    /// shuffle, as the Learner strategy does: call it at the start of each epoch of a loop of
+    /// your own (any integer the loop counts in). Same value on every rank.
+    pub fn set_epoch(&self, epoch: impl burn_ddp_comm::data::EpochNumber) {
+        burn_ddp_comm::data::set_training_epoch(&self.pg, epoch);
+    }
+
+    /// Gradient synchronisation over `pg` (this process's rank of the job), with `config`
+    /// (bucket sizes, mean or sum, compression, transport; its `overlap` does not apply to this
+    /// line: it reduces after backward). With the `cuda` feature, a model on a CUDA device has
+    /// its gradients reduced by NCCL on the GPU (`GradTransport::Auto`, the default, falls back
+    /// to the host-staged transport with a warning where NCCL cannot be used on every rank;
+    /// `GradTransport::Nccl` fails instead); everything else is host-staged.
+    ///
+    /// # Errors
+    /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
+    /// `cuda` feature; PowerSGD in a fault-tolerant job ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant)); the
+    /// communication thread cannot be started.
+    pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
+        config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
+        config.transport = config.effective_transport();
+        config.validate()?;
+        if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpConfig::transport",
+                reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
+            }));
+        }
+        if config.power_sgd.is_some() {
+            NotCarried::PowerSgd.refuse_on(&pg)?;
+        }
+        let host = HostSync::start(&pg, &config)?;
+        let layers = crate::nn::LayerGroup::register(&pg);
+        Ok(Self {
+            layers,
+            pg,
+            replicas: ReplicaCheck::new(config.check_replicas_every),
+            config,
+            host,
+            plan: None,
+            join: Arc::default(),
+            #[cfg(feature = "cuda")]
+            device: None,
+            drain: DeviceDrain::default(),
+        })
+    }
+
+    /// Whether gradients travel through NCCL on the GPU (a model on a CUDA device, prepared
+    /// with the `cuda` feature, NCCL usable on every rank), rather than host-staged.
+    pub fn uses_nccl(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.device.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            false
+        }
+    }
+
+    /// With PowerSGD on: (f32 elements all-reduced, elements the same buckets hold
+    /// uncompressed, steps) since the start, on this rank.
+    pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
+        self.host.power_sgd_totals()
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// Whether this is rank 0, the rank that prints and saves
+    /// ([`main_println!`](crate::main_println)).
+    pub fn is_main(&self) -> bool {
+        self.pg.is_main()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &DdpConfig {
+        &self.config
+    }
+
+    /// The prepared model's synchronised parameters, in visit order (empty before
+    /// [`prepare`](Self::prepare)).
+    pub fn params(&self) -> Vec<ParamInfo> {
+        self.plan
+            .as_ref()
+            .map(|p| p.slots.iter().map(|s| s.info.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// The bucket layout: for each bucket, in launch order, its parameters' names.
+    pub fn buckets(&self) -> Vec<Vec<String>> {
+        self.plan
+            .as_ref()
+            .map(BucketPlan::bucket_names)
+            .unwrap_or_default()
+    }
+
+    /// Makes `model` the same on every rank, and the model whose gradients [`sync`](Self::sync)
+    /// reduces:
+    ///
+    /// 1. checks that every rank has the same float parameters (names, shapes, dtypes, in
+    ///    order), failing with the first that differs and what each rank has there;
+    /// 2. loads rank 0's whole record (parameters and buffers) on every other rank;
+    /// 3. plans the buckets of its trainable parameters;
+    /// 4. with the `cuda` feature, for a model on a CUDA device, sets NCCL up on every rank
+    ///    together (the first `prepare` only; see [`GradSync::new`] for the fallback rules).
+    ///
+    /// # Errors
+    /// [`ModelError::ModelMismatch`](burn_ddp_comm::ModelError::ModelMismatch); a record that cannot be written or read; some ranks' models
+    /// on a CUDA device and others' not; NCCL set-up failures that `GradTransport::Auto` does
+    /// not fall back from; collective failures.
+    pub fn prepare<M: Module>(&mut self, model: M) -> Result<M> {
+        self.prepare_with(model, true)
+    }
+
+    /// After a change of membership of a fault-tolerant job (`burn-ddp run --fault-tolerant`),
+    /// on every rank of the new one, with the ranks' models equal (the ranks behind took the
+    /// state of the rank ahead): drops what belonged to the membership before (the host
+    /// thread's partial step, the NCCL communicator, the count of steps between replica
+    /// checks), then checks the model across the new ranks and plans its buckets (and NCCL) as
+    /// [`prepare`](Self::prepare) does, without loading rank 0's weights.
+    ///
+    /// # Errors
+    /// As [`prepare`](Self::prepare).
+    pub fn reprepare<M: Module>(&mut self, model: M) -> Result<M> {
+        self.host = HostSync::start(&self.pg, &self.config)?;
+        self.replicas = ReplicaCheck::new(self.config.check_replicas_every);
+        self.join.clear();
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.device.take() {
+            device.abort();
+        }
+        self.prepare_with(model, false)
+    }
+
+    /// [`prepare`](Self::prepare), loading rank 0's record on every rank when `load`.
+    fn prepare_with<M: Module>(&mut self, model: M, load: bool) -> Result<M> {
+        let rank = self.pg.rank();
+        let devices = model.devices();
+        self.drain.set(move || {
+            devices
+                .iter()
+                .try_for_each(|device| device.sync().map_err(|e| e.to_string()))
+        });
+        let AsReplica(model) = check_and_load(&self.pg, AsReplica(model), load)?;
+
+        let trainable = describe(&model)
+            .into_iter()
+            .filter(|(_, grad)| *grad)
+            .enumerate()
+            .map(|(slot, (info, _))| (info, slot))
+            .collect();
+        let plan = BucketPlan::build(trainable, &self.config, BucketOrder::Forward);
+        tracing::debug!(
+            "[rank {rank}] ddp: {} parameters in {} buckets",
+            plan.slots.len(),
+            plan.buckets.len()
+        );
+        self.plan = Some(plan);
+        #[cfg(feature = "cuda")]
+        if self.device.is_none() {
+            let device = first_device(&model);
+            self.device =
+                crate::cuda::DevicePath::connect(&self.pg, self.config.transport, device.as_ref())?;
+        }
+        Ok(model)
+    }
+
+    /// Reduces `grads` (this rank's gradients of `model`, as `GradientsParams::from_grads`
+    /// makes them) across every rank, and returns them for the optimizer: the mean (or sum, as
+    /// configured) of every parameter that some rank has a gradient for.
+    ///
+    /// Every `DdpConfig::check_replicas_every` calls, it first compares the ranks' parameters
+    /// ([`check_replicas`](Self::check_replicas)).
+    ///
+    /// # Errors
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged); [`prepare`](Self::prepare) was not called, or the
+    /// model's trainable parameters changed since; a gradient of the wrong size; collective
+    /// failures, naming the rank at fault, this step's `SyncBatchNorm` all-reduces' included.
+    pub fn sync<M: Module>(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        self.require_plan()?;
+        if let Some(e) = self.layers.take() {
+            return Err(e);
+        }
+        // The datasets of samplers made since the last step, compared across the ranks.
+        burn_ddp_comm::data::check_datasets(&self.pg)?;
+        // Inside a join: announced first; no comparison of replicas (the ranks that ran out
+        // no longer step), and the mean is over the ranks still training.
+        let Some(round) = self.join.announce(&self.pg, JoinCall::Gradients)? else {
+            if let Some(step) = self.replicas.due() {
+                self.compare_replicas(model, step)?;
+            }
+            return self.reduce(model, grads);
+        };
+        let grads = self.reduce(model, grads)?;
+        Ok(match round.scale(self.config.reduction) {
+            Some(factor) => scale(model, grads, factor),
+            None => grads,
+        })
+    }
+
+    /// The number of trainable parameters of the prepared model; `None` before `prepare`.
+    pub(crate) fn trainable_count(&self) -> Option<usize> {
+        self.plan.as_ref().map(|p| p.slots.len())
+    }
+
+    fn require_plan(&self) -> Result<()> {
+        match self.plan {
+            Some(_) => Ok(()),
+            None => Err(not_prepared(self.pg.rank())),
+        }
+    }
+
+    /// The gradient all-reduce of [`GradSync::sync`], without the comparison of replicas
+    /// and the announcement of a join.
+    fn reduce<M: Module>(
+        &mut self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let rank = self.pg.rank();
+        let plan = self.plan.as_ref().ok_or_else(|| not_prepared(rank))?;
+        #[cfg(feature = "cuda")]
+        if let Some(device) = self.device.as_ref() {
+            let how = (self.config.reduction, self.config.compression);
+            return device.sync(&self.pg, plan, how, model, grads);
+        }
+        // At world size 1 the mean is the gradient itself: nothing is read or copied
+        // (compression, too, is skipped), as on the Burn 0.21 line. Reading every gradient to
+        // the host and back cost an H200 18 ms a step (+1082 % on a 1024x4 MLP,
+        // docs/gpu-verification.md).
+        if self.pg.world_size().get() == 1 {
+            return Ok(grads);
+        }
+        let mut step = self.host.begin(plan)?;
+        let targets = take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
+            let values = grad
+                .map(|g| {
+                    g.try_into_data()
+                        .map_err(|e| DdpError::model_access(rank, "reading a gradient", e))?
+                        .convert::<f32>()
+                        .try_into_vec::<f32>()
+                        .map_err(|e| {
+                            DdpError::model_access(rank, "reading a gradient", format!("{e:?}"))
+                        })
+                })
+                .transpose()?;
+            step.push(slot, values.as_deref())
+        })?;
+        // Each bucket freed once its gradients are out; one of a single gradient becomes it.
+        let mut reduced = step.finish()?;
+        put_grads(model, &mut grads, &targets, &mut |slot, target| {
+            let values = reduced.take(slot)?;
+            let len = values.len();
+            let data = TensorData::new(values, [len]);
+            Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
+        });
+        Ok(grads)
+    }
+}
+
+impl GradSync {
+    /// Trains with **uneven inputs** (PyTorch's `Join`): `train` runs this rank's loop, which
+    /// may have more or fewer batches than the other ranks'. Inside it, [`sync`](Self::sync)
+    /// and [`sync_buffers`](Self::sync_buffers) first tell every rank which ranks still train
+    /// (one small all-reduce). When `train` returns, this rank shadows the others' calls until
+    /// every rank has returned: it joins their gradient all-reduce with zeros and no presence,
+    /// and their broadcast of buffers. So:
+    ///
+    /// - a mean of gradients is over the ranks still training (the ranks that ran out are
+    ///   counted out of the average; PyTorch's `divide_by_initial_world_size=False`): with
+    ///   equal shards, a step in which only some ranks train is the step one process would
+    ///   take on those ranks' batches;
+    /// - buffers are broadcast by the lowest rank still training;
+    /// - at the end, every rank takes the whole model (parameters and buffers) of the rank that
+    ///   trained longest (the lowest such), so the replicas are equal again; `join` returns it.
+    ///
+    /// Optimizer state is each rank's own: a rank that ran out did not step, so a stateful
+    /// optimizer's moments (Adam's) lag by the steps it sat out, as with PyTorch's `Join`.
+    /// The periodic comparison of replicas pauses inside a join. Without `join`, ranks with
+    /// different numbers of batches fail: the first rank to finish leaves the job, and the
+    /// others' next collective names it.
+    ///
+    /// ```no_run
+    /// # use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    /// # use burn_ddp::{DdpConfig, GradSync, ProcessGroup};
+    /// # fn main() -> burn_ddp::Result<()> {
+    /// # let device = Default::default();
+    /// # let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+    /// # let model = sync.prepare(burn::nn::LinearConfig::new(4, 1).init(&device))?;
+    /// # let my_batches: Vec<burn::Tensor<2>> = Vec::new();
+    /// let mut optim = SgdConfig::new().init();
+    /// let model = sync.join(model, |sync, mut model| {
+    ///     for x in my_batches {                    // as many as this rank has
+    ///         let loss = model.forward(x).mean();
+    ///         let grads = GradientsParams::from_grads(loss.backward(), &model);
+    ///         let grads = sync.sync(&model, grads)?;
+    ///         model = optim.step(0.1, model, grads);
+    ///     }
+    ///     Ok(model)
+    /// })?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// What `train` returns (this rank then leaves the join at once, and the other ranks'
+    /// next collective fails naming it); ranks that make different calls inside the join
+    /// (naming who calls what); a nested `join`; a fault-tolerant job
+    /// ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant)); collective failures.
+    pub fn join<M, F>(&mut self, model: M, train: F) -> Result<M>
+    where
+        M: Module,
+        F: FnOnce(&mut Self, M) -> Result<M>,
+    {
+        NotCarried::Join.refuse_on(&self.pg)?;
+        self.join.enter(&self.pg, "GradSync", self.plan.is_some())?;
+        let finished = train(self, model).and_then(|model| {
+            self.shadow(&model)?;
+            Ok(model)
+        });
+        let (model, authority) = self.join.leave(&self.pg, finished)?;
+        let AsReplica(model) = load_from(&self.pg, AsReplica(model), authority)?;
+        Ok(model)
+    }
+
+    /// After this rank's loop inside [`GradSync::join`]: the others' calls, shadowed until
+    /// every rank has run out.
+    fn shadow<M: Module>(&mut self, model: &M) -> Result<()> {
+        let (slot, pg) = (self.join.clone(), self.pg.clone());
+        slot.shadow(&pg, |round| match round.call() {
+            Some(JoinCall::Gradients) => self.reduce(model, GradientsParams::new()).map(drop),
+            Some(JoinCall::Buffers) => self
+                .broadcast_buffers(model.clone(), round.root())
+                .map(drop),
+            Some(JoinCall::Backward) | None => Err(DdpError::Internal {
+                rank: pg.rank(),
+                what: "a join announced a call this line never makes",
+            }),
+        })
+    }
+}
+
+/// `grads` of `model`'s trainable parameters multiplied by `factor`.
+fn scale<M: Module>(model: &M, mut grads: GradientsParams, factor: f32) -> GradientsParams {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale {
+        grads: &mut grads,
+        factor,
+    });
+    grads
+}
+
+/// This line's [`Replica`]: a Burn module, every float parameter compared, its record as
+/// Burn's module record bytes.
+pub(crate) struct AsReplica<M>(pub(crate) M);
+
+impl<M: Module> Replica for AsReplica<M> {
+    fn params(&self) -> Vec<(ParamInfo, bool)> {
+        describe(&self.0)
+    }
+
+    fn record_bytes(&self, rank: Rank) -> Result<Vec<u8>> {
+        // `valid()` folds running statistics' pending updates in (see `sync_buffers`).
+        drop(self.0.valid());
+        Ok(self
+            .0
+            .clone()
+            .into_record()
+            .into_bytes()
+            .map_err(|e| DdpError::model_access(rank, "serialising the model to send", e))?
+            .to_vec())
+    }
+
+    fn load_record_bytes(self, rank: Rank, bytes: Vec<u8>) -> Result<Self> {
+        drop(self.0.valid());
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| DdpError::model_access(rank, "reading the model received", e))?;
+        self.0
+            .try_load_record(record)
+            .map(AsReplica)
+            .map_err(|e| DdpError::model_access(rank, "loading the model received", e))
+    }
+
+    fn param_values(&self, keep: &dyn Fn(&str) -> bool, each: &mut dyn FnMut(String, &[u8])) {
+        struct Values<'a> {
+            path: Vec<String>,
+            keep: &'a dyn Fn(&str) -> bool,
+            each: &'a mut dyn FnMut(String, &[u8]),
+        }
+        impl ModuleVisitor for Values<'_> {
+            fn enter_module(&mut self, name: &str, _container: &str) {
+                self.path.push(name.to_owned());
+            }
+            fn exit_module(&mut self, _name: &str, _container: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let name = self.path.join(".");
+                if (self.keep)(&name) {
+                    (self.each)(name, param.val().into_data().as_bytes());
+                }
+            }
+        }
+        self.0.visit(&mut Values {
+            path: Vec::new(),
+            keep,
+            each,
+        });
+    }
+}
+
+impl GradSync {
+    /// Compares `model`'s synchronised parameters across ranks (a digest of each, read to the
+    /// host), failing with [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged) naming the first that differs. Every
+    /// rank must call it at the same point; [`sync`](Self::sync) does every
+    /// `DdpConfig::check_replicas_every` steps. Buffers (BatchNorm's running statistics, which
+    /// each rank updates from its own batches) are left out.
+    ///
+    /// # Errors
+    /// [`ModelError::ReplicasDiverged`](burn_ddp_comm::ModelError::ReplicasDiverged); collective failures.
+    pub fn check_replicas<M: Module>(&self, model: &M) -> Result<()> {
+        self.compare_replicas(model, 0)
+    }
+
+    /// The prepared plan's parameters (none before `prepare`) compared across ranks.
+    fn compare_replicas<M: Module>(&self, model: &M, step: u64) -> Result<()> {
+        let synced = self
+            .plan
+            .iter()
+            .flat_map(|p| &p.slots)
+            .map(|s| s.info.name.clone())
+            .collect();
+        compare_replicas(&self.pg, step, &AsReplica(model.clone()), &synced)
+    }
+}
+
+/// The device of `model`'s first trainable parameter.
+#[cfg(feature = "cuda")]
+fn first_device<M: Module>(model: &M) -> Option<Device> {
+    struct First(Option<Device>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() && param.is_require_grad() {
+                self.0 = Some(param.val().device());
+            }
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
+}
+
+/// The error for a call that needs [`GradSync::prepare`] first.
+fn not_prepared(rank: Rank) -> DdpError {
+    DdpError::model_access(
+        rank,
+        "synchronising gradients",
+        "GradSync::prepare was not called: prepare the model once, on every rank, \
+                 before training",
+    )
+}
+
+/// Float parameters in visit order: (what they are, whether they are trainable).
+fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
+    struct Describe {
+        path: Vec<String>,
+        out: Vec<(ParamInfo, bool)>,
+    }
+    impl ModuleVisitor for Describe {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            let info = ParamInfo::new(
+                self.path.join("."),
+                t.dims().to_vec(),
+                format!("{:?}", t.dtype()),
+            );
+            self.out.push((info, param.is_require_grad()));
+        }
+    }
+    let mut d = Describe {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut d);
+    d.out
+}
