@@ -48,7 +48,7 @@ if [ "${BURN_DDP_TEST_RUNNER:-}" != cargo ] && cargo nextest --version >/dev/nul
             --test-threads "$threads" || failed=1
         cargo nextest run "${args[@]}" --no-fail-fast --no-tests pass --test-threads "$threads" \
             -E "not ($timed)" || failed=1
-        cargo test "${args[@]}" --doc || failed=1
+        cargo test "${args[@]}" --doc --no-fail-fast || failed=1
     done
 else
     [ "${BURN_DDP_TEST_RUNNER:-}" = cargo ] || echo "test.sh: cargo-nextest is not installed; cargo test runs the binaries one after another" >&2

@@ -17,6 +17,8 @@ burn_ddp_comm::distributed_sampler! {
     /// The permutation is the same as the Burn 0.21 line's for the same seed and epoch.
     ///
     /// ```
+    /// # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+    /// # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
     /// use burn::data::dataset::{Dataset, InMemDataset};
     /// use burn_ddp::{DistributedSampler, Rank, WorldSize};
     ///

@@ -56,6 +56,8 @@ impl GradSync {
     /// Carry it with [`step_boundary`](Self::step_boundary) and [`recover`](Self::recover).
     ///
     /// ```no_run
+    /// # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+    /// # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
     /// # use burn::module::Module;
     /// # use burn::optim::{AdamConfig, GradientsParams};
     /// use burn_ddp::{DdpConfig, GradSync, ProcessGroup};

@@ -20,6 +20,8 @@
 //! `GradientsParams` handed to the optimizer.
 //!
 //! ```no_run
+//! # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+//! # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
 //! use burn::module::Module;
 //! use burn::optim::{GradientsParams, Optimizer, SgdConfig};
 //! use burn_ddp::{DdpConfig, GradSync, ProcessGroup};

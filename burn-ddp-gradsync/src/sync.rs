@@ -367,6 +367,8 @@ impl GradSync {
     /// others' next collective names it.
     ///
     /// ```no_run
+    /// # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+    /// # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
     /// # use burn::optim::{GradientsParams, Optimizer, SgdConfig};
     /// # use burn_ddp::{DdpConfig, GradSync, ProcessGroup};
     /// # fn main() -> burn_ddp::Result<()> {

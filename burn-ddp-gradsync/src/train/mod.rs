@@ -3,6 +3,8 @@
 //! `TrainingStrategy::Custom`.
 //!
 //! ```no_run
+//! # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+//! # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
 //! # use burn::train::{Learner, LearnerModel, SupervisedTraining};
 //! # fn doc<M: LearnerModel>(training: SupervisedTraining<M>, learner: Learner<M>,
 //! #     ddp: burn_ddp::train::DdpStrategy) -> burn_ddp::Result<()>
