@@ -5,10 +5,6 @@
 //! burn-ddp-burn021/etcd,burn-ddp-gradsync/etcd --test etcd_store` (.ci/run runs
 //! it).
 
-// This package is `burn-ddp-burn021`; users reach it as `burn_ddp` (the `burn-ddp` crate with
-// feature `burn-0-21`), and so does this program.
-extern crate burn_ddp_burn021 as burn_ddp;
-
 #[test]
 fn losing_the_node_of_rank_0_and_an_etcd_member_mid_epoch_is_survived() {
     burn_ddp_dev::etcd::node_loss_scenario("classifier", "etcd-node-loss");

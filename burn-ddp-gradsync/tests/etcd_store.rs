@@ -5,13 +5,6 @@
 //! -p burn-ddp-gradsync --no-default-features --features burn-0-23,train,hold-systemstat,etcd
 //! --test etcd_store` (.ci/run runs both).
 
-// This package is built for one Burn release (feature `burn-0-22` or `burn-0-23`): `burn` is
-// that release. A project of yours depends on its own `burn` and has no need of these lines.
-#[cfg(feature = "burn-0-22")]
-extern crate burn022 as burn;
-#[cfg(feature = "burn-0-23")]
-extern crate burn023 as burn;
-
 #[cfg(feature = "burn-0-22")]
 const EXAMPLE: &str = "classifier022";
 #[cfg(feature = "burn-0-23")]
