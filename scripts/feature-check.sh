@@ -23,6 +23,9 @@
 # project with `default-features = false` and `distributed` does not compile until some crate
 # turns `burn-backend/cubecl` on (the 0.21 line does, and so changes it).
 #
+# Then, compiled, three projects burn-ddp must refuse with its own error naming the fix: no
+# release feature, two releases (Burn 0.21 beside the default 0.22), and `ndarray` on Burn 0.23.
+#
 #   scripts/feature-check.sh                  # every line and set; exit 1 naming what changes
 #   scripts/feature-check.sh --resolve-only   # the comparison alone, nothing compiled
 #
@@ -131,10 +134,46 @@ check() {
         "$ddp" "$added" "$what" "$kept" "$((SECONDS - start))"
 }
 
+# refused LINE DEPENDENCY EXPECTED WHAT: the `with` project of LINE's `defaults` set (checked
+# above, so its Burn is compiled already), its `burn-ddp` line replaced by DEPENDENCY, must fail
+# to compile with an error that contains EXPECTED: burn-ddp's refusal of a wrong choice of release
+# or feature, with the line to write.
+refused() {
+    local line=$1 dependency=$2 expected=$3 what=$4 dir=$work/refused-$RANDOM start=$SECONDS
+    cp -r "$work/$line-defaults/with" "$dir"
+    python3 - "$dir/Cargo.toml" "$dependency" <<'PY'
+import sys
+path, dependency = sys.argv[1], sys.argv[2]
+lines = [dependency if l.startswith("burn-ddp = ") else l for l in open(path).read().split("\n")]
+open(path, "w").write("\n".join(lines))
+PY
+    if (cd "$dir" && cargo check --quiet --target-dir "$target") >"$dir/check.log" 2>&1; then
+        echo "feature-check: $what compiled; burn-ddp must refuse it" >&2
+        return 1
+    fi
+    if ! grep -qF "$expected" "$dir/check.log"; then
+        {
+            echo "feature-check: $what failed, but not with burn-ddp's error (\"$expected\"):"
+            compile_errors "$dir/check.log"
+        } >&2
+        return 1
+    fi
+    printf 'feature-check: %s is refused, naming the fix (%d s)\n' "$what" "$((SECONDS - start))"
+}
+
 status=0
 for line in "${burn_lines[@]}"; do
     for set in $(line_sets "$line"); do
         check "$line" "$set" || status=1
     done
 done
+if [ "$compile" = 1 ] && [ "$status" = 0 ]; then
+    refused burn-0-22 "burn-ddp = { path = \"$root/burn-ddp\", default-features = false, features = [\"train\"] }" \
+        "burn-ddp: no Burn release is chosen" "burn-ddp without a release feature" || status=1
+    refused burn-0-22 "burn-ddp = { path = \"$root/burn-ddp\", features = [\"burn-0-21\"] }" \
+        "feature \`burn-0-21\` is on beside \`burn-0-22\` or \`burn-0-23\`" \
+        "burn-ddp with burn-0-21 beside its default burn-0-22" || status=1
+    refused burn-0-23 "burn-ddp = { path = \"$root/burn-ddp\", default-features = false, features = [\"burn-0-23\", \"train\", \"ndarray\"] }" \
+        "Burn 0.23 has no NdArray backend" "burn-ddp with burn-0-23 and ndarray" || status=1
+fi
 exit "$status"
