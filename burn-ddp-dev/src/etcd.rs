@@ -23,19 +23,21 @@ pub const ETCD_FEATURES_023: &str = "burn-0-23,train,hold-systemstat,etcd";
 /// [`ETCD_FEATURES`]), else [`ETCD_FEATURES`]. With the test build's own features over the
 /// whole workspace, cargo finds every unit current and builds nothing.
 pub fn build_features() -> String {
-    std::env::var("BURN_DDP_TEST_FEATURES")
-        .ok()
-        .filter(|f| !f.trim().is_empty())
-        .unwrap_or_else(|| ETCD_FEATURES.to_string())
+    features_of_run("BURN_DDP_TEST_FEATURES", ETCD_FEATURES)
 }
 
 /// The same for the run that built Burn 0.23's tests (`burn-ddp-gradsync` alone):
 /// `BURN_DDP_TEST_FEATURES_023`, else [`ETCD_FEATURES_023`].
 pub fn build_features_023() -> String {
-    std::env::var("BURN_DDP_TEST_FEATURES_023")
+    features_of_run("BURN_DDP_TEST_FEATURES_023", ETCD_FEATURES_023)
+}
+
+/// The features a test run names in `var` (scripts/test.sh and .ci/run set them), else `default`.
+fn features_of_run(var: &str, default: &str) -> String {
+    std::env::var(var)
         .ok()
         .filter(|f| !f.trim().is_empty())
-        .unwrap_or_else(|| ETCD_FEATURES_023.to_string())
+        .unwrap_or_else(|| default.to_string())
 }
 
 /// etcd's client port on each node.
@@ -262,51 +264,44 @@ pub fn which(program: &str) -> Option<PathBuf> {
 pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
     let profile_dir = crate::spawned::profile_dir();
     let launcher = profile_dir.join("burn-ddp");
-    let mut builds = Vec::new();
+    let workspace = build_features();
+    let launcher_build = ["--workspace", "--features", &workspace, "--bin", "burn-ddp"];
     if name.ends_with("023") {
-        builds.push(vec![
-            "-p".to_string(),
-            "burn-ddp-gradsync".to_string(),
-            "--no-default-features".to_string(),
-            "--features".to_string(),
-            build_features_023(),
-            "--example".to_string(),
-            name.to_string(),
-        ]);
+        let release = build_features_023();
+        cargo_build(
+            name,
+            &[
+                "-p",
+                "burn-ddp-gradsync",
+                "--no-default-features",
+                "--features",
+                &release,
+                "--example",
+                name,
+            ],
+        );
         if !launcher.exists() {
-            builds.push(vec![
-                "--workspace".to_string(),
-                "--features".to_string(),
-                build_features(),
-                "--bin".to_string(),
-                "burn-ddp".to_string(),
-            ]);
+            cargo_build(name, &launcher_build);
         }
     } else {
-        builds.push(vec![
-            "--workspace".to_string(),
-            "--features".to_string(),
-            build_features(),
-            "--bin".to_string(),
-            "burn-ddp".to_string(),
-            "--example".to_string(),
-            name.to_string(),
-        ]);
-    }
-    for args in builds {
-        let status = Command::new(env!("CARGO"))
-            .arg("build")
-            .args(&args)
-            .current_dir(crate::package_dir())
-            .status()
-            .expect("cargo (the one that built this test) could not be started");
-        assert!(
-            status.success(),
-            "building the launcher and the example {name} with etcd failed (cargo build {})",
-            args.join(" ")
-        );
+        cargo_build(name, &[&launcher_build[..], &["--example", name]].concat());
     }
     (launcher, profile_dir.join("examples").join(name))
+}
+
+/// `cargo build ARGS` in this package's directory, for the etcd scenario of the example `name`.
+fn cargo_build(name: &str, args: &[&str]) {
+    let status = Command::new(env!("CARGO"))
+        .arg("build")
+        .args(args)
+        .current_dir(crate::package_dir())
+        .status()
+        .expect("cargo (the one that built this test) could not be started");
+    assert!(
+        status.success(),
+        "building the launcher and the example {name} with etcd failed (cargo build {})",
+        args.join(" ")
+    );
 }
 
 /// The scenario every line's classifier passes on the etcd store: a fault-tolerant job of three
