@@ -1,12 +1,10 @@
-//! End to end on the Burn 0.22.1 line: the `classifier022` example (built by `cargo test` with
-//! the other examples) trains with Burn 0.22's Learner and burn-ddp's Burn 0.22 `DdpStrategy`
+//! End to end on Burn 0.22.1 or 0.23 (the release this binary is built for): the classifier
+//! example of that release (`classifier022`, `classifier023`; built by `cargo test` with the
+//! other examples) trains with that release's Learner and burn-ddp's `DdpStrategy`
 //! on 2 real processes through `burn-ddp run`; a killed rank ends the job naming it; a
 //! restarted group resumes bit for bit; a checkpoint rank 0 cannot write fails the job.
 
-#[cfg(feature = "burn-0-22")]
-const EXAMPLE: &str = "classifier022";
-#[cfg(feature = "burn-0-23")]
-const EXAMPLE: &str = "classifier023";
+use crate::CLASSIFIER as EXAMPLE;
 
 #[allow(dead_code)]
 use burn_ddp_dev::spawned;

@@ -1,5 +1,5 @@
-//! Fault-tolerant training on the Burn 0.22.1 line (`burn-ddp run --fault-tolerant`): the
-//! `classifier022` example through burn-train 0.22's Learner and this line's `DdpStrategy`, in
+//! Fault-tolerant training on Burn 0.22.1 or 0.23 (`burn-ddp run --fault-tolerant`): the
+//! release's classifier example through its burn-train's Learner and this line's `DdpStrategy`, in
 //! real processes under the real launcher, ranks SIGKILLed mid-epoch, a replacement joining
 //! live: the scenarios the 0.21 line passes (`burn_ddp_dev::fault`), a custom loop on
 //! `GradSync::loop_state` losing a rank and taking in a joiner, and the refusals of what a
@@ -7,10 +7,7 @@
 
 use burn_ddp as line;
 
-#[cfg(feature = "burn-0-22")]
-const EXAMPLE: &str = "classifier022";
-#[cfg(feature = "burn-0-23")]
-const EXAMPLE: &str = "classifier023";
+use crate::CLASSIFIER as EXAMPLE;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};

@@ -1,4 +1,4 @@
-//! Burn 0.22's Learner with burn-ddp's `DdpStrategy`, in the in-process mode (one thread per
+//! Burn 0.22's or 0.23's Learner (the release this binary is built for) with burn-ddp's `DdpStrategy`, in the in-process mode (one thread per
 //! rank, real Burn training): a run that fails in the middle of its second epoch is summarised
 //! by Burn as one epoch, on rank 0.
 

@@ -19,6 +19,15 @@ extern crate burn_pack022 as burn_pack;
 #[cfg(feature = "burn-0-23")]
 extern crate burn_pack023 as burn_pack;
 
+/// The classifier example of the release this binary is built for (a binary per release, so
+/// that one built for the other release is never taken for it).
+#[cfg(feature = "burn-0-22")]
+const CLASSIFIER: &str = "classifier022";
+/// The classifier example of the release this binary is built for (a binary per release, so
+/// that one built for the other release is never taken for it).
+#[cfg(feature = "burn-0-23")]
+const CLASSIFIER: &str = "classifier023";
+
 mod classifier;
 mod custom_loop;
 mod equivalence;

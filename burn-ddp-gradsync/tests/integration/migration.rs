@@ -1,8 +1,8 @@
-//! The guide's promise for Burn 0.22 users (`docs/guide.md`, section 5): a Burn 0.22.1 program
-//! that trains with the Learner and then runs Burn's evaluator
-//! (`examples/learner022_before.rs`) moves to burn-ddp in at most 15 changed lines
-//! (`examples/learner022_after.rs`, each marked `// ddp:`), and the result trains on 2
-//! processes with the evaluation on rank 0 alone.
+//! The guide's promise for Burn 0.22 and 0.23 users (`docs/guide.md`, sections 5 and 5b): a
+//! program of the release this binary is built for that trains with the Learner and then runs
+//! Burn's evaluator (`examples/learner022_before.rs`, `learner023_before.rs`) moves to burn-ddp
+//! in at most 15 changed lines (`learner022_after.rs`, `learner023_after.rs`, each marked
+//! `// ddp:`), and the result trains on 2 processes with the evaluation on rank 0 alone.
 
 #[cfg(feature = "burn-0-22")]
 const BEFORE: &str = "learner022_before";

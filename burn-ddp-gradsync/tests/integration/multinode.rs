@@ -1,15 +1,12 @@
-//! Multi-node jobs for real on the Burn 0.22.1 line: each node a Linux network namespace with
+//! Multi-node jobs for real on Burn 0.22.1 or 0.23: each node a Linux network namespace with
 //! its own address on a virtual link (`burn_ddp_dev::netns`), the launcher and the
-//! `classifier022` example in each (fixed; elastic with `--scale-lr`, losing a killed node and
+//! release's classifier example in each (fixed; elastic with `--scale-lr`, losing a killed node and
 //! a node whose link goes down; fault-tolerant, surviving a node cut off), so that
 //! `MASTER_ADDR` is not loopback and the ranks meet across the link: the scenarios of
 //! `burn_ddp_dev::netns`, which the 0.21 line's classifier passes too. Needs root and
 //! iproute2's `ip` (the test fails, saying so, without them).
 
-#[cfg(feature = "burn-0-22")]
-const EXAMPLE: &str = "classifier022";
-#[cfg(feature = "burn-0-23")]
-const EXAMPLE: &str = "classifier023";
+use crate::CLASSIFIER as EXAMPLE;
 
 /// Two nodes, one rank each: the job trains to the same parameters as 2 ranks on one machine,
 /// bit for bit (the scenario the 0.21 line's classifier passes in `tests/multinode.rs`).

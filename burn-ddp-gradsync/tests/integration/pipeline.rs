@@ -1,5 +1,5 @@
-//! Burn 0.22.1: pipeline and hybrid parallelism train exactly like the unsplit model in one
-//! process (real processes, real TCP, Burn 0.22's Flex backend): a 4-layer MLP in 2 and 4 stages,
+//! Burn 0.22.1 or 0.23: pipeline and hybrid parallelism train exactly like the unsplit model in one
+//! process (real processes, real TCP, Burn's Flex backend): a 4-layer MLP in 2 and 4 stages,
 //! GPipe and 1F1B, 10 SGD steps on batches of 10 rows in 4 uneven micro-batches, and 2 stages x 2
 //! replicas with `GradSync` on each stage's replicas; every parameter within 1e-5 relative.
 
