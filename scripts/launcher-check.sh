@@ -5,8 +5,9 @@
 #   scripts/launcher-check.sh CLASSIFIER [OTHER_CLASSIFIER ...]
 #
 # CLASSIFIER: a built classifier example (target/debug/examples/classifier after
-# `cargo test --workspace`, or the release one); each OTHER_CLASSIFIER (the Burn 0.22 line's
-# classifier022, the Burn 0.23 line's classifier023) goes through checks 1 and 6 too. Files go
+# `cargo test --workspace`, or the release one: Burn 0.21's); each OTHER_CLASSIFIER (the same
+# example built for Burn 0.22 or 0.23: each build puts it at that path, so give a copy of each,
+# as .ci/run does) goes through checks 1 and 6 too. Files go
 # to $LAUNCHER_CHECK_DIR (default: a fresh directory under $TMPDIR, removed when every check
 # passed). Run as root (the daemons, apt-get). Checks:
 #   1. srun -n2: one job of world size 2, one final accuracy;

@@ -7,7 +7,7 @@
 //! cargo bench -p burn-ddp-dev --bench chaos -- --etcd --faults 200   # nodes, etcd, link cuts
 //! ```
 //!
-//! It builds the line's classifier example and the launcher in the release profile first
+//! It builds the classifier example for that release (the root package's) and the launcher in the release profile first
 //! (`--program`/`--launcher` take built ones instead), prints the report, and exits 1 with the
 //! failing job's log when an invariant does not hold.
 
@@ -23,8 +23,8 @@ use clap::Parser;
     about = "burn-ddp's chaos run: a seeded random schedule of faults on fault-tolerant jobs"
 )]
 struct Args {
-    /// The Burn line whose classifier example runs: 0.21 or 0.22.
-    #[arg(long, default_value = "0.21", value_parser = ["0.21", "0.22"])]
+    /// The Burn release whose classifier example runs: 0.21, 0.22 or 0.23.
+    #[arg(long, default_value = "0.21", value_parser = ["0.21", "0.22", "0.23"])]
     line: String,
     /// Faults to inject in all.
     #[arg(long, default_value_t = 1200)]
@@ -107,18 +107,30 @@ fn main() -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
-    let (package, example) = match args.line.as_str() {
-        "0.22" => ("burn-ddp-gradsync", "classifier022"),
-        _ => ("burn-ddp-burn021", "classifier"),
+    // The root package's classifier, built for the line's release (its features).
+    let release = match args.line.as_str() {
+        "0.22" => "burn-0-22",
+        "0.23" => "burn-0-23",
+        _ => "burn-0-21",
+    };
+    let features = if args.etcd {
+        format!("{release},etcd")
+    } else {
+        release.to_string()
     };
     // Paths given are relative to the workspace, where `cargo bench` is run from.
     let given = |p: &Option<PathBuf>| p.as_ref().map(|p| workspace().join(p));
     let program = match given(&args.program).map(Ok).unwrap_or_else(|| {
-        let mut what = vec!["-p", package, "--example", example];
-        if args.etcd {
-            what.extend(["--features", "etcd"]);
-        }
-        built(&what, &format!("examples/{example}"))
+        let what = [
+            "-p",
+            "burn-ddp-workspace",
+            "--no-default-features",
+            "--features",
+            &features,
+            "--example",
+            "classifier",
+        ];
+        built(&what, "examples/classifier")
     }) {
         Ok(p) => p,
         Err(e) => {

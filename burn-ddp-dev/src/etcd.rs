@@ -11,33 +11,19 @@ use std::time::{Duration, Instant};
 
 use crate::netns::Net;
 
-/// The features the etcd tests build with, over the workspace (Burn 0.21 and 0.22).
-pub const ETCD_FEATURES: &str = "burn-ddp-burn021/etcd,burn-ddp-gradsync/etcd";
+/// The features the etcd tests build the launcher with, over the workspace, when the run that
+/// built them names none (`BURN_DDP_TEST_FEATURES`, which .ci/run sets).
+pub const ETCD_FEATURES: &str =
+    "burn-ddp-burn021/etcd,burn-ddp-gradsync/etcd,burn-ddp-workspace/etcd";
 
-/// The features the etcd tests of Burn 0.23 build `burn-ddp-gradsync` with, alone (a build of
-/// one Burn release: `--no-default-features`, since its default release is 0.22).
-pub const ETCD_FEATURES_023: &str = "burn-0-23,train,hold-systemstat,etcd";
-
-/// The features of the builds the etcd tests make (the launcher, an example): those the run
-/// that built the tests names in `BURN_DDP_TEST_FEATURES` (.ci/run builds them with more than
-/// [`ETCD_FEATURES`]), else [`ETCD_FEATURES`]. With the test build's own features over the
-/// whole workspace, cargo finds every unit current and builds nothing.
+/// The features of the workspace build of the launcher: `BURN_DDP_TEST_FEATURES`, else
+/// [`ETCD_FEATURES`]. With the test build's own features over the whole workspace, cargo finds
+/// every unit current and builds nothing.
 pub fn build_features() -> String {
-    features_of_run("BURN_DDP_TEST_FEATURES", ETCD_FEATURES)
-}
-
-/// The same for the run that built Burn 0.23's tests (`burn-ddp-gradsync` alone):
-/// `BURN_DDP_TEST_FEATURES_023`, else [`ETCD_FEATURES_023`].
-pub fn build_features_023() -> String {
-    features_of_run("BURN_DDP_TEST_FEATURES_023", ETCD_FEATURES_023)
-}
-
-/// The features a test run names in `var` (scripts/test.sh and .ci/run set them), else `default`.
-fn features_of_run(var: &str, default: &str) -> String {
-    std::env::var(var)
+    std::env::var("BURN_DDP_TEST_FEATURES")
         .ok()
         .filter(|f| !f.trim().is_empty())
-        .unwrap_or_else(|| default.to_string())
+        .unwrap_or_else(|| ETCD_FEATURES.to_string())
 }
 
 /// etcd's client port on each node.
@@ -253,38 +239,31 @@ pub fn which(program: &str) -> Option<PathBuf> {
 }
 
 /// The `burn-ddp` launcher and the example `name`, built now with the `etcd` feature (`cargo
-/// test --test X` builds no example; cargo does nothing when they are current), with the
-/// features the tests were built with, so that Burn is not built a second time with another
-/// feature set. Burn 0.21's and 0.22's examples: over the whole workspace ([`build_features`]),
-/// in one cargo run with the launcher, because an example's build, as a test build, turns on
+/// test --test X` builds no example; cargo does nothing when they are current). The example with
+/// the selection and features of the run that built the tests ([`crate::spawned::test_run`]), so
+/// that Burn is not built a second time with another feature set; without one, over the whole
+/// workspace with [`build_features`] (Burn 0.21's examples). The launcher, when that selection is
+/// the workspace, in the same cargo run, because an example's build, as a test build, turns on
 /// the dev-dependencies' features: a build of the launcher alone would resolve the core's
-/// dependencies without them and compile the core again. Burn 0.23's (`...023`):
-/// `burn-ddp-gradsync` alone, built for that release ([`build_features_023`]); a workspace
-/// build is Burn 0.22's, so the launcher comes from one as above when it is not built yet.
+/// dependencies without them and compile the core again. A run of one release's root package
+/// (`-p burn-ddp-workspace`) builds no launcher: the workspace run before it did, or one is built
+/// here as above.
 pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
     let profile_dir = crate::spawned::profile_dir();
     let launcher = profile_dir.join("burn-ddp");
     let workspace = build_features();
     let launcher_build = ["--workspace", "--features", &workspace, "--bin", "burn-ddp"];
-    if name.ends_with("023") {
-        let release = build_features_023();
-        cargo_build(
-            name,
-            &[
-                "-p",
-                "burn-ddp-gradsync",
-                "--no-default-features",
-                "--features",
-                &release,
-                "--example",
-                name,
-            ],
-        );
+    let run = crate::spawned::test_run(&launcher_build[..3]);
+    let mut example: Vec<&str> = run.iter().map(String::as_str).collect();
+    example.extend(["--example", name]);
+    if run.iter().any(|a| a == "--workspace") {
+        example.extend(["--bin", "burn-ddp"]);
+        cargo_build(name, &example);
+    } else {
+        cargo_build(name, &example);
         if !launcher.exists() {
             cargo_build(name, &launcher_build);
         }
-    } else {
-        cargo_build(name, &[&launcher_build[..], &["--example", name]].concat());
     }
     (launcher, profile_dir.join("examples").join(name))
 }

@@ -110,35 +110,45 @@ pub fn profile_dir() -> PathBuf {
         .to_path_buf()
 }
 
-/// The workspace's root package, which holds the Burn 0.21 line's light examples in the
-/// repository's top-level `examples/` (the root Cargo.toml says why they are not the line's).
+/// The workspace's root package, which holds the examples (the repository's top-level
+/// `examples/`), for the Burn release its features choose.
 pub const ROOT_PACKAGE: &str = "burn-ddp-workspace";
 
-/// The built example `name`: the package under test's (`examples/<name>.rs` or
-/// `examples/<name>/`), else the root package's. Cargo puts every package's examples in one
-/// folder, `target/<profile>/examples/`. `cargo test --workspace` builds them all; `cargo test
-/// -p <package>` builds only that package's, and `cargo test --test X` none, so a missing one
-/// is built here, with its own package selected (`-p`), so that the build's features are that
-/// package's.
+/// The cargo package selection and features of the run that built the tests under way, from
+/// `BURN_DDP_TEST_RUN` (scripts/test.sh sets it for each of its runs, e.g. `--workspace
+/// --features ...` or `-p burn-ddp-workspace --no-default-features --features burn-0-22`), else
+/// `default`. A build made here with them finds every unit that run built current and builds
+/// nothing more; with other features cargo would resolve Burn's features afresh and compile it
+/// again in the middle of a test.
+pub fn test_run(default: &[&str]) -> Vec<String> {
+    match std::env::var("BURN_DDP_TEST_RUN") {
+        Ok(run) if !run.trim().is_empty() => run.split_whitespace().map(String::from).collect(),
+        _ => default.iter().map(|a| a.to_string()).collect(),
+    }
+}
+
+/// The built example `name` (the root package's), from `target/<profile>/examples/`. `cargo
+/// test` builds every example of the packages it tests, for the release its features choose, so
+/// the example found there is the run's own; `cargo test --test X` builds none, and a missing one
+/// is built here with the run's selection ([`test_run`]; without it, the root package's
+/// defaults: Burn 0.21). An example has one name on every release: run the tests of one release
+/// after `cargo test`'s build for that release, not after another release's (scripts/test.sh
+/// runs the releases one after another, each run building its examples first).
 pub fn example(name: &str) -> PathBuf {
     let path = profile_dir().join("examples").join(name);
     if !path.exists() {
-        let examples = crate::package_dir().join("examples");
-        let own = examples.join(format!("{name}.rs")).exists() || examples.join(name).is_dir();
-        let mut cargo = Command::new(env!("CARGO"));
-        cargo
-            .args(["build", "--example", name])
-            .current_dir(crate::package_dir());
-        if !own {
-            cargo.args(["-p", ROOT_PACKAGE]);
-        }
-        let status = cargo
+        let run = test_run(&["-p", ROOT_PACKAGE]);
+        let status = Command::new(env!("CARGO"))
+            .arg("build")
+            .args(&run)
+            .args(["--example", name])
+            .current_dir(crate::package_dir())
             .status()
             .expect("cargo, which runs this test, can be started again to build an example");
         assert!(
             status.success(),
-            "building the {name} example failed (neither {examples:?} nor the root package's \
-             examples/ has it?)"
+            "building the {name} example failed (cargo build {} --example {name})",
+            run.join(" ")
         );
     }
     path
