@@ -388,3 +388,36 @@ pub fn finish(child: &mut Child, log: &Path, limit: Duration) -> (bool, String) 
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// The pipeline example (`examples/pipeline/`, the run's release) on 2 stages x 2 replicas in 4
+/// processes through `burn-ddp run`: it says so, one rank prints one line per epoch, and the
+/// loss falls over the 3 epochs.
+pub fn pipeline_example_trains_two_stages_by_two_replicas() {
+    let mut cmd = Command::new(launcher());
+    cmd.args(["run", "--standalone", "--nproc-per-node", "4", "--"])
+        .arg(example("pipeline"))
+        .args(["--epochs", "3", "--train-size", "512", "--batch-size", "32"])
+        .env_remove("RANK")
+        .env_remove("SLURM_PROCID");
+    let run = Spawned::start(&mut cmd, Duration::from_secs(600)).finish();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stdout.contains("4 ranks = 2 stages x 2 replicas, 1f1b with 4 micro-batches"),
+        "{stdout}"
+    );
+    let losses: Vec<f64> = stdout
+        .lines()
+        .filter_map(|l| l.split("loss ").nth(1)?.split(',').next()?.parse().ok())
+        .collect();
+    assert_eq!(
+        losses.len(),
+        3,
+        "one line per epoch from one rank:\n{stdout}"
+    );
+    assert!(
+        losses[2] < losses[0],
+        "the loss must fall: {losses:?}\n{stdout}"
+    );
+}

@@ -17,3 +17,4 @@ mod custom_loop;
 mod fault_tolerant;
 mod migration;
 mod multinode;
+mod pipeline;

@@ -1,18 +1,5 @@
-//! Hybrid parallelism on CPU: an MLP image classifier split into pipeline stages, with the
-//! pipeline replicated data-parallel.
-//!
-//! ```text
-//! cargo run --release --example pipeline                        # 4 ranks: 2 stages x 2 replicas
-//! burn-ddp run --nproc-per-node 4 -- target/release/examples/pipeline   # same, via the launcher
-//! cargo run --release --example pipeline -- --nproc 4 --stages 4 --schedule gpipe   # 4 stages
-//! ```
-//!
-//! Ranks `r * stages .. (r + 1) * stages` form replica `r`'s pipeline; each holds only its own
-//! layers. Every step, the first stage cuts its batch into micro-batches and the 1F1B (or GPipe)
-//! schedule moves activations downstream and their gradients upstream; each stage's replicas then
-//! average that stage's gradients (a `DdpSession` on their sub-group) and step their optimizer.
-//! The data is sharded over the replicas: both stages of a pipeline see the same batch. The last
-//! stage of each replica reports loss and accuracy; replica 0's prints them.
+//! The pipeline example on Burn 0.21: each stage's replicas average its gradients during
+//! backward through a `DdpSession` on their sub-group (`Autodiff<Ddp<NdArray>>`).
 
 // The classifier's generated images (its MNIST loader and run settings are not used here).
 #[allow(dead_code)]
@@ -209,7 +196,7 @@ fn train(args: &Args, world: ProcessGroup) -> burn_ddp::Result<()> {
     Ok(())
 }
 
-fn main() -> ExitCode {
+pub fn main() -> ExitCode {
     let args = Args::parse();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
