@@ -11,20 +11,10 @@ use std::time::{Duration, Instant};
 
 use crate::netns::Net;
 
-/// The features the etcd tests build the launcher with, over the workspace, when the run that
-/// built them names none (`BURN_DDP_TEST_FEATURES`, which .ci/run sets).
+/// The features the etcd scenarios build with over the whole workspace when no test run names
+/// its own (`BURN_DDP_TEST_RUN`, which scripts/test.sh sets): Burn 0.21's examples with `etcd`.
 pub const ETCD_FEATURES: &str =
     "burn-ddp-burn021/etcd,burn-ddp-gradsync/etcd,burn-ddp-workspace/etcd";
-
-/// The features of the workspace build of the launcher: `BURN_DDP_TEST_FEATURES`, else
-/// [`ETCD_FEATURES`]. With the test build's own features over the whole workspace, cargo finds
-/// every unit current and builds nothing.
-pub fn build_features() -> String {
-    std::env::var("BURN_DDP_TEST_FEATURES")
-        .ok()
-        .filter(|f| !f.trim().is_empty())
-        .unwrap_or_else(|| ETCD_FEATURES.to_string())
-}
 
 /// etcd's client port on each node.
 pub const CLIENT_PORT: u16 = 2379;
@@ -240,30 +230,34 @@ pub fn which(program: &str) -> Option<PathBuf> {
 
 /// The `burn-ddp` launcher and the example `name`, built now with the `etcd` feature (`cargo
 /// test --test X` builds no example; cargo does nothing when they are current). The example with
-/// the selection and features of the run that built the tests ([`crate::spawned::test_run`]), so
-/// that Burn is not built a second time with another feature set; without one, over the whole
-/// workspace with [`build_features`] (Burn 0.21's examples). The launcher, when that selection is
-/// the workspace, in the same cargo run, because an example's build, as a test build, turns on
-/// the dev-dependencies' features: a build of the launcher alone would resolve the core's
-/// dependencies without them and compile the core again. A run of one release's root package
-/// (`-p burn-ddp-workspace`) builds no launcher: the workspace run before it did, or one is built
-/// here as above.
+/// the selection and features of the run that built the tests ([`crate::spawned::test_run`];
+/// without one, the whole workspace with [`ETCD_FEATURES`]), so that Burn is not built a second
+/// time with another feature set; the launcher in the same cargo run when that selection holds
+/// the core (a workspace run), because an example's build, as a test build, turns on the
+/// dev-dependencies' features: a build of the launcher alone would resolve the core's
+/// dependencies without them and compile the core again. A run of one release's packages
+/// (`-p burn-ddp-workspace ...`) takes the launcher the workspace run before it built, or builds
+/// the core's alone.
 pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
     let profile_dir = crate::spawned::profile_dir();
     let launcher = profile_dir.join("burn-ddp");
-    let workspace = build_features();
-    let launcher_build = ["--workspace", "--features", &workspace, "--bin", "burn-ddp"];
-    let run = crate::spawned::test_run(&launcher_build[..3]);
-    let mut example: Vec<&str> = run.iter().map(String::as_str).collect();
-    example.extend(["--example", name]);
+    let run = crate::spawned::test_run(&["--workspace", "--features", ETCD_FEATURES]);
+    let mut args: Vec<&str> = run.iter().map(String::as_str).collect();
+    args.extend(["--example", name]);
     if run.iter().any(|a| a == "--workspace") {
-        example.extend(["--bin", "burn-ddp"]);
-        cargo_build(name, &example);
-    } else {
-        cargo_build(name, &example);
-        if !launcher.exists() {
-            cargo_build(name, &launcher_build);
-        }
+        args.extend(["--bin", "burn-ddp"]);
+    }
+    cargo_build(name, &args);
+    if !launcher.exists() {
+        let core = [
+            "-p",
+            "burn-ddp-comm",
+            "--features",
+            "cli,etcd",
+            "--bin",
+            "burn-ddp",
+        ];
+        cargo_build(name, &core);
     }
     (launcher, profile_dir.join("examples").join(name))
 }
