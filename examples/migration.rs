@@ -7,6 +7,10 @@
 //!
 //! The task: fit y = 3·x₀ − 2·x₁ + 1 with a small MLP, from a dataset of 4,096 points.
 
+// The Burn 0.21 line is the package `burn-ddp-burn021` here; a program of yours reaches it as
+// `burn_ddp` (the `burn-ddp` crate with feature `burn-0-21`), and so does this one.
+extern crate burn_ddp_burn021 as burn_ddp;
+
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;

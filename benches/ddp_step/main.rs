@@ -24,6 +24,10 @@
 //! ```
 //! Every process runs one compute thread (`RAYON_NUM_THREADS=1`, `OMP_NUM_THREADS=1`).
 
+// The Burn 0.21 line is the package `burn-ddp-burn021` here; a program of yours reaches it as
+// `burn_ddp` (the `burn-ddp` crate with feature `burn-0-21`), and so does this one.
+extern crate burn_ddp_burn021 as burn_ddp;
+
 use burn_ddp_dev::args::{self, median};
 #[cfg(feature = "lines")]
 mod step_model_022;

@@ -6,6 +6,10 @@
 //! (equivalence, the Learner strategy, the reducer, pipelines in one process) are
 //! `burn-ddp-burn021`'s; the etcd store's scenarios are `tests/etcd_store.rs`.
 
+// The Burn 0.21 line is the package `burn-ddp-burn021` here; a program of yours reaches it as
+// `burn_ddp` (the `burn-ddp` crate with feature `burn-0-21`), and so does this one.
+extern crate burn_ddp_burn021 as burn_ddp;
+
 mod common;
 
 mod classifier_example;
