@@ -247,7 +247,7 @@ pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
     if run.iter().any(|a| a == "--workspace") {
         args.extend(["--bin", "burn-ddp"]);
     }
-    cargo_build(name, &args);
+    crate::spawned::cargo_build(&args, &format!("the example {name} with etcd"));
     if !launcher.exists() {
         let core = [
             "-p",
@@ -257,24 +257,9 @@ pub fn etcd_builds(name: &str) -> (PathBuf, PathBuf) {
             "--bin",
             "burn-ddp",
         ];
-        cargo_build(name, &core);
+        crate::spawned::cargo_build(&core, "the launcher with etcd");
     }
     (launcher, profile_dir.join("examples").join(name))
-}
-
-/// `cargo build ARGS` in this package's directory, for the etcd scenario of the example `name`.
-fn cargo_build(name: &str, args: &[&str]) {
-    let status = Command::new(env!("CARGO"))
-        .arg("build")
-        .args(args)
-        .current_dir(crate::package_dir())
-        .status()
-        .expect("cargo (the one that built this test) could not be started");
-    assert!(
-        status.success(),
-        "building the launcher and the example {name} with etcd failed (cargo build {})",
-        args.join(" ")
-    );
 }
 
 /// The scenario every line's classifier passes on the etcd store: a fault-tolerant job of three

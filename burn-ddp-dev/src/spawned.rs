@@ -138,18 +138,9 @@ pub fn example(name: &str) -> PathBuf {
     let path = profile_dir().join("examples").join(name);
     if !path.exists() {
         let run = test_run(&["-p", ROOT_PACKAGE]);
-        let status = Command::new(env!("CARGO"))
-            .arg("build")
-            .args(&run)
-            .args(["--example", name])
-            .current_dir(crate::package_dir())
-            .status()
-            .expect("cargo, which runs this test, can be started again to build an example");
-        assert!(
-            status.success(),
-            "building the {name} example failed (cargo build {} --example {name})",
-            run.join(" ")
-        );
+        let mut args: Vec<&str> = run.iter().map(String::as_str).collect();
+        args.extend(["--example", name]);
+        cargo_build(&args, &format!("the {name} example"));
     }
     path
 }
@@ -230,14 +221,28 @@ pub fn digests(log: &str) -> Vec<(String, String)> {
 pub fn launcher() -> PathBuf {
     let path = profile_dir().join("burn-ddp");
     if !path.exists() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "burn-ddp-comm", "--bin", "burn-ddp"])
-            .current_dir(crate::package_dir())
-            .status()
-            .unwrap();
-        assert!(status.success(), "building the launcher failed");
+        cargo_build(
+            &["-p", "burn-ddp-comm", "--bin", "burn-ddp"],
+            "the launcher",
+        );
     }
     path
+}
+
+/// `cargo build ARGS` in the package under test's directory, with the cargo that runs the test;
+/// a failed build fails the test, naming `what` and the command.
+pub fn cargo_build(args: &[&str], what: &str) {
+    let status = Command::new(env!("CARGO"))
+        .arg("build")
+        .args(args)
+        .current_dir(crate::package_dir())
+        .status()
+        .expect("cargo, which runs this test, can be started again to build");
+    assert!(
+        status.success(),
+        "building {what} failed (cargo build {})",
+        args.join(" ")
+    );
 }
 
 /// Pids of `parent`'s direct children.
