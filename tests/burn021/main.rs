@@ -10,6 +10,8 @@
 // `burn_ddp` (the `burn-ddp` crate with feature `burn-0-21`), and so does this one.
 extern crate burn_ddp_burn021 as burn_ddp;
 
+// The 0.21 line's test helpers, shared with its own integration tests.
+#[path = "../../burn-ddp-burn021/tests/integration/common/mod.rs"]
 mod common;
 
 mod classifier_example;
