@@ -57,7 +57,7 @@ of() {
     done
     echo "$out"
 }
-# picked PACKAGE...: those of the packages named with -p (all of them without -p).
+# chosen PACKAGE...: those of the packages named with -p (all of them without -p).
 chosen() {
     local p q
     for p in "$@"; do
