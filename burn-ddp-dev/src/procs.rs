@@ -245,12 +245,44 @@ impl TestJob {
 
     /// Starts the ranks and waits for all of them (no fail-fast: every rank reports itself).
     ///
+    /// The store's port is picked free just before rank 0 binds it, so another job on this
+    /// machine can take it in between (nextest runs many at once). When rank 0 then fails
+    /// because the port is taken, the other ranks are stopped and the job starts again on
+    /// another port, up to 3 times (like PyTorch's `retry_on_connect_failures`); not with a
+    /// port chosen by [`TestJob::master_port`].
+    ///
     /// With `BURN_DDP_TEST_CHILD_WRAPPER` set (a command and its arguments, split at spaces; a
     /// script for arguments with spaces), each rank runs under it. scripts/gpu-check.sh runs
     /// ranks under a script that runs `cuda-gdb -batch -return-child-result -ex run -ex
     /// "thread apply all bt" --args "$@"`, which puts the stacks of a rank that dies of a
     /// signal into its output and fails that rank.
     pub fn run(self) -> Outcomes {
+        const TRIES: u32 = 3;
+        let started = Instant::now();
+        for attempt in 1..=TRIES {
+            let retry = self.master_port.is_none() && attempt < TRIES;
+            match self.run_once(started, retry) {
+                Attempt::Ended(outcomes) => {
+                    if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
+                        eprintln!("==== {} ====\n{}", self.test, outcomes.report());
+                    }
+                    return outcomes;
+                }
+                Attempt::PortTaken(port) => {
+                    eprintln!(
+                        "test job {}: another process took port {port} before rank 0 served the \
+                         store on it; starting the job again on another port",
+                        self.test
+                    );
+                }
+            }
+        }
+        unreachable!("the last attempt does not retry")
+    }
+
+    /// One start of the job. With `retry`, a rank 0 that fails because its store's port is
+    /// taken ends the attempt early ([`Attempt::PortTaken`]), the other ranks killed.
+    fn run_once(&self, started: Instant, retry: bool) -> Attempt {
         let exe = std::env::current_exe().expect("test binary path");
         let args: Vec<OsString> = rerun_args(self.function.as_deref().unwrap_or(&self.test))
             .into_iter()
@@ -262,13 +294,7 @@ impl TestJob {
         if let Some(p) = self.master_port {
             job.master.port = p;
         }
-        let started = Instant::now();
-        let mut children: Vec<(
-            u32,
-            Child,
-            thread::JoinHandle<String>,
-            thread::JoinHandle<String>,
-        )> = Vec::new();
+        let mut children: Vec<RankProcess> = Vec::new();
         for local in 0..self.world {
             if self.skip.contains(&local) {
                 continue;
@@ -298,43 +324,30 @@ impl TestJob {
             for k in &self.unset {
                 cmd.env_remove(k);
             }
-            let mut child = cmd.spawn().expect("spawn test child");
-            let mut out = child.stdout.take().expect("stdout");
-            let mut err = child.stderr.take().expect("stderr");
-            let o = thread::spawn(move || {
-                let mut s = String::new();
-                let _ = out.read_to_string(&mut s);
-                s
-            });
-            let e = thread::spawn(move || {
-                let mut s = String::new();
-                let _ = err.read_to_string(&mut s);
-                s
-            });
-            children.push((local, child, o, e));
+            children.push(RankProcess::spawn(local, cmd));
         }
         let mut done: Vec<Option<(ExitStatus, Duration)>> = vec![None; children.len()];
         while done.iter().any(Option::is_none) {
-            for (i, (_, child, _, _)) in children.iter_mut().enumerate() {
+            for (i, child) in children.iter_mut().enumerate() {
                 if done[i].is_none() {
-                    if let Ok(Some(st)) = child.try_wait() {
+                    if let Ok(Some(st)) = child.child.try_wait() {
                         done[i] = Some((st, started.elapsed()));
+                        if retry && child.rank == 0 && !st.success() && child.lost_its_port() {
+                            for other in &mut children {
+                                other.kill();
+                            }
+                            return Attempt::PortTaken(job.master.port);
+                        }
                     }
                 }
             }
             if started.elapsed() > self.timeout {
-                for (_, child, _, _) in children.iter_mut() {
-                    let _ = child.kill();
-                }
                 let partial: Vec<String> = children
                     .into_iter()
-                    .map(|(r, mut c, o, e)| {
-                        let _ = c.wait();
-                        format!(
-                            "---- rank {r} ----\n{}{}",
-                            o.join().unwrap_or_default(),
-                            e.join().unwrap_or_default()
-                        )
+                    .map(|mut c| {
+                        c.kill();
+                        let output = c.output();
+                        format!("---- rank {} ----\n{output}", c.rank)
                     })
                     .collect();
                 panic!(
@@ -346,30 +359,96 @@ impl TestJob {
             }
             thread::sleep(Duration::from_millis(20));
         }
-        let outcomes = Outcomes(
+        Attempt::Ended(Outcomes(
             children
                 .into_iter()
                 .zip(done)
-                .map(|((rank, _, o, e), d)| {
+                .map(|(mut c, d)| {
                     let (status, elapsed) = d.expect("every child has exited");
                     Outcome {
-                        rank,
+                        rank: c.rank,
                         status,
                         elapsed,
-                        output: format!(
-                            "{}{}",
-                            o.join().unwrap_or_default(),
-                            e.join().unwrap_or_default()
-                        ),
+                        output: c.output(),
                     }
                 })
                 .collect(),
-        );
-        if std::env::var_os("BURN_DDP_TEST_SHOW").is_some() {
-            eprintln!("==== {} ====\n{}", self.test, outcomes.report());
-        }
-        outcomes
+        ))
     }
+}
+
+/// How one start of a [`TestJob`] ended.
+enum Attempt {
+    /// Every rank ended.
+    Ended(Outcomes),
+    /// Rank 0 could not serve the store: this port was taken.
+    PortTaken(u16),
+}
+
+/// One rank's process and the threads that collect its output.
+struct RankProcess {
+    rank: u32,
+    child: Child,
+    stdout: Option<thread::JoinHandle<String>>,
+    stderr: Option<thread::JoinHandle<String>>,
+    /// Its output, once collected.
+    collected: Option<String>,
+}
+
+impl RankProcess {
+    fn spawn(rank: u32, mut cmd: Command) -> Self {
+        let mut child = cmd.spawn().expect("spawn test child");
+        let mut out = child.stdout.take().expect("stdout");
+        let mut err = child.stderr.take().expect("stderr");
+        let stdout = thread::spawn(move || {
+            let mut s = String::new();
+            let _ = out.read_to_string(&mut s);
+            s
+        });
+        let stderr = thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        });
+        Self {
+            rank,
+            child,
+            stdout: Some(stdout),
+            stderr: Some(stderr),
+            collected: None,
+        }
+    }
+
+    /// Kills it (if still running) and reaps it.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Its whole output (stdout, then stderr), once it has exited.
+    fn output(&mut self) -> String {
+        if self.collected.is_none() {
+            let join = |h: Option<thread::JoinHandle<String>>| {
+                h.map(|h| h.join().unwrap_or_default()).unwrap_or_default()
+            };
+            let out = join(self.stdout.take());
+            let err = join(self.stderr.take());
+            self.collected = Some(format!("{out}{err}"));
+        }
+        self.collected.clone().unwrap_or_default()
+    }
+
+    /// Whether it failed because its store's port was taken (the text of
+    /// `RendezvousError::PortInUse`).
+    fn lost_its_port(&mut self) -> bool {
+        says_store_port_taken(&self.output())
+    }
+}
+
+/// Whether a rank's output has `RendezvousError::PortInUse`'s message.
+fn says_store_port_taken(output: &str) -> bool {
+    output.contains("cannot serve the rendezvous store on")
+        && output.contains("the port is already in use")
 }
 
 /// Runs a `world`-rank job of test `name` in which rank `killed` kills itself (SIGKILL) mid-run,
@@ -480,7 +559,21 @@ fn child_command(exe: &std::path::Path) -> Command {
 
 #[cfg(test)]
 mod tests {
-    use super::resolve_test;
+    use super::{resolve_test, says_store_port_taken};
+
+    #[test]
+    fn a_taken_store_port_is_recognised_by_its_error_message() {
+        let taken = burn_ddp_comm::DdpError::from(burn_ddp_comm::RendezvousError::PortInUse {
+            rank: burn_ddp_comm::Rank(0),
+            addr: "127.0.0.1:29500".parse().unwrap(),
+            origin: String::new(),
+        });
+        let output = format!("joining the job failed: {taken}\n");
+        assert!(says_store_port_taken(&output), "{output}");
+        assert!(!says_store_port_taken(
+            "joining the job failed: [rank 1] cannot reach the rendezvous store"
+        ));
+    }
 
     fn list() -> Vec<String> {
         [

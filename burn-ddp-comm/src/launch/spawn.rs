@@ -179,12 +179,37 @@ impl JobReport {
     }
 }
 
-/// Picks a free TCP port on the loopback interface.
+/// Picks a free TCP port on the loopback interface for a job's store.
+///
+/// The port is free when picked and bound by rank 0 a moment later. A port from the OS's
+/// ephemeral range (what binding port 0 hands out) can be taken in between by any process's
+/// outgoing connection, so the pick is a random port below that range (Linux's
+/// `ip_local_port_range`, 32768 by default), which only an explicit bind takes; the OS's own
+/// choice is the fallback when 64 tries find none free.
 ///
 /// # Errors
 /// The OS refused to bind.
 pub fn free_port() -> Result<u16> {
+    let below = ephemeral_ports_start().clamp(FIRST_PICKED_PORT + 1, u16::MAX);
+    for _ in 0..64 {
+        let port = rand::random_range(FIRST_PICKED_PORT..below);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// The lowest port [`free_port`] picks: above the registered ports most services use by default.
+const FIRST_PICKED_PORT: u16 = 20000;
+
+/// The first port of the OS's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), or
+/// 32768 (Linux's default) when unknown.
+fn ephemeral_ports_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768)
 }
 
 /// Describes an exit status the way a user reads it.
