@@ -36,7 +36,9 @@ use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::comm::DType;
-use burn_ddp_comm::grad::{BucketLauncher, BucketPlan, InFlight, LaunchOrder, Queue, ANSWER_SLACK};
+use burn_ddp_comm::grad::{
+    BucketLauncher, BucketPlan, BucketTransport, InFlight, Pass, Queue, ANSWER_SLACK,
+};
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 use burn_ddp_cubecl::{burn_cubecl, burn_fusion, cubecl, cubecl_runtime};
 use cubecl::cuda::CudaRuntime;
@@ -266,30 +268,35 @@ impl DevicePath {
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
         let rank = pg.rank();
-        let wait = pg.timeouts().collective + ANSWER_SLACK;
-        let mut step = Step {
-            path: self,
-            plan,
+        let buckets = DeviceBuckets {
             op: reduction.op(),
             dtype: bucket_dtype(compression),
             parts: (0..plan.slots.len()).map(|_| None).collect(),
-            order: LaunchOrder::new(plan),
             outputs: (0..plan.buckets.len()).map(|_| None).collect(),
             in_flight: InFlight::new(),
             rank,
+            wait: pg.timeouts().collective + ANSWER_SLACK,
         };
+        let mut pass = Pass::new(rank, plan, buckets, true);
+        let mut link = self;
         let taken = crate::grads::take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
-            step.push(slot, grad)
-        })
-        .and_then(|targets| step.launch_rest().map(|()| targets));
+            pass.push(&mut link, plan, slot, grad);
+            Ok(())
+        });
+        // A failure still sends every bucket, then stops NCCL (the other ranks are told) and is
+        // reported; the pins go only once NCCL is known done with them.
         let targets = match taken {
-            Ok(t) => t,
-            Err(e) => return Err(step.abandon(e, wait)),
+            Ok(t) => Some(t),
+            Err(e) => {
+                pass.fail(e);
+                None
+            }
         };
-        // Every answer, then NCCL's stream; on a failure the step is abandoned (the pins go
-        // only once NCCL is known done with them).
-        step.in_flight.finish(&self.launcher, wait)?;
-        let mut reduced = step.reduced()?;
+        let mut reduced = pass.finish(&mut link, plan)?;
+        let targets = targets.ok_or(DdpError::Internal {
+            rank,
+            what: "a failed gradient step was not reported",
+        })?;
         crate::grads::put_grads(model, &mut grads, &targets, &mut |slot, _| {
             reduced[slot].take()
         });
@@ -297,86 +304,85 @@ impl DevicePath {
     }
 }
 
-/// One step of the device path: the flattened gradients until their bucket is packed, and the
-/// buckets' outputs.
-struct Step<'a> {
-    path: &'a DevicePath,
-    plan: &'a BucketPlan<usize>,
+/// The device transport of one step: the flattened gradients until their bucket is packed, and
+/// the buckets' outputs.
+struct DeviceBuckets {
     op: ReduceOp,
     dtype: (DType, BurnDType),
     /// Each slot's flattened f32 gradient (`None`: none on this rank, or packed already).
     parts: Vec<Option<Tensor<1>>>,
-    /// Which slots were pushed, and which bucket launches next (the core's rule: strictly in
-    /// index order, as every transport).
-    order: LaunchOrder,
-    /// Each launched bucket's output: its values, then one presence flag per slot.
+    /// Each sent bucket's output: its values, then one presence flag per slot.
     outputs: Vec<Option<Tensor<1>>>,
     in_flight: InFlight<[DeviceSpan; 2]>,
     rank: Rank,
+    /// How long to wait for the launcher's answers and NCCL's stream.
+    wait: Duration,
 }
 
-impl Step<'_> {
-    /// Keeps slot `slot`'s gradient (flattened; `None`: none on this rank) and launches every
-    /// bucket that is complete.
-    fn push(&mut self, slot: usize, grad: Option<Tensor<1>>) -> Result<()> {
-        if let Some(g) = grad {
-            let found = g.device();
-            let name = &self.plan.slots[slot].info.name;
-            match cuda_ordinal(&found) {
-                Some(o) if Some(o) == cuda_ordinal(&self.path.device) => {}
-                Some(o) => {
-                    return Err(DdpError::Cuda(CudaError::DeviceMismatch {
-                        rank: self.rank,
-                        what: "the gradients",
-                        found: o,
-                        expected_why: format!(
-                            "NCCL was set up on GPU {} (where the model was at `prepare`; \
-                             `{name}`'s gradient is on {found:?})",
-                            self.path.comm.device_ordinal()
-                        ),
-                    }))
-                }
-                None => {
-                    return Err(DdpError::model_access(
-                        self.rank,
-                        "synchronising gradients",
-                        format!(
-                            "the gradient of `{name}` is on {found:?}, not on a CUDA device, but \
-                             the model was on GPU {} at `prepare`, where NCCL was set up; keep \
-                             the model on that GPU for the whole training",
-                            self.path.comm.device_ordinal()
-                        ),
-                    ))
-                }
-            }
-            let g = if g.dtype() == BurnDType::F32 {
-                g
-            } else {
-                g.cast(BurnDType::F32)
-            };
-            self.parts[slot] = Some(g);
-        }
-        self.order.mark_final(slot);
-        self.launch_ready()
-    }
+impl BucketTransport<usize> for DeviceBuckets {
+    type Grad<'g> = Tensor<1>;
+    type Link<'l> = &'l DevicePath;
+    type Output = Vec<Option<Tensor<1>>>;
 
-    /// Launches every complete bucket whose predecessors have all left (index order on every
-    /// rank: every rank queues the same NCCL calls in the same order).
-    fn launch_ready(&mut self) -> Result<()> {
-        while let Some(bucket) = self.order.next_ready() {
-            self.launch(bucket)?;
+    /// Keeps slot `slot`'s flattened gradient, checked to be on the communicator's GPU.
+    fn keep(
+        &mut self,
+        path: &mut &DevicePath,
+        plan: &BucketPlan<usize>,
+        slot: usize,
+        g: Tensor<1>,
+    ) -> Result<()> {
+        let found = g.device();
+        let name = &plan.slots[slot].info.name;
+        match cuda_ordinal(&found) {
+            Some(o) if Some(o) == cuda_ordinal(&path.device) => {}
+            Some(o) => {
+                return Err(DdpError::Cuda(CudaError::DeviceMismatch {
+                    rank: self.rank,
+                    what: "the gradients",
+                    found: o,
+                    expected_why: format!(
+                        "NCCL was set up on GPU {} (where the model was at `prepare`; \
+                         `{name}`'s gradient is on {found:?})",
+                        path.comm.device_ordinal()
+                    ),
+                }))
+            }
+            None => {
+                return Err(DdpError::model_access(
+                    self.rank,
+                    "synchronising gradients",
+                    format!(
+                        "the gradient of `{name}` is on {found:?}, not on a CUDA device, but \
+                         the model was on GPU {} at `prepare`, where NCCL was set up; keep \
+                         the model on that GPU for the whole training",
+                        path.comm.device_ordinal()
+                    ),
+                ))
+            }
         }
+        let g = if g.dtype() == BurnDType::F32 {
+            g
+        } else {
+            g.cast(BurnDType::F32)
+        };
+        self.parts[slot] = Some(g);
         Ok(())
     }
 
     /// Packs bucket `bucket` and hands it to the launcher (nothing waits here).
-    fn launch(&mut self, bucket: usize) -> Result<()> {
-        let device = &self.path.device;
-        let slots = &self.plan.buckets[bucket].0;
+    fn send(
+        &mut self,
+        path: &mut &DevicePath,
+        plan: &BucketPlan<usize>,
+        bucket: usize,
+    ) -> Result<()> {
+        let device = &path.device;
+        let slots = &plan.buckets[bucket].0;
         let mut flags = vec![0.0f32; slots.len()];
         let mut parts = Vec::with_capacity(slots.len() + 1);
         for (position, &slot) in slots.iter().enumerate() {
-            let numel = self.plan.slots[slot].info.numel;
+            let numel = plan.slots[slot].info.numel;
             parts.push(match self.parts[slot].take() {
                 Some(g) => {
                     flags[position] = 1.0;
@@ -386,7 +392,7 @@ impl Step<'_> {
             });
         }
         parts.push(Tensor::<1>::from_floats(flags.as_slice(), device));
-        let count = self.plan.buffer_len(bucket);
+        let count = plan.buffer_len(bucket);
         let packed = Tensor::cat(parts, 0);
         let (dtype, burn_dtype) = self.dtype;
         let input = if burn_dtype == BurnDType::F32 {
@@ -397,7 +403,7 @@ impl Step<'_> {
         let output = Tensor::<1>::empty([count], (device, burn_dtype));
         self.outputs[bucket] = Some(output.clone());
         self.in_flight.send(
-            &self.path.launcher,
+            &path.launcher,
             DeviceBucketJob {
                 call: BucketCall {
                     bucket,
@@ -413,23 +419,16 @@ impl Step<'_> {
         )
     }
 
-    /// Launches what is left: parameters the model visit never reached count as absent here.
-    fn launch_rest(&mut self) -> Result<()> {
-        self.order.mark_rest_final();
-        self.launch_ready()
-    }
-
-    /// After a failure: NCCL is stopped (the other ranks' waits end with this rank named), the
-    /// launcher's answers are taken and NCCL's stream drained (bounded) before any buffer of
-    /// the step goes, so that their memory is not reused under NCCL (see [`InFlight::abandon`]).
-    fn abandon(mut self, e: DdpError, wait: Duration) -> DdpError {
-        self.in_flight.abandon(&self.path.launcher, e, wait)
-    }
-
-    /// Each slot's reduced gradient (flattened f32 on the GPU), `None` where no rank had one:
-    /// the presence flags of every bucket, read to the host in one transfer.
-    fn reduced(&mut self) -> Result<Vec<Option<Tensor<1>>>> {
-        let plan = self.plan;
+    /// Waits for every answer, then NCCL's stream; returns each slot's reduced gradient
+    /// (flattened f32 on the GPU), `None` where no rank had one: the presence flags of every
+    /// bucket, read to the host in one transfer.
+    fn finish(
+        &mut self,
+        path: &mut &DevicePath,
+        plan: &BucketPlan<usize>,
+        _local: &[bool],
+    ) -> Result<Vec<Option<Tensor<1>>>> {
+        self.in_flight.finish(&path.launcher, self.wait)?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
         for o in &mut self.outputs {
             outputs.push(o.take().ok_or(DdpError::Internal {
@@ -478,6 +477,13 @@ impl Step<'_> {
                 })
             })
             .collect())
+    }
+
+    /// NCCL is stopped (the other ranks' waits end with this rank named), the launcher's
+    /// answers are taken and NCCL's stream drained (bounded) before any buffer of the step
+    /// goes, so that their memory is not reused under NCCL (see [`InFlight::abandon`]).
+    fn abandon(&mut self, path: &mut &DevicePath, e: DdpError) -> DdpError {
+        self.in_flight.abandon(&path.launcher, e, self.wait)
     }
 }
 

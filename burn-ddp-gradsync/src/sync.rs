@@ -318,7 +318,7 @@ impl GradSync {
             return Ok(grads);
         }
         let mut step = self.host.begin(plan)?;
-        let targets = take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
+        let taken = take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
             let values = grad
                 .map(|g| {
                     g.try_into_data()
@@ -330,16 +330,31 @@ impl GradSync {
                         })
                 })
                 .transpose()?;
-            step.push(slot, values.as_deref())
-        })?;
+            step.push(slot, values.as_deref());
+            Ok(())
+        });
+        // A failure still sends every bucket (no other rank waits for one), then is reported.
+        let targets = match taken {
+            Ok(targets) => Some(targets),
+            Err(e) => {
+                step.fail(e);
+                None
+            }
+        };
         // Each bucket freed once its gradients are out; one of a single gradient becomes it.
         let mut reduced = step.finish()?;
+        let targets = targets.ok_or(DdpError::Internal {
+            rank,
+            what: "a failed gradient step was not reported",
+        })?;
         put_grads(model, &mut grads, &targets, &mut |slot, target| {
             let values = reduced.take(slot)?;
             let len = values.len();
             let data = TensorData::new(values, [len]);
             Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
         });
+        let spare = reduced.into_spare();
+        self.host.recycle(spare);
         Ok(grads)
     }
 }

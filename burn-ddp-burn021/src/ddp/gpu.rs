@@ -48,7 +48,7 @@ use crate::{DdpError, Result};
 use burn_ddp_comm::cuda::{
     all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan, NcclComm,
 };
-use burn_ddp_comm::grad::{BucketLauncher, InFlight, Queue};
+use burn_ddp_comm::grad::{BucketLauncher, BucketTransport, InFlight, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
@@ -233,7 +233,7 @@ impl DeviceStep {
     ///
     /// # Errors
     /// `GradientSize` or `Model` (a gradient that is not of floats), naming the parameter.
-    pub(crate) fn keep(
+    fn keep_grad(
         &mut self,
         rank: Rank,
         slot: usize,
@@ -279,7 +279,7 @@ impl DeviceStep {
     /// Packs bucket `bucket` (its slots in offset order, with their lengths) into a fresh
     /// tensor, with a fresh output beside it (both queued work on Burn's stream: nothing waits
     /// here), and hands both to the launcher, which queues the all-reduce once they exist.
-    pub(crate) fn queue(
+    fn queue(
         &mut self,
         launcher: &NcclLauncher,
         ordinal: usize,
@@ -339,18 +339,6 @@ impl DeviceStep {
         Ok(())
     }
 
-    /// Gives the pass up after failure `e` (returned): NCCL is stopped (the other ranks are
-    /// told), every answer taken and NCCL's stream drained (bounded) before any buffer the
-    /// pass pinned goes, or those are leaked if it never drains (`InFlight::abandon`).
-    pub(crate) fn abandon(
-        &mut self,
-        launcher: &NcclLauncher,
-        e: DdpError,
-        wait: Duration,
-    ) -> DdpError {
-        self.in_flight.abandon(&launcher.0, e, wait)
-    }
-
     /// After the communicator was aborted by its owner (a membership change: nobody to tell),
     /// takes every answer and drains NCCL's stream (bounded) before any buffer the pass pinned
     /// goes (`InFlight::settle_stopped`).
@@ -362,9 +350,9 @@ impl DeviceStep {
     /// reduced values (a view of the bucket's output, shaped and typed as the gradient was),
     /// and the slots without a local gradient whose average is not zero (other ranks used those
     /// parameters; the caller reports them, as the host path does). `slots`: (slot, bucket,
-    /// offset, length).
-    /// On a failure the pass is abandoned first (see [`DeviceStep::abandon`]).
-    pub(crate) fn finish(
+    /// offset, length, presence flag). On a failure the pass is abandoned first
+    /// (`InFlight::finish`).
+    fn collect(
         &mut self,
         comm: &NcclComm,
         launcher: &NcclLauncher,
@@ -428,6 +416,65 @@ impl DeviceStep {
             })
             .collect();
         Ok((out, foreign))
+    }
+}
+
+/// What the device transport needs from the reducer: the communicator, its launcher thread,
+/// and how buckets are reduced.
+pub(crate) struct NcclLink<'a> {
+    pub(crate) comm: &'a NcclComm,
+    pub(crate) launcher: &'a NcclLauncher,
+    pub(crate) op: ReduceOp,
+    pub(crate) compression: crate::Compression,
+    /// How long to wait for the launcher's answers and NCCL's stream.
+    pub(crate) wait: Duration,
+}
+
+type Plan = burn_ddp_comm::grad::BucketPlan<burn_backend::distributed::DistributedParamId>;
+
+impl BucketTransport<burn_backend::distributed::DistributedParamId> for DeviceStep {
+    type Grad<'g> = CudaFloat;
+    type Link<'l> = NcclLink<'l>;
+    type Output = Reduced;
+
+    fn keep(
+        &mut self,
+        link: &mut NcclLink<'_>,
+        plan: &Plan,
+        slot: usize,
+        grad: CudaFloat,
+    ) -> Result<()> {
+        self.keep_grad(link.comm.rank(), slot, grad, &plan.slots[slot].info)
+    }
+
+    fn send(&mut self, link: &mut NcclLink<'_>, plan: &Plan, bucket: usize) -> Result<()> {
+        let slots: Vec<(usize, usize)> = plan.buckets[bucket]
+            .0
+            .iter()
+            .map(|&i| (i, plan.slots[i].info.numel))
+            .collect();
+        let ordinal = link.comm.device_ordinal();
+        self.queue(
+            link.launcher,
+            ordinal,
+            bucket,
+            &slots,
+            link.op,
+            link.compression,
+        )
+    }
+
+    fn finish(&mut self, link: &mut NcclLink<'_>, plan: &Plan, _local: &[bool]) -> Result<Reduced> {
+        let slots = plan
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel, plan.flag_index(i)));
+        self.collect(link.comm, link.launcher, link.wait, slots)
+    }
+
+    fn abandon(&mut self, link: &mut NcclLink<'_>, e: DdpError) -> DdpError {
+        self.in_flight.abandon(&link.launcher.0, e, link.wait)
     }
 }
 

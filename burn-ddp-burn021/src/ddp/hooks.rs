@@ -9,7 +9,7 @@ use burn_backend::distributed::{DistributedParamId, ReduceOperation};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Shape, TensorMetadata};
 
-use super::reducer::Origin;
+use super::reducer::{Grad, Origin};
 use super::values::{read_f32, write_f32};
 use super::{current, GradReduction};
 use crate::DdpError;
@@ -70,7 +70,7 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
     #[cfg(feature = "cuda")]
     let tensor = match r.device_pass() {
         true => match super::gpu::to_cuda::<B>(tensor) {
-            Ok(t) => return r.fill_device(slot, t, Origin { ptr: ptr as usize }),
+            Ok(t) => return r.fill(slot, Grad::Device(t), Origin { ptr: ptr as usize }),
             Err(t) => t,
         },
         false => tensor,
@@ -79,7 +79,7 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
     let (device, dtype) = (B::float_device(&tensor), tensor.dtype());
     match read_f32::<B>(tensor) {
         Ok(values) if values.len() == expected => {
-            r.fill(slot, &values, Origin { ptr: ptr as usize });
+            r.fill(slot, Grad::Host(&values), Origin { ptr: ptr as usize });
             if r.bucket_view() {
                 drop(values);
                 // The bucket holds the gradient now: release the container's copy (an empty

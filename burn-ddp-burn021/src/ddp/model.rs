@@ -380,17 +380,12 @@ impl DdpSession {
             });
         };
         let mut step = host.begin(&plan)?;
-        let mut take = Take::<B> {
+        model.visit(&mut Take::<B> {
             grads: &mut grads,
             plan: &plan,
             step: &mut step,
-            error: None,
             _b: PhantomData,
-        };
-        model.visit(&mut take);
-        if let Some(e) = take.error {
-            return Err(e);
-        }
+        });
         let mut reduced = step.finish()?;
         model.visit(&mut Put::<B> {
             grads: &mut grads,
@@ -604,7 +599,6 @@ struct Take<'a, 'p, B> {
     grads: &'a mut GradientsParams,
     plan: &'a BucketPlan<ParamId>,
     step: &'a mut HostStep<'p, ParamId>,
-    error: Option<DdpError>,
     _b: PhantomData<B>,
 }
 
@@ -613,14 +607,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Take<'_, '_, B> {
         let Some(&slot) = self.plan.by_id.get(&param.id) else {
             return;
         };
-        if self.error.is_some() {
-            return;
-        }
         let g = self.grads.remove::<B::InnerBackend, D>(param.id);
         let v = g.and_then(|t| t.into_data().convert::<f32>().into_vec::<f32>().ok());
-        if let Err(e) = self.step.push(slot, v.as_deref()) {
-            self.error = Some(e);
-        }
+        self.step.push(slot, v.as_deref());
     }
 }
 

@@ -11,10 +11,9 @@ use crate::error::{CollectiveError, ModelError};
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::Duration;
 
+use super::reducer::{BucketTransport, Pass};
 use super::shared::{BucketBuf, SharedBuckets};
-use super::{
-    BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, HookChoice, LaunchOrder, Worker,
-};
+use super::{BucketPlan, BucketShape, CommHook, DdpConfig, GradReduction, HookChoice, Worker};
 use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
 
@@ -269,13 +268,17 @@ impl HostComm {
     }
 }
 
-/// The host transport of gradient synchronisation after backward: a [`HostComm`] and the
-/// steps packed for it. Start it once per process (rank) and use [`begin`](Self::begin) for
-/// every synchronised step.
+/// The host-staged transport of a rank: its communication thread ([`HostComm`]) and the heap
+/// buffers kept from one pass to the next. Start it once per process (rank); each synchronised
+/// pass lays out its buckets ([`buckets`](Self::buckets)) and runs the gradient engine
+/// ([`Pass`]) over them, here through [`begin`](Self::begin) for a step synchronised after
+/// backward.
 pub struct HostSync {
     comm: HostComm,
     /// The configuration's hook (and PowerSGD's counts, when it is on).
     hooks: HookChoice,
+    /// Heap buckets of earlier passes, reused by the next.
+    spare: Vec<Vec<f32>>,
 }
 
 impl std::fmt::Debug for HostSync {
@@ -297,6 +300,7 @@ impl HostSync {
         Ok(Self {
             comm: HostComm::start(pg, hooks.make(), config.shared_buckets)?,
             hooks,
+            spare: Vec::new(),
         })
     }
 
@@ -305,169 +309,236 @@ impl HostSync {
         self.hooks.power_sgd_totals()
     }
 
-    /// Starts one synchronised step over `plan`: [`HostStep::push`] every parameter's
-    /// gradient, then [`HostStep::finish`].
+    /// The communication thread: the [`Link`](BucketTransport::Link) of [`HostBuckets`].
+    pub fn comm(&mut self) -> &mut HostComm {
+        &mut self.comm
+    }
+
+    /// Zeroed buckets for one pass over `plan` (see [`HostComm::buffers`]: in memory shared by
+    /// the ranks of the host when the group has it, a collective the first time), else on the
+    /// heap, reusing earlier passes' buffers. The answers of an earlier pass that was given up
+    /// are taken first.
     ///
     /// # Errors
-    /// What an earlier, abandoned step's buckets still failed with (the step before this one
-    /// never finished).
-    pub fn begin<'a, K>(&'a mut self, plan: &'a BucketPlan<K>) -> Result<HostStep<'a, K>> {
+    /// What the earlier pass's buckets still failed with; the group's failure while laying
+    /// out shared buckets.
+    pub fn buckets<K>(&mut self, plan: &BucketPlan<K>) -> Result<HostBuckets> {
         self.comm.collect(&mut [])?;
         let lens: Vec<usize> = (0..plan.buckets.len())
             .map(|b| plan.buffer_len(b))
             .collect();
-        let buckets = match self.comm.buffers(&lens)? {
+        let buffers = match self.comm.buffers(&lens)? {
             Some(shared) => shared,
-            None => BucketBuf::on_heap(&lens, &mut Vec::new()),
+            None => BucketBuf::on_heap(&lens, &mut self.spare),
         };
+        Ok(HostBuckets::new(self.comm.pg.rank(), buffers))
+    }
+
+    /// Heap buckets for one pass over `plan`, when shared ones could not be had.
+    pub fn heap_buckets<K>(&mut self, plan: &BucketPlan<K>) -> HostBuckets {
+        let lens: Vec<usize> = (0..plan.buckets.len())
+            .map(|b| plan.buffer_len(b))
+            .collect();
+        let buffers = BucketBuf::on_heap(&lens, &mut self.spare);
+        HostBuckets::new(self.comm.pg.rank(), buffers)
+    }
+
+    /// Keeps `spare` (the heap buckets of a finished pass, [`Reduced::into_spare`]) for the
+    /// next pass.
+    pub fn recycle(&mut self, spare: Vec<Vec<f32>>) {
+        self.spare.extend(spare);
+    }
+
+    /// Starts one step synchronised after backward over `plan`: [`HostStep::push`] every
+    /// parameter's gradient, then [`HostStep::finish`].
+    ///
+    /// # Errors
+    /// As [`buckets`](Self::buckets).
+    pub fn begin<'a, K>(&'a mut self, plan: &'a BucketPlan<K>) -> Result<HostStep<'a, K>> {
+        let buckets = self.buckets(plan)?;
         Ok(HostStep {
-            order: LaunchOrder::new(plan),
-            buckets: buckets.into_iter().map(Some).collect(),
-            results: (0..plan.buckets.len()).map(|_| None).collect(),
-            stopped: false,
+            pass: Pass::new(self.comm.pg.rank(), plan, buckets, true),
             comm: &mut self.comm,
             plan,
         })
     }
 }
 
-/// One synchronised step (see [`HostSync::begin`]): each bucket is handed to the communication
-/// thread as soon as all its parameters are pushed and every bucket before it has left.
+/// One step synchronised after backward (see [`HostSync::begin`]): the gradient engine over
+/// host buckets, each handed to the communication thread as soon as all its parameters are
+/// pushed and every bucket before it has left.
 pub struct HostStep<'a, K> {
     comm: &'a mut HostComm,
     plan: &'a BucketPlan<K>,
-    /// Buckets being packed (taken when launched): values, then one presence flag per slot.
-    buckets: Vec<Option<BucketBuf>>,
-    results: Vec<Option<BucketBuf>>,
-    /// Which slots are pushed, and which bucket launches next.
-    order: LaunchOrder,
-    /// The communication thread stopped taking buckets.
-    stopped: bool,
+    pass: Pass<HostBuckets>,
 }
 
 impl<K> std::fmt::Debug for HostStep<'_, K> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostStep")
-            .field("launched", &self.order.launched())
-            .field("buckets", &self.buckets.len())
+            .field("sent", &self.pass.sent())
+            .field("buckets", &self.plan.buckets.len())
             .finish()
     }
 }
 
 impl<'a, K> HostStep<'a, K> {
     /// Packs the gradient of parameter `slot` (`None`: this rank has none); buckets that are
-    /// complete leave for the communication thread.
-    ///
-    /// # Errors
-    /// [`ModelError::GradientSize`](crate::ModelError::GradientSize) if `values` is not the parameter's size;
-    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
-    pub fn push(&mut self, slot: usize, values: Option<&[f32]>) -> Result<()> {
-        let rank = self.comm.pg.rank();
-        if self.stopped {
-            return Err(self.comm.stopped());
-        }
-        let Some(s) = self.plan.slots.get(slot) else {
-            return Err(DdpError::Internal {
-                rank,
-                what: "a gradient was pushed for a slot beyond the bucket plan",
-            });
-        };
-        if self.order.is_final(slot) {
-            return Err(DdpError::Internal {
-                rank,
-                what: "a parameter's gradient was pushed twice in one step",
-            });
-        }
-        if let Some(v) = values {
-            if v.len() != s.info.numel {
-                return Err(DdpError::Model(ModelError::GradientSize {
-                    rank,
-                    param: s.info.name.clone(),
-                    expected: s.info.numel,
-                    got: v.len(),
-                }));
-            }
-            let flag = self.plan.flag_index(slot);
-            if let Some(bucket) = self.buckets[s.bucket].as_mut() {
-                bucket[s.offset..s.offset + v.len()].copy_from_slice(v);
-                bucket[flag] = 1.0;
-            }
-        }
-        self.order.mark_final(slot);
-        self.launch_ready()
+    /// complete leave for the communication thread. A gradient of the wrong size fails the
+    /// step ([`finish`](Self::finish) reports it), the buckets still go.
+    pub fn push(&mut self, slot: usize, values: Option<&[f32]>) {
+        self.pass.push(&mut self.comm, self.plan, slot, values);
     }
 
-    /// Launches every complete bucket whose predecessors have all left.
-    fn launch_ready(&mut self) -> Result<()> {
-        while let Some(bucket) = self.order.next_ready() {
-            let Some(data) = self.buckets[bucket].take() else {
-                continue;
-            };
-            let layout = self
-                .comm
-                .wants_layout()
-                .then(|| self.plan.bucket_shape(bucket));
-            if let Err(e) = self.comm.launch(bucket, data, layout) {
-                self.stopped = true;
-                return Err(e);
-            }
-        }
-        Ok(())
+    /// Fails the step with `e` (reported by [`finish`](Self::finish), after every bucket went,
+    /// so that no other rank waits for one).
+    pub fn fail(&mut self, e: DdpError) {
+        self.pass.fail(e);
     }
 
     /// Launches what is left (parameters never pushed count as absent on this rank), waits for
     /// every bucket, and returns the reduced gradients.
     ///
     /// # Errors
-    /// The first failure of the step: a collective error naming the rank at fault, or
-    /// [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout) when the communication thread does not answer in time.
+    /// The first failure of the step: a gradient of the wrong size
+    /// ([`ModelError::GradientSize`](crate::ModelError::GradientSize)), a collective error
+    /// naming the rank at fault, or [`ModelError::GradSyncTimeout`](crate::ModelError::GradSyncTimeout)
+    /// when the communication thread does not answer in time.
     pub fn finish(mut self) -> Result<Reduced<'a>> {
-        self.order.mark_rest_final();
-        let launched = if self.stopped {
-            Err(self.comm.stopped())
-        } else {
-            self.launch_ready()
+        self.pass.finish(&mut self.comm, self.plan)
+    }
+}
+
+/// The host-staged buckets of one pass: packed as f32 on the calling thread, handed to the
+/// communication thread ([`HostComm`], the transport's [`Link`](BucketTransport::Link)) as
+/// they complete, and read back.
+#[derive(Debug)]
+pub struct HostBuckets {
+    rank: crate::Rank,
+    /// Being packed (taken when sent): values, then one presence flag per slot.
+    packing: Vec<Option<BucketBuf>>,
+    /// The answers, by bucket.
+    results: Vec<Option<BucketBuf>>,
+}
+
+impl HostBuckets {
+    fn new(rank: crate::Rank, buffers: Vec<BucketBuf>) -> Self {
+        Self {
+            rank,
+            results: (0..buffers.len()).map(|_| None).collect(),
+            packing: buffers.into_iter().map(Some).collect(),
+        }
+    }
+
+    /// An all-reduce of `data` issued while this pass's buckets are in flight (a
+    /// differentiable all-reduce's backward, e.g. `SyncBatchNorm`'s): it goes through the
+    /// communication thread behind them, so that every rank runs the collectives in the same
+    /// order; the answers of the buckets before it are kept for the pass's end. It gives `data`
+    /// back untouched (`Err`) when no bucket is in flight: the caller all-reduces directly, and
+    /// nothing can overtake it.
+    pub fn all_reduce_in_order(
+        &mut self,
+        comm: &mut HostComm,
+        data: Vec<f32>,
+        reduction: GradReduction,
+    ) -> std::result::Result<Result<Vec<f32>>, Vec<f32>> {
+        if comm.outstanding() == 0 {
+            return Err(data);
+        }
+        Ok(comm.all_reduce_in_order(data, reduction, &mut self.results))
+    }
+}
+
+impl<K> BucketTransport<K> for HostBuckets {
+    type Grad<'g> = &'g [f32];
+    type Link<'l> = &'l mut HostComm;
+    type Output = Reduced<'static>;
+
+    fn keep(
+        &mut self,
+        _comm: &mut &mut HostComm,
+        plan: &BucketPlan<K>,
+        slot: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        let s = &plan.slots[slot];
+        if values.len() != s.info.numel {
+            return Err(DdpError::Model(ModelError::GradientSize {
+                rank: self.rank,
+                param: s.info.name.clone(),
+                expected: s.info.numel,
+                got: values.len(),
+            }));
+        }
+        if let Some(bucket) = self.packing[s.bucket].as_mut() {
+            bucket[s.offset..s.offset + values.len()].copy_from_slice(values);
+            bucket[plan.flag_index(slot)] = 1.0;
+        }
+        Ok(())
+    }
+
+    fn send(
+        &mut self,
+        comm: &mut &mut HostComm,
+        plan: &BucketPlan<K>,
+        bucket: usize,
+    ) -> Result<()> {
+        let Some(data) = self.packing[bucket].take() else {
+            return Ok(());
         };
-        // Answers for what did leave are taken even after a failure, so the next step starts
-        // clean.
-        let collected = self.comm.collect(&mut self.results);
-        launched?;
-        collected?;
-        let mut values = Vec::with_capacity(self.results.len());
+        let layout = comm.wants_layout().then(|| plan.bucket_shape(bucket));
+        comm.launch(bucket, data, layout)
+    }
+
+    fn finish(
+        &mut self,
+        comm: &mut &mut HostComm,
+        plan: &BucketPlan<K>,
+        _local: &[bool],
+    ) -> Result<Reduced<'static>> {
+        comm.collect(&mut self.results)?;
+        let mut buckets = Vec::with_capacity(self.results.len());
         for (i, r) in self.results.iter_mut().enumerate() {
             match r.take() {
-                Some(v) => values.push(v),
+                Some(v) => buckets.push(v),
                 None => {
                     tracing::error!("gradient bucket {i} came back without a result");
                     return Err(DdpError::Internal {
-                        rank: self.comm.pg.rank(),
+                        rank: self.rank,
                         what: "a gradient bucket came back without a result",
                     });
                 }
             }
         }
-        let layout = self
-            .plan
+        let layout = plan
             .slots
             .iter()
             .enumerate()
-            .map(|(i, s)| (s.bucket, s.offset, s.info.numel, self.plan.flag_index(i)))
+            .map(|(i, s)| (s.bucket, s.offset, s.info.numel, plan.flag_index(i)))
             .collect();
-        let left = self.plan.buckets.iter().map(|(s, _)| s.len()).collect();
+        let left = plan.buckets.iter().map(|(s, _)| s.len()).collect();
         Ok(Reduced {
-            buckets: values,
+            buckets,
             layout,
             left,
-            taken: vec![false; self.plan.slots.len()],
+            taken: vec![false; plan.slots.len()],
+            spare: Vec::new(),
             _sync: std::marker::PhantomData,
         })
+    }
+
+    fn abandon(&mut self, comm: &mut &mut HostComm, e: DdpError) -> DdpError {
+        // Answers for what did leave are taken, so that the next pass starts clean.
+        let _ = comm.collect(&mut self.results);
+        e
     }
 }
 
 /// The reduced gradients of one step, by slot: read ([`get`](Self::get)) or taken
 /// ([`take`](Self::take), which frees each bucket once its last gradient is out, and hands a
 /// heap bucket that holds one gradient over as that gradient, without a copy). It borrows the
-/// [`HostSync`] (whose shared buckets it may hold) until it is dropped.
+/// [`HostSync`] of a step synchronised after backward (whose shared buckets it may hold) until
+/// it is dropped.
 #[derive(Debug)]
 pub struct Reduced<'a> {
     /// Each bucket's values and flags (empty once every gradient in it was taken).
@@ -478,6 +549,8 @@ pub struct Reduced<'a> {
     left: Vec<usize>,
     /// Per slot: taken already.
     taken: Vec<bool>,
+    /// Heap buckets emptied by [`take`](Self::take), for the next pass.
+    spare: Vec<Vec<f32>>,
     _sync: std::marker::PhantomData<&'a mut HostSync>,
 }
 
@@ -491,8 +564,9 @@ impl Reduced<'_> {
     }
 
     /// The reduced gradient of parameter `slot`, owned, as [`get`](Self::get) reads it (each
-    /// slot once: `None` the second time). A bucket's memory is freed when its last slot is
-    /// taken; a bucket of one gradient becomes that gradient's values without a copy.
+    /// slot once: `None` the second time). A bucket's memory is released when its last slot is
+    /// taken (a heap bucket kept for [`into_spare`](Self::into_spare)); a bucket of one
+    /// gradient becomes that gradient's values without a copy.
     pub fn take(&mut self, slot: usize) -> Option<Vec<f32>> {
         let &(bucket, offset, numel, flag) = self.layout.get(slot)?;
         if std::mem::replace(self.taken.get_mut(slot)?, true) {
@@ -505,13 +579,20 @@ impl Reduced<'_> {
             return present.then(|| buffer[offset..offset + numel].to_vec());
         }
         let last = std::mem::replace(buffer, Vec::new().into());
-        match present {
+        let values = match present {
             false => None,
             // The bucket holds this gradient alone (values, then its one flag): a heap bucket
             // becomes it.
-            true if offset == 0 && last.len() == numel + 1 => Some(last.into_vec(numel)),
+            true if offset == 0 && last.len() == numel + 1 => return Some(last.into_vec(numel)),
             true => Some(last[offset..offset + numel].to_vec()),
-        }
+        };
+        self.spare.extend(last.into_heap());
+        values
+    }
+
+    /// The heap buckets emptied by [`take`](Self::take), for [`HostSync::recycle`].
+    pub fn into_spare(self) -> Vec<Vec<f32>> {
+        self.spare
     }
 }
 
@@ -542,7 +623,7 @@ mod tests {
                 for slot in [4usize, 0, 2, 1] {
                     let v = vec![(r * 10 + slot + step) as f32; 3];
                     let have = slot != 1 || r == 2;
-                    s.push(slot, have.then_some(v.as_slice())).unwrap();
+                    s.push(slot, have.then_some(v.as_slice()));
                 }
                 let red = s.finish().unwrap();
                 out = (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
@@ -578,20 +659,24 @@ mod tests {
     }
 
     #[test]
-    fn a_gradient_of_the_wrong_size_is_named() {
+    fn a_gradient_of_the_wrong_size_is_named_and_the_next_step_is_clean() {
         let pg = ProcessGroup::single();
         let plan = plan();
         let mut sync = HostSync::start(&pg, &DdpConfig::default()).unwrap();
         let mut s = sync.begin(&plan).unwrap();
-        let err = s.push(2, Some(&[1.0, 2.0])).unwrap_err();
+        s.push(2, Some(&[1.0, 2.0]));
+        s.push(0, Some(&[1.0; 3]));
+        let err = s.finish().unwrap_err();
         assert!(
             matches!(&err, DdpError::Model(ModelError::GradientSize { param, expected: 3, got: 2, .. }) if param == "p2"),
             "{err:?}"
         );
-        drop(s);
-        // An abandoned step leaves the next one clean.
+        // A step dropped half-way leaves the next one clean too.
         let mut s = sync.begin(&plan).unwrap();
-        s.push(0, Some(&[1.0; 3])).unwrap();
+        s.push(0, Some(&[1.0; 3]));
+        drop(s);
+        let mut s = sync.begin(&plan).unwrap();
+        s.push(0, Some(&[1.0; 3]));
         let red = s.finish().unwrap();
         assert_eq!(red.get(0), Some(&[1.0; 3][..]));
         assert_eq!(red.get(1), None);
@@ -608,7 +693,7 @@ mod tests {
             let mut sync = HostSync::start(&pg, &DdpConfig::default()).unwrap();
             let mut s = sync.begin(&plan).unwrap();
             for slot in [0usize, 1, 3, 4] {
-                s.push(slot, Some(&[slot as f32; 3])).unwrap();
+                s.push(slot, Some(&[slot as f32; 3]));
             }
             let mut red = s.finish().unwrap();
             let want: Vec<Option<Vec<f32>>> =
@@ -714,7 +799,7 @@ mod tests {
             for _ in 0..2 {
                 let mut s = sync.begin(&plan).unwrap();
                 for slot in 0..5 {
-                    s.push(slot, Some(&[(r * 10 + slot) as f32; 3])).unwrap();
+                    s.push(slot, Some(&[(r * 10 + slot) as f32; 3]));
                 }
                 let red = s.finish().unwrap();
                 assert_eq!(

@@ -9,9 +9,12 @@
 //!   every rank, and [`check_and_load`] / [`load_from`], which do it
 //! - `join.rs`: [`Join`], uneven inputs: ranks that ran out of batches shadow the others'
 //!   collectives until every rank has
-//! - `host.rs`: [`HostComm`], the host-staged transport's communication thread, which reduces
-//!   buckets in launch order; [`HostSync`], buckets packed after backward, handed to it while
-//!   the next is packed, and read back
+//! - `reducer.rs`: [`Pass`], the gradient engine of one synchronised backward pass, over a
+//!   [`BucketTransport`] (how a complete bucket travels): every line and transport runs it
+//! - `host.rs`: the host-staged transport: [`HostComm`], its communication thread, which
+//!   reduces buckets in launch order; [`HostBuckets`], one pass's buckets, packed as f32 and
+//!   read back ([`Reduced`]); [`HostSync`], a rank's transport, and [`HostStep`], a step
+//!   synchronised after backward
 //! - `shared.rs`: [`BucketBuf`], a bucket on the heap or in memory the ranks of a host share,
 //!   reduced where it lies (Note [Shared buckets])
 //! - `hook.rs`: [`CommHook`], how one bucket is all-reduced (PyTorch's communication hooks):
@@ -41,6 +44,7 @@ mod loop_state;
 mod order;
 mod plan;
 mod powersgd;
+mod reducer;
 mod replica;
 mod shared;
 mod worker;
@@ -52,13 +56,14 @@ pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
-pub use host::{HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
+pub use host::{HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
 pub use loop_state::{LoopState, LoopSync};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
+pub use reducer::{BucketTransport, Pass};
 pub use replica::{check_and_load, compare_replicas, load_from, Replica};
 pub use shared::BucketBuf;
 pub use worker::Worker;

@@ -5,9 +5,8 @@ use super::plan::BucketPlan;
 /// Which slots of a pass are final, and which bucket launches next: buckets strictly in index
 /// order, each as soon as all its slots are final. Every rank launches the same buckets in the
 /// same order, whatever order its gradients arrive in, so the collectives match across ranks
-/// (PyTorch's reducer keeps the same rule). The host-staged transport ([`super::HostStep`]),
-/// the Burn 0.21 line's reducer (host and device buckets) and the Burn 0.22 line's device path
-/// all follow it through this type.
+/// (PyTorch's reducer keeps the same rule). The gradient engine ([`super::Pass`]) follows it
+/// for every transport of every line.
 #[derive(Debug, Clone)]
 pub struct LaunchOrder {
     /// Each slot's bucket.

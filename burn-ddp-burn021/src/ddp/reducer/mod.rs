@@ -1,13 +1,14 @@
-//! The gradient reducer: a fixed bucket plan, and per backward pass the buckets that fill as
-//! gradients become final.
+//! The gradient reducer of the 0.21 line: a fixed bucket plan, and per backward pass the core's
+//! gradient engine ([`Pass`]) over the pass's transport (`transport.rs`: host-staged buckets,
+//! or device buckets on NCCL), fed by Burn's backward hooks (`hooks.rs`) as gradients become
+//! final.
 //!
-//! Invariant that keeps ranks in step: buckets are launched strictly in index order, on every
-//! rank, and every bucket is launched in every synchronised backward — parameters that get no
-//! gradient on this rank count as ready (zeros) from the start. One state machine
-//! ([`Reducer::launch_ready`]) enforces it for both transports: host-staged buckets go to the
-//! communication thread, which all-reduces them one after another in launch order; device
-//! buckets (`gpu.rs`) go to the NCCL launcher thread, likewise in order. They differ only
-//! in [`BucketTransport::launch`] and in how a pass collects its results.
+//! Invariant that keeps ranks in step (the engine's): buckets are sent strictly in index
+//! order, on every rank, and every bucket is sent in every synchronised backward — parameters
+//! that get no gradient on this rank count as absent (zeros) from the start. What is the 0.21
+//! line's own: which parameters a pass synchronises (Burn's distributed parameter ids), where
+//! each reduced gradient goes back (its origin in Burn's gradient container), the choice of
+//! transport, and the foreign gradients that `DdpSession::complete` registers.
 
 use burn_ddp_comm::ConfigError;
 use std::collections::HashMap;
@@ -16,19 +17,16 @@ use burn_backend::distributed::DistributedParamId;
 
 #[cfg(feature = "cuda")]
 use burn_ddp_comm::grad::ANSWER_SLACK;
-use burn_ddp_comm::grad::{
-    BucketBuf, BucketOrder, BucketPlan, HookChoice, HostComm, LaunchOrder, Slot,
-};
+use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HostSync, Pass, Slot};
 
-#[cfg(feature = "cuda")]
-use super::Compression;
 use super::{DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
 use crate::GradTransport;
 use crate::{DdpError, Result};
 
 mod transport;
-use transport::{Buckets, HostBuckets, Links};
+pub(crate) use transport::Grad;
+use transport::{Buckets, Links, Output};
 
 /// The reducer's bucket plan: buckets from the last parameter to the first, keyed by Burn's
 /// distributed parameter id.
@@ -68,46 +66,30 @@ pub(crate) struct Origin {
     pub ptr: usize,
 }
 
-/// One backward pass: which slots are final, which bucket launches next, and the buckets
-/// themselves. The launch rule is the same for every transport (see [`Reducer::launch_ready`]).
+/// One backward pass: the engine over its transport, and where each local gradient goes back.
 #[derive(Debug)]
 struct Step {
-    /// Which slots are final, and which bucket launches next.
-    order: LaunchOrder,
+    pass: Pass<Buckets>,
     origin: Vec<Option<Origin>>,
-    buckets: Buckets,
 }
 
 /// The reducer of one session.
 #[derive(Debug)]
 pub(crate) struct Reducer {
     pg: ProcessGroup,
-    /// Mean or sum, and the wire format, of the device path (the host path's hook has them).
-    #[cfg(feature = "cuda")]
-    reduction: GradReduction,
-    #[cfg(feature = "cuda")]
-    compression: Compression,
-    overlap: bool,
+    /// The session's options (with the transport `DdpSession::new` settled).
+    config: DdpConfig,
     plan: Option<Plan>,
     step: Option<Step>,
     error: Option<DdpError>,
     enabled: bool,
-    spare: Vec<Vec<f32>>,
-    /// The host-staged transport's communication thread, started at the first launch.
-    comm: Option<HostComm>,
+    /// The host-staged transport (its communication thread), started at the first host pass.
+    host: Option<HostSync>,
     /// Parameters with no local gradient that some other rank had a gradient for, last
     /// backward, until `DdpSession::complete` takes them.
     foreign: Vec<Foreign>,
     /// A failure to report after the running pass, which still runs (see [`Reducer::begin`]).
     deferred: Option<DdpError>,
-    transport: GradTransport,
-    /// What the host-staged communication thread reduces buckets with (the configuration's
-    /// hook, and PowerSGD's counts when it is on).
-    hooks: HookChoice,
-    /// `DdpConfig::gradient_as_bucket_view`: gradients released into their buckets.
-    bucket_view: bool,
-    /// `DdpConfig::shared_buckets`: host buckets in memory shared by the ranks of the host.
-    shared_buckets: bool,
     /// The NCCL communicator of the device path, once created.
     #[cfg(feature = "cuda")]
     nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
@@ -123,23 +105,14 @@ impl Reducer {
     pub(crate) fn new(pg: &ProcessGroup, config: &DdpConfig) -> Self {
         Self {
             pg: pg.clone(),
-            #[cfg(feature = "cuda")]
-            reduction: config.reduction,
-            #[cfg(feature = "cuda")]
-            compression: config.compression,
-            overlap: config.overlap,
+            config: config.clone(),
             plan: None,
             step: None,
             error: None,
             enabled: true,
-            spare: Vec::new(),
-            comm: None,
+            host: None,
             foreign: Vec::new(),
             deferred: None,
-            transport: config.transport,
-            hooks: HookChoice::of(config),
-            bucket_view: config.gradient_as_bucket_view,
-            shared_buckets: config.shared_buckets,
             #[cfg(feature = "cuda")]
             nccl: None,
             #[cfg(feature = "cuda")]
@@ -147,6 +120,27 @@ impl Reducer {
             #[cfg(feature = "cuda")]
             launcher: None,
         }
+    }
+
+    /// The plan, the running pass and what its transport needs: disjoint parts of the reducer.
+    fn split(&mut self) -> (Option<&Plan>, Option<&mut Step>, Links<'_>) {
+        let links = Links {
+            rank: self.pg.rank(),
+            host: self.host.as_mut().map(HostSync::comm),
+            #[cfg(feature = "cuda")]
+            nccl: self
+                .nccl
+                .as_deref()
+                .zip(self.launcher.as_ref())
+                .map(|(comm, launcher)| super::gpu::NcclLink {
+                    comm,
+                    launcher,
+                    op: self.config.reduction.op(),
+                    compression: self.config.compression,
+                    wait: self.pg.timeouts().collective + ANSWER_SLACK,
+                }),
+        };
+        (self.plan.as_ref(), self.step.as_mut(), links)
     }
 
     /// Whether this backward pass over backend `B`, whose tensors are on `device`, keeps its
@@ -157,8 +151,8 @@ impl Reducer {
         #[cfg(feature = "cuda")]
         {
             use super::gpu::{cuda_ordinal, is_cuda};
-            if !is_cuda::<B>() || self.transport == GradTransport::Host {
-                if self.transport == GradTransport::Nccl && !self.nccl_refused {
+            if !is_cuda::<B>() || self.config.transport == GradTransport::Host {
+                if self.config.transport == GradTransport::Nccl && !self.nccl_refused {
                     self.nccl_refused = true;
                     self.record_error(DdpError::Config(ConfigError::InvalidConfig {
                         field: "DdpConfig::transport",
@@ -200,7 +194,7 @@ impl Reducer {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = device;
-            if self.transport == GradTransport::Nccl && self.error.is_none() {
+            if self.config.transport == GradTransport::Nccl && self.error.is_none() {
                 self.record_error(DdpError::Config(ConfigError::InvalidConfig {
                     field: "DdpConfig::transport",
                     reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
@@ -220,10 +214,11 @@ impl Reducer {
     /// use NCCL.
     #[cfg(feature = "cuda")]
     pub(crate) fn connect_cuda(&mut self, ordinal: Option<usize>) -> Result<()> {
-        if !burn_ddp_comm::cuda::wants_nccl(&self.pg, self.transport) || self.nccl.is_some() {
+        let transport = self.config.transport;
+        if !burn_ddp_comm::cuda::wants_nccl(&self.pg, transport) || self.nccl.is_some() {
             return Ok(());
         }
-        match burn_ddp_comm::cuda::connect_for_grads(&self.pg, self.transport, ordinal) {
+        match burn_ddp_comm::cuda::connect_for_grads(&self.pg, transport, ordinal) {
             Ok(Some(comm)) => {
                 let comm = std::sync::Arc::new(comm);
                 self.launcher = Some(super::gpu::NcclLauncher::start(std::sync::Arc::clone(
@@ -253,10 +248,8 @@ impl Reducer {
             // A pass in flight lets its buffers go once the aborted stream drained, then the
             // launcher (what it still holds goes under the same rule).
             if let (Some(mut step), Some(launcher)) = (self.step.take(), self.launcher.as_ref()) {
-                if let Buckets::Device(dev) = &mut step.buckets {
-                    let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                    dev.settle_aborted(launcher, wait);
-                }
+                let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+                step.pass.transport_mut().settle_aborted(launcher, wait);
             }
             self.launcher = None;
         }
@@ -276,10 +269,15 @@ impl Reducer {
         self.error.take().or_else(|| self.deferred.take())
     }
 
+    /// Records failure `e`: the running pass's (which still sends every bucket, then is given
+    /// up: see [`Pass`]), else the reducer's; `DdpSession::check` reports it.
     pub(crate) fn record_error(&mut self, e: DdpError) {
-        tracing::debug!("gradient synchronisation failed: {e}");
-        if self.error.is_none() {
-            self.error = Some(e);
+        match self.step.as_mut() {
+            Some(step) => step.pass.fail(e),
+            None => {
+                tracing::debug!("gradient synchronisation failed: {e}");
+                self.error.get_or_insert(e);
+            }
         }
     }
 
@@ -328,7 +326,7 @@ impl Reducer {
             && self.plan.is_some()
             && self.error.is_none()
             && (self.pg.world_size().get() > 1
-                || (cfg!(feature = "cuda") && self.transport == GradTransport::Nccl))
+                || (cfg!(feature = "cuda") && self.config.transport == GradTransport::Nccl))
     }
 
     /// Starts a backward pass in which the parameters `used` will receive gradients; `device`:
@@ -364,172 +362,91 @@ impl Reducer {
                 used_slots[i] = true;
             }
         }
-        let mut order = LaunchOrder::new(plan);
-        for (i, used) in used_slots.iter().enumerate() {
-            if !used {
-                order.mark_final(i);
-            }
-        }
-        let n = plan.buckets.len();
-        #[cfg(feature = "cuda")]
-        let device_buckets =
-            device.then(|| Buckets::Device(super::gpu::DeviceStep::new(plan.slots.len(), n)));
-        #[cfg(not(feature = "cuda"))]
-        let device_buckets = {
-            let _ = device;
-            None
-        };
-        let buckets = match device_buckets {
+        let buckets = match Buckets::device(device, plan) {
             Some(b) => b,
             None => {
                 // Values, then the presence flags (`BucketPlan::buffer_len`): in memory shared
                 // with the host's other ranks when the group has it (a collective the first
                 // time: every rank's pass begins here), else on the heap.
-                let lens: Vec<usize> = (0..n).map(|b| plan.buffer_len(b)).collect();
-                let shared = match self.comm.as_mut() {
-                    Some(comm) => comm.buffers(&lens),
-                    None => HostComm::start(&self.pg, self.hooks.make(), self.shared_buckets)
-                        .and_then(|comm| self.comm.insert(comm).buffers(&lens)),
-                };
-                let buffers = match shared {
-                    Ok(Some(shared)) => shared,
-                    heap => {
-                        if let Err(e) = heap {
+                let host = match self.host.as_mut() {
+                    Some(host) => host,
+                    None => match HostSync::start(&self.pg, &self.config) {
+                        Ok(host) => self.host.insert(host),
+                        Err(e) => {
                             self.error.get_or_insert(e);
+                            return;
                         }
-                        BucketBuf::on_heap(&lens, &mut self.spare)
-                    }
+                    },
                 };
-                Buckets::Host(HostBuckets {
-                    buffers: buffers.into_iter().map(Some).collect(),
-                    results: (0..n).map(|_| None).collect(),
-                })
+                match host.buckets(plan) {
+                    Ok(b) => Buckets::Host(b),
+                    Err(e) => {
+                        self.error.get_or_insert(e);
+                        Buckets::Host(host.heap_buckets(plan))
+                    }
+                }
             }
         };
+        let pass = Pass::new(self.pg.rank(), plan, buckets, self.config.overlap);
         self.step = Some(Step {
-            origin: vec![None; plan.slots.len()],
-            order,
-            buckets,
+            pass,
+            origin: vec![None; used_slots.len()],
         });
-        if self.overlap {
-            self.launch_ready();
-        }
+        let absent = used_slots
+            .iter()
+            .enumerate()
+            .filter(|(_, used)| !**used)
+            .map(|(i, _)| i);
+        let (Some(plan), Some(step), mut links) = self.split() else {
+            return;
+        };
+        step.pass
+            .absent(&mut links, plan, absent.collect::<Vec<_>>());
     }
 
-    /// Where gradient `id` goes in its bucket: (slot, bucket buffer, offset), or `None` if it
-    /// is not synchronised in this pass.
+    /// Where gradient `id` goes in the plan (its slot), or `None` if it is not synchronised in
+    /// this pass (not in the plan, counted absent, or given already).
     pub(crate) fn slot_of(&self, id: DistributedParamId) -> Option<usize> {
         let step = self.step.as_ref()?;
         let i = *self.plan.as_ref()?.by_id.get(&id)?;
-        (!step.order.is_final(i)).then_some(i)
+        step.pass.is_open(i).then_some(i)
     }
 
     pub(crate) fn slot_info(&self, slot: usize) -> Option<&Slot> {
         self.plan.as_ref()?.slots.get(slot)
     }
 
-    /// Copies a final gradient (as f32) into its bucket and launches what became ready.
-    pub(crate) fn fill(&mut self, slot: usize, values: &[f32], origin: Origin) {
-        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
-            let s = &plan.slots[slot];
-            // Without the `cuda` feature every pass is a host pass.
-            #[allow(irrefutable_let_patterns)]
-            if let Buckets::Host(host) = &mut step.buckets {
-                if let Some(buf) = host.buffers[s.bucket].as_mut() {
-                    buf[s.offset..s.offset + values.len()].copy_from_slice(values);
-                    buf[plan.flag_index(slot)] = 1.0;
-                }
-            }
-        }
-        self.mark_ready(slot, origin);
-    }
-
-    /// Slot `slot`'s gradient is final (its value is with the bucket): counts it, and launches
-    /// what became ready.
-    fn mark_ready(&mut self, slot: usize, origin: Origin) {
-        let Some(step) = self.step.as_mut() else {
+    /// Slot `slot`'s final gradient (as f32 values on the host, or the CUDA tensor on a device
+    /// pass), which goes back to `origin`: handed to the pass, which sends what became ready.
+    pub(crate) fn fill(&mut self, slot: usize, grad: Grad<'_>, origin: Origin) {
+        let (Some(plan), Some(step), mut links) = self.split() else {
             return;
         };
-        step.order.mark_final(slot);
-        step.origin[slot] = Some(origin);
-        if self.overlap {
-            self.launch_ready();
-        }
-    }
-
-    /// The launch rule ([`LaunchOrder`], shared with the host-staged transport of the core):
-    /// buckets strictly in index order, each as soon as all its slots are final. A
-    /// failed launch is recorded and the later buckets still go, keeping the ranks in step
-    /// until the failure is reported.
-    fn launch_ready(&mut self) {
-        let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) else {
-            return;
-        };
-        let mut links = Links {
-            pg: &self.pg,
-            #[cfg(feature = "cuda")]
-            reduction: self.reduction,
-            #[cfg(feature = "cuda")]
-            compression: self.compression,
-            comm: &mut self.comm,
-            plan,
-            #[cfg(feature = "cuda")]
-            nccl: self.nccl.as_deref().zip(self.launcher.as_ref()),
-        };
-        while let Some(bucket) = step.order.next_ready() {
-            let slots: Vec<(usize, usize)> = plan.buckets[bucket]
-                .0
-                .iter()
-                .map(|&i| (i, plan.slots[i].info.numel))
-                .collect();
-            if let Err(e) = step.buckets.transport().launch(&mut links, bucket, &slots) {
-                tracing::debug!("gradient synchronisation failed: {e}");
-                self.error.get_or_insert(e);
-            }
+        step.pass.push(&mut links, plan, slot, Some(grad));
+        if let Some(o) = step.origin.get_mut(slot) {
+            *o = Some(origin);
         }
     }
 
     /// Whether the running pass keeps its buckets on the GPU.
     #[cfg(feature = "cuda")]
-    pub(crate) fn device_pass(&self) -> bool {
+    pub(crate) fn device_pass(&mut self) -> bool {
         self.step
-            .as_ref()
-            .is_some_and(|s| matches!(s.buckets, Buckets::Device(_)))
+            .as_mut()
+            .is_some_and(|s| s.pass.transport_mut().is_device())
     }
 
-    /// The device path's [`Reducer::fill`]: keeps a final CUDA gradient for its bucket and
-    /// launches what became ready.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn fill_device(
-        &mut self,
-        slot: usize,
-        grad: burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
-        origin: Origin,
-    ) {
-        if let (Some(plan), Some(step)) = (self.plan.as_ref(), self.step.as_mut()) {
-            if let Buckets::Device(dev) = &mut step.buckets {
-                let info = &plan.slots[slot].info;
-                if let Err(e) = dev.keep(self.pg.rank(), slot, grad, info) {
-                    tracing::debug!("gradient synchronisation failed: {e}");
-                    self.error.get_or_insert(e);
-                }
-            }
-        }
-        self.mark_ready(slot, origin);
+    /// Ends the pass: every bucket sent (parameters never given count as absent here), the
+    /// answers taken, or, after a failure, the pass given up. `None` without a pass.
+    fn close(&mut self) -> Option<(Result<Output>, Vec<Option<Origin>>)> {
+        let Step { pass, origin } = self.step.take()?;
+        let (Some(plan), _, mut links) = self.split() else {
+            return None;
+        };
+        Some((pass.finish(&mut links, plan), origin))
     }
 
-    /// Ends the pass, for every transport: gradients announced but never delivered count as
-    /// zeros (so that no rank waits forever), every bucket is launched in order, and the pass is
-    /// taken out of the reducer.
-    fn close(&mut self) -> Option<Step> {
-        if let Some(step) = self.step.as_mut() {
-            step.order.mark_rest_final();
-        }
-        self.launch_ready();
-        self.step.take()
-    }
-
-    /// The device path's [`Reducer::finish`]: launches the remaining buckets, waits for NCCL and
+    /// The device path's [`Reducer::finish`]: sends the remaining buckets, waits for NCCL and
     /// returns each local gradient's origin with its averaged value (on the GPU).
     #[cfg(feature = "cuda")]
     #[allow(clippy::type_complexity)]
@@ -541,41 +458,17 @@ impl Reducer {
             burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
         )>,
     > {
-        let Some(mut step) = self.close() else {
+        let Some((result, origin)) = self.close() else {
             return Ok(Vec::new());
         };
-        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-        let Buckets::Device(dev) = &mut step.buckets else {
+        let Output::Device((reduced, foreign)) = result? else {
             // A host pass ends in `finish`.
             return Ok(Vec::new());
         };
-        if let Some(e) = self.error.take() {
-            // Buckets already queued may still be in flight, and the ranks are out of step: stop
-            // NCCL (and tell the others), take the launcher's answers and drain NCCL's stream
-            // before any buffer of the step goes.
-            return Err(match (self.launcher.as_ref(), self.nccl.as_ref()) {
-                (Some(launcher), _) => dev.abandon(launcher, e, wait),
-                (None, Some(comm)) => {
-                    comm.fail_with(&e);
-                    e
-                }
-                (None, None) => e,
-            });
-        }
-        let (Some(plan), Some(comm), Some(launcher)) = (
-            self.plan.as_ref(),
-            self.nccl.as_ref(),
-            self.launcher.as_ref(),
-        ) else {
+        let Some(plan) = self.plan.as_ref() else {
             return Ok(Vec::new());
         };
-        let slots = plan
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (i, s.bucket, s.offset, s.info.numel, plan.flag_index(i)));
-        let (reduced, foreign) = dev.finish(comm, launcher, wait, slots)?;
-        let foreign = foreign
+        self.foreign = foreign
             .into_iter()
             .map(|(slot, t)| Foreign {
                 slot,
@@ -585,9 +478,8 @@ impl Reducer {
             .collect();
         let reduced = reduced
             .into_iter()
-            .filter_map(|(slot, t)| step.origin[slot].map(|o| (o, t)))
+            .filter_map(|(slot, t)| origin[slot].map(|o| (o, t)))
             .collect();
-        self.foreign = foreign;
         self.warn_foreign();
         Ok(reduced)
     }
@@ -606,7 +498,10 @@ impl Reducer {
 
     /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.
     pub(crate) fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
-        self.hooks.power_sgd_totals()
+        match self.host.as_ref() {
+            Some(host) => host.power_sgd_totals(),
+            None => self.config.power_sgd.is_some().then_some((0, 0, 0)),
+        }
     }
 
     /// Inside a join, on a rank that ran out of batches: the buckets of a synchronised backward
@@ -621,159 +516,117 @@ impl Reducer {
             return Ok(());
         }
         #[cfg(feature = "cuda")]
-        let device = self.nccl.is_some() && self.transport != GradTransport::Host;
+        let device = self.nccl.is_some() && self.config.transport != GradTransport::Host;
         #[cfg(not(feature = "cuda"))]
         let device = false;
         self.begin(std::iter::empty(), device);
-        #[cfg(feature = "cuda")]
-        let result = match device {
-            true => self.finish_device().map(drop),
-            false => self.finish().map(drop),
-        };
-        #[cfg(not(feature = "cuda"))]
-        let result = self.finish().map(drop);
+        let result = self.close().map_or(Ok(()), |(r, _)| r.map(drop));
         // The others' gradients are not this rank's to register: it no longer steps.
         self.foreign.clear();
         result
     }
 
-    /// Ends the backward pass: launches every bucket (in order), waits for all of them and
+    /// Ends the backward pass: sends every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
     pub(crate) fn finish(&mut self) -> Result<Vec<Reduced>> {
-        let Some(step) = self.close() else {
+        let Some((result, origin)) = self.close() else {
             return Ok(Vec::new());
         };
-        let Step {
-            origin, buckets, ..
-        } = step;
-        #[allow(irrefutable_let_patterns)] // without `cuda`, every pass is a host pass
-        let Buckets::Host(mut host) = buckets
-        else {
-            // A device pass ends in `finish_device`.
-            return Ok(Vec::new());
-        };
-        if let Err(e) = self.collect(&mut host) {
-            if !self.bucket_view {
-                return Err(e);
+        let bucket_view = self.config.gradient_as_bucket_view;
+        let mut reduced = match result {
+            Ok(Output::Host(reduced)) => reduced,
+            #[cfg(feature = "cuda")]
+            Ok(Output::Device(_)) => return Ok(Vec::new()),
+            Err(e) if bucket_view => {
+                // The gradients were released into the buckets: they come back as zeros of
+                // their shape (never a tensor of the wrong shape), and `check` reports the
+                // failure.
+                self.error.get_or_insert(e);
+                let Some(plan) = self.plan.as_ref() else {
+                    return Ok(Vec::new());
+                };
+                return Ok(origin
+                    .iter()
+                    .zip(&plan.slots)
+                    .filter_map(|(o, s)| {
+                        Some((
+                            o.as_ref().copied()?,
+                            vec![0.0; s.info.numel],
+                            s.info.shape.clone(),
+                        ))
+                    })
+                    .collect());
             }
-            // The gradients were released into the buckets: they come back as zeros of their
-            // shape (never a tensor of the wrong shape), and `check` reports the failure.
-            self.error.get_or_insert(e);
-        }
+            Err(e) => return Err(e),
+        };
         let Some(plan) = self.plan.as_ref() else {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
         self.foreign.clear();
-        // Bucket by bucket, each buffer reused or freed as soon as its values are out, so at
-        // most one bucket is alive beside the results.
-        for (b, (slots, _)) in plan.buckets.iter().enumerate() {
-            let Some(bucket) = host.results[b].take() else {
-                if self.bucket_view {
-                    for &i in slots {
-                        if let Some(o) = origin[i] {
-                            let info = &plan.slots[i].info;
-                            out.push((o, vec![0.0; info.numel], info.shape.clone()));
-                        }
-                    }
-                }
+        // Slot by slot (a bucket's slots are contiguous): each bucket released as soon as its
+        // values are out, so at most one bucket is alive beside the results; a bucket of one
+        // gradient becomes it without a copy.
+        for (i, slot) in plan.slots.iter().enumerate() {
+            let Some(values) = reduced.take(i) else {
                 continue;
             };
-            if let ([i], true) = (slots.as_slice(), self.bucket_view) {
-                if let Some(o) = origin[*i] {
-                    // The bucket becomes the gradient: no copy of a heap bucket.
-                    let info = &plan.slots[*i].info;
-                    out.push((o, bucket.into_vec(info.numel), info.shape.clone()));
-                    continue;
-                }
-            }
-            for &i in slots {
-                let slot = &plan.slots[i];
-                let values = &bucket[slot.offset..slot.offset + slot.info.numel];
-                match origin[i] {
-                    Some(o) => out.push((o, values.to_vec(), slot.info.shape.clone())),
-                    None => {
-                        if bucket[plan.flag_index(i)] != 0.0 {
-                            self.foreign.push(Foreign {
-                                slot: i,
-                                name: slot.info.name.clone(),
-                                values: ForeignValues::Host(values.to_vec()),
-                            });
-                        }
-                    }
-                }
-            }
-            // Kept for the next pass, unless the memory is the point (a shared bucket goes
-            // back to its arena).
-            if !self.bucket_view {
-                self.spare.extend(bucket.into_heap());
+            match origin[i] {
+                Some(o) => out.push((o, values, slot.info.shape.clone())),
+                None => self.foreign.push(Foreign {
+                    slot: i,
+                    name: slot.info.name.clone(),
+                    values: ForeignValues::Host(values),
+                }),
             }
         }
-        // In the model's order (the buckets were walked in launch order).
-        self.foreign.sort_by_key(|f| f.slot);
+        // Kept for the next pass, unless the memory is the point.
+        let spare = reduced.into_spare();
+        if let (Some(host), false) = (self.host.as_mut(), bucket_view) {
+            host.recycle(spare);
+        }
         self.warn_foreign();
         Ok(out)
     }
 
     /// Whether gradients are released into their buckets (`DdpConfig::gradient_as_bucket_view`).
     pub(crate) fn bucket_view(&self) -> bool {
-        self.bucket_view
+        self.config.gradient_as_bucket_view
     }
 
     /// An all-reduce of `data` issued while this backward pass's host buckets are in flight
     /// (a differentiable all-reduce's backward, e.g. `SyncBatchNorm`'s): it goes through the
-    /// communication thread behind them, so that every rank runs the collectives in the same
-    /// order; the answers of the buckets before it are kept for `finish`. It gives `data` back
-    /// untouched (`Err`) when no bucket is in flight: the caller all-reduces directly, and
-    /// nothing can overtake it.
+    /// communication thread behind them (`HostBuckets::all_reduce_in_order`), so that every
+    /// rank runs the collectives in the same order. It gives `data` back untouched (`Err`) when
+    /// no bucket is in flight: the caller all-reduces directly, and nothing can overtake it.
     pub(crate) fn all_reduce_in_order(
         &mut self,
         data: Vec<f32>,
         reduction: GradReduction,
     ) -> std::result::Result<Result<Vec<f32>>, Vec<f32>> {
-        let Some(step) = self.step.as_mut() else {
+        let (_, Some(step), links) = self.split() else {
             return Err(data);
         };
-        #[allow(irrefutable_let_patterns)] // without `cuda`, every pass is a host pass
-        let Buckets::Host(host) = &mut step.buckets
-        else {
-            return Err(data);
-        };
-        match self.comm.as_mut().filter(|c| c.outstanding() > 0) {
-            Some(comm) => Ok(comm.all_reduce_in_order(data, reduction, &mut host.results)),
-            None => Err(data),
+        match (step.pass.transport_mut().host(), links.host) {
+            (Some(buckets), Some(comm)) => buckets.all_reduce_in_order(comm, data, reduction),
+            _ => Err(data),
         }
     }
 
-    /// Takes the communication thread's answers for every bucket of a host pass.
-    fn collect(&mut self, host: &mut HostBuckets) -> Result<()> {
-        match self.comm.as_mut() {
-            Some(comm) => comm.collect(&mut host.results),
-            None => Ok(()),
-        }
-    }
-
-    /// Drops a backward pass that never finished (its backward panicked), draining what its
-    /// transport still does so that the next pass starts clean.
+    /// Drops a backward pass that never finished (its backward panicked), settling what its
+    /// transport still does so that the next pass starts clean. A device pass is abandoned:
+    /// NCCL stopped (the others told), every answer taken and the stream drained before any of
+    /// its buffers goes; this rank is out of step, which `check` reports.
     fn discard_step(&mut self) {
-        let Some(mut step) = self.step.take() else {
+        let Some(Step { mut pass, .. }) = self.step.take() else {
             return;
         };
-        match &mut step.buckets {
-            Buckets::Host(host) => {
-                let _ = self.collect(host);
-            }
-            // The pass never finished: this rank is out of step with the others, and NCCL may
-            // still work on the step's device buckets. Abandon it: NCCL stopped (the others
-            // told), every answer taken and the stream drained before any of its buffers goes.
-            #[cfg(feature = "cuda")]
-            Buckets::Device(dev) => {
-                if let Some(launcher) = self.launcher.as_ref() {
-                    let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                    let e = dev.abandon(launcher, abandoned(self.pg.rank()), wait);
-                    self.record_error(e);
-                }
-            }
+        let device = pass.transport_mut().is_device();
+        let rank = self.pg.rank();
+        let (_, _, mut links) = self.split();
+        let e = pass.discard(&mut links, abandoned(rank));
+        if device {
+            self.record_error(e);
         }
     }
 }
@@ -785,9 +638,8 @@ impl Drop for Reducer {
     }
 }
 
-/// Why a device pass that never reached its end (its backward panicked, or the membership
-/// changed under it) was abandoned: what the other ranks are told.
-#[cfg(feature = "cuda")]
+/// Why a pass that never reached its end (its backward panicked, or the membership changed
+/// under it) was abandoned: what the other ranks are told (on NCCL).
 fn abandoned(rank: crate::group::Rank) -> DdpError {
     DdpError::model_access(
         rank,

@@ -1,19 +1,14 @@
-//! How a complete bucket travels, the one thing the host and the device paths do differently in
-//! the reducer's state machine (the parent module): [`BucketTransport`], the host-staged buckets
-//! (handed to the core's [`HostComm`], the communication thread every host-staged pass of both
-//! Burn lines uses, which reduces them in launch order through a communication hook), and the
-//! links a launch needs from the reducer. The device path's buckets are `gpu.rs`'s.
+//! The transports of the 0.21 line's passes: host-staged buckets (the core's [`HostBuckets`],
+//! over its communication thread [`HostComm`]) or device buckets (`gpu.rs`'s
+//! [`DeviceStep`](super::super::gpu::DeviceStep), over NCCL), chosen per pass. The engine that
+//! drives them is the core's [`Pass`](burn_ddp_comm::grad::Pass); this is the one place that
+//! chooses between them.
 
-use burn_ddp_comm::grad::{BucketBuf, HostComm};
+use burn_backend::distributed::DistributedParamId;
+use burn_ddp_comm::grad::{BucketPlan, BucketTransport, HostBuckets, HostComm, Reduced};
 
-#[cfg(feature = "cuda")]
-use super::super::{Compression, GradReduction};
-use crate::group::ProcessGroup;
-#[cfg(feature = "cuda")]
-use crate::DdpError;
-#[cfg(feature = "cuda")]
-use crate::ReduceOp;
-use crate::Result;
+use crate::group::Rank;
+use crate::{DdpError, Result};
 
 /// The buckets of one pass, by how they travel.
 #[derive(Debug)]
@@ -27,60 +22,85 @@ pub(super) enum Buckets {
 }
 
 impl Buckets {
-    pub(super) fn transport(&mut self) -> &mut dyn BucketTransport {
+    /// Device buckets for a pass over `plan`, when `device` (the pass's gradients are CUDA
+    /// tensors and NCCL is set up); `None`: the pass is host-staged.
+    pub(super) fn device(device: bool, plan: &Plan) -> Option<Self> {
+        #[cfg(feature = "cuda")]
+        if device {
+            let step = super::super::gpu::DeviceStep::new(plan.slots.len(), plan.buckets.len());
+            return Some(Buckets::Device(step));
+        }
+        let _ = (device, plan);
+        None
+    }
+
+    /// Whether the buckets are on the GPU.
+    pub(super) fn is_device(&self) -> bool {
+        !matches!(self, Buckets::Host(_))
+    }
+
+    /// The host-staged buckets, if these are.
+    pub(super) fn host(&mut self) -> Option<&mut HostBuckets> {
         match self {
-            Buckets::Host(h) => h,
+            Buckets::Host(h) => Some(h),
             #[cfg(feature = "cuda")]
-            Buckets::Device(d) => d,
+            Buckets::Device(_) => None,
+        }
+    }
+
+    /// After the communicator was aborted by its owner (a membership change): a device pass
+    /// takes every answer and drains NCCL's stream (bounded) before its buffers go.
+    #[cfg(feature = "cuda")]
+    pub(super) fn settle_aborted(
+        &mut self,
+        launcher: &super::super::gpu::NcclLauncher,
+        wait: std::time::Duration,
+    ) {
+        if let Buckets::Device(d) = self {
+            d.settle_aborted(launcher, wait);
         }
     }
 }
 
-/// A host pass's buckets: being packed (taken when launched), and the answers that came back.
+/// A final gradient, as the pass's transport takes it.
+pub(crate) enum Grad<'g> {
+    /// Its values as f32 (host-staged).
+    Host(&'g [f32]),
+    /// The CUDA tensor itself.
+    #[cfg(feature = "cuda")]
+    Device(burn_backend::tensor::FloatTensor<burn::backend::Cuda>),
+}
+
+/// What a finished pass gives back.
 #[derive(Debug)]
-pub(super) struct HostBuckets {
-    pub(super) buffers: Vec<Option<BucketBuf>>,
-    pub(super) results: Vec<Option<BucketBuf>>,
+pub(crate) enum Output {
+    Host(Reduced<'static>),
+    #[cfg(feature = "cuda")]
+    Device(super::super::gpu::Reduced),
 }
 
-/// What launching a bucket needs from the reducer: the transports' long-lived parts.
+/// What the pass's transport needs from the reducer: the long-lived parts of each.
 pub(crate) struct Links<'a> {
-    pub(super) pg: &'a ProcessGroup,
-    /// Mean or sum, and the wire format, for the device path (the host path's hook has them).
-    #[cfg(feature = "cuda")]
-    pub(super) reduction: GradReduction,
-    #[cfg(feature = "cuda")]
-    pub(super) compression: Compression,
-    /// The host-staged transport's communication thread, started at the first launch.
-    pub(super) comm: &'a mut Option<HostComm>,
-    /// The pass's plan (for the layout of a bucket, when the hook reads it).
-    pub(super) plan: &'a super::Plan,
-    #[cfg(feature = "cuda")]
-    pub(super) nccl: Option<(
-        &'a burn_ddp_comm::cuda::NcclComm,
-        &'a super::super::gpu::NcclLauncher,
-    )>,
-}
-
-#[cfg(feature = "cuda")]
-impl Links<'_> {
-    pub(crate) fn op(&self) -> ReduceOp {
-        self.reduction.op()
-    }
-
-    pub(crate) fn compression(&self) -> Compression {
-        self.compression
-    }
-
+    pub(super) rank: Rank,
+    /// The host-staged transport's communication thread (started by the host pass's `begin`).
+    pub(super) host: Option<&'a mut HostComm>,
     /// The NCCL communicator and its launcher thread (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    pub(crate) fn nccl(
-        &self,
-    ) -> Result<(
-        &burn_ddp_comm::cuda::NcclComm,
-        &super::super::gpu::NcclLauncher,
-    )> {
-        self.nccl.ok_or(DdpError::Collective(
+    pub(super) nccl: Option<super::super::gpu::NcclLink<'a>>,
+}
+
+impl<'a> Links<'a> {
+    fn host(&mut self) -> Result<&mut &'a mut HostComm> {
+        let rank = self.rank;
+        self.host.as_mut().ok_or(DdpError::Internal {
+            rank,
+            what: "a host bucket was sent before its pass began",
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn nccl(&mut self) -> Result<&mut super::super::gpu::NcclLink<'a>> {
+        self.nccl.as_mut().ok_or(DdpError::Collective(
             burn_ddp_comm::CollectiveError::NotInitialized {
                 what: "the NCCL communicator of the device path",
                 fix: "call DdpSession::prepare (or train through DdpStrategy) before backward",
@@ -89,59 +109,67 @@ impl Links<'_> {
     }
 }
 
-/// How a complete bucket travels: the one thing the host and the device paths do differently
-/// in the reducer's state machine.
-pub(crate) trait BucketTransport {
-    /// Hands over bucket `bucket`, whose slots (with their lengths, in offset order) are all
-    /// final. Buckets come strictly in index order.
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        slots: &[(usize, usize)],
-    ) -> Result<()>;
-}
-
-/// The device path (`gpu.rs`): the bucket is queued on the NCCL launcher thread.
+/// A gradient for the other transport than the pass's.
 #[cfg(feature = "cuda")]
-impl BucketTransport for super::super::gpu::DeviceStep {
-    fn launch(
-        &mut self,
-        links: &mut Links<'_>,
-        bucket: usize,
-        slots: &[(usize, usize)],
-    ) -> Result<()> {
-        let (comm, launcher) = links.nccl()?;
-        let ordinal = comm.device_ordinal();
-        self.queue(
-            launcher,
-            ordinal,
-            bucket,
-            slots,
-            links.op(),
-            links.compression(),
-        )
+fn mismatched(rank: Rank) -> DdpError {
+    DdpError::Internal {
+        rank,
+        what: "a gradient was given to a pass of the other transport",
     }
 }
 
-impl BucketTransport for HostBuckets {
-    fn launch(
+type Plan = BucketPlan<DistributedParamId>;
+
+impl BucketTransport<DistributedParamId> for Buckets {
+    type Grad<'g> = Grad<'g>;
+    type Link<'l> = Links<'l>;
+    type Output = Output;
+
+    fn keep(
         &mut self,
         links: &mut Links<'_>,
-        bucket: usize,
-        _slots: &[(usize, usize)],
+        plan: &Plan,
+        slot: usize,
+        grad: Grad<'_>,
     ) -> Result<()> {
-        let Some(data) = self.buffers[bucket].take() else {
-            return Ok(());
-        };
-        // Started by the pass's `begin`, which lays the buckets out.
-        let Some(comm) = links.comm.as_mut() else {
-            return Err(crate::DdpError::Internal {
-                rank: links.pg.rank(),
-                what: "a host bucket was launched before its pass began",
-            });
-        };
-        let layout = comm.wants_layout().then(|| links.plan.bucket_shape(bucket));
-        comm.launch(bucket, data, layout)
+        match (self, grad) {
+            (Buckets::Host(h), Grad::Host(values)) => h.keep(links.host()?, plan, slot, values),
+            #[cfg(feature = "cuda")]
+            (Buckets::Device(d), Grad::Device(t)) => d.keep(links.nccl()?, plan, slot, t),
+            #[cfg(feature = "cuda")]
+            _ => Err(mismatched(links.rank)),
+        }
+    }
+
+    fn send(&mut self, links: &mut Links<'_>, plan: &Plan, bucket: usize) -> Result<()> {
+        match self {
+            Buckets::Host(h) => h.send(links.host()?, plan, bucket),
+            #[cfg(feature = "cuda")]
+            Buckets::Device(d) => d.send(links.nccl()?, plan, bucket),
+        }
+    }
+
+    fn finish(&mut self, links: &mut Links<'_>, plan: &Plan, local: &[bool]) -> Result<Output> {
+        match self {
+            Buckets::Host(h) => h.finish(links.host()?, plan, local).map(Output::Host),
+            #[cfg(feature = "cuda")]
+            Buckets::Device(d) => d.finish(links.nccl()?, plan, local).map(Output::Device),
+        }
+    }
+
+    fn abandon(&mut self, links: &mut Links<'_>, e: DdpError) -> DdpError {
+        match self {
+            Buckets::Host(h) => match links.host.as_mut() {
+                Some(comm) => {
+                    <HostBuckets as BucketTransport<DistributedParamId>>::abandon(h, comm, e)
+                }
+                None => e,
+            },
+            #[cfg(feature = "cuda")]
+            Buckets::Device(d) => match links.nccl.as_mut() {
+                Some(nccl) => d.abandon(nccl, e),
+                None => e,
+            },
+        }
     }
 }
