@@ -2,14 +2,13 @@
 //! `backward()`, cannot return errors (Burn's hook signatures), and so record failures in the
 //! session, where `DdpSession::check` and `DdpSession::backward` report them.
 
-use burn_ddp_comm::ModelError;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn_backend::distributed::{DistributedParamId, ReduceOperation};
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, Shape, TensorMetadata};
 
-use super::reducer::{Grad, Origin};
+use super::reducer::{Finished, GradValue, Origin};
 use super::values::{read_f32, write_f32};
 use super::{current, GradReduction};
 use crate::DdpError;
@@ -35,20 +34,14 @@ pub(crate) fn begin_backward<B: Backend>(
         warn_no_session();
         return;
     };
-    let mut r = session.reducer();
-    if r.active() {
-        // Inside a join, the ranks that ran out learn of this pass first (and shadow it).
-        if let Err(e) = session.announce(burn_ddp_comm::grad::JoinCall::Backward) {
-            r.record_error(e);
-            return;
-        }
-        let on_gpu = r.use_device::<B>(device);
-        // `use_device` may have recorded an error (gradients on another GPU than NCCL's): then
-        // this pass is not synchronised, and `DdpSession::backward` reports the error.
-        if r.active() {
-            r.begin(used, on_gpu);
-        }
-    }
+    let announce = || {
+        session
+            .announce(burn_ddp_comm::grad::JoinCall::Backward)
+            .map(drop)
+    };
+    session
+        .reducer()
+        .begin_backward::<B>(device, used, announce);
 }
 
 /// `submit_gradient_sync`: the gradient of `id` is final.
@@ -56,54 +49,37 @@ pub(crate) fn gradient_ready<B: Backend>(ptr: *mut FloatTensor<B>, id: Distribut
     let Some(session) = current() else {
         return;
     };
+    let rank = session.pg.rank();
     let mut r = session.reducer();
-    if !r.active() {
-        return;
-    }
-    let Some(slot) = r.slot_of(id) else {
-        return;
-    };
-    // SAFETY: Burn passes a pointer into the gradient container of the backward pass that is
-    // running in this thread; the container outlives the pass, and nothing else touches the
-    // entry until `backward()` returns. Cloning a primitive shares or copies its storage.
-    let tensor = unsafe { (*ptr).clone() };
-    #[cfg(feature = "cuda")]
-    let tensor = match r.device_pass() {
-        true => match super::gpu::to_cuda::<B>(tensor) {
-            Ok(t) => return r.fill(slot, Grad::Device(t), Origin { ptr: ptr as usize }),
-            Err(t) => t,
-        },
-        false => tensor,
-    };
-    let expected = r.slot_info(slot).map_or(0, |s| s.info.numel);
-    let (device, dtype) = (B::float_device(&tensor), tensor.dtype());
-    match read_f32::<B>(tensor) {
-        Ok(values) if values.len() == expected => {
-            r.fill(slot, Grad::Host(&values), Origin { ptr: ptr as usize });
-            if r.bucket_view() {
-                drop(values);
-                // The bucket holds the gradient now: release the container's copy (an empty
-                // tensor until `finish_backward` writes the reduced one back).
-                // SAFETY: as above; nothing reads the entry before `finish_backward`.
-                unsafe { *ptr = write_f32::<B>(Vec::new(), Shape::new([0]), dtype, &device) };
-            }
-        }
-        Ok(values) => {
-            let name = r
-                .slot_info(slot)
-                .map(|s| s.info.name.clone())
-                .unwrap_or_default();
-            let rank = session.pg.rank();
-            r.record_error(DdpError::Model(ModelError::GradientSize {
-                rank,
-                param: name,
-                expected,
-                got: values.len(),
-            }));
-        }
-        Err(reason) => {
-            let rank = session.pg.rank();
-            r.record_error(DdpError::model_access(rank, "reading a gradient", reason));
+    let origin = Origin { ptr: ptr as usize };
+    let released = r.gradient_ready(id, origin, |on_gpu| {
+        // SAFETY: Burn passes a pointer into the gradient container of the backward pass that
+        // is running in this thread; the container outlives the pass, and nothing else touches
+        // the entry until `backward()` returns. Cloning a primitive shares or copies its
+        // storage.
+        let tensor = unsafe { (*ptr).clone() };
+        #[cfg(feature = "cuda")]
+        let tensor = match on_gpu {
+            true => match super::gpu::to_cuda::<B>(tensor) {
+                Ok(t) => return Ok(GradValue::Device(t)),
+                Err(t) => t,
+            },
+            false => tensor,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = on_gpu;
+        read_f32::<B>(tensor)
+            .map(GradValue::Host)
+            .map_err(|reason| DdpError::model_access(rank, "reading a gradient", reason))
+    });
+    if released {
+        // The bucket holds the gradient now: release the container's copy (an empty tensor
+        // until `finish_backward` writes the reduced one back).
+        // SAFETY: as above; nothing reads the entry before `finish_backward`.
+        unsafe {
+            let old = &*ptr;
+            let (device, dtype) = (B::float_device(old), old.dtype());
+            *ptr = write_f32::<B>(Vec::new(), Shape::new([0]), dtype, &device);
         }
     }
 }
@@ -113,25 +89,9 @@ pub(crate) fn finish_backward<B: Backend>() {
     let Some(session) = current() else {
         return;
     };
-    let mut r = session.reducer();
-    #[cfg(feature = "cuda")]
-    if r.device_pass() {
-        match r.finish_device() {
-            Ok(results) => {
-                for (origin, t) in results {
-                    let ptr = origin.ptr as *mut FloatTensor<B>;
-                    if let Some(t) = super::gpu::from_cuda::<B>(t) {
-                        // SAFETY: as below.
-                        unsafe { *ptr = t };
-                    }
-                }
-            }
-            Err(e) => r.record_error(e),
-        }
-        return;
-    }
-    match r.finish() {
-        Ok(results) => {
+    let finished = session.reducer().finish_backward();
+    match finished {
+        Finished::Host(results) => {
             for (origin, values, shape) in results {
                 let ptr = origin.ptr as *mut FloatTensor<B>;
                 // SAFETY: as in `gradient_ready`: the container entry is alive and unaliased
@@ -148,7 +108,16 @@ pub(crate) fn finish_backward<B: Backend>() {
                 }
             }
         }
-        Err(e) => r.record_error(e),
+        #[cfg(feature = "cuda")]
+        Finished::Device(results) => {
+            for (origin, t) in results {
+                let ptr = origin.ptr as *mut FloatTensor<B>;
+                if let Some(t) = super::gpu::from_cuda::<B>(t) {
+                    // SAFETY: as above.
+                    unsafe { *ptr = t };
+                }
+            }
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use burn_backend::distributed::DistributedParamId;
 
 #[cfg(feature = "cuda")]
 use burn_ddp_comm::grad::ANSWER_SLACK;
-use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HostSync, Pass, Slot};
+use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HostSync, Pass};
 
 use super::{DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
@@ -58,6 +58,30 @@ pub(crate) enum ForeignValues {
 
 /// A gradient's reduced values, where they go back, and its shape.
 pub(crate) type Reduced = (Origin, Vec<f32>, Vec<usize>);
+
+/// A final gradient as a hook reads it (see [`Reducer::gradient_ready`]).
+pub(crate) enum GradValue {
+    /// Its values as f32.
+    Host(Vec<f32>),
+    /// The CUDA tensor itself (a device pass).
+    #[cfg(feature = "cuda")]
+    Device(burn_backend::tensor::FloatTensor<burn::backend::Cuda>),
+}
+
+/// The end of a pass (see [`Reducer::finish_backward`]): each local gradient's reduced value
+/// and where it goes back.
+pub(crate) enum Finished {
+    /// Host values, with the gradient's shape.
+    Host(Vec<Reduced>),
+    /// Views of the reduced device buckets, shaped and typed as the gradients were.
+    #[cfg(feature = "cuda")]
+    Device(
+        Vec<(
+            Origin,
+            burn_backend::tensor::FloatTensor<burn::backend::Cuda>,
+        )>,
+    ),
+}
 
 /// Where a gradient came from, to write the result back.
 #[derive(Debug, Clone, Copy)]
@@ -147,7 +171,7 @@ impl Reducer {
     /// buckets on the GPU. The NCCL communicator was set up by `prepare`
     /// ([`Reducer::connect_cuda`]); gradients on another GPU than its are an error.
     #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
-    pub(crate) fn use_device<B: burn_backend::Backend>(&mut self, device: &B::Device) -> bool {
+    fn use_device<B: burn_backend::Backend>(&mut self, device: &B::Device) -> bool {
         #[cfg(feature = "cuda")]
         {
             use super::gpu::{cuda_ordinal, is_cuda};
@@ -321,7 +345,7 @@ impl Reducer {
     ///
     /// An explicit `GradTransport::Nccl` synchronises at world size 1 too: NCCL refuses two
     /// ranks on one GPU, so a one-GPU machine can only exercise the device path that way.
-    pub(crate) fn active(&self) -> bool {
+    fn active(&self) -> bool {
         self.enabled
             && self.plan.is_some()
             && self.error.is_none()
@@ -329,9 +353,88 @@ impl Reducer {
                 || (cfg!(feature = "cuda") && self.config.transport == GradTransport::Nccl))
     }
 
+    /// Burn's `register_sync_parameters`: a backward pass over `B` starts on `device`, in
+    /// which the parameters `used` will receive gradients. When the reducer synchronises,
+    /// `announce` runs first (inside a join, the ranks that ran out learn of this pass and
+    /// shadow it), then the pass's transport is chosen and the pass begins.
+    pub(crate) fn begin_backward<B: burn_backend::Backend>(
+        &mut self,
+        device: &B::Device,
+        used: impl Iterator<Item = DistributedParamId>,
+        announce: impl FnOnce() -> Result<()>,
+    ) {
+        if !self.active() {
+            return;
+        }
+        if let Err(e) = announce() {
+            self.record_error(e);
+            return;
+        }
+        let on_gpu = self.use_device::<B>(device);
+        // `use_device` may have recorded an error (gradients on another GPU than NCCL's): then
+        // this pass is not synchronised, and `DdpSession::backward` reports the error.
+        if self.active() {
+            self.begin(used, on_gpu);
+        }
+    }
+
+    /// Burn's `submit_gradient_sync`: the gradient of `id`, which goes back to `origin`, is
+    /// final. If the pass synchronises it, `read(on_gpu)` gives its value (the CUDA tensor on a
+    /// device pass, else f32 values), handed to the pass. Returns whether the container's
+    /// copy may be released (`gradient_as_bucket_view` on a host pass: the bucket holds it,
+    /// and the end of the pass writes every such gradient back).
+    pub(crate) fn gradient_ready(
+        &mut self,
+        id: DistributedParamId,
+        origin: Origin,
+        read: impl FnOnce(bool) -> Result<GradValue>,
+    ) -> bool {
+        if !self.active() {
+            return false;
+        }
+        let Some(slot) = self.slot_of(id) else {
+            return false;
+        };
+        #[cfg(feature = "cuda")]
+        let on_gpu = self.device_pass();
+        #[cfg(not(feature = "cuda"))]
+        let on_gpu = false;
+        match read(on_gpu) {
+            Ok(GradValue::Host(values)) => {
+                self.fill(slot, Grad::Host(&values), origin);
+                self.config.gradient_as_bucket_view
+            }
+            #[cfg(feature = "cuda")]
+            Ok(GradValue::Device(t)) => {
+                self.fill(slot, Grad::Device(t), origin);
+                false
+            }
+            Err(e) => {
+                self.record_error(e);
+                false
+            }
+        }
+    }
+
+    /// Burn's `submit_sync_collective`: ends the pass and gives each local gradient's reduced
+    /// value with its origin (a failure is recorded: `DdpSession::check` reports it).
+    pub(crate) fn finish_backward(&mut self) -> Finished {
+        #[cfg(feature = "cuda")]
+        if self.device_pass() {
+            return Finished::Device(self.finish_device().unwrap_or_else(|e| {
+                self.record_error(e);
+                Vec::new()
+            }));
+        }
+        Finished::Host(self.finish().unwrap_or_else(|e| {
+            self.record_error(e);
+            Vec::new()
+        }))
+    }
+
     /// Starts a backward pass in which the parameters `used` will receive gradients; `device`:
     /// its buckets stay on the GPU (see [`Reducer::use_device`]).
-    pub(crate) fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>, device: bool) {
+    fn begin(&mut self, used: impl Iterator<Item = DistributedParamId>, device: bool) {
         self.discard_step();
         if !self.foreign.is_empty() {
             // Reported after this pass (its collectives still run, so the other ranks are not
@@ -406,19 +509,15 @@ impl Reducer {
 
     /// Where gradient `id` goes in the plan (its slot), or `None` if it is not synchronised in
     /// this pass (not in the plan, counted absent, or given already).
-    pub(crate) fn slot_of(&self, id: DistributedParamId) -> Option<usize> {
+    fn slot_of(&self, id: DistributedParamId) -> Option<usize> {
         let step = self.step.as_ref()?;
         let i = *self.plan.as_ref()?.by_id.get(&id)?;
         step.pass.is_open(i).then_some(i)
     }
 
-    pub(crate) fn slot_info(&self, slot: usize) -> Option<&Slot> {
-        self.plan.as_ref()?.slots.get(slot)
-    }
-
     /// Slot `slot`'s final gradient (as f32 values on the host, or the CUDA tensor on a device
     /// pass), which goes back to `origin`: handed to the pass, which sends what became ready.
-    pub(crate) fn fill(&mut self, slot: usize, grad: Grad<'_>, origin: Origin) {
+    fn fill(&mut self, slot: usize, grad: Grad<'_>, origin: Origin) {
         let (Some(plan), Some(step), mut links) = self.split() else {
             return;
         };
@@ -430,7 +529,7 @@ impl Reducer {
 
     /// Whether the running pass keeps its buckets on the GPU.
     #[cfg(feature = "cuda")]
-    pub(crate) fn device_pass(&mut self) -> bool {
+    fn device_pass(&mut self) -> bool {
         self.step
             .as_mut()
             .is_some_and(|s| s.pass.transport_mut().is_device())
@@ -450,7 +549,7 @@ impl Reducer {
     /// returns each local gradient's origin with its averaged value (on the GPU).
     #[cfg(feature = "cuda")]
     #[allow(clippy::type_complexity)]
-    pub(crate) fn finish_device(
+    fn finish_device(
         &mut self,
     ) -> Result<
         Vec<(
@@ -528,7 +627,7 @@ impl Reducer {
 
     /// Ends the backward pass: sends every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
-    pub(crate) fn finish(&mut self) -> Result<Vec<Reduced>> {
+    fn finish(&mut self) -> Result<Vec<Reduced>> {
         let Some((result, origin)) = self.close() else {
             return Ok(Vec::new());
         };
@@ -587,11 +686,6 @@ impl Reducer {
         }
         self.warn_foreign();
         Ok(out)
-    }
-
-    /// Whether gradients are released into their buckets (`DdpConfig::gradient_as_bucket_view`).
-    pub(crate) fn bucket_view(&self) -> bool {
-        self.config.gradient_as_bucket_view
     }
 
     /// An all-reduce of `data` issued while this backward pass's host buckets are in flight
