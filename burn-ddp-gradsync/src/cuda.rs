@@ -20,8 +20,9 @@
 //!    stay pinned until NCCL's stream has been waited for (with the collective deadline).
 //!
 //! Then each parameter that some rank had a gradient for (its reduced flag is not zero) gets its
-//! slice of the reduced output (a view, cast back to its gradient's dtype); the flags are the
-//! only bytes read to the host.
+//! slice of the reduced output (a view, cast back to its gradient's dtype). Only the flags of
+//! parameters without a gradient on this rank are read to the host (a parameter with one here is
+//! present on every rank): none in a step where every parameter had a gradient.
 
 use burn_ddp_comm::{ConfigError, CudaError};
 use std::sync::Arc;
@@ -391,7 +392,13 @@ impl BucketTransport<usize> for DeviceBuckets {
                 None => Tensor::<1>::zeros([numel], (device, BurnDType::F32)),
             });
         }
-        parts.push(Tensor::<1>::from_floats(flags.as_slice(), device));
+        // The flags: a fill on the device when they are all alike (no upload from the host).
+        let n = flags.len();
+        parts.push(match flags.iter().filter(|&&f| f != 0.0).count() {
+            0 => Tensor::<1>::zeros([n], (device, BurnDType::F32)),
+            k if k == n => Tensor::<1>::ones([n], (device, BurnDType::F32)),
+            _ => Tensor::<1>::from_floats(flags.as_slice(), device),
+        });
         let count = plan.buffer_len(bucket);
         let packed = Tensor::cat(parts, 0);
         let (dtype, burn_dtype) = self.dtype;
@@ -426,7 +433,7 @@ impl BucketTransport<usize> for DeviceBuckets {
         &mut self,
         path: &mut &DevicePath,
         plan: &BucketPlan<usize>,
-        _local: &[bool],
+        local: &[bool],
     ) -> Result<Vec<Option<Tensor<1>>>> {
         self.in_flight.finish(&path.launcher, self.wait)?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
@@ -436,40 +443,47 @@ impl BucketTransport<usize> for DeviceBuckets {
                 what: "a gradient bucket was not launched",
             })?);
         }
-        let flags: Vec<Tensor<1>> = outputs
-            .iter()
-            .zip(&plan.buckets)
-            .map(|(o, (slots, len))| o.clone().slice(*len..len + slots.len()))
-            .collect();
-        let flags = Tensor::cat(flags, 0)
-            .cast(BurnDType::F32)
-            .try_into_data()
-            .map_err(|e| {
-                DdpError::Cuda(CudaError::Driver {
-                    rank: self.rank,
-                    what: "reading the reduced buckets' presence flags".into(),
-                    detail: format!("{e:?}"),
+        // A slot with this rank's gradient is present on every rank (its reduced flag is at
+        // least 1/world): only the flags of the slots absent here are read to the host, in one
+        // transfer, and none when every slot has a local gradient (the usual step: no host
+        // synchronisation at its end beyond NCCL's).
+        let absent: Vec<usize> = (0..plan.slots.len()).filter(|&i| !local[i]).collect();
+        let mut present = local.to_vec();
+        if !absent.is_empty() {
+            let flags: Vec<Tensor<1>> = absent
+                .iter()
+                .map(|&i| {
+                    let flag = plan.flag_index(i);
+                    outputs[plan.slots[i].bucket].clone().slice(flag..flag + 1)
                 })
-            })?
-            .try_to_vec::<f32>()
-            .map_err(|e| {
-                DdpError::model_access(
-                    self.rank,
-                    "reading the reduced buckets' presence flags",
-                    format!("{e:?}"),
-                )
-            })?;
-        let mut first_flag = Vec::with_capacity(plan.buckets.len());
-        let mut at = 0;
-        for (slots, _) in &plan.buckets {
-            first_flag.push(at);
-            at += slots.len();
+                .collect();
+            let flags = Tensor::cat(flags, 0)
+                .cast(BurnDType::F32)
+                .try_into_data()
+                .map_err(|e| {
+                    DdpError::Cuda(CudaError::Driver {
+                        rank: self.rank,
+                        what: "reading the reduced buckets' presence flags".into(),
+                        detail: format!("{e:?}"),
+                    })
+                })?
+                .try_to_vec::<f32>()
+                .map_err(|e| {
+                    DdpError::model_access(
+                        self.rank,
+                        "reading the reduced buckets' presence flags",
+                        format!("{e:?}"),
+                    )
+                })?;
+            for (&i, flag) in absent.iter().zip(flags) {
+                present[i] = flag != 0.0;
+            }
         }
         Ok(plan
             .slots
             .iter()
-            .map(|s| {
-                let had = flags[first_flag[s.bucket] + s.position] != 0.0;
+            .zip(present)
+            .map(|(s, had)| {
                 had.then(|| {
                     outputs[s.bucket]
                         .clone()

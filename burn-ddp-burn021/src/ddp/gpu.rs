@@ -307,10 +307,14 @@ impl DeviceStep {
             })
             .collect();
         let count = slots.iter().map(|s| s.1).sum::<usize>() + slots.len();
-        parts.push(Gpu::float_from_data(
-            burn_backend::TensorData::new(flags, [slots.len()]),
-            &device,
-        ));
+        // The flags: a fill on the device when they are all alike (no upload from the host).
+        let n = flags.len();
+        let f32 = burn_backend::FloatDType::F32;
+        parts.push(match flags.iter().filter(|&&f| f != 0.0).count() {
+            0 => Gpu::float_zeros(Shape::new([n]), &device, f32),
+            k if k == n => Gpu::float_ones(Shape::new([n]), &device, f32),
+            _ => Gpu::float_from_data(burn_backend::TensorData::new(flags, [n]), &device),
+        });
         let packed = Gpu::float_cat(parts, 0);
         let (dtype, burn_dtype) = bucket_dtype(compression);
         let input = if burn_dtype == BurnDType::F32 {
