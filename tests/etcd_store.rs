@@ -24,5 +24,5 @@ fn losing_the_node_of_rank_0_and_an_etcd_member_mid_epoch_is_survived() {
 /// invariant checked.
 #[test]
 fn a_chaos_schedule_with_link_cuts_and_node_losses_on_etcd_is_survived() {
-    burn_ddp_dev::fault::chaos_schedule_on_etcd("classifier", 10);
+    burn_ddp_dev::fault_tolerance::chaos_schedule_on_etcd("classifier", 10);
 }

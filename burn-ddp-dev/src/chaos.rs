@@ -868,7 +868,7 @@ impl Job {
         let mut unshown = 0;
         for e in 1..=epochs {
             for (split, n) in [("train", chaos.train), ("valid", chaos.test)] {
-                let line = crate::fault::every_item_once(split, e, epochs, n);
+                let line = crate::fault_tolerance::every_item_once(split, e, epochs, n);
                 if text.contains(&line) {
                     continue;
                 }
@@ -988,7 +988,7 @@ fn check_metric_files(out: &Path, text: &str, chaos: &Chaos) -> Result<(), Strin
                 })
                 .count() as u32;
             let file = out.join(format!("{split}/epoch-{e}/Accuracy.log"));
-            let (logged, _) = crate::fault::logged(&file)?;
+            let (logged, _) = crate::fault_tolerance::logged(&file)?;
             if logged > n || logged + changes * batch * chaos.nproc < n {
                 return Err(format!(
                     "{}: {logged} items logged of the {n} of epoch {e}'s {phase} \

@@ -28,7 +28,7 @@ pub mod conformance;
 pub mod damage;
 pub mod diff;
 pub mod etcd;
-pub mod fault;
+pub mod fault_tolerance;
 pub mod hooks;
 pub mod images;
 pub mod netns;

@@ -107,8 +107,8 @@ mod buffers;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod data;
-mod fault;
 mod grads;
+mod loop_state;
 pub mod nn;
 pub mod pipeline;
 #[cfg(all(feature = "train", feature = "burn-0-22"))]

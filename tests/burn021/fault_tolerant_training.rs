@@ -18,7 +18,7 @@ use burn_ddp_comm::MembershipError;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, LoopState, ProcessGroup};
-use burn_ddp_dev::fault;
+use burn_ddp_dev::fault_tolerance as fault;
 
 /// 3 ranks train the classifier (Burn's Learner, `DdpStrategy`); rank 1 is SIGKILLed in the
 /// middle of the first epoch; the survivors go on without a restart, bit-identical
@@ -140,7 +140,8 @@ fn what_a_fault_tolerant_session_cannot_carry_is_refused() {
     let token = JobToken::new("ft-refusals");
     let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
     let master = MasterAddr::new("127.0.0.1", port);
-    let _store = burn_ddp_comm::launch::fault::Lighthouse::bind(&master, token.clone()).unwrap();
+    let _store =
+        burn_ddp_comm::launch::lighthouse::Lighthouse::bind(&master, token.clone()).unwrap();
     let pg = ProcessGroup::init(
         GroupConfig::new(Rank(0), WorldSize::ONE, token)
             .with_master(master)

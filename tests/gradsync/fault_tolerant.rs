@@ -13,10 +13,10 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Distribution, Tensor};
-use burn_ddp_comm::launch::fault::Lighthouse;
+use burn_ddp_comm::launch::lighthouse::Lighthouse;
 use burn_ddp_comm::FaultTolerance;
 use burn_ddp_comm::MembershipError;
-use burn_ddp_dev::fault;
+use burn_ddp_dev::fault_tolerance as fault;
 use line::{
     DdpConfig, DdpError, GradSync, GroupConfig, JobToken, LoopState, MasterAddr, PowerSgd,
     ProcessGroup, Rank, WorldSize,

@@ -124,7 +124,7 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
 /// What a finished device pass gives back: each local gradient's reduced value by slot, and the
 /// slots without a local gradient that some other rank had one for, with their average
 /// (flattened, f32).
-pub(crate) type Reduced = (Vec<(usize, CudaFloat)>, Vec<(usize, CudaFloat)>);
+pub(crate) type DeviceResults = (Vec<(usize, CudaFloat)>, Vec<(usize, CudaFloat)>);
 
 /// One bucket for the launcher thread: its packed input and fresh output (both still queued work
 /// on Burn's stream `stream`), and how to reduce it.
@@ -362,7 +362,7 @@ impl DeviceStep {
         launcher: &NcclLauncher,
         wait: Duration,
         slots: impl Iterator<Item = (usize, usize, usize, usize, usize)>,
-    ) -> Result<Reduced> {
+    ) -> Result<DeviceResults> {
         self.in_flight.finish(&launcher.0, wait)?;
         let mut out = Vec::new();
         let mut absent = Vec::new();
@@ -439,7 +439,7 @@ type Plan = burn_ddp_comm::grad::BucketPlan<burn_backend::distributed::Distribut
 impl BucketTransport<burn_backend::distributed::DistributedParamId> for DeviceStep {
     type Grad<'g> = CudaFloat;
     type Link<'l> = NcclLink<'l>;
-    type Output = Reduced;
+    type Output = DeviceResults;
 
     fn keep(
         &mut self,
@@ -468,7 +468,12 @@ impl BucketTransport<burn_backend::distributed::DistributedParamId> for DeviceSt
         )
     }
 
-    fn finish(&mut self, link: &mut NcclLink<'_>, plan: &Plan, _local: &[bool]) -> Result<Reduced> {
+    fn finish(
+        &mut self,
+        link: &mut NcclLink<'_>,
+        plan: &Plan,
+        _local: &[bool],
+    ) -> Result<DeviceResults> {
         let slots = plan
             .slots
             .iter()

@@ -14,7 +14,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn_ddp_comm::grad::{JoinCall, Round};
 
 use super::model::{Mark, Path};
-use super::{DdpSession, Shared};
+use super::{DdpSession, SessionState};
 use crate::Result;
 
 /// A rank's uneven-input mode: the protocol's state, and the factor of the last synchronised
@@ -25,7 +25,7 @@ const COMPLETE_HINT: &str = "did not go through DdpSession::complete: inside a j
      step's gradients with DdpSession::gradients(&model, loss), or pass them through \
      DdpSession::complete(&model, grads), so that the mean is over the ranks still training";
 
-impl Shared {
+impl SessionState {
     /// Inside a join, announces `call` (a rank that still trains) and returns the round;
     /// `None` outside a join.
     ///

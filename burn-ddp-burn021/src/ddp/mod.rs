@@ -18,11 +18,11 @@
 //! processes, for the creating thread when it is an in-process group (one thread per rank).
 
 mod buffers;
-mod fault;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod hooks;
 mod join;
+mod membership;
 mod model;
 pub(crate) mod reducer;
 mod values;
@@ -96,11 +96,11 @@ impl<B: burn_backend::Backend> DdpAutodiffBackend for burn::backend::Autodiff<Dd
 /// ```
 #[derive(Debug, Clone)]
 pub struct DdpSession {
-    shared: Arc<Shared>,
+    shared: Arc<SessionState>,
 }
 
 #[derive(Debug)]
-pub(crate) struct Shared {
+pub(crate) struct SessionState {
     pub(crate) pg: ProcessGroup,
     pub(crate) config: DdpConfig,
     reducer: Mutex<Reducer>,
@@ -117,7 +117,7 @@ pub(crate) struct Shared {
     pub(crate) drain: burn_ddp_comm::grad::DeviceDrain,
 }
 
-impl Shared {
+impl SessionState {
     pub(crate) fn reducer(&self) -> MutexGuard<'_, Reducer> {
         // A panic while the reducer is locked (in a user's backward) leaves a step half done;
         // the next `begin` discards it, so the state is safe to reuse.
@@ -134,14 +134,14 @@ impl Shared {
     }
 }
 
-static GLOBAL: RwLock<Option<Arc<Shared>>> = RwLock::new(None);
+static GLOBAL: RwLock<Option<Arc<SessionState>>> = RwLock::new(None);
 
 thread_local! {
-    static LOCAL: RefCell<Option<Arc<Shared>>> = const { RefCell::new(None) };
+    static LOCAL: RefCell<Option<Arc<SessionState>>> = const { RefCell::new(None) };
 }
 
 /// The session the hooks of this thread use: the thread's own, else the process's.
-pub(crate) fn current() -> Option<Arc<Shared>> {
+pub(crate) fn current() -> Option<Arc<SessionState>> {
     LOCAL
         .with(|l| l.borrow().clone())
         .or_else(|| GLOBAL.read().unwrap_or_else(|p| p.into_inner()).clone())
@@ -181,7 +181,7 @@ impl DdpSession {
         }
         let reducer = Reducer::new(&pg, &config);
         let replicas = burn_ddp_comm::grad::ReplicaCheck::new(config.check_replicas_every);
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(SessionState {
             pg,
             config,
             reducer: Mutex::new(reducer),

@@ -2,7 +2,7 @@
 //! (burn-ddp-comm's `train::epoch::fit`): each split over the Learner's loaders
 //! (`splits.rs`), the end of an epoch (rank 0's checkpoint and early stop, then every rank's
 //! vote), and in a fault-tolerant job the Learner's state moved after a change of membership
-//! (`fault.rs`).
+//! (`handover.rs`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +23,7 @@ use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
 use burn_ddp_comm::train::files::SavedLog;
 use burn_ddp_comm::train::vote::{FailureSlot, Split, Vote};
 
-use super::fault;
+use super::handover;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
 use crate::{Ddp, DdpModule, ProcessGroup, Recovery, Result};
@@ -215,7 +215,7 @@ where
     ValidOut<LC>: DistributedItem<Backend = Ddp<B>>,
 {
     fn save_records(&mut self, epoch: usize, slots: &[RecordSlot; 3]) {
-        fault::save_records(&self.learner, epoch, &self.store, slots);
+        handover::save_records(&self.learner, epoch, &self.store, slots);
     }
 
     fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {

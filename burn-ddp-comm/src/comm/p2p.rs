@@ -235,7 +235,7 @@ pub(crate) enum SendError {
 }
 
 /// A connection that sends take in turn.
-type Shared<T> = Arc<Mutex<T>>;
+type Locked<T> = Arc<Mutex<T>>;
 
 /// Where an outgoing connection's bytes go.
 #[derive(Debug)]
@@ -286,7 +286,7 @@ pub(crate) struct TcpP2p {
     token: JobToken,
     mailbox: Arc<Mailbox>,
     /// Outgoing connections by receiver, over shared memory or not.
-    outgoing: Mutex<HashMap<(Rank, bool), Shared<Outgoing>>>,
+    outgoing: Mutex<HashMap<(Rank, bool), Locked<Outgoing>>>,
     /// The places this endpoint reaches through shared memory, by place (those of its host,
     /// when the group's collectives use shared memory there); none without a shared-memory
     /// socket.

@@ -33,11 +33,11 @@ const WRITE_SLICE: Duration = Duration::from_millis(50);
 
 /// The shared memory of one pipe.
 #[derive(Debug)]
-struct Shared {
+struct PipeState {
     map: Mapping,
 }
 
-impl Shared {
+impl PipeState {
     fn u64_at(&self, at: usize) -> &AtomicU64 {
         // SAFETY: `at` is one of the header's aligned offsets below; the mapping lives as long as
         // `self`, and every process accesses these words only atomically.
@@ -98,7 +98,7 @@ fn nap(word: &AtomicU32, seen: u32, asleep: &AtomicU32, still_waiting: impl Fn()
 /// The writing end.
 #[derive(Debug)]
 pub(crate) struct PipeWriter {
-    shared: Shared,
+    shared: PipeState,
     sock: UnixStream,
 }
 
@@ -117,7 +117,7 @@ impl PipeWriter {
         }
         shared::send_fd(&sock, fd.as_fd())?;
         Ok(Self {
-            shared: Shared { map },
+            shared: PipeState { map },
             sock,
         })
     }
@@ -179,7 +179,7 @@ impl Write for PipeWriter {
 /// The reading end.
 #[derive(Debug)]
 pub(crate) struct PipeReader {
-    shared: Shared,
+    shared: PipeState,
     sock: UnixStream,
     /// Set when the endpoint closes: a waiting read ends.
     stop: Arc<AtomicBool>,
@@ -209,7 +209,7 @@ impl PipeReader {
         }
         sock.set_nonblocking(true)?;
         Ok(Self {
-            shared: Shared { map },
+            shared: PipeState { map },
             sock,
             stop,
         })

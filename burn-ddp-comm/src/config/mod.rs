@@ -348,7 +348,7 @@ impl GroupConfig {
     }
 
     /// Makes the group fault-tolerant (the store must be served by a launcher:
-    /// `burn-ddp run --fault-tolerant`, or [`crate::launch::fault::Lighthouse`]).
+    /// `burn-ddp run --fault-tolerant`, or [`crate::launch::lighthouse::Lighthouse`]).
     pub fn with_fault_tolerance(mut self, ft: FaultTolerance) -> Self {
         self.fault_tolerance = Some(ft);
         self

@@ -294,12 +294,12 @@ impl Drop for Inner {
 /// ```
 #[derive(Clone)]
 pub struct ProcessGroup {
-    shared: Arc<Shared>,
+    shared: Arc<GroupState>,
 }
 
 /// A [`ProcessGroup`] that does not keep the group alive ([`ProcessGroup::downgrade`]).
 #[derive(Clone)]
-pub struct WeakGroup(std::sync::Weak<Shared>);
+pub struct WeakGroup(std::sync::Weak<GroupState>);
 
 impl WeakGroup {
     /// The group, while some [`ProcessGroup`] handle of it is still alive.
@@ -326,7 +326,7 @@ impl std::fmt::Debug for WeakGroup {
 /// fault-tolerant group replaces when ranks leave or join (so that every clone, the reducer's
 /// threads' included, moves to the new membership together), and the fault-tolerant job's
 /// membership service.
-struct Shared {
+struct GroupState {
     current: RwLock<Arc<Inner>>,
     membership: Option<membership::MembershipService>,
 }
@@ -347,7 +347,7 @@ impl fmt::Debug for ProcessGroup {
 impl ProcessGroup {
     fn from_inner(inner: Inner) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            shared: Arc::new(GroupState {
                 current: RwLock::new(Arc::new(inner)),
                 membership: None,
             }),

@@ -452,17 +452,17 @@ fn run(args: RunArgs) -> Result<ExitCode> {
         // On etcd no launcher serves the store: node 0 is no different from the others.
         let serving = node_rank == 0 && !args.join && job.master.etcd.is_none();
         let _lighthouse = if serving {
-            Some(super::fault::Lighthouse::serve(&job)?)
+            Some(super::lighthouse::Lighthouse::serve(&job)?)
         } else {
             None
         };
-        let ft = super::fault::FaultTolerantLaunch {
+        let ft = super::lighthouse::FaultTolerantLaunch {
             max_restarts: args.max_restarts,
             min_ranks: args.min_ranks,
             join: args.join,
             store_connect: seconds("--rdzv-timeout", args.rdzv_timeout)?,
         };
-        let report = super::fault::run(&job, ft, serving)?;
+        let report = super::lighthouse::run(&job, ft, serving)?;
         return match report.failure {
             None => Ok(ExitCode::SUCCESS),
             Some(e) => Err(e),

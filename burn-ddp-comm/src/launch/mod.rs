@@ -2,7 +2,7 @@
 //!
 //! - `spawn.rs`: starting and supervising a node's ranks
 //! - `elastic/`: elastic jobs (`burn-ddp run --nnodes MIN:MAX`): rendezvous in rounds
-//! - `fault.rs`: fault-tolerant jobs (`burn-ddp run --fault-tolerant`): the store that outlives
+//! - `lighthouse.rs`: fault-tolerant jobs (`burn-ddp run --fault-tolerant`): the store that outlives
 //!   the ranks, replacements that join live
 //! - `bench.rs`: the bandwidth tool (`burn-ddp bench all-reduce`)
 //! - `p2p_bench.rs`: point-to-point against all-reduce (`burn-ddp bench p2p`)
@@ -19,7 +19,7 @@ pub mod bench;
 #[cfg_attr(docsrs, doc(cfg(feature = "cli")))]
 pub mod cli;
 pub mod elastic;
-pub mod fault;
+pub mod lighthouse;
 pub mod p2p_bench;
 pub mod spawn;
 

@@ -89,7 +89,7 @@ impl State {
 }
 
 #[derive(Debug)]
-struct Shared {
+struct ServerState {
     state: Mutex<State>,
     changed: Condvar,
     token: JobToken,
@@ -141,7 +141,7 @@ impl RefusalLog {
     }
 }
 
-impl Shared {
+impl ServerState {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A poisoned lock only means a serving thread panicked mid-update of plain data;
         // the map is still consistent enough to keep serving.
@@ -156,7 +156,7 @@ impl Shared {
         self.changed.notify_all();
     }
 
-    /// Records the first failure of `scope` (`""`: the job's, [`Shared::abort`]).
+    /// Records the first failure of `scope` (`""`: the job's, [`ServerState::abort`]).
     fn abort_scope(&self, st: &mut State, scope: String, record: AbortRecord) {
         if scope.is_empty() {
             return self.abort(st, record);
@@ -209,7 +209,7 @@ impl Shared {
 #[derive(Debug)]
 pub(crate) struct StoreServer {
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<ServerState>,
     accept: Option<JoinHandle<()>>,
 }
 
@@ -286,7 +286,7 @@ impl StoreServer {
         })?;
         let addr = listener.local_addr()?;
         listener.set_nonblocking(true)?;
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(ServerState {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
             token,
@@ -419,7 +419,7 @@ fn bind_listener(addr: SocketAddr) -> io::Result<TcpListener> {
     Ok(socket.into())
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
     use std::os::fd::AsFd;
     let readable = crate::sys::Ready {
         read: true,
@@ -496,7 +496,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 }
 
 /// Serves one connection until it closes, misbehaves, or the server shuts down.
-fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &Shared) {
+fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &ServerState) {
     if stream.set_nonblocking(false).is_err() {
         return;
     }
@@ -578,7 +578,7 @@ fn admit(
     peer: SocketAddr,
     conn: u64,
     hello: auth::ClientHello,
-    shared: &Shared,
+    shared: &ServerState,
 ) -> Option<Option<Rank>> {
     let mut st = shared.lock();
     let refusal = if shared.lighthouse && hello.purpose != Purpose::Store {
@@ -702,7 +702,7 @@ fn lighthouse_refusal(
 fn request_loop(
     stream: &mut TcpStream,
     peer: SocketAddr,
-    shared: &Shared,
+    shared: &ServerState,
     member: Option<Rank>,
     said_bye: &mut bool,
 ) -> std::result::Result<(), FrameError> {
@@ -739,7 +739,7 @@ fn request_loop(
     }
 }
 
-fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
+fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply {
     let mut st = shared.lock();
     match request {
         Request::Set { key, value } => {
@@ -846,7 +846,7 @@ fn handle(request: Request, shared: &Shared, member: Option<Rank>) -> Reply {
 /// Waits for a change until `deadline`. `Err(Some(reply))` when the wait must end with that
 /// reply (an abort of the job or of a scope of `keys`, or shutdown), `Err(None)` on timeout.
 fn wait<'a>(
-    shared: &'a Shared,
+    shared: &'a ServerState,
     st: MutexGuard<'a, State>,
     deadline: Instant,
     keys: &[String],

@@ -26,9 +26,9 @@
 pub mod board;
 pub mod epoch;
 pub mod files;
-pub mod lines;
 pub mod metric_log;
 pub mod parts;
+pub mod progress_text;
 pub mod run;
 pub mod strategy;
 pub mod terminal;

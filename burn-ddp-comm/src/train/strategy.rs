@@ -44,7 +44,7 @@ pub struct StrategyState {
     /// The changes of membership of a fault-tolerant job, in order.
     pub changes: ChangeLog,
     /// The trained model's text, for the summary rank 0's progress lines print.
-    pub model: crate::train::lines::ModelText,
+    pub model: crate::train::progress_text::ModelText,
     /// The training directory (`with_training_dir`), where the rank that is rank 0 of a
     /// fault-tolerant job writes the metrics.
     pub training_dir: Option<PathBuf>,

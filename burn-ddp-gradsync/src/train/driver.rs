@@ -2,7 +2,7 @@
 //! (burn-ddp-comm's `train::epoch::fit`): each split over the Learner's loaders
 //! (`splits.rs`) between burn-train's split events, the end of an epoch (rank 0's checkpoint
 //! and early stop, then every rank's vote), and in a fault-tolerant job the Learner's state
-//! moved after a change of membership (`fault.rs`).
+//! moved after a change of membership (`handover.rs`).
 
 use std::sync::MutexGuard;
 use std::time::Instant;
@@ -21,7 +21,7 @@ use burn_ddp_comm::train::files::SavedLog;
 use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
 use burn_ddp_comm::Recovery;
 
-use super::fault;
+use super::handover;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
 use super::{DdpStrategy, DistributedItem};
 use crate::{GradSync, ProcessGroup, ReduceOp, Result};
@@ -257,13 +257,13 @@ where
     ValidOut<M>: DistributedItem,
 {
     fn save_records(&mut self, epoch: usize, slots: &[RecordSlot; 3]) {
-        fault::save_records(&self.learner, epoch, &self.store, slots);
+        handover::save_records(&self.learner, epoch, &self.store, slots);
     }
 
     fn load_records(&mut self, records: [Vec<u8>; 3]) -> Result<()> {
         // The metrics of the epoch under way were processed elsewhere until now.
         self.strategy.state.metrics.took_state();
-        fault::load_records(&mut self.learner, records, self.strategy.rank())
+        handover::load_records(&mut self.learner, records, self.strategy.rank())
     }
 
     fn reprepare(&mut self) -> Result<()> {

@@ -19,7 +19,7 @@
 //! - `epochs.rs`: burn-train's `SupervisedLearningStrategy`: start, resume, the summary
 //! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
 //! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
-//! - `fault.rs`: the Learner's state as bytes after a change of membership
+//! - `handover.rs`: the Learner's state as bytes after a change of membership
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -40,7 +40,7 @@
 mod checkpoint;
 mod driver;
 mod epochs;
-mod fault;
+mod handover;
 mod item;
 mod render;
 mod splits;

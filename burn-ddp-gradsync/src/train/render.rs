@@ -17,7 +17,7 @@ use burn::train::renderer::{
 };
 use burn::train::LearnerSummary;
 use burn_ddp_comm::train::board::{MembershipBoard, MEMBERSHIP, WORLD_SIZE};
-use burn_ddp_comm::train::lines::{ModelText, ProgressText};
+use burn_ddp_comm::train::progress_text::{ModelText, ProgressText};
 
 /// A renderer that shows nothing: the dashboard of ranks other than 0.
 #[derive(Debug, Default, Clone, Copy)]

@@ -57,7 +57,7 @@ pub(crate) enum ForeignValues {
 }
 
 /// A gradient's reduced values, where they go back, and its shape.
-pub(crate) type Reduced = (Origin, Vec<f32>, Vec<usize>);
+pub(crate) type WriteBack = (Origin, Vec<f32>, Vec<usize>);
 
 /// A final gradient as a hook reads it (see [`Reducer::gradient_ready`]).
 pub(crate) enum GradValue {
@@ -72,7 +72,7 @@ pub(crate) enum GradValue {
 /// and where it goes back.
 pub(crate) enum Finished {
     /// Host values, with the gradient's shape.
-    Host(Vec<Reduced>),
+    Host(Vec<WriteBack>),
     /// Views of the reduced device buckets, shaped and typed as the gradients were.
     #[cfg(feature = "cuda")]
     Device(
@@ -627,7 +627,7 @@ impl Reducer {
 
     /// Ends the backward pass: sends every bucket (in order), waits for all of them and
     /// returns, for each slot with a local gradient, its origin and averaged values.
-    fn finish(&mut self) -> Result<Vec<Reduced>> {
+    fn finish(&mut self) -> Result<Vec<WriteBack>> {
         let Some((result, origin)) = self.close() else {
             return Ok(Vec::new());
         };

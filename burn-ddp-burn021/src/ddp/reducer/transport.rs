@@ -76,7 +76,7 @@ pub(crate) enum Grad<'g> {
 pub(crate) enum Output {
     Host(Reduced<'static>),
     #[cfg(feature = "cuda")]
-    Device(super::super::gpu::Reduced),
+    Device(super::super::gpu::DeviceResults),
 }
 
 /// What the pass's transport needs from the reducer: the long-lived parts of each.

@@ -59,7 +59,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Inner, ProcessGroup, Shared, StoreHost};
+use super::{GroupState, Inner, ProcessGroup, StoreHost};
 use crate::config::{FaultTolerance, GroupConfig};
 use crate::periodic::Periodic;
 use crate::store::auth::Purpose;
@@ -891,7 +891,7 @@ impl MembershipService {
 impl ProcessGroup {
     fn with_membership(inner: Inner, service: MembershipService) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            shared: Arc::new(GroupState {
                 current: std::sync::RwLock::new(Arc::new(inner)),
                 membership: Some(service),
             }),

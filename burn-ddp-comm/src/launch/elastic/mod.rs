@@ -118,7 +118,7 @@ impl ElasticConfig {
 
 /// One round of an elastic job, as a node sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Round {
+pub struct ElasticRound {
     /// The round number (0 for the first; also the restart count).
     pub number: u32,
     /// The round's nodes in node-rank order.
@@ -134,7 +134,7 @@ pub struct Round {
     pub previous_world: Option<u32>,
 }
 
-impl Round {
+impl ElasticRound {
     /// The round's world size.
     pub fn world(&self) -> u32 {
         self.nodes.len() as u32 * self.nproc_per_node
@@ -143,7 +143,7 @@ impl Round {
 
 /// How a round ended on this node.
 #[derive(Debug)]
-pub enum RoundEnd {
+pub enum ElasticRoundEnd {
     /// Every rank of this node finished.
     Finished,
     /// A rank of this node failed.
@@ -163,7 +163,11 @@ pub trait RoundRunner {
     ///
     /// # Errors
     /// The ranks could not be started.
-    fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd>;
+    fn run_round(
+        &mut self,
+        round: &ElasticRound,
+        halt: &Arc<AtomicBool>,
+    ) -> Result<ElasticRoundEnd>;
 }
 
 /// Runs the ranks of each round as child processes of this launcher.
@@ -180,7 +184,11 @@ impl RoundRunner for ProcessRunner {
         self.job.nproc_per_node
     }
 
-    fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd> {
+    fn run_round(
+        &mut self,
+        round: &ElasticRound,
+        halt: &Arc<AtomicBool>,
+    ) -> Result<ElasticRoundEnd> {
         let mut job = self.job.clone();
         job.nnodes = round.nodes.len() as u32;
         job.node_rank = round.node_rank;
@@ -215,14 +223,14 @@ impl RoundRunner for ProcessRunner {
             .extend(vars.into_iter().map(|(k, v)| (k.into(), v.into())));
         let report = spawn::run(&job)?;
         Ok(match report.failure {
-            None if report.halted => RoundEnd::Halted,
-            None => RoundEnd::Finished,
-            Some(DdpError::Job(JobError::Interrupted)) => RoundEnd::Interrupted,
+            None if report.halted => ElasticRoundEnd::Halted,
+            None => ElasticRoundEnd::Finished,
+            Some(DdpError::Job(JobError::Interrupted)) => ElasticRoundEnd::Interrupted,
             Some(e) if report.halted => {
                 tracing::debug!("a rank failed while the round was being stopped: {e}");
-                RoundEnd::Halted
+                ElasticRoundEnd::Halted
             }
-            Some(e) => RoundEnd::Failed(e),
+            Some(e) => ElasticRoundEnd::Failed(e),
         })
     }
 }
@@ -252,7 +260,7 @@ pub fn run_with(
     token: &JobToken,
     elastic: &ElasticConfig,
     runner: &mut dyn RoundRunner,
-) -> Result<Round> {
+) -> Result<ElasticRound> {
     let (endpoint, token) = (endpoint.clone(), token.clone());
     let server = serve(&endpoint, elastic, &token)?;
     let done = Arc::new(AtomicBool::new(false));
@@ -348,7 +356,7 @@ fn participate(
     elastic: &ElasticConfig,
     is_host: bool,
     runner: &mut dyn RoundRunner,
-) -> Result<Round> {
+) -> Result<ElasticRound> {
     let rdzv = Rdzv::connect(
         endpoint,
         elastic.nodes.max,
@@ -367,7 +375,7 @@ fn participate(
             number - 1
         );
     }
-    let mut previous: Option<Round> = None;
+    let mut previous: Option<ElasticRound> = None;
     let mut last_change: Option<String> = None;
     loop {
         if number > elastic.max_restarts && previous.is_none() && last_change.is_none() {
@@ -435,7 +443,7 @@ fn participate(
             continue;
         };
         debug_assert!(!is_host || node_rank == 0);
-        let round = Round {
+        let round = ElasticRound {
             number,
             nodes,
             node_rank: node_rank as u32,
@@ -452,13 +460,13 @@ fn participate(
         let end = runner.run_round(&round, &halt);
         drop(watcher);
         match end? {
-            RoundEnd::Finished => {
+            ElasticRoundEnd::Finished => {
                 let _ = rdzv.client.add(&finished_key(number), 1);
                 eprintln!("burn-ddp run: round {number} finished on node {id}");
                 return Ok(round);
             }
-            RoundEnd::Interrupted => return Err(DdpError::Job(JobError::Interrupted)),
-            RoundEnd::Failed(e) => {
+            ElasticRoundEnd::Interrupted => return Err(DdpError::Job(JobError::Interrupted)),
+            ElasticRoundEnd::Failed(e) => {
                 let why = format!("on node {id}: {e}");
                 eprintln!(
                     "burn-ddp run: round {number} failed {why}; the job moves to round {}",
@@ -467,7 +475,7 @@ fn participate(
                 rdzv.bump(number, &why)?;
                 last_change = Some(why);
             }
-            RoundEnd::Halted => {
+            ElasticRoundEnd::Halted => {
                 let why = rdzv.why(number).unwrap_or_else(|| "unknown".into());
                 eprintln!(
                     "burn-ddp run: the job left round {number} ({why}); node {id} stopped its \
@@ -532,7 +540,7 @@ fn wait_plan(rdzv: &Rdzv, number: u32, elastic: &ElasticConfig) -> Result<Plan> 
 }
 
 /// The line every launcher prints when a round starts: who left, who joined, the world size.
-fn describe_change(previous: Option<&Round>, round: &Round, id: &str) -> String {
+fn describe_change(previous: Option<&ElasticRound>, round: &ElasticRound, id: &str) -> String {
     let first = round.node_rank * round.nproc_per_node;
     let mut line = format!(
         "round {}: {} node(s) [{}], world size {}",
@@ -589,7 +597,7 @@ mod tests {
     struct Fake {
         nproc: u32,
         script: Vec<Act>,
-        seen: Arc<Mutex<Vec<Round>>>,
+        seen: Arc<Mutex<Vec<ElasticRound>>>,
     }
 
     fn halted_within(halt: &AtomicBool, ms: u64) -> bool {
@@ -608,7 +616,11 @@ mod tests {
             self.nproc
         }
 
-        fn run_round(&mut self, round: &Round, halt: &Arc<AtomicBool>) -> Result<RoundEnd> {
+        fn run_round(
+            &mut self,
+            round: &ElasticRound,
+            halt: &Arc<AtomicBool>,
+        ) -> Result<ElasticRoundEnd> {
             self.seen.lock().unwrap().push(round.clone());
             let act = if self.script.is_empty() {
                 Act::UntilHalt
@@ -616,9 +628,9 @@ mod tests {
                 self.script.remove(0)
             };
             Ok(match act {
-                Act::Finish(ms) if !halted_within(halt, ms) => RoundEnd::Finished,
+                Act::Finish(ms) if !halted_within(halt, ms) => ElasticRoundEnd::Finished,
                 Act::Fail(ms) if !halted_within(halt, ms) => {
-                    RoundEnd::Failed(DdpError::Job(JobError::RankFailed {
+                    ElasticRoundEnd::Failed(DdpError::Job(JobError::RankFailed {
                         rank: Rank(round.node_rank * round.nproc_per_node),
                         pid: 0,
                         status: "exited with status 1".into(),
@@ -631,7 +643,7 @@ mod tests {
                 Act::UntilHalt if !halted_within(halt, 60_000) => {
                     panic!("round {} was never left", round.number)
                 }
-                _ => RoundEnd::Halted,
+                _ => ElasticRoundEnd::Halted,
             })
         }
     }
@@ -647,7 +659,10 @@ mod tests {
         }
     }
 
-    type Node = (thread::JoinHandle<Result<Round>>, Arc<Mutex<Vec<Round>>>);
+    type Node = (
+        thread::JoinHandle<Result<ElasticRound>>,
+        Arc<Mutex<Vec<ElasticRound>>>,
+    );
 
     fn node(endpoint: &MasterAddr, cfg: ElasticConfig, nproc: u32, script: Vec<Act>) -> Node {
         let seen = Arc::new(Mutex::new(Vec::new()));
@@ -676,7 +691,7 @@ mod tests {
         (endpoint, n)
     }
 
-    fn nodes_of(seen: &Arc<Mutex<Vec<Round>>>) -> Vec<(u32, Vec<String>, Option<u32>)> {
+    fn nodes_of(seen: &Arc<Mutex<Vec<ElasticRound>>>) -> Vec<(u32, Vec<String>, Option<u32>)> {
         seen.lock()
             .unwrap()
             .iter()
