@@ -10,7 +10,7 @@
 //! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
 //!   the negative control that an unsynchronised model is beyond the tolerance
 //! - [`spawned`]: jobs started through the launcher and read as they run
-//! - [`fault`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
+//! - [`fault_tolerance`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
 //! - [`chaos`]: the chaos run, a seeded random schedule of faults on fault-tolerant jobs
 //! - [`netns`]: several "nodes" on one machine (network namespaces), and the two-node
 //!   scenario every line's classifier passes
