@@ -110,7 +110,7 @@ impl DdpSession {
     }
 
     /// Drops what belongs to the membership before: the reducer (its partial step, its host
-    /// thread, its NCCL communicator), the after-backward path's thread, the count of steps
+    /// thread, which the after-backward path shares, its NCCL communicator), the count of steps
     /// between replica checks.
     fn reset_transports(&self) {
         {
@@ -118,7 +118,6 @@ impl DdpSession {
             reducer.abort_transports();
             *reducer = super::Reducer::new(&self.shared.pg, &self.shared.config);
         }
-        *self.shared.host.lock().unwrap_or_else(|p| p.into_inner()) = None;
         *self
             .shared
             .replicas

@@ -32,8 +32,6 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
-use burn_ddp_comm::grad::HostSync;
-
 use crate::group::ProcessGroup;
 use crate::Result;
 
@@ -106,8 +104,6 @@ pub(crate) struct SessionState {
     reducer: Mutex<Reducer>,
     /// Top-level fields of the prepared model that are not synchronised (`#[ddp(skip)]`).
     pub(crate) skip: Mutex<Vec<String>>,
-    /// The communication thread of [`DdpSession::sync_gradients`], started on first use.
-    host: Mutex<Option<HostSync>>,
     /// Counts synchronised steps for the periodic comparison of the replicas.
     pub(crate) replicas: Mutex<burn_ddp_comm::grad::ReplicaCheck>,
     /// Uneven-input mode, inside [`DdpSession::join`].
@@ -122,15 +118,6 @@ impl SessionState {
         // A panic while the reducer is locked (in a user's backward) leaves a step half done;
         // the next `begin` discards it, so the state is safe to reuse.
         self.reducer.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The after-backward path's communication thread, started on first use.
-    pub(crate) fn host(&self) -> Result<MutexGuard<'_, Option<HostSync>>> {
-        let mut host = self.host.lock().unwrap_or_else(|p| p.into_inner());
-        if host.is_none() {
-            *host = Some(HostSync::start(&self.pg, &self.config)?);
-        }
-        Ok(host)
     }
 }
 
@@ -186,7 +173,6 @@ impl DdpSession {
             config,
             reducer: Mutex::new(reducer),
             skip: Mutex::new(Vec::new()),
-            host: Mutex::new(None),
             replicas: Mutex::new(replicas),
             join: Default::default(),
             drain: Default::default(),
@@ -265,12 +251,7 @@ impl DdpSession {
     /// same buckets hold uncompressed, steps) since the start, on this rank, for the reducer
     /// of backward passes and for [`DdpSession::sync_gradients`] together.
     pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
-        let mut totals = self.shared.reducer().power_sgd_totals()?;
-        let host = self.shared.host.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((sent, dense, steps)) = host.as_ref().and_then(HostSync::power_sgd_totals) {
-            totals = (totals.0 + sent, totals.1 + dense, totals.2 + steps);
-        }
-        Some(totals)
+        self.shared.reducer().power_sgd_totals()
     }
 
     /// Parameters of the prepared model, in the order the reducer knows them.

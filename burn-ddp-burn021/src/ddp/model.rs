@@ -355,7 +355,6 @@ impl DdpSession {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<GradientsParams> {
-        let pg = &self.shared.pg;
         let config = &self.shared.config;
         let skip = self
             .shared
@@ -372,13 +371,9 @@ impl DdpSession {
             config,
             BucketOrder::Forward,
         );
-        let mut host = self.shared.host()?;
-        let Some(host) = host.as_mut() else {
-            return Err(DdpError::Internal {
-                rank: pg.rank(),
-                what: "the host gradient transport was not started",
-            });
-        };
+        // The session's one communication thread (the reducer's), with a hook of this plan's.
+        let mut reducer = self.shared.reducer();
+        let host = reducer.host_sync()?;
         let mut step = host.begin(&plan)?;
         model.visit(&mut Take::<B> {
             grads: &mut grads,
@@ -393,6 +388,8 @@ impl DdpSession {
             reduced: &mut reduced,
             _b: PhantomData,
         });
+        let spare = reduced.into_spare();
+        host.recycle(spare);
         Ok(grads)
     }
 }

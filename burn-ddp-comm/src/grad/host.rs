@@ -22,8 +22,9 @@ use crate::{DdpError, Result};
 pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
 enum HostJob {
-    /// A bucket, reduced by the hook.
+    /// A bucket of the plan whose layout is `plan` ([`plan_key`]), reduced by that plan's hook.
     Bucket {
+        plan: u64,
         bucket: usize,
         data: BucketBuf,
         layout: Option<BucketShape>,
@@ -45,7 +46,10 @@ struct Answer {
 /// The host-staged transport's communication thread: buckets are reduced by a [`CommHook`]
 /// one after another, in the order they are launched (so in the same order on every rank), and
 /// their answers taken back by bucket number. One per process (rank); every host-staged pass of
-/// both Burn lines goes through it.
+/// both Burn lines goes through it. Each bucket layout ([`plan_key`]: a line's overlapped plan,
+/// its after-backward plan, a plan made anew) has a hook of its own, made from the
+/// [`HookChoice`] the first time, so that a stateful hook (PowerSGD's error feedback) never mixes
+/// the buckets of two plans.
 pub struct HostComm {
     pg: ProcessGroup,
     worker: Worker<HostJob, Answer>,
@@ -69,26 +73,41 @@ impl std::fmt::Debug for HostComm {
     }
 }
 
+/// The key of `plan`'s bucket layout (its buckets' slots and lengths): a plan's hook is the
+/// communication thread's hook for this key.
+pub fn plan_key<K>(plan: &BucketPlan<K>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for (slots, len) in &plan.buckets {
+        len.hash(&mut h);
+        for &slot in slots {
+            plan.slots[slot].info.numel.hash(&mut h);
+        }
+    }
+    h.finish()
+}
+
 impl HostComm {
-    /// Starts the communication thread of `pg`'s rank, reducing every bucket with `hook`;
-    /// with `shared_buckets` (and a hook that is a [plain
+    /// Starts the communication thread of `pg`'s rank, reducing the buckets of each plan with a
+    /// hook made by `hooks`; with `shared_buckets` (and a hook that is a [plain
     /// all-reduce](CommHook::plain_all_reduce)), [`buffers`](Self::buffers) lays buckets out in
     /// memory shared by the ranks of the host, where they are reduced in place.
     ///
     /// # Errors
     /// [`DdpError::Io`] if the thread cannot be started.
-    pub fn start(
-        pg: &ProcessGroup,
-        mut hook: Box<dyn CommHook>,
-        shared_buckets: bool,
-    ) -> Result<Self> {
+    pub fn start(pg: &ProcessGroup, hooks: HookChoice, shared_buckets: bool) -> Result<Self> {
         let comm = pg.clone();
-        let wants_layout = hook.wants_layout();
-        let plain = hook.plain_all_reduce();
+        let probe = hooks.make();
+        let wants_layout = probe.wants_layout();
+        let plain = probe.plain_all_reduce();
+        let mut by_plan: std::collections::HashMap<u64, Box<dyn CommHook>> =
+            std::collections::HashMap::new();
+        let mut probe = Some(probe);
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
             move |job| match job {
                 HostJob::Bucket {
+                    plan,
                     bucket,
                     mut data,
                     layout,
@@ -97,7 +116,10 @@ impl HostComm {
                     result: match plain {
                         // Where it lies, when shared (Note [Shared buckets]).
                         Some(op) if data.is_shared() => data.all_reduce(&comm, op),
-                        _ => hook.reduce(&comm, bucket, &mut data, layout.as_ref()),
+                        _ => by_plan
+                            .entry(plan)
+                            .or_insert_with(|| probe.take().unwrap_or_else(|| hooks.make()))
+                            .reduce(&comm, bucket, &mut data, layout.as_ref()),
                     }
                     .map(|()| data),
                 },
@@ -155,18 +177,21 @@ impl HostComm {
         })
     }
 
-    /// Hands bucket `bucket` over (`layout`: its matrices, when the hook
-    /// [wants it](Self::wants_layout)). Buckets must come in index order, every step.
+    /// Hands bucket `bucket` of the plan keyed `plan` ([`plan_key`]) over (`layout`: its
+    /// matrices, when the hook [wants it](Self::wants_layout)). Buckets must come in index
+    /// order, every step.
     ///
     /// # Errors
     /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
     pub fn launch(
         &mut self,
+        plan: u64,
         bucket: usize,
         data: BucketBuf,
         layout: Option<BucketShape>,
     ) -> Result<()> {
         if !self.worker.send(HostJob::Bucket {
+            plan,
             bucket,
             data,
             layout,
@@ -298,7 +323,7 @@ impl HostSync {
     pub fn start(pg: &ProcessGroup, config: &DdpConfig) -> Result<Self> {
         let hooks = HookChoice::of(config);
         Ok(Self {
-            comm: HostComm::start(pg, hooks.make(), config.shared_buckets)?,
+            comm: HostComm::start(pg, hooks.clone(), config.shared_buckets)?,
             hooks,
             spare: Vec::new(),
         })
@@ -331,7 +356,11 @@ impl HostSync {
             Some(shared) => shared,
             None => BucketBuf::on_heap(&lens, &mut self.spare),
         };
-        Ok(HostBuckets::new(self.comm.pg.rank(), buffers))
+        Ok(HostBuckets::new(
+            self.comm.pg.rank(),
+            plan_key(plan),
+            buffers,
+        ))
     }
 
     /// Heap buckets for one pass over `plan`, when shared ones could not be had.
@@ -340,7 +369,7 @@ impl HostSync {
             .map(|b| plan.buffer_len(b))
             .collect();
         let buffers = BucketBuf::on_heap(&lens, &mut self.spare);
-        HostBuckets::new(self.comm.pg.rank(), buffers)
+        HostBuckets::new(self.comm.pg.rank(), plan_key(plan), buffers)
     }
 
     /// Keeps `spare` (the heap buckets of a finished pass, [`Reduced::into_spare`]) for the
@@ -415,6 +444,8 @@ impl<'a, K> HostStep<'a, K> {
 #[derive(Debug)]
 pub struct HostBuckets {
     rank: crate::Rank,
+    /// The plan's key ([`plan_key`]): which of the thread's hooks reduces these buckets.
+    plan: u64,
     /// Being packed (taken when sent): values, then one presence flag per slot.
     packing: Vec<Option<BucketBuf>>,
     /// The answers, by bucket.
@@ -422,9 +453,10 @@ pub struct HostBuckets {
 }
 
 impl HostBuckets {
-    fn new(rank: crate::Rank, buffers: Vec<BucketBuf>) -> Self {
+    fn new(rank: crate::Rank, plan: u64, buffers: Vec<BucketBuf>) -> Self {
         Self {
             rank,
+            plan,
             results: (0..buffers.len()).map(|_| None).collect(),
             packing: buffers.into_iter().map(Some).collect(),
         }
@@ -487,7 +519,7 @@ impl<K> BucketTransport<K> for HostBuckets {
             return Ok(());
         };
         let layout = comm.wants_layout().then(|| plan.bucket_shape(bucket));
-        comm.launch(bucket, data, layout)
+        comm.launch(self.plan, bucket, data, layout)
     }
 
     fn finish(
@@ -719,19 +751,57 @@ mod tests {
         }
     }
 
+    /// Each bucket layout gets a hook of its own on the one communication thread (made the
+    /// first time the layout's buckets come), so two plans never share a stateful hook.
+    #[test]
+    fn each_plan_is_reduced_by_a_hook_of_its_own() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let pg = ProcessGroup::single();
+        let made = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&made);
+        let config = DdpConfig::default().with_comm_hook(move || {
+            counted.fetch_add(1, Ordering::Relaxed);
+            Box::new(AllReduce {
+                reduction: GradReduction::Mean,
+                compression: Compression::None,
+            })
+        });
+        let mut sync = HostSync::start(&pg, &config).unwrap();
+        assert_eq!(
+            made.load(Ordering::Relaxed),
+            1,
+            "one hook to learn what it wants"
+        );
+        let (a, b) = (plan(), super::super::plan::test_plan(2, 4, 16, 16));
+        assert_ne!(plan_key(&a), plan_key(&b));
+        for (round, plan) in [&a, &b, &a, &b].into_iter().enumerate() {
+            let mut s = sync.begin(plan).unwrap();
+            let n = plan.slots[0].info.numel;
+            s.push(0, Some(&vec![round as f32; n]));
+            let red = s.finish().unwrap();
+            assert_eq!(red.get(0), Some(&vec![round as f32; n][..]));
+        }
+        assert_eq!(
+            made.load(Ordering::Relaxed),
+            2,
+            "the first hook for plan a, one for b"
+        );
+    }
+
     /// A plain all-reduce issued behind launched buckets comes back in its place on every
     /// rank; the buckets' answers taken meanwhile are kept for `collect`.
     #[test]
     fn a_plain_all_reduce_runs_behind_the_buckets_in_flight() {
         on_local_ranks(2, |pg| {
             let r = pg.rank().index() as f32;
-            let hook = AllReduce {
+            let config = DdpConfig {
                 reduction: GradReduction::Sum,
-                compression: Compression::None,
+                ..DdpConfig::default()
             };
-            let mut comm = HostComm::start(&pg, Box::new(hook), true).unwrap();
+            let mut comm = HostComm::start(&pg, HookChoice::of(&config), true).unwrap();
             let mut results = vec![None, None];
-            comm.launch(0, vec![r + 1.0; 2].into(), None).unwrap();
+            comm.launch(7, 0, vec![r + 1.0; 2].into(), None).unwrap();
             let plain = comm
                 .all_reduce_in_order(vec![10.0 * (r + 1.0)], GradReduction::Mean, &mut results)
                 .unwrap();
@@ -742,7 +812,7 @@ mod tests {
                 "bucket 0's answer was kept"
             );
             assert_eq!(comm.outstanding(), 0);
-            comm.launch(1, vec![r; 1].into(), None).unwrap();
+            comm.launch(7, 1, vec![r; 1].into(), None).unwrap();
             comm.collect(&mut results).unwrap();
             assert_eq!(results[1].as_deref(), Some(&[1.0][..]));
         });

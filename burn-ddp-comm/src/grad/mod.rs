@@ -56,7 +56,7 @@ pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
-pub use host::{HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
+pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use launch::{BucketLauncher, InFlight};
 pub use loop_state::{LoopState, LoopSync};

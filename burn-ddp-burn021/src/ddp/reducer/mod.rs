@@ -280,6 +280,20 @@ impl Reducer {
         self.step = None;
     }
 
+    /// The host-staged transport: the session's one communication thread, for the passes of
+    /// backward and for `DdpSession::sync_gradients` (each plan reduced by a hook of its own),
+    /// started on first use.
+    ///
+    /// # Errors
+    /// The thread cannot be started.
+    pub(crate) fn host_sync(&mut self) -> Result<&mut HostSync> {
+        let host = match self.host.take() {
+            Some(host) => host,
+            None => HostSync::start(&self.pg, &self.config)?,
+        };
+        Ok(self.host.insert(host))
+    }
+
     pub(crate) fn set_plan(&mut self, plan: Plan) {
         self.discard_step();
         self.plan = Some(plan);
