@@ -36,7 +36,8 @@
 //! - [`data`] — which items of a dataset are this rank's (`ShardPlan`, the logic of both Burn
 //!   lines' `DistributedSampler`)
 //! - [`grad`] — gradient synchronisation without Burn: the bucket plan, the cross-rank model
-//!   check, host-staged buckets reduced on a communication thread (both Burn lines use it)
+//!   check, the gradient engine of a pass ([`grad::Pass`]) over a [`grad::BucketTransport`]
+//!   (every line and transport runs it), host-staged buckets reduced on a communication thread
 //! - [`pipeline`] — pipeline schedules (GPipe, 1F1B), micro-batches, activations on the wire, one
 //!   step over a line's tensors
 //! - [`train`] — the Burn-free half of both lines' Learner strategy: the epoch loop, the ranks'

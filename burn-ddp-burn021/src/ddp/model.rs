@@ -299,14 +299,8 @@ impl DdpSession {
         );
         let mut reducer = self.shared.reducer();
         reducer.set_plan(plan);
-        // `Autodiff<Ddp<Cuda>>`: NCCL is set up now, on the model's GPU, with a deadline and a
-        // warm-up all-reduce, rather than in the first backward (at peak memory, under Burn's
-        // locks).
-        #[cfg(feature = "cuda")]
-        if super::gpu::is_ddp_cuda::<B::InnerBackend>() {
-            let ordinal = model.devices().first().and_then(super::gpu::cuda_ordinal);
-            reducer.connect_cuda(ordinal)?;
-        }
+        // `Autodiff<Ddp<Cuda>>`: NCCL is set up now, on the model's GPU (no-op otherwise).
+        reducer.prepare_device::<B::InnerBackend>(model.devices().first())?;
         drop(reducer);
         Ok(model)
     }

@@ -10,14 +10,11 @@
 //! each reduced gradient goes back (its origin in Burn's gradient container), the choice of
 //! transport, and the foreign gradients that `DdpSession::complete` registers.
 
-use burn_ddp_comm::ConfigError;
 use std::collections::HashMap;
 
 use burn_backend::distributed::DistributedParamId;
 
-#[cfg(feature = "cuda")]
-use burn_ddp_comm::grad::ANSWER_SLACK;
-use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HostSync, Pass};
+use burn_ddp_comm::grad::{BucketOrder, BucketPlan, HostSync, Pass, ANSWER_SLACK};
 
 use super::{DdpConfig, GradReduction, ParamInfo};
 use crate::group::ProcessGroup;
@@ -26,7 +23,7 @@ use crate::{DdpError, Result};
 
 mod transport;
 pub(crate) use transport::Grad;
-use transport::{Buckets, Links, Output};
+use transport::{Buckets, Links, Nccl, Output};
 
 /// The reducer's bucket plan: buckets from the last parameter to the first, keyed by Burn's
 /// distributed parameter id.
@@ -114,15 +111,8 @@ pub(crate) struct Reducer {
     foreign: Vec<Foreign>,
     /// A failure to report after the running pass, which still runs (see [`Reducer::begin`]).
     deferred: Option<DdpError>,
-    /// The NCCL communicator of the device path, once created.
-    #[cfg(feature = "cuda")]
-    nccl: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
-    /// The device path was ruled out for this session (and why was said once).
-    #[cfg(feature = "cuda")]
-    nccl_refused: bool,
-    /// The device path's communication thread (with the communicator).
-    #[cfg(feature = "cuda")]
-    launcher: Option<super::gpu::NcclLauncher>,
+    /// The device transport (NCCL), set up at `prepare`.
+    nccl: Nccl,
 }
 
 impl Reducer {
@@ -137,147 +127,50 @@ impl Reducer {
             host: None,
             foreign: Vec::new(),
             deferred: None,
-            #[cfg(feature = "cuda")]
-            nccl: None,
-            #[cfg(feature = "cuda")]
-            nccl_refused: false,
-            #[cfg(feature = "cuda")]
-            launcher: None,
+            nccl: Nccl::default(),
         }
     }
 
     /// The plan, the running pass and what its transport needs: disjoint parts of the reducer.
     fn split(&mut self) -> (Option<&Plan>, Option<&mut Step>, Links<'_>) {
-        let links = Links {
-            rank: self.pg.rank(),
-            host: self.host.as_mut().map(HostSync::comm),
-            #[cfg(feature = "cuda")]
-            nccl: self
-                .nccl
-                .as_deref()
-                .zip(self.launcher.as_ref())
-                .map(|(comm, launcher)| super::gpu::NcclLink {
-                    comm,
-                    launcher,
-                    op: self.config.reduction.op(),
-                    compression: self.config.compression,
-                    wait: self.pg.timeouts().collective + ANSWER_SLACK,
-                }),
-        };
+        let host = self.host.as_mut().map(HostSync::comm);
+        let links = self.nccl.links(&self.pg, &self.config, host);
         (self.plan.as_ref(), self.step.as_mut(), links)
     }
 
     /// Whether this backward pass over backend `B`, whose tensors are on `device`, keeps its
-    /// buckets on the GPU. The NCCL communicator was set up by `prepare`
-    /// ([`Reducer::connect_cuda`]); gradients on another GPU than its are an error.
-    #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+    /// buckets on the GPU ([`Nccl::choose`]); a refusal is recorded.
     fn use_device<B: burn_backend::Backend>(&mut self, device: &B::Device) -> bool {
-        #[cfg(feature = "cuda")]
-        {
-            use super::gpu::{cuda_ordinal, is_cuda};
-            if !is_cuda::<B>() || self.config.transport == GradTransport::Host {
-                if self.config.transport == GradTransport::Nccl && !self.nccl_refused {
-                    self.nccl_refused = true;
-                    self.record_error(DdpError::Config(ConfigError::InvalidConfig {
-                        field: "DdpConfig::transport",
-                        reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA \
-                                 backend); other backends use GradTransport::Host or Auto",
-                    }));
-                }
-                return false;
-            }
-            let ordinal = cuda_ordinal(device);
-            if self.nccl.is_none() && !self.nccl_refused {
-                // Not set up by `prepare` (a model prepared on another backend, then moved):
-                // every rank gets here in the same backward, so the set-up stays collective.
-                if let Err(e) = self.connect_cuda(ordinal) {
-                    self.record_error(e);
-                    return false;
-                }
-            }
-            let Some(comm) = self.nccl.as_ref() else {
-                return false;
-            };
-            match ordinal {
-                Some(o) if o != comm.device_ordinal() => {
-                    let e = DdpError::Cuda(burn_ddp_comm::CudaError::DeviceMismatch {
-                        rank: self.pg.rank(),
-                        what: "the gradients of this backward pass",
-                        found: o,
-                        expected_why: format!(
-                            "NCCL was set up on GPU {} (where the model was at `prepare`)",
-                            comm.device_ordinal()
-                        ),
-                    });
-                    self.record_error(e);
-                    false
-                }
-                _ => true,
-            }
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = device;
-            if self.config.transport == GradTransport::Nccl && self.error.is_none() {
-                self.record_error(DdpError::Config(ConfigError::InvalidConfig {
-                    field: "DdpConfig::transport",
-                    reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
-                }));
-            }
+        let chosen = self
+            .nccl
+            .choose::<B>(&self.pg, self.config.transport, device);
+        chosen.unwrap_or_else(|e| {
+            self.record_error(e);
             false
-        }
+        })
     }
 
-    /// Sets up the NCCL transport for a model on GPU `ordinal` (its parameters' device; `None`:
-    /// the rank's default GPU), collectively, at `prepare`, through
-    /// `burn_ddp_comm::cuda::connect_for_grads` (two votes, so that every rank takes the same
-    /// decision). Refused under `Auto`: every rank uses the host-staged transport.
+    /// Sets up the device transport at `prepare`, collectively, for a model over backend `B`
+    /// whose parameters are on `device` ([`Nccl::prepare`]).
     ///
     /// # Errors
     /// A rank's GPU is not its local rank's; with `GradTransport::Nccl`, any rank that cannot
     /// use NCCL.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn connect_cuda(&mut self, ordinal: Option<usize>) -> Result<()> {
-        let transport = self.config.transport;
-        if !burn_ddp_comm::cuda::wants_nccl(&self.pg, transport) || self.nccl.is_some() {
-            return Ok(());
-        }
-        match burn_ddp_comm::cuda::connect_for_grads(&self.pg, transport, ordinal) {
-            Ok(Some(comm)) => {
-                let comm = std::sync::Arc::new(comm);
-                self.launcher = Some(super::gpu::NcclLauncher::start(std::sync::Arc::clone(
-                    &comm,
-                ))?);
-                self.nccl = Some(comm);
-                Ok(())
-            }
-            Ok(None) => {
-                self.nccl_refused = true;
-                Ok(())
-            }
-            Err(e) => {
-                self.nccl_refused = true;
-                Err(e)
-            }
-        }
+    pub(crate) fn prepare_device<B: burn_backend::Backend>(
+        &mut self,
+        device: Option<&B::Device>,
+    ) -> Result<()> {
+        self.nccl
+            .prepare::<B>(&self.pg, self.config.transport, device)
     }
 
-    /// Aborts the NCCL communicator of a membership that changed (its ranks are not all there
-    /// any more: a clean finalize could wait on a dead one).
+    /// Aborts the device transport of a membership that changed ([`Nccl::abort`]) and drops the
+    /// running pass.
     pub(crate) fn abort_transports(&mut self) {
-        #[cfg(feature = "cuda")]
-        if let Some(comm) = self.nccl.take() {
-            // Aborted without publishing: the job's abort record belongs to the new membership.
-            comm.abort();
-            // A pass in flight lets its buffers go once the aborted stream drained, then the
-            // launcher (what it still holds goes under the same rule).
-            if let (Some(mut step), Some(launcher)) = (self.step.take(), self.launcher.as_ref()) {
-                let wait = self.pg.timeouts().collective + ANSWER_SLACK;
-                step.pass.transport_mut().settle_aborted(launcher, wait);
-            }
-            self.launcher = None;
-        }
-        self.step = None;
+        let wait = self.pg.timeouts().collective + ANSWER_SLACK;
+        let mut step = self.step.take();
+        let pass = step.as_mut().map(|s| s.pass.transport_mut());
+        self.nccl.abort(pass, wait);
     }
 
     /// The host-staged transport: the session's one communication thread, for the passes of
@@ -409,10 +302,7 @@ impl Reducer {
         let Some(slot) = self.slot_of(id) else {
             return false;
         };
-        #[cfg(feature = "cuda")]
         let on_gpu = self.device_pass();
-        #[cfg(not(feature = "cuda"))]
-        let on_gpu = false;
         match read(on_gpu) {
             Ok(GradValue::Host(values)) => {
                 self.fill(slot, Grad::Host(&values), origin);
@@ -542,7 +432,6 @@ impl Reducer {
     }
 
     /// Whether the running pass keeps its buckets on the GPU.
-    #[cfg(feature = "cuda")]
     fn device_pass(&mut self) -> bool {
         self.step
             .as_mut()
@@ -628,10 +517,7 @@ impl Reducer {
         if !self.active() {
             return Ok(());
         }
-        #[cfg(feature = "cuda")]
-        let device = self.nccl.is_some() && self.config.transport != GradTransport::Host;
-        #[cfg(not(feature = "cuda"))]
-        let device = false;
+        let device = self.nccl.is_ready() && self.config.transport != GradTransport::Host;
         self.begin(std::iter::empty(), device);
         let result = self.close().map_or(Ok(()), |(r, _)| r.map(drop));
         // The others' gradients are not this rank's to register: it no longer steps.

@@ -6,9 +6,204 @@
 
 use burn_backend::distributed::DistributedParamId;
 use burn_ddp_comm::grad::{BucketPlan, BucketTransport, HostBuckets, HostComm, Reduced};
+use burn_ddp_comm::ConfigError;
 
-use crate::group::Rank;
-use crate::{DdpError, Result};
+use crate::group::{ProcessGroup, Rank};
+use crate::{DdpConfig, DdpError, GradTransport, Result};
+
+/// The device transport's long-lived parts, set up once per session (at `prepare`): the NCCL
+/// communicator and its launcher thread, with the `cuda` feature; without it, nothing, and a
+/// request for NCCL is refused.
+#[derive(Debug, Default)]
+pub(super) struct Nccl {
+    /// The communicator, once created.
+    #[cfg(feature = "cuda")]
+    comm: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
+    /// Its launcher thread.
+    #[cfg(feature = "cuda")]
+    launcher: Option<super::super::gpu::NcclLauncher>,
+    /// The device path was ruled out for this session (and why was said once).
+    refused: bool,
+}
+
+impl Nccl {
+    /// Whether a backward pass over backend `B`, whose tensors are on `device`, keeps its
+    /// buckets on the GPU (NCCL set up by `prepare`, [`Nccl::connect`], or now, collectively:
+    /// every rank gets here in the same backward). `Err`: why not, to report (a refusal once per
+    /// session); the pass is host-staged then.
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+    pub(super) fn choose<B: burn_backend::Backend>(
+        &mut self,
+        pg: &ProcessGroup,
+        transport: GradTransport,
+        device: &B::Device,
+    ) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        {
+            use super::super::gpu::{cuda_ordinal, is_cuda};
+            if !is_cuda::<B>() || transport == GradTransport::Host {
+                if transport == GradTransport::Nccl && !std::mem::replace(&mut self.refused, true) {
+                    return Err(DdpError::Config(ConfigError::InvalidConfig {
+                        field: "DdpConfig::transport",
+                        reason: "GradTransport::Nccl needs Autodiff<Ddp<Cuda>> (Burn's CUDA \
+                                 backend); other backends use GradTransport::Host or Auto",
+                    }));
+                }
+                return Ok(false);
+            }
+            let ordinal = cuda_ordinal(device);
+            if self.comm.is_none() && !self.refused {
+                // Not set up by `prepare` (a model prepared on another backend, then moved).
+                self.connect(pg, transport, ordinal)?;
+            }
+            let Some(comm) = self.comm.as_ref() else {
+                return Ok(false);
+            };
+            match ordinal {
+                Some(o) if o != comm.device_ordinal() => {
+                    Err(DdpError::Cuda(burn_ddp_comm::CudaError::DeviceMismatch {
+                        rank: pg.rank(),
+                        what: "the gradients of this backward pass",
+                        found: o,
+                        expected_why: format!(
+                            "NCCL was set up on GPU {} (where the model was at `prepare`)",
+                            comm.device_ordinal()
+                        ),
+                    }))
+                }
+                _ => Ok(true),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (pg, device);
+            if transport == GradTransport::Nccl && !std::mem::replace(&mut self.refused, true) {
+                return Err(DdpError::Config(ConfigError::InvalidConfig {
+                    field: "DdpConfig::transport",
+                    reason: "GradTransport::Nccl needs burn-ddp's `cuda` feature",
+                }));
+            }
+            Ok(false)
+        }
+    }
+
+    /// At `prepare`, for a model over backend `B` whose parameters are on `device`: with
+    /// `Autodiff<Ddp<Cuda>>` (`B` being `Ddp<Cuda>`), NCCL is set up now, on the model's GPU,
+    /// with a deadline and a warm-up all-reduce, rather than in the first backward (at peak
+    /// memory, under Burn's locks). Collective. Otherwise, and without the `cuda` feature,
+    /// nothing.
+    ///
+    /// # Errors
+    /// As [`Nccl::connect`].
+    #[cfg_attr(not(feature = "cuda"), allow(clippy::extra_unused_type_parameters))]
+    pub(super) fn prepare<B: burn_backend::Backend>(
+        &mut self,
+        pg: &ProcessGroup,
+        transport: GradTransport,
+        device: Option<&B::Device>,
+    ) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if super::super::gpu::is_ddp_cuda::<B>() {
+            let ordinal = device.and_then(super::super::gpu::cuda_ordinal);
+            return self.connect(pg, transport, ordinal);
+        }
+        let _ = (pg, transport, device);
+        Ok(())
+    }
+
+    /// Sets up NCCL for a model on GPU `ordinal` (its parameters' device; `None`: the rank's
+    /// default GPU), collectively, through `burn_ddp_comm::cuda::connect_for_grads` (two votes,
+    /// so that every rank takes the same decision). Refused under `Auto` where some rank cannot
+    /// use it: every rank uses the host-staged transport.
+    ///
+    /// # Errors
+    /// A rank's GPU is not its local rank's; with `GradTransport::Nccl`, any rank that cannot
+    /// use NCCL.
+    #[cfg(feature = "cuda")]
+    fn connect(
+        &mut self,
+        pg: &ProcessGroup,
+        transport: GradTransport,
+        ordinal: Option<usize>,
+    ) -> Result<()> {
+        {
+            if !burn_ddp_comm::cuda::wants_nccl(pg, transport) || self.comm.is_some() {
+                return Ok(());
+            }
+            match burn_ddp_comm::cuda::connect_for_grads(pg, transport, ordinal) {
+                Ok(Some(comm)) => {
+                    let comm = std::sync::Arc::new(comm);
+                    let launcher =
+                        super::super::gpu::NcclLauncher::start(std::sync::Arc::clone(&comm))?;
+                    self.launcher = Some(launcher);
+                    self.comm = Some(comm);
+                    Ok(())
+                }
+                Ok(None) => {
+                    self.refused = true;
+                    Ok(())
+                }
+                Err(e) => {
+                    self.refused = true;
+                    Err(e)
+                }
+            }
+        }
+    }
+
+    /// Whether NCCL is set up (a join's shadow pass goes where the others' passes go).
+    pub(super) fn is_ready(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.comm.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Aborts the communicator of a membership that changed (its ranks are not all there any
+    /// more: a clean finalize could wait on a dead one), without publishing (the job's abort
+    /// record belongs to the new membership). A device pass in flight, `pass`, lets its buffers
+    /// go once the aborted stream drained, then the launcher (what it still holds goes under the
+    /// same rule).
+    pub(super) fn abort(&mut self, pass: Option<&mut Buckets>, wait: std::time::Duration) {
+        #[cfg(feature = "cuda")]
+        if let Some(comm) = self.comm.take() {
+            comm.abort();
+            if let (Some(Buckets::Device(d)), Some(launcher)) = (pass, self.launcher.as_ref()) {
+                d.settle_aborted(launcher, wait);
+            }
+            self.launcher = None;
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (pass, wait);
+    }
+
+    /// What a pass's transport needs: the host thread `host`, and this.
+    pub(super) fn links<'a>(
+        &'a self,
+        pg: &ProcessGroup,
+        config: &DdpConfig,
+        host: Option<&'a mut HostComm>,
+    ) -> Links<'a> {
+        #[cfg(not(feature = "cuda"))]
+        let _ = config;
+        Links {
+            rank: pg.rank(),
+            host,
+            #[cfg(feature = "cuda")]
+            nccl: self
+                .comm
+                .as_deref()
+                .zip(self.launcher.as_ref())
+                .map(|(comm, launcher)| super::super::gpu::NcclLink {
+                    comm,
+                    launcher,
+                    op: config.reduction.op(),
+                    compression: config.compression,
+                    wait: pg.timeouts().collective + burn_ddp_comm::grad::ANSWER_SLACK,
+                }),
+        }
+    }
+}
 
 /// The buckets of one pass, by how they travel.
 #[derive(Debug)]
@@ -45,19 +240,6 @@ impl Buckets {
             Buckets::Host(h) => Some(h),
             #[cfg(feature = "cuda")]
             Buckets::Device(_) => None,
-        }
-    }
-
-    /// After the communicator was aborted by its owner (a membership change): a device pass
-    /// takes every answer and drains NCCL's stream (bounded) before its buffers go.
-    #[cfg(feature = "cuda")]
-    pub(super) fn settle_aborted(
-        &mut self,
-        launcher: &super::super::gpu::NcclLauncher,
-        wait: std::time::Duration,
-    ) {
-        if let Buckets::Device(d) = self {
-            d.settle_aborted(launcher, wait);
         }
     }
 }
