@@ -52,7 +52,7 @@ const BURN022: &[(&str, u8)] = &[
     ("buffers", 4),
     ("pipeline", 4),
     ("zero", 4),
-    ("fault", 4),
+    ("loop_state", 4),
     ("train", 4),
     // What differs between Burn 0.22 and 0.23 (a file per release in each): the events and counts below
     // everything that uses them, the progress-logger impls above the renderers they are for.
