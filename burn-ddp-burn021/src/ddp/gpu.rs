@@ -434,7 +434,7 @@ pub(crate) struct NcclLink<'a> {
     pub(crate) wait: Duration,
 }
 
-type Plan = burn_ddp_comm::grad::BucketPlan<burn_backend::distributed::DistributedParamId>;
+use super::reducer::Plan;
 
 impl BucketTransport<burn_backend::distributed::DistributedParamId> for DeviceStep {
     type Grad<'g> = CudaFloat;

@@ -5,9 +5,10 @@
 //! chooses between them.
 
 use burn_backend::distributed::DistributedParamId;
-use burn_ddp_comm::grad::{BucketPlan, BucketTransport, HostBuckets, HostComm, Reduced};
+use burn_ddp_comm::grad::{BucketTransport, HostBuckets, HostComm, Reduced};
 use burn_ddp_comm::ConfigError;
 
+use super::Plan;
 use crate::group::{ProcessGroup, Rank};
 use crate::{DdpConfig, DdpError, GradTransport, Result};
 
@@ -299,8 +300,6 @@ fn mismatched(rank: Rank) -> DdpError {
         what: "a gradient was given to a pass of the other transport",
     }
 }
-
-type Plan = BucketPlan<DistributedParamId>;
 
 impl BucketTransport<DistributedParamId> for Buckets {
     type Grad<'g> = Grad<'g>;
