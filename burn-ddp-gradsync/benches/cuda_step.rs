@@ -40,6 +40,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use line::config::GradTransport;
+use line::grad::DeviceCounts;
 use line::{DdpConfig, GradSync, ProcessGroup};
 
 const WARMUP: usize = 10;
@@ -81,13 +82,14 @@ enum Side {
     Sync(GradTransport),
 }
 
-/// Seconds per step of `steps` SGD steps (after `WARMUP`), each synchronised with the device.
+/// Seconds per step of `steps` SGD steps (after `WARMUP`), each synchronised with the device,
+/// and on the NCCL path what its timed steps cost (`GradSync::device_counts`).
 fn time_steps(
     side: &Side,
     device: &Device,
     (width, depth, batch): (usize, usize, usize),
     steps: usize,
-) -> Vec<f64> {
+) -> (Vec<f64>, Option<DeviceCounts>) {
     let mut sync = match side {
         Side::Plain => None,
         Side::Sync(t) => Some(
@@ -116,7 +118,11 @@ fn time_steps(
     let x = Tensor::<2>::random([batch, 64], Distribution::Normal(0.0, 1.0), device);
     let y = Tensor::<2>::random([batch, 10], Distribution::Normal(0.0, 1.0), device);
     let mut times = Vec::with_capacity(steps);
+    let mut counted = None;
     for step in 0..WARMUP + steps {
+        if step == WARMUP {
+            counted = sync.as_ref().and_then(GradSync::device_counts);
+        }
         let t0 = Instant::now();
         let grads =
             GradientsParams::from_grads(model.loss(x.clone(), y.clone()).backward(), &model);
@@ -130,7 +136,11 @@ fn time_steps(
             times.push(t0.elapsed().as_secs_f64());
         }
     }
-    times
+    let counts = sync.as_ref().and_then(GradSync::device_counts);
+    (
+        times,
+        counts.zip(counted).map(|(now, before)| now.since(&before)),
+    )
 }
 
 fn main() -> ExitCode {
@@ -156,16 +166,20 @@ fn main() -> ExitCode {
         Side::Sync(GradTransport::Auto),
         Side::Sync(GradTransport::Nccl),
     ];
+    let mut notes = Vec::new();
     for (name, shape, steps) in [
         ("MLP 1024x4", (1024, 4, 256), 200),
         ("MLP 256x24", (256, 24, 64), 100),
     ] {
         let mut per_side: [Vec<f64>; 3] = Default::default();
+        let mut counts = None;
         for round in 0..rounds {
             // Rotate the order so drift in the machine's speed hits every side alike.
             for k in 0..3 {
                 let s = (round + k) % 3;
-                per_side[s].push(median(&time_steps(&sides[s], &device, shape, steps)));
+                let (times, c) = time_steps(&sides[s], &device, shape, steps);
+                per_side[s].push(median(&times));
+                counts = counts.or(c);
             }
         }
         let [p, a, n] = per_side.map(|v| median(&v));
@@ -178,6 +192,13 @@ fn main() -> ExitCode {
             n * 1e3,
             (n / p - 1.0) * 100.0
         );
+        if let Some(c) = counts {
+            notes.push(format!("- NCCL path, {name}, {steps} timed steps: {c}"));
+        }
+    }
+    if !notes.is_empty() {
+        println!("\nWhat the NCCL path did (GradSync::device_counts, one round):");
+        notes.iter().for_each(|n| println!("{n}"));
     }
     ExitCode::SUCCESS
 }

@@ -7,7 +7,7 @@
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
-use burn_ddp_comm::grad::BucketPlan;
+use burn_ddp_comm::grad::{BucketPlan, ParamInfo};
 use burn_ddp_comm::ModelError;
 use burn_ddp_comm::{DdpError, Rank, Result};
 
@@ -204,4 +204,35 @@ pub(crate) fn filled_like<const D: usize>(like: &Tensor<D>, values: &[f32]) -> T
     } else {
         fresh
     }
+}
+
+/// Float parameters in visit order: (what they are, whether they are trainable).
+pub(crate) fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
+    struct Describe {
+        path: Vec<String>,
+        out: Vec<(ParamInfo, bool)>,
+    }
+    impl ModuleVisitor for Describe {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let t = param.val();
+            let info = ParamInfo::new(
+                self.path.join("."),
+                t.dims().to_vec(),
+                format!("{:?}", t.dtype()),
+            );
+            self.out.push((info, param.is_require_grad()));
+        }
+    }
+    let mut d = Describe {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut d);
+    d.out
 }

@@ -107,6 +107,9 @@ mod buffers;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 mod data;
+// The device transport: NCCL's with `cuda`; over a stand-in link in this crate's tests.
+#[cfg(any(feature = "cuda", test))]
+mod device;
 mod grads;
 mod loop_state;
 pub mod nn;

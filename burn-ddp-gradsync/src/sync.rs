@@ -17,7 +17,7 @@ use burn_ddp_comm::grad::{
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
-use crate::grads::{put_grads, take_grads};
+use crate::grads::{describe, put_grads, take_grads};
 
 /// Gradient synchronisation for one rank: [`prepare`](Self::prepare) the model once, then
 /// [`sync`](Self::sync) the gradients of every step before the optimizer sees them.
@@ -134,6 +134,23 @@ impl GradSync {
         #[cfg(not(feature = "cuda"))]
         {
             false
+        }
+    }
+
+    /// What the NCCL path's steps have cost so far (operations Burn ran to pack and unpack
+    /// buckets, transfers to the host, waits, hand-offs between threads, fusion drains and
+    /// device synchronisations on the launcher thread: `burn_ddp_comm::grad::DeviceCounts`
+    /// says what each counts); `None` on the host-staged path. Take two readings and
+    /// [`DeviceCounts::since`](burn_ddp_comm::grad::DeviceCounts::since) for what steps between
+    /// them cost.
+    pub fn device_counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
+        #[cfg(feature = "cuda")]
+        {
+            self.device.as_ref().map(crate::cuda::DevicePath::counts)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            None
         }
     }
 
@@ -308,7 +325,7 @@ impl GradSync {
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
             let how = (self.config.reduction, self.config.compression);
-            return device.sync(&self.pg, plan, how, model, grads);
+            return crate::device::sync(device, &self.pg, plan, how, model, grads);
         }
         // At world size 1 the mean is the gradient itself: nothing is read or copied
         // (compression, too, is skipped), as on the Burn 0.21 line. Reading every gradient to
@@ -572,33 +589,3 @@ fn not_prepared(rank: Rank) -> DdpError {
     )
 }
 
-/// Float parameters in visit order: (what they are, whether they are trainable).
-fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
-    struct Describe {
-        path: Vec<String>,
-        out: Vec<(ParamInfo, bool)>,
-    }
-    impl ModuleVisitor for Describe {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let t = param.val();
-            let info = ParamInfo::new(
-                self.path.join("."),
-                t.dims().to_vec(),
-                format!("{:?}", t.dtype()),
-            );
-            self.out.push((info, param.is_require_grad()));
-        }
-    }
-    let mut d = Describe {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    model.visit(&mut d);
-    d.out
-}

@@ -25,6 +25,8 @@
 //!   the stepped parameters; [`ZeroShards`], the plan by parameter id
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
+//! - `counts.rs`: [`DeviceCounts`], what the device transports' passes cost (operations, host
+//!   reads, waits, hand-offs), counted where the work is issued
 //! - `drain.rs`: [`DeviceDrain`], the wait for the devices' queued work when a line's gradient
 //!   sync ends (with a deadline)
 //! - `loop_state.rs`: [`LoopState`], a custom loop's state carried across changes of
@@ -35,6 +37,7 @@
 
 mod buffers;
 mod check;
+mod counts;
 mod drain;
 mod hook;
 mod host;
@@ -54,6 +57,7 @@ pub use crate::comm::{Queue, DRAIN_LIMIT};
 use crate::error::{ConfigError, MembershipError};
 pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
+pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
