@@ -29,6 +29,7 @@ use burn::backend::{Autodiff, Cuda};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+use burn_ddp::grad::DeviceCounts;
 use burn_ddp::{Ddp, DdpConfig, DdpSession, GradTransport, ProcessGroup};
 
 use burn_ddp_step_model::{time_steps, Trainer, Which};
@@ -87,12 +88,18 @@ const SIDES: [(Side, &str); 5] = [
     ),
 ];
 
-/// Seconds per step of `side`, and how many buckets its session had (0: none).
-fn side_steps(side: Side, which: Which, batch: usize, steps: usize) -> (Vec<f64>, usize) {
+/// Seconds per step of `side`, how many buckets its session had (0: none), and on the NCCL
+/// path what its passes (warm-up included) cost (`DdpSession::device_counts`).
+fn side_steps(
+    side: Side,
+    which: Which,
+    batch: usize,
+    steps: usize,
+) -> (Vec<f64>, usize, Option<DeviceCounts>) {
     let (transport, caps) = match side {
         Side::Plain => {
             let t = time_steps::<Plain>(which, batch, WARMUP, steps, &mut PlainTrainer);
-            return (t, 0);
+            return (t, 0, None);
         }
         Side::Ddp(t, caps) => (t, caps),
     };
@@ -104,7 +111,8 @@ fn side_steps(side: Side, which: Which, batch: usize, steps: usize) -> (Vec<f64>
     let session = DdpSession::new(ProcessGroup::single(), config).expect("session");
     let mut trainer = DdpTrainer(session);
     let t = time_steps::<Decorated>(which, batch, WARMUP, steps, &mut trainer);
-    (t, trainer.0.buckets().len())
+    let counts = trainer.0.device_counts();
+    (t, trainer.0.buckets().len(), counts)
 }
 
 fn main() -> ExitCode {
@@ -122,16 +130,24 @@ fn main() -> ExitCode {
     let head: Vec<&str> = SIDES.iter().map(|(_, name)| *name).collect();
     println!("| model | {} (ms) |", head.join(" (ms) | "));
     println!("|---|{}", "---|".repeat(SIDES.len()));
+    let mut notes = Vec::new();
     for (which, batch, steps) in [(Which::Mlp, 256, 200), (Which::Many, 64, 60)] {
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); SIDES.len()];
         let mut buckets = vec![0; SIDES.len()];
+        let mut counts = vec![None; SIDES.len()];
         for round in 0..rounds {
             // Rotate the order so drift in the machine's speed hits every side alike.
             for k in 0..SIDES.len() {
                 let s = (round + k) % SIDES.len();
-                let (t, b) = side_steps(SIDES[s].0, which, batch, steps);
+                let (t, b, c) = side_steps(SIDES[s].0, which, batch, steps);
                 times[s].push(median(&t));
                 buckets[s] = b;
+                counts[s] = counts[s].or(c);
+            }
+        }
+        for ((_, name), c) in SIDES.iter().zip(&counts) {
+            if let Some(c) = c {
+                notes.push(format!("- {}, {name}: {c}", which.name()));
             }
         }
         let medians: Vec<f64> = times.iter().map(|t| median(t)).collect();
@@ -156,6 +172,12 @@ fn main() -> ExitCode {
             which.name(),
             cells.join(" | ")
         );
+    }
+    if !notes.is_empty() {
+        println!(
+            "\nWhat the NCCL path did (DdpSession::device_counts, one round, warm-up included):"
+        );
+        notes.iter().for_each(|n| println!("{n}"));
     }
     ExitCode::SUCCESS
 }

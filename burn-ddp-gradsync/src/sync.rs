@@ -588,4 +588,3 @@ fn not_prepared(rank: Rank) -> DdpError {
                  before training",
     )
 }
-

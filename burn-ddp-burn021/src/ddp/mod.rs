@@ -11,13 +11,17 @@
 //! - `buffers.rs`: `DdpSession::sync_buffers` (rank 0's buffers on every rank)
 //! - `join.rs`: `DdpSession::join` (uneven inputs: ranks that ran out shadow the others)
 //! - `zero.rs`: `DdpSession::zero`, the [`ZeroOptimizer`] (optimizer state sharded, ZeRO-1)
-//! - `gpu.rs`: the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`): gradient buckets
-//!   packed and all-reduced by NCCL on the GPU
+//! - `device.rs`: the device transport (`DeviceStep`): gradient buckets packed, flagged and
+//!   unpacked by Burn where the gradients are, over a `DeviceLink`, counted
+//! - `gpu.rs`: the NCCL link of the zero-copy path of `Autodiff<Ddp<Cuda>>` (feature `cuda`)
 //!
 //! A session is installed when it is created: for the whole process when its group spans
 //! processes, for the creating thread when it is an in-process group (one thread per rank).
 
 mod buffers;
+// The device transport: NCCL's with `cuda`; over a stand-in link in this crate's tests.
+#[cfg(any(feature = "cuda", test))]
+pub(crate) mod device;
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu;
 pub(crate) mod hooks;
@@ -252,6 +256,16 @@ impl DdpSession {
     /// of backward passes and for [`DdpSession::sync_gradients`] together.
     pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
         self.shared.reducer().power_sgd_totals()
+    }
+
+    /// What the NCCL path's backward passes have cost so far (operations Burn ran to pack and
+    /// unpack buckets, transfers to the host, waits, hand-offs between threads, fusion drains
+    /// and device synchronisations on the launcher thread: `burn_ddp_comm::grad::DeviceCounts`
+    /// says what each counts); `None` when NCCL is not set up (host-staged). Take two readings
+    /// and [`DeviceCounts::since`](burn_ddp_comm::grad::DeviceCounts::since) for what the steps
+    /// between them cost.
+    pub fn device_counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
+        self.shared.reducer().device_counts()
     }
 
     /// Parameters of the prepared model, in the order the reducer knows them.

@@ -369,7 +369,7 @@ impl Reducer {
                 used_slots[i] = true;
             }
         }
-        let buckets = match Buckets::device(device, plan) {
+        let buckets = match Buckets::device(device, plan, &self.nccl) {
             Some(b) => b,
             None => {
                 // Values, then the presence flags (`BucketPlan::buffer_len`): in memory shared
@@ -496,6 +496,11 @@ impl Reducer {
                 self.foreign()
             );
         }
+    }
+
+    /// What the device transport's passes cost so far; `None` without NCCL.
+    pub(crate) fn device_counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
+        self.nccl.counts()
     }
 
     /// PowerSGD's counts (elements all-reduced, elements uncompressed, steps), when it is on.

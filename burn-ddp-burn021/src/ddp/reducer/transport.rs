@@ -152,6 +152,17 @@ impl Nccl {
         }
     }
 
+    /// What the device transport's passes cost so far; `None` without NCCL.
+    pub(super) fn counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
+        #[cfg(feature = "cuda")]
+        return self
+            .launcher
+            .as_ref()
+            .map(super::super::gpu::NcclLauncher::counts);
+        #[cfg(not(feature = "cuda"))]
+        None
+    }
+
     /// Whether NCCL is set up (a join's shadow pass goes where the others' passes go).
     pub(super) fn is_ready(&self) -> bool {
         #[cfg(feature = "cuda")]
@@ -195,9 +206,9 @@ impl Nccl {
                 .comm
                 .as_deref()
                 .zip(self.launcher.as_ref())
-                .map(|(comm, launcher)| super::super::gpu::NcclLink {
-                    comm,
-                    launcher,
+                .map(|(comm, launcher)| super::super::device::PassLink {
+                    rank: comm.rank(),
+                    link: launcher,
                     op: config.reduction.op(),
                     compression: config.compression,
                     wait: pg.timeouts().collective + burn_ddp_comm::grad::ANSWER_SLACK,
@@ -214,19 +225,20 @@ pub(super) enum Buckets {
     Host(HostBuckets),
     /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`gpu.rs`).
     #[cfg(feature = "cuda")]
-    Device(super::super::gpu::DeviceStep),
+    Device(super::super::device::DeviceStep<burn::backend::Cuda, super::super::gpu::NcclLauncher>),
 }
 
 impl Buckets {
     /// Device buckets for a pass over `plan`, when `device` (the pass's gradients are CUDA
     /// tensors and NCCL is set up); `None`: the pass is host-staged.
-    pub(super) fn device(device: bool, plan: &Plan) -> Option<Self> {
+    pub(super) fn device(device: bool, plan: &Plan, nccl: &Nccl) -> Option<Self> {
         #[cfg(feature = "cuda")]
-        if device {
-            let step = super::super::gpu::DeviceStep::new(plan.slots.len(), plan.buckets.len());
+        if let (true, Some(launcher)) = (device, nccl.launcher.as_ref()) {
+            let (slots, buckets) = (plan.slots.len(), plan.buckets.len());
+            let step = super::super::device::DeviceStep::new(slots, buckets, launcher.home());
             return Some(Buckets::Device(step));
         }
-        let _ = (device, plan);
+        let _ = (device, plan, nccl);
         None
     }
 
@@ -259,7 +271,7 @@ pub(crate) enum Grad<'g> {
 pub(crate) enum Output {
     Host(Reduced<'static>),
     #[cfg(feature = "cuda")]
-    Device(super::super::gpu::DeviceResults),
+    Device(super::super::device::DeviceResults<burn::backend::Cuda>),
 }
 
 /// What the pass's transport needs from the reducer: the long-lived parts of each.
@@ -269,7 +281,7 @@ pub(crate) struct Links<'a> {
     pub(super) host: Option<&'a mut HostComm>,
     /// The NCCL communicator and its launcher thread (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    pub(super) nccl: Option<super::super::gpu::NcclLink<'a>>,
+    pub(super) nccl: Option<super::super::device::PassLink<'a, super::super::gpu::NcclLauncher>>,
 }
 
 impl<'a> Links<'a> {
@@ -282,7 +294,9 @@ impl<'a> Links<'a> {
     }
 
     #[cfg(feature = "cuda")]
-    fn nccl(&mut self) -> Result<&mut super::super::gpu::NcclLink<'a>> {
+    fn nccl(
+        &mut self,
+    ) -> Result<&mut super::super::device::PassLink<'a, super::super::gpu::NcclLauncher>> {
         self.nccl.as_mut().ok_or(DdpError::Collective(
             burn_ddp_comm::CollectiveError::NotInitialized {
                 what: "the NCCL communicator of the device path",
