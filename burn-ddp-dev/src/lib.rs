@@ -9,6 +9,8 @@
 //!   hand each check a closure in the release's API)
 //! - [`compare`]: models compared with a stated tolerance, replicas compared bit for bit, and
 //!   the negative control that an unsynchronised model is beyond the tolerance
+//! - [`device`]: what both lines' device-transport tests share (the stand-in link's queue,
+//!   thread ranks, the gradients checked against the host's mean)
 //! - [`spawned`]: jobs started through the launcher and read as they run
 //! - [`fault_tolerance`]: fault-tolerant jobs, and the Learner scenarios every line's classifier passes
 //! - [`chaos`]: the chaos run, a seeded random schedule of faults on fault-tolerant jobs
@@ -26,6 +28,7 @@ pub mod chaos;
 pub mod compare;
 pub mod conformance;
 pub mod damage;
+pub mod device;
 pub mod diff;
 pub mod etcd;
 pub mod fault_tolerance;

@@ -380,21 +380,9 @@ mod tests {
     use burn::module::Param;
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::TensorData;
-    use burn_ddp_comm::grad::{BucketOrder, DeviceCounts, Queue};
-    use burn_ddp_comm::{DdpConfig, Timeouts, WorldSize};
-
-    /// The stand-in's collective queue: a bucket is reduced by the time its answer comes.
-    struct Reduced;
-
-    impl Queue for Reduced {
-        fn wait(&self) -> Result<()> {
-            Ok(())
-        }
-        fn fail_with(&self, _e: &DdpError) {}
-        fn drain(&self, _limit: Duration) -> bool {
-            true
-        }
-    }
+    use burn_ddp_comm::grad::{BucketOrder, DeviceCounts};
+    use burn_ddp_comm::DdpConfig;
+    use burn_ddp_dev::device::{assert_gradients, on_thread_ranks, usual_step, ReducedQueue};
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
     /// process group on the launcher thread, uploaded as a fresh tensor): the device
@@ -410,7 +398,7 @@ mod tests {
             let into = Arc::clone(&reduced);
             let on = device.clone();
             let launcher =
-                BucketLauncher::start(pg.rank(), Arc::new(Reduced), move |job: BucketJob| {
+                BucketLauncher::start(pg.rank(), Arc::new(ReducedQueue), move |job: BucketJob| {
                     let rank = pg.rank();
                     let mut values = job
                         .input
@@ -480,82 +468,60 @@ mod tests {
     /// checks every gradient against the mean of both ranks' (zeros where absent), and returns
     /// what its link counted in the last step.
     fn run(compression: Compression, b_absent: bool, steps: usize) -> Vec<DeviceCounts> {
-        let world = WorldSize::new(2).unwrap();
-        let groups = ProcessGroup::local(world, Timeouts::default());
         let tolerance = if compression == Compression::None {
             1e-6
         } else {
             2e-2
         };
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = groups
+        on_thread_ranks(2, |pg| {
+            let device = Device::flex().autodiff();
+            let rank = pg.rank().index();
+            let layer = |i, o| LinearConfig::new(i, o).init(&device);
+            let model = Net {
+                a: layer(4, 8),
+                b: layer(8, 8),
+                c: layer(8, 2),
+            };
+            // Buckets of one layer each (weight and bias: 8x8 + 8 floats < 300 B).
+            let mut config = DdpConfig::default().with_compression(compression);
+            config.bucket_cap_bytes = 300;
+            config.first_bucket_cap_bytes = 300;
+            let trainable = crate::grads::describe(&model)
                 .into_iter()
-                .map(|pg| {
-                    s.spawn(move || {
-                        let device = Device::flex().autodiff();
-                        let rank = pg.rank().index();
-                        let layer = |i, o| LinearConfig::new(i, o).init(&device);
-                        let model = Net {
-                            a: layer(4, 8),
-                            b: layer(8, 8),
-                            c: layer(8, 2),
-                        };
-                        // Buckets of one layer each (weight and bias: 8x8 + 8 floats < 300 B).
-                        let mut config = DdpConfig::default().with_compression(compression);
-                        config.bucket_cap_bytes = 300;
-                        config.first_bucket_cap_bytes = 300;
-                        let trainable = crate::grads::describe(&model)
-                            .into_iter()
-                            .enumerate()
-                            .map(|(slot, (info, _))| (info, slot))
-                            .collect();
-                        let plan = BucketPlan::build(trainable, &config, BucketOrder::Forward);
-                        assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
-                        let link = HostLink::start(pg.clone(), device.clone());
-                        let mut last = DeviceCounts::default();
-                        for step in 0..steps {
-                            let x = Tensor::<2>::from_floats(
-                                [[rank as f32 + step as f32, 1.0, -2.0, 0.5]],
-                                &device,
-                            );
-                            let y = model.c.forward(model.b.forward(model.a.forward(x)));
-                            let mut grads = GradientsParams::from_grads(y.sum().backward(), &model);
-                            if b_absent && rank == 1 {
-                                grads.remove::<2>(model.b.weight.id);
-                                grads.remove::<1>(model.b.bias.as_ref().unwrap().id);
-                            }
-                            // The mean of both ranks' gradients, over the host.
-                            let mine = values(&model, &grads);
-                            let mut expected: Vec<Vec<f32>> = Vec::new();
-                            for (i, g) in mine.iter().enumerate() {
-                                let numel = plan.slots[i].info.numel;
-                                let mut v = g.clone().unwrap_or_else(|| vec![0.0; numel]);
-                                pg.all_reduce(&mut v, ReduceOp::Mean).unwrap();
-                                expected.push(v);
-                            }
-                            let before = link.core.counters.read();
-                            let how = (GradReduction::Mean, compression);
-                            let grads = sync(&link, &pg, &plan, how, &model, grads).unwrap();
-                            last = link.core.counters.read().since(&before);
-                            for (i, (got, want)) in
-                                values(&model, &grads).iter().zip(&expected).enumerate()
-                            {
-                                let got = got.as_ref().unwrap_or_else(|| {
-                                    panic!("rank {rank}: slot {i} has no gradient")
-                                });
-                                for (g, w) in got.iter().zip(want) {
-                                    assert!(
-                                        (g - w).abs() <= tolerance * w.abs().max(1.0),
-                                        "rank {rank} slot {i}: {g} vs {w}"
-                                    );
-                                }
-                            }
-                        }
-                        last
-                    })
-                })
+                .enumerate()
+                .map(|(slot, (info, _))| (info, slot))
                 .collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+            let plan = BucketPlan::build(trainable, &config, BucketOrder::Forward);
+            assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
+            let link = HostLink::start(pg.clone(), device.clone());
+            let mut last = DeviceCounts::default();
+            for step in 0..steps {
+                let x = Tensor::<2>::from_floats(
+                    [[rank as f32 + step as f32, 1.0, -2.0, 0.5]],
+                    &device,
+                );
+                let y = model.c.forward(model.b.forward(model.a.forward(x)));
+                let mut grads = GradientsParams::from_grads(y.sum().backward(), &model);
+                if b_absent && rank == 1 {
+                    grads.remove::<2>(model.b.weight.id);
+                    grads.remove::<1>(model.b.bias.as_ref().unwrap().id);
+                }
+                // The mean of both ranks' gradients, over the host.
+                let mine = values(&model, &grads);
+                let mut expected: Vec<Vec<f32>> = Vec::new();
+                for (i, g) in mine.iter().enumerate() {
+                    let numel = plan.slots[i].info.numel;
+                    let mut v = g.clone().unwrap_or_else(|| vec![0.0; numel]);
+                    pg.all_reduce(&mut v, ReduceOp::Mean).unwrap();
+                    expected.push(v);
+                }
+                let before = link.core.counters.read();
+                let how = (GradReduction::Mean, compression);
+                let grads = sync(&link, &pg, &plan, how, &model, grads).unwrap();
+                last = link.core.counters.read().since(&before);
+                assert_gradients(rank, &values(&model, &grads), &expected, tolerance);
+            }
+            last
         })
     }
 
@@ -564,20 +530,7 @@ mod tests {
         let counts = run(Compression::None, false, 2);
         for c in counts {
             // The second step: the flags of ones were made in the first.
-            assert_eq!(
-                c,
-                DeviceCounts {
-                    passes: 1,
-                    buckets: 3,
-                    pack_ops: 3,
-                    unpack_ops: 0,
-                    host_reads: 0,
-                    queue_waits: 1,
-                    hand_offs: 6,
-                    fusion_drains: 0,
-                    launcher_syncs: 0,
-                }
-            );
+            assert_eq!(c, usual_step(3));
         }
     }
 

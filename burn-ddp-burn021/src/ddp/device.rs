@@ -406,23 +406,11 @@ mod tests {
     use burn::backend::ndarray::{NdArray, NdArrayDevice};
     use burn_backend::ops::FloatTensorOps;
     use burn_backend::TensorData;
-    use burn_ddp_comm::grad::{BucketOrder, DeviceCounts, Pass, Queue};
-    use burn_ddp_comm::{DdpConfig, ParamInfo, ProcessGroup, Timeouts, WorldSize};
+    use burn_ddp_comm::grad::{BucketOrder, DeviceCounts, Pass};
+    use burn_ddp_comm::{DdpConfig, ParamInfo, ProcessGroup};
+    use burn_ddp_dev::device::{assert_gradients, on_thread_ranks, usual_step, ReducedQueue};
 
     type B = NdArray;
-
-    /// The stand-in's collective queue: a bucket is reduced by the time its answer comes.
-    struct Reduced;
-
-    impl Queue for Reduced {
-        fn wait(&self) -> Result<()> {
-            Ok(())
-        }
-        fn fail_with(&self, _e: &DdpError) {}
-        fn drain(&self, _limit: Duration) -> bool {
-            true
-        }
-    }
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
     /// process group on the launcher thread, uploaded as a fresh tensor): the device
@@ -438,7 +426,7 @@ mod tests {
             let into = Arc::clone(&reduced);
             let rank = pg.rank();
             let launcher =
-                BucketLauncher::start(rank, Arc::new(Reduced), move |job: BucketJob<B>| {
+                BucketLauncher::start(rank, Arc::new(ReducedQueue), move |job: BucketJob<B>| {
                     let mut values = read_f32::<B>(job.input)
                         .map_err(|e| DdpError::model_access(rank, "reading a bucket", e))?;
                     pg.all_reduce(&mut values, job.op)?;
@@ -493,89 +481,65 @@ mod tests {
     /// middle layer when `absent`; the gradients are of `grads_in`. Each rank checks every gradient against the mean of both
     /// ranks' (zeros where absent), and returns what its link counted in the last pass.
     fn run(grads_in: BurnDType, absent: bool, steps: usize) -> Vec<DeviceCounts> {
-        let groups = ProcessGroup::local(WorldSize::new(2).unwrap(), Timeouts::default());
-        let tolerance = 1e-6;
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = groups
-                .into_iter()
-                .map(|pg| {
-                    s.spawn(move || {
-                        let r = pg.rank().index();
-                        let config = DdpConfig {
-                            bucket_cap_bytes: 300,
-                            first_bucket_cap_bytes: 300,
-                            ..DdpConfig::default()
-                        };
-                        let params = SHAPES
-                            .iter()
-                            .enumerate()
-                            .map(|(i, s)| {
-                                let info = ParamInfo::new(format!("p{i}"), s.to_vec(), "F32");
-                                (info, DistributedParamId::from(i as u64))
-                            })
-                            .collect();
-                        let plan: Plan = BucketPlan::build(params, &config, BucketOrder::Forward);
-                        assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
-                        let link = HostLink::start(pg.clone());
-                        let device = NdArrayDevice::Cpu;
-                        let mut last = DeviceCounts::default();
-                        for step in 0..steps {
-                            let have =
-                                |slot: usize| !(absent && r == 1 && (slot == 2 || slot == 3));
-                            let mut expected = Vec::new();
-                            for (slot, shape) in SHAPES.iter().enumerate() {
-                                let mut v = grad(shape, r, slot, step);
-                                if !have(slot) {
-                                    v.iter_mut().for_each(|x| *x = 0.0);
-                                }
-                                pg.all_reduce(&mut v, ReduceOp::Mean).unwrap();
-                                expected.push(v);
-                            }
-                            let before = link.core.counters.read();
-                            let step_state = DeviceStep::<B, HostLink>::new(
-                                plan.slots.len(),
-                                plan.buckets.len(),
-                                device,
-                            );
-                            let mut pass = Pass::new(pg.rank(), &plan, step_state, true);
-                            let mut pass_link = PassLink {
-                                rank: pg.rank(),
-                                link: &link,
-                                op: ReduceOp::Mean,
-                                compression: crate::Compression::None,
-                                wait: Duration::from_secs(60),
-                            };
-                            for (slot, shape) in SHAPES.iter().enumerate().rev() {
-                                let g = have(slot).then(|| {
-                                    let data = TensorData::new(grad(shape, r, slot, step), *shape)
-                                        .convert_dtype(grads_in);
-                                    B::float_from_data(data, &device)
-                                });
-                                pass.push(&mut pass_link, &plan, slot, g);
-                            }
-                            let (out, foreign) = pass.finish(&mut pass_link, &plan).unwrap();
-                            last = link.core.counters.read().since(&before);
-                            let mut got: Vec<Option<Vec<f32>>> = vec![None; SHAPES.len()];
-                            for (slot, t) in out.into_iter().chain(foreign) {
-                                got[slot] = Some(read_f32::<B>(t).unwrap());
-                            }
-                            for (slot, want) in expected.iter().enumerate() {
-                                let got = got[slot].as_ref().unwrap_or_else(|| {
-                                    panic!("rank {r}: slot {slot} has no gradient")
-                                });
-                                for (g, w) in got.iter().zip(want) {
-                                    assert!(
-                                        (g - w).abs() <= tolerance * w.abs().max(1.0),
-                                        "rank {r} slot {slot}: {g} vs {w}"
-                                    );
-                                }
-                            }
-                        }
-                        last
-                    })
+        on_thread_ranks(2, |pg| {
+            let r = pg.rank().index();
+            let config = DdpConfig {
+                bucket_cap_bytes: 300,
+                first_bucket_cap_bytes: 300,
+                ..DdpConfig::default()
+            };
+            let params = SHAPES
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    let info = ParamInfo::new(format!("p{i}"), s.to_vec(), "F32");
+                    (info, DistributedParamId::from(i as u64))
                 })
                 .collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+            let plan: Plan = BucketPlan::build(params, &config, BucketOrder::Forward);
+            assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
+            let link = HostLink::start(pg.clone());
+            let device = NdArrayDevice::Cpu;
+            let mut last = DeviceCounts::default();
+            for step in 0..steps {
+                let have = |slot: usize| !(absent && r == 1 && (slot == 2 || slot == 3));
+                let mut expected = Vec::new();
+                for (slot, shape) in SHAPES.iter().enumerate() {
+                    let mut v = grad(shape, r, slot, step);
+                    if !have(slot) {
+                        v.iter_mut().for_each(|x| *x = 0.0);
+                    }
+                    pg.all_reduce(&mut v, ReduceOp::Mean).unwrap();
+                    expected.push(v);
+                }
+                let before = link.core.counters.read();
+                let step_state =
+                    DeviceStep::<B, HostLink>::new(plan.slots.len(), plan.buckets.len(), device);
+                let mut pass = Pass::new(pg.rank(), &plan, step_state, true);
+                let mut pass_link = PassLink {
+                    rank: pg.rank(),
+                    link: &link,
+                    op: ReduceOp::Mean,
+                    compression: crate::Compression::None,
+                    wait: Duration::from_secs(60),
+                };
+                for (slot, shape) in SHAPES.iter().enumerate().rev() {
+                    let g = have(slot).then(|| {
+                        let data = TensorData::new(grad(shape, r, slot, step), *shape)
+                            .convert_dtype(grads_in);
+                        B::float_from_data(data, &device)
+                    });
+                    pass.push(&mut pass_link, &plan, slot, g);
+                }
+                let (out, foreign) = pass.finish(&mut pass_link, &plan).unwrap();
+                last = link.core.counters.read().since(&before);
+                let mut got: Vec<Option<Vec<f32>>> = vec![None; SHAPES.len()];
+                for (slot, t) in out.into_iter().chain(foreign) {
+                    got[slot] = Some(read_f32::<B>(t).unwrap());
+                }
+                assert_gradients(r, &got, &expected, 1e-6);
+            }
+            last
         })
     }
 
@@ -583,20 +547,7 @@ mod tests {
     fn the_usual_pass_packs_each_bucket_with_one_operation_and_unpacks_with_none() {
         for c in run(BurnDType::F32, false, 2) {
             // The second pass: the flags of ones were made in the first.
-            assert_eq!(
-                c,
-                DeviceCounts {
-                    passes: 1,
-                    buckets: 3,
-                    pack_ops: 3,
-                    unpack_ops: 0,
-                    host_reads: 0,
-                    queue_waits: 1,
-                    hand_offs: 6,
-                    fusion_drains: 0,
-                    launcher_syncs: 0,
-                }
-            );
+            assert_eq!(c, usual_step(3));
         }
     }
 
