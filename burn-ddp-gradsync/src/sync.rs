@@ -67,13 +67,14 @@ impl std::fmt::Debug for GradSync {
 impl GradSync {
     /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
     /// torchrun, Slurm or mpirun) and synchronises gradients over it with the default
-    /// [`DdpConfig`]: `GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())`.
+    /// [`DdpConfig`] and the environment's choices ([`DdpConfig::from_env`]:
+    /// `BURN_DDP_GRAD_TRANSPORT`): `GradSync::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)`.
     ///
     /// # Errors
     /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
-    /// master) and [`GradSync::new`].
+    /// master), [`DdpConfig::from_env`] and [`GradSync::new`].
     pub fn from_env() -> Result<Self> {
-        Self::new(ProcessGroup::from_env()?, DdpConfig::default())
+        Self::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)
     }
 
     /// Sets the epoch of every training sampler made on this group
@@ -89,14 +90,14 @@ impl GradSync {
     /// line: it reduces after backward). With the `cuda` feature, a model on a CUDA device has
     /// its gradients reduced by NCCL on the GPU (`GradTransport::Auto`, the default, falls back
     /// to the host-staged transport with a warning where NCCL cannot be used on every rank;
-    /// `GradTransport::Nccl` fails instead); everything else is host-staged.
+    /// `GradTransport::Nccl` fails instead); everything else is host-staged. No environment
+    /// variable is read here ([`DdpConfig::from_env`] and [`GradSync::from_env`] do).
     ///
     /// # Errors
-    /// An invalid `config` (or `BURN_DDP_GRAD_TRANSPORT`); `GradTransport::Nccl` without the
+    /// An invalid `config`; `GradTransport::Nccl` without the
     /// `cuda` feature; PowerSGD in a fault-tolerant job ([`MembershipError::NotFaultTolerant`](burn_ddp_comm::MembershipError::NotFaultTolerant)); the
     /// communication thread cannot be started.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
-        config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
         config.validate()?;
         if !cfg!(feature = "cuda") && config.transport == GradTransport::Nccl {

@@ -141,13 +141,14 @@ pub(crate) fn current() -> Option<Arc<SessionState>> {
 impl DdpSession {
     /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
     /// torchrun, Slurm or mpirun) and creates the session over it with the default
-    /// [`DdpConfig`]: `DdpSession::new(ProcessGroup::from_env()?, DdpConfig::default())`.
+    /// [`DdpConfig`] and the environment's choices ([`DdpConfig::from_env`]:
+    /// `BURN_DDP_GRAD_TRANSPORT`): `DdpSession::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)`.
     ///
     /// # Errors
     /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
-    /// master) and [`DdpSession::new`].
+    /// master), [`DdpConfig::from_env`] and [`DdpSession::new`].
     pub fn from_env() -> Result<Self> {
-        Self::new(ProcessGroup::from_env()?, DdpConfig::default())
+        Self::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)
     }
 
     /// Sets the epoch of every training sampler made on this session's group
@@ -159,12 +160,13 @@ impl DdpSession {
     }
 
     /// Creates the session and installs it: for this process when `pg` spans processes, for
-    /// this thread when `pg` is a rank of an in-process group ([`ProcessGroup::local`]).
+    /// this thread when `pg` is a rank of an in-process group ([`ProcessGroup::local`]). No
+    /// environment variable is read here ([`DdpConfig::from_env`] and
+    /// [`DdpSession::from_env`] do).
     ///
     /// # Errors
     /// An invalid configuration.
     pub fn new(pg: ProcessGroup, mut config: DdpConfig) -> Result<Self> {
-        config.transport = burn_ddp_comm::config::env::grad_transport(config.transport)?;
         config.transport = config.effective_transport();
         config.validate()?;
         if config.power_sgd.is_some() {

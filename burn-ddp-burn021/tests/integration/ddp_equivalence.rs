@@ -26,6 +26,12 @@ use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 use burn_ddp_comm::{CollectiveError, ModelError};
 use common::compare::{assert_close, Tolerance};
 
+/// A session with `config` and the environment's choices (`BURN_DDP_GRAD_TRANSPORT`: the GPU
+/// check runs this suite over NCCL at world size 1 and host-staged with several processes).
+fn new_session(pg: ProcessGroup, config: DdpConfig) -> burn_ddp::Result<DdpSession> {
+    DdpSession::new(pg, config.with_env()?)
+}
+
 // `--features cuda` (scripts/gpu-check.sh) runs the same tests on the GPU.
 #[cfg(not(feature = "cuda"))]
 type B = Autodiff<Ddp<burn::backend::NdArray>>;
@@ -225,7 +231,7 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     let device = Default::default();
     // Different init per rank: prepare must fix it.
     <B as Backend>::seed(&device, conformance::init_seed(rank));
-    let session = DdpSession::new(pg, (s.config)()).unwrap();
+    let session = new_session(pg, (s.config)()).unwrap();
     let mut model = session.prepare(M::build(&device)).unwrap();
     let mut reference = independent(M::build(&device), &model);
     assert_eq!(common::params(&model), common::params(&reference));
@@ -376,7 +382,7 @@ fn mismatched_models_fail_at_prepare_naming_the_parameter() {
     if let Some(pg) = common::child_group(NAME) {
         let device = Default::default();
         let rank = pg.rank().index();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let hidden = if rank == 1 { 17 } else { 16 };
         let model = Mlp::<B> {
             fc1: LinearConfig::new(IN, hidden).init(&device),
@@ -409,7 +415,7 @@ fn an_unused_parameter_stays_untouched_and_nothing_hangs() {
     const NAME: &str = "an_unused_parameter_stays_untouched_and_nothing_hangs";
     if let Some(pg) = common::child_group(NAME) {
         let device = Default::default();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
         let before = model.unused.weight.val().into_data();
         let (x, y) = batch(0, 2);
@@ -461,7 +467,7 @@ fn train_branchy(pg: ProcessGroup, config: DdpConfig, side_ranks: &[usize]) {
     let rank = pg.rank().index();
     let device = Default::default();
     <B as Backend>::seed(&device, 7 + rank as u64);
-    let session = DdpSession::new(pg, config).unwrap();
+    let session = new_session(pg, config).unwrap();
     let mut model = session.prepare(Branchy::<B>::new(&device)).unwrap();
     let mut reference = independent(Branchy::<B>::new(&device), &model);
     let mut opt_ddp = AdamConfig::new().init();
@@ -541,7 +547,7 @@ fn foreign_gradients_left_out_of_the_optimizer_fail_the_next_step() {
     if let Some(pg) = common::child_group(NAME) {
         let device = Default::default();
         let rank = pg.rank().index();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let model = session.prepare(Branchy::<B>::new(&device)).unwrap();
         let (x, y) = batch(0, 2);
         // Rank 0 takes the branch, rank 1 does not; the plain `backward` + `from_grads` leaves
@@ -580,7 +586,7 @@ fn diverged_replicas_fail_naming_the_parameter() {
         let device = Default::default();
         let rank = pg.rank().index();
         let config = DdpConfig::default().with_replica_check(2);
-        let session = DdpSession::new(pg, config).unwrap();
+        let session = new_session(pg, config).unwrap();
         let mut model = session.prepare(Branchy::<B>::new(&device)).unwrap();
         let mut opt = SgdConfig::new().init();
         for step in 0..4 {
@@ -637,7 +643,7 @@ fn per_rank_buffers_do_not_trip_the_replica_check() {
     if let Some(pg) = common::child_group(NAME) {
         let device = Default::default();
         let rank = pg.rank().index();
-        let session = DdpSession::new(pg, DdpConfig::default().with_replica_check(1)).unwrap();
+        let session = new_session(pg, DdpConfig::default().with_replica_check(1)).unwrap();
         let mut model = session
             .prepare(Normed::<B> {
                 fc: LinearConfig::new(IN, OUT).init(&device),
@@ -686,7 +692,7 @@ fn train_normed(pg: ProcessGroup, broadcast: bool) {
     let rank = pg.rank().index();
     <B as Backend>::seed(&device, 23 + rank as u64);
     let config = DdpConfig::default().with_broadcast_buffers(broadcast);
-    let session = DdpSession::new(pg, config).unwrap();
+    let session = new_session(pg, config).unwrap();
     let initial = burn::nn::BatchNormConfig::new(OUT).init::<B>(&device);
     let initial_mean = initial.running_mean.value().into_data();
     let mut model = session
@@ -760,7 +766,7 @@ fn uneven(pg: ProcessGroup, counts: &[usize]) {
     let rank = pg.rank().index();
     let device = Default::default();
     <B as Backend>::seed(&device, 13 + rank as u64);
-    let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+    let session = new_session(pg, DdpConfig::default()).unwrap();
     let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
     let mut reference = independent(Mlp::<B>::new(&device), &model);
     let mut opt = AdamConfig::new().init();
@@ -831,7 +837,7 @@ fn uneven_inputs_with_buffers_end_with_one_model_when_rank_0_runs_out_first() {
         let rank = pg.rank().index();
         let counts = [3, 8, 5];
         let device = Default::default();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let model = session
             .prepare(Normed::<B> {
                 fc: LinearConfig::new(IN, OUT).init(&device),
@@ -878,7 +884,7 @@ fn uneven_inputs_without_join_fail_naming_the_rank_that_ran_out() {
     if let Some(pg) = common::child_group(NAME) {
         let rank = pg.rank().index();
         let device = Default::default();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let mut model = session.prepare(Mlp::<B>::new(&device)).unwrap();
         let mut opt = SgdConfig::new().init();
         for step in 0..[10, 7][rank] {
@@ -918,7 +924,7 @@ fn a_join_step_without_complete_is_an_error_at_the_next_backward() {
     if let Some(pg) = common::child_group(NAME) {
         let rank = pg.rank().index();
         let device = Default::default();
-        let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+        let session = new_session(pg, DdpConfig::default()).unwrap();
         let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
         let mut opt = SgdConfig::new().init();
         let err = session
@@ -1013,7 +1019,7 @@ fn zero_trains(pg: ProcessGroup) {
     // Seeded, as every equivalence test here: the same numbers on every run, so a failure
     // reproduces (unseeded, one draw in CI was 4.2e-5 off on a parameter of 0.049).
     <B as Backend>::seed(&device, 7 + rank as u64);
-    let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+    let session = new_session(pg, DdpConfig::default()).unwrap();
     let mut model = session.prepare(Tower::<B>::new(&device)).unwrap();
     let reference = independent(Tower::<B>::new(&device), &model);
     // The negative control: this rank's shard alone, never synchronised.
@@ -1090,7 +1096,7 @@ fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
     let device = Default::default();
-    let session = DdpSession::new(pg, DdpConfig::default()).unwrap();
+    let session = new_session(pg, DdpConfig::default()).unwrap();
     let first = world == 2;
     <B as Backend>::seed(&device, 11 + rank as u64);
     let built = Tower::<B>::new(&device);
@@ -1224,7 +1230,7 @@ fn sync_norm(pg: ProcessGroup, sizes: &[usize], spatial: bool, config: DdpConfig
     let device = Default::default();
     <B as Backend>::seed(&device, 17 + rank as u64);
     let channels = if spatial { OUT } else { 4 * OUT };
-    let session = DdpSession::new(pg, config).unwrap();
+    let session = new_session(pg, config).unwrap();
     let mut model = session
         .prepare(SyncNormed::<B> {
             fc: LinearConfig::new(IN, 4 * OUT).init(&device),
@@ -1354,7 +1360,7 @@ fn power_sgd(pg: ProcessGroup, after_backward: bool) {
         ..DdpConfig::default()
     }
     .with_power_sgd(burn_ddp::PowerSgd::new(2).with_start_step(2));
-    let session = DdpSession::new(pg, config).unwrap();
+    let session = new_session(pg, config).unwrap();
     let mut model = session.prepare(Tower::<B>::new(&device)).unwrap();
     let mut reference = independent(Tower::<B>::new(&device), &model);
     let mut opt = SgdConfig::new().init();
@@ -1424,7 +1430,7 @@ fn a_failed_sync_with_bucket_view_leaves_gradients_of_the_right_shape() {
         let rank = pg.rank().index();
         let device = Default::default();
         let config = DdpConfig::default().with_gradient_as_bucket_view(true);
-        let session = DdpSession::new(pg, config).unwrap();
+        let session = new_session(pg, config).unwrap();
         let model = session.prepare(Mlp::<B>::new(&device)).unwrap();
         if rank == 1 {
             return; // leaves the job

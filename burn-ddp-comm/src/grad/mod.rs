@@ -319,6 +319,27 @@ impl DdpConfig {
         self
     }
 
+    /// The defaults, with what the environment chooses: `BURN_DDP_GRAD_TRANSPORT` (`auto`,
+    /// `host` or `nccl`) sets the transport. What the `from_env` constructors (`DdpSession`'s,
+    /// `GradSync`'s) use; `new` reads no environment variable.
+    ///
+    /// # Errors
+    /// `BURN_DDP_GRAD_TRANSPORT` holds something else.
+    pub fn from_env() -> Result<Self> {
+        Self::default().with_env()
+    }
+
+    /// `self`, with the environment's choices where `self` leaves them open:
+    /// `BURN_DDP_GRAD_TRANSPORT` replaces the transport when it is [`GradTransport::Auto`] (an
+    /// explicit `Host` or `Nccl` wins).
+    ///
+    /// # Errors
+    /// `BURN_DDP_GRAD_TRANSPORT` holds something other than `auto`, `host` or `nccl`.
+    pub fn with_env(mut self) -> Result<Self> {
+        self.transport = crate::config::env::grad_transport(self.transport)?;
+        Ok(self)
+    }
+
     /// Checks the options.
     ///
     /// # Errors

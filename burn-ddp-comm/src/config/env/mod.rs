@@ -28,7 +28,7 @@
 //! | `BURN_DDP_FIRST_WORLD_SIZE`, `BURN_DDP_PREVIOUS_WORLD_SIZE` | an elastic job's world size in its first round and in the round before this one (set by `burn-ddp run --nnodes MIN:MAX`) | unset |
 //! | `BURN_DDP_ALGO` | how collectives between processes run: `auto` (recursive doubling for small all-reduces and barriers, the ring above), `ring`, `tree`; the same on every rank | `auto` |
 //! | `BURN_DDP_TRANSPORT` | how ranks of one host move the bytes of collectives: `auto` (shared memory when every rank of the group is on one host; two levels, shared memory then TCP, for large all-reduces when every host has as many ranks; TCP otherwise), `tcp`, `shm`; the same on every rank | `auto` |
-//! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl` | `auto` |
+//! | `BURN_DDP_GRAD_TRANSPORT` | how GPU gradient buckets travel: `auto`, `host`, `nccl`; read by `DdpConfig::from_env` / `with_env` (and so by `DdpSession::from_env`, `GradSync::from_env`), not by a session made with `new` | `auto` |
 //! | `BURN_DDP_FAULT_TOLERANT=1` | a fault-tolerant job: the ranks survive the loss of others (set by `burn-ddp run --fault-tolerant`, whose launcher serves the store) | off |
 //! | `BURN_DDP_FT_JOIN=1` | this process joins a running fault-tolerant job | off |
 //! | `BURN_DDP_MEMBER_ID` | the member id this process claims in a fault-tolerant job | `RANK`, or a fresh id when joining |
