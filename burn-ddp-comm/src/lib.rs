@@ -45,52 +45,18 @@
 //! - `cuda` — NCCL communicators on device memory, through cudarc (feature `cuda`)
 //! - [`launch`] — `spawn`, the `burn-ddp` launcher, the bandwidth tool
 //! - [`checkpoint`] — atomic checkpoint files
+//! - [`contract`] — the contract a Burn line's crate implements (not a stable API)
 //!
 //! ## What a Burn line implements
 //!
 //! A Burn release is supported by a crate of glue over these modules (`burn-ddp-burn021` for Burn
 //! 0.21, `burn-ddp-gradsync` for 0.22.1 and 0.23.0-pre.1; `burn-ddp`, the crate users add,
-//! re-exports the one its features choose); everything else is here. The glue is, file by file
-//! as in `burn-ddp-gradsync/src/` (most of it Burn's own traits implemented), below. A release
-//! whose APIs have the shape of one already supported does not copy it: `burn-ddp-gradsync` is
-//! one source built against Burn 0.22 or 0.23 (its features `burn-0-22`, `burn-0-23`), and what
-//! differs between the two releases is one file per release in its `src/release/` and
-//! `src/progress/`:
-//!
-//! | What | Over | In the 0.22 line |
-//! |---|---|---|
-//! | [`grad::Replica`] over the release's module: its float parameters in visit order ([`ParamInfo`]: name, shape, dtype, trainable), their values as bytes, and its record to and from bytes; the core checks them across ranks, loads one rank's record everywhere ([`grad::check_and_load`], [`grad::load_from`]) and compares the replicas' values ([`grad::compare_replicas`]) | [`grad::Replica`] | `sync.rs` (`AsReplica`) |
-//! | the wait for the prepared model's devices when the sync ends (a closure over the release's device sync) | [`grad::DeviceDrain`] | `sync.rs` |
-//! | uneven inputs: the line's synchronising calls announce, its `join` shadows the others' calls with its own collectives | [`grad::JoinSlot`] | `sync.rs`, `buffers.rs` |
-//! | a custom loop in a fault-tolerant job: the model's and optimizer's records as bytes, `prepare` and `reprepare` | [`grad::LoopSync`], [`grad::LoopState`] | `loop_state.rs` (0.21: `ddp/membership.rs`) |
-//! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`], [`grad::HostSync`], [`grad::ReplicaCheck`] | `sync.rs`, `grads.rs` |
-//! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`], [`grad::FlatValues`] | `buffers.rs` |
-//! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`], [`grad::ReadValues`] | `zero.rs` |
-//! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce (`cuda::all_reduce_bucket`) | `cuda::connect`, [`grad::BucketLauncher`], `cuda::DeviceSpan` | `cuda.rs` |
-//! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`], [`data::ShardPlan`] | `data.rs` |
-//! | `SyncBatchNorm`: the layer, its forward and the all-reduce of its statistics in the release's autodiff; its configuration from the core | [`sync_batch_norm_config!`] | `nn.rs` |
-//! | the pipeline step's tensor work ([`pipeline::StageOps`]: slice, forward, loss, surrogate, backward); the core walks the schedule ([`pipeline::StagePlan::run`]) | [`pipeline`] | `pipeline.rs` |
-//! | its tests, in its own `tests/`: the conformance suite (burn-ddp-dev's `conformance::Line`: the four nets and one training run per scenario: plain, accumulated, under the line's `join`, with its ZeRO-1 optimizer; `conformance_suite!` makes the tests), the adapters' checks (burn-ddp-dev's `adapters`: a closure per check in the line's unit tests), the fault-tolerant and multi-node scenarios (`burn_ddp_dev::fault`, `burn_ddp_dev::netns`: the classifier example's, the custom loop's child) | burn-ddp-dev | `tests/integration/` (`equivalence.rs`, `fault_tolerant.rs`, `multinode.rs`), `data.rs`, `train/item.rs` |
-//! | the Learner strategy: the epoch loop's traits ([`train::epoch::EpochDriver`]: the two splits, rank 0's checkpoint and early stop, the interrupter; [`train::epoch::SplitSteps`]; [`train::epoch::Handover`] for fault-tolerant jobs: the three records saved into the core's slots and loaded back), step outputs as host parts, checkpoint records as bytes, the renderers of rank 0 and the others | [`train::epoch`], [`train::vote`], [`train::parts`], [`train::files`], [`train::run`], [`train::board`], [`train::progress_text`] | `train/` |
-//!
-//! Between Burn 0.22's and 0.23's files a duplicate-code scan finds, as unavoidable: the two
-//! `progress/` files' progress-logger impls (the same trait methods of two releases, with
-//! different signatures: counts against `Progress`) and the migration examples, each a whole user
-//! program of its release. Between releases of different shapes the glue is
-//! written per line, and a duplicate-code scan finds those places as pairs between the
-//! lines (4 between `burn-ddp-burn021/src` and `burn-ddp-gradsync/src`, six or more lines alike). Each
-//! is a Burn trait implemented, or a Burn API called, over that release's own types, which no
-//! code of the core can name: the renderers (`train/render.rs`: `MetricsRenderer` and its
-//! loggers for three types), the `SupervisedLearningStrategy` body (`train/epochs.rs`: the
-//! checkpointer, the start, burn-train's events), and the pipeline's `Pipeline` (a type of the
-//! line's own, so that its step can be an inherent method) with its step over `StageOps`
-//! (`pipeline.rs`), and `DdpTraining::ddp` with its `DdpLaunch` (`train/mod.rs`: a type of the
-//! line's own over its `SupervisedTraining`, so that `launch_main` is an inherent method). The logic under each is the core's: what each rank shows and writes
-//! ([`train::terminal::RankOutput`]), the batch vote ([`train::vote::load_batch`]), the
-//! outputs gathered and merged ([`train::parts::gather_merged`]), the schedule's walk
-//! ([`pipeline::StagePlan::run`]). Where the items themselves are the same in every release, a
-//! macro of the core writes them in the line's crate ([`distributed_sampler!`],
-//! [`sync_batch_norm_config!`]).
+//! re-exports the one its features choose); everything else is here. The glue implements the
+//! core's traits over the release's types (a module's parameters and records, its device
+//! tensors, its Learner's splits and renderers) and calls the core for everything else: which
+//! rank holds what, what goes over the wire, in which order, with which deadline. [`contract`]
+//! gathers that contract, item by item and file by file, and is **not part of the stable API**:
+//! it changes with the lines that use it.
 //!
 //! ## Features
 //!
@@ -111,6 +77,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod contract;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;

@@ -27,6 +27,7 @@ const CORE: &[(&str, u8)] = &[
     ("pipeline", 7),
     ("train", 8),
     ("launch", 8),
+    ("contract", 9),
     ("fuzzing", 9),
 ];
 
