@@ -8,7 +8,7 @@
 //!   runs in full: packing, sync, NCCL all-reduce, write-back), with the default buckets, with
 //!   one bucket for the whole model, and with 64 KiB buckets.
 //!
-//! The launcher resolves every bucket on its own (with fusion: a drain of Burn's fusion stream
+//! The issuer resolves every bucket on its own (with fusion: a drain of Burn's fusion stream
 //! up to that point, and a sync of cubecl's stream), so the cost per bucket is the difference
 //! between the last two columns divided by the difference in bucket count; run under both Burn
 //! builds (`cuda`, `fusion`), the two tables separate what fusion's drain adds.

@@ -7,7 +7,7 @@ use std::time::Duration;
 use burn_ddp_comm::grad::{DeviceCounts, Queue};
 use burn_ddp_comm::{DdpError, ProcessGroup, Result, Timeouts, WorldSize};
 
-/// The stand-in link's collective queue: a bucket is reduced (over the host, on the launcher
+/// The stand-in link's collective queue: a bucket is reduced (over the host, on the issuer
 /// thread) by the time its answer comes, so there is nothing to wait for, stop or drain.
 #[derive(Debug)]
 pub struct ReducedQueue;
@@ -76,6 +76,6 @@ pub fn usual_step(buckets: u64) -> DeviceCounts {
         queue_waits: 1,
         hand_offs: 2 * buckets,
         fusion_drains: 0,
-        launcher_syncs: 0,
+        issuer_syncs: 0,
     }
 }

@@ -5,7 +5,7 @@
 //! - the same with `GradSync::sync` between backward and the step, world size 1, the default
 //!   transport (nothing to synchronise: the line's own cost),
 //! - the same with `GradTransport::Nccl` (the device path runs in full: packing on the GPU, the
-//!   launcher thread, NCCL's all-reduce on cubecl's pointers, the presence flags read back).
+//!   issuer thread, NCCL's all-reduce on cubecl's pointers, the presence flags read back).
 //!
 //! Every step ends with the device synchronised, so each side is timed to completion. For Burn 0.23, `--no-default-features --features
 //! burn-0-23,train,cuda`.

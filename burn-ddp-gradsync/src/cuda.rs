@@ -4,7 +4,7 @@
 //! unpacking; the same device, stream and lifetime rules as the Burn 0.21 line's overlapped
 //! path).
 //!
-//! How a packed bucket reaches NCCL: the launcher thread, running as the stream of the thread
+//! How a packed bucket reaches NCCL: the issuer thread, running as the stream of the thread
 //! that packed it, takes the packed input and the fresh output out of Burn's `Dispatch`
 //! (`Tensor::try_into_primitive::<Cube>`), resolves them (Burn's fusion tensors to cubecl's:
 //! one drain of the fusion stream), waits for cubecl's stream (cubecl does not expose it, so an
@@ -23,7 +23,7 @@ use burn::tensor::{Device, Tensor};
 // (`burn-ddp-cubecl` names them for whichever release this crate is built for).
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
-use burn_ddp_comm::grad::{BucketLauncher, DeviceCounters, DeviceCounts, DeviceWork, Queue};
+use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
 use burn_ddp_comm::{ProcessGroup, Rank, ReduceOp};
 use burn_ddp_cubecl::{burn_cubecl, burn_fusion, cubecl, cubecl_runtime};
 use cubecl::cuda::CudaRuntime;
@@ -109,7 +109,7 @@ fn cube_tensor(
     <Primitive as Resolve<CubeBackend>>::resolve(primitive).map_err(|e| queued_work_failed(rank, e))
 }
 
-/// On the launcher thread, running as the packing thread's stream: completes the bucket's
+/// On the issuer thread, running as the packing thread's stream: completes the bucket's
 /// input, pins both buffers and queues the all-reduce.
 fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
@@ -129,7 +129,7 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     // The gradients must exist before NCCL reads them (cubecl does not expose its CUDA stream,
     // so this sync stands in for an event between the two streams). Resolving drained Burn's
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's.
-    counters.one(DeviceWork::LauncherSync);
+    counters.one(DeviceWork::IssuerSync);
     <CubeBackend as burn::backend::Backend>::sync(&input.device)
         .map_err(|e| queued_work_failed(rank, e))?;
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
@@ -153,7 +153,7 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     unsafe { all_reduce_bucket(comm, call, [send, recv]) }
 }
 
-/// The device path of one rank: the communicator and its launcher thread, on one GPU.
+/// The device path of one rank: the communicator and its issuer thread, on one GPU.
 pub(crate) struct DevicePath {
     comm: Arc<NcclComm>,
     core: LinkCore<[DeviceSpan; 2]>,
@@ -221,7 +221,7 @@ impl DevicePath {
         let queue = Arc::clone(&comm);
         let counters = Arc::new(DeviceCounters::default());
         let counting = Arc::clone(&counters);
-        let launcher = BucketLauncher::start(
+        let issuer = BucketIssuer::start(
             rank,
             Arc::clone(&comm) as Arc<dyn Queue>,
             move |job: BucketJob| {
@@ -231,12 +231,12 @@ impl DevicePath {
         )?;
         Ok(Some(Self {
             comm,
-            core: LinkCore::new(launcher, Device::cuda(ordinal), counters),
+            core: LinkCore::new(issuer, Device::cuda(ordinal), counters),
         }))
     }
 
     /// Aborts the communicator (after a change of membership: its peers may be gone), without
-    /// publishing an abort record (the job's belongs to the new membership); the launcher
+    /// publishing an abort record (the job's belongs to the new membership); the issuer
     /// thread ends when the path is dropped.
     pub(crate) fn abort(self) {
         self.comm.abort();

@@ -1,5 +1,5 @@
 //! The device transport of [`GradSync::sync`](crate::GradSync::sync): buckets packed by Burn on
-//! the gradients' device, handed to a launcher thread that reduces them, and unpacked as views.
+//! the gradients' device, handed to a issuer thread that reduces them, and unpacked as views.
 //! Generic over its [`DeviceLink`]: NCCL on a CUDA device (`cuda.rs`, which says how a bucket
 //! reaches NCCL), or, in this crate's tests, a stand-in that reduces over the host, so that the
 //! same packing, flags and unpacking run, and are counted ([`DeviceCounts`]), on a CPU backend.
@@ -12,7 +12,7 @@
 //!    PyTorch DDP's bucket copy. The flags of a bucket whose every gradient is here are a
 //!    tensor of ones the link keeps from step to step, so the usual step fills none;
 //! 2. as soon as a bucket is packed (still queued work), it goes with a fresh output buffer to
-//!    the launcher thread, with the cubecl `StreamId` of the thread that packed it, and packing
+//!    the issuer thread, with the cubecl `StreamId` of the thread that packed it, and packing
 //!    goes on with the next bucket;
 //! 3. after the last bucket, the step waits for every answer and for the collective queue; a
 //!    compressed bucket's output is cast back to f32 once (not per gradient); each parameter that
@@ -37,14 +37,14 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_ddp_comm::comm::DType;
 use burn_ddp_comm::grad::{
-    BucketLauncher, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight, Pass,
+    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight, Pass,
     ANSWER_SLACK,
 };
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
 
 use crate::{DdpError, Result};
 
-/// One bucket for the launcher thread: its packed input and fresh output (both still queued
+/// One bucket for the issuer thread: its packed input and fresh output (both still queued
 /// work on the stream `stream`), and how to reduce it.
 pub(crate) struct BucketJob {
     /// The bucket's index in the plan.
@@ -59,16 +59,16 @@ pub(crate) struct BucketJob {
     /// A fresh tensor for the collective to write (NCCL's; the tests' stand-in makes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) output: Tensor<1>,
-    /// The stream that queued both (NCCL's launcher runs as it).
+    /// The stream that queued both (NCCL's issuer runs as it).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) stream: StreamId,
 }
 
-/// What every [`DeviceLink`] holds: its launcher thread, its device, its counters, and the
+/// What every [`DeviceLink`] holds: its issuer thread, its device, its counters, and the
 /// presence flags of buckets whose every gradient is here (ones, by length), kept from step to
 /// step.
 pub(crate) struct LinkCore<P> {
-    pub(crate) launcher: BucketLauncher<BucketJob, P>,
+    pub(crate) issuer: BucketIssuer<BucketJob, P>,
     pub(crate) device: Device,
     pub(crate) counters: Arc<DeviceCounters>,
     ones: Mutex<HashMap<usize, Tensor<1>>>,
@@ -85,12 +85,12 @@ impl<P> std::fmt::Debug for LinkCore<P> {
 
 impl<P> LinkCore<P> {
     pub(crate) fn new(
-        launcher: BucketLauncher<BucketJob, P>,
+        issuer: BucketIssuer<BucketJob, P>,
         device: Device,
         counters: Arc<DeviceCounters>,
     ) -> Self {
         Self {
-            launcher,
+            issuer,
             device,
             counters,
             ones: Mutex::new(HashMap::new()),
@@ -112,10 +112,10 @@ impl<P> LinkCore<P> {
 
 /// How a device transport's buckets are reduced: NCCL (`cuda.rs`), or the tests' stand-in.
 pub(crate) trait DeviceLink: 'static {
-    /// What the launcher keeps alive while a bucket's collective runs.
+    /// What the issuer keeps alive while a bucket's collective runs.
     type Pins: Send + 'static;
 
-    /// The launcher, device and counters.
+    /// The issuer, device and counters.
     fn core(&self) -> &LinkCore<Self::Pins>;
 
     /// Checks that the gradient of `name`, found on `found`, is on the link's device.
@@ -202,7 +202,7 @@ struct DeviceBuckets<L: DeviceLink> {
     outputs: Vec<Option<Tensor<1>>>,
     in_flight: InFlight<L::Pins>,
     rank: Rank,
-    /// How long to wait for the launcher's answers and the collective queue.
+    /// How long to wait for the issuer's answers and the collective queue.
     wait: Duration,
 }
 
@@ -230,7 +230,7 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
         Ok(())
     }
 
-    /// Packs bucket `bucket` and hands it to the launcher (nothing waits here).
+    /// Packs bucket `bucket` and hands it to the issuer (nothing waits here).
     fn send(&mut self, link: &mut &L, plan: &BucketPlan<usize>, bucket: usize) -> Result<()> {
         let core = link.core();
         let counters = &core.counters;
@@ -273,7 +273,7 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
         counters.one(DeviceWork::Bucket);
         counters.one(DeviceWork::HandOff);
         self.in_flight.send(
-            &core.launcher,
+            &core.issuer,
             BucketJob {
                 bucket,
                 count,
@@ -298,7 +298,7 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
         let counters = &core.counters;
         counters.add(DeviceWork::HandOff, self.in_flight.waiting() as u64);
         counters.one(DeviceWork::QueueWait);
-        self.in_flight.finish(&core.launcher, self.wait)?;
+        self.in_flight.finish(&core.issuer, self.wait)?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
         for (bucket, o) in self.outputs.iter_mut().enumerate() {
             let output = o.take().ok_or(DdpError::Internal {
@@ -329,11 +329,11 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
             .collect())
     }
 
-    /// The link is stopped (the other ranks' waits end with this rank named), the launcher's
+    /// The link is stopped (the other ranks' waits end with this rank named), the issuer's
     /// answers are taken and the queue drained (bounded) before any buffer of the step goes,
     /// so that their memory is not reused under the collective (see [`InFlight::abandon`]).
     fn abandon(&mut self, link: &mut &L, e: DdpError) -> DdpError {
-        self.in_flight.abandon(&link.core().launcher, e, self.wait)
+        self.in_flight.abandon(&link.core().issuer, e, self.wait)
     }
 }
 
@@ -385,7 +385,7 @@ mod tests {
     use burn_ddp_dev::device::{assert_gradients, on_thread_ranks, usual_step, ReducedQueue};
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
-    /// process group on the launcher thread, uploaded as a fresh tensor): the device
+    /// process group on the issuer thread, uploaded as a fresh tensor): the device
     /// transport's own packing, flags and unpacking, on a CPU backend.
     struct HostLink {
         core: LinkCore<()>,
@@ -397,8 +397,8 @@ mod tests {
             let reduced = Arc::new(Mutex::new(HashMap::new()));
             let into = Arc::clone(&reduced);
             let on = device.clone();
-            let launcher =
-                BucketLauncher::start(pg.rank(), Arc::new(ReducedQueue), move |job: BucketJob| {
+            let issuer =
+                BucketIssuer::start(pg.rank(), Arc::new(ReducedQueue), move |job: BucketJob| {
                     let rank = pg.rank();
                     let mut values = job
                         .input
@@ -416,7 +416,7 @@ mod tests {
                 })
                 .unwrap();
             Self {
-                core: LinkCore::new(launcher, device, Arc::default()),
+                core: LinkCore::new(issuer, device, Arc::default()),
                 reduced,
             }
         }

@@ -65,13 +65,13 @@ impl std::fmt::Debug for GradSync {
 }
 
 impl GradSync {
-    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
+    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our issuer,
     /// torchrun, Slurm or mpirun) and synchronises gradients over it with the default
     /// [`DdpConfig`] and the environment's choices ([`DdpConfig::from_env`]:
     /// `BURN_DDP_GRAD_TRANSPORT`): `GradSync::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)`.
     ///
     /// # Errors
-    /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
+    /// As [`ProcessGroup::from_env`] (a issuer's variables missing or wrong, an unreachable
     /// master), [`DdpConfig::from_env`] and [`GradSync::new`].
     pub fn from_env() -> Result<Self> {
         Self::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)
@@ -140,7 +140,7 @@ impl GradSync {
 
     /// What the NCCL path's steps have cost so far (operations Burn ran to pack and unpack
     /// buckets, transfers to the host, waits, hand-offs between threads, fusion drains and
-    /// device synchronisations on the launcher thread: `burn_ddp_comm::grad::DeviceCounts`
+    /// device synchronisations on the issuer thread: `burn_ddp_comm::grad::DeviceCounts`
     /// says what each counts); `None` on the host-staged path. Take two readings and
     /// [`DeviceCounts::since`](burn_ddp_comm::grad::DeviceCounts::since) for what steps between
     /// them cost.

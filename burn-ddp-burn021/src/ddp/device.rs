@@ -1,5 +1,5 @@
 //! The device transport of the 0.21 line's passes ([`DeviceStep`]): buckets packed by Burn on
-//! the gradients' device, handed to a launcher thread that reduces them, and unpacked as views.
+//! the gradients' device, handed to a issuer thread that reduces them, and unpacked as views.
 //! Generic over the backend and over its [`DeviceLink`]: NCCL on Burn's `Cuda` (`gpu.rs`,
 //! which says how a bucket reaches NCCL), or, in this crate's tests, a stand-in over NdArray
 //! that reduces over the host, so that the same packing, flags and unpacking run, and are
@@ -12,7 +12,7 @@
 //!    PyTorch DDP's bucket copy. The flags of a bucket whose every gradient is here are a tensor
 //!    of ones the link keeps from pass to pass, so the usual pass fills none;
 //! 2. backward hands it with a fresh output tensor (both still queued work) and its stream to
-//!    the launcher thread, and goes on at once.
+//!    the issuer thread, and goes on at once.
 //!
 //! At the end of backward every answer and the collective queue are waited for; a compressed
 //! bucket's output is cast back to f32 once; each gradient is replaced by its slice of the
@@ -29,7 +29,7 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType as BurnDType, FloatDType, Shape, StreamId, TensorMetadata};
 use burn_ddp_comm::grad::{
-    BucketLauncher, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight,
+    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight,
 };
 
 use crate::comm::{DType, ReduceOp};
@@ -64,7 +64,7 @@ fn float_dtype(d: BurnDType) -> FloatDType {
 /// (flattened, f32).
 pub(crate) type DeviceResults<B> = (Vec<(usize, FloatTensor<B>)>, Vec<(usize, FloatTensor<B>)>);
 
-/// One bucket for the launcher thread: its packed input and fresh output (both still queued
+/// One bucket for the issuer thread: its packed input and fresh output (both still queued
 /// work on Burn's stream `stream`), and how to reduce it.
 pub(crate) struct BucketJob<B: Backend> {
     /// The bucket's index in the plan.
@@ -79,17 +79,17 @@ pub(crate) struct BucketJob<B: Backend> {
     /// A fresh tensor for the collective to write (NCCL's; the tests' stand-in makes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) output: FloatTensor<B>,
-    /// The stream that queued both (NCCL's launcher runs as it).
+    /// The stream that queued both (NCCL's issuer runs as it).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) stream: StreamId,
     /// Where both are.
     pub(crate) device: B::Device,
 }
 
-/// What every [`DeviceLink`] holds: its launcher thread, its counters, and the presence flags
+/// What every [`DeviceLink`] holds: its issuer thread, its counters, and the presence flags
 /// of buckets whose every gradient is here (ones, by length), kept from pass to pass.
 pub(crate) struct LinkCore<B: Backend, P> {
-    pub(crate) launcher: BucketLauncher<BucketJob<B>, P>,
+    pub(crate) issuer: BucketIssuer<BucketJob<B>, P>,
     pub(crate) counters: Arc<DeviceCounters>,
     ones: Mutex<HashMap<usize, FloatTensor<B>>>,
 }
@@ -104,11 +104,11 @@ impl<B: Backend, P> std::fmt::Debug for LinkCore<B, P> {
 
 impl<B: Backend, P> LinkCore<B, P> {
     pub(crate) fn new(
-        launcher: BucketLauncher<BucketJob<B>, P>,
+        issuer: BucketIssuer<BucketJob<B>, P>,
         counters: Arc<DeviceCounters>,
     ) -> Self {
         Self {
-            launcher,
+            issuer,
             counters,
             ones: Mutex::new(HashMap::new()),
         }
@@ -129,10 +129,10 @@ impl<B: Backend, P> LinkCore<B, P> {
 
 /// How a device pass's buckets are reduced: NCCL (`gpu.rs`), or the tests' stand-in.
 pub(crate) trait DeviceLink<B: Backend>: 'static {
-    /// What the launcher keeps alive while a bucket's collective runs.
+    /// What the issuer keeps alive while a bucket's collective runs.
     type Pins: Send + 'static;
 
-    /// The launcher and counters.
+    /// The issuer and counters.
     fn core(&self) -> &LinkCore<B, Self::Pins>;
 
     /// Bucket `bucket`'s reduced values, once its collective is known done: `output`, which
@@ -149,7 +149,7 @@ pub(crate) struct PassLink<'a, L> {
     pub(crate) link: &'a L,
     pub(crate) op: ReduceOp,
     pub(crate) compression: crate::Compression,
-    /// How long to wait for the launcher's answers and the collective queue.
+    /// How long to wait for the issuer's answers and the collective queue.
     pub(crate) wait: Duration,
 }
 
@@ -161,7 +161,7 @@ pub(crate) struct DeviceStep<B: Backend, L: DeviceLink<B>> {
     shapes: Vec<Option<(Shape, BurnDType)>>,
     /// Each launched bucket's output (what its gradients become).
     outputs: Vec<Option<FloatTensor<B>>>,
-    /// Buckets handed to the launcher (which holds the buffers the collective works on until
+    /// Buckets handed to the issuer (which holds the buffers the collective works on until
     /// its queue is known done with them).
     in_flight: InFlight<L::Pins>,
     /// Where the gradients are (the first one's device), and so the buckets.
@@ -198,7 +198,7 @@ impl<B: Backend, L: DeviceLink<B>> DeviceStep<B, L> {
     /// (`InFlight::settle_stopped`).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn settle_aborted(&mut self, link: &L, wait: Duration) {
-        self.in_flight.settle_stopped(&link.core().launcher, wait);
+        self.in_flight.settle_stopped(&link.core().issuer, wait);
     }
 }
 
@@ -255,7 +255,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
     }
 
     /// Packs bucket `bucket` into a fresh tensor, with a fresh output beside it (both queued
-    /// work on Burn's stream: nothing waits here), and hands both to the launcher.
+    /// work on Burn's stream: nothing waits here), and hands both to the issuer.
     fn send(&mut self, link: &mut PassLink<'_, L>, plan: &Plan, bucket: usize) -> Result<()> {
         let core = link.link.core();
         let counters = &core.counters;
@@ -300,7 +300,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
         counters.one(DeviceWork::Bucket);
         counters.one(DeviceWork::HandOff);
         self.in_flight.send(
-            &core.launcher,
+            &core.issuer,
             BucketJob {
                 bucket,
                 count,
@@ -331,7 +331,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
         counters.one(DeviceWork::Pass);
         counters.add(DeviceWork::HandOff, self.in_flight.waiting() as u64);
         counters.one(DeviceWork::QueueWait);
-        self.in_flight.finish(&core.launcher, link.wait)?;
+        self.in_flight.finish(&core.issuer, link.wait)?;
         let mut outputs = Vec::with_capacity(self.outputs.len());
         for (bucket, o) in self.outputs.iter_mut().enumerate() {
             outputs.push(match o.take() {
@@ -396,7 +396,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
 
     fn abandon(&mut self, link: &mut PassLink<'_, L>, e: DdpError) -> DdpError {
         self.in_flight
-            .abandon(&link.link.core().launcher, e, link.wait)
+            .abandon(&link.link.core().issuer, e, link.wait)
     }
 }
 
@@ -413,7 +413,7 @@ mod tests {
     type B = NdArray;
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
-    /// process group on the launcher thread, uploaded as a fresh tensor): the device
+    /// process group on the issuer thread, uploaded as a fresh tensor): the device
     /// transport's own packing, flags and unpacking, on NdArray.
     struct HostLink {
         core: LinkCore<B, ()>,
@@ -425,8 +425,8 @@ mod tests {
             let reduced = Arc::new(Mutex::new(HashMap::new()));
             let into = Arc::clone(&reduced);
             let rank = pg.rank();
-            let launcher =
-                BucketLauncher::start(rank, Arc::new(ReducedQueue), move |job: BucketJob<B>| {
+            let issuer =
+                BucketIssuer::start(rank, Arc::new(ReducedQueue), move |job: BucketJob<B>| {
                     let mut values = read_f32::<B>(job.input)
                         .map_err(|e| DdpError::model_access(rank, "reading a bucket", e))?;
                     pg.all_reduce(&mut values, job.op)?;
@@ -437,7 +437,7 @@ mod tests {
                 })
                 .unwrap();
             Self {
-                core: LinkCore::new(launcher, Arc::default()),
+                core: LinkCore::new(issuer, Arc::default()),
                 reduced,
             }
         }

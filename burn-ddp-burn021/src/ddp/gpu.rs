@@ -2,11 +2,11 @@
 //! flags and unpacks the buckets, generic over the link): buckets live on the GPU and NCCL reads
 //! Burn's own device memory; no byte of a gradient crosses to the host.
 //!
-//! How a packed bucket reaches NCCL: backward hands it (still queued work) to the launcher
-//! thread with its cubecl `StreamId` and goes on at once. The launcher, running as that stream,
+//! How a packed bucket reaches NCCL: backward hands it (still queued work) to the issuer
+//! thread with its cubecl `StreamId` and goes on at once. The issuer, running as that stream,
 //! resolves the bucket's tensors (Burn's fusion tensors to cubecl's: one drain of the fusion
 //! stream), waits for cubecl's stream (cubecl does not expose it, so an event cannot order the
-//! two streams instead; the wait blocks the launcher, not backward), and takes the device
+//! two streams instead; the wait blocks the issuer, not backward), and takes the device
 //! pointers from cubecl's resources, checked against the bucket's element count and type. The
 //! all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
 //! bucket and writes a fresh output buffer of its own. NCCL never writes memory Burn may still
@@ -33,7 +33,7 @@ use crate::Result;
 use burn_ddp_comm::cuda::{
     all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan, NcclComm,
 };
-use burn_ddp_comm::grad::{BucketLauncher, DeviceCounters, DeviceCounts, DeviceWork, Queue};
+use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
@@ -108,25 +108,25 @@ impl Resolve for Fused {
 /// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
 #[derive(Debug)]
-pub(crate) struct NcclLauncher {
+pub(crate) struct NcclIssuer {
     comm: Arc<NcclComm>,
     core: LinkCore<Gpu, [DeviceSpan; 2]>,
 }
 
-impl NcclLauncher {
+impl NcclIssuer {
     pub(crate) fn start(comm: Arc<NcclComm>) -> Result<Self> {
         let rank = comm.rank();
         let queue: Arc<dyn Queue> = Arc::clone(&comm) as Arc<dyn Queue>;
         let counters = Arc::new(DeviceCounters::default());
         let counting = Arc::clone(&counters);
         let on = Arc::clone(&comm);
-        let launcher = BucketLauncher::start(rank, queue, move |job: BucketJob<Gpu>| {
+        let issuer = BucketIssuer::start(rank, queue, move |job: BucketJob<Gpu>| {
             let stream = job.stream;
             stream.executes(|| enqueue(&on, job, &counting))
         })?;
         Ok(Self {
             comm,
-            core: LinkCore::new(launcher, counters),
+            core: LinkCore::new(issuer, counters),
         })
     }
 
@@ -143,7 +143,7 @@ impl NcclLauncher {
     }
 }
 
-impl DeviceLink<Gpu> for NcclLauncher {
+impl DeviceLink<Gpu> for NcclIssuer {
     type Pins = [DeviceSpan; 2];
 
     fn core(&self) -> &LinkCore<Gpu, [DeviceSpan; 2]> {
@@ -156,7 +156,7 @@ impl DeviceLink<Gpu> for NcclLauncher {
     }
 }
 
-/// On the launcher thread, on Burn's stream: completes the bucket's inputs, pins them and
+/// On the issuer thread, on Burn's stream: completes the bucket's inputs, pins them and
 /// queues the all-reduce.
 fn enqueue(
     comm: &NcclComm,
@@ -183,7 +183,7 @@ fn enqueue(
     // so this sync stands in for an event between the two streams). Resolving drained Burn's
     // fusion queue up to both tensors; the sync is cubecl's own, not Fusion's, which would hold
     // the fusion server (and so backward) for as long as the GPU takes.
-    counters.one(DeviceWork::LauncherSync);
+    counters.one(DeviceWork::IssuerSync);
     <Cube as Backend>::sync(&job.device).map_err(|e| queued_work_failed(rank, e))?;
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
     // `call.count` elements of `burn_dtype`), kept alive with its tensor.
@@ -201,7 +201,7 @@ fn enqueue(
     let send = span(input, "packed input")?;
     let recv = span(output, "output buffer")?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
-    // `sync` above completed. The launcher holds both spans until NCCL's stream is known done
+    // `sync` above completed. The issuer holds both spans until NCCL's stream is known done
     // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
     unsafe { all_reduce_bucket(comm, call, [send, recv]) }
 }

@@ -139,13 +139,13 @@ pub(crate) fn current() -> Option<Arc<SessionState>> {
 }
 
 impl DdpSession {
-    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our launcher,
+    /// Joins the job this process was launched into ([`ProcessGroup::from_env`]: our issuer,
     /// torchrun, Slurm or mpirun) and creates the session over it with the default
     /// [`DdpConfig`] and the environment's choices ([`DdpConfig::from_env`]:
     /// `BURN_DDP_GRAD_TRANSPORT`): `DdpSession::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)`.
     ///
     /// # Errors
-    /// As [`ProcessGroup::from_env`] (a launcher's variables missing or wrong, an unreachable
+    /// As [`ProcessGroup::from_env`] (a issuer's variables missing or wrong, an unreachable
     /// master), [`DdpConfig::from_env`] and [`DdpSession::new`].
     pub fn from_env() -> Result<Self> {
         Self::new(ProcessGroup::from_env()?, DdpConfig::from_env()?)
@@ -262,7 +262,7 @@ impl DdpSession {
 
     /// What the NCCL path's backward passes have cost so far (operations Burn ran to pack and
     /// unpack buckets, transfers to the host, waits, hand-offs between threads, fusion drains
-    /// and device synchronisations on the launcher thread: `burn_ddp_comm::grad::DeviceCounts`
+    /// and device synchronisations on the issuer thread: `burn_ddp_comm::grad::DeviceCounts`
     /// says what each counts); `None` when NCCL is not set up (host-staged). Take two readings
     /// and [`DeviceCounts::since`](burn_ddp_comm::grad::DeviceCounts::since) for what the steps
     /// between them cost.

@@ -1,5 +1,5 @@
 //! [`Queue`]: a stream of collectives on device memory (an NCCL communicator's), as far as
-//! releasing the buffers it works on needs it. The gradient launcher (`grad/launch.rs`) holds
+//! releasing the buffers it works on needs it. The gradient issuer (`grad/issue.rs`) holds
 //! those buffers until a queue says they are no longer in use; `cuda/nccl/` implements it.
 
 use std::time::Duration;

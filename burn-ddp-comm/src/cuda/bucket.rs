@@ -1,6 +1,6 @@
 //! One gradient bucket on a device path, as both Burn lines hand it to NCCL: each buffer as a
 //! [`DeviceSpan`] (its device pointer and size, and what keeps the allocation alive), checked
-//! and all-reduced by [`all_reduce_bucket`], then held by the launcher until NCCL's stream is
+//! and all-reduced by [`all_reduce_bucket`], then held by the issuer until NCCL's stream is
 //! done with it. A line only finds the pointer behind its release's tensor type.
 
 use crate::error::CudaError;
@@ -60,7 +60,7 @@ impl DeviceSpan {
     }
 }
 
-/// One bucket's all-reduce, as a device path's launcher thread receives it.
+/// One bucket's all-reduce, as a device path's issuer thread receives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BucketCall {
     /// The bucket's index in the plan.
@@ -158,7 +158,7 @@ mod tests {
         let span = unsafe { DeviceSpan::new(0x1000, 64, std::sync::Arc::clone(&alive)) };
         assert_eq!((span.ptr(), span.bytes()), (0x1000, 64));
         assert_eq!(std::sync::Arc::strong_count(&alive), 2);
-        // Sent to another thread and dropped there, as the launcher does.
+        // Sent to another thread and dropped there, as the issuer does.
         std::thread::spawn(move || drop(span)).join().unwrap();
         assert_eq!(std::sync::Arc::strong_count(&alive), 1);
     }

@@ -6,8 +6,8 @@
 //! Counted: operations the gradient path asks Burn for that run device work (a `cat`, a cast,
 //! a fill, an upload; views, reshapes of contiguous tensors and allocations of an empty tensor
 //! run none and are not counted), transfers to the host, waits of the step's thread for the
-//! collective queue, hand-offs between the step's thread and the launcher thread, and on the
-//! launcher thread the fusion drains and device synchronisations it needs. What Burn's backend
+//! collective queue, hand-offs between the step's thread and the issuer thread, and on the
+//! issuer thread the fusion drains and device synchronisations it needs. What Burn's backend
 //! does inside one operation (burn-cubecl implements `cat` as one `slice_assign` per part:
 //! burn-backend 0.22.1 `src/backend/ops/tensor.rs`, `float_cat`, line 1425) is not visible
 //! here.
@@ -29,12 +29,12 @@ pub struct DeviceCounts {
     pub host_reads: u64,
     /// Waits of the step's thread for the collective queue (NCCL's stream).
     pub queue_waits: u64,
-    /// Jobs handed to the launcher thread, and its answers taken back.
+    /// Jobs handed to the issuer thread, and its answers taken back.
     pub hand_offs: u64,
-    /// Drains of Burn's fusion stream on the launcher thread (resolving a bucket's tensors).
+    /// Drains of Burn's fusion stream on the issuer thread (resolving a bucket's tensors).
     pub fusion_drains: u64,
-    /// Device synchronisations on the launcher thread (cubecl's stream, before NCCL reads).
-    pub launcher_syncs: u64,
+    /// Device synchronisations on the issuer thread (cubecl's stream, before NCCL reads).
+    pub issuer_syncs: u64,
 }
 
 impl DeviceCounts {
@@ -50,7 +50,7 @@ impl DeviceCounts {
             queue_waits: self.queue_waits.saturating_sub(before.queue_waits),
             hand_offs: self.hand_offs.saturating_sub(before.hand_offs),
             fusion_drains: self.fusion_drains.saturating_sub(before.fusion_drains),
-            launcher_syncs: self.launcher_syncs.saturating_sub(before.launcher_syncs),
+            issuer_syncs: self.issuer_syncs.saturating_sub(before.issuer_syncs),
         }
     }
 }
@@ -61,7 +61,7 @@ impl std::fmt::Display for DeviceCounts {
         write!(
             f,
             "passes={} buckets={} pack_ops={} unpack_ops={} host_reads={} queue_waits={} \
-             hand_offs={} fusion_drains={} launcher_syncs={}",
+             hand_offs={} fusion_drains={} issuer_syncs={}",
             self.passes,
             self.buckets,
             self.pack_ops,
@@ -70,13 +70,13 @@ impl std::fmt::Display for DeviceCounts {
             self.queue_waits,
             self.hand_offs,
             self.fusion_drains,
-            self.launcher_syncs
+            self.issuer_syncs
         )
     }
 }
 
 /// The live counters behind [`DeviceCounts`], shared by a transport's step thread and its
-/// launcher thread.
+/// issuer thread.
 #[derive(Debug, Default)]
 pub struct DeviceCounters {
     passes: AtomicU64,
@@ -87,7 +87,7 @@ pub struct DeviceCounters {
     queue_waits: AtomicU64,
     hand_offs: AtomicU64,
     fusion_drains: AtomicU64,
-    launcher_syncs: AtomicU64,
+    issuer_syncs: AtomicU64,
 }
 
 /// One kind of work [`DeviceCounters`] counts.
@@ -109,8 +109,8 @@ pub enum DeviceWork {
     HandOff,
     /// A fusion drain.
     FusionDrain,
-    /// A device synchronisation on the launcher.
-    LauncherSync,
+    /// A device synchronisation on the issuer.
+    IssuerSync,
 }
 
 impl DeviceCounters {
@@ -124,7 +124,7 @@ impl DeviceCounters {
             DeviceWork::QueueWait => &self.queue_waits,
             DeviceWork::HandOff => &self.hand_offs,
             DeviceWork::FusionDrain => &self.fusion_drains,
-            DeviceWork::LauncherSync => &self.launcher_syncs,
+            DeviceWork::IssuerSync => &self.issuer_syncs,
         }
     }
 
@@ -150,7 +150,7 @@ impl DeviceCounters {
             queue_waits: r(DeviceWork::QueueWait),
             hand_offs: r(DeviceWork::HandOff),
             fusion_drains: r(DeviceWork::FusionDrain),
-            launcher_syncs: r(DeviceWork::LauncherSync),
+            issuer_syncs: r(DeviceWork::IssuerSync),
         }
     }
 }
@@ -167,7 +167,7 @@ mod tests {
         let before = c.read();
         c.one(DeviceWork::Pass);
         c.add(DeviceWork::HandOff, 4);
-        c.one(DeviceWork::LauncherSync);
+        c.one(DeviceWork::IssuerSync);
         let now = c.read();
         assert_eq!(now.passes, 2);
         assert_eq!(now.pack_ops, 3);
@@ -177,14 +177,14 @@ mod tests {
             DeviceCounts {
                 passes: 1,
                 hand_offs: 4,
-                launcher_syncs: 1,
+                issuer_syncs: 1,
                 ..DeviceCounts::default()
             }
         );
         assert_eq!(
             between.to_string(),
             "passes=1 buckets=0 pack_ops=0 unpack_ops=0 host_reads=0 queue_waits=0 \
-             hand_offs=4 fusion_drains=0 launcher_syncs=1"
+             hand_offs=4 fusion_drains=0 issuer_syncs=1"
         );
     }
 }

@@ -18,7 +18,7 @@ use crate::group::ProcessGroup;
 use crate::{DdpError, Result};
 
 /// Extra wait, beyond the collective timeout, for a communication thread's answer (every
-/// transport's: the host-staged one here, the NCCL launchers of both lines).
+/// transport's: the host-staged one here, the NCCL issuers of both lines).
 pub const ANSWER_SLACK: Duration = Duration::from_secs(30);
 
 enum HostJob {
@@ -160,7 +160,7 @@ impl HostComm {
         self.shared.buffers(&self.pg, lens)
     }
 
-    /// Whether [`launch`](Self::launch) wants each bucket's layout.
+    /// Whether [`submit`](Self::submit) wants each bucket's layout.
     pub fn wants_layout(&self) -> bool {
         self.wants_layout
     }
@@ -183,7 +183,7 @@ impl HostComm {
     ///
     /// # Errors
     /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
-    pub fn launch(
+    pub fn submit(
         &mut self,
         plan: u64,
         bucket: usize,
@@ -519,7 +519,7 @@ impl<K> BucketTransport<K> for HostBuckets {
             return Ok(());
         };
         let layout = comm.wants_layout().then(|| plan.bucket_shape(bucket));
-        comm.launch(self.plan, bucket, data, layout)
+        comm.submit(self.plan, bucket, data, layout)
     }
 
     fn finish(
@@ -801,7 +801,7 @@ mod tests {
             };
             let mut comm = HostComm::start(&pg, HookChoice::of(&config), true).unwrap();
             let mut results = vec![None, None];
-            comm.launch(7, 0, vec![r + 1.0; 2].into(), None).unwrap();
+            comm.submit(7, 0, vec![r + 1.0; 2].into(), None).unwrap();
             let plain = comm
                 .all_reduce_in_order(vec![10.0 * (r + 1.0)], GradReduction::Mean, &mut results)
                 .unwrap();
@@ -812,7 +812,7 @@ mod tests {
                 "bucket 0's answer was kept"
             );
             assert_eq!(comm.outstanding(), 0);
-            comm.launch(7, 1, vec![r; 1].into(), None).unwrap();
+            comm.submit(7, 1, vec![r; 1].into(), None).unwrap();
             comm.collect(&mut results).unwrap();
             assert_eq!(results[1].as_deref(), Some(&[1.0][..]));
         });

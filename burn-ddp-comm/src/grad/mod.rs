@@ -31,7 +31,7 @@
 //!   sync ends (with a deadline)
 //! - `loop_state.rs`: [`LoopState`], a custom loop's state carried across changes of
 //!   membership in a fault-tolerant job, over a line's [`LoopSync`]
-//! - `launch.rs`: [`BucketLauncher`] and [`InFlight`], the device transports' launcher thread and the
+//! - `issue.rs`: [`BucketIssuer`] and [`InFlight`], the device transports' issuer thread and the
 //!   buckets a pass has handed it, with the rule that a pinned buffer goes only once its
 //!   transfer on the [`Queue`] is known finished
 
@@ -41,8 +41,8 @@ mod counts;
 mod drain;
 mod hook;
 mod host;
+mod issue;
 mod join;
-mod launch;
 mod loop_state;
 mod order;
 mod plan;
@@ -61,8 +61,8 @@ pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
+pub use issue::{BucketIssuer, InFlight};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
-pub use launch::{BucketLauncher, InFlight};
 pub use loop_state::{LoopState, LoopSync};
 pub use order::LaunchOrder;
 pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};

@@ -13,16 +13,16 @@ use crate::group::{ProcessGroup, Rank};
 use crate::{DdpConfig, DdpError, GradTransport, Result};
 
 /// The device transport's long-lived parts, set up once per session (at `prepare`): the NCCL
-/// communicator and its launcher thread, with the `cuda` feature; without it, nothing, and a
+/// communicator and its issuer thread, with the `cuda` feature; without it, nothing, and a
 /// request for NCCL is refused.
 #[derive(Debug, Default)]
 pub(super) struct Nccl {
     /// The communicator, once created.
     #[cfg(feature = "cuda")]
     comm: Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>>,
-    /// Its launcher thread.
+    /// Its issuer thread.
     #[cfg(feature = "cuda")]
-    launcher: Option<super::super::gpu::NcclLauncher>,
+    issuer: Option<super::super::gpu::NcclIssuer>,
     /// The device path was ruled out for this session (and why was said once).
     refused: bool,
 }
@@ -134,9 +134,9 @@ impl Nccl {
             match burn_ddp_comm::cuda::connect_for_grads(pg, transport, ordinal) {
                 Ok(Some(comm)) => {
                     let comm = std::sync::Arc::new(comm);
-                    let launcher =
-                        super::super::gpu::NcclLauncher::start(std::sync::Arc::clone(&comm))?;
-                    self.launcher = Some(launcher);
+                    let issuer =
+                        super::super::gpu::NcclIssuer::start(std::sync::Arc::clone(&comm))?;
+                    self.issuer = Some(issuer);
                     self.comm = Some(comm);
                     Ok(())
                 }
@@ -156,9 +156,9 @@ impl Nccl {
     pub(super) fn counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
         #[cfg(feature = "cuda")]
         return self
-            .launcher
+            .issuer
             .as_ref()
-            .map(super::super::gpu::NcclLauncher::counts);
+            .map(super::super::gpu::NcclIssuer::counts);
         #[cfg(not(feature = "cuda"))]
         None
     }
@@ -174,16 +174,16 @@ impl Nccl {
     /// Aborts the communicator of a membership that changed (its ranks are not all there any
     /// more: a clean finalize could wait on a dead one), without publishing (the job's abort
     /// record belongs to the new membership). A device pass in flight, `pass`, lets its buffers
-    /// go once the aborted stream drained, then the launcher (what it still holds goes under the
+    /// go once the aborted stream drained, then the issuer (what it still holds goes under the
     /// same rule).
     pub(super) fn abort(&mut self, pass: Option<&mut Buckets>, wait: std::time::Duration) {
         #[cfg(feature = "cuda")]
         if let Some(comm) = self.comm.take() {
             comm.abort();
-            if let (Some(Buckets::Device(d)), Some(launcher)) = (pass, self.launcher.as_ref()) {
-                d.settle_aborted(launcher, wait);
+            if let (Some(Buckets::Device(d)), Some(issuer)) = (pass, self.issuer.as_ref()) {
+                d.settle_aborted(issuer, wait);
             }
-            self.launcher = None;
+            self.issuer = None;
         }
         #[cfg(not(feature = "cuda"))]
         let _ = (pass, wait);
@@ -205,10 +205,10 @@ impl Nccl {
             nccl: self
                 .comm
                 .as_deref()
-                .zip(self.launcher.as_ref())
-                .map(|(comm, launcher)| super::super::device::PassLink {
+                .zip(self.issuer.as_ref())
+                .map(|(comm, issuer)| super::super::device::PassLink {
                     rank: comm.rank(),
-                    link: launcher,
+                    link: issuer,
                     op: config.reduction.op(),
                     compression: config.compression,
                     wait: pg.timeouts().collective + burn_ddp_comm::grad::ANSWER_SLACK,
@@ -225,7 +225,7 @@ pub(super) enum Buckets {
     Host(HostBuckets),
     /// On the GPU: Burn's tensors packed per bucket and reduced by NCCL (`gpu.rs`).
     #[cfg(feature = "cuda")]
-    Device(super::super::device::DeviceStep<burn::backend::Cuda, super::super::gpu::NcclLauncher>),
+    Device(super::super::device::DeviceStep<burn::backend::Cuda, super::super::gpu::NcclIssuer>),
 }
 
 impl Buckets {
@@ -233,9 +233,9 @@ impl Buckets {
     /// tensors and NCCL is set up); `None`: the pass is host-staged.
     pub(super) fn device(device: bool, plan: &Plan, nccl: &Nccl) -> Option<Self> {
         #[cfg(feature = "cuda")]
-        if let (true, Some(launcher)) = (device, nccl.launcher.as_ref()) {
+        if let (true, Some(issuer)) = (device, nccl.issuer.as_ref()) {
             let (slots, buckets) = (plan.slots.len(), plan.buckets.len());
-            let step = super::super::device::DeviceStep::new(slots, buckets, launcher.home());
+            let step = super::super::device::DeviceStep::new(slots, buckets, issuer.home());
             return Some(Buckets::Device(step));
         }
         let _ = (device, plan, nccl);
@@ -279,9 +279,9 @@ pub(crate) struct Links<'a> {
     pub(super) rank: Rank,
     /// The host-staged transport's communication thread (started by the host pass's `begin`).
     pub(super) host: Option<&'a mut HostComm>,
-    /// The NCCL communicator and its launcher thread (set up by `prepare`).
+    /// The NCCL communicator and its issuer thread (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    pub(super) nccl: Option<super::super::device::PassLink<'a, super::super::gpu::NcclLauncher>>,
+    pub(super) nccl: Option<super::super::device::PassLink<'a, super::super::gpu::NcclIssuer>>,
 }
 
 impl<'a> Links<'a> {
@@ -296,7 +296,7 @@ impl<'a> Links<'a> {
     #[cfg(feature = "cuda")]
     fn nccl(
         &mut self,
-    ) -> Result<&mut super::super::device::PassLink<'a, super::super::gpu::NcclLauncher>> {
+    ) -> Result<&mut super::super::device::PassLink<'a, super::super::gpu::NcclIssuer>> {
         self.nccl.as_mut().ok_or(DdpError::Collective(
             burn_ddp_comm::CollectiveError::NotInitialized {
                 what: "the NCCL communicator of the device path",

@@ -304,7 +304,7 @@ impl NcclComm {
     /// Issues one NCCL call on the stream; `f` gets the communicator and the stream. If NCCL
     /// answers `ncclInProgress` (it is still connecting to peers), waits for it to take the call,
     /// with the collective deadline and without holding the handle's lock.
-    fn launch(
+    fn issue(
         &self,
         op: CollectiveOp,
         what: String,

@@ -208,7 +208,7 @@ impl NcclComm {
         op: ReduceOp,
     ) -> Result<CollectiveSeq> {
         let red = self.reduction(op, dtype, "ncclAllReduce")?;
-        self.launch(
+        self.issue(
             CollectiveOp::AllReduce,
             format!("{count} x {dtype}, {op}"),
             "ncclAllReduce",
@@ -289,7 +289,7 @@ impl NcclComm {
             })
             .collect::<Vec<_>>()
             .join(", ");
-        self.launch(op, what, "ncclSend/ncclRecv", |comm, stream| {
+        self.issue(op, what, "ncclSend/ncclRecv", |comm, stream| {
             result::group_start()?;
             let mut first = Ok(NcclStatus::Success);
             for o in ops {
@@ -400,7 +400,7 @@ impl NcclComm {
                 world: self.world,
             }));
         }
-        self.launch(
+        self.issue(
             CollectiveOp::Broadcast,
             format!("{count} x {dtype}, root {root}"),
             "ncclBroadcast",
@@ -435,7 +435,7 @@ impl NcclComm {
         count: usize,
         dtype: DType,
     ) -> Result<CollectiveSeq> {
-        self.launch(
+        self.issue(
             CollectiveOp::AllGather,
             format!("{count} x {dtype} per rank"),
             "ncclAllGather",
@@ -471,7 +471,7 @@ impl NcclComm {
         op: ReduceOp,
     ) -> Result<CollectiveSeq> {
         let red = self.reduction(op, dtype, "ncclReduceScatter")?;
-        self.launch(
+        self.issue(
             CollectiveOp::ReduceScatter,
             format!("{count} x {dtype} per rank, {op}"),
             "ncclReduceScatter",

@@ -1,4 +1,4 @@
-//! [`BucketLauncher`] and [`InFlight`]: the device transports' launcher thread, without Burn and
+//! [`BucketIssuer`] and [`InFlight`]: the device transports' issuer thread, without Burn and
 //! without CUDA. Both Burn lines' NCCL paths hand it their packed buckets (Burn's queued
 //! tensors, which only that line can name) with a function that makes them exist and queues
 //! the all-reduce; it answers with what must stay alive until NCCL is done (the "pins").
@@ -10,9 +10,9 @@
 //! - the queue was stopped after a failure and then seen idle ([`Queue::drain`]).
 //!
 //! A pass that fails is abandoned ([`InFlight::abandon`]): the queue is stopped (the other ranks
-//! are told), every answer the launcher still owes is taken, and the queue drained; if it never
+//! are told), every answer the issuer still owes is taken, and the queue drained; if it never
 //! drains, the pins are leaked (with an error in the log) rather than returned to the pool.
-//! Answers of an abandoned pass that come later (stragglers) are held by the launcher under the
+//! Answers of an abandoned pass that come later (stragglers) are held by the issuer under the
 //! same rule, and so is whatever it still holds when it is dropped.
 //!
 //! Answers carry the number of the synchronisation pass they belong to, so that a pass never
@@ -30,19 +30,19 @@ use crate::comm::{Queue, DRAIN_LIMIT};
 use crate::types::Rank;
 use crate::{DdpError, Result};
 
-/// What the launcher thread is called in errors.
-const WHAT: &str = "the NCCL launcher thread";
+/// What the issuer thread is called in errors.
+const WHAT: &str = "the NCCL issuer thread";
 
-/// Numbers the passes of every launcher of this process.
+/// Numbers the passes of every issuer of this process.
 static PASSES: AtomicU64 = AtomicU64::new(0);
 
-/// One bucket for the launcher thread, tagged with its pass.
+/// One bucket for the issuer thread, tagged with its pass.
 struct Tagged<J> {
     pass: u64,
     job: J,
 }
 
-/// The launcher's answer for one bucket: what to keep alive while NCCL works, or why the
+/// The issuer's answer for one bucket: what to keep alive while NCCL works, or why the
 /// bucket could not be queued.
 struct Answer<P> {
     pass: u64,
@@ -60,7 +60,7 @@ enum Fate {
     Stuck,
 }
 
-/// Every pin the launcher's answers carried (of any pass) that is not known finished yet, and
+/// Every pin the issuer's answers carried (of any pass) that is not known finished yet, and
 /// the queue's fate.
 struct Held<P> {
     pins: Vec<P>,
@@ -70,17 +70,17 @@ struct Held<P> {
 /// A thread that takes packed buckets in launch order and queues their collectives (one
 /// thread: every rank queues its NCCL calls in the same order). The function it runs gets each
 /// job and returns what must outlive the collective.
-pub struct BucketLauncher<J, P> {
+pub struct BucketIssuer<J, P> {
     worker: Option<Worker<Tagged<J>, Answer<P>>>,
     queue: Arc<dyn Queue>,
     held: Mutex<Held<P>>,
     rank: Rank,
 }
 
-impl<J, P> std::fmt::Debug for BucketLauncher<J, P> {
+impl<J, P> std::fmt::Debug for BucketIssuer<J, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let held = self.held();
-        f.debug_struct("BucketLauncher")
+        f.debug_struct("BucketIssuer")
             .field("rank", &self.rank)
             .field("held", &held.pins.len())
             .field("fate", &held.fate)
@@ -88,7 +88,7 @@ impl<J, P> std::fmt::Debug for BucketLauncher<J, P> {
     }
 }
 
-impl<J, P> BucketLauncher<J, P> {
+impl<J, P> BucketIssuer<J, P> {
     fn held(&self) -> MutexGuard<'_, Held<P>> {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -150,7 +150,7 @@ fn leak<P>(rank: Rank, pins: Vec<P>) {
     }
 }
 
-impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
+impl<J: Send + 'static, P: Send + 'static> BucketIssuer<J, P> {
     /// Starts the thread `burn-ddp-nccl-<rank>`, running `queue_job` on every job; the
     /// collectives it queues run on `queue`.
     ///
@@ -228,7 +228,7 @@ impl<J: Send + 'static, P: Send + 'static> BucketLauncher<J, P> {
     }
 }
 
-impl<J, P> Drop for BucketLauncher<J, P> {
+impl<J, P> Drop for BucketIssuer<J, P> {
     /// Stops the thread (after the job in hand) and takes the answers left; what was pinned is
     /// released only if the queue goes idle (bounded), else leaked.
     fn drop(&mut self) {
@@ -258,8 +258,8 @@ impl<J, P> Drop for BucketLauncher<J, P> {
     }
 }
 
-/// The buckets one synchronisation pass handed to a [`BucketLauncher`]: how many, and how many have
-/// not been answered yet. The launcher holds their pins, so dropping a pass never releases
+/// The buckets one synchronisation pass handed to a [`BucketIssuer`]: how many, and how many have
+/// not been answered yet. The issuer holds their pins, so dropping a pass never releases
 /// memory a transfer may still use.
 pub struct InFlight<P> {
     pass: u64,
@@ -312,32 +312,28 @@ impl<P> InFlight<P> {
 }
 
 impl<P: Send + 'static> InFlight<P> {
-    /// Hands `job` to `launcher` as one of this pass's buckets.
+    /// Hands `job` to `issuer` as one of this pass's buckets.
     ///
     /// # Errors
-    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the launcher thread has stopped.
-    pub fn send<J: Send + 'static>(
-        &mut self,
-        launcher: &BucketLauncher<J, P>,
-        job: J,
-    ) -> Result<()> {
-        launcher.send(self.pass, job)?;
+    /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the issuer thread has stopped.
+    pub fn send<J: Send + 'static>(&mut self, issuer: &BucketIssuer<J, P>, job: J) -> Result<()> {
+        issuer.send(self.pass, job)?;
         self.sent += 1;
         self.waiting += 1;
         Ok(())
     }
 
-    /// Waits (at most `wait` per bucket) until the launcher has answered for every bucket of
-    /// this pass (the launcher holds what it queued). The first failure is returned after every
+    /// Waits (at most `wait` per bucket) until the issuer has answered for every bucket of
+    /// this pass (the issuer holds what it queued). The first failure is returned after every
     /// answer is in (or one never comes).
     fn collect<J: Send + 'static>(
         &mut self,
-        launcher: &BucketLauncher<J, P>,
+        issuer: &BucketIssuer<J, P>,
         wait: Duration,
     ) -> Result<()> {
         let mut first = None;
         while self.waiting > 0 {
-            match launcher.receive(self.pass, wait) {
+            match issuer.receive(self.pass, wait) {
                 Ok(result) => {
                     self.waiting -= 1;
                     if let Err(e) = result {
@@ -362,18 +358,18 @@ impl<P: Send + 'static> InFlight<P> {
     /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped); the queue's wait.
     pub fn finish<J: Send + 'static>(
         &mut self,
-        launcher: &BucketLauncher<J, P>,
+        issuer: &BucketIssuer<J, P>,
         wait: Duration,
     ) -> Result<()> {
         match self
-            .collect(launcher, wait)
-            .and_then(|()| launcher.queue.wait())
+            .collect(issuer, wait)
+            .and_then(|()| issuer.queue.wait())
         {
             Ok(()) => {
-                launcher.release_held();
+                issuer.release_held();
                 Ok(())
             }
-            Err(e) => Err(self.abandon(launcher, e, wait)),
+            Err(e) => Err(self.abandon(issuer, e, wait)),
         }
     }
 
@@ -381,15 +377,15 @@ impl<P: Send + 'static> InFlight<P> {
     /// step: the other ranks are told, and their waits end naming this rank), takes every
     /// answer still owed (at most `wait` each), then drains the queue (bounded) before any pin
     /// goes; pins of a queue that never goes idle are leaked. Answers that never came are held
-    /// by the launcher when they do, under the same fate.
+    /// by the issuer when they do, under the same fate.
     pub fn abandon<J: Send + 'static>(
         &mut self,
-        launcher: &BucketLauncher<J, P>,
+        issuer: &BucketIssuer<J, P>,
         e: DdpError,
         wait: Duration,
     ) -> DdpError {
-        launcher.queue.fail_with(&e);
-        self.settle_stopped(launcher, wait);
+        issuer.queue.fail_with(&e);
+        self.settle_stopped(issuer, wait);
         e
     }
 
@@ -399,11 +395,11 @@ impl<P: Send + 'static> InFlight<P> {
     /// (bounded) before any pin goes, or leaks them if it never goes idle.
     pub fn settle_stopped<J: Send + 'static>(
         &mut self,
-        launcher: &BucketLauncher<J, P>,
+        issuer: &BucketIssuer<J, P>,
         wait: Duration,
     ) {
-        let _ = self.collect(launcher, wait);
-        launcher.settle_stopped();
+        let _ = self.collect(issuer, wait);
+        issuer.settle_stopped();
     }
 }
 
@@ -508,7 +504,7 @@ mod tests {
         }
     }
 
-    /// A job: how long its transfer runs, how long the launcher takes to queue it, or a bucket
+    /// A job: how long its transfer runs, how long the issuer takes to queue it, or a bucket
     /// that cannot be queued.
     #[derive(Clone, Copy)]
     enum FakeJob {
@@ -517,9 +513,9 @@ mod tests {
         Refused,
     }
 
-    fn launcher(stream: &Arc<Stream>) -> BucketLauncher<FakeJob, Pin> {
+    fn issuer(stream: &Arc<Stream>) -> BucketIssuer<FakeJob, Pin> {
         let s = Arc::clone(stream);
-        BucketLauncher::start(Rank(0), Arc::clone(stream) as Arc<dyn Queue>, move |job| {
+        BucketIssuer::start(Rank(0), Arc::clone(stream) as Arc<dyn Queue>, move |job| {
             let (queue_ms, run_ms) = match job {
                 FakeJob::Runs(ms) => (0, ms),
                 FakeJob::SlowToQueue(q, ms) => (q, ms),
@@ -550,10 +546,10 @@ mod tests {
         .unwrap()
     }
 
-    fn pass(launcher: &BucketLauncher<FakeJob, Pin>, jobs: &[FakeJob]) -> InFlight<Pin> {
+    fn pass(issuer: &BucketIssuer<FakeJob, Pin>, jobs: &[FakeJob]) -> InFlight<Pin> {
         let mut pass = InFlight::new();
         for &j in jobs {
-            pass.send(launcher, j).unwrap();
+            pass.send(issuer, j).unwrap();
         }
         pass
     }
@@ -563,7 +559,7 @@ mod tests {
     #[test]
     fn a_finished_pass_releases_its_pins_only_after_the_wait() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let mut p = pass(
             &l,
             &[FakeJob::Runs(40), FakeJob::Runs(80), FakeJob::Runs(10)],
@@ -579,7 +575,7 @@ mod tests {
     #[test]
     fn a_bucket_that_cannot_be_queued_stops_the_stream_before_any_pin_goes() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         // Buckets 0 and 2 are queued and run for seconds; bucket 1 fails (0.21's `finish`
         // used to return here and drop the step, pins included).
         let mut p = pass(
@@ -596,8 +592,8 @@ mod tests {
     #[test]
     fn answers_that_come_after_a_timeout_are_held_until_the_stream_drained() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
-        // The launcher takes 200 ms to queue the second bucket: the pass gives up at 50 ms.
+        let l = issuer(&stream);
+        // The issuer takes 200 ms to queue the second bucket: the pass gives up at 50 ms.
         let mut p = pass(
             &l,
             &[FakeJob::Runs(2_000), FakeJob::SlowToQueue(200, 2_000)],
@@ -618,7 +614,7 @@ mod tests {
     #[test]
     fn a_dropped_pass_leaves_its_pins_to_the_launcher_and_the_next_pass_skips_its_answers() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         // Sent, never finished: the pass is simply forgotten.
         let _ = pass(&l, &[FakeJob::Runs(300), FakeJob::Runs(300)]);
         let mut p = pass(&l, &[FakeJob::Runs(5), FakeJob::Runs(5)]);
@@ -634,7 +630,7 @@ mod tests {
     #[test]
     fn pins_of_a_stream_that_never_drains_are_leaked_not_released() {
         let stream = Arc::new(Stream::stuck());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let mut p = pass(&l, &[FakeJob::Runs(60_000), FakeJob::Refused]);
         let e = p.finish(&l, WAIT).unwrap_err();
         assert!(e.to_string().contains("unlucky bucket"), "{e}");
@@ -647,9 +643,9 @@ mod tests {
     #[test]
     fn a_launcher_dropped_with_pins_held_waits_for_the_stream_first() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let mut p = pass(&l, &[FakeJob::Runs(150)]);
-        // Answered (held by the launcher), never finished.
+        // Answered (held by the issuer), never finished.
         assert!(p.collect(&l, WAIT).is_ok());
         assert_eq!(l.held_pins(), 1);
         let _ = p;
@@ -661,7 +657,7 @@ mod tests {
     #[test]
     fn a_pass_that_fails_before_sending_still_stops_the_stream_and_drains_older_pins() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let _ = pass(&l, &[FakeJob::Runs(3_000)]);
         std::thread::sleep(Duration::from_millis(50)); // queued before the stop
         let mut p = InFlight::<Pin>::new();
@@ -683,7 +679,7 @@ mod tests {
     #[test]
     fn a_stream_its_owner_stopped_is_drained_without_telling_anyone() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let mut p = pass(&l, &[FakeJob::Runs(5_000), FakeJob::Runs(5_000)]);
         std::thread::sleep(Duration::from_millis(50)); // both queued
                                                        // The owner aborts the communicator itself (a membership change), as NCCL's abort does.
@@ -699,7 +695,7 @@ mod tests {
     #[test]
     fn a_missing_answer_is_a_timeout_not_a_hang() {
         let stream = Arc::new(Stream::default());
-        let l = launcher(&stream);
+        let l = issuer(&stream);
         let mut p = pass(&l, &[FakeJob::SlowToQueue(2_000, 1)]);
         let e = p.collect(&l, Duration::from_millis(50)).unwrap_err();
         assert!(
