@@ -349,9 +349,7 @@ impl HostSync {
     /// out shared buckets.
     pub fn buckets<K>(&mut self, plan: &BucketPlan<K>) -> Result<HostBuckets> {
         self.comm.collect(&mut [])?;
-        let lens: Vec<usize> = (0..plan.buckets.len())
-            .map(|b| plan.buffer_len(b))
-            .collect();
+        let lens = plan.buffer_lens();
         let buffers = match self.comm.buffers(&lens)? {
             Some(shared) => shared,
             None => BucketBuf::on_heap(&lens, &mut self.spare),
@@ -365,10 +363,7 @@ impl HostSync {
 
     /// Heap buckets for one pass over `plan`, when shared ones could not be had.
     pub fn heap_buckets<K>(&mut self, plan: &BucketPlan<K>) -> HostBuckets {
-        let lens: Vec<usize> = (0..plan.buckets.len())
-            .map(|b| plan.buffer_len(b))
-            .collect();
-        let buffers = BucketBuf::on_heap(&lens, &mut self.spare);
+        let buffers = BucketBuf::on_heap(&plan.buffer_lens(), &mut self.spare);
         HostBuckets::new(self.comm.pg.rank(), plan_key(plan), buffers)
     }
 

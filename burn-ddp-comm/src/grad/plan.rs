@@ -93,6 +93,13 @@ impl<K> BucketPlan<K> {
         len + slots.len()
     }
 
+    /// Every bucket's [`buffer_len`](Self::buffer_len), in bucket order.
+    pub fn buffer_lens(&self) -> Vec<usize> {
+        (0..self.buckets.len())
+            .map(|b| self.buffer_len(b))
+            .collect()
+    }
+
     /// Where slot `slot`'s presence flag is in its bucket's buffer (see
     /// [`BucketPlan::buffer_len`]).
     pub fn flag_index(&self, slot: usize) -> usize {

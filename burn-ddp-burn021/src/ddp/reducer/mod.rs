@@ -180,11 +180,7 @@ impl Reducer {
     /// # Errors
     /// The thread cannot be started.
     pub(crate) fn host_sync(&mut self) -> Result<&mut HostSync> {
-        let host = match self.host.take() {
-            Some(host) => host,
-            None => HostSync::start(&self.pg, &self.config)?,
-        };
-        Ok(self.host.insert(host))
+        started(&mut self.host, &self.pg, &self.config)
     }
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
@@ -375,15 +371,12 @@ impl Reducer {
                 // Values, then the presence flags (`BucketPlan::buffer_len`): in memory shared
                 // with the host's other ranks when the group has it (a collective the first
                 // time: every rank's pass begins here), else on the heap.
-                let host = match self.host.as_mut() {
-                    Some(host) => host,
-                    None => match HostSync::start(&self.pg, &self.config) {
-                        Ok(host) => self.host.insert(host),
-                        Err(e) => {
-                            self.error.get_or_insert(e);
-                            return;
-                        }
-                    },
+                let host = match started(&mut self.host, &self.pg, &self.config) {
+                    Ok(host) => host,
+                    Err(e) => {
+                        self.error.get_or_insert(e);
+                        return;
+                    }
                 };
                 match host.buckets(plan) {
                     Ok(b) => Buckets::Host(b),
@@ -647,4 +640,19 @@ fn abandoned(rank: crate::group::Rank) -> DdpError {
                  panicked, or the job's membership changed): NCCL was stopped so that no rank \
                  waits for buckets that will not come",
     )
+}
+
+/// The session's host transport, started (its communication thread) the first time it is needed.
+///
+/// # Errors
+/// The thread cannot be started.
+fn started<'h>(
+    host: &'h mut Option<HostSync>,
+    pg: &ProcessGroup,
+    config: &DdpConfig,
+) -> Result<&'h mut HostSync> {
+    match host {
+        Some(h) => Ok(h),
+        None => Ok(host.insert(HostSync::start(pg, config)?)),
+    }
 }
