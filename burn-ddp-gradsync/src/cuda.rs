@@ -238,7 +238,7 @@ impl DevicePath {
     /// Aborts the communicator (after a change of membership: its peers may be gone), without
     /// publishing an abort record (the job's belongs to the new membership); the issuer
     /// thread ends when the path is dropped.
-    pub(crate) fn abort(self) {
+    pub(crate) fn abort(&self) {
         self.comm.abort();
     }
 

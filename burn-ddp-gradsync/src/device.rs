@@ -141,19 +141,13 @@ pub(crate) fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
     }
 }
 
-/// Reduces `grads` of `model` over `link` (see the module documentation).
-///
-/// # Errors
-/// A gradient on another device than the link's; a gradient of the wrong size; a model that
-/// changed since `prepare`; the link's failures, naming the rank at fault.
-pub(crate) fn sync<L: DeviceLink, M: Module>(
+/// The pass of one step over `link` (eager: each bucket goes as soon as its gradients are in).
+pub(crate) fn begin<L: DeviceLink>(
     link: &L,
     pg: &ProcessGroup,
     plan: &BucketPlan<usize>,
     (reduction, compression): (GradReduction, Compression),
-    model: &M,
-    mut grads: GradientsParams,
-) -> Result<GradientsParams> {
+) -> Pass<DeviceBuckets<L>> {
     let rank = pg.rank();
     link.core().counters.one(DeviceWork::Pass);
     let buckets = DeviceBuckets::<L> {
@@ -165,12 +159,46 @@ pub(crate) fn sync<L: DeviceLink, M: Module>(
         rank,
         wait: pg.timeouts().collective + ANSWER_SLACK,
     };
-    let mut pass = Pass::new(rank, plan, buckets, true);
+    Pass::new(rank, plan, buckets, true)
+}
+
+/// Reduces `grads` of `model` over `link` (see the module documentation).
+///
+/// # Errors
+/// A gradient on another device than the link's; a gradient of the wrong size; a model that
+/// changed since `prepare`; the link's failures, naming the rank at fault.
+pub(crate) fn sync<L: DeviceLink, M: Module>(
+    link: &L,
+    pg: &ProcessGroup,
+    plan: &BucketPlan<usize>,
+    how: (GradReduction, Compression),
+    model: &M,
+    mut grads: GradientsParams,
+) -> Result<GradientsParams> {
+    let rank = pg.rank();
+    let mut pass = begin(link, pg, plan, how);
     let mut link = link;
     let taken = crate::grads::take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
         pass.push(&mut link, plan, slot, grad);
         Ok(())
     });
+    finish(rank, pass, link, plan, (model, grads), taken)
+}
+
+/// Ends `pass` (the buckets left, the answers) and writes its reduced gradients into `grads`
+/// for `model`'s parameters (`taken`: where they go, or why they could not be taken, which
+/// fails the pass after every bucket went).
+///
+/// # Errors
+/// The pass's first failure, or `taken`'s.
+pub(crate) fn finish<L: DeviceLink, M: Module>(
+    rank: Rank,
+    mut pass: Pass<DeviceBuckets<L>>,
+    mut link: &L,
+    plan: &BucketPlan<usize>,
+    (model, mut grads): (&M, GradientsParams),
+    taken: Result<Vec<crate::grads::Target>>,
+) -> Result<GradientsParams> {
     // A failure still sends every bucket, then stops the link (the other ranks are told) and
     // is reported; the pins go only once the link is known done with them.
     let targets = match taken {
@@ -193,7 +221,7 @@ pub(crate) fn sync<L: DeviceLink, M: Module>(
 
 /// The device transport of one step: the flattened gradients until their bucket is packed, and
 /// the buckets' outputs.
-struct DeviceBuckets<L: DeviceLink> {
+pub(crate) struct DeviceBuckets<L: DeviceLink> {
     op: ReduceOp,
     dtype: (DType, BurnDType),
     /// Each slot's flattened f32 gradient (`None`: none on this rank, or packed already).

@@ -36,6 +36,10 @@ use burn::tensor::Tensor;
 /// Where a hook hands each parameter's complete gradient, on the backward thread.
 pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
     /// `grad` is the complete gradient of parameter `slot`, in its shape, flattened.
+    #[cfg_attr(
+        not(any(feature = "flex", feature = "ndarray", feature = "cuda")),
+        allow(dead_code)
+    )]
     fn ready(&self, slot: usize, grad: Tensor<1>);
 }
 
@@ -58,8 +62,17 @@ pub(crate) struct Levels {
 impl Levels {
     /// The anchors up to depth `deepest` on `device` (an autodiff device); `None` when the
     /// device's backend is none this crate is built for (the hooks are then not applied).
+    #[cfg(test)]
     pub(crate) fn new(device: &burn::tensor::Device, deepest: usize) -> Option<Self> {
-        let mut t = Tensor::<1>::zeros([1], device);
+        Self::from_seed(Tensor::<1>::zeros([1], device), deepest)
+    }
+
+    /// The anchors up to depth `deepest`, in `seed`'s autodiff context (its backend and
+    /// checkpointing strategy: those of the tensors to hook), `seed` being an untracked tensor
+    /// of one element; `None` when it is not an autodiff tensor of a backend this crate is
+    /// built for.
+    pub(crate) fn from_seed(seed: Tensor<1>, deepest: usize) -> Option<Self> {
+        let mut t = seed;
         let mut chain = Vec::with_capacity(deepest + 1);
         chain.push(t.clone());
         for _ in 0..deepest {
@@ -79,30 +92,36 @@ impl Levels {
 }
 
 /// `t` (parameter `slot`'s tensor) through a hook that hands its gradient to `sink` (see the
-/// module documentation), at depth [`level`]`(slot)`; `t` itself when it is not an autodiff
-/// tensor of a backend this crate is built for, or `levels` is not deep enough.
+/// module documentation), at depth [`level`]`(slot)`: `Break`; `Continue(t)` when it is not an
+/// autodiff tensor of the anchors' context, or `levels` is not deep enough.
 pub(crate) fn hooked<const D: usize>(
     t: Tensor<D>,
     slot: usize,
     levels: &Levels,
     sink: &Arc<dyn GradSink>,
-) -> Tensor<D> {
+) -> ControlFlow<Tensor<D>, Tensor<D>> {
     hooked_above(t, level(slot) - 1, (slot, levels), sink)
 }
 
 /// `t` through a hook for `slot` whose depth is at least one more than `depth` (and than
-/// `t`'s own).
+/// `t`'s own), as [`hooked`].
 pub(crate) fn hooked_above<const D: usize>(
     t: Tensor<D>,
     depth: usize,
     (slot, levels): (usize, &Levels),
     sink: &Arc<dyn GradSink>,
-) -> Tensor<D> {
+) -> ControlFlow<Tensor<D>, Tensor<D>> {
     let Some(anchor) = levels.anchor(depth) else {
-        return t;
+        return Continue(t);
     };
-    match backends::hook(t, anchor.clone(), (Arc::clone(sink), slot)) {
-        Break(h) | Continue(h) => h,
+    backends::hook(t, anchor.clone(), (Arc::clone(sink), slot))
+}
+
+/// The tensor of a hook, applied or not.
+#[cfg(test)]
+fn either<T>(f: ControlFlow<T, T>) -> T {
+    match f {
+        Break(t) | Continue(t) => t,
     }
 }
 
@@ -324,7 +343,7 @@ mod tests {
 
         let levels = Levels::new(&device, level(0)).unwrap();
         let (record, sink) = recorder();
-        let h = hooked(w.clone(), 0, &levels, &sink);
+        let h = either(hooked(w.clone(), 0, &levels, &sink));
         let grads = x.matmul(h.clone()).matmul(h.clone()).sum().backward();
         assert_eq!(*record.0.lock().unwrap(), vec![(0, want.clone())]);
         // The parameter's gradient is the whole one; the hooked tensor keeps none.
@@ -350,7 +369,7 @@ mod tests {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let slot = self.slot;
             self.slot += 1;
-            param.map(|t| hooked(t, slot, self.levels, self.sink))
+            param.map(|t| either(hooked(t, slot, self.levels, self.sink)))
         }
     }
 
@@ -362,7 +381,7 @@ mod tests {
     fn loss(model: &Mlp, x: Tensor<2>, probes: Option<(&Levels, &Arc<dyn GradSink>)>) -> Tensor<1> {
         let probe = |t: Tensor<2>, id: usize| match probes {
             // Depth 0: the probe's depth is its input's, plus one.
-            Some((levels, sink)) => hooked_above(t, 0, (PROBE + id, levels), sink),
+            Some((levels, sink)) => either(hooked_above(t, 0, (PROBE + id, levels), sink)),
             None => t,
         };
         let h1 = probe(Relu.forward(model.a.forward(x)), 1);
@@ -408,7 +427,7 @@ mod tests {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
                 let slot = self.2;
                 self.2 += 1;
-                param.map(|t| hooked_above(t, 0, (slot, self.0), self.1))
+                param.map(|t| either(hooked_above(t, 0, (slot, self.0), self.1)))
             }
         }
         let device = Device::flex().autodiff();

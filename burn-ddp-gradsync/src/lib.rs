@@ -15,9 +15,12 @@
 //! instead of counts; the backends `SyncBatchNorm` can run on: Burn 0.23 has no NdArray).
 //!
 //! Burn 0.22 routes every tensor through its closed `Dispatch` enum, so a backend decorator
-//! such as burn-ddp's `Autodiff<Ddp<B>>` cannot exist there, and gradients cannot be reduced
-//! while backward still runs. This line works where 0.22 leaves room: **after backward**, on the
-//! `GradientsParams` handed to the optimizer.
+//! such as burn-ddp's `Autodiff<Ddp<B>>` cannot exist there. This line works on the
+//! `GradientsParams` handed to the optimizer: [`GradSync::sync`] reduces them **after
+//! backward**; with one more line, [`GradSync::overlapped`], the step's forward runs on a model
+//! whose parameters carry a backward hook of ours (an autodiff operation, as `SyncBatchNorm`'s),
+//! and each bucket is all-reduced **during backward**, as soon as its gradients are complete, as
+//! PyTorch DDP does.
 //!
 //! ```no_run
 //! # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
@@ -39,6 +42,11 @@
 //! let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
 //! let grads = sync.sync(&model, grads)?; // the mean over every rank
 //! model = optim.step(0.1, model, grads);
+//! // The same step with communication overlapped with backward:
+//! let overlapped = sync.overlapped(&model)?; // this step's forward runs on it
+//! let grads = GradientsParams::from_grads(loss(&overlapped).backward(), &model);
+//! let grads = sync.sync(&model, grads)?; // waits for the buckets still in flight
+//! model = optim.step(0.1, model, grads);
 //! # Ok(()) }
 //! ```
 //!
@@ -48,7 +56,8 @@
 //! packed, while the next is being packed. Mean or sum; fp16/bf16 on the wire; a parameter that
 //! has a gradient on some ranks only gets the reduced value on every rank, one that no rank has
 //! a gradient for stays without one. For gradient accumulation, accumulate the micro-steps'
-//! gradients locally (Burn's `GradientsAccumulator`) and call `sync` once.
+//! gradients locally (Burn's `GradientsAccumulator`) and call `sync` once (overlapped: run the
+//! last micro-step on [`GradSync::overlapped_after`]`(&model, accumulated)`).
 //!
 //! [`nn::SyncBatchNorm`] is Burn's `BatchNorm` with the statistics of the global batch
 //! (PyTorch's `SyncBatchNorm`), on the backends of this crate's `flex`, `ndarray` and `cuda`
@@ -111,11 +120,10 @@ mod data;
 #[cfg(any(feature = "cuda", test))]
 mod device;
 mod grads;
-// A backward hook per parameter (the seam overlap builds on); proven by its tests.
-#[cfg(test)]
 mod hook;
 mod loop_state;
 pub mod nn;
+mod overlap;
 pub mod pipeline;
 #[cfg(all(feature = "train", feature = "burn-0-22"))]
 #[path = "progress/burn022.rs"]

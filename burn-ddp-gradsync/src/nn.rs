@@ -11,14 +11,14 @@
 
 use std::cell::RefCell;
 use std::ops::ControlFlow;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 
 use burn::config::Config;
 use burn::module::{Flag, Module, Param, RunningState};
 use burn::nn::{BatchNorm, BatchNormConfig};
 use burn::tensor::Tensor;
 use burn_ddp_comm::train::vote::FailureSlot;
-use burn_ddp_comm::{DdpError, ProcessGroup, WeakGroup};
+use burn_ddp_comm::{DdpError, ProcessGroup, Result, WeakGroup};
 
 /// [`SyncBatchNorm`]'s configuration: the same fields, defaults and checks as Burn's
 /// `BatchNormConfig`.
@@ -193,16 +193,53 @@ impl SyncBatchNorm {
     }
 }
 
-/// The group this process's layers all-reduce over, and where their failures wait.
+/// The group this process's layers all-reduce over, where their failures wait, and what their
+/// all-reduces must go behind.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerGroup {
     pg: ProcessGroup,
     failure: FailureSlot,
+    behind: Behind,
 }
 
 /// A registered group: weak, so that the registry never keeps a group alive (the last
 /// `ProcessGroup` handle dropped is what tells the other ranks that this one finished).
-type Registered = (WeakGroup, FailureSlot);
+type Registered = (WeakGroup, FailureSlot, Behind);
+
+/// What a layer's all-reduce must go behind: the gradient buckets an overlapped step has in
+/// flight on the communication thread (`GradSync::overlapped`), so that every rank runs the
+/// group's collectives in one order.
+pub(crate) trait InOrder: Send + Sync {
+    /// `data` summed over the group behind the buckets in flight; `Err(data)` when none is
+    /// (the caller all-reduces directly: nothing can overtake it).
+    fn sum_in_order(&self, data: Vec<f32>) -> std::result::Result<Result<Vec<f32>>, Vec<f32>>;
+}
+
+/// The step the layers of a `GradSync` go behind while it is open (weak: the step's end
+/// drops it).
+#[derive(Clone, Default)]
+pub(crate) struct Behind(Arc<Mutex<Option<Weak<dyn InOrder>>>>);
+
+impl std::fmt::Debug for Behind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Behind")
+    }
+}
+
+impl Behind {
+    /// Makes `step` what the layers go behind (`None`: nothing).
+    pub(crate) fn set(&self, step: Option<Weak<dyn InOrder>>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = step;
+    }
+
+    fn current(&self) -> Option<Arc<dyn InOrder>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .and_then(Weak::upgrade)
+    }
+}
 
 /// Set by [`LayerGroup::register`] (each `GradSync::new`): the process's last, for a forward
 /// on another thread than its `GradSync`'s.
@@ -217,21 +254,22 @@ thread_local! {
 impl LayerGroup {
     /// Makes `pg` the group of the layers of this thread (and of the process, for threads that
     /// made none); returns where their failures are kept.
-    pub(crate) fn register(pg: &ProcessGroup) -> FailureSlot {
-        let failure = FailureSlot::default();
-        let registered = (pg.downgrade(), failure.clone());
+    pub(crate) fn register(pg: &ProcessGroup) -> (FailureSlot, Behind) {
+        let (failure, behind) = (FailureSlot::default(), Behind::default());
+        let registered = (pg.downgrade(), failure.clone(), behind.clone());
         THREAD_LAYERS.with(|t| *t.borrow_mut() = Some(registered.clone()));
         *LAYERS.lock().unwrap_or_else(|p| p.into_inner()) = Some(registered);
-        failure
+        (failure, behind)
     }
 
     /// This thread's group, else the process's, while it lives; none at world size 1.
     fn current() -> Option<Self> {
         let alive = |r: Option<Registered>| {
-            let (weak, failure) = r?;
+            let (weak, failure, behind) = r?;
             Some(Self {
                 pg: weak.upgrade()?,
                 failure,
+                behind,
             })
         };
         let group = alive(THREAD_LAYERS.with(|t| t.borrow().clone()))
@@ -412,11 +450,24 @@ mod tracked {
                 .try_into_data()
                 .map_err(|e| group.model_error(e.to_string()))?;
             let shape = data.shape().clone();
-            let mut values = data
+            let values = data
                 .convert_dtype(burn::tensor::DType::F32)
                 .try_into_vec::<f32>()
                 .map_err(|e| group.model_error(format!("{e:?}")))?;
-            group.pg.all_reduce(&mut values, ReduceOp::Sum)?;
+            let values = match group.behind.current() {
+                Some(step) => match step.sum_in_order(values) {
+                    Ok(summed) => summed?,
+                    Err(mut values) => {
+                        group.pg.all_reduce(&mut values, ReduceOp::Sum)?;
+                        values
+                    }
+                },
+                None => {
+                    let mut values = values;
+                    group.pg.all_reduce(&mut values, ReduceOp::Sum)?;
+                    values
+                }
+            };
             let data = TensorData::new(values, shape).convert_dtype(dtype);
             Ok(Tensor::from_data(data, (&device, dtype)))
         }
@@ -441,7 +492,7 @@ mod tests {
 
     #[test]
     fn without_a_job_it_is_batch_norm_in_training_and_inference() {
-        LayerGroup::register(&ProcessGroup::single());
+        let _ = LayerGroup::register(&ProcessGroup::single());
         let device = Device::default().autodiff();
         let sync = SyncBatchNormConfig::new(3).init(&device);
         let plain = BatchNormConfig::new(3).init(&device);

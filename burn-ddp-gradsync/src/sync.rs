@@ -1,7 +1,7 @@
 //! [`GradSync`]: a model prepared on every rank, and its gradients reduced after backward.
 
 use burn_ddp_comm::ConfigError;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -12,12 +12,15 @@ use burn::tensor::{Bytes, Tensor, TensorData};
 use burn_ddp_comm::config::GradTransport;
 use burn_ddp_comm::grad::{
     check_and_load, compare_replicas, load_from, BucketOrder, BucketPlan, DeviceDrain, HostSync,
-    JoinCall, JoinSlot, NotCarried, ParamInfo, Replica, ReplicaCheck, DEVICE_DRAIN_LIMIT,
+    JoinCall, JoinSlot, NotCarried, ParamInfo, Pass, Reduced, Replica, ReplicaCheck,
+    DEVICE_DRAIN_LIMIT,
 };
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{DdpConfig, DdpError, ProcessGroup, Rank, Result};
 
-use crate::grads::{describe, put_grads, take_grads};
+use crate::grads::{describe, put_grads, take_grads, Target};
+use crate::hook::GradSink;
+use crate::overlap::{hook_model, lock, Anchors, Open, OpenPass};
 
 /// Gradient synchronisation for one rank: [`prepare`](Self::prepare) the model once, then
 /// [`sync`](Self::sync) the gradients of every step before the optimizer sees them.
@@ -26,9 +29,20 @@ use crate::grads::{describe, put_grads, take_grads};
 pub struct GradSync {
     pg: ProcessGroup,
     config: DdpConfig,
-    host: HostSync,
+    /// The host-staged transport (shared with an overlapped step's pass while it is open).
+    host: Arc<Mutex<HostSync>>,
     /// The prepared model's trainable parameters (slot = position in visit order).
-    plan: Option<BucketPlan<usize>>,
+    plan: Option<Arc<BucketPlan<usize>>>,
+    /// The pass of an overlapped step ([`GradSync::overlapped`]), until [`GradSync::sync`].
+    open: Option<Arc<OpenPass>>,
+    /// The overlapped steps' hook anchors.
+    anchors: Anchors,
+    /// Of the last step: how many buckets left during backward, of how many (`None`: the last
+    /// step was not overlapped).
+    last_overlap: Option<(usize, usize)>,
+    /// Gradients accumulated before a step that [`GradSync::overlapped_after`] could not
+    /// overlap: added to the step's own by [`GradSync::sync`].
+    earlier: Option<GradientsParams>,
     /// Counts synchronised steps for the periodic comparison of the replicas.
     replicas: ReplicaCheck,
     /// Uneven-input mode, inside [`GradSync::join`] (shared with the shadow loop, which makes
@@ -36,9 +50,11 @@ pub struct GradSync {
     pub(crate) join: Arc<JoinSlot>,
     /// What this process's `SyncBatchNorm` layers could not all-reduce (`nn`).
     layers: FailureSlot,
+    /// What their all-reduces go behind: an overlapped step's buckets in flight.
+    behind: crate::nn::Behind,
     /// NCCL for a model on a GPU (set up by `prepare`).
     #[cfg(feature = "cuda")]
-    device: Option<crate::cuda::DevicePath>,
+    device: Option<Arc<Mutex<crate::cuda::DevicePath>>>,
     /// Waits for the work queued on the prepared model's devices, run when this is dropped.
     drain: DeviceDrain,
 }
@@ -109,15 +125,20 @@ impl GradSync {
         if config.power_sgd.is_some() {
             NotCarried::PowerSgd.refuse_on(&pg)?;
         }
-        let host = HostSync::start(&pg, &config)?;
-        let layers = crate::nn::LayerGroup::register(&pg);
+        let host = Arc::new(Mutex::new(HostSync::start(&pg, &config)?));
+        let (layers, behind) = crate::nn::LayerGroup::register(&pg);
         Ok(Self {
             layers,
+            behind,
             pg,
             replicas: ReplicaCheck::new(config.check_replicas_every),
             config,
             host,
             plan: None,
+            open: None,
+            anchors: Anchors::default(),
+            last_overlap: None,
+            earlier: None,
             join: Arc::default(),
             #[cfg(feature = "cuda")]
             device: None,
@@ -147,7 +168,7 @@ impl GradSync {
     pub fn device_counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
         #[cfg(feature = "cuda")]
         {
-            self.device.as_ref().map(crate::cuda::DevicePath::counts)
+            self.device.as_ref().map(|d| lock(d).counts())
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -158,7 +179,7 @@ impl GradSync {
     /// With PowerSGD on: (f32 elements all-reduced, elements the same buckets hold
     /// uncompressed, steps) since the start, on this rank.
     pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
-        self.host.power_sgd_totals()
+        lock(&self.host).power_sgd_totals()
     }
 
     /// The process group.
@@ -190,7 +211,7 @@ impl GradSync {
     pub fn buckets(&self) -> Vec<Vec<String>> {
         self.plan
             .as_ref()
-            .map(BucketPlan::bucket_names)
+            .map(|p| p.bucket_names())
             .unwrap_or_default()
     }
 
@@ -222,12 +243,15 @@ impl GradSync {
     /// # Errors
     /// As [`prepare`](Self::prepare).
     pub fn reprepare<M: Module>(&mut self, model: M) -> Result<M> {
-        self.host = HostSync::start(&self.pg, &self.config)?;
+        self.open = None;
+        self.behind.set(None);
+        self.earlier = None;
+        self.host = Arc::new(Mutex::new(HostSync::start(&self.pg, &self.config)?));
         self.replicas = ReplicaCheck::new(self.config.check_replicas_every);
         self.join.clear();
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.take() {
-            device.abort();
+            lock(&device).abort();
         }
         self.prepare_with(model, false)
     }
@@ -249,18 +273,24 @@ impl GradSync {
             .enumerate()
             .map(|(slot, (info, _))| (info, slot))
             .collect();
-        let plan = BucketPlan::build(trainable, &self.config, BucketOrder::Forward);
+        // Overlapped, the last parameters' gradients come first: their buckets go first.
+        let order = match self.config.overlap {
+            true => BucketOrder::Reverse,
+            false => BucketOrder::Forward,
+        };
+        let plan = BucketPlan::build(trainable, &self.config, order);
         tracing::debug!(
             "[rank {rank}] ddp: {} parameters in {} buckets",
             plan.slots.len(),
             plan.buckets.len()
         );
-        self.plan = Some(plan);
+        self.plan = Some(Arc::new(plan));
         #[cfg(feature = "cuda")]
         if self.device.is_none() {
             let device = first_device(&model);
             self.device =
-                crate::cuda::DevicePath::connect(&self.pg, self.config.transport, device.as_ref())?;
+                crate::cuda::DevicePath::connect(&self.pg, self.config.transport, device.as_ref())?
+                    .map(|d| Arc::new(Mutex::new(d)));
         }
         Ok(model)
     }
@@ -282,13 +312,40 @@ impl GradSync {
         grads: GradientsParams,
     ) -> Result<GradientsParams> {
         self.require_plan()?;
+        // An overlapped step's buckets are in flight: they end first, before any other
+        // collective of the group could overtake them.
+        let overlapped = self.open.take();
+        self.behind.set(None);
+        self.last_overlap = None;
+        // Accumulated before a step that could not be overlapped: part of this one.
+        let grads = match self.earlier.take() {
+            Some(earlier) => {
+                let mut acc = burn::optim::GradientsAccumulator::<M>::new();
+                acc.accumulate(model, earlier);
+                acc.accumulate(model, grads);
+                acc.grads()
+            }
+            None => grads,
+        };
+        let grads = match &overlapped {
+            Some(open) => self.finish_open(open, model, grads),
+            None => Ok(grads),
+        };
         if let Some(e) = self.layers.take() {
             return Err(e);
         }
+        let grads = grads?;
         // The datasets of samplers made since the last step, compared across the ranks.
         burn_ddp_comm::data::check_datasets(&self.pg)?;
         // Inside a join: announced first; no comparison of replicas (the ranks that ran out
         // no longer step), and the mean is over the ranks still training.
+        if overlapped.is_some() {
+            // Never inside a join (`overlapped` leaves the model as it is there).
+            if let Some(step) = self.replicas.due() {
+                self.compare_replicas(model, step)?;
+            }
+            return Ok(grads);
+        }
         let Some(round) = self.join.announce(&self.pg, JoinCall::Gradients)? else {
             if let Some(step) = self.replicas.due() {
                 self.compare_replicas(model, step)?;
@@ -300,6 +357,197 @@ impl GradSync {
             Some(factor) => scale(model, grads, factor),
             None => grads,
         })
+    }
+
+    /// `model` for one step whose gradient communication overlaps its backward (PyTorch DDP's
+    /// default; [`DdpConfig::overlap`], on by default): run this step's forward on the model it
+    /// returns, then backward, then [`sync`](Self::sync) as usual. During backward, each
+    /// trainable parameter's gradient is handed over as soon as it is complete (a backward
+    /// hook of ours, docs/design.md "The parameter seam"), and every bucket whose gradients are
+    /// all in is all-reduced while backward goes on; `sync` then waits for what is left.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "burn-0-22")] extern crate burn022 as burn;
+    /// # #[cfg(feature = "burn-0-23")] extern crate burn023 as burn;
+    /// # use burn::module::Module;
+    /// # use burn::nn::{Linear, LinearConfig};
+    /// # use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+    /// # use burn::tensor::{Device, Tensor};
+    /// # use burn_ddp::{DdpConfig, GradSync, ProcessGroup};
+    /// # fn main() -> burn_ddp::Result<()> {
+    /// # let device = Device::default().autodiff();
+    /// let mut sync = GradSync::new(ProcessGroup::from_env()?, DdpConfig::default())?;
+    /// let mut model = sync.prepare(LinearConfig::new(4, 1).init(&device))?;
+    /// # let mut optim = SgdConfig::new().init();
+    /// # let x = Tensor::<2>::zeros([8, 4], &device);
+    /// let loss = sync.overlapped(&model)?.forward(x).sum(); // the one line that changes
+    /// let grads = GradientsParams::from_grads(loss.backward(), &model);
+    /// let grads = sync.sync(&model, grads)?;
+    /// model = optim.step(0.1, model, grads);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// The returned model is for this step only: one forward and one backward, then `sync` (a
+    /// second backward through it fails the step). The hooks hand over the gradients of that
+    /// one backward: with gradient accumulation over several micro-batches, use `model` itself
+    /// and `sync` the accumulated gradients after the last backward, as without overlap. Its
+    /// parameters keep no gradient of their own (take the gradients with
+    /// `GradientsParams::from_grads(.., &model)`, or give `sync` an empty `GradientsParams`:
+    /// `sync` writes the reduced gradients either way). `model` itself comes back unchanged
+    /// (and `sync` reduces after backward, as without this call) where overlap does not apply:
+    /// [`DdpConfig::overlap`] off, one rank on the host-staged transport, inside
+    /// [`join`](Self::join), a process that made a `SyncBatchNorm` (its backward all-reduce
+    /// cannot yet go behind the buckets in flight on this line), or a backend without
+    /// autodiff hooks in this build (Flex, NdArray or CUDA, as `SyncBatchNorm`).
+    ///
+    /// # Errors
+    /// [`prepare`](Self::prepare) was not called; the previous overlapped step was never
+    /// synchronised; the host transport's earlier failure.
+    pub fn overlapped<M: Module>(&mut self, model: &M) -> Result<M> {
+        self.open_step(model, None)
+    }
+
+    /// [`overlapped`](Self::overlapped) for the last micro-batch of gradient accumulation:
+    /// `earlier` are the gradients accumulated over the micro-batches before it (run on `model`
+    /// itself, e.g. `GradientsAccumulator::grads`), which the hooks add to each parameter's
+    /// gradient before handing it over (a parameter the last micro-batch does not use is
+    /// handed over with its earlier gradient alone), as PyTorch DDP's hooks read the
+    /// accumulated `.grad` after its `no_sync` micro-batches. Where the step cannot be
+    /// overlapped, `sync` adds them to the gradients it is given.
+    ///
+    /// # Errors
+    /// As [`overlapped`](Self::overlapped); `earlier` not of the prepared model's parameters.
+    pub fn overlapped_after<M: Module>(
+        &mut self,
+        model: &M,
+        earlier: GradientsParams,
+    ) -> Result<M> {
+        self.open_step(model, Some(earlier))
+    }
+
+    /// [`overlapped`](Self::overlapped), with the gradients accumulated before (`earlier`).
+    fn open_step<M: Module>(&mut self, model: &M, earlier: Option<GradientsParams>) -> Result<M> {
+        let rank = self.pg.rank();
+        let plan = Arc::clone(self.plan.as_ref().ok_or_else(|| not_prepared(rank))?);
+        if let Some(open) = self.open.take() {
+            // Given up: what it sent is settled when its pass is dropped.
+            drop(open.close());
+            return Err(DdpError::model_access(
+                rank,
+                "overlapping gradient communication with backward",
+                "the previous step's overlapped model was never synchronised: call \
+                 GradSync::sync after the backward of each model GradSync::overlapped returns, \
+                 before asking for the next",
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        let device_link = self.device.clone();
+        #[cfg(not(feature = "cuda"))]
+        let device_link: Option<std::convert::Infallible> = None;
+        let host_alone = device_link.is_none() && self.pg.world_size().get() == 1;
+        // Not overlapped: `sync` reduces after backward, the earlier gradients added.
+        if !self.config.overlap || host_alone || self.join.joining() {
+            self.earlier = earlier;
+            return Ok(model.clone());
+        }
+        let Some(levels) = self.anchors.for_model(model, plan.slots.len()) else {
+            self.earlier = earlier;
+            return Ok(model.clone());
+        };
+        let step = Arc::new(OpenPass::new(rank, Arc::clone(&plan)));
+        let Some(hooked) = hook_model(model, &levels, Arc::clone(&step) as Arc<dyn GradSink>)
+        else {
+            // A parameter in another autodiff context than the first: not overlapped.
+            self.earlier = earlier;
+            return Ok(model.clone());
+        };
+        let mut by_slot: Vec<Option<Tensor<1>>> = (0..plan.slots.len()).map(|_| None).collect();
+        if let Some(mut earlier) = earlier {
+            take_grads(rank, &plan, model, &mut earlier, &mut |slot, g| {
+                by_slot[slot] = g;
+                Ok(())
+            })?;
+        }
+        let open = match device_link {
+            #[cfg(feature = "cuda")]
+            Some(link) => {
+                let how = (self.config.reduction, self.config.compression);
+                let pass = crate::device::begin(&*lock(&link), &self.pg, &plan, how);
+                Open::Device { link, pass }
+            }
+            #[cfg(not(feature = "cuda"))]
+            Some(never) => match never {},
+            None => {
+                let buckets = lock(&self.host).buckets(&plan)?;
+                Open::Host {
+                    host: Arc::clone(&self.host),
+                    pass: Pass::new(rank, &*plan, buckets, true),
+                }
+            }
+        };
+        step.begin(open, by_slot);
+        // `SyncBatchNorm`'s backward all-reduces go behind the buckets in flight.
+        let behind: Arc<dyn crate::nn::InOrder> = Arc::clone(&step) as _;
+        self.behind.set(Some(Arc::downgrade(&behind)));
+        self.open = Some(step);
+        Ok(hooked)
+    }
+
+    /// Ends an overlapped step's pass: what the hooks never handed over counts as absent on
+    /// this rank, the buckets left go, the answers come, and the reduced gradients are written
+    /// into `grads` (replacing this rank's own, if it took them).
+    fn finish_open<M: Module>(
+        &mut self,
+        open: &OpenPass,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        let rank = self.pg.rank();
+        let plan = Arc::clone(open.plan());
+        let state = open.close().ok_or(DdpError::Internal {
+            rank,
+            what: "an overlapped step's pass was ended twice",
+        })?;
+        // Where each reduced gradient goes (this rank's own gradients, taken from `grads`, are
+        // what the hooks handed over).
+        let taken = take_grads(rank, &plan, model, &mut grads, &mut |_, _| Ok(()));
+        self.last_overlap = Some((open.early(), plan.buckets.len()));
+        match state {
+            Open::Host { host, mut pass } => {
+                let mut host = lock(&host);
+                let targets = match taken {
+                    Ok(t) => Some(t),
+                    Err(e) => {
+                        pass.fail(e);
+                        None
+                    }
+                };
+                let reduced = pass.finish(&mut host.comm(), &*plan)?;
+                let targets = targets.ok_or(DdpError::Internal {
+                    rank,
+                    what: "a failed gradient step was not reported",
+                })?;
+                let spare = put_host(model, &mut grads, &targets, reduced);
+                host.recycle(spare);
+                Ok(grads)
+            }
+            #[cfg(feature = "cuda")]
+            Open::Device { link, pass } => {
+                let link = lock(&link);
+                crate::device::finish(rank, pass, &*link, &plan, (model, grads), taken)
+            }
+        }
+    }
+
+    /// Of the last synchronised step, if it was overlapped ([`overlapped`](Self::overlapped)):
+    /// how many of its buckets were sent while backward still had work to do (before the last
+    /// gradient came), of how many. All but the last when the model's parameters are visited
+    /// in the order its forward uses them (Burn's modules declared in order); fewer means that
+    /// some buckets waited for the end of backward (a parameter visited before the ones
+    /// forward uses earlier, or one this rank did not use: its bucket, and every later one,
+    /// waits for the end of the step).
+    pub fn sent_during_backward(&self) -> Option<(usize, usize)> {
+        self.last_overlap
     }
 
     /// The number of trainable parameters of the prepared model; `None` before `prepare`.
@@ -326,7 +574,7 @@ impl GradSync {
         #[cfg(feature = "cuda")]
         if let Some(device) = self.device.as_ref() {
             let how = (self.config.reduction, self.config.compression);
-            return crate::device::sync(device, &self.pg, plan, how, model, grads);
+            return crate::device::sync(&*lock(device), &self.pg, plan, how, model, grads);
         }
         // At world size 1 the mean is the gradient itself: nothing is read or copied
         // (compression, too, is skipped), as on the Burn 0.21 line. Reading every gradient to
@@ -335,7 +583,8 @@ impl GradSync {
         if self.pg.world_size().get() == 1 {
             return Ok(grads);
         }
-        let mut step = self.host.begin(plan)?;
+        let mut host = lock(&self.host);
+        let mut step = host.begin(plan)?;
         let taken = take_grads(rank, plan, model, &mut grads, &mut |slot, grad| {
             let values = grad
                 .map(|g| {
@@ -360,19 +609,13 @@ impl GradSync {
             }
         };
         // Each bucket freed once its gradients are out; one of a single gradient becomes it.
-        let mut reduced = step.finish()?;
+        let reduced = step.finish()?;
         let targets = targets.ok_or(DdpError::Internal {
             rank,
             what: "a failed gradient step was not reported",
         })?;
-        put_grads(model, &mut grads, &targets, &mut |slot, target| {
-            let values = reduced.take(slot)?;
-            let len = values.len();
-            let data = TensorData::new(values, [len]);
-            Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
-        });
-        let spare = reduced.into_spare();
-        self.host.recycle(spare);
+        let spare = put_host(model, &mut grads, &targets, reduced);
+        host.recycle(spare);
         Ok(grads)
     }
 }
@@ -562,6 +805,23 @@ impl GradSync {
             .collect();
         compare_replicas(&self.pg, step, &AsReplica(model.clone()), &synced)
     }
+}
+
+/// Registers the host-staged step's reduced gradients in `grads` (each on its target's device
+/// and in its dtype); returns the step's heap buckets for the next one.
+fn put_host<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    targets: &[Target],
+    mut reduced: Reduced<'_>,
+) -> Vec<Vec<f32>> {
+    put_grads(model, grads, targets, &mut |slot, target| {
+        let values = reduced.take(slot)?;
+        let len = values.len();
+        let data = TensorData::new(values, [len]);
+        Some(Tensor::<1>::from_data(data, (&target.device, target.dtype)))
+    });
+    reduced.into_spare()
 }
 
 /// The device of `model`'s first trainable parameter.

@@ -48,18 +48,20 @@ const BURN022: &[(&str, u8)] = &[
     ("data", 1),
     ("nn", 1),
     ("grads", 1),
+    ("hook", 1),
     ("device", 2),
     ("cuda", 3),
-    ("sync", 4),
-    ("buffers", 5),
-    ("pipeline", 5),
-    ("zero", 5),
-    ("loop_state", 5),
-    ("train", 5),
+    ("overlap", 4),
+    ("sync", 5),
+    ("buffers", 6),
+    ("pipeline", 6),
+    ("zero", 6),
+    ("loop_state", 6),
+    ("train", 6),
     // What differs between Burn 0.22 and 0.23 (a file per release in each): the events and counts below
     // everything that uses them, the progress-logger impls above the renderers they are for.
     ("release", 0),
-    ("progress", 6),
+    ("progress", 7),
 ];
 
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).

@@ -120,6 +120,16 @@ impl DdpStrategy {
         self.state.group()
     }
 
+    /// Of the last training step, if its communication overlapped its backward (the default,
+    /// `DdpConfig::overlap`): how many of its buckets left before backward ended, of how many
+    /// ([`GradSync::sent_during_backward`]).
+    pub fn sent_during_backward(&self) -> Option<(usize, usize)> {
+        self.sync
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sent_during_backward()
+    }
+
     fn rank(&self) -> Rank {
         self.state.rank()
     }

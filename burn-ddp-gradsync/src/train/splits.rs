@@ -125,8 +125,30 @@ where
         sync_buffers(self.learner, self.sync)?;
         let progress = self.parts.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;
+        // The step whose gradients are reduced runs on the overlapped model (`DdpConfig::
+        // overlap`, on by default): its buckets go during backward, the micro-steps
+        // accumulated before it added by the hooks. Its own `GradientsParams` come back empty
+        // (the hooked parameters keep no gradient); `sync` writes the reduced ones.
+        let syncs_now = self.accumulation.is_none_or(|k| self.accumulated + 1 >= k);
+        let overlapped = match (&item, syncs_now) {
+            (Some(_), true) => {
+                let model = learner.model();
+                Some(match self.accumulation {
+                    Some(_) => self
+                        .sync
+                        .overlapped_after(&model, self.accumulator.grads())?,
+                    None => self.sync.overlapped(&model)?,
+                })
+            }
+            _ => None,
+        };
         let out = item
-            .map(|item| guarded("the training step", item, |item| learner.train_step(item)))
+            .map(|item| {
+                guarded("the training step", item, |item| match &overlapped {
+                    Some(model) => TrainStep::step(model, item),
+                    None => learner.train_step(item),
+                })
+            })
             .transpose()?;
         let (grads, out) = match out {
             Some(o) => (o.grads, Some(o.item)),

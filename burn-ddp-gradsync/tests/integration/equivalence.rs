@@ -226,12 +226,26 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
         match s.mode {
             conformance::Mode::Plain => {
                 let (x, y) = batch(step, world);
-                let loss = model.loss(
+                // Overlapped (`DdpConfig::overlap`, on by default): the buckets are reduced
+                // during backward; off, `overlapped` gives the model back and `sync` reduces
+                // after it.
+                let loss = sync.overlapped(&model).unwrap().loss(
                     shard(x.clone(), rank, PER_RANK),
                     shard(y.clone(), rank, PER_RANK),
                 );
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 let grads = sync.sync(&model, grads).unwrap();
+                if sync.config().overlap && world > 1 {
+                    // Every bucket but the last left while backward was running: the nets'
+                    // parameters are visited in the order forward uses them. Not the MLP's:
+                    // its `unused` layer, visited last, is in the first bucket, which waits for
+                    // the end of the step, and so do the later ones. (One rank has nothing to
+                    // overlap.)
+                    let (early, buckets) = sync.sent_during_backward().expect("overlapped");
+                    if s.net != conformance::Net::Mlp {
+                        assert_eq!(early + 1, buckets, "buckets sent during backward");
+                    }
+                }
                 model = step_ddp(model, grads);
 
                 let loss = alone.loss(
@@ -251,11 +265,23 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                 let mut acc = GradientsAccumulator::<M>::new();
                 let mut acc_ref = GradientsAccumulator::<M>::new();
                 let mut acc_alone = GradientsAccumulator::<M>::new();
+                let mut last = None;
                 for micro in 0..micros {
                     let (x, y) = batch(step * micros + micro, world);
                     let mine = |t: &Tensor<2>| shard(t.clone(), rank, PER_RANK);
-                    let loss = model.loss(mine(&x), mine(&y));
-                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                    if micro + 1 < micros {
+                        let loss = model.loss(mine(&x), mine(&y));
+                        acc.accumulate(
+                            &model,
+                            GradientsParams::from_grads(loss.backward(), &model),
+                        );
+                    } else {
+                        // The last micro-batch overlapped, the earlier ones' sum added by the
+                        // hooks.
+                        let overlapped = sync.overlapped_after(&model, acc.grads()).unwrap();
+                        let loss = overlapped.loss(mine(&x), mine(&y));
+                        last = Some(GradientsParams::from_grads(loss.backward(), &model));
+                    }
                     let loss = alone.loss(mine(&x), mine(&y));
                     acc_alone
                         .accumulate(&alone, GradientsParams::from_grads(loss.backward(), &alone));
@@ -265,7 +291,10 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                         GradientsParams::from_grads(loss.backward(), &reference),
                     );
                 }
-                let grads = sync.sync(&model, acc.grads()).unwrap();
+                let grads = sync.sync(&model, last.expect("micro-batches")).unwrap();
+                if sync.config().overlap && world > 1 {
+                    assert!(sync.sent_during_backward().is_some(), "overlapped");
+                }
                 model = step_ddp(model, grads);
                 reference = opt_ref.step(lr, reference, acc_ref.grads());
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
@@ -979,7 +1008,14 @@ fn sync_norm(pg: ProcessGroup, sizes: &[usize], spatial: bool) {
         let _ = (params(&fc), params(&head));
         (fc, head)
     };
-    let mut sync = GradSync::new(pg, DdpConfig::default()).unwrap();
+    // Small buckets, overlapped: the head's bucket is in flight when the norm's backward
+    // all-reduces its statistics' gradients, which must go behind it on every rank.
+    let config = DdpConfig {
+        bucket_cap_bytes: 256,
+        first_bucket_cap_bytes: 256,
+        ..DdpConfig::default()
+    };
+    let mut sync = GradSync::new(pg, config).unwrap();
     let (fc, head) = layers(&device);
     let norm = line::nn::SyncBatchNormConfig::new(channels).init(&device);
     let mut model = sync.prepare(SyncNormed { fc, norm, head }).unwrap();
@@ -1002,15 +1038,27 @@ fn sync_norm(pg: ProcessGroup, sizes: &[usize], spatial: bool) {
     for step in 0..STEPS {
         let (x, y) = rows(step, total);
         let x_mine = x.clone().narrow(0, start, mine);
-        let out = normed_out(&model.fc, &model.head, x_mine.clone(), spatial, |h| {
-            model.norm.forward(h)
-        });
+        let overlapped = sync.overlapped(&model).unwrap();
+        let out = normed_out(
+            &overlapped.fc,
+            &overlapped.head,
+            x_mine.clone(),
+            spatial,
+            |h| overlapped.norm.forward(h),
+        );
         let loss = (out.clone() - y.clone().narrow(0, start, mine))
             .powi_scalar(2)
             .sum()
             .mul_scalar(world as f64 / elements);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let grads = sync.sync(&model, grads).unwrap();
+        if world > 1 {
+            let (early, buckets) = sync.sent_during_backward().expect("overlapped");
+            assert!(
+                buckets > 2 && early + 1 == buckets,
+                "{early} of {buckets} buckets early"
+            );
+        }
 
         let out_ref = normed_out(&reference.fc, &reference.head, x, spatial, |h| {
             reference.norm.forward(h)
