@@ -390,7 +390,8 @@ impl GradSync {
     /// The returned model is for this step only: one forward and one backward, then `sync` (a
     /// second backward through it fails the step). Between that backward and `sync`, the
     /// buckets may still be in flight on the communication thread: make no collective of the
-    /// group yourself there (`sync` first; the group would detect the mismatch and fail). The hooks hand over the gradients of that
+    /// group yourself there (`sync` first): the ranks could order it differently from the
+    /// buckets. The hooks hand over the gradients of that
     /// one backward: with gradient accumulation over several micro-batches, use `model` itself
     /// and `sync` the accumulated gradients after the last backward, as without overlap. Its
     /// parameters keep no gradient of their own (take the gradients with
