@@ -8,9 +8,11 @@
 //! - `scaling`: weak scaling, 2 ranks × 1 thread (over TCP, and over shared memory with the
 //!   buckets in it and on the heap) vs 1 rank × 1 thread, same batch per rank;
 //! - `lines` (feature `lines`, which builds Burn 0.22.1 too): 2 ranks, the MLP: the sync cost
-//!   (step minus the no-sync step) of the Burn 0.22.1 line (`GradSync`, after backward, on Flex)
-//!   against the 0.21 line (`Autodiff<Ddp<NdArray>>`, overlapped with backward), each against its
-//!   own no-sync steps;
+//!   (step minus the no-sync step) of the Burn 0.22.1 line (`GradSync` on Flex) and of the 0.21
+//!   line (`Autodiff<Ddp<NdArray>>`), each after backward and overlapped with it, each against
+//!   its own no-sync steps, and the share of the after-backward cost that overlap hides; with
+//!   `BURN_DDP_BENCH_LINK_MBIT=N` (root, iproute2), in a network namespace whose loopback is
+//!   limited to N Mbit/s, the ranks over TCP, as between nodes;
 //! - `memory`: 2 ranks, 16 linear layers of 1024 × 1024 (67 MB of f32 parameters): the peak
 //!   resident memory of a process that trains 3 SGD steps with the default reducer and with
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
@@ -121,26 +123,28 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
         }
         #[cfg(feature = "lines")]
         "lines" => {
+            use step_model_022::Sync022;
             for round in 0..spec.rounds {
-                // Alternate the order so drift in the machine's speed hits both lines alike.
-                let run_022 = |label: &str, sync: bool| {
+                // Alternate the order so drift in the machine's speed hits every side alike.
+                let run_022 = |label: &str, how: Sync022| {
                     let t =
-                        step_model_022::time_steps_022(&pg, sync, spec.batch, WARMUP, spec.steps);
+                        step_model_022::time_steps_022(&pg, how, spec.batch, WARMUP, spec.steps);
                     report(label, &t);
                 };
-                let run_021 = |label: &str, sync: bool| {
-                    report(label, &worker_steps(&pg, DdpConfig::default(), sync, spec));
+                let run_021 = |label: &str, sync: Option<bool>| {
+                    let config = DdpConfig::default().with_overlap(sync.unwrap_or(true));
+                    report(label, &worker_steps(&pg, config, sync.is_some(), spec));
                 };
-                if round % 2 == 0 {
-                    run_021("local-021", false);
-                    run_021("overlap-021", true);
-                    run_022("local-022", false);
-                    run_022("after-022", true);
-                } else {
-                    run_022("after-022", true);
-                    run_022("local-022", false);
-                    run_021("overlap-021", true);
-                    run_021("local-021", false);
+                let sides: [&dyn Fn(); 6] = [
+                    &|| run_021("local-021", None),
+                    &|| run_021("after-021", Some(false)),
+                    &|| run_021("overlap-021", Some(true)),
+                    &|| run_022("local-022", Sync022::Local),
+                    &|| run_022("after-022", Sync022::After),
+                    &|| run_022("overlap-022", Sync022::Overlapped),
+                ];
+                for k in 0..sides.len() {
+                    sides[(round + k) % sides.len()]();
                 }
             }
         }
@@ -482,38 +486,108 @@ fn bench_lines(_rounds: usize) -> anyhow::Result<()> {
     )
 }
 
+/// Set in the copy of this benchmark that runs inside a network namespace whose loopback is
+/// rate-limited (`BURN_DDP_BENCH_LINK_MBIT`).
+#[cfg(feature = "lines")]
+const IN_NETNS: &str = "BURN_DDP_BENCH_IN_NETNS";
+
+/// The `lines` benchmark: with `BURN_DDP_BENCH_LINK_MBIT=N`, in a network namespace of its own
+/// whose loopback is limited to N Mbit/s (`tc`'s token bucket; root and iproute2 needed), the
+/// ranks talking over TCP, so that communication is a visible share of the step as between
+/// nodes; otherwise on this host's transport (shared memory).
 #[cfg(feature = "lines")]
 fn bench_lines(rounds: usize) -> anyhow::Result<()> {
+    let link = std::env::var("BURN_DDP_BENCH_LINK_MBIT").ok();
+    match (link, std::env::var_os(IN_NETNS)) {
+        (Some(mbit), None) => lines_in_netns(&mbit, rounds),
+        (link, _) => lines_here(rounds, link.as_deref()),
+    }
+}
+
+/// Runs this benchmark's `lines` again inside a fresh network namespace whose loopback is
+/// limited to `mbit` Mbit/s; the namespace is deleted after.
+#[cfg(feature = "lines")]
+fn lines_in_netns(mbit: &str, rounds: usize) -> anyhow::Result<()> {
+    let ns = format!("burn-ddp-bench-{}", std::process::id());
+    let ip = |args: &[&str]| -> anyhow::Result<()> {
+        let status = Command::new("ip").args(args).status()?;
+        anyhow::ensure!(status.success(), "ip {} failed ({status})", args.join(" "));
+        Ok(())
+    };
+    ip(&["netns", "add", &ns])?;
+    let run = || -> anyhow::Result<()> {
+        ip(&["netns", "exec", &ns, "ip", "link", "set", "lo", "up"])?;
+        let rate = format!("{mbit}mbit");
+        ip(&[
+            "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", &rate,
+            "burst", "256kb", "latency", "100ms",
+        ])?;
+        let status = Command::new("ip")
+            .args(["netns", "exec", &ns])
+            .arg(std::env::current_exe()?)
+            .args(["lines", "--rounds", &rounds.to_string()])
+            .env(IN_NETNS, "1")
+            .status()?;
+        anyhow::ensure!(status.success(), "the benchmark in {ns} failed ({status})");
+        Ok(())
+    };
+    let result = run();
+    let _ = ip(&["netns", "delete", &ns]);
+    result
+}
+
+#[cfg(feature = "lines")]
+fn lines_here(rounds: usize, link: Option<&str>) -> anyhow::Result<()> {
     let spec = Spec {
         which: Which::Mlp,
         batch: 64,
         steps: 30,
         rounds,
     };
-    let out = run_job(2, "lines", spec)?;
+    // Over a limited link the ranks talk over TCP; here, over this host's transport.
+    let env: &[(&str, &str)] = match link {
+        Some(_) => &[("BURN_DDP_TRANSPORT", "tcp")],
+        None => &[],
+    };
+    let out = run_job_with(2, "lines", spec, env)?;
     let res = parse(&out);
     let get = |l: &str| labelled(&res, l);
-    let (l21, s21) = (get("local-021")?, get("overlap-021")?);
-    let (l22, s22) = (get("local-022")?, get("after-022")?);
-    println!("\n## lines: 2 ranks, MLP (535 k parameters), batch 64 per rank, step time");
-    println!("| line | no-sync step (ms) | synchronised step (ms) | sync cost (ms) |");
-    println!("|---|---|---|---|");
+    let where_ = match link {
+        Some(mbit) => format!("over TCP on a loopback limited to {mbit} Mbit/s"),
+        None => "on this host's transport".to_string(),
+    };
     println!(
-        "| Burn 0.21, `Autodiff<Ddp<NdArray>>`, overlapped with backward | {:.3} | {:.3} | {:.3} |",
-        l21 * 1e3,
-        s21 * 1e3,
-        (s21 - l21) * 1e3
+        "\n## lines: 2 ranks {where_}, MLP (535 k parameters, 2.1 MB of gradients), batch 64 per \
+         rank, step time"
     );
     println!(
-        "| Burn 0.22.1, Flex + `GradSync` after backward | {:.3} | {:.3} | {:.3} |",
-        l22 * 1e3,
-        s22 * 1e3,
-        (s22 - l22) * 1e3
+        "| line | no-sync step (ms) | after backward (ms) | overlapped (ms) | sync cost after (ms) | sync cost overlapped (ms) | hidden |"
     );
+    println!("|---|---|---|---|---|---|---|");
+    let mut costs = Vec::new();
+    for (line, name) in [
+        ("021", "Burn 0.21, `Autodiff<Ddp<NdArray>>`"),
+        ("022", "Burn 0.22.1, Flex + `GradSync`"),
+    ] {
+        let local = get(&format!("local-{line}"))?;
+        let after = get(&format!("after-{line}"))?;
+        let overlapped = get(&format!("overlap-{line}"))?;
+        let (cost_after, cost_overlapped) = (after - local, overlapped - local);
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} % |",
+            local * 1e3,
+            after * 1e3,
+            overlapped * 1e3,
+            cost_after * 1e3,
+            cost_overlapped * 1e3,
+            (1.0 - cost_overlapped / cost_after) * 100.0
+        );
+        costs.push((cost_after, cost_overlapped));
+    }
     println!(
-        "0.22 line vs 0.21 line: sync cost {:.2}×, synchronised step {:.2}× (the backends differ: compare the sync costs)",
-        (s22 - l22) / (s21 - l21),
-        s22 / s21
+        "hidden: the share of the after-backward sync cost that overlapping removes. 0.22 line vs \
+         0.21 line, overlapped sync cost: {:.2}× (the backends differ: compare the sync costs)",
+        costs[1].1 / costs[0].1
     );
     println!(
         "Burn 0.22.1's own DistributedDataParallel strategy is not in this table: it cannot run \

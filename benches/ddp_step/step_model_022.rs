@@ -39,19 +39,30 @@ impl Mlp {
     }
 }
 
-/// `warmup + steps` SGD steps of the MLP on Burn 0.22's Flex backend, with the gradients
-/// reduced by `GradSync` after backward when `sync` (the model is prepared either way); the wall
-/// time of each timed step, in seconds.
+/// How a step of the 0.22 side synchronises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sync022 {
+    /// Not at all (the model is prepared all the same).
+    Local,
+    /// `GradSync::sync` after backward (`DdpConfig::overlap` off).
+    After,
+    /// `GradSync::overlapped` for the forward, the buckets reduced during backward.
+    Overlapped,
+}
+
+/// `warmup + steps` SGD steps of the MLP on Burn 0.22's Flex backend, synchronised as `how`
+/// says; the wall time of each timed step, in seconds.
 pub fn time_steps_022(
     pg: &ProcessGroup,
-    sync: bool,
+    how: Sync022,
     batch: usize,
     warmup: usize,
     steps: usize,
 ) -> Vec<f64> {
     let device = Device::default().autodiff();
     device.seed(7);
-    let mut grad_sync = GradSync::new(pg.clone(), DdpConfig::default()).expect("GradSync");
+    let config = DdpConfig::default().with_overlap(how == Sync022::Overlapped);
+    let mut grad_sync = GradSync::new(pg.clone(), config).expect("GradSync");
     let mut model = grad_sync.prepare(Mlp::new(&device)).expect("prepare");
     let x = Tensor::<2>::random([batch, 784], Distribution::Normal(0.0, 1.0), &device);
     let y = Tensor::<2>::random([batch, 10], Distribution::Normal(0.0, 1.0), &device);
@@ -59,12 +70,17 @@ pub fn time_steps_022(
     let mut times = Vec::with_capacity(steps);
     for i in 0..warmup + steps {
         let start = Instant::now();
-        let loss = model.loss(x.clone(), y.clone());
+        let loss = match how {
+            Sync022::Overlapped => {
+                let overlapped = grad_sync.overlapped(&model).expect("overlapped");
+                overlapped.loss(x.clone(), y.clone())
+            }
+            _ => model.loss(x.clone(), y.clone()),
+        };
         let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let grads = if sync {
-            grad_sync.sync(&model, grads).expect("sync")
-        } else {
-            grads
+        let grads = match how {
+            Sync022::Local => grads,
+            _ => grad_sync.sync(&model, grads).expect("sync"),
         };
         model = optim.step(1e-3, model, grads);
         device.sync().expect("device sync");
