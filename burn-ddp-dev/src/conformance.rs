@@ -7,7 +7,7 @@
 //!
 //! The scenarios ([`scenarios`]: nets, optimizers, accumulation, bucket sizes, compression, a
 //! communication hook, gradients as bucket views) and the checks are here, once. A line
-//! implements [`Line`] in its test binary (the four nets of [`Net`] in its release's API, one
+//! implements [`Line`] in its test binary (the nets of [`Net`] in its release's API, one
 //! training run of a scenario) and writes `burn_ddp_dev::conformance_suite!(MyLine);`, which
 //! makes one `#[test]` per scenario, by the scenario's name.
 
@@ -58,6 +58,10 @@ pub enum Net {
     /// `out(tanh(x · weightᵀ))` (`weight` a `[16, IN]` parameter, `out: 16 → OUT`): the weight's
     /// gradient is a strided view, not one contiguous span.
     Strided,
+    /// `out(tanh(fc(tanh(fc(x)))))` (`fc: IN → IN`, `out: IN → OUT`): `fc`'s weight and bias are
+    /// used twice in the forward, so each one's gradient is the sum of two contributions, and
+    /// only the sum may be reduced (an overlapped line must not send the first one).
+    Tied,
 }
 
 /// The optimizer of every model of a run.
@@ -148,7 +152,7 @@ fn weight_alone() -> DdpConfig {
 /// The scenarios, in the order of their tests.
 pub fn scenarios() -> Vec<Scenario> {
     use Mode::{Accumulate, Join, Plain};
-    use Net::{Conv, Mlp, SharedGrad, Strided};
+    use Net::{Conv, Mlp, SharedGrad, Strided, Tied};
     use Opt::{Adam, AdamZero, Sgd};
     let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
         name,
@@ -313,6 +317,25 @@ pub fn scenarios() -> Vec<Scenario> {
             default,
             &[3],
         ),
+        // A layer applied twice, overlapped (the default): the first contribution to its
+        // gradients comes early in backward, the second late; in small buckets, so the
+        // buckets after it are sent while it is still incomplete.
+        s(
+            "tied_adam_small_buckets",
+            Tied,
+            Adam,
+            Plain,
+            small_buckets,
+            &[2, 3],
+        ),
+        s(
+            "tied_sgd_accumulate_2",
+            Tied,
+            Sgd,
+            Accumulate(2),
+            default,
+            &[2],
+        ),
     ]
 }
 
@@ -402,7 +425,7 @@ macro_rules! conformance_suite {
             mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_join,
             conv_sgd_join_small_buckets, mlp_adam_zero, mlp_adam_shared_buckets,
             conv_sgd_join_shared_small_buckets, mlp_small_shared_buckets_bucket_view,
-            conv_adam_zero_accumulate_2);
+            conv_adam_zero_accumulate_2, tied_adam_small_buckets, tied_sgd_accumulate_2);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

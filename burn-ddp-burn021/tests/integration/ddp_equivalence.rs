@@ -128,6 +128,14 @@ impl<B: Backend> Strided<B> {
     }
 }
 
+/// One layer applied twice (`out(tanh(fc(tanh(fc(x)))))`): `fc`'s gradients are the sum of two
+/// contributions, and only the sum may be reduced.
+#[derive(Module, Debug)]
+struct Tied<B: Backend> {
+    fc: Linear<B>,
+    out: Linear<B>,
+}
+
 trait Net<B: Backend>: Module<B> {
     fn build(device: &B::Device) -> Self;
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1>;
@@ -182,6 +190,19 @@ impl<B: Backend> Net<B> for Strided<B> {
     }
 }
 
+impl<B: Backend> Net<B> for Tied<B> {
+    fn build(device: &B::Device) -> Self {
+        Self {
+            fc: LinearConfig::new(IN, IN).init(device),
+            out: LinearConfig::new(IN, OUT).init(device),
+        }
+    }
+    fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
+        let h = self.fc.forward(self.fc.forward(x).tanh()).tanh();
+        (self.out.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
 /// The whole batch of step `step`: the same on every rank.
 fn batch(step: usize, world: usize) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let device = Default::default();
@@ -215,6 +236,7 @@ impl Line for Line021 {
             conformance::Net::Conv => with::<ConvNet<B>>(pg, s),
             conformance::Net::SharedGrad => with::<SharedGrad<B>>(pg, s),
             conformance::Net::Strided => with::<Strided<B>>(pg, s),
+            conformance::Net::Tied => with::<Tied<B>>(pg, s),
         }
     }
 }

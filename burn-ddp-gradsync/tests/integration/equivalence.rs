@@ -72,6 +72,14 @@ struct Strided {
     out: Linear,
 }
 
+/// One layer applied twice (`out(tanh(fc(tanh(fc(x)))))`): `fc`'s gradients are the sum of two
+/// contributions, and only the sum may be reduced (`conformance::Net::Tied`).
+#[derive(Module, Debug)]
+struct Tied {
+    fc: Linear,
+    out: Linear,
+}
+
 trait Net: Module + Sized {
     fn build(device: &Device) -> Self;
     fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1>;
@@ -141,6 +149,19 @@ impl Net for Strided {
     }
 }
 
+impl Net for Tied {
+    fn build(device: &Device) -> Self {
+        Self {
+            fc: LinearConfig::new(IN, IN).init(device),
+            out: LinearConfig::new(IN, OUT).init(device),
+        }
+    }
+    fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+        let h = self.fc.forward(self.fc.forward(x).tanh()).tanh();
+        (self.out.forward(h) - y).powi_scalar(2).mean()
+    }
+}
+
 /// The whole batch of step `step`: the same on every rank.
 fn batch(step: usize, world: usize) -> (Tensor<2>, Tensor<2>) {
     let device = device();
@@ -184,6 +205,7 @@ impl Line for ThisLine {
             conformance::Net::Conv => run::<ConvNet>(pg, s),
             conformance::Net::SharedGrad => run::<SharedGrad>(pg, s),
             conformance::Net::Strided => run::<Strided>(pg, s),
+            conformance::Net::Tied => run::<Tied>(pg, s),
         }
     }
 }
