@@ -127,88 +127,100 @@ fn either<T>(f: ControlFlow<T, T>) -> T {
 
 mod backends {
     use super::*;
+    use crate::autodiff::{self, AutodiffOp};
 
     /// The hook's state: where the gradient goes, and whose it is.
     pub(super) type HookState = (Arc<dyn GradSink>, usize);
 
-    /// [`ad::hook`] on the backend `t` is on (`Continue(t)`: none this crate is built for).
-    #[allow(clippy::let_and_return)]
+    /// The hook on the backend `t` is on (`Continue(t)`: none this crate is built for).
     pub(super) fn hook<const D: usize>(
         t: Tensor<D>,
         anchor: Tensor<1>,
         state: HookState,
     ) -> ControlFlow<Tensor<D>, Tensor<D>> {
-        #[cfg(feature = "flex")]
-        let t = on::<burn::backend::Flex, D>(t, &anchor, &state)?;
-        #[cfg(feature = "ndarray")]
-        #[allow(deprecated)]
-        let t = on::<burn::backend::NdArray, D>(t, &anchor, &state)?;
-        #[cfg(feature = "cuda")]
-        let t = on::<burn::backend::Cube, D>(t, &anchor, &state)?;
-        let _ = (anchor, state);
-        Continue(t)
+        autodiff::apply(&Hook { anchor, state }, t)
     }
 
     /// One more depth than `t`'s, no data copied (`Continue(t)`: no backend of this crate).
-    #[allow(clippy::let_and_return)]
     pub(super) fn relevel(t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>> {
-        #[cfg(feature = "flex")]
-        let t = relevel_on::<burn::backend::Flex>(t)?;
-        #[cfg(feature = "ndarray")]
-        #[allow(deprecated)]
-        let t = relevel_on::<burn::backend::NdArray>(t)?;
-        #[cfg(feature = "cuda")]
-        let t = relevel_on::<burn::backend::Cube>(t)?;
-        Continue(t)
+        autodiff::apply(&Relevel, t)
     }
 
-    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
-    fn on<B, const D: usize>(
-        t: Tensor<D>,
-        anchor: &Tensor<1>,
-        state: &HookState,
-    ) -> ControlFlow<Tensor<D>, Tensor<D>>
-    where
-        B: burn::backend::Backend,
-        burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::NoCheckpointing>>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::BalancedCheckpointing>>,
-    {
-        let t = ad::hook::<B, ad::NoCheckpointing, D>(t, anchor, state)?;
-        ad::hook::<B, ad::BalancedCheckpointing, D>(t, anchor, state)
+    /// An identity over a parameter, with an anchor as a second, untracked parent.
+    #[cfg_attr(
+        not(any(feature = "flex", feature = "ndarray", feature = "cuda")),
+        allow(dead_code)
+    )]
+    struct Hook {
+        anchor: Tensor<1>,
+        state: HookState,
     }
 
-    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
-    fn relevel_on<B>(t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>>
-    where
-        B: burn::backend::Backend,
-        burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::NoCheckpointing>>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::BalancedCheckpointing>>,
-    {
-        let t = ad::relevel::<B, ad::NoCheckpointing>(t)?;
-        ad::relevel::<B, ad::BalancedCheckpointing>(t)
+    /// An identity one depth above its input, never tracked.
+    struct Relevel;
+
+    impl<const D: usize> AutodiffOp<Tensor<D>> for Hook {
+        #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+        fn on<B, C>(&self, t: Tensor<D>) -> ControlFlow<Tensor<D>, Tensor<D>>
+        where
+            B: autodiff::Backend,
+            C: autodiff::CheckpointStrategy,
+            autodiff::DispatchTensor: autodiff::DispatchKindConversion<B>
+                + autodiff::DispatchKindConversion<autodiff::Autodiff<B, C>>,
+        {
+            let Ok(tensor) = t.clone().try_into_primitive::<autodiff::Autodiff<B, C>>() else {
+                return Continue(t);
+            };
+            let Ok(anchor) = self.anchor.clone().try_into_primitive::<autodiff::Autodiff<B, C>>()
+            else {
+                return Continue(t);
+            };
+            let (primitive, node) = tensor.into_parts();
+            let (_, anchor) = anchor.into_parts();
+            let parents = [node, anchor];
+            Break(autodiff::finish::<B, C, _, 2, D>(
+                ad::GradHook::<D>,
+                parents,
+                self.state.clone(),
+                primitive,
+            ))
+        }
+    }
+
+    impl AutodiffOp<Tensor<1>> for Relevel {
+        #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+        fn on<B, C>(&self, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>>
+        where
+            B: autodiff::Backend,
+            C: autodiff::CheckpointStrategy,
+            autodiff::DispatchTensor: autodiff::DispatchKindConversion<B>
+                + autodiff::DispatchKindConversion<autodiff::Autodiff<B, C>>,
+        {
+            let Ok(tensor) = t.clone().try_into_primitive::<autodiff::Autodiff<B, C>>() else {
+                return Continue(t);
+            };
+            let (primitive, node) = tensor.into_parts();
+            Break(autodiff::finish::<B, C, _, 1, 1>(
+                ad::Level,
+                [node],
+                (),
+                primitive,
+            ))
+        }
     }
 
     #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
     mod ad {
-        use std::ops::ControlFlow::{self, Break, Continue};
-
-        use burn::backend::autodiff::checkpoint::base::Checkpointer;
-        pub(super) use burn::backend::autodiff::checkpoint::strategy::{
-            BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+        use crate::autodiff::{
+            Backend, Backward, Checkpointer, DispatchKindConversion, DispatchTensor, Gradients, Ops,
         };
-        use burn::backend::autodiff::grads::Gradients;
-        use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-        pub(super) use burn::backend::autodiff::Autodiff;
-        use burn::backend::{Backend, DispatchKindConversion, DispatchTensor};
         use burn::tensor::Tensor;
 
         use super::HookState;
 
         /// The hook: an identity whose backward hands the gradient (of `D` dimensions) over.
         #[derive(Debug)]
-        struct GradHook<const D: usize>;
+        pub(super) struct GradHook<const D: usize>;
 
         impl<B: Backend, const D: usize> Backward<B, 2> for GradHook<D>
         where
@@ -236,7 +248,7 @@ mod backends {
 
         /// A depth more, no data: only ever untracked (its backward never runs).
         #[derive(Debug)]
-        struct Level;
+        pub(super) struct Level;
 
         impl<B: Backend> Backward<B, 1> for Level {
             type State = ();
@@ -249,50 +261,6 @@ mod backends {
             ) {
                 burn::backend::autodiff::ops::unary::<B, _>(ops.parents, ops.node, grads, |g| g);
             }
-        }
-
-        pub(super) fn hook<B, C, const D: usize>(
-            t: Tensor<D>,
-            anchor: &Tensor<1>,
-            state: &HookState,
-        ) -> ControlFlow<Tensor<D>, Tensor<D>>
-        where
-            B: Backend,
-            C: CheckpointStrategy,
-            DispatchTensor: DispatchKindConversion<B> + DispatchKindConversion<Autodiff<B, C>>,
-        {
-            let Ok(tensor) = t.clone().try_into_primitive::<Autodiff<B, C>>() else {
-                return Continue(t);
-            };
-            let Ok(anchor) = anchor.clone().try_into_primitive::<Autodiff<B, C>>() else {
-                return Continue(t);
-            };
-            let (primitive, node) = tensor.into_parts();
-            let (_, anchor) = anchor.into_parts();
-            let prep = <GradHook<D> as Backward<B, 2>>::prepare::<C>(GradHook, [node, anchor]);
-            let out = match prep.compute_bound().stateful() {
-                OpsKind::Tracked(prep) => prep.finish(state.clone(), primitive),
-                OpsKind::UnTracked(prep) => prep.finish(primitive),
-            };
-            Break(Tensor::from_primitive::<Autodiff<B, C>>(out))
-        }
-
-        pub(super) fn relevel<B, C>(t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>>
-        where
-            B: Backend,
-            C: CheckpointStrategy,
-            DispatchTensor: DispatchKindConversion<B> + DispatchKindConversion<Autodiff<B, C>>,
-        {
-            let Ok(tensor) = t.clone().try_into_primitive::<Autodiff<B, C>>() else {
-                return Continue(t);
-            };
-            let (primitive, node) = tensor.into_parts();
-            let prep = <Level as Backward<B, 1>>::prepare::<C>(Level, [node]);
-            let out = match prep.compute_bound().stateful() {
-                OpsKind::Tracked(prep) => prep.finish((), primitive),
-                OpsKind::UnTracked(prep) => prep.finish(primitive),
-            };
-            Break(Tensor::from_primitive::<Autodiff<B, C>>(out))
         }
     }
 }

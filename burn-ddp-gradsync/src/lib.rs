@@ -112,6 +112,7 @@ extern crate burn_pack022 as burn_pack;
 #[cfg(all(feature = "burn-0-23", not(feature = "burn-0-22")))]
 extern crate burn_pack023 as burn_pack;
 
+mod autodiff;
 mod buffers;
 #[cfg(feature = "cuda")]
 pub mod cuda;

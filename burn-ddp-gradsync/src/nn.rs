@@ -7,7 +7,13 @@
 //! `Autodiff<B, C>`), an operation registered with burn-autodiff's public `Backward` whose backward
 //! all-reduces the incoming gradient, and the result put back (`Tensor::from_primitive`). `B` is
 //! each backend this crate is built for: `Flex` (feature `flex`), `NdArray` (`ndarray`), Burn's
-//! `Cube` (`cuda`, with or without `fusion`).
+//! `Cube` (`cuda`, with or without `fusion`) (`crate::autodiff`). Built for none of them, the
+//! all-reduce is never reached (a layer's sum fails, saying which feature to enable), so what
+//! only it reads is unused.
+#![cfg_attr(
+    not(any(feature = "flex", feature = "ndarray", feature = "cuda")),
+    allow(dead_code)
+)]
 
 use std::cell::RefCell;
 use std::ops::ControlFlow;
@@ -313,54 +319,44 @@ fn group_sum(t: Tensor<1>) -> Tensor<1> {
 
 /// The all-reduce as an autodiff operation, for each backend this crate is built for.
 mod tracked {
-    use std::ops::ControlFlow::{self, Continue};
+    use std::ops::ControlFlow;
 
     use super::LayerGroup;
+    use crate::autodiff::{self, AutodiffOp};
     use burn::tensor::Tensor;
 
     /// `t` summed over `group` with a backward that sums the gradient over it (`Break`), from
     /// the backend among those this crate is built for that `t` is on; `Continue(t)` when it is
     /// on none of them.
-    #[allow(clippy::let_and_return)] // without any backend feature, no attempt is made
     pub(super) fn sum(group: &LayerGroup, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>> {
-        #[cfg(feature = "flex")]
-        let t = on::<burn::backend::Flex>(group, t)?;
-        // Burn 0.22 deprecates NdArray, but still offers it (0.23 has none).
-        #[cfg(feature = "ndarray")]
-        #[allow(deprecated)]
-        let t = on::<burn::backend::NdArray>(group, t)?;
-        #[cfg(feature = "cuda")]
-        let t = on::<burn::backend::Cube>(group, t)?;
-        let _ = group;
-        Continue(t)
+        autodiff::apply(&Sum(group), t)
     }
 
-    /// The sum (`Break`) when `t` is on `B` with autodiff, under either checkpointing
-    /// strategy; `Continue(t)` to try the next backend.
-    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
-    fn on<B>(group: &LayerGroup, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>>
-    where
-        B: burn::backend::Backend,
-        burn::backend::DispatchTensor: burn::backend::DispatchKindConversion<B>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::NoCheckpointing>>
-            + burn::backend::DispatchKindConversion<ad::Autodiff<B, ad::BalancedCheckpointing>>,
-    {
-        let t = ad::sum::<B, ad::NoCheckpointing>(group, t)?;
-        ad::sum::<B, ad::BalancedCheckpointing>(group, t)
+    /// The sum over a group.
+    struct Sum<'a>(&'a LayerGroup);
+
+    impl AutodiffOp<Tensor<1>> for Sum<'_> {
+        #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+        fn on<B, C>(&self, t: Tensor<1>) -> ControlFlow<Tensor<1>, Tensor<1>>
+        where
+            B: autodiff::Backend,
+            C: autodiff::CheckpointStrategy,
+            autodiff::DispatchTensor: autodiff::DispatchKindConversion<B>
+                + autodiff::DispatchKindConversion<autodiff::Autodiff<B, C>>,
+        {
+            ad::sum::<B, C>(self.0, t)
+        }
     }
 
     #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
     mod ad {
         use std::ops::ControlFlow::{self, Break, Continue};
 
-        use burn::backend::autodiff::checkpoint::base::Checkpointer;
-        pub(super) use burn::backend::autodiff::checkpoint::strategy::{
-            BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+        use crate::autodiff::{
+            self, Autodiff, Backend, Backward, CheckpointStrategy, Checkpointer,
+            DispatchKindConversion, DispatchTensor, Gradients, Ops,
         };
-        use burn::backend::autodiff::grads::Gradients;
-        use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
-        pub(super) use burn::backend::autodiff::Autodiff;
-        use burn::backend::{Backend, DispatchKindConversion, DispatchTensor};
+        use burn::backend::autodiff::ops::unary;
         use burn::tensor::{Tensor, TensorData};
         use burn_ddp_comm::{ReduceOp, Result};
 
@@ -404,14 +400,12 @@ mod tracked {
             };
             let (primitive, node) = tensor.into_parts();
             let sum = inner_sum::<B>(group, primitive);
-            // Compute-bound: a checkpointing strategy keeps the output rather than running the
-            // collective again during backward.
-            let prep = <GroupSum as Backward<B, 1>>::prepare::<C>(GroupSum, [node]);
-            let out = match prep.compute_bound().stateful() {
-                OpsKind::Tracked(prep) => prep.finish(group.clone(), sum),
-                OpsKind::UnTracked(prep) => prep.finish(sum),
-            };
-            Break(Tensor::from_primitive::<Autodiff<B, C>>(out))
+            Break(autodiff::finish::<B, C, _, 1, 1>(
+                GroupSum,
+                [node],
+                group.clone(),
+                sum,
+            ))
         }
 
         /// The sum over `group` of a tensor of the inner backend `B`.

@@ -45,6 +45,7 @@ const BURN: &[(&str, u8)] = &[
 
 /// burn-ddp-gradsync's top-level modules (Burn 0.22.1 and 0.23; the core crate is below them).
 const BURN022: &[(&str, u8)] = &[
+    ("autodiff", 0),
     ("data", 1),
     ("nn", 1),
     ("grads", 1),
