@@ -48,8 +48,8 @@ mod imp {
     pub(crate) use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
     use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, NoCheckpointing};
     pub(crate) use burn::backend::autodiff::grads::Gradients;
-    pub(crate) use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops};
     use burn::backend::autodiff::ops::OpsKind;
+    pub(crate) use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops};
     pub(crate) use burn::backend::autodiff::Autodiff;
     pub(crate) use burn::backend::{Backend, DispatchKindConversion, DispatchTensor};
     use burn::tensor::Tensor;

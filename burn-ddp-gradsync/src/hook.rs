@@ -171,7 +171,10 @@ mod backends {
             let Ok(tensor) = t.clone().try_into_primitive::<autodiff::Autodiff<B, C>>() else {
                 return Continue(t);
             };
-            let Ok(anchor) = self.anchor.clone().try_into_primitive::<autodiff::Autodiff<B, C>>()
+            let Ok(anchor) = self
+                .anchor
+                .clone()
+                .try_into_primitive::<autodiff::Autodiff<B, C>>()
             else {
                 return Continue(t);
             };
