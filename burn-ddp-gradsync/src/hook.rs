@@ -41,6 +41,14 @@ pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
         allow(dead_code)
     )]
     fn ready(&self, slot: usize, grad: Tensor<1>);
+
+    /// Whether the parameter still gets its gradient in Burn's gradient container, as without
+    /// the hook (the default). A sink that says no takes the gradient alone: its storage is
+    /// shared with nothing, so reading it needs no copy (Flex copies shared storage when it is
+    /// read), and `GradientsParams::from_grads` finds no gradient for the parameter.
+    fn leaves_gradient(&self) -> bool {
+        true
+    }
 }
 
 /// How far apart the hooks of consecutive parameters are, in depth: more than the operations
@@ -240,12 +248,12 @@ mod backends {
                 let (sink, slot) = ops.state;
                 let grad = grads.consume::<B>(&ops.node);
                 let [param, _anchor] = ops.parents;
-                let grad_d = Tensor::<D>::from_primitive::<B>(grad.clone());
+                if let Some(param) = param.filter(|_| sink.leaves_gradient()) {
+                    grads.register::<B>(param.id, grad.clone());
+                }
+                let grad_d = Tensor::<D>::from_primitive::<B>(grad);
                 let numel = grad_d.shape().num_elements();
                 sink.ready(slot, grad_d.reshape([numel]));
-                if let Some(param) = param {
-                    grads.register::<B>(param.id, grad);
-                }
             }
         }
 

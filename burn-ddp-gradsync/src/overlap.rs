@@ -195,6 +195,12 @@ impl GradSink for OpenPass {
         };
         push(pass, self.rank, &self.plan, slot, grad);
     }
+
+    /// The step's pass takes each gradient alone: `sync` writes the reduced one into the
+    /// caller's `GradientsParams`, so the parameter's own would only be copied for nothing.
+    fn leaves_gradient(&self) -> bool {
+        false
+    }
 }
 
 impl crate::nn::InOrder for OpenPass {

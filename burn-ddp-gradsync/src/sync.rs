@@ -393,15 +393,15 @@ impl GradSync {
     /// group yourself there (`sync` first): the ranks could order it differently from the
     /// buckets. The hooks hand over the gradients of that
     /// one backward: with gradient accumulation over several micro-batches, use `model` itself
-    /// and `sync` the accumulated gradients after the last backward, as without overlap. Its
-    /// parameters keep no gradient of their own (take the gradients with
-    /// `GradientsParams::from_grads(.., &model)`, or give `sync` an empty `GradientsParams`:
-    /// `sync` writes the reduced gradients either way). `model` itself comes back unchanged
-    /// (and `sync` reduces after backward, as without this call) where overlap does not apply:
-    /// [`DdpConfig::overlap`] off, one rank on the host-staged transport, inside
-    /// [`join`](Self::join), a process that made a `SyncBatchNorm` (its backward all-reduce
-    /// cannot yet go behind the buckets in flight on this line), or a backend without
-    /// autodiff hooks in this build (Flex, NdArray or CUDA, as `SyncBatchNorm`).
+    /// and `sync` the accumulated gradients after the last backward, as without overlap. The
+    /// hooks take each gradient (neither the returned model's parameters nor `model`'s keep one
+    /// in Burn's gradients, so reading it copies nothing): take the gradients with
+    /// `GradientsParams::from_grads(.., &model)` as usual, or give `sync` an empty
+    /// `GradientsParams`; `sync` writes the reduced gradients either way. `model` itself comes
+    /// back unchanged (and `sync` reduces after backward, as without this call) where overlap
+    /// does not apply: [`DdpConfig::overlap`] off, one rank on the host-staged transport,
+    /// inside [`join`](Self::join), or a backend without autodiff hooks in this build (Flex,
+    /// NdArray or CUDA, as `SyncBatchNorm`).
     ///
     /// # Errors
     /// [`prepare`](Self::prepare) was not called; the previous overlapped step was never
