@@ -21,7 +21,8 @@
 //!
 //! **What it sees.** The gradient of the hook's node is complete when its step runs (all the
 //! hooked tensor's consumers ran before), so a parameter used several times is handed over
-//! once, with the sum. The parameter (the leaf) gets that gradient as without the hook, so
+//! once, with the sum. The parameter (the leaf) gets that gradient as without the hook (unless
+//! the sink takes it alone, [`GradSink::leaves_gradient`], as an overlapped step's does), so
 //! `GradientsParams::from_grads` over the original model finds it; over the hooked model it
 //! finds none (Burn keeps gradients of leaves only: `Tensor::grad` asks
 //! `float_is_require_grad`, false for the hook's node, burn-tensor 0.22.1
