@@ -75,6 +75,11 @@ pub enum Opt {
     /// keeps the state of the parameters it owns); the reference and the negative control
     /// with plain Adam.
     AdamZero,
+    /// ZeRO-2: as [`AdamZero`](Self::AdamZero), with the gradient buckets reduce-scattered so
+    /// that each rank receives only the reduced gradients of the parameters it owns (the
+    /// line's stage-2 call); the line also checks that no other gradient reaches its
+    /// optimizer.
+    AdamZero2,
 }
 
 /// How each optimizer step's gradients are made.
@@ -153,7 +158,7 @@ fn weight_alone() -> DdpConfig {
 pub fn scenarios() -> Vec<Scenario> {
     use Mode::{Accumulate, Join, Plain};
     use Net::{Conv, Mlp, SharedGrad, Strided, Tied};
-    use Opt::{Adam, AdamZero, Sgd};
+    use Opt::{Adam, AdamZero, AdamZero2, Sgd};
     let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
         name,
         net,
@@ -336,6 +341,35 @@ pub fn scenarios() -> Vec<Scenario> {
             default,
             &[2],
         ),
+        // ZeRO-2: buckets reduce-scattered to the parameters' owners. Whole parameters are
+        // owned (balanced by size), so the shards are uneven (the MLP: 128 + 16 + 48 + 3 + 40
+        // + 5 elements) and every bucket is padded to its largest block; the MLP's unused
+        // layer has no gradient anywhere; in small buckets some ranks own nothing of a bucket.
+        s("mlp_adam_zero2", Mlp, AdamZero2, Plain, default, &[1, 2, 3]),
+        s(
+            "mlp_adam_zero2_after_backward",
+            Mlp,
+            AdamZero2,
+            Plain,
+            || default().with_overlap(false),
+            &[2],
+        ),
+        s(
+            "conv_adam_zero2_accumulate_2",
+            Conv,
+            AdamZero2,
+            Accumulate(2),
+            default,
+            &[2, 3],
+        ),
+        s(
+            "tied_adam_zero2_small_buckets",
+            Tied,
+            AdamZero2,
+            Plain,
+            small_buckets,
+            &[2, 3],
+        ),
     ]
 }
 
@@ -425,7 +459,9 @@ macro_rules! conformance_suite {
             mlp_small_buckets_bucket_view, shared_gradient_buffer_bucket_view, mlp_adam_join,
             conv_sgd_join_small_buckets, mlp_adam_zero, mlp_adam_shared_buckets,
             conv_sgd_join_shared_small_buckets, mlp_small_shared_buckets_bucket_view,
-            conv_adam_zero_accumulate_2, tied_adam_small_buckets, tied_sgd_accumulate_2);
+            conv_adam_zero_accumulate_2, tied_adam_small_buckets, tied_sgd_accumulate_2,
+            mlp_adam_zero2, mlp_adam_zero2_after_backward, conv_adam_zero2_accumulate_2,
+            tied_adam_zero2_small_buckets);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

@@ -47,6 +47,10 @@ pub(crate) trait GradSink: Send + Sync + std::fmt::Debug {
     /// the hook (the default). A sink that says no takes the gradient alone: its storage is
     /// shared with nothing, so reading it needs no copy (Flex copies shared storage when it is
     /// read), and `GradientsParams::from_grads` finds no gradient for the parameter.
+    #[cfg_attr(
+        not(any(feature = "flex", feature = "ndarray", feature = "cuda")),
+        allow(dead_code)
+    )]
     fn leaves_gradient(&self) -> bool {
         true
     }

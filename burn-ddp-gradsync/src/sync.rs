@@ -33,6 +33,9 @@ pub struct GradSync {
     host: Arc<Mutex<HostSync>>,
     /// The prepared model's trainable parameters (slot = position in visit order).
     plan: Option<Arc<BucketPlan<usize>>>,
+    /// ZeRO stage 2 ([`GradSync::zero2`]): each trainable parameter's owner, by slot; the
+    /// plan's buckets are reduce-scattered to them.
+    zero_owners: Option<Vec<Rank>>,
     /// The pass of an overlapped step ([`GradSync::overlapped`]), until [`GradSync::sync`].
     open: Option<Arc<OpenPass>>,
     /// The overlapped steps' hook anchors.
@@ -135,6 +138,7 @@ impl GradSync {
             config,
             host,
             plan: None,
+            zero_owners: None,
             open: None,
             anchors: Anchors::default(),
             last_overlap: None,
@@ -278,7 +282,16 @@ impl GradSync {
             true => BucketOrder::Reverse,
             false => BucketOrder::Forward,
         };
-        let plan = BucketPlan::build(trainable, &self.config, order);
+        let mut plan = BucketPlan::build(trainable, &self.config, order);
+        // ZeRO stage 2 carries over to the same model prepared again; another model's owners
+        // would be wrong (its next `zero2` shards it).
+        match self.zero_owners.take() {
+            Some(owners) if owners.len() == plan.slots.len() => {
+                plan = plan.sharded(&owners, self.pg.world_size().as_usize());
+                self.zero_owners = Some(owners);
+            }
+            _ => {}
+        }
         tracing::debug!(
             "[rank {rank}] ddp: {} parameters in {} buckets",
             plan.slots.len(),
@@ -551,6 +564,32 @@ impl GradSync {
     /// waits for the end of the step).
     pub fn sent_during_backward(&self) -> Option<(usize, usize)> {
         self.last_overlap
+    }
+
+    /// ZeRO stage 2: from the next step on, the buckets are reduce-scattered so that this rank
+    /// receives (and `sync` returns) only the reduced gradients of the parameters `owners` (by
+    /// slot) gives it.
+    ///
+    /// # Errors
+    /// What stage 2 cannot run with ([`check_stage2`](burn_ddp_comm::grad::check_stage2));
+    /// an overlapped step still open; `prepare` not called.
+    pub(crate) fn shard_gradients(&mut self, owners: Vec<Rank>) -> Result<()> {
+        let rank = self.pg.rank();
+        burn_ddp_comm::grad::check_stage2(&self.config, self.uses_nccl())?;
+        if self.open.is_some() {
+            return Err(DdpError::model_access(
+                rank,
+                "sharding the gradients (ZeRO stage 2)",
+                "an overlapped step is open: call GradSync::zero2 before GradSync::overlapped \
+                 or after GradSync::sync, not between them",
+            ));
+        }
+        let plan = self.plan.as_ref().ok_or_else(|| not_prepared(rank))?;
+        let world = self.pg.world_size().as_usize();
+        let sharded = BucketPlan::clone(plan).sharded(&owners, world);
+        self.plan = Some(Arc::new(sharded));
+        self.zero_owners = Some(owners);
+        Ok(())
     }
 
     /// The number of trainable parameters of the prepared model; `None` before `prepare`.

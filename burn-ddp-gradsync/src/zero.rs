@@ -1,12 +1,15 @@
-//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`) on Burn 0.22 and 0.23: the optimizer state
-//! sharded over the ranks, on the core's `ZeroPlan` (the same ownership rule as the Burn 0.21
-//! line's `DdpSession::zero`).
+//! ZeRO stages 1 and 2 on Burn 0.22 and 0.23: the optimizer state sharded over the ranks
+//! (stage 1, PyTorch's `ZeroRedundancyOptimizer`), and the reduced gradients too (stage 2,
+//! DeepSpeed's, FSDP2's `reshard_after_forward=False`), on the core's `ZeroPlan` (the same
+//! ownership rule as the Burn 0.21 line's `DdpSession::zero`).
 //!
-//! Every rank still all-reduces the whole gradient ([`GradSync::sync`]); each then steps, with
-//! Burn's own `ModuleOptimizer`, only the parameters it owns: the gradients of the others are
-//! dropped before the step, so Burn's optimizer never creates state for them. The stepped
-//! parameters are all-gathered, so every rank ends the step with the same model while holding
-//! about `1/N` of the optimizer state.
+//! Stage 1: every rank still all-reduces the whole gradient ([`GradSync::sync`]); each then
+//! steps, with Burn's own `ModuleOptimizer`, only the parameters it owns: the gradients of the
+//! others are dropped before the step, so Burn's optimizer never creates state for them. Stage
+//! 2 ([`GradSync::zero2`]): the buckets are reduce-scattered instead, so `sync` hands back only
+//! the reduced gradients this rank owns (the others' leave with their bucket). Either way the
+//! stepped parameters are all-gathered, so every rank ends the step with the same model while
+//! holding about `1/N` of the optimizer state (and, in stage 2, of the reduced gradients).
 //!
 //! Checkpoints go through bytes. Burn's `OptimizerRecord` keeps its entries private, but
 //! its burnpack encoding is public (`burn-pack`): each entry is keyed by the parameter's
@@ -30,7 +33,8 @@ use crate::grads::filled_like;
 use crate::GradSync;
 
 /// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's
-/// `ZeroRedundancyOptimizer`); made by [`GradSync::zero`].
+/// `ZeroRedundancyOptimizer`); made by [`GradSync::zero`], or by [`GradSync::zero2`] for stage
+/// 2 (the gradients sharded too).
 ///
 /// [`step`](Self::step) takes the gradients [`GradSync::sync`] returned, steps with the wrapped
 /// `ModuleOptimizer` the parameters this rank owns, and all-gathers the stepped parameters, so
@@ -48,11 +52,14 @@ pub struct ZeroOptimizer {
     /// The trainable parameters (this process's ids, in visit order) with their owner, size
     /// and place in the all-gathered values.
     shards: ZeroShards,
+    /// 1, or 2 when the gradients are sharded too.
+    stage: u8,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ZeroOptimizer")
+            .field("stage", &self.stage)
             .field("rank", &self.pg.rank())
             .field("params", &self.shards.ids().len())
             .field(
@@ -171,7 +178,34 @@ impl GradSync {
             inner: optim,
             pg: self.group().clone(),
             shards: ZeroShards::new(&params, self.group().world_size().as_usize()),
+            stage: 1,
         })
+    }
+
+    /// ZeRO stage 2 (DeepSpeed's; FSDP2 with `reshard_after_forward=False`): as
+    /// [`zero`](Self::zero), and from the next step on the gradient buckets are
+    /// reduce-scattered rather than all-reduced, so that [`sync`](Self::sync) returns only the
+    /// reduced gradients of the parameters this rank owns, the ones its [`ZeroOptimizer`]
+    /// steps. A replica then keeps about `4 + 12/N` bytes per parameter with Adam in f32
+    /// (weights, and `1/N` of the gradients and moments) instead of stage 1's `8 + 8/N`; the
+    /// bytes on the wire are an all-reduce's (a reduce-scatter, then the all-gather of the
+    /// stepped parameters), each bucket padded to equal blocks of whole parameters. The
+    /// overlapped steps ([`overlapped`](Self::overlapped)) and accumulation work as without it;
+    /// a later [`prepare`](Self::prepare) of the same model keeps it.
+    ///
+    /// Use the returned optimizer for every step, on every rank: the other gradients are gone,
+    /// so a plain optimizer would step only this rank's parameters. Checkpoints as stage 1's
+    /// ([`ZeroOptimizer::gather_record`], loadable at any world size and either stage).
+    ///
+    /// # Errors
+    /// As [`zero`](Self::zero); a configuration stage 2 cannot run with (a communication hook,
+    /// PowerSGD, gradients on NCCL's device path: `ConfigError::InvalidConfig` says what to
+    /// change); an overlapped step still open.
+    pub fn zero2<M: Module>(&mut self, optim: ModuleOptimizer, model: &M) -> Result<ZeroOptimizer> {
+        let mut zero = self.zero(optim, model)?;
+        self.shard_gradients(zero.shards.owners())?;
+        zero.stage = 2;
+        Ok(zero)
     }
 }
 
@@ -188,6 +222,11 @@ impl ZeroOptimizer {
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
         self.shards.plan().owned_elements(self.rank())
+    }
+
+    /// 1, or 2 where the gradients are sharded too ([`GradSync::zero2`]).
+    pub fn stage(&self) -> u8 {
+        self.stage
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns, then the stepped

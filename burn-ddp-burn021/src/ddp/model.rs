@@ -367,6 +367,7 @@ impl DdpSession {
         );
         // The session's one communication thread (the reducer's), with a hook of this plan's.
         let mut reducer = self.shared.reducer();
+        let plan = reducer.sharded(plan);
         let host = reducer.host_sync()?;
         let mut step = host.begin(&plan)?;
         model.visit(&mut Take::<B> {

@@ -1,11 +1,15 @@
-//! ZeRO stage 1 (PyTorch's `ZeroRedundancyOptimizer`): the optimizer state sharded over the
-//! ranks, on the core's `ZeroPlan`.
+//! ZeRO stages 1 and 2: the optimizer state sharded over the ranks (stage 1, PyTorch's
+//! `ZeroRedundancyOptimizer`), and the reduced gradients too (stage 2, DeepSpeed's), on the
+//! core's `ZeroPlan`.
 //!
-//! Every rank still all-reduces the whole gradient; each then steps only the parameters it owns
-//! with Burn's own optimizer (the gradients of the others are dropped before the step, so
-//! Burn's optimizer never creates state for them), and the stepped parameters are all-gathered,
-//! so every rank ends the step with the same model while holding about `1/N` of the optimizer
-//! state.
+//! Stage 1: every rank still all-reduces the whole gradient; each then steps only the
+//! parameters it owns with Burn's own optimizer (the gradients of the others are dropped before
+//! the step, so Burn's optimizer never creates state for them). Stage 2
+//! ([`DdpSession::zero2`]): the buckets are reduce-scattered instead, so each rank receives only
+//! the reduced gradients of the parameters it owns; its own gradient of every other parameter
+//! is released at the end of backward. Either way the stepped parameters are all-gathered, so
+//! every rank ends the step with the same model while holding about `1/N` of the optimizer state
+//! (and, in stage 2, of the reduced gradients).
 
 use std::marker::PhantomData;
 
@@ -43,6 +47,8 @@ pub struct ZeroOptimizer<O, M, B> {
     /// The synchronised parameters (this process's ids, in visit order) with their owner,
     /// size and place in the all-gathered values.
     shards: ZeroShards,
+    /// 1, or 2 when the gradients are sharded too.
+    stage: u8,
     _m: PhantomData<fn() -> (M, B)>,
 }
 
@@ -52,6 +58,7 @@ impl<O: Clone, M, B> Clone for ZeroOptimizer<O, M, B> {
             inner: self.inner.clone(),
             session: self.session.clone(),
             shards: self.shards.clone(),
+            stage: self.stage,
             _m: PhantomData,
         }
     }
@@ -61,6 +68,7 @@ impl<O, M, B> std::fmt::Debug for ZeroOptimizer<O, M, B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let rank = self.session.group().rank();
         f.debug_struct("ZeroOptimizer")
+            .field("stage", &self.stage)
             .field("rank", &rank)
             .field("params", &self.shards.ids().len())
             .field("owned_elements", &self.shards.plan().elements_of(rank))
@@ -167,8 +175,38 @@ impl DdpSession {
             inner: optim,
             session: self.clone(),
             shards: ZeroShards::new(&params, self.shared.pg.world_size().as_usize()),
+            stage: 1,
             _m: PhantomData,
         })
+    }
+
+    /// ZeRO stage 2 (DeepSpeed's; FSDP2 with `reshard_after_forward=False`): as
+    /// [`zero`](Self::zero), and from the next backward on the gradient buckets are
+    /// reduce-scattered rather than all-reduced, so that this rank receives only the reduced
+    /// gradients of the parameters it owns, the ones the returned optimizer steps; its own
+    /// gradients of the others are released at the end of backward (they stay in Burn's
+    /// container as empty tensors, which the returned optimizer drops). A replica then keeps
+    /// about `4 + 12/N` bytes per parameter with Adam in f32 instead of stage 1's `8 + 8/N`;
+    /// the bytes on the wire are an all-reduce's (a reduce-scatter, then the all-gather of the
+    /// stepped parameters), each bucket padded to equal blocks of whole parameters. Overlap,
+    /// [`DdpSession::sync_gradients`] and accumulation work as without it; a later `prepare` of
+    /// the same model keeps it. Buckets go host-staged (`GradTransport::Nccl` is refused).
+    ///
+    /// Use the returned optimizer for every step, on every rank. Checkpoints as stage 1's.
+    ///
+    /// # Errors
+    /// As [`zero`](Self::zero); a configuration stage 2 cannot run with (a communication hook,
+    /// PowerSGD, `GradTransport::Nccl`: `ConfigError::InvalidConfig` says what to change).
+    pub fn zero2<O, M, B>(&self, optim: O, model: &M) -> Result<ZeroOptimizer<O, M, B>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let mut zero = self.zero(optim, model)?;
+        self.shared.reducer().shard(zero.shards.owners())?;
+        zero.stage = 2;
+        Ok(zero)
     }
 }
 
@@ -198,6 +236,11 @@ where
     /// the number sharded over all ranks.
     pub fn owned_elements(&self) -> (usize, usize) {
         self.shards.plan().owned_elements(self.rank())
+    }
+
+    /// 1, or 2 where the gradients are sharded too ([`DdpSession::zero2`]).
+    pub fn stage(&self) -> u8 {
+        self.stage
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns (and rank-local

@@ -228,7 +228,9 @@ impl Line for Line021 {
         fn with<M: Net<B> + AutodiffModule<B>>(pg: ProcessGroup, s: &Scenario) -> Trained {
             match s.opt {
                 Opt::Sgd => run::<M, _>(pg, s, || SgdConfig::new().init()),
-                Opt::Adam | Opt::AdamZero => run::<M, _>(pg, s, || AdamConfig::new().init()),
+                Opt::Adam | Opt::AdamZero | Opt::AdamZero2 => {
+                    run::<M, _>(pg, s, || AdamConfig::new().init())
+                }
             }
         }
         match s.net {
@@ -266,11 +268,27 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     if s.mode == conformance::Mode::Join {
         return run_join(&session, model, reference, alone, make_opt);
     }
-    // ZeRO-1: the DDP model steps through the sharded optimizer.
-    let mut zero = (s.opt == conformance::Opt::AdamZero)
-        .then(|| session.zero(AdamConfig::new().init(), &model).unwrap());
-    let mut step_ddp = |model: M, grads| match zero.as_mut() {
-        Some(zero) => zero.try_step(lr, model, grads).unwrap(),
+    // ZeRO-1 and 2: the DDP model steps through the sharded optimizer.
+    let mut zero = match s.opt {
+        conformance::Opt::AdamZero => Some(session.zero(AdamConfig::new().init(), &model).unwrap()),
+        conformance::Opt::AdamZero2 => {
+            Some(session.zero2(AdamConfig::new().init(), &model).unwrap())
+        }
+        _ => None,
+    };
+    let mut step_ddp = |model: M, grads: GradientsParams| match zero.as_mut() {
+        Some(zero) => {
+            if zero.stage() == 2 {
+                // Only the gradients of the parameters this rank owns came back with values.
+                let (owned, _) = zero.owned_elements();
+                let got = grad_elements(&model, &grads);
+                assert!(
+                    got <= owned,
+                    "{got} gradient elements reached a rank owning {owned}"
+                );
+            }
+            zero.try_step(lr, model, grads).unwrap()
+        }
         None => opt_ddp.step(lr, model, grads),
     };
     for step in 0..STEPS {
@@ -324,6 +342,22 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
         reference: common::params(&reference),
         alone: common::params(&alone),
     }
+}
+
+/// The elements of `model`'s gradients in `grads`.
+fn grad_elements<M: AutodiffModule<B>>(model: &M, grads: &GradientsParams) -> usize {
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl burn::module::ModuleVisitor<B> for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            type Inner = <B as AutodiffBackend>::InnerBackend;
+            if let Some(g) = self.0.get::<Inner, D>(p.id) {
+                self.1 += g.shape().num_elements();
+            }
+        }
+    }
+    let mut count = Count(grads, 0);
+    model.visit(&mut count);
+    count.1
 }
 
 /// [`conformance::Mode::Join`]: each rank steps on its own batches under `DdpSession::join`.

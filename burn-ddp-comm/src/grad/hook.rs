@@ -175,6 +175,50 @@ impl HookChoice {
     pub fn power_sgd_totals(&self) -> Option<(u64, u64, u64)> {
         self.power_sgd.as_ref().map(|(_, s)| s.totals())
     }
+
+    /// The reduction and wire format a reduce-scattered bucket (ZeRO stage 2, which takes no
+    /// hook of its own) travels with.
+    pub fn wire(&self) -> (GradReduction, Compression) {
+        (self.reduction, self.compression)
+    }
+}
+
+/// Reduce-scatters one bucket laid out as `world` equal blocks (a [sharded](super::BucketPlan::sharded)
+/// plan's, ZeRO stage 2): returns this rank's block of the reduction, cast to the wire format
+/// of `compression` on the way if asked.
+///
+/// # Errors
+/// A bucket that is not a whole number of blocks; collective failures, naming the rank at
+/// fault.
+pub fn scatter_bucket(
+    pg: &ProcessGroup,
+    data: &[f32],
+    reduction: GradReduction,
+    compression: Compression,
+) -> Result<Vec<f32>> {
+    fn on_wire<T: crate::types::Element + Default>(
+        pg: &ProcessGroup,
+        data: &[f32],
+        op: ReduceOp,
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<Vec<f32>> {
+        let block = data.len() / pg.world_size().as_usize();
+        let send: Vec<T> = data.iter().map(|&v| to(v)).collect();
+        let mut mine = vec![T::default(); block];
+        pg.reduce_scatter(&send, &mut mine, op)?;
+        Ok(mine.into_iter().map(from).collect())
+    }
+    let op = reduction.op();
+    match compression {
+        Compression::None => {
+            let mut mine = vec![0.0f32; data.len() / pg.world_size().as_usize()];
+            pg.reduce_scatter(data, &mut mine, op)?;
+            Ok(mine)
+        }
+        Compression::F16 => on_wire(pg, data, op, f16::from_f32, f16::to_f32),
+        Compression::Bf16 => on_wire(pg, data, op, bf16::from_f32, bf16::to_f32),
+    }
 }
 
 /// All-reduces one bucket in place, cast to the wire format of `compression` if asked.

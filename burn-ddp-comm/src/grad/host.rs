@@ -28,6 +28,9 @@ enum HostJob {
         bucket: usize,
         data: BucketBuf,
         layout: Option<BucketShape>,
+        /// Reduce-scattered (a sharded plan's bucket, ZeRO stage 2), not reduced by the hook:
+        /// the answer is this rank's block alone.
+        scatter: bool,
     },
     /// Not a bucket: one all-reduce issued during a pass, uncompressed, behind the buckets
     /// already launched ([`HostComm::all_reduce_in_order`]).
@@ -103,14 +106,27 @@ impl HostComm {
         let mut by_plan: std::collections::HashMap<u64, Box<dyn CommHook>> =
             std::collections::HashMap::new();
         let mut probe = Some(probe);
+        let (reduction, compression) = hooks.wire();
         let worker = Worker::start(
             format!("burn-ddp-grad-{}", pg.rank()),
             move |job| match job {
+                // The full bucket is dropped here, as soon as this rank's block is out.
+                HostJob::Bucket {
+                    bucket,
+                    data,
+                    scatter: true,
+                    ..
+                } => Answer {
+                    bucket: Some(bucket),
+                    result: super::scatter_bucket(&comm, &data, reduction, compression)
+                        .map(BucketBuf::from),
+                },
                 HostJob::Bucket {
                     plan,
                     bucket,
                     mut data,
                     layout,
+                    scatter: false,
                 } => Answer {
                     bucket: Some(bucket),
                     result: match plain {
@@ -179,7 +195,10 @@ impl HostComm {
 
     /// Hands bucket `bucket` of the plan keyed `plan` ([`plan_key`]) over (`layout`: its
     /// matrices, when the hook [wants it](Self::wants_layout)). Buckets must come in index
-    /// order, every step.
+    /// order, every step. `scatter`: the bucket is `world` blocks (a
+    /// [sharded](super::BucketPlan::sharded) plan's), reduce-scattered with the configuration's
+    /// reduction and wire format instead of reduced by the hook; its answer is this rank's
+    /// block.
     ///
     /// # Errors
     /// [`CollectiveError::WorkerStopped`](crate::CollectiveError::WorkerStopped) if the communication thread has stopped.
@@ -189,12 +208,14 @@ impl HostComm {
         bucket: usize,
         data: BucketBuf,
         layout: Option<BucketShape>,
+        scatter: bool,
     ) -> Result<()> {
         if !self.worker.send(HostJob::Bucket {
             plan,
             bucket,
             data,
             layout,
+            scatter,
         }) {
             return Err(self.stopped());
         }
@@ -350,7 +371,13 @@ impl HostSync {
     pub fn buckets<K>(&mut self, plan: &BucketPlan<K>) -> Result<HostBuckets> {
         self.comm.collect(&mut [])?;
         let lens = plan.buffer_lens();
-        let buffers = match self.comm.buffers(&lens)? {
+        // A sharded plan's buckets are reduce-scattered from the heap (the shared all-reduce
+        // would give every rank every block).
+        let shared = match plan.sharding {
+            None => self.comm.buffers(&lens)?,
+            Some(_) => None,
+        };
+        let buffers = match shared {
             Some(shared) => shared,
             None => BucketBuf::on_heap(&lens, &mut self.spare),
         };
@@ -514,7 +541,7 @@ impl<K> BucketTransport<K> for HostBuckets {
             return Ok(());
         };
         let layout = comm.wants_layout().then(|| plan.bucket_shape(bucket));
-        comm.submit(self.plan, bucket, data, layout)
+        comm.submit(self.plan, bucket, data, layout, plan.sharding.is_some())
     }
 
     fn finish(
@@ -537,13 +564,26 @@ impl<K> BucketTransport<K> for HostBuckets {
                 }
             }
         }
+        // A sharded plan's answers are this rank's blocks: its own slots lie there, shifted by
+        // the blocks before it; the other ranks' slots are nowhere (never present).
+        let mine = |slot: usize| plan.owner(slot).is_none_or(|o| o == self.rank);
         let layout = plan
             .slots
             .iter()
             .enumerate()
-            .map(|(i, s)| (s.bucket, s.offset, s.info.numel, plan.flag_index(i)))
+            .map(|(i, s)| match plan.block(s.bucket) {
+                None => (s.bucket, s.offset, s.info.numel, plan.flag_index(i)),
+                Some(_) if !mine(i) => (s.bucket, 0, s.info.numel, NOWHERE),
+                Some(block) => {
+                    let shift = self.rank.index() * block;
+                    let flag = plan.flag_index(i) - shift;
+                    (s.bucket, s.offset - shift, s.info.numel, flag)
+                }
+            })
             .collect();
-        let left = plan.buckets.iter().map(|(s, _)| s.len()).collect();
+        let left = (plan.buckets.iter())
+            .map(|(s, _)| s.iter().filter(|&&slot| mine(slot)).count())
+            .collect();
         Ok(Reduced {
             buckets,
             layout,
@@ -560,6 +600,9 @@ impl<K> BucketTransport<K> for HostBuckets {
         e
     }
 }
+
+/// The flag index of a slot another rank owns in a sharded plan: this rank has no value for it.
+const NOWHERE: usize = usize::MAX;
 
 /// The reduced gradients of one step, by slot: read ([`get`](Self::get)) or taken
 /// ([`take`](Self::take), which frees each bucket once its last gradient is out, and hands a
@@ -596,7 +639,7 @@ impl Reduced<'_> {
     /// gradient becomes that gradient's values without a copy.
     pub fn take(&mut self, slot: usize) -> Option<Vec<f32>> {
         let &(bucket, offset, numel, flag) = self.layout.get(slot)?;
-        if std::mem::replace(self.taken.get_mut(slot)?, true) {
+        if std::mem::replace(self.taken.get_mut(slot)?, true) || flag == NOWHERE {
             return None;
         }
         let buffer = &mut self.buckets[bucket];
@@ -672,6 +715,53 @@ mod tests {
                 .expect("parameter 1 had a gradient on rank 2");
             assert!(p1.iter().all(|v| (v - 22.0 / 3.0).abs() < 1e-5), "{p1:?}");
             assert_eq!(r[3], None);
+        }
+    }
+
+    /// The same three ranks and gradients over the sharded plan (ZeRO stage 2: parameter `i`
+    /// owned by rank `i % 3`, so blocks of uneven fill): each rank gets the mean of the
+    /// parameters it owns, as the all-reduce gives it, and nothing of the others'.
+    #[test]
+    fn a_sharded_plan_gives_each_rank_the_mean_of_what_it_owns_and_nothing_else() {
+        let whole = run(GradReduction::Mean, Compression::None);
+        for compression in [Compression::None, Compression::F16] {
+            let config = DdpConfig {
+                compression,
+                ..DdpConfig::default()
+            };
+            let got = on_local_ranks(3, |pg| {
+                let r = pg.rank().index();
+                let owners: Vec<crate::Rank> = (0..5).map(|i| crate::Rank(i % 3)).collect();
+                let plan = plan().sharded(&owners, 3);
+                let mut sync = HostSync::start(&pg, &config).unwrap();
+                let mut out = Vec::new();
+                for step in 0..2 {
+                    let mut s = sync.begin(&plan).unwrap();
+                    for slot in [4usize, 0, 2, 1] {
+                        let v = vec![(r * 10 + slot + step) as f32; 3];
+                        let have = slot != 1 || r == 2;
+                        s.push(slot, have.then_some(v.as_slice()));
+                    }
+                    let mut red = s.finish().unwrap();
+                    out = (0..5).map(|i| red.take(i)).collect::<Vec<_>>();
+                }
+                out
+            });
+            for (r, got) in got.iter().enumerate() {
+                for (slot, g) in got.iter().enumerate() {
+                    let want = if slot % 3 == r {
+                        whole[r][slot].clone()
+                    } else {
+                        None
+                    };
+                    match (g, &want) {
+                        (Some(g), Some(w)) => {
+                            assert!(g.iter().zip(w).all(|(a, b)| (a - b).abs() < 1e-2), "{g:?}")
+                        }
+                        _ => assert_eq!(g, &want, "rank {r} slot {slot}"),
+                    }
+                }
+            }
         }
     }
 
@@ -796,7 +886,8 @@ mod tests {
             };
             let mut comm = HostComm::start(&pg, HookChoice::of(&config), true).unwrap();
             let mut results = vec![None, None];
-            comm.submit(7, 0, vec![r + 1.0; 2].into(), None).unwrap();
+            comm.submit(7, 0, vec![r + 1.0; 2].into(), None, false)
+                .unwrap();
             let plain = comm
                 .all_reduce_in_order(vec![10.0 * (r + 1.0)], GradReduction::Mean, &mut results)
                 .unwrap();
@@ -807,7 +898,7 @@ mod tests {
                 "bucket 0's answer was kept"
             );
             assert_eq!(comm.outstanding(), 0);
-            comm.submit(7, 1, vec![r; 1].into(), None).unwrap();
+            comm.submit(7, 1, vec![r; 1].into(), None, false).unwrap();
             comm.collect(&mut results).unwrap();
             assert_eq!(results[1].as_deref(), Some(&[1.0][..]));
         });

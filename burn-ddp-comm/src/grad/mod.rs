@@ -21,8 +21,9 @@
 //!   [`AllReduce`] in f32, fp16 or bf16, or [`PowerSgdState`]; [`reduce_bucket`] for one bucket
 //! - `order.rs`: [`LaunchOrder`], the rule by which every transport launches a pass's buckets
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
-//! - `zero.rs`: [`ZeroPlan`], ZeRO stage 1's owner of each parameter and the all-gather of
-//!   the stepped parameters; [`ZeroShards`], the plan by parameter id
+//! - `zero.rs`: [`ZeroPlan`], ZeRO's owner of each parameter and the all-gather of the
+//!   stepped parameters; [`ZeroShards`], the plan by parameter id; [`check_stage2`], what
+//!   stage 2 (buckets reduce-scattered over a [sharded](BucketPlan::sharded) plan) refuses
 //! - `powersgd.rs`: [`PowerSgd`], low-rank compression of host-staged buckets with error
 //!   feedback
 //! - `counts.rs`: [`DeviceCounts`], what the device transports' passes cost (operations, host
@@ -59,19 +60,19 @@ pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
-pub use hook::{reduce_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
+pub use hook::{reduce_bucket, scatter_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use issue::{BucketIssuer, InFlight};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use loop_state::{LoopState, LoopSync};
 pub use order::LaunchOrder;
-pub use plan::{BucketOrder, BucketPlan, ParamInfo, Slot};
+pub use plan::{BucketOrder, BucketPlan, ParamInfo, Sharding, Slot};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use reducer::{BucketTransport, Pass};
 pub use replica::{check_and_load, compare_replicas, load_from, Replica};
 pub use shared::BucketBuf;
 pub use worker::Worker;
-pub use zero::{FlatValues, ReadValues, ZeroPlan, ZeroShards};
+pub use zero::{check_stage2, FlatValues, ReadValues, ZeroPlan, ZeroShards};
 
 /// What a fault-tolerant job cannot carry across a change of membership: both lines refuse it
 /// at once, saying why and what to use instead.

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::hash::Hash;
 
 use super::DdpConfig;
+use crate::types::Rank;
 
 /// What gradient synchronisation knows of one parameter.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +59,23 @@ pub struct Slot {
     pub offset: usize,
     /// Its place among its bucket's parameters (the bucket's slot list, in fill order).
     pub position: usize,
+    /// Where its presence flag is in its bucket's buffer ([`BucketPlan::flag_index`]).
+    pub flag: usize,
+}
+
+/// How a [sharded](BucketPlan::sharded) plan's buckets are laid out (ZeRO stage 2): each
+/// bucket's buffer is `world` blocks of equal length, block `r` holding the values of the
+/// parameters rank `r` owns (in fill order), then their presence flags, then zeros up to the
+/// longest block, so that one reduce-scatter leaves every rank the reduced gradients of the
+/// parameters it owns, and nothing else.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharding {
+    /// The ranks.
+    pub world: usize,
+    /// The owner of each slot.
+    pub owners: Vec<Rank>,
+    /// Each bucket's block length, in elements.
+    pub blocks: Vec<usize>,
 }
 
 /// Parameters (slots, in visit order) grouped into buckets: the first capped at
@@ -72,6 +90,9 @@ pub struct BucketPlan<K> {
     pub by_id: HashMap<K, usize>,
     /// Slots of each bucket (in fill order), and the bucket's length in elements.
     pub buckets: Vec<(Vec<usize>, usize)>,
+    /// Set on a plan whose buckets are reduce-scattered (ZeRO stage 2): where each rank's
+    /// block is.
+    pub sharding: Option<Sharding>,
 }
 
 impl<K> Default for BucketPlan<K> {
@@ -80,6 +101,7 @@ impl<K> Default for BucketPlan<K> {
             slots: Vec::new(),
             by_id: HashMap::new(),
             buckets: Vec::new(),
+            sharding: None,
         }
     }
 }
@@ -88,7 +110,11 @@ impl<K> BucketPlan<K> {
     /// The length of bucket `bucket`'s buffer on the wire: its values, then one presence flag
     /// per parameter (1 where a rank has the parameter's gradient), reduced with them, so every
     /// rank learns which parameters some rank had a gradient for.
+    /// A [sharded](Self::sharded) plan's buckets are `world` blocks ([`Sharding`]).
     pub fn buffer_len(&self, bucket: usize) -> usize {
+        if let Some(s) = &self.sharding {
+            return s.world * s.blocks[bucket];
+        }
         let (slots, len) = &self.buckets[bucket];
         len + slots.len()
     }
@@ -103,8 +129,61 @@ impl<K> BucketPlan<K> {
     /// Where slot `slot`'s presence flag is in its bucket's buffer (see
     /// [`BucketPlan::buffer_len`]).
     pub fn flag_index(&self, slot: usize) -> usize {
-        let s = &self.slots[slot];
-        self.buckets[s.bucket].1 + s.position
+        self.slots[slot].flag
+    }
+
+    /// Bucket `bucket`'s block length when the plan is [sharded](Self::sharded): each rank
+    /// keeps that many elements of its reduce-scatter.
+    pub fn block(&self, bucket: usize) -> Option<usize> {
+        self.sharding.as_ref().map(|s| s.blocks[bucket])
+    }
+
+    /// The owner of slot `slot` in a [sharded](Self::sharded) plan.
+    pub fn owner(&self, slot: usize) -> Option<Rank> {
+        self.sharding.as_ref().map(|s| s.owners[slot])
+    }
+
+    /// The same buckets, reduce-scattered (ZeRO stage 2): parameter `slot` is owned by
+    /// `owners[slot]` (of `world` ranks), and each bucket's buffer is laid out as [`Sharding`]
+    /// says. The buckets keep their parameters and launch order; only where each value and
+    /// flag lies changes.
+    ///
+    /// # Panics
+    /// Never: an `owners` shorter than the plan gives the missing slots to rank 0, an owner
+    /// beyond `world` is taken modulo it.
+    pub fn sharded(mut self, owners: &[Rank], world: usize) -> Self {
+        let world = world.max(1);
+        let owners: Vec<Rank> = (0..self.slots.len())
+            .map(|i| Rank(owners.get(i).map_or(0, |r| r.0) % world as u32))
+            .collect();
+        let mut blocks = Vec::with_capacity(self.buckets.len());
+        for (slots, _) in &self.buckets {
+            // Per rank: its values, then its flags.
+            let mut values = vec![0usize; world];
+            let mut flags = vec![0usize; world];
+            for &slot in slots {
+                let r = owners[slot].index();
+                values[r] += self.slots[slot].info.numel;
+                flags[r] += 1;
+            }
+            let block = (0..world).map(|r| values[r] + flags[r]).max().unwrap_or(0);
+            let (mut at, mut flag) = (vec![0usize; world], vec![0usize; world]);
+            for &slot in slots {
+                let r = owners[slot].index();
+                let s = &mut self.slots[slot];
+                s.offset = r * block + at[r];
+                s.flag = r * block + values[r] + flag[r];
+                at[r] += s.info.numel;
+                flag[r] += 1;
+            }
+            blocks.push(block);
+        }
+        self.sharding = Some(Sharding {
+            world,
+            owners,
+            blocks,
+        });
+        self
     }
 }
 
@@ -135,6 +214,7 @@ impl<K: Hash + Eq> BucketPlan<K> {
                 bucket: 0,
                 offset: 0,
                 position: 0,
+                flag: 0,
             });
         }
         let sequence: Box<dyn Iterator<Item = usize>> = match order {
@@ -151,7 +231,7 @@ impl<K: Hash + Eq> BucketPlan<K> {
                 config.bucket_cap_bytes
             } / 4;
             if !current.is_empty() && len + numel > cap {
-                plan.buckets.push((std::mem::take(&mut current), len));
+                plan.close(std::mem::take(&mut current), len);
                 len = 0;
             }
             let bucket = plan.buckets.len();
@@ -162,9 +242,17 @@ impl<K: Hash + Eq> BucketPlan<K> {
             len += numel;
         }
         if !current.is_empty() {
-            plan.buckets.push((current, len));
+            plan.close(current, len);
         }
         plan
+    }
+
+    /// Appends the bucket of `slots` (`len` values): their flags follow the values.
+    fn close(&mut self, slots: Vec<usize>, len: usize) {
+        for (position, &slot) in slots.iter().enumerate() {
+            self.slots[slot].flag = len + position;
+        }
+        self.buckets.push((slots, len));
     }
 
     /// The names of each bucket's parameters, in launch order.
@@ -232,5 +320,28 @@ mod tests {
         let plan = BucketPlan::build(params, &caps(16, 16), BucketOrder::Reverse);
         let lens: Vec<usize> = plan.buckets.iter().map(|(_, l)| *l).collect();
         assert_eq!(lens, vec![1, 100, 1]);
+    }
+
+    #[test]
+    fn a_sharded_bucket_is_one_block_per_rank_each_with_its_owners_values_then_flags() {
+        // One bucket of p0 (3), p1 (2), p2 (1), p3 (4): rank 0 owns p0 and p2, rank 1 p1 and p3.
+        let params = [3, 2, 1, 4]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (info(&format!("p{i}"), n), i as u64))
+            .collect();
+        let plan = BucketPlan::build(params, &caps(1024, 1024), BucketOrder::Forward);
+        assert_eq!(plan.flag_index(2), 10 + 2);
+        let owners = [Rank(0), Rank(1), Rank(0), Rank(1)];
+        let plan = plan.sharded(&owners, 2);
+        // Rank 0: 3 + 1 values and 2 flags = 6; rank 1: 2 + 4 and 2 flags = 8: blocks of 8.
+        assert_eq!(plan.block(0), Some(8));
+        assert_eq!(plan.buffer_len(0), 16);
+        let at = |i: usize| (plan.slots[i].offset, plan.flag_index(i));
+        assert_eq!([at(0), at(2)], [(0, 4), (3, 5)]);
+        assert_eq!([at(1), at(3)], [(8, 14), (10, 15)]);
+        assert_eq!(plan.owner(3), Some(Rank(1)));
+        // The buckets keep their parameters and order.
+        assert_eq!(plan.bucket_names(), vec![vec!["p0", "p1", "p2", "p3"]]);
     }
 }

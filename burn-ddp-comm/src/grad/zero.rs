@@ -9,6 +9,7 @@
 use crate::error::CollectiveError;
 use std::collections::HashMap;
 
+use super::DdpConfig;
 use crate::group::ProcessGroup;
 use crate::types::Rank;
 use crate::{DdpError, Result};
@@ -188,6 +189,12 @@ impl ZeroShards {
         &self.plan
     }
 
+    /// Each parameter's owner, by position: what a [sharded](super::BucketPlan::sharded)
+    /// bucket plan (ZeRO stage 2) takes, when the bucket plan's slots are these positions.
+    pub fn owners(&self) -> Vec<Rank> {
+        (0..self.plan.len()).map(|i| self.plan.owner(i)).collect()
+    }
+
     /// Each parameter's id, by position.
     pub fn ids(&self) -> &[u64] {
         &self.ids
@@ -225,6 +232,45 @@ impl ZeroShards {
         let at = self.offsets[self.position(id)?];
         values.get(at..at + n)
     }
+}
+
+/// Refuses ZeRO stage 2 (gradients reduce-scattered to their owners) where it cannot run: beside
+/// a communication hook or PowerSGD (each reduces whole buckets on every rank), or on NCCL's
+/// device buckets (`nccl`: the line's gradients travel through NCCL), which this release
+/// reduces whole only.
+///
+/// # Errors
+/// [`ConfigError::InvalidConfig`](crate::ConfigError::InvalidConfig) saying what to change.
+pub fn check_stage2(config: &DdpConfig, nccl: bool) -> Result<()> {
+    let refuse = |field, reason| {
+        Err(DdpError::Config(crate::ConfigError::InvalidConfig {
+            field,
+            reason,
+        }))
+    };
+    if config.comm_hook.is_some() {
+        return refuse(
+            "DdpConfig::comm_hook",
+            "a communication hook reduces whole buckets on every rank, ZeRO stage 2 \
+             reduce-scatters them: drop the hook, or use ZeRO stage 1 (zero)",
+        );
+    }
+    if config.power_sgd.is_some() {
+        return refuse(
+            "DdpConfig::power_sgd",
+            "PowerSGD compresses whole buckets on every rank, ZeRO stage 2 reduce-scatters \
+             them: drop PowerSGD, or use ZeRO stage 1 (zero)",
+        );
+    }
+    if nccl {
+        return refuse(
+            "DdpConfig::transport",
+            "ZeRO stage 2 reduce-scatters host-staged buckets; NCCL's device buckets are \
+             all-reduced whole in this release: use GradTransport::Host with zero2, or ZeRO \
+             stage 1 (zero) on NCCL",
+        );
+    }
+    Ok(())
 }
 
 /// Values a Burn line reads from its tensors as f32, one tensor after another; a tensor it

@@ -215,7 +215,9 @@ burn_ddp_dev::conformance_suite!(ThisLine);
 fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
     match opt {
         conformance::Opt::Sgd => SgdConfig::new().init(),
-        conformance::Opt::Adam | conformance::Opt::AdamZero => AdamConfig::new().init(),
+        conformance::Opt::Adam | conformance::Opt::AdamZero | conformance::Opt::AdamZero2 => {
+            AdamConfig::new().init()
+        }
     }
 }
 
@@ -237,11 +239,25 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     if s.mode == conformance::Mode::Join {
         return run_join(sync, model, reference, alone, s);
     }
-    // ZeRO-1: the DDP model steps through the sharded optimizer.
-    let mut zero = (s.opt == conformance::Opt::AdamZero)
-        .then(|| sync.zero(AdamConfig::new().init(), &model).unwrap());
-    let mut step_ddp = |model: M, grads| match zero.as_mut() {
-        Some(zero) => zero.step(lr, model, grads).unwrap(),
+    // ZeRO-1 and 2: the DDP model steps through the sharded optimizer.
+    let mut zero = match s.opt {
+        conformance::Opt::AdamZero => Some(sync.zero(AdamConfig::new().init(), &model).unwrap()),
+        conformance::Opt::AdamZero2 => Some(sync.zero2(AdamConfig::new().init(), &model).unwrap()),
+        _ => None,
+    };
+    let mut step_ddp = |model: M, grads: GradientsParams| match zero.as_mut() {
+        Some(zero) => {
+            if zero.stage() == 2 {
+                // Only the gradients of the parameters this rank owns came back.
+                let (owned, _) = zero.owned_elements();
+                let got = grad_values(&model, &grads).len();
+                assert!(
+                    got <= owned,
+                    "{got} gradient elements reached a rank owning {owned}"
+                );
+            }
+            zero.step(lr, model, grads).unwrap()
+        }
         None => opt_ddp.step(lr, model, grads),
     };
     for step in 0..STEPS {

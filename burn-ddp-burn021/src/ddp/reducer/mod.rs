@@ -113,6 +113,9 @@ pub(crate) struct Reducer {
     deferred: Option<DdpError>,
     /// The device transport (NCCL), set up at `prepare`.
     nccl: Nccl,
+    /// ZeRO stage 2 (`DdpSession::zero2`): each synchronised parameter's owner, by slot; the
+    /// plans' buckets are reduce-scattered to them.
+    zero_owners: Option<Vec<crate::group::Rank>>,
 }
 
 impl Reducer {
@@ -128,6 +131,7 @@ impl Reducer {
             foreign: Vec::new(),
             deferred: None,
             nccl: Nccl::default(),
+            zero_owners: None,
         }
     }
 
@@ -185,7 +189,41 @@ impl Reducer {
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
         self.discard_step();
-        self.plan = Some(plan);
+        // ZeRO stage 2 carries over to the same model prepared again; another model's owners
+        // would be wrong (its next `zero2` shards it).
+        if (self.zero_owners.as_ref()).is_some_and(|o| o.len() != plan.slots.len()) {
+            self.zero_owners = None;
+        }
+        self.plan = Some(self.sharded(plan));
+    }
+
+    /// `plan` reduce-scattered to the owners of ZeRO stage 2, when it is on (the overlapped
+    /// plan and each after-backward plan: both list the synchronised parameters in visit
+    /// order).
+    pub(crate) fn sharded<K>(&self, plan: BucketPlan<K>) -> BucketPlan<K> {
+        match &self.zero_owners {
+            Some(owners) => plan.sharded(owners, self.pg.world_size().as_usize()),
+            None => plan,
+        }
+    }
+
+    /// ZeRO stage 2 from the next pass on: parameter `slot` is owned by `owners[slot]`.
+    ///
+    /// # Errors
+    /// What stage 2 cannot run with; `prepare` not called.
+    pub(crate) fn shard(&mut self, owners: Vec<crate::group::Rank>) -> Result<()> {
+        let nccl = self.config.transport == GradTransport::Nccl;
+        burn_ddp_comm::grad::check_stage2(&self.config, nccl)?;
+        let Some(plan) = self.plan.take() else {
+            return Err(DdpError::Internal {
+                rank: self.pg.rank(),
+                what: "ZeRO stage 2 asked for before the model was prepared",
+            });
+        };
+        self.discard_step();
+        self.zero_owners = Some(owners);
+        self.plan = Some(self.sharded(plan));
+        Ok(())
     }
 
     pub(crate) fn set_enabled(&mut self, on: bool) {
@@ -566,6 +604,14 @@ impl Reducer {
         // gradient becomes it without a copy.
         for (i, slot) in plan.slots.iter().enumerate() {
             let Some(values) = reduced.take(i) else {
+                // ZeRO stage 2: another rank owns it; this rank's own gradient goes (an empty
+                // tensor of the parameter's rank in Burn's container, which the ZeRO optimizer
+                // drops before its step).
+                if let (Some(o), Some(owner)) = (origin[i], plan.owner(i)) {
+                    if owner != self.pg.rank() {
+                        out.push((o, Vec::new(), vec![0; slot.info.shape.len()]));
+                    }
+                }
                 continue;
             };
             match origin[i] {
