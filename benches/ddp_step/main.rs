@@ -17,7 +17,10 @@
 //!   resident memory of a process that trains 3 SGD steps with the default reducer and with
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
 //!   process per run, since a peak only grows); with `lines`, the same for the Burn 0.22.1
-//!   line's `GradSync` on Flex against its own unsynchronised steps.
+//!   line's `GradSync` on Flex against its own unsynchronised steps;
+//! - `zero` (not in the default set): Adam on the `memory` model, DDP vs ZeRO-1 vs ZeRO-2 at
+//!   1, 2 and 4 ranks (with `lines`, on both lines): the gradients rank 0's optimizer is handed
+//!   and its optimizer state (counted), its peak resident memory, and the step time.
 //!
 //! ```text
 //! cargo bench --bench ddp_step                       # all but `lines`
@@ -162,6 +165,20 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
         "memory-022-local" => report("peak", &[step_model_022::memory_run_022(&pg, false)?]),
         #[cfg(feature = "lines")]
         "memory-022-sync" => report("peak", &[step_model_022::memory_run_022(&pg, true)?]),
+        zero if zero.starts_with("zero-") => {
+            // `zero-<line>-<stage>`: stage 0 is DDP with the whole optimizer.
+            let stage: u8 = zero[zero.len() - 1..].parse()?;
+            let run = match &zero[5..8] {
+                "021" => zero_run(&pg, stage)?,
+                #[cfg(feature = "lines")]
+                "022" => step_model_022::zero_run_022(&pg, stage)?,
+                other => anyhow::bail!("no line {other} in this build"),
+            };
+            report("peak", &[peak_mib()?]);
+            report("grads", &[run.grad_bytes as f64]);
+            report("state", &[run.state_bytes as f64]);
+            report("step", &run.step_s);
+        }
         other => anyhow::bail!("unknown worker kind {other}"),
     }
     Ok(())
@@ -173,26 +190,35 @@ struct Wide<B: burn::tensor::backend::Backend> {
     layers: Vec<burn::nn::Linear<B>>,
 }
 
+impl Wide<B> {
+    fn new(device: &<B as burn::tensor::backend::BackendTypes>::Device) -> Self {
+        Self {
+            layers: (0..16)
+                .map(|_| burn::nn::LinearConfig::new(1024, 1024).init(device))
+                .collect(),
+        }
+    }
+
+    /// The loss of a step on a fresh batch of 8 rows.
+    fn loss(&self, device: &<B as burn::tensor::backend::BackendTypes>::Device) -> Tensor<B, 1> {
+        let x = Tensor::<B, 2>::random([8, 1024], burn::tensor::Distribution::Default, device);
+        self.layers
+            .iter()
+            .fold(x, |h, l| l.forward(h).tanh())
+            .mean()
+    }
+}
+
 /// Trains `Wide` for 3 SGD steps (synchronised or not) and returns this process's peak
 /// resident memory, in MiB (`VmHWM`).
 fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Result<f64> {
     use burn::optim::{GradientsParams, Optimizer, SgdConfig};
     let device = Default::default();
     let session = DdpSession::new(pg.clone(), config)?;
-    let model = Wide::<B> {
-        layers: (0..16)
-            .map(|_| burn::nn::LinearConfig::new(1024, 1024).init(&device))
-            .collect(),
-    };
-    let mut model = session.prepare(model)?;
+    let mut model = session.prepare(Wide::new(&device))?;
     let mut optim = SgdConfig::new().init();
     for _ in 0..3 {
-        let x = Tensor::<B, 2>::random([8, 1024], burn::tensor::Distribution::Default, &device);
-        let loss = model
-            .layers
-            .iter()
-            .fold(x, |h, l| l.forward(h).tanh())
-            .mean();
+        let loss = model.loss(&device);
         let grads = if sync {
             session.gradients(&model, loss)?
         } else {
@@ -202,6 +228,70 @@ fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Resul
         model = optim.step(1e-3, model, grads);
     }
     peak_mib()
+}
+
+/// What one rank of a `zero` run holds and takes: the bytes of the gradients its optimizer is
+/// handed after synchronisation and of its optimizer's state (its record), after the last step,
+/// and the wall time of each timed step.
+struct ZeroRun {
+    grad_bytes: usize,
+    state_bytes: usize,
+    step_s: Vec<f64>,
+}
+
+/// Steps of a `zero` run (the first one untimed: the optimizer's state is made there).
+const ZERO_STEPS: usize = 4;
+
+/// Trains `Wide` with Adam for [`ZERO_STEPS`] overlapped steps: DDP with the whole optimizer on
+/// every rank (`stage` 0), ZeRO-1 (1) or ZeRO-2 (2).
+fn zero_run(pg: &ProcessGroup, stage: u8) -> anyhow::Result<ZeroRun> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl ModuleVisitor<B> for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            type Inner = <B as AutodiffBackend>::InnerBackend;
+            if let Some(g) = self.0.get::<Inner, D>(p.id) {
+                self.1 += 4 * g.shape().num_elements();
+            }
+        }
+    }
+    let device = Default::default();
+    let session = DdpSession::new(pg.clone(), DdpConfig::default())?;
+    let mut model = session.prepare(Wide::new(&device))?;
+    let mut plain = AdamConfig::new().init();
+    let mut zero = match stage {
+        0 => None,
+        1 => Some(session.zero(AdamConfig::new().init(), &model)?),
+        _ => Some(session.zero2(AdamConfig::new().init(), &model)?),
+    };
+    let (mut grad_bytes, mut step_s) = (0, Vec::new());
+    for step in 0..ZERO_STEPS {
+        let start = std::time::Instant::now();
+        let grads = session.gradients(&model, model.loss(&device))?;
+        let mut count = Count(&grads, 0);
+        model.visit(&mut count);
+        grad_bytes = count.1;
+        model = match zero.as_mut() {
+            Some(zero) => zero.try_step(1e-3, model, grads)?,
+            None => plain.step(1e-3, model, grads),
+        };
+        if step > 0 {
+            step_s.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let record = match zero.as_ref() {
+        Some(zero) => zero.to_record(),
+        None => plain.to_record(),
+    };
+    let state_bytes = Recorder::<B>::record(&recorder, record, ())?.len();
+    Ok(ZeroRun {
+        grad_bytes,
+        state_bytes,
+        step_s,
+    })
 }
 
 /// This process's peak resident memory, in MiB (`VmHWM`).
@@ -651,6 +741,63 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// DDP, ZeRO-1 and ZeRO-2 with Adam on `Wide` at 1, 2 and 4 ranks: what rank 0 keeps (the
+/// gradients its optimizer is handed, its optimizer state), its peak resident memory and the
+/// step time, a fresh job per run, the runs of a round rotated.
+fn bench_zero(rounds: usize) -> anyhow::Result<()> {
+    let spec = Spec {
+        which: Which::Mlp,
+        batch: 8,
+        steps: ZERO_STEPS,
+        rounds: 1,
+    };
+    let mut lines = vec!["021"];
+    if cfg!(feature = "lines") {
+        lines.push("022");
+    }
+    let runs: Vec<(&str, u32, u8)> = (lines.iter())
+        .flat_map(|&l| [1u32, 2, 4].map(|n| (l, n)))
+        .flat_map(|(l, n)| [0u8, 1, 2].map(|stage| (l, n, stage)))
+        .collect();
+    type Results = BTreeMap<String, Vec<Vec<f64>>>;
+    let mut got: BTreeMap<(&str, u32, u8), Results> = BTreeMap::new();
+    for round in 0..rounds {
+        for k in 0..runs.len() {
+            let (line, n, stage) = runs[(round + k) % runs.len()];
+            let out = run_job(n, &format!("zero-{line}-{stage}"), spec)?;
+            let entry = got.entry((line, n, stage)).or_default();
+            for (label, values) in parse(&out) {
+                entry.entry(label).or_default().extend(values);
+            }
+        }
+    }
+    println!(
+        "\n## zero: Adam on 16 × Linear(1024, 1024) (16.8 M parameters, 67 MB in f32), batch 8 \
+         per rank, overlapped; rank 0's gradients handed to its optimizer and optimizer record \
+         (counted), its peak RSS, and the step time"
+    );
+    println!("| line | ranks | run | gradients (MiB) | optimizer state (MiB) | peak RSS (MiB) | step (ms) |");
+    println!("|---|---|---|---|---|---|---|");
+    let mib = |b: f64| b / (1024.0 * 1024.0);
+    for (line, n, stage) in runs {
+        let r = &got[&(line, n, stage)];
+        let name = ["DDP", "ZeRO-1", "ZeRO-2"][stage as usize];
+        println!(
+            "| {} | {n} | {name} | {:.1} | {:.1} | {:.0} | {:.0} |",
+            if line == "021" {
+                "0.21 (NdArray)"
+            } else {
+                "0.22.1 (Flex)"
+            },
+            mib(labelled(r, "grads")?),
+            mib(labelled(r, "state")?),
+            labelled(r, "peak")?,
+            labelled(r, "step")? * 1e3,
+        );
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     if let Ok(spec) = std::env::var(WORKER) {
         let Some((kind, spec)) = Spec::from_env(&spec) else {
@@ -666,7 +813,7 @@ fn main() -> ExitCode {
         };
     }
     let (rounds, mut names) =
-        match args::parse(&["overhead", "buckets", "scaling", "lines", "memory"]) {
+        match args::parse(&["overhead", "buckets", "scaling", "lines", "memory", "zero"]) {
             Ok(a) => (a.rounds, a.names),
             Err(e) => {
                 eprintln!("{e}");
@@ -688,6 +835,7 @@ fn main() -> ExitCode {
             "buckets" => bench_buckets(rounds),
             "lines" => bench_lines(rounds),
             "memory" => bench_memory(rounds),
+            "zero" => bench_zero(rounds),
             _ => bench_scaling(rounds),
         };
         if let Err(e) = r {

@@ -98,26 +98,35 @@ struct Wide {
     layers: Vec<Linear>,
 }
 
+impl Wide {
+    fn new(device: &Device) -> Self {
+        Self {
+            layers: (0..16)
+                .map(|_| LinearConfig::new(1024, 1024).init(device))
+                .collect(),
+        }
+    }
+
+    /// The loss of a step on a fresh batch of 8 rows.
+    fn loss(&self, device: &Device) -> Tensor<1> {
+        let x = Tensor::<2>::random([8, 1024], Distribution::Default, device);
+        self.layers
+            .iter()
+            .fold(x, |h, l| l.forward(h).tanh())
+            .mean()
+    }
+}
+
 /// Trains `Wide` for 3 SGD steps on Flex, with `GradSync` after backward when `sync`, and
 /// returns this process's peak resident memory in MiB (`VmHWM`), as the 0.21 line's
 /// `memory_run`.
 pub fn memory_run_022(pg: &ProcessGroup, sync: bool) -> anyhow::Result<f64> {
     let device = Device::default().autodiff();
     let mut grad_sync = GradSync::new(pg.clone(), DdpConfig::default())?;
-    let model = Wide {
-        layers: (0..16)
-            .map(|_| LinearConfig::new(1024, 1024).init(&device))
-            .collect(),
-    };
-    let mut model = grad_sync.prepare(model)?;
+    let mut model = grad_sync.prepare(Wide::new(&device))?;
     let mut optim = SgdConfig::new().init();
     for _ in 0..3 {
-        let x = Tensor::<2>::random([8, 1024], Distribution::Default, &device);
-        let loss = model
-            .layers
-            .iter()
-            .fold(x, |h, l| l.forward(h).tanh())
-            .mean();
+        let loss = model.loss(&device);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let grads = if sync {
             grad_sync.sync(&model, grads)?
@@ -127,4 +136,59 @@ pub fn memory_run_022(pg: &ProcessGroup, sync: bool) -> anyhow::Result<f64> {
         model = optim.step(1e-3, model, grads);
     }
     crate::peak_mib()
+}
+
+/// The `zero` table's run on Burn 0.22.1 (Flex), as the 0.21 line's `zero_run`: `Wide` trained
+/// with Adam for `ZERO_STEPS` overlapped steps, as DDP (`stage` 0), ZeRO-1 or ZeRO-2.
+pub(crate) fn zero_run_022(pg: &ProcessGroup, stage: u8) -> anyhow::Result<crate::ZeroRun> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::optim::AdamConfig;
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                self.1 += 4 * g.shape().num_elements();
+            }
+        }
+    }
+    let device = Device::default().autodiff();
+    let mut grad_sync = GradSync::new(pg.clone(), DdpConfig::default())?;
+    let mut model = grad_sync.prepare(Wide::new(&device))?;
+    let mut plain = AdamConfig::new().init();
+    let mut zero = match stage {
+        0 => None,
+        1 => Some(grad_sync.zero(AdamConfig::new().init(), &model)?),
+        _ => Some(grad_sync.zero2(AdamConfig::new().init(), &model)?),
+    };
+    let (mut grad_bytes, mut step_s) = (0, Vec::new());
+    for step in 0..crate::ZERO_STEPS {
+        let start = Instant::now();
+        let loss = grad_sync.overlapped(&model)?.loss(&device);
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = grad_sync.sync(&model, grads)?;
+        let mut count = Count(&grads, 0);
+        model.visit(&mut count);
+        grad_bytes = count.1;
+        model = match zero.as_mut() {
+            Some(zero) => zero.step(1e-3, model, grads)?,
+            None => plain.step(1e-3, model, grads),
+        };
+        device.sync()?;
+        if step > 0 {
+            step_s.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let record = match zero.as_ref() {
+        Some(zero) => zero.to_record(),
+        None => plain.to_record(),
+    };
+    let state_bytes = record
+        .into_bytes()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?
+        .len();
+    Ok(crate::ZeroRun {
+        grad_bytes,
+        state_bytes,
+        step_s,
+    })
 }

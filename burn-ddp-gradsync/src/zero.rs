@@ -54,6 +54,8 @@ pub struct ZeroOptimizer {
     shards: ZeroShards,
     /// 1, or 2 when the gradients are sharded too.
     stage: u8,
+    /// The elements of the parameters all-gathered at a time (the bucket cap's).
+    chunk: usize,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
@@ -120,17 +122,20 @@ impl ModuleVisitor for Gather<'_> {
     }
 }
 
-/// Writes every trainable parameter's gathered value back, keeping its id and its gradient
-/// requirement.
+/// Writes the gathered values of the trainable parameters of one run back, keeping each one's id
+/// and gradient requirement.
 struct Scatter<'a> {
     shards: &'a ZeroShards,
+    /// The positions whose values these are.
+    range: std::ops::Range<usize>,
     values: &'a [f32],
 }
 
 impl ModuleMapper for Scatter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let n = param.shape().num_elements();
-        let Some(values) = self.shards.gathered(param.id.val(), n, self.values) else {
+        let (id, range) = (param.id.val(), self.range.clone());
+        let Some(values) = self.shards.gathered_in(id, n, range, self.values) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
@@ -179,6 +184,7 @@ impl GradSync {
             pg: self.group().clone(),
             shards: ZeroShards::new(&params, self.group().world_size().as_usize()),
             stage: 1,
+            chunk: (self.config().bucket_cap_bytes / 4).max(1),
         })
     }
 
@@ -230,7 +236,7 @@ impl ZeroOptimizer {
     }
 
     /// One step: the wrapped optimizer steps the parameters this rank owns, then the stepped
-    /// parameters are all-gathered. `grads` are the synchronised gradients
+    /// parameters are all-gathered, a run of about `DdpConfig::bucket_cap_bytes` at a time. `grads` are the synchronised gradients
     /// ([`GradSync::sync`]). Every rank must call it.
     ///
     /// # Errors
@@ -252,21 +258,30 @@ impl ZeroOptimizer {
         self.gather_params(module)
     }
 
+    /// All-gathers the stepped parameters, a run of about a bucket's size at a time
+    /// ([`ZeroShards::gather_in_runs`]).
     fn gather_params<M: Module>(&self, module: M) -> Result<M> {
         if self.pg.world_size().as_usize() == 1 {
             return Ok(module);
         }
-        let owned = |id: ParamId| self.owns(id);
-        let mut gather = Gather {
-            owned: &owned,
-            read: ReadValues::default(),
+        let shards = &self.shards;
+        let read = |module: &M, range: &std::ops::Range<usize>| {
+            let owned = |id: ParamId| self.owns(id) && shards.within(id.val(), range);
+            let mut gather = Gather {
+                owned: &owned,
+                read: ReadValues::default(),
+            };
+            module.visit(&mut gather);
+            gather.read
         };
-        module.visit(&mut gather);
-        let values = self.shards.plan().share(&self.pg, gather.read)?;
-        Ok(module.map(&mut Scatter {
-            shards: &self.shards,
-            values: &values,
-        }))
+        let write = |module: M, range, values: &[f32]| {
+            module.map(&mut Scatter {
+                shards,
+                range,
+                values,
+            })
+        };
+        shards.gather_in_runs(&self.pg, self.chunk, module, read, write)
     }
 
     /// This rank's shard of the optimizer state (keyed by this process's `ParamId`s).

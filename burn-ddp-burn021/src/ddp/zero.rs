@@ -116,17 +116,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Gather<'_> {
     }
 }
 
-/// Writes every synchronised parameter's gathered value back (keeping its gradient
-/// requirement and its mark for synchronisation).
+/// Writes the gathered values of the synchronised parameters of one run back (keeping each
+/// one's gradient requirement and its mark for synchronisation).
 struct Scatter<'a> {
     shards: &'a ZeroShards,
+    /// The positions whose values these are.
+    range: std::ops::Range<usize>,
     values: &'a [f32],
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Scatter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let n = param.shape().num_elements();
-        let Some(values) = self.shards.gathered(param.id.val(), n, self.values) else {
+        let (id, range) = (param.id.val(), self.range.clone());
+        let Some(values) = self.shards.gathered_in(id, n, range, self.values) else {
             return param;
         };
         let (id, tensor, mapper) = param.consume();
@@ -262,23 +265,32 @@ where
         self.gather_params(module)
     }
 
+    /// All-gathers the stepped parameters, a run of about a bucket's size at a time
+    /// ([`ZeroShards::gather_in_runs`]).
     fn gather_params(&self, module: M) -> Result<M> {
         let pg = self.session.group();
         if pg.world_size().as_usize() == 1 {
             return Ok(module);
         }
-        let rank = self.rank();
-        let owned = |id: ParamId| self.shards.owns(id.val(), rank);
-        let mut gather = Gather {
-            owned: &owned,
-            read: ReadValues::default(),
+        let (rank, shards) = (self.rank(), &self.shards);
+        let chunk = (self.session.config().bucket_cap_bytes / 4).max(1);
+        let read = |module: &M, range: &std::ops::Range<usize>| {
+            let owned = |id: ParamId| shards.owns(id.val(), rank) && shards.within(id.val(), range);
+            let mut gather = Gather {
+                owned: &owned,
+                read: ReadValues::default(),
+            };
+            module.visit(&mut gather);
+            gather.read
         };
-        module.visit(&mut gather);
-        let values = self.shards.plan().share(pg, gather.read)?;
-        Ok(module.map(&mut Scatter {
-            shards: &self.shards,
-            values: &values,
-        }))
+        let write = |module: M, range, values: &[f32]| {
+            module.map(&mut Scatter {
+                shards,
+                range,
+                values,
+            })
+        };
+        shards.gather_in_runs(pg, chunk, module, read, write)
     }
 }
 

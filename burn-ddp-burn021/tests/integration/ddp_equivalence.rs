@@ -1145,8 +1145,9 @@ fn zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state() {
     }
 }
 
-/// ZeRO-1 checkpoints across world sizes: 10 steps on 2 ranks, rank 0 saves the model and the
-/// gathered optimizer state; 10 more on 3 ranks from them. The result equals one process with
+/// ZeRO checkpoints across world sizes and stages: 10 steps on 2 ranks (ZeRO stage
+/// `ZERO_FIRST_STAGE`), rank 0 saves the model and the gathered optimizer state; 10 more on 3
+/// ranks (stage `ZERO_SECOND_STAGE`) from them. The result equals one process with
 /// Adam through both halves (the first on 2 ranks' batches, the second on 3 ranks').
 fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
     let world = pg.world_size().as_usize();
@@ -1162,7 +1163,15 @@ fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
         built.load_record(load_bytes(std::fs::read(dir.join("model.bin")).unwrap()))
     };
     let mut model = session.prepare(built).unwrap();
-    let mut zero = session.zero(AdamConfig::new().init(), &model).unwrap();
+    let var = if first {
+        "ZERO_FIRST_STAGE"
+    } else {
+        "ZERO_SECOND_STAGE"
+    };
+    let mut zero = match std::env::var(var).unwrap().as_str() {
+        "1" => session.zero(AdamConfig::new().init(), &model).unwrap(),
+        _ => session.zero2(AdamConfig::new().init(), &model).unwrap(),
+    };
     if first {
         if rank == 0 {
             std::fs::write(
@@ -1217,13 +1226,47 @@ fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
     }
     let dir = std::env::temp_dir().join(format!("burn-ddp-zero-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for world in [2, 3] {
-        common::TestJob::new(world, NAME)
-            .env("ZERO_CHECKPOINT_DIR", dir.display())
-            .run()
-            .assert_all_ok();
+    // Stage 1 throughout, stage 2 throughout, and a stage-1 checkpoint resumed in stage 2.
+    for (first, second) in [(1, 1), (2, 2), (1, 2)] {
+        for world in [2, 3] {
+            common::TestJob::new(world, NAME)
+                .env("ZERO_CHECKPOINT_DIR", dir.display())
+                .env("ZERO_FIRST_STAGE", first)
+                .env("ZERO_SECOND_STAGE", second)
+                .run()
+                .assert_all_ok();
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ZeRO stage 2 reduce-scatters its buckets: what reduces whole buckets on every rank (a
+/// communication hook, PowerSGD) and NCCL's device buckets are refused, saying what to change.
+#[test]
+fn zero2_refuses_what_reduces_whole_buckets() {
+    let device = Default::default();
+    let cases: [(DdpConfig, &str); 2] = [
+        (
+            DdpConfig::default().with_power_sgd(burn_ddp::PowerSgd::new(2)),
+            "drop PowerSGD, or use ZeRO stage 1",
+        ),
+        (
+            DdpConfig::default().with_transport(burn_ddp::GradTransport::Nccl),
+            "use GradTransport::Host with zero2",
+        ),
+    ];
+    for (config, fix) in cases {
+        let Ok(session) = new_session(ProcessGroup::single(), config) else {
+            // `GradTransport::Nccl` without the `cuda` feature is refused earlier, by `new`.
+            continue;
+        };
+        let model = session.prepare(Tower::<B>::new(&device)).unwrap();
+        let err = session
+            .zero2(AdamConfig::new().init(), &model)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(fix), "{err}");
+    }
 }
 
 /// A linear layer, a SyncBatchNorm, a linear head: the head's gradients are final (and their

@@ -373,11 +373,10 @@ impl HostSync {
         let lens = plan.buffer_lens();
         // A sharded plan's buckets are reduce-scattered from the heap (the shared all-reduce
         // would give every rank every block).
-        let shared = match plan.sharding {
-            None => self.comm.buffers(&lens)?,
-            Some(_) => None,
-        };
-        let buffers = match shared {
+        if plan.sharding.is_some() {
+            return Ok(self.heap_buckets(plan));
+        }
+        let buffers = match self.comm.buffers(&lens)? {
             Some(shared) => shared,
             None => BucketBuf::on_heap(&lens, &mut self.spare),
         };
@@ -388,10 +387,16 @@ impl HostSync {
         ))
     }
 
-    /// Heap buckets for one pass over `plan`, when shared ones could not be had.
+    /// Heap buckets for one pass over `plan`, when shared ones could not be had. A
+    /// [sharded](BucketPlan::sharded) plan's are made one by one, each when its first gradient
+    /// comes (or when it is sent), and dropped once reduce-scattered: only the buckets being
+    /// packed or in flight take memory, which is what ZeRO stage 2 is for.
     pub fn heap_buckets<K>(&mut self, plan: &BucketPlan<K>) -> HostBuckets {
-        let buffers = BucketBuf::on_heap(&plan.buffer_lens(), &mut self.spare);
-        HostBuckets::new(self.comm.pg.rank(), plan_key(plan), buffers)
+        let (rank, key, lens) = (self.comm.pg.rank(), plan_key(plan), plan.buffer_lens());
+        if plan.sharding.is_some() {
+            return HostBuckets::lazy(rank, key, lens);
+        }
+        HostBuckets::new(rank, key, BucketBuf::on_heap(&lens, &mut self.spare))
     }
 
     /// Keeps `spare` (the heap buckets of a finished pass, [`Reduced::into_spare`]) for the
@@ -470,6 +475,9 @@ pub struct HostBuckets {
     plan: u64,
     /// Being packed (taken when sent): values, then one presence flag per slot.
     packing: Vec<Option<BucketBuf>>,
+    /// Buckets made when first needed ([`HostSync::heap_buckets`] of a sharded plan): each
+    /// bucket's length, and whether it was sent.
+    lazy: Option<(Vec<usize>, Vec<bool>)>,
     /// The answers, by bucket.
     results: Vec<Option<BucketBuf>>,
 }
@@ -481,7 +489,30 @@ impl HostBuckets {
             plan,
             results: (0..buffers.len()).map(|_| None).collect(),
             packing: buffers.into_iter().map(Some).collect(),
+            lazy: None,
         }
+    }
+
+    /// Buckets of `lens` f32s, each made (zeroed, on the heap) when it is first needed.
+    fn lazy(rank: crate::Rank, plan: u64, lens: Vec<usize>) -> Self {
+        let n = lens.len();
+        Self {
+            rank,
+            plan,
+            results: (0..n).map(|_| None).collect(),
+            packing: (0..n).map(|_| None).collect(),
+            lazy: Some((lens, vec![false; n])),
+        }
+    }
+
+    /// Bucket `bucket` being packed (made now if it is made when first needed); `None` once sent.
+    fn open(&mut self, bucket: usize) -> Option<&mut BucketBuf> {
+        if let Some((lens, sent)) = &self.lazy {
+            if !sent[bucket] && self.packing[bucket].is_none() {
+                self.packing[bucket] = Some(vec![0.0; lens[bucket]].into());
+            }
+        }
+        self.packing[bucket].as_mut()
     }
 
     /// An all-reduce of `data` issued while this pass's buckets are in flight (a
@@ -524,7 +555,7 @@ impl<K> BucketTransport<K> for HostBuckets {
                 got: values.len(),
             }));
         }
-        if let Some(bucket) = self.packing[s.bucket].as_mut() {
+        if let Some(bucket) = self.open(s.bucket) {
             bucket[s.offset..s.offset + values.len()].copy_from_slice(values);
             bucket[plan.flag_index(slot)] = 1.0;
         }
@@ -537,6 +568,10 @@ impl<K> BucketTransport<K> for HostBuckets {
         plan: &BucketPlan<K>,
         bucket: usize,
     ) -> Result<()> {
+        self.open(bucket);
+        if let Some((_, sent)) = &mut self.lazy {
+            sent[bucket] = true;
+        }
         let Some(data) = self.packing[bucket].take() else {
             return Ok(());
         };
@@ -678,6 +713,16 @@ mod tests {
 
     /// Three in-process ranks; parameter 1 has a gradient on rank 2 only, parameter 3 on none.
     fn run(reduction: GradReduction, compression: Compression) -> Vec<Vec<Option<Vec<f32>>>> {
+        run_plan(reduction, compression, None)
+    }
+
+    /// [`run`] over the plan sharded to `owners` (ZeRO stage 2) when given; each step's reduced
+    /// gradients taken.
+    fn run_plan(
+        reduction: GradReduction,
+        compression: Compression,
+        owners: Option<&[crate::Rank]>,
+    ) -> Vec<Vec<Option<Vec<f32>>>> {
         let config = DdpConfig {
             reduction,
             compression,
@@ -685,7 +730,10 @@ mod tests {
         };
         on_local_ranks(3, |pg| {
             let r = pg.rank().index();
-            let plan = plan();
+            let plan = match owners {
+                Some(owners) => plan().sharded(owners, 3),
+                None => plan(),
+            };
             let mut sync = HostSync::start(&pg, &config).unwrap();
             let mut out = Vec::new();
             for step in 0..2 {
@@ -695,8 +743,8 @@ mod tests {
                     let have = slot != 1 || r == 2;
                     s.push(slot, have.then_some(v.as_slice()));
                 }
-                let red = s.finish().unwrap();
-                out = (0..5).map(|i| red.get(i).map(<[f32]>::to_vec)).collect();
+                let mut red = s.finish().unwrap();
+                out = (0..5).map(|i| red.take(i)).collect();
             }
             out
         })
@@ -724,29 +772,9 @@ mod tests {
     #[test]
     fn a_sharded_plan_gives_each_rank_the_mean_of_what_it_owns_and_nothing_else() {
         let whole = run(GradReduction::Mean, Compression::None);
+        let owners: Vec<crate::Rank> = (0..5).map(|i| crate::Rank(i % 3)).collect();
         for compression in [Compression::None, Compression::F16] {
-            let config = DdpConfig {
-                compression,
-                ..DdpConfig::default()
-            };
-            let got = on_local_ranks(3, |pg| {
-                let r = pg.rank().index();
-                let owners: Vec<crate::Rank> = (0..5).map(|i| crate::Rank(i % 3)).collect();
-                let plan = plan().sharded(&owners, 3);
-                let mut sync = HostSync::start(&pg, &config).unwrap();
-                let mut out = Vec::new();
-                for step in 0..2 {
-                    let mut s = sync.begin(&plan).unwrap();
-                    for slot in [4usize, 0, 2, 1] {
-                        let v = vec![(r * 10 + slot + step) as f32; 3];
-                        let have = slot != 1 || r == 2;
-                        s.push(slot, have.then_some(v.as_slice()));
-                    }
-                    let mut red = s.finish().unwrap();
-                    out = (0..5).map(|i| red.take(i)).collect::<Vec<_>>();
-                }
-                out
-            });
+            let got = run_plan(GradReduction::Mean, compression, Some(&owners));
             for (r, got) in got.iter().enumerate() {
                 for (slot, g) in got.iter().enumerate() {
                     let want = if slot % 3 == r {

@@ -1,5 +1,7 @@
-//! ZeRO stage 1 without Burn: which rank owns (steps, and keeps the optimizer state of) which
-//! parameter, and the all-gather that gives every rank the parameters the others stepped.
+//! ZeRO without Burn: which rank owns (steps, and keeps the optimizer state of) which parameter,
+//! the all-gather that gives every rank the parameters the others stepped, and what stage 2
+//! (gradients reduce-scattered to their owners over a [sharded](super::BucketPlan::sharded)
+//! bucket plan) cannot run with.
 //!
 //! Ownership is by parameter, balanced by size: the parameters, largest first (ties in their
 //! order), each go to the rank that owns the fewest elements so far (the lowest such). Every
@@ -8,6 +10,7 @@
 
 use crate::error::CollectiveError;
 use std::collections::HashMap;
+use std::ops::Range;
 
 use super::DdpConfig;
 use crate::group::ProcessGroup;
@@ -90,14 +93,39 @@ impl ZeroPlan {
         (self.elements_of(rank), self.sizes.iter().sum())
     }
 
-    /// [`all_gather`](Self::all_gather) of what a Burn line read from the parameters this rank
-    /// stepped: a parameter it could not read (`mine.error`) fails this rank after the
-    /// all-gather, so that no rank waits in it for one that failed.
+    /// The parameters (by position, in list order) in runs of at most `cap` elements each (a
+    /// larger parameter alone): the stepped parameters are all-gathered one run at a time
+    /// ([`share_range`](Self::share_range)), so that what the gather holds beside the model is
+    /// about one run, not the whole model (DeepSpeed's `allgather_bucket_size`).
+    pub fn chunks(&self, cap: usize) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        let (mut start, mut len) = (0, 0usize);
+        for (i, &n) in self.sizes.iter().enumerate() {
+            if i > start && len + n > cap {
+                out.push(start..i);
+                (start, len) = (i, 0);
+            }
+            len += n;
+        }
+        if start < self.sizes.len() {
+            out.push(start..self.sizes.len());
+        }
+        out
+    }
+
+    /// [`all_gather_range`](Self::all_gather_range) of what a Burn line read from the
+    /// parameters of `range` this rank stepped: a parameter it could not read (`mine.error`)
+    /// fails this rank after the all-gather, so that no rank waits in it for one that failed.
     ///
     /// # Errors
-    /// As `all_gather`; [`ModelError::Access`](crate::ModelError::Access) naming what could not be read.
-    pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
-        let all = self.all_gather(pg, &mine.values)?;
+    /// As `all_gather_range`; [`ModelError::Access`](crate::ModelError::Access) naming what could not be read.
+    pub fn share_range(
+        &self,
+        pg: &ProcessGroup,
+        range: Range<usize>,
+        mine: ReadValues,
+    ) -> Result<Vec<f32>> {
+        let all = self.all_gather_range(pg, range, &mine.values)?;
         match mine.error {
             Some(e) => Err(DdpError::model_access(
                 pg.rank(),
@@ -108,6 +136,14 @@ impl ZeroPlan {
         }
     }
 
+    /// [`share_range`](Self::share_range) of every parameter at once.
+    ///
+    /// # Errors
+    /// As `share_range`.
+    pub fn share(&self, pg: &ProcessGroup, mine: ReadValues) -> Result<Vec<f32>> {
+        self.share_range(pg, 0..self.len(), mine)
+    }
+
     /// Every rank's owned parameters' values after its step, for every rank: `mine` holds this
     /// rank's owned parameters' values, concatenated in list order; the result holds every
     /// parameter's, in list order (one all-gather of equal, padded blocks).
@@ -115,6 +151,20 @@ impl ZeroPlan {
     /// # Errors
     /// `mine` is not as long as this rank's owned elements; collective failures.
     pub fn all_gather(&self, pg: &ProcessGroup, mine: &[f32]) -> Result<Vec<f32>> {
+        self.all_gather_range(pg, 0..self.len(), mine)
+    }
+
+    /// [`all_gather`](Self::all_gather) of the parameters of `range` (positions): `mine` holds
+    /// this rank's owned ones of the range, the result every one of the range, in list order.
+    ///
+    /// # Errors
+    /// As `all_gather`.
+    pub fn all_gather_range(
+        &self,
+        pg: &ProcessGroup,
+        range: Range<usize>,
+        mine: &[f32],
+    ) -> Result<Vec<f32>> {
         let rank = pg.rank();
         if pg.world_size().as_usize() != self.world {
             return Err(DdpError::Internal {
@@ -122,7 +172,16 @@ impl ZeroPlan {
                 what: "a ZeRO shard plan made for another world size",
             });
         }
-        let own = self.elements_of(rank);
+        let range = range.start.min(self.len())..range.end.min(self.len());
+        let owners = &self.owners[range.clone()];
+        let sizes = &self.sizes[range];
+        let owned_by = |r: Rank| -> usize {
+            (owners.iter().zip(sizes))
+                .filter(|(o, _)| **o == r)
+                .map(|(_, s)| s)
+                .sum()
+        };
+        let own = owned_by(rank);
         if mine.len() != own {
             return Err(DdpError::Collective(CollectiveError::BufferSize {
                 rank,
@@ -133,18 +192,19 @@ impl ZeroPlan {
             }));
         }
         let block = (0..self.world)
-            .map(|r| self.elements_of(Rank(r as u32)))
+            .map(|r| owned_by(Rank(r as u32)))
             .max()
             .unwrap_or(0);
         let mut send = mine.to_vec();
         send.resize(block, 0.0);
         let mut all = vec![0.0f32; block * self.world];
         pg.all_gather(&send, &mut all)?;
-        // Each rank's block holds its parameters in list order: walk the list once, taking
+        drop(send);
+        // Each rank's block holds its parameters in list order: walk the range once, taking
         // every parameter from its owner's block.
         let mut next = vec![0usize; self.world];
-        let mut out = Vec::with_capacity(self.sizes.iter().sum());
-        for (owner, &size) in self.owners.iter().zip(&self.sizes) {
+        let mut out = Vec::with_capacity(sizes.iter().sum());
+        for (owner, &size) in owners.iter().zip(sizes) {
             let r = owner.index();
             let start = r * block + next[r];
             out.extend_from_slice(&all[start..start + size]);
@@ -229,8 +289,62 @@ impl ZeroShards {
     /// Parameter `id`'s `n` values in `values` ([`ZeroPlan::all_gather`]'s result); None for
     /// a parameter that is not sharded, or values too short.
     pub fn gathered<'v>(&self, id: u64, n: usize, values: &'v [f32]) -> Option<&'v [f32]> {
-        let at = self.offsets[self.position(id)?];
+        self.gathered_in(id, n, 0..self.ids.len(), values)
+    }
+
+    /// Parameter `id`'s `n` values in `values`, the all-gather of the parameters of `range`
+    /// ([`ZeroPlan::all_gather_range`]); None for a parameter outside the range or not
+    /// sharded, or values too short.
+    pub fn gathered_in<'v>(
+        &self,
+        id: u64,
+        n: usize,
+        range: Range<usize>,
+        values: &'v [f32],
+    ) -> Option<&'v [f32]> {
+        let i = self.position(id).filter(|i| range.contains(i))?;
+        let at = self.offsets[i] - self.offsets.get(range.start).copied().unwrap_or(0);
         values.get(at..at + n)
+    }
+
+    /// Whether parameter `id` is at a position of `range`.
+    pub fn within(&self, id: u64, range: &Range<usize>) -> bool {
+        self.position(id).is_some_and(|i| range.contains(&i))
+    }
+
+    /// The stepped parameters of `model` all-gathered a run of at most `chunk` elements at a
+    /// time ([`ZeroPlan::chunks`]), so that the gather holds about one run beside the model:
+    /// for each run, `read` gives this rank's owned parameters of it (in list order) and
+    /// `write` puts every parameter of it back from the gathered values (found with
+    /// [`gathered_in`](Self::gathered_in)). A value that could not be read fails the call
+    /// after every run went, so that no rank waits in a run another left.
+    ///
+    /// # Errors
+    /// The first run's failure: a parameter that could not be read, a collective failure.
+    pub fn gather_in_runs<M>(
+        &self,
+        pg: &ProcessGroup,
+        chunk: usize,
+        mut model: M,
+        read: impl Fn(&M, &Range<usize>) -> ReadValues,
+        write: impl Fn(M, Range<usize>, &[f32]) -> M,
+    ) -> Result<M> {
+        let mut failed = None;
+        for range in self.plan.chunks(chunk) {
+            match self
+                .plan
+                .share_range(pg, range.clone(), read(&model, &range))
+            {
+                Ok(values) => model = write(model, range, &values),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
     }
 }
 
@@ -396,6 +510,55 @@ mod tests {
     }
 
     #[test]
+    fn runs_of_parameters_gather_alone_what_the_whole_gather_gives() {
+        let sizes = [5, 2, 4, 1, 3, 9];
+        let plan = ZeroPlan::balance(&sizes, 1);
+        // Runs of at most 6 elements; the 9 alone.
+        assert_eq!(plan.chunks(6), [0..1, 1..3, 3..5, 5..6]);
+        assert_eq!(plan.chunks(100), vec![(0..6)]);
+        let groups = ProcessGroup::local(WorldSize::new(3).unwrap(), Timeouts::default());
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                std::thread::spawn(move || {
+                    let plan = ZeroPlan::balance(&sizes, 3);
+                    let ids: Vec<(u64, usize)> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| (i as u64, n))
+                        .collect();
+                    let shards = ZeroShards::new(&ids, 3);
+                    let value = |i: usize, k: usize| (i * 10 + k) as f32;
+                    let mut got = vec![Vec::new(); sizes.len()];
+                    for range in plan.chunks(6) {
+                        let mine: Vec<f32> = range
+                            .clone()
+                            .filter(|&i| plan.owner(i) == pg.rank())
+                            .flat_map(|i| (0..sizes[i]).map(move |k| value(i, k)))
+                            .collect();
+                        let all = plan.all_gather_range(&pg, range.clone(), &mine).unwrap();
+                        for i in 0..sizes.len() {
+                            let n = sizes[i];
+                            if let Some(v) = shards.gathered_in(i as u64, n, range.clone(), &all) {
+                                assert!(shards.within(i as u64, &range));
+                                got[i] = v.to_vec();
+                            }
+                        }
+                    }
+                    got
+                })
+            })
+            .collect();
+        for h in handles {
+            let got = h.join().unwrap();
+            for (i, v) in got.iter().enumerate() {
+                let want: Vec<f32> = (0..sizes[i]).map(|k| (i * 10 + k) as f32).collect();
+                assert_eq!(v, &want, "parameter {i}");
+            }
+        }
+    }
+
+    #[test]
     fn offsets_and_totals_follow_the_list_and_an_unreadable_value_fails_after_the_gather() {
         let plan = ZeroPlan::balance(&[4, 2, 3], 1);
         assert_eq!(plan.offsets(), [0, 4, 6]);
@@ -407,6 +570,35 @@ mod tests {
         assert_eq!(read.values, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
         let e = plan.share(&ProcessGroup::single(), read).unwrap_err();
         assert!(e.to_string().contains("\"a bool tensor\""), "{e}");
+    }
+
+    #[test]
+    fn stage_2_refuses_what_reduces_whole_buckets_and_names_the_fix() {
+        use crate::grad::{AllReduce, Compression, GradReduction, PowerSgd};
+        assert!(check_stage2(&DdpConfig::default(), false).is_ok());
+        let hook = DdpConfig::default().with_comm_hook(|| {
+            Box::new(AllReduce {
+                reduction: GradReduction::Mean,
+                compression: Compression::None,
+            })
+        });
+        let cases = [
+            (
+                DdpConfig::default().with_power_sgd(PowerSgd::new(1)),
+                false,
+                "drop PowerSGD",
+            ),
+            (hook, false, "drop the hook"),
+            (
+                DdpConfig::default(),
+                true,
+                "use GradTransport::Host with zero2",
+            ),
+        ];
+        for (config, nccl, fix) in cases {
+            let e = check_stage2(&config, nccl).unwrap_err().to_string();
+            assert!(e.contains(fix), "{e}");
+        }
     }
 
     #[test]

@@ -855,8 +855,9 @@ fn zero_adam_trains_like_one_process_and_keeps_a_shard_of_the_state() {
     }
 }
 
-/// ZeRO-1 checkpoints across world sizes: 10 steps on 2 ranks, rank 0 saves the model and the
-/// gathered optimizer state; 10 more on 3 ranks from them. The result equals one process with
+/// ZeRO checkpoints across world sizes and stages: 10 steps on 2 ranks (ZeRO stage
+/// `ZERO_FIRST_STAGE`), rank 0 saves the model and the gathered optimizer state; 10 more on 3
+/// ranks (stage `ZERO_SECOND_STAGE`) from them. The result equals one process with
 /// Adam through both halves (the first on 2 ranks' batches, the second on 3 ranks'), and a
 /// resume that drops the optimizer state (the negative control) does not.
 fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
@@ -877,7 +878,15 @@ fn zero_half(pg: ProcessGroup, dir: &std::path::Path) {
         )
     };
     let mut model = sync.prepare(built).unwrap();
-    let mut zero = sync.zero(AdamConfig::new().init(), &model).unwrap();
+    let var = if first {
+        "ZERO_FIRST_STAGE"
+    } else {
+        "ZERO_SECOND_STAGE"
+    };
+    let mut zero = match std::env::var(var).unwrap().as_str() {
+        "1" => sync.zero(AdamConfig::new().init(), &model).unwrap(),
+        _ => sync.zero2(AdamConfig::new().init(), &model).unwrap(),
+    };
     if first {
         if rank == 0 {
             let bytes = model.clone().into_record().into_bytes().unwrap();
@@ -940,11 +949,16 @@ fn zero_resumes_from_a_checkpoint_written_at_another_world_size() {
         std::process::id()
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    for world in [2, 3] {
-        procs::TestJob::new(world, NAME)
-            .env("ZERO_CHECKPOINT_DIR", dir.display())
-            .run()
-            .assert_all_ok();
+    // Stage 1 throughout, stage 2 throughout, and a stage-1 checkpoint resumed in stage 2.
+    for (first, second) in [(1, 1), (2, 2), (1, 2)] {
+        for world in [2, 3] {
+            procs::TestJob::new(world, NAME)
+                .env("ZERO_CHECKPOINT_DIR", dir.display())
+                .env("ZERO_FIRST_STAGE", first)
+                .env("ZERO_SECOND_STAGE", second)
+                .run()
+                .assert_all_ok();
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -976,6 +990,18 @@ fn zero_before_prepare_and_a_foreign_state_are_refused() {
             .unwrap_err()
             .to_string();
         assert!(err.contains("the state of another model"), "{err}");
+        // ZeRO stage 2 reduce-scatters its buckets: a hook that reduces whole ones is refused,
+        // saying what to change.
+        let config = DdpConfig::default().with_power_sgd(burn_ddp_comm::grad::PowerSgd::new(1));
+        let pg = sync.group().clone();
+        drop(sync);
+        let mut sync = GradSync::new(pg, config).unwrap();
+        let model = sync.prepare(Mlp::new(&device, 16)).unwrap();
+        let err = sync
+            .zero2(AdamConfig::new().init(), &model)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("drop PowerSGD, or use ZeRO stage 1"), "{err}");
         return;
     }
     if !procs::is_any_child() {

@@ -322,8 +322,8 @@ impl Reducer {
     /// Burn's `submit_gradient_sync`: the gradient of `id`, which goes back to `origin`, is
     /// final. If the pass synchronises it, `read(on_gpu)` gives its value (the CUDA tensor on a
     /// device pass, else f32 values), handed to the pass. Returns whether the container's
-    /// copy may be released (`gradient_as_bucket_view` on a host pass: the bucket holds it,
-    /// and the end of the pass writes every such gradient back).
+    /// copy may be released (`gradient_as_bucket_view` or ZeRO stage 2 on a host pass: the
+    /// bucket holds it, and the end of the pass writes every such gradient back).
     pub(crate) fn gradient_ready(
         &mut self,
         id: DistributedParamId,
@@ -340,7 +340,7 @@ impl Reducer {
         match read(on_gpu) {
             Ok(GradValue::Host(values)) => {
                 self.fill(slot, Grad::Host(&values), origin);
-                self.config.gradient_as_bucket_view
+                self.releases()
             }
             #[cfg(feature = "cuda")]
             Ok(GradValue::Device(t)) => {
@@ -352,6 +352,14 @@ impl Reducer {
                 false
             }
         }
+    }
+
+    /// Whether a host pass releases each gradient once it is in its bucket:
+    /// `gradient_as_bucket_view`, and always under ZeRO stage 2 (a sharded plan), whose point is
+    /// that a rank does not keep the gradients it does not own.
+    fn releases(&self) -> bool {
+        self.config.gradient_as_bucket_view
+            || (self.plan.as_ref()).is_some_and(|p| p.sharding.is_some())
     }
 
     /// Burn's `submit_sync_collective`: ends the pass and gives each local gradient's reduced
@@ -567,7 +575,7 @@ impl Reducer {
         let Some((result, origin)) = self.close() else {
             return Ok(Vec::new());
         };
-        let bucket_view = self.config.gradient_as_bucket_view;
+        let bucket_view = self.releases();
         let mut reduced = match result {
             Ok(Output::Host(reduced)) => reduced,
             #[cfg(feature = "cuda")]
