@@ -9,9 +9,10 @@
 //! (`Tensor::try_into_primitive::<Cube>`), resolves them (Burn's fusion tensors to cubecl's:
 //! one drain of the fusion stream), waits for cubecl's stream (cubecl does not expose it, so an
 //! event cannot order the two streams instead), and takes the device pointers from cubecl's
-//! resources, checked against the bucket's element count and type. The all-reduce is queued on
-//! the communicator's stream *out of place*: NCCL reads the packed bucket and writes the fresh
-//! output, never memory Burn may still read. Both buffers stay pinned until NCCL's stream has
+//! resources, checked against the bucket's element count and type. The all-reduce (under ZeRO
+//! stage 2, the reduce-scatter that leaves this rank its block of the sharded bucket) is queued
+//! on the communicator's stream *out of place*: NCCL reads the packed bucket and writes the
+//! fresh output, never memory Burn may still read. Both buffers stay pinned until NCCL's stream has
 //! been waited for (with the collective deadline).
 
 use burn_ddp_comm::{ConfigError, CudaError};
@@ -110,12 +111,14 @@ fn cube_tensor(
 }
 
 /// On the issuer thread, running as the packing thread's stream: completes the bucket's
-/// input, pins both buffers and queues the all-reduce.
+/// input, pins both buffers and queues the reduction (all-reduce, or reduce-scatter for a
+/// sharded bucket).
 fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
     let call = &BucketCall {
         bucket: job.bucket,
         count: job.count,
+        block: job.block,
         dtype: job.dtype.0,
         op: job.op,
     };
@@ -133,24 +136,24 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     <CubeBackend as burn::backend::Backend>::sync(&input.device)
         .map_err(|e| queued_work_failed(rank, e))?;
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
-    // `call.count` elements of `burn_dtype`), kept alive with its tensor.
-    let span = |cube: CubeTensor, which: &str| -> Result<DeviceSpan> {
+    // `call.len(which)` elements of `burn_dtype`), kept alive with its tensor.
+    let span = |cube: CubeTensor, which: BucketBuffer| -> Result<DeviceSpan> {
         let found = (cube.meta.shape().num_elements(), cube.dtype);
         call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
         let resource = (cube.client)
             .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-            .map_err(|e| no_device_resource(rank, &call.what(which), e))?;
+            .map_err(|e| no_device_resource(rank, &call.what(which.name()), e))?;
         let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
         // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
         // freed or reused while held, with the tensor; both may be dropped from any thread
         // (the release goes through cubecl's server).
         Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
     };
-    let send = span(input, "packed input")?;
-    let recv = span(output, "output buffer")?;
+    let send = span(input, BucketBuffer::Input)?;
+    let recv = span(output, BucketBuffer::Output)?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. Both spans are held until the step has waited for NCCL's stream.
-    unsafe { all_reduce_bucket(comm, call, [send, recv]) }
+    unsafe { reduce_bucket(comm, call, [send, recv]) }
 }
 
 /// The device path of one rank: the communicator and its issuer thread, on one GPU.

@@ -37,7 +37,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType as BurnDType, Device, Tensor};
 use burn_ddp_comm::comm::DType;
 use burn_ddp_comm::grad::{
-    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight, Pass,
+    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight, Pass, Piece,
     ANSWER_SLACK,
 };
 use burn_ddp_comm::{Compression, GradReduction, ProcessGroup, Rank, ReduceOp};
@@ -51,12 +51,16 @@ pub(crate) struct BucketJob {
     pub(crate) bucket: usize,
     /// Its elements (gradients, then one flag per parameter).
     pub(crate) count: usize,
+    /// Set for a bucket of a sharded plan (ZeRO stage 2), reduce-scattered: the length of each
+    /// rank's block, all this rank receives. `None`: all-reduced.
+    pub(crate) block: Option<usize>,
     /// Their type on the wire, and as Burn names it.
     pub(crate) dtype: (DType, BurnDType),
     pub(crate) op: ReduceOp,
     /// The packed gradients and flags.
     pub(crate) input: Tensor<1>,
-    /// A fresh tensor for the collective to write (NCCL's; the tests' stand-in makes its own).
+    /// A fresh tensor (`count` elements, or `block`) for the collective to write (NCCL's; the tests'
+    /// stand-in makes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) output: Tensor<1>,
     /// The stream that queued both (NCCL's issuer runs as it).
@@ -65,13 +69,13 @@ pub(crate) struct BucketJob {
 }
 
 /// What every [`DeviceLink`] holds: its issuer thread, its device, its counters, and the
-/// presence flags of buckets whose every gradient is here (ones, by length), kept from step to
-/// step.
+/// constant runs of packed buckets (by value and length: the presence flags of buckets whose
+/// every gradient is here, ones; a sharded bucket's padding, zeros), kept from step to step.
 pub(crate) struct LinkCore<P> {
     pub(crate) issuer: BucketIssuer<BucketJob, P>,
     pub(crate) device: Device,
     pub(crate) counters: Arc<DeviceCounters>,
-    ones: Mutex<HashMap<usize, Tensor<1>>>,
+    constants: Mutex<HashMap<(bool, usize), Tensor<1>>>,
 }
 
 impl<P> std::fmt::Debug for LinkCore<P> {
@@ -93,18 +97,20 @@ impl<P> LinkCore<P> {
             issuer,
             device,
             counters,
-            ones: Mutex::new(HashMap::new()),
+            constants: Mutex::new(HashMap::new()),
         }
     }
 
-    /// `n` presence flags of 1 on the link's device, made (one fill) the first time a bucket of
-    /// `n` parameters needs them.
-    fn ones(&self, n: usize) -> Tensor<1> {
-        let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
-        ones.entry(n)
+    /// `n` ones (`one`) or zeros on the link's device, made (one fill) the first time a bucket
+    /// needs them.
+    fn constant(&self, one: bool, n: usize) -> Tensor<1> {
+        let mut constants = self.constants.lock().unwrap_or_else(|p| p.into_inner());
+        constants
+            .entry((one, n))
             .or_insert_with(|| {
                 self.counters.one(DeviceWork::Pack);
-                Tensor::<1>::ones([n], (&self.device, BurnDType::F32))
+                let fill = if one { Tensor::ones } else { Tensor::zeros };
+                fill([n], (&self.device, BurnDType::F32))
             })
             .clone()
     }
@@ -263,30 +269,39 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
         let core = link.core();
         let counters = &core.counters;
         let device = &core.device;
-        let slots = &plan.buckets[bucket].0;
-        let mut flags = vec![0.0f32; slots.len()];
-        let mut parts = Vec::with_capacity(slots.len() + 1);
-        for (position, &slot) in slots.iter().enumerate() {
-            let numel = plan.slots[slot].info.numel;
-            parts.push(match self.parts[slot].take() {
-                Some(g) => {
-                    flags[position] = 1.0;
-                    g
+        // In the plan's layout: values, then flags (1 where this rank has the gradient),
+        // block after block when the plan is sharded, each padded to the block's length.
+        let here: Vec<bool> = (plan.buckets[bucket].0.iter())
+            .map(|&slot| self.parts[slot].is_some())
+            .collect();
+        let present = |slot: usize| here[plan.slots[slot].position];
+        let mut parts = Vec::new();
+        for piece in plan.layout(bucket) {
+            parts.push(match piece {
+                Piece::Values(slot) => match self.parts[slot].take() {
+                    Some(g) => g,
+                    None => {
+                        counters.one(DeviceWork::Pack);
+                        let numel = plan.slots[slot].info.numel;
+                        Tensor::<1>::zeros([numel], (device, BurnDType::F32))
+                    }
+                },
+                Piece::Flags(slots) if slots.iter().all(|&s| present(s)) => {
+                    core.constant(true, slots.len())
                 }
-                None => {
+                Piece::Flags(slots) => {
                     counters.one(DeviceWork::Pack);
-                    Tensor::<1>::zeros([numel], (device, BurnDType::F32))
+                    let flags: Vec<f32> = slots
+                        .iter()
+                        .map(|&s| f32::from(u8::from(present(s))))
+                        .collect();
+                    Tensor::<1>::from_floats(flags.as_slice(), device)
                 }
+                Piece::Zeros(n) => core.constant(false, n),
             });
         }
-        let n = flags.len();
-        parts.push(if flags.iter().all(|&f| f != 0.0) {
-            core.ones(n)
-        } else {
-            counters.one(DeviceWork::Pack);
-            Tensor::<1>::from_floats(flags.as_slice(), device)
-        });
-        let count = plan.buffer_len(bucket);
+        let (count, block) = (plan.buffer_len(bucket), plan.block(bucket));
+        let received = plan.received_len(bucket);
         counters.one(DeviceWork::Pack);
         let packed = Tensor::cat(parts, 0);
         let (_, burn_dtype) = self.dtype;
@@ -296,7 +311,7 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
             counters.one(DeviceWork::Pack);
             packed.cast(burn_dtype)
         };
-        let output = Tensor::<1>::empty([count], (device, burn_dtype));
+        let output = Tensor::<1>::empty([received], (device, burn_dtype));
         self.outputs[bucket] = Some(output.clone());
         counters.one(DeviceWork::Bucket);
         counters.one(DeviceWork::HandOff);
@@ -305,6 +320,7 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
             BucketJob {
                 bucket,
                 count,
+                block,
                 dtype: self.dtype,
                 op: self.op,
                 input,
@@ -343,15 +359,14 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
             });
         }
         let present = present(self.rank, plan, local, &outputs, counters)?;
-        Ok(plan
-            .slots
-            .iter()
+        Ok((plan.slots.iter().enumerate())
             .zip(present)
-            .map(|(s, had)| {
+            .map(|((i, s), had)| {
+                let (offset, _) = plan.received(i, self.rank)?;
                 had.then(|| {
                     outputs[s.bucket]
                         .clone()
-                        .slice(s.offset..s.offset + s.info.numel)
+                        .slice(offset..offset + s.info.numel)
                 })
             })
             .collect())
@@ -365,10 +380,11 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
     }
 }
 
-/// Which slots some rank had a gradient for. A slot with this rank's gradient is present on
-/// every rank (its reduced flag is at least 1/world): only the flags of the slots absent here
-/// are read to the host, in one transfer, and none when every slot has a local gradient (the
-/// usual step: no host synchronisation at its end beyond the queue's).
+/// Which slots some rank had a gradient for, of those this rank receives (all, or under ZeRO
+/// stage 2 the ones it owns). A slot with this rank's gradient is present on every rank (its
+/// reduced flag is at least 1/world): only the flags of the received slots absent here are read
+/// to the host, in one transfer, and none when every slot has a local gradient (the usual step:
+/// no host synchronisation at its end beyond the queue's).
 fn present(
     rank: Rank,
     plan: &BucketPlan<usize>,
@@ -376,17 +392,17 @@ fn present(
     outputs: &[Tensor<1>],
     counters: &DeviceCounters,
 ) -> Result<Vec<bool>> {
-    let absent: Vec<usize> = (0..plan.slots.len()).filter(|&i| !local[i]).collect();
+    let absent: Vec<(usize, usize)> = (0..plan.slots.len())
+        .filter(|&i| !local[i])
+        .filter_map(|i| Some((i, plan.received(i, rank)?.1)))
+        .collect();
     let mut present = local.to_vec();
     if absent.is_empty() {
         return Ok(present);
     }
     let flags: Vec<Tensor<1>> = absent
         .iter()
-        .map(|&i| {
-            let flag = plan.flag_index(i);
-            outputs[plan.slots[i].bucket].clone().slice(flag..flag + 1)
-        })
+        .map(|&(i, flag)| outputs[plan.slots[i].bucket].clone().slice(flag..flag + 1))
         .collect();
     counters.one(DeviceWork::Unpack);
     counters.one(DeviceWork::HostRead);
@@ -396,7 +412,7 @@ fn present(
         .map_err(|e| DdpError::model_access(rank, what, format!("{e:?}")))?
         .try_to_vec::<f32>()
         .map_err(|e| DdpError::model_access(rank, what, format!("{e:?}")))?;
-    for (&i, flag) in absent.iter().zip(flags) {
+    for (&(i, _), flag) in absent.iter().zip(flags) {
         present[i] = flag != 0.0;
     }
     Ok(present)
@@ -413,8 +429,9 @@ mod tests {
     use burn_ddp_dev::device::{assert_gradients, on_thread_ranks, usual_step, ReducedQueue};
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
-    /// process group on the issuer thread, uploaded as a fresh tensor): the device
-    /// transport's own packing, flags and unpacking, on a CPU backend.
+    /// process group on the issuer thread, this rank's block kept when the bucket is
+    /// reduce-scattered, uploaded as a fresh tensor): the device transport's own packing, flags
+    /// and unpacking, on a CPU backend.
     struct HostLink {
         core: LinkCore<()>,
         reduced: Arc<Mutex<HashMap<usize, Tensor<1>>>>,
@@ -436,8 +453,19 @@ mod tests {
                         .map_err(|e| {
                             DdpError::model_access(rank, "reading a bucket", format!("{e:?}"))
                         })?;
+                    if values.len() != job.count {
+                        return Err(DdpError::Internal {
+                            rank,
+                            what: "a packed bucket is not as long as its plan says",
+                        });
+                    }
                     pg.all_reduce(&mut values, job.op)?;
-                    let data = TensorData::new(values, [job.count]);
+                    if let Some(block) = job.block {
+                        let at = rank.index() * block;
+                        values = values[at..at + block].to_vec();
+                    }
+                    let n = values.len();
+                    let data = TensorData::new(values, [n]);
                     let t = Tensor::<1>::from_data(data, (&on, job.dtype.1));
                     into.lock().unwrap().insert(job.bucket, t);
                     Ok(())
@@ -496,6 +524,17 @@ mod tests {
     /// checks every gradient against the mean of both ranks' (zeros where absent), and returns
     /// what its link counted in the last step.
     fn run(compression: Compression, b_absent: bool, steps: usize) -> Vec<DeviceCounts> {
+        run_plan(compression, b_absent, steps, None)
+    }
+
+    /// [`run`] over the plan sharded to `owners` (by slot) when given (ZeRO stage 2): each
+    /// rank checks that it got exactly the gradients it owns, each the mean of both ranks'.
+    fn run_plan(
+        compression: Compression,
+        b_absent: bool,
+        steps: usize,
+        owners: Option<&[Rank]>,
+    ) -> Vec<DeviceCounts> {
         let tolerance = if compression == Compression::None {
             1e-6
         } else {
@@ -521,6 +560,10 @@ mod tests {
                 .collect();
             let plan = BucketPlan::build(trainable, &config, BucketOrder::Forward);
             assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
+            let plan = match owners {
+                Some(owners) => plan.sharded(owners, 2),
+                None => plan,
+            };
             let link = HostLink::start(pg.clone(), device.clone());
             let mut last = DeviceCounts::default();
             for step in 0..steps {
@@ -547,7 +590,24 @@ mod tests {
                 let how = (GradReduction::Mean, compression);
                 let grads = sync(&link, &pg, &plan, how, &model, grads).unwrap();
                 last = link.core.counters.read().since(&before);
-                assert_gradients(rank, &values(&model, &grads), &expected, tolerance);
+                let mut got = values(&model, &grads);
+                if owners.is_some() {
+                    // Sharded: this rank's own gradients, and none of the others'.
+                    let mine = |i: usize| plan.owner(i) == Some(pg.rank());
+                    for (i, g) in got.iter().enumerate() {
+                        assert_eq!(g.is_some(), mine(i), "rank {rank} slot {i}");
+                    }
+                    let owned = |i: &usize| mine(*i);
+                    got = (0..got.len())
+                        .filter(owned)
+                        .map(|i| got[i].take())
+                        .collect();
+                    expected = (0..expected.len())
+                        .filter(owned)
+                        .map(|i| expected[i].clone())
+                        .collect();
+                }
+                assert_gradients(rank, &got, &expected, tolerance);
             }
             last
         })
@@ -601,5 +661,32 @@ mod tests {
             (3 + 2 + 1, 1, 1)
         );
         assert_eq!(counts[1].queue_waits, 1);
+    }
+
+    /// Weight and bias of each layer owned by different ranks: every bucket has a block for
+    /// each rank.
+    const OWNERS: [Rank; 6] = [Rank(0), Rank(1), Rank(1), Rank(0), Rank(0), Rank(1)];
+
+    #[test]
+    fn a_sharded_plan_leaves_each_rank_the_reduced_gradients_it_owns_and_no_others() {
+        for compression in [Compression::None, Compression::Bf16] {
+            for c in run_plan(compression, false, 2, Some(&OWNERS)) {
+                // Reduce-scattered buckets cost what all-reduced ones do: one packing operation
+                // each (a cast more each way when compressed), nothing read to the host.
+                let casts = u64::from(compression != Compression::None);
+                assert_eq!(
+                    (c.buckets, c.pack_ops, c.unpack_ops, c.host_reads),
+                    (3, 3 + 3 * casts, 3 * casts, 0)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_sharded_plan_reads_only_the_owned_flags_of_gradients_absent_here() {
+        let counts = run_plan(Compression::None, true, 2, Some(&OWNERS));
+        // Rank 1 has no gradient for b and owns b's weight: it reads that flag alone (rank 0
+        // had it, so the weight is present); b's bias is rank 0's, which had its gradient.
+        assert_eq!((counts[0].host_reads, counts[1].host_reads), (0, 1));
     }
 }

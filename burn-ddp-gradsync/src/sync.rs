@@ -575,7 +575,7 @@ impl GradSync {
     /// an overlapped step still open; `prepare` not called.
     pub(crate) fn shard_gradients(&mut self, owners: Vec<Rank>) -> Result<()> {
         let rank = self.pg.rank();
-        burn_ddp_comm::grad::check_stage2(&self.config, self.uses_nccl())?;
+        burn_ddp_comm::grad::check_stage2(&self.config)?;
         if self.open.is_some() {
             return Err(DdpError::model_access(
                 rank,

@@ -195,8 +195,9 @@ impl GradSync {
     /// steps. A replica then keeps about `4 + 12/N` bytes per parameter with Adam in f32
     /// (weights, and `1/N` of the gradients and moments) instead of stage 1's `8 + 8/N`; the
     /// bytes on the wire are an all-reduce's (a reduce-scatter, then the all-gather of the
-    /// stepped parameters), each bucket padded to equal blocks of whole parameters. The
-    /// overlapped steps ([`overlapped`](Self::overlapped)) and accumulation work as without it;
+    /// stepped parameters), each bucket padded to equal blocks of whole parameters. On either
+    /// transport: host-staged buckets are reduce-scattered by the communication thread, NCCL's
+    /// device buckets by `ncclReduceScatter` into a block-sized output. The overlapped steps ([`overlapped`](Self::overlapped)) and accumulation work as without it;
     /// a later [`prepare`](Self::prepare) of the same model keeps it.
     ///
     /// Use the returned optimizer for every step, on every rank: the other gradients are gone,
@@ -205,8 +206,8 @@ impl GradSync {
     ///
     /// # Errors
     /// As [`zero`](Self::zero); a configuration stage 2 cannot run with (a communication hook,
-    /// PowerSGD, gradients on NCCL's device path: `ConfigError::InvalidConfig` says what to
-    /// change); an overlapped step still open.
+    /// PowerSGD: `ConfigError::InvalidConfig` says what to change); an overlapped step still
+    /// open.
     pub fn zero2<M: Module>(&mut self, optim: ModuleOptimizer, model: &M) -> Result<ZeroOptimizer> {
         let mut zero = self.zero(optim, model)?;
         self.shard_gradients(zero.shards.owners())?;

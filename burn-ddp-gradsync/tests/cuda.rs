@@ -1,7 +1,8 @@
 //! burn-ddp-gradsync's NCCL path on a real GPU (Burn 0.22.1, or 0.23 when built for it), at world size 1 with `GradTransport::Nccl`:
 //! `GradSync` takes the device path, f32 gradients come back bit for bit, compressed ones within
 //! the wire type's rounding, absent ones stay absent, and 20 steps through NCCL train like plain
-//! Burn.
+//! Burn; under ZeRO stage 2 the buckets are reduce-scattered (`ncclReduceScatter`, the whole
+//! bucket at world size 1) and 20 steps of Adam train like plain Burn's.
 //!
 //! Needs an NVIDIA GPU, its driver and NCCL, and Burn's CUDA runtime, which links LLVM (its
 //! build script downloads the bundle unless `scripts/offline-llvm.sh` put it in place). Built
@@ -20,7 +21,7 @@ use burn_ddp as line;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{GradientsParams, SgdConfig};
+use burn::optim::{AdamConfig, GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use line::config::GradTransport;
 use line::{Compression, DdpConfig, GradSync, ProcessGroup};
@@ -201,4 +202,41 @@ fn twenty_steps_through_nccl_train_like_plain_burn() {
         ddp = opt_ddp.step(0.05, ddp, g);
     }
     assert_eq!(params(&plain), params(&ddp));
+}
+
+#[test]
+fn zero_stage_2_reduce_scatters_through_nccl_and_trains_like_plain_adam() {
+    let device = device();
+    let mut sync = sync(Compression::None);
+    let init = Mlp::new(&device);
+    let mut plain = init.clone();
+    let mut ddp = sync.prepare(init).expect("prepare");
+    assert!(sync.uses_nccl());
+    let mut opt_plain = AdamConfig::new().init();
+    let mut opt_ddp = sync
+        .zero2(AdamConfig::new().init(), &ddp)
+        .expect("ZeRO stage 2 on NCCL");
+    for step in 0..20 {
+        let (x, y) = batch(&device, step);
+        let g = GradientsParams::from_grads(plain.loss(x.clone(), y.clone()).backward(), &plain);
+        plain = opt_plain.step(0.01, plain, g);
+        let g = GradientsParams::from_grads(ddp.loss(x, y).backward(), &ddp);
+        let before = read(&ddp, &g);
+        let g = sync.sync(&ddp, g).expect("reduce-scatter over NCCL");
+        if step == 0 {
+            // One rank owns every parameter: each gradient comes back as it went.
+            for ((name, b), (_, a)) in before.into_iter().zip(read(&ddp, &g)) {
+                assert_eq!(b, a, "{name}: the reduce-scatter of one rank changed it");
+            }
+        }
+        ddp = opt_ddp.step(0.01, ddp, g).expect("ZeRO step");
+    }
+    let counts = sync.device_counts().expect("the NCCL path's counts");
+    assert!(counts.buckets >= 20, "{counts:?}");
+    for (i, (p, d)) in params(&plain).iter().zip(params(&ddp)).enumerate() {
+        assert!(
+            (p - d).abs() <= 1e-5 * p.abs().max(1.0),
+            "parameter value {i}: {p} vs {d}"
+        );
+    }
 }

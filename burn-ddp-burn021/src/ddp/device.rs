@@ -29,11 +29,11 @@ use burn_backend::distributed::DistributedParamId;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, DType as BurnDType, FloatDType, Shape, StreamId, TensorMetadata};
 use burn_ddp_comm::grad::{
-    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight,
+    BucketIssuer, BucketPlan, BucketTransport, DeviceCounters, DeviceWork, InFlight, Piece,
 };
 
 use crate::comm::{DType, ReduceOp};
-use crate::ddp::values::read_f32;
+use crate::ddp::values::{read_f32, write_f32};
 use crate::group::Rank;
 use crate::{DdpError, Result};
 
@@ -71,12 +71,16 @@ pub(crate) struct BucketJob<B: Backend> {
     pub(crate) bucket: usize,
     /// Its elements (gradients, then one flag per parameter).
     pub(crate) count: usize,
+    /// Set for a bucket of a sharded plan (ZeRO stage 2), reduce-scattered: the length of each
+    /// rank's block, all this rank receives. `None`: all-reduced.
+    pub(crate) block: Option<usize>,
     /// Their type on the wire, and as Burn names it.
     pub(crate) dtype: (DType, BurnDType),
     pub(crate) op: ReduceOp,
     /// The packed gradients and flags.
     pub(crate) input: FloatTensor<B>,
-    /// A fresh tensor for the collective to write (NCCL's; the tests' stand-in makes its own).
+    /// A fresh tensor (`count` elements, or `block`) for the collective to write (NCCL's; the tests'
+    /// stand-in makes its own).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) output: FloatTensor<B>,
     /// The stream that queued both (NCCL's issuer runs as it).
@@ -86,12 +90,13 @@ pub(crate) struct BucketJob<B: Backend> {
     pub(crate) device: B::Device,
 }
 
-/// What every [`DeviceLink`] holds: its issuer thread, its counters, and the presence flags
-/// of buckets whose every gradient is here (ones, by length), kept from pass to pass.
+/// What every [`DeviceLink`] holds: its issuer thread, its counters, and the constant runs of
+/// packed buckets (by value and length: the presence flags of buckets whose every gradient is
+/// here, ones; a sharded bucket's padding, zeros), kept from pass to pass.
 pub(crate) struct LinkCore<B: Backend, P> {
     pub(crate) issuer: BucketIssuer<BucketJob<B>, P>,
     pub(crate) counters: Arc<DeviceCounters>,
-    ones: Mutex<HashMap<usize, FloatTensor<B>>>,
+    constants: Mutex<HashMap<(bool, usize), FloatTensor<B>>>,
 }
 
 impl<B: Backend, P> std::fmt::Debug for LinkCore<B, P> {
@@ -110,18 +115,20 @@ impl<B: Backend, P> LinkCore<B, P> {
         Self {
             issuer,
             counters,
-            ones: Mutex::new(HashMap::new()),
+            constants: Mutex::new(HashMap::new()),
         }
     }
 
-    /// `n` presence flags of 1 on `device`, made (one fill) the first time a bucket of `n`
-    /// parameters needs them. A link serves one device (its communicator's).
-    fn ones(&self, n: usize, device: &B::Device) -> FloatTensor<B> {
-        let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
-        ones.entry(n)
+    /// `n` ones (`one`) or zeros on `device`, made (one fill) the first time a bucket needs
+    /// them. A link serves one device (its communicator's).
+    fn constant(&self, one: bool, n: usize, device: &B::Device) -> FloatTensor<B> {
+        let mut constants = self.constants.lock().unwrap_or_else(|p| p.into_inner());
+        constants
+            .entry((one, n))
             .or_insert_with(|| {
                 self.counters.one(DeviceWork::Pack);
-                B::float_ones(Shape::new([n]), device, FloatDType::F32)
+                let fill = if one { B::float_ones } else { B::float_zeros };
+                fill(Shape::new([n]), device, FloatDType::F32)
             })
             .clone()
     }
@@ -261,32 +268,42 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
         let counters = &core.counters;
         let device = self.device.clone().unwrap_or_else(|| self.home.clone());
         let f32 = FloatDType::F32;
-        let slots = &plan.buckets[bucket].0;
-        // Values, then one presence flag per parameter (1 where this rank has its gradient),
-        // reduced with them: every rank learns which parameters some rank had a gradient for.
-        let mut flags = vec![0.0f32; slots.len()];
-        let mut parts = Vec::with_capacity(slots.len() + 1);
-        for (position, &slot) in slots.iter().enumerate() {
-            parts.push(match self.grads[slot].take() {
-                Some(g) => {
-                    flags[position] = 1.0;
-                    g
+        // In the plan's layout: values, then one presence flag per parameter (1 where this rank
+        // has its gradient), reduced with them: every rank learns which parameters some rank
+        // had a gradient for. Block after block when the plan is sharded, each padded to the
+        // block's length.
+        let here: Vec<bool> = (plan.buckets[bucket].0.iter())
+            .map(|&slot| self.grads[slot].is_some())
+            .collect();
+        let present = |slot: usize| here[plan.slots[slot].position];
+        let mut parts = Vec::new();
+        for piece in plan.layout(bucket) {
+            parts.push(match piece {
+                Piece::Values(slot) => match self.grads[slot].take() {
+                    Some(g) => g,
+                    None => {
+                        counters.one(DeviceWork::Pack);
+                        let numel = plan.slots[slot].info.numel;
+                        B::float_zeros(Shape::new([numel]), &device, f32)
+                    }
+                },
+                Piece::Flags(slots) if slots.iter().all(|&s| present(s)) => {
+                    core.constant(true, slots.len(), &device)
                 }
-                None => {
+                Piece::Flags(slots) => {
                     counters.one(DeviceWork::Pack);
-                    let numel = plan.slots[slot].info.numel;
-                    B::float_zeros(Shape::new([numel]), &device, f32)
+                    let flags: Vec<f32> = slots
+                        .iter()
+                        .map(|&s| f32::from(u8::from(present(s))))
+                        .collect();
+                    let n = flags.len();
+                    B::float_from_data(burn_backend::TensorData::new(flags, [n]), &device)
                 }
+                Piece::Zeros(n) => core.constant(false, n, &device),
             });
         }
-        let n = flags.len();
-        parts.push(if flags.iter().all(|&f| f != 0.0) {
-            core.ones(n, &device)
-        } else {
-            counters.one(DeviceWork::Pack);
-            B::float_from_data(burn_backend::TensorData::new(flags, [n]), &device)
-        });
-        let count = plan.buffer_len(bucket);
+        let (count, block) = (plan.buffer_len(bucket), plan.block(bucket));
+        let received = plan.received_len(bucket);
         counters.one(DeviceWork::Pack);
         let packed = B::float_cat(parts, 0);
         let (dtype, burn_dtype) = bucket_dtype(link.compression);
@@ -296,7 +313,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
             counters.one(DeviceWork::Pack);
             B::float_cast(packed, float_dtype(burn_dtype))
         };
-        let output = B::float_empty(Shape::new([count]), &device, float_dtype(burn_dtype));
+        let output = B::float_empty(Shape::new([received]), &device, float_dtype(burn_dtype));
         counters.one(DeviceWork::Bucket);
         counters.one(DeviceWork::HandOff);
         self.in_flight.send(
@@ -304,6 +321,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
             BucketJob {
                 bucket,
                 count,
+                block,
                 dtype: (dtype, burn_dtype),
                 op: link.op,
                 input,
@@ -354,13 +372,24 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
             let Some(output) = &outputs[s.bucket] else {
                 continue;
             };
+            let Some((offset, flag)) = plan.received(slot, rank) else {
+                // ZeRO stage 2: another rank owns it. This rank's own gradient goes: an empty
+                // tensor of the parameter's rank takes its place in Burn's container (as on the
+                // host path), which the ZeRO optimizer drops before its step.
+                if let Some((shape, dtype)) = &self.shapes[slot] {
+                    let empty = Shape::from(vec![0; shape.num_dims()]);
+                    let device = B::float_device(output);
+                    out.push((slot, write_f32::<B>(Vec::new(), empty, *dtype, &device)));
+                }
+                continue;
+            };
             let view = |from: usize, len: usize| {
                 B::float_slice(
                     output.clone(),
                     &[burn_backend::Slice::from(from..from + len)],
                 )
             };
-            let part = view(s.offset, s.info.numel);
+            let part = view(offset, s.info.numel);
             match self.shapes[slot].clone() {
                 Some((shape, dtype)) => {
                     let part = if dtype == BurnDType::F32 {
@@ -371,7 +400,7 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
                     };
                     out.push((slot, B::float_reshape(part, shape)));
                 }
-                None => absent.push((slot, part, view(plan.flag_index(slot), 1))),
+                None => absent.push((slot, part, view(flag, 1))),
             }
         }
         if absent.is_empty() {
@@ -413,8 +442,9 @@ mod tests {
     type B = NdArray;
 
     /// A link that reduces each packed bucket over the host (read once, all-reduced by the
-    /// process group on the issuer thread, uploaded as a fresh tensor): the device
-    /// transport's own packing, flags and unpacking, on NdArray.
+    /// process group on the issuer thread, this rank's block kept when the bucket is
+    /// reduce-scattered, uploaded as a fresh tensor): the device transport's own packing, flags
+    /// and unpacking, on NdArray.
     struct HostLink {
         core: LinkCore<B, ()>,
         reduced: Arc<Mutex<HashMap<usize, FloatTensor<B>>>>,
@@ -429,8 +459,19 @@ mod tests {
                 BucketIssuer::start(rank, Arc::new(ReducedQueue), move |job: BucketJob<B>| {
                     let mut values = read_f32::<B>(job.input)
                         .map_err(|e| DdpError::model_access(rank, "reading a bucket", e))?;
+                    if values.len() != job.count {
+                        return Err(DdpError::Internal {
+                            rank,
+                            what: "a packed bucket is not as long as its plan says",
+                        });
+                    }
                     pg.all_reduce(&mut values, job.op)?;
-                    let data = TensorData::new(values, [job.count]).convert_dtype(job.dtype.1);
+                    if let Some(block) = job.block {
+                        let at = rank.index() * block;
+                        values = values[at..at + block].to_vec();
+                    }
+                    let n = values.len();
+                    let data = TensorData::new(values, [n]).convert_dtype(job.dtype.1);
                     let t = B::float_from_data(data, &job.device);
                     into.lock().unwrap().insert(job.bucket, t);
                     Ok(())
@@ -478,9 +519,22 @@ mod tests {
 
     /// Two thread ranks run `steps` passes over the stand-in link, overlapped (buckets sent as
     /// gradients come, in backward's order: last slot first); rank 1 has no gradient for the
-    /// middle layer when `absent`; the gradients are of `grads_in`. Each rank checks every gradient against the mean of both
-    /// ranks' (zeros where absent), and returns what its link counted in the last pass.
+    /// middle layer when `absent`; the gradients are of `grads_in`. Each rank checks every
+    /// gradient against the mean of both ranks' (zeros where absent), and returns what its link
+    /// counted in the last pass.
     fn run(grads_in: BurnDType, absent: bool, steps: usize) -> Vec<DeviceCounts> {
+        run_plan(grads_in, absent, steps, None)
+    }
+
+    /// [`run`] over the plan sharded to `owners` (by slot) when given (ZeRO stage 2): each
+    /// rank checks that the pass gives back the mean of the gradients it owns, and an empty
+    /// tensor of the parameter's rank for each local gradient another rank owns.
+    fn run_plan(
+        grads_in: BurnDType,
+        absent: bool,
+        steps: usize,
+        owners: Option<&[Rank]>,
+    ) -> Vec<DeviceCounts> {
         on_thread_ranks(2, |pg| {
             let r = pg.rank().index();
             let config = DdpConfig {
@@ -498,6 +552,10 @@ mod tests {
                 .collect();
             let plan: Plan = BucketPlan::build(params, &config, BucketOrder::Forward);
             assert_eq!(plan.buckets.len(), 3, "{:?}", plan.bucket_names());
+            let plan = match owners {
+                Some(owners) => plan.sharded(owners, 2),
+                None => plan,
+            };
             let link = HostLink::start(pg.clone());
             let device = NdArrayDevice::Cpu;
             let mut last = DeviceCounts::default();
@@ -535,7 +593,23 @@ mod tests {
                 last = link.core.counters.read().since(&before);
                 let mut got: Vec<Option<Vec<f32>>> = vec![None; SHAPES.len()];
                 for (slot, t) in out.into_iter().chain(foreign) {
+                    if plan.owner(slot).is_some_and(|o| o != pg.rank()) {
+                        // Another rank's: released, as an empty tensor of the parameter's rank.
+                        let shape = t.shape();
+                        let dims = (shape.num_dims(), shape.num_elements());
+                        assert_eq!(dims, (SHAPES[slot].len(), 0), "slot {slot}");
+                        assert!(have(slot), "rank {r} slot {slot}: not local, not released");
+                        continue;
+                    }
                     got[slot] = Some(read_f32::<B>(t).unwrap());
+                }
+                if owners.is_some() {
+                    let mine = |i: &usize| plan.owner(*i) == Some(pg.rank());
+                    got = (0..got.len()).filter(mine).map(|i| got[i].take()).collect();
+                    expected = (0..expected.len())
+                        .filter(mine)
+                        .map(|i| expected[i].clone())
+                        .collect();
                 }
                 assert_gradients(r, &got, &expected, 1e-6);
             }
@@ -590,5 +664,25 @@ mod tests {
             ),
             (3 + 2 + 1, 1, 1)
         );
+    }
+
+    /// Weight and bias of each layer owned by different ranks: every bucket has a block for
+    /// each rank.
+    const OWNERS: [Rank; 6] = [Rank(0), Rank(1), Rank(1), Rank(0), Rank(0), Rank(1)];
+
+    #[test]
+    fn a_sharded_plan_leaves_each_rank_the_reduced_gradients_it_owns_and_no_others() {
+        for c in run_plan(BurnDType::F32, false, 2, Some(&OWNERS)) {
+            // Reduce-scattered buckets cost what all-reduced ones do.
+            assert_eq!(c, usual_step(3));
+        }
+    }
+
+    #[test]
+    fn a_sharded_plan_reads_only_the_owned_flags_of_gradients_absent_here() {
+        let counts = run_plan(BurnDType::F32, true, 2, Some(&OWNERS));
+        // Rank 1 has no gradient for the middle layer and owns its weight: it reads that flag
+        // alone (rank 0 had it); the bias is rank 0's, which had its gradient.
+        assert_eq!((counts[0].host_reads, counts[1].host_reads), (0, 1));
     }
 }

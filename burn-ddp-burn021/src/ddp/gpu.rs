@@ -8,7 +8,8 @@
 //! stream), waits for cubecl's stream (cubecl does not expose it, so an event cannot order the
 //! two streams instead; the wait blocks the issuer, not backward), and takes the device
 //! pointers from cubecl's resources, checked against the bucket's element count and type. The
-//! all-reduce is queued on the communicator's stream *out of place*: NCCL reads the packed
+//! all-reduce (under ZeRO stage 2, the reduce-scatter that leaves this rank its block of the
+//! sharded bucket) is queued on the communicator's stream *out of place*: NCCL reads the packed
 //! bucket and writes a fresh output buffer of its own. NCCL never writes memory Burn may still
 //! read: Burn's autodiff hands the same buffer to two parents (`add` with equal shapes), so a
 //! single gradient's buffer can be an input of later backward kernels. Both buffers stay pinned
@@ -31,7 +32,8 @@ use super::device::{BucketJob, DeviceLink, LinkCore};
 use crate::group::Rank;
 use crate::Result;
 use burn_ddp_comm::cuda::{
-    all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan, NcclComm,
+    no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan,
+    NcclComm,
 };
 use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
 
@@ -105,7 +107,7 @@ impl Resolve for Fused {
 /// is packed (queued work, not yet done); the thread waits for Burn's stream there — it runs on
 /// the producing thread's cubecl `StreamId`, so the sync covers exactly the stream that computes
 /// the gradients, and it blocks this thread, not backward — then pins both buffers and queues the
-/// all-reduce on NCCL's stream. One thread, buckets in launch order: every rank queues its
+/// reduction on NCCL's stream. One thread, buckets in launch order: every rank queues its
 /// NCCL calls in the same order.
 #[derive(Debug)]
 pub(crate) struct NcclIssuer {
@@ -157,7 +159,7 @@ impl DeviceLink<Gpu> for NcclIssuer {
 }
 
 /// On the issuer thread, on Burn's stream: completes the bucket's inputs, pins them and
-/// queues the all-reduce.
+/// queues the reduction (all-reduce, or reduce-scatter for a sharded bucket).
 fn enqueue(
     comm: &NcclComm,
     job: BucketJob<Gpu>,
@@ -167,6 +169,7 @@ fn enqueue(
     let call = &BucketCall {
         bucket: job.bucket,
         count: job.count,
+        block: job.block,
         dtype: job.dtype.0,
         op: job.op,
     };
@@ -186,24 +189,25 @@ fn enqueue(
     counters.one(DeviceWork::IssuerSync);
     <Cube as Backend>::sync(&job.device).map_err(|e| queued_work_failed(rank, e))?;
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
-    // `call.count` elements of `burn_dtype`), kept alive with its tensor.
-    let span = |cube: CubeTensor<CudaRuntime>, which: &str| -> Result<DeviceSpan> {
+    // `call.len(which)` elements of `burn_dtype`), kept alive with its tensor.
+    let span = |cube: CubeTensor<CudaRuntime>, which: BucketBuffer| -> Result<DeviceSpan> {
         let found = (cube.meta.shape().num_elements(), cube.dtype);
         call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
         let resource = cube.client.get_resource(cube.handle.clone());
-        let resource = resource.map_err(|e| no_device_resource(rank, &call.what(which), e))?;
+        let resource =
+            resource.map_err(|e| no_device_resource(rank, &call.what(which.name()), e))?;
         let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
         // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
         // freed or reused while held, with the tensor; both may be dropped from any thread
         // (the release goes through cubecl's server).
         Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
     };
-    let send = span(input, "packed input")?;
-    let recv = span(output, "output buffer")?;
+    let send = span(input, BucketBuffer::Input)?;
+    let recv = span(output, BucketBuffer::Output)?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. The issuer holds both spans until NCCL's stream is known done
     // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
-    unsafe { all_reduce_bucket(comm, call, [send, recv]) }
+    unsafe { reduce_bucket(comm, call, [send, recv]) }
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ pub(crate) fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, S
 }
 
 /// The inverse of `read_f32`: a tensor of `shape` and `dtype` on `device` holding `values`.
-pub(super) fn write_f32<B: Backend>(
+pub(crate) fn write_f32<B: Backend>(
     values: Vec<f32>,
     shape: burn_backend::Shape,
     dtype: DType,

@@ -193,13 +193,15 @@ impl DdpSession {
     /// the bytes on the wire are an all-reduce's (a reduce-scatter, then the all-gather of the
     /// stepped parameters), each bucket padded to equal blocks of whole parameters. Overlap,
     /// [`DdpSession::sync_gradients`] and accumulation work as without it; a later `prepare` of
-    /// the same model keeps it. Buckets go host-staged (`GradTransport::Nccl` is refused).
+    /// the same model keeps it. On either transport: host-staged buckets are reduce-scattered
+    /// by the communication thread, NCCL's device buckets (`Autodiff<Ddp<Cuda>>`) by
+    /// `ncclReduceScatter` into a block-sized output.
     ///
     /// Use the returned optimizer for every step, on every rank. Checkpoints as stage 1's.
     ///
     /// # Errors
     /// As [`zero`](Self::zero); a configuration stage 2 cannot run with (a communication hook,
-    /// PowerSGD, `GradTransport::Nccl`: `ConfigError::InvalidConfig` says what to change).
+    /// PowerSGD: `ConfigError::InvalidConfig` says what to change).
     pub fn zero2<O, M, B>(&self, optim: O, model: &M) -> Result<ZeroOptimizer<O, M, B>>
     where
         B: AutodiffBackend,

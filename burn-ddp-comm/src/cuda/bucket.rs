@@ -1,7 +1,7 @@
 //! One gradient bucket on a device path, as both Burn lines hand it to NCCL: each buffer as a
 //! [`DeviceSpan`] (its device pointer and size, and what keeps the allocation alive), checked
-//! and all-reduced by [`all_reduce_bucket`], then held by the issuer until NCCL's stream is
-//! done with it. A line only finds the pointer behind its release's tensor type.
+//! and reduced by [`reduce_bucket`] (all-reduced, or reduce-scattered under ZeRO stage 2), then
+//! held by the issuer until NCCL's stream is done with it. A line only finds the pointer behind its release's tensor type.
 
 use crate::error::CudaError;
 use std::any::Any;
@@ -60,13 +60,36 @@ impl DeviceSpan {
     }
 }
 
-/// One bucket's all-reduce, as a device path's issuer thread receives it.
+/// One of a bucket's two buffers on a device path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BucketBuffer {
+    /// The packed gradients and flags, which NCCL reads.
+    Input,
+    /// The fresh tensor NCCL writes.
+    Output,
+}
+
+impl BucketBuffer {
+    /// How errors name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            BucketBuffer::Input => "packed input",
+            BucketBuffer::Output => "output buffer",
+        }
+    }
+}
+
+/// One bucket's reduction, as a device path's issuer thread receives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BucketCall {
     /// The bucket's index in the plan.
     pub bucket: usize,
-    /// Its elements.
+    /// Its elements (the packed input's).
     pub count: usize,
+    /// Set when the bucket is reduce-scattered (a sharded plan, ZeRO stage 2): the elements of
+    /// each rank's block, `count / world`, which is all this rank receives
+    /// (`BucketPlan::block`). `None`: the bucket is all-reduced.
+    pub block: Option<usize>,
     /// Their type on the wire (f32, or f16/bf16 when compressed).
     pub dtype: DType,
     /// The reduction.
@@ -80,53 +103,90 @@ impl BucketCall {
         format!("{which} of bucket {}", self.bucket)
     }
 
+    /// The elements of the bucket's `which` buffer.
+    pub fn len(&self, which: BucketBuffer) -> usize {
+        match which {
+            BucketBuffer::Input => self.count,
+            BucketBuffer::Output => self.block.unwrap_or(self.count),
+        }
+    }
+
     /// Checks the bucket's `which` buffer before its device pointer is taken: contiguous,
-    /// `self.count` elements of the line's dtype `want` (`found`: its elements and dtype).
+    /// [`len`](Self::len) elements of the line's dtype `want` (`found`: its elements and dtype).
     ///
     /// # Errors
     /// [`DdpError::bucket_layout`] saying what differs.
     pub fn check_tensor<T: PartialEq + fmt::Debug>(
         &self,
         rank: Rank,
-        which: &str,
+        which: BucketBuffer,
         contiguous: bool,
         found: (usize, T),
         want: T,
     ) -> Result<()> {
-        let want = (self.count, want);
-        check_bucket_tensor(rank, &self.what(which), contiguous, found, want)
+        let want = (self.len(which), want);
+        check_bucket_tensor(rank, &self.what(which.name()), contiguous, found, want)
     }
 }
 
-/// Checks that `send` (the bucket's packed gradients) and `recv` (its output) each hold
-/// `call.count` elements of `call.dtype`, and queues their all-reduce on `comm`'s stream.
-/// Returns both spans: hold them until a wait on `comm` has succeeded, or its abort has
-/// drained.
+/// Checks that `send` (the bucket's packed gradients, `call.count` elements of `call.dtype`)
+/// and `recv` (its output: as many, or `call.block`) fit the call, and queues the bucket's
+/// reduction on `comm`'s stream: an all-reduce, or, for a bucket of blocks (a sharded plan), a
+/// reduce-scatter that leaves rank `r` the reduced block `r` (at world size 1 too, where that is
+/// the whole bucket). Returns both spans: hold them
+/// until a wait on `comm` has succeeded, or its abort has drained.
 ///
 /// # Safety
 /// `send` and `recv` must be on `comm`'s GPU and distinct allocations; the work that wrote
 /// `send` must be complete (or ordered before `comm`'s stream).
 ///
 /// # Errors
-/// A span too small ([`DdpError::bucket_layout`]); the reduction is not available for the
-/// type, or NCCL refuses the call.
-pub unsafe fn all_reduce_bucket(
+/// A span too small, or blocks that do not divide the bucket among the communicator's ranks
+/// ([`DdpError::bucket_layout`]); the reduction is not available for the type, or NCCL refuses
+/// the call.
+pub unsafe fn reduce_bucket(
     comm: &NcclComm,
     call: &BucketCall,
     [send, recv]: [DeviceSpan; 2],
 ) -> Result<[DeviceSpan; 2]> {
     let rank = comm.rank();
-    for (span, which) in [(&send, "packed input"), (&recv, "output buffer")] {
-        check_bucket_span(rank, &call.what(which), span.bytes, call.count, call.dtype)?;
+    for (span, which) in [(&send, BucketBuffer::Input), (&recv, BucketBuffer::Output)] {
+        let what = call.what(which.name());
+        check_bucket_span(rank, &what, span.bytes, call.len(which), call.dtype)?;
     }
     let BucketCall {
-        count, dtype, op, ..
+        count,
+        block,
+        dtype,
+        op,
+        ..
     } = *call;
-    // SAFETY: both spans address `count` elements of `dtype` (checked above) on this GPU,
-    // distinct, `send` written (the caller's contract); both stay allocated until the caller
-    // drops the spans, after NCCL's stream is known done with them.
-    unsafe { comm.all_reduce_raw(send.ptr, recv.ptr, count, dtype, op) }?;
+    let Some(block) = block else {
+        // SAFETY: both spans address `count` elements of `dtype` (checked above) on this GPU,
+        // distinct, `send` written (the caller's contract); both stay allocated until the
+        // caller drops the spans, after NCCL's stream is known done with them.
+        unsafe { comm.all_reduce_raw(send.ptr, recv.ptr, count, dtype, op) }?;
+        return Ok([send, recv]);
+    };
+    check_blocks(rank, call, block, comm.world_size().as_usize())?;
+    // SAFETY: as above, `send` holding `world` blocks of `block` elements (checked).
+    unsafe { comm.reduce_scatter_raw(send.ptr, recv.ptr, block, dtype, op) }?;
     Ok([send, recv])
+}
+
+/// Checks that a reduce-scattered bucket is `world` blocks of `block` elements.
+fn check_blocks(rank: Rank, call: &BucketCall, block: usize, world: usize) -> Result<()> {
+    if block * world == call.count {
+        return Ok(());
+    }
+    Err(DdpError::bucket_layout(
+        rank,
+        format!(
+            "bucket {} has {} elements, not {world} blocks of {block}: the ranks' plans are \
+             sharded over another number of ranks than the communicator's",
+            call.bucket, call.count
+        ),
+    ))
 }
 
 /// The error of a device path that could not complete Burn's queued work (the gradients) before
@@ -134,7 +194,7 @@ pub unsafe fn all_reduce_bucket(
 pub fn queued_work_failed(rank: Rank, e: impl fmt::Debug) -> DdpError {
     DdpError::Cuda(CudaError::Driver {
         rank,
-        what: "completing Burn's queued work before the bucket's all-reduce".into(),
+        what: "completing Burn's queued work before the bucket's reduction".into(),
         detail: format!("{e:?}"),
     })
 }
@@ -168,10 +228,19 @@ mod tests {
         let call = BucketCall {
             bucket: 3,
             count: 8,
+            block: Some(4),
             dtype: DType::F32,
             op: ReduceOp::Sum,
         };
         assert_eq!(call.what("packed input"), "packed input of bucket 3");
+        assert_eq!(call.len(BucketBuffer::Output), 4);
+        let e = call
+            .check_tensor(Rank(1), BucketBuffer::Output, true, (8, "F32"), "F32")
+            .unwrap_err();
+        assert!(e.to_string().contains("output buffer of bucket 3"), "{e}");
+        assert!(check_blocks(Rank(1), &call, 4, 2).is_ok());
+        let e = check_blocks(Rank(1), &call, 4, 4).unwrap_err().to_string();
+        assert!(e.contains("not 4 blocks of 4"), "{e}");
         let e = no_device_resource(Rank(1), "packed input of bucket 3", "gone");
         let text = e.to_string();
         assert!(

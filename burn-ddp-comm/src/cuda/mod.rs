@@ -7,8 +7,9 @@
 //! - `wait.rs`: waiting for GPU work with a deadline
 //! - `nccl/`: [`NcclComm`]: its life (creation, waits, aborts, finalize) in `mod.rs`, its
 //!   collectives and point-to-point calls on device memory in `ops.rs`
-//! - `bucket.rs`: a gradient bucket's buffers as [`DeviceSpan`]s, checked and all-reduced by
-//!   [`all_reduce_bucket`] (both Burn lines' device paths)
+//! - `bucket.rs`: a gradient bucket's buffers as [`DeviceSpan`]s, checked and reduced by
+//!   [`reduce_bucket`] (both Burn lines' device paths; all-reduced, or reduce-scattered under
+//!   ZeRO stage 2)
 //! - `connect.rs`: [`connect_for_grads`], the collective choice of NCCL for a model's gradients
 //!
 //! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
@@ -24,7 +25,7 @@ mod status;
 mod wait;
 
 pub use bucket::{
-    all_reduce_bucket, no_device_resource, queued_work_failed, BucketCall, DeviceSpan,
+    no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan,
 };
 pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{

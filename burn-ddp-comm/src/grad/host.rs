@@ -602,18 +602,10 @@ impl<K> BucketTransport<K> for HostBuckets {
         // A sharded plan's answers are this rank's blocks: its own slots lie there, shifted by
         // the blocks before it; the other ranks' slots are nowhere (never present).
         let mine = |slot: usize| plan.owner(slot).is_none_or(|o| o == self.rank);
-        let layout = plan
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| match plan.block(s.bucket) {
-                None => (s.bucket, s.offset, s.info.numel, plan.flag_index(i)),
-                Some(_) if !mine(i) => (s.bucket, 0, s.info.numel, NOWHERE),
-                Some(block) => {
-                    let shift = self.rank.index() * block;
-                    let flag = plan.flag_index(i) - shift;
-                    (s.bucket, s.offset - shift, s.info.numel, flag)
-                }
+        let layout = (plan.slots.iter().enumerate())
+            .map(|(i, s)| match plan.received(i, self.rank) {
+                Some((offset, flag)) => (s.bucket, offset, s.info.numel, flag),
+                None => (s.bucket, 0, s.info.numel, NOWHERE),
             })
             .collect();
         let left = (plan.buckets.iter())

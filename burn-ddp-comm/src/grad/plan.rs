@@ -78,6 +78,18 @@ pub struct Sharding {
     pub blocks: Vec<usize>,
 }
 
+/// One run of a bucket's buffer, as [`BucketPlan::layout`] lists them in order: what a device
+/// transport concatenates to pack the bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// The values of slot `0` (its gradient, or zeros where this rank has none).
+    Values(usize),
+    /// The presence flags of these slots, one each (1 where this rank has the gradient).
+    Flags(Vec<usize>),
+    /// Padding: this many zeros (the end of a sharded bucket's shorter blocks).
+    Zeros(usize),
+}
+
 /// Parameters (slots, in visit order) grouped into buckets: the first capped at
 /// [`DdpConfig::first_bucket_cap_bytes`] so that communication starts early, the others at
 /// [`DdpConfig::bucket_cap_bytes`]; a parameter larger than the cap gets a bucket of its own.
@@ -141,6 +153,57 @@ impl<K> BucketPlan<K> {
     /// The owner of slot `slot` in a [sharded](Self::sharded) plan.
     pub fn owner(&self, slot: usize) -> Option<Rank> {
         self.sharding.as_ref().map(|s| s.owners[slot])
+    }
+
+    /// What bucket `bucket`'s buffer holds, in order: each slot's values then every flag (the
+    /// slots in fill order); in a [sharded](Self::sharded) plan, block after block, each its
+    /// owner's values, then their flags, then padding. The pieces' lengths add up to
+    /// [`buffer_len`](Self::buffer_len), and each lies where the slots' offsets and flags say.
+    pub fn layout(&self, bucket: usize) -> Vec<Piece> {
+        let slots = &self.buckets[bucket].0;
+        let Some(sh) = &self.sharding else {
+            let mut pieces: Vec<Piece> = slots.iter().map(|&s| Piece::Values(s)).collect();
+            pieces.push(Piece::Flags(slots.clone()));
+            return pieces;
+        };
+        let mut pieces = Vec::new();
+        for r in 0..sh.world {
+            let owned: Vec<usize> = (slots.iter().copied())
+                .filter(|&s| sh.owners[s].index() == r)
+                .collect();
+            let used: usize = owned.iter().map(|&s| self.slots[s].info.numel + 1).sum();
+            pieces.extend(owned.iter().map(|&s| Piece::Values(s)));
+            if !owned.is_empty() {
+                pieces.push(Piece::Flags(owned));
+            }
+            if used < sh.blocks[bucket] {
+                pieces.push(Piece::Zeros(sh.blocks[bucket] - used));
+            }
+        }
+        pieces
+    }
+
+    /// The length of what each rank receives of bucket `bucket`'s reduction: the whole buffer
+    /// ([`buffer_len`](Self::buffer_len)), or, in a [sharded](Self::sharded) plan, its block.
+    pub fn received_len(&self, bucket: usize) -> usize {
+        self.block(bucket)
+            .unwrap_or_else(|| self.buffer_len(bucket))
+    }
+
+    /// Where slot `slot`'s values and presence flag are (offsets, in elements) in what `rank`
+    /// receives of its bucket ([`received_len`](Self::received_len)): where the bucket's buffer
+    /// has them, or, in a [sharded](Self::sharded) plan, shifted by the blocks before `rank`'s;
+    /// `None` for a slot another rank owns (this rank receives nothing of it).
+    pub fn received(&self, slot: usize, rank: Rank) -> Option<(usize, usize)> {
+        let s = &self.slots[slot];
+        match &self.sharding {
+            None => Some((s.offset, s.flag)),
+            Some(sh) if sh.owners[slot] != rank => None,
+            Some(sh) => {
+                let shift = rank.index() * sh.blocks[s.bucket];
+                Some((s.offset - shift, s.flag - shift))
+            }
+        }
     }
 
     /// The same buckets, reduce-scattered (ZeRO stage 2): parameter `slot` is owned by
@@ -308,6 +371,11 @@ mod tests {
         );
         assert_eq!(plan.slots[2].offset, 2);
         assert_eq!(plan.buckets[1].1, 10);
+        use Piece::{Flags, Values};
+        assert_eq!(plan.layout(0), [Values(0), Flags(vec![0])]);
+        // Unsharded, every rank receives the whole buffer.
+        assert_eq!(plan.received_len(1), 15);
+        assert_eq!(plan.received(2, Rank(1)), Some((2, 11)));
     }
 
     #[test]
@@ -341,6 +409,35 @@ mod tests {
         assert_eq!([at(0), at(2)], [(0, 4), (3, 5)]);
         assert_eq!([at(1), at(3)], [(8, 14), (10, 15)]);
         assert_eq!(plan.owner(3), Some(Rank(1)));
+        // Packed in order: rank 0's values, flags and padding, then rank 1's.
+        let layout = plan.layout(0);
+        use Piece::{Flags, Values, Zeros};
+        assert_eq!(
+            layout,
+            [
+                Values(0),
+                Values(2),
+                Flags(vec![0, 2]),
+                Zeros(2),
+                Values(1),
+                Values(3),
+                Flags(vec![1, 3])
+            ]
+        );
+        let lens = |p: &Piece| match p {
+            Values(s) => plan.slots[*s].info.numel,
+            Flags(f) => f.len(),
+            Zeros(n) => *n,
+        };
+        assert_eq!(layout.iter().map(lens).sum::<usize>(), plan.buffer_len(0));
+        // What each rank receives: its block, its own slots shifted to it, the others nowhere.
+        assert_eq!(plan.received_len(0), 8);
+        assert_eq!(plan.received(2, Rank(0)), Some((3, 5)));
+        assert_eq!(plan.received(3, Rank(1)), Some((2, 7)));
+        assert_eq!(
+            [plan.received(1, Rank(0)), plan.received(0, Rank(1))],
+            [None, None]
+        );
         // The buckets keep their parameters and order.
         assert_eq!(plan.bucket_names(), vec![vec!["p0", "p1", "p2", "p3"]]);
     }

@@ -349,13 +349,14 @@ impl ZeroShards {
 }
 
 /// Refuses ZeRO stage 2 (gradients reduce-scattered to their owners) where it cannot run: beside
-/// a communication hook or PowerSGD (each reduces whole buckets on every rank), or on NCCL's
-/// device buckets (`nccl`: the line's gradients travel through NCCL), which this release
-/// reduces whole only.
+/// a communication hook or PowerSGD (each reduces whole buckets on every rank). Both
+/// transports reduce-scatter: the host-staged one on its communication thread, NCCL's device
+/// buckets with `ncclReduceScatter` (`cuda::reduce_bucket`, feature
+/// `cuda`).
 ///
 /// # Errors
 /// [`ConfigError::InvalidConfig`](crate::ConfigError::InvalidConfig) saying what to change.
-pub fn check_stage2(config: &DdpConfig, nccl: bool) -> Result<()> {
+pub fn check_stage2(config: &DdpConfig) -> Result<()> {
     let refuse = |field, reason| {
         Err(DdpError::Config(crate::ConfigError::InvalidConfig {
             field,
@@ -374,14 +375,6 @@ pub fn check_stage2(config: &DdpConfig, nccl: bool) -> Result<()> {
             "DdpConfig::power_sgd",
             "PowerSGD compresses whole buckets on every rank, ZeRO stage 2 reduce-scatters \
              them: drop PowerSGD, or use ZeRO stage 1 (zero)",
-        );
-    }
-    if nccl {
-        return refuse(
-            "DdpConfig::transport",
-            "ZeRO stage 2 reduce-scatters host-staged buckets; NCCL's device buckets are \
-             all-reduced whole in this release: use GradTransport::Host with zero2, or ZeRO \
-             stage 1 (zero) on NCCL",
         );
     }
     Ok(())
@@ -575,7 +568,7 @@ mod tests {
     #[test]
     fn stage_2_refuses_what_reduces_whole_buckets_and_names_the_fix() {
         use crate::grad::{AllReduce, Compression, GradReduction, PowerSgd};
-        assert!(check_stage2(&DdpConfig::default(), false).is_ok());
+        assert!(check_stage2(&DdpConfig::default()).is_ok());
         let hook = DdpConfig::default().with_comm_hook(|| {
             Box::new(AllReduce {
                 reduction: GradReduction::Mean,
@@ -585,18 +578,12 @@ mod tests {
         let cases = [
             (
                 DdpConfig::default().with_power_sgd(PowerSgd::new(1)),
-                false,
                 "drop PowerSGD",
             ),
-            (hook, false, "drop the hook"),
-            (
-                DdpConfig::default(),
-                true,
-                "use GradTransport::Host with zero2",
-            ),
+            (hook, "drop the hook"),
         ];
-        for (config, nccl, fix) in cases {
-            let e = check_stage2(&config, nccl).unwrap_err().to_string();
+        for (config, fix) in cases {
+            let e = check_stage2(&config).unwrap_err().to_string();
             assert!(e.contains(fix), "{e}");
         }
     }

@@ -212,8 +212,7 @@ impl Reducer {
     /// # Errors
     /// What stage 2 cannot run with; `prepare` not called.
     pub(crate) fn shard(&mut self, owners: Vec<crate::group::Rank>) -> Result<()> {
-        let nccl = self.config.transport == GradTransport::Nccl;
-        burn_ddp_comm::grad::check_stage2(&self.config, nccl)?;
+        burn_ddp_comm::grad::check_stage2(&self.config)?;
         let Some(plan) = self.plan.take() else {
             return Err(DdpError::Internal {
                 rank: self.pg.rank(),

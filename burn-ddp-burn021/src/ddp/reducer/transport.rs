@@ -232,9 +232,8 @@ impl Buckets {
     /// Device buckets for a pass over `plan`, when `device` (the pass's gradients are CUDA
     /// tensors and NCCL is set up); `None`: the pass is host-staged.
     pub(super) fn device(device: bool, plan: &Plan, nccl: &Nccl) -> Option<Self> {
-        // A sharded plan (ZeRO stage 2) is reduce-scattered host-staged.
         #[cfg(feature = "cuda")]
-        if let (true, Some(issuer), None) = (device, nccl.issuer.as_ref(), &plan.sharding) {
+        if let (true, Some(issuer)) = (device, nccl.issuer.as_ref()) {
             let (slots, buckets) = (plan.slots.len(), plan.buckets.len());
             let step = super::super::device::DeviceStep::new(slots, buckets, issuer.home());
             return Some(Buckets::Device(step));
