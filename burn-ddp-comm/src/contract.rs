@@ -20,8 +20,8 @@
 //! | a custom loop in a fault-tolerant job: the model's and optimizer's records as bytes, `prepare` and `reprepare` | [`grad::LoopSync`](crate::grad::LoopSync), [`grad::LoopState`](crate::grad::LoopState) | `loop_state.rs` (0.21: `ddp/membership.rs`) |
 //! | gradients taken and put back by bucket slot, reduced host-staged or on the device | [`grad::BucketPlan`](crate::grad::BucketPlan), [`grad::HostSync`](crate::grad::HostSync), [`grad::ReplicaCheck`](crate::grad::ReplicaCheck) | `sync.rs`, `grads.rs` |
 //! | buffers (BatchNorm's running statistics) broadcast, and written back tensor after tensor | [`grad::broadcast_buffers`](crate::grad::broadcast_buffers), [`grad::FlatValues`](crate::grad::FlatValues) | `buffers.rs` |
-//! | ZeRO-1: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back, the sharded optimizer state as bytes | [`grad::ZeroShards`](crate::grad::ZeroShards), [`grad::ReadValues`](crate::grad::ReadValues) | `zero.rs` |
-//! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce or reduce-scatter (`cuda::reduce_bucket`) | `cuda::connect_for_grads`, [`grad::BucketIssuer`](crate::grad::BucketIssuer), `cuda::DeviceSpan` | `cuda.rs` |
+//! | ZeRO-1 and 2: which rank owns which parameters (by id), gradients dropped before the step, gathered values written back (a run's layout on a device path), the sharded optimizer state as bytes | [`grad::ZeroShards`](crate::grad::ZeroShards), [`grad::ReadValues`](crate::grad::ReadValues), [`grad::RunLayout`](crate::grad::RunLayout) | `zero.rs` |
+//! | the NCCL path on the release's device tensors (feature `cuda`): the device pointer behind a cubecl tensor as a `cuda::DeviceSpan`; the core checks the spans and queues the bucket's all-reduce or reduce-scatter (`cuda::reduce_bucket`), and a ZeRO run's all-gather (`cuda::all_gather_blocks`) | `cuda::connect_for_grads`, [`grad::BucketIssuer`](crate::grad::BucketIssuer), `cuda::DeviceSpan` | `cuda.rs` |
 //! | the device transport: buckets packed, flagged and unpacked in the release's tensors, over a link (NCCL's; the unit tests' stand-in on a CPU backend), its work counted | [`grad::BucketTransport`](crate::grad::BucketTransport), [`grad::Pass`](crate::grad::Pass), [`grad::DeviceCounters`](crate::grad::DeviceCounters) | `device.rs` (0.21: `ddp/device.rs`) |
 //! | `DistributedSampler`: the release's `Dataset` trait | [`distributed_sampler!`](crate::distributed_sampler!), [`data::ShardPlan`](crate::data::ShardPlan) | `data.rs` |
 //! | `SyncBatchNorm`: the layer, its forward and the all-reduce of its statistics in the release's autodiff; its configuration from the core | [`sync_batch_norm_config!`](crate::sync_batch_norm_config!) | `nn.rs` |
@@ -51,8 +51,10 @@ pub use crate::ParamInfo;
 
 /// The NCCL half of the contract (feature `cuda`): a line finds the device pointer behind its
 /// release's tensor and hands it over as a [`DeviceSpan`](crate::cuda::DeviceSpan); the core
-/// checks it and queues the bucket's all-reduce.
+/// checks it and queues the bucket's reduction, or a ZeRO run's all-gather.
 #[cfg(feature = "cuda")]
 pub mod cuda {
-    pub use crate::cuda::{connect_for_grads, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan};
+    pub use crate::cuda::{
+        all_gather_blocks, connect_for_grads, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan,
+    };
 }

@@ -16,16 +16,16 @@
 //! been waited for (with the collective deadline).
 
 use burn_ddp_comm::{ConfigError, CudaError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::{BackendTypes, Cube, DispatchDevice};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType as BurnDType, Device, Tensor};
 // The chosen release's burn-cubecl, burn-fusion and cubecl, which Burn does not re-export
 // (`burn-ddp-cubecl` names them for whichever release this crate is built for).
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{CubeBackend, CubeDevice};
 use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
-use burn_ddp_comm::{ProcessGroup, Rank, ReduceOp};
+use burn_ddp_comm::{DType, ProcessGroup, Rank, ReduceOp};
 use burn_ddp_cubecl::{burn_cubecl, burn_fusion, cubecl, cubecl_runtime};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
@@ -140,20 +140,26 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     let span = |cube: CubeTensor, which: BucketBuffer| -> Result<DeviceSpan> {
         let found = (cube.meta.shape().num_elements(), cube.dtype);
         call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
-        let resource = (cube.client)
-            .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
-            .map_err(|e| no_device_resource(rank, &call.what(which.name()), e))?;
-        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-        // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
-        // freed or reused while held, with the tensor; both may be dropped from any thread
-        // (the release goes through cubecl's server).
-        Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
+        pin(rank, cube, &call.what(which.name()))
     };
     let send = span(input, BucketBuffer::Input)?;
     let recv = span(output, BucketBuffer::Output)?;
     // SAFETY: both on this GPU, distinct (`recv` is fresh); the input was written by work that
     // `sync` above completed. Both spans are held until the step has waited for NCCL's stream.
     unsafe { reduce_bucket(comm, call, [send, recv]) }
+}
+
+/// The allocation behind `cube` (checked by the caller: contiguous, on this GPU), kept alive
+/// and unreused with its tensor while the span lives; `what` names it in errors.
+fn pin(rank: Rank, cube: CubeTensor, what: &str) -> Result<DeviceSpan> {
+    let resource = (cube.client)
+        .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
+        .map_err(|e| no_device_resource(rank, what, e))?;
+    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
+    // or reused while held, with the tensor; both may be dropped from any thread (the release
+    // goes through cubecl's server).
+    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
 }
 
 /// The device path of one rank: the communicator and its issuer thread, on one GPU.
@@ -248,6 +254,45 @@ impl DevicePath {
     /// What this path's passes cost so far.
     pub(crate) fn counts(&self) -> DeviceCounts {
         self.core.counters.read()
+    }
+}
+
+impl DevicePath {
+    /// A ZeRO run's all-gather on the device ([`BlockGather`](crate::zero::BlockGather)): on
+    /// the step's thread, after its optimizer step (no bucket is in flight then, so the
+    /// communicator's calls keep one order on every rank). cubecl's stream is synchronised
+    /// first (the block must exist before NCCL reads it), and NCCL's is waited for before the
+    /// result is handed back.
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+        let comm = &self.comm;
+        let rank = comm.rank();
+        let counters = &self.core.counters;
+        let all = block * comm.world_size().as_usize();
+        let output = Tensor::<1>::empty([all], (&send.device(), BurnDType::F32));
+        let gathered = output.clone();
+        let (send_what, recv_what) = (format!("block of {what}"), format!("gathered {what}"));
+        let recv = cube_tensor(rank, output, &recv_what, counters)?;
+        let send =
+            burn_cubecl::kernel::into_contiguous(cube_tensor(rank, send, &send_what, counters)?);
+        <CubeBackend as burn::backend::Backend>::sync(&send.device)
+            .map_err(|e| queued_work_failed(rank, e))?;
+        let span = |cube: CubeTensor, what: &str, len: usize| -> Result<DeviceSpan> {
+            let found = (cube.meta.shape().num_elements(), cube.dtype);
+            let contiguous = cube.is_contiguous();
+            check_bucket_tensor(rank, what, contiguous, found, (len, BurnDType::F32))?;
+            pin(rank, cube, what)
+        };
+        let spans = [span(send, &send_what, block)?, span(recv, &recv_what, all)?];
+        // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
+        // above completed; the call holds both until NCCL's stream is done with them.
+        unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }?;
+        Ok(gathered)
+    }
+}
+
+impl crate::zero::BlockGather for Mutex<DevicePath> {
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+        crate::overlap::lock(self).all_gather(what, send, block)
     }
 }
 

@@ -163,6 +163,16 @@ impl GradSync {
         }
     }
 
+    /// Where a ZeRO optimizer all-gathers the stepped parameters on the device: NCCL, when the
+    /// gradients travel through it.
+    pub(crate) fn block_gather(&self) -> Option<Arc<dyn crate::zero::BlockGather>> {
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.device {
+            return Some(Arc::clone(device) as Arc<dyn crate::zero::BlockGather>);
+        }
+        None
+    }
+
     /// What the NCCL path's steps have cost so far (operations Burn ran to pack and unpack
     /// buckets, transfers to the host, waits, hand-offs between threads, fusion drains and
     /// device synchronisations on the issuer thread: `burn_ddp_comm::grad::DeviceCounts`

@@ -22,11 +22,13 @@
 //! other.
 
 use std::collections::HashSet;
+use std::ops::Range;
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer, OptimizerRecord};
-use burn::tensor::{Bytes, Tensor};
-use burn_ddp_comm::grad::{ReadValues, ZeroShards};
+use burn::tensor::{Bytes, DType as BurnDType, Device, Tensor};
+use burn_ddp_comm::grad::{ReadValues, RunLayout, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
 use crate::grads::filled_like;
@@ -56,6 +58,9 @@ pub struct ZeroOptimizer {
     stage: u8,
     /// The elements of the parameters all-gathered at a time (the bucket cap's).
     chunk: usize,
+    /// Where the stepped parameters are all-gathered on the device (NCCL, when the gradients
+    /// travel through it); `None`: through the host.
+    device: Option<Arc<dyn BlockGather>>,
 }
 
 impl std::fmt::Debug for ZeroOptimizer {
@@ -63,6 +68,7 @@ impl std::fmt::Debug for ZeroOptimizer {
         f.debug_struct("ZeroOptimizer")
             .field("stage", &self.stage)
             .field("rank", &self.pg.rank())
+            .field("on_device", &self.device.is_some())
             .field("params", &self.shards.ids().len())
             .field(
                 "owned_elements",
@@ -143,6 +149,89 @@ impl ModuleMapper for Scatter<'_> {
     }
 }
 
+/// The all-gather of a ZeRO run's stepped parameters on a device path (NCCL's, `cuda.rs`; a
+/// stand-in over the host in this module's tests): every rank's `send` (`block` f32 elements on
+/// the parameters' device, without autodiff), concatenated in rank order.
+pub(crate) trait BlockGather: Send + Sync {
+    /// `what` names the run in errors.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>>;
+}
+
+/// This rank's owned parameters of one run, flattened to f32 where they are (without autodiff),
+/// and the device of the run's parameters.
+struct Pack<'a> {
+    owned: &'a dyn Fn(ParamId) -> bool,
+    within: &'a dyn Fn(ParamId) -> bool,
+    parts: Vec<Tensor<1>>,
+    device: Option<Device>,
+}
+
+impl ModuleVisitor for Pack<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !(self.within)(param.id) {
+            return;
+        }
+        let value = param.val().inner();
+        self.device.get_or_insert_with(|| value.device());
+        if !(self.owned)(param.id) {
+            return;
+        }
+        let n = value.shape().num_elements();
+        let flat: Tensor<1> = value.reshape([n]);
+        self.parts.push(if flat.dtype() == BurnDType::F32 {
+            flat
+        } else {
+            flat.cast(BurnDType::F32)
+        });
+    }
+}
+
+/// Puts the parameters of one run back from their all-gather on the device (`all`, laid out as
+/// `layout`): each a view of it, shaped, typed and given autodiff as the parameter was.
+struct Place<'a> {
+    shards: &'a ZeroShards,
+    range: Range<usize>,
+    layout: &'a RunLayout,
+    all: &'a Tensor<1>,
+}
+
+impl ModuleMapper for Place<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(at) = (self.shards).gathered_at(param.id.val(), &self.range, self.layout) else {
+            return param;
+        };
+        let n = param.shape().num_elements();
+        let (id, tensor, mapper) = param.consume();
+        let flat = self.all.clone().slice(at..at + n);
+        let fresh: Tensor<D> = flat.reshape(tensor.shape());
+        let fresh = if fresh.dtype() == tensor.dtype() {
+            fresh
+        } else {
+            fresh.cast(tensor.dtype())
+        };
+        Param::from_mapped_value(id, with_context_of(fresh, &tensor), mapper)
+    }
+}
+
+/// `fresh` (a tensor without autodiff) with `like`'s autodiff: its gradient-checkpointing
+/// strategy, and its gradient requirement (a fresh leaf, as `filled_like` makes).
+fn with_context_of<const D: usize>(fresh: Tensor<D>, like: &Tensor<D>) -> Tensor<D> {
+    let fresh = match like.gradient_checkpointing_strategy() {
+        Some(strategy) => fresh
+            .autodiff()
+            .with_gradient_checkpointing_strategy(strategy),
+        None => fresh,
+    };
+    if like.is_require_grad() {
+        fresh.require_grad()
+    } else {
+        fresh
+    }
+}
+
 impl GradSync {
     /// `optim` (a Burn optimizer, e.g. `AdamConfig::new().init()`) with its state sharded over
     /// the ranks (ZeRO stage 1, PyTorch's `ZeroRedundancyOptimizer`): each rank keeps the state
@@ -185,6 +274,7 @@ impl GradSync {
             shards: ZeroShards::new(&params, self.group().world_size().as_usize()),
             stage: 1,
             chunk: (self.config().bucket_cap_bytes / 4).max(1),
+            device: self.block_gather(),
         })
     }
 
@@ -262,6 +352,9 @@ impl ZeroOptimizer {
     /// All-gathers the stepped parameters, a run of about a bucket's size at a time
     /// ([`ZeroShards::gather_in_runs`]).
     fn gather_params<M: Module>(&self, module: M) -> Result<M> {
+        if let Some(device) = &self.device {
+            return self.gather_on_device(&**device, module);
+        }
         if self.pg.world_size().as_usize() == 1 {
             return Ok(module);
         }
@@ -283,6 +376,76 @@ impl ZeroOptimizer {
             })
         };
         shards.gather_in_runs(&self.pg, self.chunk, module, read, write)
+    }
+
+    /// [`gather_params`](Self::gather_params) on the device: per run, this rank's owned
+    /// parameters flattened into one block (padded), all-gathered by `link`, and every
+    /// parameter of the run put back as a view of the result; nothing goes through the host.
+    /// At world size 1 too (a copy), so that the one-GPU check runs the collective. A rank whose
+    /// owned parameters do not fill its block as the plan says (another model than the
+    /// planned one) sends zeros and fails after every run went, so no rank waits in a run
+    /// another left.
+    fn gather_on_device<M: Module>(&self, link: &dyn BlockGather, mut module: M) -> Result<M> {
+        let rank = self.rank();
+        let plan = self.shards.plan();
+        let mut failed = None;
+        for range in plan.chunks(self.chunk) {
+            let layout = plan.run_layout(range.clone());
+            if layout.block == 0 {
+                continue;
+            }
+            let owned = |id: ParamId| self.owns(id) && self.shards.within(id.val(), &range);
+            let within = |id: ParamId| self.shards.within(id.val(), &range);
+            let mut pack = Pack {
+                owned: &owned,
+                within: &within,
+                parts: Vec::new(),
+                device: None,
+            };
+            module.visit(&mut pack);
+            let what = format!("the stepped parameters {}..{}", range.start, range.end);
+            let Some(device) = pack.device else {
+                return Err(DdpError::model_access(
+                    rank,
+                    "all-gathering the stepped parameters",
+                    format!(
+                        "{what} are not in the model: step the model zero or zero2 was made for"
+                    ),
+                ));
+            };
+            let own: usize = pack.parts.iter().map(|t| t.shape().num_elements()).sum();
+            let mut parts = pack.parts;
+            if own != layout.owned(rank) {
+                failed.get_or_insert(DdpError::model_access(
+                    rank,
+                    "all-gathering the stepped parameters",
+                    format!(
+                        "this rank owns {own} elements of {what}, the plan {}: step the model \
+                         zero or zero2 was made for",
+                        layout.owned(rank)
+                    ),
+                ));
+                parts.clear();
+            }
+            let filled = if parts.is_empty() { 0 } else { own };
+            if filled < layout.block {
+                let pad = layout.block - filled;
+                parts.push(Tensor::<1>::zeros([pad], (&device, BurnDType::F32)));
+            }
+            let all = link.all_gather(&what, Tensor::cat(parts, 0), layout.block)?;
+            if failed.is_none() {
+                module = module.map(&mut Place {
+                    shards: &self.shards,
+                    range,
+                    layout: &layout,
+                    all: &all,
+                });
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
     }
 
     /// This rank's shard of the optimizer state (keyed by this process's `ParamId`s).
@@ -453,5 +616,111 @@ mod tests {
         assert_eq!(key_param("lr.step"), None);
         assert_eq!(rekey("1234.moment_1.x", 3), "3.moment_1.x");
         assert_eq!(rekey("77", 0), "0");
+    }
+
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+    use burn::tensor::TensorData;
+    use burn_ddp_comm::DdpConfig;
+    use burn_ddp_dev::device::on_thread_ranks;
+
+    /// The all-gather NCCL's link does, over the host: the block read, all-gathered by the
+    /// process group, uploaded where it was (without autodiff, as NCCL's output is).
+    struct HostGather(ProcessGroup);
+
+    impl BlockGather for HostGather {
+        fn all_gather(&self, _what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+            let device = send.device();
+            assert!(!device.is_autodiff(), "the block carries autodiff");
+            let mine = send
+                .into_data()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap();
+            assert_eq!(mine.len(), block, "a block of the wrong length");
+            let mut all = vec![0.0; block * self.0.world_size().as_usize()];
+            self.0.all_gather(&mine, &mut all)?;
+            let n = all.len();
+            Ok(Tensor::from_data(TensorData::new(all, [n]), &device))
+        }
+    }
+
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+        c: Linear,
+    }
+
+    /// Every parameter's values, in visit order, and whether it requires a gradient.
+    fn values(model: &Net) -> Vec<(Vec<f32>, bool)> {
+        struct All(Vec<(Vec<f32>, bool)>);
+        impl ModuleVisitor for All {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+                let v = p.val();
+                let grad = v.is_require_grad() && v.is_autodiff();
+                self.0
+                    .push((v.into_data().try_to_vec::<f32>().unwrap(), grad));
+            }
+        }
+        let mut all = All(Vec::new());
+        model.visit(&mut all);
+        all.0
+    }
+
+    /// Two thread ranks train the same model with two ZeRO optimizers in each stage: one
+    /// all-gathering through the host, one through the device path's all-gather (the stand-in
+    /// above): runs of one layer or less (small buckets), some where a rank owns nothing. Both
+    /// must end with the same parameters, bit for bit, still leaves that require a gradient.
+    #[test]
+    fn the_device_all_gather_puts_back_what_the_host_one_does() {
+        for stage in [1, 2] {
+            on_thread_ranks(2, |pg| {
+                let device = Device::flex().autodiff();
+                let layer = |i, o| LinearConfig::new(i, o).init(&device);
+                let config = DdpConfig {
+                    bucket_cap_bytes: 200,
+                    first_bucket_cap_bytes: 200,
+                    ..DdpConfig::default()
+                };
+                let mut sync = GradSync::new(pg.clone(), config).unwrap();
+                let model = Net {
+                    a: layer(4, 8),
+                    b: layer(8, 6),
+                    c: layer(6, 2),
+                };
+                let model = sync.prepare(model).unwrap();
+                let zero = |sync: &mut GradSync| match stage {
+                    1 => sync.zero(AdamConfig::new().init(), &model).unwrap(),
+                    _ => sync.zero2(AdamConfig::new().init(), &model).unwrap(),
+                };
+                let mut host = zero(&mut sync);
+                let mut on_device = zero(&mut sync);
+                assert!(
+                    host.device.is_none(),
+                    "a host-staged sync gathered on a device"
+                );
+                on_device.device = Some(Arc::new(HostGather(pg.clone())));
+                let (mut a, mut b) = (model.clone(), model);
+                let rank = pg.rank().index() as f32;
+                for step in 0..3 {
+                    let x = [[rank + step as f32, 1.0, -2.0, 0.5]];
+                    let x = Tensor::<2>::from_floats(x, &device);
+                    let loss = |m: &Net| m.c.forward(m.b.forward(m.a.forward(x.clone()))).sum();
+                    let g = GradientsParams::from_grads(loss(&a).backward(), &a);
+                    let g = sync.sync(&a, g).unwrap();
+                    a = host.step(0.01, a, g).unwrap();
+                    let g = GradientsParams::from_grads(loss(&b).backward(), &b);
+                    let g = sync.sync(&b, g).unwrap();
+                    b = on_device.step(0.01, b, g).unwrap();
+                }
+                let (a, b) = (values(&a), values(&b));
+                assert!(
+                    a.iter().all(|(_, grad)| *grad),
+                    "a parameter lost its autodiff"
+                );
+                assert_eq!(a, b, "stage {stage}, rank {rank}");
+            });
+        }
     }
 }

@@ -2,7 +2,8 @@
 //! `GradSync` takes the device path, f32 gradients come back bit for bit, compressed ones within
 //! the wire type's rounding, absent ones stay absent, and 20 steps through NCCL train like plain
 //! Burn; under ZeRO stage 2 the buckets are reduce-scattered (`ncclReduceScatter`, the whole
-//! bucket at world size 1) and 20 steps of Adam train like plain Burn's.
+//! bucket at world size 1), the stepped parameters all-gathered on the GPU (`ncclAllGather`, a
+//! copy at world size 1), and 20 steps of Adam train like plain Burn's.
 //!
 //! Needs an NVIDIA GPU, its driver and NCCL, and Burn's CUDA runtime, which links LLVM (its
 //! build script downloads the bundle unless `scripts/offline-llvm.sh` put it in place). Built

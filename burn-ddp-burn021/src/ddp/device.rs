@@ -50,7 +50,7 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
 }
 
 /// Burn's float type for a float `DType`.
-fn float_dtype(d: BurnDType) -> FloatDType {
+pub(crate) fn float_dtype(d: BurnDType) -> FloatDType {
     match d {
         BurnDType::F64 => FloatDType::F64,
         BurnDType::F16 => FloatDType::F16,

@@ -22,8 +22,9 @@ use std::any::Any;
 use std::sync::Arc;
 
 use burn::backend::Cuda;
+use burn_backend::ops::FloatTensorOps;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::Backend;
+use burn_backend::{Backend, DType, FloatDType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -32,15 +33,18 @@ use super::device::{BucketJob, DeviceLink, LinkCore};
 use crate::group::Rank;
 use crate::Result;
 use burn_ddp_comm::cuda::{
-    no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan,
-    NcclComm,
+    all_gather_blocks, check_bucket_tensor, no_device_resource, queued_work_failed, reduce_bucket,
+    BucketBuffer, BucketCall, DeviceSpan, NcclComm,
 };
 use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
 
 type Cube = CubeBackend<CudaRuntime, f32, i32, u8>;
 /// `Cuda` with its default element types (an alias in type position applies them).
-type Gpu = Cuda;
-type CudaFloat = FloatTensor<Cuda>;
+pub(crate) type Gpu = Cuda;
+/// A float tensor of [`Gpu`].
+pub(crate) type CudaFloat = FloatTensor<Cuda>;
+/// The device of [`Gpu`].
+pub(crate) type GpuDevice = CudaDevice;
 type Fused = burn_fusion::FusionTensor<burn_cubecl::fusion::FusionCubeRuntime<CudaRuntime>>;
 
 /// Whether `B` is Burn's CUDA backend with its default element types (`Cuda<f32, i32>`, with or
@@ -193,14 +197,7 @@ fn enqueue(
     let span = |cube: CubeTensor<CudaRuntime>, which: BucketBuffer| -> Result<DeviceSpan> {
         let found = (cube.meta.shape().num_elements(), cube.dtype);
         call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
-        let resource = cube.client.get_resource(cube.handle.clone());
-        let resource =
-            resource.map_err(|e| no_device_resource(rank, &call.what(which.name()), e))?;
-        let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
-        // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being
-        // freed or reused while held, with the tensor; both may be dropped from any thread
-        // (the release goes through cubecl's server).
-        Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
+        pin(rank, cube, &call.what(which.name()))
     };
     let send = span(input, BucketBuffer::Input)?;
     let recv = span(output, BucketBuffer::Output)?;
@@ -208,6 +205,55 @@ fn enqueue(
     // `sync` above completed. The issuer holds both spans until NCCL's stream is known done
     // with them: a successful wait, or a drained abort (`InFlight::finish`/`abandon`).
     unsafe { reduce_bucket(comm, call, [send, recv]) }
+}
+
+/// The allocation behind `cube` (checked by the caller: contiguous, on this GPU), kept alive
+/// and unreused with its tensor while the span lives; `what` names it in errors.
+fn pin(rank: Rank, cube: CubeTensor<CudaRuntime>, what: &str) -> Result<DeviceSpan> {
+    let resource = cube.client.get_resource(cube.handle.clone());
+    let resource = resource.map_err(|e| no_device_resource(rank, what, e))?;
+    let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
+    // SAFETY: cubecl's resource guard keeps the allocation (`bytes` at `ptr`) from being freed
+    // or reused while held, with the tensor; both may be dropped from any thread (the release
+    // goes through cubecl's server).
+    Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
+}
+
+/// A ZeRO run's all-gather on the GPU (`ZeroOptimizer`'s, `zero.rs`): every rank's `send`
+/// (`block` f32 elements), concatenated in rank order into a fresh tensor. On the step's thread
+/// after its optimizer step (no bucket is in flight then, so the communicator's calls keep one
+/// order on every rank): cubecl's stream is synchronised first (the block must exist before
+/// NCCL reads it), and NCCL's is waited for before the result is handed back.
+///
+/// # Errors
+/// The block is not `block` f32 elements; the collective's failures.
+pub(crate) fn all_gather_run(
+    comm: &NcclComm,
+    what: &str,
+    send: CudaFloat,
+    block: usize,
+) -> Result<CudaFloat> {
+    let rank = comm.rank();
+    let all = block * comm.world_size().as_usize();
+    let device = <Gpu as FloatTensorOps<Gpu>>::float_device(&send);
+    let output =
+        <Gpu as FloatTensorOps<Gpu>>::float_empty(Shape::new([all]), &device, FloatDType::F32);
+    let gathered = output.clone();
+    let recv = output.resolve();
+    let send = burn_cubecl::kernel::into_contiguous(send.resolve());
+    <Cube as Backend>::sync(&device).map_err(|e| queued_work_failed(rank, e))?;
+    let (send_what, recv_what) = (format!("block of {what}"), format!("gathered {what}"));
+    let span = |cube: CubeTensor<CudaRuntime>, what: &str, len: usize| -> Result<DeviceSpan> {
+        let found = (cube.meta.shape().num_elements(), cube.dtype);
+        let contiguous = cube.is_contiguous();
+        check_bucket_tensor(rank, what, contiguous, found, (len, DType::F32))?;
+        pin(rank, cube, what)
+    };
+    let spans = [span(send, &send_what, block)?, span(recv, &recv_what, all)?];
+    // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
+    // above completed; the call holds both until NCCL's stream is done with them.
+    unsafe { all_gather_blocks(comm, what, (block, burn_ddp_comm::DType::F32), spans) }?;
+    Ok(gathered)
 }
 
 #[cfg(test)]

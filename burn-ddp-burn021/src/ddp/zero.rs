@@ -22,11 +22,17 @@ use burn::tensor::Tensor;
 use burn_backend::distributed::DistributedParamId;
 use burn_ddp_comm::grad::{ReadValues, ZeroShards};
 
+#[cfg(feature = "cuda")]
+use super::gpu;
 use super::model::Path;
 use super::values::filled_like;
 use super::DdpSession;
 use crate::group::Rank;
 use crate::{DdpError, Result};
+#[cfg(feature = "cuda")]
+use burn::tensor::TensorPrimitive;
+#[cfg(feature = "cuda")]
+use burn_backend::ops::FloatTensorOps;
 
 /// An optimizer whose state is sharded over the ranks (ZeRO stage 1, PyTorch's
 /// `ZeroRedundancyOptimizer`); made by [`DdpSession::zero`].
@@ -134,6 +140,95 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Scatter<'_> {
         };
         let (id, tensor, mapper) = param.consume();
         let mut fresh = filled_like(&tensor, values);
+        if tensor.is_distributed() {
+            fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
+        }
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// This rank's owned parameters of one run as flattened f32 CUDA tensors (the ZeRO all-gather
+/// on the GPU), the GPU of the run's parameters, and a parameter that is not a CUDA tensor.
+#[cfg(feature = "cuda")]
+struct PackGpu<'a> {
+    owned: &'a dyn Fn(ParamId) -> bool,
+    within: &'a dyn Fn(ParamId) -> bool,
+    parts: Vec<gpu::CudaFloat>,
+    device: Option<gpu::GpuDevice>,
+    foreign: Option<String>,
+}
+
+#[cfg(feature = "cuda")]
+impl<B: AutodiffBackend> ModuleVisitor<B> for PackGpu<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        use burn_backend::TensorMetadata;
+        if !(self.within)(param.id) {
+            return;
+        }
+        let inner = param.val().inner().into_primitive().tensor();
+        let t = match super::gpu::to_cuda::<B::InnerBackend>(inner) {
+            Ok(t) => t,
+            Err(_) => {
+                self.foreign
+                    .get_or_insert_with(|| format!("parameter {}", param.id));
+                return;
+            }
+        };
+        self.device
+            .get_or_insert_with(|| gpu::Gpu::float_device(&t));
+        if !(self.owned)(param.id) {
+            return;
+        }
+        let n = t.shape().num_elements();
+        let flat = gpu::Gpu::float_reshape(t, burn_backend::Shape::new([n]));
+        self.parts
+            .push(if flat.dtype() == burn_backend::DType::F32 {
+                flat
+            } else {
+                gpu::Gpu::float_cast(flat, burn_backend::FloatDType::F32)
+            });
+    }
+}
+
+/// Puts the parameters of one run back from their all-gather on the GPU (`all`, laid out as
+/// `layout`): each a view of it, shaped and typed as the parameter was, a fresh leaf with its
+/// gradient requirement and its mark for synchronisation (as [`Scatter`]).
+#[cfg(feature = "cuda")]
+struct PlaceGpu<'a> {
+    shards: &'a ZeroShards,
+    range: std::ops::Range<usize>,
+    layout: &'a burn_ddp_comm::grad::RunLayout,
+    all: &'a gpu::CudaFloat,
+}
+
+#[cfg(feature = "cuda")]
+impl<B: AutodiffBackend> ModuleMapper<B> for PlaceGpu<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let id = param.id.val();
+        let Some(at) = self.shards.gathered_at(id, &self.range, self.layout) else {
+            return param;
+        };
+        let n = param.shape().num_elements();
+        let (id, tensor, mapper) = param.consume();
+        let slice = [burn_backend::Slice::from(at..at + n)];
+        let part = gpu::Gpu::float_slice(self.all.clone(), &slice);
+        let part = gpu::Gpu::float_reshape(part, tensor.shape());
+        let dtype = tensor.dtype();
+        let part = if dtype == burn_backend::DType::F32 {
+            part
+        } else {
+            gpu::Gpu::float_cast(part, super::device::float_dtype(dtype))
+        };
+        // `B::InnerBackend` is `Ddp<Cuda>` (checked before the gather), whose tensors are
+        // `Cuda`'s.
+        let Some(inner) = super::gpu::from_cuda::<B::InnerBackend>(part) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let inner = Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(inner));
+        let mut fresh = Tensor::<B, D>::from_inner(inner);
+        if tensor.is_require_grad() {
+            fresh = fresh.require_grad();
+        }
         if tensor.is_distributed() {
             fresh = fresh.set_distributed(DistributedParamId::from(id.val()));
         }
@@ -270,6 +365,13 @@ where
     /// All-gathers the stepped parameters, a run of about a bucket's size at a time
     /// ([`ZeroShards::gather_in_runs`]).
     fn gather_params(&self, module: M) -> Result<M> {
+        #[cfg(feature = "cuda")]
+        if super::gpu::is_ddp_cuda::<B::InnerBackend>() {
+            let comm = self.session.shared.reducer().nccl_comm();
+            if let Some(comm) = comm {
+                return self.gather_on_gpu(&comm, module);
+            }
+        }
         let pg = self.session.group();
         if pg.world_size().as_usize() == 1 {
             return Ok(module);
@@ -293,6 +395,84 @@ where
             })
         };
         shards.gather_in_runs(pg, chunk, module, read, write)
+    }
+
+    /// [`gather_params`](Self::gather_params) on the GPU, when the gradients travel through
+    /// NCCL (`Autodiff<Ddp<Cuda>>`): per run, this rank's owned parameters flattened into one
+    /// block (padded), all-gathered by NCCL (`gpu::all_gather_run`), and every parameter of the
+    /// run put back as a view of the result; nothing goes through the host. At world size 1
+    /// too (a copy), so that the one-GPU check runs the collective. A rank whose owned
+    /// parameters do not fill its block as the plan says sends zeros and fails after every run
+    /// went, so no rank waits in a run another left.
+    #[cfg(feature = "cuda")]
+    fn gather_on_gpu(&self, comm: &burn_ddp_comm::cuda::NcclComm, mut module: M) -> Result<M> {
+        use burn_backend::TensorMetadata;
+        let (rank, shards) = (self.rank(), &self.shards);
+        let plan = shards.plan();
+        let chunk = (self.session.config().bucket_cap_bytes / 4).max(1);
+        let mut failed = None;
+        for range in plan.chunks(chunk) {
+            let layout = plan.run_layout(range.clone());
+            if layout.block == 0 {
+                continue;
+            }
+            let owned =
+                |id: ParamId| shards.owns(id.val(), rank) && shards.within(id.val(), &range);
+            let within = |id: ParamId| shards.within(id.val(), &range);
+            let mut pack = PackGpu {
+                owned: &owned,
+                within: &within,
+                parts: Vec::new(),
+                device: None,
+                foreign: None,
+            };
+            module.visit(&mut pack);
+            let what = format!("the stepped parameters {}..{}", range.start, range.end);
+            let Some(device) = pack.device.take() else {
+                return Err(DdpError::model_access(
+                    rank,
+                    "all-gathering the stepped parameters",
+                    format!("{what} are not CUDA tensors of the model zero or zero2 was made for"),
+                ));
+            };
+            let own: usize = pack.parts.iter().map(|t| t.shape().num_elements()).sum();
+            let mut parts = std::mem::take(&mut pack.parts);
+            let wrong = match pack.foreign {
+                Some(p) => Some(format!("{p} of {what} is not a CUDA tensor")),
+                None => (own != layout.owned(rank)).then(|| {
+                    format!(
+                        "this rank owns {own} elements of {what}, the plan {}: step the model \
+                         zero or zero2 was made for",
+                        layout.owned(rank)
+                    )
+                }),
+            };
+            if let Some(reason) = wrong {
+                let what = "all-gathering the stepped parameters";
+                failed.get_or_insert(DdpError::model_access(rank, what, reason));
+                parts.clear();
+            }
+            let filled = if parts.is_empty() { 0 } else { own };
+            if filled < layout.block {
+                let pad = burn_backend::Shape::new([layout.block - filled]);
+                let f32 = burn_backend::FloatDType::F32;
+                parts.push(gpu::Gpu::float_zeros(pad, &device, f32));
+            }
+            let send = gpu::Gpu::float_cat(parts, 0);
+            let all = gpu::all_gather_run(comm, &what, send, layout.block)?;
+            if failed.is_none() {
+                module = module.map(&mut PlaceGpu {
+                    shards,
+                    range,
+                    layout: &layout,
+                    all: &all,
+                });
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::any::Any;
 use std::fmt;
 
 use super::nccl::{check_bucket_span, check_bucket_tensor, NcclComm};
+use crate::comm::DRAIN_LIMIT;
 use crate::comm::{DType, ReduceOp};
 use crate::error::{DdpError, Result};
 use crate::types::Rank;
@@ -172,6 +173,47 @@ pub unsafe fn reduce_bucket(
     // SAFETY: as above, `send` holding `world` blocks of `block` elements (checked).
     unsafe { comm.reduce_scatter_raw(send.ptr, recv.ptr, block, dtype, op) }?;
     Ok([send, recv])
+}
+
+/// Checks that `send` holds `block` elements of `dtype` and `recv` `world` times as many,
+/// all-gathers them on `comm`'s stream (every rank's block, in rank order) and waits for it,
+/// with the collective deadline: the stepped parameters of one ZeRO run
+/// ([`RunLayout`](crate::grad::RunLayout)) on a device path. `what` names the run in errors.
+/// The spans go once NCCL's stream is done with them; after a failure, if it never goes idle,
+/// they are leaked rather than handed back to the pool under a transfer.
+///
+/// # Safety
+/// `send` and `recv` must be on `comm`'s GPU and distinct allocations; the work that wrote
+/// `send` must be complete (or ordered before `comm`'s stream).
+///
+/// # Errors
+/// A span too small ([`DdpError::bucket_layout`]); NCCL refuses the call; the wait's failures
+/// (the deadline, a failure another rank published): the communicator is then aborted.
+pub unsafe fn all_gather_blocks(
+    comm: &NcclComm,
+    what: &str,
+    (block, dtype): (usize, DType),
+    [send, recv]: [DeviceSpan; 2],
+) -> Result<()> {
+    let rank = comm.rank();
+    let world = comm.world_size().as_usize();
+    check_bucket_span(rank, &format!("block of {what}"), send.bytes, block, dtype)?;
+    let all = block * world;
+    check_bucket_span(rank, &format!("gathered {what}"), recv.bytes, all, dtype)?;
+    // SAFETY: `send` addresses `block` and `recv` `world * block` elements of `dtype` (checked
+    // above) on this GPU, distinct, `send` written (the caller's contract); both stay allocated
+    // until NCCL's stream is known done with them (below).
+    unsafe { comm.all_gather_raw(send.ptr, recv.ptr, block, dtype) }?;
+    let waited = comm.wait();
+    if waited.is_err() && !comm.drain(DRAIN_LIMIT) {
+        tracing::error!(
+            "[rank {rank}] NCCL's stream did not go idle within {DRAIN_LIMIT:?} of its abort: \
+             leaking the buffers of {what} rather than handing memory a transfer may still use \
+             to other tensors"
+        );
+        std::mem::forget([send, recv]);
+    }
+    waited
 }
 
 /// Checks that a reduce-scattered bucket is `world` blocks of `block` elements.

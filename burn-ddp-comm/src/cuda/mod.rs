@@ -9,7 +9,7 @@
 //!   collectives and point-to-point calls on device memory in `ops.rs`
 //! - `bucket.rs`: a gradient bucket's buffers as [`DeviceSpan`]s, checked and reduced by
 //!   [`reduce_bucket`] (both Burn lines' device paths; all-reduced, or reduce-scattered under
-//!   ZeRO stage 2)
+//!   ZeRO stage 2); the stepped parameters of a ZeRO run all-gathered by [`all_gather_blocks`]
 //! - `connect.rs`: [`connect_for_grads`], the collective choice of NCCL for a model's gradients
 //!
 //! cudarc loads `libcuda` and `libnccl` when first used, so this crate builds on machines without
@@ -25,14 +25,15 @@ mod status;
 mod wait;
 
 pub use bucket::{
-    no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer, BucketCall, DeviceSpan,
+    all_gather_blocks, no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer,
+    BucketCall, DeviceSpan,
 };
 pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{
     context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,
 };
 pub use library::{nccl_present, nccl_version, usable_nccl, NcclVersion};
-pub use nccl::{NcclComm, NcclP2p};
+pub use nccl::{check_bucket_tensor, NcclComm, NcclP2p};
 
 /// The cudarc version this crate uses (for [`NcclComm`]'s `CudaSlice` buffers).
 pub use cudarc;

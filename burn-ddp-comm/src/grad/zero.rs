@@ -172,16 +172,8 @@ impl ZeroPlan {
                 what: "a ZeRO shard plan made for another world size",
             });
         }
-        let range = range.start.min(self.len())..range.end.min(self.len());
-        let owners = &self.owners[range.clone()];
-        let sizes = &self.sizes[range];
-        let owned_by = |r: Rank| -> usize {
-            (owners.iter().zip(sizes))
-                .filter(|(o, _)| **o == r)
-                .map(|(_, s)| s)
-                .sum()
-        };
-        let own = owned_by(rank);
+        let layout = self.run_layout(range.clone());
+        let own = layout.owned(rank);
         if mine.len() != own {
             return Err(DdpError::Collective(CollectiveError::BufferSize {
                 rank,
@@ -191,26 +183,66 @@ impl ZeroPlan {
                 got: mine.len(),
             }));
         }
-        let block = (0..self.world)
-            .map(|r| owned_by(Rank(r as u32)))
-            .max()
-            .unwrap_or(0);
         let mut send = mine.to_vec();
-        send.resize(block, 0.0);
-        let mut all = vec![0.0f32; block * self.world];
+        send.resize(layout.block, 0.0);
+        let mut all = vec![0.0f32; layout.block * self.world];
         pg.all_gather(&send, &mut all)?;
         drop(send);
-        // Each rank's block holds its parameters in list order: walk the range once, taking
-        // every parameter from its owner's block.
-        let mut next = vec![0usize; self.world];
-        let mut out = Vec::with_capacity(sizes.iter().sum());
-        for (owner, &size) in owners.iter().zip(sizes) {
-            let r = owner.index();
-            let start = r * block + next[r];
-            out.extend_from_slice(&all[start..start + size]);
-            next[r] += size;
+        let mut out = Vec::with_capacity(layout.sizes.iter().sum());
+        for (&at, &size) in layout.at.iter().zip(&layout.sizes) {
+            out.extend_from_slice(&all[at..at + size]);
         }
         Ok(out)
+    }
+
+    /// Where the parameters of `range` (positions) lie in the all-gather of one run: every
+    /// rank sends a block of its owned ones (list order), padded to the largest rank's.
+    pub fn run_layout(&self, range: Range<usize>) -> RunLayout {
+        let range = range.start.min(self.len())..range.end.min(self.len());
+        let owners = self.owners[range.clone()].to_vec();
+        let sizes = self.sizes[range].to_vec();
+        let mut owned = vec![0usize; self.world];
+        for (o, s) in owners.iter().zip(&sizes) {
+            owned[o.index()] += s;
+        }
+        let block = owned.iter().copied().max().unwrap_or(0);
+        let mut next = vec![0usize; self.world];
+        let at = (owners.iter().zip(&sizes))
+            .map(|(o, s)| {
+                let r = o.index();
+                let at = r * block + next[r];
+                next[r] += s;
+                at
+            })
+            .collect();
+        RunLayout {
+            block,
+            at,
+            sizes,
+            owned,
+        }
+    }
+}
+
+/// The all-gather of one run of parameters ([`ZeroPlan::run_layout`]): each rank's block, and
+/// where each parameter of the run lies in the gathered values (`world` blocks, rank order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunLayout {
+    /// The elements each rank sends: the largest rank's owned elements of the run.
+    pub block: usize,
+    /// Each parameter's offset in the gathered values (its owner's block, then the owner's
+    /// earlier parameters of the run).
+    pub at: Vec<usize>,
+    /// Each parameter's elements.
+    pub sizes: Vec<usize>,
+    /// Each rank's owned elements of the run (the rest of its block is padding).
+    owned: Vec<usize>,
+}
+
+impl RunLayout {
+    /// The elements `rank` owns in the run: what it sends before its padding.
+    pub fn owned(&self, rank: Rank) -> usize {
+        self.owned.get(rank.index()).copied().unwrap_or(0)
     }
 }
 
@@ -305,6 +337,14 @@ impl ZeroShards {
         let i = self.position(id).filter(|i| range.contains(i))?;
         let at = self.offsets[i] - self.offsets.get(range.start).copied().unwrap_or(0);
         values.get(at..at + n)
+    }
+
+    /// Where parameter `id` lies in the gathered values of the run `range`, laid out as
+    /// `layout` ([`ZeroPlan::run_layout`] of the same range): the offset of its values in the
+    /// `world` blocks; None for a parameter outside the run or not sharded.
+    pub fn gathered_at(&self, id: u64, range: &Range<usize>, layout: &RunLayout) -> Option<usize> {
+        let i = self.position(id).filter(|i| range.contains(i))?;
+        layout.at.get(i - range.start).copied()
     }
 
     /// Whether parameter `id` is at a position of `range`.
@@ -586,6 +626,25 @@ mod tests {
             let e = check_stage2(&config).unwrap_err().to_string();
             assert!(e.contains(fix), "{e}");
         }
+    }
+
+    #[test]
+    fn a_runs_layout_puts_each_parameter_in_its_owners_padded_block() {
+        // Largest first onto the least loaded: 4 to rank 0, 3 then 2 to rank 1.
+        let plan = ZeroPlan::balance(&[4, 2, 3], 2);
+        let layout = plan.run_layout(0..3);
+        assert_eq!(
+            (layout.block, layout.owned(Rank(0)), layout.owned(Rank(1))),
+            (5, 4, 5)
+        );
+        assert_eq!(layout.at, [0, 5, 7]);
+        // A run of the last two: rank 0 owns nothing of it and sends a block of padding.
+        let layout = plan.run_layout(1..3);
+        assert_eq!((layout.block, layout.owned(Rank(0))), (5, 0));
+        assert_eq!(layout.at, [5, 7]);
+        let shards = ZeroShards::new(&[(10, 4), (11, 2), (12, 3)], 2);
+        assert_eq!(shards.gathered_at(12, &(1..3), &layout), Some(7));
+        assert_eq!(shards.gathered_at(10, &(1..3), &layout), None);
     }
 
     #[test]

@@ -536,6 +536,13 @@ impl Reducer {
         }
     }
 
+    /// The NCCL communicator, once `prepare` (or a backward) set it up: where a ZeRO
+    /// optimizer all-gathers its stepped parameters on the GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn nccl_comm(&self) -> Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>> {
+        self.nccl.comm()
+    }
+
     /// What the device transport's passes cost so far; `None` without NCCL.
     pub(crate) fn device_counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
         self.nccl.counts()

@@ -152,6 +152,12 @@ impl Nccl {
         }
     }
 
+    /// The communicator, once set up.
+    #[cfg(feature = "cuda")]
+    pub(super) fn comm(&self) -> Option<std::sync::Arc<burn_ddp_comm::cuda::NcclComm>> {
+        self.comm.clone()
+    }
+
     /// What the device transport's passes cost so far; `None` without NCCL.
     pub(super) fn counts(&self) -> Option<burn_ddp_comm::grad::DeviceCounts> {
         #[cfg(feature = "cuda")]

@@ -30,8 +30,9 @@ use cudarc::nccl::sys::{self, ncclResult_t};
 use super::library::{usable_nccl, NcclVersion};
 use super::status::{driver_error, nccl_error};
 use super::wait::{wait_for, Poll, Stop};
+pub(crate) use ops::check_bucket_span;
+pub use ops::check_bucket_tensor;
 pub use ops::NcclP2p;
-pub(crate) use ops::{check_bucket_span, check_bucket_tensor};
 
 mod ops;
 use crate::comm::{CollectiveOp, Queue, ReduceOp, DRAIN_LIMIT};

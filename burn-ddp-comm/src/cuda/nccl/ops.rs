@@ -125,7 +125,7 @@ pub(crate) fn check_span(
 ///
 /// # Errors
 /// [`ModelError::Access`](crate::ModelError::Access) ([`DdpError::bucket_layout`]) for this `rank`.
-pub(crate) fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
+pub fn check_bucket_tensor<T: PartialEq + fmt::Debug>(
     rank: Rank,
     what: &str,
     contiguous: bool,
