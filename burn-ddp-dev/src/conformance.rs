@@ -96,6 +96,89 @@ pub enum Mode {
     /// the longest rank, and every rank ends with its model. The negative control trains on
     /// this rank's batches alone.
     Join,
+    /// ZeRO only (stage 1 or 2, as the optimizer says), one batch per step: the first half of
+    /// the steps at each world size of the scenario's, then a checkpoint (the model's record,
+    /// and the optimizer's whole state gathered on rank 0: the line's `gather_record`), and the
+    /// rest at this many ranks, resumed from it (`load_full_record`). Each half is a job of its
+    /// own ([`Half`]), checked as any scenario: the reference is one process from the first
+    /// half's start through every step so far (each step's whole batch: the first half's world
+    /// size, then the second's), the negative control this rank's rows alone from the half's
+    /// start with a fresh optimizer.
+    Resume(u32),
+}
+
+/// Which half of a [`Mode::Resume`] scenario this process's job runs, and where the checkpoint
+/// between them is: what the suite's runner tells the line's ranks (in their environment).
+#[derive(Clone, Debug)]
+pub struct Half {
+    /// The first half (from the start, writing the checkpoint); else the second (from it).
+    pub first: bool,
+    /// The first half's world size.
+    pub from_world: usize,
+    /// The folder the halves share.
+    pub dir: std::path::PathBuf,
+}
+
+/// The environment variable holding a [`Half`] (`first:W` or `second:W`, `W` the first half's
+/// world size), and the one holding its folder.
+const HALF_VAR: &str = "BURN_DDP_CONFORMANCE_HALF";
+const DIR_VAR: &str = "BURN_DDP_CONFORMANCE_DIR";
+
+impl Half {
+    /// The half the runner gave this rank.
+    ///
+    /// # Panics
+    /// Outside a [`Mode::Resume`] scenario's job.
+    pub fn from_env() -> Self {
+        let half = std::env::var(HALF_VAR).expect("a Resume scenario's job names its half");
+        let (which, world) = half.split_once(':').expect("first:W or second:W");
+        Self {
+            first: which == "first",
+            from_world: world.parse().expect("the first half's world size"),
+            dir: std::env::var(DIR_VAR)
+                .expect("a Resume scenario's job names its folder")
+                .into(),
+        }
+    }
+
+    /// The steps this half trains.
+    pub fn steps(&self) -> std::ops::Range<usize> {
+        if self.first {
+            0..STEPS / 2
+        } else {
+            STEPS / 2..STEPS
+        }
+    }
+
+    /// The world size whose whole batch step `step` trains on (`now`: this job's).
+    pub fn world_of(&self, step: usize, now: usize) -> usize {
+        if step < STEPS / 2 {
+            self.from_world
+        } else {
+            now
+        }
+    }
+
+    /// The file `name` in the shared folder.
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Writes `bytes` as `name` (rank 0 does).
+    ///
+    /// # Panics
+    /// The folder cannot be written.
+    pub fn write(&self, name: &str, bytes: &[u8]) {
+        std::fs::write(self.path(name), bytes).expect("writing the checkpoint");
+    }
+
+    /// Reads `name`.
+    ///
+    /// # Panics
+    /// The file is not there.
+    pub fn read(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.path(name)).expect("reading the checkpoint")
+    }
 }
 
 /// How many batches rank `rank` of `world` has in a [`Mode::Join`] scenario: [`STEPS`] for the
@@ -156,7 +239,7 @@ fn weight_alone() -> DdpConfig {
 
 /// The scenarios, in the order of their tests.
 pub fn scenarios() -> Vec<Scenario> {
-    use Mode::{Accumulate, Join, Plain};
+    use Mode::{Accumulate, Join, Plain, Resume};
     use Net::{Conv, Mlp, SharedGrad, Strided, Tied};
     use Opt::{Adam, AdamZero, AdamZero2, Sgd};
     let s = |name, net, opt, mode, config: fn() -> DdpConfig, worlds| Scenario {
@@ -370,6 +453,26 @@ pub fn scenarios() -> Vec<Scenario> {
             small_buckets,
             &[2, 3],
         ),
+        // ZeRO resumed at another world size from a checkpoint (the optimizer's whole state,
+        // keyed so that any world size loads it): stage 2 grown from 2 ranks to 3, and a
+        // stage-1 run in small buckets shrunk from 3 ranks to 2 (the owners, the shards and
+        // the buckets' blocks all change between the halves).
+        s(
+            "mlp_adam_zero2_resume_3",
+            Mlp,
+            AdamZero2,
+            Resume(3),
+            default,
+            &[2],
+        ),
+        s(
+            "tied_adam_zero_resume_2_small_buckets",
+            Tied,
+            AdamZero,
+            Resume(2),
+            small_buckets,
+            &[3],
+        ),
     ]
 }
 
@@ -408,11 +511,20 @@ pub fn run<L: Line>(name: &str) {
         .unwrap_or_else(|| panic!("no conformance scenario is called {name}"));
     for &world in scenario.worlds {
         let job = format!("{name}_w{world}");
-        if let Some(pg) = procs::child_group(&job) {
+        // A Resume scenario's second half: a job of its own, at another world size.
+        let second = match scenario.mode {
+            Mode::Resume(to) => Some((format!("{job}_to{to}"), to)),
+            _ => None,
+        };
+        let child = procs::child_group(&job).or_else(|| {
+            let (job, _) = second.as_ref()?;
+            procs::child_group(job)
+        });
+        if let Some(pg) = child {
             // CI runs the suite once more with TCP forced (the default on one host is shared
             // memory): the job must use what was asked for.
             if let Ok(asked) = std::env::var("BURN_DDP_TRANSPORT") {
-                if world > 1 && asked != "auto" {
+                if pg.world_size().as_usize() > 1 && asked != "auto" {
                     assert_eq!(pg.transport(), asked, "the job ignored BURN_DDP_TRANSPORT");
                 }
             }
@@ -424,12 +536,31 @@ pub fn run<L: Line>(name: &str) {
             check(&pg, &trained, tolerance);
             return;
         }
-        if !procs::is_any_child() && procs::world_selected(world as usize) {
+        let selected = |w: u32| procs::world_selected(w as usize);
+        if procs::is_any_child() || !selected(world) {
+            continue;
+        }
+        let Some((resumed, to)) = second else {
             procs::TestJob::new(world, &job)
                 .function(name)
                 .run()
                 .assert_all_ok();
+            continue;
+        };
+        if !selected(to) {
+            continue;
         }
+        let dir = std::env::temp_dir().join(format!("{job}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("a folder for the checkpoint");
+        for (job, ranks, half) in [(&job, world, "first"), (&resumed, to, "second")] {
+            procs::TestJob::new(ranks, job)
+                .function(name)
+                .env(HALF_VAR, format!("{half}:{world}"))
+                .env(DIR_VAR, dir.display())
+                .run()
+                .assert_all_ok();
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -461,7 +592,8 @@ macro_rules! conformance_suite {
             conv_sgd_join_shared_small_buckets, mlp_small_shared_buckets_bucket_view,
             conv_adam_zero_accumulate_2, tied_adam_small_buckets, tied_sgd_accumulate_2,
             mlp_adam_zero2, mlp_adam_zero2_after_backward, conv_adam_zero2_accumulate_2,
-            tied_adam_zero2_small_buckets);
+            tied_adam_zero2_small_buckets, mlp_adam_zero2_resume_3,
+            tied_adam_zero_resume_2_small_buckets);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

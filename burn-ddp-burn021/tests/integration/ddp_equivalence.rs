@@ -226,6 +226,9 @@ impl Line for Line021 {
     fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
         use conformance::Opt;
         fn with<M: Net<B> + AutodiffModule<B>>(pg: ProcessGroup, s: &Scenario) -> Trained {
+            if let conformance::Mode::Resume(_) = s.mode {
+                return run_resume::<M>(pg, s);
+            }
             match s.opt {
                 Opt::Sgd => run::<M, _>(pg, s, || SgdConfig::new().init()),
                 Opt::Adam | Opt::AdamZero | Opt::AdamZero2 => {
@@ -335,7 +338,65 @@ fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }
             conformance::Mode::Join => unreachable!("run_join trains it"),
+            conformance::Mode::Resume(_) => unreachable!("run_resume trains it"),
         }
+    }
+    Trained {
+        ddp: common::params(&model),
+        reference: common::params(&reference),
+        alone: common::params(&alone),
+    }
+}
+
+/// One half of a [`conformance::Mode::Resume`] scenario on this rank (`conformance::Half`):
+/// the first from the prepared model, writing the checkpoint (rank 0: the start, the model and
+/// the optimizer's whole state); the second from it, at another world size.
+fn run_resume<M: Net<B> + AutodiffModule<B>>(pg: ProcessGroup, s: &Scenario) -> Trained {
+    let half = conformance::Half::from_env();
+    let (world, rank) = (pg.world_size().as_usize(), pg.rank().index());
+    let device = Default::default();
+    <B as Backend>::seed(&device, conformance::init_seed(rank));
+    let session = new_session(pg, (s.config)()).unwrap();
+    let built = match half.first {
+        true => M::build(&device),
+        false => M::build(&device).load_record(load_bytes(half.read("model.bin"))),
+    };
+    let mut model = session.prepare(built).unwrap();
+    let mut zero = match s.opt {
+        conformance::Opt::AdamZero => session.zero(AdamConfig::new().init(), &model).unwrap(),
+        _ => session.zero2(AdamConfig::new().init(), &model).unwrap(),
+    };
+    if !half.first {
+        zero = zero.load_full_record(load_bytes(half.read("optim.bin")));
+    } else if rank == 0 {
+        half.write("start.bin", &record_bytes(model.clone().into_record()));
+    }
+    let mut alone = independent(M::build(&device), &model);
+    let mut opt_alone = AdamConfig::new().init();
+    let lr = conformance::LR;
+    for step in half.steps() {
+        let (x, y) = batch(step, world);
+        let loss = model.loss(shard(x.clone(), rank), shard(y.clone(), rank));
+        let grads = GradientsParams::from_grads(session.backward(loss).unwrap(), &model);
+        model = zero.try_step(lr, model, grads).unwrap();
+        let loss = alone.loss(shard(x, rank), shard(y, rank));
+        let grads = GradientsParams::from_grads(loss.backward(), &alone);
+        alone = opt_alone.step(lr, alone, grads);
+    }
+    let whole = zero.gather_record().unwrap();
+    if let (true, Some(whole)) = (half.first, whole) {
+        half.write("optim.bin", &record_bytes(whole));
+        half.write("model.bin", &record_bytes(model.clone().into_record()));
+    }
+    // One process from the start (rank 0 wrote it before the first step's collective) through
+    // every step so far, each on its step's whole batch.
+    let start = load_bytes(half.read("start.bin"));
+    let mut reference = independent(M::build(&device), &M::build(&device).load_record(start));
+    let mut opt_ref = AdamConfig::new().init();
+    for step in 0..half.steps().end {
+        let (x, y) = batch(step, half.world_of(step, world));
+        let grads = GradientsParams::from_grads(reference.loss(x, y).backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
     }
     Trained {
         ddp: common::params(&model),

@@ -200,12 +200,18 @@ struct ThisLine;
 
 impl Line for ThisLine {
     fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
+        fn with<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
+            match s.mode {
+                conformance::Mode::Resume(_) => run_resume::<M>(pg, s),
+                _ => run::<M>(pg, s),
+            }
+        }
         match s.net {
-            conformance::Net::Mlp => run::<Mlp>(pg, s),
-            conformance::Net::Conv => run::<ConvNet>(pg, s),
-            conformance::Net::SharedGrad => run::<SharedGrad>(pg, s),
-            conformance::Net::Strided => run::<Strided>(pg, s),
-            conformance::Net::Tied => run::<Tied>(pg, s),
+            conformance::Net::Mlp => with::<Mlp>(pg, s),
+            conformance::Net::Conv => with::<ConvNet>(pg, s),
+            conformance::Net::SharedGrad => with::<SharedGrad>(pg, s),
+            conformance::Net::Strided => with::<Strided>(pg, s),
+            conformance::Net::Tied => with::<Tied>(pg, s),
         }
     }
 }
@@ -218,6 +224,75 @@ fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
         conformance::Opt::Adam | conformance::Opt::AdamZero | conformance::Opt::AdamZero2 => {
             AdamConfig::new().init()
         }
+    }
+}
+
+/// One half of a [`conformance::Mode::Resume`] scenario on this rank (`conformance::Half`):
+/// the first from the prepared model, writing the checkpoint (rank 0: the start, the model and
+/// the optimizer's whole state, keyed by parameter position); the second from it, at another
+/// world size.
+fn run_resume<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
+    let half = conformance::Half::from_env();
+    let (world, rank) = (pg.world_size().as_usize(), pg.rank().index());
+    let device = device();
+    device.seed(conformance::init_seed(rank));
+    let mut sync = GradSync::new(pg, (s.config)()).unwrap();
+    let record = |name: &str| {
+        let bytes = burn::tensor::Bytes::from_bytes_vec(half.read(name));
+        burn::store::ModuleRecord::from_bytes(bytes).unwrap()
+    };
+    let built = match half.first {
+        true => M::build(&device),
+        false => M::build(&device).load_record(record("model.bpk")),
+    };
+    let mut model = sync.prepare(built).unwrap();
+    let mut zero = match s.opt {
+        conformance::Opt::AdamZero => sync.zero(AdamConfig::new().init(), &model).unwrap(),
+        _ => sync.zero2(AdamConfig::new().init(), &model).unwrap(),
+    };
+    if !half.first {
+        let whole = burn::optim::OptimizerRecord::load(half.path("optim.bpk")).unwrap();
+        zero = zero.load_full_record(whole).unwrap();
+    } else if rank == 0 {
+        half.write(
+            "start.bpk",
+            &model.clone().into_record().into_bytes().unwrap(),
+        );
+    }
+    let mut alone = M::build(&device).load_record(model.clone().into_record());
+    let mut opt_alone = optimizer(s.opt);
+    let lr = conformance::LR;
+    for step in half.steps() {
+        let (x, y) = batch(step, world);
+        let mine = |t: &Tensor<2>| shard(t.clone(), rank, PER_RANK);
+        let loss = sync.overlapped(&model).unwrap().loss(mine(&x), mine(&y));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = sync.sync(&model, grads).unwrap();
+        model = zero.step(lr, model, grads).unwrap();
+        let grads = GradientsParams::from_grads(alone.loss(mine(&x), mine(&y)).backward(), &alone);
+        alone = opt_alone.step(lr, alone, grads);
+    }
+    let whole = zero.gather_record().unwrap();
+    if let (true, Some(whole)) = (half.first, whole) {
+        whole.save(half.path("optim.bpk")).unwrap();
+        half.write(
+            "model.bpk",
+            &model.clone().into_record().into_bytes().unwrap(),
+        );
+    }
+    // One process from the start (rank 0 wrote it before the first step's collective) through
+    // every step so far, each on its step's whole batch.
+    let mut reference = M::build(&device).load_record(record("start.bpk"));
+    let mut opt_ref = optimizer(s.opt);
+    for step in 0..half.steps().end {
+        let (x, y) = batch(step, half.world_of(step, world));
+        let grads = GradientsParams::from_grads(reference.loss(x, y).backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
+    }
+    Trained {
+        ddp: params(&model),
+        reference: params(&reference),
+        alone: params(&alone),
     }
 }
 
@@ -338,6 +413,7 @@ fn run<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
                 alone = opt_alone.step(lr, alone, acc_alone.grads());
             }
             conformance::Mode::Join => unreachable!("run_join trains it"),
+            conformance::Mode::Resume(_) => unreachable!("run_resume trains it"),
         }
     }
     Trained {
