@@ -35,7 +35,7 @@ pub struct GradSync {
     plan: Option<Arc<BucketPlan<usize>>>,
     /// ZeRO stage 2 ([`GradSync::zero2`]): each trainable parameter's owner, by slot; the
     /// plan's buckets are reduce-scattered to them.
-    zero_owners: Option<Vec<Rank>>,
+    zero_owners: burn_ddp_comm::grad::StageTwo,
     /// The pass of an overlapped step ([`GradSync::overlapped`]), until [`GradSync::sync`].
     open: Option<Arc<OpenPass>>,
     /// The overlapped steps' hook anchors.
@@ -138,7 +138,7 @@ impl GradSync {
             config,
             host,
             plan: None,
-            zero_owners: None,
+            zero_owners: Default::default(),
             open: None,
             anchors: Anchors::default(),
             last_overlap: None,
@@ -292,16 +292,9 @@ impl GradSync {
             true => BucketOrder::Reverse,
             false => BucketOrder::Forward,
         };
-        let mut plan = BucketPlan::build(trainable, &self.config, order);
-        // ZeRO stage 2 carries over to the same model prepared again; another model's owners
-        // would be wrong (its next `zero2` shards it).
-        match self.zero_owners.take() {
-            Some(owners) if owners.len() == plan.slots.len() => {
-                plan = plan.sharded(&owners, self.pg.world_size().as_usize());
-                self.zero_owners = Some(owners);
-            }
-            _ => {}
-        }
+        let plan = BucketPlan::build(trainable, &self.config, order);
+        // ZeRO stage 2 carries over to the same model prepared again.
+        let plan = (self.zero_owners).apply(plan, self.pg.world_size().as_usize());
         tracing::debug!(
             "[rank {rank}] ddp: {} parameters in {} buckets",
             plan.slots.len(),
@@ -596,9 +589,9 @@ impl GradSync {
         }
         let plan = self.plan.as_ref().ok_or_else(|| not_prepared(rank))?;
         let world = self.pg.world_size().as_usize();
-        let sharded = BucketPlan::clone(plan).sharded(&owners, world);
+        self.zero_owners.set(owners);
+        let sharded = self.zero_owners.apply(BucketPlan::clone(plan), world);
         self.plan = Some(Arc::new(sharded));
-        self.zero_owners = Some(owners);
         Ok(())
     }
 

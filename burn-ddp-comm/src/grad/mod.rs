@@ -66,7 +66,7 @@ pub use issue::{BucketIssuer, InFlight};
 pub use join::{Join, JoinCall, JoinSlot, JoinSummary, Round};
 pub use loop_state::{LoopState, LoopSync};
 pub use order::LaunchOrder;
-pub use plan::{BucketOrder, BucketPlan, ParamInfo, Piece, Sharding, Slot};
+pub use plan::{BucketOrder, BucketPlan, ParamInfo, Piece, Sharding, Slot, StageTwo};
 pub use powersgd::{BucketShape, PowerSgd, PowerSgdState, PowerSgdStats};
 pub use reducer::{BucketTransport, Pass};
 pub use replica::{check_and_load, compare_replicas, load_from, Replica};

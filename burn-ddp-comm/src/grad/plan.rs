@@ -90,6 +90,35 @@ pub enum Piece {
     Zeros(usize),
 }
 
+/// ZeRO stage 2's owner of each parameter of a prepared model (by slot), once stage 2 is on:
+/// what both lines' reducers keep, so that each bucket plan they build for that model (the
+/// same model prepared again, the overlapped plan and the after-backward one) is
+/// [sharded](BucketPlan::sharded).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StageTwo(Option<Vec<Rank>>);
+
+impl StageTwo {
+    /// Stage 2 on, with these owners.
+    pub fn set(&mut self, owners: Vec<Rank>) {
+        self.0 = Some(owners);
+    }
+
+    /// Whether stage 2 is on.
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// `plan` sharded over `world` ranks to the owners, when stage 2 is on and they are as
+    /// many as its slots (the model they were made for); otherwise `plan` as it is (another
+    /// model's plan: its own `zero2` shards it).
+    pub fn apply<K>(&self, plan: BucketPlan<K>, world: usize) -> BucketPlan<K> {
+        match &self.0 {
+            Some(owners) if owners.len() == plan.slots.len() => plan.sharded(owners, world),
+            _ => plan,
+        }
+    }
+}
+
 /// Parameters (slots, in visit order) grouped into buckets: the first capped at
 /// [`DdpConfig::first_bucket_cap_bytes`] so that communication starts early, the others at
 /// [`DdpConfig::bucket_cap_bytes`]; a parameter larger than the cap gets a bucket of its own.
@@ -438,6 +467,19 @@ mod tests {
             [plan.received(1, Rank(0)), plan.received(0, Rank(1))],
             [None, None]
         );
+        // Stage 2's owners shard a plan of their model's size, and leave another as it is.
+        let mut two = StageTwo::default();
+        two.set(owners.to_vec());
+        let fresh = || {
+            let params = (0..4)
+                .map(|i| (info(&format!("p{i}"), 1), i as u64))
+                .collect();
+            BucketPlan::build(params, &caps(1024, 1024), BucketOrder::Forward)
+        };
+        assert!(two.apply(fresh(), 2).sharding.is_some());
+        let params = vec![(info("q", 1), 9u64)];
+        let other = BucketPlan::build(params, &caps(1024, 1024), BucketOrder::Forward);
+        assert!(two.apply(other, 2).sharding.is_none());
         // The buckets keep their parameters and order.
         assert_eq!(plan.bucket_names(), vec![vec!["p0", "p1", "p2", "p3"]]);
     }

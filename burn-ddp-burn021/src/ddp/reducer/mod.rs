@@ -115,7 +115,7 @@ pub(crate) struct Reducer {
     nccl: Nccl,
     /// ZeRO stage 2 (`DdpSession::zero2`): each synchronised parameter's owner, by slot; the
     /// plans' buckets are reduce-scattered to them.
-    zero_owners: Option<Vec<crate::group::Rank>>,
+    zero_owners: burn_ddp_comm::grad::StageTwo,
 }
 
 impl Reducer {
@@ -131,7 +131,7 @@ impl Reducer {
             foreign: Vec::new(),
             deferred: None,
             nccl: Nccl::default(),
-            zero_owners: None,
+            zero_owners: Default::default(),
         }
     }
 
@@ -189,11 +189,7 @@ impl Reducer {
 
     pub(crate) fn set_plan(&mut self, plan: Plan) {
         self.discard_step();
-        // ZeRO stage 2 carries over to the same model prepared again; another model's owners
-        // would be wrong (its next `zero2` shards it).
-        if (self.zero_owners.as_ref()).is_some_and(|o| o.len() != plan.slots.len()) {
-            self.zero_owners = None;
-        }
+        // ZeRO stage 2 carries over to the same model prepared again.
         self.plan = Some(self.sharded(plan));
     }
 
@@ -201,10 +197,7 @@ impl Reducer {
     /// plan and each after-backward plan: both list the synchronised parameters in visit
     /// order).
     pub(crate) fn sharded<K>(&self, plan: BucketPlan<K>) -> BucketPlan<K> {
-        match &self.zero_owners {
-            Some(owners) => plan.sharded(owners, self.pg.world_size().as_usize()),
-            None => plan,
-        }
+        (self.zero_owners).apply(plan, self.pg.world_size().as_usize())
     }
 
     /// ZeRO stage 2 from the next pass on: parameter `slot` is owned by `owners[slot]`.
@@ -220,7 +213,7 @@ impl Reducer {
             });
         };
         self.discard_step();
-        self.zero_owners = Some(owners);
+        self.zero_owners.set(owners);
         self.plan = Some(self.sharded(plan));
         Ok(())
     }
