@@ -28,7 +28,7 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{Bytes, DType as BurnDType, Device, Tensor};
-use burn_ddp_comm::grad::{ReadValues, RunLayout, ZeroShards};
+use burn_ddp_comm::grad::{ReadValues, RunLayout, RunParts, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
 use crate::grads::filled_like;
@@ -165,8 +165,7 @@ pub(crate) trait BlockGather: Send + Sync {
 struct Pack<'a> {
     owned: &'a dyn Fn(ParamId) -> bool,
     within: &'a dyn Fn(ParamId) -> bool,
-    parts: Vec<Tensor<1>>,
-    device: Option<Device>,
+    run: RunParts<Tensor<1>, Device>,
 }
 
 impl ModuleVisitor for Pack<'_> {
@@ -175,17 +174,18 @@ impl ModuleVisitor for Pack<'_> {
             return;
         }
         let value = param.val().inner();
-        self.device.get_or_insert_with(|| value.device());
+        self.run.device.get_or_insert_with(|| value.device());
         if !(self.owned)(param.id) {
             return;
         }
         let n = value.shape().num_elements();
         let flat: Tensor<1> = value.reshape([n]);
-        self.parts.push(if flat.dtype() == BurnDType::F32 {
+        let flat = if flat.dtype() == BurnDType::F32 {
             flat
         } else {
             flat.cast(BurnDType::F32)
-        });
+        };
+        self.run.parts.push((flat, n));
     }
 }
 
@@ -385,67 +385,33 @@ impl ZeroOptimizer {
     /// owned parameters do not fill its block as the plan says (another model than the
     /// planned one) sends zeros and fails after every run went, so no rank waits in a run
     /// another left.
-    fn gather_on_device<M: Module>(&self, link: &dyn BlockGather, mut module: M) -> Result<M> {
-        let rank = self.rank();
-        let plan = self.shards.plan();
-        let mut failed = None;
-        for range in plan.chunks(self.chunk) {
-            let layout = plan.run_layout(range.clone());
-            if layout.block == 0 {
-                continue;
-            }
-            let owned = |id: ParamId| self.owns(id) && self.shards.within(id.val(), &range);
-            let within = |id: ParamId| self.shards.within(id.val(), &range);
+    fn gather_on_device<M: Module>(&self, link: &dyn BlockGather, module: M) -> Result<M> {
+        let shards = &self.shards;
+        let pack = |module: &M, range: &Range<usize>| {
+            let owned = |id: ParamId| self.owns(id) && shards.within(id.val(), range);
+            let within = |id: ParamId| shards.within(id.val(), range);
             let mut pack = Pack {
                 owned: &owned,
                 within: &within,
-                parts: Vec::new(),
-                device: None,
+                run: RunParts::default(),
             };
             module.visit(&mut pack);
-            let what = format!("the stepped parameters {}..{}", range.start, range.end);
-            let Some(device) = pack.device else {
-                return Err(DdpError::model_access(
-                    rank,
-                    "all-gathering the stepped parameters",
-                    format!(
-                        "{what} are not in the model: step the model zero or zero2 was made for"
-                    ),
-                ));
-            };
-            let own: usize = pack.parts.iter().map(|t| t.shape().num_elements()).sum();
-            let mut parts = pack.parts;
-            if own != layout.owned(rank) {
-                failed.get_or_insert(DdpError::model_access(
-                    rank,
-                    "all-gathering the stepped parameters",
-                    format!(
-                        "this rank owns {own} elements of {what}, the plan {}: step the model \
-                         zero or zero2 was made for",
-                        layout.owned(rank)
-                    ),
-                ));
-                parts.clear();
-            }
-            let filled = if parts.is_empty() { 0 } else { own };
-            if filled < layout.block {
-                let pad = layout.block - filled;
-                parts.push(Tensor::<1>::zeros([pad], (&device, BurnDType::F32)));
-            }
-            let all = link.all_gather(&what, Tensor::cat(parts, 0), layout.block)?;
-            if failed.is_none() {
-                module = module.map(&mut Place {
-                    shards: &self.shards,
-                    range,
-                    layout: &layout,
-                    all: &all,
-                });
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(module),
-        }
+            pack.run
+        };
+        let zeros = |n: usize, device: &Device| Tensor::<1>::zeros([n], (device, BurnDType::F32));
+        let gather = |what: &str, parts: Vec<Tensor<1>>, block| {
+            link.all_gather(what, Tensor::cat(parts, 0), block)
+        };
+        let place = |module: M, range, layout: &RunLayout, all: &Tensor<1>| {
+            module.map(&mut Place {
+                shards,
+                range,
+                layout,
+                all,
+            })
+        };
+        let (rank, chunk) = (self.rank(), self.chunk);
+        shards.gather_runs_on_device(rank, chunk, module, pack, zeros, gather, place)
     }
 
     /// This rank's shard of the optimizer state (keyed by this process's `ParamId`s).

@@ -153,9 +153,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Scatter<'_> {
 struct PackGpu<'a> {
     owned: &'a dyn Fn(ParamId) -> bool,
     within: &'a dyn Fn(ParamId) -> bool,
-    parts: Vec<gpu::CudaFloat>,
-    device: Option<gpu::GpuDevice>,
-    foreign: Option<String>,
+    run: burn_ddp_comm::grad::RunParts<gpu::CudaFloat, gpu::GpuDevice>,
 }
 
 #[cfg(feature = "cuda")]
@@ -166,27 +164,25 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for PackGpu<'_> {
             return;
         }
         let inner = param.val().inner().into_primitive().tensor();
-        let t = match super::gpu::to_cuda::<B::InnerBackend>(inner) {
-            Ok(t) => t,
-            Err(_) => {
-                self.foreign
-                    .get_or_insert_with(|| format!("parameter {}", param.id));
-                return;
-            }
+        let Ok(t) = super::gpu::to_cuda::<B::InnerBackend>(inner) else {
+            let why = || format!("parameter {} is not a CUDA tensor", param.id);
+            self.run.error.get_or_insert_with(why);
+            return;
         };
-        self.device
+        self.run
+            .device
             .get_or_insert_with(|| gpu::Gpu::float_device(&t));
         if !(self.owned)(param.id) {
             return;
         }
         let n = t.shape().num_elements();
         let flat = gpu::Gpu::float_reshape(t, burn_backend::Shape::new([n]));
-        self.parts
-            .push(if flat.dtype() == burn_backend::DType::F32 {
-                flat
-            } else {
-                gpu::Gpu::float_cast(flat, burn_backend::FloatDType::F32)
-            });
+        let flat = if flat.dtype() == burn_backend::DType::F32 {
+            flat
+        } else {
+            gpu::Gpu::float_cast(flat, burn_backend::FloatDType::F32)
+        };
+        self.run.parts.push((flat, n));
     }
 }
 
@@ -405,74 +401,36 @@ where
     /// parameters do not fill its block as the plan says sends zeros and fails after every run
     /// went, so no rank waits in a run another left.
     #[cfg(feature = "cuda")]
-    fn gather_on_gpu(&self, comm: &burn_ddp_comm::cuda::NcclComm, mut module: M) -> Result<M> {
-        use burn_backend::TensorMetadata;
+    fn gather_on_gpu(&self, comm: &burn_ddp_comm::cuda::NcclComm, module: M) -> Result<M> {
         let (rank, shards) = (self.rank(), &self.shards);
-        let plan = shards.plan();
         let chunk = (self.session.config().bucket_cap_bytes / 4).max(1);
-        let mut failed = None;
-        for range in plan.chunks(chunk) {
-            let layout = plan.run_layout(range.clone());
-            if layout.block == 0 {
-                continue;
-            }
-            let owned =
-                |id: ParamId| shards.owns(id.val(), rank) && shards.within(id.val(), &range);
-            let within = |id: ParamId| shards.within(id.val(), &range);
+        let pack = |module: &M, range: &std::ops::Range<usize>| {
+            let owned = |id: ParamId| shards.owns(id.val(), rank) && shards.within(id.val(), range);
+            let within = |id: ParamId| shards.within(id.val(), range);
             let mut pack = PackGpu {
                 owned: &owned,
                 within: &within,
-                parts: Vec::new(),
-                device: None,
-                foreign: None,
+                run: Default::default(),
             };
             module.visit(&mut pack);
-            let what = format!("the stepped parameters {}..{}", range.start, range.end);
-            let Some(device) = pack.device.take() else {
-                return Err(DdpError::model_access(
-                    rank,
-                    "all-gathering the stepped parameters",
-                    format!("{what} are not CUDA tensors of the model zero or zero2 was made for"),
-                ));
-            };
-            let own: usize = pack.parts.iter().map(|t| t.shape().num_elements()).sum();
-            let mut parts = std::mem::take(&mut pack.parts);
-            let wrong = match pack.foreign {
-                Some(p) => Some(format!("{p} of {what} is not a CUDA tensor")),
-                None => (own != layout.owned(rank)).then(|| {
-                    format!(
-                        "this rank owns {own} elements of {what}, the plan {}: step the model \
-                         zero or zero2 was made for",
-                        layout.owned(rank)
-                    )
-                }),
-            };
-            if let Some(reason) = wrong {
-                let what = "all-gathering the stepped parameters";
-                failed.get_or_insert(DdpError::model_access(rank, what, reason));
-                parts.clear();
-            }
-            let filled = if parts.is_empty() { 0 } else { own };
-            if filled < layout.block {
-                let pad = burn_backend::Shape::new([layout.block - filled]);
-                let f32 = burn_backend::FloatDType::F32;
-                parts.push(gpu::Gpu::float_zeros(pad, &device, f32));
-            }
-            let send = gpu::Gpu::float_cat(parts, 0);
-            let all = gpu::all_gather_run(comm, &what, send, layout.block)?;
-            if failed.is_none() {
-                module = module.map(&mut PlaceGpu {
-                    shards,
-                    range,
-                    layout: &layout,
-                    all: &all,
-                });
-            }
-        }
-        match failed {
-            Some(e) => Err(e),
-            None => Ok(module),
-        }
+            pack.run
+        };
+        let zeros = |n: usize, device: &gpu::GpuDevice| {
+            let f32 = burn_backend::FloatDType::F32;
+            gpu::Gpu::float_zeros(burn_backend::Shape::new([n]), device, f32)
+        };
+        let gather = |what: &str, parts: Vec<gpu::CudaFloat>, block| {
+            gpu::all_gather_run(comm, what, gpu::Gpu::float_cat(parts, 0), block)
+        };
+        let place = |module: M, range, layout: &burn_ddp_comm::grad::RunLayout, all: &_| {
+            module.map(&mut PlaceGpu {
+                shards,
+                range,
+                layout,
+                all,
+            })
+        };
+        shards.gather_runs_on_device(rank, chunk, module, pack, zeros, gather, place)
     }
 }
 

@@ -72,7 +72,7 @@ pub use reducer::{BucketTransport, Pass};
 pub use replica::{check_and_load, compare_replicas, load_from, Replica};
 pub use shared::BucketBuf;
 pub use worker::Worker;
-pub use zero::{check_stage2, FlatValues, ReadValues, RunLayout, ZeroPlan, ZeroShards};
+pub use zero::{check_stage2, FlatValues, ReadValues, RunLayout, RunParts, ZeroPlan, ZeroShards};
 
 /// What a fault-tolerant job cannot carry across a change of membership: both lines refuse it
 /// at once, saying why and what to use instead.

@@ -388,6 +388,99 @@ impl ZeroShards {
     }
 }
 
+/// What a Burn line packed of one run for the all-gather on a device path
+/// ([`ZeroShards::gather_runs_on_device`]): this rank's owned parameters of the run, each
+/// flattened to f32, in list order; the device of the run's parameters (`None`: the model has
+/// none of them); a parameter that could not be packed.
+#[derive(Debug)]
+pub struct RunParts<T, D> {
+    /// The flattened owned parameters, and their elements.
+    pub parts: Vec<(T, usize)>,
+    /// Where the run's parameters are.
+    pub device: Option<D>,
+    /// Why a parameter of the run could not be packed.
+    pub error: Option<String>,
+}
+
+impl<T, D> Default for RunParts<T, D> {
+    fn default() -> Self {
+        Self {
+            parts: Vec::new(),
+            device: None,
+            error: None,
+        }
+    }
+}
+
+impl ZeroShards {
+    /// The stepped parameters of `model` all-gathered on a device path, a run at a time
+    /// ([`ZeroPlan::chunks`] of `chunk` elements, [`ZeroPlan::run_layout`]): for each run,
+    /// `pack` gives this rank's owned parameters of it, `zeros(n, device)` pads them to the
+    /// run's block, `gather(what, parts, block)` concatenates and all-gathers the blocks of every
+    /// rank, and `place(model, range, layout, gathered)` puts every parameter of the run back.
+    /// At world size 1 too (a copy). A rank whose packed parameters are not what the plan says
+    /// sends zeros and fails after every run went, so that no rank waits in a run another left.
+    ///
+    /// # Errors
+    /// The run's parameters are not in the model (every rank finds that, before the
+    /// collective); a parameter that could not be packed, or not the plan's elements; the
+    /// collective's failures.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_runs_on_device<M, T, D>(
+        &self,
+        rank: Rank,
+        chunk: usize,
+        mut model: M,
+        pack: impl Fn(&M, &Range<usize>) -> RunParts<T, D>,
+        zeros: impl Fn(usize, &D) -> T,
+        gather: impl Fn(&str, Vec<T>, usize) -> Result<T>,
+        place: impl Fn(M, Range<usize>, &RunLayout, &T) -> M,
+    ) -> Result<M> {
+        let action = "all-gathering the stepped parameters";
+        let mut failed = None;
+        for range in self.plan.chunks(chunk) {
+            let layout = self.plan.run_layout(range.clone());
+            if layout.block == 0 {
+                continue;
+            }
+            let packed = pack(&model, &range);
+            let what = format!("the stepped parameters {}..{}", range.start, range.end);
+            let Some(device) = packed.device else {
+                let why = format!("{what} are not in the model the ZeRO optimizer was made for");
+                return Err(DdpError::model_access(rank, action, why));
+            };
+            let own: usize = packed.parts.iter().map(|(_, n)| n).sum();
+            let wrong = match packed.error {
+                Some(e) => Some(format!("{what}: {e}")),
+                None => (own != layout.owned(rank)).then(|| {
+                    format!(
+                        "this rank has {own} elements of {what} to send, the plan {}: step the \
+                         model the ZeRO optimizer was made for",
+                        layout.owned(rank)
+                    )
+                }),
+            };
+            let mut parts: Vec<T> = packed.parts.into_iter().map(|(t, _)| t).collect();
+            let mut filled = own;
+            if let Some(why) = wrong {
+                failed.get_or_insert(DdpError::model_access(rank, action, why));
+                (parts, filled) = (Vec::new(), 0);
+            }
+            if filled < layout.block {
+                parts.push(zeros(layout.block - filled, &device));
+            }
+            let all = gather(&what, parts, layout.block)?;
+            if failed.is_none() {
+                model = place(model, range, &layout, &all);
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
+    }
+}
+
 /// Refuses ZeRO stage 2 (gradients reduce-scattered to their owners) where it cannot run: beside
 /// a communication hook or PowerSGD (each reduces whole buckets on every rank). Both
 /// transports reduce-scatter: the host-staged one on its communication thread, NCCL's device
@@ -539,6 +632,88 @@ mod tests {
             .collect();
         for h in handles {
             assert_eq!(h.join().unwrap(), want);
+        }
+    }
+
+    /// Three thread ranks all-gather a "model" of plain vectors through the device-path driver
+    /// (the blocks as vectors, the all-gather the process group's): every parameter comes back
+    /// everywhere; a rank that packs the wrong elements fails after every run, and the others
+    /// get through every run (nobody waits on it).
+    #[test]
+    fn the_device_runs_put_every_parameter_back_and_a_wrong_pack_fails_its_rank_alone() {
+        let sizes = [5, 2, 4, 1, 3, 9];
+        let ids: Vec<(u64, usize)> = (0..6).map(|i| (100 + i as u64, sizes[i])).collect();
+        for wrong_rank in [None, Some(1)] {
+            let groups = ProcessGroup::local(WorldSize::new(3).unwrap(), Timeouts::default());
+            let ids = &ids;
+            let results: Vec<_> = std::thread::scope(|s| {
+                let ranks: Vec<_> = (groups.into_iter())
+                    .map(|pg| {
+                        s.spawn(move || {
+                            let shards = ZeroShards::new(ids, 3);
+                            let rank = pg.rank();
+                            // Parameter i's values: i*10 + k on its owner, stale (-1) elsewhere.
+                            let model: Vec<Vec<f32>> = (0..6)
+                                .map(|i| match shards.plan().owner(i) == rank {
+                                    true => (0..sizes[i]).map(|k| (i * 10 + k) as f32).collect(),
+                                    false => vec![-1.0; sizes[i]],
+                                })
+                                .collect();
+                            let pack = |m: &Vec<Vec<f32>>, range: &Range<usize>| {
+                                let mut run = RunParts {
+                                    device: Some(()),
+                                    ..RunParts::default()
+                                };
+                                for i in range.clone() {
+                                    if shards.plan().owner(i) == rank {
+                                        run.parts.push((m[i].clone(), m[i].len()));
+                                    }
+                                }
+                                if wrong_rank == Some(rank.index()) {
+                                    run.parts.push((vec![0.0], 1));
+                                }
+                                run
+                            };
+                            let zeros = |n: usize, _: &()| vec![0.0; n];
+                            let gather = |_: &str, parts: Vec<Vec<f32>>, block: usize| {
+                                let send: Vec<f32> = parts.concat();
+                                assert_eq!(send.len(), block);
+                                let mut all = vec![0.0; block * 3];
+                                pg.all_gather(&send, &mut all)?;
+                                Ok(all)
+                            };
+                            let place = |mut m: Vec<Vec<f32>>,
+                                         range: Range<usize>,
+                                         layout: &RunLayout,
+                                         all: &Vec<f32>| {
+                                for i in range.clone() {
+                                    let at =
+                                        shards.gathered_at(100 + i as u64, &range, layout).unwrap();
+                                    m[i] = all[at..at + sizes[i]].to_vec();
+                                }
+                                m
+                            };
+                            shards.gather_runs_on_device(rank, 6, model, pack, zeros, gather, place)
+                        })
+                    })
+                    .collect();
+                ranks.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            let want: Vec<Vec<f32>> = (0..6)
+                .map(|i| (0..sizes[i]).map(|k| (i * 10 + k) as f32).collect())
+                .collect();
+            for (rank, got) in results.into_iter().enumerate() {
+                match (wrong_rank, got) {
+                    (None, Ok(model)) => assert_eq!(model, want, "rank {rank}"),
+                    // The others went through every run (as on the host path, they hold zeros
+                    // for the failed rank's parameters; its failure stops the job).
+                    (Some(w), Ok(_)) if w != rank => {}
+                    (Some(w), Err(e)) if w == rank => {
+                        assert!(e.to_string().contains("to send, the plan"), "{e}")
+                    }
+                    (wrong, got) => panic!("rank {rank} (wrong: {wrong:?}): {got:?}"),
+                }
+            }
         }
     }
 
