@@ -617,6 +617,7 @@ impl<K> BucketTransport<K> for HostBuckets {
             left,
             taken: vec![false; plan.slots.len()],
             spare: Vec::new(),
+            keep: plan.sharding.is_none(),
             _sync: std::marker::PhantomData,
         })
     }
@@ -648,6 +649,10 @@ pub struct Reduced<'a> {
     taken: Vec<bool>,
     /// Heap buckets emptied by [`take`](Self::take), for the next pass.
     spare: Vec<Vec<f32>>,
+    /// Whether emptied buckets are kept for the next pass: not a sharded plan's, whose buckets
+    /// are made per pass ([`HostSync::heap_buckets`]) and never reuse one, so that a kept
+    /// buffer would only add to the memory stage 2 is meant to save, pass after pass.
+    keep: bool,
     _sync: std::marker::PhantomData<&'a mut HostSync>,
 }
 
@@ -683,11 +688,14 @@ impl Reduced<'_> {
             true if offset == 0 && last.len() == numel + 1 => return Some(last.into_vec(numel)),
             true => Some(last[offset..offset + numel].to_vec()),
         };
-        self.spare.extend(last.into_heap());
+        if self.keep {
+            self.spare.extend(last.into_heap());
+        }
         values
     }
 
-    /// The heap buckets emptied by [`take`](Self::take), for [`HostSync::recycle`].
+    /// The heap buckets emptied by [`take`](Self::take), for [`HostSync::recycle`] (none of a
+    /// sharded plan's: they go as soon as their last slot is taken).
     pub fn into_spare(self) -> Vec<Vec<f32>> {
         self.spare
     }
@@ -737,6 +745,13 @@ mod tests {
                 }
                 let mut red = s.finish().unwrap();
                 out = (0..5).map(|i| red.take(i)).collect();
+                // A sharded plan keeps no spent bucket for the next pass (its buckets are made
+                // per pass: a kept one would pile up, step after step).
+                let spare = red.into_spare();
+                if owners.is_some() {
+                    assert!(spare.is_empty(), "{} spare buckets kept", spare.len());
+                }
+                sync.recycle(spare);
             }
             out
         })
