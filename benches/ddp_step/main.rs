@@ -12,7 +12,9 @@
 //!   line (`Autodiff<Ddp<NdArray>>`), each after backward and overlapped with it, each against
 //!   its own no-sync steps, and the share of the after-backward cost that overlap hides; with
 //!   `BURN_DDP_BENCH_LINK_MBIT=N` (root, iproute2), in a network namespace whose loopback is
-//!   limited to N Mbit/s, the ranks over TCP, as between nodes;
+//!   limited to N Mbit/s, the ranks over TCP, as between nodes; with feature `lines-023` instead,
+//!   the same with that side built for Burn 0.23.0-pre.1 (one build serves one 0.22/0.23
+//!   release);
 //! - `memory`: 2 ranks, 16 linear layers of 1024 × 1024 (67 MB of f32 parameters): the peak
 //!   resident memory of a process that trains 3 SGD steps with the default reducer and with
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
@@ -34,7 +36,7 @@
 extern crate burn_ddp_burn021 as burn_ddp;
 
 use burn_ddp_dev::args::{self, median};
-#[cfg(feature = "lines")]
+#[cfg(any(feature = "lines", feature = "lines-023"))]
 mod step_model_022;
 
 use std::collections::BTreeMap;
@@ -124,7 +126,7 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 report("per-param", &worker_steps(&pg, per_parameter(), true, spec));
             }
         }
-        #[cfg(feature = "lines")]
+        #[cfg(any(feature = "lines", feature = "lines-023"))]
         "lines" => {
             use step_model_022::Sync022;
             for round in 0..spec.rounds {
@@ -161,16 +163,16 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 true,
             )?],
         ),
-        #[cfg(feature = "lines")]
+        #[cfg(any(feature = "lines", feature = "lines-023"))]
         "memory-022-local" => report("peak", &[step_model_022::memory_run_022(&pg, false)?]),
-        #[cfg(feature = "lines")]
+        #[cfg(any(feature = "lines", feature = "lines-023"))]
         "memory-022-sync" => report("peak", &[step_model_022::memory_run_022(&pg, true)?]),
         zero if zero.starts_with("zero-") => {
             // `zero-<line>-<stage>`: stage 0 is DDP with the whole optimizer.
             let stage: u8 = zero[zero.len() - 1..].parse()?;
             let run = match &zero[5..8] {
                 "021" => zero_run(&pg, stage)?,
-                #[cfg(feature = "lines")]
+                #[cfg(any(feature = "lines", feature = "lines-023"))]
                 "022" => step_model_022::zero_run_022(&pg, stage)?,
                 other => anyhow::bail!("no line {other} in this build"),
             };
@@ -568,7 +570,7 @@ fn bench_scaling(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[cfg(not(feature = "lines"))]
+#[cfg(not(any(feature = "lines", feature = "lines-023")))]
 fn bench_lines(_rounds: usize) -> anyhow::Result<()> {
     anyhow::bail!(
         "the `lines` benchmark builds Burn 0.22.1 too: run it with \
@@ -578,14 +580,14 @@ fn bench_lines(_rounds: usize) -> anyhow::Result<()> {
 
 /// Set in the copy of this benchmark that runs inside a network namespace whose loopback is
 /// rate-limited (`BURN_DDP_BENCH_LINK_MBIT`).
-#[cfg(feature = "lines")]
+#[cfg(any(feature = "lines", feature = "lines-023"))]
 const IN_NETNS: &str = "BURN_DDP_BENCH_IN_NETNS";
 
 /// The `lines` benchmark: with `BURN_DDP_BENCH_LINK_MBIT=N`, in a network namespace of its own
 /// whose loopback is limited to N Mbit/s (`tc`'s token bucket; root and iproute2 needed), the
 /// ranks talking over TCP, so that communication is a visible share of the step as between
 /// nodes; otherwise on this host's transport (shared memory).
-#[cfg(feature = "lines")]
+#[cfg(any(feature = "lines", feature = "lines-023"))]
 fn bench_lines(rounds: usize) -> anyhow::Result<()> {
     let link = std::env::var("BURN_DDP_BENCH_LINK_MBIT").ok();
     match (link, std::env::var_os(IN_NETNS)) {
@@ -596,7 +598,7 @@ fn bench_lines(rounds: usize) -> anyhow::Result<()> {
 
 /// Runs this benchmark's `lines` again inside a fresh network namespace whose loopback is
 /// limited to `mbit` Mbit/s; the namespace is deleted after.
-#[cfg(feature = "lines")]
+#[cfg(any(feature = "lines", feature = "lines-023"))]
 fn lines_in_netns(mbit: &str, rounds: usize) -> anyhow::Result<()> {
     let ns = format!("burn-ddp-bench-{}", std::process::id());
     let ip = |args: &[&str]| -> anyhow::Result<()> {
@@ -626,7 +628,7 @@ fn lines_in_netns(mbit: &str, rounds: usize) -> anyhow::Result<()> {
     result
 }
 
-#[cfg(feature = "lines")]
+#[cfg(any(feature = "lines", feature = "lines-023"))]
 fn lines_here(rounds: usize, link: Option<&str>) -> anyhow::Result<()> {
     let spec = Spec {
         which: Which::Mlp,
@@ -657,7 +659,7 @@ fn lines_here(rounds: usize, link: Option<&str>) -> anyhow::Result<()> {
     let mut costs = Vec::new();
     for (line, name) in [
         ("021", "Burn 0.21, `Autodiff<Ddp<NdArray>>`"),
-        ("022", "Burn 0.22.1, Flex + `GradSync`"),
+        ("022", step_model_022::RELEASE),
     ] {
         let local = get(&format!("local-{line}"))?;
         let after = get(&format!("after-{line}"))?;
@@ -675,7 +677,7 @@ fn lines_here(rounds: usize, link: Option<&str>) -> anyhow::Result<()> {
         costs.push((cost_after, cost_overlapped));
     }
     println!(
-        "hidden: the share of the after-backward sync cost that overlapping removes. 0.22 line vs \
+        "hidden: the share of the after-backward sync cost that overlapping removes. 0.22/0.23 line vs \
          0.21 line, overlapped sync cost: {:.2}× (the backends differ: compare the sync costs)",
         costs[1].1 / costs[0].1
     );
@@ -696,7 +698,7 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
         rounds: 1,
     };
     let mut variants = vec!["memory-local", "memory-sync", "memory-view"];
-    if cfg!(feature = "lines") {
+    if cfg!(any(feature = "lines", feature = "lines-023")) {
         variants.extend(["memory-022-local", "memory-022-sync"]);
     }
     let mut peaks: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
@@ -730,11 +732,12 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
         view / sync,
         (view - local) / (sync - local)
     );
-    if cfg!(feature = "lines") {
+    if cfg!(any(feature = "lines", feature = "lines-023")) {
         let (local, sync) = (m("memory-022-local"), m("memory-022-sync"));
-        println!("| Burn 0.22.1 (Flex), no synchronisation | {local:.1} | — |");
+        let release = step_model_022::RELEASE;
+        println!("| {release}, no synchronisation | {local:.1} | — |");
         println!(
-            "| Burn 0.22.1 (Flex), GradSync after backward | {sync:.1} | {:.1} |",
+            "| {release}, GradSync after backward | {sync:.1} | {:.1} |",
             sync - local
         );
     }
@@ -752,7 +755,7 @@ fn bench_zero(rounds: usize) -> anyhow::Result<()> {
         rounds: 1,
     };
     let mut lines = vec!["021"];
-    if cfg!(feature = "lines") {
+    if cfg!(any(feature = "lines", feature = "lines-023")) {
         lines.push("022");
     }
     let runs: Vec<(&str, u32, u8)> = (lines.iter())
@@ -787,7 +790,7 @@ fn bench_zero(rounds: usize) -> anyhow::Result<()> {
             if line == "021" {
                 "0.21 (NdArray)"
             } else {
-                "0.22.1 (Flex)"
+                step_model_022::RELEASE
             },
             mib(labelled(r, "grads")?),
             mib(labelled(r, "state")?),
@@ -822,7 +825,7 @@ fn main() -> ExitCode {
         };
     if names.is_empty() {
         names = vec!["overhead".into(), "buckets".into(), "scaling".into()];
-        if cfg!(feature = "lines") {
+        if cfg!(any(feature = "lines", feature = "lines-023")) {
             names.push("lines".into());
         }
         names.push("memory".into());

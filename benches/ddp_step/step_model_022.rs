@@ -4,8 +4,18 @@
 
 use std::time::Instant;
 
-// `#[derive(Module)]` names `burn::...`: in this module, that is Burn 0.22.1.
+// `#[derive(Module)]` names `burn::...`: in this module, that is Burn 0.22.1 (feature `lines`)
+// or Burn 0.23.0-pre.1 (`lines-023`), whichever burn-ddp-gradsync is built for.
+#[cfg(not(feature = "lines-023"))]
 use burn022 as burn;
+#[cfg(feature = "lines-023")]
+use burn023 as burn;
+
+/// The release this side runs, as the tables name it.
+#[cfg(not(feature = "lines-023"))]
+pub const RELEASE: &str = "Burn 0.22.1, Flex + `GradSync`";
+#[cfg(feature = "lines-023")]
+pub const RELEASE: &str = "Burn 0.23.0-pre.1, Flex + `GradSync`";
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
