@@ -258,7 +258,7 @@ impl DevicePath {
 }
 
 impl DevicePath {
-    /// A ZeRO run's all-gather on the device ([`BlockGather`](crate::zero::BlockGather)): on
+    /// A ZeRO run's all-gather on the device ([`BlockGather`](crate::device::BlockGather)): on
     /// the step's thread, after its optimizer step (no bucket is in flight then, so the
     /// communicator's calls keep one order on every rank). cubecl's stream is synchronised
     /// first (the block must exist before NCCL reads it), and NCCL's is waited for before the
@@ -290,9 +290,11 @@ impl DevicePath {
     }
 }
 
-impl crate::zero::BlockGather for Mutex<DevicePath> {
+impl crate::device::BlockGather for Mutex<DevicePath> {
     fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
-        crate::overlap::lock(self).all_gather(what, send, block)
+        // A panic while it was held left no state half changed that this call reads.
+        let path = self.lock().unwrap_or_else(|p| p.into_inner());
+        path.all_gather(what, send, block)
     }
 }
 

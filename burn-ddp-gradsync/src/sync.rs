@@ -165,10 +165,10 @@ impl GradSync {
 
     /// Where a ZeRO optimizer all-gathers the stepped parameters on the device: NCCL, when the
     /// gradients travel through it.
-    pub(crate) fn block_gather(&self) -> Option<Arc<dyn crate::zero::BlockGather>> {
+    pub(crate) fn block_gather(&self) -> Option<Arc<dyn crate::device::BlockGather>> {
         #[cfg(feature = "cuda")]
         if let Some(device) = &self.device {
-            return Some(Arc::clone(device) as Arc<dyn crate::zero::BlockGather>);
+            return Some(Arc::clone(device) as Arc<dyn crate::device::BlockGather>);
         }
         None
     }

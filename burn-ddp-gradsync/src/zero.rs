@@ -31,6 +31,7 @@ use burn::tensor::{Bytes, DType as BurnDType, Device, Tensor};
 use burn_ddp_comm::grad::{ReadValues, RunLayout, RunParts, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
+use crate::device::BlockGather;
 use crate::grads::filled_like;
 use crate::GradSync;
 
@@ -147,17 +148,6 @@ impl ModuleMapper for Scatter<'_> {
         let (id, tensor, mapper) = param.consume();
         Param::from_mapped_value(id, filled_like(&tensor, values), mapper)
     }
-}
-
-/// The all-gather of a ZeRO run's stepped parameters on a device path (NCCL's, `cuda.rs`; a
-/// stand-in over the host in this module's tests): every rank's `send` (`block` f32 elements on
-/// the parameters' device, without autodiff), concatenated in rank order.
-pub(crate) trait BlockGather: Send + Sync {
-    /// `what` names the run in errors.
-    ///
-    /// # Errors
-    /// The collective's failures.
-    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>>;
 }
 
 /// This rank's owned parameters of one run, flattened to f32 where they are (without autodiff),
