@@ -16,7 +16,7 @@
 //! been waited for (with the collective deadline).
 
 use burn_ddp_comm::{ConfigError, CudaError};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::backend::{BackendTypes, Cube, DispatchDevice};
 use burn::tensor::{DType as BurnDType, Device, Tensor};
@@ -258,12 +258,17 @@ impl DevicePath {
 }
 
 impl DevicePath {
-    /// A ZeRO run's all-gather on the device ([`BlockGather`](crate::device::BlockGather)): on
+    /// A ZeRO run's all-gather on the device (`zero.rs`'s `BlockGather`): on
     /// the step's thread, after its optimizer step (no bucket is in flight then, so the
     /// communicator's calls keep one order on every rank). cubecl's stream is synchronised
     /// first (the block must exist before NCCL reads it), and NCCL's is waited for before the
     /// result is handed back.
-    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+    pub(crate) fn all_gather(
+        &self,
+        what: &str,
+        send: Tensor<1>,
+        block: usize,
+    ) -> Result<Tensor<1>> {
         let comm = &self.comm;
         let rank = comm.rank();
         let counters = &self.core.counters;
@@ -287,14 +292,6 @@ impl DevicePath {
         // above completed; the call holds both until NCCL's stream is done with them.
         unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }?;
         Ok(gathered)
-    }
-}
-
-impl crate::device::BlockGather for Mutex<DevicePath> {
-    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
-        // A panic while it was held left no state half changed that this call reads.
-        let path = self.lock().unwrap_or_else(|p| p.into_inner());
-        path.all_gather(what, send, block)
     }
 }
 

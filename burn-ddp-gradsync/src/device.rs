@@ -138,17 +138,6 @@ pub(crate) trait DeviceLink: 'static {
     fn reduced(&self, rank: Rank, bucket: usize, output: Tensor<1>) -> Result<Tensor<1>>;
 }
 
-/// The all-gather of a ZeRO run's stepped parameters on a device path (NCCL's, `cuda.rs`; a
-/// stand-in over the host in `zero.rs`'s tests): every rank's `send` (`block` f32 elements on
-/// the parameters' device, without autodiff), concatenated in rank order.
-pub(crate) trait BlockGather: Send + Sync {
-    /// `what` names the run in errors.
-    ///
-    /// # Errors
-    /// The collective's failures.
-    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>>;
-}
-
 /// The bucket element type for a compression setting: the wire's, and Burn's.
 pub(crate) fn bucket_dtype(c: Compression) -> (DType, BurnDType) {
     match c {

@@ -163,14 +163,11 @@ impl GradSync {
         }
     }
 
-    /// Where a ZeRO optimizer all-gathers the stepped parameters on the device: NCCL, when the
-    /// gradients travel through it.
-    pub(crate) fn block_gather(&self) -> Option<Arc<dyn crate::device::BlockGather>> {
-        #[cfg(feature = "cuda")]
-        if let Some(device) = &self.device {
-            return Some(Arc::clone(device) as Arc<dyn crate::device::BlockGather>);
-        }
-        None
+    /// NCCL's device path, when the gradients travel through it (a ZeRO optimizer all-gathers
+    /// its stepped parameters there too).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_path(&self) -> Option<Arc<Mutex<crate::cuda::DevicePath>>> {
+        self.device.clone()
     }
 
     /// What the NCCL path's steps have cost so far (operations Burn ran to pack and unpack

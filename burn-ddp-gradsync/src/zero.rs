@@ -31,7 +31,6 @@ use burn::tensor::{Bytes, DType as BurnDType, Device, Tensor};
 use burn_ddp_comm::grad::{ReadValues, RunLayout, RunParts, ZeroShards};
 use burn_ddp_comm::{DdpError, ProcessGroup, Rank, Result};
 
-use crate::device::BlockGather;
 use crate::grads::filled_like;
 use crate::GradSync;
 
@@ -150,6 +149,37 @@ impl ModuleMapper for Scatter<'_> {
     }
 }
 
+/// The all-gather of a ZeRO run's stepped parameters on a device path (NCCL's, `cuda.rs`; a
+/// stand-in over the host in this module's tests): every rank's `send` (`block` f32 elements on
+/// the parameters' device, without autodiff), concatenated in rank order.
+pub(crate) trait BlockGather: Send + Sync {
+    /// `what` names the run in errors.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>>;
+}
+
+#[cfg(feature = "cuda")]
+impl BlockGather for std::sync::Mutex<crate::cuda::DevicePath> {
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+        // A panic while it was held left no state half changed that this call reads.
+        let path = self.lock().unwrap_or_else(|p| p.into_inner());
+        path.all_gather(what, send, block)
+    }
+}
+
+/// Where a ZeRO optimizer over `sync` all-gathers the stepped parameters on the device: NCCL,
+/// when the gradients travel through it.
+fn block_gather(sync: &GradSync) -> Option<Arc<dyn BlockGather>> {
+    #[cfg(feature = "cuda")]
+    if let Some(device) = sync.device_path() {
+        return Some(device as Arc<dyn BlockGather>);
+    }
+    let _ = sync;
+    None
+}
+
 /// This rank's owned parameters of one run, flattened to f32 where they are (without autodiff),
 /// and the device of the run's parameters.
 struct Pack<'a> {
@@ -264,7 +294,7 @@ impl GradSync {
             shards: ZeroShards::new(&params, self.group().world_size().as_usize()),
             stage: 1,
             chunk: (self.config().bucket_cap_bytes / 4).max(1),
-            device: self.block_gather(),
+            device: block_gather(self),
         })
     }
 
