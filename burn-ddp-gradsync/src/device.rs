@@ -271,12 +271,9 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
         let device = &core.device;
         // In the plan's layout: values, then flags (1 where this rank has the gradient),
         // block after block when the plan is sharded, each padded to the block's length.
-        let here: Vec<bool> = (plan.buckets[bucket].0.iter())
-            .map(|&slot| self.parts[slot].is_some())
-            .collect();
-        let present = |slot: usize| here[plan.slots[slot].position];
-        let mut parts = Vec::new();
-        for piece in plan.layout(bucket) {
+        let layout = plan.layout(bucket, |slot| self.parts[slot].is_some());
+        let mut parts = Vec::with_capacity(layout.len());
+        for piece in layout {
             parts.push(match piece {
                 Piece::Values(slot) => match self.parts[slot].take() {
                     Some(g) => g,
@@ -286,15 +283,9 @@ impl<L: DeviceLink> BucketTransport<usize> for DeviceBuckets<L> {
                         Tensor::<1>::zeros([numel], (device, BurnDType::F32))
                     }
                 },
-                Piece::Flags(slots) if slots.iter().all(|&s| present(s)) => {
-                    core.constant(true, slots.len())
-                }
-                Piece::Flags(slots) => {
+                Piece::Ones(n) => core.constant(true, n),
+                Piece::Flags(flags) => {
                     counters.one(DeviceWork::Pack);
-                    let flags: Vec<f32> = slots
-                        .iter()
-                        .map(|&s| f32::from(u8::from(present(s))))
-                        .collect();
                     Tensor::<1>::from_floats(flags.as_slice(), device)
                 }
                 Piece::Zeros(n) => core.constant(false, n),

@@ -272,12 +272,9 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
         // has its gradient), reduced with them: every rank learns which parameters some rank
         // had a gradient for. Block after block when the plan is sharded, each padded to the
         // block's length.
-        let here: Vec<bool> = (plan.buckets[bucket].0.iter())
-            .map(|&slot| self.grads[slot].is_some())
-            .collect();
-        let present = |slot: usize| here[plan.slots[slot].position];
-        let mut parts = Vec::new();
-        for piece in plan.layout(bucket) {
+        let layout = plan.layout(bucket, |slot| self.grads[slot].is_some());
+        let mut parts = Vec::with_capacity(layout.len());
+        for piece in layout {
             parts.push(match piece {
                 Piece::Values(slot) => match self.grads[slot].take() {
                     Some(g) => g,
@@ -287,15 +284,9 @@ impl<B: Backend, L: DeviceLink<B>> BucketTransport<DistributedParamId> for Devic
                         B::float_zeros(Shape::new([numel]), &device, f32)
                     }
                 },
-                Piece::Flags(slots) if slots.iter().all(|&s| present(s)) => {
-                    core.constant(true, slots.len(), &device)
-                }
-                Piece::Flags(slots) => {
+                Piece::Ones(n) => core.constant(true, n, &device),
+                Piece::Flags(flags) => {
                     counters.one(DeviceWork::Pack);
-                    let flags: Vec<f32> = slots
-                        .iter()
-                        .map(|&s| f32::from(u8::from(present(s))))
-                        .collect();
                     let n = flags.len();
                     B::float_from_data(burn_backend::TensorData::new(flags, [n]), &device)
                 }

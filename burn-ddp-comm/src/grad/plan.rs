@@ -80,14 +80,33 @@ pub struct Sharding {
 
 /// One run of a bucket's buffer, as [`BucketPlan::layout`] lists them in order: what a device
 /// transport concatenates to pack the bucket.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Piece {
     /// The values of slot `0` (its gradient, or zeros where this rank has none).
     Values(usize),
-    /// The presence flags of these slots, one each (1 where this rank has the gradient).
-    Flags(Vec<usize>),
+    /// This many presence flags, all 1: this rank has every one of their slots' gradients (the
+    /// usual step; a transport can keep such a run from step to step).
+    Ones(usize),
+    /// Presence flags, one per slot, 1 where this rank has the gradient and 0 where it has not
+    /// (at least one is 0).
+    Flags(Vec<f32>),
     /// Padding: this many zeros (the end of a sharded bucket's shorter blocks).
     Zeros(usize),
+}
+
+impl Piece {
+    /// The presence flags of `slots`, `present` saying which gradients this rank has.
+    fn flags(slots: &[usize], present: &impl Fn(usize) -> bool) -> Piece {
+        if slots.iter().all(|&s| present(s)) {
+            return Piece::Ones(slots.len());
+        }
+        Piece::Flags(
+            slots
+                .iter()
+                .map(|&s| f32::from(u8::from(present(s))))
+                .collect(),
+        )
+    }
 }
 
 /// ZeRO stage 2's owner of each parameter of a prepared model (by slot), once stage 2 is on:
@@ -184,15 +203,16 @@ impl<K> BucketPlan<K> {
         self.sharding.as_ref().map(|s| s.owners[slot])
     }
 
-    /// What bucket `bucket`'s buffer holds, in order: each slot's values then every flag (the
-    /// slots in fill order); in a [sharded](Self::sharded) plan, block after block, each its
-    /// owner's values, then their flags, then padding. The pieces' lengths add up to
-    /// [`buffer_len`](Self::buffer_len), and each lies where the slots' offsets and flags say.
-    pub fn layout(&self, bucket: usize) -> Vec<Piece> {
+    /// What bucket `bucket`'s buffer holds, in order, on a rank that has the gradients of the
+    /// slots `present` names: each slot's values then every flag (the slots in fill order); in
+    /// a [sharded](Self::sharded) plan, block after block, each its owner's values, then their
+    /// flags, then padding. The pieces' lengths add up to [`buffer_len`](Self::buffer_len), and
+    /// each lies where the slots' offsets and flags say.
+    pub fn layout(&self, bucket: usize, present: impl Fn(usize) -> bool) -> Vec<Piece> {
         let slots = &self.buckets[bucket].0;
         let Some(sh) = &self.sharding else {
             let mut pieces: Vec<Piece> = slots.iter().map(|&s| Piece::Values(s)).collect();
-            pieces.push(Piece::Flags(slots.clone()));
+            pieces.push(Piece::flags(slots, &present));
             return pieces;
         };
         let mut pieces = Vec::new();
@@ -203,7 +223,7 @@ impl<K> BucketPlan<K> {
             let used: usize = owned.iter().map(|&s| self.slots[s].info.numel + 1).sum();
             pieces.extend(owned.iter().map(|&s| Piece::Values(s)));
             if !owned.is_empty() {
-                pieces.push(Piece::Flags(owned));
+                pieces.push(Piece::flags(&owned, &present));
             }
             if used < sh.blocks[bucket] {
                 pieces.push(Piece::Zeros(sh.blocks[bucket] - used));
@@ -400,8 +420,9 @@ mod tests {
         );
         assert_eq!(plan.slots[2].offset, 2);
         assert_eq!(plan.buckets[1].1, 10);
-        use Piece::{Flags, Values};
-        assert_eq!(plan.layout(0), [Values(0), Flags(vec![0])]);
+        use Piece::{Flags, Ones, Values};
+        assert_eq!(plan.layout(0, |_| true), [Values(0), Ones(1)]);
+        assert_eq!(plan.layout(0, |_| false), [Values(0), Flags(vec![0.0])]);
         // Unsharded, every rank receives the whole buffer.
         assert_eq!(plan.received_len(1), 15);
         assert_eq!(plan.received(2, Rank(1)), Some((2, 11)));
@@ -438,25 +459,26 @@ mod tests {
         assert_eq!([at(0), at(2)], [(0, 4), (3, 5)]);
         assert_eq!([at(1), at(3)], [(8, 14), (10, 15)]);
         assert_eq!(plan.owner(3), Some(Rank(1)));
-        // Packed in order: rank 0's values, flags and padding, then rank 1's.
-        let layout = plan.layout(0);
-        use Piece::{Flags, Values, Zeros};
+        // Packed in order: rank 0's values, flags and padding, then rank 1's; each block's
+        // flags one run of ones where this rank has all its gradients (here not slot 3's).
+        let layout = plan.layout(0, |slot| slot != 3);
+        use Piece::{Flags, Ones, Values, Zeros};
         assert_eq!(
             layout,
             [
                 Values(0),
                 Values(2),
-                Flags(vec![0, 2]),
+                Ones(2),
                 Zeros(2),
                 Values(1),
                 Values(3),
-                Flags(vec![1, 3])
+                Flags(vec![1.0, 0.0])
             ]
         );
         let lens = |p: &Piece| match p {
             Values(s) => plan.slots[*s].info.numel,
             Flags(f) => f.len(),
-            Zeros(n) => *n,
+            Ones(n) | Zeros(n) => *n,
         };
         assert_eq!(layout.iter().map(lens).sum::<usize>(), plan.buffer_len(0));
         // What each rank receives: its block, its own slots shifted to it, the others nowhere.
