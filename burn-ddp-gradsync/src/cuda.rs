@@ -138,9 +138,12 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
     // `call.len(which)` elements of `burn_dtype`), kept alive with its tensor.
     let span = |cube: CubeTensor, which: BucketBuffer| -> Result<DeviceSpan> {
-        let found = (cube.meta.shape().num_elements(), cube.dtype);
-        call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
-        pin(rank, cube, &call.what(which.name()))
+        pin(
+            rank,
+            cube,
+            &call.what(which.name()),
+            (call.len(which), burn_dtype),
+        )
     };
     let send = span(input, BucketBuffer::Input)?;
     let recv = span(output, BucketBuffer::Output)?;
@@ -149,9 +152,12 @@ fn enqueue(comm: &NcclComm, job: BucketJob, counters: &DeviceCounters) -> Result
     unsafe { reduce_bucket(comm, call, [send, recv]) }
 }
 
-/// The allocation behind `cube` (checked by the caller: contiguous, on this GPU), kept alive
-/// and unreused with its tensor while the span lives; `what` names it in errors.
-fn pin(rank: Rank, cube: CubeTensor, what: &str) -> Result<DeviceSpan> {
+/// The allocation behind `cube` (on this GPU), checked to be contiguous and to hold `want`
+/// (elements, type), kept alive and unreused with its tensor while the span lives; `what` names
+/// it in errors.
+fn pin(rank: Rank, cube: CubeTensor, what: &str, want: (usize, BurnDType)) -> Result<DeviceSpan> {
+    let found = (cube.meta.shape().num_elements(), cube.dtype);
+    check_bucket_tensor(rank, what, cube.is_contiguous(), found, want)?;
     let resource = (cube.client)
         .get_resource::<<CudaRuntime as Runtime>::Server>(cube.handle.clone())
         .map_err(|e| no_device_resource(rank, what, e))?;
@@ -281,13 +287,10 @@ impl DevicePath {
             burn_cubecl::kernel::into_contiguous(cube_tensor(rank, send, &send_what, counters)?);
         <CubeBackend as burn::backend::Backend>::sync(&send.device)
             .map_err(|e| queued_work_failed(rank, e))?;
-        let span = |cube: CubeTensor, what: &str, len: usize| -> Result<DeviceSpan> {
-            let found = (cube.meta.shape().num_elements(), cube.dtype);
-            let contiguous = cube.is_contiguous();
-            check_bucket_tensor(rank, what, contiguous, found, (len, BurnDType::F32))?;
-            pin(rank, cube, what)
-        };
-        let spans = [span(send, &send_what, block)?, span(recv, &recv_what, all)?];
+        let spans = [
+            pin(rank, send, &send_what, (block, BurnDType::F32))?,
+            pin(rank, recv, &recv_what, (all, BurnDType::F32))?,
+        ];
         // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
         // above completed; the call holds both until NCCL's stream is done with them.
         unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }?;

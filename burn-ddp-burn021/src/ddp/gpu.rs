@@ -195,9 +195,12 @@ fn enqueue(
     // The allocation behind the bucket's `which` buffer (contiguous, on this GPU,
     // `call.len(which)` elements of `burn_dtype`), kept alive with its tensor.
     let span = |cube: CubeTensor<CudaRuntime>, which: BucketBuffer| -> Result<DeviceSpan> {
-        let found = (cube.meta.shape().num_elements(), cube.dtype);
-        call.check_tensor(rank, which, cube.is_contiguous(), found, burn_dtype)?;
-        pin(rank, cube, &call.what(which.name()))
+        pin(
+            rank,
+            cube,
+            &call.what(which.name()),
+            (call.len(which), burn_dtype),
+        )
     };
     let send = span(input, BucketBuffer::Input)?;
     let recv = span(output, BucketBuffer::Output)?;
@@ -207,9 +210,17 @@ fn enqueue(
     unsafe { reduce_bucket(comm, call, [send, recv]) }
 }
 
-/// The allocation behind `cube` (checked by the caller: contiguous, on this GPU), kept alive
-/// and unreused with its tensor while the span lives; `what` names it in errors.
-fn pin(rank: Rank, cube: CubeTensor<CudaRuntime>, what: &str) -> Result<DeviceSpan> {
+/// The allocation behind `cube` (on this GPU), checked to be contiguous and to hold `want`
+/// (elements, type), kept alive and unreused with its tensor while the span lives; `what` names
+/// it in errors.
+fn pin(
+    rank: Rank,
+    cube: CubeTensor<CudaRuntime>,
+    what: &str,
+    want: (usize, DType),
+) -> Result<DeviceSpan> {
+    let found = (cube.meta.shape().num_elements(), cube.dtype);
+    check_bucket_tensor(rank, what, cube.is_contiguous(), found, want)?;
     let resource = cube.client.get_resource(cube.handle.clone());
     let resource = resource.map_err(|e| no_device_resource(rank, what, e))?;
     let (ptr, bytes) = (resource.resource().ptr, resource.resource().size);
@@ -243,13 +254,10 @@ pub(crate) fn all_gather_run(
     let send = burn_cubecl::kernel::into_contiguous(send.resolve());
     <Cube as Backend>::sync(&device).map_err(|e| queued_work_failed(rank, e))?;
     let (send_what, recv_what) = (format!("block of {what}"), format!("gathered {what}"));
-    let span = |cube: CubeTensor<CudaRuntime>, what: &str, len: usize| -> Result<DeviceSpan> {
-        let found = (cube.meta.shape().num_elements(), cube.dtype);
-        let contiguous = cube.is_contiguous();
-        check_bucket_tensor(rank, what, contiguous, found, (len, DType::F32))?;
-        pin(rank, cube, what)
-    };
-    let spans = [span(send, &send_what, block)?, span(recv, &recv_what, all)?];
+    let spans = [
+        pin(rank, send, &send_what, (block, DType::F32))?,
+        pin(rank, recv, &recv_what, (all, DType::F32))?,
+    ];
     // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
     // above completed; the call holds both until NCCL's stream is done with them.
     unsafe { all_gather_blocks(comm, what, (block, burn_ddp_comm::DType::F32), spans) }?;

@@ -7,7 +7,7 @@ use crate::error::CudaError;
 use std::any::Any;
 use std::fmt;
 
-use super::nccl::{check_bucket_span, check_bucket_tensor, NcclComm};
+use super::nccl::{check_bucket_span, NcclComm};
 use crate::comm::DRAIN_LIMIT;
 use crate::comm::{DType, ReduceOp};
 use crate::error::{DdpError, Result};
@@ -110,23 +110,6 @@ impl BucketCall {
             BucketBuffer::Input => self.count,
             BucketBuffer::Output => self.block.unwrap_or(self.count),
         }
-    }
-
-    /// Checks the bucket's `which` buffer before its device pointer is taken: contiguous,
-    /// [`len`](Self::len) elements of the line's dtype `want` (`found`: its elements and dtype).
-    ///
-    /// # Errors
-    /// [`DdpError::bucket_layout`] saying what differs.
-    pub fn check_tensor<T: PartialEq + fmt::Debug>(
-        &self,
-        rank: Rank,
-        which: BucketBuffer,
-        contiguous: bool,
-        found: (usize, T),
-        want: T,
-    ) -> Result<()> {
-        let want = (self.len(which), want);
-        check_bucket_tensor(rank, &self.what(which.name()), contiguous, found, want)
     }
 }
 
@@ -252,6 +235,7 @@ pub fn no_device_resource(rank: Rank, what: &str, e: impl fmt::Debug) -> DdpErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::check_bucket_tensor;
 
     #[test]
     fn a_span_keeps_what_it_was_given_until_dropped() {
@@ -276,9 +260,10 @@ mod tests {
         };
         assert_eq!(call.what("packed input"), "packed input of bucket 3");
         assert_eq!(call.len(BucketBuffer::Output), 4);
-        let e = call
-            .check_tensor(Rank(1), BucketBuffer::Output, true, (8, "F32"), "F32")
-            .unwrap_err();
+        // As both lines check a buffer before pinning it (`check_bucket_tensor`).
+        let what = call.what(BucketBuffer::Output.name());
+        let want = (call.len(BucketBuffer::Output), "F32");
+        let e = check_bucket_tensor(Rank(1), &what, true, (8, "F32"), want).unwrap_err();
         assert!(e.to_string().contains("output buffer of bucket 3"), "{e}");
         assert!(check_blocks(Rank(1), &call, 4, 2).is_ok());
         let e = check_blocks(Rank(1), &call, 4, 4).unwrap_err().to_string();
