@@ -120,6 +120,7 @@ mod data;
 // The device transport: NCCL's with `cuda`; over a stand-in link in this crate's tests.
 #[cfg(any(feature = "cuda", test))]
 mod device;
+pub mod fsdp;
 mod grads;
 mod hook;
 mod loop_state;
@@ -153,5 +154,6 @@ pub use burn_ddp_comm::{
     ParamInfo, ProcessGroup, Rank, ReduceOp, RendezvousError, Result, Timeouts, WorldSize,
 };
 pub use data::DistributedSampler;
+pub use fsdp::{FsdpConfig, FullyShard};
 pub use sync::GradSync;
 pub use zero::ZeroOptimizer;

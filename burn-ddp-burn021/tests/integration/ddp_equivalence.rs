@@ -234,6 +234,8 @@ impl Line for Line021 {
                 Opt::Adam | Opt::AdamZero | Opt::AdamZero2 => {
                     run::<M, _>(pg, s, || AdamConfig::new().init())
                 }
+                // This line's suite does not run `fsdp_suite!` (FSDP is not on Burn 0.21 yet).
+                Opt::AdamFsdp(_) => panic!("FSDP is not on the Burn 0.21 line: {}", s.name),
             }
         }
         match s.net {

@@ -21,6 +21,9 @@
 //!   [`AllReduce`] in f32, fp16 or bf16, or [`PowerSgdState`]; [`reduce_bucket`] for one bucket
 //! - `order.rs`: [`LaunchOrder`], the rule by which every transport launches a pass's buckets
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
+//! - `fsdp.rs`: [`ShardLayout`], FSDP's cut of one parameter on its first dimension among the
+//!   ranks, its all-gather ([`gather_in`]) and its gradient's reduce-scatter
+//!   ([`reduce_scatter_in`]) in a [`Precision`]; [`FsdpConfig`]; [`global_norm`] over shards
 //! - `zero.rs`: [`ZeroPlan`], ZeRO's owner of each parameter and the all-gather of the
 //!   stepped parameters; [`ZeroShards`], the plan by parameter id; [`check_stage2`], what
 //!   stage 2 (buckets reduce-scattered over a [sharded](BucketPlan::sharded) plan) refuses
@@ -40,6 +43,7 @@ mod buffers;
 mod check;
 mod counts;
 mod drain;
+mod fsdp;
 mod hook;
 mod host;
 mod issue;
@@ -60,6 +64,7 @@ pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
+pub use fsdp::{gather_in, global_norm, reduce_scatter_in, FsdpConfig, Precision, ShardLayout};
 pub use hook::{reduce_bucket, scatter_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use issue::{BucketIssuer, InFlight};
@@ -84,6 +89,8 @@ pub enum NotCarried {
     Zero,
     /// Uneven inputs (`join`).
     Join,
+    /// FSDP's sharded parameters.
+    Fsdp,
 }
 
 impl NotCarried {
@@ -107,6 +114,12 @@ impl NotCarried {
                 "ZeRO (zero)",
                 "each rank holds its own shard of the optimizer state, which a lost rank takes \
                  with it; use the whole optimizer on every rank",
+            ),
+            Self::Fsdp => (
+                "FSDP (FullyShard)",
+                "each rank holds the only copy of its shard of every parameter, which a lost \
+                 rank takes with it; train with whole replicas (GradSync) under \
+                 --fault-tolerant, or FSDP without it",
             ),
             Self::Join => (
                 "uneven inputs (join)",

@@ -21,7 +21,8 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use compare::{assert_close, F32};
-use line::{Compression, DdpConfig, DdpError, GradSync, ProcessGroup};
+use line::fsdp::gather;
+use line::{Compression, DdpConfig, DdpError, FsdpConfig, FullyShard, GradSync, ProcessGroup};
 
 use burn_ddp_dev::conformance::{self, Line, Scenario, Trained, IN, OUT, PER_RANK, STEPS};
 
@@ -90,8 +91,14 @@ impl Net for Mlp {
         Self::new(device, 16)
     }
     fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
-        let h = self.act.forward(self.fc1.forward(x));
-        (self.fc2.forward(h) - y).powi_scalar(2).mean()
+        // `gather`: the FSDP scenarios' one changed line per block; without a `FullyShard`,
+        // or on a whole model, the block itself.
+        // Under FSDP's bf16 policy the gathered weights are bf16: the input is cast to them
+        // (FSDP2's `cast_forward_inputs`), the output back to the loss's f32.
+        let (fc1, fc2) = (gather(&self.fc1), gather(&self.fc2));
+        let x = x.cast(fc1.weight.val().dtype());
+        let h = self.act.forward(fc1.forward(x));
+        (fc2.forward(h).cast(y.dtype()) - y).powi_scalar(2).mean()
     }
 }
 
@@ -106,8 +113,8 @@ impl Net for ConvNet {
     fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
         let n = x.dims()[0];
         let img = x.reshape([n, 1, 4, 2]).repeat_dim(3, 2); // [n, 1, 4, 4]
-        let h = self.act.forward(self.conv.forward(img)); // [n, 4, 2, 2]
-        (self.fc.forward(h.reshape([n, 16])) - y)
+        let h = self.act.forward(gather(&self.conv).forward(img)); // [n, 4, 2, 2]
+        (gather(&self.fc).forward(h.reshape([n, 16])) - y)
             .powi_scalar(2)
             .mean()
     }
@@ -157,8 +164,11 @@ impl Net for Tied {
         }
     }
     fn loss(&self, x: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
-        let h = self.fc.forward(self.fc.forward(x).tanh()).tanh();
-        (self.out.forward(h) - y).powi_scalar(2).mean()
+        // Gathered once, used twice: its gradient is the sum of both uses before it is
+        // reduce-scattered.
+        let fc = gather(&self.fc);
+        let h = fc.forward(fc.forward(x).tanh()).tanh();
+        (gather(&self.out).forward(h) - y).powi_scalar(2).mean()
     }
 }
 
@@ -201,8 +211,9 @@ struct ThisLine;
 impl Line for ThisLine {
     fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
         fn with<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
-            match s.mode {
-                conformance::Mode::Resume(_) => run_resume::<M>(pg, s),
+            match (s.mode, s.opt) {
+                (_, conformance::Opt::AdamFsdp(config)) => run_fsdp::<M>(pg, s, config),
+                (conformance::Mode::Resume(_), _) => run_resume::<M>(pg, s),
                 _ => run::<M>(pg, s),
             }
         }
@@ -218,12 +229,17 @@ impl Line for ThisLine {
 
 burn_ddp_dev::conformance_suite!(ThisLine);
 
+mod fsdp {
+    burn_ddp_dev::fsdp_suite!(super::ThisLine);
+}
+
 fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
     match opt {
         conformance::Opt::Sgd => SgdConfig::new().init(),
-        conformance::Opt::Adam | conformance::Opt::AdamZero | conformance::Opt::AdamZero2 => {
-            AdamConfig::new().init()
-        }
+        conformance::Opt::Adam
+        | conformance::Opt::AdamZero
+        | conformance::Opt::AdamZero2
+        | conformance::Opt::AdamFsdp(_) => AdamConfig::new().init(),
     }
 }
 
@@ -291,6 +307,101 @@ fn run_resume<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     }
     Trained {
         ddp: params(&model),
+        reference: params(&reference),
+        alone: params(&alone),
+    }
+}
+
+/// `m` with every float parameter cast to `dtype` (through autodiff: the gradients reach the
+/// f32 parameters).
+fn cast_params<M: Module>(m: &M, dtype: burn::tensor::DType) -> M {
+    struct Cast(burn::tensor::DType);
+    impl burn::module::ModuleMapper for Cast {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dtype = self.0;
+            p.map(|t| t.cast(dtype))
+        }
+    }
+    m.clone().map(&mut Cast(dtype))
+}
+
+/// An FSDP scenario (`conformance::Opt::AdamFsdp`) on this rank: the model sharded by
+/// `FullyShard` (on a gradient-checkpointing device when the parameters are gathered again for
+/// backward), each block gathered in the nets' forward, Burn's Adam stepping the shards; the
+/// reference and the negative control from the gathered start, compared with the gathered end.
+fn run_fsdp<M: Net>(pg: ProcessGroup, s: &Scenario, config: FsdpConfig) -> Trained {
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let plain = device();
+    let here = match config.reshard_after_forward {
+        true => plain.clone().gradient_checkpointing(),
+        false => plain.clone(),
+    };
+    // A different init per rank: `shard` must cut rank 0's.
+    here.seed(conformance::init_seed(rank));
+    let fsdp = FullyShard::new(pg, config).unwrap();
+    let mut model = fsdp.shard(M::build(&here)).unwrap();
+    let start = fsdp.full_model(&model).unwrap().into_record();
+    let mut reference = M::build(&plain).load_record(start.clone());
+    let mut alone = M::build(&plain).load_record(start);
+    let (held, whole) = fsdp.held_values(&model);
+    if world > 1 {
+        assert!(held < whole, "{held} of {whole} values held");
+    }
+    let (mut opt, mut opt_ref, mut opt_alone) =
+        (optimizer(s.opt), optimizer(s.opt), optimizer(s.opt));
+    let lr = conformance::LR;
+    // The reference and the negative control compute in the gathered precision too (their
+    // f32 parameters cast, differentiably): one process under the same policy.
+    let policy = |m: &M| match config.param_dtype {
+        line::fsdp::Precision::F32 => m.clone(),
+        line::fsdp::Precision::Bf16 => cast_params(m, burn::tensor::DType::BF16),
+        line::fsdp::Precision::F16 => cast_params(m, burn::tensor::DType::F16),
+    };
+    let micros = match s.mode {
+        conformance::Mode::Plain => 1,
+        conformance::Mode::Accumulate(k) => k,
+        other => panic!("no FSDP scenario runs {other:?}"),
+    };
+    for step in 0..STEPS {
+        let mut acc = GradientsAccumulator::<M>::new();
+        let mut acc_ref = GradientsAccumulator::<M>::new();
+        let mut acc_alone = GradientsAccumulator::<M>::new();
+        for micro in 0..micros {
+            let (x, y) = batch(step * micros + micro, world);
+            // On the model's device: tensors of one operation share a checkpointing strategy.
+            let mine = |t: &Tensor<2>| {
+                Tensor::from_data(shard(t.clone(), rank, PER_RANK).into_data(), &here)
+            };
+            // Each micro-step's backward reduce-scatters its shards' gradients (FSDP2's
+            // default); the accumulated shards are the mean's.
+            let before = fsdp.gathers();
+            let loss = model.loss(mine(&x), mine(&y));
+            let forward = fsdp.gathers() - before;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let backward = fsdp.gathers() - before - forward;
+            // Resharded, the backward gathers again the weights it reads (the matrix products'
+            // and the convolution's); kept, it gathers nothing.
+            match (world > 1, config.reshard_after_forward) {
+                (true, true) => assert!(backward > 0, "{forward} gathers, none again"),
+                _ => assert_eq!(backward, 0, "gathers in backward without resharding"),
+            }
+            acc.accumulate(&model, fsdp.sync(&model, grads).unwrap());
+            let plain_rows = |t: &Tensor<2>| shard(t.clone(), rank, PER_RANK);
+            let loss = policy(&alone).loss(plain_rows(&x), plain_rows(&y));
+            acc_alone.accumulate(&alone, GradientsParams::from_grads(loss.backward(), &alone));
+            let loss = policy(&reference).loss(x, y);
+            acc_ref.accumulate(
+                &reference,
+                GradientsParams::from_grads(loss.backward(), &reference),
+            );
+        }
+        model = opt.step(lr, model, acc.grads());
+        reference = opt_ref.step(lr, reference, acc_ref.grads());
+        alone = opt_alone.step(lr, alone, acc_alone.grads());
+    }
+    Trained {
+        ddp: params(&fsdp.full_model(&model).unwrap()),
         reference: params(&reference),
         alone: params(&alone),
     }

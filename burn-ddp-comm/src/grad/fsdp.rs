@@ -1,0 +1,369 @@
+//! Fully sharded data parallelism (FSDP, ZeRO stage 3) without Burn: how one parameter is cut
+//! into the ranks' shards on its first dimension, the all-gather that makes it whole for a
+//! block's forward, the reduce-scatter that hands each rank its shard of the gradient, and the
+//! global gradient norm over the shards. The Burn lines wrap these in autodiff operations of
+//! their own (`fsdp.rs` of each line).
+//!
+//! A parameter of shape `[rows, d1, d2, ...]` is a matrix of `rows` rows of
+//! `row_len = d1·d2·…` values. Each of the `world` ranks holds `per_rank = ⌈rows / world⌉`
+//! consecutive rows (rank `r` the rows from `r·per_rank`), the last ranks' shards padded with
+//! rows of zeros (FSDP2's padding of uneven shards): `world · per_rank` rows in all. The
+//! padding never reaches the model (the gathered parameter is cut back to `rows`), its
+//! gradient is zero, so every optimizer whose update of a zero parameter with a zero gradient
+//! is zero (Burn's SGD, momentum, Adam, AdamW) keeps it zero.
+
+use crate::types::{Element, ReduceOp};
+use crate::{ProcessGroup, Result};
+
+/// How the parameter of `rows` rows of `row_len` values is cut among `world` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ShardLayout {
+    /// The parameter's first dimension.
+    pub rows: usize,
+    /// Values per row (the product of the other dimensions; 1 for a vector).
+    pub row_len: usize,
+    /// The ranks it is cut among.
+    pub world: usize,
+}
+
+impl ShardLayout {
+    /// The layout of a parameter of `shape` (at least one dimension) among `world` ranks.
+    pub fn new(shape: &[usize], world: usize) -> Self {
+        let rows = shape.first().copied().unwrap_or(1);
+        Self {
+            rows,
+            row_len: shape.iter().skip(1).product(),
+            world: world.max(1),
+        }
+    }
+
+    /// Rows per rank, padding included: `⌈rows / world⌉` (at least 1).
+    pub fn per_rank(&self) -> usize {
+        self.rows.div_ceil(self.world).max(1)
+    }
+
+    /// Values in one rank's shard.
+    pub fn shard_len(&self) -> usize {
+        self.per_rank() * self.row_len
+    }
+
+    /// Values in the whole parameter (no padding).
+    pub fn full_len(&self) -> usize {
+        self.rows * self.row_len
+    }
+
+    /// Rows of padding in the shards together (`world · per_rank − rows`).
+    pub fn padding_rows(&self) -> usize {
+        self.world * self.per_rank() - self.rows
+    }
+
+    /// The shape of a shard of a parameter of `shape`: `per_rank` rows.
+    pub fn shard_shape(&self, shape: &[usize]) -> Vec<usize> {
+        let mut out = shape.to_vec();
+        if let Some(first) = out.first_mut() {
+            *first = self.per_rank();
+        }
+        out
+    }
+
+    /// Of the parameter's real rows, those rank `rank` holds (empty for a rank that holds
+    /// padding only).
+    pub fn real_rows(&self, rank: usize) -> std::ops::Range<usize> {
+        let start = (rank * self.per_rank()).min(self.rows);
+        start..((rank + 1) * self.per_rank()).min(self.rows)
+    }
+
+    /// Rank `rank`'s shard of the whole parameter `full` (`full_len` values), padded with
+    /// zeros to `shard_len`.
+    pub fn shard_of<T: Copy + Default>(&self, rank: usize, full: &[T]) -> Vec<T> {
+        let rows = self.real_rows(rank);
+        let mut out = full[rows.start * self.row_len..rows.end * self.row_len].to_vec();
+        out.resize(self.shard_len(), T::default());
+        out
+    }
+
+    /// Every rank's shard of `full`, gathered into the whole parameter: `world · shard_len`
+    /// values in rank order, cut back to `full_len` (the padding dropped).
+    ///
+    /// # Errors
+    /// A `shard` of another length than [`shard_len`](Self::shard_len) (`BufferSize`); the
+    /// errors of [`ProcessGroup::all_gather`].
+    pub fn all_gather<T: Element + Default>(
+        &self,
+        pg: &ProcessGroup,
+        shard: &[T],
+    ) -> Result<Vec<T>> {
+        let mut all = vec![T::default(); self.world * shard.len()];
+        pg.all_gather(shard, &mut all)?;
+        if shard.len() != self.shard_len() {
+            return Err(crate::DdpError::model_access(
+                pg.rank(),
+                "gathering a sharded parameter",
+                format!(
+                    "this rank's shard has {} values where its layout ({} rows of {} among {} \
+                     ranks) says {}: was the model sharded for another world size?",
+                    shard.len(),
+                    self.rows,
+                    self.row_len,
+                    self.world,
+                    self.shard_len()
+                ),
+            ));
+        }
+        all.truncate(self.full_len());
+        Ok(all)
+    }
+
+    /// The whole parameter's gradient `full` (`full_len` values, this rank's) reduced over
+    /// `pg` by `op`, of which this rank receives its shard (`shard_len` values, zero in its
+    /// padding).
+    ///
+    /// # Errors
+    /// A `full` of another length than [`full_len`](Self::full_len); the errors of
+    /// [`ProcessGroup::reduce_scatter`].
+    pub fn reduce_scatter<T: Element + Default>(
+        &self,
+        pg: &ProcessGroup,
+        full: &[T],
+        op: ReduceOp,
+    ) -> Result<Vec<T>> {
+        let mut send = full.to_vec();
+        send.resize(self.world * self.shard_len(), T::default());
+        let mut mine = vec![T::default(); self.shard_len()];
+        pg.reduce_scatter(&send, &mut mine, op)?;
+        if full.len() != self.full_len() {
+            return Err(crate::DdpError::model_access(
+                pg.rank(),
+                "reduce-scattering a sharded parameter's gradient",
+                format!(
+                    "the gradient has {} values where the parameter ({} rows of {}) has {}",
+                    full.len(),
+                    self.rows,
+                    self.row_len,
+                    self.full_len()
+                ),
+            ));
+        }
+        Ok(mine)
+    }
+}
+
+/// The precision of a sharded parameter while it is gathered, or of its gradient while it is
+/// reduced (FSDP2's `MixedPrecisionPolicy`). The shards themselves, and the optimizer's step on
+/// them, stay in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// IEEE single precision.
+    #[default]
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+/// FSDP's options (PyTorch FSDP2's `fully_shard` arguments).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsdpConfig {
+    /// Free a block's gathered parameters after its forward and gather them again when its
+    /// backward needs them (FSDP2's `reshard_after_forward`, on by default): the whole
+    /// parameters of only one block live at a time, for a second all-gather per block and
+    /// step. Needs Burn's `BalancedCheckpointing` (`Autodiff<B, BalancedCheckpointing>`),
+    /// whose checkpointer can run an operation again in backward; off, a block's gathered
+    /// parameters live until its backward is done.
+    pub reshard_after_forward: bool,
+    /// The precision the parameters are gathered and computed in (FSDP2's `param_dtype`).
+    pub param_dtype: Precision,
+    /// The precision gradients are reduce-scattered in (FSDP2's `reduce_dtype`).
+    pub reduce_dtype: Precision,
+    /// Mean (PyTorch's) or sum of the ranks' gradients.
+    pub reduction: super::GradReduction,
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        Self {
+            reshard_after_forward: true,
+            param_dtype: Precision::F32,
+            reduce_dtype: Precision::F32,
+            reduction: super::GradReduction::Mean,
+        }
+    }
+}
+
+impl FsdpConfig {
+    /// With `reshard_after_forward` set.
+    pub fn with_reshard_after_forward(mut self, on: bool) -> Self {
+        self.reshard_after_forward = on;
+        self
+    }
+
+    /// With the gathered parameters in `precision`.
+    pub fn with_param_dtype(mut self, precision: Precision) -> Self {
+        self.param_dtype = precision;
+        self
+    }
+
+    /// With the gradients reduced in `precision`.
+    pub fn with_reduce_dtype(mut self, precision: Precision) -> Self {
+        self.reduce_dtype = precision;
+        self
+    }
+
+    /// With the ranks' gradients summed or averaged.
+    pub fn with_reduction(mut self, reduction: super::GradReduction) -> Self {
+        self.reduction = reduction;
+        self
+    }
+}
+
+/// The whole parameter from this rank's `shard` (f32), gathered over `pg` in `precision`:
+/// `full_len` f32 values (rounded through `precision`).
+///
+/// # Errors
+/// As [`ShardLayout::all_gather`].
+pub fn gather_in(
+    layout: &ShardLayout,
+    pg: &ProcessGroup,
+    shard: &[f32],
+    precision: Precision,
+) -> Result<Vec<f32>> {
+    match precision {
+        Precision::F32 => layout.all_gather(pg, shard),
+        Precision::F16 => {
+            let half: Vec<half::f16> = shard.iter().map(|&v| half::f16::from_f32(v)).collect();
+            Ok(layout
+                .all_gather(pg, &half)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect())
+        }
+        Precision::Bf16 => {
+            let half: Vec<half::bf16> = shard.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            Ok(layout
+                .all_gather(pg, &half)?
+                .iter()
+                .map(|v| v.to_f32())
+                .collect())
+        }
+    }
+}
+
+/// This rank's shard of the whole gradient `full` reduced over `pg` by `op`, in `precision`:
+/// `shard_len` f32 values.
+///
+/// # Errors
+/// As [`ShardLayout::reduce_scatter`].
+pub fn reduce_scatter_in(
+    layout: &ShardLayout,
+    pg: &ProcessGroup,
+    full: &[f32],
+    op: ReduceOp,
+    precision: Precision,
+) -> Result<Vec<f32>> {
+    match precision {
+        Precision::F32 => layout.reduce_scatter(pg, full, op),
+        Precision::F16 => {
+            let half: Vec<half::f16> = full.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let out = layout.reduce_scatter(pg, &half, op)?;
+            Ok(out.iter().map(|v| v.to_f32()).collect())
+        }
+        Precision::Bf16 => {
+            let half: Vec<half::bf16> = full.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let out = layout.reduce_scatter(pg, &half, op)?;
+            Ok(out.iter().map(|v| v.to_f32()).collect())
+        }
+    }
+}
+
+/// The gradients' global L2 norm and the factor that clips it to `max_norm` (PyTorch's
+/// `clip_grad_norm_`: `max_norm / (norm + 1e-6)` when that is below 1, else 1): `sharded` is
+/// the sum of the squares of this rank's shards' gradients (each value held by one rank),
+/// `replicated` that of the gradients every rank holds whole (counted once). One all-reduce
+/// of one value.
+///
+/// # Errors
+/// A `max_norm` that is not finite and positive; the errors of [`ProcessGroup::all_reduce`].
+pub fn global_norm(
+    pg: &ProcessGroup,
+    sharded: f64,
+    replicated: f64,
+    max_norm: f64,
+) -> Result<(f64, f64)> {
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(crate::DdpError::Config(crate::ConfigError::InvalidOption {
+            option: "max_norm",
+            reason: format!(
+                "{max_norm} is not a finite, positive norm; pass the largest global gradient \
+                 norm to allow (PyTorch's clip_grad_norm_ max_norm), e.g. 1.0"
+            ),
+        }));
+    }
+    let mut total = [sharded];
+    pg.all_reduce(&mut total, ReduceOp::Sum)?;
+    let norm = (total[0] + replicated).sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    Ok((norm, coef.min(1.0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uneven_rows_are_padded_on_the_last_ranks() {
+        let l = ShardLayout::new(&[5, 2], 3);
+        assert_eq!((l.per_rank(), l.shard_len(), l.padding_rows()), (2, 4, 1));
+        assert_eq!(l.shard_shape(&[5, 2]), vec![2, 2]);
+        let full: Vec<f32> = (0..10).map(|v| v as f32).collect();
+        assert_eq!(l.shard_of(0, &full), vec![0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(l.shard_of(2, &full), vec![8.0, 9.0, 0.0, 0.0]);
+        // Fewer rows than ranks: the last ranks hold padding only.
+        let l = ShardLayout::new(&[2], 4);
+        assert_eq!((l.per_rank(), l.real_rows(3)), (1, 2..2));
+        assert_eq!(l.shard_of(3, &[7.0, 8.0]), vec![0.0]);
+    }
+
+    #[test]
+    fn gather_and_reduce_scatter_invert_the_cut_across_threads() {
+        use crate::{ProcessGroup, Timeouts, WorldSize};
+        let shape = [7usize, 3];
+        let full: Vec<f32> = (0..21).map(|v| v as f32 * 0.5).collect();
+        let groups = ProcessGroup::local(WorldSize::new(3).unwrap(), Timeouts::default());
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                let full = full.clone();
+                std::thread::spawn(move || {
+                    let l = ShardLayout::new(&shape, 3);
+                    let rank = pg.rank().index();
+                    let shard = l.shard_of(rank, &full);
+                    let whole = gather_in(&l, &pg, &shard, Precision::F32).unwrap();
+                    assert_eq!(whole, full);
+                    // Every rank's gradient is the whole parameter times (rank + 1): the mean's
+                    // shard is twice this rank's rows.
+                    let grad: Vec<f32> = full.iter().map(|v| v * (rank + 1) as f32).collect();
+                    let mine =
+                        reduce_scatter_in(&l, &pg, &grad, ReduceOp::Mean, Precision::F32).unwrap();
+                    let want: Vec<f32> = l.shard_of(rank, &full).iter().map(|v| v * 2.0).collect();
+                    assert_eq!(mine, want);
+                    let bf = gather_in(&l, &pg, &shard, Precision::Bf16).unwrap();
+                    assert!(bf
+                        .iter()
+                        .zip(&full)
+                        .all(|(a, b)| (a - b).abs() <= 0.01 * b.abs()));
+                    // Norm: every rank holds a shard of a gradient of ones (21 values, 2 rows of
+                    // padding), and a replicated gradient of 4 ones.
+                    let sq = l.shard_of(rank, &[1.0f32; 21]).iter().sum::<f32>() as f64;
+                    let (norm, coef) = global_norm(&pg, sq, 4.0, 1.0).unwrap();
+                    assert!((norm - 5.0).abs() < 1e-9, "{norm}");
+                    assert!((coef - 1.0 / (5.0 + 1e-6)).abs() < 1e-12);
+                    assert!(global_norm(&pg, sq, 4.0, 0.0).is_err());
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    }
+}

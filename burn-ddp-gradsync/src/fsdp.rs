@@ -1,0 +1,822 @@
+//! Fully sharded data parallelism (FSDP, ZeRO stage 3; PyTorch FSDP2's `fully_shard`) on Burn
+//! 0.22 and 0.23: every rank holds a shard of every parameter (its first dimension cut among
+//! the ranks, `burn_ddp_comm::grad::ShardLayout`), hence of its gradient and of the optimizer's
+//! state, and a block's whole parameters exist only while the block computes.
+//!
+//! ```text
+//! let fsdp = FullyShard::new(pg, FsdpConfig::default())?;
+//! let mut model = fsdp.shard(model)?;            // rank 0's weights, cut; this rank's shard
+//! // in the model's forward, one changed line per block:
+//! //     let x = fsdp::gather(&self.block).forward(x);
+//! let grads = GradientsParams::from_grads(loss.backward(), &model); // shards' gradients
+//! let grads = fsdp.sync(&model, grads)?;         // backward's failures; unsharded params' mean
+//! model = optim.step(lr, model, grads);          // Burn's optimizer on the shards, unchanged
+//! ```
+//!
+//! [`gather`] is an autodiff operation of this crate's (as `SyncBatchNorm`'s all-reduce): its
+//! forward all-gathers the shards into the whole parameter, its backward reduce-scatters the
+//! whole gradient so that each rank receives the mean over the ranks of its own shard, while
+//! backward goes on. With `reshard_after_forward` (the default, as FSDP2) the operation is
+//! registered memory-bound with a retro-forward that gathers again: Burn's
+//! `BalancedCheckpointing` then keeps the recipe instead of the whole parameter, and gathers it
+//! again when the block's backward first reads it (docs/design.md, "FSDP"). Every rank runs the
+//! same forward and the same graph, so the gathers and reduce-scatters meet in one order.
+#![cfg_attr(
+    not(any(feature = "flex", feature = "ndarray", feature = "cuda")),
+    allow(dead_code)
+)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
+use burn_ddp_comm::grad::{self, ShardLayout};
+pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
+use burn_ddp_comm::train::vote::FailureSlot;
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
+
+use crate::sync::AsReplica;
+
+/// One sharded parameter: its whole shape and how it is cut.
+#[derive(Debug, Clone)]
+pub(crate) struct Spec {
+    shape: Vec<usize>,
+    layout: ShardLayout,
+}
+
+#[derive(Debug)]
+struct Inner {
+    pg: ProcessGroup,
+    config: FsdpConfig,
+    specs: Mutex<HashMap<ParamId, Spec>>,
+    failure: FailureSlot,
+    /// All-gathers run (in forward, and again in backward where resharded).
+    gathers: AtomicU64,
+}
+
+/// A job's fully sharded parameters: how each was cut, the group they are gathered over, and
+/// the failures of the gathers in forward and backward, kept for [`FullyShard::sync`]. Cheap
+/// to clone (one shared state).
+///
+/// Made on a thread, it is that thread's (and, for threads that made none, the process's)
+/// current sharding: the one the free function [`gather`] uses, so that a model's `forward`
+/// needs no handle to it.
+#[derive(Debug, Clone)]
+pub struct FullyShard {
+    inner: Arc<Inner>,
+}
+
+static CURRENT: Mutex<Option<Weak<Inner>>> = Mutex::new(None);
+
+thread_local! {
+    static THREAD_CURRENT: RefCell<Option<Weak<Inner>>> = const { RefCell::new(None) };
+}
+
+/// The whole parameters of `block`'s sharded parameters, for its forward (FSDP2's
+/// pre-forward all-gather), through the current [`FullyShard`] (the one made on this thread,
+/// else the process's last); `block` itself where there is none or it shards none of `block`'s
+/// parameters. Call it on every rank, in the same order: it is a collective per sharded
+/// parameter. Differentiable: the gradient of each whole parameter is reduce-scattered to the
+/// ranks' shards in backward.
+pub fn gather<M: Module>(block: &M) -> M {
+    let current = THREAD_CURRENT
+        .with(|t| t.borrow().as_ref().and_then(Weak::upgrade))
+        .or_else(|| {
+            CURRENT
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .and_then(Weak::upgrade)
+        });
+    match current {
+        Some(inner) => FullyShard { inner }.gather(block),
+        None => block.clone(),
+    }
+}
+
+impl FullyShard {
+    /// FSDP over `pg`, with `config`'s options; this thread's (and the process's) current
+    /// sharding from now on.
+    ///
+    /// # Errors
+    /// Options this line cannot honour on `pg`: a fault-tolerant group (a lost rank takes its
+    /// shards with it).
+    pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<Self> {
+        grad::NotCarried::Fsdp.refuse_on(&pg)?;
+        let inner = Arc::new(Inner {
+            pg,
+            config,
+            specs: Mutex::new(HashMap::new()),
+            failure: FailureSlot::default(),
+            gathers: AtomicU64::new(0),
+        });
+        let weak = Arc::downgrade(&inner);
+        THREAD_CURRENT.with(|t| *t.borrow_mut() = Some(weak.clone()));
+        *CURRENT.lock().unwrap_or_else(|p| p.into_inner()) = Some(weak);
+        Ok(Self { inner })
+    }
+
+    /// The group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.inner.pg
+    }
+
+    /// The options.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.inner.config
+    }
+
+    /// How many parameters this process has all-gathered so far: one per sharded parameter
+    /// of each gathered block in forward, and, with `reshard_after_forward`, one more for each
+    /// that a backward read again.
+    pub fn gathers(&self) -> u64 {
+        self.inner.gathers.load(Ordering::Relaxed)
+    }
+
+    fn rank_error(&self, what: &'static str, reason: impl std::fmt::Display) -> DdpError {
+        DdpError::model_access(self.inner.pg.rank(), what, reason)
+    }
+
+    fn spec(&self, id: &ParamId) -> Option<Spec> {
+        self.inner
+            .specs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
+    /// first dimension cut among the ranks, padded with zero rows where it does not divide):
+    /// the model is first checked across the ranks (the same parameters, names and shapes
+    /// everywhere) and rank 0's weights loaded on every rank, as `GradSync::prepare` does. The
+    /// shards keep their parameters' ids and whether they are trainable, so Burn's optimizers
+    /// and `GradientsParams` work on them unchanged. At world size 1 the model is returned as
+    /// it is.
+    ///
+    /// # Errors
+    /// [`ModelError::ModelMismatch`](burn_ddp_comm::ModelError::ModelMismatch) for models that
+    /// differ; `reshard_after_forward` on a model whose device is an autodiff device without
+    /// gradient checkpointing (the fix in the message); collective failures.
+    pub fn shard<M: Module>(&self, model: M) -> Result<M> {
+        let pg = &self.inner.pg;
+        if self.inner.config.reshard_after_forward {
+            self.check_checkpointing(&model)?;
+        }
+        let AsReplica(model) = grad::check_and_load(pg, AsReplica(model), true)?;
+        let world = pg.world_size().as_usize();
+        if world == 1 {
+            return Ok(model);
+        }
+        struct Cut<'a> {
+            fsdp: &'a FullyShard,
+            rank: usize,
+            world: usize,
+            specs: Vec<(ParamId, Spec)>,
+            failed: Option<DdpError>,
+        }
+        impl ModuleMapper for Cut<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let id = param.id;
+                let (rank, world) = (self.rank, self.world);
+                let mut spec = None;
+                let mut failed = None;
+                // A first dimension of one cannot be cut (the whole would be on rank 0, and a
+                // shard would look like the whole): such a parameter stays whole on every
+                // rank, its gradient averaged by `sync`.
+                if param.val().dims().first().copied().unwrap_or(1) <= 1 {
+                    return param;
+                }
+                let param = param.map(|t| {
+                    let shape = t.dims().to_vec();
+                    let layout = ShardLayout::new(&shape, world);
+                    let trainable = t.is_require_grad();
+                    match values(&t) {
+                        Ok(full) => {
+                            let shard = layout.shard_of(rank, &full);
+                            spec = Some(Spec { shape, layout });
+                            let shard = made(&t, shard, layout.shard_shape(&t.dims()));
+                            if trainable {
+                                shard.require_grad()
+                            } else {
+                                shard
+                            }
+                        }
+                        Err(e) => {
+                            failed = Some(self.fsdp.rank_error("sharding a parameter", e));
+                            t
+                        }
+                    }
+                });
+                if let Some(spec) = spec {
+                    self.specs.push((id, spec));
+                }
+                if self.failed.is_none() {
+                    self.failed = failed;
+                }
+                param
+            }
+        }
+        let mut cut = Cut {
+            fsdp: self,
+            rank: pg.rank().index(),
+            world,
+            specs: Vec::new(),
+            failed: None,
+        };
+        let model = model.map(&mut cut);
+        if let Some(e) = cut.failed {
+            return Err(e);
+        }
+        self.inner
+            .specs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(cut.specs);
+        Ok(model)
+    }
+
+    fn check_checkpointing<M: Module>(&self, model: &M) -> Result<()> {
+        let plain = model.devices().into_iter().find(|d| {
+            d.is_autodiff()
+                && d.gradient_checkpointing_strategy()
+                    != Some(GradientCheckpointingStrategy::Balanced)
+        });
+        match plain {
+            None => Ok(()),
+            Some(device) => Err(DdpError::Config(ConfigError::InvalidOption {
+                option: "FsdpConfig::reshard_after_forward",
+                reason: format!(
+                    "the model is on {device:?}, an autodiff device without gradient \
+                     checkpointing, whose backward keeps every gathered parameter until it is \
+                     done: put the model on a checkpointing device \
+                     (`Device::default().autodiff().gradient_checkpointing()`, which gathers \
+                     each block's parameters again in its backward), or keep the gathered \
+                     parameters with `FsdpConfig::default().with_reshard_after_forward(false)`"
+                ),
+            })),
+        }
+    }
+
+    /// `block` with each of its sharded parameters replaced by the whole parameter, gathered
+    /// from every rank's shard (see the free function [`gather`], which calls this on the
+    /// current sharding). A gather that fails gives a parameter of zeros and keeps the error
+    /// for [`sync`](Self::sync).
+    pub fn gather<M: Module>(&self, block: &M) -> M {
+        self.gather_as(block, self.inner.config.param_dtype)
+    }
+
+    /// [`gather`](Self::gather) in `precision`.
+    fn gather_as<M: Module>(&self, block: &M, precision: Precision) -> M {
+        struct Whole<'a>(&'a FullyShard, Precision);
+        impl ModuleMapper for Whole<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let Some(spec) = self.0.spec(&param.id) else {
+                    return param;
+                };
+                let dims = param.val().dims().to_vec();
+                if dims == spec.layout.shard_shape(&spec.shape) {
+                    param.map(|shard| self.0.gather_tensor(&spec, shard, self.1))
+                } else if dims == spec.shape {
+                    // Already whole: a copy loaded from a gathered record (`full_model`), which
+                    // keeps the parameters' ids. The same forward runs on both.
+                    param
+                } else {
+                    self.0.inner.failure.fail(self.0.rank_error(
+                        "gathering a sharded parameter",
+                        format!(
+                            "a parameter of shape {dims:?} has the id of one sharded as {:?} of \
+                             {:?}: was the model changed after FullyShard::shard?",
+                            spec.layout.shard_shape(&spec.shape),
+                            spec.shape
+                        ),
+                    ));
+                    param
+                }
+            }
+        }
+        block.clone().map(&mut Whole(self, precision))
+    }
+
+    fn gather_tensor<const D: usize>(
+        &self,
+        spec: &Spec,
+        shard: Tensor<D>,
+        precision: Precision,
+    ) -> Tensor<D> {
+        let op = tracked::Gather {
+            fsdp: self,
+            spec,
+            reshard: self.inner.config.reshard_after_forward,
+            precision,
+        };
+        match crate::autodiff::apply(&op, shard) {
+            ControlFlow::Break(whole) => whole,
+            // Untracked (inference, a frozen parameter) or on a backend this crate is not built
+            // for: the gather without a backward.
+            ControlFlow::Continue(shard) => {
+                if shard.is_require_grad() {
+                    self.inner.failure.fail(self.rank_error(
+                        "gathering a sharded parameter",
+                        format!(
+                            "the tensor is on a backend that burn-ddp was not built for ({:?}): \
+                             enable its feature for that backend ({})",
+                            shard.device(),
+                            crate::release::BACKEND_FEATURES
+                        ),
+                    ));
+                }
+                self.host_gather(spec, &shard, precision)
+            }
+        }
+    }
+
+    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device; zeros
+    /// (and the error kept) when the gather fails.
+    fn host_gather<const D: usize>(
+        &self,
+        spec: &Spec,
+        shard: &Tensor<D>,
+        precision: Precision,
+    ) -> Tensor<D> {
+        self.inner.gathers.fetch_add(1, Ordering::Relaxed);
+        let dtype = gathered_dtype(precision, shard.dtype());
+        let whole = values(shard)
+            .map_err(|e| self.rank_error("gathering a sharded parameter", e))
+            .and_then(|mine| grad::gather_in(&spec.layout, &self.inner.pg, &mine, precision));
+        let whole = whole.unwrap_or_else(|e| {
+            self.inner.failure.fail(e);
+            vec![0.0; spec.layout.full_len()]
+        });
+        let data = TensorData::new(whole, spec.shape.clone()).convert_dtype(dtype);
+        Tensor::from_data(data, (&shard.device(), dtype))
+    }
+
+    /// The gradient `whole` of a whole parameter reduce-scattered: this rank's shard of the
+    /// ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it fails.
+    fn host_reduce_scatter<const D: usize>(
+        &self,
+        spec: &Spec,
+        whole: &Tensor<D>,
+        shard_dtype: DType,
+    ) -> Tensor<D> {
+        let config = &self.inner.config;
+        let mine = values(whole)
+            .map_err(|e| self.rank_error("reduce-scattering a gradient", e))
+            .and_then(|full| {
+                grad::reduce_scatter_in(
+                    &spec.layout,
+                    &self.inner.pg,
+                    &full,
+                    config.reduction.op(),
+                    config.reduce_dtype,
+                )
+            });
+        let mine = mine.unwrap_or_else(|e| {
+            self.inner.failure.fail(e);
+            vec![0.0; spec.layout.shard_len()]
+        });
+        let data =
+            TensorData::new(mine, spec.layout.shard_shape(&spec.shape)).convert_dtype(shard_dtype);
+        Tensor::from_data(data, (&whole.device(), shard_dtype))
+    }
+
+    /// The gradients of `model`'s parameters ready for Burn's optimizer: the first failure of
+    /// this step's gathers and reduce-scatters returned, and the gradients of the parameters
+    /// that are not sharded (replicated on every rank) averaged over the ranks (one
+    /// all-reduce). The sharded parameters' gradients are already their shards of the mean.
+    ///
+    /// # Errors
+    /// A gather or reduce-scatter of this step that failed (a lost rank, a deadline), naming
+    /// the rank at fault; the all-reduce's failures.
+    pub fn sync<M: Module>(&self, model: &M, grads: GradientsParams) -> Result<GradientsParams> {
+        if let Some(e) = self.inner.failure.take() {
+            return Err(e);
+        }
+        let pg = &self.inner.pg;
+        if pg.world_size().as_usize() == 1 {
+            return Ok(grads);
+        }
+        let mut grads = grads;
+        let mut replicated = Replicated::read(self, model, &mut grads)?;
+        pg.all_reduce(&mut replicated.flat, self.inner.config.reduction.op())?;
+        replicated.put_back(model, &mut grads);
+        Ok(grads)
+    }
+
+    /// Clips the gradients (the shards' and the replicated parameters') so that their global
+    /// L2 norm, over the whole model, is at most `max_norm` (PyTorch's `clip_grad_norm_` on an
+    /// FSDP model); returns the norm before clipping. One all-reduce of one value. Call it
+    /// after [`sync`](Self::sync), on every rank.
+    ///
+    /// # Errors
+    /// A `max_norm` that is not finite and positive; the all-reduce's failures.
+    pub fn clip_grad_norm<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: f64,
+    ) -> Result<(GradientsParams, f64)> {
+        struct Squares<'a> {
+            fsdp: &'a FullyShard,
+            grads: &'a GradientsParams,
+            sharded: f64,
+            replicated: f64,
+            failed: Option<String>,
+        }
+        impl ModuleVisitor for Squares<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let Some(g) = self.grads.get::<D>(param.id) else {
+                    return;
+                };
+                match values(&g) {
+                    Ok(v) => {
+                        let sq: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+                        match self.fsdp.spec(&param.id) {
+                            Some(_) => self.sharded += sq,
+                            None => self.replicated += sq,
+                        }
+                    }
+                    Err(e) => self.failed = Some(e),
+                }
+            }
+        }
+        let mut sq = Squares {
+            fsdp: self,
+            grads: &grads,
+            sharded: 0.0,
+            replicated: 0.0,
+            failed: None,
+        };
+        model.visit(&mut sq);
+        let (sharded, replicated) = match sq.failed {
+            // Still take part in the all-reduce, so no rank waits; then fail.
+            Some(_) => (0.0, 0.0),
+            None => (sq.sharded, sq.replicated),
+        };
+        let (norm, coef) = grad::global_norm(&self.inner.pg, sharded, replicated, max_norm)?;
+        if let Some(e) = sq.failed {
+            return Err(self.rank_error("reading a gradient", e));
+        }
+        if coef >= 1.0 {
+            return Ok((grads, norm));
+        }
+        struct Scale<'a> {
+            grads: &'a mut GradientsParams,
+            coef: f64,
+        }
+        impl ModuleVisitor for Scale<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(g) = self.grads.remove::<D>(param.id) {
+                    self.grads.register::<D>(param.id, g.mul_scalar(self.coef));
+                }
+            }
+        }
+        let mut grads = grads;
+        model.visit(&mut Scale {
+            grads: &mut grads,
+            coef,
+        });
+        Ok((grads, norm))
+    }
+
+    /// The whole model from this rank's sharded `model` (every sharded parameter gathered,
+    /// without autodiff): for a checkpoint of one record that loads at any world size (shard
+    /// it again with [`shard`](Self::shard)), or for evaluation on one rank. A collective: every
+    /// rank calls it.
+    ///
+    /// # Errors
+    /// The gathers' failures.
+    pub fn full_model<M: Module>(&self, model: &M) -> Result<M> {
+        let model = model.clone().no_grad();
+        let whole = self.gather_as(&model, Precision::F32);
+        match self.inner.failure.take() {
+            Some(e) => Err(e),
+            None => Ok(whole),
+        }
+    }
+
+    /// How many values of `model`'s float parameters this rank holds (its shards, padding
+    /// included, and the parameters that are not sharded) and how many the whole model has:
+    /// FSDP's saving, as counted (the gradients and Adam's two moments are of the same shapes).
+    pub fn held_values<M: Module>(&self, model: &M) -> (usize, usize) {
+        struct Count<'a> {
+            fsdp: &'a FullyShard,
+            held: usize,
+            whole: usize,
+        }
+        impl ModuleVisitor for Count<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let here: usize = param.val().dims().iter().product();
+                self.held += here;
+                self.whole += match self.fsdp.spec(&param.id) {
+                    Some(spec) => spec.layout.full_len(),
+                    None => here,
+                };
+            }
+        }
+        let mut count = Count {
+            fsdp: self,
+            held: 0,
+            whole: 0,
+        };
+        model.visit(&mut count);
+        (count.held, count.whole)
+    }
+}
+
+/// The gradients of the parameters that are not sharded, flattened for one all-reduce.
+struct Replicated {
+    flat: Vec<f32>,
+    /// (parameter, offset in `flat`, length, dtype, dims) of each that had a gradient.
+    parts: Vec<(ParamId, usize, usize, DType, Vec<usize>)>,
+}
+
+impl Replicated {
+    fn read<M: Module>(fsdp: &FullyShard, model: &M, grads: &mut GradientsParams) -> Result<Self> {
+        struct Read<'a> {
+            fsdp: &'a FullyShard,
+            grads: &'a mut GradientsParams,
+            out: Replicated,
+            failed: Option<String>,
+        }
+        impl ModuleVisitor for Read<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.fsdp.spec(&param.id).is_some() || !param.is_require_grad() {
+                    return;
+                }
+                // Every rank sends every replicated parameter (zeros where it has no
+                // gradient), so the all-reduce has one size everywhere.
+                let dims = param.val().dims().to_vec();
+                let len: usize = dims.iter().product();
+                let offset = self.out.flat.len();
+                match self.grads.remove::<D>(param.id) {
+                    Some(g) => {
+                        let dtype = g.dtype();
+                        match values(&g) {
+                            Ok(v) => self.out.flat.extend(v),
+                            Err(e) => {
+                                self.failed = Some(e);
+                                self.out.flat.resize(offset + len, 0.0);
+                            }
+                        }
+                        self.out.parts.push((param.id, offset, len, dtype, dims));
+                    }
+                    None => self.out.flat.resize(offset + len, 0.0),
+                }
+            }
+        }
+        let mut read = Read {
+            fsdp,
+            grads,
+            out: Replicated {
+                flat: Vec::new(),
+                parts: Vec::new(),
+            },
+            failed: None,
+        };
+        model.visit(&mut read);
+        match read.failed {
+            Some(e) => Err(fsdp.rank_error("reading a gradient", e)),
+            None => Ok(read.out),
+        }
+    }
+
+    /// The reduced gradients back into `grads`, each of its parameter's shape and dtype.
+    fn put_back<M: Module>(self, model: &M, grads: &mut GradientsParams) {
+        struct Put<'a> {
+            flat: &'a [f32],
+            parts: HashMap<ParamId, (usize, usize, DType, Vec<usize>)>,
+            grads: &'a mut GradientsParams,
+        }
+        impl ModuleVisitor for Put<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some((offset, len, dtype, dims)) = self.parts.remove(&param.id) {
+                    let values = self.flat[offset..offset + len].to_vec();
+                    let data = TensorData::new(values, dims).convert_dtype(dtype);
+                    let grad = Tensor::<D>::from_data(data, (&param.val().device(), dtype));
+                    self.grads.register::<D>(param.id, grad);
+                }
+            }
+        }
+        let parts = self
+            .parts
+            .into_iter()
+            .map(|(id, offset, len, dtype, dims)| (id, (offset, len, dtype, dims)))
+            .collect();
+        model.visit(&mut Put {
+            flat: &self.flat,
+            parts,
+            grads,
+        });
+    }
+}
+
+/// The dtype a parameter is gathered in: the shard's own for f32, else the policy's.
+fn gathered_dtype(precision: Precision, shard: DType) -> DType {
+    match precision {
+        Precision::F32 => shard,
+        Precision::F16 => DType::F16,
+        Precision::Bf16 => DType::BF16,
+    }
+}
+
+/// `t`'s values as f32, read to the host.
+fn values<const D: usize>(t: &Tensor<D>) -> std::result::Result<Vec<f32>, String> {
+    t.clone()
+        .try_into_data()
+        .map_err(|e| e.to_string())?
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .map_err(|e| format!("{e:?}"))
+}
+
+/// A tensor of `like`'s device and dtype holding `values` in `shape`.
+fn made<const D: usize>(like: &Tensor<D>, values: Vec<f32>, shape: Vec<usize>) -> Tensor<D> {
+    let dtype = like.dtype();
+    let data = TensorData::new(values, shape).convert_dtype(dtype);
+    Tensor::from_data(data, (&like.device(), dtype))
+}
+
+/// The gather as an autodiff operation, for each backend this crate is built for.
+mod tracked {
+    use std::ops::ControlFlow;
+
+    use super::{FullyShard, Spec};
+    use crate::autodiff::{self, AutodiffOp};
+    use burn::tensor::Tensor;
+
+    /// The gather of one sharded parameter.
+    pub(super) struct Gather<'a> {
+        pub(super) fsdp: &'a FullyShard,
+        pub(super) spec: &'a Spec,
+        pub(super) reshard: bool,
+        pub(super) precision: super::Precision,
+    }
+
+    impl<const D: usize> AutodiffOp<Tensor<D>> for Gather<'_> {
+        #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+        fn on<B, C>(&self, t: Tensor<D>) -> ControlFlow<Tensor<D>, Tensor<D>>
+        where
+            B: autodiff::Backend,
+            C: autodiff::CheckpointStrategy,
+            autodiff::DispatchTensor: autodiff::DispatchKindConversion<B>
+                + autodiff::DispatchKindConversion<autodiff::Autodiff<B, C>>,
+        {
+            ad::gather::<B, C, D>(self, t)
+        }
+    }
+
+    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+    mod ad {
+        use std::marker::PhantomData;
+        use std::ops::ControlFlow::{self, Break, Continue};
+
+        use crate::autodiff::{
+            Autodiff, Backend, Backward, CheckpointStrategy, Checkpointer, DispatchKindConversion,
+            DispatchTensor, Gradients, Ops,
+        };
+        use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+        use burn::backend::autodiff::checkpoint::state::BackwardStates;
+        use burn::backend::autodiff::ops::{unary, OpsKind};
+        use burn::backend::autodiff::NodeId;
+        use burn::tensor::{DType, Tensor};
+
+        use super::super::{FullyShard, Precision, Spec};
+        use super::Gather;
+
+        /// What the backward needs: the sharding, the parameter's spec, the shard's dtype.
+        #[derive(Debug, Clone)]
+        struct State {
+            fsdp: FullyShard,
+            spec: Spec,
+            shard_dtype: DType,
+            precision: Precision,
+        }
+
+        /// The operation: its backward reduce-scatters the whole gradient to the shards.
+        #[derive(Debug)]
+        struct GatherOp<const D: usize>;
+
+        impl<B: Backend, const D: usize> Backward<B, 1> for GatherOp<D>
+        where
+            DispatchTensor: DispatchKindConversion<B>,
+        {
+            type State = State;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let state = ops.state;
+                unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+                    let whole = Tensor::<D>::from_primitive::<B>(grad.clone());
+                    let mine =
+                        state
+                            .fsdp
+                            .host_reduce_scatter(&state.spec, &whole, state.shard_dtype);
+                    into_inner::<B, D>(&state.fsdp, mine).unwrap_or(grad)
+                });
+            }
+        }
+
+        /// The gather run again in backward, when a reshard dropped the whole parameter.
+        #[derive(Debug)]
+        struct Regather<B, const D: usize> {
+            shard: NodeId,
+            state: State,
+            _backend: PhantomData<fn() -> B>,
+        }
+
+        impl<B: Backend, const D: usize> RetroForward for Regather<B, D>
+        where
+            DispatchTensor: DispatchKindConversion<B>,
+        {
+            fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+                let shard = states.get_state::<B::FloatTensorPrimitive>(&self.shard);
+                let shard = Tensor::<D>::from_primitive::<B>(shard);
+                let state = &self.state;
+                let whole = state.fsdp.host_gather(&state.spec, &shard, state.precision);
+                if let Some(whole) = into_inner::<B, D>(&self.state.fsdp, whole) {
+                    states.save(out_node, whole);
+                }
+            }
+        }
+
+        /// `t` as a primitive of `B` (it was made on `B`'s device); `None`, with the error
+        /// kept, if Burn gave it back on another backend.
+        fn into_inner<B, const D: usize>(
+            fsdp: &FullyShard,
+            t: Tensor<D>,
+        ) -> Option<B::FloatTensorPrimitive>
+        where
+            B: Backend,
+            DispatchTensor: DispatchKindConversion<B>,
+        {
+            t.try_into_primitive::<B>()
+                .map_err(|e| {
+                    fsdp.inner.failure.fail(fsdp.rank_error(
+                        "gathering a sharded parameter",
+                        format!(
+                            "Burn gave a tensor back on another backend than {}: {e:?}",
+                            std::any::type_name::<B>()
+                        ),
+                    ))
+                })
+                .ok()
+        }
+
+        /// The gather (`Break`) when `t` is an `Autodiff<B, C>` tensor; `Continue(t)`
+        /// otherwise.
+        pub(super) fn gather<B, C, const D: usize>(
+            op: &Gather<'_>,
+            t: Tensor<D>,
+        ) -> ControlFlow<Tensor<D>, Tensor<D>>
+        where
+            B: Backend,
+            C: CheckpointStrategy,
+            DispatchTensor: DispatchKindConversion<B> + DispatchKindConversion<Autodiff<B, C>>,
+        {
+            let Ok(tensor) = t.clone().try_into_primitive::<Autodiff<B, C>>() else {
+                return Continue(t);
+            };
+            let shard_dtype = t.dtype();
+            let inner = Tensor::<D>::from_primitive::<B>(tensor.primitive().clone());
+            let whole = op.fsdp.host_gather(op.spec, &inner, op.precision);
+            let Some(whole) = into_inner::<B, D>(op.fsdp, whole) else {
+                return Break(t);
+            };
+            let state = State {
+                fsdp: op.fsdp.clone(),
+                spec: op.spec.clone(),
+                shard_dtype,
+                precision: op.precision,
+            };
+            let prep = GatherOp::<D>.prepare::<C>([tensor.node()]);
+            let kind = match op.reshard {
+                true => prep
+                    .memory_bound()
+                    .retro_forward(Regather::<B, D> {
+                        shard: tensor.id(),
+                        state: state.clone(),
+                        _backend: PhantomData,
+                    })
+                    .parents([&tensor])
+                    .stateful(),
+                false => prep.compute_bound().stateful(),
+            };
+            let out = match kind {
+                OpsKind::Tracked(prep) => prep.finish(state, whole),
+                OpsKind::UnTracked(prep) => prep.finish(whole),
+            };
+            Break(Tensor::from_primitive::<Autodiff<B, C>>(out))
+        }
+    }
+}
