@@ -103,10 +103,11 @@ pub enum Mode {
     /// the longest rank, and every rank ends with its model. The negative control trains on
     /// this rank's batches alone.
     Join,
-    /// ZeRO only (stage 1 or 2, as the optimizer says), one batch per step: the first half of
-    /// the steps at each world size of the scenario's, then a checkpoint (the model's record,
-    /// and the optimizer's whole state gathered on rank 0: the line's `gather_record`), and the
-    /// rest at this many ranks, resumed from it (`load_full_record`). Each half is a job of its
+    /// ZeRO (stage 1 or 2, as the optimizer says) or FSDP only, one batch per step: the first
+    /// half of the steps at each world size of the scenario's, then a checkpoint (the model's
+    /// record, and the optimizer's whole state gathered: ZeRO's `gather_record`, FSDP's
+    /// `full_optimizer_record`), and the rest at this many ranks, resumed from it (ZeRO's
+    /// `load_full_record`, FSDP's `shard_optimizer_record`). Each half is a job of its
     /// own ([`Half`]), checked as any scenario: the reference is one process from the first
     /// half's start through every step so far (each step's whole batch: the first half's world
     /// size, then the second's), the negative control this rank's rows alone from the half's
@@ -486,12 +487,12 @@ pub fn scenarios() -> Vec<Scenario> {
 /// The FSDP scenarios ([`Opt::AdamFsdp`]): Adam on shards, uneven shards (the MLP's first
 /// weight has 8 rows and its output bias 3, so neither 2 nor 3 ranks cut them evenly), the
 /// parameters gathered again for backward (`reshard_after_forward`, the default) and kept,
-/// accumulation, a layer used twice. (No mixed-precision scenario yet: with Adam on these small
+/// accumulation, a layer used twice, resumed at another world size. (No mixed-precision scenario yet: with Adam on these small
 /// nets, bf16 reductions whose ranks' parts nearly cancel round differently from run to run, as
 /// the transport's order of summation varies, and Adam carries the difference past any
 /// tolerance that still tells the negative control apart.)
 pub fn fsdp_scenarios() -> Vec<Scenario> {
-    use Mode::{Accumulate, Plain};
+    use Mode::{Accumulate, Plain, Resume};
     use Net::{Conv, Mlp, Tied};
     let s = |name, net, config: FsdpConfig, mode, worlds| Scenario {
         name,
@@ -527,6 +528,23 @@ pub fn fsdp_scenarios() -> Vec<Scenario> {
             &[2, 3],
         ),
         s("fsdp_tied_adam_no_reshard", Tied, keep, Plain, &[3]),
+        // Resumed at another world size from a checkpoint of the gathered model and the
+        // gathered optimizer state: grown from 2 ranks to 3, and shrunk from 3 to 2 (every
+        // shard and its padding change between the halves).
+        s(
+            "fsdp_mlp_adam_resume_3",
+            Mlp,
+            FsdpConfig::default(),
+            Resume(3),
+            &[2],
+        ),
+        s(
+            "fsdp_tied_adam_resume_2_no_reshard",
+            Tied,
+            keep,
+            Resume(2),
+            &[3],
+        ),
     ]
 }
 
@@ -640,7 +658,7 @@ macro_rules! fsdp_suite {
     ($line:ty) => {
         $crate::fsdp_suite!(@tests $line;
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
-            fsdp_tied_adam_no_reshard);
+            fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard);
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

@@ -33,12 +33,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, OptimizerRecord};
 use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_ddp_comm::grad::{self, ShardLayout};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::train::vote::FailureSlot;
-use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Rank, Result};
 
 use crate::sync::AsReplica;
 
@@ -84,7 +84,15 @@ thread_local! {
 /// parameter. Differentiable: the gradient of each whole parameter is reduce-scattered to the
 /// ranks' shards in backward.
 pub fn gather<M: Module>(block: &M) -> M {
-    let current = THREAD_CURRENT
+    match current() {
+        Some(inner) => FullyShard { inner }.gather(block),
+        None => block.clone(),
+    }
+}
+
+/// The current [`FullyShard`] (this thread's, else the process's), while it lives.
+fn current() -> Option<Arc<Inner>> {
+    THREAD_CURRENT
         .with(|t| t.borrow().as_ref().and_then(Weak::upgrade))
         .or_else(|| {
             CURRENT
@@ -92,10 +100,54 @@ pub fn gather<M: Module>(block: &M) -> M {
                 .unwrap_or_else(|p| p.into_inner())
                 .as_ref()
                 .and_then(Weak::upgrade)
-        });
-    match current {
-        Some(inner) => FullyShard { inner }.gather(block),
-        None => block.clone(),
+        })
+}
+
+/// Refuses a model that the current [`FullyShard`] sharded where `what` would treat its
+/// parameters as whole replicas (`GradSync`, whose all-reduce would average different ranks'
+/// shards).
+pub(crate) fn refuse_sharded<M: Module>(model: &M, rank: Rank, what: &'static str) -> Result<()> {
+    let Some(inner) = current() else {
+        return Ok(());
+    };
+    struct Find<'a> {
+        specs: &'a HashMap<ParamId, Spec>,
+        path: Vec<String>,
+        found: Option<String>,
+    }
+    impl ModuleVisitor for Find<'_> {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.found.is_none() && self.specs.contains_key(&param.id) {
+                self.found = Some(self.path.join("."));
+            }
+        }
+    }
+    let specs = inner.specs.lock().unwrap_or_else(|p| p.into_inner());
+    let mut find = Find {
+        specs: &specs,
+        path: Vec::new(),
+        found: None,
+    };
+    model.visit(&mut find);
+    match find.found {
+        None => Ok(()),
+        Some(name) => Err(DdpError::model_access(
+            rank,
+            what,
+            format!(
+                "parameter {name} is a shard of FullyShard::shard: an FSDP model's gradients are \
+                 reduce-scattered in its backward and finished by FullyShard::sync, not by \
+                 GradSync (whose all-reduce would average different ranks' shards), nor by its \
+                 ZeRO, join, PowerSGD or overlap; give GradSync the whole model, or train the \
+                 sharded one with FullyShard alone"
+            ),
+        )),
     }
 }
 
@@ -501,6 +553,108 @@ impl FullyShard {
         }
     }
 
+    /// The whole optimizer state from this rank's `record` (Burn's optimizer's, made by
+    /// stepping the shards; `ModuleOptimizer::to_record`): every state tensor of a sharded
+    /// parameter (Adam's moments, momentum) all-gathered into the parameter's whole shape, the
+    /// rest (scalars, the replicated parameters' state) as they are. Every rank gets it; save
+    /// it with `full_model`'s record (the parameters keep their ids there, which key this
+    /// state), and load it at any world size with
+    /// [`shard_optimizer_record`](Self::shard_optimizer_record). A collective: every rank
+    /// calls it, with the same parameters' state.
+    ///
+    /// # Errors
+    /// A record that cannot be read; ranks whose records name other tensors; collective
+    /// failures.
+    pub fn full_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
+        let pg = &self.inner.pg;
+        let fail = |e: String| self.rank_error("gathering the optimizer state", e);
+        let mut pack = read_pack(record).map_err(fail)?;
+        // One order on every rank; the same tensors on every rank, or no rank gathers.
+        pack.tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let names: Vec<u8> = pack
+            .tensors
+            .iter()
+            .flat_map(|t| format!("{}:{:?};", t.name, t.shape).into_bytes())
+            .collect();
+        let all = pg.all_gather_bytes(&names)?;
+        if let Some(r) = all.iter().position(|n| *n != names) {
+            return Err(fail(format!(
+                "rank {r}'s optimizer state holds other tensors than this rank's: were the \
+                 ranks' optimizers made alike and stepped the same steps?"
+            )));
+        }
+        self.map_record(pack, |spec, t| {
+            if t.shape != spec.layout.shard_shape(&spec.shape) {
+                return Ok(None);
+            }
+            let whole = spec.layout.all_gather(pg, &t.values)?;
+            Ok(Some((whole, spec.shape.clone())))
+        })
+    }
+
+    /// This rank's shard of a whole optimizer state ([`full_optimizer_record`]
+    /// (Self::full_optimizer_record)'s, saved at any world size), for Burn's optimizer on this
+    /// rank's shards (`ModuleOptimizer::load_record`): every state tensor of a sharded
+    /// parameter cut as the parameter is. Call it after [`shard`](Self::shard), on a model
+    /// loaded from the record saved with this state.
+    ///
+    /// # Errors
+    /// A record that cannot be read.
+    pub fn shard_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
+        let fail = |e: String| self.rank_error("cutting the optimizer state", e);
+        let rank = self.inner.pg.rank().index();
+        let pack = read_pack(record).map_err(fail)?;
+        self.map_record(pack, |spec, t| {
+            if t.shape != spec.shape {
+                return Ok(None);
+            }
+            let mine = spec.layout.shard_of(rank, &t.values);
+            Ok(Some((mine, spec.layout.shard_shape(&spec.shape))))
+        })
+    }
+
+    /// `pack` written back as an optimizer record, each tensor of a sharded parameter replaced
+    /// by what `f` gives (`None`: kept).
+    fn map_record(
+        &self,
+        pack: Pack,
+        mut f: impl FnMut(&Spec, &RecordTensor) -> Result<Option<(Vec<f32>, Vec<usize>)>>,
+    ) -> Result<OptimizerRecord> {
+        let fail = |e: String| self.rank_error("rewriting the optimizer state", e);
+        let specs = self
+            .inner
+            .specs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut out = Vec::with_capacity(pack.tensors.len());
+        for t in pack.tensors {
+            let spec = t.param.and_then(|id| specs.get(&ParamId::from(id)));
+            let replaced = match spec {
+                Some(spec) => f(spec, &t)?,
+                None => None,
+            };
+            let (values, shape) = replaced.unwrap_or_else(|| (t.values, t.shape.clone()));
+            let data = TensorData::new(values, shape.clone()).convert_dtype(t.dtype);
+            out.push(burn_pack::Tensor::new(
+                t.name,
+                t.dtype,
+                shape,
+                t.param,
+                data.into_bytes(),
+            ));
+        }
+        let mut writer = burn_pack::Writer::new(out);
+        for (key, value) in pack.scalars {
+            writer = writer.with_scalar(&key, value);
+        }
+        for (key, value) in pack.metadata {
+            writer = writer.with_metadata(&key, &value);
+        }
+        let bytes = writer.into_bytes().map_err(|e| fail(format!("{e:?}")))?;
+        OptimizerRecord::from_bytes(bytes).map_err(|e| fail(e.to_string()))
+    }
+
     /// How many values of `model`'s float parameters this rank holds (its shards, padding
     /// included, and the parameters that are not sharded) and how many the whole model has:
     /// FSDP's saving, as counted (the gradients and Adam's two moments are of the same shapes).
@@ -528,6 +682,53 @@ impl FullyShard {
         model.visit(&mut count);
         (count.held, count.whole)
     }
+}
+
+/// An optimizer record's burnpack contents (Burn keys each state tensor by its parameter's id,
+/// `"{id}.{field}"`, with the id beside it; `zero.rs` says more).
+struct Pack {
+    tensors: Vec<RecordTensor>,
+    scalars: Vec<(String, burn_pack::Scalar)>,
+    metadata: Vec<(String, String)>,
+}
+
+/// One state tensor, its values as f32.
+struct RecordTensor {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    param: Option<u64>,
+    values: Vec<f32>,
+}
+
+fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
+    let bytes = record.into_bytes().map_err(|e| e.to_string())?;
+    let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| format!("{e:?}"))?;
+    let scalars = reader.scalars().clone().into_iter().collect();
+    let metadata = reader.metadata().clone().into_iter().collect();
+    let mut tensors = Vec::new();
+    for tensor in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
+        let (name, dtype, shape, param, bytes) =
+            tensor.into_parts().map_err(|e| format!("{e:?}"))?;
+        let shape = shape.as_slice().to_vec();
+        let param = param.or_else(|| name.split('.').next()?.parse().ok());
+        let values = TensorData::from_bytes(bytes, shape.clone(), dtype)
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| format!("{e:?}"))?;
+        tensors.push(RecordTensor {
+            name,
+            dtype,
+            shape,
+            param,
+            values,
+        });
+    }
+    Ok(Pack {
+        tensors,
+        scalars,
+        metadata,
+    })
 }
 
 /// The gradients of the parameters that are not sharded, flattened for one all-reduce.
@@ -817,6 +1018,91 @@ mod tracked {
                 OpsKind::UnTracked(prep) => prep.finish(whole),
             };
             Break(Tensor::from_primitive::<Autodiff<B, C>>(out))
+        }
+    }
+}
+
+#[cfg(all(test, feature = "flex"))]
+mod tests {
+    use super::*;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::{Device, Distribution};
+    use burn_ddp_comm::DdpConfig;
+    use burn_ddp_dev::device::on_thread_ranks;
+
+    fn keep() -> FsdpConfig {
+        FsdpConfig::default().with_reshard_after_forward(false)
+    }
+
+    #[test]
+    fn resharding_without_checkpointing_is_refused_with_both_fixes() {
+        let errors = on_thread_ranks(2, |pg| {
+            let fsdp = FullyShard::new(pg, FsdpConfig::default()).unwrap();
+            let model = LinearConfig::new(5, 3).init(&Device::default().autodiff());
+            fsdp.shard(model).unwrap_err().to_string()
+        });
+        for e in errors {
+            assert!(e.contains("gradient_checkpointing()"), "{e}");
+            assert!(e.contains("with_reshard_after_forward(false)"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_sharded_model_is_refused_by_grad_sync() {
+        let errors = on_thread_ranks(2, |pg| {
+            let fsdp = FullyShard::new(pg.clone(), keep()).unwrap();
+            let model = fsdp
+                .shard(LinearConfig::new(5, 3).init(&Device::default().autodiff()))
+                .unwrap();
+            let mut sync = crate::GradSync::new(pg, DdpConfig::default()).unwrap();
+            sync.prepare(model).unwrap_err().to_string()
+        });
+        for e in errors {
+            assert!(e.contains("weight is a shard of FullyShard::shard"), "{e}");
+        }
+    }
+
+    /// The global norm over two ranks' shards (a 5x3 layer: 3 of the weight's 5 rows and 2 of
+    /// the bias's 3 on each rank, one of them padding) is the norm of one process's gradient,
+    /// and clipping scales it to `max_norm`.
+    #[test]
+    fn the_global_norm_is_one_process_norm_and_clipping_reaches_max_norm() {
+        let device = Device::default().autodiff();
+        device.seed(7);
+        let whole = LinearConfig::new(5, 3).init(&device);
+        let x = Tensor::<2>::random([4, 5], Distribution::Default, &device);
+        let loss = |m: &Linear| gather(m).forward(x.clone()).powi_scalar(2).sum();
+        let grads = GradientsParams::from_grads(loss(&whole).backward(), &whole);
+        let mut want = 0.0f64;
+        for g in [
+            grads.get::<2>(whole.weight.id).map(|g| values(&g).unwrap()),
+            grads
+                .get::<1>(whole.bias.as_ref().unwrap().id)
+                .map(|g| values(&g).unwrap()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            want += g.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+        }
+        let want = want.sqrt();
+        let record = whole.clone().into_record();
+        let got = on_thread_ranks(2, |pg| {
+            let fsdp = FullyShard::new(pg, keep()).unwrap();
+            let model = LinearConfig::new(5, 3)
+                .init(&device)
+                .load_record(record.clone());
+            let model = fsdp.shard(model).unwrap();
+            assert_eq!(fsdp.held_values(&model), (3 * 3 + 2, 15 + 3));
+            let grads = GradientsParams::from_grads(loss(&model).backward(), &model);
+            let grads = fsdp.sync(&model, grads).unwrap();
+            let (grads, norm) = fsdp.clip_grad_norm(&model, grads, 1e-3).unwrap();
+            let (_, after) = fsdp.clip_grad_norm(&model, grads, 1e9).unwrap();
+            (norm, after)
+        });
+        for (norm, after) in got {
+            assert!((norm - want).abs() <= 1e-5 * want, "{norm} vs {want}");
+            assert!((after - 1e-3).abs() <= 1e-6, "{after}");
         }
     }
 }

@@ -212,6 +212,9 @@ impl Line for ThisLine {
     fn train(pg: ProcessGroup, s: &Scenario) -> Trained {
         fn with<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
             match (s.mode, s.opt) {
+                (conformance::Mode::Resume(_), conformance::Opt::AdamFsdp(config)) => {
+                    run_fsdp_resume::<M>(pg, config)
+                }
                 (_, conformance::Opt::AdamFsdp(config)) => run_fsdp::<M>(pg, s, config),
                 (conformance::Mode::Resume(_), _) => run_resume::<M>(pg, s),
                 _ => run::<M>(pg, s),
@@ -307,6 +310,75 @@ fn run_resume<M: Net>(pg: ProcessGroup, s: &Scenario) -> Trained {
     }
     Trained {
         ddp: params(&model),
+        reference: params(&reference),
+        alone: params(&alone),
+    }
+}
+
+/// One half of an FSDP [`conformance::Mode::Resume`] scenario on this rank: the first from
+/// the sharded model, writing the checkpoint (rank 0: the gathered start, the gathered model
+/// and the gathered optimizer state); the second from it, at another world size, each rank
+/// cutting its shards of both.
+fn run_fsdp_resume<M: Net>(pg: ProcessGroup, config: FsdpConfig) -> Trained {
+    let half = conformance::Half::from_env();
+    let (world, rank) = (pg.world_size().as_usize(), pg.rank().index());
+    let plain = device();
+    let here = match config.reshard_after_forward {
+        true => plain.clone().gradient_checkpointing(),
+        false => plain.clone(),
+    };
+    here.seed(conformance::init_seed(rank));
+    let record = |name: &str| {
+        let bytes = burn::tensor::Bytes::from_bytes_vec(half.read(name));
+        burn::store::ModuleRecord::from_bytes(bytes).unwrap()
+    };
+    let fsdp = FullyShard::new(pg, config).unwrap();
+    let built = match half.first {
+        true => M::build(&here),
+        false => M::build(&here).load_record(record("model.bpk")),
+    };
+    let mut model = fsdp.shard(built).unwrap();
+    let mut opt = AdamConfig::new().init();
+    let start = fsdp.full_model(&model).unwrap().into_record();
+    if !half.first {
+        let whole = burn::optim::OptimizerRecord::load(half.path("optim.bpk")).unwrap();
+        opt = opt.load_record(fsdp.shard_optimizer_record(whole).unwrap());
+    } else if rank == 0 {
+        half.write("start.bpk", &start.clone().into_bytes().unwrap());
+    }
+    let mut alone = M::build(&plain).load_record(start);
+    let mut opt_alone = AdamConfig::new().init();
+    let lr = conformance::LR;
+    for step in half.steps() {
+        let (x, y) = batch(step, world);
+        let mine = |t: &Tensor<2>| shard(t.clone(), rank, PER_RANK);
+        let on_here = |t: Tensor<2>| Tensor::from_data(t.into_data(), &here);
+        let loss = model.loss(on_here(mine(&x)), on_here(mine(&y)));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = opt.step(lr, model.clone(), fsdp.sync(&model, grads).unwrap());
+        let grads = GradientsParams::from_grads(alone.loss(mine(&x), mine(&y)).backward(), &alone);
+        alone = opt_alone.step(lr, alone, grads);
+    }
+    let whole = fsdp.full_model(&model).unwrap();
+    let state = fsdp.full_optimizer_record(opt.to_record()).unwrap();
+    if half.first && rank == 0 {
+        state.save(half.path("optim.bpk")).unwrap();
+        half.write(
+            "model.bpk",
+            &whole.clone().into_record().into_bytes().unwrap(),
+        );
+    }
+    // One process from the start (rank 0 wrote it before the first step's collective) through
+    // every step so far, each on its step's whole batch.
+    let mut reference = M::build(&plain).load_record(record("start.bpk"));
+    let mut opt_ref = AdamConfig::new().init();
+    for step in 0..half.steps().end {
+        let (x, y) = batch(step, half.world_of(step, world));
+        let grads = GradientsParams::from_grads(reference.loss(x, y).backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
+    }
+    Trained {
+        ddp: params(&whole),
         reference: params(&reference),
         alone: params(&alone),
     }
