@@ -398,9 +398,18 @@ impl FullyShard {
     ) -> Tensor<D> {
         self.inner.gathers.fetch_add(1, Ordering::Relaxed);
         let dtype = gathered_dtype(precision, shard.dtype());
-        let whole = values(shard)
-            .map_err(|e| self.rank_error("gathering a sharded parameter", e))
-            .and_then(|mine| grad::gather_in(&spec.layout, &self.inner.pg, &mine, precision));
+        // A shard that cannot be read still takes part (as zeros), so that no rank waits on
+        // this one; the error is kept.
+        let (mine, unread) = match values(shard) {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; spec.layout.shard_len()], Some(e)),
+        };
+        let whole = grad::gather_in(&spec.layout, &self.inner.pg, &mine, precision);
+        if let Some(e) = unread {
+            self.inner
+                .failure
+                .fail(self.rank_error("gathering a sharded parameter", e));
+        }
         let whole = whole.unwrap_or_else(|e| {
             self.inner.failure.fail(e);
             vec![0.0; spec.layout.full_len()]
@@ -418,17 +427,22 @@ impl FullyShard {
         shard_dtype: DType,
     ) -> Tensor<D> {
         let config = &self.inner.config;
-        let mine = values(whole)
-            .map_err(|e| self.rank_error("reduce-scattering a gradient", e))
-            .and_then(|full| {
-                grad::reduce_scatter_in(
-                    &spec.layout,
-                    &self.inner.pg,
-                    &full,
-                    config.reduction.op(),
-                    config.reduce_dtype,
-                )
-            });
+        let (full, unread) = match values(whole) {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; spec.layout.full_len()], Some(e)),
+        };
+        let mine = grad::reduce_scatter_in(
+            &spec.layout,
+            &self.inner.pg,
+            &full,
+            config.reduction.op(),
+            config.reduce_dtype,
+        );
+        if let Some(e) = unread {
+            self.inner
+                .failure
+                .fail(self.rank_error("reduce-scattering a gradient", e));
+        }
         let mine = mine.unwrap_or_else(|e| {
             self.inner.failure.fail(e);
             vec![0.0; spec.layout.shard_len()]
