@@ -85,6 +85,7 @@ pub mod checkpoint;
 pub mod cuda;
 pub mod data;
 mod ddp;
+pub mod fsdp;
 pub mod nn;
 #[cfg(feature = "train")]
 #[cfg_attr(docsrs, doc(cfg(feature = "train")))]
@@ -111,6 +112,7 @@ pub use ddp::{
     Compression, Ddp, DdpAutodiffBackend, DdpConfig, DdpModule, DdpSession, GradReduction,
     LoopState, NoSyncGuard, ParamInfo, PowerSgd, ZeroOptimizer,
 };
+pub use fsdp::{FsdpConfig, FullyShard};
 
 /// What a training program needs, in one import: `use burn_ddp::prelude::*;`.
 pub mod prelude {

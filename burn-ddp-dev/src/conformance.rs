@@ -660,6 +660,31 @@ macro_rules! fsdp_suite {
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
             fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard);
     };
+    // A line without FSDP's resume: every scenario but the `Resume` ones (and the check that
+    // those left out are exactly them).
+    ($line:ty; without_resume) => {
+        $crate::fsdp_suite!(@some $line;
+            fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
+            fsdp_tied_adam_no_reshard);
+    };
+    (@some $line:ty; $($name:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $name() {
+                $crate::conformance::run::<$line>(stringify!($name));
+            }
+        )*
+
+        #[test]
+        fn the_fsdp_suite_runs_every_scenario_but_resume() {
+            let names: Vec<&str> = $crate::conformance::fsdp_scenarios()
+                .iter()
+                .filter(|s| !matches!(s.mode, $crate::conformance::Mode::Resume(_)))
+                .map(|s| s.name)
+                .collect();
+            assert_eq!(names, [$(stringify!($name)),*]);
+        }
+    };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(
             #[test]

@@ -26,38 +26,21 @@
     allow(dead_code)
 )]
 
-use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, OptimizerRecord};
 use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
-use burn_ddp_comm::grad::{self, ShardLayout};
+use burn_ddp_comm::grad::{self, FsdpState, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
-use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Rank, Result};
 
 use crate::sync::AsReplica;
 
 /// One sharded parameter: its whole shape and how it is cut.
-#[derive(Debug, Clone)]
-pub(crate) struct Spec {
-    shape: Vec<usize>,
-    layout: ShardLayout,
-}
-
-#[derive(Debug)]
-struct Inner {
-    pg: ProcessGroup,
-    config: FsdpConfig,
-    specs: Mutex<HashMap<ParamId, Spec>>,
-    failure: FailureSlot,
-    /// All-gathers run (in forward, and again in backward where resharded).
-    gathers: AtomicU64,
-}
+pub(crate) type Spec = ShardedParam;
 
 /// A job's fully sharded parameters: how each was cut, the group they are gathered over, and
 /// the failures of the gathers in forward and backward, kept for [`FullyShard::sync`]. Cheap
@@ -68,13 +51,7 @@ struct Inner {
 /// needs no handle to it.
 #[derive(Debug, Clone)]
 pub struct FullyShard {
-    inner: Arc<Inner>,
-}
-
-static CURRENT: Mutex<Option<Weak<Inner>>> = Mutex::new(None);
-
-thread_local! {
-    static THREAD_CURRENT: RefCell<Option<Weak<Inner>>> = const { RefCell::new(None) };
+    state: Arc<FsdpState>,
 }
 
 /// The whole parameters of `block`'s sharded parameters, for its forward (FSDP2's
@@ -84,34 +61,21 @@ thread_local! {
 /// parameter. Differentiable: the gradient of each whole parameter is reduce-scattered to the
 /// ranks' shards in backward.
 pub fn gather<M: Module>(block: &M) -> M {
-    match current() {
-        Some(inner) => FullyShard { inner }.gather(block),
+    match FsdpState::current() {
+        Some(state) => FullyShard { state }.gather(block),
         None => block.clone(),
     }
-}
-
-/// The current [`FullyShard`] (this thread's, else the process's), while it lives.
-fn current() -> Option<Arc<Inner>> {
-    THREAD_CURRENT
-        .with(|t| t.borrow().as_ref().and_then(Weak::upgrade))
-        .or_else(|| {
-            CURRENT
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .and_then(Weak::upgrade)
-        })
 }
 
 /// Refuses a model that the current [`FullyShard`] sharded where `what` would treat its
 /// parameters as whole replicas (`GradSync`, whose all-reduce would average different ranks'
 /// shards).
 pub(crate) fn refuse_sharded<M: Module>(model: &M, rank: Rank, what: &'static str) -> Result<()> {
-    let Some(inner) = current() else {
+    let Some(state) = FsdpState::current() else {
         return Ok(());
     };
     struct Find<'a> {
-        specs: &'a HashMap<ParamId, Spec>,
+        state: &'a FsdpState,
         path: Vec<String>,
         found: Option<String>,
     }
@@ -123,14 +87,13 @@ pub(crate) fn refuse_sharded<M: Module>(model: &M, rank: Rank, what: &'static st
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.found.is_none() && self.specs.contains_key(&param.id) {
+            if self.found.is_none() && self.state.param(param.id.val()).is_some() {
                 self.found = Some(self.path.join("."));
             }
         }
     }
-    let specs = inner.specs.lock().unwrap_or_else(|p| p.into_inner());
     let mut find = Find {
-        specs: &specs,
+        state: &state,
         path: Vec::new(),
         found: None,
     };
@@ -159,48 +122,32 @@ impl FullyShard {
     /// Options this line cannot honour on `pg`: a fault-tolerant group (a lost rank takes its
     /// shards with it).
     pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<Self> {
-        grad::NotCarried::Fsdp.refuse_on(&pg)?;
-        let inner = Arc::new(Inner {
-            pg,
-            config,
-            specs: Mutex::new(HashMap::new()),
-            failure: FailureSlot::default(),
-            gathers: AtomicU64::new(0),
-        });
-        let weak = Arc::downgrade(&inner);
-        THREAD_CURRENT.with(|t| *t.borrow_mut() = Some(weak.clone()));
-        *CURRENT.lock().unwrap_or_else(|p| p.into_inner()) = Some(weak);
-        Ok(Self { inner })
+        FsdpState::new(pg, config).map(|state| Self { state })
     }
 
     /// The group.
     pub fn group(&self) -> &ProcessGroup {
-        &self.inner.pg
+        self.state.group()
     }
 
     /// The options.
     pub fn config(&self) -> &FsdpConfig {
-        &self.inner.config
+        self.state.config()
     }
 
     /// How many parameters this process has all-gathered so far: one per sharded parameter
     /// of each gathered block in forward, and, with `reshard_after_forward`, one more for each
     /// that a backward read again.
     pub fn gathers(&self) -> u64 {
-        self.inner.gathers.load(Ordering::Relaxed)
+        self.state.gathers()
     }
 
     fn rank_error(&self, what: &'static str, reason: impl std::fmt::Display) -> DdpError {
-        DdpError::model_access(self.inner.pg.rank(), what, reason)
+        self.state.error(what, reason)
     }
 
     fn spec(&self, id: &ParamId) -> Option<Spec> {
-        self.inner
-            .specs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id)
-            .cloned()
+        self.state.param(id.val())
     }
 
     /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
@@ -216,58 +163,38 @@ impl FullyShard {
     /// differ; `reshard_after_forward` on a model whose device is an autodiff device without
     /// gradient checkpointing (the fix in the message); collective failures.
     pub fn shard<M: Module>(&self, model: M) -> Result<M> {
-        let pg = &self.inner.pg;
-        if self.inner.config.reshard_after_forward {
+        let pg = self.state.group();
+        if self.state.config().reshard_after_forward {
             self.check_checkpointing(&model)?;
         }
         let AsReplica(model) = grad::check_and_load(pg, AsReplica(model), true)?;
-        let world = pg.world_size().as_usize();
-        if world == 1 {
-            return Ok(model);
-        }
         struct Cut<'a> {
             fsdp: &'a FullyShard,
-            rank: usize,
-            world: usize,
-            specs: Vec<(ParamId, Spec)>,
             failed: Option<DdpError>,
         }
         impl ModuleMapper for Cut<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let id = param.id;
-                let (rank, world) = (self.rank, self.world);
-                let mut spec = None;
+                let id = param.id.val();
                 let mut failed = None;
-                // A first dimension of one cannot be cut (the whole would be on rank 0, and a
-                // shard would look like the whole): such a parameter stays whole on every
-                // rank, its gradient averaged by `sync`.
-                if param.val().dims().first().copied().unwrap_or(1) <= 1 {
-                    return param;
-                }
                 let param = param.map(|t| {
-                    let shape = t.dims().to_vec();
-                    let layout = ShardLayout::new(&shape, world);
-                    let trainable = t.is_require_grad();
-                    match values(&t) {
-                        Ok(full) => {
-                            let shard = layout.shard_of(rank, &full);
-                            spec = Some(Spec { shape, layout });
-                            let shard = made(&t, shard, layout.shard_shape(&t.dims()));
-                            if trainable {
-                                shard.require_grad()
-                            } else {
-                                shard
-                            }
-                        }
+                    let full = match values(&t) {
+                        Ok(full) => full,
                         Err(e) => {
                             failed = Some(self.fsdp.rank_error("sharding a parameter", e));
-                            t
+                            return t;
                         }
+                    };
+                    match self.fsdp.state.cut(id, &t.dims(), &full) {
+                        Some((mine, shape)) => {
+                            let shard = made(&t, mine, shape);
+                            match t.is_require_grad() {
+                                true => shard.require_grad(),
+                                false => shard,
+                            }
+                        }
+                        None => t,
                     }
                 });
-                if let Some(spec) = spec {
-                    self.specs.push((id, spec));
-                }
                 if self.failed.is_none() {
                     self.failed = failed;
                 }
@@ -276,21 +203,13 @@ impl FullyShard {
         }
         let mut cut = Cut {
             fsdp: self,
-            rank: pg.rank().index(),
-            world,
-            specs: Vec::new(),
             failed: None,
         };
         let model = model.map(&mut cut);
-        if let Some(e) = cut.failed {
-            return Err(e);
+        match cut.failed {
+            Some(e) => Err(e),
+            None => Ok(model),
         }
-        self.inner
-            .specs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(cut.specs);
-        Ok(model)
     }
 
     fn check_checkpointing<M: Module>(&self, model: &M) -> Result<()> {
@@ -320,7 +239,7 @@ impl FullyShard {
     /// current sharding). A gather that fails gives a parameter of zeros and keeps the error
     /// for [`sync`](Self::sync).
     pub fn gather<M: Module>(&self, block: &M) -> M {
-        self.gather_as(block, self.inner.config.param_dtype)
+        self.gather_as(block, self.state.config().param_dtype)
     }
 
     /// [`gather`](Self::gather) in `precision`.
@@ -339,7 +258,7 @@ impl FullyShard {
                     // keeps the parameters' ids. The same forward runs on both.
                     param
                 } else {
-                    self.0.inner.failure.fail(self.0.rank_error(
+                    self.0.state.fail(self.0.rank_error(
                         "gathering a sharded parameter",
                         format!(
                             "a parameter of shape {dims:?} has the id of one sharded as {:?} of \
@@ -364,7 +283,7 @@ impl FullyShard {
         let op = tracked::Gather {
             fsdp: self,
             spec,
-            reshard: self.inner.config.reshard_after_forward,
+            reshard: self.state.config().reshard_after_forward,
             precision,
         };
         match crate::autodiff::apply(&op, shard) {
@@ -373,7 +292,7 @@ impl FullyShard {
             // for: the gather without a backward.
             ControlFlow::Continue(shard) => {
                 if shard.is_require_grad() {
-                    self.inner.failure.fail(self.rank_error(
+                    self.state.fail(self.rank_error(
                         "gathering a sharded parameter",
                         format!(
                             "the tensor is on a backend that burn-ddp was not built for ({:?}): \
@@ -389,31 +308,15 @@ impl FullyShard {
     }
 
     /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device; zeros
-    /// (and the error kept) when the gather fails.
+    /// (and the error kept for `sync`) when the gather fails.
     fn host_gather<const D: usize>(
         &self,
         spec: &Spec,
         shard: &Tensor<D>,
         precision: Precision,
     ) -> Tensor<D> {
-        self.inner.gathers.fetch_add(1, Ordering::Relaxed);
         let dtype = gathered_dtype(precision, shard.dtype());
-        // A shard that cannot be read still takes part (as zeros), so that no rank waits on
-        // this one; the error is kept.
-        let (mine, unread) = match values(shard) {
-            Ok(v) => (v, None),
-            Err(e) => (vec![0.0; spec.layout.shard_len()], Some(e)),
-        };
-        let whole = grad::gather_in(&spec.layout, &self.inner.pg, &mine, precision);
-        if let Some(e) = unread {
-            self.inner
-                .failure
-                .fail(self.rank_error("gathering a sharded parameter", e));
-        }
-        let whole = whole.unwrap_or_else(|e| {
-            self.inner.failure.fail(e);
-            vec![0.0; spec.layout.full_len()]
-        });
+        let whole = self.state.gather(spec, values(shard), precision);
         let data = TensorData::new(whole, spec.shape.clone()).convert_dtype(dtype);
         Tensor::from_data(data, (&shard.device(), dtype))
     }
@@ -426,29 +329,8 @@ impl FullyShard {
         whole: &Tensor<D>,
         shard_dtype: DType,
     ) -> Tensor<D> {
-        let config = &self.inner.config;
-        let (full, unread) = match values(whole) {
-            Ok(v) => (v, None),
-            Err(e) => (vec![0.0; spec.layout.full_len()], Some(e)),
-        };
-        let mine = grad::reduce_scatter_in(
-            &spec.layout,
-            &self.inner.pg,
-            &full,
-            config.reduction.op(),
-            config.reduce_dtype,
-        );
-        if let Some(e) = unread {
-            self.inner
-                .failure
-                .fail(self.rank_error("reduce-scattering a gradient", e));
-        }
-        let mine = mine.unwrap_or_else(|e| {
-            self.inner.failure.fail(e);
-            vec![0.0; spec.layout.shard_len()]
-        });
-        let data =
-            TensorData::new(mine, spec.layout.shard_shape(&spec.shape)).convert_dtype(shard_dtype);
+        let mine = self.state.reduce_scatter(spec, values(whole));
+        let data = TensorData::new(mine, spec.shard_shape()).convert_dtype(shard_dtype);
         Tensor::from_data(data, (&whole.device(), shard_dtype))
     }
 
@@ -461,16 +343,16 @@ impl FullyShard {
     /// A gather or reduce-scatter of this step that failed (a lost rank, a deadline), naming
     /// the rank at fault; the all-reduce's failures.
     pub fn sync<M: Module>(&self, model: &M, grads: GradientsParams) -> Result<GradientsParams> {
-        if let Some(e) = self.inner.failure.take() {
+        if let Some(e) = self.state.take_failure() {
             return Err(e);
         }
-        let pg = &self.inner.pg;
+        let pg = self.state.group();
         if pg.world_size().as_usize() == 1 {
             return Ok(grads);
         }
         let mut grads = grads;
         let mut replicated = Replicated::read(self, model, &mut grads)?;
-        pg.all_reduce(&mut replicated.flat, self.inner.config.reduction.op())?;
+        pg.all_reduce(&mut replicated.flat, self.state.config().reduction.op())?;
         replicated.put_back(model, &mut grads);
         Ok(grads)
     }
@@ -525,7 +407,7 @@ impl FullyShard {
             Some(_) => (0.0, 0.0),
             None => (sq.sharded, sq.replicated),
         };
-        let (norm, coef) = grad::global_norm(&self.inner.pg, sharded, replicated, max_norm)?;
+        let (norm, coef) = grad::global_norm(self.state.group(), sharded, replicated, max_norm)?;
         if let Some(e) = sq.failed {
             return Err(self.rank_error("reading a gradient", e));
         }
@@ -561,7 +443,7 @@ impl FullyShard {
     pub fn full_model<M: Module>(&self, model: &M) -> Result<M> {
         let model = model.clone().no_grad();
         let whole = self.gather_as(&model, Precision::F32);
-        match self.inner.failure.take() {
+        match self.state.take_failure() {
             Some(e) => Err(e),
             None => Ok(whole),
         }
@@ -580,30 +462,10 @@ impl FullyShard {
     /// A record that cannot be read; ranks whose records name other tensors; collective
     /// failures.
     pub fn full_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
-        let pg = &self.inner.pg;
         let fail = |e: String| self.rank_error("gathering the optimizer state", e);
         let mut pack = read_pack(record).map_err(fail)?;
-        // One order on every rank; the same tensors on every rank, or no rank gathers.
-        pack.tensors.sort_by(|a, b| a.name.cmp(&b.name));
-        let names: Vec<u8> = pack
-            .tensors
-            .iter()
-            .flat_map(|t| format!("{}:{:?};", t.name, t.shape).into_bytes())
-            .collect();
-        let all = pg.all_gather_bytes(&names)?;
-        if let Some(r) = all.iter().position(|n| *n != names) {
-            return Err(fail(format!(
-                "rank {r}'s optimizer state holds other tensors than this rank's: were the \
-                 ranks' optimizers made alike and stepped the same steps?"
-            )));
-        }
-        self.map_record(pack, |spec, t| {
-            if t.shape != spec.layout.shard_shape(&spec.shape) {
-                return Ok(None);
-            }
-            let whole = spec.layout.all_gather(pg, &t.values)?;
-            Ok(Some((whole, spec.shape.clone())))
-        })
+        self.state.gather_state(&mut pack.tensors)?;
+        write_pack(pack).map_err(fail)
     }
 
     /// This rank's shard of a whole optimizer state ([`full_optimizer_record`]
@@ -616,57 +478,9 @@ impl FullyShard {
     /// A record that cannot be read.
     pub fn shard_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
         let fail = |e: String| self.rank_error("cutting the optimizer state", e);
-        let rank = self.inner.pg.rank().index();
-        let pack = read_pack(record).map_err(fail)?;
-        self.map_record(pack, |spec, t| {
-            if t.shape != spec.shape {
-                return Ok(None);
-            }
-            let mine = spec.layout.shard_of(rank, &t.values);
-            Ok(Some((mine, spec.layout.shard_shape(&spec.shape))))
-        })
-    }
-
-    /// `pack` written back as an optimizer record, each tensor of a sharded parameter replaced
-    /// by what `f` gives (`None`: kept).
-    fn map_record(
-        &self,
-        pack: Pack,
-        mut f: impl FnMut(&Spec, &RecordTensor) -> Result<Option<(Vec<f32>, Vec<usize>)>>,
-    ) -> Result<OptimizerRecord> {
-        let fail = |e: String| self.rank_error("rewriting the optimizer state", e);
-        let specs = self
-            .inner
-            .specs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let mut out = Vec::with_capacity(pack.tensors.len());
-        for t in pack.tensors {
-            let spec = t.param.and_then(|id| specs.get(&ParamId::from(id)));
-            let replaced = match spec {
-                Some(spec) => f(spec, &t)?,
-                None => None,
-            };
-            let (values, shape) = replaced.unwrap_or_else(|| (t.values, t.shape.clone()));
-            let data = TensorData::new(values, shape.clone()).convert_dtype(t.dtype);
-            out.push(burn_pack::Tensor::new(
-                t.name,
-                t.dtype,
-                shape,
-                t.param,
-                data.into_bytes(),
-            ));
-        }
-        let mut writer = burn_pack::Writer::new(out);
-        for (key, value) in pack.scalars {
-            writer = writer.with_scalar(&key, value);
-        }
-        for (key, value) in pack.metadata {
-            writer = writer.with_metadata(&key, &value);
-        }
-        let bytes = writer.into_bytes().map_err(|e| fail(format!("{e:?}")))?;
-        OptimizerRecord::from_bytes(bytes).map_err(|e| fail(e.to_string()))
+        let mut pack = read_pack(record).map_err(fail)?;
+        self.state.cut_state(&mut pack.tensors);
+        write_pack(pack).map_err(fail)
     }
 
     /// How many values of `model`'s float parameters this rank holds (its shards, padding
@@ -699,20 +513,12 @@ impl FullyShard {
 }
 
 /// An optimizer record's burnpack contents (Burn keys each state tensor by its parameter's id,
-/// `"{id}.{field}"`, with the id beside it; `zero.rs` says more).
+/// `"{id}.{field}"`, with the id beside it; `zero.rs` says more), its tensors as f32.
 struct Pack {
-    tensors: Vec<RecordTensor>,
+    tensors: Vec<StateTensor>,
+    dtypes: HashMap<String, DType>,
     scalars: Vec<(String, burn_pack::Scalar)>,
     metadata: Vec<(String, String)>,
-}
-
-/// One state tensor, its values as f32.
-struct RecordTensor {
-    name: String,
-    dtype: DType,
-    shape: Vec<usize>,
-    param: Option<u64>,
-    values: Vec<f32>,
 }
 
 fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
@@ -720,7 +526,7 @@ fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
     let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| format!("{e:?}"))?;
     let scalars = reader.scalars().clone().into_iter().collect();
     let metadata = reader.metadata().clone().into_iter().collect();
-    let mut tensors = Vec::new();
+    let (mut tensors, mut dtypes) = (Vec::new(), HashMap::new());
     for tensor in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
         let (name, dtype, shape, param, bytes) =
             tensor.into_parts().map_err(|e| format!("{e:?}"))?;
@@ -730,19 +536,44 @@ fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
             .convert::<f32>()
             .try_into_vec::<f32>()
             .map_err(|e| format!("{e:?}"))?;
-        tensors.push(RecordTensor {
+        dtypes.insert(name.clone(), dtype);
+        tensors.push(StateTensor {
             name,
-            dtype,
-            shape,
             param,
+            shape,
             values,
         });
     }
     Ok(Pack {
         tensors,
+        dtypes,
         scalars,
         metadata,
     })
+}
+
+fn write_pack(pack: Pack) -> std::result::Result<OptimizerRecord, String> {
+    let mut out = Vec::with_capacity(pack.tensors.len());
+    for t in pack.tensors {
+        let dtype = pack.dtypes.get(&t.name).copied().unwrap_or(DType::F32);
+        let data = TensorData::new(t.values, t.shape.clone()).convert_dtype(dtype);
+        out.push(burn_pack::Tensor::new(
+            t.name,
+            dtype,
+            t.shape,
+            t.param,
+            data.into_bytes(),
+        ));
+    }
+    let mut writer = burn_pack::Writer::new(out);
+    for (key, value) in pack.scalars {
+        writer = writer.with_scalar(&key, value);
+    }
+    for (key, value) in pack.metadata {
+        writer = writer.with_metadata(&key, &value);
+    }
+    let bytes = writer.into_bytes().map_err(|e| format!("{e:?}"))?;
+    OptimizerRecord::from_bytes(bytes).map_err(|e| e.to_string())
 }
 
 /// The gradients of the parameters that are not sharded, flattened for one all-reduce.
@@ -977,7 +808,7 @@ mod tracked {
         {
             t.try_into_primitive::<B>()
                 .map_err(|e| {
-                    fsdp.inner.failure.fail(fsdp.rank_error(
+                    fsdp.state.fail(fsdp.rank_error(
                         "gathering a sharded parameter",
                         format!(
                             "Burn gave a tensor back on another backend than {}: {e:?}",

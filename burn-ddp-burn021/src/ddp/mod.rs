@@ -43,8 +43,10 @@ pub use burn_ddp_comm::grad::{
     Compression, DdpConfig, GradReduction, LoopState, ParamInfo, PowerSgd,
 };
 
+pub(crate) use model::load_replica;
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
+pub(crate) use values::{read_f32, write_f32};
 pub use zero::ZeroOptimizer;
 
 /// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with

@@ -162,6 +162,15 @@ fn is_skipped(name: &str, skip: &[String]) -> bool {
     skip.iter().any(|s| s == field)
 }
 
+/// `model` checked across the ranks of `pg` and loaded with rank 0's weights, no field kept
+/// rank-local: what `FullyShard::shard` starts from.
+pub(crate) fn load_replica<B: AutodiffBackend, M: AutodiffModule<B>>(
+    pg: &crate::ProcessGroup,
+    model: M,
+) -> Result<M> {
+    Ok(check_and_load(pg, AsReplica::<B, M>::new(model, &[]), true)?.model)
+}
+
 /// This line's [`Replica`]: a Burn 0.21 module whose parameters under the `skip` fields stay
 /// rank-local (not compared, not overwritten); its record as `BinBytesRecorder` bytes.
 struct AsReplica<'s, B, M> {
@@ -270,6 +279,7 @@ impl DdpSession {
         skip: &[&str],
         from_root: bool,
     ) -> Result<M> {
+        crate::fsdp::refuse_sharded::<B, M>(&model, self.shared.pg.rank(), "DdpSession::prepare")?;
         let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let devices = model.devices();

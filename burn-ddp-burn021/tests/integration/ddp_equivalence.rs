@@ -15,6 +15,7 @@
 
 use crate::common;
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, Param};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -22,6 +23,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Distribution, Tensor};
+use burn_ddp::fsdp::{gather, FsdpBackend, FsdpConfig, FullyShard};
 use burn_ddp::{Ddp, DdpConfig, DdpSession, ProcessGroup};
 use burn_ddp_comm::{CollectiveError, ModelError};
 use common::compare::{assert_close, Tolerance};
@@ -37,6 +39,8 @@ fn new_session(pg: ProcessGroup, config: DdpConfig) -> burn_ddp::Result<DdpSessi
 type B = Autodiff<Ddp<burn::backend::NdArray>>;
 #[cfg(feature = "cuda")]
 type B = Autodiff<Ddp<burn::backend::Cuda>>;
+/// `B` under Burn's gradient checkpointing: what FSDP's resharding needs.
+type Bc = Autodiff<<B as AutodiffBackend>::InnerBackend, BalancedCheckpointing>;
 
 /// f32 training on this binary's backend.
 #[cfg(not(feature = "cuda"))]
@@ -141,26 +145,28 @@ trait Net<B: Backend>: Module<B> {
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1>;
 }
 
-impl<B: Backend> Net<B> for Mlp<B> {
+impl<B: FsdpBackend> Net<B> for Mlp<B> {
     fn build(device: &B::Device) -> Self {
         Self::new(device)
     }
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let h = self.act.forward(self.fc1.forward(x));
-        let out = self.fc2.forward(h);
+        // `gather`: the FSDP scenarios' one changed line per block; without a `FullyShard`,
+        // or on a whole model, the block itself.
+        let h = self.act.forward(gather(&self.fc1).forward(x));
+        let out = gather(&self.fc2).forward(h);
         (out - y).powi_scalar(2).mean()
     }
 }
 
-impl<B: Backend> Net<B> for ConvNet<B> {
+impl<B: FsdpBackend> Net<B> for ConvNet<B> {
     fn build(device: &B::Device) -> Self {
         Self::new(device)
     }
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
         let n = x.dims()[0];
         let img = x.reshape([n, 1, 4, 2]).repeat_dim(3, 2); // [n, 1, 4, 4]
-        let h = self.act.forward(self.conv.forward(img)); // [n, 4, 2, 2]
-        let out = self.fc.forward(h.reshape([n, 16]));
+        let h = self.act.forward(gather(&self.conv).forward(img)); // [n, 4, 2, 2]
+        let out = gather(&self.fc).forward(h.reshape([n, 16]));
         (out - y).powi_scalar(2).mean()
     }
 }
@@ -190,7 +196,7 @@ impl<B: Backend> Net<B> for Strided<B> {
     }
 }
 
-impl<B: Backend> Net<B> for Tied<B> {
+impl<B: FsdpBackend> Net<B> for Tied<B> {
     fn build(device: &B::Device) -> Self {
         Self {
             fc: LinearConfig::new(IN, IN).init(device),
@@ -198,8 +204,11 @@ impl<B: Backend> Net<B> for Tied<B> {
         }
     }
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
-        let h = self.fc.forward(self.fc.forward(x).tanh()).tanh();
-        (self.out.forward(h) - y).powi_scalar(2).mean()
+        // Gathered once, used twice: its gradient is the sum of both uses before it is
+        // reduce-scattered.
+        let fc = gather(&self.fc);
+        let h = fc.forward(fc.forward(x).tanh()).tanh();
+        (gather(&self.out).forward(h) - y).powi_scalar(2).mean()
     }
 }
 
@@ -234,9 +243,14 @@ impl Line for Line021 {
                 Opt::Adam | Opt::AdamZero | Opt::AdamZero2 => {
                     run::<M, _>(pg, s, || AdamConfig::new().init())
                 }
-                // This line's suite does not run `fsdp_suite!` (FSDP is not on Burn 0.21 yet).
-                Opt::AdamFsdp(_) => panic!("FSDP is not on the Burn 0.21 line: {}", s.name),
+                Opt::AdamFsdp(_) => unreachable!("fsdp_train trains it"),
             }
+        }
+        if let Opt::AdamFsdp(config) = s.opt {
+            return match config.reshard_after_forward {
+                true => fsdp_train::<Bc>(pg, s, config),
+                false => fsdp_train::<B>(pg, s, config),
+            };
         }
         match s.net {
             conformance::Net::Mlp => with::<Mlp<B>>(pg, s),
@@ -249,6 +263,106 @@ impl Line for Line021 {
 }
 
 burn_ddp_dev::conformance_suite!(Line021);
+
+mod fsdp {
+    // Not the resume scenarios: this line has no `full_optimizer_record` yet (its optimizers'
+    // records are typed by the state's rank, which the core's state tensors do not carry).
+    burn_ddp_dev::fsdp_suite!(super::Line021; without_resume);
+}
+
+/// An FSDP scenario on backend `Bk` (`B`, or `Bc` where the parameters are gathered again for
+/// backward).
+fn fsdp_train<Bk: FsdpBackend + AutodiffBackend>(
+    pg: ProcessGroup,
+    s: &Scenario,
+    config: FsdpConfig,
+) -> Trained {
+    match s.net {
+        conformance::Net::Mlp => run_fsdp::<Bk, Mlp<Bk>>(pg, s, config),
+        conformance::Net::Conv => run_fsdp::<Bk, ConvNet<Bk>>(pg, s, config),
+        conformance::Net::Tied => run_fsdp::<Bk, Tied<Bk>>(pg, s, config),
+        other => panic!("no FSDP scenario runs {other:?}"),
+    }
+}
+
+/// The whole batch of step `step` on backend `Bk`: the same on every rank, and the same as
+/// [`batch`]'s (one inner backend, one seed).
+fn batch_on<Bk: Backend>(step: usize, world: usize) -> (Tensor<Bk, 2>, Tensor<Bk, 2>) {
+    let device = Default::default();
+    let n = world * PER_RANK;
+    <Bk as Backend>::seed(&device, conformance::batch_seed(step));
+    let x = Tensor::<Bk, 2>::random([n, IN], Distribution::Normal(0.0, 1.0), &device);
+    let y = Tensor::<Bk, 2>::random([n, OUT], Distribution::Normal(0.0, 1.0), &device);
+    (x, y)
+}
+
+/// An FSDP scenario (`conformance::Opt::AdamFsdp`) on this rank: the model sharded by
+/// `FullyShard`, each block gathered in the nets' forward, Burn's Adam stepping the shards; the
+/// reference and the negative control from the gathered start, compared with the gathered end.
+fn run_fsdp<Bk, M>(pg: ProcessGroup, s: &Scenario, config: FsdpConfig) -> Trained
+where
+    Bk: FsdpBackend + AutodiffBackend,
+    M: Net<Bk> + AutodiffModule<Bk>,
+{
+    let world = pg.world_size().as_usize();
+    let rank = pg.rank().index();
+    let device = Default::default();
+    // A different init per rank: `shard` must cut rank 0's.
+    <Bk as Backend>::seed(&device, conformance::init_seed(rank));
+    let fsdp = FullyShard::new(pg, config).unwrap();
+    let mut model = fsdp.shard::<Bk, M>(M::build(&device)).unwrap();
+    let start = || fsdp.full_model::<Bk, M>(&model).unwrap().into_record();
+    let mut reference = M::build(&device).load_record(start());
+    let mut alone = M::build(&device).load_record(start());
+    let (held, whole) = fsdp.held_values(&model);
+    if world > 1 {
+        assert!(held < whole, "{held} of {whole} values held");
+    }
+    let adam = || AdamConfig::new().init::<Bk, M>();
+    let (mut opt, mut opt_ref, mut opt_alone) = (adam(), adam(), adam());
+    let lr = conformance::LR;
+    let micros = match s.mode {
+        conformance::Mode::Plain => 1,
+        conformance::Mode::Accumulate(k) => k,
+        other => panic!("no FSDP scenario runs {other:?}"),
+    };
+    let mine = |t: &Tensor<Bk, 2>| t.clone().narrow(0, rank * PER_RANK, PER_RANK);
+    for step in 0..STEPS {
+        let mut acc = GradientsAccumulator::<M>::new();
+        let mut acc_ref = GradientsAccumulator::<M>::new();
+        let mut acc_alone = GradientsAccumulator::<M>::new();
+        for micro in 0..micros {
+            let (x, y) = batch_on::<Bk>(step * micros + micro, world);
+            let before = fsdp.gathers();
+            let loss = model.loss(mine(&x), mine(&y));
+            let forward = fsdp.gathers() - before;
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let backward = fsdp.gathers() - before - forward;
+            // Resharded, the backward gathers again the weights it reads (the matrix products'
+            // and the convolution's); kept, it gathers nothing.
+            match (world > 1, config.reshard_after_forward) {
+                (true, true) => assert!(backward > 0, "{forward} gathers, none again"),
+                _ => assert_eq!(backward, 0, "gathers in backward without resharding"),
+            }
+            acc.accumulate(&model, fsdp.sync::<Bk, M>(&model, grads).unwrap());
+            let loss = alone.loss(mine(&x), mine(&y));
+            acc_alone.accumulate(&alone, GradientsParams::from_grads(loss.backward(), &alone));
+            let loss = reference.loss(x, y);
+            acc_ref.accumulate(
+                &reference,
+                GradientsParams::from_grads(loss.backward(), &reference),
+            );
+        }
+        model = opt.step(lr, model, acc.grads());
+        reference = opt_ref.step(lr, reference, acc_ref.grads());
+        alone = opt_alone.step(lr, alone, acc_alone.grads());
+    }
+    Trained {
+        ddp: common::params(&fsdp.full_model::<Bk, M>(&model).unwrap()),
+        reference: common::params(&reference),
+        alone: common::params(&alone),
+    }
+}
 
 fn run<M: Net<B> + AutodiffModule<B>, O: Optimizer<M, B>>(
     pg: ProcessGroup,

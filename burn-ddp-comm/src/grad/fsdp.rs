@@ -306,6 +306,254 @@ pub fn global_norm(
     Ok((norm, coef.min(1.0)))
 }
 
+/// One sharded parameter: its whole shape and how it is cut.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedParam {
+    /// The whole parameter's shape.
+    pub shape: Vec<usize>,
+    /// How it is cut among the ranks.
+    pub layout: ShardLayout,
+}
+
+impl ShardedParam {
+    /// The shape of this rank's shard.
+    pub fn shard_shape(&self) -> Vec<usize> {
+        self.layout.shard_shape(&self.shape)
+    }
+}
+
+/// One state tensor of an optimizer's record (Adam's moments, momentum): its name, the id of
+/// the parameter it belongs to, its shape, and its values as f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StateTensor {
+    /// The tensor's name in the record (`"{id}.{field}"` in Burn's burnpack records).
+    pub name: String,
+    /// The id of the parameter it belongs to (Burn's `ParamId::val`).
+    pub param: Option<u64>,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its values.
+    pub values: Vec<f32>,
+}
+
+/// A job's fully sharded parameters, what both Burn lines' `FullyShard` wrap: the group they
+/// are gathered over, the options, each sharded parameter by id (Burn's `ParamId::val`), the
+/// first failure of the gathers and reduce-scatters that run inside Burn's forward and
+/// backward (which cannot return one), and a count of the gathers. Made on a thread, it is
+/// that thread's (and, for threads that made none, the process's) [`current`](Self::current)
+/// one, which the lines' free `gather` functions use, so a model's `forward` needs no handle.
+#[derive(Debug)]
+pub struct FsdpState {
+    pg: ProcessGroup,
+    config: FsdpConfig,
+    params: std::sync::Mutex<std::collections::HashMap<u64, ShardedParam>>,
+    failure: crate::train::vote::FailureSlot,
+    gathers: std::sync::atomic::AtomicU64,
+}
+
+static CURRENT: std::sync::Mutex<Option<std::sync::Weak<FsdpState>>> = std::sync::Mutex::new(None);
+
+thread_local! {
+    static THREAD_CURRENT: std::cell::RefCell<Option<std::sync::Weak<FsdpState>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+impl FsdpState {
+    /// FSDP over `pg` with `config`, this thread's (and the process's) current one from now on.
+    ///
+    /// # Errors
+    /// A fault-tolerant group (a lost rank would take its shards with it).
+    pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<std::sync::Arc<Self>> {
+        super::NotCarried::Fsdp.refuse_on(&pg)?;
+        let state = std::sync::Arc::new(Self {
+            pg,
+            config,
+            params: Default::default(),
+            failure: Default::default(),
+            gathers: Default::default(),
+        });
+        let weak = std::sync::Arc::downgrade(&state);
+        THREAD_CURRENT.with(|t| *t.borrow_mut() = Some(weak.clone()));
+        *CURRENT.lock().unwrap_or_else(|p| p.into_inner()) = Some(weak);
+        Ok(state)
+    }
+
+    /// The current one (this thread's, else the process's last), while it lives.
+    pub fn current() -> Option<std::sync::Arc<Self>> {
+        THREAD_CURRENT
+            .with(|t| t.borrow().as_ref().and_then(std::sync::Weak::upgrade))
+            .or_else(|| {
+                CURRENT
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                    .and_then(std::sync::Weak::upgrade)
+            })
+    }
+
+    /// The group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    /// The options.
+    pub fn config(&self) -> &FsdpConfig {
+        &self.config
+    }
+
+    /// The sharded parameter `id`, if it is one.
+    pub fn param(&self, id: u64) -> Option<ShardedParam> {
+        self.params
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    /// The error for what `what` found wrong (`reason`), naming this rank.
+    pub fn error(&self, what: &'static str, reason: impl std::fmt::Display) -> crate::DdpError {
+        crate::DdpError::model_access(self.pg.rank(), what, reason)
+    }
+
+    /// Keeps `e` (unless an earlier failure is kept) for the line's `sync`.
+    pub fn fail(&self, e: crate::DdpError) {
+        self.failure.fail(e);
+    }
+
+    /// The first failure kept since the last call.
+    pub fn take_failure(&self) -> Option<crate::DdpError> {
+        self.failure.take()
+    }
+
+    /// How many parameters this process has all-gathered so far (in forward, and again in
+    /// backward where resharded).
+    pub fn gathers(&self) -> u64 {
+        self.gathers.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// This rank's shard of parameter `id` of `shape` whose values are `full` (`None`: it is
+    /// not cut, being of one row, or the world being one rank), recorded as sharded. The
+    /// shard's values and shape.
+    pub fn cut(&self, id: u64, shape: &[usize], full: &[f32]) -> Option<(Vec<f32>, Vec<usize>)> {
+        let world = self.pg.world_size().as_usize();
+        // A first dimension of one cannot be cut (the whole would be on rank 0, and a shard
+        // would look like the whole): such a parameter stays whole on every rank.
+        if world == 1 || shape.first().copied().unwrap_or(1) <= 1 {
+            return None;
+        }
+        let layout = ShardLayout::new(shape, world);
+        let mine = layout.shard_of(self.pg.rank().index(), full);
+        let param = ShardedParam {
+            shape: shape.to_vec(),
+            layout,
+        };
+        let shard_shape = param.shard_shape();
+        self.params
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, param);
+        Some((mine, shard_shape))
+    }
+
+    /// The whole parameter `p` from this rank's shard `mine` (read from the tensor; an error if
+    /// it could not be), gathered in `precision`. A shard that could not be read takes part as
+    /// zeros, so that no rank waits on this one; a failure gives zeros; either is kept.
+    pub fn gather(
+        &self,
+        p: &ShardedParam,
+        mine: std::result::Result<Vec<f32>, String>,
+        precision: Precision,
+    ) -> Vec<f32> {
+        self.gathers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (mine, unread) = match mine {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; p.layout.shard_len()], Some(e)),
+        };
+        let whole = gather_in(&p.layout, &self.pg, &mine, precision);
+        if let Some(e) = unread {
+            self.fail(self.error("gathering a sharded parameter", e));
+        }
+        whole.unwrap_or_else(|e| {
+            self.fail(e);
+            vec![0.0; p.layout.full_len()]
+        })
+    }
+
+    /// This rank's shard of the ranks' mean (or sum) of `p`'s whole gradient `full` (read from
+    /// the tensor; an error if it could not be), reduced in the configured precision; as
+    /// [`gather`](Self::gather) with failures.
+    pub fn reduce_scatter(
+        &self,
+        p: &ShardedParam,
+        full: std::result::Result<Vec<f32>, String>,
+    ) -> Vec<f32> {
+        let (full, unread) = match full {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; p.layout.full_len()], Some(e)),
+        };
+        let op = self.config.reduction.op();
+        let mine = reduce_scatter_in(&p.layout, &self.pg, &full, op, self.config.reduce_dtype);
+        if let Some(e) = unread {
+            self.fail(self.error("reduce-scattering a gradient", e));
+        }
+        mine.unwrap_or_else(|e| {
+            self.fail(e);
+            vec![0.0; p.layout.shard_len()]
+        })
+    }
+
+    /// The whole optimizer state from this rank's `tensors`: each state tensor of a sharded
+    /// parameter whose shape is its shard's all-gathered into the parameter's whole shape, in
+    /// name order, after checking that every rank holds the same tensors.
+    ///
+    /// # Errors
+    /// Ranks whose states name other tensors; collective failures.
+    pub fn gather_state(&self, tensors: &mut [StateTensor]) -> Result<()> {
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        let names: Vec<u8> = tensors
+            .iter()
+            .flat_map(|t| format!("{}:{:?};", t.name, t.shape).into_bytes())
+            .collect();
+        let all = self.pg.all_gather_bytes(&names)?;
+        if let Some(r) = all.iter().position(|n| *n != names) {
+            return Err(self.error(
+                "gathering the optimizer state",
+                format!(
+                    "rank {r}'s optimizer state holds other tensors than this rank's: were the \
+                     ranks' optimizers made alike and stepped the same steps?"
+                ),
+            ));
+        }
+        for t in tensors.iter_mut() {
+            let Some(p) = t.param.and_then(|id| self.param(id)) else {
+                continue;
+            };
+            if t.shape == p.shard_shape() {
+                t.values = p.layout.all_gather(&self.pg, &t.values)?;
+                t.shape = p.shape.clone();
+            }
+        }
+        Ok(())
+    }
+
+    /// This rank's shard of a whole optimizer state (as [`gather_state`](Self::gather_state)
+    /// gives it, at any world size): each state tensor of a sharded parameter whose shape is
+    /// the parameter's whole shape cut as the parameter is.
+    pub fn cut_state(&self, tensors: &mut [StateTensor]) {
+        let rank = self.pg.rank().index();
+        for t in tensors.iter_mut() {
+            let Some(p) = t.param.and_then(|id| self.param(id)) else {
+                continue;
+            };
+            if t.shape == p.shape {
+                t.values = p.layout.shard_of(rank, &t.values);
+                t.shape = p.shard_shape();
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

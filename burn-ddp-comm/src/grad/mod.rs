@@ -23,7 +23,9 @@
 //! - `worker.rs`: [`Worker`], the in-order thread each transport's communication runs on
 //! - `fsdp.rs`: [`ShardLayout`], FSDP's cut of one parameter on its first dimension among the
 //!   ranks, its all-gather ([`gather_in`]) and its gradient's reduce-scatter
-//!   ([`reduce_scatter_in`]) in a [`Precision`]; [`FsdpConfig`]; [`global_norm`] over shards
+//!   ([`reduce_scatter_in`]) in a [`Precision`]; [`FsdpConfig`]; [`global_norm`] over shards;
+//!   [`FsdpState`], the sharded parameters by id and the failures kept, which both lines'
+//!   `FullyShard` wrap
 //! - `zero.rs`: [`ZeroPlan`], ZeRO's owner of each parameter and the all-gather of the
 //!   stepped parameters; [`ZeroShards`], the plan by parameter id; [`check_stage2`], what
 //!   stage 2 (buckets reduce-scattered over a [sharded](BucketPlan::sharded) plan) refuses
@@ -64,7 +66,10 @@ pub use buffers::broadcast_buffers;
 pub use check::{check_same_params, digest, ReplicaCheck};
 pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
-pub use fsdp::{gather_in, global_norm, reduce_scatter_in, FsdpConfig, Precision, ShardLayout};
+pub use fsdp::{
+    gather_in, global_norm, reduce_scatter_in, FsdpConfig, FsdpState, Precision, ShardLayout,
+    ShardedParam, StateTensor,
+};
 pub use hook::{reduce_bucket, scatter_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};
 pub use issue::{BucketIssuer, InFlight};

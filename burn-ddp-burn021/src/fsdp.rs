@@ -1,0 +1,718 @@
+//! Fully sharded data parallelism (FSDP, ZeRO stage 3; PyTorch FSDP2's `fully_shard`) on Burn
+//! 0.21: every rank holds a shard of every parameter (its first dimension cut among the ranks,
+//! `burn_ddp_comm::grad::ShardLayout`), hence of its gradient and of the optimizer's state, and
+//! a block's whole parameters exist only while the block computes.
+//!
+//! ```text
+//! type B = Autodiff<Ddp<NdArray>, BalancedCheckpointing>;   // resharding needs checkpointing
+//! let fsdp = FullyShard::new(pg, FsdpConfig::default())?;
+//! let mut model = fsdp.shard::<B, _>(model)?;   // rank 0's weights, cut; this rank's shard
+//! // in the model's forward (`impl<B: FsdpBackend> MyModel<B>`), one changed line per block:
+//! //     let x = fsdp::gather(&self.block).forward(x);
+//! let grads = GradientsParams::from_grads(loss.backward(), &model);
+//! let grads = fsdp.sync(&model, grads)?;        // backward's failures; unsharded params' mean
+//! model = optim.step(lr, model, grads);         // Burn's optimizer on the shards, unchanged
+//! ```
+//!
+//! The same design as the Burn 0.22/0.23 line's (`docs/design.md`, "FSDP"), on the core's
+//! `FsdpState`: [`gather`] is an autodiff operation of this crate's on `Autodiff<Ddp<B>, C>`
+//! (burn-autodiff 0.21's public `Backward`), whose backward reduce-scatters the whole gradient
+//! to the ranks' shards; with `reshard_after_forward` it is registered memory-bound with a
+//! retro-forward that gathers again, which Burn's `BalancedCheckpointing` runs when the block's
+//! backward reads the whole parameter. The backend names the strategy here (`C`), so
+//! [`FullyShard::shard`] refuses resharding under `NoCheckpointing` (Burn's default).
+
+use std::any::TypeId;
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
+use burn_backend::tensor::FloatTensor;
+use burn_ddp_comm::grad::{self, FsdpState, ShardedParam};
+pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
+
+use crate::ddp::{load_replica, read_f32, write_f32};
+use crate::Ddp;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// One gather: the sharding, the parameter, how it is gathered. What a [`FsdpBackend`] is
+/// handed (its fields are this crate's).
+#[derive(Debug)]
+pub struct Gathering<'a> {
+    fsdp: &'a FullyShard,
+    param: &'a ShardedParam,
+    precision: Precision,
+}
+
+/// The backends FSDP runs on: `Autodiff<Ddp<B>, C>` (training: the gather is differentiable,
+/// its backward reduce-scatters) and `Ddp<B>` (validation and inference: the gather alone). A
+/// model whose `forward` calls [`gather`] is generic over `B: FsdpBackend`.
+pub trait FsdpBackend: Backend + sealed::Sealed {
+    /// Whether the backend's autodiff can gather a parameter again in backward (Burn's
+    /// `BalancedCheckpointing`); true without autodiff, where there is no backward.
+    fn regathers() -> bool;
+
+    /// The whole parameter from `shard`.
+    #[doc(hidden)]
+    fn gather_whole(how: &Gathering<'_>, shard: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+impl<B: Backend> sealed::Sealed for Ddp<B> {}
+impl<B: Backend, C: CheckpointStrategy> sealed::Sealed for Autodiff<Ddp<B>, C> {}
+
+impl<B: Backend> FsdpBackend for Ddp<B> {
+    fn regathers() -> bool {
+        true
+    }
+
+    fn gather_whole(how: &Gathering<'_>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
+        how.fsdp
+            .host_gather::<Self>(how.param, shard, how.precision)
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<Ddp<B>, C> {
+    fn regathers() -> bool {
+        TypeId::of::<C>() == TypeId::of::<BalancedCheckpointing>()
+    }
+
+    fn gather_whole(how: &Gathering<'_>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
+        let fsdp = how.fsdp;
+        let shard_dtype = shard.primitive.dtype();
+        let whole = fsdp.host_gather::<Ddp<B>>(how.param, shard.primitive.clone(), how.precision);
+        let state = State {
+            fsdp: fsdp.clone(),
+            param: how.param.clone(),
+            shard_dtype,
+            precision: how.precision,
+        };
+        let prep = GatherOp.prepare::<C>([shard.node.clone()]);
+        let kind = match fsdp.state.config().reshard_after_forward {
+            true => prep
+                .memory_bound()
+                .retro_forward(Regather::<B> {
+                    shard: shard.node.id,
+                    state: state.clone(),
+                    _backend: std::marker::PhantomData,
+                })
+                .parents([&shard])
+                .stateful(),
+            false => prep.compute_bound().stateful(),
+        };
+        match kind {
+            OpsKind::Tracked(prep) => prep.finish(state, whole),
+            OpsKind::UnTracked(prep) => prep.finish(whole),
+        }
+    }
+}
+
+/// What the backward needs: the sharding, the parameter, the shard's dtype, the precision.
+#[derive(Debug, Clone)]
+struct State {
+    fsdp: FullyShard,
+    param: ShardedParam,
+    shard_dtype: DType,
+    precision: Precision,
+}
+
+/// The gather: its backward reduce-scatters the whole gradient to the shards.
+#[derive(Debug)]
+struct GatherOp;
+
+impl<B: Backend> Backward<Ddp<B>, 1> for GatherOp {
+    type State = State;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let state = ops.state;
+        unary::<Ddp<B>, _>(ops.parents, ops.node, grads, |grad| {
+            state
+                .fsdp
+                .host_reduce_scatter::<Ddp<B>>(&state.param, grad, state.shard_dtype)
+        });
+    }
+}
+
+/// The gather run again in backward, when a reshard dropped the whole parameter.
+#[derive(Debug)]
+struct Regather<B> {
+    shard: NodeId,
+    state: State,
+    _backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B: Backend> RetroForward for Regather<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let shard = states.get_state::<FloatTensor<Ddp<B>>>(&self.shard);
+        let s = &self.state;
+        let whole = s.fsdp.host_gather::<Ddp<B>>(&s.param, shard, s.precision);
+        states.save(out_node, whole);
+    }
+}
+
+/// A job's fully sharded parameters (the core's `FsdpState`): how each was cut, the group they
+/// are gathered over, the failures of the gathers in forward and backward, kept for
+/// [`FullyShard::sync`]. Cheap to clone. Made on a thread, it is that thread's (and, for
+/// threads that made none, the process's) current sharding, the one the free function
+/// [`gather`] uses, so that a model's `forward` needs no handle to it.
+#[derive(Debug, Clone)]
+pub struct FullyShard {
+    state: Arc<FsdpState>,
+}
+
+/// The whole parameters of `block`'s sharded parameters, for its forward (FSDP2's
+/// pre-forward all-gather), through the current [`FullyShard`]; `block` itself where there is
+/// none, or where its parameters are whole (a model loaded from
+/// [`full_model`](FullyShard::full_model)'s record). Call it on every rank, in the same order:
+/// it is a collective per sharded parameter. Differentiable under autodiff: the gradient of
+/// each whole parameter is reduce-scattered to the ranks' shards in backward.
+pub fn gather<B: FsdpBackend, M: Module<B>>(block: &M) -> M {
+    match FsdpState::current() {
+        Some(state) => FullyShard { state }.gather(block),
+        None => block.clone(),
+    }
+}
+
+/// Refuses a model that the current [`FullyShard`] sharded where `what` would treat its
+/// parameters as whole replicas (`DdpSession`, whose all-reduce would average different ranks'
+/// shards).
+pub(crate) fn refuse_sharded<B: Backend, M: Module<B>>(
+    model: &M,
+    rank: burn_ddp_comm::Rank,
+    what: &'static str,
+) -> Result<()> {
+    let Some(state) = FsdpState::current() else {
+        return Ok(());
+    };
+    struct Find<'a> {
+        state: &'a FsdpState,
+        path: Vec<String>,
+        found: Option<String>,
+    }
+    impl<B: Backend> ModuleVisitor<B> for Find<'_> {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if self.found.is_none() && self.state.param(param.id.val()).is_some() {
+                self.found = Some(self.path.join("."));
+            }
+        }
+    }
+    let mut find = Find {
+        state: &state,
+        path: Vec::new(),
+        found: None,
+    };
+    model.visit(&mut find);
+    match find.found {
+        None => Ok(()),
+        Some(name) => Err(DdpError::model_access(
+            rank,
+            what,
+            format!(
+                "parameter {name} is a shard of FullyShard::shard: an FSDP model's gradients are \
+                 reduce-scattered in its backward and finished by FullyShard::sync, not by \
+                 DdpSession (whose all-reduce would average different ranks' shards), nor by its \
+                 ZeRO, join or PowerSGD; give DdpSession the whole model, or train the sharded \
+                 one with FullyShard alone"
+            ),
+        )),
+    }
+}
+
+impl FullyShard {
+    /// FSDP over `pg`, with `config`'s options; this thread's (and the process's) current
+    /// sharding from now on.
+    ///
+    /// # Errors
+    /// A fault-tolerant group (a lost rank takes its shards with it).
+    pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<Self> {
+        FsdpState::new(pg, config).map(|state| Self { state })
+    }
+
+    /// The group.
+    pub fn group(&self) -> &ProcessGroup {
+        self.state.group()
+    }
+
+    /// The options.
+    pub fn config(&self) -> &FsdpConfig {
+        self.state.config()
+    }
+
+    /// How many parameters this process has all-gathered so far: one per sharded parameter
+    /// of each gathered block in forward, and, with `reshard_after_forward`, one more for each
+    /// that a backward read again.
+    pub fn gathers(&self) -> u64 {
+        self.state.gathers()
+    }
+
+    /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
+    /// first dimension cut among the ranks, padded with zero rows where it does not divide;
+    /// a parameter of one row stays whole): the model is first checked across the ranks and
+    /// rank 0's weights loaded on every rank, as `DdpSession::prepare` does. The shards keep
+    /// their parameters' ids and whether they are trainable, so Burn's optimizers and
+    /// `GradientsParams` work on them unchanged. At world size 1 the model is returned as it is.
+    ///
+    /// # Errors
+    /// [`ModelError::ModelMismatch`](burn_ddp_comm::ModelError::ModelMismatch) for models that
+    /// differ; `reshard_after_forward` on a backend without gradient checkpointing (the fix in
+    /// the message); collective failures.
+    pub fn shard<B, M>(&self, model: M) -> Result<M>
+    where
+        B: FsdpBackend + AutodiffBackend,
+        M: AutodiffModule<B>,
+    {
+        if self.state.config().reshard_after_forward && !B::regathers() {
+            return Err(DdpError::Config(ConfigError::InvalidOption {
+                option: "FsdpConfig::reshard_after_forward",
+                reason: format!(
+                    "the backend {} keeps every gathered parameter until its backward is done \
+                     (Burn's NoCheckpointing): train on `Autodiff<Ddp<_>, \
+                     BalancedCheckpointing>`, which gathers each block's parameters again in \
+                     its backward, or keep the gathered parameters with \
+                     `FsdpConfig::default().with_reshard_after_forward(false)`",
+                    std::any::type_name::<B>()
+                ),
+            }));
+        }
+        let model = load_replica::<B, M>(self.state.group(), model)?;
+        struct Cut<'a> {
+            state: &'a FsdpState,
+            failed: Option<DdpError>,
+        }
+        impl<B: Backend> ModuleMapper<B> for Cut<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let id = param.id.val();
+                let mut failed = None;
+                let param = param.map(|t| {
+                    let trainable = t.is_require_grad();
+                    let (device, dims) = (t.device(), t.dims());
+                    let prim = t.clone().into_primitive().tensor();
+                    let dtype = prim.dtype();
+                    let full = match read_f32::<B>(prim) {
+                        Ok(full) => full,
+                        Err(e) => {
+                            failed = Some(self.state.error("sharding a parameter", e));
+                            return t;
+                        }
+                    };
+                    match self.state.cut(id, &dims, &full) {
+                        Some((mine, shape)) => {
+                            let prim = write_f32::<B>(mine, shape.into(), dtype, &device);
+                            let shard = Tensor::from_primitive(TensorPrimitive::Float(prim));
+                            match trainable {
+                                true => shard.require_grad(),
+                                false => shard,
+                            }
+                        }
+                        None => t,
+                    }
+                });
+                if self.failed.is_none() {
+                    self.failed = failed;
+                }
+                param
+            }
+        }
+        let mut cut = Cut {
+            state: &self.state,
+            failed: None,
+        };
+        let model = model.map(&mut cut);
+        match cut.failed {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
+    }
+
+    /// `block` with each of its sharded parameters replaced by the whole parameter, gathered
+    /// from every rank's shard (see the free function [`gather`], which calls this on the
+    /// current sharding). A gather that fails gives a parameter of zeros and keeps the error
+    /// for [`sync`](Self::sync).
+    pub fn gather<B: FsdpBackend, M: Module<B>>(&self, block: &M) -> M {
+        self.gather_as(block, self.state.config().param_dtype)
+    }
+
+    /// [`gather`](Self::gather) in `precision`.
+    fn gather_as<B: FsdpBackend, M: Module<B>>(&self, block: &M, precision: Precision) -> M {
+        struct Whole<'a>(&'a FullyShard, Precision);
+        impl<B: FsdpBackend> ModuleMapper<B> for Whole<'_> {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let Some(p) = self.0.state.param(param.id.val()) else {
+                    return param;
+                };
+                let dims = param.val().dims().to_vec();
+                if dims == p.shard_shape() {
+                    let how = Gathering {
+                        fsdp: self.0,
+                        param: &p,
+                        precision: self.1,
+                    };
+                    param.map(|shard| {
+                        let whole = B::gather_whole(&how, shard.into_primitive().tensor());
+                        Tensor::from_primitive(TensorPrimitive::Float(whole))
+                    })
+                } else if dims == p.shape {
+                    // Already whole: a copy loaded from a gathered record (`full_model`), which
+                    // keeps the parameters' ids. The same forward runs on both.
+                    param
+                } else {
+                    self.0.state.fail(self.0.state.error(
+                        "gathering a sharded parameter",
+                        format!(
+                            "a parameter of shape {dims:?} has the id of one sharded as {:?} of \
+                             {:?}: was the model changed after FullyShard::shard?",
+                            p.shard_shape(),
+                            p.shape
+                        ),
+                    ));
+                    param
+                }
+            }
+        }
+        block.clone().map(&mut Whole(self, precision))
+    }
+
+    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device; zeros
+    /// (and the error kept for `sync`) when the gather fails.
+    fn host_gather<B2: Backend>(
+        &self,
+        p: &ShardedParam,
+        shard: FloatTensor<B2>,
+        precision: Precision,
+    ) -> FloatTensor<B2> {
+        let device = B2::float_device(&shard);
+        let dtype = match precision {
+            Precision::F32 => shard.dtype(),
+            Precision::F16 => DType::F16,
+            Precision::Bf16 => DType::BF16,
+        };
+        let whole = self.state.gather(p, read_f32::<B2>(shard), precision);
+        write_f32::<B2>(whole, p.shape.clone().into(), dtype, &device)
+    }
+
+    /// The gradient `whole` of a whole parameter reduce-scattered: this rank's shard of the
+    /// ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it fails.
+    fn host_reduce_scatter<B2: Backend>(
+        &self,
+        p: &ShardedParam,
+        whole: FloatTensor<B2>,
+        shard_dtype: DType,
+    ) -> FloatTensor<B2> {
+        let device = B2::float_device(&whole);
+        let mine = self.state.reduce_scatter(p, read_f32::<B2>(whole));
+        write_f32::<B2>(mine, p.shard_shape().into(), shard_dtype, &device)
+    }
+
+    /// The gradients of `model`'s parameters ready for Burn's optimizer: the first failure of
+    /// this step's gathers and reduce-scatters returned, and the gradients of the parameters
+    /// that are not sharded averaged over the ranks (one all-reduce). The sharded parameters'
+    /// gradients are already their shards of the mean.
+    ///
+    /// # Errors
+    /// A gather or reduce-scatter of this step that failed (a lost rank, a deadline); the
+    /// all-reduce's failures.
+    pub fn sync<B, M>(&self, model: &M, grads: GradientsParams) -> Result<GradientsParams>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+    {
+        if let Some(e) = self.state.take_failure() {
+            return Err(e);
+        }
+        let pg = self.state.group();
+        if pg.world_size().as_usize() == 1 {
+            return Ok(grads);
+        }
+        struct Read<'a, B: AutodiffBackend> {
+            state: &'a FsdpState,
+            grads: &'a mut GradientsParams,
+            flat: Vec<f32>,
+            parts: Vec<(ParamId, usize, usize, DType, Vec<usize>)>,
+            failed: Option<String>,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Read<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if self.state.param(param.id.val()).is_some() || !param.is_require_grad() {
+                    return;
+                }
+                // Every rank sends every replicated parameter (zeros where it has no
+                // gradient), so the all-reduce has one size everywhere.
+                let dims = param.val().dims().to_vec();
+                let len: usize = dims.iter().product();
+                let offset = self.flat.len();
+                match self.grads.remove::<B::InnerBackend, D>(param.id) {
+                    Some(g) => {
+                        let prim = g.into_primitive().tensor();
+                        let dtype = prim.dtype();
+                        match read_f32::<B::InnerBackend>(prim) {
+                            Ok(v) => self.flat.extend(v),
+                            Err(e) => {
+                                self.failed = Some(e);
+                                self.flat.resize(offset + len, 0.0);
+                            }
+                        }
+                        self.parts.push((param.id, offset, len, dtype, dims));
+                    }
+                    None => self.flat.resize(offset + len, 0.0),
+                }
+            }
+        }
+        let mut grads = grads;
+        let mut read = Read::<B> {
+            state: &self.state,
+            grads: &mut grads,
+            flat: Vec::new(),
+            parts: Vec::new(),
+            failed: None,
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut read);
+        let (mut flat, parts, failed) = (read.flat, read.parts, read.failed);
+        pg.all_reduce(&mut flat, self.state.config().reduction.op())?;
+        if let Some(e) = failed {
+            return Err(self.state.error("reading a gradient", e));
+        }
+        // Back as each parameter's gradient, of its shape, dtype and device.
+        struct Put<'a, B> {
+            flat: &'a [f32],
+            parts: std::collections::HashMap<ParamId, (usize, usize, DType, Vec<usize>)>,
+            grads: &'a mut GradientsParams,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Put<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let Some((offset, len, dtype, dims)) = self.parts.remove(&param.id) else {
+                    return;
+                };
+                let values = self.flat[offset..offset + len].to_vec();
+                let device = param.val().device();
+                let prim = write_f32::<B::InnerBackend>(values, dims.into(), dtype, &device);
+                let grad = Tensor::from_primitive(TensorPrimitive::Float(prim));
+                self.grads.register::<B::InnerBackend, D>(param.id, grad);
+            }
+        }
+        let parts = parts
+            .into_iter()
+            .map(|(id, offset, len, dtype, dims)| (id, (offset, len, dtype, dims)))
+            .collect();
+        model.visit(&mut Put::<B> {
+            flat: &flat,
+            parts,
+            grads: &mut grads,
+            _b: std::marker::PhantomData,
+        });
+        Ok(grads)
+    }
+
+    /// Clips the gradients (the shards' and the replicated parameters') so that their global
+    /// L2 norm, over the whole model, is at most `max_norm` (PyTorch's `clip_grad_norm_` on an
+    /// FSDP model); returns the norm before clipping. One all-reduce of one value. Call it
+    /// after [`sync`](Self::sync), on every rank.
+    ///
+    /// # Errors
+    /// A `max_norm` that is not finite and positive; the all-reduce's failures.
+    pub fn clip_grad_norm<B, M>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        max_norm: f64,
+    ) -> Result<(GradientsParams, f64)>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+    {
+        struct Squares<'a, B> {
+            state: &'a FsdpState,
+            grads: &'a GradientsParams,
+            sharded: f64,
+            replicated: f64,
+            failed: Option<String>,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Squares<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) else {
+                    return;
+                };
+                match read_f32::<B::InnerBackend>(g.into_primitive().tensor()) {
+                    Ok(v) => {
+                        let sq: f64 = v.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+                        match self.state.param(param.id.val()) {
+                            Some(_) => self.sharded += sq,
+                            None => self.replicated += sq,
+                        }
+                    }
+                    Err(e) => self.failed = Some(e),
+                }
+            }
+        }
+        let mut sq = Squares::<B> {
+            state: &self.state,
+            grads: &grads,
+            sharded: 0.0,
+            replicated: 0.0,
+            failed: None,
+            _b: std::marker::PhantomData,
+        };
+        model.visit(&mut sq);
+        let (sharded, replicated) = match sq.failed {
+            // Still take part in the all-reduce, so no rank waits; then fail.
+            Some(_) => (0.0, 0.0),
+            None => (sq.sharded, sq.replicated),
+        };
+        let (norm, coef) = grad::global_norm(self.state.group(), sharded, replicated, max_norm)?;
+        if let Some(e) = sq.failed {
+            return Err(self.state.error("reading a gradient", e));
+        }
+        if coef >= 1.0 {
+            return Ok((grads, norm));
+        }
+        struct Scale<'a, B> {
+            grads: &'a mut GradientsParams,
+            coef: f64,
+            _b: std::marker::PhantomData<B>,
+        }
+        impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                    self.grads
+                        .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.coef));
+                }
+            }
+        }
+        let mut grads = grads;
+        model.visit(&mut Scale::<B> {
+            grads: &mut grads,
+            coef,
+            _b: std::marker::PhantomData,
+        });
+        Ok((grads, norm))
+    }
+
+    /// The whole model from this rank's sharded `model` (every sharded parameter gathered in
+    /// f32, without autodiff): for a checkpoint of one record that loads at any world size
+    /// (shard it again with [`shard`](Self::shard)), or for evaluation. A collective: every
+    /// rank calls it.
+    ///
+    /// # Errors
+    /// The gathers' failures.
+    pub fn full_model<B: FsdpBackend + AutodiffBackend, M: AutodiffModule<B>>(
+        &self,
+        model: &M,
+    ) -> Result<M> {
+        let model = model.clone().no_grad();
+        let whole = self.gather_as(&model, Precision::F32);
+        match self.state.take_failure() {
+            Some(e) => Err(e),
+            None => Ok(whole),
+        }
+    }
+
+    /// How many values of `model`'s float parameters this rank holds (its shards, padding
+    /// included, and the parameters that are not sharded) and how many the whole model has.
+    pub fn held_values<B: Backend, M: Module<B>>(&self, model: &M) -> (usize, usize) {
+        struct Count<'a> {
+            state: &'a FsdpState,
+            held: usize,
+            whole: usize,
+        }
+        impl<B: Backend> ModuleVisitor<B> for Count<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let here: usize = param.val().dims().iter().product();
+                self.held += here;
+                self.whole += match self.state.param(param.id.val()) {
+                    Some(p) => p.layout.full_len(),
+                    None => here,
+                };
+            }
+        }
+        let mut count = Count {
+            state: &self.state,
+            held: 0,
+            whole: 0,
+        };
+        model.visit(&mut count);
+        (count.held, count.whole)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::nn::LinearConfig;
+    use burn_ddp_comm::{DdpConfig, Timeouts, WorldSize};
+
+    type Plain = Autodiff<Ddp<NdArray>>;
+
+    fn on_two_threads<T: Send>(f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
+        let groups = ProcessGroup::local(WorldSize::new(2).unwrap(), Timeouts::default());
+        let f = &f;
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = groups
+                .into_iter()
+                .map(|pg| s.spawn(move || f(pg)))
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn resharding_without_checkpointing_is_refused_with_both_fixes() {
+        let errors = on_two_threads(|pg| {
+            let fsdp = FullyShard::new(pg, FsdpConfig::default()).unwrap();
+            let model = LinearConfig::new(5, 3).init::<Plain>(&Default::default());
+            fsdp.shard::<Plain, _>(model).unwrap_err().to_string()
+        });
+        for e in errors {
+            assert!(e.contains("BalancedCheckpointing"), "{e}");
+            assert!(e.contains("with_reshard_after_forward(false)"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_sharded_model_is_refused_by_ddp_session() {
+        let errors = on_two_threads(|pg| {
+            let keep = FsdpConfig::default().with_reshard_after_forward(false);
+            let fsdp = FullyShard::new(pg.clone(), keep).unwrap();
+            let model = LinearConfig::new(5, 3).init::<Plain>(&Default::default());
+            let model = fsdp.shard::<Plain, _>(model).unwrap();
+            let session = crate::DdpSession::new(pg, DdpConfig::default()).unwrap();
+            session.prepare(model).unwrap_err().to_string()
+        });
+        for e in errors {
+            assert!(e.contains("weight is a shard of FullyShard::shard"), "{e}");
+        }
+    }
+}
