@@ -20,9 +20,10 @@
 //!   `gradient_as_bucket_view`, against the same steps without synchronisation (a fresh
 //!   process per run, since a peak only grows); with `lines`, the same for the Burn 0.22.1
 //!   line's `GradSync` on Flex against its own unsynchronised steps;
-//! - `zero` (not in the default set): Adam on the `memory` model, DDP vs ZeRO-1 vs ZeRO-2 at
-//!   1, 2 and 4 ranks (with `lines`, on both lines): the gradients rank 0's optimizer is handed
-//!   and its optimizer state (counted), its peak resident memory, and the step time.
+//! - `zero` (not in the default set): Adam on the `memory` model, DDP vs ZeRO-1 vs ZeRO-2 vs
+//!   FSDP at 1, 2 and 4 ranks (with `lines`, on both lines): rank 0's parameters, the gradients
+//!   its optimizer is handed and its optimizer state (counted), its peak resident memory, and
+//!   the step time.
 //!
 //! ```text
 //! cargo bench --bench ddp_step                       # all but `lines`
@@ -177,6 +178,7 @@ fn worker(kind: &str, spec: &Spec) -> anyhow::Result<()> {
                 other => anyhow::bail!("no line {other} in this build"),
             };
             report("peak", &[peak_mib()?]);
+            report("params", &[run.param_bytes as f64]);
             report("grads", &[run.grad_bytes as f64]);
             report("state", &[run.state_bytes as f64]);
             report("step", &run.step_s);
@@ -192,8 +194,8 @@ struct Wide<B: burn::tensor::backend::Backend> {
     layers: Vec<burn::nn::Linear<B>>,
 }
 
-impl Wide<B> {
-    fn new(device: &<B as burn::tensor::backend::BackendTypes>::Device) -> Self {
+impl<Bk: burn_ddp::fsdp::FsdpBackend> Wide<Bk> {
+    fn new(device: &<Bk as burn::tensor::backend::BackendTypes>::Device) -> Self {
         Self {
             layers: (0..16)
                 .map(|_| burn::nn::LinearConfig::new(1024, 1024).init(device))
@@ -202,11 +204,12 @@ impl Wide<B> {
     }
 
     /// The loss of a step on a fresh batch of 8 rows.
-    fn loss(&self, device: &<B as burn::tensor::backend::BackendTypes>::Device) -> Tensor<B, 1> {
-        let x = Tensor::<B, 2>::random([8, 1024], burn::tensor::Distribution::Default, device);
+    /// Each layer through `fsdp::gather` (the layer itself outside an FSDP run).
+    fn loss(&self, device: &<Bk as burn::tensor::backend::BackendTypes>::Device) -> Tensor<Bk, 1> {
+        let x = Tensor::<Bk, 2>::random([8, 1024], burn::tensor::Distribution::Default, device);
         self.layers
             .iter()
-            .fold(x, |h, l| l.forward(h).tanh())
+            .fold(x, |h, l| burn_ddp::fsdp::gather(l).forward(h).tanh())
             .mean()
     }
 }
@@ -236,6 +239,7 @@ fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Resul
 /// handed after synchronisation and of its optimizer's state (its record), after the last step,
 /// and the wall time of each timed step.
 struct ZeroRun {
+    param_bytes: usize,
     grad_bytes: usize,
     state_bytes: usize,
     step_s: Vec<f64>,
@@ -245,8 +249,11 @@ struct ZeroRun {
 const ZERO_STEPS: usize = 4;
 
 /// Trains `Wide` with Adam for [`ZERO_STEPS`] overlapped steps: DDP with the whole optimizer on
-/// every rank (`stage` 0), ZeRO-1 (1) or ZeRO-2 (2).
+/// every rank (`stage` 0), ZeRO-1 (1), ZeRO-2 (2) or FSDP (3, [`fsdp_run`]).
 fn zero_run(pg: &ProcessGroup, stage: u8) -> anyhow::Result<ZeroRun> {
+    if stage == 3 {
+        return fsdp_run(pg);
+    }
     use burn::module::{Module, ModuleVisitor, Param};
     use burn::optim::{AdamConfig, GradientsParams, Optimizer};
     use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
@@ -290,6 +297,53 @@ fn zero_run(pg: &ProcessGroup, stage: u8) -> anyhow::Result<ZeroRun> {
     };
     let state_bytes = Recorder::<B>::record(&recorder, record, ())?.len();
     Ok(ZeroRun {
+        param_bytes: 4 * model.num_params(),
+        grad_bytes,
+        state_bytes,
+        step_s,
+    })
+}
+
+/// The `zero` table's FSDP run on the 0.21 line: `Wide` sharded by `FullyShard` (parameters
+/// gathered again for backward, on `Autodiff<Ddp<NdArray>, BalancedCheckpointing>`), trained
+/// with Burn's Adam on the shards for [`ZERO_STEPS`] steps.
+fn fsdp_run(pg: &ProcessGroup) -> anyhow::Result<ZeroRun> {
+    use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+    use burn::module::{ModuleVisitor, Param};
+    use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    use burn_ddp::fsdp::{FsdpConfig, FullyShard};
+    type Bc = Autodiff<Ddp<NdArray>, BalancedCheckpointing>;
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl ModuleVisitor<Bc> for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<Bc, D>>) {
+            type Inner = <Bc as AutodiffBackend>::InnerBackend;
+            if let Some(g) = self.0.get::<Inner, D>(p.id) {
+                self.1 += 4 * g.shape().num_elements();
+            }
+        }
+    }
+    let device = Default::default();
+    let fsdp = FullyShard::new(pg.clone(), FsdpConfig::default())?;
+    let mut model = fsdp.shard::<Bc, _>(Wide::<Bc>::new(&device))?;
+    let mut optim = AdamConfig::new().init();
+    let (mut grad_bytes, mut step_s) = (0, Vec::new());
+    for step in 0..ZERO_STEPS {
+        let start = std::time::Instant::now();
+        let grads = GradientsParams::from_grads(model.loss(&device).backward(), &model);
+        let grads = fsdp.sync::<Bc, _>(&model, grads)?;
+        let mut count = Count(&grads, 0);
+        model.visit(&mut count);
+        grad_bytes = count.1;
+        model = optim.step(1e-3, model, grads);
+        if step > 0 {
+            step_s.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let state_bytes = Recorder::<Bc>::record(&recorder, optim.to_record(), ())?.len();
+    Ok(ZeroRun {
+        param_bytes: 4 * fsdp.held_values(&model).0,
         grad_bytes,
         state_bytes,
         step_s,
@@ -744,9 +798,9 @@ fn bench_memory(rounds: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// DDP, ZeRO-1 and ZeRO-2 with Adam on `Wide` at 1, 2 and 4 ranks: what rank 0 keeps (the
-/// gradients its optimizer is handed, its optimizer state), its peak resident memory and the
-/// step time, a fresh job per run, the runs of a round rotated.
+/// DDP, ZeRO-1, ZeRO-2 and FSDP with Adam on `Wide` at 1, 2 and 4 ranks: what rank 0 keeps
+/// (its parameters, the gradients its optimizer is handed, its optimizer state), its peak
+/// resident memory and the step time, a fresh job per run, the runs of a round rotated.
 fn bench_zero(rounds: usize) -> anyhow::Result<()> {
     let spec = Spec {
         which: Which::Mlp,
@@ -760,7 +814,7 @@ fn bench_zero(rounds: usize) -> anyhow::Result<()> {
     }
     let runs: Vec<(&str, u32, u8)> = (lines.iter())
         .flat_map(|&l| [1u32, 2, 4].map(|n| (l, n)))
-        .flat_map(|(l, n)| [0u8, 1, 2].map(|stage| (l, n, stage)))
+        .flat_map(|(l, n)| [0u8, 1, 2, 3].map(|stage| (l, n, stage)))
         .collect();
     type Results = BTreeMap<String, Vec<Vec<f64>>>;
     let mut got: BTreeMap<(&str, u32, u8), Results> = BTreeMap::new();
@@ -776,22 +830,24 @@ fn bench_zero(rounds: usize) -> anyhow::Result<()> {
     }
     println!(
         "\n## zero: Adam on 16 × Linear(1024, 1024) (16.8 M parameters, 67 MB in f32), batch 8 \
-         per rank, overlapped; rank 0's gradients handed to its optimizer and optimizer record \
-         (counted), its peak RSS, and the step time"
+         per rank (DDP and ZeRO overlapped; FSDP gathering each layer, again for backward); \
+         rank 0's parameters, gradients handed to its optimizer and optimizer record (counted), \
+         its peak RSS, and the step time"
     );
-    println!("| line | ranks | run | gradients (MiB) | optimizer state (MiB) | peak RSS (MiB) | step (ms) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("| line | ranks | run | parameters (MiB) | gradients (MiB) | optimizer state (MiB) | peak RSS (MiB) | step (ms) |");
+    println!("|---|---|---|---|---|---|---|---|");
     let mib = |b: f64| b / (1024.0 * 1024.0);
     for (line, n, stage) in runs {
         let r = &got[&(line, n, stage)];
-        let name = ["DDP", "ZeRO-1", "ZeRO-2"][stage as usize];
+        let name = ["DDP", "ZeRO-1", "ZeRO-2", "FSDP"][stage as usize];
         println!(
-            "| {} | {n} | {name} | {:.1} | {:.1} | {:.0} | {:.0} |",
+            "| {} | {n} | {name} | {:.1} | {:.1} | {:.1} | {:.0} | {:.0} |",
             if line == "021" {
                 "0.21 (NdArray)"
             } else {
                 step_model_022::RELEASE
             },
+            mib(labelled(r, "params")?),
             mib(labelled(r, "grads")?),
             mib(labelled(r, "state")?),
             labelled(r, "peak")?,

@@ -122,7 +122,9 @@ impl Wide {
         let x = Tensor::<2>::random([8, 1024], Distribution::Default, device);
         self.layers
             .iter()
-            .fold(x, |h, l| l.forward(h).tanh())
+            .fold(x, |h, l| {
+                burn_ddp_gradsync::fsdp::gather(l).forward(h).tanh()
+            })
             .mean()
     }
 }
@@ -153,6 +155,9 @@ pub fn memory_run_022(pg: &ProcessGroup, sync: bool) -> anyhow::Result<f64> {
 pub(crate) fn zero_run_022(pg: &ProcessGroup, stage: u8) -> anyhow::Result<crate::ZeroRun> {
     use burn::module::{ModuleVisitor, Param};
     use burn::optim::AdamConfig;
+    if stage == 3 {
+        return fsdp_run_022(pg);
+    }
     struct Count<'a>(&'a GradientsParams, usize);
     impl ModuleVisitor for Count<'_> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
@@ -197,6 +202,53 @@ pub(crate) fn zero_run_022(pg: &ProcessGroup, stage: u8) -> anyhow::Result<crate
         .map_err(|e| anyhow::anyhow!("{e:?}"))?
         .len();
     Ok(crate::ZeroRun {
+        param_bytes: 4 * model.num_params(),
+        grad_bytes,
+        state_bytes,
+        step_s,
+    })
+}
+
+/// The `zero` table's FSDP run on Burn 0.22.1/0.23 (Flex): `Wide` sharded by `FullyShard` on a
+/// gradient-checkpointing device (parameters gathered again for backward), trained with Burn's
+/// Adam on the shards for `ZERO_STEPS` steps.
+fn fsdp_run_022(pg: &ProcessGroup) -> anyhow::Result<crate::ZeroRun> {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::optim::AdamConfig;
+    use burn_ddp_gradsync::{FsdpConfig, FullyShard};
+    struct Count<'a>(&'a GradientsParams, usize);
+    impl ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                self.1 += 4 * g.shape().num_elements();
+            }
+        }
+    }
+    let device = Device::default().autodiff().gradient_checkpointing();
+    let fsdp = FullyShard::new(pg.clone(), FsdpConfig::default())?;
+    let mut model = fsdp.shard(Wide::new(&device))?;
+    let mut optim = AdamConfig::new().init();
+    let (mut grad_bytes, mut step_s) = (0, Vec::new());
+    for step in 0..crate::ZERO_STEPS {
+        let start = Instant::now();
+        let grads = GradientsParams::from_grads(model.loss(&device).backward(), &model);
+        let grads = fsdp.sync(&model, grads)?;
+        let mut count = Count(&grads, 0);
+        model.visit(&mut count);
+        grad_bytes = count.1;
+        model = optim.step(1e-3, model, grads);
+        device.sync()?;
+        if step > 0 {
+            step_s.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let state_bytes = optim
+        .to_record()
+        .into_bytes()
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?
+        .len();
+    Ok(crate::ZeroRun {
+        param_bytes: 4 * fsdp.held_values(&model).0,
         grad_bytes,
         state_bytes,
         step_s,

@@ -191,57 +191,6 @@ pub fn gather<B: FsdpBackend, M: Module<B>>(block: &M) -> M {
     }
 }
 
-/// Refuses a model that the current [`FullyShard`] sharded where `what` would treat its
-/// parameters as whole replicas (`DdpSession`, whose all-reduce would average different ranks'
-/// shards).
-pub(crate) fn refuse_sharded<B: Backend, M: Module<B>>(
-    model: &M,
-    rank: burn_ddp_comm::Rank,
-    what: &'static str,
-) -> Result<()> {
-    let Some(state) = FsdpState::current() else {
-        return Ok(());
-    };
-    struct Find<'a> {
-        state: &'a FsdpState,
-        path: Vec<String>,
-        found: Option<String>,
-    }
-    impl<B: Backend> ModuleVisitor<B> for Find<'_> {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if self.found.is_none() && self.state.param(param.id.val()).is_some() {
-                self.found = Some(self.path.join("."));
-            }
-        }
-    }
-    let mut find = Find {
-        state: &state,
-        path: Vec::new(),
-        found: None,
-    };
-    model.visit(&mut find);
-    match find.found {
-        None => Ok(()),
-        Some(name) => Err(DdpError::model_access(
-            rank,
-            what,
-            format!(
-                "parameter {name} is a shard of FullyShard::shard: an FSDP model's gradients are \
-                 reduce-scattered in its backward and finished by FullyShard::sync, not by \
-                 DdpSession (whose all-reduce would average different ranks' shards), nor by its \
-                 ZeRO, join or PowerSGD; give DdpSession the whole model, or train the sharded \
-                 one with FullyShard alone"
-            ),
-        )),
-    }
-}
-
 impl FullyShard {
     /// FSDP over `pg`, with `config`'s options; this thread's (and the process's) current
     /// sharding from now on.

@@ -35,7 +35,7 @@ use burn::optim::{GradientsParams, OptimizerRecord};
 use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_ddp_comm::grad::{self, FsdpState, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
-use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Rank, Result};
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
 
 use crate::sync::AsReplica;
 
@@ -64,53 +64,6 @@ pub fn gather<M: Module>(block: &M) -> M {
     match FsdpState::current() {
         Some(state) => FullyShard { state }.gather(block),
         None => block.clone(),
-    }
-}
-
-/// Refuses a model that the current [`FullyShard`] sharded where `what` would treat its
-/// parameters as whole replicas (`GradSync`, whose all-reduce would average different ranks'
-/// shards).
-pub(crate) fn refuse_sharded<M: Module>(model: &M, rank: Rank, what: &'static str) -> Result<()> {
-    let Some(state) = FsdpState::current() else {
-        return Ok(());
-    };
-    struct Find<'a> {
-        state: &'a FsdpState,
-        path: Vec<String>,
-        found: Option<String>,
-    }
-    impl ModuleVisitor for Find<'_> {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.found.is_none() && self.state.param(param.id.val()).is_some() {
-                self.found = Some(self.path.join("."));
-            }
-        }
-    }
-    let mut find = Find {
-        state: &state,
-        path: Vec::new(),
-        found: None,
-    };
-    model.visit(&mut find);
-    match find.found {
-        None => Ok(()),
-        Some(name) => Err(DdpError::model_access(
-            rank,
-            what,
-            format!(
-                "parameter {name} is a shard of FullyShard::shard: an FSDP model's gradients are \
-                 reduce-scattered in its backward and finished by FullyShard::sync, not by \
-                 GradSync (whose all-reduce would average different ranks' shards), nor by its \
-                 ZeRO, join, PowerSGD or overlap; give GradSync the whole model, or train the \
-                 sharded one with FullyShard alone"
-            ),
-        )),
     }
 }
 

@@ -236,3 +236,36 @@ pub(crate) fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
     model.visit(&mut d);
     d.out
 }
+
+/// Refuses a model that FSDP sharded (`FullyShard::shard`) where `what` would treat its
+/// parameters as whole replicas.
+pub(crate) fn refuse_fsdp_shards<M: Module>(
+    model: &M,
+    rank: Rank,
+    what: &'static str,
+) -> Result<()> {
+    struct Ids {
+        path: Vec<String>,
+        out: Vec<(String, u64)>,
+    }
+    impl ModuleVisitor for Ids {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.out.push((self.path.join("."), param.id.val()));
+        }
+    }
+    if burn_ddp_comm::grad::FsdpState::current().is_none() {
+        return Ok(());
+    }
+    let mut ids = Ids {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut ids);
+    burn_ddp_comm::grad::FsdpState::refuse_shards(rank, what, ids.out)
+}

@@ -270,7 +270,7 @@ impl GradSync {
     /// [`prepare`](Self::prepare), loading rank 0's record on every rank when `load`.
     fn prepare_with<M: Module>(&mut self, model: M, load: bool) -> Result<M> {
         let rank = self.pg.rank();
-        crate::fsdp::refuse_sharded(&model, rank, "GradSync::prepare")?;
+        crate::grads::refuse_fsdp_shards(&model, rank, "GradSync::prepare")?;
         let devices = model.devices();
         self.drain.set(move || {
             devices

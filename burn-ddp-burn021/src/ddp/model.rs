@@ -279,7 +279,14 @@ impl DdpSession {
         skip: &[&str],
         from_root: bool,
     ) -> Result<M> {
-        crate::fsdp::refuse_sharded::<B, M>(&model, self.shared.pg.rank(), "DdpSession::prepare")?;
+        let ids = describe::<B, M>(&model)
+            .into_iter()
+            .map(|(info, id, _)| (info.name, id.val()));
+        burn_ddp_comm::grad::FsdpState::refuse_shards(
+            self.shared.pg.rank(),
+            "DdpSession::prepare",
+            ids,
+        )?;
         let skip: Vec<String> = skip.iter().map(|s| (*s).to_owned()).collect();
         *self.shared.skip.lock().unwrap_or_else(|p| p.into_inner()) = skip.clone();
         let devices = model.devices();

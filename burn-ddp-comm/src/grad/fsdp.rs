@@ -347,7 +347,7 @@ pub struct FsdpState {
     pg: ProcessGroup,
     config: FsdpConfig,
     params: std::sync::Mutex<std::collections::HashMap<u64, ShardedParam>>,
-    failure: crate::train::vote::FailureSlot,
+    failure: std::sync::Mutex<Option<crate::DdpError>>,
     gathers: std::sync::atomic::AtomicU64,
 }
 
@@ -417,12 +417,52 @@ impl FsdpState {
 
     /// Keeps `e` (unless an earlier failure is kept) for the line's `sync`.
     pub fn fail(&self, e: crate::DdpError) {
-        self.failure.fail(e);
+        tracing::debug!("{e}");
+        let mut slot = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
+        }
     }
 
     /// The first failure kept since the last call.
     pub fn take_failure(&self) -> Option<crate::DdpError> {
-        self.failure.take()
+        self.failure
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// The first of `params` (a model's parameters: name and id) that is sharded by the
+    /// current sharding, where a line's whole-replica synchronisation (`what`) must refuse the
+    /// model: its all-reduce would average different ranks' shards.
+    ///
+    /// # Errors
+    /// A sharded parameter among `params`, named with the fix.
+    pub fn refuse_shards(
+        rank: crate::Rank,
+        what: &'static str,
+        params: impl IntoIterator<Item = (String, u64)>,
+    ) -> Result<()> {
+        let Some(state) = Self::current() else {
+            return Ok(());
+        };
+        match params
+            .into_iter()
+            .find(|(_, id)| state.param(*id).is_some())
+        {
+            None => Ok(()),
+            Some((name, _)) => Err(crate::DdpError::model_access(
+                rank,
+                what,
+                format!(
+                    "parameter {name} is a shard of FullyShard::shard: an FSDP model's gradients \
+                     are reduce-scattered in its backward and finished by FullyShard::sync, not \
+                     by {what} (whose all-reduce would average different ranks' shards), nor by \
+                     its ZeRO, join, PowerSGD or overlap; give it the whole model, or train the \
+                     sharded one with FullyShard alone"
+                ),
+            )),
+        }
     }
 
     /// How many parameters this process has all-gathered so far (in forward, and again in

@@ -38,6 +38,7 @@ const BURN: &[(&str, u8)] = &[
     ("ddp", 2),
     ("backend", 3),
     ("nn", 3),
+    ("fsdp", 3),
     ("pipeline", 3),
     ("cuda", 4),
     ("train", 4),
@@ -57,6 +58,7 @@ const BURN022: &[(&str, u8)] = &[
     ("buffers", 6),
     ("pipeline", 6),
     ("zero", 6),
+    ("fsdp", 6),
     ("loop_state", 6),
     ("train", 6),
     // What differs between Burn 0.22 and 0.23 (a file per release in each): the events and counts below
