@@ -220,7 +220,7 @@ fn memory_run(pg: &ProcessGroup, config: DdpConfig, sync: bool) -> anyhow::Resul
     use burn::optim::{GradientsParams, Optimizer, SgdConfig};
     let device = Default::default();
     let session = DdpSession::new(pg.clone(), config)?;
-    let mut model = session.prepare(Wide::new(&device))?;
+    let mut model = session.prepare(Wide::<B>::new(&device))?;
     let mut optim = SgdConfig::new().init();
     for _ in 0..3 {
         let loss = model.loss(&device);
@@ -268,7 +268,7 @@ fn zero_run(pg: &ProcessGroup, stage: u8) -> anyhow::Result<ZeroRun> {
     }
     let device = Default::default();
     let session = DdpSession::new(pg.clone(), DdpConfig::default())?;
-    let mut model = session.prepare(Wide::new(&device))?;
+    let mut model = session.prepare(Wide::<B>::new(&device))?;
     let mut plain = AdamConfig::new().init();
     let mut zero = match stage {
         0 => None,
@@ -309,7 +309,7 @@ fn zero_run(pg: &ProcessGroup, stage: u8) -> anyhow::Result<ZeroRun> {
 /// with Burn's Adam on the shards for [`ZERO_STEPS`] steps.
 fn fsdp_run(pg: &ProcessGroup) -> anyhow::Result<ZeroRun> {
     use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
-    use burn::module::{ModuleVisitor, Param};
+    use burn::module::{Module, ModuleVisitor, Param};
     use burn::optim::{AdamConfig, GradientsParams, Optimizer};
     use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
     use burn_ddp::fsdp::{FsdpConfig, FullyShard};
