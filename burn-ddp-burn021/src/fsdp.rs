@@ -42,7 +42,7 @@ use burn_ddp_comm::grad::{self, FsdpState, ShardedParam};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
 
-use crate::ddp::{load_replica, read_f32, write_f32};
+use crate::ddp::{param_infos, read_f32, write_f32};
 use crate::Ddp;
 
 mod sealed {
@@ -220,8 +220,9 @@ impl FullyShard {
 
     /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
     /// first dimension cut among the ranks, padded with zero rows where it does not divide;
-    /// a parameter of one row stays whole): the model is first checked across the ranks and
-    /// rank 0's weights loaded on every rank, as `DdpSession::prepare` does. The shards keep
+    /// a parameter of one row stays whole): the model is first checked across the ranks, then
+    /// each parameter's value is rank 0's, broadcast and cut one parameter at a time (buffers
+    /// stay this rank's). The shards keep
     /// their parameters' ids and whether they are trainable, so Burn's optimizers and
     /// `GradientsParams` work on them unchanged. At world size 1 the model is returned as it is.
     ///
@@ -247,7 +248,9 @@ impl FullyShard {
                 ),
             }));
         }
-        let model = load_replica::<B, M>(self.state.group(), model)?;
+        // The same parameters on every rank (names, shapes, dtypes), then rank 0's values one
+        // parameter at a time, each cut as it arrives: the whole model is never held twice.
+        grad::check_same_params(self.state.group(), &param_infos::<B, M>(&model))?;
         struct Cut<'a> {
             state: &'a FsdpState,
             failed: Option<DdpError>,
@@ -257,36 +260,31 @@ impl FullyShard {
                 &mut self,
                 param: Param<Tensor<B, D>>,
             ) -> Param<Tensor<B, D>> {
-                let id = param.id.val();
-                let mut failed = None;
-                let param = param.map(|t| {
-                    let trainable = t.is_require_grad();
-                    let (device, dims) = (t.device(), t.dims());
-                    let prim = t.clone().into_primitive().tensor();
-                    let dtype = prim.dtype();
-                    let full = match read_f32::<B>(prim) {
-                        Ok(full) => full,
-                        Err(e) => {
-                            failed = Some(self.state.error("sharding a parameter", e));
-                            return t;
-                        }
-                    };
-                    match self.state.cut(id, &dims, &full) {
-                        Some((mine, shape)) => {
-                            let prim = write_f32::<B>(mine, shape.into(), dtype, &device);
-                            let shard = Tensor::from_primitive(TensorPrimitive::Float(prim));
-                            match trainable {
-                                true => shard.require_grad(),
-                                false => shard,
-                            }
-                        }
-                        None => t,
+                let (id, t, mapper) = param.consume();
+                let trainable = t.is_require_grad();
+                let (device, dims) = (t.device(), t.dims());
+                let prim = t.clone().into_primitive().tensor();
+                let dtype = prim.dtype();
+                match self
+                    .state
+                    .take_root_and_cut(id.val(), &dims, read_f32::<B>(prim))
+                {
+                    Ok((root_id, mine, shape)) => {
+                        let prim = write_f32::<B>(mine, shape.into(), dtype, &device);
+                        let kept = Tensor::from_primitive(TensorPrimitive::Float(prim));
+                        let kept = match trainable {
+                            true => kept.require_grad(),
+                            false => kept,
+                        };
+                        Param::from_mapped_value(ParamId::from(root_id), kept, mapper)
                     }
-                });
-                if self.failed.is_none() {
-                    self.failed = failed;
+                    Err(e) => {
+                        if self.failed.is_none() {
+                            self.failed = Some(e);
+                        }
+                        Param::from_mapped_value(id, t, mapper)
+                    }
                 }
-                param
             }
         }
         let mut cut = Cut {

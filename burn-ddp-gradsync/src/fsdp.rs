@@ -37,7 +37,7 @@ use burn_ddp_comm::grad::{self, FsdpState, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
 
-use crate::sync::AsReplica;
+use crate::grads::describe;
 
 /// One sharded parameter: its whole shape and how it is cut.
 pub(crate) type Spec = ShardedParam;
@@ -106,7 +106,8 @@ impl FullyShard {
     /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
     /// first dimension cut among the ranks, padded with zero rows where it does not divide):
     /// the model is first checked across the ranks (the same parameters, names and shapes
-    /// everywhere) and rank 0's weights loaded on every rank, as `GradSync::prepare` does. The
+    /// everywhere), then each parameter's value is rank 0's, broadcast and cut one parameter
+    /// at a time (buffers, such as running statistics, stay this rank's). The
     /// shards keep their parameters' ids and whether they are trainable, so Burn's optimizers
     /// and `GradientsParams` work on them unchanged. At world size 1 the model is returned as
     /// it is.
@@ -120,38 +121,37 @@ impl FullyShard {
         if self.state.config().reshard_after_forward {
             self.check_checkpointing(&model)?;
         }
-        let AsReplica(model) = grad::check_and_load(pg, AsReplica(model), true)?;
+        // The same parameters on every rank (names, shapes, dtypes), then rank 0's values one
+        // parameter at a time, each cut as it arrives: the whole model is never held twice.
+        let infos: Vec<_> = describe(&model).into_iter().map(|(info, _)| info).collect();
+        grad::check_same_params(pg, &infos)?;
         struct Cut<'a> {
             fsdp: &'a FullyShard,
             failed: Option<DdpError>,
         }
         impl ModuleMapper for Cut<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let id = param.id.val();
-                let mut failed = None;
-                let param = param.map(|t| {
-                    let full = match values(&t) {
-                        Ok(full) => full,
-                        Err(e) => {
-                            failed = Some(self.fsdp.rank_error("sharding a parameter", e));
-                            return t;
-                        }
-                    };
-                    match self.fsdp.state.cut(id, &t.dims(), &full) {
-                        Some((mine, shape)) => {
-                            let shard = made(&t, mine, shape);
-                            match t.is_require_grad() {
-                                true => shard.require_grad(),
-                                false => shard,
-                            }
-                        }
-                        None => t,
+                let (id, t, mapper) = param.consume();
+                match self
+                    .fsdp
+                    .state
+                    .take_root_and_cut(id.val(), &t.dims(), values(&t))
+                {
+                    Ok((root_id, mine, shape)) => {
+                        let kept = made(&t, mine, shape);
+                        let kept = match t.is_require_grad() {
+                            true => kept.require_grad(),
+                            false => kept,
+                        };
+                        Param::from_mapped_value(ParamId::from(root_id), kept, mapper)
                     }
-                });
-                if self.failed.is_none() {
-                    self.failed = failed;
+                    Err(e) => {
+                        if self.failed.is_none() {
+                            self.failed = Some(e);
+                        }
+                        Param::from_mapped_value(id, t, mapper)
+                    }
                 }
-                param
             }
         }
         let mut cut = Cut {

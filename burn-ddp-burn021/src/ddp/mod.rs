@@ -43,7 +43,7 @@ pub use burn_ddp_comm::grad::{
     Compression, DdpConfig, GradReduction, LoopState, ParamInfo, PowerSgd,
 };
 
-pub(crate) use model::load_replica;
+pub(crate) use model::param_infos;
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
 pub(crate) use values::{read_f32, write_f32};

@@ -162,13 +162,13 @@ fn is_skipped(name: &str, skip: &[String]) -> bool {
     skip.iter().any(|s| s == field)
 }
 
-/// `model` checked across the ranks of `pg` and loaded with rank 0's weights, no field kept
-/// rank-local: what `FullyShard::shard` starts from.
-pub(crate) fn load_replica<B: AutodiffBackend, M: AutodiffModule<B>>(
-    pg: &crate::ProcessGroup,
-    model: M,
-) -> Result<M> {
-    Ok(check_and_load(pg, AsReplica::<B, M>::new(model, &[]), true)?.model)
+/// `model`'s float parameters described (name, shape, dtype), in visit order: what
+/// `FullyShard::shard` checks across the ranks.
+pub(crate) fn param_infos<B: Backend, M: Module<B>>(model: &M) -> Vec<ParamInfo> {
+    describe::<B, M>(model)
+        .into_iter()
+        .map(|(info, _, _)| info)
+        .collect()
 }
 
 /// This line's [`Replica`]: a Burn 0.21 module whose parameters under the `skip` fields stay

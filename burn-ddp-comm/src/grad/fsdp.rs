@@ -495,6 +495,43 @@ impl FsdpState {
         Some((mine, shard_shape))
     }
 
+    /// What this rank keeps of parameter `id` of `shape` when a model is sharded: rank 0's
+    /// id and values (`mine`, read from this rank's tensor, are sent by rank 0 and replaced by
+    /// them elsewhere: one broadcast per parameter, so the whole model is never held twice),
+    /// cut into this rank's shard where the parameter is cut ([`cut`](Self::cut), under rank
+    /// 0's id); the id, the values and their shape. Rank 0's ids make the ranks' optimizer
+    /// states, keyed by id, name the same tensors. Every rank calls it for every parameter, in
+    /// one order. A tensor that could not be read takes part as zeros, so no rank waits on this
+    /// one.
+    ///
+    /// # Errors
+    /// A tensor that could not be read (after the broadcast); the broadcasts' failures.
+    pub fn take_root_and_cut(
+        &self,
+        id: u64,
+        shape: &[usize],
+        mine: std::result::Result<Vec<f32>, String>,
+    ) -> Result<(u64, Vec<f32>, Vec<usize>)> {
+        let len: usize = shape.iter().product();
+        let (mut values, unread) = match mine {
+            Ok(v) => (v, None),
+            Err(e) => (vec![0.0; len], Some(e)),
+        };
+        // The id's bits, as the collectives carry 64-bit integers signed.
+        let mut root_id = [id as i64];
+        self.pg.broadcast(&mut root_id, crate::Rank(0))?;
+        let root_id = root_id[0] as u64;
+        self.pg.broadcast(&mut values, crate::Rank(0))?;
+        if let Some(e) = unread {
+            return Err(self.error("sharding a parameter", e));
+        }
+        let (values, shape) = match self.cut(root_id, shape, &values) {
+            Some(shard) => shard,
+            None => (values, shape.to_vec()),
+        };
+        Ok((root_id, values, shape))
+    }
+
     /// The whole parameter `p` from this rank's shard `mine` (read from the tensor; an error if
     /// it could not be), gathered in `precision`. A shard that could not be read takes part as
     /// zeros, so that no rank waits on this one; a failure gives zeros; either is kept.
