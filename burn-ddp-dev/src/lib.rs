@@ -16,6 +16,7 @@
 //! - [`chaos`]: the chaos run, a seeded random schedule of faults on fault-tolerant jobs
 //! - [`netns`]: several "nodes" on one machine (network namespaces), and the two-node
 //!   scenario every line's classifier passes
+//! - [`cgroup`]: a memory limit on one rank (a cgroup), for FSDP's over-limit test
 //! - [`damage`]: damaged checkpoint and run files, refused on resume (both lines' classifiers)
 //! - [`diff`]: the lines a migration changed
 //! - [`hooks`]: a communication hook the equivalence tests train with
@@ -24,6 +25,7 @@
 
 pub mod adapters;
 pub mod args;
+pub mod cgroup;
 pub mod chaos;
 pub mod compare;
 pub mod conformance;

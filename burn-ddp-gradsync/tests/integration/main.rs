@@ -21,5 +21,6 @@ extern crate burn_pack022 as burn_pack;
 extern crate burn_pack023 as burn_pack;
 
 mod equivalence;
+mod fsdp_memory;
 mod learner;
 mod pipeline;
