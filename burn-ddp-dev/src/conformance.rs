@@ -11,7 +11,7 @@
 //! training run of a scenario) and writes `burn_ddp_dev::conformance_suite!(MyLine);`, which
 //! makes one `#[test]` per scenario, by the scenario's name.
 
-use burn_ddp_comm::grad::FsdpConfig;
+use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{Compression, DdpConfig, GradReduction, ProcessGroup};
 
 use crate::compare::{assert_close, assert_discriminates, assert_replicas_equal, f32_bytes};
@@ -87,6 +87,10 @@ pub enum Opt {
     /// Adam. These scenarios are [`fsdp_scenarios`], a suite of their own
     /// ([`fsdp_suite!`](crate::fsdp_suite)).
     AdamFsdp(FsdpConfig),
+    /// FSDP as [`AdamFsdp`](Self::AdamFsdp), stepped by SGD (Burn's defaults): an update
+    /// linear in the gradient, so that a reduced precision's rounding stays as small as it is
+    /// (Adam's normalised update carries the rounding of a gradient near zero to a full step).
+    SgdFsdp(FsdpConfig),
 }
 
 /// How each optimizer step's gradients are made.
@@ -484,13 +488,18 @@ pub fn scenarios() -> Vec<Scenario> {
     ]
 }
 
-/// The FSDP scenarios ([`Opt::AdamFsdp`]): Adam on shards, uneven shards (the MLP's first
-/// weight has 8 rows and its output bias 3, so neither 2 nor 3 ranks cut them evenly), the
-/// parameters gathered again for backward (`reshard_after_forward`, the default) and kept,
-/// accumulation, a layer used twice, resumed at another world size. (No mixed-precision scenario yet: with Adam on these small
-/// nets, bf16 reductions whose ranks' parts nearly cancel round differently from run to run, as
-/// the transport's order of summation varies, and Adam carries the difference past any
-/// tolerance that still tells the negative control apart.)
+/// Full precision, for the suite's filters (a line that computes in f32 only).
+pub const F32_PRECISION: Precision = Precision::F32;
+
+/// The FSDP scenarios ([`Opt::AdamFsdp`], [`Opt::SgdFsdp`]): Adam on shards, uneven shards
+/// (the MLP's first weight has 8 rows and its output bias 3, so neither 2 nor 3 ranks cut them
+/// evenly), the parameters gathered again for backward (`reshard_after_forward`, the default)
+/// and kept, accumulation, a layer used twice, resumed at another world size, and mixed
+/// precision (bf16 parameters and reductions) under SGD. Mixed precision under Adam is no
+/// scenario: on these small nets, bf16 reductions whose ranks' parts nearly cancel round
+/// differently from run to run (the transport's order of summation varies), and Adam's
+/// normalised update carries such a rounding to a full step (two runs differed by more than
+/// 0.1).
 pub fn fsdp_scenarios() -> Vec<Scenario> {
     use Mode::{Accumulate, Plain, Resume};
     use Net::{Conv, Mlp, Tied};
@@ -545,6 +554,27 @@ pub fn fsdp_scenarios() -> Vec<Scenario> {
             Resume(2),
             &[3],
         ),
+        Scenario {
+            // bf16 parameters (the forward and backward computed in bf16, by the reference
+            // too) and bf16 reductions: SGD's update keeps bf16's rounding (2^-8 relative) as
+            // it is; as `mlp_bf16_compression`, 2e-2 relative to max(|w|, 0.1).
+            opt: Opt::SgdFsdp(
+                FsdpConfig::default()
+                    .with_param_dtype(Precision::Bf16)
+                    .with_reduce_dtype(Precision::Bf16),
+            ),
+            tolerance: Some(Tolerance {
+                rel: 2e-2,
+                floor: 0.1,
+            }),
+            ..s(
+                "fsdp_mlp_sgd_bf16",
+                Mlp,
+                FsdpConfig::default(),
+                Plain,
+                &[2, 3],
+            )
+        },
     ]
 }
 
@@ -658,10 +688,12 @@ macro_rules! fsdp_suite {
     ($line:ty) => {
         $crate::fsdp_suite!(@tests $line;
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
-            fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard);
+            fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard,
+            fsdp_mlp_sgd_bf16);
     };
-    // A line without FSDP's resume: every scenario but the `Resume` ones (and the check that
-    // those left out are exactly them).
+    // The Burn 0.21 line: every scenario but the `Resume` ones (no optimizer state gathered
+    // there yet) and the reduced-precision ones (NdArray computes in f32 and f64 only), and the
+    // check that those left out are exactly them.
     ($line:ty; without_resume) => {
         $crate::fsdp_suite!(@some $line;
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
@@ -680,6 +712,8 @@ macro_rules! fsdp_suite {
             let names: Vec<&str> = $crate::conformance::fsdp_scenarios()
                 .iter()
                 .filter(|s| !matches!(s.mode, $crate::conformance::Mode::Resume(_)))
+                .filter(|s| !matches!(s.opt, $crate::conformance::Opt::SgdFsdp(c)
+                    if c.param_dtype != $crate::conformance::F32_PRECISION))
                 .map(|s| s.name)
                 .collect();
             assert_eq!(names, [$(stringify!($name)),*]);

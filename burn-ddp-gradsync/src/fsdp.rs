@@ -421,8 +421,9 @@ impl FullyShard {
         write_pack(pack).map_err(fail)
     }
 
-    /// This rank's shard of a whole optimizer state ([`full_optimizer_record`]
-    /// (Self::full_optimizer_record)'s, saved at any world size), for Burn's optimizer on this
+    /// This rank's shard of a whole optimizer state (as
+    /// [`full_optimizer_record`](Self::full_optimizer_record) gives it, saved at any world size),
+    /// for Burn's optimizer on this
     /// rank's shards (`ModuleOptimizer::load_record`): every state tensor of a sharded
     /// parameter cut as the parameter is. Call it after [`shard`](Self::shard), on a model
     /// loaded from the record saved with this state.

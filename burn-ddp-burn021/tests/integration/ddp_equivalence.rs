@@ -243,10 +243,10 @@ impl Line for Line021 {
                 Opt::Adam | Opt::AdamZero | Opt::AdamZero2 => {
                     run::<M, _>(pg, s, || AdamConfig::new().init())
                 }
-                Opt::AdamFsdp(_) => unreachable!("fsdp_train trains it"),
+                Opt::AdamFsdp(_) | Opt::SgdFsdp(_) => unreachable!("fsdp_train trains it"),
             }
         }
-        if let Opt::AdamFsdp(config) = s.opt {
+        if let Opt::AdamFsdp(config) | Opt::SgdFsdp(config) = s.opt {
             return match config.reshard_after_forward {
                 true => fsdp_train::<Bc>(pg, s, config),
                 false => fsdp_train::<B>(pg, s, config),

@@ -215,7 +215,9 @@ impl Line for ThisLine {
                 (conformance::Mode::Resume(_), conformance::Opt::AdamFsdp(config)) => {
                     run_fsdp_resume::<M>(pg, config)
                 }
-                (_, conformance::Opt::AdamFsdp(config)) => run_fsdp::<M>(pg, s, config),
+                (_, conformance::Opt::AdamFsdp(config) | conformance::Opt::SgdFsdp(config)) => {
+                    run_fsdp::<M>(pg, s, config)
+                }
                 (conformance::Mode::Resume(_), _) => run_resume::<M>(pg, s),
                 _ => run::<M>(pg, s),
             }
@@ -238,7 +240,7 @@ mod fsdp {
 
 fn optimizer(opt: conformance::Opt) -> ModuleOptimizer {
     match opt {
-        conformance::Opt::Sgd => SgdConfig::new().init(),
+        conformance::Opt::Sgd | conformance::Opt::SgdFsdp(_) => SgdConfig::new().init(),
         conformance::Opt::Adam
         | conformance::Opt::AdamZero
         | conformance::Opt::AdamZero2

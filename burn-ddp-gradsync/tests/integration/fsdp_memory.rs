@@ -8,7 +8,7 @@
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamConfig, GradientsParams};
 use burn::tensor::{Device, Distribution, Tensor};
 use burn_ddp as line;
 use burn_ddp_comm::grad::ShardLayout;
@@ -89,7 +89,7 @@ fn params<M: Module>(m: &M) -> Vec<(Vec<usize>, Vec<f32>)> {
         fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
             let t = p.val();
             let shape = t.dims().to_vec();
-            let values = t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            let values = t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
             self.0.push((shape, values));
         }
     }
