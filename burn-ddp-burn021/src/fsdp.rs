@@ -23,6 +23,7 @@
 //! [`FullyShard::shard`] refuses resharding under `NoCheckpointing` (Burn's default).
 
 use std::any::TypeId;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -34,7 +35,8 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
-use burn::optim::GradientsParams;
+use burn::optim::record::AdaptorRecord;
+use burn::optim::{Adam, AdamW, AdaptiveMomentumState, GradientsParams, Sgd, SimpleOptimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 use burn_backend::tensor::FloatTensor;
@@ -118,6 +120,96 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<Ddp<B>, C> {
             OpsKind::UnTracked(prep) => prep.finish(whole),
         }
     }
+}
+
+/// What rewrites a state tensor of a sharded parameter: given the parameter, the tensor's dims
+/// and device, and the tensor.
+type StateMap<'a, B> = dyn FnMut(
+        &ShardedParam,
+        &[usize],
+        &<B as burn::tensor::backend::BackendTypes>::Device,
+        FloatTensor<<B as AutodiffBackend>::InnerBackend>,
+    ) -> FloatTensor<<B as AutodiffBackend>::InnerBackend>
+    + 'a;
+
+/// An optimizer record by parameter (`OptimizerAdaptor`'s record, whatever map it is kept in):
+/// what [`FullyShard::full_optimizer_record`] gathers and
+/// [`FullyShard::shard_optimizer_record`] cuts.
+type OptimState<O, B> = HashMap<ParamId, AdaptorRecord<O, B>>;
+
+/// Burn's optimizers whose state FSDP gathers and cuts on Burn 0.21, whose optimizer records
+/// are typed by the state's rank (each `O::State<D>`): each says where its per-parameter
+/// tensors are. Adam and AdamW (their moments); SGD without momentum (no state). SGD with
+/// momentum is refused: its `MomentumState::velocity` is private (burn-optim 0.21.0
+/// `optim/momentum.rs` line 26).
+pub trait FsdpOptimizer<B: Backend>: SimpleOptimizer<B> {
+    /// `state` with each of its per-parameter tensors mapped by `f`.
+    ///
+    /// # Errors
+    /// A state whose tensors this crate cannot reach.
+    fn map_state<const D: usize>(
+        state: Self::State<D>,
+        f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> std::result::Result<Self::State<D>, String>;
+}
+
+/// Adam's and AdamW's moments mapped by `f`.
+fn map_moments<B: Backend, const D: usize>(
+    m: &mut AdaptiveMomentumState<B, D>,
+    f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+) {
+    m.moment_1 = f(m.moment_1.clone());
+    m.moment_2 = f(m.moment_2.clone());
+    m.max_moment_2 = m.max_moment_2.take().map(&mut *f);
+}
+
+impl<B: Backend> FsdpOptimizer<B> for Adam {
+    fn map_state<const D: usize>(
+        mut state: Self::State<D>,
+        f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> std::result::Result<Self::State<D>, String> {
+        map_moments(&mut state.momentum, f);
+        Ok(state)
+    }
+}
+
+impl<B: Backend> FsdpOptimizer<B> for AdamW {
+    fn map_state<const D: usize>(
+        mut state: Self::State<D>,
+        f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> std::result::Result<Self::State<D>, String> {
+        map_moments(&mut state.momentum, f);
+        Ok(state)
+    }
+}
+
+impl<B: Backend> FsdpOptimizer<B> for Sgd<B> {
+    fn map_state<const D: usize>(
+        state: Self::State<D>,
+        _f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> std::result::Result<Self::State<D>, String> {
+        match state.momentum {
+            None => Ok(state),
+            Some(_) => Err("SGD with momentum keeps its velocity private on Burn 0.21 \
+                            (burn-optim 0.21.0 optim/momentum.rs line 26), so FSDP cannot gather \
+                            it: resume at the same world size from each rank's own record, or \
+                            use Adam or AdamW"
+                .to_string()),
+        }
+    }
+}
+
+/// The ids of `model`'s float parameters, in visit order.
+fn param_ids<B: Backend, M: Module<B>>(model: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    model.visit(&mut ids);
+    ids.0
 }
 
 /// What the backward needs: the sharding, the parameter, the shard's dtype, the precision.
@@ -583,6 +675,151 @@ impl FullyShard {
         match self.state.take_failure() {
             Some(e) => Err(e),
             None => Ok(whole),
+        }
+    }
+
+    /// The whole optimizer state from this rank's `record` (Burn's optimizer's, made by
+    /// stepping the shards: `Optimizer::to_record`): the state tensors of every sharded
+    /// parameter (Adam's and AdamW's moments) all-gathered into the parameter's whole shape, in
+    /// `model`'s visit order; the rest as they are. Every rank gets it; save it with
+    /// `full_model`'s record (the parameters keep their ids there, which key this state), and
+    /// load it at any world size with [`shard_optimizer_record`](Self::shard_optimizer_record).
+    /// A collective: every rank calls it, with the same parameters' state.
+    ///
+    /// # Errors
+    /// Ranks whose records hold the state of other parameters; an optimizer whose state cannot
+    /// be reached (SGD with momentum on Burn 0.21); collective failures.
+    pub fn full_optimizer_record<B, M, O, R>(&self, model: &M, record: R) -> Result<R>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: FsdpOptimizer<B::InnerBackend>,
+        R: IntoIterator<Item = (ParamId, AdaptorRecord<O, B>)>
+            + FromIterator<(ParamId, AdaptorRecord<O, B>)>,
+    {
+        let record: OptimState<O, B> = record.into_iter().collect();
+        // The same parameters' state on every rank, or no rank gathers.
+        let held: Vec<u8> = param_ids::<B, M>(model)
+            .iter()
+            .map(|id| u8::from(record.contains_key(id)))
+            .collect();
+        let all = self.state.group().all_gather_bytes(&held)?;
+        if let Some(r) = all.iter().position(|h| *h != held) {
+            return Err(self.state.error(
+                "gathering the optimizer state",
+                format!(
+                    "rank {r}'s optimizer state is of other parameters than this rank's: were \
+                     the ranks' optimizers made alike and stepped the same steps?"
+                ),
+            ));
+        }
+        let whole = self.map_record::<B, M, O>(model, record, &mut |p, dims, _, t| {
+            if dims != p.shard_shape().as_slice() {
+                return t;
+            }
+            self.host_gather::<B::InnerBackend>(p, t, Precision::F32)
+        })?;
+        match self.state.take_failure() {
+            Some(e) => Err(e),
+            None => Ok(whole.into_iter().collect()),
+        }
+    }
+
+    /// This rank's shard of a whole optimizer state (as
+    /// [`full_optimizer_record`](Self::full_optimizer_record) gives it, saved at any world size),
+    /// for Burn's optimizer on this rank's shards (`Optimizer::load_record`): every state tensor
+    /// of a sharded parameter cut as the parameter is. Call it after [`shard`](Self::shard), on a
+    /// model loaded from the record saved with this state.
+    ///
+    /// # Errors
+    /// An optimizer whose state cannot be reached; a state tensor that cannot be read.
+    pub fn shard_optimizer_record<B, M, O, R>(&self, model: &M, record: R) -> Result<R>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: FsdpOptimizer<B::InnerBackend>,
+        R: IntoIterator<Item = (ParamId, AdaptorRecord<O, B>)>
+            + FromIterator<(ParamId, AdaptorRecord<O, B>)>,
+    {
+        let record: OptimState<O, B> = record.into_iter().collect();
+        let rank = self.state.group().rank().index();
+        let mut unread = None;
+        let mine = self.map_record::<B, M, O>(model, record, &mut |p, dims, device, t| {
+            if dims != p.shape.as_slice() {
+                return t;
+            }
+            let dtype = t.dtype();
+            match read_f32::<B::InnerBackend>(t.clone()) {
+                Ok(whole) => {
+                    let shard = p.layout.shard_of(rank, &whole);
+                    write_f32::<B::InnerBackend>(shard, p.shard_shape().into(), dtype, device)
+                }
+                Err(e) => {
+                    unread.get_or_insert(e);
+                    t
+                }
+            }
+        })?;
+        match unread {
+            Some(e) => Err(self.state.error("cutting the optimizer state", e)),
+            None => Ok(mine.into_iter().collect()),
+        }
+    }
+
+    /// `record` with every state tensor of a sharded parameter replaced by what `f` gives, in
+    /// `model`'s visit order (where each parameter's rank is known).
+    fn map_record<B, M, O>(
+        &self,
+        model: &M,
+        record: OptimState<O, B>,
+        f: &mut StateMap<'_, B>,
+    ) -> Result<OptimState<O, B>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: FsdpOptimizer<B::InnerBackend>,
+    {
+        struct Map<'a, O: FsdpOptimizer<B::InnerBackend>, B: AutodiffBackend> {
+            state: &'a FsdpState,
+            record: OptimState<O, B>,
+            f: &'a mut StateMap<'a, B>,
+            failed: Option<String>,
+        }
+        impl<O: FsdpOptimizer<B::InnerBackend>, B: AutodiffBackend> ModuleVisitor<B> for Map<'_, O, B> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                let Some(p) = self.state.param(param.id.val()) else {
+                    return;
+                };
+                let Some(entry) = self.record.remove(&param.id) else {
+                    return;
+                };
+                let f = &mut *self.f;
+                let mapped = O::map_state::<D>(entry.into_state::<D>(), &mut |t| {
+                    let (dims, device) = (t.dims(), t.device());
+                    let whole = f(&p, &dims, &device, t.into_primitive().tensor());
+                    Tensor::from_primitive(TensorPrimitive::Float(whole))
+                });
+                match mapped {
+                    Ok(state) => {
+                        self.record
+                            .insert(param.id, AdaptorRecord::from_state::<D>(state));
+                    }
+                    Err(e) => {
+                        self.failed.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        let mut map = Map::<O, B> {
+            state: &self.state,
+            record,
+            f,
+            failed: None,
+        };
+        model.visit(&mut map);
+        match map.failed {
+            Some(e) => Err(self.state.error("rewriting the optimizer state", e)),
+            None => Ok(map.record),
         }
     }
 

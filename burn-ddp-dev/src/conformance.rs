@@ -691,13 +691,12 @@ macro_rules! fsdp_suite {
             fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard,
             fsdp_mlp_sgd_bf16);
     };
-    // The Burn 0.21 line: every scenario but the `Resume` ones (no optimizer state gathered
-    // there yet) and the reduced-precision ones (NdArray computes in f32 and f64 only), and the
-    // check that those left out are exactly them.
-    ($line:ty; without_resume) => {
+    // A line that computes in f32 only (Burn 0.21's NdArray): every scenario but the
+    // reduced-precision ones, and the check that those left out are exactly them.
+    ($line:ty; f32_only) => {
         $crate::fsdp_suite!(@some $line;
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
-            fsdp_tied_adam_no_reshard);
+            fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard);
     };
     (@some $line:ty; $($name:ident),* $(,)?) => {
         $(
@@ -708,10 +707,9 @@ macro_rules! fsdp_suite {
         )*
 
         #[test]
-        fn the_fsdp_suite_runs_every_scenario_but_resume() {
+        fn the_fsdp_suite_runs_every_f32_scenario() {
             let names: Vec<&str> = $crate::conformance::fsdp_scenarios()
                 .iter()
-                .filter(|s| !matches!(s.mode, $crate::conformance::Mode::Resume(_)))
                 .filter(|s| !matches!(s.opt, $crate::conformance::Opt::SgdFsdp(c)
                     if c.param_dtype != $crate::conformance::F32_PRECISION))
                 .map(|s| s.name)

@@ -265,9 +265,8 @@ impl Line for Line021 {
 burn_ddp_dev::conformance_suite!(Line021);
 
 mod fsdp {
-    // Not the resume scenarios: this line has no `full_optimizer_record` yet (its optimizers'
-    // records are typed by the state's rank, which the core's state tensors do not carry).
-    burn_ddp_dev::fsdp_suite!(super::Line021; without_resume);
+    // Not the reduced-precision scenario: NdArray computes in f32 and f64 only.
+    burn_ddp_dev::fsdp_suite!(super::Line021; f32_only);
 }
 
 /// An FSDP scenario on backend `Bk` (`B`, or `Bc` where the parameters are gathered again for
@@ -277,11 +276,110 @@ fn fsdp_train<Bk: FsdpBackend + AutodiffBackend>(
     s: &Scenario,
     config: FsdpConfig,
 ) -> Trained {
+    fn with<Bk: FsdpBackend + AutodiffBackend, M: Net<Bk> + AutodiffModule<Bk>>(
+        pg: ProcessGroup,
+        s: &Scenario,
+        config: FsdpConfig,
+    ) -> Trained {
+        match s.mode {
+            conformance::Mode::Resume(_) => run_fsdp_resume::<Bk, M>(pg, config),
+            _ => run_fsdp::<Bk, M>(pg, s, config),
+        }
+    }
     match s.net {
-        conformance::Net::Mlp => run_fsdp::<Bk, Mlp<Bk>>(pg, s, config),
-        conformance::Net::Conv => run_fsdp::<Bk, ConvNet<Bk>>(pg, s, config),
-        conformance::Net::Tied => run_fsdp::<Bk, Tied<Bk>>(pg, s, config),
+        conformance::Net::Mlp => with::<Bk, Mlp<Bk>>(pg, s, config),
+        conformance::Net::Conv => with::<Bk, ConvNet<Bk>>(pg, s, config),
+        conformance::Net::Tied => with::<Bk, Tied<Bk>>(pg, s, config),
         other => panic!("no FSDP scenario runs {other:?}"),
+    }
+}
+
+/// `record` as bytes (Burn's binary recorder), on backend `Bk`.
+fn record_bytes_on<Bk: Backend, R: burn::record::Record<Bk>>(record: R) -> Vec<u8> {
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    Recorder::<Bk>::record(
+        &BinBytesRecorder::<FullPrecisionSettings>::default(),
+        record,
+        (),
+    )
+    .unwrap()
+}
+
+/// A record from [`record_bytes_on`]'s bytes.
+fn load_bytes_on<Bk: Backend, R: burn::record::Record<Bk>>(bytes: Vec<u8>) -> R {
+    use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    Recorder::<Bk>::load(&recorder, bytes, &Default::default()).unwrap()
+}
+
+/// One half of an FSDP [`conformance::Mode::Resume`] scenario on this rank: the first from the
+/// sharded model, writing the checkpoint (rank 0: the gathered start, the gathered model and the
+/// gathered optimizer state); the second from it, at another world size, each rank cutting its
+/// shards of both.
+fn run_fsdp_resume<Bk, M>(pg: ProcessGroup, config: FsdpConfig) -> Trained
+where
+    Bk: FsdpBackend + AutodiffBackend,
+    M: Net<Bk> + AutodiffModule<Bk>,
+{
+    let half = conformance::Half::from_env();
+    let (world, rank) = (pg.world_size().as_usize(), pg.rank().index());
+    let device = Default::default();
+    <Bk as Backend>::seed(&device, conformance::init_seed(rank));
+    let fsdp = FullyShard::new(pg, config).unwrap();
+    let built = match half.first {
+        true => M::build(&device),
+        false => M::build(&device).load_record(load_bytes_on::<Bk, _>(half.read("model.bin"))),
+    };
+    let mut model = fsdp.shard::<Bk, M>(built).unwrap();
+    let mut opt = AdamConfig::new().init::<Bk, M>();
+    if !half.first {
+        let whole = load_bytes_on::<Bk, _>(half.read("optim.bin"));
+        opt = opt.load_record(fsdp.shard_optimizer_record(&model, whole).unwrap());
+    } else if rank == 0 {
+        let start = fsdp.full_model::<Bk, M>(&model).unwrap().into_record();
+        half.write("start.bin", &record_bytes_on::<Bk, _>(start));
+    } else {
+        // Every rank takes part in the gather.
+        let _ = fsdp.full_model::<Bk, M>(&model).unwrap();
+    }
+    let start = || fsdp.full_model::<Bk, M>(&model).unwrap().into_record();
+    let mut alone = M::build(&device).load_record(start());
+    let mut opt_alone = AdamConfig::new().init::<Bk, M>();
+    let lr = conformance::LR;
+    let mine = |t: &Tensor<Bk, 2>| t.clone().narrow(0, rank * PER_RANK, PER_RANK);
+    for step in half.steps() {
+        let (x, y) = batch_on::<Bk>(step, world);
+        let loss = model.loss(mine(&x), mine(&y));
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let grads = fsdp.sync::<Bk, M>(&model, grads).unwrap();
+        model = opt.step(lr, model, grads);
+        let loss = alone.loss(mine(&x), mine(&y));
+        let grads = GradientsParams::from_grads(loss.backward(), &alone);
+        alone = opt_alone.step(lr, alone, grads);
+    }
+    let whole = fsdp.full_model::<Bk, M>(&model).unwrap();
+    let state = fsdp.full_optimizer_record(&model, opt.to_record()).unwrap();
+    if half.first && rank == 0 {
+        half.write("optim.bin", &record_bytes_on::<Bk, _>(state));
+        half.write(
+            "model.bin",
+            &record_bytes_on::<Bk, _>(whole.clone().into_record()),
+        );
+    }
+    // One process from the start (rank 0 wrote it before the first step's collective) through
+    // every step so far, each on its step's whole batch.
+    let start = load_bytes_on::<Bk, _>(half.read("start.bin"));
+    let mut reference = M::build(&device).load_record(start);
+    let mut opt_ref = AdamConfig::new().init::<Bk, M>();
+    for step in 0..half.steps().end {
+        let (x, y) = batch_on::<Bk>(step, half.world_of(step, world));
+        let grads = GradientsParams::from_grads(reference.loss(x, y).backward(), &reference);
+        reference = opt_ref.step(lr, reference, grads);
+    }
+    Trained {
+        ddp: common::params(&whole),
+        reference: common::params(&reference),
+        alone: common::params(&alone),
     }
 }
 
