@@ -645,10 +645,13 @@ fn made<const D: usize>(like: &Tensor<D>, values: Vec<f32>, shape: Vec<usize>) -
 
 /// The gather as an autodiff operation, for each backend this crate is built for.
 mod tracked {
+    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
     use std::ops::ControlFlow;
 
     use super::{FullyShard, Spec};
-    use crate::autodiff::{self, AutodiffOp};
+    #[cfg(any(feature = "flex", feature = "ndarray", feature = "cuda"))]
+    use crate::autodiff;
+    use crate::autodiff::AutodiffOp;
     use burn::tensor::Tensor;
 
     /// The gather of one sharded parameter.
