@@ -40,7 +40,7 @@ use burn::optim::{Adam, AdamW, AdaptiveMomentumState, GradientsParams, Sgd, Simp
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 use burn_backend::tensor::FloatTensor;
-use burn_ddp_comm::grad::{self, FsdpState, ShardedParam};
+use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
 
@@ -406,36 +406,21 @@ impl FullyShard {
                 &mut self,
                 param: Param<Tensor<B, D>>,
             ) -> Param<Tensor<B, D>> {
-                let Some(p) = self.0.state.param(param.id.val()) else {
-                    return param;
+                // Already whole (a copy loaded from `full_model`'s record, which keeps the
+                // ids) or not sharded: as it is, so the same forward runs on both.
+                let p = match self.0.state.held_as(param.id.val(), &param.val().dims()) {
+                    Held::Shard(p) => p,
+                    Held::Whole | Held::NotSharded => return param,
                 };
-                let dims = param.val().dims().to_vec();
-                if dims == p.shard_shape() {
-                    let how = Gathering {
-                        fsdp: self.0,
-                        param: &p,
-                        precision: self.1,
-                    };
-                    param.map(|shard| {
-                        let whole = B::gather_whole(&how, shard.into_primitive().tensor());
-                        Tensor::from_primitive(TensorPrimitive::Float(whole))
-                    })
-                } else if dims == p.shape {
-                    // Already whole: a copy loaded from a gathered record (`full_model`), which
-                    // keeps the parameters' ids. The same forward runs on both.
-                    param
-                } else {
-                    self.0.state.fail(self.0.state.error(
-                        "gathering a sharded parameter",
-                        format!(
-                            "a parameter of shape {dims:?} has the id of one sharded as {:?} of \
-                             {:?}: was the model changed after FullyShard::shard?",
-                            p.shard_shape(),
-                            p.shape
-                        ),
-                    ));
-                    param
-                }
+                let how = Gathering {
+                    fsdp: self.0,
+                    param: &p,
+                    precision: self.1,
+                };
+                param.map(|shard| {
+                    let whole = B::gather_whole(&how, shard.into_primitive().tensor());
+                    Tensor::from_primitive(TensorPrimitive::Float(whole))
+                })
             }
         }
         block.clone().map(&mut Whole(self, precision))
@@ -703,16 +688,7 @@ impl FullyShard {
             .iter()
             .map(|id| u8::from(record.contains_key(id)))
             .collect();
-        let all = self.state.group().all_gather_bytes(&held)?;
-        if let Some(r) = all.iter().position(|h| *h != held) {
-            return Err(self.state.error(
-                "gathering the optimizer state",
-                format!(
-                    "rank {r}'s optimizer state is of other parameters than this rank's: were \
-                     the ranks' optimizers made alike and stepped the same steps?"
-                ),
-            ));
-        }
+        self.state.same_state_everywhere(&held)?;
         let whole = self.map_record::<B, M, O>(model, record, &mut |p, dims, _, t| {
             if dims != p.shard_shape().as_slice() {
                 return t;
@@ -856,25 +832,14 @@ mod tests {
     use super::*;
     use burn::backend::NdArray;
     use burn::nn::LinearConfig;
-    use burn_ddp_comm::{DdpConfig, Timeouts, WorldSize};
+    use burn_ddp_comm::DdpConfig;
+    use burn_ddp_dev::device::on_thread_ranks;
 
     type Plain = Autodiff<Ddp<NdArray>>;
 
-    fn on_two_threads<T: Send>(f: impl Fn(ProcessGroup) -> T + Sync) -> Vec<T> {
-        let groups = ProcessGroup::local(WorldSize::new(2).unwrap(), Timeouts::default());
-        let f = &f;
-        std::thread::scope(|s| {
-            let ranks: Vec<_> = groups
-                .into_iter()
-                .map(|pg| s.spawn(move || f(pg)))
-                .collect();
-            ranks.into_iter().map(|r| r.join().unwrap()).collect()
-        })
-    }
-
     #[test]
     fn resharding_without_checkpointing_is_refused_with_both_fixes() {
-        let errors = on_two_threads(|pg| {
+        let errors = on_thread_ranks(2, |pg| {
             let fsdp = FullyShard::new(pg, FsdpConfig::default()).unwrap();
             let model = LinearConfig::new(5, 3).init::<Plain>(&Default::default());
             fsdp.shard::<Plain, _>(model).unwrap_err().to_string()
@@ -887,7 +852,7 @@ mod tests {
 
     #[test]
     fn a_sharded_model_is_refused_by_ddp_session() {
-        let errors = on_two_threads(|pg| {
+        let errors = on_thread_ranks(2, |pg| {
             let keep = FsdpConfig::default().with_reshard_after_forward(false);
             let fsdp = FullyShard::new(pg.clone(), keep).unwrap();
             let model = LinearConfig::new(5, 3).init::<Plain>(&Default::default());

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, OptimizerRecord};
 use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
-use burn_ddp_comm::grad::{self, FsdpState, ShardedParam, StateTensor};
+use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
 
@@ -200,27 +200,13 @@ impl FullyShard {
         struct Whole<'a>(&'a FullyShard, Precision);
         impl ModuleMapper for Whole<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let Some(spec) = self.0.spec(&param.id) else {
-                    return param;
-                };
-                let dims = param.val().dims().to_vec();
-                if dims == spec.layout.shard_shape(&spec.shape) {
-                    param.map(|shard| self.0.gather_tensor(&spec, shard, self.1))
-                } else if dims == spec.shape {
-                    // Already whole: a copy loaded from a gathered record (`full_model`), which
-                    // keeps the parameters' ids. The same forward runs on both.
-                    param
-                } else {
-                    self.0.state.fail(self.0.rank_error(
-                        "gathering a sharded parameter",
-                        format!(
-                            "a parameter of shape {dims:?} has the id of one sharded as {:?} of \
-                             {:?}: was the model changed after FullyShard::shard?",
-                            spec.layout.shard_shape(&spec.shape),
-                            spec.shape
-                        ),
-                    ));
-                    param
+                // Already whole (a copy loaded from `full_model`'s record, which keeps the
+                // ids) or not sharded: as it is, so the same forward runs on both.
+                match self.0.state.held_as(param.id.val(), &param.val().dims()) {
+                    Held::Shard(spec) => {
+                        param.map(|shard| self.0.gather_tensor(&spec, shard, self.1))
+                    }
+                    Held::Whole | Held::NotSharded => param,
                 }
             }
         }

@@ -113,39 +113,6 @@ impl ShardLayout {
         all.truncate(self.full_len());
         Ok(all)
     }
-
-    /// The whole parameter's gradient `full` (`full_len` values, this rank's) reduced over
-    /// `pg` by `op`, of which this rank receives its shard (`shard_len` values, zero in its
-    /// padding).
-    ///
-    /// # Errors
-    /// A `full` of another length than [`full_len`](Self::full_len); the errors of
-    /// [`ProcessGroup::reduce_scatter`].
-    pub fn reduce_scatter<T: Element + Default>(
-        &self,
-        pg: &ProcessGroup,
-        full: &[T],
-        op: ReduceOp,
-    ) -> Result<Vec<T>> {
-        let mut send = full.to_vec();
-        send.resize(self.world * self.shard_len(), T::default());
-        let mut mine = vec![T::default(); self.shard_len()];
-        pg.reduce_scatter(&send, &mut mine, op)?;
-        if full.len() != self.full_len() {
-            return Err(crate::DdpError::model_access(
-                pg.rank(),
-                "reduce-scattering a sharded parameter's gradient",
-                format!(
-                    "the gradient has {} values where the parameter ({} rows of {}) has {}",
-                    full.len(),
-                    self.rows,
-                    self.row_len,
-                    self.full_len()
-                ),
-            ));
-        }
-        Ok(mine)
-    }
 }
 
 /// The precision of a sharded parameter while it is gathered, or of its gradient while it is
@@ -160,6 +127,17 @@ pub enum Precision {
     F16,
     /// bfloat16.
     Bf16,
+}
+
+impl Precision {
+    /// The same format as a gradient bucket's wire format, which the reductions share.
+    pub fn wire(self) -> super::Compression {
+        match self {
+            Self::F32 => super::Compression::None,
+            Self::F16 => super::Compression::F16,
+            Self::Bf16 => super::Compression::Bf16,
+        }
+    }
 }
 
 /// FSDP's options (PyTorch FSDP2's `fully_shard` arguments).
@@ -228,52 +206,59 @@ pub fn gather_in(
     shard: &[f32],
     precision: Precision,
 ) -> Result<Vec<f32>> {
+    fn on_wire<T: Element + Default>(
+        layout: &ShardLayout,
+        pg: &ProcessGroup,
+        shard: &[f32],
+        to: fn(f32) -> T,
+        from: fn(T) -> f32,
+    ) -> Result<Vec<f32>> {
+        let send: Vec<T> = shard.iter().map(|&v| to(v)).collect();
+        Ok(layout
+            .all_gather(pg, &send)?
+            .into_iter()
+            .map(from)
+            .collect())
+    }
     match precision {
         Precision::F32 => layout.all_gather(pg, shard),
-        Precision::F16 => {
-            let half: Vec<half::f16> = shard.iter().map(|&v| half::f16::from_f32(v)).collect();
-            Ok(layout
-                .all_gather(pg, &half)?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect())
-        }
-        Precision::Bf16 => {
-            let half: Vec<half::bf16> = shard.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            Ok(layout
-                .all_gather(pg, &half)?
-                .iter()
-                .map(|v| v.to_f32())
-                .collect())
-        }
+        Precision::F16 => on_wire(layout, pg, shard, half::f16::from_f32, half::f16::to_f32),
+        Precision::Bf16 => on_wire(layout, pg, shard, half::bf16::from_f32, half::bf16::to_f32),
     }
 }
 
-/// This rank's shard of the whole gradient `full` reduced over `pg` by `op`, in `precision`:
-/// `shard_len` f32 values.
+/// This rank's shard of the whole gradient `full` (`full_len` values) reduced over `pg`, in
+/// `precision`: the gradient padded to the ranks' shards and reduce-scattered as a ZeRO-2
+/// bucket is ([`scatter_bucket`](super::scatter_bucket)); `shard_len` f32 values, zero in this
+/// rank's padding.
 ///
 /// # Errors
-/// As [`ShardLayout::reduce_scatter`].
+/// A `full` of another length than [`full_len`](ShardLayout::full_len) (after the collective,
+/// so that no rank waits); the errors of [`scatter_bucket`](super::scatter_bucket).
 pub fn reduce_scatter_in(
     layout: &ShardLayout,
     pg: &ProcessGroup,
     full: &[f32],
-    op: ReduceOp,
+    reduction: super::GradReduction,
     precision: Precision,
 ) -> Result<Vec<f32>> {
-    match precision {
-        Precision::F32 => layout.reduce_scatter(pg, full, op),
-        Precision::F16 => {
-            let half: Vec<half::f16> = full.iter().map(|&v| half::f16::from_f32(v)).collect();
-            let out = layout.reduce_scatter(pg, &half, op)?;
-            Ok(out.iter().map(|v| v.to_f32()).collect())
-        }
-        Precision::Bf16 => {
-            let half: Vec<half::bf16> = full.iter().map(|&v| half::bf16::from_f32(v)).collect();
-            let out = layout.reduce_scatter(pg, &half, op)?;
-            Ok(out.iter().map(|v| v.to_f32()).collect())
-        }
+    let mut send = full.to_vec();
+    send.resize(layout.world * layout.shard_len(), 0.0);
+    let mine = super::scatter_bucket(pg, &send, reduction, precision.wire())?;
+    if full.len() != layout.full_len() {
+        return Err(crate::DdpError::model_access(
+            pg.rank(),
+            "reduce-scattering a sharded parameter's gradient",
+            format!(
+                "the gradient has {} values where the parameter ({} rows of {}) has {}",
+                full.len(),
+                layout.rows,
+                layout.row_len,
+                layout.full_len()
+            ),
+        ));
     }
+    Ok(mine)
 }
 
 /// The gradients' global L2 norm and the factor that clips it to `max_norm` (PyTorch's
@@ -304,6 +289,28 @@ pub fn global_norm(
     let norm = (total[0] + replicated).sqrt();
     let coef = max_norm / (norm + 1e-6);
     Ok((norm, coef.min(1.0)))
+}
+
+/// Values read from a tensor, or zeros of `len` in their place with the reason they could not
+/// be read: a rank whose tensor cannot be read still takes part in the collective, so that no
+/// rank waits on it, and keeps the reason.
+fn or_zeros(read: std::result::Result<Vec<f32>, String>, len: usize) -> (Vec<f32>, Option<String>) {
+    match read {
+        Ok(v) => (v, None),
+        Err(e) => (vec![0.0; len], Some(e)),
+    }
+}
+
+/// How a parameter a Burn line finds in a model stands against the sharding: see
+/// [`FsdpState::held_as`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    /// Not sharded: a parameter of one row, of another model, or any without a sharding.
+    NotSharded,
+    /// This rank's shard of the sharded parameter: gather it.
+    Shard(ShardedParam),
+    /// Already whole (a model loaded from a gathered record, which keeps the ids).
+    Whole,
 }
 
 /// One sharded parameter: its whole shape and how it is cut.
@@ -465,6 +472,50 @@ impl FsdpState {
         }
     }
 
+    /// How parameter `id`, of `dims` in the model a line is gathering, stands: not sharded, a
+    /// shard to gather, or already whole. A parameter with a sharded id and neither shape keeps
+    /// an error for the line's `sync` and is treated as not sharded.
+    pub fn held_as(&self, id: u64, dims: &[usize]) -> Held {
+        let Some(p) = self.param(id) else {
+            return Held::NotSharded;
+        };
+        if dims == p.shard_shape() {
+            return Held::Shard(p);
+        }
+        if dims == p.shape {
+            return Held::Whole;
+        }
+        self.fail(self.error(
+            "gathering a sharded parameter",
+            format!(
+                "a parameter of shape {dims:?} has the id of one sharded as {:?} of {:?}: was \
+                 the model changed after FullyShard::shard?",
+                p.shard_shape(),
+                p.shape
+            ),
+        ));
+        Held::NotSharded
+    }
+
+    /// Checks that every rank describes its optimizer state alike (`described`: its tensors'
+    /// names and shapes, or which parameters it holds state for), before any rank gathers it.
+    ///
+    /// # Errors
+    /// A rank whose description differs, named; collective failures.
+    pub fn same_state_everywhere(&self, described: &[u8]) -> Result<()> {
+        let all = self.pg.all_gather_bytes(described)?;
+        match all.iter().position(|d| d != described) {
+            None => Ok(()),
+            Some(r) => Err(self.error(
+                "gathering the optimizer state",
+                format!(
+                    "rank {r}'s optimizer state is of other tensors than this rank's: were the \
+                     ranks' optimizers made alike and stepped the same steps?"
+                ),
+            )),
+        }
+    }
+
     /// How many parameters this process has all-gathered so far (in forward, and again in
     /// backward where resharded).
     pub fn gathers(&self) -> u64 {
@@ -512,11 +563,7 @@ impl FsdpState {
         shape: &[usize],
         mine: std::result::Result<Vec<f32>, String>,
     ) -> Result<(u64, Vec<f32>, Vec<usize>)> {
-        let len: usize = shape.iter().product();
-        let (mut values, unread) = match mine {
-            Ok(v) => (v, None),
-            Err(e) => (vec![0.0; len], Some(e)),
-        };
+        let (mut values, unread) = or_zeros(mine, shape.iter().product());
         // The id's bits, as the collectives carry 64-bit integers signed.
         let mut root_id = [id as i64];
         self.pg.broadcast(&mut root_id, crate::Rank(0))?;
@@ -543,10 +590,7 @@ impl FsdpState {
     ) -> Vec<f32> {
         self.gathers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (mine, unread) = match mine {
-            Ok(v) => (v, None),
-            Err(e) => (vec![0.0; p.layout.shard_len()], Some(e)),
-        };
+        let (mine, unread) = or_zeros(mine, p.layout.shard_len());
         let whole = gather_in(&p.layout, &self.pg, &mine, precision);
         if let Some(e) = unread {
             self.fail(self.error("gathering a sharded parameter", e));
@@ -565,12 +609,9 @@ impl FsdpState {
         p: &ShardedParam,
         full: std::result::Result<Vec<f32>, String>,
     ) -> Vec<f32> {
-        let (full, unread) = match full {
-            Ok(v) => (v, None),
-            Err(e) => (vec![0.0; p.layout.full_len()], Some(e)),
-        };
-        let op = self.config.reduction.op();
-        let mine = reduce_scatter_in(&p.layout, &self.pg, &full, op, self.config.reduce_dtype);
+        let (full, unread) = or_zeros(full, p.layout.full_len());
+        let (reduction, precision) = (self.config.reduction, self.config.reduce_dtype);
+        let mine = reduce_scatter_in(&p.layout, &self.pg, &full, reduction, precision);
         if let Some(e) = unread {
             self.fail(self.error("reduce-scattering a gradient", e));
         }
@@ -592,16 +633,7 @@ impl FsdpState {
             .iter()
             .flat_map(|t| format!("{}:{:?};", t.name, t.shape).into_bytes())
             .collect();
-        let all = self.pg.all_gather_bytes(&names)?;
-        if let Some(r) = all.iter().position(|n| *n != names) {
-            return Err(self.error(
-                "gathering the optimizer state",
-                format!(
-                    "rank {r}'s optimizer state holds other tensors than this rank's: were the \
-                     ranks' optimizers made alike and stepped the same steps?"
-                ),
-            ));
-        }
+        self.same_state_everywhere(&names)?;
         for t in tensors.iter_mut() {
             let Some(p) = t.param.and_then(|id| self.param(id)) else {
                 continue;
@@ -651,6 +683,7 @@ mod tests {
 
     #[test]
     fn gather_and_reduce_scatter_invert_the_cut_across_threads() {
+        use crate::grad::GradReduction;
         use crate::{ProcessGroup, Timeouts, WorldSize};
         let shape = [7usize, 3];
         let full: Vec<f32> = (0..21).map(|v| v as f32 * 0.5).collect();
@@ -669,7 +702,8 @@ mod tests {
                     // shard is twice this rank's rows.
                     let grad: Vec<f32> = full.iter().map(|v| v * (rank + 1) as f32).collect();
                     let mine =
-                        reduce_scatter_in(&l, &pg, &grad, ReduceOp::Mean, Precision::F32).unwrap();
+                        reduce_scatter_in(&l, &pg, &grad, GradReduction::Mean, Precision::F32)
+                            .unwrap();
                     let want: Vec<f32> = l.shard_of(rank, &full).iter().map(|v| v * 2.0).collect();
                     assert_eq!(mine, want);
                     let bf = gather_in(&l, &pg, &shard, Precision::Bf16).unwrap();

@@ -67,7 +67,7 @@ pub use check::{check_same_params, digest, ReplicaCheck};
 pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use fsdp::{
-    gather_in, global_norm, reduce_scatter_in, FsdpConfig, FsdpState, Precision, ShardLayout,
+    gather_in, global_norm, reduce_scatter_in, FsdpConfig, FsdpState, Held, Precision, ShardLayout,
     ShardedParam, StateTensor,
 };
 pub use hook::{reduce_bucket, scatter_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
