@@ -352,19 +352,20 @@ impl GradSync {
         // The datasets of samplers made since the last step, compared across the ranks.
         burn_ddp_comm::data::check_datasets(&self.pg)?;
         // Inside a join: announced first; no comparison of replicas (the ranks that ran out
-        // no longer step), and the mean is over the ranks still training.
+        // no longer step), and the mean is over the ranks still training. Elsewhere the
+        // replicas are compared after the gradients' reduction, on every path: a step may be
+        // overlapped on some ranks and not on others (the Learner's partial last step, where a
+        // rank without a batch has no backward), and their collectives must come in the same
+        // order.
         if overlapped.is_some() {
             // Never inside a join (`overlapped` leaves the model as it is there).
-            if let Some(step) = self.replicas.due() {
-                self.compare_replicas(model, step)?;
-            }
+            self.replicas_if_due(model)?;
             return Ok(grads);
         }
         let Some(round) = self.join.announce(&self.pg, JoinCall::Gradients)? else {
-            if let Some(step) = self.replicas.due() {
-                self.compare_replicas(model, step)?;
-            }
-            return self.reduce(model, grads);
+            let grads = self.reduce(model, grads)?;
+            self.replicas_if_due(model)?;
+            return Ok(grads);
         };
         let grads = self.reduce(model, grads)?;
         Ok(match round.scale(self.config.reduction) {
@@ -839,6 +840,14 @@ impl GradSync {
     }
 
     /// The prepared plan's parameters (none before `prepare`) compared across ranks.
+    /// Counts one synchronised step, and compares the replicas when a check is due.
+    fn replicas_if_due<M: Module>(&mut self, model: &M) -> Result<()> {
+        match self.replicas.due() {
+            Some(step) => self.compare_replicas(model, step),
+            None => Ok(()),
+        }
+    }
+
     fn compare_replicas<M: Module>(&self, model: &M, step: u64) -> Result<()> {
         let synced = self
             .plan

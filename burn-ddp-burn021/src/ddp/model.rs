@@ -348,9 +348,12 @@ impl DdpSession {
         grads: GradientsParams,
     ) -> Result<GradientsParams> {
         // Inside a join: announced first; the mean is over the ranks still training.
+        // Elsewhere the replicas are compared after the reduction, as `complete` does after
+        // the overlapped backward's: their collectives come in the same order on every path.
         let Some(round) = self.shared.announce(JoinCall::Gradients)? else {
+            let grads = self.reduce_after_backward(model, grads)?;
             self.replica_check_due(model)?;
-            return self.reduce_after_backward(model, grads);
+            return Ok(grads);
         };
         let grads = self.reduce_after_backward(model, grads)?;
         Ok(match round.scale(self.shared.config.reduction) {

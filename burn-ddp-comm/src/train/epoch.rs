@@ -427,25 +427,31 @@ pub fn end_epoch(
 /// was), so that a checkpoint rank 0 could not write fails every rank. None on a rank whose
 /// training failed already (every rank left the loop on the same decision, or the group was
 /// aborted). In a fault-tolerant job a vote that fails because of another rank is only logged:
-/// training is over, the ranks lost meanwhile no longer matter.
+/// training is over, the ranks lost meanwhile no longer matter. Returns whether every rank of
+/// the membership agreed, none with a failure: then the steps this rank took were the job's.
 pub fn last_vote(
     pg: &ProcessGroup,
     vote: &Vote,
     failure: &FailureSlot,
     fault_tolerant: bool,
     interrupt: impl FnOnce(&str),
-) {
+) -> bool {
     if failure.message().is_some() {
-        return;
+        return false;
     }
     match vote::agree(pg, vote) {
-        Err(e) if fault_tolerant && e.is_peer_failure() => tracing::warn!(
-            "[rank {}] training is over; the last vote failed ({e}): not waiting for the ranks \
-             lost meanwhile",
-            pg.rank()
-        ),
+        Err(e) if fault_tolerant && e.is_peer_failure() => {
+            tracing::warn!(
+                "[rank {}] training is over; the last vote failed ({e}): not waiting for the \
+                 ranks lost meanwhile",
+                pg.rank()
+            );
+            false
+        }
         decision => {
+            let agreed = decision.is_ok();
             vote::apply_decision(decision, pg.rank(), failure, interrupt);
+            agreed && failure.message().is_none()
         }
     }
 }

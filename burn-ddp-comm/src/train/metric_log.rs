@@ -35,7 +35,7 @@
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// One metric's lines in one split's epoch.
@@ -65,8 +65,12 @@ struct Log {
     writing: bool,
     /// The first error writing, reported once.
     warned: bool,
-    /// Lines held back while this process's membership had ended: `(epoch_dir, file, line)`.
-    held: Vec<(String, String, String)>,
+    /// Lines held back while this process's membership had ended: `(dir, epoch_dir, file,
+    /// line)`.
+    held: Vec<(PathBuf, String, String, String)>,
+    /// Training is over with this process's state the job's ([`MetricLog::settle`]): nothing
+    /// is held back any more.
+    settled: bool,
 }
 
 /// A fault-tolerant job's metric lines on one process, shared between the line's metric
@@ -89,16 +93,36 @@ impl MetricLog {
         }
         // The lines held back were of a step the job did not take.
         log.held.clear();
+        log.settled = false;
     }
 
     /// Holds back `line` of `file` in `epoch_dir`: rank 0's line of a step after its
     /// membership ended (see the module's documentation). Recorded before the next line that
     /// [`record`](Self::record) is given, unless this process takes another rank's state
     /// first ([`took_state`](Self::took_state)).
-    pub fn hold(&self, epoch_dir: &str, file: &str, line: String) {
-        self.log()
-            .held
-            .push((epoch_dir.to_owned(), file.to_owned(), line));
+    pub fn hold(&self, dir: &Path, epoch_dir: &str, file: &str, line: String) {
+        let mut log = self.log();
+        if log.settled {
+            log.record(dir, epoch_dir, file, line, true);
+            return;
+        }
+        log.held
+            .push((dir.to_owned(), epoch_dir.to_owned(), file.to_owned(), line));
+    }
+
+    /// Training is over, and every rank of this process's last membership agreed on its end
+    /// (the fit's last vote): the steps this process took were the job's. Records what it held
+    /// back, writing it when `write` (this process is rank 0), and from now on holds nothing
+    /// back (burn-train's logger runs a few milliseconds behind the steps). Without it, a
+    /// rank 0 whose store stopped answering near the end of training (an etcd election after
+    /// a member's link came back, seen in a chaos run) held back the lines of its last steps,
+    /// with no line after them to write them, and the metric files lacked them.
+    pub fn settle(&self, write: bool) {
+        let mut log = self.log();
+        log.settled = true;
+        for (dir, epoch_dir, file, line) in std::mem::take(&mut log.held) {
+            log.record(&dir, &epoch_dir, &file, line, write);
+        }
     }
 
     /// Records `line` of file `file` in `epoch_dir` (relative to `dir`, the training
@@ -109,8 +133,8 @@ impl MetricLog {
         // Under one lock: a `took_state` cannot come between taking the held lines and
         // recording them.
         let mut log = self.log();
-        for (epoch_dir, file, line) in std::mem::take(&mut log.held) {
-            log.record(dir, &epoch_dir, &file, line, write);
+        for (held_dir, epoch_dir, file, line) in std::mem::take(&mut log.held) {
+            log.record(&held_dir, &epoch_dir, &file, line, write);
         }
         log.record(dir, epoch_dir, file, line, write);
     }
@@ -315,7 +339,7 @@ macro_rules! job_metric_logger {
                     };
                     let line = entry.serialized_entry.serialized.clone();
                     if hold {
-                        self.log.hold(&dir, &Self::file(name), line);
+                        self.log.hold(&self.dir, &dir, &Self::file(name), line);
                     } else {
                         self.log
                             .record(&self.dir, &dir, &Self::file(name), line, write);
@@ -423,17 +447,40 @@ mod tests {
         let log = MetricLog::default();
         record(&log, &dir, 0, 2, true);
         // Rank 0's membership ended under it: its step's line is held back, not written.
-        log.hold("train/epoch-1", "Loss.log", "2,32".into());
+        log.hold(&dir, "train/epoch-1", "Loss.log", "2,32".into());
         assert_eq!(file(&dir), lines(0, 2));
         // It went on with its own state (the job's): the line comes before the next one.
         record(&log, &dir, 3, 4, true);
         assert_eq!(file(&dir), lines(0, 4));
         // Held back again, then it takes another rank's state: the step was not the job's.
-        log.hold("train/epoch-1", "Loss.log", "stale,32".into());
+        log.hold(&dir, "train/epoch-1", "Loss.log", "stale,32".into());
         log.took_state();
         record(&log, &dir, 4, 5, false);
         assert_eq!(log.lines("train/epoch-1", "Loss.log"), Some(lines(0, 5)));
         assert_eq!(file(&dir), lines(0, 4));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The store stopped answering rank 0 near the end of training: the lines of its last
+    /// steps are held back with no line after them; once every rank agreed that training is
+    /// over they are written, and so is a line the logger reaches only after that.
+    #[test]
+    fn lines_held_back_at_the_end_of_training_are_written_once_it_is_settled() {
+        let dir = scratch("settled");
+        let log = MetricLog::default();
+        record(&log, &dir, 0, 2, true);
+        log.hold(&dir, "train/epoch-1", "Loss.log", "2,32".into());
+        log.hold(&dir, "train/epoch-1", "Loss.log", "3,32".into());
+        assert_eq!(file(&dir), lines(0, 2));
+        log.settle(true);
+        assert_eq!(file(&dir), lines(0, 4));
+        log.hold(&dir, "train/epoch-1", "Loss.log", "4,32".into());
+        assert_eq!(file(&dir), lines(0, 5));
+        assert_eq!(log.lines("train/epoch-1", "Loss.log"), Some(lines(0, 5)));
+        // A state taken afterwards (another fit in a job that changed) holds back again.
+        log.took_state();
+        log.hold(&dir, "train/epoch-1", "Loss.log", "stale,32".into());
+        assert_eq!(file(&dir), lines(0, 5));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

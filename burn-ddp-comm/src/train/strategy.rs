@@ -312,9 +312,14 @@ impl StrategyState {
                 );
             }
         }
-        epoch::last_vote(&self.pg, &last, &self.failure, fault_tolerant, |m| {
+        let agreed = epoch::last_vote(&self.pg, &last, &self.failure, fault_tolerant, |m| {
             driver.interrupt(m);
         });
+        // The metric lines rank 0 held back while it could not tell whether its membership
+        // stood are the job's: every rank of it agreed on the end.
+        if fault_tolerant && agreed {
+            self.metrics.settle(self.is_main());
+        }
         cursor
     }
 
