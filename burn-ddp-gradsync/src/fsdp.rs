@@ -32,6 +32,7 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, OptimizerRecord};
+use burn::store::ModuleRecord;
 use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
@@ -101,6 +102,11 @@ impl FullyShard {
 
     fn spec(&self, id: &ParamId) -> Option<Spec> {
         self.state.param(id.val())
+    }
+
+    /// Whether the parameter `id` is sharded here.
+    pub(crate) fn shards(&self, id: &ParamId) -> bool {
+        self.spec(id).is_some()
     }
 
     /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
@@ -402,9 +408,129 @@ impl FullyShard {
     /// failures.
     pub fn full_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
         let fail = |e: String| self.rank_error("gathering the optimizer state", e);
-        let mut pack = read_pack(record).map_err(fail)?;
+        let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let mut pack = read_pack(bytes).map_err(fail)?;
         self.state.gather_state(&mut pack.tensors)?;
-        write_pack(pack).map_err(fail)
+        write_optimizer(pack).map_err(fail)
+    }
+
+    /// The whole model's record from the record of this rank's sharded model
+    /// (`model.into_record()`): every sharded parameter all-gathered into its whole shape on
+    /// the host, so that no rank holds the whole model on its device (what the Learner
+    /// strategy's checkpoints write). It loads at any world size: into a whole model
+    /// (`try_load_record`), or into a sharded one with
+    /// [`shard_model_record`](Self::shard_model_record). A collective: every rank calls it.
+    ///
+    /// # Errors
+    /// A record that cannot be read; ranks whose records name other tensors; collective
+    /// failures.
+    pub fn full_model_record(&self, record: ModuleRecord) -> Result<ModuleRecord> {
+        let fail = |e: String| self.rank_error("gathering the model's record", e);
+        let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let mut pack = read_pack(bytes).map_err(fail)?;
+        self.state.gather_state(&mut pack.tensors)?;
+        write_model(pack).map_err(fail)
+    }
+
+    /// This rank's shards of a whole model's record (as [`full_model_record`](Self::full_model_record)
+    /// or a whole model's `into_record` makes it, at any world size), for `model`, this rank's
+    /// sharded model: each tensor is matched with `model`'s parameter of the same path, cut as
+    /// that parameter is, and given its id, so that `model.try_load_record` takes it without
+    /// gathering anything. Returns the record and, for
+    /// [`shard_optimizer_record_of`](Self::shard_optimizer_record_of), the ids of the record's
+    /// parameters and of `model`'s. No communication.
+    ///
+    /// # Errors
+    /// A record that cannot be read; a tensor of the record that `model` has no parameter for,
+    /// or whose shape is not that parameter's whole shape (another model's record).
+    pub fn shard_model_record<M: Module>(
+        &self,
+        model: &M,
+        record: ModuleRecord,
+    ) -> Result<(ModuleRecord, RecordIds)> {
+        let fail = |e: String| self.rank_error("cutting the model's record", e);
+        let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let mut pack = read_pack(bytes).map_err(fail)?;
+        let here: HashMap<String, (u64, Vec<usize>)> = describe_ids(model)
+            .into_iter()
+            .map(|(path, id, shape)| {
+                let whole = self.spec(&ParamId::from(id)).map_or(shape, |s| s.shape);
+                (path, (id, whole))
+            })
+            .collect();
+        let mut ids = HashMap::new();
+        for t in &mut pack.tensors {
+            let Some((id, whole)) = here.get(&t.name) else {
+                return Err(fail(format!(
+                    "the record has a parameter `{}` that the model has not: it is another \
+                     model's record",
+                    t.name
+                )));
+            };
+            if t.shape != *whole {
+                return Err(fail(format!(
+                    "the record's `{}` has the shape {:?}, the model's whole parameter {:?}: it \
+                     is another model's record, or a shard's",
+                    t.name, t.shape, whole
+                )));
+            }
+            if let Some(old) = t.param {
+                ids.insert(old, *id);
+            }
+            t.param = Some(*id);
+        }
+        self.state.cut_state(&mut pack.tensors);
+        Ok((write_model(pack).map_err(fail)?, RecordIds(ids)))
+    }
+
+    /// [`shard_optimizer_record`](Self::shard_optimizer_record) of a whole optimizer state
+    /// saved with a model record whose parameters had other ids than this process's model
+    /// (another run's): each state tensor is given the id of its parameter here (`ids`, from
+    /// [`shard_model_record`](Self::shard_model_record) of that model record), then cut.
+    ///
+    /// # Errors
+    /// A record that cannot be read.
+    pub fn shard_optimizer_record_of(
+        &self,
+        record: OptimizerRecord,
+        ids: &RecordIds,
+    ) -> Result<OptimizerRecord> {
+        let fail = |e: String| self.rank_error("cutting the optimizer state", e);
+        let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
+        let mut pack = read_pack(bytes).map_err(fail)?;
+        // Burn keys the state by parameter id: each tensor (`"{id}.{field}"`, the id beside
+        // it), each scalar (`"{id}.momentum.time"`) and the metadata (`"{id}"`, its path).
+        let rekey = |key: &str| -> Option<String> {
+            let (head, field) = match key.split_once('.') {
+                Some((head, field)) => (head, Some(field)),
+                None => (key, None),
+            };
+            let new = ids.0.get(&head.parse().ok()?)?;
+            Some(match field {
+                Some(f) => format!("{new}.{f}"),
+                None => new.to_string(),
+            })
+        };
+        for t in &mut pack.tensors {
+            let Some(new) = t.param.and_then(|old| ids.0.get(&old)) else {
+                continue;
+            };
+            let name = rekey(&t.name).unwrap_or_else(|| t.name.clone());
+            if let Some(dtype) = pack.dtypes.remove(&t.name) {
+                pack.dtypes.insert(name.clone(), dtype);
+            }
+            t.name = name;
+            t.param = Some(*new);
+        }
+        let keys = (pack.scalars.iter_mut().map(|(k, _)| k))
+            .chain(pack.metadata.iter_mut().map(|(k, _)| k));
+        for key in keys {
+            if let Some(new) = rekey(key) {
+                *key = new;
+            }
+        }
+        self.state.cut_state(&mut pack.tensors);
+        write_optimizer(pack).map_err(fail)
     }
 
     /// This rank's shard of a whole optimizer state (as
@@ -417,10 +543,7 @@ impl FullyShard {
     /// # Errors
     /// A record that cannot be read.
     pub fn shard_optimizer_record(&self, record: OptimizerRecord) -> Result<OptimizerRecord> {
-        let fail = |e: String| self.rank_error("cutting the optimizer state", e);
-        let mut pack = read_pack(record).map_err(fail)?;
-        self.state.cut_state(&mut pack.tensors);
-        write_pack(pack).map_err(fail)
+        self.shard_optimizer_record_of(record, &RecordIds::default())
     }
 
     /// How many values of `model`'s float parameters this rank holds (its shards, padding
@@ -452,8 +575,41 @@ impl FullyShard {
     }
 }
 
-/// An optimizer record's burnpack contents (Burn keys each state tensor by its parameter's id,
-/// `"{id}.{field}"`, with the id beside it; `zero.rs` says more), its tensors as f32.
+/// The ids of a record's parameters (another run's) and of this process's model's, by path
+/// ([`FullyShard::shard_model_record`]).
+#[derive(Debug, Clone, Default)]
+pub struct RecordIds(HashMap<u64, u64>);
+
+/// Each float parameter of `model`: its path, id and shape.
+fn describe_ids<M: Module>(model: &M) -> Vec<(String, u64, Vec<usize>)> {
+    struct Ids {
+        path: Vec<String>,
+        out: Vec<(String, u64, Vec<usize>)>,
+    }
+    impl ModuleVisitor for Ids {
+        fn enter_module(&mut self, name: &str, _container: &str) {
+            self.path.push(name.to_owned());
+        }
+        fn exit_module(&mut self, _name: &str, _container: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let path = self.path.join(".");
+            self.out
+                .push((path, param.id.val(), param.val().dims().to_vec()));
+        }
+    }
+    let mut ids = Ids {
+        path: Vec::new(),
+        out: Vec::new(),
+    };
+    model.visit(&mut ids);
+    ids.out
+}
+
+/// A record's burnpack contents, its tensors as f32: an optimizer's (Burn keys each state
+/// tensor by its parameter's id, `"{id}.{field}"`, with the id beside it; `zero.rs` says more)
+/// or a model's (each tensor named by its parameter's path, with the id beside it).
 struct Pack {
     tensors: Vec<StateTensor>,
     dtypes: HashMap<String, DType>,
@@ -461,8 +617,7 @@ struct Pack {
     metadata: Vec<(String, String)>,
 }
 
-fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
-    let bytes = record.into_bytes().map_err(|e| e.to_string())?;
+fn read_pack(bytes: burn::tensor::Bytes) -> std::result::Result<Pack, String> {
     let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| format!("{e:?}"))?;
     let scalars = reader.scalars().clone().into_iter().collect();
     let metadata = reader.metadata().clone().into_iter().collect();
@@ -492,7 +647,15 @@ fn read_pack(record: OptimizerRecord) -> std::result::Result<Pack, String> {
     })
 }
 
-fn write_pack(pack: Pack) -> std::result::Result<OptimizerRecord, String> {
+fn write_optimizer(pack: Pack) -> std::result::Result<OptimizerRecord, String> {
+    OptimizerRecord::from_bytes(write_pack(pack)?).map_err(|e| e.to_string())
+}
+
+fn write_model(pack: Pack) -> std::result::Result<ModuleRecord, String> {
+    ModuleRecord::from_bytes(write_pack(pack)?).map_err(|e| e.to_string())
+}
+
+fn write_pack(pack: Pack) -> std::result::Result<burn::tensor::Bytes, String> {
     let mut out = Vec::with_capacity(pack.tensors.len());
     for t in pack.tensors {
         let dtype = pack.dtypes.get(&t.name).copied().unwrap_or(DType::F32);
@@ -512,8 +675,7 @@ fn write_pack(pack: Pack) -> std::result::Result<OptimizerRecord, String> {
     for (key, value) in pack.metadata {
         writer = writer.with_metadata(&key, &value);
     }
-    let bytes = writer.into_bytes().map_err(|e| format!("{e:?}"))?;
-    OptimizerRecord::from_bytes(bytes).map_err(|e| e.to_string())
+    writer.into_bytes().map_err(|e| format!("{e:?}"))
 }
 
 /// The gradients of the parameters that are not sharded, flattened for one all-reduce.

@@ -372,6 +372,7 @@ impl FsdpState {
     /// A fault-tolerant group (a lost rank would take its shards with it).
     pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<std::sync::Arc<Self>> {
         super::NotCarried::Fsdp.refuse_on(&pg)?;
+        crate::nn::made_sharded_model();
         let state = std::sync::Arc::new(Self {
             pg,
             config,

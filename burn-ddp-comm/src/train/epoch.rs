@@ -480,6 +480,15 @@ pub trait EpochDriver {
     /// then whether its early-stopping strategy says to stop.
     fn main_epoch_end(&mut self, epoch: usize) -> bool;
 
+    /// Every rank's part of the end of `epoch`, before rank 0's: what takes every rank (a
+    /// sharded model's checkpoint, gathered from every rank's shards). Nothing by default.
+    ///
+    /// # Errors
+    /// It failed on this rank: the epoch's vote carries the failure to every rank.
+    fn every_rank_epoch_end(&mut self, _epoch: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// The epochs whose checkpoint rank 0 has written (the strategy's
     /// [`StrategyState::saved`](super::strategy::StrategyState::saved)).
     fn saved(&self) -> &SavedLog;
@@ -499,8 +508,11 @@ pub trait EpochDriver {
     /// The end of `epoch`: rank 0's part ([`main_epoch_end`](Self::main_epoch_end)), then
     /// every rank's vote ([`end_epoch`]).
     fn end_epoch(&mut self, epoch: usize, fault_tolerant: bool) -> Ended {
-        let mut vote = Vote::Item;
-        if self.group().rank() == Rank::ZERO {
+        let mut vote = match self.every_rank_epoch_end(epoch) {
+            Ok(()) => Vote::Item,
+            Err(e) => Vote::Failed(e.to_string()),
+        };
+        if self.group().rank() == Rank::ZERO && vote == Vote::Item {
             if self.main_epoch_end(epoch) {
                 vote = Vote::Stop(format!("early stopping after epoch {epoch}"));
             }

@@ -325,6 +325,20 @@ fn decide_turn(
                 return Turn::End;
             }
             Split::Validation if !any_item => return Turn::End,
+            // A sharded model's forward gathers its parameters on every rank: a rank without
+            // a batch cannot take part.
+            Split::Validation if !all_items && crate::nn::sharded_models() => {
+                if *vote == Vote::Item {
+                    tracing::warn!(
+                        "[rank {}] epoch {epoch}: another rank ran out of validation batches \
+                         first, and a sharded (FSDP) model's forward runs on every rank \
+                         together: the rest of this rank's are skipped (use a \
+                         DistributedSampler, whose shards are padded to even ones)",
+                        pg.rank()
+                    );
+                }
+                return Turn::End;
+            }
             _ => {}
         }
     }

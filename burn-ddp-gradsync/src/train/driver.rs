@@ -17,7 +17,7 @@ use burn::train::{
 };
 use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
-use burn_ddp_comm::train::files::SavedLog;
+use burn_ddp_comm::train::files::{RecordFiles, SavedLog, PARTS};
 use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
 use burn_ddp_comm::Recovery;
 
@@ -44,6 +44,9 @@ pub(super) struct Run<'s, M: LearnerModel> {
     pub(super) totals: Option<[usize; 2]>,
     /// The epoch burn-train's event processor (and so rank 0's progress lines) is at.
     pub(super) shown: usize,
+    /// A sharded model's checkpoint files (model, optimizer, scheduler), written at every
+    /// epoch's end by every rank's part ([`DdpStrategy::fsdp`]).
+    pub(super) fsdp_files: Option<[RecordFiles; 3]>,
 }
 
 /// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
@@ -220,6 +223,14 @@ where
         ended
     }
 
+    fn every_rank_epoch_end(&mut self, epoch: usize) -> Result<()> {
+        let (Some(fsdp), Some(files)) = (&self.strategy.fsdp, &self.fsdp_files) else {
+            return Ok(());
+        };
+        let keep = self.strategy.state.keep;
+        super::fsdp::checkpoint(fsdp, &self.learner, epoch, &self.store, files, keep)
+    }
+
     fn main_epoch_end(&mut self, epoch: usize) -> bool {
         if self.checkpointer.is_some() || self.early_stopping.is_some() {
             // The metrics of this epoch, for the checkpointing strategy and the early stop.
@@ -318,6 +329,14 @@ impl DdpStrategy {
             Some(totals.map(|t| t as usize))
         };
         let epochs = components.num_epochs;
+        let fsdp_files = (self.fsdp.as_ref())
+            .and(self.state.checkpoints.as_ref())
+            .map(|dir| {
+                PARTS.map(|name| {
+                    let files = RecordFiles::new(dir.clone(), name, self.group().clone());
+                    files.with_log(self.state.saved.clone())
+                })
+            });
         let mut run = Run {
             strategy: self,
             sync: self.lock_sync(),
@@ -332,11 +351,28 @@ impl DdpStrategy {
             accumulation: components.grad_accumulation,
             totals,
             shown: starting_epoch,
+            fsdp_files,
         };
         self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
-            learner, processor, ..
+            learner,
+            processor,
+            interrupter,
+            ..
         } = run;
-        (learner.model(), processor)
+        let model = learner.model();
+        // A sharded model is handed back whole (every rank gathers it), unless training
+        // failed: then as this rank's shards.
+        let model = match &self.fsdp {
+            Some(fsdp) if self.state.failure.message().is_none() => match fsdp.full_model(&model) {
+                Ok(whole) => whole,
+                Err(e) => {
+                    vote::stop_with(e, &self.state.failure, |m| interrupter.stop(Some(m)));
+                    model
+                }
+            },
+            _ => model,
+        };
+        (model, processor)
     }
 }

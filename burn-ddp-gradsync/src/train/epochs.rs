@@ -33,7 +33,15 @@ where
         mut components: TrainingComponents<M>,
     ) -> LearningResult<M> {
         learner.fork(&self.device);
-        if let Some(dir) = &self.state.checkpoints {
+        // A sharded model's checkpoints are gathered from every rank's shards at each epoch's
+        // end (`fsdp.rs`), not through burn-train's checkpointer, which would write rank 0's
+        // shards.
+        if let Some(dir) = self
+            .state
+            .checkpoints
+            .as_ref()
+            .filter(|_| self.fsdp.is_none())
+        {
             let part = |name| {
                 let files = RecordFiles::new(dir.clone(), name, self.group().clone());
                 RankCheckpointer(files.with_log(self.state.saved.clone()))
@@ -50,18 +58,27 @@ where
         // A process that joined a running fault-tolerant job takes the state and the place of
         // the job from a rank that has them, at the start of `fit`.
         let admission = self.group().take_admission();
-        let parameters = learner.model().num_params();
+        // A sharded model's whole count: the same at every world size (a resume checks it).
+        let parameters = match &self.fsdp {
+            Some(fsdp) => fsdp.held_values(&learner.model()).1,
+            None => learner.model().num_params(),
+        };
         let started = self.state.start(
             admission.is_some(),
             components.checkpoint,
             components.num_epochs,
             parameters,
             |epoch| {
+                if let Some(fsdp) = &self.fsdp {
+                    super::fsdp::check_sharded(fsdp, &learner.model())?;
+                }
                 if let Some(epoch) = epoch {
                     self.restore(&mut learner, epoch)?;
                 }
-                let model = self.lock_sync().prepare(learner.model())?;
-                learner.load_model(model.into_record());
+                if self.fsdp.is_none() {
+                    let model = self.lock_sync().prepare(learner.model())?;
+                    learner.load_model(model.into_record());
+                }
                 Ok(())
             },
         );
@@ -146,6 +163,10 @@ impl DdpStrategy {
 
     fn restore<M: LearnerModel>(&self, learner: &mut Learner<M>, epoch: usize) -> Result<()> {
         let part = |name| self.state.record_files(name, epoch);
+        if let Some(fsdp) = &self.fsdp {
+            let files = [part("model")?, part("optim")?, part("scheduler")?];
+            return super::fsdp::restore(fsdp, learner, &files, epoch);
+        }
         let files = part("model")?;
         let model: ModuleRecord = checkpoint::restore(&files, epoch)?;
         let optim = checkpoint::restore(&part("optim")?, epoch)?;

@@ -20,6 +20,8 @@
 //! - `driver.rs`: the run as burn-ddp-comm's epoch loop (`train::epoch::fit`) drives it
 //! - `splits.rs`: the training and validation splits (`train::epoch::SplitSteps`)
 //! - `handover.rs`: the Learner's state as bytes after a change of membership
+//! - `fsdp.rs`: a model sharded by FSDP ([`DdpStrategy::fsdp`]): whole checkpoints from the
+//!   shards, resume at any world size
 //! - `item.rs`: [`DistributedItem`], the step outputs gathered to rank 0 for the metrics
 //! - `checkpoint.rs`: checkpoints written by rank 0 and read back for every rank
 //! - `render.rs`: what ranks other than 0 show and log ([`Headless`], [`NoMetricLogger`]), and
@@ -40,6 +42,7 @@
 mod checkpoint;
 mod driver;
 mod epochs;
+mod fsdp;
 mod handover;
 mod item;
 mod render;
@@ -64,7 +67,8 @@ pub use item::{DistributedItem, Part, TensorParts};
 pub(crate) use render::tests as render_tests;
 pub use render::{Headless, JobMetricLogger, NoMetricLogger, ProgressLines, WithMembership};
 
-use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
+use crate::fsdp::FullyShard;
+use crate::{ConfigError, DdpConfig, DdpError, GradSync, ProcessGroup, Rank, Result};
 
 /// burn-train's `SupervisedLearningStrategy` for one process per rank: use it through
 /// [`DdpTraining::launch_ddp`], or pass `TrainingStrategy::Custom(Arc::new(strategy))` to
@@ -84,6 +88,11 @@ use crate::{DdpConfig, GradSync, ProcessGroup, Rank, Result};
 #[derive(Clone, Debug)]
 pub struct DdpStrategy {
     sync: Arc<Mutex<GradSync>>,
+    /// The model is sharded ([`DdpStrategy::fsdp`]): its gradients come reduce-scattered
+    /// from backward, `sync` is not used for them.
+    fsdp: Option<FullyShard>,
+    /// The global-norm clipping of a sharded model's gradients ([`DdpStrategy::with_clip_grad_norm`]).
+    clip: Option<f64>,
     device: Device,
     state: StrategyState,
 }
@@ -102,8 +111,95 @@ impl DdpStrategy {
         Self {
             state: StrategyState::new(sync.group()),
             sync: Arc::new(Mutex::new(sync)),
+            fsdp: None,
+            clip: None,
             device,
         }
+    }
+
+    /// The strategy for a model sharded by `fsdp` (fully sharded data parallelism, FSDP2's
+    /// `fully_shard`; [`crate::fsdp`]), training on `device`. Build the Learner with this
+    /// rank's shards, as FSDP2 shards before the optimizer is made:
+    ///
+    /// ```text
+    /// let fsdp = FullyShard::new(pg, FsdpConfig::default())?;
+    /// let ddp = DdpStrategy::fsdp(fsdp.clone(), device.clone())?;
+    /// let learner = Learner::new(fsdp.shard(model)?, optimizer, scheduler);
+    /// training.launch_ddp(learner, &ddp)?;
+    /// ```
+    ///
+    /// - **Steps**: forward and backward on this rank's batch; each block's parameters are
+    ///   gathered in forward (`fsdp::gather` in the model's code) and its gradients
+    ///   reduce-scattered to the shards in backward; [`FullyShard::sync`] then returns the
+    ///   step's failures and averages the few parameters left whole; Burn's optimizer steps the
+    ///   shards. Accumulation sums the micro-steps' shards. Burn's own gradient clipping
+    ///   (`GradientClipping` in the optimizer's config) would clip each shard by its own norm:
+    ///   leave it off and use [`with_clip_grad_norm`](Self::with_clip_grad_norm), the norm of
+    ///   the whole model over every rank's shards.
+    /// - **Checkpoints** (`with_checkpoints`): at each epoch's end every rank's shards of the
+    ///   model and of the optimizer state are gathered, on the host, into one whole record
+    ///   each, which rank 0 writes (no rank holds the whole model on its device). A resume
+    ///   (`with_resume`, or Burn's `checkpoint(epoch)`) at any world size cuts them again.
+    /// - **The result**: the trained model gathered whole on every rank
+    ///   (`LearningResult::model`), one whole model on each rank's device at the end.
+    ///
+    /// Each rank must run every step: give every loader a [`DistributedSampler`](crate::DistributedSampler) (its shards are
+    /// padded to even ones). A fault-tolerant job is refused by [`FullyShard::new`].
+    ///
+    /// `device` is made an autodiff device if it is not one, with gradient checkpointing when
+    /// the parameters are resharded after forward (`FsdpConfig::reshard_after_forward`, the
+    /// default: Burn's checkpointing gathers them again in backward).
+    ///
+    /// # Errors
+    /// As [`GradSync::new`]; resharding after forward on an autodiff `device` without gradient
+    /// checkpointing (the fixes in the message).
+    pub fn fsdp(fsdp: FullyShard, device: Device) -> Result<Self> {
+        let reshard = fsdp.config().reshard_after_forward;
+        let device = match (device.is_autodiff(), reshard) {
+            (false, true) => device.autodiff().gradient_checkpointing(),
+            (false, false) => device.autodiff(),
+            (true, _) => device,
+        };
+        let balanced = Some(burn::tensor::GradientCheckpointingStrategy::Balanced);
+        if reshard && device.gradient_checkpointing_strategy() != balanced {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpStrategy::fsdp",
+                reason: "resharding after forward needs a device with gradient checkpointing, \
+                         whose backward gathers each block's parameters again: pass \
+                         `device.autodiff().gradient_checkpointing()` (or the plain device), \
+                         or keep the gathered parameters with \
+                         `FsdpConfig::default().with_reshard_after_forward(false)`",
+            }));
+        }
+        let sync = GradSync::new(fsdp.group().clone(), DdpConfig::default())?;
+        let mut strategy = Self::new(sync, device);
+        strategy.fsdp = Some(fsdp);
+        Ok(strategy)
+    }
+
+    /// With [`fsdp`](Self::fsdp): clips the gradients so that their L2 norm over the whole
+    /// model (every rank's shards) is at most `max_norm` before each optimizer step
+    /// ([`FullyShard::clip_grad_norm`], PyTorch's `clip_grad_norm_` on an FSDP model).
+    ///
+    /// # Errors
+    /// A strategy without FSDP (Burn's optimizer clipping does it there: the gradients are
+    /// whole); a `max_norm` that is not finite and positive.
+    pub fn with_clip_grad_norm(mut self, max_norm: f64) -> Result<Self> {
+        if self.fsdp.is_none() {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpStrategy::with_clip_grad_norm",
+                reason: "is for a sharded model (DdpStrategy::fsdp); with whole gradients use \
+                         the optimizer's own clipping (`with_grad_clipping` in its config)",
+            }));
+        }
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpStrategy::with_clip_grad_norm",
+                reason: "max_norm must be finite and positive",
+            }));
+        }
+        self.clip = Some(max_norm);
+        Ok(self)
     }
 
     /// The strategy with [`DdpConfig::default`] (PyTorch DDP's bucket sizes, the mean) on

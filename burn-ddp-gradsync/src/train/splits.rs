@@ -13,6 +13,7 @@ use burn_ddp_comm::train::parts::gather_merged;
 use burn_ddp_comm::train::vote::{self, Vote};
 
 use super::{DdpStrategy, DistributedItem};
+use crate::fsdp::FullyShard;
 use crate::{GradSync, Result};
 
 pub(super) type TrainOut<M> = <M as TrainStep>::Output;
@@ -40,8 +41,16 @@ pub(super) fn interrupted(interrupter: &Interrupter) -> Vote {
 }
 
 /// Rank 0's buffers (BatchNorm's running statistics) in every rank's model, when
-/// `DdpConfig::broadcast_buffers` is on (the default).
-fn sync_buffers<M: LearnerModel>(learner: &mut Learner<M>, sync: &mut GradSync) -> Result<()> {
+/// `DdpConfig::broadcast_buffers` is on (the default). Not for a sharded model (`fsdp`), whose
+/// buffers stay each rank's, as FSDP2's do.
+fn sync_buffers<M: LearnerModel>(
+    learner: &mut Learner<M>,
+    sync: &mut GradSync,
+    fsdp: Option<&FullyShard>,
+) -> Result<()> {
+    if fsdp.is_some() {
+        return Ok(());
+    }
     let model = learner.model();
     if !sync.buffers_to_sync(&model) {
         return Ok(());
@@ -51,13 +60,26 @@ fn sync_buffers<M: LearnerModel>(learner: &mut Learner<M>, sync: &mut GradSync) 
     Ok(())
 }
 
-/// The gradients reduced across the ranks, then one scheduler and optimizer step.
+/// The gradients reduced across the ranks (a sharded model's: reduce-scattered in backward,
+/// then [`FullyShard::sync`] and the strategy's clipping by global norm), then one scheduler
+/// and optimizer step.
 fn optimizer_step<M: LearnerModel>(
     learner: &mut Learner<M>,
     sync: &mut GradSync,
+    strategy: &DdpStrategy,
     grads: GradientsParams,
 ) -> Result<()> {
-    let grads = sync.sync(&learner.model(), grads)?;
+    let model = learner.model();
+    let grads = match &strategy.fsdp {
+        Some(fsdp) => {
+            let grads = fsdp.sync(&model, grads)?;
+            match strategy.clip {
+                Some(max_norm) => fsdp.clip_grad_norm(&model, grads, max_norm)?.0,
+                None => grads,
+            }
+        }
+        None => sync.sync(&model, grads)?,
+    };
     learner.lr_step();
     learner.optimizer_step(grads);
     Ok(())
@@ -122,15 +144,17 @@ where
         let Some(item) = at.batch(self.item.take()) else {
             return Ok((Stepped::NoBatch, None));
         };
-        sync_buffers(self.learner, self.sync)?;
+        let strategy = self.parts.strategy;
+        sync_buffers(self.learner, self.sync, strategy.fsdp.as_ref())?;
         let progress = self.parts.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;
         // The step whose gradients are reduced runs on the overlapped model (`DdpConfig::
         // overlap`, on by default): its buckets go during backward, the micro-steps
         // accumulated before it added by the hooks. Its own `GradientsParams` come back empty
         // (the hooked parameters keep no gradient); `sync` writes the reduced ones.
+        // A sharded model's gradients come reduce-scattered from backward: nothing to overlap.
         let syncs_now = self.accumulation.is_none_or(|k| self.accumulated + 1 >= k);
-        let overlapped = match (&item, syncs_now) {
+        let overlapped = match (&item, syncs_now && strategy.fsdp.is_none()) {
             (Some(_), true) => {
                 let model = learner.model();
                 Some(match self.accumulation {
@@ -162,14 +186,14 @@ where
                 self.accumulated += 1;
                 if self.accumulated >= k {
                     self.accumulated = 0;
-                    optimizer_step(learner, self.sync, self.accumulator.grads())?;
+                    optimizer_step(learner, self.sync, strategy, self.accumulator.grads())?;
                     Stepped::Moved
                 } else {
                     Stepped::Accumulated
                 }
             }
             None => {
-                optimizer_step(learner, self.sync, grads)?;
+                optimizer_step(learner, self.sync, strategy, grads)?;
                 Stepped::Moved
             }
         };
@@ -201,12 +225,13 @@ where
         // The last micro-steps of the epoch: every rank ran as many (the loop goes on only
         // while every rank has a batch, or, a partial step, counts one on the ranks without),
         // so every rank steps here, or none.
+        let strategy = self.parts.strategy;
         if self.accumulated > 0 {
             self.accumulated = 0;
-            optimizer_step(self.learner, self.sync, self.accumulator.grads())?;
+            optimizer_step(self.learner, self.sync, strategy, self.accumulator.grads())?;
         }
         // Validation and the checkpoint see rank 0's buffers on every rank.
-        sync_buffers(self.learner, self.sync)?;
+        sync_buffers(self.learner, self.sync, strategy.fsdp.as_ref())?;
         Ok(())
     }
 
