@@ -847,7 +847,12 @@ fn diverged_replicas_fail_naming_the_parameter() {
                 2 => {
                     model = opt.step(0.1, model, grads.unwrap());
                     if rank == 1 {
-                        model.fc2.bias = model.fc2.bias.map(|p| p.map(|b| b.add_scalar(1e-3)));
+                        // Still trainable: the ranks' models differ by a value, not by their
+                        // parameters (that would be refused by the reduction first).
+                        model.fc2.bias = model
+                            .fc2
+                            .bias
+                            .map(|p| p.map(|b| b.add_scalar(1e-3).detach().require_grad()));
                     }
                 }
                 // The check of step 4 names it on every rank.
