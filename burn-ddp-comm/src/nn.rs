@@ -49,20 +49,3 @@ pub fn made_collective_layer() {
 pub fn collective_layers() -> bool {
     COLLECTIVE_LAYERS.load(std::sync::atomic::Ordering::Relaxed)
 }
-
-/// Whether this process sharded a model with FSDP, whose forward gathers the parameters, in
-/// training and in inference ([`made_sharded_model`]).
-static SHARDED_MODELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Records that this process made an FSDP sharding (`grad::FsdpState`): its model's forward
-/// runs collectives in validation too, so a validation step goes on only while every rank has
-/// a batch ([`sharded_models`]). Training steps need no more: FSDP is refused in
-/// fault-tolerant jobs, the only ones with partial steps.
-pub fn made_sharded_model() {
-    SHARDED_MODELS.store(true, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether this process made an FSDP sharding ([`made_sharded_model`]).
-pub fn sharded_models() -> bool {
-    SHARDED_MODELS.load(std::sync::atomic::Ordering::Relaxed)
-}

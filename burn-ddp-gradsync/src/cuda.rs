@@ -257,6 +257,11 @@ impl DevicePath {
         self.comm.abort();
     }
 
+    /// The GPU this path's communicator is on.
+    pub(crate) fn ordinal(&self) -> Option<usize> {
+        cuda_ordinal(&self.core.device)
+    }
+
     /// What this path's passes cost so far.
     pub(crate) fn counts(&self) -> DeviceCounts {
         self.core.counters.read()
@@ -295,6 +300,40 @@ impl DevicePath {
         // above completed; the call holds both until NCCL's stream is done with them.
         unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }?;
         Ok(gathered)
+    }
+
+    /// A sharded parameter's whole gradient reduce-scattered on the device (FSDP's backward,
+    /// `fsdp.rs`'s `ShardLink`): `send`, `world` blocks of `block` f32 elements, reduced by `op`
+    /// over the ranks; this rank receives its block. On the thread of the backward that reached
+    /// the parameter's gather (every rank's backward runs the same graph, so the calls keep
+    /// one order); as [`all_gather`](Self::all_gather) with the streams.
+    pub(crate) fn reduce_scatter(
+        &self,
+        what: &str,
+        send: Tensor<1>,
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>> {
+        let comm = &self.comm;
+        let rank = comm.rank();
+        let counters = &self.core.counters;
+        let output = Tensor::<1>::empty([block], (&send.device(), BurnDType::F32));
+        let mine = output.clone();
+        let (send_what, recv_what) = (format!("whole {what}"), format!("shard of {what}"));
+        let recv = cube_tensor(rank, output, &recv_what, counters)?;
+        let send =
+            burn_cubecl::kernel::into_contiguous(cube_tensor(rank, send, &send_what, counters)?);
+        <CubeBackend as burn::backend::Backend>::sync(&send.device)
+            .map_err(|e| queued_work_failed(rank, e))?;
+        let all = block * comm.world_size().as_usize();
+        let spans = [
+            pin(rank, send, &send_what, (all, BurnDType::F32))?,
+            pin(rank, recv, &recv_what, (block, BurnDType::F32))?,
+        ];
+        // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
+        // above completed; the call holds both until NCCL's stream is done with them.
+        unsafe { reduce_scatter_blocks(comm, what, (block, DType::F32, op), spans) }?;
+        Ok(mine)
     }
 }
 

@@ -33,10 +33,10 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, OptimizerRecord};
 use burn::store::ModuleRecord;
-use burn::tensor::{DType, GradientCheckpointingStrategy, Tensor, TensorData};
+use burn::tensor::{DType, Device, GradientCheckpointingStrategy, Tensor, TensorData};
 use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
-use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, ReduceOp, Result};
 
 use crate::grads::describe;
 
@@ -104,6 +104,12 @@ impl FullyShard {
         self.state.param(id.val())
     }
 
+    /// Makes `link` the device path of this sharding's collectives (the first one set stays).
+    #[cfg(any(test, feature = "cuda"))]
+    pub(crate) fn set_link(&self, link: Arc<dyn ShardLink>) {
+        self.state.set_link(Arc::new(link));
+    }
+
     /// Whether the parameter `id` is sharded here.
     pub(crate) fn shards(&self, id: &ParamId) -> bool {
         self.spec(id).is_some()
@@ -131,6 +137,16 @@ impl FullyShard {
         // parameter at a time, each cut as it arrives: the whole model is never held twice.
         let infos: Vec<_> = describe(&model).into_iter().map(|(info, _)| info).collect();
         grad::check_same_params(pg, &infos)?;
+        // NCCL for the gathers and reduce-scatters of a model on a GPU, once per sharding (a
+        // collective, as this call is: every rank learns whether the others' models are there).
+        #[cfg(feature = "cuda")]
+        if self.state.link().is_none() {
+            let device = crate::sync::first_device(&model);
+            let auto = burn_ddp_comm::config::GradTransport::Auto;
+            if let Some(path) = crate::cuda::DevicePath::connect(pg, auto, device.as_ref())? {
+                self.set_link(Arc::new(std::sync::Mutex::new(path)));
+            }
+        }
         struct Cut<'a> {
             fsdp: &'a FullyShard,
             failed: Option<DdpError>,
@@ -247,13 +263,125 @@ impl FullyShard {
                         ),
                     ));
                 }
-                self.host_gather(spec, &shard, precision)
+                self.gather_whole(spec, &shard, precision)
             }
         }
     }
 
-    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device; zeros
-    /// (and the error kept for `sync`) when the gather fails.
+    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device: by NCCL
+    /// on the GPU when `shard` made a device path for it, else through the host; zeros (and
+    /// the error kept for `sync`) when the gather fails.
+    fn gather_whole<const D: usize>(
+        &self,
+        spec: &Spec,
+        shard: &Tensor<D>,
+        precision: Precision,
+    ) -> Tensor<D> {
+        match self.link_for(&shard.device()) {
+            Some(link) => self.device_gather(&*link, spec, shard, precision),
+            None => self.host_gather(spec, shard, precision),
+        }
+    }
+
+    /// The gradient `whole` of a whole parameter reduce-scattered to this rank's shard, as
+    /// [`gather_whole`](Self::gather_whole) chooses the path.
+    fn reduce_scatter_whole<const D: usize>(
+        &self,
+        spec: &Spec,
+        whole: &Tensor<D>,
+        shard_dtype: DType,
+    ) -> Tensor<D> {
+        match self.link_for(&whole.device()) {
+            Some(link) => self.device_reduce_scatter(&*link, spec, whole, shard_dtype),
+            None => self.host_reduce_scatter(spec, whole, shard_dtype),
+        }
+    }
+
+    /// The device path `shard` set for tensors on `device`, if any.
+    fn link_for(&self, device: &Device) -> Option<Arc<dyn ShardLink>> {
+        let link = self.state.link()?.downcast_ref::<Arc<dyn ShardLink>>()?;
+        link.serves(device).then(|| Arc::clone(link))
+    }
+
+    /// The gather on `link`: the shard flattened to f32 on its device (one block), all-gathered
+    /// into every rank's block in rank order, the padding rows cut off, reshaped and cast to the
+    /// gathered dtype. Nothing goes through the host. The wire is f32 (a `param_dtype` of bf16
+    /// or f16 is the cast after it).
+    fn device_gather<const D: usize>(
+        &self,
+        link: &dyn ShardLink,
+        spec: &Spec,
+        shard: &Tensor<D>,
+        precision: Precision,
+    ) -> Tensor<D> {
+        self.state.count_gather();
+        let (device, dtype) = (shard.device(), gathered_dtype(precision, shard.dtype()));
+        let block = spec.layout.shard_len();
+        let flat = shard.clone().cast(DType::F32).reshape([block]);
+        let whole = link
+            .all_gather("a sharded parameter", flat, block)
+            .and_then(|all| self.fit(all, spec.layout.full_len(), &spec.shape));
+        match whole {
+            Ok(whole) => whole.cast(dtype),
+            Err(e) => {
+                self.state.fail(e);
+                Tensor::zeros(spec.shape.clone(), (&device, dtype))
+            }
+        }
+    }
+
+    /// The reduce-scatter on `link`: the whole gradient flattened to f32 on its device, padded
+    /// with zeros to the ranks' blocks, reduced (the mean or the sum, as configured) and
+    /// scattered; this rank's block reshaped to its shard and cast to the shard's dtype. The
+    /// wire is f32 (a `reduce_dtype` of bf16 or f16 is not applied on this path).
+    fn device_reduce_scatter<const D: usize>(
+        &self,
+        link: &dyn ShardLink,
+        spec: &Spec,
+        whole: &Tensor<D>,
+        shard_dtype: DType,
+    ) -> Tensor<D> {
+        let device = whole.device();
+        let (block, full) = (spec.layout.shard_len(), spec.layout.full_len());
+        let padding = block * spec.layout.world - full;
+        let mut flat = whole.clone().cast(DType::F32).reshape([full]);
+        if padding > 0 {
+            let zeros = Tensor::<1>::zeros([padding], (&device, DType::F32));
+            flat = Tensor::cat(vec![flat, zeros], 0);
+        }
+        let op = self.state.config().reduction.op();
+        let mine = link
+            .reduce_scatter("a sharded parameter's gradient", flat, block, op)
+            .and_then(|mine| self.fit(mine, block, &spec.shard_shape()));
+        match mine {
+            Ok(mine) => mine.cast(shard_dtype),
+            Err(e) => {
+                self.state.fail(e);
+                Tensor::zeros(spec.shard_shape(), (&device, shard_dtype))
+            }
+        }
+    }
+
+    /// The first `len` values of `flat` in `shape`, or the error of a link that gave fewer.
+    fn fit<const D: usize>(
+        &self,
+        flat: Tensor<1>,
+        len: usize,
+        shape: &[usize],
+    ) -> Result<Tensor<D>> {
+        let got = flat.dims()[0];
+        if got < len || shape.len() != D {
+            return Err(self.rank_error(
+                "putting back a sharded parameter from the device path",
+                format!("{got} values came back where {len} in the shape {shape:?} were expected"),
+            ));
+        }
+        Ok(flat
+            .narrow(0, 0, len)
+            .reshape(burn::tensor::Shape::from(shape.to_vec())))
+    }
+
+    /// The whole parameter from `shard`, gathered in `precision` through the host.
     fn host_gather<const D: usize>(
         &self,
         spec: &Spec,
@@ -266,8 +394,9 @@ impl FullyShard {
         Tensor::from_data(data, (&shard.device(), dtype))
     }
 
-    /// The gradient `whole` of a whole parameter reduce-scattered: this rank's shard of the
-    /// ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it fails.
+    /// The gradient `whole` of a whole parameter reduce-scattered through the host: this rank's
+    /// shard of the ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it
+    /// fails.
     fn host_reduce_scatter<const D: usize>(
         &self,
         spec: &Spec,
@@ -575,6 +704,58 @@ impl FullyShard {
     }
 }
 
+/// The collectives of sharded parameters on a device path: NCCL's on the GPU (`cuda.rs`'s
+/// `DevicePath`, set by [`FullyShard::shard`] when the model is there), a stand-in over the
+/// host in this module's tests. f32 blocks on the parameters' device, without autodiff.
+pub(crate) trait ShardLink: Send + Sync {
+    /// Whether tensors on `device` go this way.
+    fn serves(&self, device: &Device) -> bool;
+
+    /// Every rank's `send` (`block` elements), concatenated in rank order.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>>;
+
+    /// `send` (the ranks' blocks of `block` elements, in rank order) reduced by `op` over the
+    /// ranks: this rank's block.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn reduce_scatter(
+        &self,
+        what: &str,
+        send: Tensor<1>,
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>>;
+}
+
+#[cfg(feature = "cuda")]
+impl ShardLink for std::sync::Mutex<crate::cuda::DevicePath> {
+    fn serves(&self, device: &Device) -> bool {
+        let path = self.lock().unwrap_or_else(|p| p.into_inner());
+        crate::cuda::cuda_ordinal(device).is_some_and(|o| Some(o) == path.ordinal())
+    }
+
+    fn all_gather(&self, what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+        // A panic while it was held left no state half changed that this call reads.
+        let path = self.lock().unwrap_or_else(|p| p.into_inner());
+        path.all_gather(what, send, block)
+    }
+
+    fn reduce_scatter(
+        &self,
+        what: &str,
+        send: Tensor<1>,
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>> {
+        let path = self.lock().unwrap_or_else(|p| p.into_inner());
+        path.reduce_scatter(what, send, block, op)
+    }
+}
+
 /// The ids of a record's parameters (another run's) and of this process's model's, by path
 /// ([`FullyShard::shard_model_record`]).
 #[derive(Debug, Clone, Default)]
@@ -872,7 +1053,7 @@ mod tracked {
                     let mine =
                         state
                             .fsdp
-                            .host_reduce_scatter(&state.spec, &whole, state.shard_dtype);
+                            .reduce_scatter_whole(&state.spec, &whole, state.shard_dtype);
                     into_inner::<B, D>(&state.fsdp, mine).unwrap_or(grad)
                 });
             }
@@ -894,7 +1075,9 @@ mod tracked {
                 let shard = states.get_state::<B::FloatTensorPrimitive>(&self.shard);
                 let shard = Tensor::<D>::from_primitive::<B>(shard);
                 let state = &self.state;
-                let whole = state.fsdp.host_gather(&state.spec, &shard, state.precision);
+                let whole = state
+                    .fsdp
+                    .gather_whole(&state.spec, &shard, state.precision);
                 if let Some(whole) = into_inner::<B, D>(&self.state.fsdp, whole) {
                     states.save(out_node, whole);
                 }
@@ -940,7 +1123,7 @@ mod tracked {
             };
             let shard_dtype = t.dtype();
             let inner = Tensor::<D>::from_primitive::<B>(tensor.primitive().clone());
-            let whole = op.fsdp.host_gather(op.spec, &inner, op.precision);
+            let whole = op.fsdp.gather_whole(op.spec, &inner, op.precision);
             let Some(whole) = into_inner::<B, D>(op.fsdp, whole) else {
                 return Break(t);
             };
@@ -1009,6 +1192,116 @@ mod tests {
         });
         for e in errors {
             assert!(e.contains("weight is a shard of FullyShard::shard"), "{e}");
+        }
+    }
+
+    /// The device path's stand-in: the same collectives over the process group, with the
+    /// tensors read to the host (the NCCL path is `cuda.rs`'s `DevicePath`, run by the GPU
+    /// check). It counts its calls.
+    struct HostLink {
+        pg: ProcessGroup,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    impl ShardLink for HostLink {
+        fn serves(&self, _device: &Device) -> bool {
+            true
+        }
+
+        fn all_gather(&self, _what: &str, send: Tensor<1>, block: usize) -> Result<Tensor<1>> {
+            self.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mine = values(&send).unwrap();
+            assert_eq!(mine.len(), block);
+            let mut all = vec![0.0f32; block * self.pg.world_size().as_usize()];
+            self.pg.all_gather(&mine, &mut all)?;
+            Ok(Tensor::from_data(
+                TensorData::new(all, [all_len(&self.pg, block)]),
+                &send.device(),
+            ))
+        }
+
+        fn reduce_scatter(
+            &self,
+            _what: &str,
+            send: Tensor<1>,
+            block: usize,
+            op: ReduceOp,
+        ) -> Result<Tensor<1>> {
+            self.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let all = values(&send).unwrap();
+            let mut mine = vec![0.0f32; block];
+            self.pg.reduce_scatter(&all, &mut mine, op)?;
+            Ok(Tensor::from_data(
+                TensorData::new(mine, [block]),
+                &send.device(),
+            ))
+        }
+    }
+
+    fn all_len(pg: &ProcessGroup, block: usize) -> usize {
+        block * pg.world_size().as_usize()
+    }
+
+    /// The device path's packing (each shard one f32 block, the padding rows cut off after the
+    /// gather, the whole gradient padded with zeros before the reduce-scatter, reshaped and cast
+    /// back) gives what the host path gives: the forward's output and every gradient of a 5x3
+    /// layer over 2 ranks (uneven: one padding row), with resharding and its gather in
+    /// backward, and with bf16 gathered parameters (cast after an f32 wire).
+    #[test]
+    fn the_device_path_packs_and_unpacks_as_the_host_path_computes() {
+        let device = Device::default().autodiff().gradient_checkpointing();
+        device.seed(11);
+        let record = LinearConfig::new(5, 3).init(&device).into_record();
+        let x = Tensor::<2>::random([4, 5], Distribution::Default, &device);
+        for config in [
+            FsdpConfig::default(),
+            keep(),
+            keep().with_param_dtype(Precision::Bf16),
+        ] {
+            let run = |linked: bool| {
+                on_thread_ranks(2, |pg| {
+                    let fsdp = FullyShard::new(pg.clone(), config).unwrap();
+                    let link = Arc::new(HostLink {
+                        pg,
+                        calls: Default::default(),
+                    });
+                    if linked {
+                        fsdp.set_link(link.clone());
+                    }
+                    let model = LinearConfig::new(5, 3)
+                        .init(&device)
+                        .load_record(record.clone());
+                    let model = fsdp.shard(model).unwrap();
+                    let whole = gather(&model);
+                    let x = x.clone().cast(whole.weight.val().dtype());
+                    let out = whole.forward(x);
+                    let grads = GradientsParams::from_grads(out.clone().sum().backward(), &model);
+                    let grads = fsdp.sync(&model, grads).unwrap();
+                    let g = |id| grads.get::<2>(id).map(|g| values(&g).unwrap());
+                    let b = |id| grads.get::<1>(id).map(|g| values(&g).unwrap());
+                    let calls = link.calls.load(std::sync::atomic::Ordering::Relaxed);
+                    let calls = (calls, fsdp.gathers());
+                    let got = (
+                        values(&out).unwrap(),
+                        g(model.weight.id).unwrap(),
+                        b(model.bias.as_ref().unwrap().id).unwrap(),
+                    );
+                    (got, calls)
+                })
+            };
+            let (host, linked) = (run(false), run(true));
+            for ((h, (host_calls, host_gathers)), (l, (link_calls, gathers))) in
+                host.iter().zip(&linked)
+            {
+                // Weight and bias: a gather each in forward (and in backward where it reads
+                // them again), a reduce-scatter each; all of them on the link.
+                assert_eq!((*host_calls, host_gathers), (0, gathers), "{config:?}");
+                assert!(*gathers >= 2, "{config:?}");
+                assert_eq!(*link_calls as u64, gathers + 2, "{config:?}");
+                assert_eq!(h, l, "{config:?}");
+            }
         }
     }
 

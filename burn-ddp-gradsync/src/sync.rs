@@ -878,7 +878,7 @@ fn put_host<M: Module>(
 
 /// The device of `model`'s first trainable parameter.
 #[cfg(feature = "cuda")]
-fn first_device<M: Module>(model: &M) -> Option<Device> {
+pub(crate) fn first_device<M: Module>(model: &M) -> Option<Device> {
     struct First(Option<Device>);
     impl ModuleVisitor for First {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

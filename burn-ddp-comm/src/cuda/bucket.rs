@@ -199,6 +199,45 @@ pub unsafe fn all_gather_blocks(
     waited
 }
 
+/// Checks that `send` holds `world` blocks of `block` elements of `dtype` and `recv` one,
+/// reduce-scatters them on `comm`'s stream (rank `r` receives block `r` reduced by `op` over the
+/// ranks) and waits for it, with the collective deadline: a sharded parameter's whole gradient
+/// (FSDP's backward) on a device path. `what` names it in errors. The spans go as with
+/// [`all_gather_blocks`].
+///
+/// # Safety
+/// As [`all_gather_blocks`].
+///
+/// # Errors
+/// A span too small ([`DdpError::bucket_layout`]); the reduction is not available for the type,
+/// or NCCL refuses the call; the wait's failures: the communicator is then aborted.
+pub unsafe fn reduce_scatter_blocks(
+    comm: &NcclComm,
+    what: &str,
+    (block, dtype, op): (usize, DType, ReduceOp),
+    [send, recv]: [DeviceSpan; 2],
+) -> Result<()> {
+    let rank = comm.rank();
+    let world = comm.world_size().as_usize();
+    let all = block * world;
+    check_bucket_span(rank, &format!("whole {what}"), send.bytes, all, dtype)?;
+    check_bucket_span(rank, &format!("shard of {what}"), recv.bytes, block, dtype)?;
+    // SAFETY: `send` addresses `world * block` and `recv` `block` elements of `dtype` (checked
+    // above) on this GPU, distinct, `send` written (the caller's contract); both stay allocated
+    // until NCCL's stream is known done with them (below).
+    unsafe { comm.reduce_scatter_raw(send.ptr, recv.ptr, block, dtype, op) }?;
+    let waited = comm.wait();
+    if waited.is_err() && !comm.drain(DRAIN_LIMIT) {
+        tracing::error!(
+            "[rank {rank}] NCCL's stream did not go idle within {DRAIN_LIMIT:?} of its abort: \
+             leaking the buffers of {what} rather than handing memory a transfer may still use \
+             to other tensors"
+        );
+        std::mem::forget([send, recv]);
+    }
+    waited
+}
+
 /// Checks that a reduce-scattered bucket is `world` blocks of `block` elements.
 fn check_blocks(rank: Rank, call: &BucketCall, block: usize, world: usize) -> Result<()> {
     if block * world == call.count {

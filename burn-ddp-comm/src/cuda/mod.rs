@@ -25,8 +25,8 @@ mod status;
 mod wait;
 
 pub use bucket::{
-    all_gather_blocks, no_device_resource, queued_work_failed, reduce_bucket, BucketBuffer,
-    BucketCall, DeviceSpan,
+    all_gather_blocks, no_device_resource, queued_work_failed, reduce_bucket,
+    reduce_scatter_blocks, BucketBuffer, BucketCall, DeviceSpan,
 };
 pub use connect::{connect_for_grads, wants_nccl};
 pub use device::{

@@ -356,6 +356,9 @@ pub struct FsdpState {
     params: std::sync::Mutex<std::collections::HashMap<u64, ShardedParam>>,
     failure: std::sync::Mutex<Option<crate::DdpError>>,
     gathers: std::sync::atomic::AtomicU64,
+    /// The line's device path for the collectives (NCCL's, set once by its `shard` when the
+    /// model is on a GPU), as the line's own type.
+    link: std::sync::OnceLock<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 static CURRENT: std::sync::Mutex<Option<std::sync::Weak<FsdpState>>> = std::sync::Mutex::new(None);
@@ -372,18 +375,37 @@ impl FsdpState {
     /// A fault-tolerant group (a lost rank would take its shards with it).
     pub fn new(pg: ProcessGroup, config: FsdpConfig) -> Result<std::sync::Arc<Self>> {
         super::NotCarried::Fsdp.refuse_on(&pg)?;
-        crate::nn::made_sharded_model();
+        made_sharded_model();
         let state = std::sync::Arc::new(Self {
             pg,
             config,
             params: Default::default(),
             failure: Default::default(),
             gathers: Default::default(),
+            link: Default::default(),
         });
         let weak = std::sync::Arc::downgrade(&state);
         THREAD_CURRENT.with(|t| *t.borrow_mut() = Some(weak.clone()));
         *CURRENT.lock().unwrap_or_else(|p| p.into_inner()) = Some(weak);
         Ok(state)
+    }
+
+    /// Sets the line's device path for the collectives, once (a later one is dropped: the
+    /// first stays, which every rank set in the same call). Returns whether this one was set.
+    pub fn set_link(&self, link: std::sync::Arc<dyn std::any::Any + Send + Sync>) -> bool {
+        self.link.set(link).is_ok()
+    }
+
+    /// Counts one gather that a line ran on its device path (the host path's
+    /// [`gather`](Self::gather) counts its own).
+    pub fn count_gather(&self) {
+        self.gathers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The line's device path, if its `shard` set one.
+    pub fn link(&self) -> Option<&std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+        self.link.get()
     }
 
     /// The current one (this thread's, else the process's last), while it lives.
@@ -662,6 +684,23 @@ impl FsdpState {
             }
         }
     }
+}
+
+/// Whether this process sharded a model with FSDP, whose forward gathers the parameters, in
+/// training and in inference ([`made_sharded_model`]).
+static SHARDED_MODELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Records that this process made an FSDP sharding ([`FsdpState::new`]): its model's forward
+/// runs collectives in validation too, so a validation step goes on only while every rank has
+/// a batch ([`sharded_models`]). Training steps need no more: FSDP is refused in
+/// fault-tolerant jobs, the only ones with partial steps.
+pub fn made_sharded_model() {
+    SHARDED_MODELS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether this process made an FSDP sharding ([`made_sharded_model`]).
+pub fn sharded_models() -> bool {
+    SHARDED_MODELS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 #[cfg(test)]

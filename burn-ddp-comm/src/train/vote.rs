@@ -327,7 +327,7 @@ fn decide_turn(
             Split::Validation if !any_item => return Turn::End,
             // A sharded model's forward gathers its parameters on every rank: a rank without
             // a batch cannot take part.
-            Split::Validation if !all_items && crate::nn::sharded_models() => {
+            Split::Validation if !all_items && crate::grad::sharded_models() => {
                 if *vote == Vote::Item {
                     tracing::warn!(
                         "[rank {}] epoch {epoch}: another rank ran out of validation batches \

@@ -60,11 +60,12 @@ const BURN022: &[(&str, u8)] = &[
     ("zero", 6),
     ("fsdp", 6),
     ("loop_state", 6),
-    ("train", 6),
+    // The Learner strategy, over DDP's `sync` and FSDP's `fsdp`.
+    ("train", 7),
     // What differs between Burn 0.22 and 0.23 (a file per release in each): the events and counts below
     // everything that uses them, the progress-logger impls above the renderers they are for.
     ("release", 0),
-    ("progress", 7),
+    ("progress", 8),
 ];
 
 /// The layer of the core crate's modules as burn-ddp sees them (re-exported, below its own).
