@@ -310,6 +310,11 @@ impl FullyShard {
         self.state.gathers()
     }
 
+    /// Whether the parameter `id` is sharded here.
+    pub(crate) fn shards(&self, id: &ParamId) -> bool {
+        self.state.param(id.val()).is_some()
+    }
+
     /// `model` with every float parameter replaced by this rank's shard of rank 0's value (its
     /// first dimension cut among the ranks, padded with zero rows where it does not divide;
     /// a parameter of one row stays whole): the model is first checked across the ranks, then

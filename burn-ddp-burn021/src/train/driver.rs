@@ -10,18 +10,22 @@ use std::time::Instant;
 use burn::data::dataloader::DataLoader;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::GradientsAccumulator;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::train::metric::store::EventStoreClient;
+use burn::train::LearnerOptimizerRecord;
 use burn::train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, Interrupter, Learner, LearnerEvent,
     LearningCheckpointer, LearningComponentsTypes, SupervisedTrainingEventProcessor, TrainLoader,
     TrainingComponents, TrainingModel, ValidLoader,
 };
 use burn_backend::BackendTypes;
+use burn_ddp_comm::group::handover::saved_records;
 use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
-use burn_ddp_comm::train::files::SavedLog;
-use burn_ddp_comm::train::vote::{FailureSlot, Split, Vote};
+use burn_ddp_comm::train::files::{RecordFiles, SavedLog, PARTS};
+use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
+use burn_ddp_comm::{DdpError, JobError};
 
 use super::handover;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
@@ -47,6 +51,9 @@ struct Run<'s, B: Backend, LC: LearningComponentsTypes> {
     /// The epoch burn-train's metric store is at, for each split (training, validation): it
     /// counts the ends of epochs it was told of, and names the metric files' directories by it.
     at: [usize; 2],
+    /// A sharded model's checkpoint files (model, optimizer, scheduler), written at every
+    /// epoch's end by every rank's part ([`DdpStrategy::fsdp`]).
+    fsdp_files: Option<[RecordFiles; 3]>,
 }
 
 /// The loader of a split at `cursor`, sliced anew when the samplers were re-dealt
@@ -178,6 +185,41 @@ where
         ended
     }
 
+    fn every_rank_epoch_end(&mut self, epoch: usize) -> Result<()> {
+        let (Some(fsdp), Some(files)) = (&self.strategy.fsdp, &self.fsdp_files) else {
+            return Ok(());
+        };
+        let rank = self.strategy.rank();
+        // The Learner's records of this rank's shards, through burn-train's checkpointer.
+        let slots: [RecordSlot; 3] = Default::default();
+        handover::save_records(&self.learner, epoch, &self.store, &slots);
+        let [_, optim, sched] = saved_records(&slots, rank)?;
+        let optim: LearnerOptimizerRecord<LC> = handover::load(optim, &self.strategy.device, rank)?;
+        let model = self.learner.model();
+        let whole = fsdp.full_model(&model)?;
+        let whole: TrainingModel<LC> = super::fsdp::back(whole, rank, "checkpointing")?;
+        let optim = fsdp.full_optimizer_record(&model, Box::new(optim))?;
+        let optim: LearnerOptimizerRecord<LC> = super::fsdp::back(optim, rank, "checkpointing")?;
+        let [model_files, optim_files, sched_files] = files;
+        let recorder = BinBytesRecorder::<FullPrecisionSettings>::default;
+        model_files.save(epoch, || recorder().record(whole.into_record(), ()))?;
+        optim_files.save(epoch, || recorder().record(optim, ()))?;
+        sched_files.save(epoch, || Ok::<_, DdpError>(sched))?;
+        let keep = self.strategy.state.keep;
+        if let Some(old) = epoch.checked_sub(keep).filter(|e| *e > 0) {
+            for f in files {
+                f.delete(old).map_err(|source| {
+                    DdpError::Job(JobError::CheckpointIo {
+                        path: f.path(old),
+                        what: "removing an older epoch's file",
+                        source,
+                    })
+                })?;
+            }
+        }
+        Ok(())
+    }
+
     fn main_epoch_end(&mut self, epoch: usize) -> bool {
         if let Some(c) = &mut self.checkpointer {
             c.checkpoint(&self.learner, epoch, &self.store);
@@ -282,11 +324,40 @@ impl<B: Backend> DdpStrategy<B> {
             // Every rank of a fault-tolerant job processes the events (`train`).
             shown: self.is_main() || self.session.group().is_fault_tolerant(),
             at: [starting_epoch; 2],
+            fsdp_files: (self.fsdp.as_ref())
+                .and(self.state.checkpoints.as_ref())
+                .map(|dir| {
+                    PARTS.map(|name| {
+                        let files =
+                            RecordFiles::new(dir.clone(), name, self.session.group().clone());
+                        files.with_log(self.state.saved.clone())
+                    })
+                }),
         };
         self.state.fit(&mut run, starting_epoch, epochs, admission);
         let Run {
-            learner, processor, ..
+            learner,
+            processor,
+            interrupter,
+            ..
         } = run;
-        (learner.model(), processor)
+        let model = learner.model();
+        // A sharded model is handed back whole (every rank gathers it), unless training
+        // failed: then as this rank's shards.
+        let whole = match &self.fsdp {
+            Some(fsdp) if self.state.failure.message().is_none() => fsdp
+                .full_model(&model)
+                .and_then(|w| super::fsdp::back::<TrainingModel<LC>>(w, self.rank(), "ending"))
+                .map(Some),
+            _ => Ok(None),
+        };
+        let model = match whole {
+            Ok(whole) => whole.unwrap_or(model),
+            Err(e) => {
+                vote::stop_with(e, &self.state.failure, |m| interrupter.stop(Some(m)));
+                model
+            }
+        };
+        (model, processor)
     }
 }

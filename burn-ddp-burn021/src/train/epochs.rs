@@ -37,7 +37,14 @@ where
         mut components: TrainingComponents<LC>,
     ) -> LearningResult<LC::InferenceModel> {
         learner.fork(&self.device);
-        if let Some(dir) = &self.state.checkpoints {
+        // A sharded model's checkpoints are gathered from every rank's shards at each epoch's
+        // end (`fsdp.rs`), not through burn-train's checkpointer, which would write rank 0's.
+        if let Some(dir) = self
+            .state
+            .checkpoints
+            .as_ref()
+            .filter(|_| self.fsdp.is_none())
+        {
             let pg = self.session.group().clone();
             let part = |name| RankCheckpointer {
                 files: RecordFiles::new(dir.clone(), name, pg.clone())
@@ -56,21 +63,32 @@ where
         // A process that joined a running fault-tolerant job takes the state and the place of
         // the job from a rank that has them, at the start of `fit`.
         let admission = self.session.group().take_admission();
-        let parameters = learner.model().num_params();
-        let started = self.state.start(
-            admission.is_some(),
-            components.checkpoint,
-            components.num_epochs,
-            parameters,
-            |epoch| {
-                if let Some(epoch) = epoch {
-                    self.restore(&mut learner, epoch)?;
-                }
-                let model = self.session.prepare_module(learner.model())?;
-                learner.load_model(model.into_record());
-                Ok(())
-            },
-        );
+        // A sharded model's whole count: the same at every world size (a resume checks it).
+        let parameters = match &self.fsdp {
+            Some(fsdp) => fsdp.whole_values(&learner.model()),
+            None => Ok(learner.model().num_params()),
+        };
+        let started = parameters.and_then(|parameters| {
+            self.state.start(
+                admission.is_some(),
+                components.checkpoint,
+                components.num_epochs,
+                parameters,
+                |epoch| {
+                    if let Some(fsdp) = &self.fsdp {
+                        fsdp.check_sharded(&learner.model())?;
+                    }
+                    if let Some(epoch) = epoch {
+                        self.restore(&mut learner, epoch)?;
+                    }
+                    if self.fsdp.is_none() {
+                        let model = self.session.prepare_module(learner.model())?;
+                        learner.load_model(model.into_record());
+                    }
+                    Ok(())
+                },
+            )
+        });
         let start = match started {
             Ok(start) => start,
             Err(e) => return self.abandon(e, learner, components),
@@ -164,8 +182,22 @@ impl<B: Backend> DdpStrategy<B> {
             checkpoint::restore(&part("optim")?, epoch, &self.device)?;
         let sched: LearnerSchedulerRecord<LC> =
             checkpoint::restore(&part("scheduler")?, epoch, &self.device)?;
+        let Some(fsdp) = &self.fsdp else {
+            learner.load_model(model);
+            learner.load_optim(optim);
+            learner.load_scheduler(sched);
+            return Ok(());
+        };
+        // The whole records of a sharded run, written at any world size: the whole model
+        // loaded (Burn 0.21 takes a record of any shape), sharded again (rank 0's values, its
+        // ids: the record's), then the optimizer state cut for it.
+        let rank = self.rank();
         learner.load_model(model);
-        learner.load_optim(optim);
+        let sharded = fsdp.shard(Box::new(learner.model()))?;
+        let sharded: TrainingModel<LC> = super::fsdp::back(sharded, rank, "resuming")?;
+        learner.load_model(sharded.into_record());
+        let optim = fsdp.shard_optimizer_record(&learner.model(), Box::new(optim))?;
+        learner.load_optim(super::fsdp::back(optim, rank, "resuming")?);
         learner.load_scheduler(sched);
         Ok(())
     }

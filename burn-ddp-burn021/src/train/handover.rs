@@ -60,7 +60,7 @@ impl<R: Record<B>, B: Backend> Checkpointer<R, B> for Memory {
     }
 }
 
-fn load<R: Record<B>, B: Backend>(
+pub(super) fn load<R: Record<B>, B: Backend>(
     bytes: Vec<u8>,
     device: &B::Device,
     rank: crate::Rank,

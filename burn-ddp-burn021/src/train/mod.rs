@@ -36,6 +36,7 @@
 mod checkpoint;
 mod driver;
 mod epochs;
+mod fsdp;
 mod handover;
 mod item;
 mod render;
@@ -76,6 +77,11 @@ use crate::{DdpSession, Rank, Result};
 #[derive(Clone, Debug)]
 pub struct DdpStrategy<B: Backend> {
     session: DdpSession,
+    /// The model is sharded ([`DdpStrategy::fsdp`]): its gradients come reduce-scattered from
+    /// backward, the session does not reduce them.
+    fsdp: Option<std::sync::Arc<dyn fsdp::ShardedLearner>>,
+    /// The global-norm clipping of a sharded model's gradients.
+    clip: Option<f64>,
     device: B::Device,
     state: StrategyState,
 }
@@ -89,8 +95,74 @@ impl<B: Backend> DdpStrategy<B> {
         Self {
             state: StrategyState::new(session.group()),
             session,
+            fsdp: None,
+            clip: None,
             device,
         }
+    }
+
+    /// The strategy for a model sharded by `fsdp` (fully sharded data parallelism;
+    /// [`crate::fsdp`]), training on `device`: `AB` is the Learner's autodiff backend
+    /// (`Autodiff<Ddp<B>, BalancedCheckpointing>` to reshard after forward), `M` its model, `O`
+    /// its optimizer (Adam, AdamW, or SGD without momentum: [`FsdpOptimizer`](crate::fsdp::FsdpOptimizer)), which
+    /// the strategy, generic over any Learner, cannot name itself. Build the Learner with this
+    /// rank's shards:
+    ///
+    /// ```text
+    /// let fsdp = FullyShard::new(pg, FsdpConfig::default())?;
+    /// let ddp = DdpStrategy::fsdp::<Train, Model<Train>, Adam>(fsdp.clone(), device.clone())?;
+    /// let learner = Learner::new(fsdp.shard::<Train, _>(model)?, optimizer, scheduler);
+    /// training.launch_ddp(learner, &ddp)?;
+    /// ```
+    ///
+    /// As on Burn 0.22/0.23: each step's gradients come reduce-scattered from backward
+    /// ([`FullyShard::sync`](crate::fsdp::FullyShard::sync), then
+    /// [`with_clip_grad_norm`](Self::with_clip_grad_norm)'s clipping); each epoch's checkpoint
+    /// is the whole model and optimizer state, written by rank 0 and resumed at any world size;
+    /// the trained model is handed back whole. Here the checkpoint's model is gathered on the
+    /// device (one whole model on each rank's device while it is written; the optimizer state
+    /// goes through the host). Give every loader a [`DistributedSampler`](crate::DistributedSampler).
+    ///
+    /// # Errors
+    /// As [`DdpSession::new`].
+    pub fn fsdp<AB, M, O>(fsdp: crate::fsdp::FullyShard, device: B::Device) -> Result<Self>
+    where
+        AB: crate::fsdp::FsdpBackend + burn::tensor::backend::AutodiffBackend,
+        M: burn::module::AutodiffModule<AB> + 'static,
+        O: crate::fsdp::FsdpOptimizer<AB::InnerBackend> + 'static,
+    {
+        let session = DdpSession::new(fsdp.group().clone(), crate::DdpConfig::default())?;
+        let mut strategy = Self::new(session, device);
+        strategy.fsdp = Some(std::sync::Arc::new(fsdp::Typed::<AB, M, O> {
+            fsdp,
+            _types: std::marker::PhantomData,
+        }));
+        Ok(strategy)
+    }
+
+    /// With [`fsdp`](Self::fsdp): clips the gradients so that their L2 norm over the whole
+    /// model (every rank's shards) is at most `max_norm` before each optimizer step.
+    ///
+    /// # Errors
+    /// A strategy without FSDP (Burn's optimizer clipping does it there); a `max_norm` that is
+    /// not finite and positive.
+    pub fn with_clip_grad_norm(mut self, max_norm: f64) -> Result<Self> {
+        use burn_ddp_comm::{ConfigError, DdpError};
+        if self.fsdp.is_none() {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpStrategy::with_clip_grad_norm",
+                reason: "is for a sharded model (DdpStrategy::fsdp); with whole gradients use \
+                         the optimizer's own clipping (`with_grad_clipping` in its config)",
+            }));
+        }
+        if !(max_norm.is_finite() && max_norm > 0.0) {
+            return Err(DdpError::Config(ConfigError::InvalidConfig {
+                field: "DdpStrategy::with_clip_grad_norm",
+                reason: "max_norm must be finite and positive",
+            }));
+        }
+        self.clip = Some(max_norm);
+        Ok(self)
     }
 
     /// The strategy with [`DdpConfig::default`](crate::DdpConfig) (PyTorch DDP's defaults) on

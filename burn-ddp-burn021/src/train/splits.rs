@@ -75,6 +75,10 @@ impl<B: Backend> DdpStrategy<B> {
         LC: LearningComponentsTypes,
         LC::Backend: AutodiffBackend<InnerBackend = Ddp<B>> + BackendTypes<Device = B::Device>,
     {
+        // A sharded model's buffers stay each rank's, as FSDP2's do (no prepared session).
+        if self.fsdp.is_some() {
+            return Ok(());
+        }
         let model = learner.model();
         if !self.session.buffers_to_sync(&model) {
             return Ok(());
@@ -162,6 +166,12 @@ where
         let session = &ddp.session;
         session.check_datasets()?;
         ddp.sync_buffers(self.learner)?;
+        // A sharded model's gradients come reduce-scattered from backward: FSDP's `sync` (and
+        // clipping) in place of the session's reduction.
+        let reduce = |model: &LC::TrainingModel, grads| match &ddp.fsdp {
+            Some(f) => f.sync(model, grads, ddp.clip),
+            None => session.sync_gradients(model, grads),
+        };
         let progress = ddp.global(self.iter.progress(), at.done);
         let learner = &mut *self.learner;
         // Micro-steps of an accumulation are reduced once, at the optimizer step; a partial
@@ -188,8 +198,7 @@ where
                 }
                 self.accumulated += 1;
                 if self.accumulated >= k {
-                    let grads =
-                        session.sync_gradients(&learner.model(), self.accumulator.grads())?;
+                    let grads = reduce(&learner.model(), self.accumulator.grads())?;
                     learner.optimizer_step(grads);
                     self.accumulated = 0;
                     Stepped::Moved
@@ -197,8 +206,8 @@ where
                     Stepped::Accumulated
                 }
             }
-            None if !at.full => {
-                let grads = session.sync_gradients(&learner.model(), grads)?;
+            None if !at.full || ddp.fsdp.is_some() => {
+                let grads = reduce(&learner.model(), grads)?;
                 learner.lr_step();
                 learner.optimizer_step(grads);
                 Stepped::Moved

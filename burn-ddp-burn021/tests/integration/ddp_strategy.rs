@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
 use burn::backend::{Autodiff, NdArray};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
@@ -18,7 +19,7 @@ use burn::data::dataset::{Dataset, InMemDataset};
 use burn::module::Module;
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
-use burn::optim::AdamConfig;
+use burn::optim::{Adam, AdamConfig};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::store::EventStoreClient;
@@ -27,6 +28,7 @@ use burn::train::{
     EarlyStoppingStrategy, InferenceStep, Learner, RegressionOutput, SupervisedTraining,
     TrainOutput, TrainStep,
 };
+use burn_ddp::fsdp::{gather, FsdpBackend, FsdpConfig, FullyShard};
 use burn_ddp::train::{DdpStrategy, DdpTraining};
 use burn_ddp::{
     ddp, Ddp, DdpConfig, DdpError, DdpSession, DistributedSampler, ProcessGroup, Rank, ShardPlan,
@@ -460,5 +462,177 @@ fn batch_norm_statistics_end_equal_on_every_rank() {
         off[0], off[1],
         "without broadcasting, the buffers should differ"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// [`Reg`] without BatchNorm whose forward gathers each layer (`fsdp::gather`), on the
+/// checkpointing backend (resharding after forward), for `DdpStrategy::fsdp`.
+#[ddp]
+#[derive(Module, Debug)]
+struct Sharded<B: Backend> {
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+}
+
+type Bc = Autodiff<Ddp<NdArray>, BalancedCheckpointing>;
+
+impl<B: FsdpBackend> Sharded<B> {
+    /// The same draws, in the same order, as `Reg::new(device, false)`.
+    fn new(device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(4, 8).init(device),
+            fc2: LinearConfig::new(8, 1).init(device),
+        }
+    }
+
+    fn regress(&self, b: Batch<B>) -> RegressionOutput<B> {
+        let h = gather(&self.fc1).forward(b.x);
+        let out = gather(&self.fc2).forward(h.tanh());
+        let loss = MseLoss::new().forward(out.clone(), b.y.clone(), Reduction::Mean);
+        RegressionOutput::new(loss.reshape([1]), out, b.y)
+    }
+}
+
+impl TrainStep for Sharded<Bc> {
+    type Input = Batch<Bc>;
+    type Output = RegressionOutput<Bc>;
+    fn step(&self, b: Batch<Bc>) -> TrainOutput<RegressionOutput<Bc>> {
+        let item = self.regress(b);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl InferenceStep for Sharded<Ddp<NdArray>> {
+    type Input = Batch<Ddp<NdArray>>;
+    type Output = RegressionOutput<Ddp<NdArray>>;
+    fn step(&self, b: Batch<Ddp<NdArray>>) -> RegressionOutput<Ddp<NdArray>> {
+        self.regress(b)
+    }
+}
+
+/// A Learner run of [`Sharded`] under `DdpStrategy::fsdp` on `world` thread ranks of batch
+/// `batch`, `epochs` epochs over `Run`'s 96 training rows (even validation shards: a sharded
+/// forward runs on every rank together), checkpoints in `dir`, resumed when `resume`. Every
+/// rank's final parameters; rank 0's initial weights are `Run`'s (seed 7). With `shard` off, the
+/// Learner is built with the whole model (which the strategy refuses).
+fn fsdp_run(
+    world: u32,
+    batch: usize,
+    epochs: usize,
+    dir: &Path,
+    resume: bool,
+    shard: bool,
+) -> Vec<Result<Vec<f32>, DdpError>> {
+    let groups = ProcessGroup::local(
+        WorldSize::new(world).unwrap(),
+        Timeouts::uniform(Duration::from_secs(60)),
+    );
+    static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let device = Default::default();
+    let lock = INIT.lock().unwrap_or_else(|p| p.into_inner());
+    let models: Vec<Sharded<Bc>> = (0..world)
+        .map(|r| {
+            <Bc as Backend>::seed(&device, 7 + u64::from(r));
+            let model = Sharded::<Bc>::new(&device);
+            let _ = common::params(&burn::module::AutodiffModule::valid(&model));
+            model
+        })
+        .collect();
+    drop(lock);
+    let handles: Vec<_> = groups
+        .into_iter()
+        .zip(models)
+        .map(|(pg, model)| {
+            let dir = dir.to_path_buf();
+            thread::spawn(move || -> Result<Vec<f32>, DdpError> {
+                let rank = pg.rank();
+                let train = Arc::new(
+                    DistributedSampler::new(InMemDataset::new(rows(96)), &pg).with_seed(3),
+                );
+                let valid = Arc::new(
+                    DistributedSampler::new(InMemDataset::new(rows(16)), &pg).with_shuffle(false),
+                );
+                let train_loader = DataLoaderBuilder::new(Rows)
+                    .batch_size(batch)
+                    .build(Arc::clone(&train));
+                let valid_loader = DataLoaderBuilder::<Ddp<NdArray>, _, _>::new(Rows)
+                    .batch_size(4)
+                    .build(Arc::clone(&valid));
+                let fsdp = FullyShard::new(pg, FsdpConfig::default()).unwrap();
+                let ddp = DdpStrategy::<NdArray>::fsdp::<Bc, Sharded<Bc>, Adam>(
+                    fsdp.clone(),
+                    Default::default(),
+                )
+                .unwrap()
+                .with_sampler(valid)
+                .with_checkpoints(dir.join("checkpoint"), 3)
+                .with_resume(resume);
+                let model = match shard {
+                    true => fsdp.shard::<Bc, _>(model).unwrap(),
+                    false => model,
+                };
+                let learner = Learner::new(model, AdamConfig::new().init(), 1e-2);
+                let result = SupervisedTraining::new(
+                    dir.join(format!("rank-{rank}")),
+                    train_loader,
+                    valid_loader,
+                )
+                .metric_train_numeric(LossMetric::new())
+                .metric_valid_numeric(LossMetric::new())
+                .num_epochs(epochs)
+                .with_application_logger(None)
+                .launch_ddp(learner, &ddp)?;
+                Ok(common::params(&result.model))
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Burn 0.21's Learner over a model sharded by FSDP (`DdpStrategy::fsdp::<Bc, Sharded<Bc>,
+/// Adam>`, resharding after forward) trains as the DDP strategy does on the same ranks and
+/// data, within f32 rounding, every rank ending with the whole model; its whole checkpoint of
+/// epoch 1, written by 2 ranks, resumes at 4 (fc2's 8 rows two a rank, fc1's bias likewise)
+/// and ends where 2 ranks training both epochs end.
+#[test]
+fn the_learner_over_fsdp_shards_trains_as_ddp_and_resumes_at_another_world_size() {
+    let dir = scratch("fsdp");
+    let ddp = ok(Run::new(2, 4, 2, &dir.join("ddp")).train());
+    let fsdp = ok(fsdp_run(2, 4, 2, &dir.join("fsdp"), false, true));
+    assert_eq!(fsdp[0], fsdp[1], "every rank's whole model");
+    let diff = max_rel_diff(&ddp[0], &fsdp[0]);
+    assert!(diff < 1e-4, "FSDP vs DDP: {diff}");
+    let _ = ok(fsdp_run(2, 4, 1, &dir.join("resume"), false, true));
+    for part in ["model", "optim", "scheduler"] {
+        assert!(dir
+            .join(format!("resume/checkpoint/{part}-1.bin"))
+            .is_file());
+    }
+    let resumed = ok(fsdp_run(4, 2, 2, &dir.join("resume"), true, true));
+    for r in &resumed {
+        let diff = max_rel_diff(&fsdp[0], r);
+        assert!(
+            diff < 1e-4,
+            "resumed at 4 ranks vs 2 ranks unbroken: {diff}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A Learner built with the whole model for `DdpStrategy::fsdp` is refused on every rank before
+/// any step, naming a whole parameter and the fix.
+#[test]
+fn a_learner_whose_model_fsdp_did_not_shard_is_refused() {
+    let dir = scratch("fsdp-unsharded");
+    for (rank, r) in fsdp_run(2, 4, 1, &dir, false, false)
+        .into_iter()
+        .enumerate()
+    {
+        let e = r.unwrap_err().to_string();
+        assert!(
+            e.contains("`fc1.weight` whole") && e.contains("fsdp.shard(model)?"),
+            "rank {rank}: {e}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
