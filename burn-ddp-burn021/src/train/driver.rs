@@ -23,9 +23,9 @@ use burn_backend::BackendTypes;
 use burn_ddp_comm::group::handover::saved_records;
 use burn_ddp_comm::group::handover::RecordSlot;
 use burn_ddp_comm::train::epoch::{self, Cursor, Ended, EpochDriver, Handover};
-use burn_ddp_comm::train::files::{RecordFiles, SavedLog, PARTS};
+use burn_ddp_comm::train::files::{self, RecordFiles, SavedLog, PARTS};
 use burn_ddp_comm::train::vote::{self, FailureSlot, Split, Vote};
-use burn_ddp_comm::{DdpError, JobError};
+use burn_ddp_comm::DdpError;
 
 use super::handover;
 use super::splits::{interrupted, SplitParts, TrainOut, TrainSplit, ValidOut, ValidSplit};
@@ -205,19 +205,7 @@ where
         model_files.save(epoch, || recorder().record(whole.into_record(), ()))?;
         optim_files.save(epoch, || recorder().record(optim, ()))?;
         sched_files.save(epoch, || Ok::<_, DdpError>(sched))?;
-        let keep = self.strategy.state.keep;
-        if let Some(old) = epoch.checked_sub(keep).filter(|e| *e > 0) {
-            for f in files {
-                f.delete(old).map_err(|source| {
-                    DdpError::Job(JobError::CheckpointIo {
-                        path: f.path(old),
-                        what: "removing an older epoch's file",
-                        source,
-                    })
-                })?;
-            }
-        }
-        Ok(())
+        files::delete_behind(files, epoch, self.strategy.state.keep)
     }
 
     fn main_epoch_end(&mut self, epoch: usize) -> bool {

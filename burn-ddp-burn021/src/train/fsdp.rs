@@ -152,18 +152,7 @@ where
             first: None,
         };
         model.visit(&mut whole);
-        match whole.first {
-            None => Ok(()),
-            Some(param) => Err(DdpError::model_access(
-                self.rank(),
-                "starting DdpStrategy::fsdp",
-                format!(
-                    "the Learner's model holds `{param}` whole, not this rank's shard: build \
-                     the Learner with `Learner::new(fsdp.shard(model)?, optimizer, scheduler)`, \
-                     with the FullyShard given to DdpStrategy::fsdp"
-                ),
-            )),
-        }
+        burn_ddp_comm::grad::refuse_whole_learner(self.rank(), whole.first)
     }
 
     fn whole_values(&self, model: &dyn Any) -> Result<usize> {

@@ -187,14 +187,22 @@ pub unsafe fn all_gather_blocks(
     // above) on this GPU, distinct, `send` written (the caller's contract); both stay allocated
     // until NCCL's stream is known done with them (below).
     unsafe { comm.all_gather_raw(send.ptr, recv.ptr, block, dtype) }?;
+    wait_or_leak(comm, what, [send, recv])
+}
+
+/// Waits for `comm`'s stream (with the collective deadline), then lets `spans` go; after a
+/// failure whose abort never leaves the stream idle, they are leaked rather than handed back to
+/// the pool under a transfer.
+fn wait_or_leak(comm: &NcclComm, what: &str, spans: [DeviceSpan; 2]) -> Result<()> {
     let waited = comm.wait();
     if waited.is_err() && !comm.drain(DRAIN_LIMIT) {
         tracing::error!(
-            "[rank {rank}] NCCL's stream did not go idle within {DRAIN_LIMIT:?} of its abort: \
+            "[rank {}] NCCL's stream did not go idle within {DRAIN_LIMIT:?} of its abort: \
              leaking the buffers of {what} rather than handing memory a transfer may still use \
-             to other tensors"
+             to other tensors",
+            comm.rank()
         );
-        std::mem::forget([send, recv]);
+        std::mem::forget(spans);
     }
     waited
 }
@@ -226,16 +234,7 @@ pub unsafe fn reduce_scatter_blocks(
     // above) on this GPU, distinct, `send` written (the caller's contract); both stay allocated
     // until NCCL's stream is known done with them (below).
     unsafe { comm.reduce_scatter_raw(send.ptr, recv.ptr, block, dtype, op) }?;
-    let waited = comm.wait();
-    if waited.is_err() && !comm.drain(DRAIN_LIMIT) {
-        tracing::error!(
-            "[rank {rank}] NCCL's stream did not go idle within {DRAIN_LIMIT:?} of its abort: \
-             leaking the buffers of {what} rather than handing memory a transfer may still use \
-             to other tensors"
-        );
-        std::mem::forget([send, recv]);
-    }
-    waited
+    wait_or_leak(comm, what, [send, recv])
 }
 
 /// Checks that a reduce-scattered bucket is `world` blocks of `block` elements.

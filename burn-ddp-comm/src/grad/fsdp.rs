@@ -686,6 +686,50 @@ impl FsdpState {
     }
 }
 
+/// The `max_norm` of a Learner strategy's `with_clip_grad_norm` (`sharded`: the strategy's
+/// model is, `DdpStrategy::fsdp`), checked.
+///
+/// # Errors
+/// A strategy whose model is not sharded (Burn's optimizer clipping serves whole gradients); a
+/// `max_norm` that is not finite and positive.
+pub fn checked_clip_norm(sharded: bool, max_norm: f64) -> Result<f64> {
+    use crate::error::ConfigError;
+    if !sharded {
+        return Err(crate::DdpError::Config(ConfigError::InvalidConfig {
+            field: "DdpStrategy::with_clip_grad_norm",
+            reason: "is for a sharded model (DdpStrategy::fsdp); with whole gradients use the \
+                     optimizer's own clipping (`with_grad_clipping` in its config)",
+        }));
+    }
+    if !(max_norm.is_finite() && max_norm > 0.0) {
+        return Err(crate::DdpError::Config(ConfigError::InvalidConfig {
+            field: "DdpStrategy::with_clip_grad_norm",
+            reason: "max_norm must be finite and positive",
+        }));
+    }
+    Ok(max_norm)
+}
+
+/// Refuses a Learner given to `DdpStrategy::fsdp` whose model holds `whole` (the path of its
+/// first parameter of several rows that is not a shard), when there is one.
+///
+/// # Errors
+/// [`ModelError::Access`](crate::ModelError::Access) naming the parameter and the fix.
+pub fn refuse_whole_learner(rank: crate::Rank, whole: Option<String>) -> Result<()> {
+    match whole {
+        None => Ok(()),
+        Some(param) => Err(crate::DdpError::model_access(
+            rank,
+            "starting DdpStrategy::fsdp",
+            format!(
+                "the Learner's model holds `{param}` whole, not this rank's shard: build the \
+                 Learner with `Learner::new(fsdp.shard(model)?, optimizer, scheduler)`, with \
+                 the FullyShard given to DdpStrategy::fsdp"
+            ),
+        )),
+    }
+}
+
 /// Whether this process sharded a model with FSDP, whose forward gathers the parameters, in
 /// training and in inference ([`made_sharded_model`]).
 static SHARDED_MODELS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

@@ -67,8 +67,9 @@ pub use check::{check_same_params, digest, ReplicaCheck};
 pub use counts::{DeviceCounters, DeviceCounts, DeviceWork};
 pub use drain::{DeviceDrain, DrainOutcome, DEVICE_DRAIN_LIMIT};
 pub use fsdp::{
-    gather_in, global_norm, made_sharded_model, reduce_scatter_in, sharded_models, FsdpConfig,
-    FsdpState, Held, Precision, ShardLayout, ShardedParam, StateTensor,
+    checked_clip_norm, gather_in, global_norm, made_sharded_model, reduce_scatter_in,
+    refuse_whole_learner, sharded_models, FsdpConfig, FsdpState, Held, Precision, ShardLayout,
+    ShardedParam, StateTensor,
 };
 pub use hook::{reduce_bucket, scatter_bucket, AllReduce, CommHook, CommHookFactory, HookChoice};
 pub use host::{plan_key, HostBuckets, HostComm, HostStep, HostSync, Reduced, ANSWER_SLACK};

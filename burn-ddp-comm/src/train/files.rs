@@ -154,6 +154,28 @@ impl SavedLog {
     }
 }
 
+/// Rank 0 removes the records (`files`: one per part) of the epoch `keep` before `epoch` (none
+/// below epoch 1), as burn-train's `KeepLastNCheckpoints` does, for checkpoints written without
+/// burn-train's checkpointer (a sharded model's, gathered by every rank).
+///
+/// # Errors
+/// A file that exists and cannot be removed.
+pub fn delete_behind(files: &[RecordFiles], epoch: usize, keep: usize) -> Result<()> {
+    let Some(old) = epoch.checked_sub(keep).filter(|e| *e > 0) else {
+        return Ok(());
+    };
+    for f in files {
+        f.delete(old).map_err(|source| {
+            DdpError::Job(JobError::CheckpointIo {
+                path: f.path(old),
+                what: "removing an older epoch's file",
+                source,
+            })
+        })?;
+    }
+    Ok(())
+}
+
 /// One of the three records of every epoch, in one directory, for one rank of a group.
 #[derive(Debug, Clone)]
 pub struct RecordFiles {

@@ -15,7 +15,7 @@ use burn::train::checkpoint::Checkpoint;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
 use burn_ddp_comm::group::handover::{saved_records, RecordSlot};
-use burn_ddp_comm::train::files::RecordFiles;
+use burn_ddp_comm::train::files::{self, RecordFiles};
 use burn_ddp_comm::{DdpError, JobError};
 
 use super::checkpoint;
@@ -66,18 +66,7 @@ pub(super) fn checkpoint<M: LearnerModel>(
     let what = "writing the whole optimizer state's checkpoint";
     optim_files.save(epoch, || encode(optim, what, rank))?;
     sched_files.save(epoch, || Ok::<_, DdpError>(sched))?;
-    if let Some(old) = epoch.checked_sub(keep).filter(|e| *e > 0) {
-        for f in files {
-            f.delete(old).map_err(|source| {
-                DdpError::Job(JobError::CheckpointIo {
-                    path: f.path(old),
-                    what: "removing an older epoch's file",
-                    source,
-                })
-            })?;
-        }
-    }
-    Ok(())
+    files::delete_behind(files, epoch, keep)
 }
 
 /// Resumes `learner` (this rank's shards) from the whole records of `epoch` (`files`: model,
@@ -145,16 +134,5 @@ pub(super) fn check_sharded<M: Module>(fsdp: &FullyShard, model: &M) -> Result<(
         first: None,
     };
     model.visit(&mut whole);
-    match whole.first {
-        None => Ok(()),
-        Some(param) => Err(DdpError::model_access(
-            fsdp.group().rank(),
-            "starting DdpStrategy::fsdp",
-            format!(
-                "the Learner's model holds `{param}` whole, not this rank's shard: build the \
-                 Learner with `Learner::new(fsdp.shard(model)?, optimizer, scheduler)`, with \
-                 the FullyShard given to DdpStrategy::fsdp"
-            ),
-        )),
-    }
+    burn_ddp_comm::grad::refuse_whole_learner(fsdp.group().rank(), whole.first)
 }

@@ -185,20 +185,8 @@ impl DdpStrategy {
     /// A strategy without FSDP (Burn's optimizer clipping does it there: the gradients are
     /// whole); a `max_norm` that is not finite and positive.
     pub fn with_clip_grad_norm(mut self, max_norm: f64) -> Result<Self> {
-        if self.fsdp.is_none() {
-            return Err(DdpError::Config(ConfigError::InvalidConfig {
-                field: "DdpStrategy::with_clip_grad_norm",
-                reason: "is for a sharded model (DdpStrategy::fsdp); with whole gradients use \
-                         the optimizer's own clipping (`with_grad_clipping` in its config)",
-            }));
-        }
-        if !(max_norm.is_finite() && max_norm > 0.0) {
-            return Err(DdpError::Config(ConfigError::InvalidConfig {
-                field: "DdpStrategy::with_clip_grad_norm",
-                reason: "max_norm must be finite and positive",
-            }));
-        }
-        self.clip = Some(max_norm);
+        let sharded = self.fsdp.is_some();
+        self.clip = Some(burn_ddp_comm::grad::checked_clip_norm(sharded, max_norm)?);
         Ok(self)
     }
 
