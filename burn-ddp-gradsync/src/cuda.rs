@@ -271,42 +271,28 @@ impl DevicePath {
 impl DevicePath {
     /// A ZeRO run's all-gather on the device (`zero.rs`'s `BlockGather`): on
     /// the step's thread, after its optimizer step (no bucket is in flight then, so the
-    /// communicator's calls keep one order on every rank). cubecl's stream is synchronised
-    /// first (the block must exist before NCCL reads it), and NCCL's is waited for before the
-    /// result is handed back.
+    /// communicator's calls keep one order on every rank). As [`blocks`](Self::blocks) with the
+    /// streams.
     pub(crate) fn all_gather(
         &self,
         what: &str,
         send: Tensor<1>,
         block: usize,
     ) -> Result<Tensor<1>> {
-        let comm = &self.comm;
-        let rank = comm.rank();
-        let counters = &self.core.counters;
-        let all = block * comm.world_size().as_usize();
-        let output = Tensor::<1>::empty([all], (&send.device(), BurnDType::F32));
-        let gathered = output.clone();
-        let (send_what, recv_what) = (format!("block of {what}"), format!("gathered {what}"));
-        let recv = cube_tensor(rank, output, &recv_what, counters)?;
-        let send =
-            burn_cubecl::kernel::into_contiguous(cube_tensor(rank, send, &send_what, counters)?);
-        <CubeBackend as burn::backend::Backend>::sync(&send.device)
-            .map_err(|e| queued_work_failed(rank, e))?;
-        let spans = [
-            pin(rank, send, &send_what, (block, BurnDType::F32))?,
-            pin(rank, recv, &recv_what, (all, BurnDType::F32))?,
-        ];
-        // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
-        // above completed; the call holds both until NCCL's stream is done with them.
-        unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }?;
-        Ok(gathered)
+        let all = block * self.comm.world_size().as_usize();
+        let names = (format!("block of {what}"), format!("gathered {what}"));
+        self.blocks(send, (block, all), names, |comm, spans| {
+            // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work
+            // `blocks` synchronised; the call holds both until NCCL's stream is done with them.
+            unsafe { all_gather_blocks(comm, what, (block, DType::F32), spans) }
+        })
     }
 
     /// A sharded parameter's whole gradient reduce-scattered on the device (FSDP's backward,
     /// `fsdp.rs`'s `ShardLink`): `send`, `world` blocks of `block` f32 elements, reduced by `op`
     /// over the ranks; this rank receives its block. On the thread of the backward that reached
     /// the parameter's gather (every rank's backward runs the same graph, so the calls keep
-    /// one order); as [`all_gather`](Self::all_gather) with the streams.
+    /// one order); as [`blocks`](Self::blocks) with the streams.
     pub(crate) fn reduce_scatter(
         &self,
         what: &str,
@@ -314,26 +300,41 @@ impl DevicePath {
         block: usize,
         op: ReduceOp,
     ) -> Result<Tensor<1>> {
+        let all = block * self.comm.world_size().as_usize();
+        let names = (format!("whole {what}"), format!("shard of {what}"));
+        self.blocks(send, (all, block), names, |comm, spans| {
+            // SAFETY: as in `all_gather`.
+            unsafe { reduce_scatter_blocks(comm, what, (block, DType::F32, op), spans) }
+        })
+    }
+
+    /// One collective of f32 blocks on the device: `send` (`lens.0` elements) made contiguous,
+    /// a fresh output of `lens.1`, cubecl's stream synchronised (the input must exist before
+    /// NCCL reads it), both pinned (named `names` in errors) and handed to `call`, which queues
+    /// the collective and waits for NCCL's stream before the output is handed back.
+    fn blocks(
+        &self,
+        send: Tensor<1>,
+        (send_len, recv_len): (usize, usize),
+        (send_what, recv_what): (String, String),
+        call: impl FnOnce(&NcclComm, [DeviceSpan; 2]) -> Result<()>,
+    ) -> Result<Tensor<1>> {
         let comm = &self.comm;
         let rank = comm.rank();
         let counters = &self.core.counters;
-        let output = Tensor::<1>::empty([block], (&send.device(), BurnDType::F32));
-        let mine = output.clone();
-        let (send_what, recv_what) = (format!("whole {what}"), format!("shard of {what}"));
+        let output = Tensor::<1>::empty([recv_len], (&send.device(), BurnDType::F32));
+        let result = output.clone();
         let recv = cube_tensor(rank, output, &recv_what, counters)?;
         let send =
             burn_cubecl::kernel::into_contiguous(cube_tensor(rank, send, &send_what, counters)?);
         <CubeBackend as burn::backend::Backend>::sync(&send.device)
             .map_err(|e| queued_work_failed(rank, e))?;
-        let all = block * comm.world_size().as_usize();
         let spans = [
-            pin(rank, send, &send_what, (all, BurnDType::F32))?,
-            pin(rank, recv, &recv_what, (block, BurnDType::F32))?,
+            pin(rank, send, &send_what, (send_len, BurnDType::F32))?,
+            pin(rank, recv, &recv_what, (recv_len, BurnDType::F32))?,
         ];
-        // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
-        // above completed; the call holds both until NCCL's stream is done with them.
-        unsafe { reduce_scatter_blocks(comm, what, (block, DType::F32, op), spans) }?;
-        Ok(mine)
+        call(comm, spans)?;
+        Ok(result)
     }
 }
 

@@ -38,7 +38,7 @@ use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam, StateTensor};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
 use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, ReduceOp, Result};
 
-use crate::grads::describe;
+use crate::grads::{describe, params_by_path};
 
 /// One sharded parameter: its whole shape and how it is cut.
 pub(crate) type Spec = ShardedParam;
@@ -580,11 +580,11 @@ impl FullyShard {
         let fail = |e: String| self.rank_error("cutting the model's record", e);
         let bytes = record.into_bytes().map_err(|e| fail(e.to_string()))?;
         let mut pack = read_pack(bytes).map_err(fail)?;
-        let here: HashMap<String, (u64, Vec<usize>)> = describe_ids(model)
+        let here: HashMap<String, (u64, Vec<usize>)> = params_by_path(model)
             .into_iter()
-            .map(|(path, id, shape)| {
-                let whole = self.spec(&ParamId::from(id)).map_or(shape, |s| s.shape);
-                (path, (id, whole))
+            .map(|p| {
+                let whole = self.spec(&p.id).map_or(p.dims, |s| s.shape);
+                (p.path, (p.id.val(), whole))
             })
             .collect();
         let mut ids = HashMap::new();
@@ -760,33 +760,6 @@ impl ShardLink for std::sync::Mutex<crate::cuda::DevicePath> {
 /// ([`FullyShard::shard_model_record`]).
 #[derive(Debug, Clone, Default)]
 pub struct RecordIds(HashMap<u64, u64>);
-
-/// Each float parameter of `model`: its path, id and shape.
-fn describe_ids<M: Module>(model: &M) -> Vec<(String, u64, Vec<usize>)> {
-    struct Ids {
-        path: Vec<String>,
-        out: Vec<(String, u64, Vec<usize>)>,
-    }
-    impl ModuleVisitor for Ids {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let path = self.path.join(".");
-            self.out
-                .push((path, param.id.val(), param.val().dims().to_vec()));
-        }
-    }
-    let mut ids = Ids {
-        path: Vec::new(),
-        out: Vec::new(),
-    };
-    model.visit(&mut ids);
-    ids.out
-}
 
 /// A record's burnpack contents, its tensors as f32: an optimizer's (Burn keys each state
 /// tensor by its parameter's id, `"{id}.{field}"`, with the id beside it; `zero.rs` says more)

@@ -4,7 +4,7 @@
 //! [`GradSync::sync`](crate::GradSync::sync) share; and a tensor made anew from f32 values,
 //! which the buffer broadcast and ZeRO's all-gather write back.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
 use burn_ddp_comm::grad::{BucketPlan, ParamInfo};
@@ -206,13 +206,24 @@ pub(crate) fn filled_like<const D: usize>(like: &Tensor<D>, values: &[f32]) -> T
     }
 }
 
-/// Float parameters in visit order: (what they are, whether they are trainable).
-pub(crate) fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
-    struct Describe {
+/// One float parameter of a model, found by [`params_by_path`].
+pub(crate) struct PathParam {
+    /// Its path in the model (`fc1.weight`).
+    pub(crate) path: String,
+    pub(crate) id: ParamId,
+    pub(crate) dims: Vec<usize>,
+    pub(crate) dtype: DType,
+    /// Whether it takes a gradient.
+    pub(crate) trainable: bool,
+}
+
+/// `model`'s float parameters in visit order, each with its path.
+pub(crate) fn params_by_path<M: Module>(model: &M) -> Vec<PathParam> {
+    struct Paths {
         path: Vec<String>,
-        out: Vec<(ParamInfo, bool)>,
+        out: Vec<PathParam>,
     }
-    impl ModuleVisitor for Describe {
+    impl ModuleVisitor for Paths {
         fn enter_module(&mut self, name: &str, _container: &str) {
             self.path.push(name.to_owned());
         }
@@ -221,20 +232,32 @@ pub(crate) fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let t = param.val();
-            let info = ParamInfo::new(
-                self.path.join("."),
-                t.dims().to_vec(),
-                format!("{:?}", t.dtype()),
-            );
-            self.out.push((info, param.is_require_grad()));
+            self.out.push(PathParam {
+                path: self.path.join("."),
+                id: param.id,
+                dims: t.dims().to_vec(),
+                dtype: t.dtype(),
+                trainable: param.is_require_grad(),
+            });
         }
     }
-    let mut d = Describe {
+    let mut paths = Paths {
         path: Vec::new(),
         out: Vec::new(),
     };
-    model.visit(&mut d);
-    d.out
+    model.visit(&mut paths);
+    paths.out
+}
+
+/// Float parameters in visit order: (what they are, whether they are trainable).
+pub(crate) fn describe<M: Module>(model: &M) -> Vec<(ParamInfo, bool)> {
+    params_by_path(model)
+        .into_iter()
+        .map(|p| {
+            let info = ParamInfo::new(p.path, p.dims, format!("{:?}", p.dtype));
+            (info, p.trainable)
+        })
+        .collect()
 }
 
 /// Refuses a model that FSDP sharded (`FullyShard::shard`) where `what` would treat its

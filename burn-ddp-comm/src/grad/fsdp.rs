@@ -396,8 +396,7 @@ impl FsdpState {
         self.link.set(link).is_ok()
     }
 
-    /// Counts one gather that a line ran on its device path (the host path's
-    /// [`gather`](Self::gather) counts its own).
+    /// Counts one gather (the host path's [`gather`](Self::gather) and a line's device path).
     pub fn count_gather(&self) {
         self.gathers
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -611,8 +610,7 @@ impl FsdpState {
         mine: std::result::Result<Vec<f32>, String>,
         precision: Precision,
     ) -> Vec<f32> {
-        self.gathers
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count_gather();
         let (mine, unread) = or_zeros(mine, p.layout.shard_len());
         let whole = gather_in(&p.layout, &self.pg, &mine, precision);
         if let Some(e) = unread {

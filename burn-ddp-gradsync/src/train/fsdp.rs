@@ -7,10 +7,10 @@
 //! which a run at any world size cuts again on resume; the trained model is gathered at the
 //! end.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::optim::OptimizerRecord;
 use burn::store::ModuleRecord;
-use burn::tensor::{Bytes, Tensor};
+use burn::tensor::Bytes;
 use burn::train::checkpoint::Checkpoint;
 use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel};
@@ -21,6 +21,7 @@ use burn_ddp_comm::{DdpError, JobError};
 use super::checkpoint;
 use super::handover;
 use crate::fsdp::FullyShard;
+use crate::grads::params_by_path;
 use crate::Result;
 
 /// A record's checkpoint bytes (burn-train's format) read back, or the error naming `what`.
@@ -109,30 +110,9 @@ pub(super) fn check_sharded<M: Module>(fsdp: &FullyShard, model: &M) -> Result<(
     if fsdp.group().world_size().as_usize() == 1 {
         return Ok(());
     }
-    struct Whole<'a> {
-        fsdp: &'a FullyShard,
-        path: Vec<String>,
-        first: Option<String>,
-    }
-    impl ModuleVisitor for Whole<'_> {
-        fn enter_module(&mut self, name: &str, _container: &str) {
-            self.path.push(name.to_owned());
-        }
-        fn exit_module(&mut self, _name: &str, _container: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let rows = param.val().dims().first().copied().unwrap_or(1);
-            if self.first.is_none() && rows > 1 && !self.fsdp.shards(&param.id) {
-                self.first = Some(self.path.join("."));
-            }
-        }
-    }
-    let mut whole = Whole {
-        fsdp,
-        path: Vec::new(),
-        first: None,
-    };
-    model.visit(&mut whole);
-    burn_ddp_comm::grad::refuse_whole_learner(fsdp.group().rank(), whole.first)
+    let whole = params_by_path(model).into_iter().find(|p| {
+        let rows = p.dims.first().copied().unwrap_or(1);
+        rows > 1 && !fsdp.shards(&p.id)
+    });
+    burn_ddp_comm::grad::refuse_whole_learner(fsdp.group().rank(), whole.map(|p| p.path))
 }
