@@ -40,11 +40,14 @@ use burn::optim::{Adam, AdamW, AdaptiveMomentumState, GradientsParams, Sgd, Simp
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 use burn_backend::tensor::FloatTensor;
+use burn_backend::FloatDType;
 use burn_ddp_comm::grad::{self, FsdpState, Held, ShardedParam};
 pub use burn_ddp_comm::grad::{FsdpConfig, Precision};
-use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, Result};
+use burn_ddp_comm::{ConfigError, DdpError, ProcessGroup, ReduceOp, Result};
 
-use crate::ddp::{param_infos, read_f32, write_f32};
+#[cfg(feature = "cuda")]
+use crate::ddp::gpu;
+use crate::ddp::{float_dtype, param_infos, read_f32, write_f32};
 use crate::Ddp;
 
 mod sealed {
@@ -82,8 +85,7 @@ impl<B: Backend> FsdpBackend for Ddp<B> {
     }
 
     fn gather_whole(how: &Gathering<'_>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
-        how.fsdp
-            .host_gather::<Self>(how.param, shard, how.precision)
+        how.fsdp.gather_one::<Self>(how.param, shard, how.precision)
     }
 }
 
@@ -95,7 +97,7 @@ impl<B: Backend, C: CheckpointStrategy> FsdpBackend for Autodiff<Ddp<B>, C> {
     fn gather_whole(how: &Gathering<'_>, shard: FloatTensor<Self>) -> FloatTensor<Self> {
         let fsdp = how.fsdp;
         let shard_dtype = shard.primitive.dtype();
-        let whole = fsdp.host_gather::<Ddp<B>>(how.param, shard.primitive.clone(), how.precision);
+        let whole = fsdp.gather_one::<Ddp<B>>(how.param, shard.primitive.clone(), how.precision);
         let state = State {
             fsdp: fsdp.clone(),
             param: how.param.clone(),
@@ -212,6 +214,84 @@ fn param_ids<B: Backend, M: Module<B>>(model: &M) -> Vec<ParamId> {
     ids.0
 }
 
+/// The dtype a parameter of `shard_dtype` is gathered in under `precision`.
+fn gathered_dtype(precision: Precision, shard_dtype: DType) -> DType {
+    match precision {
+        Precision::F32 => shard_dtype,
+        Precision::F16 => DType::F16,
+        Precision::Bf16 => DType::BF16,
+    }
+}
+
+/// `t` (of `len` elements) flattened, as f32.
+fn f32_flat<B2: Backend>(t: FloatTensor<B2>, len: usize) -> FloatTensor<B2> {
+    cast::<B2>(B2::float_reshape(t, [len].into()), DType::F32)
+}
+
+/// `t` cast to `dtype` (itself where it is of it).
+fn cast<B2: Backend>(t: FloatTensor<B2>, dtype: DType) -> FloatTensor<B2> {
+    match t.dtype() == dtype {
+        true => t,
+        false => B2::float_cast(t, float_dtype(dtype)),
+    }
+}
+
+/// The collectives of sharded parameters on a device path: NCCL's on the GPU (`ddp/gpu.rs`,
+/// set by [`FullyShard::shard`] for a model on `Ddp<Cuda>`'s GPU), a stand-in over the host in
+/// this module's tests. f32 blocks of `B2`'s tensors (`B2` is the gathers' backend, `Ddp<B>`),
+/// without autodiff.
+pub(crate) trait ShardLink<B2: Backend>: Send + Sync {
+    /// Whether tensors on `device` go this way.
+    fn serves(&self, device: &B2::Device) -> bool;
+
+    /// Every rank's `send` (`block` elements), concatenated in rank order.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn all_gather(
+        &self,
+        what: &str,
+        send: FloatTensor<B2>,
+        block: usize,
+    ) -> Result<FloatTensor<B2>>;
+
+    /// `send` (the ranks' blocks of `block` elements, in rank order) reduced by `op` over the
+    /// ranks: this rank's block.
+    ///
+    /// # Errors
+    /// The collective's failures.
+    fn reduce_scatter(
+        &self,
+        what: &str,
+        send: FloatTensor<B2>,
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<FloatTensor<B2>>;
+}
+
+/// NCCL's collectives for `Ddp<Cuda>`'s tensors (whose float tensors are `Cuda`'s), on the
+/// communicator's GPU.
+#[cfg(feature = "cuda")]
+impl ShardLink<Ddp<gpu::Gpu>> for burn_ddp_comm::cuda::NcclComm {
+    fn serves(&self, device: &gpu::GpuDevice) -> bool {
+        device.index == self.device_ordinal()
+    }
+
+    fn all_gather(&self, what: &str, send: gpu::CudaFloat, block: usize) -> Result<gpu::CudaFloat> {
+        gpu::all_gather_run(self, what, send, block)
+    }
+
+    fn reduce_scatter(
+        &self,
+        what: &str,
+        send: gpu::CudaFloat,
+        block: usize,
+        op: ReduceOp,
+    ) -> Result<gpu::CudaFloat> {
+        gpu::reduce_scatter_run(self, what, send, block, op)
+    }
+}
+
 /// What the backward needs: the sharding, the parameter, the shard's dtype, the precision.
 #[derive(Debug, Clone)]
 struct State {
@@ -238,7 +318,7 @@ impl<B: Backend> Backward<Ddp<B>, 1> for GatherOp {
         unary::<Ddp<B>, _>(ops.parents, ops.node, grads, |grad| {
             state
                 .fsdp
-                .host_reduce_scatter::<Ddp<B>>(&state.param, grad, state.shard_dtype)
+                .reduce_scatter_one::<Ddp<B>>(&state.param, grad, state.shard_dtype)
         });
     }
 }
@@ -255,7 +335,7 @@ impl<B: Backend> RetroForward for Regather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard = states.get_state::<FloatTensor<Ddp<B>>>(&self.shard);
         let s = &self.state;
-        let whole = s.fsdp.host_gather::<Ddp<B>>(&s.param, shard, s.precision);
+        let whole = s.fsdp.gather_one::<Ddp<B>>(&s.param, shard, s.precision);
         states.save(out_node, whole);
     }
 }
@@ -348,6 +428,8 @@ impl FullyShard {
         // The same parameters on every rank (names, shapes, dtypes), then rank 0's values one
         // parameter at a time, each cut as it arrives: the whole model is never held twice.
         grad::check_same_params(self.state.group(), &param_infos::<B, M>(&model))?;
+        #[cfg(feature = "cuda")]
+        self.connect::<B, M>(&model)?;
         struct Cut<'a> {
             state: &'a FsdpState,
             failed: Option<DdpError>,
@@ -395,6 +477,31 @@ impl FullyShard {
         }
     }
 
+    /// NCCL for the gathers and reduce-scatters of a model on `Ddp<Cuda>`'s GPU, once per
+    /// sharding: a collective, as [`shard`](Self::shard) is (every rank learns whether the
+    /// others' models are on a GPU too; `burn_ddp_comm::cuda::connect_where_placed`).
+    ///
+    /// # Errors
+    /// Some ranks' models are on a GPU and others' not; what NCCL's set-up fails with.
+    #[cfg(feature = "cuda")]
+    fn connect<B: AutodiffBackend, M: Module<B>>(&self, model: &M) -> Result<()> {
+        if self.state.link().is_some() {
+            return Ok(());
+        }
+        let device = model.devices().into_iter().next();
+        let ordinal = device
+            .as_ref()
+            .filter(|_| gpu::is_ddp_cuda::<B::InnerBackend>())
+            .and_then(gpu::cuda_ordinal);
+        let placed = device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"));
+        let auto = burn_ddp_comm::config::GradTransport::Auto;
+        let pg = self.state.group();
+        if let Some(comm) = burn_ddp_comm::cuda::connect_where_placed(pg, auto, ordinal, &placed)? {
+            self.set_link::<Ddp<gpu::Gpu>>(Arc::new(comm));
+        }
+        Ok(())
+    }
+
     /// `block` with each of its sharded parameters replaced by the whole parameter, gathered
     /// from every rank's shard (see the free function [`gather`], which calls this on the
     /// current sharding). A gather that fails gives a parameter of zeros and keeps the error
@@ -431,8 +538,131 @@ impl FullyShard {
         block.clone().map(&mut Whole(self, precision))
     }
 
-    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device; zeros
+    /// The whole parameter from `shard`, gathered in `precision`, on `shard`'s device: on the
+    /// device path `shard` set for that device (NCCL on the GPU), else through the host; zeros
     /// (and the error kept for `sync`) when the gather fails.
+    fn gather_one<B2: Backend>(
+        &self,
+        p: &ShardedParam,
+        shard: FloatTensor<B2>,
+        precision: Precision,
+    ) -> FloatTensor<B2> {
+        match self.link_for::<B2>(&B2::float_device(&shard)) {
+            Some(link) => self.device_gather(&*link, p, shard, precision),
+            None => self.host_gather::<B2>(p, shard, precision),
+        }
+    }
+
+    /// The gradient `whole` of a whole parameter reduce-scattered to this rank's shard, as
+    /// [`gather_one`](Self::gather_one) chooses the path.
+    fn reduce_scatter_one<B2: Backend>(
+        &self,
+        p: &ShardedParam,
+        whole: FloatTensor<B2>,
+        shard_dtype: DType,
+    ) -> FloatTensor<B2> {
+        match self.link_for::<B2>(&B2::float_device(&whole)) {
+            Some(link) => self.device_reduce_scatter(&*link, p, whole, shard_dtype),
+            None => self.host_reduce_scatter::<B2>(p, whole, shard_dtype),
+        }
+    }
+
+    /// Makes `link` the device path of this sharding's collectives for `B2`'s tensors (the
+    /// first one set stays).
+    #[cfg(any(test, feature = "cuda"))]
+    fn set_link<B2: Backend>(&self, link: Arc<dyn ShardLink<B2>>) {
+        self.state.set_link(Arc::new(link));
+    }
+
+    /// The device path `shard` set for `B2`'s tensors on `device`, if any.
+    fn link_for<B2: Backend>(&self, device: &B2::Device) -> Option<Arc<dyn ShardLink<B2>>> {
+        let link = self
+            .state
+            .link()?
+            .downcast_ref::<Arc<dyn ShardLink<B2>>>()?;
+        link.serves(device).then(|| Arc::clone(link))
+    }
+
+    /// The gather on `link`: the shard flattened to f32 on its device (one block), all-gathered
+    /// into every rank's block in rank order, the padding rows cut off, reshaped and cast to the
+    /// gathered dtype. Nothing goes through the host. The wire is f32 (a `param_dtype` of bf16
+    /// or f16 is the cast after it).
+    fn device_gather<B2: Backend>(
+        &self,
+        link: &dyn ShardLink<B2>,
+        p: &ShardedParam,
+        shard: FloatTensor<B2>,
+        precision: Precision,
+    ) -> FloatTensor<B2> {
+        self.state.count_gather();
+        let device = B2::float_device(&shard);
+        let dtype = gathered_dtype(precision, shard.dtype());
+        let block = p.layout.shard_len();
+        let flat = f32_flat::<B2>(shard, block);
+        let whole = link
+            .all_gather("a sharded parameter", flat, block)
+            .and_then(|all| self.fit::<B2>(all, p.layout.full_len(), &p.shape));
+        match whole {
+            Ok(whole) => cast::<B2>(whole, dtype),
+            Err(e) => {
+                self.state.fail(e);
+                B2::float_zeros(p.shape.clone().into(), &device, float_dtype(dtype))
+            }
+        }
+    }
+
+    /// The reduce-scatter on `link`: the whole gradient flattened to f32 on its device, padded
+    /// with zeros to the ranks' blocks, reduced (the mean or the sum, as configured) and
+    /// scattered; this rank's block reshaped to its shard and cast to the shard's dtype. The
+    /// wire is f32 (a `reduce_dtype` of bf16 or f16 is not applied on this path).
+    fn device_reduce_scatter<B2: Backend>(
+        &self,
+        link: &dyn ShardLink<B2>,
+        p: &ShardedParam,
+        whole: FloatTensor<B2>,
+        shard_dtype: DType,
+    ) -> FloatTensor<B2> {
+        let device = B2::float_device(&whole);
+        let (block, full) = (p.layout.shard_len(), p.layout.full_len());
+        let padding = block * p.layout.world - full;
+        let mut flat = f32_flat::<B2>(whole, full);
+        if padding > 0 {
+            let zeros = B2::float_zeros([padding].into(), &device, FloatDType::F32);
+            flat = B2::float_cat(vec![flat, zeros], 0);
+        }
+        let op = self.state.config().reduction.op();
+        let mine = link
+            .reduce_scatter("a sharded parameter's gradient", flat, block, op)
+            .and_then(|mine| self.fit::<B2>(mine, block, &p.shard_shape()));
+        match mine {
+            Ok(mine) => cast::<B2>(mine, shard_dtype),
+            Err(e) => {
+                self.state.fail(e);
+                B2::float_zeros(p.shard_shape().into(), &device, float_dtype(shard_dtype))
+            }
+        }
+    }
+
+    /// The first `len` values of `flat` in `shape`, or the error of a link that gave fewer.
+    fn fit<B2: Backend>(
+        &self,
+        flat: FloatTensor<B2>,
+        len: usize,
+        shape: &[usize],
+    ) -> Result<FloatTensor<B2>> {
+        let got = flat.shape().num_elements();
+        if got < len || shape.iter().product::<usize>() != len {
+            return Err(self.state.error(
+                "putting back a sharded parameter from the device path",
+                format!("{got} values came back where {len} in the shape {shape:?} were expected"),
+            ));
+        }
+        let kept = B2::float_slice(flat, &[burn_backend::Slice::from(0..len)]);
+        Ok(B2::float_reshape(kept, shape.to_vec().into()))
+    }
+
+    /// The whole parameter from `shard`, gathered in `precision` through the host, on `shard`'s
+    /// device; zeros (and the error kept for `sync`) when the gather fails.
     fn host_gather<B2: Backend>(
         &self,
         p: &ShardedParam,
@@ -440,17 +670,14 @@ impl FullyShard {
         precision: Precision,
     ) -> FloatTensor<B2> {
         let device = B2::float_device(&shard);
-        let dtype = match precision {
-            Precision::F32 => shard.dtype(),
-            Precision::F16 => DType::F16,
-            Precision::Bf16 => DType::BF16,
-        };
+        let dtype = gathered_dtype(precision, shard.dtype());
         let whole = self.state.gather(p, read_f32::<B2>(shard), precision);
         write_f32::<B2>(whole, p.shape.clone().into(), dtype, &device)
     }
 
-    /// The gradient `whole` of a whole parameter reduce-scattered: this rank's shard of the
-    /// ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it fails.
+    /// The gradient `whole` of a whole parameter reduce-scattered through the host: this rank's
+    /// shard of the ranks' mean (or sum), of `shard_dtype`; zeros (and the error kept) when it
+    /// fails.
     fn host_reduce_scatter<B2: Backend>(
         &self,
         p: &ShardedParam,
@@ -698,7 +925,7 @@ impl FullyShard {
             if dims != p.shard_shape().as_slice() {
                 return t;
             }
-            self.host_gather::<B::InnerBackend>(p, t, Precision::F32)
+            self.gather_one::<B::InnerBackend>(p, t, Precision::F32)
         })?;
         match self.state.take_failure() {
             Some(e) => Err(e),
@@ -867,6 +1094,127 @@ mod tests {
         });
         for e in errors {
             assert!(e.contains("weight is a shard of FullyShard::shard"), "{e}");
+        }
+    }
+
+    /// The device path's stand-in: the same collectives over the process group, with the
+    /// tensors read to the host (the NCCL path is `ddp/gpu.rs`'s, run by the GPU check). It
+    /// counts its calls.
+    struct HostLink {
+        pg: ProcessGroup,
+        calls: std::sync::atomic::AtomicUsize,
+    }
+
+    type Inner = Ddp<NdArray>;
+    use burn_backend::ops::FloatTensorOps;
+
+    impl HostLink {
+        fn tensor(&self, values: Vec<f32>, like: &FloatTensor<Inner>) -> FloatTensor<Inner> {
+            self.calls
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let n = values.len();
+            write_f32::<Inner>(values, [n].into(), DType::F32, &Inner::float_device(like))
+        }
+    }
+
+    impl ShardLink<Inner> for HostLink {
+        fn serves(&self, _device: &burn::backend::ndarray::NdArrayDevice) -> bool {
+            true
+        }
+
+        fn all_gather(
+            &self,
+            _what: &str,
+            send: FloatTensor<Inner>,
+            block: usize,
+        ) -> Result<FloatTensor<Inner>> {
+            assert_eq!(send.dtype(), DType::F32);
+            let mine = read_f32::<Inner>(send.clone()).unwrap();
+            assert_eq!(mine.len(), block);
+            let mut all = vec![0.0f32; block * self.pg.world_size().as_usize()];
+            self.pg.all_gather(&mine, &mut all)?;
+            Ok(self.tensor(all, &send))
+        }
+
+        fn reduce_scatter(
+            &self,
+            _what: &str,
+            send: FloatTensor<Inner>,
+            block: usize,
+            op: ReduceOp,
+        ) -> Result<FloatTensor<Inner>> {
+            assert_eq!(send.dtype(), DType::F32);
+            let all = read_f32::<Inner>(send.clone()).unwrap();
+            let mut mine = vec![0.0f32; block];
+            self.pg.reduce_scatter(&all, &mut mine, op)?;
+            Ok(self.tensor(mine, &send))
+        }
+    }
+
+    /// The device path's packing (each shard one f32 block, the padding rows cut off after the
+    /// gather, the whole gradient padded with zeros before the reduce-scatter, reshaped back)
+    /// gives what the host path gives: the forward's output and every gradient of a 5x3 layer
+    /// over 2 ranks (uneven: one padding row of the weight, one of the bias), with resharding
+    /// and its gather in backward, and without.
+    #[test]
+    fn the_device_path_packs_and_unpacks_as_the_host_path_computes() {
+        type Ck = Autodiff<Inner, BalancedCheckpointing>;
+        let device = Default::default();
+        let wave = |n: usize, step: f32| (0..n).map(|i| (i as f32 * step).sin()).collect();
+        let tensor = |values: Vec<f32>, shape: Vec<usize>| {
+            Tensor::<Ck, 2>::from_data(burn::tensor::TensorData::new(values, shape), &device)
+        };
+        for config in [
+            FsdpConfig::default(),
+            FsdpConfig::default().with_reshard_after_forward(false),
+        ] {
+            let run = |linked: bool| {
+                on_thread_ranks(2, |pg| {
+                    let fsdp = FullyShard::new(pg.clone(), config).unwrap();
+                    let link = Arc::new(HostLink {
+                        pg,
+                        calls: Default::default(),
+                    });
+                    if linked {
+                        fsdp.set_link::<Inner>(link.clone());
+                    }
+                    let mut model = LinearConfig::new(5, 3).init::<Ck>(&device);
+                    model.weight = Param::from_tensor(tensor(wave(15, 0.37), vec![5, 3]));
+                    model.bias = Some(Param::from_tensor(
+                        tensor(wave(3, 1.1), vec![1, 3]).reshape([3]),
+                    ));
+                    let model = fsdp.shard::<Ck, _>(model).unwrap();
+                    let out = gather(&model).forward(tensor(wave(20, 0.23), vec![4, 5]));
+                    let grads = GradientsParams::from_grads(out.clone().sum().backward(), &model);
+                    let grads = fsdp.sync(&model, grads).unwrap();
+                    let read = |g: Option<Tensor<Inner, 1>>| {
+                        read_f32::<Inner>(g.unwrap().into_primitive().tensor()).unwrap()
+                    };
+                    let weight = grads
+                        .get::<Inner, 2>(model.weight.id)
+                        .map(|g| g.reshape([-1]));
+                    let bias = grads.get::<Inner, 1>(model.bias.as_ref().unwrap().id);
+                    let got = (
+                        read_f32::<Inner>(out.inner().reshape([12]).into_primitive().tensor())
+                            .unwrap(),
+                        read(weight),
+                        read(bias),
+                    );
+                    let calls = link.calls.load(std::sync::atomic::Ordering::Relaxed);
+                    (got, (calls, fsdp.gathers()))
+                })
+            };
+            let (host, linked) = (run(false), run(true));
+            for ((h, (host_calls, host_gathers)), (l, (link_calls, gathers))) in
+                host.iter().zip(&linked)
+            {
+                // Weight and bias: a gather each in forward (and in backward where it reads
+                // them again), a reduce-scatter each; all of them on the link.
+                assert_eq!((*host_calls, host_gathers), (0, gathers), "{config:?}");
+                assert!(*gathers >= 2, "{config:?}");
+                assert_eq!(*link_calls as u64, gathers + 2, "{config:?}");
+                assert_eq!(h, l, "{config:?}");
+            }
         }
     }
 }

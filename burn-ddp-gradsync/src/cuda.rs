@@ -15,7 +15,7 @@
 //! fresh output, never memory Burn may still read. Both buffers stay pinned until NCCL's stream has
 //! been waited for (with the collective deadline).
 
-use burn_ddp_comm::{ConfigError, CudaError};
+use burn_ddp_comm::CudaError;
 use std::sync::Arc;
 
 use burn::backend::{BackendTypes, Cube, DispatchDevice};
@@ -185,8 +185,9 @@ impl std::fmt::Debug for DevicePath {
 
 impl DevicePath {
     /// The device path for a model on `device`, if gradient synchronisation over `pg` uses
-    /// NCCL for it (see [`connect_for_grads`]); `None`: host-staged. Collective: every rank
-    /// calls it in `prepare`, and learns whether the others' models are on a GPU too.
+    /// NCCL for it (see [`connect_where_placed`]); `None`: host-staged. Collective: every rank
+    /// calls it in `prepare` (FSDP: in `shard`), and learns whether the others' models are on
+    /// a GPU too.
     ///
     /// # Errors
     /// Some ranks' models are on a GPU and others' not; `transport` is `Nccl` for a model that
@@ -196,42 +197,13 @@ impl DevicePath {
         transport: burn_ddp_comm::config::GradTransport,
         device: Option<&Device>,
     ) -> Result<Option<Self>> {
-        use burn_ddp_comm::config::GradTransport;
-        if !wants_nccl(pg, transport) {
-            return Ok(None);
-        }
         let rank = pg.rank();
         let ordinal = device.and_then(cuda_ordinal);
-        let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
-        pg.all_reduce(&mut votes, ReduceOp::Sum)?;
-        if votes[0] > 0 && votes[1] > 0 {
-            return Err(DdpError::model_access(
-                rank,
-                "choosing how gradients travel",
-                format!(
-                    "{} rank(s) prepared a model on a CUDA device and {} on another device \
-                     (this rank: {}); put every rank's model on its GPU \
-                     (burn_ddp::cuda::rank_device), or every rank's on the CPU",
-                    votes[0],
-                    votes[1],
-                    device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}")),
-                ),
-            ));
-        }
-        let Some(ordinal) = ordinal else {
-            if transport == GradTransport::Nccl {
-                return Err(DdpError::Config(ConfigError::InvalidConfig {
-                    field: "DdpConfig::transport",
-                    reason: "GradTransport::Nccl needs a model on a CUDA device (Device::cuda, \
-                             see burn_ddp::cuda::rank_device); other devices use \
-                             GradTransport::Host or Auto",
-                }));
-            }
+        let placed = device.map_or_else(|| "no parameters".to_owned(), |d| format!("{d:?}"));
+        let Some(comm) = connect_where_placed(pg, transport, ordinal, &placed)? else {
             return Ok(None);
         };
-        let Some(comm) = connect_for_grads(pg, transport, Some(ordinal))? else {
-            return Ok(None);
-        };
+        let ordinal = comm.device_ordinal();
         let comm = Arc::new(comm);
         let queue = Arc::clone(&comm);
         let counters = Arc::new(DeviceCounters::default());

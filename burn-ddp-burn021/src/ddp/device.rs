@@ -33,7 +33,7 @@ use burn_ddp_comm::grad::{
 };
 
 use crate::comm::{DType, ReduceOp};
-use crate::ddp::values::{read_f32, write_f32};
+use crate::ddp::values::{float_dtype, read_f32, write_f32};
 use crate::group::Rank;
 use crate::{DdpError, Result};
 
@@ -46,16 +46,6 @@ pub(crate) fn bucket_dtype(c: crate::Compression) -> (DType, BurnDType) {
         crate::Compression::None => (DType::F32, BurnDType::F32),
         crate::Compression::F16 => (DType::F16, BurnDType::F16),
         crate::Compression::Bf16 => (DType::BF16, BurnDType::BF16),
-    }
-}
-
-/// Burn's float type for a float `DType`.
-pub(crate) fn float_dtype(d: BurnDType) -> FloatDType {
-    match d {
-        BurnDType::F64 => FloatDType::F64,
-        BurnDType::F16 => FloatDType::F16,
-        BurnDType::BF16 => FloatDType::BF16,
-        _ => FloatDType::F32,
     }
 }
 

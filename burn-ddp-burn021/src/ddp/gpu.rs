@@ -34,7 +34,7 @@ use crate::group::Rank;
 use crate::Result;
 use burn_ddp_comm::cuda::{
     all_gather_blocks, check_bucket_tensor, no_device_resource, queued_work_failed, reduce_bucket,
-    BucketBuffer, BucketCall, DeviceSpan, NcclComm,
+    reduce_scatter_blocks, BucketBuffer, BucketCall, DeviceSpan, NcclComm,
 };
 use burn_ddp_comm::grad::{BucketIssuer, DeviceCounters, DeviceCounts, DeviceWork, Queue};
 
@@ -230,11 +230,11 @@ fn pin(
     Ok(unsafe { DeviceSpan::new(ptr, bytes, (cube, resource)) })
 }
 
-/// A ZeRO run's all-gather on the GPU (`ZeroOptimizer`'s, `zero.rs`): every rank's `send`
-/// (`block` f32 elements), concatenated in rank order into a fresh tensor. On the step's thread
-/// after its optimizer step (no bucket is in flight then, so the communicator's calls keep one
-/// order on every rank): cubecl's stream is synchronised first (the block must exist before
-/// NCCL reads it), and NCCL's is waited for before the result is handed back.
+/// A ZeRO run's all-gather on the GPU (`ZeroOptimizer`'s, `zero.rs`), and FSDP's gather of a
+/// sharded parameter (`fsdp.rs`): every rank's `send` (`block` f32 elements), concatenated in
+/// rank order into a fresh tensor. On the step's (or the forward's) thread, where no bucket is
+/// in flight on the communicator, so its calls keep one order on every rank; as [`blocks`] with
+/// the streams.
 ///
 /// # Errors
 /// The block is not `block` f32 elements; the collective's failures.
@@ -244,24 +244,62 @@ pub(crate) fn all_gather_run(
     send: CudaFloat,
     block: usize,
 ) -> Result<CudaFloat> {
-    let rank = comm.rank();
     let all = block * comm.world_size().as_usize();
+    let names = (format!("block of {what}"), format!("gathered {what}"));
+    blocks(comm, send, (block, all), names, |spans| {
+        // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work `blocks`
+        // synchronised; the call holds both until NCCL's stream is done with them.
+        unsafe { all_gather_blocks(comm, what, (block, burn_ddp_comm::DType::F32), spans) }
+    })
+}
+
+/// A sharded parameter's whole gradient reduce-scattered on the GPU (FSDP's backward,
+/// `fsdp.rs`): `send`, `world` blocks of `block` f32 elements, reduced by `op` over the ranks;
+/// this rank receives its block. On the thread of the backward that reached the parameter's
+/// gather (every rank's backward runs the same graph, so the calls keep one order).
+///
+/// # Errors
+/// `send` is not `world` blocks of `block` f32 elements; the collective's failures.
+pub(crate) fn reduce_scatter_run(
+    comm: &NcclComm,
+    what: &str,
+    send: CudaFloat,
+    block: usize,
+    op: burn_ddp_comm::ReduceOp,
+) -> Result<CudaFloat> {
+    let all = block * comm.world_size().as_usize();
+    let names = (format!("whole {what}"), format!("shard of {what}"));
+    blocks(comm, send, (all, block), names, |spans| {
+        // SAFETY: as in `all_gather_run`.
+        unsafe { reduce_scatter_blocks(comm, what, (block, burn_ddp_comm::DType::F32, op), spans) }
+    })
+}
+
+/// One collective of f32 blocks on the GPU: `send` (`lens.0` elements) made contiguous, a
+/// fresh output of `lens.1`, cubecl's stream synchronised (the input must exist before NCCL
+/// reads it), both pinned (named `names` in errors) and handed to `call`, which queues the
+/// collective and waits for NCCL's stream before the output is handed back.
+fn blocks(
+    comm: &NcclComm,
+    send: CudaFloat,
+    (send_len, recv_len): (usize, usize),
+    (send_what, recv_what): (String, String),
+    call: impl FnOnce([DeviceSpan; 2]) -> Result<()>,
+) -> Result<CudaFloat> {
+    let rank = comm.rank();
     let device = <Gpu as FloatTensorOps<Gpu>>::float_device(&send);
     let output =
-        <Gpu as FloatTensorOps<Gpu>>::float_empty(Shape::new([all]), &device, FloatDType::F32);
-    let gathered = output.clone();
+        <Gpu as FloatTensorOps<Gpu>>::float_empty(Shape::new([recv_len]), &device, FloatDType::F32);
+    let result = output.clone();
     let recv = output.resolve();
     let send = burn_cubecl::kernel::into_contiguous(send.resolve());
     <Cube as Backend>::sync(&device).map_err(|e| queued_work_failed(rank, e))?;
-    let (send_what, recv_what) = (format!("block of {what}"), format!("gathered {what}"));
     let spans = [
-        pin(rank, send, &send_what, (block, DType::F32))?,
-        pin(rank, recv, &recv_what, (all, DType::F32))?,
+        pin(rank, send, &send_what, (send_len, DType::F32))?,
+        pin(rank, recv, &recv_what, (recv_len, DType::F32))?,
     ];
-    // SAFETY: both on this GPU, distinct (`recv` is fresh), `send` written by work the sync
-    // above completed; the call holds both until NCCL's stream is done with them.
-    unsafe { all_gather_blocks(comm, what, (block, burn_ddp_comm::DType::F32), spans) }?;
-    Ok(gathered)
+    call(spans)?;
+    Ok(result)
 }
 
 #[cfg(test)]

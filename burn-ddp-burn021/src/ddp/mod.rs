@@ -46,7 +46,7 @@ pub use burn_ddp_comm::grad::{
 pub(crate) use model::param_infos;
 pub use model::DdpModule;
 pub(crate) use reducer::Reducer;
-pub(crate) use values::{read_f32, write_f32};
+pub(crate) use values::{float_dtype, read_f32, write_f32};
 pub use zero::ZeroOptimizer;
 
 /// The data-parallel backend decorator: `Autodiff<Ddp<B>>` trains like `Autodiff<B>`, with

@@ -3,7 +3,7 @@
 //! buffer broadcast and ZeRO's all-gather write back into a module's tensors.
 
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{read_sync, Backend, DType, TensorData, TensorMetadata};
+use burn_backend::{read_sync, Backend, DType, FloatDType, TensorData, TensorMetadata};
 
 /// Reads a float tensor as f32 values, in row-major order.
 pub(crate) fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, String> {
@@ -17,6 +17,18 @@ pub(crate) fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Result<Vec<f32>, S
     data.convert_dtype(DType::F32)
         .into_vec::<f32>()
         .map_err(|e| format!("{e:?}"))
+}
+
+/// The float type a float tensor of `d` is cast to or made in (`FloatDType`; a dtype that is
+/// not a float, which no float tensor has, gives f32).
+pub(crate) fn float_dtype(d: DType) -> FloatDType {
+    match d {
+        DType::F64 => FloatDType::F64,
+        DType::F16 => FloatDType::F16,
+        DType::BF16 => FloatDType::BF16,
+        DType::Flex32 => FloatDType::Flex32,
+        _ => FloatDType::F32,
+    }
 }
 
 /// The inverse of `read_f32`: a tensor of `shape` and `dtype` on `device` holding `values`.

@@ -213,7 +213,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for PlaceGpu<'_> {
         let part = if dtype == burn_backend::DType::F32 {
             part
         } else {
-            gpu::Gpu::float_cast(part, super::device::float_dtype(dtype))
+            gpu::Gpu::float_cast(part, super::float_dtype(dtype))
         };
         // `B::InnerBackend` is `Ddp<Cuda>` (checked before the gather), whose tensors are
         // `Cuda`'s.

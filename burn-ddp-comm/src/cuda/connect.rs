@@ -56,6 +56,52 @@ pub fn connect_for_grads(
     })
 }
 
+/// [`connect_for_grads`] for a model placed on GPU `ordinal` (`None`: on another device, or
+/// without parameters; `placed` names where, for the error), after one vote that every rank's
+/// model is on a GPU or none is. Collective: every rank of `pg` calls it at the same point
+/// (both lines' DDP `prepare` and FSDP's `shard`). `Ok(None)`: the host-staged transport
+/// (`transport` does not want NCCL here, no model is on a GPU, or some rank cannot use NCCL).
+///
+/// # Errors
+/// Some ranks' models are on a GPU and others' not; `transport` is `Nccl` for a model that is
+/// not on a CUDA device; what [`connect_for_grads`] fails with.
+pub fn connect_where_placed(
+    pg: &ProcessGroup,
+    transport: GradTransport,
+    ordinal: Option<usize>,
+    placed: &str,
+) -> Result<Option<NcclComm>> {
+    if !wants_nccl(pg, transport) {
+        return Ok(None);
+    }
+    let mut votes = [i64::from(ordinal.is_some()), i64::from(ordinal.is_none())];
+    pg.all_reduce(&mut votes, ReduceOp::Sum)?;
+    if votes[0] > 0 && votes[1] > 0 {
+        return Err(DdpError::model_access(
+            pg.rank(),
+            "choosing how gradients travel",
+            format!(
+                "{} rank(s) placed a model on a CUDA device and {} on another device \
+                 (this rank: {placed}); put every rank's model on its GPU \
+                 (burn_ddp::cuda::rank_device), or every rank's on the CPU",
+                votes[0], votes[1],
+            ),
+        ));
+    }
+    let Some(ordinal) = ordinal else {
+        if transport == GradTransport::Nccl {
+            return Err(DdpError::Config(crate::error::ConfigError::InvalidConfig {
+                field: "DdpConfig::transport",
+                reason: "GradTransport::Nccl needs a model on a CUDA device (see \
+                         burn_ddp::cuda::rank_device); other devices use GradTransport::Host \
+                         or Auto",
+            }));
+        }
+        return Ok(None);
+    };
+    connect_for_grads(pg, transport, Some(ordinal))
+}
+
 /// A communicator on trial, as the vote needs it.
 trait Trial {
     /// Kept by every rank: its failures are the job's from now on.
@@ -315,6 +361,58 @@ mod tests {
             };
             assert!(e.contains(expected), "rank {rank}: {e}");
             assert_eq!(marks, None, "rank {rank} tried NCCL");
+        }
+    }
+
+    /// What each of 2 ranks gets from [`connect_where_placed`] with the model of rank `r` on
+    /// `placed[r]`, under `transport`; each checks the host collectives afterwards.
+    fn placed(transport: GradTransport, placed: [Option<usize>; 2]) -> Vec<Result<bool>> {
+        let groups = ProcessGroup::local(WorldSize::new(2).unwrap(), Timeouts::default());
+        let threads: Vec<_> = groups
+            .into_iter()
+            .map(|pg| {
+                std::thread::spawn(move || {
+                    let ordinal = placed[pg.rank().0 as usize];
+                    let out =
+                        connect_where_placed(&pg, transport, ordinal, "Cpu").map(|c| c.is_some());
+                    let mut x = [1.0f32];
+                    pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+                    assert_eq!(x, [2.0]);
+                    out
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn models_on_a_gpu_on_some_ranks_only_fail_every_rank_before_nccl() {
+        for transport in [GradTransport::Auto, GradTransport::Nccl] {
+            for (rank, outcome) in placed(transport, [Some(0), None]).into_iter().enumerate() {
+                let e = outcome.unwrap_err().to_string();
+                assert!(
+                    e.contains("1 rank(s) placed a model on a CUDA device and 1"),
+                    "{e}"
+                );
+                assert!(e.contains("rank_device"), "rank {rank}: {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn models_on_no_gpu_stay_on_the_host_unless_nccl_is_required() {
+        for outcome in placed(GradTransport::Auto, [None, None]) {
+            assert!(!outcome.unwrap());
+        }
+        for outcome in placed(GradTransport::Host, [Some(0), None]) {
+            assert!(
+                !outcome.unwrap(),
+                "the host transport asks nothing of the placement"
+            );
+        }
+        for outcome in placed(GradTransport::Nccl, [None, None]) {
+            let e = outcome.unwrap_err().to_string();
+            assert!(e.contains("needs a model on a CUDA device"), "{e}");
         }
     }
 }

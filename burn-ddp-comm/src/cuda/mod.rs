@@ -28,7 +28,7 @@ pub use bucket::{
     all_gather_blocks, no_device_resource, queued_work_failed, reduce_bucket,
     reduce_scatter_blocks, BucketBuffer, BucketCall, DeviceSpan,
 };
-pub use connect::{connect_for_grads, wants_nccl};
+pub use connect::{connect_for_grads, connect_where_placed, wants_nccl};
 pub use device::{
     context_for, describe_gpus, device_count, driver_present, ordinal_for, rank_ordinal,
 };
