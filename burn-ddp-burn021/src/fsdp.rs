@@ -35,8 +35,11 @@ use burn::backend::autodiff::ops::{unary, Backward, Ops, OpsKind};
 use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::momentum::MomentumState;
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{Adam, AdamW, AdaptiveMomentumState, GradientsParams, Sgd, SimpleOptimizer};
+use burn::optim::{
+    Adam, AdamW, AdaptiveMomentumState, GradientsParams, Sgd, SgdState, SimpleOptimizer,
+};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 use burn_backend::tensor::FloatTensor;
@@ -141,16 +144,16 @@ type OptimState<O, B> = HashMap<ParamId, AdaptorRecord<O, B>>;
 
 /// Burn's optimizers whose state FSDP gathers and cuts on Burn 0.21, whose optimizer records
 /// are typed by the state's rank (each `O::State<D>`): each says where its per-parameter
-/// tensors are. Adam and AdamW (their moments); SGD without momentum (no state). SGD with
-/// momentum is refused: its `MomentumState::velocity` is private (burn-optim 0.21.0
-/// `optim/momentum.rs` line 26).
+/// tensors are. Adam and AdamW (their moments); SGD (its momentum's velocity, if any).
 pub trait FsdpOptimizer<B: Backend>: SimpleOptimizer<B> {
-    /// `state` with each of its per-parameter tensors mapped by `f`.
+    /// `state` (of a parameter on `device`) with each of its per-parameter tensors mapped by
+    /// `f`.
     ///
     /// # Errors
     /// A state whose tensors this crate cannot reach.
     fn map_state<const D: usize>(
         state: Self::State<D>,
+        device: &B::Device,
         f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
     ) -> std::result::Result<Self::State<D>, String>;
 }
@@ -168,6 +171,7 @@ fn map_moments<B: Backend, const D: usize>(
 impl<B: Backend> FsdpOptimizer<B> for Adam {
     fn map_state<const D: usize>(
         mut state: Self::State<D>,
+        _device: &B::Device,
         f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
     ) -> std::result::Result<Self::State<D>, String> {
         map_moments(&mut state.momentum, f);
@@ -178,6 +182,7 @@ impl<B: Backend> FsdpOptimizer<B> for Adam {
 impl<B: Backend> FsdpOptimizer<B> for AdamW {
     fn map_state<const D: usize>(
         mut state: Self::State<D>,
+        _device: &B::Device,
         f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
     ) -> std::result::Result<Self::State<D>, String> {
         map_moments(&mut state.momentum, f);
@@ -188,16 +193,21 @@ impl<B: Backend> FsdpOptimizer<B> for AdamW {
 impl<B: Backend> FsdpOptimizer<B> for Sgd<B> {
     fn map_state<const D: usize>(
         state: Self::State<D>,
-        _f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
+        device: &B::Device,
+        f: &mut dyn FnMut(Tensor<B, D>) -> Tensor<B, D>,
     ) -> std::result::Result<Self::State<D>, String> {
-        match state.momentum {
-            None => Ok(state),
-            Some(_) => Err("SGD with momentum keeps its velocity private on Burn 0.21 \
-                            (burn-optim 0.21.0 optim/momentum.rs line 26), so FSDP cannot gather \
-                            it: resume at the same world size from each rank's own record, or \
-                            use Adam or AdamW"
-                .to_string()),
-        }
+        use burn::record::{FullPrecisionSettings, Record};
+        let Some(momentum) = state.momentum else {
+            return Ok(state);
+        };
+        // `MomentumState::velocity` is private (burn-optim 0.21.0 `optim/momentum.rs` line
+        // 26), but the item of its record is not (burn-derive 0.21.0 `record/item/
+        // codegen_struct.rs` line 42 makes every field of a record's item `pub`) and
+        // `MomentumState::new` is public (`derive(new)`, line 24): the velocity goes out
+        // through the item, at full precision, and back through `new`.
+        let item = momentum.into_item::<FullPrecisionSettings>();
+        let velocity = Tensor::<B, D>::from_item::<FullPrecisionSettings>(item.velocity, device);
+        Ok(SgdState::new(Some(MomentumState::new(f(velocity)))))
     }
 }
 
@@ -1002,7 +1012,8 @@ impl FullyShard {
                     return;
                 };
                 let f = &mut *self.f;
-                let mapped = O::map_state::<D>(entry.into_state::<D>(), &mut |t| {
+                let device = param.device();
+                let mapped = O::map_state::<D>(entry.into_state::<D>(), &device, &mut |t| {
                     let (dims, device) = (t.dims(), t.device());
                     let whole = f(&p, &dims, &device, t.into_primitive().tensor());
                     Tensor::from_primitive(TensorPrimitive::Float(whole))
@@ -1215,6 +1226,72 @@ mod tests {
                 assert_eq!(*link_calls as u64, gathers + 2, "{config:?}");
                 assert_eq!(h, l, "{config:?}");
             }
+        }
+    }
+
+    /// The velocity of parameter `id` in an SGD record (through its record's item, as
+    /// `map_state` reaches it): its dims and values.
+    fn velocity<R>(record: R, id: ParamId) -> (Vec<usize>, Vec<f32>)
+    where
+        R: IntoIterator<Item = (ParamId, AdaptorRecord<Sgd<Inner>, Plain>)>,
+    {
+        use burn::record::{FullPrecisionSettings, Record};
+        let (_, entry) = record.into_iter().find(|(k, _)| *k == id).unwrap();
+        let momentum = entry.into_state::<2>().momentum.unwrap();
+        let item = momentum.into_item::<FullPrecisionSettings>();
+        let v = Tensor::<Inner, 2>::from_item::<FullPrecisionSettings>(
+            item.velocity,
+            &Default::default(),
+        );
+        (v.dims().to_vec(), v.into_data().to_vec::<f32>().unwrap())
+    }
+
+    /// SGD's momentum (its velocity private on Burn 0.21, reached through its record's item) is
+    /// gathered whole and cut back: the whole velocity of a 5x3 weight over 2 ranks is the
+    /// ranks' shards in rank order, the padding row cut off, and cutting it again gives each
+    /// rank its own velocity back.
+    #[test]
+    fn sgd_momentum_is_gathered_whole_and_cut_back() {
+        use burn::optim::momentum::MomentumConfig;
+        use burn::optim::{Optimizer, SgdConfig};
+        let results = on_thread_ranks(2, |pg| {
+            let keep = FsdpConfig::default().with_reshard_after_forward(false);
+            let fsdp = FullyShard::new(pg.clone(), keep).unwrap();
+            let device = Default::default();
+            let model = LinearConfig::new(5, 3).init::<Plain>(&device);
+            let mut model = fsdp.shard::<Plain, _>(model).unwrap();
+            let mut optim = SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new()))
+                .init::<Plain, burn::nn::Linear<Plain>>();
+            for step in 0..2 {
+                let rank = pg.rank().index() as f32;
+                let x = Tensor::<Plain, 2>::full([4, 5], 1.0 + rank + step as f32, &device);
+                let loss = gather(&model).forward(x).powi_scalar(2).sum();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = fsdp.sync::<Plain, _>(&model, grads).unwrap();
+                model = optim.step(0.01, model, grads);
+            }
+            let id = model.weight.id;
+            let record = optim.to_record();
+            let mine = velocity(record.clone(), id);
+            let whole = fsdp.full_optimizer_record(&model, record).unwrap();
+            let all = velocity(whole.clone(), id);
+            let back = fsdp.shard_optimizer_record(&model, whole).unwrap();
+            (mine, all, velocity(back, id))
+        });
+        let (r0, r1) = (&results[0].0, &results[1].0);
+        assert_eq!(
+            (r0.0.as_slice(), r1.0.as_slice()),
+            ([3, 3].as_slice(), [3, 3].as_slice())
+        );
+        assert!(
+            r0.1.iter().chain(&r1.1).any(|v| *v != 0.0),
+            "no velocity: the test cannot fail"
+        );
+        let expected: Vec<f32> = r0.1.iter().chain(&r1.1[..6]).copied().collect();
+        for (mine, all, back) in &results {
+            assert_eq!(all, &(vec![5, 3], expected.clone()));
+            assert_eq!(back, mine);
         }
     }
 }

@@ -488,9 +488,6 @@ pub fn scenarios() -> Vec<Scenario> {
     ]
 }
 
-/// Full precision, for the suite's filters (a line that computes in f32 only).
-pub const F32_PRECISION: Precision = Precision::F32;
-
 /// The FSDP scenarios ([`Opt::AdamFsdp`], [`Opt::SgdFsdp`]): Adam on shards, uneven shards
 /// (the MLP's first weight has 8 rows and its output bias 3, so neither 2 nor 3 ranks cut them
 /// evenly), the parameters gathered again for backward (`reshard_after_forward`, the default)
@@ -690,32 +687,6 @@ macro_rules! fsdp_suite {
             fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
             fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard,
             fsdp_mlp_sgd_bf16);
-    };
-    // A line that computes in f32 only (Burn 0.21's NdArray): every scenario but the
-    // reduced-precision ones, and the check that those left out are exactly them.
-    ($line:ty; f32_only) => {
-        $crate::fsdp_suite!(@some $line;
-            fsdp_mlp_adam, fsdp_mlp_adam_no_reshard, fsdp_conv_adam_accumulate_2, fsdp_tied_adam,
-            fsdp_tied_adam_no_reshard, fsdp_mlp_adam_resume_3, fsdp_tied_adam_resume_2_no_reshard);
-    };
-    (@some $line:ty; $($name:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $name() {
-                $crate::conformance::run::<$line>(stringify!($name));
-            }
-        )*
-
-        #[test]
-        fn the_fsdp_suite_runs_every_f32_scenario() {
-            let names: Vec<&str> = $crate::conformance::fsdp_scenarios()
-                .iter()
-                .filter(|s| !matches!(s.opt, $crate::conformance::Opt::SgdFsdp(c)
-                    if c.param_dtype != $crate::conformance::F32_PRECISION))
-                .map(|s| s.name)
-                .collect();
-            assert_eq!(names, [$(stringify!($name)),*]);
-        }
     };
     (@tests $line:ty; $($name:ident),* $(,)?) => {
         $(

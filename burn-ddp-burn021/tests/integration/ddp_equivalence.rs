@@ -41,6 +41,12 @@ type B = Autodiff<Ddp<burn::backend::NdArray>>;
 type B = Autodiff<Ddp<burn::backend::Cuda>>;
 /// `B` under Burn's gradient checkpointing: what FSDP's resharding needs.
 type Bc = Autodiff<<B as AutodiffBackend>::InnerBackend, BalancedCheckpointing>;
+/// The FSDP scenarios in reduced precision: Burn's Flex backend (NdArray computes in f32 and
+/// f64 only), with checkpointing; on the GPU, `Bc`.
+#[cfg(not(feature = "cuda"))]
+type Bh = Autodiff<Ddp<burn::backend::Flex>, BalancedCheckpointing>;
+#[cfg(feature = "cuda")]
+type Bh = Bc;
 
 /// f32 training on this binary's backend.
 #[cfg(not(feature = "cuda"))]
@@ -152,9 +158,12 @@ impl<B: FsdpBackend> Net<B> for Mlp<B> {
     fn loss(&self, x: Tensor<B, 2>, y: Tensor<B, 2>) -> Tensor<B, 1> {
         // `gather`: the FSDP scenarios' one changed line per block; without a `FullyShard`,
         // or on a whole model, the block itself.
-        let h = self.act.forward(gather(&self.fc1).forward(x));
-        let out = gather(&self.fc2).forward(h);
-        (out - y).powi_scalar(2).mean()
+        // Under FSDP's bf16 policy the gathered weights are bf16: the input is cast to them
+        // (FSDP2's `cast_forward_inputs`), the output back to the loss's f32.
+        let (fc1, fc2) = (gather(&self.fc1), gather(&self.fc2));
+        let x = x.cast(fc1.weight.val().dtype());
+        let h = self.act.forward(fc1.forward(x));
+        (fc2.forward(h).cast(y.dtype()) - y).powi_scalar(2).mean()
     }
 }
 
@@ -247,9 +256,12 @@ impl Line for Line021 {
             }
         }
         if let Opt::AdamFsdp(config) | Opt::SgdFsdp(config) = s.opt {
-            return match config.reshard_after_forward {
-                true => fsdp_train::<Bc>(pg, s, config),
-                false => fsdp_train::<B>(pg, s, config),
+            let f32 = config.param_dtype == burn_ddp::fsdp::Precision::F32;
+            return match (config.reshard_after_forward, f32) {
+                (true, true) => fsdp_train::<Bc>(pg, s, config),
+                (false, true) => fsdp_train::<B>(pg, s, config),
+                (true, false) => fsdp_train::<Bh>(pg, s, config),
+                (false, false) => panic!("no FSDP scenario keeps reduced-precision parameters"),
             };
         }
         match s.net {
@@ -265,8 +277,7 @@ impl Line for Line021 {
 burn_ddp_dev::conformance_suite!(Line021);
 
 mod fsdp {
-    // Not the reduced-precision scenario: NdArray computes in f32 and f64 only.
-    burn_ddp_dev::fsdp_suite!(super::Line021; f32_only);
+    burn_ddp_dev::fsdp_suite!(super::Line021);
 }
 
 /// An FSDP scenario on backend `Bk` (`B`, or `Bc` where the parameters are gathered again for
@@ -281,9 +292,12 @@ fn fsdp_train<Bk: FsdpBackend + AutodiffBackend>(
         s: &Scenario,
         config: FsdpConfig,
     ) -> Trained {
-        match s.mode {
-            conformance::Mode::Resume(_) => run_fsdp_resume::<Bk, M>(pg, config),
-            _ => run_fsdp::<Bk, M>(pg, s, config),
+        match (s.mode, s.opt) {
+            (conformance::Mode::Resume(_), _) => run_fsdp_resume::<Bk, M>(pg, config),
+            (_, conformance::Opt::SgdFsdp(_)) => {
+                run_fsdp::<Bk, M, _>(pg, s, config, || SgdConfig::new().init())
+            }
+            _ => run_fsdp::<Bk, M, _>(pg, s, config, || AdamConfig::new().init()),
         }
     }
     match s.net {
@@ -394,13 +408,34 @@ fn batch_on<Bk: Backend>(step: usize, world: usize) -> (Tensor<Bk, 2>, Tensor<Bk
     (x, y)
 }
 
-/// An FSDP scenario (`conformance::Opt::AdamFsdp`) on this rank: the model sharded by
-/// `FullyShard`, each block gathered in the nets' forward, Burn's Adam stepping the shards; the
-/// reference and the negative control from the gathered start, compared with the gathered end.
-fn run_fsdp<Bk, M>(pg: ProcessGroup, s: &Scenario, config: FsdpConfig) -> Trained
+/// `m` with every float parameter cast to `dtype` (differentiably: the gradients reach the f32
+/// parameters).
+fn cast_params<Bk: Backend, M: Module<Bk>>(m: &M, dtype: burn::tensor::DType) -> M {
+    struct Cast(burn::tensor::DType);
+    impl<Bk: Backend> burn::module::ModuleMapper<Bk> for Cast {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<Bk, D>>) -> Param<Tensor<Bk, D>> {
+            let dtype = self.0;
+            p.map(|t| t.cast(dtype))
+        }
+    }
+    m.clone().map(&mut Cast(dtype))
+}
+
+/// An FSDP scenario (`conformance::Opt::AdamFsdp`, `SgdFsdp`) on this rank: the model sharded
+/// by `FullyShard`, each block gathered in the nets' forward, Burn's optimizer (`make_opt`'s)
+/// stepping the shards; the reference and the negative control from the gathered start,
+/// computing in the gathered precision too (their f32 parameters cast, differentiably: one
+/// process under the same policy), compared with the gathered end.
+fn run_fsdp<Bk, M, O>(
+    pg: ProcessGroup,
+    s: &Scenario,
+    config: FsdpConfig,
+    make_opt: impl Fn() -> O,
+) -> Trained
 where
     Bk: FsdpBackend + AutodiffBackend,
     M: Net<Bk> + AutodiffModule<Bk>,
+    O: Optimizer<M, Bk>,
 {
     let world = pg.world_size().as_usize();
     let rank = pg.rank().index();
@@ -416,9 +451,13 @@ where
     if world > 1 {
         assert!(held < whole, "{held} of {whole} values held");
     }
-    let adam = || AdamConfig::new().init::<Bk, M>();
-    let (mut opt, mut opt_ref, mut opt_alone) = (adam(), adam(), adam());
+    let (mut opt, mut opt_ref, mut opt_alone) = (make_opt(), make_opt(), make_opt());
     let lr = conformance::LR;
+    let policy = |m: &M| match config.param_dtype {
+        burn_ddp::fsdp::Precision::F32 => m.clone(),
+        burn_ddp::fsdp::Precision::Bf16 => cast_params(m, burn::tensor::DType::BF16),
+        burn_ddp::fsdp::Precision::F16 => cast_params(m, burn::tensor::DType::F16),
+    };
     let micros = match s.mode {
         conformance::Mode::Plain => 1,
         conformance::Mode::Accumulate(k) => k,
@@ -443,9 +482,9 @@ where
                 _ => assert_eq!(backward, 0, "gathers in backward without resharding"),
             }
             acc.accumulate(&model, fsdp.sync::<Bk, M>(&model, grads).unwrap());
-            let loss = alone.loss(mine(&x), mine(&y));
+            let loss = policy(&alone).loss(mine(&x), mine(&y));
             acc_alone.accumulate(&alone, GradientsParams::from_grads(loss.backward(), &alone));
-            let loss = reference.loss(x, y);
+            let loss = policy(&reference).loss(x, y);
             acc_ref.accumulate(
                 &reference,
                 GradientsParams::from_grads(loss.backward(), &reference),
