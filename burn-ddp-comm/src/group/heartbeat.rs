@@ -1,8 +1,20 @@
 //! Liveness: every rank publishes a heartbeat in the store — a beat counter, the last collective
-//! it completed, the one it is in, its host — and watches everyone else's. A rank that waits in a
-//! collective longer than the stall bound while another rank is silent (dead, frozen) or alive
-//! but not in this collective and not progressing, aborts its collective with an error naming
-//! that rank, its host and the last collective it completed: long before the collective timeout.
+//! it completed, the one it is in, its host — and watches its ring neighbours' (ranks r − 1 and
+//! r + 1, modulo the world). A rank that waits in a collective longer than the stall bound while
+//! another rank is silent (dead, frozen) or alive but not in this collective and not
+//! progressing, aborts its collective with an error naming that rank, its host and the last
+//! collective it completed: long before the collective timeout.
+//!
+//! The store traffic is linear in the ranks: each check is one write (this rank's beat) and two
+//! reads (its neighbours'), plus the abort record's read, whatever the world size; reading every
+//! peer's heartbeat would make it n(n − 1) requests an interval. A neighbour that sees a watched
+//! rank silent past the bound records it under one key ([`SILENT_KEY`], the first such rank
+//! wins), whether or not it waits itself; a rank that has waited past the bound reads that key,
+//! so a rank waiting on a far peer (a sub-group's collective, NCCL work) names it as it did when
+//! it read every heartbeat. A maximal run of dead ranks is bordered by live ranks, which watch
+//! its ends: some dead rank is always recorded. A rank alive but elsewhere is judged by its
+//! neighbours, which wait in the same world collective; their verdict reaches every rank as the
+//! job's abort record.
 //!
 //! The heartbeat is a service of the process group: the group starts it once the TCP
 //! communicator is connected, and hands it to the communicator as its [`PeerWatch`].
@@ -135,16 +147,72 @@ impl Beat {
     }
 }
 
-/// For the fuzz target: decode, and re-encode what decodes.
+/// For the fuzz target: decode, and re-encode what decodes (heartbeats and silence records).
 #[cfg(feature = "fuzzing")]
 pub(crate) fn fuzz_decode(data: &[u8]) {
     if let Some(b) = Beat::decode(data) {
         assert_eq!(Beat::decode(&b.encode()), Some(b), "heartbeat round trip");
     }
+    if let Some(s) = Silence::decode(data) {
+        assert_eq!(
+            Silence::decode(&s.encode()),
+            Some(s),
+            "silence record round trip"
+        );
+    }
 }
 
 pub(crate) fn key(rank: Rank) -> String {
     format!("heartbeat/{rank}")
+}
+
+/// The key under which a neighbour records the first watched rank it saw silent past the bound.
+pub(crate) const SILENT_KEY: &str = "heartbeat/silent";
+
+/// The ranks `rank` watches: its ring neighbours (one at world size 2, none alone).
+fn neighbours(rank: Rank, world: WorldSize) -> Vec<Rank> {
+    let n = world.get();
+    let mut out = Vec::with_capacity(2);
+    for r in [(rank.0 + n - 1) % n, (rank.0 + 1) % n] {
+        if r != rank.0 && !out.contains(&Rank(r)) {
+            out.push(Rank(r));
+        }
+    }
+    out
+}
+
+/// A silent rank as its neighbour recorded it under [`SILENT_KEY`]: who, on which host, its
+/// last completed collective, how long it had been silent, who saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Silence {
+    culprit: Rank,
+    completed: u64,
+    quiet_ms: u64,
+    reporter: Rank,
+    host: String,
+}
+
+impl Silence {
+    fn encode(&self) -> Vec<u8> {
+        format!(
+            "{} {} {} {} {}",
+            self.culprit.0, self.completed, self.quiet_ms, self.reporter.0, self.host
+        )
+        .into_bytes()
+    }
+
+    /// Parses a record; `None` for anything malformed (it came over the network).
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut it = text.splitn(5, ' ');
+        Some(Self {
+            culprit: Rank(it.next()?.parse().ok()?),
+            completed: it.next()?.parse().ok()?,
+            quiet_ms: it.next()?.parse().ok()?,
+            reporter: Rank(it.next()?.parse().ok()?),
+            host: it.next().unwrap_or("?").chars().take(256).collect(),
+        })
+    }
 }
 
 /// This machine's host name, for error messages.
@@ -191,7 +259,8 @@ pub(crate) struct Heartbeat {
     progress: Arc<Progress>,
     stoppers: Arc<Stoppers>,
     watcher: Watcher,
-    /// The silence bound plus two checks, each at most an interval and two store requests.
+    /// The silence bound plus three checks (the neighbour's that records a silence, this
+    /// rank's that reads it, and one of slack), each at most an interval and two store requests.
     bound: Duration,
 }
 
@@ -229,7 +298,7 @@ impl Heartbeat {
         match link.connect(deadline) {
             Ok(aux) => {
                 let progress = Arc::new(Progress::new());
-                let bound = bounds.silence + 2 * (bounds.interval() + 2 * link.io);
+                let bound = bounds.silence + 3 * (bounds.interval() + 2 * link.io);
                 let stoppers = Arc::new(Stoppers {
                     world: stopper,
                     subgroups: Mutex::new(Vec::new()),
@@ -396,13 +465,14 @@ impl Watcher {
             store,
             link,
             rank,
-            world,
             bounds,
             progress,
             store_host: host,
             host: host_name(),
             beat: 0,
+            watched: neighbours(rank, world),
             seen: HashMap::new(),
+            recorded: None,
             store_ok: Instant::now(),
         };
         // The first heartbeat is in the store before the group is handed to its user: a rank
@@ -471,14 +541,17 @@ struct Watch {
     store: StoreClient,
     link: AuxLink,
     rank: Rank,
-    world: WorldSize,
     bounds: Bounds,
     progress: Arc<Progress>,
     /// Who serves the store: what its silence means.
     store_host: super::StoreHost,
     host: String,
     beat: u64,
+    /// The peers whose heartbeats this rank reads: its ring neighbours.
+    watched: Vec<Rank>,
     seen: HashMap<Rank, Seen>,
+    /// The watched rank this rank recorded under [`SILENT_KEY`], while it stays silent.
+    recorded: Option<Rank>,
     /// When the store last answered.
     store_ok: Instant,
 }
@@ -516,7 +589,8 @@ impl Watch {
     fn tick(&mut self) -> Option<Verdict> {
         self.publish();
         let now = Instant::now();
-        for r in self.world.ranks().filter(|r| *r != self.rank) {
+        for i in 0..self.watched.len() {
+            let r = self.watched[i];
             let Ok(bytes) = self.store.get_timeout(&key(r), Duration::from_millis(1)) else {
                 continue; // not published yet, or the store is busy: judged below
             };
@@ -544,8 +618,61 @@ impl Watch {
                 }
             }
         }
+        self.record_silence(now);
         let waiting = self.progress.waiting()?;
         self.judge(waiting, now)
+    }
+
+    /// Records the first watched rank silent past the bound under [`SILENT_KEY`] (unless
+    /// another rank's record is there), and takes this rank's record back once that rank
+    /// beats again. Whether this rank waits or not: the ranks that wait on it may be far.
+    fn record_silence(&mut self, now: Instant) {
+        if let Some(r) = self.recorded {
+            let back = self
+                .seen
+                .get(&r)
+                .is_some_and(|s| now.duration_since(s.changed) <= self.bounds.silence);
+            if back {
+                let mine = self.store.get_timeout(SILENT_KEY, Duration::from_millis(1));
+                let names = |b: &Vec<u8>| Silence::decode(b).is_some_and(|s| s.culprit == r);
+                if mine.is_ok_and(|b| names(&b)) {
+                    let _ = self.store.delete(SILENT_KEY);
+                }
+                self.recorded = None;
+            }
+            return;
+        }
+        let silent = self.watched.iter().find_map(|r| {
+            let s = self.seen.get(r)?;
+            let quiet = now.duration_since(s.changed);
+            (quiet > self.bounds.silence).then(|| Silence {
+                culprit: *r,
+                completed: s.value.completed,
+                quiet_ms: u64::try_from(quiet.as_millis()).unwrap_or(u64::MAX),
+                reporter: self.rank,
+                host: s.value.host.clone(),
+            })
+        });
+        let Some(silence) = silent else {
+            return;
+        };
+        let record = silence.encode();
+        if self
+            .store
+            .compare_set(SILENT_KEY, None, &record)
+            .is_ok_and(|now_there| now_there == record)
+        {
+            self.recorded = Some(silence.culprit);
+        }
+    }
+
+    /// The silent rank a neighbour recorded, if any other than this one.
+    fn recorded_silence(&self) -> Option<Silence> {
+        let bytes = self
+            .store
+            .get_timeout(SILENT_KEY, Duration::from_millis(1))
+            .ok()?;
+        Silence::decode(&bytes).filter(|s| s.culprit != self.rank)
     }
 
     /// While this rank waits (in a host collective, or on work outside them): who is to
@@ -602,6 +729,29 @@ impl Watch {
             }
             _ => {}
         }
+        // A far rank's silence, as its neighbour recorded it (read only once this rank has
+        // waited past the bound: the only time it would judge it).
+        if waited > self.bounds.silence {
+            let watched_silent = self
+                .seen
+                .values()
+                .any(|s| now.duration_since(s.changed) > self.bounds.silence);
+            if let Some(far) = (!watched_silent).then(|| self.recorded_silence()).flatten() {
+                let quiet = Duration::from_millis(far.quiet_ms);
+                return Some(Verdict {
+                    culprit: far.culprit,
+                    host: far.host,
+                    last_completed: CollectiveSeq(far.completed),
+                    what: format!(
+                        "sent no heartbeat for {quiet:.0?} as its neighbour rank {} saw it \
+                         (dead or frozen) while this rank waited {}",
+                        far.reporter,
+                        during()
+                    ),
+                    store_silent: false,
+                });
+            }
+        }
         for (r, s) in &self.seen {
             let quiet = now.duration_since(s.changed);
             if quiet > self.bounds.silence && waited > self.bounds.silence {
@@ -657,11 +807,51 @@ mod tests {
         assert_eq!(Beat::decode(b"1 2"), None);
     }
 
+    #[test]
+    fn silence_records_round_trip() {
+        let s = Silence {
+            culprit: Rank(4095),
+            completed: 17,
+            quiet_ms: 3100,
+            reporter: Rank(4094),
+            host: "node 511".into(),
+        };
+        assert_eq!(Silence::decode(&s.encode()), Some(s));
+        assert_eq!(Silence::decode(b"1 2 x 3 h"), None);
+        assert_eq!(Silence::decode(b"1 2 3"), None);
+    }
+
+    /// Every rank watches two peers (one at world size 2), and every rank is watched by two:
+    /// the reads of a check are 2 per rank, 2n in all, at any world size.
+    #[test]
+    fn each_rank_watches_its_ring_neighbours_and_is_watched_by_them() {
+        assert!(neighbours(Rank(0), WorldSize::new(1).unwrap()).is_empty());
+        assert_eq!(neighbours(Rank(0), WorldSize::new(2).unwrap()), [Rank(1)]);
+        for n in [3u32, 4, 7, 256, 8192] {
+            let world = WorldSize::new(n).unwrap();
+            let mut watchers = vec![0u32; n as usize];
+            for r in world.ranks() {
+                let w = neighbours(r, world);
+                assert_eq!(w.len(), 2, "rank {r} of {n}");
+                assert!(!w.contains(&r));
+                for p in w {
+                    watchers[p.index()] += 1;
+                }
+            }
+            assert!(watchers.iter().all(|w| *w == 2), "{n}");
+        }
+        let world = WorldSize::new(8192).unwrap();
+        assert_eq!(neighbours(Rank(0), world), [Rank(8191), Rank(1)]);
+        assert_eq!(neighbours(Rank(8191), world), [Rank(8190), Rank(0)]);
+    }
+
     proptest! {
-        /// Heartbeats come from the network: anything decodes or is refused, never panics.
+        /// Heartbeats and silence records come from the network: anything decodes or is
+        /// refused, never panics.
         #[test]
         fn decoding_arbitrary_heartbeats_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..128)) {
             let _ = Beat::decode(&bytes);
+            let _ = Silence::decode(&bytes);
         }
     }
 }

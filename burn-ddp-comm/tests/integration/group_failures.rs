@@ -806,6 +806,64 @@ fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
     run_with_rank_1_frozen(NAME);
 }
 
+/// Each rank reads only its ring neighbours' heartbeats (a linear number of store requests): a
+/// rank that waits on a far one — here rank 0 in a sub-group with rank 3, of 6 ranks, while the
+/// others wait on nothing — still names it within the heartbeat bound, through the silence that
+/// rank 3's neighbours (2 and 4) record although they wait on nothing themselves.
+#[test]
+fn frozen_far_rank_is_named_through_its_neighbours_record() {
+    const NAME: &str = "frozen_far_rank_is_named_through_its_neighbours_record";
+    if procs::is_child(NAME) {
+        let pg = ProcessGroup::from_env().unwrap();
+        let sub = pg.new_group(&[Rank(0), Rank(3)]).unwrap();
+        let me = rustix::process::getpid();
+        match pg.rank() {
+            Rank(3) => {
+                pg.store()
+                    .unwrap()
+                    .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
+                    .unwrap();
+                let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                }
+            }
+            Rank(0) => {
+                let mut x = vec![1.0f32; 1024];
+                let started = Instant::now();
+                let err = sub.unwrap().all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
+                let took = started.elapsed();
+                let text = show(&err);
+                // The sub-group's failure, naming the job's rank 3 and what its neighbour saw.
+                assert!(
+                    matches!(&err, DdpError::Collective(CollectiveError::InGroup { .. })),
+                    "{text}"
+                );
+                assert_eq!(err.culprit(), Some(Rank(3)), "{text}");
+                assert!(text.contains("sent no heartbeat"), "{text}");
+                let pid = pg.store().unwrap().get("frozen-pid").unwrap();
+                let pid: i32 = String::from_utf8(pid).unwrap().parse().unwrap();
+                let pid = rustix::process::Pid::from_raw(pid).unwrap();
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
+            }
+            // Waiting on nothing, past rank 0's verdict.
+            _ => std::thread::sleep(Duration::from_secs(14)),
+        }
+        return;
+    }
+    let out = TestJob::new(6, NAME)
+        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
+        .env("BURN_DDP_STALL_TIMEOUT", "600")
+        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
+        .timeout(Duration::from_secs(60))
+        .run();
+    assert!(!out.rank(3).ok(), "{}", out.report());
+    for r in [0, 1, 2, 4, 5] {
+        assert!(out.rank(r).ok(), "rank {r}: {}", out.report());
+    }
+}
+
 /// With `BURN_DDP_DEBUG_DESYNC=1` every rank stops before the first collective that differs,
 /// and says what each side called and from which line.
 #[test]
