@@ -109,6 +109,7 @@ pub use error::{
 pub use grad::{Compression, DdpConfig, GradReduction, ParamInfo};
 pub use group::{P2pOp, PeerWait, ProcessGroup, Recovery, WeakGroup};
 pub use launch::spawn;
+pub use store::StoreTraffic;
 pub use types::{CollectiveOp, DType, Element, LocalRank, Rank, ReduceOp, WorldSize};
 pub use wire::WireError;
 

@@ -676,17 +676,17 @@ fn accept_pipe(sock: UnixStream, ends: &Ends) -> std::result::Result<(Rank, Pipe
 }
 
 /// The authenticated sender at the other end of `s`, or `None` (refused, logged).
-fn accept_tcp(mut s: TcpStream, peer: SocketAddr, ends: &Ends) -> Option<(Rank, TcpStream)> {
+fn accept_tcp(s: TcpStream, peer: SocketAddr, ends: &Ends) -> Option<(Rank, TcpStream)> {
     let size = ends.size;
     s.set_nonblocking(false).ok()?;
     let deadline = Instant::now() + Duration::from_secs(10);
-    let from = match auth::server_handshake(&mut s, &[Purpose::Transport], &ends.token, deadline) {
+    let from = match auth::server_handshake(&s, &[Purpose::Transport], &ends.token, deadline) {
         Ok(hello) if hello.world == size && size.contains(hello.rank) => {
-            auth::welcome(&mut s).ok()?;
+            auth::welcome(&s).ok()?;
             hello.rank
         }
         Ok(hello) => {
-            let _ = auth::refuse(&mut s, &RefuseReason::RankOutOfRange { world: size });
+            let _ = auth::refuse(&s, &RefuseReason::RankOutOfRange { world: size });
             tracing::warn!(
                 "refused a point-to-point link from {peer}: it claims rank {} of {}, this \
                  group has {size} ranks",

@@ -604,6 +604,14 @@ impl ProcessGroup {
         }
     }
 
+    /// What the store this process serves has answered so far (requests and bytes on the
+    /// ranks' own connections and on their heartbeats'): rank 0 of a job whose store rank 0
+    /// serves; `None` elsewhere (other ranks, a launcher's or etcd's store, groups without a
+    /// store). What `burn-ddp bench scale` reads to count the store traffic of liveness.
+    pub fn served_store_traffic(&self) -> Option<crate::StoreTraffic> {
+        self.inner().server.as_ref().map(StoreServer::traffic)
+    }
+
     /// Reduces `buf` across all ranks, in place: every rank ends with the same values.
     ///
     /// # Errors

@@ -114,9 +114,23 @@ fn meet(cfg: &GroupConfig, deadline: Instant) -> Result<StoreClient> {
     // torchrun does, instead of silence until the deadline.
     let every = (deadline.saturating_duration_since(started) / 4)
         .clamp(Duration::from_secs(1), Duration::from_secs(30));
+    // Arrivals are counted (one `add` a rank; the last to arrive sets one key that every rank
+    // waits for): waiting on every rank's key made the store check n keys for each of n ranks
+    // at every arrival. Every rank's key is read only to say who is missing.
+    let arrived = client.add(protocol::ARRIVED_KEY, 1)?;
+    if arrived == i64::from(cfg.world_size.get()) {
+        client.set(protocol::ALL_JOINED_KEY, b"")?;
+    }
+    let all = [protocol::ALL_JOINED_KEY.to_owned()];
+    let poll = |wait: Duration| -> Result<WaitOutcome> {
+        match client.wait(&all, wait)? {
+            WaitOutcome::Ready => Ok(WaitOutcome::Ready),
+            WaitOutcome::Missing(_) => client.wait(&keys, Duration::ZERO),
+        }
+    };
     let outcome = loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match client.wait(&keys, left.min(every))? {
+        match poll(left.min(every))? {
             WaitOutcome::Missing(missing) if left > every => tracing::warn!(
                 "[rank {}] waiting for rank(s) {} to join the job at {} ({} of {} joined after \
                  {:.0?}; giving up in {:.0?}){}{}",

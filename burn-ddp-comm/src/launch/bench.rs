@@ -809,16 +809,14 @@ impl StreamLink {
                     "bench/stream",
                     listener.local_addr()?.to_string().as_bytes(),
                 )?;
-                let mut s = accept_until(&listener, deadline).map_err(fail("accepting rank 0"))?;
-                auth::server_handshake(&mut s, &[Purpose::Bench], &token, deadline).map_err(
-                    |e| {
-                        DdpError::Rendezvous(RendezvousError::StoreRefused {
-                            rank,
-                            reason: format!("bench link handshake failed: {e}"),
-                        })
-                    },
-                )?;
-                auth::welcome(&mut s)?;
+                let s = accept_until(&listener, deadline).map_err(fail("accepting rank 0"))?;
+                auth::server_handshake(&s, &[Purpose::Bench], &token, deadline).map_err(|e| {
+                    DdpError::Rendezvous(RendezvousError::StoreRefused {
+                        rank,
+                        reason: format!("bench link handshake failed: {e}"),
+                    })
+                })?;
+                auth::welcome(&s)?;
                 s
             }
             0 => {

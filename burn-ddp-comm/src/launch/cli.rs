@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
-use super::bench::{AllReduceBench, BenchDType, BenchResult};
+use super::bench::{AllReduceBench, BenchDType, BenchError, BenchResult};
 use super::elastic::{ElasticConfig, NodeRange};
 use super::spawn::{self, LocalJob, Output};
 use crate::config::{Algorithm, JobToken, MasterAddr, Transport, DEFAULT_MASTER_PORT};
@@ -140,6 +140,27 @@ enum BenchCommand {
     /// Point-to-point throughput (one way, both ways at once) next to the all-reduce bus
     /// bandwidth of the same group, over message sizes.
     P2p(P2pArgs),
+    /// What N ranks cost the built-in store on this machine: start-up, heartbeat requests and
+    /// bytes per check interval, and the time for every rank to name a killed one (ranks as
+    /// threads of a few host processes; rank 0 and the killed one each in a process of its own).
+    Scale(ScaleArgs),
+}
+
+/// Options of `burn-ddp bench scale`.
+#[derive(Debug, Args)]
+pub struct ScaleArgs {
+    /// World sizes, each a job of its own (3 to 65536 ranks).
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    ranks: Vec<u32>,
+    /// The jobs' heartbeat bound in seconds (their check interval is a fifth, at most 2 s).
+    #[arg(long, default_value_t = 15.0)]
+    heartbeat_s: f64,
+    /// Idle check intervals over which the heartbeat traffic is counted.
+    #[arg(long, default_value_t = 5)]
+    window: u32,
+    /// A process hosting some of the ranks (internal: the benchmark starts them).
+    #[arg(long, hide = true)]
+    host: Option<String>,
 }
 
 /// Options of `burn-ddp bench p2p`.
@@ -271,6 +292,7 @@ pub fn main() -> ExitCode {
         Command::Run(args) => run(args).map_err(Into::into),
         Command::Bench(BenchCommand::AllReduce(args)) => bench(args).map_err(Into::into),
         Command::Bench(BenchCommand::P2p(args)) => bench_p2p(args).map_err(Into::into),
+        Command::Bench(BenchCommand::Scale(args)) => bench_scale(args).map_err(Into::into),
         Command::Gpus => gpus().map_err(Into::into),
     };
     match result {
@@ -498,6 +520,26 @@ fn run(args: RunArgs) -> Result<ExitCode> {
             Err(e) => return Err(e),
         }
     }
+}
+
+fn bench_scale(args: ScaleArgs) -> BenchResult<ExitCode> {
+    if let Some(spec) = &args.host {
+        super::scale_bench::run_host(spec)?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    let heartbeat = Duration::try_from_secs_f64(args.heartbeat_s).map_err(|e| {
+        BenchError::from(DdpError::Config(ConfigError::InvalidOption {
+            option: "--heartbeat-s",
+            reason: format!("{}: {e}", args.heartbeat_s),
+        }))
+    })?;
+    let bench = super::scale_bench::ScaleBench {
+        ranks: args.ranks,
+        heartbeat,
+        window: args.window,
+    };
+    bench.run(&mut std::io::stdout().lock())?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn bench_p2p(args: P2pArgs) -> BenchResult<ExitCode> {

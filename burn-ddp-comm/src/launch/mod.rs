@@ -21,6 +21,7 @@ pub mod cli;
 pub mod elastic;
 pub mod lighthouse;
 pub mod p2p_bench;
+pub mod scale_bench;
 pub mod spawn;
 
 pub use crate::config::env;

@@ -403,15 +403,12 @@ impl From<FrameError> for ServerHandshakeError {
 ///
 /// On a wrong token the client is told (`REFUSE WrongToken`) before this returns.
 pub(crate) fn server_handshake(
-    stream: &mut TcpStream,
+    stream: &TcpStream,
     accepted: &[Purpose],
     token: &JobToken,
     deadline: Instant,
 ) -> std::result::Result<ClientHello, ServerHandshakeError> {
-    let mut io = Deadlined {
-        stream: &*stream,
-        deadline,
-    };
+    let mut io = Deadlined { stream, deadline };
     let (kind, payload) = match wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME) {
         Ok(f) => f,
         Err(FrameError::Wire(e @ WireError::VersionMismatch { .. })) => {
@@ -483,15 +480,15 @@ pub(crate) fn server_handshake(
 }
 
 /// Admits a client after a successful [`server_handshake`].
-pub(crate) fn welcome(stream: &mut TcpStream) -> io::Result<()> {
-    wire::write_frame(stream, WELCOME, &[])?;
+pub(crate) fn welcome(mut stream: &TcpStream) -> io::Result<()> {
+    wire::write_frame(&mut stream, WELCOME, &[])?;
     stream.set_read_timeout(None)?;
     stream.set_write_timeout(None)
 }
 
 /// Refuses a client after a successful [`server_handshake`], telling it why.
-pub(crate) fn refuse(stream: &mut TcpStream, reason: &RefuseReason) -> io::Result<()> {
-    wire::write_frame(stream, REFUSE, &reason.encode())
+pub(crate) fn refuse(mut stream: &TcpStream, reason: &RefuseReason) -> io::Result<()> {
+    wire::write_frame(&mut stream, REFUSE, &reason.encode())
 }
 
 #[cfg(test)]
@@ -513,12 +510,11 @@ mod tests {
 
     #[test]
     fn same_token_is_welcomed() {
-        let (mut c, mut s) = pair();
+        let (mut c, s) = pair();
         let server = thread::spawn(move || {
             let hello =
-                server_handshake(&mut s, &[Purpose::Store], &JobToken::new("t"), deadline())
-                    .unwrap();
-            welcome(&mut s).unwrap();
+                server_handshake(&s, &[Purpose::Store], &JobToken::new("t"), deadline()).unwrap();
+            welcome(&s).unwrap();
             hello.rank
         });
         client_handshake(
@@ -535,9 +531,9 @@ mod tests {
 
     #[test]
     fn wrong_token_fails_on_both_sides() {
-        let (mut c, mut s) = pair();
+        let (mut c, s) = pair();
         let server = thread::spawn(move || {
-            server_handshake(&mut s, &[Purpose::Store], &JobToken::new("a"), deadline())
+            server_handshake(&s, &[Purpose::Store], &JobToken::new("a"), deadline())
         });
         let err = client_handshake(
             &mut c,
@@ -564,9 +560,9 @@ mod tests {
 
     #[test]
     fn purposes_are_not_interchangeable() {
-        let (mut c, mut s) = pair();
+        let (mut c, s) = pair();
         let server = thread::spawn(move || {
-            server_handshake(&mut s, &[Purpose::Store], &JobToken::new("t"), deadline())
+            server_handshake(&s, &[Purpose::Store], &JobToken::new("t"), deadline())
         });
         let _ = client_handshake(
             &mut c,

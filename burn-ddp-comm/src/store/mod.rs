@@ -20,6 +20,7 @@ mod server;
 
 pub(crate) use client::{resolve_bind, StoreClient, WaitOutcome};
 pub use handle::Store;
+pub use server::StoreTraffic;
 pub(crate) use server::{gone_key, StoreServer};
 
 /// The store key a rank sets when its group is dropped normally, before its links close: a

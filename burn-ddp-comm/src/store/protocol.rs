@@ -341,6 +341,12 @@ impl Reply {
     }
 }
 
+/// The counter of the ranks that joined the rendezvous (each adds itself once connected).
+pub(crate) const ARRIVED_KEY: &str = "__joined/arrived";
+
+/// Set by the last rank to join the rendezvous: what every rank waits for.
+pub(crate) const ALL_JOINED_KEY: &str = "__joined/all";
+
 /// The key under which the store records that `rank` has joined.
 pub(crate) fn joined_key(rank: Rank) -> String {
     format!("__joined/{rank}")

@@ -6,8 +6,10 @@
 //! and closed; the server keeps serving everyone else.
 //!
 //! What an unauthenticated peer can hold is bounded: at most [`MAX_PENDING`] connections in
-//! their handshake at once (a new one closes the oldest: idle or trickling connections cannot
-//! keep a rank out), each for at most [`HANDSHAKE_TIMEOUT`] in all, with frames of at most a
+//! their handshake at once, or twice the world size in a larger job, whose ranks and their
+//! heartbeats all connect at once (a new one closes the oldest: idle or trickling connections
+//! cannot keep a rank out; a connection closed so is never admitted, even if its handshake
+//! was just ending, so that its client's retry is no second claim of its rank), each for at most [`HANDSHAKE_TIMEOUT`] in all, with frames of at most a
 //! few hundred bytes. Authenticated connections (which hold the job token) have their own
 //! limit. Refusals are logged at a bounded rate and kept (for error messages) up to a bound.
 
@@ -66,9 +68,44 @@ struct State {
     /// The first failure of each scope (a fault-tolerant job's membership epochs, `ft/<n>`):
     /// it ends the waits on keys under `scope/`, not the job.
     scoped: HashMap<String, AbortRecord>,
+    /// The keys blocked requests wait for, each with its waiters: a change of a key wakes the
+    /// requests waiting for it and nobody else (one condition variable for all made every change
+    /// wake every blocked request: n ranks waiting on their ring neighbours' addresses while n
+    /// addresses arrive were n² wake-ups, 20 s of a 2,048-rank start-up here).
+    awaited: HashMap<String, Waiters>,
+}
+
+/// The requests blocked on one key.
+#[derive(Debug)]
+struct Waiters {
+    count: usize,
+    woken: Arc<Condvar>,
 }
 
 impl State {
+    /// Counts a blocked request's wait on `key`: the condition variable its changes notify.
+    fn await_key(&mut self, key: &str) -> Arc<Condvar> {
+        let w = self
+            .awaited
+            .entry(key.to_owned())
+            .or_insert_with(|| Waiters {
+                count: 0,
+                woken: Arc::new(Condvar::new()),
+            });
+        w.count += 1;
+        Arc::clone(&w.woken)
+    }
+
+    /// The end of a wait counted by [`await_key`](Self::await_key).
+    fn stop_awaiting(&mut self, key: &str) {
+        if let Some(w) = self.awaited.get_mut(key) {
+            w.count -= 1;
+            if w.count == 0 {
+                self.awaited.remove(key);
+            }
+        }
+    }
+
     /// The record that ends a wait on `keys`: the job's, else that of a scope one of them lies
     /// under.
     fn abort_for<'a>(&self, mut keys: impl Iterator<Item = &'a str>) -> Option<&AbortRecord> {
@@ -99,7 +136,7 @@ struct ServerState {
     next_conn: AtomicU64,
     /// Requests blocked in `get`/`wait` that still owe their client a reply.
     blocked: AtomicUsize,
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
     /// Connections still in their handshake, oldest first (their streams are in `conns`).
     pending: Mutex<VecDeque<u64>>,
     /// The limit of authenticated connections.
@@ -113,6 +150,32 @@ struct ServerState {
     lighthouse: bool,
     handshake: Duration,
     refusal_log: Mutex<RefusalLog>,
+    /// Requests answered and bytes moved (requests and replies, frame headers included): on
+    /// the members' own connections, and on auxiliary ones (heartbeats, watchdogs).
+    traffic: [Counted; 2],
+}
+
+/// Requests and bytes, counted as they are served.
+#[derive(Debug, Default)]
+struct Counted {
+    requests: AtomicU64,
+    bytes: AtomicU64,
+}
+
+/// What a store server has answered since it started
+/// ([`ProcessGroup::served_store_traffic`](crate::ProcessGroup::served_store_traffic)): requests
+/// and bytes (both directions, frame headers included) on the members' connections (rendezvous, start-up, the group's store calls) and on
+/// the auxiliary ones (heartbeats, watchdogs).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreTraffic {
+    /// Requests on the members' connections.
+    pub member_requests: u64,
+    /// Bytes on the members' connections.
+    pub member_bytes: u64,
+    /// Requests on the auxiliary connections.
+    pub aux_requests: u64,
+    /// Bytes on the auxiliary connections.
+    pub aux_bytes: u64,
 }
 
 /// The rate limit of the refusal log.
@@ -148,12 +211,28 @@ impl ServerState {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// `key` changed: wakes the blocked requests that wait for it.
+    fn key_changed(&self, st: &State, key: &str) {
+        if let Some(w) = st.awaited.get(key) {
+            w.woken.notify_all();
+        }
+    }
+
+    /// Wakes every blocked request and every waiter on the server's state (an abort, a
+    /// departure, shutdown).
+    fn wake_all(&self, st: &State) {
+        for w in st.awaited.values() {
+            w.woken.notify_all();
+        }
+        self.changed.notify_all();
+    }
+
     fn abort(&self, st: &mut State, record: AbortRecord) {
         if st.abort.is_none() {
             tracing::error!("[rank {}] store: job aborted: {record}", self.rank);
             st.abort = Some(record);
         }
-        self.changed.notify_all();
+        self.wake_all(st);
     }
 
     /// Records the first failure of `scope` (`""`: the job's, [`ServerState::abort`]).
@@ -165,7 +244,7 @@ impl ServerState {
             tracing::debug!("store: {scope} ended: {record}");
             record
         });
-        self.changed.notify_all();
+        self.wake_all(st);
     }
 
     fn refuse(&self, peer: SocketAddr, why: String) {
@@ -198,9 +277,24 @@ impl ServerState {
     }
 
     /// A connection finished its handshake (or failed it): it no longer holds a pending slot.
-    fn handshake_over(&self, conn: u64) {
-        if let Ok(mut p) = self.pending.lock() {
-            p.retain(|id| *id != conn);
+    /// Whether it still held one: `false` when a newer connection evicted it (under the same
+    /// lock, which closed it), so that it is not admitted after all.
+    fn handshake_over(&self, conn: u64) -> bool {
+        let Ok(mut p) = self.pending.lock() else {
+            return false;
+        };
+        let held = p.len();
+        p.retain(|id| *id != conn);
+        p.len() < held
+    }
+
+    /// How many connections may be in their handshake at once: twice the world (every rank's
+    /// store and heartbeat connections arriving together), at least [`MAX_PENDING`]; a
+    /// fault-tolerant job's store, whose world changes, as for its connection limit's half.
+    fn max_pending(&self) -> usize {
+        match self.lighthouse {
+            true => MAX_LIGHTHOUSE_CONNS / 2,
+            false => MAX_PENDING.max(self.world.as_usize().saturating_mul(2)),
         }
     }
 }
@@ -273,7 +367,7 @@ impl StoreServer {
         refusal_aborts: bool,
         lighthouse: bool,
     ) -> Result<Self> {
-        let listener = bind_listener(addr).map_err(|source| {
+        let listener = bind_listener(addr, world).map_err(|source| {
             if source.kind() == ErrorKind::AddrInUse {
                 DdpError::Rendezvous(RendezvousError::PortInUse {
                     rank,
@@ -310,6 +404,7 @@ impl StoreServer {
                 quiet: 0,
                 last_summary: Instant::now(),
             }),
+            traffic: Default::default(),
         });
         let s = Arc::clone(&shared);
         let accept = thread::Builder::new()
@@ -332,6 +427,18 @@ impl StoreServer {
     /// The address the server listens on.
     pub(crate) fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// What the server has answered so far.
+    pub(crate) fn traffic(&self) -> StoreTraffic {
+        let [member, aux] = &self.shared.traffic;
+        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StoreTraffic {
+            member_requests: read(&member.requests),
+            member_bytes: read(&member.bytes),
+            aux_requests: read(&aux.requests),
+            aux_bytes: read(&aux.bytes),
+        }
     }
 
     /// Connections open (in their handshake or authenticated), and those in their handshake.
@@ -388,7 +495,7 @@ impl StoreServer {
 impl Drop for StoreServer {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.changed.notify_all();
+        self.shared.wake_all(&self.shared.lock());
         // Let blocked requests answer (with the abort record, if any) before the sockets close.
         let deadline = Instant::now() + REPLY_GRACE;
         while self.shared.blocked.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
@@ -408,14 +515,23 @@ impl Drop for StoreServer {
     }
 }
 
-fn bind_listener(addr: SocketAddr) -> io::Result<TcpListener> {
+/// The store's listening socket, whose accept queue holds every rank's two connections (its
+/// own and its heartbeat's) arriving at once: a full queue drops a connection's first packet,
+/// which the client sends again after a second, then three, then seven (the kernel caps the
+/// queue at `net.core.somaxconn`).
+fn bind_listener(addr: SocketAddr, world: WorldSize) -> io::Result<TcpListener> {
     use socket2::{Domain, Socket, Type};
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)?;
     // Lets a restarted job reuse the port while old connections linger in TIME_WAIT; a port held
     // by a live listener still fails with AddrInUse.
     socket.set_reuse_address(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(1024)?;
+    let queue = world
+        .as_usize()
+        .saturating_mul(2)
+        .saturating_add(64)
+        .clamp(1024, 65_535);
+    socket.listen(i32::try_from(queue).unwrap_or(65_535))?;
     Ok(socket.into())
 }
 
@@ -441,11 +557,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
                     );
                     continue;
                 }
-                let Ok(clone) = stream.try_clone() else {
-                    continue;
-                };
+                // One descriptor a connection, shared with the map that can shut it down (a
+                // clone would take a second: a job of 8,192 ranks holds 16,384 connections).
+                let stream = Arc::new(stream);
                 if let Ok(mut p) = shared.pending.lock() {
-                    if p.len() >= MAX_PENDING {
+                    if p.len() >= shared.max_pending() {
                         // The oldest handshake in progress makes room: a flood of idle or
                         // slow connections cannot hold every slot against a rank.
                         if let Some(oldest) = p.pop_front() {
@@ -463,7 +579,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
                     p.push_back(id);
                 }
                 if let Ok(mut conns) = shared.conns.lock() {
-                    conns.insert(id, clone);
+                    conns.insert(id, Arc::clone(&stream));
                 }
                 let s = Arc::clone(&shared);
                 let spawned = thread::Builder::new()
@@ -496,19 +612,23 @@ fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
 }
 
 /// Serves one connection until it closes, misbehaves, or the server shuts down.
-fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &ServerState) {
+fn serve(stream: Arc<TcpStream>, peer: SocketAddr, conn: u64, shared: &ServerState) {
+    let stream: &TcpStream = &stream;
     if stream.set_nonblocking(false).is_err() {
         return;
     }
     let _ = stream.set_nodelay(true);
     let deadline = Instant::now() + shared.handshake;
     let handshake = auth::server_handshake(
-        &mut stream,
+        stream,
         &[Purpose::Store, Purpose::StoreAux],
         &shared.token,
         deadline,
     );
-    shared.handshake_over(conn);
+    if !shared.handshake_over(conn) {
+        // Evicted while it ended: closed already, and not admitted (its client retries).
+        return;
+    }
     let hello = match handshake {
         Ok(h) => h,
         Err(ServerHandshakeError::WrongToken) => {
@@ -530,12 +650,12 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &ServerStat
         }
     };
 
-    let member = match admit(&mut stream, peer, conn, hello, shared) {
+    let member = match admit(stream, peer, conn, hello, shared) {
         Some(member) => member,
         None => return,
     };
     let mut said_bye = false;
-    let outcome = request_loop(&mut stream, peer, shared, member, &mut said_bye);
+    let outcome = request_loop(stream, peer, shared, member, &mut said_bye);
 
     let mut st = shared.lock();
     if let Some(rank) = member {
@@ -568,13 +688,13 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, conn: u64, shared: &ServerStat
             }
         }
     }
-    shared.changed.notify_all();
+    shared.wake_all(&st);
 }
 
 /// Applies membership rules to an authenticated client. Returns `None` when it was refused,
 /// `Some(Some(rank))` for a member and `Some(None)` for an auxiliary connection.
 fn admit(
-    stream: &mut TcpStream,
+    stream: &TcpStream,
     peer: SocketAddr,
     conn: u64,
     hello: auth::ClientHello,
@@ -658,11 +778,9 @@ fn admit(
     }
     if hello.purpose == Purpose::Store {
         st.members.insert(hello.rank, (peer, conn));
-        st.map.insert(
-            protocol::joined_key(hello.rank),
-            peer.to_string().into_bytes(),
-        );
-        shared.changed.notify_all();
+        let joined = protocol::joined_key(hello.rank);
+        st.map.insert(joined.clone(), peer.to_string().into_bytes());
+        shared.key_changed(&st, &joined);
         tracing::debug!(
             "[rank {}] store: rank {} joined from {peer}",
             shared.rank,
@@ -700,14 +818,14 @@ fn lighthouse_refusal(
 }
 
 fn request_loop(
-    stream: &mut TcpStream,
+    mut stream: &TcpStream,
     peer: SocketAddr,
     shared: &ServerState,
     member: Option<Rank>,
     said_bye: &mut bool,
 ) -> std::result::Result<(), FrameError> {
     loop {
-        let (kind, payload) = wire::read_frame(stream, MAX_FRAME)?;
+        let (kind, payload) = wire::read_frame(&mut stream, MAX_FRAME)?;
         let request = match Request::decode(kind, &payload) {
             Ok(r) => r,
             Err(e) => {
@@ -716,7 +834,7 @@ fn request_loop(
                     shared.rank
                 );
                 let (k, p) = Reply::Error(format!("malformed request: {e}")).encode();
-                let _ = wire::write_frame(stream, k, &p);
+                let _ = wire::write_frame(&mut stream, k, &p);
                 return Err(FrameError::Wire(e));
             }
         };
@@ -727,7 +845,11 @@ fn request_loop(
         }
         let reply = handle(request, shared, member);
         let (k, p) = reply.encode();
-        let written = wire::write_frame(stream, k, &p);
+        let counted = &shared.traffic[usize::from(member.is_none())];
+        counted.requests.fetch_add(1, Ordering::Relaxed);
+        let moved = payload.len() + p.len() + 2 * wire::HEADER_LEN;
+        counted.bytes.fetch_add(moved as u64, Ordering::Relaxed);
+        let written = wire::write_frame(&mut stream, k, &p);
         if blocking {
             shared.blocked.fetch_sub(1, Ordering::SeqCst);
         }
@@ -743,8 +865,8 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
     let mut st = shared.lock();
     match request {
         Request::Set { key, value } => {
+            shared.key_changed(&st, &key);
             st.map.insert(key, value);
-            shared.changed.notify_all();
             Reply::Ok
         }
         Request::Get { key, timeout } => {
@@ -776,8 +898,8 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
                 },
             };
             let next = current.wrapping_add(delta);
+            shared.key_changed(&st, &key);
             st.map.insert(key, next.to_le_bytes().to_vec());
-            shared.changed.notify_all();
             Reply::Int(next)
         }
         Request::Wait { keys, timeout } => {
@@ -810,8 +932,8 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
         } => {
             let current = st.map.get(&key).cloned();
             if current == expected {
+                shared.key_changed(&st, &key);
                 st.map.insert(key, desired.clone());
-                shared.changed.notify_all();
                 Reply::Value(desired)
             } else {
                 Reply::Value(current.unwrap_or_default())
@@ -836,7 +958,7 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
                         st.map.insert(gone_key(rank), b"it left the job".to_vec());
                     }
                 }
-                shared.changed.notify_all();
+                shared.wake_all(&st);
             }
             Reply::Ok
         }
@@ -869,10 +991,18 @@ fn wait<'a>(
     if left.is_zero() {
         return Err(None);
     }
-    let g = match shared.changed.wait_timeout(st, left) {
+    // Woken by a change of the first key still missing (the others are checked again then), or
+    // by an abort, a departure, shutdown.
+    let mut st = st;
+    let Some(missing) = keys.iter().find(|k| !st.map.contains_key(*k)) else {
+        return Ok(st);
+    };
+    let woken = st.await_key(missing);
+    let mut g = match woken.wait_timeout(st, left) {
         Ok((g, _)) => g,
         Err(p) => p.into_inner().0,
     };
+    g.stop_awaiting(missing);
     if let Some(r) = g.abort_for(keys.iter().map(String::as_str)) {
         return Err(Some(Reply::Aborted(r.clone())));
     }

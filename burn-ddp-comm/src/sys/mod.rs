@@ -172,6 +172,41 @@ pub(crate) fn node_name() -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// Raises this process's open-file limit (`RLIMIT_NOFILE`) to at least `want`, the hard limit
+/// too where the process may (a privileged one). The limits afterwards: `(soft, hard)`
+/// (`u64::MAX` for unlimited).
+#[allow(clippy::unnecessary_cast)] // `rlim_t` is `u64` on Linux, not on every Unix
+pub(crate) fn raise_open_files(want: u64) -> io::Result<(u64, u64)> {
+    let mut now = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `now` is a valid, writable `rlimit` for the call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let want = libc::rlim_t::try_from(want).unwrap_or(libc::RLIM_INFINITY);
+    if now.rlim_cur == libc::RLIM_INFINITY || now.rlim_cur >= want {
+        return Ok((now.rlim_cur as u64, now.rlim_max as u64));
+    }
+    for next in [
+        libc::rlimit {
+            rlim_cur: want,
+            rlim_max: now.rlim_max.max(want),
+        },
+        libc::rlimit {
+            rlim_cur: now.rlim_max.min(want),
+            rlim_max: now.rlim_max,
+        },
+    ] {
+        // SAFETY: `next` is a valid `rlimit`; the call only reads it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &next) } == 0 {
+            return Ok((next.rlim_cur as u64, next.rlim_max as u64));
+        }
+    }
+    Ok((now.rlim_cur as u64, now.rlim_max as u64))
+}
+
 /// A signal the launcher sends to its ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Signal {

@@ -81,3 +81,62 @@ fn a_small_sweep_finishes_with_correct_results() {
         .count();
     assert!(rows >= 8, "expected 8 sizes:\n{text}");
 }
+
+/// `burn-ddp bench scale` end to end on two small jobs (host processes, the killed rank's
+/// process): every row in the format, every killed rank named by all the others, and
+/// the heartbeat traffic linear: the same few requests a rank an interval at 6 and 12 ranks (a
+/// write, two neighbours' reads, the abort record's read each check), where reading every
+/// peer's heartbeat made it 13 a rank at 12 ranks. Out-of-range options are refused naming
+/// them.
+#[test]
+fn the_scale_harness_measures_small_jobs_and_refuses_bad_options() {
+    let scale = |args: &[&str]| {
+        let mut cmd = Command::new(burn_ddp_dev::spawned::launcher());
+        cmd.args(["bench", "scale"]).args(args);
+        let out = Spawned::start(&mut cmd, Duration::from_secs(120)).finish();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        (
+            out.status.success(),
+            text,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (args, says) in [
+        (&["--ranks", "2"][..], "--ranks"),
+        (&["--window", "0"][..], "--window"),
+    ] {
+        let (ok, _, err) = scale(args);
+        assert!(!ok && err.contains(says), "{args:?}: {err}");
+    }
+    let (ok, out, err) = scale(&["--ranks", "6,12", "--heartbeat-s", "2", "--window", "4"]);
+    assert!(ok, "{out}{err}");
+    let rows: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("scale ranks="))
+        .collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    let mut per_rank = Vec::new();
+    for (row, n) in rows.iter().zip([6.0, 12.0]) {
+        let field = |name: &str| -> f64 {
+            let at = row.find(&format!("{name}=")).unwrap() + name.len() + 1;
+            row[at..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        per_rank.push(field("hb_requests_per_interval") / n);
+        assert!(field("init_s") > 0.0 && field("detect_s") < 20.0, "{row}");
+    }
+    assert!(
+        per_rank.iter().all(|r| (1.0..=6.0).contains(r)),
+        "{per_rank:?}: {out}"
+    );
+    let growth = per_rank[1] / per_rank[0];
+    assert!((0.7..=1.4).contains(&growth), "{per_rank:?}: {out}");
+    assert!(
+        out.contains("scale growth ranks=6->12 ranks_x=2.00"),
+        "{out}"
+    );
+}

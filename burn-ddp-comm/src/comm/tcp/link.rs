@@ -138,6 +138,33 @@ pub(crate) fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<(
     Ok(())
 }
 
+/// Waits until every rank of the group has published its key of `keys` (one per rank),
+/// counting arrivals rather than reading every key: each rank adds itself to
+/// `{barrier}/arrived` once it has published, the last one sets `{barrier}/all`, and every rank
+/// waits for that one key. One `add` and one wait a rank whatever the world size, where waiting
+/// on every rank's key made the store check n keys for each of n ranks at every change. Past
+/// the deadline, the ranks whose keys are missing are named as [`wait_published`] names them.
+///
+/// # Errors
+/// `RendezvousTimeout` naming the ranks whose keys are missing at the deadline.
+pub(crate) fn wait_all_published(
+    setup: &LinkSetup<'_>,
+    barrier: &str,
+    keys: &[String],
+) -> Result<()> {
+    let all = format!("{barrier}/all");
+    let arrived = setup.store.add(&format!("{barrier}/arrived"), 1)?;
+    if arrived == i64::from(setup.world.get()) {
+        setup.store.set(&all, b"")?;
+    }
+    let left = setup.deadline.saturating_duration_since(Instant::now());
+    match setup.store.wait(std::slice::from_ref(&all), left)? {
+        WaitOutcome::Ready => Ok(()),
+        // The deadline passed: name who is missing (a zero-time check of every key).
+        WaitOutcome::Missing(_) => wait_published(setup, keys),
+    }
+}
+
 /// A transport address published in the store.
 fn parse_addr(setup: &LinkSetup<'_>, raw: &[u8]) -> Result<SocketAddr> {
     std::str::from_utf8(raw)
@@ -192,7 +219,7 @@ pub(crate) fn open_tree(
         format!("{algorithm} {addr}").as_bytes(),
     )?;
     let keys: Vec<String> = (0..n).map(|r| format!("{tag}/tree/{r}")).collect();
-    wait_published(setup, &keys)?;
+    wait_all_published(setup, &format!("{tag}/tree-barrier"), &keys)?;
     let published = |peer: usize| -> Result<(Option<Algorithm>, Vec<u8>)> {
         let raw = store.get(&keys[peer])?;
         let text = String::from_utf8_lossy(&raw).into_owned();
@@ -356,19 +383,19 @@ fn accept_all(
                 .collect()
         };
         match listener.accept() {
-            Ok((mut s, peer)) => {
+            Ok((s, peer)) => {
                 s.set_nonblocking(false)?;
                 let hs_deadline = deadline.min(Instant::now() + Duration::from_secs(10));
                 let missing = waiting(&got);
-                match auth::server_handshake(&mut s, &[Purpose::Transport], token, hs_deadline) {
+                match auth::server_handshake(&s, &[Purpose::Transport], token, hs_deadline) {
                     Ok(hello) if missing.contains(&hello.rank) && hello.world == world => {
-                        auth::welcome(&mut s)?;
+                        auth::welcome(&s)?;
                         tune(&s)?;
                         got.push((hello.rank, s));
                     }
                     Ok(hello) => {
                         let expected = missing.first().copied().unwrap_or(hello.rank);
-                        let _ = auth::refuse(&mut s, &RefuseReason::UnexpectedPeer { expected });
+                        let _ = auth::refuse(&s, &RefuseReason::UnexpectedPeer { expected });
                         tracing::warn!(
                             "[rank {rank}] refused a transport link from {peer}: it claims rank {} (world {}), expected rank {expected}",
                             hello.rank,

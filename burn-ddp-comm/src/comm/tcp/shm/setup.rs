@@ -66,7 +66,7 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
         format!("{transport} {} {host}", std::process::id()).as_bytes(),
     )?;
     let keys: Vec<String> = (0..n).map(key).collect();
-    wait_published(setup, &keys)?;
+    link::wait_all_published(setup, &format!("{tag}/transport-barrier"), &keys)?;
     let published = |peer: usize| -> Result<Published> {
         let raw = String::from_utf8_lossy(&store.get(&keys[peer])?).into_owned();
         let mut words = raw.split_whitespace();

@@ -1,0 +1,711 @@
+//! `burn-ddp bench scale`: what a job of N ranks costs the built-in store, measured on one
+//! machine. Ranks are threads of a few host processes, each running the real thing: the store
+//! client, the rendezvous, the group's start-up (address exchange, its ring links), its heartbeat
+//! and failure detection; the data plane is the one-float all-reduces the measurement needs.
+//! Rank 0, which serves the store (two connections a rank), has a process of its own; the others
+//! are hosted as many to a process as its open-file limit holds (a process's limits on
+//! descriptors and memory maps are per process); one rank (the middle one, far from rank
+//! 0) runs alone in a process, which the benchmark kills. For each N it prints
+//!
+//! ```text
+//! scale ranks=N init_s=X hb_requests_per_interval=Y hb_bytes_per_interval=Z detect_s=W
+//! ```
+//!
+//! - `init_s`: from the first rank's start to the last one's `ProcessGroup::init` returning;
+//! - `hb_requests_per_interval`, `hb_bytes_per_interval`: the requests (and their bytes, both
+//!   ways) that the store served on the ranks' heartbeat connections, per heartbeat check
+//!   interval, over a window of idle intervals after start-up (read from rank 0's served store,
+//!   [`ProcessGroup::served_store_traffic`]);
+//! - `detect_s`: from the kill (SIGKILL) of the lone rank, while every rank waits in an
+//!   all-reduce, to the last of the others failing with an error that names it.
+//!
+//! and, after the rows, how the heartbeat traffic grew against the ranks between the first row
+//! and each other (`scale growth ...`): linear is a ratio equal to the ranks'.
+
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use crate::config::{Algorithm, GroupConfig, JobToken, MasterAddr, Timeouts, Transport};
+use crate::error::ConfigError;
+use crate::{DdpError, ProcessGroup, Rank, ReduceOp, Result, WorldSize};
+
+/// What `burn-ddp bench scale` measures.
+#[derive(Debug, Clone)]
+pub struct ScaleBench {
+    /// The world sizes, each its own job (at least 3 ranks each).
+    pub ranks: Vec<u32>,
+    /// The heartbeat bound of the jobs (the check interval is a fifth of it, at most 2 s).
+    pub heartbeat: Duration,
+    /// Idle check intervals over which the heartbeat traffic is counted.
+    pub window: u32,
+}
+
+/// One job's measurements.
+#[derive(Debug, Clone, Copy)]
+pub struct ScaleRow {
+    /// The world size.
+    pub ranks: u32,
+    /// Start-up: the first rank's start to the last `init` returning.
+    pub init: Duration,
+    /// Heartbeat requests the store served per check interval.
+    pub hb_requests_per_interval: f64,
+    /// Heartbeat bytes (both ways) per check interval.
+    pub hb_bytes_per_interval: f64,
+    /// The kill of one rank to the last other rank naming it.
+    pub detect: Duration,
+}
+
+impl ScaleRow {
+    /// The row as `burn-ddp bench scale` prints it.
+    pub fn line(&self) -> String {
+        format!(
+            "scale ranks={} init_s={:.2} hb_requests_per_interval={:.0} \
+             hb_bytes_per_interval={:.0} detect_s={:.2}",
+            self.ranks,
+            self.init.as_secs_f64(),
+            self.hb_requests_per_interval,
+            self.hb_bytes_per_interval,
+            self.detect.as_secs_f64()
+        )
+    }
+
+    /// How the heartbeat traffic grew from `base` to this row, against the ranks.
+    pub fn growth_line(&self, base: &ScaleRow) -> String {
+        let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+        format!(
+            "scale growth ranks={}->{} ranks_x={:.2} hb_requests_x={:.2} hb_bytes_x={:.2}",
+            base.ranks,
+            self.ranks,
+            f64::from(self.ranks) / f64::from(base.ranks),
+            ratio(self.hb_requests_per_interval, base.hb_requests_per_interval),
+            ratio(self.hb_bytes_per_interval, base.hb_bytes_per_interval),
+        )
+    }
+}
+
+impl ScaleBench {
+    /// The check interval of the jobs' heartbeats (as `group/heartbeat.rs` derives it).
+    fn interval(&self) -> Duration {
+        (self.heartbeat / 5).clamp(Duration::from_millis(50), Duration::from_secs(2))
+    }
+
+    /// Checks the options.
+    ///
+    /// # Errors
+    /// `InvalidOption` naming the option and the fix.
+    pub fn check(&self) -> Result<()> {
+        let invalid = |option, reason: String| {
+            Err(DdpError::Config(ConfigError::InvalidOption {
+                option,
+                reason,
+            }))
+        };
+        if self.ranks.is_empty() {
+            return invalid("--ranks", "give at least one world size".into());
+        }
+        if let Some(n) = self.ranks.iter().find(|n| !(3..=65_536).contains(*n)) {
+            return invalid(
+                "--ranks",
+                format!("{n} ranks: each job needs 3 to 65536 (one is killed, two watch it)"),
+            );
+        }
+        if self.heartbeat < Duration::from_millis(250) || self.window == 0 {
+            return invalid(
+                "--heartbeat-s / --window",
+                "the heartbeat bound must be at least 0.25 s and the window at least one \
+                 interval"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Runs every job in turn, printing each row as it is measured, then the growth lines.
+    ///
+    /// # Errors
+    /// A job that failed to start or to detect the kill (with what went wrong).
+    pub fn run(&self, out: &mut impl Write) -> Result<Vec<ScaleRow>> {
+        self.check()?;
+        let mut rows = Vec::new();
+        for &n in &self.ranks {
+            let row = self.run_one(n)?;
+            writeln!(out, "{}", row.line())?;
+            out.flush()?;
+            rows.push(row);
+        }
+        if let Some((base, rest)) = rows.split_first() {
+            for row in rest {
+                writeln!(out, "{}", row.growth_line(base))?;
+            }
+        }
+        Ok(rows)
+    }
+
+    /// The timeouts of a job: the heartbeat bound as asked; the stall bound and the collective
+    /// deadline far beyond it, so that only the kill can end the measured all-reduce.
+    fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            rendezvous: Duration::from_secs(300),
+            store: Duration::from_secs(300),
+            collective: Duration::from_secs(600),
+            heartbeat: self.heartbeat,
+            stall: Duration::from_secs(600),
+        }
+    }
+
+    fn run_one(&self, n: u32) -> Result<ScaleRow> {
+        let world = WorldSize::new(n).ok_or_else(|| config_error("--ranks", "0 ranks"))?;
+        let victim = Rank(n / 2);
+        let job = Job {
+            world,
+            port: free_port()?,
+            token: JobToken::generate(),
+            timeouts: self.timeouts(),
+            heartbeat: self.heartbeat,
+        };
+        // Rank 0 alone (it serves the store), the killed rank alone, the others in chunks.
+        let mut hosts: Vec<Vec<Rank>> = vec![vec![Rank(0)], vec![victim]];
+        let rest: Vec<Rank> = world.ranks().filter(|r| r.0 != 0 && *r != victim).collect();
+        hosts.extend(rest.chunks(ranks_per_host(n)?).map(<[Rank]>::to_vec));
+        let started = unix_ns();
+        let (tx, rx) = mpsc::channel::<(usize, String)>();
+        let mut procs = Vec::with_capacity(hosts.len());
+        for (i, ranks) in hosts.iter().enumerate() {
+            procs.push(Host::spawn(&job, i, ranks, tx.clone())?);
+        }
+        drop(tx);
+        let others: Vec<usize> = (0..procs.len()).filter(|i| *i != 1).collect();
+        let mut run = Run {
+            rx,
+            queued: vec![Default::default(); hosts.len()],
+            procs,
+            n,
+            deadline: Instant::now() + job.timeouts.rendezvous + Duration::from_secs(30),
+        };
+        // Start-up: every rank's `init`, then one all-reduce of every rank.
+        let ready = run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "ready")?;
+        let init_end = ready.iter().filter_map(|w| w.get(2)?.parse().ok()).max();
+        let init = Duration::from_nanos(init_end.unwrap_or(started).saturating_sub(started));
+        run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "synced")?;
+        // The heartbeats of the idle job, counted by rank 0's store.
+        let interval = self.interval();
+        run.send(
+            0,
+            &format!("measure {} {}", interval.as_millis(), self.window),
+        )?;
+        run.deadline = Instant::now() + interval * (self.window + 2) + Duration::from_secs(30);
+        let traffic = run.expect(&[0], "traffic")?;
+        let num = |i: usize| -> f64 {
+            traffic[0]
+                .get(i)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(f64::NAN)
+        };
+        let intervals = num(3) / interval.as_nanos() as f64;
+        let (hb_requests_per_interval, hb_bytes_per_interval) =
+            (num(1) / intervals, num(2) / intervals);
+        // Every other rank in the second all-reduce, which the lone rank never enters; the kill.
+        for &i in &others {
+            run.send(i, "go")?;
+        }
+        std::thread::sleep(interval * 2 + Duration::from_millis(500));
+        let killed = unix_ns();
+        run.procs[1].kill();
+        run.deadline = Instant::now() + self.heartbeat * 4 + Duration::from_secs(30);
+        let named = run.expect(&others, "named")?;
+        let mut detect = 0u64;
+        for w in &named {
+            let field = |i: usize| w.get(i).and_then(|v| v.parse::<u64>().ok());
+            if field(2) != Some(0) {
+                return Err(job_failed(
+                    n,
+                    &format!("a rank blamed another than rank {victim}: {}", w.join(" ")),
+                ));
+            }
+            detect = detect.max(field(3).unwrap_or(u64::MAX).saturating_sub(killed));
+        }
+        for &i in &others {
+            let _ = run.send(i, "end");
+        }
+        for p in &mut run.procs {
+            p.finish(Duration::from_secs(30));
+        }
+        Ok(ScaleRow {
+            ranks: n,
+            init,
+            hb_requests_per_interval,
+            hb_bytes_per_interval,
+            detect: Duration::from_nanos(detect),
+        })
+    }
+}
+
+/// Descriptors a rank of an `n`-rank job may hold in a host process: 17 + 2 log2 n measured
+/// here (store and heartbeat connections, ring links, listeners, and the links of recursive
+/// doubling, the default algorithm's for small all-reduces, which the measurement's use: the
+/// ring's 2(n − 1) steps would wake every rank's thread 2(n − 1) times), with a margin.
+fn descriptors_per_rank(n: u32) -> u64 {
+    24 + 2 * u64::from(n.next_power_of_two().trailing_zeros())
+}
+
+/// How many ranks one host process takes: as many as its open-file limit (raised to the hard
+/// limit) holds, with 1,024 descriptors to spare, at most [`MAX_RANKS_PER_HOST`] (a rank holds
+/// about 20 memory maps, and the default limit is 65,530 a process).
+///
+/// # Errors
+/// The limit holds fewer than 16 ranks.
+fn ranks_per_host(n: u32) -> Result<usize> {
+    let (soft, _) = crate::sys::raise_open_files(1 << 20)?;
+    let fit = soft.saturating_sub(1024) / descriptors_per_rank(n);
+    if fit < 16 {
+        return Err(config_error(
+            "--ranks",
+            &format!("this process may open {soft} files, too few to host ranks: raise the limit"),
+        ));
+    }
+    Ok(usize::try_from(fit)
+        .unwrap_or(usize::MAX)
+        .min(MAX_RANKS_PER_HOST))
+}
+
+/// The most ranks one host process takes (memory maps: about 20 a rank).
+pub const MAX_RANKS_PER_HOST: usize = 1000;
+
+/// What a rank of the job needs to join it.
+#[derive(Debug, Clone)]
+struct Job {
+    world: WorldSize,
+    port: u16,
+    token: JobToken,
+    timeouts: Timeouts,
+    heartbeat: Duration,
+}
+
+impl Job {
+    fn config(&self, rank: Rank) -> GroupConfig {
+        GroupConfig::new(rank, self.world, self.token.clone())
+            .with_master(MasterAddr::new("127.0.0.1", self.port))
+            .with_timeouts(self.timeouts)
+            .with_algorithm(Algorithm::Auto)
+            .with_transport(Transport::Tcp)
+            .with_debug_desync(false)
+    }
+}
+
+/// The host processes of one job and what they say, with the deadline of the next answer.
+struct Run {
+    rx: mpsc::Receiver<(usize, String)>,
+    /// Lines received and not yet expected, by host.
+    queued: Vec<std::collections::VecDeque<String>>,
+    procs: Vec<Host>,
+    n: u32,
+    deadline: Instant,
+}
+
+impl Run {
+    /// The next line of each host of `hosts` (in their order), by the deadline, which must be
+    /// `word ...`; a host that says anything else (`failed ...`), ends, or is late fails the job.
+    fn expect(&mut self, hosts: &[usize], word: &str) -> Result<Vec<Vec<String>>> {
+        let mut got = Vec::with_capacity(hosts.len());
+        for &host in hosts {
+            let line = loop {
+                if let Some(line) = self.queued[host].pop_front() {
+                    break line;
+                }
+                let left = self.deadline.saturating_duration_since(Instant::now());
+                let (from, line) = self.rx.recv_timeout(left).map_err(|_| {
+                    job_failed(self.n, &format!("host process {host} never said `{word}`"))
+                })?;
+                // A host that failed or ended fails the job at once, whoever was awaited.
+                if line.starts_with("failed") || (line == "ended" && from != 1) {
+                    return Err(job_failed(self.n, &format!("host process {from}: {line}")));
+                }
+                self.queued[from].push_back(line);
+            };
+            let words: Vec<String> = line.split_whitespace().map(str::to_owned).collect();
+            if words.first().map(String::as_str) != Some(word) {
+                return Err(job_failed(self.n, &format!("host process {host}: {line}")));
+            }
+            got.push(words);
+        }
+        Ok(got)
+    }
+
+    fn send(&mut self, host: usize, line: &str) -> Result<()> {
+        self.procs[host].say(line)
+    }
+}
+
+/// One host process: its ranks as threads (`--host`), told what to do on its stdin, answering
+/// on its stdout (forwarded, line by line, to the benchmark's channel).
+struct Host {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Host {
+    fn spawn(
+        job: &Job,
+        index: usize,
+        ranks: &[Rank],
+        tx: mpsc::Sender<(usize, String)>,
+    ) -> Result<Self> {
+        use std::os::unix::process::CommandExt;
+        let list: Vec<String> = ranks.iter().map(|r| r.0.to_string()).collect();
+        let spec = format!(
+            "{},{},{},{}",
+            job.world,
+            job.port,
+            job.heartbeat.as_millis(),
+            list.join(":")
+        );
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["bench", "scale", "--host", &spec])
+            .env(crate::config::env::JOB_TOKEN, job.token.expose())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        // SAFETY: the closure runs in the child between fork and exec and only makes one
+        // async-signal-safe system call (prctl), touching no memory shared with the parent.
+        unsafe {
+            cmd.pre_exec(crate::sys::die_with_parent);
+        }
+        let mut child = cmd.spawn()?;
+        let stdin = child.stdin.take();
+        if let Some(out) = child.stdout.take() {
+            std::thread::spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(out).lines().map_while(|l| l.ok()) {
+                    if tx.send((index, line)).is_err() {
+                        break;
+                    }
+                }
+                let _ = tx.send((index, "ended".into()));
+            });
+        }
+        Ok(Self { child, stdin })
+    }
+
+    fn say(&mut self, line: &str) -> Result<()> {
+        match &mut self.stdin {
+            Some(stdin) => Ok(writeln!(stdin, "{line}")?),
+            None => Ok(()),
+        }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits up to `grace` for the process to end (its stdin closed), then kills it.
+    fn finish(&mut self, grace: Duration) {
+        self.stdin = None;
+        let until = Instant::now() + grace;
+        while Instant::now() < until {
+            if matches!(self.child.try_wait(), Ok(Some(_)) | Err(_)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.kill();
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// What a rank's thread reports to its host process.
+enum Report {
+    Ready(u64, Option<ProcessGroup>),
+    Synced,
+    Named(Option<Rank>, u64, String),
+    Failed(Rank, String),
+}
+
+/// One rank of the job, on a thread of its host process.
+fn rank_task(job: &Job, rank: Rank, tx: &mpsc::Sender<Report>, go: &Barrier, end: &Barrier) {
+    let pg = match ProcessGroup::init(job.config(rank)) {
+        Ok(pg) => pg,
+        Err(e) => {
+            let _ = tx.send(Report::Failed(rank, e.to_string()));
+            return;
+        }
+    };
+    let handed = (rank == Rank(0)).then(|| pg.clone());
+    let _ = tx.send(Report::Ready(unix_ns(), handed));
+    let mut x = [1.0f32];
+    if let Err(e) = pg.all_reduce(&mut x, ReduceOp::Sum) {
+        let _ = tx.send(Report::Failed(rank, e.to_string()));
+        return;
+    }
+    let _ = tx.send(Report::Synced);
+    go.wait();
+    let report = match pg.all_reduce(&mut x, ReduceOp::Sum) {
+        Ok(()) => Report::Failed(
+            rank,
+            "the all-reduce without the killed rank completed".into(),
+        ),
+        Err(e) => Report::Named(e.culprit(), unix_ns(), e.to_string()),
+    };
+    let _ = tx.send(report);
+    // The group lives until every rank has named the killed one: a rank that left early would
+    // be named by its neighbours instead.
+    end.wait();
+}
+
+/// A host process (`--host WORLD,PORT,HEARTBEAT_MS,R1:R2:...`, the token in
+/// `BURN_DDP_JOB_TOKEN`): its ranks as threads. It says `ready COUNT LAST_INIT_NS` once every
+/// rank joined, `synced` after the first all-reduce, and on `go` runs the second and says
+/// `named COUNT OTHERS LAST_FAILURE_NS` (OTHERS: ranks that blamed another than the lone rank of
+/// the job, the middle one); rank 0's host answers `measure INTERVAL_MS WINDOW` with
+/// `traffic AUX_REQUESTS AUX_BYTES NANOSECONDS`. `end` (or its stdin closing) ends it; a rank's
+/// failure is said as `failed RANK: ERROR`.
+///
+/// # Errors
+/// A malformed spec; this process's limits too low for its ranks.
+pub fn run_host(spec: &str) -> Result<()> {
+    let hosted = host(spec);
+    if let Err(e) = &hosted {
+        println!("failed host: {e}");
+    }
+    hosted
+}
+
+fn host(spec: &str) -> Result<()> {
+    use std::io::BufRead;
+    let bad = || config_error("--host", "expected WORLD,PORT,HEARTBEAT_MS,R1:R2:...");
+    let parts: Vec<&str> = spec.split(',').collect();
+    let [world, port, heartbeat_ms, list] = parts[..] else {
+        return Err(bad());
+    };
+    let world = WorldSize::new(world.parse().map_err(|_| bad())?).ok_or_else(bad)?;
+    let ranks: Vec<Rank> = list
+        .split(':')
+        .map(|r| r.parse().map(Rank).map_err(|_| bad()))
+        .collect::<Result<_>>()?;
+    let token = crate::config::env::job_token().ok_or_else(bad)?;
+    let bench = ScaleBench {
+        ranks: vec![world.get()],
+        heartbeat: Duration::from_millis(heartbeat_ms.parse().map_err(|_| bad())?),
+        window: 1,
+    };
+    let job = Job {
+        world,
+        port: port.parse().map_err(|_| bad())?,
+        token: JobToken::new(token),
+        timeouts: bench.timeouts(),
+        heartbeat: bench.heartbeat,
+    };
+    // Rank 0's process holds the store's side of every connection too.
+    let serves = ranks.contains(&Rank(0));
+    let per_rank = descriptors_per_rank(world.get());
+    let fds = ranks.len() as u64 * per_rank
+        + if serves {
+            u64::from(world.get()) * 2
+        } else {
+            0
+        };
+    raise_open_files(fds + 1024)?;
+    let lone = ranks.len() == 1 && ranks[0] == Rank(world.get() / 2);
+    let (tx, rx) = mpsc::channel::<Report>();
+    let go = Arc::new(Barrier::new(ranks.len() + 1));
+    let end = Arc::new(Barrier::new(ranks.len() + 1));
+    let mut out = std::io::stdout().lock();
+    for &r in &ranks {
+        let (job, tx, go, end) = (job.clone(), tx.clone(), Arc::clone(&go), Arc::clone(&end));
+        let spawned = std::thread::Builder::new()
+            .name(format!("scale-rank-{r}"))
+            .stack_size(512 * 1024)
+            .spawn(move || rank_task(&job, r, &tx, &go, &end));
+        if let Err(e) = spawned {
+            writeln!(
+                out,
+                "failed {r}: no thread for it ({e}): this machine's thread limits \
+                           (kernel.threads-max, vm.max_map_count, RLIMIT_NPROC) are too low"
+            )?;
+            return Ok(());
+        }
+    }
+    drop(tx);
+    let next = |want: usize| -> Vec<Report> {
+        rx.iter()
+            .take(want)
+            .inspect(|r| {
+                if let Report::Failed(rank, e) = r {
+                    let _ = writeln!(std::io::stdout(), "failed {rank}: {e}");
+                }
+            })
+            .collect()
+    };
+    let ready = next(ranks.len());
+    if ready.iter().any(|r| matches!(r, Report::Failed(..))) {
+        return Ok(());
+    }
+    let last = ready.iter().filter_map(|r| match r {
+        Report::Ready(at, _) => Some(*at),
+        _ => None,
+    });
+    writeln!(out, "ready {} {}", ranks.len(), last.max().unwrap_or(0))?;
+    let rank0 = ready.into_iter().find_map(|r| match r {
+        Report::Ready(_, pg) => pg,
+        _ => None,
+    });
+    if next(ranks.len())
+        .iter()
+        .any(|r| matches!(r, Report::Failed(..)))
+    {
+        return Ok(());
+    }
+    writeln!(out, "synced")?;
+    out.flush()?;
+    let lines = std::io::stdin().lock().lines().map_while(|l| l.ok());
+    for line in lines {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words[..] {
+            ["measure", interval_ms, window] => {
+                let interval = Duration::from_millis(interval_ms.parse().unwrap_or(2000));
+                let window: u32 = window.parse().unwrap_or(1);
+                let traffic = || {
+                    rank0
+                        .as_ref()
+                        .and_then(ProcessGroup::served_store_traffic)
+                        .unwrap_or_default()
+                };
+                std::thread::sleep(interval);
+                let (before, from) = (traffic(), Instant::now());
+                std::thread::sleep(interval * window);
+                let (after, took) = (traffic(), from.elapsed());
+                writeln!(
+                    out,
+                    "traffic {} {} {}",
+                    after.aux_requests - before.aux_requests,
+                    after.aux_bytes - before.aux_bytes,
+                    took.as_nanos()
+                )?;
+            }
+            ["go"] if !lone => {
+                go.wait();
+                let named = next(ranks.len());
+                let lone_rank = Rank(world.get() / 2);
+                let (mut last, mut others, mut said) = (0, 0, String::new());
+                for r in &named {
+                    if let Report::Named(culprit, at, text) = r {
+                        last = last.max(*at);
+                        if *culprit != Some(lone_rank) {
+                            others += 1;
+                            said.clone_from(text);
+                        }
+                    }
+                }
+                writeln!(out, "named {} {others} {last} {said}", named.len())?;
+            }
+            ["end"] => break,
+            _ => {}
+        }
+        out.flush()?;
+    }
+    if !lone {
+        drop(rank0);
+        end.wait();
+    }
+    Ok(())
+}
+
+/// Nanoseconds since the Unix epoch: one clock for every process of this machine.
+fn unix_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// Raises this process's open-file limit to at least `want`.
+///
+/// # Errors
+/// The limit cannot reach `want` (the hard limit is lower and this process may not raise it):
+/// the error says how to raise it.
+fn raise_open_files(want: u64) -> Result<()> {
+    let (soft, hard) = crate::sys::raise_open_files(want)?;
+    if soft >= want {
+        return Ok(());
+    }
+    Err(config_error(
+        "--ranks",
+        &format!(
+            "this many ranks need {want} open files and this process may open {soft} (hard \
+             limit {hard}): raise it (`ulimit -Hn {want}` as root, or LimitNOFILE in a \
+             systemd unit)"
+        ),
+    ))
+}
+
+/// A port free on this machine now.
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn config_error(option: &'static str, reason: &str) -> DdpError {
+    DdpError::Config(ConfigError::InvalidOption {
+        option,
+        reason: reason.to_owned(),
+    })
+}
+
+fn job_failed(n: u32, what: &str) -> DdpError {
+    config_error("--ranks", &format!("the job of {n} ranks failed: {what}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bench(ranks: Vec<u32>) -> ScaleBench {
+        ScaleBench {
+            ranks,
+            heartbeat: Duration::from_secs(3),
+            window: 3,
+        }
+    }
+
+    #[test]
+    fn options_out_of_range_are_refused_naming_the_fix() {
+        for ranks in [vec![], vec![2], vec![8, 70_000]] {
+            let e = bench(ranks).check().unwrap_err().to_string();
+            assert!(e.contains("--ranks"), "{e}");
+        }
+        assert!(bench(vec![3, 8192]).check().is_ok());
+        let fast = ScaleBench {
+            heartbeat: Duration::from_millis(10),
+            ..bench(vec![4])
+        };
+        assert!(fast.check().unwrap_err().to_string().contains("heartbeat"));
+    }
+
+    #[test]
+    fn rows_print_in_the_issue_format_and_growth_against_the_ranks() {
+        let row = |ranks, req: f64| ScaleRow {
+            ranks,
+            init: Duration::from_millis(1500),
+            hb_requests_per_interval: req,
+            hb_bytes_per_interval: req * 50.0,
+            detect: Duration::from_millis(2250),
+        };
+        let (a, b) = (row(256, 1024.0), row(1024, 4096.0));
+        assert_eq!(
+            b.line(),
+            "scale ranks=1024 init_s=1.50 hb_requests_per_interval=4096 \
+             hb_bytes_per_interval=204800 detect_s=2.25"
+        );
+        assert_eq!(
+            b.growth_line(&a),
+            "scale growth ranks=256->1024 ranks_x=4.00 hb_requests_x=4.00 hb_bytes_x=4.00"
+        );
+    }
+}
