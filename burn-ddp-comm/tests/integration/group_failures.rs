@@ -663,7 +663,7 @@ fn frozen_rank_is_reported_within_the_heartbeat_bound() {
             other => panic!("unexpected: {other}"),
         }
         assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
-        kill_frozen_rank_1(&pg);
+        kill_frozen_rank(&pg);
         return;
     }
     run_with_rank_1_frozen(NAME);
@@ -710,18 +710,13 @@ fn frozen_rank_0_is_reported_within_the_heartbeat_bound() {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         return;
     }
-    let out = TestJob::new(3, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_STALL_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .timeout(Duration::from_secs(60))
-        .run();
+    let out = heartbeat_job(3, NAME);
     assert!(!out.rank(0).ok(), "{}", out.report());
     assert!(out.rank(1).ok() && out.rank(2).ok(), "{}", out.report());
 }
 
 /// Joins the 3-rank job; then rank 1 freezes itself (SIGSTOP: a hung node, a swapped-out
-/// process) and never returns, after leaving its pid in the store for [`kill_frozen_rank_1`].
+/// process) and never returns, after leaving its pid in the store for [`kill_frozen_rank`].
 /// The others get the group and a buffer. Rank 1 freezes as soon as it has the group, before any
 /// collective: the moment its heartbeat thread may not have run yet, so its first heartbeat must
 /// already be in the store when the group is handed over (else nobody ever judges its silence).
@@ -729,23 +724,29 @@ fn join_then_freeze_rank_1() -> (ProcessGroup, Vec<f32>) {
     let pg = ProcessGroup::from_env().unwrap();
     let x = vec![1.0f32; 1024];
     if pg.rank() == Rank(1) {
-        let me = rustix::process::getpid();
-        pg.store()
-            .unwrap()
-            .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
-            .unwrap();
-        let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
-        // The stop takes effect asynchronously (SIGSTOP can still be pending when `kill`
-        // returns), so do nothing the others could notice until it does; the test kills it.
-        loop {
-            std::thread::sleep(Duration::from_secs(1));
-        }
+        freeze_here(&pg);
     }
     (pg, x)
 }
 
-/// Rank 0 kills the process [`join_then_freeze_rank_1`] froze.
-fn kill_frozen_rank_1(pg: &ProcessGroup) {
+/// Leaves this process's pid in the store for [`kill_frozen_rank`], then freezes it (SIGSTOP)
+/// and never returns.
+fn freeze_here(pg: &ProcessGroup) -> ! {
+    let me = rustix::process::getpid();
+    pg.store()
+        .unwrap()
+        .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
+        .unwrap();
+    let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
+    // The stop takes effect asynchronously (SIGSTOP can still be pending when `kill` returns),
+    // so do nothing the others could notice until it does; the test kills it.
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// Rank 0 kills the process [`freeze_here`] froze.
+fn kill_frozen_rank(pg: &ProcessGroup) {
     if pg.rank() == Rank(0) {
         let pid = pg.store().unwrap().get("frozen-pid").unwrap();
         let pid: i32 = String::from_utf8(pid).unwrap().parse().unwrap();
@@ -754,15 +755,21 @@ fn kill_frozen_rank_1(pg: &ProcessGroup) {
     }
 }
 
-/// Runs test `name` on 3 ranks with a 3 s heartbeat bound (the collective and stall bounds at
-/// 10 min, so only the heartbeat can end it in time): rank 1 must fail (killed), the others pass.
-fn run_with_rank_1_frozen(name: &str) {
-    let out = TestJob::new(3, name)
+/// Runs test `name` on `n` ranks with a 3 s heartbeat bound, the collective and stall bounds at
+/// 10 min (only the heartbeat can end a wait in time), within a minute.
+fn heartbeat_job(n: u32, name: &str) -> procs::Outcomes {
+    TestJob::new(n, name)
         .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
         .env("BURN_DDP_STALL_TIMEOUT", "600")
         .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
         .timeout(Duration::from_secs(60))
-        .run();
+        .run()
+}
+
+/// Runs test `name` on 3 ranks with a 3 s heartbeat bound (the collective and stall bounds at
+/// 10 min, so only the heartbeat can end it in time): rank 1 must fail (killed), the others pass.
+fn run_with_rank_1_frozen(name: &str) {
+    let out = heartbeat_job(3, name);
     assert!(!out.rank(1).ok(), "{}", out.report());
     assert!(out.rank(0).ok() && out.rank(2).ok(), "{}", out.report());
 }
@@ -800,7 +807,7 @@ fn frozen_rank_is_reported_while_the_others_wait_outside_the_collectives() {
         // The group is aborted: the next collective fails at once, naming rank 1.
         let err = pg.all_reduce(&mut x, ReduceOp::Sum).unwrap_err();
         assert!(show(&err).contains("rank 1"), "{}", show(&err));
-        kill_frozen_rank_1(&pg);
+        kill_frozen_rank(&pg);
         return;
     }
     run_with_rank_1_frozen(NAME);
@@ -816,18 +823,8 @@ fn frozen_far_rank_is_named_through_its_neighbours_record() {
     if procs::is_child(NAME) {
         let pg = ProcessGroup::from_env().unwrap();
         let sub = pg.new_group(&[Rank(0), Rank(3)]).unwrap();
-        let me = rustix::process::getpid();
         match pg.rank() {
-            Rank(3) => {
-                pg.store()
-                    .unwrap()
-                    .set("frozen-pid", me.as_raw_nonzero().to_string().as_bytes())
-                    .unwrap();
-                let _ = rustix::process::kill_process(me, rustix::process::Signal::STOP);
-                loop {
-                    std::thread::sleep(Duration::from_secs(1));
-                }
-            }
+            Rank(3) => freeze_here(&pg),
             Rank(0) => {
                 let mut x = vec![1.0f32; 1024];
                 let started = Instant::now();
@@ -841,10 +838,7 @@ fn frozen_far_rank_is_named_through_its_neighbours_record() {
                 );
                 assert_eq!(err.culprit(), Some(Rank(3)), "{text}");
                 assert!(text.contains("sent no heartbeat"), "{text}");
-                let pid = pg.store().unwrap().get("frozen-pid").unwrap();
-                let pid: i32 = String::from_utf8(pid).unwrap().parse().unwrap();
-                let pid = rustix::process::Pid::from_raw(pid).unwrap();
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                kill_frozen_rank(&pg);
                 assert!(took < Duration::from_secs(12), "took {took:?}: {text}");
             }
             // Waiting on nothing, past rank 0's verdict.
@@ -852,12 +846,7 @@ fn frozen_far_rank_is_named_through_its_neighbours_record() {
         }
         return;
     }
-    let out = TestJob::new(6, NAME)
-        .env("BURN_DDP_COLLECTIVE_TIMEOUT", "600")
-        .env("BURN_DDP_STALL_TIMEOUT", "600")
-        .env("BURN_DDP_HEARTBEAT_TIMEOUT", "3")
-        .timeout(Duration::from_secs(60))
-        .run();
+    let out = heartbeat_job(6, NAME);
     assert!(!out.rank(3).ok(), "{}", out.report());
     for r in [0, 1, 2, 4, 5] {
         assert!(out.rank(r).ok(), "rank {r}: {}", out.report());
