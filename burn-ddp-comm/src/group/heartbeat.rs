@@ -633,9 +633,7 @@ impl Watch {
                 .get(&r)
                 .is_some_and(|s| now.duration_since(s.changed) <= self.bounds.silence);
             if back {
-                let mine = self.store.get_timeout(SILENT_KEY, Duration::from_millis(1));
-                let names = |b: &Vec<u8>| Silence::decode(b).is_some_and(|s| s.culprit == r);
-                if mine.is_ok_and(|b| names(&b)) {
+                if self.silence_record().is_some_and(|s| s.culprit == r) {
                     let _ = self.store.delete(SILENT_KEY);
                 }
                 self.recorded = None;
@@ -666,13 +664,18 @@ impl Watch {
         }
     }
 
-    /// The silent rank a neighbour recorded, if any other than this one.
-    fn recorded_silence(&self) -> Option<Silence> {
+    /// The silence recorded under [`SILENT_KEY`], if any (and readable).
+    fn silence_record(&self) -> Option<Silence> {
         let bytes = self
             .store
             .get_timeout(SILENT_KEY, Duration::from_millis(1))
             .ok()?;
-        Silence::decode(&bytes).filter(|s| s.culprit != self.rank)
+        Silence::decode(&bytes)
+    }
+
+    /// The silent rank a neighbour recorded, if any other than this one.
+    fn recorded_silence(&self) -> Option<Silence> {
+        self.silence_record().filter(|s| s.culprit != self.rank)
     }
 
     /// While this rank waits (in a host collective, or on work outside them): who is to

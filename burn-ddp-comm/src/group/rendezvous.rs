@@ -114,14 +114,9 @@ fn meet(cfg: &GroupConfig, deadline: Instant) -> Result<StoreClient> {
     // torchrun does, instead of silence until the deadline.
     let every = (deadline.saturating_duration_since(started) / 4)
         .clamp(Duration::from_secs(1), Duration::from_secs(30));
-    // Arrivals are counted (one `add` a rank; the last to arrive sets one key that every rank
-    // waits for): waiting on every rank's key made the store check n keys for each of n ranks
-    // at every arrival. Every rank's key is read only to say who is missing.
-    let arrived = client.add(protocol::ARRIVED_KEY, 1)?;
-    if arrived == i64::from(cfg.world_size.get()) {
-        client.set(protocol::ALL_JOINED_KEY, b"")?;
-    }
-    let all = [protocol::ALL_JOINED_KEY.to_owned()];
+    // Arrivals are counted (`StoreClient::arrive`); every rank's key is read only to say who
+    // is missing.
+    let all = [client.arrive(protocol::JOINED_BARRIER, cfg.world_size.get())?];
     let poll = |wait: Duration| -> Result<WaitOutcome> {
         match client.wait(&all, wait)? {
             WaitOutcome::Ready => Ok(WaitOutcome::Ready),

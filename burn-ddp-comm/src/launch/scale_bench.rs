@@ -144,18 +144,6 @@ impl ScaleBench {
         Ok(rows)
     }
 
-    /// The timeouts of a job: the heartbeat bound as asked; the stall bound and the collective
-    /// deadline far beyond it, so that only the kill can end the measured all-reduce.
-    fn timeouts(&self) -> Timeouts {
-        Timeouts {
-            rendezvous: Duration::from_secs(300),
-            store: Duration::from_secs(300),
-            collective: Duration::from_secs(600),
-            heartbeat: self.heartbeat,
-            stall: Duration::from_secs(600),
-        }
-    }
-
     fn run_one(&self, n: u32) -> Result<ScaleRow> {
         let world = WorldSize::new(n).ok_or_else(|| config_error("--ranks", "0 ranks"))?;
         let victim = Rank(n / 2);
@@ -163,7 +151,6 @@ impl ScaleBench {
             world,
             port: free_port()?,
             token: JobToken::generate(),
-            timeouts: self.timeouts(),
             heartbeat: self.heartbeat,
         };
         // Rank 0 alone (it serves the store), the killed rank alone, the others in chunks.
@@ -183,7 +170,7 @@ impl ScaleBench {
             queued: vec![Default::default(); hosts.len()],
             procs,
             n,
-            deadline: Instant::now() + job.timeouts.rendezvous + Duration::from_secs(30),
+            deadline: Instant::now() + job.timeouts().rendezvous + Duration::from_secs(30),
         };
         // Start-up: every rank's `init`, then one all-reduce of every rank.
         let ready = run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "ready")?;
@@ -280,15 +267,26 @@ struct Job {
     world: WorldSize,
     port: u16,
     token: JobToken,
-    timeouts: Timeouts,
     heartbeat: Duration,
 }
 
 impl Job {
+    /// The job's timeouts: the heartbeat bound as asked; the stall bound and the collective
+    /// deadline far beyond it, so that only the kill can end the measured all-reduce.
+    fn timeouts(&self) -> Timeouts {
+        Timeouts {
+            rendezvous: Duration::from_secs(300),
+            store: Duration::from_secs(300),
+            collective: Duration::from_secs(600),
+            heartbeat: self.heartbeat,
+            stall: Duration::from_secs(600),
+        }
+    }
+
     fn config(&self, rank: Rank) -> GroupConfig {
         GroupConfig::new(rank, self.world, self.token.clone())
             .with_master(MasterAddr::new("127.0.0.1", self.port))
-            .with_timeouts(self.timeouts)
+            .with_timeouts(self.timeouts())
             .with_algorithm(Algorithm::Auto)
             .with_transport(Transport::Tcp)
             .with_debug_desync(false)
@@ -491,17 +489,11 @@ fn host(spec: &str) -> Result<()> {
         .map(|r| r.parse().map(Rank).map_err(|_| bad()))
         .collect::<Result<_>>()?;
     let token = crate::config::env::job_token().ok_or_else(bad)?;
-    let bench = ScaleBench {
-        ranks: vec![world.get()],
-        heartbeat: Duration::from_millis(heartbeat_ms.parse().map_err(|_| bad())?),
-        window: 1,
-    };
     let job = Job {
         world,
         port: port.parse().map_err(|_| bad())?,
         token: JobToken::new(token),
-        timeouts: bench.timeouts(),
-        heartbeat: bench.heartbeat,
+        heartbeat: Duration::from_millis(heartbeat_ms.parse().map_err(|_| bad())?),
     };
     // Rank 0's process holds the store's side of every connection too.
     let serves = ranks.contains(&Rank(0));

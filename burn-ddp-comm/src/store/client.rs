@@ -502,6 +502,18 @@ impl StoreClient {
         }
     }
 
+    /// Counts this process's arrival at the barrier `name` of `n` participants (the counter
+    /// `{name}/arrived`); the last to arrive sets `{name}/all`, the one key every participant
+    /// then waits for, which this returns. One `add` a participant whatever `n`, where waiting
+    /// on every participant's own key made the store check n keys for each of n waiters.
+    pub(crate) fn arrive(&self, name: &str, n: u32) -> Result<String> {
+        let all = format!("{name}/all");
+        if self.add(&format!("{name}/arrived"), 1)? == i64::from(n) {
+            self.set(&all, b"")?;
+        }
+        Ok(all)
+    }
+
     /// Sets `key` to `desired` if it currently equals `expected` (`None` = absent) and returns
     /// the value after the operation.
     pub(crate) fn compare_set(

@@ -341,11 +341,9 @@ impl Reply {
     }
 }
 
-/// The counter of the ranks that joined the rendezvous (each adds itself once connected).
-pub(crate) const ARRIVED_KEY: &str = "__joined/arrived";
-
-/// Set by the last rank to join the rendezvous: what every rank waits for.
-pub(crate) const ALL_JOINED_KEY: &str = "__joined/all";
+/// The barrier of the ranks that joined the rendezvous (`StoreClient::arrive`: each counts
+/// itself once connected, under `__joined/arrived`; the last sets `__joined/all`).
+pub(crate) const JOINED_BARRIER: &str = "__joined";
 
 /// The key under which the store records that `rank` has joined.
 pub(crate) fn joined_key(rank: Rank) -> String {

@@ -139,11 +139,9 @@ pub(crate) fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<(
 }
 
 /// Waits until every rank of the group has published its key of `keys` (one per rank),
-/// counting arrivals rather than reading every key: each rank adds itself to
-/// `{barrier}/arrived` once it has published, the last one sets `{barrier}/all`, and every rank
-/// waits for that one key. One `add` and one wait a rank whatever the world size, where waiting
-/// on every rank's key made the store check n keys for each of n ranks at every change. Past
-/// the deadline, the ranks whose keys are missing are named as [`wait_published`] names them.
+/// counting arrivals at the store barrier `barrier` once it has published
+/// ([`StoreClient::arrive`]) rather than reading every key. Past the deadline, the ranks whose
+/// keys are missing are named as [`wait_published`] names them.
 ///
 /// # Errors
 /// `RendezvousTimeout` naming the ranks whose keys are missing at the deadline.
@@ -152,11 +150,7 @@ pub(crate) fn wait_all_published(
     barrier: &str,
     keys: &[String],
 ) -> Result<()> {
-    let all = format!("{barrier}/all");
-    let arrived = setup.store.add(&format!("{barrier}/arrived"), 1)?;
-    if arrived == i64::from(setup.world.get()) {
-        setup.store.set(&all, b"")?;
-    }
+    let all = setup.store.arrive(barrier, setup.world.get())?;
     let left = setup.deadline.saturating_duration_since(Instant::now());
     match setup.store.wait(std::slice::from_ref(&all), left)? {
         WaitOutcome::Ready => Ok(()),
