@@ -15,11 +15,35 @@ use crate::{DdpError, Result};
 /// rename, only the temporaries of `path` it can lock: those of writers that died. In a
 /// fault-tolerant job two processes may write the same checkpoint: a rank 0 frozen mid-write and
 /// left out, and the new membership's rank 0, which writes it again. The frozen one's temporary
-/// stays until it resumes and renames it (the same epoch's record, so the same bytes).
+/// stays until it resumes; it then renames it only if its fence lets it
+/// ([`write_atomic_fenced`]), and never once the file was removed ([`remove_fenced`]).
 ///
 /// # Errors
 /// The I/O error, with the path.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_fenced(path, bytes, || Ok(()))
+}
+
+/// [`write_atomic`], with `fence` asked once the temporary is on disk, just before the rename:
+/// an error of `fence` removes the temporary and is returned, and the file is not touched. In a
+/// fault-tolerant job the fence asks the store whether the writer's membership still stands
+/// ([`ProcessGroup::membership_stands`](crate::ProcessGroup::membership_stands)), so that a
+/// rank 0 left out while it wrote does not put its file in place.
+///
+/// A check cannot fence a rename that follows it (a writer frozen between the two renames once
+/// continued): what closes that window is [`remove_fenced`], which the deleter of a file uses. It
+/// removes every temporary of the file before the file itself, so a writer that passed its fence
+/// and renames later finds no temporary to rename, and one that renamed first had its file
+/// removed after it: in no order of the two does a removed file come back.
+///
+/// # Errors
+/// `fence`'s error; the I/O error, with the path (a temporary removed by [`remove_fenced`] while
+/// this writer waited is "renaming into place", not found).
+pub fn write_atomic_fenced(
+    path: &Path,
+    bytes: &[u8],
+    fence: impl FnOnce() -> Result<()>,
+) -> Result<()> {
     let io = |what: &'static str, source: std::io::Error| {
         DdpError::Job(JobError::CheckpointIo {
             path: path.to_path_buf(),
@@ -27,26 +51,21 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
             source,
         })
     };
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = parent(path);
     fs::create_dir_all(dir).map_err(|e| io("creating its directory", e))?;
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = file_name(path);
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
         let mut f = locked_temporary(&tmp).map_err(|e| io("creating the temporary file", e))?;
         f.write_all(bytes).map_err(|e| io("writing", e))?;
         f.sync_all().map_err(|e| io("flushing to disk", e))?;
+        fence()?;
         fs::rename(&tmp, path).map_err(|e| io("renaming into place", e))?;
         // The rename is durable once the directory entry is.
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
         }
-        remove_stale_temporaries(dir, &name);
+        remove_temporaries(dir, &name, Temporaries::OfDeadWriters);
         Ok(())
     })();
     if result.is_err() {
@@ -55,8 +74,36 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     result
 }
 
+/// Removes `path` (absent is fine) so that no writer of it brings it back: every temporary of
+/// `path` first, its writers' live or not, then the file (see [`write_atomic_fenced`]). For a
+/// file no writer may write again: an older epoch's checkpoint, which only a superseded rank 0
+/// still writing it would.
+///
+/// # Errors
+/// The file exists and cannot be removed.
+pub fn remove_fenced(path: &Path) -> std::io::Result<()> {
+    remove_temporaries(parent(path), &file_name(path), Temporaries::All);
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    }
+}
+
+fn file_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
 /// Creates the temporary file `tmp` and locks it for this writer. Another writer's
-/// [`remove_stale_temporaries`] may hold its lock or remove it between its creation and the
+/// [`remove_temporaries`] may hold its lock or remove it between its creation and the
 /// lock (it was not locked yet): then it is created again, for at most about 50 ms (never a
 /// blocking lock: the other writer may be frozen while it holds it).
 fn locked_temporary(tmp: &Path) -> std::io::Result<File> {
@@ -76,15 +123,28 @@ fn locked_temporary(tmp: &Path) -> std::io::Result<File> {
     ))
 }
 
-/// Removes the temporaries of `name` whose writer died mid-write: those whose lock this
-/// process can take. A live writer's, frozen or not, holds its lock and stays.
-fn remove_stale_temporaries(dir: &Path, name: &str) {
+/// Which temporaries of a file [`remove_temporaries`] removes.
+#[derive(Clone, Copy, PartialEq)]
+enum Temporaries {
+    /// Those whose lock this process can take: their writer died mid-write. A live writer's,
+    /// frozen or not, holds its lock and stays.
+    OfDeadWriters,
+    /// Every one: the file is removed, and no writer may put it back.
+    All,
+}
+
+/// Removes the temporaries of `name` in `dir` that `which` says.
+fn remove_temporaries(dir: &Path, name: &str, which: Temporaries) {
     let prefix = format!(".{name}.tmp-");
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         if !entry.file_name().to_string_lossy().starts_with(&prefix) {
+            continue;
+        }
+        if which == Temporaries::All {
+            let _ = fs::remove_file(entry.path());
             continue;
         }
         // Removed while the lock is held, so its writer cannot have taken it in between.
@@ -193,6 +253,58 @@ mod tests {
             .unwrap()
             .any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-"));
         assert!(!tmp_left);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A fence that refuses (a writer whose membership ended) leaves the file as it was and no
+    /// temporary behind.
+    #[test]
+    fn a_refused_fence_renames_nothing() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-fence-{}", std::process::id()));
+        let path = dir.join("model-3.bin");
+        let refused = || {
+            Err(DdpError::Membership(crate::MembershipError::Superseded {
+                member: 0,
+                epoch: 1,
+                what: "model-3.bin".into(),
+                why: "rank 0 sent no heartbeat".into(),
+            }))
+        };
+        let err = write_atomic_fenced(&path, b"late", refused).unwrap_err();
+        assert!(
+            err.to_string().contains("membership epoch 1 has ended"),
+            "{err}"
+        );
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A writer that passed its fence and froze before its rename (here: held inside the fence
+    /// until the file was removed) cannot bring the removed file back: its temporary went with
+    /// it. A removal that kept live writers' temporaries, as a write's cleanup does, fails this.
+    #[test]
+    fn a_writer_frozen_after_its_fence_cannot_bring_back_a_removed_file() {
+        let dir = std::env::temp_dir().join(format!("burn-ddp-ckpt-back-{}", std::process::id()));
+        let path = dir.join("model-1.bin");
+        write_atomic(&path, b"epoch 1").unwrap();
+        let (passed, fenced) = std::sync::mpsc::channel();
+        let (thaw, frozen) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let writer = s.spawn(|| {
+                write_atomic_fenced(&path, b"epoch 1", move || {
+                    passed.send(()).unwrap();
+                    frozen.recv().unwrap();
+                    Ok(())
+                })
+            });
+            fenced.recv().unwrap();
+            remove_fenced(&path).unwrap();
+            thaw.send(()).unwrap();
+            let err = writer.join().unwrap().unwrap_err().to_string();
+            assert!(err.contains("renaming into place"), "{err}");
+        });
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0, "the file came back");
+        remove_fenced(&path).unwrap();
         fs::remove_dir_all(&dir).unwrap();
     }
 }

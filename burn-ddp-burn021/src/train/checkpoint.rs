@@ -5,7 +5,7 @@
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::Backend;
 use burn::train::checkpoint::{Checkpointer, CheckpointerError};
-use burn_ddp_comm::train::files::RecordFiles;
+use burn_ddp_comm::train::files::{self, RecordFiles};
 use burn_ddp_comm::train::vote::FailureSlot;
 use burn_ddp_comm::JobError;
 
@@ -33,9 +33,9 @@ fn failed(e: impl std::fmt::Display) -> CheckpointerError {
 
 impl<R: Record<B>, B: Backend> Checkpointer<R, B> for RankCheckpointer {
     fn save(&self, epoch: usize, record: R) -> Result<(), CheckpointerError> {
-        self.keep(self.files.save(epoch, || {
+        self.keep(files::unless_superseded(self.files.save(epoch, || {
             BinBytesRecorder::<FullPrecisionSettings>::default().record(record, ())
-        }))
+        })))
     }
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {

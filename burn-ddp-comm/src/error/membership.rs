@@ -40,6 +40,24 @@ pub enum MembershipError {
         why: String,
     },
 
+    /// What this process would write for a fault-tolerant job (rank 0's checkpoint) is not
+    /// written: its membership ended meanwhile, and a newer membership's rank 0 writes it. The
+    /// process learns at its next collective that it was left out, and may join again.
+    #[error(
+        "[member {member}] {what} is not written: this process's membership epoch {epoch} has \
+         ended ({why}); the job goes on without it and the new membership's rank 0 writes it"
+    )]
+    Superseded {
+        /// This process's member id.
+        member: u32,
+        /// The membership that ended.
+        epoch: u64,
+        /// What was not written.
+        what: String,
+        /// Why the membership ended, as recorded in the store.
+        why: String,
+    },
+
     /// Too few ranks are left in a fault-tolerant job to go on, and not enough joined in
     /// time.
     #[error(

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::checkpoint::write_atomic;
-use crate::{DdpError, ProcessGroup, Rank, Result};
+use crate::checkpoint::{remove_fenced, write_atomic_fenced};
+use crate::{DdpError, MembershipError, ProcessGroup, Rank, Result};
 
 /// The three records of one epoch's checkpoint, in the order burn-train saves them.
 pub const PARTS: [&str; 3] = ["model", "optim", "scheduler"];
@@ -110,6 +110,10 @@ struct Saved {
     newest: [Option<usize>; 3],
     /// A record that could not be written.
     failed: Option<String>,
+    /// The epoch whose record this rank 0 did not write because its membership had ended
+    /// (a newer membership's rank 0 writes it), with the error: not a failure of the job, so
+    /// it fails the wait for that epoch alone (the process may join again, and be rank 0).
+    superseded: Option<(usize, String)>,
 }
 
 impl SavedLog {
@@ -136,6 +140,9 @@ impl SavedLog {
             }
             if let Some(failed) = &saved.failed {
                 return Err(failed.clone());
+            }
+            if let Some((_, why)) = saved.superseded.as_ref().filter(|(e, _)| *e == epoch) {
+                return Err(why.clone());
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -176,6 +183,25 @@ pub fn delete_behind(files: &[RecordFiles], epoch: usize, keep: usize) -> Result
     Ok(())
 }
 
+/// What a Burn line's checkpointer (run by burn-train's checkpointer thread, which stops or
+/// fails the Learner on an error) is told of [`RecordFiles::save`]: a write fenced off because
+/// rank 0's membership ended ([`MembershipError::Superseded`]) is no failure of the job's, and
+/// stopping the Learner would keep this process from joining again, so it is `Ok` (the epoch
+/// loop learns it from the [`SavedLog`], where the wait for that epoch fails with it); any other
+/// result as it is.
+///
+/// # Errors
+/// `result`'s, but [`MembershipError::Superseded`].
+pub fn unless_superseded(result: Result<()>) -> Result<()> {
+    match result {
+        Err(DdpError::Membership(MembershipError::Superseded { .. })) => {
+            tracing::info!("{}", result.unwrap_err());
+            Ok(())
+        }
+        other => other,
+    }
+}
+
 /// One of the three records of every epoch, in one directory, for one rank of a group.
 #[derive(Debug, Clone)]
 pub struct RecordFiles {
@@ -209,11 +235,15 @@ impl RecordFiles {
     }
 
     /// Rank 0 writes the record of `epoch`, made by `bytes`, atomically; the other ranks do
-    /// nothing (and do not make it).
+    /// nothing (and do not make it). In a fault-tolerant job the file is renamed into place
+    /// only while rank 0's membership stands ([`write_atomic_fenced`],
+    /// [`ProcessGroup::membership_stands`]): a rank 0 left out while it wrote does not put its
+    /// file in place.
     ///
     /// # Errors
     /// The record could not be made ([`JobError::Checkpoint`]) or written
-    /// ([`JobError::CheckpointIo`], with the path and the OS error).
+    /// ([`JobError::CheckpointIo`], with the path and the OS error); rank 0's membership ended
+    /// ([`MembershipError::Superseded`](crate::MembershipError::Superseded)).
     pub fn save<E: std::fmt::Display>(
         &self,
         epoch: usize,
@@ -231,19 +261,29 @@ impl RecordFiles {
                     reason: e.to_string(),
                 })
             })
-            .and_then(|bytes| write_atomic(&file, &seal(&bytes)));
+            .and_then(|bytes| {
+                write_atomic_fenced(&file, &seal(&bytes), || {
+                    let what = format!("rank 0's checkpoint file {}", file.display());
+                    self.pg.membership_stands(&what)
+                })
+            });
         if let Some(log) = &self.log {
             let part = PARTS.iter().position(|p| *p == self.name);
             match (&written, part) {
                 (Ok(()), Some(i)) => log.record(|s| s.newest[i] = s.newest[i].max(Some(epoch))),
                 (Ok(()), None) => {}
+                (Err(e @ DdpError::Membership(MembershipError::Superseded { .. })), _) => {
+                    log.record(|s| s.superseded = Some((epoch, e.to_string())));
+                }
                 (Err(e), _) => log.record(|s| s.failed = Some(e.to_string())),
             }
         }
         written
     }
 
-    /// Rank 0 removes the record of `epoch` (absent is fine).
+    /// Rank 0 removes the record of `epoch` (absent is fine), and every temporary of it first
+    /// ([`remove_fenced`]): a superseded rank 0 frozen between its fence and its rename cannot
+    /// bring the file back.
     ///
     /// # Errors
     /// The file exists and cannot be removed.
@@ -251,11 +291,7 @@ impl RecordFiles {
         if self.pg.rank() != Rank(0) {
             return Ok(());
         }
-        match fs::remove_file(self.path(epoch)) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e),
-        }
+        remove_fenced(&self.path(epoch))
     }
 
     /// Collective: every rank gets the record of `epoch` (rank 0 reads the file and sends its
@@ -429,6 +465,58 @@ mod tests {
             .unwrap_err();
         let failed = log.wait(2, Duration::from_secs(20)).unwrap_err();
         assert!(failed.contains("the record does not serialise"), "{failed}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Rank 0's checkpoint is fenced on its membership: written while it stands; once a rank
+    /// recorded its end, not put in place (no temporary left), and the wait for that epoch's
+    /// checkpoint fails at once with the reason, not at its limit; burn-train's checkpointer
+    /// thread is told no error.
+    #[test]
+    fn a_superseded_rank_0_does_not_put_its_checkpoint_in_place() {
+        use crate::config::{FaultTolerance, GroupConfig, JobToken, MasterAddr};
+        use crate::store::StoreServer;
+        let dir = scratch("fenced");
+        let token = JobToken::new("fenced-test");
+        let server =
+            StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+        let master = MasterAddr::new("127.0.0.1", server.local_addr().port());
+        let config = GroupConfig::new(Rank(0), WorldSize::ONE, token)
+            .with_master(master)
+            .with_timeouts(Timeouts::uniform(Duration::from_secs(5)))
+            .with_fault_tolerance(FaultTolerance::default());
+        let pg = ProcessGroup::init(config).unwrap();
+        let log = SavedLog::default();
+        let files = RecordFiles::new(&dir, "model", pg.clone()).with_log(log.clone());
+        files.save(1, || Ok::<_, String>(vec![1])).unwrap();
+        assert!(files.path(1).is_file());
+        pg.end_membership("rank 0 sent no heartbeat");
+        let err = files.save(2, || Ok::<_, String>(vec![2])).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DdpError::Membership(MembershipError::Superseded { .. })
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("model-2.bin"), "{err}");
+        let names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names, ["model-1.bin"], "a file or a temporary was left");
+        let started = Instant::now();
+        let waited = log.wait(2, Duration::from_secs(30)).unwrap_err();
+        assert!(waited.contains("rank 0 sent no heartbeat"), "{waited}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        let told = unless_superseded(files.save(3, || Ok::<_, String>(vec![3])));
+        assert!(told.is_ok(), "{told:?}");
+        assert!(log.wait(3, Duration::from_secs(30)).is_err());
+        // Another epoch's wait is not failed by it.
+        let other = log.wait(2, Duration::ZERO).unwrap_err();
+        assert!(other.contains("did not finish writing"), "{other}");
+        drop(pg);
         fs::remove_dir_all(&dir).unwrap();
     }
 

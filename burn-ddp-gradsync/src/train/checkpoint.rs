@@ -5,7 +5,7 @@
 
 use burn::tensor::Bytes;
 use burn::train::checkpoint::{Checkpoint, Checkpointer, CheckpointerError};
-use burn_ddp_comm::train::files::RecordFiles;
+use burn_ddp_comm::train::files::{self, RecordFiles};
 
 /// One of the three records, for burn-train's `AsyncCheckpointer`.
 pub(crate) struct RankCheckpointer(pub(crate) RecordFiles);
@@ -16,9 +16,8 @@ fn failed(e: impl std::fmt::Display) -> CheckpointerError {
 
 impl<R: Checkpoint> Checkpointer<R> for RankCheckpointer {
     fn save(&self, epoch: usize, record: R) -> Result<(), CheckpointerError> {
-        self.0
-            .save(epoch, || record.checkpoint_into_bytes().map(|b| b.to_vec()))
-            .map_err(failed)
+        let saved = (self.0).save(epoch, || record.checkpoint_into_bytes().map(|b| b.to_vec()));
+        files::unless_superseded(saved).map_err(failed)
     }
 
     fn delete(&self, epoch: usize) -> Result<(), CheckpointerError> {

@@ -38,6 +38,32 @@ impl ProcessGroup {
             .is_some_and(|e| e.current_ended())
     }
 
+    /// In a fault-tolerant job: `Ok` while the current membership stands, asked of the store
+    /// (one request, bounded by the heartbeat bound), for a write of the job's (`what`: rank
+    /// 0's checkpoint file) that must not happen once a newer membership took over. Always `Ok`
+    /// outside fault-tolerant jobs.
+    ///
+    /// # Errors
+    /// [`MembershipError::Superseded`](crate::MembershipError::Superseded) (naming `what` and
+    /// why the membership ended) once a rank recorded its end; the store's error when it does
+    /// not answer (the write cannot be known to be the job's).
+    pub fn membership_stands(&self, what: &str) -> Result<()> {
+        match &self.shared.membership {
+            Some(e) => e.current_stands(what),
+            None => Ok(()),
+        }
+    }
+
+    /// Records the end of this process's current membership, as a rank that saw a failure
+    /// does (tests of what a superseded process may still do).
+    #[cfg(test)]
+    pub(crate) fn end_membership(&self, reason: &str) {
+        if let Some(e) = &self.shared.membership {
+            let (epoch, _) = e.epoch();
+            e.end(epoch, self.rank(), None, reason.to_owned());
+        }
+    }
+
     /// In a fault-tolerant job: whether a process has asked to join since the current
     /// membership began (this rank's view, read from the store each heartbeat interval). The
     /// ranks must agree on a step boundary (a collective of theirs), then all call

@@ -590,6 +590,22 @@ impl MembershipService {
         !matches!(self.store.scope_record(&keys::scope(e)), Ok(None))
     }
 
+    /// `Ok` while this process's current epoch stands; [`MembershipError::Superseded`] (with
+    /// `what`, and the reason recorded) once a rank recorded its end; the store's error when it
+    /// does not answer.
+    fn current_stands(&self, what: &str) -> Result<()> {
+        let (e, _) = self.epoch();
+        match self.store.scope_record(&keys::scope(e))? {
+            None => Ok(()),
+            Some(record) => Err(DdpError::Membership(MembershipError::Superseded {
+                member: self.id,
+                epoch: e,
+                what: what.to_owned(),
+                why: record.reason,
+            })),
+        }
+    }
+
     /// Ends epoch `e` (its first record says why; its rings and waits stop).
     fn end(&self, e: u64, rank: Rank, culprit: Option<Rank>, reason: String) {
         let record = AbortRecord {
@@ -970,6 +986,30 @@ mod tests {
         };
         store.end_scope(&keys::scope(0), record).unwrap();
         assert!(pg.membership_ended());
+    }
+
+    /// What rank 0's checkpoint writer asks before its rename: `Ok` while the membership
+    /// stands, then the error naming the write and the reason recorded.
+    #[test]
+    fn a_write_is_refused_once_the_membership_ended() {
+        ProcessGroup::single()
+            .membership_stands("a test write")
+            .unwrap();
+        let (_server, master, token, _store) = lighthouse();
+        let pg = ProcessGroup::init(config(&master, &token, false)).unwrap();
+        pg.membership_stands("a test write").unwrap();
+        pg.end_membership("rank 0 sent no heartbeat");
+        let err = pg.membership_stands("a test write").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                DdpError::Membership(MembershipError::Superseded { epoch: 0, .. })
+            ),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("a test write is not written"), "{text}");
+        assert!(text.contains("rank 0 sent no heartbeat"), "{text}");
     }
 
     #[test]
