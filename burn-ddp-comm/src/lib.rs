@@ -99,8 +99,8 @@ pub mod types;
 mod wire;
 
 pub use config::{
-    Algorithm, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken, MasterAddr,
-    Timeouts, Transport,
+    Algorithm, EtcdSecurity, EtcdStore, FaultTolerance, GradTransport, GroupConfig, JobToken,
+    MasterAddr, Timeouts, Transport,
 };
 pub use error::{
     CollectiveError, ConfigError, CudaError, DdpError, JobError, MembershipError, ModelError,

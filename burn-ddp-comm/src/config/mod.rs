@@ -118,8 +118,53 @@ pub struct MasterAddr {
 /// keys lie under a prefix derived from its job token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdStore {
-    /// The members' client endpoints, `host:port` (or `http://host:port`).
+    /// The members' client endpoints, `host:port` (or `http://host:port`, or `https://host:port`
+    /// for a cluster that serves TLS: then [`EtcdSecurity::ca`] is needed).
     pub endpoints: Vec<String>,
+    /// TLS and authentication, as etcd provides them (none by default).
+    pub security: EtcdSecurity,
+}
+
+/// How a process checks an etcd cluster and proves itself to it, with etcd's own means: TLS
+/// (`https://` endpoints, checked against a CA), a client certificate (for a cluster started
+/// with `--client-cert-auth`), a user and password (for a cluster with authentication enabled,
+/// `etcdctl auth enable`). A job whose store is reachable by anyone but its own processes (an
+/// etcd cluster on a shared network) needs TLS with client certificates, or a user: without
+/// them, whoever reaches the endpoints can read and write the job's keys.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EtcdSecurity {
+    /// The CA certificate (PEM) that signed the members' server certificates (`--etcd-ca`,
+    /// `BURN_DDP_ETCD_CA`); needed by `https://` endpoints.
+    pub ca: Option<std::path::PathBuf>,
+    /// This process's client certificate (PEM) (`--etcd-cert`, `BURN_DDP_ETCD_CERT`), with
+    /// [`key`](Self::key).
+    pub cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of [`cert`](Self::cert) (`--etcd-key`, `BURN_DDP_ETCD_KEY`).
+    pub key: Option<std::path::PathBuf>,
+    /// An etcd user (`--etcd-user`, `BURN_DDP_ETCD_USER`), with [`password`](Self::password).
+    pub user: Option<String>,
+    /// The user's password (`BURN_DDP_ETCD_PASSWORD`: never on a command line, where other
+    /// users of the machine would see it). Not shown by `Debug`.
+    pub password: Option<String>,
+}
+
+impl fmt::Debug for EtcdSecurity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdSecurity")
+            .field("ca", &self.ca)
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<hidden>"))
+            .finish()
+    }
+}
+
+impl EtcdSecurity {
+    /// Whether any TLS option is set.
+    fn any_tls(&self) -> bool {
+        self.ca.is_some() || self.cert.is_some() || self.key.is_some()
+    }
 }
 
 impl EtcdStore {
@@ -148,7 +193,71 @@ impl EtcdStore {
                 ));
             }
         }
-        Ok(Self { endpoints })
+        let schemes: Vec<&str> = endpoints
+            .iter()
+            .map(|e| e.split_once("://").map_or("http", |(scheme, _)| scheme))
+            .collect();
+        if let Some(bad) = schemes.iter().find(|s| !matches!(**s, "http" | "https")) {
+            return Err(format!(
+                "endpoint scheme {bad:?} is not etcd's: give host:port, http://host:port or \
+                 https://host:port"
+            ));
+        }
+        if schemes.contains(&"https") && schemes.contains(&"http") {
+            return Err(
+                "some endpoints are https and some are not: a cluster serves its \
+                        clients TLS on every member or on none; give one scheme"
+                    .into(),
+            );
+        }
+        Ok(Self {
+            endpoints,
+            security: EtcdSecurity::default(),
+        })
+    }
+
+    /// Whether the endpoints are `https://` (the cluster serves TLS).
+    pub fn is_tls(&self) -> bool {
+        self.endpoints.iter().any(|e| e.starts_with("https://"))
+    }
+
+    /// The store with `security`, checked against the endpoints.
+    ///
+    /// # Errors
+    /// What does not fit, and the fix: `https://` endpoints without a CA, TLS options with
+    /// plain endpoints, a certificate without its key (or the reverse), a user without a
+    /// password (or the reverse).
+    pub fn with_security(mut self, security: EtcdSecurity) -> std::result::Result<Self, String> {
+        if self.is_tls() && security.ca.is_none() {
+            return Err(
+                "the endpoints are https://: give the CA certificate that signed the \
+                        etcd members' certificates (--etcd-ca FILE, or BURN_DDP_ETCD_CA)"
+                    .into(),
+            );
+        }
+        if !self.is_tls() && security.any_tls() {
+            return Err(
+                "--etcd-ca, --etcd-cert and --etcd-key are for a cluster that serves \
+                        TLS: give its endpoints as https://host:port"
+                    .into(),
+            );
+        }
+        if security.cert.is_some() != security.key.is_some() {
+            return Err(
+                "a client certificate needs its key: give both --etcd-cert and \
+                        --etcd-key (BURN_DDP_ETCD_CERT, BURN_DDP_ETCD_KEY)"
+                    .into(),
+            );
+        }
+        if security.user.is_some() != security.password.is_some() {
+            return Err(
+                "an etcd user needs its password and a password its user: give both \
+                        --etcd-user (BURN_DDP_ETCD_USER) and BURN_DDP_ETCD_PASSWORD"
+                    .into(),
+            );
+        }
+        self.security = security;
+        Ok(self)
     }
 }
 
@@ -466,6 +575,57 @@ mod tests {
     fn token_is_redacted_in_debug() {
         let t = JobToken::new("secret-value");
         assert!(!format!("{t:?}").contains("secret"));
+    }
+
+    /// Options that do not fit the endpoints are refused, each naming the option to give.
+    #[test]
+    fn etcd_security_that_does_not_fit_its_endpoints_is_refused_with_the_fix() {
+        let tls = EtcdStore::parse("https://a:2379,https://b:2379").unwrap();
+        let plain = EtcdStore::parse("a:2379,http://b:2379").unwrap();
+        assert!(tls.is_tls() && !plain.is_tls());
+        let err = EtcdStore::parse("https://a:2379,b:2379").unwrap_err();
+        assert!(err.contains("one scheme"), "{err}");
+        let err = EtcdStore::parse("grpc://a:2379").unwrap_err();
+        assert!(err.contains("https://host:port"), "{err}");
+        let file = |f: &str| Some(std::path::PathBuf::from(f));
+        let ca = EtcdSecurity {
+            ca: file("ca.pem"),
+            ..EtcdSecurity::default()
+        };
+        let refusals = [
+            (&tls, EtcdSecurity::default(), "--etcd-ca"),
+            (&plain, ca.clone(), "https://host:port"),
+            (
+                &tls,
+                EtcdSecurity {
+                    cert: file("c.pem"),
+                    ..ca.clone()
+                },
+                "--etcd-key",
+            ),
+            (
+                &plain,
+                EtcdSecurity {
+                    user: Some("root".into()),
+                    ..EtcdSecurity::default()
+                },
+                "BURN_DDP_ETCD_PASSWORD",
+            ),
+        ];
+        for (store, security, fix) in refusals {
+            let err = store.clone().with_security(security).unwrap_err();
+            assert!(err.contains(fix), "{err}");
+        }
+        let full = EtcdSecurity {
+            cert: file("c.pem"),
+            key: file("c.key"),
+            user: Some("root".into()),
+            password: Some("s3cret".into()),
+            ..ca
+        };
+        let store = tls.with_security(full.clone()).unwrap();
+        assert_eq!(store.security, full);
+        assert!(!format!("{store:?}").contains("s3cret"));
     }
 
     #[test]

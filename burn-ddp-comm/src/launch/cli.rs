@@ -128,6 +128,21 @@ pub struct RunArgs {
     /// keys lie under a prefix derived from it.
     #[arg(long)]
     rdzv_endpoint: Option<String>,
+    /// With https:// etcd endpoints: the CA certificate (PEM) that signed the members'
+    /// certificates. Default: BURN_DDP_ETCD_CA.
+    #[arg(long, requires = "rdzv_endpoint")]
+    etcd_ca: Option<std::path::PathBuf>,
+    /// This node's client certificate (PEM), for an etcd cluster that requires one (etcd
+    /// --client-cert-auth); with --etcd-key. Default: BURN_DDP_ETCD_CERT.
+    #[arg(long, requires = "rdzv_endpoint")]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// The private key (PEM) of --etcd-cert. Default: BURN_DDP_ETCD_KEY.
+    #[arg(long, requires = "rdzv_endpoint")]
+    etcd_key: Option<std::path::PathBuf>,
+    /// An etcd user, for a cluster with authentication enabled; its password is read from
+    /// BURN_DDP_ETCD_PASSWORD (never from the command line). Default: BURN_DDP_ETCD_USER.
+    #[arg(long, requires = "rdzv_endpoint")]
+    etcd_user: Option<String>,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<OsString>,
@@ -390,11 +405,27 @@ fn run(args: RunArgs) -> Result<ExitCode> {
     };
     let etcd: Option<crate::config::EtcdStore> = match (args.rdzv_backend, &args.rdzv_endpoint) {
         (RdzvBackend::Etcd, Some(list)) => {
-            let store = crate::config::EtcdStore::parse(list).map_err(|_| {
-                DdpError::Config(ConfigError::InvalidConfig {
-                    field: "--rdzv-endpoint",
-                    reason: "must list the etcd members' client endpoints, host:port each, \
-                             separated by commas (etcd's client port is 2379 by default)",
+            let store = crate::config::EtcdStore::parse(list).map_err(|why| {
+                DdpError::Config(ConfigError::InvalidOption {
+                    option: "--rdzv-endpoint",
+                    reason: format!(
+                        "must list the etcd members' client endpoints, host:port each, \
+                         separated by commas (etcd's client port is 2379 by default): {why}"
+                    ),
+                })
+            })?;
+            let env = crate::config::env::etcd_security();
+            let security = crate::config::EtcdSecurity {
+                ca: args.etcd_ca.clone().or(env.ca),
+                cert: args.etcd_cert.clone().or(env.cert),
+                key: args.etcd_key.clone().or(env.key),
+                user: args.etcd_user.clone().or(env.user),
+                password: env.password,
+            };
+            let store = store.with_security(security).map_err(|reason| {
+                DdpError::Config(ConfigError::InvalidOption {
+                    option: "--rdzv-endpoint with --etcd-*",
+                    reason,
                 })
             })?;
             if !cfg!(feature = "etcd") {

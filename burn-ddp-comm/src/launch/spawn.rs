@@ -136,6 +136,26 @@ impl LocalJob {
         }
         if let Some(etcd) = &self.master.etcd {
             vars.push((env::ETCD_ENDPOINTS.into(), etcd.endpoints.join(",").into()));
+            let sec = &etcd.security;
+            let files = [
+                (env::ETCD_CA, &sec.ca),
+                (env::ETCD_CERT, &sec.cert),
+                (env::ETCD_KEY, &sec.key),
+            ];
+            for (var, file) in files {
+                if let Some(f) = file {
+                    vars.push((var.into(), f.clone().into_os_string()));
+                }
+            }
+            let user = [
+                (env::ETCD_USER, &sec.user),
+                (env::ETCD_PASSWORD, &sec.password),
+            ];
+            for (var, value) in user {
+                if let Some(v) = value {
+                    vars.push((var.into(), v.into()));
+                }
+            }
         }
         vars.extend(self.env.iter().cloned());
         vars
@@ -517,6 +537,35 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
+
+    /// The etcd store's TLS files, user and password reach every rank through its
+    /// environment, and each rank reads the same store back.
+    #[test]
+    fn the_etcd_stores_security_reaches_the_ranks() {
+        use crate::config::{EtcdSecurity, EtcdStore};
+        let security = EtcdSecurity {
+            ca: Some("/pki/ca.pem".into()),
+            cert: Some("/pki/node.pem".into()),
+            key: Some("/pki/node.key".into()),
+            user: Some("trainer".into()),
+            password: Some("s3cret".into()),
+        };
+        let store = EtcdStore::parse("https://a:2379,https://b:2379")
+            .unwrap()
+            .with_security(security)
+            .unwrap();
+        let mut job = LocalJob::standalone("true", Vec::new(), 2).unwrap();
+        job.master = job.master.clone().with_etcd(store.clone());
+        let mut vars: std::collections::HashMap<String, String> = job
+            .rank_env(1)
+            .into_iter()
+            .map(|(k, v)| (k.into_string().unwrap(), v.into_string().unwrap()))
+            .collect();
+        // What `burn-ddp run --fault-tolerant` adds (the etcd store is a fault-tolerant job's).
+        vars.insert(env::FAULT_TOLERANT.into(), "1".into());
+        let config = crate::config::env::group_config_from(|k| vars.get(k).cloned()).unwrap();
+        assert_eq!(config.master.etcd, Some(store));
+    }
 
     #[test]
     fn the_forwarder_follows_the_rank_a_process_announces() {

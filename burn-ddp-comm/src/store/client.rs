@@ -328,11 +328,13 @@ impl StoreClient {
             Link::Etcd(etcd) => etcd.execute(request, wait, slack).map_err(|f| match f {
                 // No reply at all: not the store's answer that a key is missing (a
                 // `StoreTimeout`, which readers take for "absent").
-                super::etcd::EtcdFailure::Timeout => self.lost(io::Error::new(
+                super::etcd::EtcdFailure::Timeout(last) => self.lost(io::Error::new(
                     ErrorKind::TimedOut,
                     format!(
-                        "no member of the etcd cluster answered the store {op} within {:?}",
-                        super::etcd::allowed(wait, slack)
+                        "no member of the etcd cluster answered the store {op} within {:?}{}",
+                        super::etcd::allowed(wait, slack),
+                        last.map(|l| format!("; the last attempt: {l}"))
+                            .unwrap_or_default()
                     ),
                 )),
                 super::etcd::EtcdFailure::Lost(e) => self.lost(e),

@@ -64,8 +64,9 @@ const TXN_OPS: usize = 100;
 /// Why a request got no reply.
 #[derive(Debug)]
 pub(crate) enum EtcdFailure {
-    /// No member answered within the request's deadline.
-    Timeout,
+    /// No member answered within the request's deadline (with the last attempt's error, if
+    /// one failed rather than stayed silent).
+    Timeout(Option<String>),
     /// The cluster refused it or cannot be reached.
     Lost(io::Error),
 }
@@ -74,9 +75,13 @@ impl EtcdFailure {
     /// The connection's I/O error for this failure.
     fn into_io(self) -> io::Error {
         match self {
-            EtcdFailure::Timeout => io::Error::new(
+            EtcdFailure::Timeout(None) => io::Error::new(
                 ErrorKind::TimedOut,
                 "no member of the etcd cluster answered",
+            ),
+            EtcdFailure::Timeout(Some(last)) => io::Error::new(
+                ErrorKind::TimedOut,
+                format!("no member of the etcd cluster answered; the last attempt: {last}"),
             ),
             EtcdFailure::Lost(e) => e,
         }
@@ -130,6 +135,82 @@ fn transient(e: &etcd_client::Error) -> bool {
     }
 }
 
+/// Whether a failed attempt's error (its [`chain`]) is a connection the other side closed or
+/// a TLS failure, rather than no answer.
+fn closed_by_peer(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    [
+        "broken pipe",
+        "connection reset",
+        "tls",
+        "certificate",
+        "handshake",
+    ]
+    .iter()
+    .any(|m| e.contains(m))
+}
+
+/// Whether a TCP connection to `addr` opens (within a second).
+fn reachable(addr: SocketAddr) -> bool {
+    std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+}
+
+/// Why a cluster that accepts TCP connections closes this process's, and the fix, by what
+/// this process gave (`last`: the last attempt's error).
+fn refusal(store: &EtcdStore, last: &str) -> String {
+    let sec = &store.security;
+    let fix = if last.contains("invalid peer certificate") {
+        "the members' certificates are not signed by the CA this process was given (--etcd-ca, \
+         BURN_DDP_ETCD_CA): give the CA that signed them"
+    } else if !store.is_tls() {
+        "if the cluster serves TLS (etcd --cert-file), give its endpoints as https://host:port \
+         and the CA that signed its certificates (--etcd-ca, BURN_DDP_ETCD_CA)"
+    } else if sec.cert.is_none() {
+        "if the cluster requires client certificates (etcd --client-cert-auth), give this \
+         process one signed by the CA the cluster trusts (etcd --trusted-ca-file): --etcd-cert \
+         and --etcd-key (BURN_DDP_ETCD_CERT, BURN_DDP_ETCD_KEY); if it does not serve TLS, give \
+         its endpoints as host:port"
+    } else {
+        "the cluster does not accept this process's certificate (--etcd-cert, \
+         BURN_DDP_ETCD_CERT): give one signed by the CA the cluster trusts (etcd \
+         --trusted-ca-file), and check that --etcd-ca is the CA of the members' certificates"
+    };
+    format!("{store} accepts TCP connections but closes this process's ({last}): {fix}")
+}
+
+/// Why a cluster refused this process's requests (`error`: etcd's answer), and the fix when
+/// it is about authentication.
+fn refused(store: &EtcdStore, error: &str) -> String {
+    let e = error.to_ascii_lowercase();
+    let fix = if e.contains("user name is empty") || e.contains("token") {
+        ": the cluster has authentication enabled; give an etcd user with --etcd-user \
+         (BURN_DDP_ETCD_USER) and its password in BURN_DDP_ETCD_PASSWORD"
+    } else if e.contains("authentication failed") {
+        ": the cluster did not accept this user and password (--etcd-user, \
+         BURN_DDP_ETCD_PASSWORD)"
+    } else if e.contains("permission denied") {
+        ": the user may not read and write the job's keys (burn-ddp/): grant its role \
+         readwrite on them (etcdctl role grant-permission --prefix)"
+    } else {
+        ""
+    };
+    format!("{store} refused this process: {error}{fix}")
+}
+
+/// `e` and its sources, as one line.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        source = s.source();
+    }
+    text
+}
+
 fn lost(what: &str, endpoints: &str, e: impl std::fmt::Display) -> EtcdFailure {
     EtcdFailure::Lost(io::Error::other(format!(
         "etcd cluster {endpoints}: {what}: {e}"
@@ -145,6 +226,53 @@ struct Presence {
     said_bye: AtomicBool,
     /// The lease expired: the job counts this process as gone, for good.
     expired: Arc<AtomicBool>,
+}
+
+/// `options` with `store`'s TLS (its CA, and this process's certificate and key, read from
+/// their files) and user.
+///
+/// `Err`: a file that cannot be read or holds no PEM, naming it and the option.
+fn secured(
+    mut options: ConnectOptions,
+    store: &EtcdStore,
+) -> std::result::Result<ConnectOptions, String> {
+    use etcd_client::{Certificate, Identity, TlsOptions};
+    let sec = &store.security;
+    let read = |path: &std::path::Path, what: &str, option: &str| {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("cannot read the {what} {} ({option}): {e}", path.display()))?;
+        if !bytes.windows(11).any(|w| w == b"-----BEGIN ") {
+            return Err(format!(
+                "the {what} {} ({option}) is not a PEM file (-----BEGIN ...-----)",
+                path.display()
+            ));
+        }
+        Ok(bytes)
+    };
+    if store.is_tls() {
+        let mut tls = TlsOptions::new();
+        if let Some(ca) = &sec.ca {
+            let pem = read(ca, "CA certificate", "--etcd-ca, BURN_DDP_ETCD_CA")?;
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        if let (Some(cert), Some(key)) = (&sec.cert, &sec.key) {
+            let cert = read(
+                cert,
+                "client certificate",
+                "--etcd-cert, BURN_DDP_ETCD_CERT",
+            )?;
+            let key = read(key, "client key", "--etcd-key, BURN_DDP_ETCD_KEY")?;
+            tls = tls.identity(Identity::from_pem(cert, key));
+        }
+        options = options.with_tls(tls);
+    }
+    if let (Some(user), Some(password)) = (&sec.user, &sec.password) {
+        // etcd's tokens expire (5 minutes by default): the client authenticates again.
+        options = options
+            .with_user(user.clone(), password.clone())
+            .with_auto_token_refresh(true);
+    }
+    Ok(options)
 }
 
 /// One process's connection to the job's keys on an etcd cluster.
@@ -190,7 +318,11 @@ impl EtcdLink {
         let addr = store
             .endpoints
             .iter()
-            .find_map(|e| e.to_socket_addrs().ok().and_then(|mut a| a.next()))
+            .map(|e| e.split_once("://").map_or(e.as_str(), |(_, rest)| rest))
+            .find_map(|e| {
+                let e = e.trim_end_matches('/');
+                e.to_socket_addrs().ok().and_then(|mut a| a.next())
+            })
             .ok_or_else(|| {
                 Err(io::Error::new(
                     ErrorKind::NotFound,
@@ -208,10 +340,14 @@ impl EtcdLink {
                 }
             })
             .collect();
-        let options = ConnectOptions::new()
-            .with_connect_timeout(ATTEMPT)
-            .with_timeout(ATTEMPT)
-            .with_keep_alive(Duration::from_secs(2), ATTEMPT);
+        let options = secured(
+            ConnectOptions::new()
+                .with_connect_timeout(ATTEMPT)
+                .with_timeout(ATTEMPT)
+                .with_keep_alive(Duration::from_secs(2), ATTEMPT),
+            store,
+        )
+        .map_err(Ok)?;
         let client = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let attempt = rt.block_on(async {
@@ -223,7 +359,9 @@ impl EtcdLink {
             });
             let error = match attempt {
                 Ok(Ok(c)) => break c,
-                Ok(Err(e)) => e.to_string(),
+                // With a user, connecting authenticates: a wrong user or password is final.
+                Ok(Err(e)) if !transient(&e) => return Err(Ok(refused(store, &chain(&e)))),
+                Ok(Err(e)) => chain(&e),
                 Err(_) => "no answer".to_string(),
             };
             if Instant::now() >= deadline {
@@ -239,11 +377,23 @@ impl EtcdLink {
             addr,
             presence: None,
         };
-        // A first read proves that a member answers (the client connects lazily).
-        link.run(deadline, |mut c, p| async move {
-            c.get(format!("{p}abort"), None).await.map(|_| ())
-        })
-        .map_err(|f| Err(f.into_io()))?;
+        // A first read proves that a member answers (the client connects lazily). A cluster
+        // that accepts TCP connections but closes this process's refuses it (TLS on one side
+        // only, a client certificate missing or not trusted): said within FAILOVER, with the
+        // fix, instead of at the deadline as an unreachable store.
+        let first_read = |until| {
+            link.run(until, |mut c, p| async move {
+                c.get(format!("{p}abort"), None).await.map(|_| ())
+            })
+        };
+        match first_read((Instant::now() + FAILOVER).min(deadline)) {
+            Ok(()) => {}
+            Err(EtcdFailure::Timeout(Some(last))) if closed_by_peer(&last) && reachable(addr) => {
+                return Err(Ok(refusal(store, &last)));
+            }
+            Err(EtcdFailure::Timeout(_)) => first_read(deadline).map_err(|f| Err(f.into_io()))?,
+            Err(EtcdFailure::Lost(e)) => return Err(Ok(refused(store, &e.to_string()))),
+        }
         if let Some(member) = member {
             link.claim(member, deadline)?;
         }
@@ -318,10 +468,11 @@ impl EtcdLink {
         Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
     {
         let mut backoff = Duration::from_millis(20);
+        let mut last = None;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(EtcdFailure::Timeout);
+                return Err(EtcdFailure::Timeout(last));
             }
             let attempt = tokio::time::timeout(
                 left.min(ATTEMPT),
@@ -333,7 +484,8 @@ impl EtcdLink {
                 Ok(Err(e)) if !transient(&e) => {
                     return Err(lost("request refused", &self.endpoints, e))
                 }
-                Ok(Err(_)) | Err(_) => {}
+                Ok(Err(e)) => last = Some(chain(&e)),
+                Err(_) => {}
             }
             let left = deadline.saturating_duration_since(Instant::now());
             tokio::time::sleep(backoff.min(left)).await;
@@ -847,7 +999,7 @@ fn decode_record(v: &[u8]) -> Option<AbortRecord> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::MasterAddr;
+    use crate::config::{EtcdSecurity, MasterAddr};
     use crate::store::auth::Purpose;
     use crate::store::{StoreClient, WaitOutcome};
     use crate::types::WorldSize;
@@ -863,6 +1015,12 @@ mod tests {
 
     impl Member {
         fn start() -> Self {
+            Self::start_serving("http", &[])
+        }
+
+        /// A member serving its clients over `scheme` (`http`, `https`), with `extra`
+        /// arguments (its TLS files).
+        fn start_serving(scheme: &str, extra: &[std::ffi::OsString]) -> Self {
             let port = || {
                 std::net::TcpListener::bind("127.0.0.1:0")
                     .unwrap()
@@ -879,9 +1037,9 @@ mod tests {
                 .arg(&dir)
                 .args([
                     "--listen-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
+                    &format!("{scheme}://127.0.0.1:{client}"),
                     "--advertise-client-urls",
-                    &format!("http://127.0.0.1:{client}"),
+                    &format!("{scheme}://127.0.0.1:{client}"),
                     "--listen-peer-urls",
                     &format!("http://127.0.0.1:{peer}"),
                     "--initial-advertise-peer-urls",
@@ -889,6 +1047,7 @@ mod tests {
                     "--initial-cluster",
                     &format!("t=http://127.0.0.1:{peer}"),
                 ])
+                .args(extra)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -903,9 +1062,8 @@ mod tests {
         }
 
         fn master(&self) -> MasterAddr {
-            MasterAddr::new("127.0.0.1", self.client).with_etcd(EtcdStore {
-                endpoints: vec![format!("127.0.0.1:{}", self.client)],
-            })
+            MasterAddr::new("127.0.0.1", self.client)
+                .with_etcd(EtcdStore::parse(&format!("127.0.0.1:{}", self.client)).unwrap())
         }
     }
 
@@ -981,6 +1139,282 @@ mod tests {
             other.get_timeout("k", Duration::from_millis(100)),
             Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
         ));
+    }
+
+    /// A certificate authority, a server certificate for 127.0.0.1 and client certificates,
+    /// made by Debian's `openssl` in a directory removed when dropped.
+    struct Pki {
+        dir: std::path::PathBuf,
+    }
+
+    impl Pki {
+        fn new(name: &str) -> Self {
+            let dir =
+                std::env::temp_dir().join(format!("burn-ddp-pki-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let pki = Self { dir };
+            pki.authority("ca");
+            pki.signed(
+                "server",
+                "ca",
+                "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth",
+            );
+            pki.signed("client", "ca", "extendedKeyUsage=clientAuth");
+            pki
+        }
+
+        fn file(&self, name: &str) -> std::path::PathBuf {
+            self.dir.join(name)
+        }
+
+        fn openssl(&self, args: &[&str]) {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&self.dir)
+                .output()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "these tests need openssl on PATH (Debian: `apt-get install openssl`): {e}"
+                    )
+                });
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+
+        /// A self-signed CA `name` (`name.pem`, `name.key`).
+        fn authority(&self, name: &str) {
+            let (pem, key, subj) = (
+                format!("{name}.pem"),
+                format!("{name}.key"),
+                format!("/CN={name}"),
+            );
+            self.openssl(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-subj",
+                &subj,
+            ]);
+        }
+
+        /// A key and certificate `name`, signed by CA `ca`, with the extensions `ext`.
+        fn signed(&self, name: &str, ca: &str, ext: &str) {
+            let (csr, key, pem) = (
+                format!("{name}.csr"),
+                format!("{name}.key"),
+                format!("{name}.pem"),
+            );
+            let ext_file = format!("{name}.ext");
+            std::fs::write(self.dir.join(&ext_file), ext).unwrap();
+            self.openssl(&[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={name}"),
+            ]);
+            self.openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                &format!("{ca}.pem"),
+                "-CAkey",
+                &format!("{ca}.key"),
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "2",
+                "-extfile",
+                &ext_file,
+            ]);
+        }
+
+        /// The arguments of a member that serves TLS with the server certificate and admits
+        /// only clients with a certificate of this CA.
+        fn member_args(&self) -> Vec<std::ffi::OsString> {
+            let mut args: Vec<std::ffi::OsString> = Vec::new();
+            for (flag, file) in [
+                ("--cert-file", "server.pem"),
+                ("--key-file", "server.key"),
+                ("--trusted-ca-file", "ca.pem"),
+            ] {
+                args.push(flag.into());
+                args.push(self.file(file).into());
+            }
+            args.push("--client-cert-auth".into());
+            args
+        }
+    }
+
+    impl Drop for Pki {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// A cluster that serves TLS and requires client certificates (etcd `--client-cert-auth`):
+    /// a process with the CA and a certificate it signed uses the store; one without a
+    /// certificate, one with a stranger's certificate, and one that speaks plain TCP are
+    /// refused, each with an error that says what to give.
+    #[test]
+    fn a_cluster_with_client_certificates_admits_only_processes_with_one() {
+        let pki = Pki::new("tls");
+        let m = Member::start_serving("https", &pki.member_args());
+        let endpoint = format!("https://127.0.0.1:{}", m.client);
+        let master = |security: EtcdSecurity| {
+            let store = EtcdStore::parse(&endpoint).unwrap();
+            MasterAddr::new("127.0.0.1", m.client).with_etcd(store.with_security(security).unwrap())
+        };
+        let ca = Some(pki.file("ca.pem"));
+        let full = EtcdSecurity {
+            ca: ca.clone(),
+            cert: Some(pki.file("client.pem")),
+            key: Some(pki.file("client.key")),
+            ..EtcdSecurity::default()
+        };
+        let a = connect(&master(full), Purpose::StoreAux, 0, "job").unwrap();
+        a.set("k", b"v").unwrap();
+        assert_eq!(a.get("k").unwrap(), b"v");
+
+        // Each refusal is said within FAILOVER (not at the 30 s deadline), with its fix.
+        let refused = |master: &MasterAddr, fix: &str| {
+            let t = Instant::now();
+            let err = connect(master, Purpose::StoreAux, 1, "job").unwrap_err();
+            let text = err.to_string();
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::StoreRefused { .. })
+                ),
+                "{text}"
+            );
+            assert!(text.contains(fix), "{text}");
+            assert!(t.elapsed() < FAILOVER + ATTEMPT * 2, "{:?}", t.elapsed());
+        };
+        let no_cert = EtcdSecurity {
+            ca: ca.clone(),
+            ..EtcdSecurity::default()
+        };
+        refused(&master(no_cert), "--etcd-cert and --etcd-key");
+        // A stranger: a certificate from a CA of its own.
+        pki.authority("stranger");
+        pki.signed("intruder", "stranger", "extendedKeyUsage=clientAuth");
+        let stranger = EtcdSecurity {
+            ca: ca.clone(),
+            cert: Some(pki.file("intruder.pem")),
+            key: Some(pki.file("intruder.key")),
+            ..EtcdSecurity::default()
+        };
+        refused(
+            &master(stranger),
+            "does not accept this process's certificate",
+        );
+        // The right certificate, checked against another CA than the members'.
+        let wrong_ca = EtcdSecurity {
+            ca: Some(pki.file("stranger.pem")),
+            cert: Some(pki.file("client.pem")),
+            key: Some(pki.file("client.key")),
+            ..EtcdSecurity::default()
+        };
+        refused(&master(wrong_ca), "give the CA that signed them");
+        let plain = MasterAddr::new("127.0.0.1", m.client)
+            .with_etcd(EtcdStore::parse(&format!("127.0.0.1:{}", m.client)).unwrap());
+        refused(&plain, "give its endpoints as https://host:port");
+        // The admitted process still uses the store.
+        assert_eq!(a.get("k").unwrap(), b"v");
+    }
+
+    /// A cluster with authentication enabled (`etcdctl auth enable`): a process with the user
+    /// and its password uses the store (and its presence lease); one without a user and one
+    /// with a wrong password are refused at once, each told what to give.
+    #[test]
+    fn a_cluster_with_authentication_admits_only_its_users() {
+        let m = Member::start();
+        let endpoint = format!("http://127.0.0.1:{}", m.client);
+        let etcdctl = |args: &[&str]| {
+            let out = Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .args(["--endpoints", &endpoint, "--dial-timeout", "10s"])
+                .args(args)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "etcdctl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        // The member answers before etcdctl is used.
+        drop(connect(&m.master(), Purpose::StoreAux, 0, "setup").unwrap());
+        etcdctl(&["user", "add", "root:s3cret"]);
+        etcdctl(&["user", "grant-role", "root", "root"]);
+        etcdctl(&["auth", "enable"]);
+        let master = |user: Option<&str>, password: Option<&str>| {
+            let security = EtcdSecurity {
+                user: user.map(str::to_owned),
+                password: password.map(str::to_owned),
+                ..EtcdSecurity::default()
+            };
+            let store = EtcdStore::parse(&endpoint)
+                .unwrap()
+                .with_security(security)
+                .unwrap();
+            MasterAddr::new("127.0.0.1", m.client).with_etcd(store)
+        };
+        let a = connect(
+            &master(Some("root"), Some("s3cret")),
+            Purpose::Store,
+            0,
+            "job",
+        )
+        .unwrap();
+        a.set("k", b"v").unwrap();
+        assert_eq!(a.get("k").unwrap(), b"v");
+        for (master, fix) in [
+            (master(None, None), "give an etcd user with --etcd-user"),
+            (
+                master(Some("root"), Some("wrong")),
+                "did not accept this user and password",
+            ),
+        ] {
+            let t = Instant::now();
+            let err = connect(&master, Purpose::StoreAux, 1, "job").unwrap_err();
+            let text = err.to_string();
+            assert!(
+                matches!(
+                    err,
+                    DdpError::Rendezvous(RendezvousError::StoreRefused { .. })
+                ),
+                "{text}"
+            );
+            assert!(text.contains(fix), "{text}");
+            assert!(t.elapsed() < FAILOVER + ATTEMPT * 2, "{:?}", t.elapsed());
+        }
+        assert!(!format!("{:?}", master(Some("root"), Some("s3cret"))).contains("s3cret"));
     }
 
     /// A cluster that stops answering is a lost store, not a missing key: readers that take a

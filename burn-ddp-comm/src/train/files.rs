@@ -243,7 +243,7 @@ impl RecordFiles {
     /// # Errors
     /// The record could not be made ([`JobError::Checkpoint`]) or written
     /// ([`JobError::CheckpointIo`], with the path and the OS error); rank 0's membership ended
-    /// ([`MembershipError::Superseded`](crate::MembershipError::Superseded)).
+    /// ([`MembershipError::Superseded`]).
     pub fn save<E: std::fmt::Display>(
         &self,
         epoch: usize,

@@ -87,6 +87,43 @@ fn bad_elastic_options_and_too_few_nodes_are_named() {
             ],
             "host:port each",
         ),
+        (&["--etcd-ca", "ca.pem"], "--rdzv-endpoint"),
+        (
+            &[
+                "--fault-tolerant",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "https://10.0.0.1:2379",
+            ],
+            "give the CA certificate",
+        ),
+        (
+            &[
+                "--fault-tolerant",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "10.0.0.1:2379",
+                "--etcd-ca",
+                "ca.pem",
+            ],
+            "give its endpoints as https://host:port",
+        ),
+        (
+            &[
+                "--fault-tolerant",
+                "--rdzv-backend",
+                "etcd",
+                "--rdzv-endpoint",
+                "https://10.0.0.1:2379",
+                "--etcd-ca",
+                "ca.pem",
+                "--etcd-cert",
+                "me.pem",
+            ],
+            "give both --etcd-cert and --etcd-key",
+        ),
         // Nobody listens at the endpoint: a launcher built with `etcd` tries for
         // --rdzv-timeout and names the cluster; one built without says how to build it.
         (

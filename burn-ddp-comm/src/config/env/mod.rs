@@ -13,6 +13,8 @@
 //! | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | rank and size on this node | `RANK`, `WORLD_SIZE` |
 //! | `MASTER_ADDR`, `MASTER_PORT` | rank 0's store | host: the first of Slurm's node list; loopback when every rank is on this host (required under `mpirun` across hosts). Port: derived from the job under Slurm and Open MPI ([`job_port`]), else `29500` |
 //! | `BURN_DDP_ETCD_ENDPOINTS` | a fault-tolerant job's store is kept by this etcd cluster (`host:port,...`; set by `burn-ddp run --rdzv-backend etcd`; needs the `etcd` feature) | unset: the launcher's store |
+//! | `BURN_DDP_ETCD_CA`, `BURN_DDP_ETCD_CERT`, `BURN_DDP_ETCD_KEY` | TLS to the etcd cluster (`https://` endpoints): the CA that signed its members' certificates, this process's client certificate and key (PEM files; set by `burn-ddp run --etcd-ca/--etcd-cert/--etcd-key`) | plain TCP |
+//! | `BURN_DDP_ETCD_USER`, `BURN_DDP_ETCD_PASSWORD` | an etcd user and its password, for a cluster with authentication enabled (the password only ever from the environment) | no user |
 //! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
 //! | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `PMIX_NAMESPACE`, `OMPI_MCA_ess_base_jobid` | Open MPI's `mpirun` (when `RANK` is not set); `PMIX_RANK` must agree | |
 //! | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | MPICH's and Intel MPI's `mpiexec` (Hydra), when neither `RANK` nor Open MPI's are set | |
@@ -71,6 +73,16 @@ pub const STORE_PORT: &str = "BURN_DDP_STORE_PORT";
 /// The etcd cluster that keeps a fault-tolerant job's store (`host:port,...`), instead of the
 /// launcher on `MASTER_ADDR:MASTER_PORT` (set by `burn-ddp run --rdzv-backend etcd`).
 pub const ETCD_ENDPOINTS: &str = "BURN_DDP_ETCD_ENDPOINTS";
+/// The CA certificate (PEM) that signed the etcd members' certificates (`https://` endpoints).
+pub const ETCD_CA: &str = "BURN_DDP_ETCD_CA";
+/// This process's client certificate (PEM) for the etcd cluster.
+pub const ETCD_CERT: &str = "BURN_DDP_ETCD_CERT";
+/// The private key (PEM) of [`ETCD_CERT`].
+pub const ETCD_KEY: &str = "BURN_DDP_ETCD_KEY";
+/// An etcd user, with [`ETCD_PASSWORD`].
+pub const ETCD_USER: &str = "BURN_DDP_ETCD_USER";
+/// The password of [`ETCD_USER`] (read from the environment only, never from a command line).
+pub const ETCD_PASSWORD: &str = "BURN_DDP_ETCD_PASSWORD";
 /// The job secret.
 pub const JOB_TOKEN: &str = "BURN_DDP_JOB_TOKEN";
 /// All deadlines at once.
@@ -408,6 +420,26 @@ fn choice_from<T: Copy + PartialEq>(
 /// `BURN_DDP_JOB_TOKEN`, when set and not empty (the launcher's default job token).
 pub fn job_token() -> Option<String> {
     std::env::var(JOB_TOKEN).ok().filter(|t| !t.is_empty())
+}
+
+/// The etcd options of the environment ([`ETCD_CA`], [`ETCD_CERT`], [`ETCD_KEY`],
+/// [`ETCD_USER`], [`ETCD_PASSWORD`]); unset or empty ones are `None`.
+pub fn etcd_security() -> crate::config::EtcdSecurity {
+    etcd_security_from(|k| std::env::var(k).ok())
+}
+
+/// [`etcd_security`] from `get`.
+pub(crate) fn etcd_security_from(
+    get: impl Fn(&str) -> Option<String>,
+) -> crate::config::EtcdSecurity {
+    let get = |k| get(k).filter(|v| !v.is_empty());
+    crate::config::EtcdSecurity {
+        ca: get(ETCD_CA).map(Into::into),
+        cert: get(ETCD_CERT).map(Into::into),
+        key: get(ETCD_KEY).map(Into::into),
+        user: get(ETCD_USER),
+        password: get(ETCD_PASSWORD),
+    }
 }
 
 /// Whether `RANK` is set: the process runs as one rank of a job rather than as its launcher.

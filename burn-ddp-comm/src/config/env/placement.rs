@@ -168,6 +168,14 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
                 expected: "a comma-separated list of etcd client endpoints, host:port each",
             })
         })?;
+        let store = store
+            .with_security(super::etcd_security_from(get))
+            .map_err(|reason| {
+                DdpError::Config(ConfigError::InvalidOption {
+                    option: "BURN_DDP_ETCD_* (the etcd store)",
+                    reason,
+                })
+            })?;
         master = master.with_etcd(store);
     }
     let token = token(&get, at.job.as_ref(), &master);
