@@ -43,6 +43,10 @@ enum Link {
     Etcd(Box<super::etcd::EtcdLink>),
 }
 
+/// The most keys one [`StoreClient::get_many`] request carries: their values must fit one
+/// reply frame (4 MiB), which 1,024 values of up to 4 KiB do.
+pub(crate) const GET_MANY_KEYS: usize = 1024;
+
 /// A connection to the store.
 #[derive(Debug)]
 pub(crate) struct StoreClient {
@@ -474,6 +478,37 @@ impl StoreClient {
             })),
             other => Err(self.unexpected(&other)),
         }
+    }
+
+    /// Returns the values of `keys`, in order, waiting up to the client's request timeout for
+    /// every one to appear: one request for up to [`GET_MANY_KEYS`] keys (one transaction of
+    /// etcd's per 100), where a `get` each made a rank's start-up cost one round trip a peer.
+    pub(crate) fn get_many(&self, keys: &[String]) -> Result<Vec<Vec<u8>>> {
+        let mut values = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(GET_MANY_KEYS) {
+            let req = Request::GetMany {
+                keys: chunk.iter().map(|k| self.full(k)).collect(),
+                timeout: self.timeout,
+            };
+            let first = chunk.first().map(String::as_str).unwrap_or("");
+            match self.call(&req, "get", first, self.timeout)? {
+                Reply::Values(v) if v.len() == chunk.len() => values.extend(v),
+                Reply::Timeout { missing } => {
+                    return Err(DdpError::Rendezvous(RendezvousError::StoreTimeout {
+                        rank: self.rank,
+                        op: "get",
+                        key: missing
+                            .into_iter()
+                            .map(|k| self.short(k))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        waited: self.timeout,
+                    }))
+                }
+                other => return Err(self.unexpected(&other)),
+            }
+        }
+        Ok(values)
     }
 
     /// Adds `delta` to the counter `key` and returns the new value.

@@ -783,6 +783,13 @@ impl EtcdLink {
                 Ok(_) => Ok(Reply::Ok),
                 Err(reply) => Ok(reply),
             },
+            // The keys are read in transactions of up to TXN_OPS gets each.
+            Request::GetMany { keys, timeout } => {
+                match self.wait_for(keys, *timeout, deadline).await? {
+                    Ok(values) => Ok(Reply::Values(values)),
+                    Err(reply) => Ok(reply),
+                }
+            }
             Request::Add { key, delta } => self.add(key, *delta, deadline).await,
             Request::CompareSet {
                 key,
@@ -1115,6 +1122,16 @@ mod tests {
             "absent expected, present found"
         );
         assert_eq!(b.compare_set("c", Some(b"1"), b"3").unwrap(), b"3");
+        // Many keys at once: more than one etcd transaction holds (TXN_OPS).
+        let many: Vec<String> = (0..TXN_OPS + 50).map(|i| format!("many/{i}")).collect();
+        for (i, k) in many.iter().enumerate() {
+            a.set(k, i.to_string().as_bytes()).unwrap();
+        }
+        let mut asked = vec!["k".to_string(), "c".to_string()];
+        asked.extend(many.iter().cloned());
+        let values = b.get_many(&asked).unwrap();
+        assert_eq!(values[..2], [b"v".to_vec(), b"3".to_vec()]);
+        assert!((0..many.len()).all(|i| values[i + 2] == i.to_string().as_bytes()));
         assert!(a.delete("c").unwrap());
         assert!(!a.delete("c").unwrap());
         let t = Instant::now();

@@ -29,6 +29,13 @@ pub(crate) enum Request {
         keys: Vec<String>,
         timeout: Duration,
     },
+    /// Returns the values of `keys`, in order, waiting up to `timeout` for every one to
+    /// appear: one request where a rank needs many ranks' keys (start-up reads every rank's
+    /// host), instead of one a key.
+    GetMany {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
     /// Sets `key` to `desired` if its current value equals `expected` (`None` = absent); returns
     /// the value after the operation.
     CompareSet {
@@ -54,6 +61,8 @@ pub(crate) enum Request {
 pub(crate) enum Reply {
     /// A value.
     Value(Vec<u8>),
+    /// The values of a [`Request::GetMany`], in its keys' order.
+    Values(Vec<Vec<u8>>),
     /// An integer.
     Int(i64),
     /// A boolean.
@@ -86,6 +95,7 @@ mod kind {
     pub(super) const GET_ABORT: u8 = 0x17;
     pub(super) const REFUSALS: u8 = 0x18;
     pub(super) const BYE: u8 = 0x19;
+    pub(super) const GET_MANY: u8 = 0x1a;
 
     pub(super) const R_VALUE: u8 = 0x20;
     pub(super) const R_INT: u8 = 0x21;
@@ -96,6 +106,7 @@ mod kind {
     pub(super) const R_NO_ABORT: u8 = 0x26;
     pub(super) const R_REFUSALS: u8 = 0x27;
     pub(super) const R_REJECTED: u8 = 0x28;
+    pub(super) const R_VALUES: u8 = 0x29;
     pub(super) const R_ERROR: u8 = 0x2f;
 }
 
@@ -167,6 +178,11 @@ impl Request {
                 put_strings(&mut w, keys.iter().map(String::as_str));
                 kind::WAIT
             }
+            Request::GetMany { keys, timeout } => {
+                w.u64(millis(*timeout));
+                put_strings(&mut w, keys.iter().map(String::as_str));
+                kind::GET_MANY
+            }
             Request::CompareSet {
                 key,
                 expected,
@@ -222,6 +238,13 @@ impl Request {
                     timeout,
                 }
             }
+            kind::GET_MANY => {
+                let timeout = Duration::from_millis(r.u64("timeout")?);
+                Request::GetMany {
+                    keys: strings(&mut r, "keys")?,
+                    timeout,
+                }
+            }
             kind::COMPARE_SET => {
                 let key = key(&mut r)?;
                 let expected = match r.u8("expected flag")? {
@@ -265,6 +288,13 @@ impl Reply {
                 w.bytes(v);
                 kind::R_VALUE
             }
+            Reply::Values(values) => {
+                w.u32(values.len() as u32);
+                for v in values {
+                    w.bytes(v);
+                }
+                kind::R_VALUES
+            }
             Reply::Int(i) => {
                 w.i64(*i);
                 kind::R_INT
@@ -307,6 +337,20 @@ impl Reply {
         let mut r = Reader::new(payload);
         let reply = match k {
             kind::R_VALUE => Reply::Value(value(&mut r)?),
+            kind::R_VALUES => {
+                let n = r.u32("values")? as usize;
+                // Each value takes at least its 4-byte length.
+                if n > r.remaining() / 4 {
+                    return Err(WireError::InvalidValue {
+                        what: "value count",
+                    });
+                }
+                let mut values = Vec::with_capacity(n);
+                for _ in 0..n {
+                    values.push(value(&mut r)?);
+                }
+                Reply::Values(values)
+            }
             kind::R_INT => Reply::Int(r.i64("int")?),
             kind::R_BOOL => match r.u8("bool")? {
                 0 => Reply::Bool(false),
@@ -375,6 +419,10 @@ mod tests {
                 keys: vec!["x".into(), "y".into()],
                 timeout: Duration::from_secs(1),
             },
+            Request::GetMany {
+                keys: vec!["x".into(), "y".into(), "z".into()],
+                timeout: Duration::from_secs(2),
+            },
             Request::CompareSet {
                 key: "c".into(),
                 expected: None,
@@ -415,6 +463,7 @@ mod tests {
     fn replies_round_trip() {
         let replies = vec![
             Reply::Value(vec![3]),
+            Reply::Values(vec![vec![1, 2], vec![], vec![3]]),
             Reply::Int(-7),
             Reply::Bool(true),
             Reply::Ok,

@@ -839,7 +839,10 @@ fn request_loop(
             }
         };
         let bye = matches!(request, Request::Bye);
-        let blocking = matches!(request, Request::Get { .. } | Request::Wait { .. });
+        let blocking = matches!(
+            request,
+            Request::Get { .. } | Request::Wait { .. } | Request::GetMany { .. }
+        );
         if blocking {
             shared.blocked.fetch_add(1, Ordering::SeqCst);
         }
@@ -859,6 +862,52 @@ fn request_loop(
             return Ok(());
         }
     }
+}
+
+/// Waits until every one of `keys` exists (up to `timeout`), then answers with `ready` of
+/// the map; else the keys still missing, or the abort record that ended the wait.
+fn wait_all<'a>(
+    shared: &'a ServerState,
+    mut st: MutexGuard<'a, State>,
+    keys: Vec<String>,
+    timeout: Duration,
+    ready: impl Fn((&State, &[String])) -> Reply,
+) -> Reply {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if keys.iter().all(|k| st.map.contains_key(k)) {
+            return ready((&st, &keys));
+        }
+        match wait(shared, st, deadline, &keys) {
+            Ok(g) => st = g,
+            Err(reply) => {
+                return reply.unwrap_or_else(|| {
+                    let st = shared.lock();
+                    Reply::Timeout {
+                        missing: keys
+                            .iter()
+                            .filter(|k| !st.map.contains_key(*k))
+                            .cloned()
+                            .collect(),
+                    }
+                });
+            }
+        }
+    }
+}
+
+/// The values of `keys` (all present), or a refusal when they would not fit one reply.
+fn values_of((st, keys): (&State, &[String])) -> Reply {
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| st.map[k].clone()).collect();
+    let size: usize = values.iter().map(|v| v.len() + 4).sum();
+    if size + 4 > MAX_FRAME as usize {
+        return Reply::Rejected(format!(
+            "the values of these {} keys ({size} bytes) exceed one reply ({MAX_FRAME} bytes): \
+             ask for fewer keys at once",
+            keys.len()
+        ));
+    }
+    Reply::Values(values)
 }
 
 fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply {
@@ -902,29 +951,8 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
             st.map.insert(key, next.to_le_bytes().to_vec());
             Reply::Int(next)
         }
-        Request::Wait { keys, timeout } => {
-            let deadline = Instant::now() + timeout;
-            loop {
-                if keys.iter().all(|k| st.map.contains_key(k)) {
-                    return Reply::Ok;
-                }
-                match wait(shared, st, deadline, &keys) {
-                    Ok(g) => st = g,
-                    Err(reply) => {
-                        return reply.unwrap_or_else(|| {
-                            let st = shared.lock();
-                            Reply::Timeout {
-                                missing: keys
-                                    .iter()
-                                    .filter(|k| !st.map.contains_key(*k))
-                                    .cloned()
-                                    .collect(),
-                            }
-                        });
-                    }
-                }
-            }
-        }
+        Request::Wait { keys, timeout } => wait_all(shared, st, keys, timeout, |_| Reply::Ok),
+        Request::GetMany { keys, timeout } => wait_all(shared, st, keys, timeout, values_of),
         Request::CompareSet {
             key,
             expected,

@@ -561,3 +561,40 @@ fn the_lighthouse_marks_lost_members_gone_and_aborts_nothing() {
         b"it left the job"
     );
 }
+
+/// Many keys in one request: the values in order, one request a chunk of `GET_MANY_KEYS`, not
+/// one a key (the store counts them); the wait until a late key appears; the keys still
+/// missing named at the timeout.
+#[test]
+fn get_many_reads_every_key_in_one_request_a_chunk() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let b = join(server.addr(), 1, 2).with_request_timeout(Duration::from_secs(10));
+    let n = super::client::GET_MANY_KEYS + 3;
+    let keys: Vec<String> = (0..n).map(|i| format!("host/{i}")).collect();
+    for (i, k) in keys.iter().enumerate() {
+        a.set(k, format!("h{}", i % 7).as_bytes()).unwrap();
+    }
+    let before = server.traffic().member_requests;
+    let values = b.get_many(&keys).unwrap();
+    assert_eq!(
+        server.traffic().member_requests - before,
+        2,
+        "two chunks, one request each"
+    );
+    assert_eq!(values.len(), n);
+    assert!((0..n).all(|i| values[i] == format!("h{}", i % 7).as_bytes()));
+    let late = ["host/5".to_string(), "late".to_string()];
+    let reader = thread::spawn(move || (b.get_many(&late), b));
+    thread::sleep(Duration::from_millis(200));
+    a.set("late", b"here").unwrap();
+    let (values, b) = reader.join().unwrap();
+    assert_eq!(values.unwrap(), [b"h5".to_vec(), b"here".to_vec()]);
+    let b = b.with_request_timeout(Duration::from_millis(100));
+    let err = b
+        .get_many(&["host/1".into(), "absent/x".into(), "absent/y".into()])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("absent/x, absent/y"), "{err}");
+    assert!(!err.contains("host/1"), "{err}");
+}

@@ -221,8 +221,9 @@ pub(crate) fn open_tree(
         Ok((Algorithm::parse(algo), addr.as_bytes().to_vec()))
     };
     if store.add(&count_key, 0)? != n as i64 {
-        for peer in 0..n {
-            match published(peer)?.0 {
+        for (peer, raw) in store.get_many(&keys)?.into_iter().enumerate() {
+            let theirs = String::from_utf8_lossy(&raw).into_owned();
+            match Algorithm::parse(theirs.split_once(' ').map_or(theirs.as_str(), |(a, _)| a)) {
                 Some(theirs) if theirs == algorithm => {}
                 theirs => {
                     return Err(DdpError::Config(ConfigError::AlgorithmMismatch {

@@ -67,18 +67,23 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
     )?;
     let keys: Vec<String> = (0..n).map(key).collect();
     link::wait_all_published(setup, &format!("{tag}/transport-barrier"), &keys)?;
-    let published = |peer: usize| -> Result<Published> {
-        let raw = String::from_utf8_lossy(&store.get(&keys[peer])?).into_owned();
+    let parse = |raw: &[u8]| {
+        let raw = String::from_utf8_lossy(raw).into_owned();
         let mut words = raw.split_whitespace();
-        Ok(Published {
+        Published {
             transport: words.next().and_then(Transport::parse),
             pid: words.next().and_then(|p| p.parse().ok()).unwrap_or(0),
             host: words.next().unwrap_or_default().to_string(),
-        })
+        }
+    };
+    let published = |peer: usize| -> Result<Published> { Ok(parse(&store.get(&keys[peer])?)) };
+    // Every rank's, in as few requests as the store allows (not one a peer: n² in all).
+    let everyone = || -> Result<Vec<Published>> {
+        Ok(store.get_many(&keys)?.iter().map(|v| parse(v)).collect())
     };
     if store.add(&count_key, 0)? != n as i64 {
-        for peer in 0..n {
-            match published(peer)?.transport {
+        for (peer, theirs) in everyone()?.into_iter().enumerate() {
+            match theirs.transport {
                 Some(theirs) if theirs == transport => {}
                 theirs => {
                     return Err(DdpError::Config(ConfigError::TransportMismatch {
@@ -103,9 +108,7 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
             Err(why) => refuse(why).map(|()| None),
         };
     }
-    let hosts = (0..n)
-        .map(|p| published(p).map(|p| p.host))
-        .collect::<Result<Vec<String>>>()?;
+    let hosts: Vec<String> = everyone()?.into_iter().map(|p| p.host).collect();
     let layout = Layout::of(&hosts, rank.index());
     let Some(layout) = layout.filter(|l| l.hosts() >= 2 && l.local.len() >= 2) else {
         return match hosts_share_nothing(&hosts) {
