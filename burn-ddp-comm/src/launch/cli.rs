@@ -173,6 +173,10 @@ pub struct ScaleArgs {
     /// Idle check intervals over which the heartbeat traffic is counted.
     #[arg(long, default_value_t = 5)]
     window: u32,
+    /// Fault-tolerant jobs (the store a lighthouse the benchmark serves): after the kill, the
+    /// others agree on a membership without the killed rank, measured as change_s.
+    #[arg(long)]
+    fault_tolerant: bool,
     /// A process hosting some of the ranks (internal: the benchmark starts them).
     #[arg(long, hide = true)]
     host: Option<String>,
@@ -568,6 +572,7 @@ fn bench_scale(args: ScaleArgs) -> BenchResult<ExitCode> {
         ranks: args.ranks,
         heartbeat,
         window: args.window,
+        fault_tolerant: args.fault_tolerant,
     };
     bench.run(&mut std::io::stdout().lock())?;
     Ok(ExitCode::SUCCESS)

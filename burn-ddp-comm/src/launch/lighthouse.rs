@@ -47,14 +47,24 @@ pub struct Lighthouse {
 }
 
 impl Lighthouse {
-    /// Serves the store of the job whose token is `token` on `master`.
+    /// Serves the store of the job whose token is `token` on `master`, for a job of up to
+    /// about 500 processes (its connection limit: 4,096); [`Lighthouse::bind_for`] sizes it.
     ///
     /// # Errors
     /// `PortInUse` (naming the port) or `StoreBind`; an unresolvable address.
     pub fn bind(master: &MasterAddr, token: JobToken) -> Result<Self> {
+        Self::bind_for(master, token, WorldSize::ONE)
+    }
+
+    /// [`Lighthouse::bind`] for a job that starts with `processes`: its connection limit is 8
+    /// a process (each holds about four), 4,096 at least.
+    ///
+    /// # Errors
+    /// As [`Lighthouse::bind`].
+    pub fn bind_for(master: &MasterAddr, token: JobToken, processes: WorldSize) -> Result<Self> {
         let addr = resolve_bind(master, Rank::ZERO)?;
         Ok(Self {
-            server: StoreServer::bind_lighthouse(addr, token)?,
+            server: StoreServer::bind_lighthouse(addr, token, processes)?,
         })
     }
 
@@ -65,7 +75,9 @@ impl Lighthouse {
     /// # Errors
     /// As [`Lighthouse::bind`].
     pub fn serve(job: &LocalJob) -> Result<Self> {
-        match Self::bind(&job.master, job.token.clone()) {
+        let processes =
+            WorldSize::new(job.nproc_per_node.saturating_mul(job.nnodes)).unwrap_or(WorldSize::ONE);
+        match Self::bind_for(&job.master, job.token.clone(), processes) {
             Err(e @ DdpError::Rendezvous(RendezvousError::PortInUse { .. })) => {
                 match connect(job, Instant::now() + Duration::from_secs(2)) {
                     Ok(store) => Err(check_first_launch(&store, job).err().unwrap_or(e)),

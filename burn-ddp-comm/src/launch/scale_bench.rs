@@ -41,6 +41,10 @@ pub struct ScaleBench {
     pub heartbeat: Duration,
     /// Idle check intervals over which the heartbeat traffic is counted.
     pub window: u32,
+    /// Fault-tolerant jobs: the store is a lighthouse the benchmark serves (as `burn-ddp run
+    /// --fault-tolerant`'s launcher does), and after the kill the others agree on a membership
+    /// without the killed rank (`change_s`).
+    pub fault_tolerant: bool,
 }
 
 /// One job's measurements.
@@ -56,14 +60,21 @@ pub struct ScaleRow {
     pub hb_bytes_per_interval: f64,
     /// The kill of one rank to the last other rank naming it.
     pub detect: Duration,
+    /// In a fault-tolerant job: the kill to the last other rank in the membership without it
+    /// (`ProcessGroup::recover` returned), checked by an all-reduce on it.
+    pub change: Option<Duration>,
 }
 
 impl ScaleRow {
     /// The row as `burn-ddp bench scale` prints it.
     pub fn line(&self) -> String {
+        let change = self
+            .change
+            .map(|c| format!(" change_s={:.2}", c.as_secs_f64()))
+            .unwrap_or_default();
         format!(
             "scale ranks={} init_s={:.2} hb_requests_per_interval={:.0} \
-             hb_bytes_per_interval={:.0} detect_s={:.2}",
+             hb_bytes_per_interval={:.0} detect_s={:.2}{change}",
             self.ranks,
             self.init.as_secs_f64(),
             self.hb_requests_per_interval,
@@ -152,11 +163,28 @@ impl ScaleBench {
             port: free_port()?,
             token: JobToken::generate(),
             heartbeat: self.heartbeat,
+            fault_tolerant: self.fault_tolerant,
+        };
+        // A fault-tolerant job's store: a lighthouse in this process, as the launcher's.
+        let lighthouse = match self.fault_tolerant {
+            true => {
+                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], job.port));
+                raise_open_files(u64::from(n) * 3 + 1024)?;
+                Some(crate::store::StoreServer::bind_lighthouse(
+                    addr,
+                    job.token.clone(),
+                    world,
+                )?)
+            }
+            false => None,
         };
         // Rank 0 alone (it serves the store), the killed rank alone, the others in chunks.
         let mut hosts: Vec<Vec<Rank>> = vec![vec![Rank(0)], vec![victim]];
         let rest: Vec<Rank> = world.ranks().filter(|r| r.0 != 0 && *r != victim).collect();
-        hosts.extend(rest.chunks(ranks_per_host(n)?).map(<[Rank]>::to_vec));
+        hosts.extend(
+            rest.chunks(ranks_per_host(n, self.fault_tolerant)?)
+                .map(<[Rank]>::to_vec),
+        );
         let started = unix_ns();
         let (tx, rx) = mpsc::channel::<(usize, String)>();
         let mut procs = Vec::with_capacity(hosts.len());
@@ -179,12 +207,18 @@ impl ScaleBench {
         run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "synced")?;
         // The heartbeats of the idle job, counted by rank 0's store.
         let interval = self.interval();
-        run.send(
-            0,
-            &format!("measure {} {}", interval.as_millis(), self.window),
-        )?;
-        run.deadline = Instant::now() + interval * (self.window + 2) + Duration::from_secs(30);
-        let traffic = run.expect(&[0], "traffic")?;
+        let traffic = match &lighthouse {
+            Some(store) => vec![measure(interval, self.window, || store.traffic())],
+            None => {
+                run.send(
+                    0,
+                    &format!("measure {} {}", interval.as_millis(), self.window),
+                )?;
+                run.deadline =
+                    Instant::now() + interval * (self.window + 2) + Duration::from_secs(30);
+                run.expect(&[0], "traffic")?
+            }
+        };
         let num = |i: usize| -> f64 {
             traffic[0]
                 .get(i)
@@ -203,7 +237,7 @@ impl ScaleBench {
         run.procs[1].kill();
         run.deadline = Instant::now() + self.heartbeat * 4 + Duration::from_secs(30);
         let named = run.expect(&others, "named")?;
-        let mut detect = 0u64;
+        let (mut detect, mut change) = (0u64, 0u64);
         for w in &named {
             let field = |i: usize| w.get(i).and_then(|v| v.parse::<u64>().ok());
             if field(2) != Some(0) {
@@ -213,6 +247,7 @@ impl ScaleBench {
                 ));
             }
             detect = detect.max(field(3).unwrap_or(u64::MAX).saturating_sub(killed));
+            change = change.max(field(4).unwrap_or(u64::MAX).saturating_sub(killed));
         }
         for &i in &others {
             let _ = run.send(i, "end");
@@ -226,16 +261,45 @@ impl ScaleBench {
             hb_requests_per_interval,
             hb_bytes_per_interval,
             detect: Duration::from_nanos(detect),
+            change: self.fault_tolerant.then(|| Duration::from_nanos(change)),
         })
     }
+}
+
+/// `traffic AUX_REQUESTS AUX_BYTES NANOSECONDS`: what `traffic` (a store's counts) grew by over
+/// `window` check intervals of `interval`, after one interval to settle.
+fn measure(
+    interval: Duration,
+    window: u32,
+    traffic: impl Fn() -> crate::StoreTraffic,
+) -> Vec<String> {
+    std::thread::sleep(interval);
+    let (before, from) = (traffic(), Instant::now());
+    std::thread::sleep(interval * window);
+    let (after, took) = (traffic(), from.elapsed());
+    [
+        "traffic".to_string(),
+        (after.aux_requests - before.aux_requests).to_string(),
+        (after.aux_bytes - before.aux_bytes).to_string(),
+        took.as_nanos().to_string(),
+    ]
+    .to_vec()
 }
 
 /// Descriptors a rank of an `n`-rank job may hold in a host process: 17 + 2 log2 n measured
 /// here (store and heartbeat connections, ring links, listeners, and the links of recursive
 /// doubling, the default algorithm's for small all-reduces, which the measurement's use: the
 /// ring's 2(n − 1) steps would wake every rank's thread 2(n − 1) times), with a margin.
-fn descriptors_per_rank(n: u32) -> u64 {
-    24 + 2 * u64::from(n.next_power_of_two().trailing_zeros())
+///
+/// A rank of a fault-tolerant job holds more: its membership service's connection, its join
+/// watcher's, its epoch's group and heartbeat connections besides its presence, and through a
+/// change both epochs' links for a while (a host of 1,000 such ranks ran out of its 20,000).
+fn descriptors_per_rank(n: u32, fault_tolerant: bool) -> u64 {
+    let links = 2 * u64::from(n.next_power_of_two().trailing_zeros());
+    match fault_tolerant {
+        true => 32 + 2 * links,
+        false => 24 + links,
+    }
 }
 
 /// How many ranks one host process takes: as many as its open-file limit (raised to the hard
@@ -244,9 +308,9 @@ fn descriptors_per_rank(n: u32) -> u64 {
 ///
 /// # Errors
 /// The limit holds fewer than 16 ranks.
-fn ranks_per_host(n: u32) -> Result<usize> {
+fn ranks_per_host(n: u32, fault_tolerant: bool) -> Result<usize> {
     let (soft, _) = crate::sys::raise_open_files(1 << 20)?;
-    let fit = soft.saturating_sub(1024) / descriptors_per_rank(n);
+    let fit = soft.saturating_sub(1024) / descriptors_per_rank(n, fault_tolerant);
     if fit < 16 {
         return Err(config_error(
             "--ranks",
@@ -268,6 +332,7 @@ struct Job {
     port: u16,
     token: JobToken,
     heartbeat: Duration,
+    fault_tolerant: bool,
 }
 
 impl Job {
@@ -284,12 +349,16 @@ impl Job {
     }
 
     fn config(&self, rank: Rank) -> GroupConfig {
-        GroupConfig::new(rank, self.world, self.token.clone())
+        let config = GroupConfig::new(rank, self.world, self.token.clone())
             .with_master(MasterAddr::new("127.0.0.1", self.port))
             .with_timeouts(self.timeouts())
             .with_algorithm(Algorithm::Auto)
             .with_transport(Transport::Tcp)
-            .with_debug_desync(false)
+            .with_debug_desync(false);
+        match self.fault_tolerant {
+            true => config.with_fault_tolerance(crate::config::FaultTolerance::default()),
+            false => config,
+        }
     }
 }
 
@@ -354,10 +423,11 @@ impl Host {
         use std::os::unix::process::CommandExt;
         let list: Vec<String> = ranks.iter().map(|r| r.0.to_string()).collect();
         let spec = format!(
-            "{},{},{},{}",
+            "{},{},{},{},{}",
             job.world,
             job.port,
             job.heartbeat.as_millis(),
+            u8::from(job.fault_tolerant),
             list.join(":")
         );
         let mut cmd = Command::new(std::env::current_exe()?);
@@ -423,7 +493,9 @@ impl Drop for Host {
 enum Report {
     Ready(u64, Option<ProcessGroup>),
     Synced,
-    Named(Option<Rank>, u64, String),
+    /// The rank it blamed, when, what it said; in a fault-tolerant job, when it was in the
+    /// membership without the killed rank.
+    Named(Option<Rank>, u64, String, Option<u64>),
     Failed(Rank, String),
 }
 
@@ -450,7 +522,14 @@ fn rank_task(job: &Job, rank: Rank, tx: &mpsc::Sender<Report>, go: &Barrier, end
             rank,
             "the all-reduce without the killed rank completed".into(),
         ),
-        Err(e) => Report::Named(e.culprit(), unix_ns(), e.to_string()),
+        Err(e) if job.fault_tolerant => {
+            let named = unix_ns();
+            match changed(&pg, &e, job.world.get() - 1) {
+                Ok(at) => Report::Named(e.culprit(), named, e.to_string(), Some(at)),
+                Err(why) => Report::Failed(rank, why),
+            }
+        }
+        Err(e) => Report::Named(e.culprit(), unix_ns(), e.to_string(), None),
     };
     let _ = tx.send(report);
     // The group lives until every rank has named the killed one: a rank that left early would
@@ -458,11 +537,35 @@ fn rank_task(job: &Job, rank: Rank, tx: &mpsc::Sender<Report>, go: &Barrier, end
     end.wait();
 }
 
-/// A host process (`--host WORLD,PORT,HEARTBEAT_MS,R1:R2:...`, the token in
+/// After `cause`, the membership without the killed rank (`survivors` ranks): when
+/// `ProcessGroup::recover` returned; an all-reduce on it must count every survivor.
+fn changed(
+    pg: &ProcessGroup,
+    cause: &DdpError,
+    survivors: u32,
+) -> std::result::Result<u64, String> {
+    pg.recover(cause, Some(1))
+        .map_err(|e| format!("the membership change failed: {e}"))?;
+    let at = unix_ns();
+    let mut one = [1.0f32];
+    pg.all_reduce(&mut one, ReduceOp::Sum)
+        .map_err(|e| format!("the first all-reduce of the new membership failed: {e}"))?;
+    if one[0] != survivors as f32 || pg.world_size().get() != survivors {
+        return Err(format!(
+            "the new membership has {} ranks and its all-reduce counted {}, not {survivors}",
+            pg.world_size(),
+            one[0]
+        ));
+    }
+    Ok(at)
+}
+
+/// A host process (`--host WORLD,PORT,HEARTBEAT_MS,FT,R1:R2:...`, the token in
 /// `BURN_DDP_JOB_TOKEN`): its ranks as threads. It says `ready COUNT LAST_INIT_NS` once every
 /// rank joined, `synced` after the first all-reduce, and on `go` runs the second and says
-/// `named COUNT OTHERS LAST_FAILURE_NS` (OTHERS: ranks that blamed another than the lone rank of
-/// the job, the middle one); rank 0's host answers `measure INTERVAL_MS WINDOW` with
+/// `named COUNT OTHERS LAST_FAILURE_NS LAST_CHANGE_NS` (OTHERS: ranks that blamed another than
+/// the lone rank of the job, the middle one; LAST_CHANGE_NS: in a fault-tolerant job, the last
+/// rank in the membership without it, else 0); rank 0's host answers `measure INTERVAL_MS WINDOW` with
 /// `traffic AUX_REQUESTS AUX_BYTES NANOSECONDS`. `end` (or its stdin closing) ends it; a rank's
 /// failure is said as `failed RANK: ERROR`.
 ///
@@ -478,9 +581,9 @@ pub fn run_host(spec: &str) -> Result<()> {
 
 fn host(spec: &str) -> Result<()> {
     use std::io::BufRead;
-    let bad = || config_error("--host", "expected WORLD,PORT,HEARTBEAT_MS,R1:R2:...");
+    let bad = || config_error("--host", "expected WORLD,PORT,HEARTBEAT_MS,FT,R1:R2:...");
     let parts: Vec<&str> = spec.split(',').collect();
-    let [world, port, heartbeat_ms, list] = parts[..] else {
+    let [world, port, heartbeat_ms, fault_tolerant, list] = parts[..] else {
         return Err(bad());
     };
     let world = WorldSize::new(world.parse().map_err(|_| bad())?).ok_or_else(bad)?;
@@ -494,10 +597,12 @@ fn host(spec: &str) -> Result<()> {
         port: port.parse().map_err(|_| bad())?,
         token: JobToken::new(token),
         heartbeat: Duration::from_millis(heartbeat_ms.parse().map_err(|_| bad())?),
+        fault_tolerant: fault_tolerant == "1",
     };
-    // Rank 0's process holds the store's side of every connection too.
-    let serves = ranks.contains(&Rank(0));
-    let per_rank = descriptors_per_rank(world.get());
+    // Rank 0's process holds the store's side of every connection too (not a fault-tolerant
+    // job's: the benchmark serves it).
+    let serves = ranks.contains(&Rank(0)) && !job.fault_tolerant;
+    let per_rank = descriptors_per_rank(world.get(), job.fault_tolerant);
     let fds = ranks.len() as u64 * per_rank
         + if serves {
             u64::from(world.get()) * 2
@@ -570,33 +675,31 @@ fn host(spec: &str) -> Result<()> {
                         .and_then(ProcessGroup::served_store_traffic)
                         .unwrap_or_default()
                 };
-                std::thread::sleep(interval);
-                let (before, from) = (traffic(), Instant::now());
-                std::thread::sleep(interval * window);
-                let (after, took) = (traffic(), from.elapsed());
-                writeln!(
-                    out,
-                    "traffic {} {} {}",
-                    after.aux_requests - before.aux_requests,
-                    after.aux_bytes - before.aux_bytes,
-                    took.as_nanos()
-                )?;
+                writeln!(out, "{}", measure(interval, window, traffic).join(" "))?;
             }
             ["go"] if !lone => {
                 go.wait();
                 let named = next(ranks.len());
                 let lone_rank = Rank(world.get() / 2);
-                let (mut last, mut others, mut said) = (0, 0, String::new());
+                let (mut last, mut changed, mut others, mut said) = (0, 0, 0, String::new());
                 for r in &named {
-                    if let Report::Named(culprit, at, text) = r {
+                    if let Report::Named(culprit, at, text, change) = r {
                         last = last.max(*at);
+                        changed = changed.max(change.unwrap_or(0));
                         if *culprit != Some(lone_rank) {
                             others += 1;
                             said.clone_from(text);
                         }
                     }
                 }
-                writeln!(out, "named {} {others} {last} {said}", named.len())?;
+                if named.iter().any(|r| matches!(r, Report::Failed(..))) {
+                    return Ok(());
+                }
+                writeln!(
+                    out,
+                    "named {} {others} {last} {changed} {said}",
+                    named.len()
+                )?;
             }
             ["end"] => break,
             _ => {}
@@ -663,6 +766,7 @@ mod tests {
             ranks,
             heartbeat: Duration::from_secs(3),
             window: 3,
+            fault_tolerant: false,
         }
     }
 
@@ -688,6 +792,7 @@ mod tests {
             hb_requests_per_interval: req,
             hb_bytes_per_interval: req * 50.0,
             detect: Duration::from_millis(2250),
+            change: None,
         };
         let (a, b) = (row(256, 1024.0), row(1024, 4096.0));
         assert_eq!(

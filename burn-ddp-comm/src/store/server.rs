@@ -46,9 +46,13 @@ const ACCEPT_POLL: Duration = Duration::from_millis(100);
 /// How long rank 0 keeps the store up at exit after a failure, for the surviving ranks to read
 /// the abort record (which names the culprit) instead of finding the store gone.
 const ABORT_GRACE: Duration = Duration::from_secs(3);
-/// Authenticated connections a fault-tolerant job's store holds at most (each process holds
-/// about four: its presence, its membership epoch's group and heartbeat, its watcher).
+/// Authenticated connections a fault-tolerant job's store holds at least (each process holds
+/// about four: its presence, its membership epoch's group and heartbeat, its watcher; the
+/// bound is [`LIGHTHOUSE_CONNS_PER_PROCESS`] for each process the job starts with, for the
+/// processes that join and the launchers' own).
 const MAX_LIGHTHOUSE_CONNS: usize = 4096;
+/// The connections a fault-tolerant job's store allows for each process the job starts with.
+const LIGHTHOUSE_CONNS_PER_PROCESS: usize = 8;
 
 /// The key under which a fault-tolerant job's store records that member `id` is gone: its
 /// process left, or its connection closed without a goodbye (it died), with why.
@@ -293,7 +297,7 @@ impl ServerState {
     /// fault-tolerant job's store, whose world changes, as for its connection limit's half.
     fn max_pending(&self) -> usize {
         match self.lighthouse {
-            true => MAX_LIGHTHOUSE_CONNS / 2,
+            true => self.max_conns / 2,
             false => MAX_PENDING.max(self.world.as_usize().saturating_mul(2)),
         }
     }
@@ -334,12 +338,18 @@ impl StoreServer {
     /// The store of a fault-tolerant job, served by its launcher (torchft's lighthouse): it
     /// outlives any rank. Members (one connection per process, its member id as the rank) may
     /// leave and arrive; one that disconnects without saying goodbye is recorded under
-    /// [`gone_key`] and nothing is aborted. Refusals do not abort either.
-    pub(crate) fn bind_lighthouse(addr: SocketAddr, token: JobToken) -> Result<Self> {
+    /// [`gone_key`] and nothing is aborted. Refusals do not abort either. `processes`: how many
+    /// the job starts with, which sizes its connection limit and listen queue (members are not
+    /// checked against it: ids are never reused).
+    pub(crate) fn bind_lighthouse(
+        addr: SocketAddr,
+        token: JobToken,
+        processes: WorldSize,
+    ) -> Result<Self> {
         Self::bind_inner(
             addr,
             Rank(0),
-            WorldSize::ONE,
+            processes,
             token,
             HANDSHAKE_TIMEOUT,
             false,
@@ -392,7 +402,12 @@ impl StoreServer {
             conns: Mutex::new(HashMap::new()),
             pending: Mutex::new(VecDeque::new()),
             max_conns: if lighthouse {
-                MAX_LIGHTHOUSE_CONNS
+                MAX_LIGHTHOUSE_CONNS.max(
+                    world
+                        .as_usize()
+                        .saturating_mul(LIGHTHOUSE_CONNS_PER_PROCESS)
+                        .saturating_add(64),
+                )
             } else {
                 world.as_usize().saturating_mul(4).saturating_add(64)
             },

@@ -522,7 +522,8 @@ fn a_scoped_abort_ends_the_waits_of_its_scope_only() {
 fn the_lighthouse_marks_lost_members_gone_and_aborts_nothing() {
     let token = JobToken::new("ft");
     let server =
-        StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+        StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone(), world(1))
+            .unwrap();
     let master = MasterAddr::new("127.0.0.1", server.addr().port());
     let connect = |purpose, id: u32| {
         StoreClient::connect(

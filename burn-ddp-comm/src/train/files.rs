@@ -478,8 +478,12 @@ mod tests {
         use crate::store::StoreServer;
         let dir = scratch("fenced");
         let token = JobToken::new("fenced-test");
-        let server =
-            StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+        let server = StoreServer::bind_lighthouse(
+            "127.0.0.1:0".parse().unwrap(),
+            token.clone(),
+            WorldSize::ONE,
+        )
+        .unwrap();
         let master = MasterAddr::new("127.0.0.1", server.local_addr().port());
         let config = GroupConfig::new(Rank(0), WorldSize::ONE, token)
             .with_master(master)

@@ -139,4 +139,26 @@ fn the_scale_harness_measures_small_jobs_and_refuses_bad_options() {
         out.contains("scale growth ranks=6->12 ranks_x=2.00"),
         "{out}"
     );
+    // A fault-tolerant job of 20 ranks (more than the membership change's 8 deciders, so most
+    // ranks wait on the decision): the others go on without the killed rank, and an all-reduce
+    // of the new membership counts the 19.
+    let (ok, out, err) = scale(&[
+        "--ranks",
+        "20",
+        "--heartbeat-s",
+        "2",
+        "--window",
+        "2",
+        "--fault-tolerant",
+    ]);
+    assert!(ok, "{out}{err}");
+    let row = out
+        .lines()
+        .find(|l| l.starts_with("scale ranks=20 "))
+        .unwrap_or_default();
+    let change = row
+        .split("change_s=")
+        .nth(1)
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(change.is_some_and(|c| c > 0.0 && c < 20.0), "{out}");
 }

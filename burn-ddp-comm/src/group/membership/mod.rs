@@ -73,7 +73,7 @@ use record::ids_handed_out;
 pub(crate) use record::{
     any_admitted, fresh_member_id, last_membership, member_list, record_first_world, LastMembership,
 };
-use record::{decode, decode_i64, encode, first_world, get_now, keys};
+use record::{decode, decode_i64, encode, first_world, get_now, get_within, keys};
 use rule::{minus, Ballot};
 use watch::{watch_joins, JoinWatch};
 
@@ -506,7 +506,12 @@ impl MembershipService {
 
     /// The members of epoch `e`, if decided.
     fn decided(&self, e: u64) -> Result<Option<Vec<u32>>> {
-        match get_now(&self.store, &keys::members(e))? {
+        self.decided_within(e, Duration::ZERO)
+    }
+
+    /// [`Self::decided`], waiting up to `wait` for the decision (woken when it is made).
+    fn decided_within(&self, e: u64, wait: Duration) -> Result<Option<Vec<u32>>> {
+        match get_within(&self.store, &keys::members(e), wait)? {
             Some(v) => decode(&v)
                 .map(Some)
                 .ok_or_else(|| self.corrupt(&keys::members(e))),
@@ -632,8 +637,23 @@ impl MembershipService {
         let window = self.config.timeouts.heartbeat;
         let (blamed, why) = self.blamed(e, members)?;
         let mut said = Instant::now();
+        let decider = is_decider(members, self.id);
         loop {
-            if let Some(decided) = self.decided(next)? {
+            // The deciders read the ballot every POLL; the others wait on the decision (woken
+            // when it is made), and decide too once the deciders took twice the window: each
+            // ballot reads every member's keys, so n members polling it cost the store n² keys
+            // a poll (a change among 1,024 ranks failed so: requests got no reply in time).
+            let deciding = decider || checked_in.elapsed() >= window * 2;
+            let wait = match deciding {
+                true => Duration::ZERO,
+                false => (window * 2)
+                    .saturating_sub(checked_in.elapsed())
+                    .min(overall.saturating_duration_since(Instant::now()))
+                    // The client is this process's membership connection, which other
+                    // threads ask too (`membership_ended`): held a second at most.
+                    .min(Duration::from_secs(1)),
+            };
+            if let Some(decided) = self.decided_within(next, wait)? {
                 if decided.contains(&self.id) {
                     return Ok(decided);
                 }
@@ -651,6 +671,9 @@ impl MembershipService {
                         )
                     },
                 }));
+            }
+            if !deciding && Instant::now() < overall {
+                continue;
             }
             let ballot = self.ballot(next, members)?;
             let passed = checked_in.elapsed() >= window;
@@ -926,6 +949,21 @@ impl ProcessGroup {
     }
 }
 
+/// How many members read the ballot of a membership change at every poll (the others wait on
+/// the decision): spread over the members, so that the loss of a node (consecutive ranks) leaves
+/// some.
+const DECIDERS: usize = 8;
+
+/// Whether member `id` of `members` reads the ballot at every poll: one member in
+/// `len / DECIDERS`, from the first; every member of a small membership.
+fn is_decider(members: &[u32], id: u32) -> bool {
+    let stride = (members.len() / DECIDERS).max(1);
+    members
+        .iter()
+        .position(|m| *m == id)
+        .is_none_or(|p| p % stride == 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -936,8 +974,12 @@ mod tests {
     /// A fault-tolerant job's store in this process, and a client of it.
     fn lighthouse() -> (StoreServer, MasterAddr, JobToken, StoreClient) {
         let token = JobToken::new("elastic-test");
-        let server =
-            StoreServer::bind_lighthouse("127.0.0.1:0".parse().unwrap(), token.clone()).unwrap();
+        let server = StoreServer::bind_lighthouse(
+            "127.0.0.1:0".parse().unwrap(),
+            token.clone(),
+            WorldSize::ONE,
+        )
+        .unwrap();
         let master = MasterAddr::new("127.0.0.1", server.local_addr().port());
         let client = StoreClient::connect(
             &master,
@@ -1010,6 +1052,22 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("a test write is not written"), "{text}");
         assert!(text.contains("rank 0 sent no heartbeat"), "{text}");
+    }
+
+    /// Small memberships: every member reads the ballot. Larger ones: eight, spread, so that
+    /// the loss of one node's consecutive ranks leaves deciders.
+    #[test]
+    fn the_deciders_of_a_change_are_few_and_spread() {
+        let members: Vec<u32> = (0..12).collect();
+        assert!(members.iter().all(|m| is_decider(&members, *m)));
+        let members: Vec<u32> = (100..1124).collect();
+        let deciders: Vec<u32> = members
+            .iter()
+            .copied()
+            .filter(|m| is_decider(&members, *m))
+            .collect();
+        assert_eq!(deciders, [100, 228, 356, 484, 612, 740, 868, 996]);
+        assert!(is_decider(&members, 5000), "not a member: decides");
     }
 
     #[test]

@@ -62,7 +62,17 @@ pub(super) fn decode(bytes: &[u8]) -> Option<Vec<u32>> {
 /// The value of `key` now, `None` when the store does not hold it (an error when the store
 /// does not answer).
 pub(super) fn get_now(store: &StoreClient, key: &str) -> Result<Option<Vec<u8>>> {
-    match store.get_timeout(key, Duration::ZERO) {
+    get_within(store, key, Duration::ZERO)
+}
+
+/// The value of `key`, waiting up to `wait` for it (woken when it is set); `None` when it did
+/// not appear.
+pub(super) fn get_within(
+    store: &StoreClient,
+    key: &str,
+    wait: Duration,
+) -> Result<Option<Vec<u8>>> {
+    match store.get_timeout(key, wait) {
         Ok(v) => Ok(Some(v)),
         // The store's own answer that the key is absent (not a reply that never came).
         Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. })) if !store.is_broken() => {
