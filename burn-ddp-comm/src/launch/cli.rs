@@ -177,9 +177,21 @@ pub struct ScaleArgs {
     /// others agree on a membership without the killed rank, measured as change_s.
     #[arg(long)]
     fault_tolerant: bool,
+    /// Where the jobs keep their store: `builtin`, or `etcd` (a 3-member etcd cluster the
+    /// benchmark starts: Debian's etcd on PATH, a burn-ddp built with `etcd`,
+    /// --fault-tolerant).
+    #[arg(long, value_enum, default_value = "builtin")]
+    store: ScaleStoreArg,
     /// A process hosting some of the ranks (internal: the benchmark starts them).
     #[arg(long, hide = true)]
     host: Option<String>,
+}
+
+/// `burn-ddp bench scale --store`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ScaleStoreArg {
+    Builtin,
+    Etcd,
 }
 
 /// Options of `burn-ddp bench p2p`.
@@ -573,6 +585,10 @@ fn bench_scale(args: ScaleArgs) -> BenchResult<ExitCode> {
         heartbeat,
         window: args.window,
         fault_tolerant: args.fault_tolerant,
+        store: match args.store {
+            ScaleStoreArg::Builtin => super::scale_bench::ScaleStore::Builtin,
+            ScaleStoreArg::Etcd => super::scale_bench::ScaleStore::Etcd,
+        },
     };
     bench.run(&mut std::io::stdout().lock())?;
     Ok(ExitCode::SUCCESS)

@@ -45,6 +45,21 @@ pub struct ScaleBench {
     /// --fault-tolerant`'s launcher does), and after the kill the others agree on a membership
     /// without the killed rank (`change_s`).
     pub fault_tolerant: bool,
+    /// Where the jobs' store is: the built-in one, or a 3-member etcd cluster the benchmark
+    /// starts (Debian's `etcd`; fault-tolerant jobs only, as in `burn-ddp run`).
+    pub store: ScaleStore,
+}
+
+/// Where `burn-ddp bench scale`'s jobs keep their store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ScaleStore {
+    /// Rank 0's store, or with `--fault-tolerant` a lighthouse the benchmark serves.
+    #[default]
+    Builtin,
+    /// A 3-member etcd cluster on this machine, started and stopped by the benchmark; the
+    /// heartbeat columns are then every unary request and every byte of gRPC that etcd
+    /// counted over the idle window (its `/metrics`), not the heartbeats' alone.
+    Etcd,
 }
 
 /// One job's measurements.
@@ -123,6 +138,22 @@ impl ScaleBench {
                 format!("{n} ranks: each job needs 3 to 65536 (one is killed, two watch it)"),
             );
         }
+        if self.store == ScaleStore::Etcd && !self.fault_tolerant {
+            return invalid(
+                "--store etcd",
+                "etcd keeps the store of fault-tolerant jobs only (as `burn-ddp run \
+                 --rdzv-backend etcd`): add --fault-tolerant"
+                    .into(),
+            );
+        }
+        if self.store == ScaleStore::Etcd && !cfg!(feature = "etcd") {
+            return invalid(
+                "--store etcd",
+                "needs a burn-ddp built with etcd support: `cargo build --release -p \
+                 burn-ddp-comm --features cli,etcd`"
+                    .into(),
+            );
+        }
         if self.heartbeat < Duration::from_millis(250) || self.window == 0 {
             return invalid(
                 "--heartbeat-s / --window",
@@ -158,15 +189,20 @@ impl ScaleBench {
     fn run_one(&self, n: u32) -> Result<ScaleRow> {
         let world = WorldSize::new(n).ok_or_else(|| config_error("--ranks", "0 ranks"))?;
         let victim = Rank(n / 2);
+        let cluster = match self.store {
+            ScaleStore::Etcd => Some(EtcdCluster::start(3)?),
+            ScaleStore::Builtin => None,
+        };
         let job = Job {
             world,
             port: free_port()?,
             token: JobToken::generate(),
             heartbeat: self.heartbeat,
             fault_tolerant: self.fault_tolerant,
+            etcd: cluster.as_ref().map(|c| c.endpoints.join(";")),
         };
         // A fault-tolerant job's store: a lighthouse in this process, as the launcher's.
-        let lighthouse = match self.fault_tolerant {
+        let lighthouse = match self.fault_tolerant && cluster.is_none() {
             true => {
                 let addr = std::net::SocketAddr::from(([127, 0, 0, 1], job.port));
                 raise_open_files(u64::from(n) * 3 + 1024)?;
@@ -207,9 +243,10 @@ impl ScaleBench {
         run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "synced")?;
         // The heartbeats of the idle job, counted by rank 0's store.
         let interval = self.interval();
-        let traffic = match &lighthouse {
-            Some(store) => vec![measure(interval, self.window, || store.traffic())],
-            None => {
+        let traffic = match (&lighthouse, &cluster) {
+            (Some(store), _) => vec![measure(interval, self.window, || store.traffic())],
+            (None, Some(cluster)) => vec![measure(interval, self.window, || cluster.traffic())],
+            (None, None) => {
                 run.send(
                     0,
                     &format!("measure {} {}", interval.as_millis(), self.window),
@@ -333,6 +370,8 @@ struct Job {
     token: JobToken,
     heartbeat: Duration,
     fault_tolerant: bool,
+    /// The etcd cluster that keeps the store, its endpoints separated by `;`.
+    etcd: Option<String>,
 }
 
 impl Job {
@@ -349,8 +388,16 @@ impl Job {
     }
 
     fn config(&self, rank: Rank) -> GroupConfig {
+        let mut master = MasterAddr::new("127.0.0.1", self.port);
+        if let Some(store) = self
+            .etcd
+            .as_ref()
+            .and_then(|e| crate::config::EtcdStore::parse(&e.replace(';', ",")).ok())
+        {
+            master = master.with_etcd(store);
+        }
         let config = GroupConfig::new(rank, self.world, self.token.clone())
-            .with_master(MasterAddr::new("127.0.0.1", self.port))
+            .with_master(master)
             .with_timeouts(self.timeouts())
             .with_algorithm(Algorithm::Auto)
             .with_transport(Transport::Tcp)
@@ -423,11 +470,12 @@ impl Host {
         use std::os::unix::process::CommandExt;
         let list: Vec<String> = ranks.iter().map(|r| r.0.to_string()).collect();
         let spec = format!(
-            "{},{},{},{},{}",
+            "{},{},{},{},{},{}",
             job.world,
             job.port,
             job.heartbeat.as_millis(),
             u8::from(job.fault_tolerant),
+            job.etcd.as_deref().unwrap_or("-"),
             list.join(":")
         );
         let mut cmd = Command::new(std::env::current_exe()?);
@@ -560,7 +608,8 @@ fn changed(
     Ok(at)
 }
 
-/// A host process (`--host WORLD,PORT,HEARTBEAT_MS,FT,R1:R2:...`, the token in
+/// A host process (`--host WORLD,PORT,HEARTBEAT_MS,FT,ETCD,R1:R2:...`, ETCD the endpoints
+/// separated by `;` or `-`, the token in
 /// `BURN_DDP_JOB_TOKEN`): its ranks as threads. It says `ready COUNT LAST_INIT_NS` once every
 /// rank joined, `synced` after the first all-reduce, and on `go` runs the second and says
 /// `named COUNT OTHERS LAST_FAILURE_NS LAST_CHANGE_NS` (OTHERS: ranks that blamed another than
@@ -581,9 +630,14 @@ pub fn run_host(spec: &str) -> Result<()> {
 
 fn host(spec: &str) -> Result<()> {
     use std::io::BufRead;
-    let bad = || config_error("--host", "expected WORLD,PORT,HEARTBEAT_MS,FT,R1:R2:...");
+    let bad = || {
+        config_error(
+            "--host",
+            "expected WORLD,PORT,HEARTBEAT_MS,FT,ETCD,R1:R2:...",
+        )
+    };
     let parts: Vec<&str> = spec.split(',').collect();
-    let [world, port, heartbeat_ms, fault_tolerant, list] = parts[..] else {
+    let [world, port, heartbeat_ms, fault_tolerant, etcd, list] = parts[..] else {
         return Err(bad());
     };
     let world = WorldSize::new(world.parse().map_err(|_| bad())?).ok_or_else(bad)?;
@@ -598,6 +652,7 @@ fn host(spec: &str) -> Result<()> {
         token: JobToken::new(token),
         heartbeat: Duration::from_millis(heartbeat_ms.parse().map_err(|_| bad())?),
         fault_tolerant: fault_tolerant == "1",
+        etcd: (etcd != "-").then(|| etcd.to_owned()),
     };
     // Rank 0's process holds the store's side of every connection too (not a fault-tolerant
     // job's: the benchmark serves it).
@@ -713,6 +768,135 @@ fn host(spec: &str) -> Result<()> {
     Ok(())
 }
 
+/// A cluster of etcd members on this machine (Debian's `etcd`), each stopped by its PID when
+/// dropped, with its data directory removed.
+struct EtcdCluster {
+    members: Vec<Child>,
+    dirs: Vec<std::path::PathBuf>,
+    endpoints: Vec<String>,
+}
+
+impl EtcdCluster {
+    /// Starts `size` members and waits (up to 30 s) until every one reports itself healthy.
+    fn start(size: usize) -> Result<Self> {
+        let ports: Vec<(u16, u16)> = (0..size)
+            .map(|_| Ok((free_port()?, free_port()?)))
+            .collect::<Result<_>>()?;
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let mut cluster = Self {
+            members: Vec::new(),
+            dirs: Vec::new(),
+            endpoints: ports
+                .iter()
+                .map(|(client, _)| format!("127.0.0.1:{client}"))
+                .collect(),
+        };
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let dir = std::env::temp_dir().join(format!(
+                "burn-ddp-scale-etcd-{}-{client}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            let member = Command::new("etcd")
+                .args(["--name", &format!("m{i}"), "--data-dir"])
+                .arg(&dir)
+                .args([
+                    "--listen-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://127.0.0.1:{client}"),
+                    "--listen-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-advertise-peer-urls",
+                    &format!("http://127.0.0.1:{peer}"),
+                    "--initial-cluster",
+                    &initial.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                ])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| {
+                    config_error(
+                        "--store etcd",
+                        &format!(
+                            "could not start etcd ({e}): install it (Debian: `apt-get install \
+                             etcd-server`)"
+                        ),
+                    )
+                })?;
+            cluster.members.push(member);
+            cluster.dirs.push(dir);
+        }
+        let until = Instant::now() + Duration::from_secs(30);
+        for e in &cluster.endpoints {
+            while !http_get(e, "/health").is_some_and(|b| b.contains("\"health\":\"true\"")) {
+                if Instant::now() >= until {
+                    return Err(config_error(
+                        "--store etcd",
+                        &format!("the etcd member at {e} was not healthy within 30 s"),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+        Ok(cluster)
+    }
+
+    /// What the members served so far, from their `/metrics`: unary gRPC requests handled
+    /// (as `aux_requests`) and gRPC bytes received and sent (as `aux_bytes`).
+    fn traffic(&self) -> crate::StoreTraffic {
+        let mut t = crate::StoreTraffic::default();
+        for e in &self.endpoints {
+            let text = http_get(e, "/metrics").unwrap_or_default();
+            for line in text.lines().filter(|l| !l.starts_with('#')) {
+                let Some((name, value)) = line.rsplit_once(' ') else {
+                    continue;
+                };
+                let value = value.parse::<f64>().unwrap_or(0.0) as u64;
+                if name.starts_with("grpc_server_handled_total{") && name.contains("unary") {
+                    t.aux_requests += value;
+                } else if name == "etcd_network_client_grpc_received_bytes_total"
+                    || name == "etcd_network_client_grpc_sent_bytes_total"
+                {
+                    t.aux_bytes += value;
+                }
+            }
+        }
+        t
+    }
+}
+
+impl Drop for EtcdCluster {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            let _ = m.kill();
+            let _ = m.wait();
+        }
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// The body of `GET path` from `host:port` (HTTP/1.0, a second to connect and 5 to read).
+fn http_get(endpoint: &str, path: &str) -> Option<String> {
+    use std::io::Read;
+    let addr: std::net::SocketAddr = endpoint.parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {endpoint}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n").map(|(_, body)| body.to_owned())
+}
+
 /// Nanoseconds since the Unix epoch: one clock for every process of this machine.
 fn unix_ns() -> u64 {
     std::time::SystemTime::now()
@@ -767,6 +951,7 @@ mod tests {
             heartbeat: Duration::from_secs(3),
             window: 3,
             fault_tolerant: false,
+            store: ScaleStore::Builtin,
         }
     }
 
@@ -782,6 +967,17 @@ mod tests {
             ..bench(vec![4])
         };
         assert!(fast.check().unwrap_err().to_string().contains("heartbeat"));
+        let etcd = ScaleBench {
+            store: ScaleStore::Etcd,
+            ..bench(vec![4])
+        };
+        let e = etcd.check().unwrap_err().to_string();
+        assert!(e.contains("add --fault-tolerant"), "{e}");
+        let etcd = ScaleBench {
+            fault_tolerant: true,
+            ..etcd
+        };
+        assert_eq!(etcd.check().is_ok(), cfg!(feature = "etcd"));
     }
 
     #[test]

@@ -39,6 +39,9 @@ use crate::types::{AbortRecord, Rank};
 /// How long a process's presence lease lives without a keep-alive: a process stopped (SIGSTOP)
 /// for longer is gone for the job, as one that exited.
 pub(crate) const LEASE_TTL: Duration = Duration::from_secs(10);
+/// The interval of the connections' HTTP/2 keep-alive pings: above etcd's
+/// `--grpc-keepalive-min-time` default (5 s), below which etcd closes the connection.
+const KEEP_ALIVE: Duration = Duration::from_secs(10);
 /// The bound of one RPC attempt; a failed one is retried until the request's deadline.
 pub(crate) const ATTEMPT: Duration = Duration::from_secs(2);
 /// The least time a request is given, however short its own wait: one attempt stuck on a member
@@ -121,6 +124,8 @@ fn transient(e: &etcd_client::Error) -> bool {
         etcd_client::Error::GRpcStatus(s) => matches!(
             s.code(),
             Code::Unavailable
+                // etcd's "too many requests" (its rate limit while it applies a backlog)
+                | Code::ResourceExhausted
                 | Code::DeadlineExceeded
                 | Code::Unknown
                 | Code::Internal
@@ -344,7 +349,11 @@ impl EtcdLink {
             ConnectOptions::new()
                 .with_connect_timeout(ATTEMPT)
                 .with_timeout(ATTEMPT)
-                .with_keep_alive(Duration::from_secs(2), ATTEMPT),
+                // etcd sends GOAWAY ("too_many_pings") to a client that pings more often than
+                // its --grpc-keepalive-min-time (5 s by default), which failed every request
+                // on that connection (seen at 256 ranks); a dead member is found by each
+                // request's own bound (ATTEMPT) anyway.
+                .with_keep_alive(KEEP_ALIVE, ATTEMPT),
             store,
         )
         .map_err(Ok)?;
