@@ -1302,6 +1302,23 @@ mod tests {
         }
     }
 
+    /// A process of `master`'s store is refused within FAILOVER (not at its 30 s deadline),
+    /// with an error that names `fix`.
+    fn assert_refused(master: &MasterAddr, fix: &str) {
+        let t = Instant::now();
+        let err = connect(master, Purpose::StoreAux, 1, "job").unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(
+                err,
+                DdpError::Rendezvous(RendezvousError::StoreRefused { .. })
+            ),
+            "{text}"
+        );
+        assert!(text.contains(fix), "{text}");
+        assert!(t.elapsed() < FAILOVER + ATTEMPT * 2, "{:?}", t.elapsed());
+    }
+
     /// A cluster that serves TLS and requires client certificates (etcd `--client-cert-auth`):
     /// a process with the CA and a certificate it signed uses the store; one without a
     /// certificate, one with a stranger's certificate, and one that speaks plain TCP are
@@ -1326,26 +1343,11 @@ mod tests {
         a.set("k", b"v").unwrap();
         assert_eq!(a.get("k").unwrap(), b"v");
 
-        // Each refusal is said within FAILOVER (not at the 30 s deadline), with its fix.
-        let refused = |master: &MasterAddr, fix: &str| {
-            let t = Instant::now();
-            let err = connect(master, Purpose::StoreAux, 1, "job").unwrap_err();
-            let text = err.to_string();
-            assert!(
-                matches!(
-                    err,
-                    DdpError::Rendezvous(RendezvousError::StoreRefused { .. })
-                ),
-                "{text}"
-            );
-            assert!(text.contains(fix), "{text}");
-            assert!(t.elapsed() < FAILOVER + ATTEMPT * 2, "{:?}", t.elapsed());
-        };
         let no_cert = EtcdSecurity {
             ca: ca.clone(),
             ..EtcdSecurity::default()
         };
-        refused(&master(no_cert), "--etcd-cert and --etcd-key");
+        assert_refused(&master(no_cert), "--etcd-cert and --etcd-key");
         // A stranger: a certificate from a CA of its own.
         pki.authority("stranger");
         pki.signed("intruder", "stranger", "extendedKeyUsage=clientAuth");
@@ -1355,7 +1357,7 @@ mod tests {
             key: Some(pki.file("intruder.key")),
             ..EtcdSecurity::default()
         };
-        refused(
+        assert_refused(
             &master(stranger),
             "does not accept this process's certificate",
         );
@@ -1366,10 +1368,10 @@ mod tests {
             key: Some(pki.file("client.key")),
             ..EtcdSecurity::default()
         };
-        refused(&master(wrong_ca), "give the CA that signed them");
+        assert_refused(&master(wrong_ca), "give the CA that signed them");
         let plain = MasterAddr::new("127.0.0.1", m.client)
             .with_etcd(EtcdStore::parse(&format!("127.0.0.1:{}", m.client)).unwrap());
-        refused(&plain, "give its endpoints as https://host:port");
+        assert_refused(&plain, "give its endpoints as https://host:port");
         // The admitted process still uses the store.
         assert_eq!(a.get("k").unwrap(), b"v");
     }
@@ -1427,18 +1429,7 @@ mod tests {
                 "did not accept this user and password",
             ),
         ] {
-            let t = Instant::now();
-            let err = connect(&master, Purpose::StoreAux, 1, "job").unwrap_err();
-            let text = err.to_string();
-            assert!(
-                matches!(
-                    err,
-                    DdpError::Rendezvous(RendezvousError::StoreRefused { .. })
-                ),
-                "{text}"
-            );
-            assert!(text.contains(fix), "{text}");
-            assert!(t.elapsed() < FAILOVER + ATTEMPT * 2, "{:?}", t.elapsed());
+            assert_refused(&master, fix);
         }
         assert!(!format!("{:?}", master(Some("root"), Some("s3cret"))).contains("s3cret"));
     }
