@@ -13,9 +13,12 @@
 //! calls [`ProcessGroup::recover`]: it ends epoch `e` (the scope's first abort record says why
 //! and blames a rank, if one was named), which stops every other rank's collectives of that
 //! epoch within one heartbeat interval, so they recover too. Each checks in for `e + 1`.
-//! The **rule** that decides epoch `e + 1`, applied by whichever rank gets there first and
+//! The **rule** that decides epoch `e + 1`, applied by whichever decider gets there first and
 //! recorded once by compare-and-set in the store (the store is the one arbiter: a rank that
-//! cannot reach it is out, whatever it sees):
+//! cannot reach it is out, whatever it sees). Every member of a membership of up to 15 is a
+//! decider; in larger ones eight, spread over it (each decider reads every member's keys at
+//! every poll), and the others wait on the decision, applying the rule themselves only once
+//! the deciders took twice the heartbeat bound:
 //!
 //! - the members of `e` that checked in, in their order, then the processes waiting to join,
 //!   by id, minus the members the store saw go (their presence connection closed) and the rank
