@@ -110,9 +110,10 @@ struct Saved {
     newest: [Option<usize>; 3],
     /// A record that could not be written.
     failed: Option<String>,
-    /// The epoch whose record this rank 0 did not write because its membership had ended
-    /// (a newer membership's rank 0 writes it), with the error: not a failure of the job, so
-    /// it fails the wait for that epoch alone (the process may join again, and be rank 0).
+    /// The epoch whose record this rank 0 did not write because its fence refused it (its
+    /// membership had ended, and a newer membership's rank 0 writes it; or the store could not
+    /// say), with the error: not a failure of the record, so it fails the wait for that epoch
+    /// alone (the process may join again, and be rank 0 again).
     superseded: Option<(usize, String)>,
 }
 
@@ -272,10 +273,10 @@ impl RecordFiles {
             match (&written, part) {
                 (Ok(()), Some(i)) => log.record(|s| s.newest[i] = s.newest[i].max(Some(epoch))),
                 (Ok(()), None) => {}
-                (Err(e @ DdpError::Membership(MembershipError::Superseded { .. })), _) => {
-                    log.record(|s| s.superseded = Some((epoch, e.to_string())));
-                }
-                (Err(e), _) => log.record(|s| s.failed = Some(e.to_string())),
+                // The record's own failures (serialising, writing) hold for every epoch after.
+                (Err(e @ DdpError::Job(_)), _) => log.record(|s| s.failed = Some(e.to_string())),
+                // The fence's (the membership ended, the store did not answer): this epoch's.
+                (Err(e), _) => log.record(|s| s.superseded = Some((epoch, e.to_string()))),
             }
         }
         written
