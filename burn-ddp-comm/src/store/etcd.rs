@@ -1211,16 +1211,12 @@ mod tests {
             );
         }
 
-        /// A self-signed CA `name` (`name.pem`, `name.key`).
-        fn authority(&self, name: &str) {
-            let (pem, key, subj) = (
-                format!("{name}.pem"),
-                format!("{name}.key"),
-                format!("/CN={name}"),
-            );
-            self.openssl(&[
+        /// A new P-256 key `name.key` and a request for `/CN=name` with it (`openssl req`),
+        /// `out` saying what becomes of the request (`-x509`: a self-signed certificate).
+        fn new_key(&self, name: &str, out: &[&str]) {
+            let (key, subj) = (format!("{name}.key"), format!("/CN={name}"));
+            let mut args = vec![
                 "req",
-                "-x509",
                 "-newkey",
                 "ec",
                 "-pkeyopt",
@@ -1228,38 +1224,25 @@ mod tests {
                 "-nodes",
                 "-keyout",
                 &key,
-                "-out",
-                &pem,
-                "-days",
-                "2",
                 "-subj",
                 &subj,
-            ]);
+            ];
+            args.extend_from_slice(out);
+            self.openssl(&args);
+        }
+
+        /// A self-signed CA `name` (`name.pem`, `name.key`).
+        fn authority(&self, name: &str) {
+            let pem = format!("{name}.pem");
+            self.new_key(name, &["-x509", "-out", &pem, "-days", "2"]);
         }
 
         /// A key and certificate `name`, signed by CA `ca`, with the extensions `ext`.
         fn signed(&self, name: &str, ca: &str, ext: &str) {
-            let (csr, key, pem) = (
-                format!("{name}.csr"),
-                format!("{name}.key"),
-                format!("{name}.pem"),
-            );
+            let (csr, pem) = (format!("{name}.csr"), format!("{name}.pem"));
             let ext_file = format!("{name}.ext");
             std::fs::write(self.dir.join(&ext_file), ext).unwrap();
-            self.openssl(&[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:prime256v1",
-                "-nodes",
-                "-keyout",
-                &key,
-                "-out",
-                &csr,
-                "-subj",
-                &format!("/CN={name}"),
-            ]);
+            self.new_key(name, &["-out", &csr]);
             self.openssl(&[
                 "x509",
                 "-req",

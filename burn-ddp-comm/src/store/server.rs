@@ -880,18 +880,18 @@ fn request_loop(
 }
 
 /// Waits until every one of `keys` exists (up to `timeout`), then answers with `ready` of
-/// the map; else the keys still missing, or the abort record that ended the wait.
+/// the map (`get`, `wait` and `get_many` alike); else the keys still missing, or the abort record that ended the wait.
 fn wait_all<'a>(
     shared: &'a ServerState,
     mut st: MutexGuard<'a, State>,
     keys: Vec<String>,
     timeout: Duration,
-    ready: impl Fn((&State, &[String])) -> Reply,
+    ready: impl Fn(&State, &[String]) -> Reply,
 ) -> Reply {
     let deadline = Instant::now() + timeout;
     loop {
         if keys.iter().all(|k| st.map.contains_key(k)) {
-            return ready((&st, &keys));
+            return ready(&st, &keys);
         }
         match wait(shared, st, deadline, &keys) {
             Ok(g) => st = g,
@@ -912,7 +912,7 @@ fn wait_all<'a>(
 }
 
 /// The values of `keys` (all present), or a refusal when they would not fit one reply.
-fn values_of((st, keys): (&State, &[String])) -> Reply {
+fn values_of(st: &State, keys: &[String]) -> Reply {
     let values: Vec<Vec<u8>> = keys.iter().map(|k| st.map[k].clone()).collect();
     let size: usize = values.iter().map(|v| v.len() + 4).sum();
     if size + 4 > MAX_FRAME as usize {
@@ -933,20 +933,9 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
             st.map.insert(key, value);
             Reply::Ok
         }
-        Request::Get { key, timeout } => {
-            let deadline = Instant::now() + timeout;
-            loop {
-                if let Some(v) = st.map.get(&key) {
-                    return Reply::Value(v.clone());
-                }
-                match wait(shared, st, deadline, std::slice::from_ref(&key)) {
-                    Ok(g) => st = g,
-                    Err(reply) => {
-                        return reply.unwrap_or(Reply::Timeout { missing: vec![key] });
-                    }
-                }
-            }
-        }
+        Request::Get { key, timeout } => wait_all(shared, st, vec![key], timeout, |st, keys| {
+            Reply::Value(st.map[&keys[0]].clone())
+        }),
         Request::Add { key, delta } => {
             let current = match st.map.get(&key) {
                 None => 0,
@@ -966,7 +955,7 @@ fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply
             st.map.insert(key, next.to_le_bytes().to_vec());
             Reply::Int(next)
         }
-        Request::Wait { keys, timeout } => wait_all(shared, st, keys, timeout, |_| Reply::Ok),
+        Request::Wait { keys, timeout } => wait_all(shared, st, keys, timeout, |_, _| Reply::Ok),
         Request::GetMany { keys, timeout } => wait_all(shared, st, keys, timeout, values_of),
         Request::CompareSet {
             key,

@@ -214,16 +214,17 @@ pub(crate) fn open_tree(
     )?;
     let keys: Vec<String> = (0..n).map(|r| format!("{tag}/tree/{r}")).collect();
     wait_all_published(setup, &format!("{tag}/tree-barrier"), &keys)?;
-    let published = |peer: usize| -> Result<(Option<Algorithm>, Vec<u8>)> {
-        let raw = store.get(&keys[peer])?;
-        let text = String::from_utf8_lossy(&raw).into_owned();
+    let parse = |raw: &[u8]| {
+        let text = String::from_utf8_lossy(raw).into_owned();
         let (algo, addr) = text.split_once(' ').unwrap_or((text.as_str(), ""));
-        Ok((Algorithm::parse(algo), addr.as_bytes().to_vec()))
+        (Algorithm::parse(algo), addr.as_bytes().to_vec())
+    };
+    let published = |peer: usize| -> Result<(Option<Algorithm>, Vec<u8>)> {
+        Ok(parse(&store.get(&keys[peer])?))
     };
     if store.add(&count_key, 0)? != n as i64 {
         for (peer, raw) in store.get_many(&keys)?.into_iter().enumerate() {
-            let theirs = String::from_utf8_lossy(&raw).into_owned();
-            match Algorithm::parse(theirs.split_once(' ').map_or(theirs.as_str(), |(a, _)| a)) {
+            match parse(&raw).0 {
                 Some(theirs) if theirs == algorithm => {}
                 theirs => {
                     return Err(DdpError::Config(ConfigError::AlgorithmMismatch {
