@@ -28,6 +28,7 @@ use crate::error::RendezvousError;
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,8 +46,9 @@ use crate::{DdpError, Result};
 /// How long one wait lasts before the caller's interrupt check runs again.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
-/// How often an idle endpoint looks for a new sender (the latency of a pair's first message).
-const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// How long an idle endpoint sleeps at most between two looks at its stop flag (a closing
+/// endpoint wakes it at once; a new sender wakes it too).
+const ACCEPT_IDLE: Duration = Duration::from_secs(1);
 
 /// The header before every message on a connection: tag, element type, sequence number, length.
 const MSG_HEADER: usize = 24;
@@ -296,6 +298,10 @@ pub(crate) struct TcpP2p {
     /// Clones of the incoming connections, so that dropping the endpoint ends their readers.
     incoming: Arc<Mutex<Vec<TcpStream>>>,
     stop: Arc<AtomicBool>,
+    /// Its end shut down by [`close`](Self::close): wakes the acceptor, which sleeps until a
+    /// sender or this arrives (thousands of ranks polling their endpoints every few
+    /// milliseconds were most of a large job's work on one machine).
+    wake: UnixStream,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -351,6 +357,7 @@ impl TcpP2p {
         let mailbox = Arc::new(Mailbox::default());
         let incoming = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
+        let (wake, woken) = UnixStream::pair()?;
         let acceptor = {
             let ends = Ends {
                 token: token.clone(),
@@ -363,7 +370,7 @@ impl TcpP2p {
             };
             std::thread::Builder::new()
                 .name(format!("burn-ddp-p2p-{place}"))
-                .spawn(move || accept_loop(&listener, pipes.as_ref(), &ends))?
+                .spawn(move || accept_loop(&listener, pipes.as_ref(), &ends, &woken))?
         };
         store.set(&endpoint_key(tag, place), addr.to_string().as_bytes())?;
         Ok(Self {
@@ -378,6 +385,7 @@ impl TcpP2p {
             sends_by_shm: AtomicBool::new(any),
             incoming,
             stop,
+            wake,
             acceptor: Some(acceptor),
         })
     }
@@ -539,6 +547,7 @@ impl TcpP2p {
     /// Closes every connection (the peers see this rank's messages end).
     pub(crate) fn close(&self) {
         self.stop.store(true, Ordering::SeqCst);
+        let _ = self.wake.shutdown(Shutdown::Both);
         let out = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
         for c in out.values() {
             c.lock()
@@ -616,7 +625,16 @@ fn spawn_reader(ends: &Ends, from: Rank, link: impl Read + Send + 'static) {
 
 /// Accepts senders (over TCP, and through shared memory when `pipes`) until `stop`; each gets
 /// a reader thread.
-fn accept_loop(listener: &TcpListener, pipes: Option<&UnixListener>, ends: &Ends) {
+fn accept_loop(
+    listener: &TcpListener,
+    pipes: Option<&UnixListener>,
+    ends: &Ends,
+    woken: &UnixStream,
+) {
+    let readable = crate::sys::Ready {
+        read: true,
+        write: false,
+    };
     while !ends.stop.load(Ordering::SeqCst) {
         let mut idle = true;
         if let Some(pipes) = pipes {
@@ -643,7 +661,12 @@ fn accept_loop(listener: &TcpListener, pipes: Option<&UnixListener>, ends: &Ends
             Err(e) => tracing::debug!("point-to-point endpoint: accept failed: {e}"),
         }
         if idle {
-            std::thread::sleep(ACCEPT_POLL);
+            let mut fds = vec![(listener.as_fd(), readable), (woken.as_fd(), readable)];
+            fds.extend(pipes.map(|p| (p.as_fd(), readable)));
+            if let Err(e) = crate::sys::poll_set(&fds, ACCEPT_IDLE) {
+                tracing::debug!("point-to-point endpoint: cannot wait for senders: {e}");
+                std::thread::sleep(SLICE);
+            }
         }
     }
 }

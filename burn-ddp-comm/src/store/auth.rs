@@ -28,7 +28,7 @@ use crate::wire::{self, FrameError, Reader, WireError, Writer};
 use crate::{DdpError, Result};
 
 /// Largest handshake frame.
-const MAX_HANDSHAKE_FRAME: u32 = 4096;
+pub(crate) const MAX_HANDSHAKE_FRAME: u32 = 4096;
 
 const HELLO: u8 = 0x01;
 const CHALLENGE: u8 = 0x02;
@@ -411,17 +411,59 @@ pub(crate) fn server_handshake(
     let mut io = Deadlined { stream, deadline };
     let (kind, payload) = match wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME) {
         Ok(f) => f,
-        Err(FrameError::Wire(e @ WireError::VersionMismatch { .. })) => {
-            // Tell the peer which version we speak; it reports ProtocolMismatch.
-            let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
+        Err(FrameError::Wire(e)) => {
+            if let Some((k, p)) = answer_to_unreadable_hello(&e) {
+                let _ = wire::write_frame(&mut io, k, &p);
+            }
             return Err(ServerHandshakeError::Wire(e));
         }
         Err(e) => return Err(e.into()),
     };
+    let (challenge, (k, p)) = server_challenge(kind, &payload, accepted, token)?;
+    wire::write_frame(&mut io, k, &p).map_err(ServerHandshakeError::Io)?;
+    let (kind, payload) = wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME)?;
+    challenge
+        .check_proof(kind, &payload, token)
+        .map_err(|(e, answer)| {
+            if let Some((k, p)) = answer {
+                let _ = wire::write_frame(&mut io, k, &p);
+            }
+            e
+        })
+}
+
+/// A frame to send: its kind and payload.
+pub(crate) type Frame = (u8, Vec<u8>);
+
+/// What the server tells a client whose first frame it could not read: one of another protocol
+/// version is told which version the server speaks (it reports `ProtocolMismatch`).
+pub(crate) fn answer_to_unreadable_hello(e: &WireError) -> Option<Frame> {
+    matches!(e, WireError::VersionMismatch { .. }).then(|| refusal_frame(&RefuseReason::WrongToken))
+}
+
+/// The server's side of a handshake between the client's hello and its proof (for a server
+/// that reads its frames itself, as the store's event loop does: [`server_challenge`], then
+/// [`ServerChallenge::check_proof`]).
+#[derive(Debug)]
+pub(crate) struct ServerChallenge {
+    purpose: Purpose,
+    nonce_c: [u8; 32],
+    nonce_s: [u8; 32],
+    rank: Rank,
+    world: WorldSize,
+}
+
+/// Answers a client's first frame (`HELLO`) with the server's challenge: the frame to send.
+pub(crate) fn server_challenge(
+    kind: u8,
+    payload: &[u8],
+    accepted: &[Purpose],
+    token: &JobToken,
+) -> std::result::Result<(ServerChallenge, Frame), ServerHandshakeError> {
     if kind != HELLO {
         return Err(ServerHandshakeError::Wire(WireError::UnknownKind { kind }));
     }
-    let mut r = Reader::new(&payload);
+    let mut r = Reader::new(payload);
     let hello = (|| -> std::result::Result<_, WireError> {
         let p = r.u8("purpose")?;
         let nonce_c = r.array::<32>("client nonce")?;
@@ -439,44 +481,76 @@ pub(crate) fn server_handshake(
         }
     };
     let nonce_s = nonce();
-    let pb = [p];
-    let mac_s = mac(token, &[b"burn-ddp/server", &pb, &nonce_c, &nonce_s])
+    let mac_s = mac(token, &[b"burn-ddp/server", &[p], &nonce_c, &nonce_s])
         .finalize()
         .into_bytes();
     let mut w = Writer::new();
     w.raw(&nonce_s).raw(&mac_s);
-    wire::write_frame(&mut io, CHALLENGE, &w.finish()).map_err(ServerHandshakeError::Io)?;
-
-    let (kind, payload) = wire::read_frame(&mut io, MAX_HANDSHAKE_FRAME)?;
-    if kind == REFUSE {
-        // The client could not verify our proof: it holds another token.
-        return Err(ServerHandshakeError::WrongToken);
-    }
-    if kind != PROOF {
-        return Err(ServerHandshakeError::Wire(WireError::UnknownKind { kind }));
-    }
-    let ok = mac(
-        token,
-        &[
-            b"burn-ddp/client",
-            &pb,
-            &nonce_c,
-            &nonce_s,
-            &rank.0.to_le_bytes(),
-            &world.get().to_le_bytes(),
-        ],
-    )
-    .verify_slice(&payload)
-    .is_ok();
-    if !ok {
-        let _ = wire::write_frame(&mut io, REFUSE, &RefuseReason::WrongToken.encode());
-        return Err(ServerHandshakeError::WrongToken);
-    }
-    Ok(ClientHello {
+    let challenge = ServerChallenge {
         purpose,
+        nonce_c,
+        nonce_s,
         rank,
         world,
-    })
+    };
+    Ok((challenge, (CHALLENGE, w.finish())))
+}
+
+impl ServerChallenge {
+    /// Checks the client's second frame (`PROOF`): the client it authenticates, or why not,
+    /// with the frame to send the client before closing, if any (a wrong proof is told
+    /// `REFUSE WrongToken`; a client that refused the server's own proof is not answered).
+    pub(crate) fn check_proof(
+        &self,
+        kind: u8,
+        payload: &[u8],
+        token: &JobToken,
+    ) -> std::result::Result<ClientHello, (ServerHandshakeError, Option<Frame>)> {
+        if kind == REFUSE {
+            // The client could not verify our proof: it holds another token.
+            return Err((ServerHandshakeError::WrongToken, None));
+        }
+        if kind != PROOF {
+            return Err((
+                ServerHandshakeError::Wire(WireError::UnknownKind { kind }),
+                None,
+            ));
+        }
+        let ok = mac(
+            token,
+            &[
+                b"burn-ddp/client",
+                &[self.purpose as u8],
+                &self.nonce_c,
+                &self.nonce_s,
+                &self.rank.0.to_le_bytes(),
+                &self.world.get().to_le_bytes(),
+            ],
+        )
+        .verify_slice(payload)
+        .is_ok();
+        if !ok {
+            return Err((
+                ServerHandshakeError::WrongToken,
+                Some(refusal_frame(&RefuseReason::WrongToken)),
+            ));
+        }
+        Ok(ClientHello {
+            purpose: self.purpose,
+            rank: self.rank,
+            world: self.world,
+        })
+    }
+}
+
+/// The frame that admits a client after its proof.
+pub(crate) fn welcome_frame() -> Frame {
+    (WELCOME, Vec::new())
+}
+
+/// The frame that refuses a client after its proof, telling it why.
+pub(crate) fn refusal_frame(reason: &RefuseReason) -> Frame {
+    (REFUSE, reason.encode())
 }
 
 /// Admits a client after a successful [`server_handshake`].

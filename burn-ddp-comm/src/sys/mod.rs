@@ -14,7 +14,7 @@ use std::time::Duration;
 
 pub(crate) mod shared;
 
-/// What a [`poll`] waits for on one descriptor.
+/// What a [`poll_set`] waits for on one descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ready {
     /// Bytes to read (or a connection to accept, or the peer's end).
@@ -23,24 +23,13 @@ pub(crate) struct Ready {
     pub(crate) write: bool,
 }
 
-/// Waits until one of `fds` is ready for what it asks, or an error or hang-up is pending on
-/// it, for at most `timeout` (to the nanosecond). An interrupted wait returns early, as a
-/// ready one does: callers look at their sockets again either way.
-///
-/// # Errors
-/// `ppoll` failed for another reason than an interruption.
-pub(crate) fn poll<const N: usize>(
-    fds: [(BorrowedFd<'_>, Ready); N],
-    timeout: Duration,
-) -> io::Result<()> {
-    poll_set(&fds, timeout).map(|_| ())
-}
-
 /// Most descriptors [`poll_set`] waits on.
 pub(crate) const POLL_SET_MAX: usize = 64;
 
-/// [`poll`] over up to [`POLL_SET_MAX`] descriptors (those after are not waited on); returns
-/// which are ready or have an error or hang-up pending, as a bit per entry.
+/// Waits until one of `fds` (up to [`POLL_SET_MAX`]; those after are not waited on) is ready
+/// for what it asks, or an error or hang-up is pending on it, for at most `timeout` (to the
+/// nanosecond); returns which are, as a bit per entry. An interrupted wait returns early, as a
+/// ready one does (no bit set): callers look at their sockets again either way.
 ///
 /// # Errors
 /// `ppoll` failed for another reason than an interruption.
@@ -305,11 +294,11 @@ mod tests {
         let e = recv(b.as_fd(), &mut buf).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
         assert_eq!(send(a.as_fd(), b"hello").unwrap(), 5);
-        poll([(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
+        poll_set(&[(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
         assert_eq!(recv(b.as_fd(), &mut buf).unwrap(), 5);
         assert_eq!(&buf[..5], b"hello");
         drop(a);
-        poll([(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
+        poll_set(&[(b.as_fd(), READ)], Duration::from_secs(5)).unwrap();
         assert_eq!(
             recv(b.as_fd(), &mut buf).unwrap(),
             0,
@@ -333,7 +322,7 @@ mod tests {
     fn poll_waits_at_most_its_timeout() {
         let (_a, b) = pair();
         let started = Instant::now();
-        poll([(b.as_fd(), READ)], Duration::from_millis(50)).unwrap();
+        poll_set(&[(b.as_fd(), READ)], Duration::from_millis(50)).unwrap();
         assert!(started.elapsed() >= Duration::from_millis(40));
     }
 

@@ -4,6 +4,7 @@
 use crate::error::{ConfigError, RendezvousError};
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
@@ -14,7 +15,11 @@ use crate::config::{Algorithm, JobToken};
 use crate::store::auth::{self, Purpose, RefuseReason, ServerHandshakeError};
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{Rank, RankList, WorldSize};
-use crate::{DdpError, Result};
+use crate::{sys, DdpError, Result};
+
+/// How long a rank waiting for its links' peers to connect sleeps at most before it looks
+/// whether its own connecting side failed.
+const ACCEPT_SLICE: Duration = Duration::from_millis(100);
 
 /// What a rank needs to open its links.
 #[derive(Debug, Clone)]
@@ -432,7 +437,17 @@ fn accept_all(
                         refused_note: format!(" ({who} but never connected to this rank)"),
                     }));
                 }
-                thread::sleep(Duration::from_millis(5));
+                // Asleep until a peer connects (a slice at a time, for `give_up`): a rank of
+                // a large job waits here while thousands of others start, and a poll every
+                // few milliseconds of each made those waits most of the machine's work.
+                let slice = deadline
+                    .saturating_duration_since(Instant::now())
+                    .min(ACCEPT_SLICE);
+                let readable = sys::Ready {
+                    read: true,
+                    write: false,
+                };
+                sys::poll_set(&[(listener.as_fd(), readable)], slice)?;
             }
             Err(e) => return Err(e.into()),
         }

@@ -1,22 +1,28 @@
-//! The store server, run by rank 0 on `MASTER_ADDR:MASTER_PORT`.
+//! The store server, run by rank 0 on `MASTER_ADDR:MASTER_PORT` (and by the launcher of a
+//! fault-tolerant job or of an elastic one).
 //!
-//! One thread accepts; one thread serves each connection. Shared state is a map behind a mutex
-//! with a condition variable for blocking `get`/`wait`. A connection that sends anything invalid
-//! (garbage, a truncated or oversized frame, a wrong token) is answered if possible, logged,
-//! and closed; the server keeps serving everyone else.
+//! One thread serves every connection ([`event_loop`]): it accepts, authenticates, reads each
+//! connection's requests as their bytes come and answers them in order; a request that waits
+//! for keys (`get`, `wait`, `get_many`) is parked until they are set, its deadline passes, the
+//! job (or the scope of its keys) aborts, or the server stops. Shared state is a map behind a
+//! mutex, which the loop holds for one request at a time (the owner of the server reads it too:
+//! traffic, departures). A connection that sends anything invalid (garbage, a truncated or
+//! oversized frame, a wrong token) is answered if possible, logged, and closed; the server keeps
+//! serving everyone else.
 //!
 //! What an unauthenticated peer can hold is bounded: at most [`MAX_PENDING`] connections in
 //! their handshake at once, or twice the world size in a larger job, whose ranks and their
 //! heartbeats all connect at once (a new one closes the oldest: idle or trickling connections
-//! cannot keep a rank out; a connection closed so is never admitted, even if its handshake
-//! was just ending, so that its client's retry is no second claim of its rank), each for at most [`HANDSHAKE_TIMEOUT`] in all, with frames of at most a
-//! few hundred bytes. Authenticated connections (which hold the job token) have their own
+//! cannot keep a rank out), each for at most [`HANDSHAKE_TIMEOUT`] in all, with frames of at
+//! most a few hundred bytes. Authenticated connections (which hold the job token) have their own
 //! limit. Refusals are logged at a bounded rate and kept (for error messages) up to a bound.
 
+mod event_loop;
+
 use crate::error::RendezvousError;
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::{self, ErrorKind};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
@@ -24,9 +30,8 @@ use std::time::{Duration, Instant};
 
 use super::protocol::{self, Reply, Request, MAX_FRAME};
 use crate::config::JobToken;
-use crate::store::auth::{self, Purpose, RefuseReason, ServerHandshakeError};
+use crate::store::auth::{self, Purpose, RefuseReason};
 use crate::types::{AbortRecord, Rank, WorldSize};
-use crate::wire::{self, FrameError};
 use crate::{DdpError, Result};
 
 /// How long a new connection may take to authenticate, in all.
@@ -41,8 +46,9 @@ const LOGGED_REFUSALS: u64 = 10;
 const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a stopping server lets blocked requests send their last reply.
 const REPLY_GRACE: Duration = Duration::from_millis(500);
-/// How often the accept loop checks for shutdown.
-const ACCEPT_POLL: Duration = Duration::from_millis(100);
+/// How long the event loop waits before it accepts again after a failed accept (out of
+/// descriptors).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// How long rank 0 keeps the store up at exit after a failure, for the surviving ranks to read
 /// the abort record (which names the culprit) instead of finding the store gone.
 const ABORT_GRACE: Duration = Duration::from_secs(3);
@@ -64,7 +70,7 @@ pub(crate) fn gone_key(id: Rank) -> String {
 struct State {
     map: HashMap<String, Vec<u8>>,
     /// Live membership connections: rank -> (peer address, connection id).
-    members: HashMap<Rank, (SocketAddr, u64)>,
+    members: HashMap<Rank, (SocketAddr, usize)>,
     /// Ranks that said goodbye or disconnected, with the address they had.
     departed: HashMap<Rank, SocketAddr>,
     refusals: Vec<(String, String)>,
@@ -72,44 +78,9 @@ struct State {
     /// The first failure of each scope (a fault-tolerant job's membership epochs, `ft/<n>`):
     /// it ends the waits on keys under `scope/`, not the job.
     scoped: HashMap<String, AbortRecord>,
-    /// The keys blocked requests wait for, each with its waiters: a change of a key wakes the
-    /// requests waiting for it and nobody else (one condition variable for all made every change
-    /// wake every blocked request: n ranks waiting on their ring neighbours' addresses while n
-    /// addresses arrive were n² wake-ups, 20 s of a 2,048-rank start-up here).
-    awaited: HashMap<String, Waiters>,
-}
-
-/// The requests blocked on one key.
-#[derive(Debug)]
-struct Waiters {
-    count: usize,
-    woken: Arc<Condvar>,
 }
 
 impl State {
-    /// Counts a blocked request's wait on `key`: the condition variable its changes notify.
-    fn await_key(&mut self, key: &str) -> Arc<Condvar> {
-        let w = self
-            .awaited
-            .entry(key.to_owned())
-            .or_insert_with(|| Waiters {
-                count: 0,
-                woken: Arc::new(Condvar::new()),
-            });
-        w.count += 1;
-        Arc::clone(&w.woken)
-    }
-
-    /// The end of a wait counted by [`await_key`](Self::await_key).
-    fn stop_awaiting(&mut self, key: &str) {
-        if let Some(w) = self.awaited.get_mut(key) {
-            w.count -= 1;
-            if w.count == 0 {
-                self.awaited.remove(key);
-            }
-        }
-    }
-
     /// The record that ends a wait on `keys`: the job's, else that of a scope one of them lies
     /// under.
     fn abort_for<'a>(&self, mut keys: impl Iterator<Item = &'a str>) -> Option<&AbortRecord> {
@@ -129,20 +100,63 @@ impl State {
     }
 }
 
+/// What handling a request changed, for the requests parked on the store.
+#[derive(Debug, PartialEq, Eq)]
+enum Wake {
+    /// Nothing they wait for.
+    Nothing,
+    /// This key: the requests waiting for it look again.
+    Key(String),
+    /// An abort (of the job or a scope): every parked request looks again.
+    All,
+}
+
+/// A request that waits for keys: what it answers once they are all set.
+#[derive(Debug)]
+enum Awaited {
+    /// `get`: the key's value.
+    Get(String),
+    /// `wait`: that they are set.
+    Wait(Vec<String>),
+    /// `get_many`: their values.
+    GetMany(Vec<String>),
+}
+
+impl Awaited {
+    fn keys(&self) -> &[String] {
+        match self {
+            Awaited::Get(key) => std::slice::from_ref(key),
+            Awaited::Wait(keys) | Awaited::GetMany(keys) => keys,
+        }
+    }
+
+    /// The first of the keys not set yet.
+    fn missing<'a>(&'a self, st: &State) -> Option<&'a String> {
+        self.keys().iter().find(|k| !st.map.contains_key(*k))
+    }
+}
+
+/// What a request comes to.
+#[derive(Debug)]
+enum Outcome {
+    /// Its reply, and what it changed.
+    Reply(Reply, Wake),
+    /// It waits (at most `timeout`) for keys not set yet.
+    Park(Awaited, Duration),
+}
+
 #[derive(Debug)]
 struct ServerState {
     state: Mutex<State>,
+    /// Notified when a member leaves and when the job aborts ([`StoreServer::wait_for_departures`]).
     changed: Condvar,
     token: JobToken,
     world: WorldSize,
     rank: Rank,
     shutdown: AtomicBool,
-    next_conn: AtomicU64,
-    /// Requests blocked in `get`/`wait` that still owe their client a reply.
-    blocked: AtomicUsize,
-    conns: Mutex<HashMap<u64, Arc<TcpStream>>>,
-    /// Connections still in their handshake, oldest first (their streams are in `conns`).
-    pending: Mutex<VecDeque<u64>>,
+    /// Connections open, and those of them in their handshake (as the event loop last counted).
+    open: AtomicUsize,
+    handshaking: AtomicUsize,
     /// The limit of authenticated connections.
     max_conns: usize,
     /// Whether a refused client aborts the job (a rank's store: yes; the elastic rendezvous,
@@ -210,25 +224,9 @@ impl RefusalLog {
 
 impl ServerState {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A poisoned lock only means a serving thread panicked mid-update of plain data;
-        // the map is still consistent enough to keep serving.
+        // A poisoned lock only means a thread panicked mid-update of plain data; the map is
+        // still consistent enough to keep serving.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// `key` changed: wakes the blocked requests that wait for it.
-    fn key_changed(&self, st: &State, key: &str) {
-        if let Some(w) = st.awaited.get(key) {
-            w.woken.notify_all();
-        }
-    }
-
-    /// Wakes every blocked request and every waiter on the server's state (an abort, a
-    /// departure, shutdown).
-    fn wake_all(&self, st: &State) {
-        for w in st.awaited.values() {
-            w.woken.notify_all();
-        }
-        self.changed.notify_all();
     }
 
     fn abort(&self, st: &mut State, record: AbortRecord) {
@@ -236,7 +234,7 @@ impl ServerState {
             tracing::error!("[rank {}] store: job aborted: {record}", self.rank);
             st.abort = Some(record);
         }
-        self.wake_all(st);
+        self.changed.notify_all();
     }
 
     /// Records the first failure of `scope` (`""`: the job's, [`ServerState::abort`]).
@@ -248,7 +246,6 @@ impl ServerState {
             tracing::debug!("store: {scope} ended: {record}");
             record
         });
-        self.wake_all(st);
     }
 
     fn refuse(&self, peer: SocketAddr, why: String) {
@@ -280,18 +277,6 @@ impl ServerState {
         }
     }
 
-    /// A connection finished its handshake (or failed it): it no longer holds a pending slot.
-    /// Whether it still held one: `false` when a newer connection evicted it (under the same
-    /// lock, which closed it), so that it is not admitted after all.
-    fn handshake_over(&self, conn: u64) -> bool {
-        let Ok(mut p) = self.pending.lock() else {
-            return false;
-        };
-        let held = p.len();
-        p.retain(|id| *id != conn);
-        p.len() < held
-    }
-
     /// How many connections may be in their handshake at once: twice the world (every rank's
     /// store and heartbeat connections arriving together), at least [`MAX_PENDING`]; a
     /// fault-tolerant job's store, whose world changes, as for its connection limit's half.
@@ -301,6 +286,170 @@ impl ServerState {
             false => MAX_PENDING.max(self.world.as_usize().saturating_mul(2)),
         }
     }
+
+    /// The reply that ends a wait on `keys` before they are all set: the abort record of the
+    /// job or of their scope, or the server's own stop.
+    fn ended(&self, st: &State, keys: &[String]) -> Option<Reply> {
+        if let Some(r) = st.abort_for(keys.iter().map(String::as_str)) {
+            return Some(Reply::Aborted(r.clone()));
+        }
+        self.shutdown.load(Ordering::SeqCst).then(|| {
+            Reply::Aborted(AbortRecord {
+                reporter: self.rank,
+                culprit: Some(self.rank),
+                collective: None,
+                reason: format!(
+                    "rank {} stopped the rendezvous store (it is exiting); see its output for why",
+                    self.rank
+                ),
+            })
+        })
+    }
+
+    /// The reply to a waiting request now, if it has one: its answer once every key is set,
+    /// else what ended its wait; `None` while it still waits.
+    fn answer(&self, st: &State, awaited: &Awaited) -> Option<Reply> {
+        if awaited.missing(st).is_none() {
+            return Some(match awaited {
+                Awaited::Get(key) => Reply::Value(st.map[key].clone()),
+                Awaited::Wait(_) => Reply::Ok,
+                Awaited::GetMany(keys) => values_of(st, keys),
+            });
+        }
+        self.ended(st, awaited.keys())
+    }
+
+    /// The reply to a waiting request whose deadline passed: the keys still missing.
+    fn timed_out(&self, st: &State, awaited: &Awaited) -> Reply {
+        self.answer(st, awaited).unwrap_or_else(|| Reply::Timeout {
+            missing: awaited
+                .keys()
+                .iter()
+                .filter(|k| !st.map.contains_key(*k))
+                .cloned()
+                .collect(),
+        })
+    }
+
+    /// Handles one request of connection `conn` (of `member`, if it is one).
+    fn handle(&self, st: &mut State, request: Request, member: Option<Rank>) -> Outcome {
+        let (reply, wake) = match request {
+            Request::Set { key, value } => {
+                st.map.insert(key.clone(), value);
+                (Reply::Ok, Wake::Key(key))
+            }
+            Request::Get { key, timeout } => return self.park(st, Awaited::Get(key), timeout),
+            Request::Wait { keys, timeout } => return self.park(st, Awaited::Wait(keys), timeout),
+            Request::GetMany { keys, timeout } => {
+                return self.park(st, Awaited::GetMany(keys), timeout)
+            }
+            Request::Add { key, delta } => {
+                let current = match st.map.get(&key) {
+                    None => 0,
+                    Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
+                        Ok(bytes) => i64::from_le_bytes(bytes),
+                        Err(_) => {
+                            let reply = Reply::Rejected(format!(
+                                "`add` on key {key:?}, which holds a {}-byte value, not a \
+                                 counter set by `add`; use a different key",
+                                v.len()
+                            ));
+                            return Outcome::Reply(reply, Wake::Nothing);
+                        }
+                    },
+                };
+                let next = current.wrapping_add(delta);
+                st.map.insert(key.clone(), next.to_le_bytes().to_vec());
+                (Reply::Int(next), Wake::Key(key))
+            }
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
+                let current = st.map.get(&key).cloned();
+                if current == expected {
+                    st.map.insert(key.clone(), desired.clone());
+                    (Reply::Value(desired), Wake::Key(key))
+                } else {
+                    (Reply::Value(current.unwrap_or_default()), Wake::Nothing)
+                }
+            }
+            Request::Delete { key } => (Reply::Bool(st.map.remove(&key).is_some()), Wake::Nothing),
+            Request::Abort { scope, record } => {
+                self.abort_scope(st, scope, record);
+                (Reply::Ok, Wake::All)
+            }
+            Request::GetAbort { scope } => {
+                let reply = match st.abort.as_ref().or_else(|| st.scoped.get(&scope)) {
+                    Some(r) => Reply::Aborted(r.clone()),
+                    None => Reply::NoAbort,
+                };
+                (reply, Wake::Nothing)
+            }
+            Request::Refusals => (Reply::Refusals(st.refusals.clone()), Wake::Nothing),
+            Request::Bye => {
+                if let Some(rank) = member {
+                    if let Some((addr, _)) = st.members.remove(&rank) {
+                        st.departed.insert(rank, addr);
+                        if self.lighthouse {
+                            // Gone all the same: it will not take part in a membership again.
+                            st.map.insert(gone_key(rank), b"it left the job".to_vec());
+                        }
+                    }
+                    self.changed.notify_all();
+                }
+                let wake = match (member, self.lighthouse) {
+                    (Some(rank), true) => Wake::Key(gone_key(rank)),
+                    _ => Wake::Nothing,
+                };
+                (Reply::Ok, wake)
+            }
+        };
+        Outcome::Reply(reply, wake)
+    }
+
+    /// A request that waits for keys: its reply now if it has one, else parked.
+    fn park(&self, st: &State, awaited: Awaited, timeout: Duration) -> Outcome {
+        match self.answer(st, &awaited) {
+            Some(reply) => Outcome::Reply(reply, Wake::Nothing),
+            None if timeout.is_zero() => {
+                Outcome::Reply(self.timed_out(st, &awaited), Wake::Nothing)
+            }
+            None => Outcome::Park(awaited, timeout),
+        }
+    }
+
+    /// A member's connection closed: with a goodbye (`said_bye`), or not (`why`: its process
+    /// died, or it broke the protocol), which a fault-tolerant job's store records under
+    /// [`gone_key`] and any other store takes for the job's failure.
+    fn departed(&self, rank: Rank, peer: SocketAddr, conn: usize, lost: Option<String>) -> Wake {
+        let mut st = self.lock();
+        if st.members.get(&rank).map(|m| m.1) != Some(conn) {
+            return Wake::Nothing;
+        }
+        st.members.remove(&rank);
+        st.departed.insert(rank, peer);
+        self.changed.notify_all();
+        let Some(why) = lost.filter(|_| !self.shutdown.load(Ordering::SeqCst)) else {
+            return Wake::Nothing;
+        };
+        if self.lighthouse {
+            tracing::info!("store: member {rank} ({peer}) is gone: {why}");
+            st.map.insert(gone_key(rank), why.into_bytes());
+            return Wake::Key(gone_key(rank));
+        }
+        let record = AbortRecord {
+            reporter: self.rank,
+            culprit: Some(rank),
+            collective: None,
+            reason: format!(
+                "rank {rank} ({peer}) lost its connection to the store without leaving: {why}"
+            ),
+        };
+        self.abort(&mut st, record);
+        Wake::All
+    }
 }
 
 /// A running store server. Dropping it stops the server and closes every connection.
@@ -308,7 +457,8 @@ impl ServerState {
 pub(crate) struct StoreServer {
     addr: SocketAddr,
     shared: Arc<ServerState>,
-    accept: Option<JoinHandle<()>>,
+    waker: Arc<mio::Waker>,
+    serving: Option<JoinHandle<()>>,
 }
 
 impl StoreServer {
@@ -397,10 +547,8 @@ impl StoreServer {
             world,
             rank,
             shutdown: AtomicBool::new(false),
-            next_conn: AtomicU64::new(0),
-            blocked: AtomicUsize::new(0),
-            conns: Mutex::new(HashMap::new()),
-            pending: Mutex::new(VecDeque::new()),
+            open: AtomicUsize::new(0),
+            handshaking: AtomicUsize::new(0),
             max_conns: if lighthouse {
                 MAX_LIGHTHOUSE_CONNS.max(
                     world
@@ -421,15 +569,16 @@ impl StoreServer {
             }),
             traffic: Default::default(),
         });
-        let s = Arc::clone(&shared);
-        let accept = thread::Builder::new()
+        let (serve, waker) = event_loop::EventLoop::new(listener, Arc::clone(&shared))?;
+        let serving = thread::Builder::new()
             .name("burn-ddp-store".into())
-            .spawn(move || accept_loop(listener, s))?;
+            .spawn(move || serve.run())?;
         tracing::debug!("[rank {rank}] store: serving on {addr}");
         Ok(Self {
             addr,
             shared,
-            accept: Some(accept),
+            waker,
+            serving: Some(serving),
         })
     }
 
@@ -459,9 +608,10 @@ impl StoreServer {
     /// Connections open (in their handshake or authenticated), and those in their handshake.
     #[cfg(test)]
     pub(crate) fn connections(&self) -> (usize, usize) {
-        let all = self.shared.conns.lock().map(|c| c.len()).unwrap_or(0);
-        let pending = self.shared.pending.lock().map(|p| p.len()).unwrap_or(0);
-        (all, pending)
+        (
+            self.shared.open.load(Ordering::SeqCst),
+            self.shared.handshaking.load(Ordering::SeqCst),
+        )
     }
 
     /// After a rendezvous that failed on rank 0: while the store holds an abort record, keeps it
@@ -509,22 +659,20 @@ impl StoreServer {
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
+        // The loop answers the parked requests (with the abort record, if any), lets them send
+        // their last replies for a moment, and closes every connection.
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.wake_all(&self.shared.lock());
-        // Let blocked requests answer (with the abort record, if any) before the sockets close.
-        let deadline = Instant::now() + REPLY_GRACE;
-        while self.shared.blocked.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(5));
+        if let Err(e) = self.waker.wake() {
+            tracing::error!(
+                "[rank {}] store: cannot stop the store: {e}",
+                self.shared.rank
+            );
+            return;
         }
         tracing::debug!("store on {} stopping", self.addr);
-        if let Ok(conns) = self.shared.conns.lock() {
-            for c in conns.values() {
-                let _ = c.shutdown(Shutdown::Both);
-            }
-        }
-        if let Some(h) = self.accept.take() {
+        if let Some(h) = self.serving.take() {
             if h.join().is_err() {
-                tracing::error!("[rank {}] store: accept thread panicked", self.shared.rank);
+                tracing::error!("[rank {}] store: its thread panicked", self.shared.rank);
             }
         }
     }
@@ -550,176 +698,20 @@ fn bind_listener(addr: SocketAddr, world: WorldSize) -> io::Result<TcpListener> 
     Ok(socket.into())
 }
 
-fn accept_loop(listener: TcpListener, shared: Arc<ServerState>) {
-    use std::os::fd::AsFd;
-    let readable = crate::sys::Ready {
-        read: true,
-        write: false,
-    };
-    while !shared.shutdown.load(Ordering::SeqCst) {
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-                let pending = shared.pending.lock().map(|p| p.len()).unwrap_or(0);
-                let all = shared.conns.lock().map(|c| c.len()).unwrap_or(0);
-                if all.saturating_sub(pending) >= shared.max_conns {
-                    shared.refuse(
-                        peer,
-                        format!(
-                            "limit of {} authenticated connections reached",
-                            shared.max_conns
-                        ),
-                    );
-                    continue;
-                }
-                // One descriptor a connection, shared with the map that can shut it down (a
-                // clone would take a second: a job of 8,192 ranks holds 16,384 connections).
-                let stream = Arc::new(stream);
-                if let Ok(mut p) = shared.pending.lock() {
-                    if p.len() >= shared.max_pending() {
-                        // The oldest handshake in progress makes room: a flood of idle or
-                        // slow connections cannot hold every slot against a rank.
-                        if let Some(oldest) = p.pop_front() {
-                            if let Some(s) = shared
-                                .conns
-                                .lock()
-                                .ok()
-                                .as_ref()
-                                .and_then(|c| c.get(&oldest))
-                            {
-                                let _ = s.shutdown(Shutdown::Both);
-                            }
-                        }
-                    }
-                    p.push_back(id);
-                }
-                if let Ok(mut conns) = shared.conns.lock() {
-                    conns.insert(id, Arc::clone(&stream));
-                }
-                let s = Arc::clone(&shared);
-                let spawned = thread::Builder::new()
-                    .name("burn-ddp-store-conn".into())
-                    .spawn(move || {
-                        serve(stream, peer, id, &s);
-                        if let Ok(mut conns) = s.conns.lock() {
-                            conns.remove(&id);
-                        }
-                    });
-                if let Err(e) = spawned {
-                    tracing::error!(
-                        "[rank {}] store: cannot spawn a connection thread: {e}",
-                        shared.rank
-                    );
-                }
-            }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                // A failed wait ends early; the loop accepts again and backs off below.
-                let _ = crate::sys::poll([(listener.as_fd(), readable)], ACCEPT_POLL);
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                tracing::warn!("[rank {}] store: accept failed: {e}", shared.rank);
-                thread::sleep(ACCEPT_POLL);
-            }
-        }
-    }
-}
-
-/// Serves one connection until it closes, misbehaves, or the server shuts down.
-fn serve(stream: Arc<TcpStream>, peer: SocketAddr, conn: u64, shared: &ServerState) {
-    let stream: &TcpStream = &stream;
-    if stream.set_nonblocking(false).is_err() {
-        return;
-    }
-    let _ = stream.set_nodelay(true);
-    let deadline = Instant::now() + shared.handshake;
-    let handshake = auth::server_handshake(
-        stream,
-        &[Purpose::Store, Purpose::StoreAux],
-        &shared.token,
-        deadline,
-    );
-    if !shared.handshake_over(conn) {
-        // Evicted while it ended: closed already, and not admitted (its client retries).
-        return;
-    }
-    let hello = match handshake {
-        Ok(h) => h,
-        Err(ServerHandshakeError::WrongToken) => {
-            shared.refuse(
-                peer,
-                "wrong job token (another job, or a different BURN_DDP_JOB_TOKEN)".into(),
-            );
-            return;
-        }
-        Err(ServerHandshakeError::Wire(e)) => {
-            shared.refuse(peer, format!("not a burn-ddp peer of this version ({e})"));
-            return;
-        }
-        Err(ServerHandshakeError::Io(e)) => {
-            if !shared.shutdown.load(Ordering::SeqCst) {
-                shared.refuse(peer, format!("handshake failed: {e}"));
-            }
-            return;
-        }
-    };
-
-    let member = match admit(stream, peer, conn, hello, shared) {
-        Some(member) => member,
-        None => return,
-    };
-    let mut said_bye = false;
-    let outcome = request_loop(stream, peer, shared, member, &mut said_bye);
-
-    let mut st = shared.lock();
-    if let Some(rank) = member {
-        if st.members.get(&rank).map(|m| m.1) == Some(conn) {
-            st.members.remove(&rank);
-            st.departed.insert(rank, peer);
-            let shutting_down = shared.shutdown.load(Ordering::SeqCst);
-            if !said_bye && !shutting_down {
-                let why = match &outcome {
-                    Err(FrameError::Io(e)) if e.kind() == ErrorKind::UnexpectedEof => {
-                        "its process exited or crashed".to_string()
-                    }
-                    Err(e) => e.to_string(),
-                    Ok(()) => "it closed the connection".to_string(),
-                };
-                if shared.lighthouse {
-                    tracing::info!("store: member {rank} ({peer}) is gone: {why}");
-                    st.map.insert(gone_key(rank), why.into_bytes());
-                } else {
-                    let record = AbortRecord {
-                        reporter: shared.rank,
-                        culprit: Some(rank),
-                        collective: None,
-                        reason: format!(
-                            "rank {rank} ({peer}) lost its connection to the store without leaving: {why}"
-                        ),
-                    };
-                    shared.abort(&mut st, record);
-                }
-            }
-        }
-    }
-    shared.wake_all(&st);
-}
-
-/// Applies membership rules to an authenticated client. Returns `None` when it was refused,
-/// `Some(Some(rank))` for a member and `Some(None)` for an auxiliary connection.
+/// Applies membership rules to an authenticated client: `Ok(Some(rank))` for a member,
+/// `Ok(None)` for an auxiliary connection, or why it is refused (and whether that aborted the
+/// job: [`Wake::All`]).
 fn admit(
-    stream: &TcpStream,
     peer: SocketAddr,
-    conn: u64,
-    hello: auth::ClientHello,
+    conn: usize,
+    hello: &auth::ClientHello,
     shared: &ServerState,
-) -> Option<Option<Rank>> {
+) -> (std::result::Result<Option<Rank>, RefuseReason>, Wake) {
     let mut st = shared.lock();
     let refusal = if shared.lighthouse && hello.purpose != Purpose::Store {
         None
     } else if shared.lighthouse {
-        lighthouse_refusal(&st, &hello, peer)
+        lighthouse_refusal(&st, hello, peer)
     } else if hello.world != shared.world {
         Some((
             RefuseReason::WorldSize {
@@ -774,7 +766,6 @@ fn admit(
     };
 
     if let Some((reason, message)) = refusal {
-        let _ = auth::refuse(stream, &reason);
         shared.keep_refusal(&mut st, peer, message.clone());
         shared.log_refusal(&format!("refused {peer}: {message}"));
         if shared.refusal_aborts {
@@ -785,26 +776,22 @@ fn admit(
                 reason: message,
             };
             shared.abort(&mut st, record);
+            return (Err(reason), Wake::All);
         }
-        return None;
+        return (Err(reason), Wake::Nothing);
     }
-    if auth::welcome(stream).is_err() {
-        return None;
+    if hello.purpose != Purpose::Store {
+        return (Ok(None), Wake::Nothing);
     }
-    if hello.purpose == Purpose::Store {
-        st.members.insert(hello.rank, (peer, conn));
-        let joined = protocol::joined_key(hello.rank);
-        st.map.insert(joined.clone(), peer.to_string().into_bytes());
-        shared.key_changed(&st, &joined);
-        tracing::debug!(
-            "[rank {}] store: rank {} joined from {peer}",
-            shared.rank,
-            hello.rank
-        );
-        Some(Some(hello.rank))
-    } else {
-        Some(None)
-    }
+    st.members.insert(hello.rank, (peer, conn));
+    let joined = protocol::joined_key(hello.rank);
+    st.map.insert(joined.clone(), peer.to_string().into_bytes());
+    tracing::debug!(
+        "[rank {}] store: rank {} joined from {peer}",
+        shared.rank,
+        hello.rank
+    );
+    (Ok(Some(hello.rank)), Wake::Key(joined))
 }
 
 /// Whether a fault-tolerant job's store refuses a process's presence: its member id is held
@@ -832,85 +819,6 @@ fn lighthouse_refusal(
     ))
 }
 
-fn request_loop(
-    mut stream: &TcpStream,
-    peer: SocketAddr,
-    shared: &ServerState,
-    member: Option<Rank>,
-    said_bye: &mut bool,
-) -> std::result::Result<(), FrameError> {
-    loop {
-        let (kind, payload) = wire::read_frame(&mut stream, MAX_FRAME)?;
-        let request = match Request::decode(kind, &payload) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(
-                    "[rank {}] store: malformed request from {peer}: {e}; closing that connection",
-                    shared.rank
-                );
-                let (k, p) = Reply::Error(format!("malformed request: {e}")).encode();
-                let _ = wire::write_frame(&mut stream, k, &p);
-                return Err(FrameError::Wire(e));
-            }
-        };
-        let bye = matches!(request, Request::Bye);
-        let blocking = matches!(
-            request,
-            Request::Get { .. } | Request::Wait { .. } | Request::GetMany { .. }
-        );
-        if blocking {
-            shared.blocked.fetch_add(1, Ordering::SeqCst);
-        }
-        let reply = handle(request, shared, member);
-        let (k, p) = reply.encode();
-        let counted = &shared.traffic[usize::from(member.is_none())];
-        counted.requests.fetch_add(1, Ordering::Relaxed);
-        let moved = payload.len() + p.len() + 2 * wire::HEADER_LEN;
-        counted.bytes.fetch_add(moved as u64, Ordering::Relaxed);
-        let written = wire::write_frame(&mut stream, k, &p);
-        if blocking {
-            shared.blocked.fetch_sub(1, Ordering::SeqCst);
-        }
-        written?;
-        if bye {
-            *said_bye = true;
-            return Ok(());
-        }
-    }
-}
-
-/// Waits until every one of `keys` exists (up to `timeout`), then answers with `ready` of
-/// the map (`get`, `wait` and `get_many` alike); else the keys still missing, or the abort record that ended the wait.
-fn wait_all<'a>(
-    shared: &'a ServerState,
-    mut st: MutexGuard<'a, State>,
-    keys: Vec<String>,
-    timeout: Duration,
-    ready: impl Fn(&State, &[String]) -> Reply,
-) -> Reply {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if keys.iter().all(|k| st.map.contains_key(k)) {
-            return ready(&st, &keys);
-        }
-        match wait(shared, st, deadline, &keys) {
-            Ok(g) => st = g,
-            Err(reply) => {
-                return reply.unwrap_or_else(|| {
-                    let st = shared.lock();
-                    Reply::Timeout {
-                        missing: keys
-                            .iter()
-                            .filter(|k| !st.map.contains_key(*k))
-                            .cloned()
-                            .collect(),
-                    }
-                });
-            }
-        }
-    }
-}
-
 /// The values of `keys` (all present), or a refusal when they would not fit one reply.
 fn values_of(st: &State, keys: &[String]) -> Reply {
     let values: Vec<Vec<u8>> = keys.iter().map(|k| st.map[k].clone()).collect();
@@ -923,122 +831,6 @@ fn values_of(st: &State, keys: &[String]) -> Reply {
         ));
     }
     Reply::Values(values)
-}
-
-fn handle(request: Request, shared: &ServerState, member: Option<Rank>) -> Reply {
-    let mut st = shared.lock();
-    match request {
-        Request::Set { key, value } => {
-            shared.key_changed(&st, &key);
-            st.map.insert(key, value);
-            Reply::Ok
-        }
-        Request::Get { key, timeout } => wait_all(shared, st, vec![key], timeout, |st, keys| {
-            Reply::Value(st.map[&keys[0]].clone())
-        }),
-        Request::Add { key, delta } => {
-            let current = match st.map.get(&key) {
-                None => 0,
-                Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
-                    Ok(bytes) => i64::from_le_bytes(bytes),
-                    Err(_) => {
-                        return Reply::Rejected(format!(
-                            "`add` on key {key:?}, which holds a {}-byte value, not a counter \
-                             set by `add`; use a different key",
-                            v.len()
-                        ))
-                    }
-                },
-            };
-            let next = current.wrapping_add(delta);
-            shared.key_changed(&st, &key);
-            st.map.insert(key, next.to_le_bytes().to_vec());
-            Reply::Int(next)
-        }
-        Request::Wait { keys, timeout } => wait_all(shared, st, keys, timeout, |_, _| Reply::Ok),
-        Request::GetMany { keys, timeout } => wait_all(shared, st, keys, timeout, values_of),
-        Request::CompareSet {
-            key,
-            expected,
-            desired,
-        } => {
-            let current = st.map.get(&key).cloned();
-            if current == expected {
-                shared.key_changed(&st, &key);
-                st.map.insert(key, desired.clone());
-                Reply::Value(desired)
-            } else {
-                Reply::Value(current.unwrap_or_default())
-            }
-        }
-        Request::Delete { key } => Reply::Bool(st.map.remove(&key).is_some()),
-        Request::Abort { scope, record } => {
-            shared.abort_scope(&mut st, scope, record);
-            Reply::Ok
-        }
-        Request::GetAbort { scope } => match st.abort.as_ref().or_else(|| st.scoped.get(&scope)) {
-            Some(r) => Reply::Aborted(r.clone()),
-            None => Reply::NoAbort,
-        },
-        Request::Refusals => Reply::Refusals(st.refusals.clone()),
-        Request::Bye => {
-            if let Some(rank) = member {
-                if let Some((addr, _)) = st.members.remove(&rank) {
-                    st.departed.insert(rank, addr);
-                    if shared.lighthouse {
-                        // Gone all the same: it will not take part in a membership again.
-                        st.map.insert(gone_key(rank), b"it left the job".to_vec());
-                    }
-                }
-                shared.wake_all(&st);
-            }
-            Reply::Ok
-        }
-    }
-}
-
-/// Waits for a change until `deadline`. `Err(Some(reply))` when the wait must end with that
-/// reply (an abort of the job or of a scope of `keys`, or shutdown), `Err(None)` on timeout.
-fn wait<'a>(
-    shared: &'a ServerState,
-    st: MutexGuard<'a, State>,
-    deadline: Instant,
-    keys: &[String],
-) -> std::result::Result<MutexGuard<'a, State>, Option<Reply>> {
-    if let Some(r) = st.abort_for(keys.iter().map(String::as_str)) {
-        return Err(Some(Reply::Aborted(r.clone())));
-    }
-    if shared.shutdown.load(Ordering::SeqCst) {
-        return Err(Some(Reply::Aborted(AbortRecord {
-            reporter: shared.rank,
-            culprit: Some(shared.rank),
-            collective: None,
-            reason: format!(
-                "rank {} stopped the rendezvous store (it is exiting); see its output for why",
-                shared.rank
-            ),
-        })));
-    }
-    let left = deadline.saturating_duration_since(Instant::now());
-    if left.is_zero() {
-        return Err(None);
-    }
-    // Woken by a change of the first key still missing (the others are checked again then), or
-    // by an abort, a departure, shutdown.
-    let mut st = st;
-    let Some(missing) = keys.iter().find(|k| !st.map.contains_key(*k)) else {
-        return Ok(st);
-    };
-    let woken = st.await_key(missing);
-    let mut g = match woken.wait_timeout(st, left) {
-        Ok((g, _)) => g,
-        Err(p) => p.into_inner().0,
-    };
-    g.stop_awaiting(missing);
-    if let Some(r) = g.abort_for(keys.iter().map(String::as_str)) {
-        return Err(Some(Reply::Aborted(r.clone())));
-    }
-    Ok(g)
 }
 
 #[cfg(test)]
