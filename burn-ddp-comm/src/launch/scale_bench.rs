@@ -188,6 +188,7 @@ impl ScaleBench {
 
     fn run_one(&self, n: u32) -> Result<ScaleRow> {
         let world = WorldSize::new(n).ok_or_else(|| config_error("--ranks", "0 ranks"))?;
+        check_threads(n, self.fault_tolerant)?;
         let victim = Rank(n / 2);
         let cluster = match self.store {
             ScaleStore::Etcd => Some(EtcdCluster::start(3)?),
@@ -435,7 +436,11 @@ impl Run {
                 })?;
                 // A host that failed or ended fails the job at once, whoever was awaited.
                 if line.starts_with("failed") || (line == "ended" && from != 1) {
-                    return Err(job_failed(self.n, &format!("host process {from}: {line}")));
+                    let hint = machine_hint(&line);
+                    return Err(job_failed(
+                        self.n,
+                        &format!("host process {from}: {line}{hint}"),
+                    ));
                 }
                 self.queued[from].push_back(line);
             };
@@ -483,7 +488,11 @@ impl Host {
             .env(crate::config::env::JOB_TOKEN, job.token.expose())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::null());
+            // The ranks' logs, when asked for (`RUST_LOG`), on the benchmark's own stderr.
+            .stderr(match crate::config::env::logs_asked() {
+                true => Stdio::inherit(),
+                false => Stdio::null(),
+            });
         // SAFETY: the closure runs in the child between fork and exec and only makes one
         // async-signal-safe system call (prctl), touching no memory shared with the parent.
         unsafe {
@@ -924,6 +933,78 @@ fn raise_open_files(want: u64) -> Result<()> {
     ))
 }
 
+/// Threads a rank of the benchmark runs (its own, its heartbeat's, its point-to-point
+/// endpoint's, its links' acceptor while it starts; a fault-tolerant one its membership
+/// service's and join watcher's too), with a margin.
+fn threads_per_rank(fault_tolerant: bool) -> u64 {
+    match fault_tolerant {
+        true => 8,
+        false => 5,
+    }
+}
+
+/// Checks that this machine can run the threads of `n` ranks: every thread takes a process id,
+/// and the kernel's `pid_max` (32,768 by default) is a limit for the whole machine.
+///
+/// # Errors
+/// Too few ids, naming the fix.
+fn check_threads(n: u32, fault_tolerant: bool) -> Result<()> {
+    let read =
+        |path: &str| -> Option<u64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    let need = u64::from(n) * threads_per_rank(fault_tolerant) + 2_000;
+    for (path, name) in [
+        ("/proc/sys/kernel/pid_max", "kernel.pid_max"),
+        ("/proc/sys/kernel/threads-max", "kernel.threads-max"),
+    ] {
+        match read(path) {
+            Some(have) if have < need => {
+                return Err(config_error(
+                    "--ranks",
+                    &format!(
+                        "{n} ranks run about {need} threads and this machine allows {have} \
+                         ({name}): raise it (as root: `sysctl -w {name}={}`)",
+                        need.next_power_of_two()
+                    ),
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// What the machine says about a host's failure that its limits explain: ephemeral ports (a
+/// job of thousands of ranks on one machine holds tens of thousands of connections and
+/// listeners, and the connections of the previous jobs wait out TIME_WAIT for a minute), or
+/// threads.
+fn machine_hint(line: &str) -> String {
+    if line.contains("os error 98") || line.contains("os error 99") {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .map(|r| r.split_whitespace().collect::<Vec<_>>().join("-"))
+            .unwrap_or_else(|_| "?".into());
+        let waiting = std::fs::read_to_string("/proc/net/sockstat")
+            .ok()
+            .and_then(|s| {
+                let tcp = s.lines().find(|l| l.starts_with("TCP:"))?;
+                let words: Vec<&str> = tcp.split_whitespace().collect();
+                let i = words.iter().position(|w| *w == "tw")?;
+                words.get(i + 1).map(|w| (*w).to_string())
+            })
+            .unwrap_or_else(|| "?".into());
+        return format!(
+            " (this machine ran out of ports: its ephemeral range is {range} and {waiting} \
+             connections wait in TIME_WAIT; wait a minute after a large job, or widen the range \
+             as root: `sysctl -w net.ipv4.ip_local_port_range=\"10000 65535\"`)"
+        );
+    }
+    if line.contains("os error 11") {
+        return " (a thread could not start: see kernel.pid_max, kernel.threads-max and \
+                 `ulimit -u`)"
+            .into();
+    }
+    String::new()
+}
+
 /// A port free on this machine now.
 fn free_port() -> Result<u16> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -1000,5 +1081,17 @@ mod tests {
             b.growth_line(&a),
             "scale growth ranks=256->1024 ranks_x=4.00 hb_requests_x=4.00 hb_bytes_x=4.00"
         );
+    }
+
+    /// A host that ran out of ports or threads is told which of the machine's limits and how to
+    /// raise it; other failures are left as they are.
+    #[test]
+    fn a_host_failure_the_machine_explains_names_its_limit() {
+        let ports = machine_hint("failed 12: Address already in use (os error 98)");
+        assert!(ports.contains("ip_local_port_range"), "{ports}");
+        assert!(ports.contains("TIME_WAIT"), "{ports}");
+        let threads = machine_hint("failed 3: Resource temporarily unavailable (os error 11)");
+        assert!(threads.contains("kernel.pid_max"), "{threads}");
+        assert_eq!(machine_hint("failed 5: rank 0 stopped answering"), "");
     }
 }

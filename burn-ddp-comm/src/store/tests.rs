@@ -274,6 +274,47 @@ fn unclean_disconnect_aborts_and_names_the_rank() {
     }
 }
 
+/// A member that dies while its request waits in the store (a rank killed in its rendezvous)
+/// is found when its connection closes, not when its wait would have ended.
+#[test]
+fn a_member_that_dies_while_it_waits_is_found_at_once() {
+    let server = serve(2);
+    let a = join(server.addr(), 0, 2);
+    let mut b = TcpStream::connect(server.addr()).unwrap();
+    crate::store::auth::client_handshake(
+        &mut b,
+        Purpose::Store,
+        &JobToken::new("secret"),
+        Rank(1),
+        world(2),
+        Instant::now() + Duration::from_secs(5),
+    )
+    .unwrap();
+    let (k, p) = Request::Get {
+        key: "never".into(),
+        timeout: Duration::from_secs(60),
+    }
+    .encode();
+    wire::write_frame(&mut b, k, &p).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    drop(b);
+    let err = a
+        .get_timeout("also-never", Duration::from_secs(10))
+        .unwrap_err();
+    match err {
+        DdpError::Collective(CollectiveError::JobAborted { record, .. }) => {
+            assert_eq!(record.culprit, Some(Rank(1)))
+        }
+        other => panic!("{other}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "found after {:?}",
+        started.elapsed()
+    );
+}
+
 #[test]
 fn goodbye_is_not_a_failure() {
     let server = serve(2);
@@ -421,7 +462,7 @@ fn unreachable_master_times_out_with_the_address() {
 /// Idle and trickling connections that never authenticate cannot keep a rank out: at most
 /// `MAX_PENDING` handshakes are held at once (a new connection closes the oldest), and each
 /// lasts at most the handshake bound in all, however slowly its bytes come. The connections
-/// the server holds (one thread each) stay bounded under a flood.
+/// the server holds stay bounded under a flood.
 #[test]
 fn unauthenticated_floods_cannot_keep_a_rank_out() {
     let server = StoreServer::bind_with(
@@ -448,7 +489,7 @@ fn unauthenticated_floods_cannot_keep_a_rank_out() {
         }
         started.elapsed()
     });
-    // Every evicted connection's thread ends: what the server holds is bounded.
+    // Every evicted connection is closed: what the server holds is bounded.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let (all, pending) = server.connections();

@@ -447,6 +447,12 @@ pub fn rank_is_set() -> bool {
     std::env::var_os(RANK).is_some()
 }
 
+/// Whether the user asked for logs (`RUST_LOG`): `burn-ddp bench scale` then keeps its host
+/// processes' (they are silent otherwise).
+pub fn logs_asked() -> bool {
+    std::env::var_os("RUST_LOG").is_some()
+}
+
 /// Whether the user chose `OMP_NUM_THREADS` (the launcher then leaves it alone).
 pub fn omp_num_threads_set() -> bool {
     std::env::var_os("OMP_NUM_THREADS").is_some()

@@ -30,8 +30,13 @@ use crate::wire::{self, FrameError, WireError};
 
 const LISTENER: Token = Token(usize::MAX);
 const WAKER: Token = Token(usize::MAX - 1);
+/// Events taken from the kernel at once (a batch, whose heartbeats are served first).
+const EVENTS: usize = 1024;
 /// Bytes read from a socket at once.
 const READ_CHUNK: usize = 64 * 1024;
+/// Bytes read from a connection while its request is parked, at most (its client sends one
+/// request at a time; a stray one is read, a flood is not).
+const PARKED_INPUT: usize = READ_CHUNK;
 /// Reads and frames of one connection before the next connection's turn.
 const STEPS_PER_TURN: usize = 64;
 /// How long to wait for a deadline at most: a deadline past this (a waiting request's timeout
@@ -201,7 +206,8 @@ impl EventLoop {
     /// Serves until the server is dropped; then answers the parked requests, lets the last
     /// replies go out (at most [`REPLY_GRACE`]), and closes every connection.
     pub(super) fn run(mut self) {
-        let mut events = Events::with_capacity(1024);
+        let mut events = Events::with_capacity(EVENTS);
+        let mut ready = Vec::with_capacity(EVENTS);
         let mut stopping: Option<Instant> = None;
         loop {
             if let Err(e) = self.poll.poll(&mut events, self.timeout(stopping)) {
@@ -213,12 +219,25 @@ impl EventLoop {
                     break;
                 }
             }
+            let mut accept = false;
+            ready.clear();
             for event in events.iter() {
                 match event.token() {
-                    LISTENER if stopping.is_none() => self.accept(),
-                    LISTENER | WAKER => {}
-                    Token(id) => self.serve(id),
+                    LISTENER => accept = stopping.is_none(),
+                    WAKER => {}
+                    Token(id) => ready.push(id),
                 }
+            }
+            // Liveness first: the auxiliary connections (heartbeats, watchdogs) are served
+            // before the others, so that a heartbeat is not kept waiting past its bound behind
+            // thousands of ranks starting up.
+            ready.sort_by_key(|id| !self.is_auxiliary(*id));
+            for &id in &ready {
+                self.serve(id);
+            }
+            let backed_off = self.accept_again.is_some_and(|at| at <= Instant::now());
+            if accept || (backed_off && stopping.is_none()) {
+                self.accept();
             }
             for id in std::mem::take(&mut self.again) {
                 self.serve(id);
@@ -246,6 +265,13 @@ impl EventLoop {
         self.conns.clear();
         self.pending.clear();
         self.count();
+    }
+
+    /// Whether connection `id` is an admitted auxiliary one.
+    fn is_auxiliary(&self, id: usize) -> bool {
+        self.conns
+            .get(&id)
+            .is_some_and(|c| matches!(c.phase, Phase::Serving(None)))
     }
 
     /// How long to wait for events: until the first deadline.
@@ -362,17 +388,28 @@ impl EventLoop {
             if let Some(ending) = conn.ending.take() {
                 return self.close(id, ending);
             }
-            if conn.parked.is_some() {
+            if conn.parked.is_none() {
+                match conn.frame() {
+                    Ok(Some((kind, payload))) => {
+                        self.handle(id, kind, payload);
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.unreadable(id, e);
+                        continue;
+                    }
+                }
+            } else if conn.input.len() >= PARKED_INPUT {
+                // Its next frames wait behind its parked request; no more of them is read.
                 return;
             }
-            match conn.frame() {
-                Ok(Some((kind, payload))) => self.handle(id, kind, payload),
-                Ok(None) => match conn.fill() {
-                    Ok(true) => {}
-                    Ok(false) => return,
-                    Err(e) => return self.close(id, Ending::Failed(e)),
-                },
-                Err(e) => self.unreadable(id, e),
+            // Read on while a request is parked too: a client that dies while it waits (a
+            // rank killed in its rendezvous) is found at once, not at the end of its wait.
+            match conn.fill() {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => return self.close(id, Ending::Failed(e)),
             }
         }
         self.again.push(id);

@@ -734,30 +734,30 @@ fn admit(
             ),
         ))
     } else if hello.purpose == Purpose::Store {
-        if let Some((first, _)) = st.members.get(&hello.rank) {
-            let first = *first;
-            Some((
-                RefuseReason::DuplicateRank {
-                    first,
-                    second: peer,
-                },
+        let claimed = |first: SocketAddr, message: String| {
+            let reason = RefuseReason::DuplicateRank {
+                first,
+                second: peer,
+            };
+            Some((reason, message))
+        };
+        let rank = hello.rank;
+        if let Some(&(first, _)) = st.members.get(&rank) {
+            claimed(
+                first,
                 format!(
-                    "rank {} was claimed by two processes ({first} and {peer}); give every process a distinct RANK",
-                    hello.rank
+                    "rank {rank} was claimed by two processes ({first} and {peer}); give every \
+                     process a distinct RANK"
                 ),
-            ))
-        } else if let Some(first) = st.departed.get(&hello.rank) {
-            let first = *first;
-            Some((
-                RefuseReason::DuplicateRank {
-                    first,
-                    second: peer,
-                },
+            )
+        } else if let Some(&first) = st.departed.get(&rank) {
+            claimed(
+                first,
                 format!(
-                    "rank {} was claimed again by {peer} after {first} left; a job cannot re-admit a rank (restart the whole job)",
-                    hello.rank
+                    "rank {rank} was claimed again by {peer} after {first} left; a job cannot \
+                     re-admit a rank (restart the whole job)"
                 ),
-            ))
+            )
         } else {
             None
         }
