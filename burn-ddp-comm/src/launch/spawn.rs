@@ -203,18 +203,22 @@ impl JobReport {
 ///
 /// The port is free when picked and bound by rank 0 a moment later. A port from the OS's
 /// ephemeral range (what binding port 0 hands out) can be taken in between by any process's
-/// outgoing connection, so the pick is a random port below that range (Linux's
-/// `ip_local_port_range`, 32768 by default), which only an explicit bind takes; the OS's own
-/// choice is the fallback when 64 tries find none free.
+/// outgoing connection, so the pick is a random port outside that range (Linux's
+/// `ip_local_port_range`, 32768–60999 by default): below it from 20000, or above it, whichever
+/// is wider, which only an explicit bind takes. The OS's own choice is the fallback when 64
+/// tries find none free, or when the range leaves fewer than 1,024 ports outside
+/// it (a machine whose range was widened: a narrow window would hand concurrent jobs the same
+/// port).
 ///
 /// # Errors
 /// The OS refused to bind.
 pub fn free_port() -> Result<u16> {
-    let below = ephemeral_ports_start().clamp(FIRST_PICKED_PORT + 1, u16::MAX);
-    for _ in 0..64 {
-        let port = rand::random_range(FIRST_PICKED_PORT..below);
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return Ok(port);
+    if let Some((low, high)) = picked_ports(ephemeral_ports()) {
+        for _ in 0..64 {
+            let port = rand::random_range(low..=high);
+            if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
         }
     }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -222,14 +226,38 @@ pub fn free_port() -> Result<u16> {
 
 /// The lowest port [`free_port`] picks: above the registered ports most services use by default.
 const FIRST_PICKED_PORT: u16 = 20000;
+/// The fewest ports [`free_port`] picks among.
+const MIN_PICKED_PORTS: u16 = 1024;
 
-/// The first port of the OS's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), or
-/// 32768 (Linux's default) when unknown.
-fn ephemeral_ports_start() -> u16 {
-    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768)
+/// The ports [`free_port`] picks among, `(first, last)`, given the OS's ephemeral range: the
+/// wider window outside it, from [`FIRST_PICKED_PORT`] up; none when both are narrower than
+/// [`MIN_PICKED_PORTS`].
+fn picked_ports((start, end): (u16, u16)) -> Option<(u16, u16)> {
+    let window = |first: u16, last: u16| (first <= last).then_some((first, last));
+    let below = start
+        .checked_sub(1)
+        .and_then(|last| window(FIRST_PICKED_PORT, last));
+    let above = end
+        .checked_add(1)
+        .and_then(|first| window(first.max(FIRST_PICKED_PORT), u16::MAX));
+    let width = |w: Option<(u16, u16)>| w.map_or(0, |(a, b)| u32::from(b - a) + 1);
+    let wider = if width(below) >= width(above) {
+        below
+    } else {
+        above
+    };
+    wider.filter(|_| width(wider) >= u32::from(MIN_PICKED_PORTS))
+}
+
+/// The OS's ephemeral port range (`/proc/sys/net/ipv4/ip_local_port_range`), or Linux's
+/// default when unknown.
+fn ephemeral_ports() -> (u16, u16) {
+    let read = || -> Option<(u16, u16)> {
+        let s = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+        let mut words = s.split_whitespace().map(str::parse);
+        Some((words.next()?.ok()?, words.next()?.ok()?))
+    };
+    read().unwrap_or((32768, 60999))
 }
 
 /// Describes an exit status the way a user reads it.
@@ -537,6 +565,18 @@ mod tests {
     use std::os::unix::process::ExitStatusExt;
 
     use super::*;
+
+    /// The store's port is picked outside the OS's ephemeral range, in the wider window; a
+    /// range that leaves too few ports outside it leaves the choice to the OS (a widened range
+    /// once made every pick the same port, and concurrent jobs collided on it).
+    #[test]
+    fn ports_are_picked_outside_the_ephemeral_range_or_by_the_os() {
+        assert_eq!(picked_ports((32768, 60999)), Some((20000, 32767)));
+        assert_eq!(picked_ports((1024, 40000)), Some((40001, 65535)));
+        assert_eq!(picked_ports((10000, 65535)), None);
+        assert_eq!(picked_ports((20500, 65000)), None);
+        assert_eq!(picked_ports((40000, 65535)), Some((20000, 39999)));
+    }
 
     /// The etcd store's TLS files, user and password reach every rank through its
     /// environment, and each rank reads the same store back.
