@@ -280,16 +280,7 @@ fn unclean_disconnect_aborts_and_names_the_rank() {
 fn a_member_that_dies_while_it_waits_is_found_at_once() {
     let server = serve(2);
     let a = join(server.addr(), 0, 2);
-    let mut b = TcpStream::connect(server.addr()).unwrap();
-    crate::store::auth::client_handshake(
-        &mut b,
-        Purpose::Store,
-        &JobToken::new("secret"),
-        Rank(1),
-        world(2),
-        Instant::now() + Duration::from_secs(5),
-    )
-    .unwrap();
+    let mut b = raw_authenticated_as(server.addr(), Purpose::Store, 1);
     let (k, p) = Request::Get {
         key: "never".into(),
         timeout: Duration::from_secs(60),
@@ -330,12 +321,17 @@ fn goodbye_is_not_a_failure() {
 /// Opens a raw TCP connection and authenticates it like a real client would, so that the
 /// garbage that follows reaches the request decoder.
 fn raw_authenticated(addr: SocketAddr) -> TcpStream {
+    raw_authenticated_as(addr, Purpose::StoreAux, 0)
+}
+
+/// [`raw_authenticated`] as rank `rank` of 2, for `purpose`.
+fn raw_authenticated_as(addr: SocketAddr, purpose: Purpose, rank: u32) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     crate::store::auth::client_handshake(
         &mut s,
-        Purpose::StoreAux,
+        purpose,
         &JobToken::new("secret"),
-        Rank(0),
+        Rank(rank),
         world(2),
         Instant::now() + Duration::from_secs(5),
     )
