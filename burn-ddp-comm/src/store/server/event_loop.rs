@@ -475,16 +475,21 @@ impl EventLoop {
         let peer = conn.peer;
         conn.ending = Some(Ending::Refused);
         self.handshake_over(id);
+        self.log_handshake_failure(peer, e);
+    }
+
+    /// Keeps and logs why a handshake failed (a connection that failed while the server stops
+    /// is not a refusal).
+    fn log_handshake_failure(&self, peer: SocketAddr, e: ServerHandshakeError) {
         let why = match e {
             ServerHandshakeError::WrongToken => {
                 "wrong job token (another job, or a different BURN_DDP_JOB_TOKEN)".into()
             }
             ServerHandshakeError::Wire(e) => format!("not a burn-ddp peer of this version ({e})"),
+            ServerHandshakeError::Io(_) if self.shared.shutdown.load(Ordering::SeqCst) => return,
             ServerHandshakeError::Io(e) => format!("handshake failed: {e}"),
         };
-        if !self.shared.shutdown.load(Ordering::SeqCst) {
-            self.shared.refuse(peer, why);
-        }
+        self.shared.refuse(peer, why);
     }
 
     /// A connection is out of its handshake: it no longer holds a pending slot or its bound.
@@ -571,6 +576,13 @@ impl EventLoop {
         conn.send((k, p));
     }
 
+    /// Queues the reply to a request that waited, and serves its connection again (its next
+    /// frames waited behind it).
+    fn answered(&mut self, id: usize, request_bytes: usize, reply: Reply) {
+        self.reply(id, request_bytes, reply);
+        self.again.push(id);
+    }
+
     /// Parks a request under the first key it misses, until `deadline`.
     fn park(&mut self, id: usize, awaited: Awaited, request_bytes: usize, deadline: Instant) {
         let st = self.shared.lock();
@@ -578,8 +590,7 @@ impl EventLoop {
             // Set since it was looked at: answered now.
             let reply = self.shared.timed_out(&st, &awaited);
             drop(st);
-            self.reply(id, request_bytes, reply);
-            return self.again.push(id);
+            return self.answered(id, request_bytes, reply);
         };
         drop(st);
         let Some(conn) = self.conns.get_mut(&id) else {
@@ -620,35 +631,30 @@ impl EventLoop {
             Wake::All => self.parked.values().flatten().copied().collect(),
         };
         for id in ids {
-            self.look_again(id, None);
+            self.look_again(id, false);
         }
     }
 
-    /// Answers connection `id`'s parked request if it can be (or, past its deadline `now`,
+    /// Answers connection `id`'s parked request if it can be (or, once its deadline passed,
     /// with the keys it still misses), else parks it again.
-    fn look_again(&mut self, id: usize, now: Option<Instant>) {
+    fn look_again(&mut self, id: usize, expired: bool) {
         let deadline = self.conns.get(&id).and_then(|c| c.deadline);
         let Some(parked) = self.unpark(id) else {
             return;
         };
         let reply = {
             let st = self.shared.lock();
-            match now {
-                Some(_) => Some(self.shared.timed_out(&st, &parked.awaited)),
-                None => self.shared.answer(&st, &parked.awaited),
+            match (expired, deadline) {
+                (false, Some(_)) => self.shared.answer(&st, &parked.awaited),
+                // A parked request always has a deadline; without one it is answered now.
+                _ => Some(self.shared.timed_out(&st, &parked.awaited)),
             }
         };
         match (reply, deadline) {
-            (Some(reply), _) => {
-                self.reply(id, parked.request_bytes, reply);
-                self.again.push(id);
-            }
+            (Some(reply), _) => self.answered(id, parked.request_bytes, reply),
             (None, Some(deadline)) => self.park(id, parked.awaited, parked.request_bytes, deadline),
-            (None, None) => {
-                let reply = self.shared.timed_out(&self.shared.lock(), &parked.awaited);
-                self.reply(id, parked.request_bytes, reply);
-                self.again.push(id);
-            }
+            // Not reached: without a deadline the request was answered above.
+            (None, None) => {}
         }
     }
 
@@ -663,7 +669,7 @@ impl EventLoop {
                 continue;
             };
             match conn.phase {
-                Phase::Serving(_) => self.look_again(id, Some(now)),
+                Phase::Serving(_) => self.look_again(id, true),
                 Phase::Hello | Phase::Proof(_) => {
                     let timed_out = io::Error::new(
                         ErrorKind::TimedOut,
@@ -696,21 +702,10 @@ impl EventLoop {
                 let wake = self.shared.departed(rank, peer, id, lost);
                 self.wake(wake);
             }
-            (Phase::Hello | Phase::Proof(_), Ending::Failed(FrameError::Io(e))) => {
-                self.refused_closed(peer, e);
-            }
-            (Phase::Hello | Phase::Proof(_), Ending::Failed(FrameError::Wire(e))) => {
-                self.shared
-                    .refuse(peer, format!("not a burn-ddp peer of this version ({e})"));
+            (Phase::Hello | Phase::Proof(_), Ending::Failed(e)) => {
+                self.log_handshake_failure(peer, e.into());
             }
             _ => {}
-        }
-    }
-
-    /// A connection that failed in its handshake, as a refusal (not while stopping).
-    fn refused_closed(&self, peer: SocketAddr, e: io::Error) {
-        if !self.shared.shutdown.load(Ordering::SeqCst) {
-            self.shared.refuse(peer, format!("handshake failed: {e}"));
         }
     }
 
