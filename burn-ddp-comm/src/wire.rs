@@ -199,6 +199,29 @@ pub(crate) fn read_frame(r: &mut impl Read, max_len: u32) -> Result<(u8, Vec<u8>
     Ok((header.kind, payload))
 }
 
+/// Takes the first whole frame out of `input` (bytes read so far from a stream), if it holds
+/// one: a reader that reads what has arrived, with timeouts or without blocking, keeps a frame
+/// that came in parts until its last part.
+///
+/// # Errors
+/// Invalid header bytes (see [`decode_header`]).
+pub(crate) fn take_frame(
+    input: &mut Vec<u8>,
+    max_len: u32,
+) -> Result<Option<(u8, Vec<u8>)>, WireError> {
+    let Some(h) = input.first_chunk::<HEADER_LEN>() else {
+        return Ok(None);
+    };
+    let header = decode_header(h, max_len)?;
+    let end = HEADER_LEN + header.len as usize;
+    if input.len() < end {
+        return Ok(None);
+    }
+    let payload = input[HEADER_LEN..end].to_vec();
+    input.drain(..end);
+    Ok(Some((header.kind, payload)))
+}
+
 /// Builds a payload.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Writer {

@@ -294,6 +294,7 @@ impl Heartbeat {
             // A quarter of the check interval per store request (a live store answers in
             // milliseconds): a check stays short when the store falls silent.
             io: (bounds.interval() / 4).max(Duration::from_millis(100)),
+            late: bounds.silence,
         };
         match link.connect(deadline) {
             Ok(aux) => {
@@ -413,7 +414,9 @@ impl Bounds {
 
 /// How the watcher reaches the store: its own connection, whose every request is bounded by
 /// the check interval (not by the store timeout), so that a silent store (rank 0 frozen) is
-/// judged on time; a connection left out of step by a late reply is replaced.
+/// judged on time. A reply that comes late is taken at a later check: the connection is
+/// replaced only when it fails or a reply has not come within the silence bound (thousands of
+/// ranks whose heartbeats a busy store answers late must not all connect again at once).
 #[derive(Debug, Clone)]
 struct AuxLink {
     master: MasterAddr,
@@ -423,6 +426,8 @@ struct AuxLink {
     /// The scope of the group's store keys (a fault-tolerant job's membership epoch).
     scope: Option<String>,
     io: Duration,
+    /// How long a late reply is awaited on the same connection.
+    late: Duration,
 }
 
 impl AuxLink {
@@ -436,7 +441,11 @@ impl AuxLink {
             self.io,
             deadline,
         )
-        .map(|c| c.with_reply_slack(self.io).with_scope(self.scope.clone()))
+        .map(|c| {
+            c.with_reply_slack(self.io)
+                .keeping_late_replies(self.late)
+                .with_scope(self.scope.clone())
+        })
     }
 }
 
@@ -583,6 +592,11 @@ impl Watch {
         let now = Instant::now();
         if self.store.set(&key(self.rank), &mine.encode()).is_ok() {
             self.store_ok = now;
+        }
+        // A late reply taken is the store answering too: a store that answers every request
+        // after its bound, but within the interval, is busy, not silent.
+        if let Some(answered) = self.store.last_answer() {
+            self.store_ok = self.store_ok.max(answered);
         }
     }
 

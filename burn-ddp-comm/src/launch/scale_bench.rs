@@ -189,6 +189,7 @@ impl ScaleBench {
     fn run_one(&self, n: u32) -> Result<ScaleRow> {
         let world = WorldSize::new(n).ok_or_else(|| config_error("--ranks", "0 ranks"))?;
         check_threads(n, self.fault_tolerant)?;
+        warn_listen_queue(n);
         let victim = Rank(n / 2);
         let cluster = match self.store {
             ScaleStore::Etcd => Some(EtcdCluster::start(3)?),
@@ -971,6 +972,22 @@ fn check_threads(n: u32, fault_tolerant: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Says (on stderr) when the kernel caps the store's listen queue below the connections `n`
+/// ranks open at once (a member connection and a heartbeat connection each): the ones past it
+/// wait for the kernel's retries, and the benchmark measures the machine's limit, not the
+/// store.
+fn warn_listen_queue(n: u32) {
+    let want = u64::from(n) * 2 + 64;
+    if let Some(cap) = crate::sys::listen_queue_cap().filter(|&cap| u64::from(cap) < want) {
+        eprintln!(
+            "note: {n} ranks open up to {want} store connections at once and this machine \
+             queues {cap} (net.core.somaxconn): raise it (as root: `sysctl -w \
+             net.core.somaxconn={}`)",
+            want.next_power_of_two()
+        );
+    }
 }
 
 /// What the machine says about a host's failure that its limits explain: ephemeral ports (a

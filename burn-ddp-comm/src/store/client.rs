@@ -3,7 +3,7 @@
 //! cluster keeps, the same requests answered by etcd (`etcd.rs`).
 
 use crate::error::{CollectiveError, RendezvousError};
-use std::io::{self, ErrorKind};
+use std::io::{self, ErrorKind, Read};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -37,10 +37,91 @@ pub(crate) enum WaitOutcome {
 #[derive(Debug)]
 enum Link {
     /// A connection to a store served by a burn-ddp process.
-    Tcp(Mutex<TcpStream>),
+    Tcp(Mutex<TcpConn>),
     /// The job's keys on an etcd cluster.
     #[cfg(feature = "etcd")]
     Etcd(Box<super::etcd::EtcdLink>),
+}
+
+/// A connection to a burn-ddp store and what was read from it.
+#[derive(Debug)]
+struct TcpConn {
+    stream: TcpStream,
+    /// Bytes read and not taken as a reply yet (a reply may arrive in parts).
+    input: Vec<u8>,
+    /// Since when the reply to a request that got none in time is awaited, on a client that
+    /// keeps its connection for late replies ([`StoreClient::keeping_late_replies`]).
+    late: Option<Instant>,
+    /// When a reply (late ones included) was last taken.
+    answered: Option<Instant>,
+}
+
+impl TcpConn {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            input: Vec::new(),
+            late: None,
+            answered: None,
+        }
+    }
+
+    /// Reads what has arrived, without waiting.
+    fn read_arrived(&mut self) -> io::Result<()> {
+        self.stream.set_nonblocking(true)?;
+        let read = loop {
+            match self.read_some() {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break Ok(()),
+                Err(e) => break Err(e),
+            }
+        };
+        self.stream.set_nonblocking(false)?;
+        read
+    }
+
+    /// Reads until `input` holds a whole frame, and takes it; each read bounded by `deadline`.
+    fn read_frame(&mut self, deadline: Instant) -> std::result::Result<(u8, Vec<u8>), FrameError> {
+        loop {
+            if let Some(frame) = self.take()? {
+                return Ok(frame);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(FrameError::Io(ErrorKind::TimedOut.into()));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            self.read_some()?;
+        }
+    }
+
+    /// The first whole reply read, if any.
+    fn take(&mut self) -> std::result::Result<Option<(u8, Vec<u8>)>, WireError> {
+        let frame = wire::take_frame(&mut self.input, MAX_FRAME)?;
+        if frame.is_some() {
+            self.answered = Some(Instant::now());
+        }
+        Ok(frame)
+    }
+
+    /// One read into `input`.
+    fn read_some(&mut self) -> io::Result<()> {
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            return match self.stream.read(&mut buf) {
+                Ok(0) => Err(io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the store closed the connection",
+                )),
+                Ok(n) => {
+                    self.input.extend_from_slice(&buf[..n]);
+                    Ok(())
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => Err(e),
+            };
+        }
+    }
 }
 
 /// The most keys one [`StoreClient::get_many`] request carries: their values must fit one
@@ -58,6 +139,9 @@ pub(crate) struct StoreClient {
     /// A request got no reply in time or its connection failed: a late reply could still
     /// arrive and be taken for the next one's, so no request is sent on it again.
     broken: AtomicBool,
+    /// How long a late reply is awaited on the same connection before it counts as broken;
+    /// `None`: a request without a reply in time breaks it at once.
+    keep_late: Option<Duration>,
     link: Link,
     /// Every key of this client lies under `scope/`, and its abort record is the scope's (a
     /// fault-tolerant job's membership epoch, `ft/<n>`): `None` for the job's own keys.
@@ -112,7 +196,8 @@ impl StoreClient {
                                     timeout,
                                     slack: REPLY_SLACK,
                                     broken: AtomicBool::new(false),
-                                    link: Link::Tcp(Mutex::new(stream)),
+                                    keep_late: None,
+                                    link: Link::Tcp(Mutex::new(TcpConn::new(stream))),
                                     scope: None,
                                 })
                             }
@@ -158,6 +243,7 @@ impl StoreClient {
                 timeout,
                 slack: REPLY_SLACK,
                 broken: AtomicBool::new(false),
+                keep_late: None,
                 link: Link::Etcd(Box::new(link)),
                 scope: None,
             }),
@@ -196,6 +282,18 @@ impl StoreClient {
     /// (default 5 s): short for a client that must notice a silent store quickly.
     pub(crate) fn with_reply_slack(mut self, slack: Duration) -> Self {
         self.slack = slack;
+        self
+    }
+
+    /// The client keeping its connection when a reply comes late, for up to `limit`: the
+    /// request fails (`StoreLost`, timed out), a later one first takes the late reply (or fails
+    /// at once while it has not come), and the connection breaks only when it has not come
+    /// within `limit`. For a client whose requests are bounded well below what a busy store may
+    /// take (the heartbeat's): thousands of such clients replacing their connections at once
+    /// would only add to the store's load. A burn-ddp store's connection only; an etcd link
+    /// has its own retries.
+    pub(crate) fn keeping_late_replies(mut self, limit: Duration) -> Self {
+        self.keep_late = Some(limit);
         self
     }
 
@@ -243,6 +341,16 @@ impl StoreClient {
         self.broken.load(Ordering::SeqCst)
     }
 
+    /// When the store last answered this client (a late reply included, counted when taken);
+    /// `None` before its first reply, and on etcd.
+    pub(crate) fn last_answer(&self) -> Option<Instant> {
+        match &self.link {
+            Link::Tcp(conn) => lock(conn).answered,
+            #[cfg(feature = "etcd")]
+            Link::Etcd(_) => None,
+        }
+    }
+
     /// This client's rank.
     pub(crate) fn rank(&self) -> Rank {
         self.rank
@@ -286,7 +394,7 @@ impl StoreClient {
     /// is also the one the transport listens on.
     pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
         match &self.link {
-            Link::Tcp(stream) => lock(stream).local_addr(),
+            Link::Tcp(conn) => lock(conn).stream.local_addr(),
             #[cfg(feature = "etcd")]
             Link::Etcd(etcd) => etcd.local_addr(),
         }
@@ -327,7 +435,7 @@ impl StoreClient {
         slack: Duration,
     ) -> Result<Reply> {
         let reply = match &self.link {
-            Link::Tcp(stream) => self.tcp_exchange(stream, request, op, key, wait, slack)?,
+            Link::Tcp(conn) => self.tcp_exchange(conn, request, op, key, wait, slack)?,
             #[cfg(feature = "etcd")]
             Link::Etcd(etcd) => etcd.execute(request, wait, slack).map_err(|f| match f {
                 // No reply at all: not the store's answer that a key is missing (a
@@ -367,33 +475,48 @@ impl StoreClient {
     /// One request and its reply on a connection to a burn-ddp store.
     fn tcp_exchange(
         &self,
-        stream: &Mutex<TcpStream>,
+        conn: &Mutex<TcpConn>,
         request: &Request,
         op: &'static str,
         key: &str,
         wait: Duration,
         slack: Duration,
     ) -> Result<Reply> {
-        let mut stream = lock(stream);
+        let mut conn = lock(conn);
         if self.is_broken() {
             return Err(self.lost(io::Error::new(
                 ErrorKind::BrokenPipe,
                 "an earlier request on this connection failed or got no reply in time",
             )));
         }
-        let (k, payload) = request.encode();
-        stream.set_write_timeout(Some(self.timeout))?;
         let broken = |e| {
             self.broken.store(true, Ordering::SeqCst);
             e
         };
-        wire::write_frame(&mut *stream, k, &payload).map_err(|e| broken(self.lost(e)))?;
-        stream.set_read_timeout(Some(wait + slack))?;
-        let (k, payload) = match wire::read_frame(&mut *stream, MAX_FRAME) {
-            Ok(f) => f,
+        if let Some(since) = conn.late {
+            self.take_late_reply(&mut conn, since)?;
+        }
+        let (k, payload) = request.encode();
+        conn.stream.set_write_timeout(Some(self.timeout))?;
+        wire::write_frame(&mut conn.stream, k, &payload).map_err(|e| broken(self.lost(e)))?;
+        let (k, payload) = match conn.read_frame(Instant::now() + wait + slack) {
+            Ok(frame) => frame,
             Err(FrameError::Io(e))
                 if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
             {
+                if self.keep_late.is_some() {
+                    conn.late = Some(Instant::now());
+                    // Not `StoreTimeout`, which readers take for the store's answer that a
+                    // key is absent.
+                    return Err(self.lost(io::Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "no reply to the store {op} within {:?} (the connection is kept \
+                             for its late reply)",
+                            wait + slack
+                        ),
+                    )));
+                }
                 return Err(broken(DdpError::Rendezvous(
                     RendezvousError::StoreTimeout {
                         rank: self.rank,
@@ -401,23 +524,53 @@ impl StoreClient {
                         key: key.to_owned(),
                         waited: wait + slack,
                     },
-                )))
+                )));
             }
             Err(FrameError::Io(e)) => return Err(broken(self.lost(e))),
-            Err(FrameError::Wire(error)) => {
-                return Err(broken(DdpError::Rendezvous(RendezvousError::Protocol {
-                    rank: self.rank,
-                    peer: self.addr,
-                    error,
-                })))
-            }
+            Err(FrameError::Wire(error)) => return Err(broken(self.protocol(error))),
         };
-        Reply::decode(k, &payload).map_err(|error| {
-            DdpError::Rendezvous(RendezvousError::Protocol {
-                rank: self.rank,
-                peer: self.addr,
-                error,
-            })
+        Reply::decode(k, &payload).map_err(|error| self.protocol(error))
+    }
+
+    /// Takes the late reply to an earlier request if it has come (dropping it: its request
+    /// already failed). Without waiting: while the reply is awaited within the client's limit,
+    /// the request fails at once (the connection kept), so that a client whose store is slow
+    /// or silent spends no more than one request's bound per check; past the limit, or when
+    /// the connection failed, it is broken.
+    fn take_late_reply(&self, conn: &mut TcpConn, since: Instant) -> Result<()> {
+        let broken = |e| {
+            self.broken.store(true, Ordering::SeqCst);
+            e
+        };
+        let limit = self.keep_late.unwrap_or_default();
+        conn.read_arrived().map_err(|e| broken(self.lost(e)))?;
+        match conn.take() {
+            Ok(Some(_)) => {
+                conn.late = None;
+                Ok(())
+            }
+            Ok(None) if since.elapsed() < limit => Err(self.lost(io::Error::new(
+                ErrorKind::TimedOut,
+                format!(
+                    "the reply to an earlier request has not come yet (awaited for {:?}, up \
+                     to {limit:?})",
+                    since.elapsed()
+                ),
+            ))),
+            Ok(None) => Err(broken(self.lost(io::Error::new(
+                ErrorKind::TimedOut,
+                format!("the reply to an earlier request did not come within {limit:?}"),
+            )))),
+            Err(error) => Err(broken(self.protocol(error))),
+        }
+    }
+
+    /// A reply whose bytes are not a valid frame or reply.
+    fn protocol(&self, error: WireError) -> DdpError {
+        DdpError::Rendezvous(RendezvousError::Protocol {
+            rank: self.rank,
+            peer: self.addr,
+            error,
         })
     }
 
@@ -644,31 +797,30 @@ impl StoreClient {
     pub(crate) fn bye(&self, timeout: Duration) {
         // Without the `etcd` feature the match has one arm.
         #[allow(clippy::infallible_destructuring_match)]
-        let stream = match &self.link {
-            Link::Tcp(stream) => stream,
+        let conn = match &self.link {
+            Link::Tcp(conn) => conn,
             #[cfg(feature = "etcd")]
             Link::Etcd(etcd) => {
                 let _ = etcd.execute(&Request::Bye, timeout, Duration::ZERO);
                 return;
             }
         };
-        let mut stream = lock(stream);
-        if self.is_broken() {
+        let mut conn = lock(conn);
+        if self.is_broken() || conn.late.is_some() {
             return;
         }
         let (k, p) = Request::Bye.encode();
-        let _ = stream.set_write_timeout(Some(timeout));
-        let _ = stream.set_read_timeout(Some(timeout));
-        if wire::write_frame(&mut *stream, k, &p).is_ok() {
-            let _ = wire::read_frame(&mut *stream, MAX_FRAME);
+        let _ = conn.stream.set_write_timeout(Some(timeout));
+        if wire::write_frame(&mut conn.stream, k, &p).is_ok() {
+            let _ = conn.read_frame(Instant::now() + timeout);
         }
     }
 }
 
-fn lock(stream: &Mutex<TcpStream>) -> MutexGuard<'_, TcpStream> {
-    // The stream holds no invariant a panic could break mid-way that a later request would
-    // trust: each request writes a whole frame and reads a whole reply.
-    stream.lock().unwrap_or_else(|p| p.into_inner())
+fn lock(conn: &Mutex<TcpConn>) -> MutexGuard<'_, TcpConn> {
+    // The connection holds no invariant a panic could break mid-way that a later request
+    // would trust: each request writes a whole frame and reads whole replies.
+    conn.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn resolve(master: &MasterAddr, rank: Rank) -> Result<Vec<SocketAddr>> {

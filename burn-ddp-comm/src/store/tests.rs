@@ -636,3 +636,98 @@ fn get_many_reads_every_key_in_one_request_a_chunk() {
     assert!(err.contains("absent/x, absent/y"), "{err}");
     assert!(!err.contains("host/1"), "{err}");
 }
+
+/// A store that answers the requests of one client by hand, each after the delay `delays`
+/// gives it (in order; at once past its end), `None` never: a slow store, without making a
+/// real one slow. Its reply to the `i`-th request is the integer `i`, so a reply taken for
+/// another request's shows.
+fn slow_store(delays: Vec<Option<Duration>>) -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let token = JobToken::new("secret");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        crate::store::auth::server_handshake(&s, &[Purpose::StoreAux], &token, deadline).unwrap();
+        crate::store::auth::welcome(&s).unwrap();
+        for i in 0u32.. {
+            if wire::read_frame(&mut s, protocol::MAX_FRAME).is_err() {
+                return;
+            }
+            match delays
+                .get(i as usize)
+                .copied()
+                .unwrap_or(Some(Duration::ZERO))
+            {
+                Some(d) => thread::sleep(d),
+                None => thread::sleep(Duration::from_secs(3600)),
+            }
+            let (k, p) = protocol::Reply::Int(i64::from(i)).encode();
+            if wire::write_frame(&mut s, k, &p).is_err() {
+                return;
+            }
+        }
+    });
+    addr
+}
+
+fn keeping_late_replies(addr: SocketAddr, limit: Duration) -> StoreClient {
+    join_as(addr, Purpose::StoreAux, 0, 2, "secret")
+        .unwrap()
+        .with_request_timeout(Duration::from_millis(100))
+        .with_reply_slack(Duration::ZERO)
+        .keeping_late_replies(limit)
+}
+
+fn timed_out<T>(r: crate::Result<T>) -> bool {
+    matches!(r, Err(DdpError::Rendezvous(RendezvousError::StoreLost { ref source, .. }))
+        if source.kind() == std::io::ErrorKind::TimedOut)
+}
+
+#[test]
+fn a_late_reply_is_taken_later_on_the_same_connection() {
+    let addr = slow_store(vec![Some(Duration::from_millis(400))]);
+    let c = keeping_late_replies(addr, Duration::from_secs(30));
+    // No reply within the request's bound: a failure that is not the store's "absent".
+    assert!(timed_out(c.add("k", 1)));
+    assert!(!c.is_broken());
+    // While the reply is still on its way, a request fails at once without being sent.
+    let started = Instant::now();
+    assert!(timed_out(c.add("k", 1)));
+    assert!(started.elapsed() < Duration::from_millis(100));
+    assert!(c.last_answer().is_none());
+    thread::sleep(Duration::from_millis(500));
+    // The late reply (to request 0) is taken and dropped; each request gets its own.
+    assert_eq!(c.add("k", 1).unwrap(), 1);
+    assert_eq!(c.add("k", 1).unwrap(), 2);
+    assert!(!c.is_broken());
+    assert!(c.last_answer().is_some());
+}
+
+#[test]
+fn a_reply_that_never_comes_breaks_the_connection_after_the_limit() {
+    let addr = slow_store(vec![None]);
+    let c = keeping_late_replies(addr, Duration::from_millis(300));
+    assert!(timed_out(c.set("k", b"1")));
+    assert!(!c.is_broken());
+    thread::sleep(Duration::from_millis(400));
+    assert!(timed_out(c.set("k", b"2")));
+    assert!(
+        c.is_broken(),
+        "a reply awaited past the limit breaks the connection"
+    );
+}
+
+#[test]
+fn without_keeping_late_replies_a_late_reply_breaks_the_connection() {
+    let addr = slow_store(vec![Some(Duration::from_millis(400))]);
+    let c = join_as(addr, Purpose::StoreAux, 0, 2, "secret")
+        .unwrap()
+        .with_request_timeout(Duration::from_millis(100))
+        .with_reply_slack(Duration::ZERO);
+    assert!(matches!(
+        c.set("k", b"1"),
+        Err(DdpError::Rendezvous(RendezvousError::StoreTimeout { .. }))
+    ));
+    assert!(c.is_broken());
+}

@@ -161,6 +161,16 @@ pub(crate) fn node_name() -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
+/// The kernel's cap on a listening socket's queue of connections not accepted yet
+/// (`net.core.somaxconn`; Linux), `None` where it cannot be read.
+pub(crate) fn listen_queue_cap() -> Option<u32> {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
 /// Raises this process's open-file limit (`RLIMIT_NOFILE`) to at least `want`, the hard limit
 /// too where the process may (a privileged one). The limits afterwards: `(soft, hard)`
 /// (`u64::MAX` for unlimited).

@@ -117,18 +117,8 @@ impl Conn {
 
     /// The next whole frame read, if any.
     fn frame(&mut self) -> Result<Option<(u8, Vec<u8>)>, WireError> {
-        let Some(header) = self.input.get(..wire::HEADER_LEN) else {
-            return Ok(None);
-        };
-        let header: &[u8; wire::HEADER_LEN] = header.try_into().unwrap_or(&[0; wire::HEADER_LEN]);
-        let header = wire::decode_header(header, self.max_frame())?;
-        let end = wire::HEADER_LEN + header.len as usize;
-        if self.input.len() < end {
-            return Ok(None);
-        }
-        let payload = self.input[wire::HEADER_LEN..end].to_vec();
-        self.input.drain(..end);
-        Ok(Some((header.kind, payload)))
+        let max = self.max_frame();
+        wire::take_frame(&mut self.input, max)
     }
 
     /// Reads what the socket has: whether it had anything (`false`: nothing yet).

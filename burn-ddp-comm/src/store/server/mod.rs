@@ -689,12 +689,20 @@ fn bind_listener(addr: SocketAddr, world: WorldSize) -> io::Result<TcpListener> 
     // by a live listener still fails with AddrInUse.
     socket.set_reuse_address(true)?;
     socket.bind(&addr.into())?;
-    let queue = world
-        .as_usize()
-        .saturating_mul(2)
-        .saturating_add(64)
-        .clamp(1024, 65_535);
+    // A member connection and a heartbeat connection a rank, which thousands of ranks open at
+    // once.
+    let want = world.as_usize().saturating_mul(2).saturating_add(64);
+    let queue = want.clamp(1024, 65_535);
     socket.listen(i32::try_from(queue).unwrap_or(65_535))?;
+    if let Some(cap) = crate::sys::listen_queue_cap().filter(|&cap| (cap as usize) < want) {
+        tracing::warn!(
+            "the store's listen queue is {cap} connections (net.core.somaxconn), below the \
+             {want} its {world} ranks may open at once: connections past it wait for the \
+             kernel's retries, which slows start-up; raise it as root: \
+             `sysctl -w net.core.somaxconn={}`",
+            want.next_power_of_two()
+        );
+    }
     Ok(socket.into())
 }
 
