@@ -46,9 +46,9 @@ use crate::{DdpError, Result};
 /// How long one wait lasts before the caller's interrupt check runs again.
 pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
-/// How long an idle endpoint sleeps at most between two looks at its stop flag (a closing
-/// endpoint wakes it at once; a new sender wakes it too).
-const ACCEPT_IDLE: Duration = Duration::from_secs(1);
+/// How long an idle endpoint sleeps at most (a closing endpoint wakes it at once, a new
+/// sender too: the bound only keeps a wait from being endless).
+const ACCEPT_IDLE: Duration = Duration::from_secs(30);
 
 /// The header before every message on a connection: tag, element type, sequence number, length.
 const MSG_HEADER: usize = 24;
@@ -297,11 +297,10 @@ pub(crate) struct TcpP2p {
     sends_by_shm: AtomicBool,
     /// Clones of the incoming connections, so that dropping the endpoint ends their readers.
     incoming: Arc<Mutex<Vec<TcpStream>>>,
-    stop: Arc<AtomicBool>,
-    /// Its end shut down by [`close`](Self::close): wakes the acceptor, which sleeps until a
-    /// sender or this arrives (thousands of ranks polling their endpoints every few
-    /// milliseconds were most of a large job's work on one machine).
-    wake: UnixStream,
+    /// Raised by [`close`](Self::close), which wakes the acceptor: it sleeps until a sender or
+    /// this arrives (thousands of ranks polling their endpoints every few milliseconds were
+    /// most of a large job's work on one machine).
+    stop: Arc<crate::sys::Alarm>,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -356,8 +355,7 @@ impl TcpP2p {
         };
         let mailbox = Arc::new(Mailbox::default());
         let incoming = Arc::new(Mutex::new(Vec::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (wake, woken) = UnixStream::pair()?;
+        let stop = Arc::new(crate::sys::Alarm::new()?);
         let acceptor = {
             let ends = Ends {
                 token: token.clone(),
@@ -370,7 +368,7 @@ impl TcpP2p {
             };
             std::thread::Builder::new()
                 .name(format!("burn-ddp-p2p-{place}"))
-                .spawn(move || accept_loop(&listener, pipes.as_ref(), &ends, &woken))?
+                .spawn(move || accept_loop(&listener, pipes.as_ref(), &ends))?
         };
         store.set(&endpoint_key(tag, place), addr.to_string().as_bytes())?;
         Ok(Self {
@@ -385,7 +383,6 @@ impl TcpP2p {
             sends_by_shm: AtomicBool::new(any),
             incoming,
             stop,
-            wake,
             acceptor: Some(acceptor),
         })
     }
@@ -546,8 +543,7 @@ impl TcpP2p {
 
     /// Closes every connection (the peers see this rank's messages end).
     pub(crate) fn close(&self) {
-        self.stop.store(true, Ordering::SeqCst);
-        let _ = self.wake.shutdown(Shutdown::Both);
+        self.stop.raise();
         let out = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
         for c in out.values() {
             c.lock()
@@ -607,7 +603,7 @@ struct Ends {
     size: WorldSize,
     mailbox: Arc<Mailbox>,
     incoming: Arc<Mutex<Vec<TcpStream>>>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<crate::sys::Alarm>,
     store: Arc<StoreClient>,
     tag: String,
 }
@@ -625,17 +621,12 @@ fn spawn_reader(ends: &Ends, from: Rank, link: impl Read + Send + 'static) {
 
 /// Accepts senders (over TCP, and through shared memory when `pipes`) until `stop`; each gets
 /// a reader thread.
-fn accept_loop(
-    listener: &TcpListener,
-    pipes: Option<&UnixListener>,
-    ends: &Ends,
-    woken: &UnixStream,
-) {
+fn accept_loop(listener: &TcpListener, pipes: Option<&UnixListener>, ends: &Ends) {
     let readable = crate::sys::Ready {
         read: true,
         write: false,
     };
-    while !ends.stop.load(Ordering::SeqCst) {
+    while !ends.stop.is_raised() {
         let mut idle = true;
         if let Some(pipes) = pipes {
             match pipes.accept() {
@@ -661,7 +652,7 @@ fn accept_loop(
             Err(e) => tracing::debug!("point-to-point endpoint: accept failed: {e}"),
         }
         if idle {
-            let mut fds = vec![(listener.as_fd(), readable), (woken.as_fd(), readable)];
+            let mut fds = vec![(listener.as_fd(), readable), (ends.stop.fd(), readable)];
             fds.extend(pipes.map(|p| (p.as_fd(), readable)));
             if let Err(e) = crate::sys::poll_set(&fds, ACCEPT_IDLE) {
                 tracing::debug!("point-to-point endpoint: cannot wait for senders: {e}");
@@ -693,7 +684,7 @@ fn accept_pipe(sock: UnixStream, ends: &Ends) -> std::result::Result<(Rank, Pipe
             "a process (pid {pid}, uid {uid}) claimed rank {from}, whose pid is {expected:?}"
         ));
     }
-    let reader = PipeReader::accept(sock, Arc::clone(&ends.stop))
+    let reader = PipeReader::accept(sock, ends.stop.flag())
         .map_err(|e| format!("rank {from}'s pipe: {e}"))?;
     Ok((from, reader))
 }

@@ -590,8 +590,9 @@ impl Watch {
             }
         }
         let now = Instant::now();
-        if self.store.set(&key(self.rank), &mine.encode()).is_ok() {
-            self.store_ok = now;
+        match self.store.set(&key(self.rank), &mine.encode()) {
+            Ok(()) => self.store_ok = now,
+            Err(e) => tracing::debug!("[rank {}] heartbeat: publishing: {e}", self.rank),
         }
         // A late reply taken is the store answering too: a store that answers every request
         // after its bound, but within the interval, is busy, not silent.

@@ -242,7 +242,12 @@ impl ScaleBench {
         let ready = run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "ready")?;
         let init_end = ready.iter().filter_map(|w| w.get(2)?.parse().ok()).max();
         let init = Duration::from_nanos(init_end.unwrap_or(started).saturating_sub(started));
+        eprintln!("scale: {n} ranks started in {:.2} s", init.as_secs_f64());
         run.expect(&(0..hosts.len()).collect::<Vec<_>>(), "synced")?;
+        eprintln!(
+            "scale: {n} ranks through their first all-reduce {:.2} s after the start",
+            Duration::from_nanos(unix_ns().saturating_sub(started)).as_secs_f64()
+        );
         // The heartbeats of the idle job, counted by rank 0's store.
         let interval = self.interval();
         let traffic = match (&lighthouse, &cluster) {

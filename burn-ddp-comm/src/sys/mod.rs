@@ -67,6 +67,54 @@ pub(crate) fn poll_set(fds: &[(BorrowedFd<'_>, Ready)], timeout: Duration) -> io
     }
 }
 
+/// A flag that wakes the thread asleep in [`poll_set`] on its [`fd`](Self::fd) when it is
+/// raised: a thread that waits for a socket and for a word from another thread sleeps until
+/// either comes, instead of waking now and then to look at the flag.
+#[derive(Debug)]
+pub(crate) struct Alarm {
+    raised: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Shut down when raised, which makes `woken` readable (its end of the pair closed).
+    wake: std::os::unix::net::UnixStream,
+    woken: std::os::unix::net::UnixStream,
+}
+
+impl Alarm {
+    /// A flag not raised yet.
+    ///
+    /// # Errors
+    /// The socket pair could not be made (out of descriptors).
+    pub(crate) fn new() -> io::Result<Self> {
+        let (wake, woken) = std::os::unix::net::UnixStream::pair()?;
+        Ok(Self {
+            raised: std::sync::Arc::default(),
+            wake,
+            woken,
+        })
+    }
+
+    /// Raises the flag and wakes its waiter (for good: a raised alarm stays raised).
+    pub(crate) fn raise(&self) {
+        self.raised.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.wake.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Whether it was raised.
+    pub(crate) fn is_raised(&self) -> bool {
+        self.raised.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The flag alone, for a thread that looks at it between reads without sleeping on the
+    /// alarm.
+    pub(crate) fn flag(&self) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+        std::sync::Arc::clone(&self.raised)
+    }
+
+    /// What to wait on, for reading, beside the sockets: ready once raised.
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.woken)
+    }
+}
+
 /// Copies what `fd` has now into `buf` without taking it off the socket (0: the peer closed).
 ///
 /// # Errors

@@ -5,7 +5,6 @@ use crate::error::{ConfigError, RendezvousError};
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -16,10 +15,6 @@ use crate::store::auth::{self, Purpose, RefuseReason, ServerHandshakeError};
 use crate::store::{StoreClient, WaitOutcome};
 use crate::types::{Rank, RankList, WorldSize};
 use crate::{sys, DdpError, Result};
-
-/// How long a rank waiting for its links' peers to connect sleeps at most before it looks
-/// whether its own connecting side failed.
-const ACCEPT_SLICE: Duration = Duration::from_millis(100);
 
 /// What a rank needs to open its links.
 #[derive(Debug, Clone)]
@@ -255,7 +250,7 @@ pub(crate) fn open_tree(
         .filter(|&&p| p > me)
         .map(|&p| Rank(p as u32))
         .collect();
-    let give_up = Arc::new(AtomicBool::new(false));
+    let give_up = Arc::new(sys::Alarm::new()?);
     let acceptor = {
         let token = setup.token.clone();
         let give_up = Arc::clone(&give_up);
@@ -267,7 +262,7 @@ pub(crate) fn open_tree(
                     &token,
                     (rank, world, deadline),
                     &higher,
-                    &give_up,
+                    Some(&give_up),
                 )
             })?
     };
@@ -280,7 +275,7 @@ pub(crate) fn open_tree(
         match linked {
             Ok(s) => links[p] = Some(s),
             Err(e) => {
-                give_up.store(true, Ordering::Relaxed);
+                give_up.raise();
                 failed = Some(e);
                 break;
             }
@@ -356,7 +351,7 @@ fn accept_owned(
     who: (Rank, WorldSize, Instant),
     expected: Rank,
 ) -> Result<TcpStream> {
-    let mut got = accept_all(listener, token, who, &[expected], &AtomicBool::new(false))?;
+    let mut got = accept_all(listener, token, who, &[expected], None)?;
     match got.pop() {
         Some((_, s)) => Ok(s),
         None => unreachable!("accept_all returns one link per expected rank"),
@@ -364,13 +359,13 @@ fn accept_owned(
 }
 
 /// Accepts one authenticated link from each rank of `expected`, in any order; returns them with
-/// their rank. Stops early, with what it has, once `give_up` is set.
+/// their rank. Stops early, with what it has, once `give_up` is raised.
 fn accept_all(
     listener: &TcpListener,
     token: &JobToken,
     (rank, world, deadline): (Rank, WorldSize, Instant),
     expected: &[Rank],
-    give_up: &AtomicBool,
+    give_up: Option<&sys::Alarm>,
 ) -> Result<Vec<(Rank, TcpStream)>> {
     listener.set_nonblocking(true)?;
     let started = Instant::now();
@@ -412,7 +407,7 @@ fn accept_all(
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if give_up.load(Ordering::Relaxed) {
+                if give_up.is_some_and(sys::Alarm::is_raised) {
                     break;
                 }
                 if Instant::now() >= deadline {
@@ -437,17 +432,16 @@ fn accept_all(
                         refused_note: format!(" ({who} but never connected to this rank)"),
                     }));
                 }
-                // Asleep until a peer connects (a slice at a time, for `give_up`): a rank of
-                // a large job waits here while thousands of others start, and a poll every
-                // few milliseconds of each made those waits most of the machine's work.
-                let slice = deadline
-                    .saturating_duration_since(Instant::now())
-                    .min(ACCEPT_SLICE);
+                // Asleep until a peer connects or `give_up` is raised: a rank of a large job
+                // waits here while thousands of others start, and waking to look (every few
+                // milliseconds, later every 100) made those waits most of the machine's work.
                 let readable = sys::Ready {
                     read: true,
                     write: false,
                 };
-                sys::poll_set(&[(listener.as_fd(), readable)], slice)?;
+                let mut fds = vec![(listener.as_fd(), readable)];
+                fds.extend(give_up.map(|g| (g.fd(), readable)));
+                sys::poll_set(&fds, deadline.saturating_duration_since(Instant::now()))?;
             }
             Err(e) => return Err(e.into()),
         }
