@@ -332,7 +332,7 @@ impl TcpP2p {
         tag: &str,
         same_host: &[Rank],
     ) -> Result<Self> {
-        let listener = TcpListener::bind(SocketAddr::new(store.local_addr()?.ip(), 0))?;
+        let listener = TcpListener::bind(SocketAddr::new(store.local_ip()?, 0))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let mut shm = vec![false; size.as_usize()];

@@ -111,6 +111,11 @@ pub struct MasterAddr {
     /// (`BURN_DDP_ETCD_ENDPOINTS`, set by `burn-ddp run --rdzv-backend etcd`); `host` and `port`
     /// are then unused.
     pub etcd: Option<EtcdStore>,
+    /// This host's address for the job's connections (`BURN_DDP_LOCAL_ADDR`): the store
+    /// connections of its ranks come from it and their links and point-to-point endpoints
+    /// listen on it. `None`: the address the route to the store picks, which on a host with
+    /// several networks may be one the other hosts cannot reach.
+    pub local: Option<std::net::IpAddr>,
 }
 
 /// An etcd cluster that keeps a fault-tolerant job's store: no process of the job serves it,
@@ -274,7 +279,15 @@ impl MasterAddr {
             host: host.into(),
             port,
             etcd: None,
+            local: None,
         }
+    }
+
+    /// The job's connections of this host from (and its listeners on) `ip`, one of its own
+    /// addresses ([`MasterAddr::local`]).
+    pub fn with_local(mut self, ip: std::net::IpAddr) -> Self {
+        self.local = Some(ip);
+        self
     }
 
     /// The store kept by the etcd cluster `store` instead.

@@ -802,7 +802,7 @@ impl StreamLink {
         };
         let stream = match rank.0 {
             1 => {
-                let ip = store.local_addr()?.ip();
+                let ip = store.local_ip()?;
                 let listener =
                     TcpListener::bind(SocketAddr::new(ip, 0)).map_err(fail("listening"))?;
                 store.set(

@@ -5,7 +5,9 @@
 //! Rank 0, which serves the store (two connections a rank), has a process of its own; the others
 //! are hosted as many to a process as its open-file limit holds (a process's limits on
 //! descriptors and memory maps are per process); one rank (the middle one, far from rank
-//! 0) runs alone in a process, which the benchmark kills. For each N it prints
+//! 0) runs alone in a process, which the benchmark kills. Every 8 ranks are a node with an
+//! address of their own (`127.1.0.0`, `127.1.0.1`, ...: [`MasterAddr::local`]), as on machines
+//! of 8 GPUs. For each N it prints
 //!
 //! ```text
 //! scale ranks=N init_s=X hb_requests_per_interval=Y hb_bytes_per_interval=Z detect_s=W
@@ -369,6 +371,18 @@ fn ranks_per_host(n: u32, fault_tolerant: bool) -> Result<usize> {
 /// The most ranks one host process takes (memory maps: about 20 a rank).
 pub const MAX_RANKS_PER_HOST: usize = 1000;
 
+/// Ranks a simulated node holds: its ranks share one address.
+const RANKS_PER_NODE: u32 = 8;
+
+/// The loopback address of `rank`'s simulated node (`127.1.0.0` for the first): the ranks of a
+/// job across machines listen and connect from their own machine's address, and one machine's
+/// thousands of listeners on one address made every bind search the machine's ports (the
+/// kernel's port search was most of a 8,192-rank start-up's work here).
+fn node_address(rank: Rank) -> std::net::IpAddr {
+    let [_, a, b, c] = (rank.0 / RANKS_PER_NODE).to_be_bytes();
+    std::net::IpAddr::from([127, a.saturating_add(1), b, c])
+}
+
 /// What a rank of the job needs to join it.
 #[derive(Debug, Clone)]
 struct Job {
@@ -395,7 +409,7 @@ impl Job {
     }
 
     fn config(&self, rank: Rank) -> GroupConfig {
-        let mut master = MasterAddr::new("127.0.0.1", self.port);
+        let mut master = MasterAddr::new("127.0.0.1", self.port).with_local(node_address(rank));
         if let Some(store) = self
             .etcd
             .as_ref()

@@ -4,7 +4,7 @@
 
 use crate::error::{CollectiveError, RendezvousError};
 use std::io::{self, ErrorKind, Read};
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::thread;
@@ -143,6 +143,8 @@ pub(crate) struct StoreClient {
     /// `None`: a request without a reply in time breaks it at once.
     keep_late: Option<Duration>,
     link: Link,
+    /// The address its connection comes from, when the job chose one ([`MasterAddr::local`]).
+    local: Option<IpAddr>,
     /// Every key of this client lies under `scope/`, and its abort record is the scope's (a
     /// fault-tolerant job's membership epoch, `ft/<n>`): `None` for the job's own keys.
     scope: Option<String>,
@@ -164,10 +166,18 @@ impl StoreClient {
         deadline: Instant,
     ) -> Result<Self> {
         if let Some(etcd) = &master.etcd {
-            return Self::connect_etcd(etcd, purpose, rank, token, timeout, deadline);
+            return Self::connect_etcd(etcd, purpose, rank, token, timeout, deadline).map(|c| {
+                Self {
+                    local: master.local,
+                    ..c
+                }
+            });
         }
         let started = Instant::now();
         let addrs = resolve(master, rank)?;
+        if let Some(ip) = master.local {
+            check_local(ip)?;
+        }
         let mut backoff = Duration::from_millis(20);
         let mut last_error = io::Error::new(ErrorKind::TimedOut, "no connection attempt finished");
         loop {
@@ -177,7 +187,7 @@ impl StoreClient {
                     break;
                 }
                 let attempt = left.min(Duration::from_secs(2));
-                match TcpStream::connect_timeout(addr, attempt) {
+                match connect_from(master.local, addr, attempt) {
                     Ok(mut stream) => {
                         stream.set_nodelay(true)?;
                         let hs_deadline = deadline.min(Instant::now() + Duration::from_secs(30));
@@ -198,6 +208,7 @@ impl StoreClient {
                                     broken: AtomicBool::new(false),
                                     keep_late: None,
                                     link: Link::Tcp(Mutex::new(TcpConn::new(stream))),
+                                    local: master.local,
                                     scope: None,
                                 })
                             }
@@ -245,6 +256,7 @@ impl StoreClient {
                 broken: AtomicBool::new(false),
                 keep_late: None,
                 link: Link::Etcd(Box::new(link)),
+                local: None,
                 scope: None,
             }),
             Err(Ok(reason)) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
@@ -381,22 +393,30 @@ impl StoreClient {
     }
 
     /// Where to connect again to the same store: the address this client reached (no second
-    /// name lookup), or the same etcd cluster.
+    /// name lookup), or the same etcd cluster; from the same local address.
     pub(crate) fn master(&self) -> MasterAddr {
-        match &self.link {
+        let master = match &self.link {
             Link::Tcp(_) => MasterAddr::new(self.addr.ip().to_string(), self.addr.port()),
             #[cfg(feature = "etcd")]
             Link::Etcd(etcd) => etcd.master(),
+        };
+        MasterAddr {
+            local: self.local,
+            ..master
         }
     }
 
-    /// This end's address of the store connection: the interface that reaches the master, which
-    /// is also the one the transport listens on.
-    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
+    /// This host's address for the job: this end's address of the store connection (the one
+    /// it chose, [`MasterAddr::local`], else the interface that reaches the master). The rank's
+    /// listeners bind it.
+    pub(crate) fn local_ip(&self) -> io::Result<IpAddr> {
         match &self.link {
-            Link::Tcp(conn) => lock(conn).stream.local_addr(),
+            Link::Tcp(conn) => lock(conn).stream.local_addr().map(|a| a.ip()),
             #[cfg(feature = "etcd")]
-            Link::Etcd(etcd) => etcd.local_addr(),
+            Link::Etcd(etcd) => match self.local {
+                Some(ip) => Ok(ip),
+                None => etcd.local_addr().map(|a| a.ip()),
+            },
         }
     }
 
@@ -821,6 +841,42 @@ fn lock(conn: &Mutex<TcpConn>) -> MutexGuard<'_, TcpConn> {
     // The connection holds no invariant a panic could break mid-way that a later request
     // would trust: each request writes a whole frame and reads whole replies.
     conn.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Whether `ip` is an address of this host, which connections can come from.
+///
+/// # Errors
+/// It is not, naming the setting and the fix.
+fn check_local(ip: IpAddr) -> Result<()> {
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0))
+        .map(drop)
+        .map_err(|e| {
+            DdpError::Config(crate::error::ConfigError::InvalidOption {
+                option: "the local address (MasterAddr::local, BURN_DDP_LOCAL_ADDR)",
+                reason: format!(
+                    "{ip} cannot be used on this host ({e}): give one of this host's own \
+                     addresses (`ip -brief address` lists them), or leave it unset"
+                ),
+            })
+        })
+}
+
+/// A connection to `addr`, from `local` when given (bound before it connects).
+fn connect_from(
+    local: Option<IpAddr>,
+    addr: &SocketAddr,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    let Some(local) = local else {
+        return TcpStream::connect_timeout(addr, timeout);
+    };
+    use socket2::{Domain, Socket, Type};
+    let socket = Socket::new(Domain::for_address(*addr), Type::STREAM, None)?;
+    // Best effort: without it the bind picks the port.
+    let _ = crate::sys::port_at_connect(std::os::fd::AsFd::as_fd(&socket));
+    socket.bind(&SocketAddr::new(local, 0).into())?;
+    socket.connect_timeout(&(*addr).into(), timeout)?;
+    Ok(socket.into())
 }
 
 fn resolve(master: &MasterAddr, rank: Rank) -> Result<Vec<SocketAddr>> {

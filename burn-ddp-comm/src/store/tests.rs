@@ -731,3 +731,36 @@ fn without_keeping_late_replies_a_late_reply_breaks_the_connection() {
     ));
     assert!(c.is_broken());
 }
+
+#[test]
+fn a_chosen_local_address_is_where_the_connection_comes_from() {
+    let server = serve(2);
+    let addr = server.addr();
+    let local: std::net::IpAddr = "127.0.0.7".parse().unwrap();
+    let master = MasterAddr::new(addr.ip().to_string(), addr.port()).with_local(local);
+    let connect = |master: &MasterAddr| {
+        StoreClient::connect(
+            master,
+            Purpose::StoreAux,
+            Rank(1),
+            world(2),
+            &JobToken::new("secret"),
+            Duration::from_secs(5),
+            Instant::now() + Duration::from_secs(5),
+        )
+    };
+    let c = connect(&master).unwrap();
+    assert_eq!(c.local_ip().unwrap(), local);
+    // Connecting again (the heartbeat's reconnection) keeps it.
+    assert_eq!(c.master().local, Some(local));
+    c.set("k", b"v").unwrap();
+    // An address this host does not have is refused at once, naming the setting.
+    let started = Instant::now();
+    let foreign = master.with_local("192.0.2.1".parse().unwrap());
+    let err = connect(&foreign).unwrap_err().to_string();
+    assert!(
+        err.contains("BURN_DDP_LOCAL_ADDR") && err.contains("192.0.2.1"),
+        "{err}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(2));
+}

@@ -67,6 +67,33 @@ pub(crate) fn poll_set(fds: &[(BorrowedFd<'_>, Ready)], timeout: Duration) -> io
     }
 }
 
+/// Lets a socket bound to an address with port 0 take its port only when it connects
+/// (`IP_BIND_ADDRESS_NO_PORT`), as a socket that connects unbound does: the port may then be
+/// one that other connections to other peers use too, and the bind does not search the
+/// machine's ports for one no socket holds.
+///
+/// # Errors
+/// The option is not known (a kernel before 4.2): the bind then picks a port itself.
+pub(crate) fn port_at_connect(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let on: libc::c_int = 1;
+    // SAFETY: `fd` is an open socket; `on` is a valid `c_int` for the call and its size is
+    // passed.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            std::ptr::from_ref(&on).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// A flag that wakes the thread asleep in [`poll_set`] on its [`fd`](Self::fd) when it is
 /// raised: a thread that waits for a socket and for a word from another thread sleeps until
 /// either comes, instead of waking now and then to look at the flag.

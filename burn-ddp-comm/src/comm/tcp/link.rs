@@ -66,7 +66,7 @@ pub(crate) fn open_ring(setup: &LinkSetup<'_>) -> Result<Ring> {
     let next = Rank((rank.0 + 1) % n);
     let prev = Rank((rank.0 + n - 1) % n);
 
-    let local_ip = store.local_addr()?.ip();
+    let local_ip = store.local_ip()?;
     let listener = TcpListener::bind(SocketAddr::new(local_ip, 0))?;
     let addr = listener.local_addr()?;
     store.set(&format!("{tag}/addr/{rank}"), addr.to_string().as_bytes())?;
@@ -148,14 +148,18 @@ pub(crate) fn wait_published(setup: &LinkSetup<'_>, keys: &[String]) -> Result<(
 pub(crate) fn wait_all_published(
     setup: &LinkSetup<'_>,
     barrier: &str,
-    keys: &[String],
+    key: impl Fn(usize) -> String,
 ) -> Result<()> {
     let all = setup.store.arrive(barrier, setup.world.get())?;
     let left = setup.deadline.saturating_duration_since(Instant::now());
     match setup.store.wait(std::slice::from_ref(&all), left)? {
         WaitOutcome::Ready => Ok(()),
-        // The deadline passed: name who is missing (a zero-time check of every key).
-        WaitOutcome::Missing(_) => wait_published(setup, keys),
+        // The deadline passed: name who is missing (a zero-time check of every key). Only
+        // then are the keys made: every rank making every rank's is n² strings in all.
+        WaitOutcome::Missing(_) => {
+            let keys: Vec<String> = (0..setup.world.as_usize()).map(key).collect();
+            wait_published(setup, &keys)
+        }
     }
 }
 
@@ -195,10 +199,7 @@ pub(crate) fn open_tree(
     let listener = if algorithm == Algorithm::Ring {
         None
     } else {
-        Some(TcpListener::bind(SocketAddr::new(
-            store.local_addr()?.ip(),
-            0,
-        ))?)
+        Some(TcpListener::bind(SocketAddr::new(store.local_ip()?, 0))?)
     };
     let addr = match &listener {
         Some(l) => l.local_addr()?.to_string(),
@@ -212,17 +213,18 @@ pub(crate) fn open_tree(
         &format!("{tag}/tree/{rank}"),
         format!("{algorithm} {addr}").as_bytes(),
     )?;
-    let keys: Vec<String> = (0..n).map(|r| format!("{tag}/tree/{r}")).collect();
-    wait_all_published(setup, &format!("{tag}/tree-barrier"), &keys)?;
+    let key = |r: usize| format!("{tag}/tree/{r}");
+    wait_all_published(setup, &format!("{tag}/tree-barrier"), key)?;
     let parse = |raw: &[u8]| {
         let text = String::from_utf8_lossy(raw).into_owned();
         let (algo, addr) = text.split_once(' ').unwrap_or((text.as_str(), ""));
         (Algorithm::parse(algo), addr.as_bytes().to_vec())
     };
     let published = |peer: usize| -> Result<(Option<Algorithm>, Vec<u8>)> {
-        Ok(parse(&store.get(&keys[peer])?))
+        Ok(parse(&store.get(&key(peer))?))
     };
     if store.add(&count_key, 0)? != n as i64 {
+        let keys: Vec<String> = (0..n).map(key).collect();
         for (peer, raw) in store.get_many(&keys)?.into_iter().enumerate() {
             match parse(&raw).0 {
                 Some(theirs) if theirs == algorithm => {}

@@ -15,6 +15,7 @@
 //! | `BURN_DDP_ETCD_ENDPOINTS` | a fault-tolerant job's store is kept by this etcd cluster (`host:port,...`; set by `burn-ddp run --rdzv-backend etcd`; needs the `etcd` feature) | unset: the launcher's store |
 //! | `BURN_DDP_ETCD_CA`, `BURN_DDP_ETCD_CERT`, `BURN_DDP_ETCD_KEY` | TLS to the etcd cluster (`https://` endpoints): the CA that signed its members' certificates, this process's client certificate and key (PEM files; set by `burn-ddp run --etcd-ca/--etcd-cert/--etcd-key`) | plain TCP |
 //! | `BURN_DDP_ETCD_USER`, `BURN_DDP_ETCD_PASSWORD` | an etcd user and its password, for a cluster with authentication enabled (the password only ever from the environment) | no user |
+//! | `BURN_DDP_LOCAL_ADDR` | this host's address for the job: its ranks' store connections come from it and their links listen on it (a host on several networks: the one the other hosts reach) | the address the route to the store picks |
 //! | `BURN_DDP_STORE_PORT` | the store's port, overriding the rest | `MASTER_PORT + 1` under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`), else `MASTER_PORT` |
 //! | `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`, `OMPI_COMM_WORLD_LOCAL_SIZE`, `PMIX_NAMESPACE`, `OMPI_MCA_ess_base_jobid` | Open MPI's `mpirun` (when `RANK` is not set); `PMIX_RANK` must agree | |
 //! | `PMI_RANK`, `PMI_SIZE`, `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` | MPICH's and Intel MPI's `mpiexec` (Hydra), when neither `RANK` nor Open MPI's are set | |
@@ -70,6 +71,8 @@ pub const MASTER_PORT: &str = "MASTER_PORT";
 /// Port of burn-ddp's store when it must differ from `MASTER_PORT` (default under torchrun:
 /// `MASTER_PORT + 1`, since torchrun's agent serves its own store on `MASTER_PORT`).
 pub const STORE_PORT: &str = "BURN_DDP_STORE_PORT";
+/// This host's address for the job's connections ([`MasterAddr::local`]).
+pub const LOCAL_ADDR: &str = "BURN_DDP_LOCAL_ADDR";
 /// The etcd cluster that keeps a fault-tolerant job's store (`host:port,...`), instead of the
 /// launcher on `MASTER_ADDR:MASTER_PORT` (set by `burn-ddp run --rdzv-backend etcd`).
 pub const ETCD_ENDPOINTS: &str = "BURN_DDP_ETCD_ENDPOINTS";

@@ -178,6 +178,16 @@ pub fn group_config_from(get: impl Fn(&str) -> Option<String>) -> Result<GroupCo
             })?;
         master = master.with_etcd(store);
     }
+    if let Some(v) = get(LOCAL_ADDR) {
+        let ip = v.trim().parse().map_err(|_| {
+            DdpError::Config(ConfigError::InvalidEnv {
+                var: LOCAL_ADDR,
+                value: v.clone(),
+                expected: "an IP address of this host (such as 10.0.0.5), not a name",
+            })
+        })?;
+        master = master.with_local(ip);
+    }
     let token = token(&get, at.job.as_ref(), &master);
     let mut cfg = GroupConfig::new(rank, world, token)
         .with_master(master)
@@ -556,6 +566,30 @@ mod tests {
         assert!(launched(&[("OMPI_COMM_WORLD_RANK", "0")]));
         assert!(launched(&[("PMI_SIZE", "2")]));
         assert!(launched(&[("PMIX_RANK", "0")]));
+    }
+
+    #[test]
+    fn a_local_address_is_read_and_checked() {
+        let vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "node01"),
+        ];
+        let with = |v: &str| {
+            let mut all = vars.to_vec();
+            all.push(("BURN_DDP_LOCAL_ADDR", v));
+            group_config_from(env(&all))
+        };
+        assert_eq!(group_config_from(env(&vars)).unwrap().master.local, None);
+        assert_eq!(
+            with(" 10.0.0.5 ").unwrap().master.local,
+            Some("10.0.0.5".parse().unwrap())
+        );
+        let err = with("node07").unwrap_err().to_string();
+        assert!(
+            err.contains("BURN_DDP_LOCAL_ADDR") && err.contains("an IP address"),
+            "{err}"
+        );
     }
 
     #[test]

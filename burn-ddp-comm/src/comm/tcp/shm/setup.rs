@@ -65,8 +65,7 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
         &key(rank.index()),
         format!("{transport} {} {host}", std::process::id()).as_bytes(),
     )?;
-    let keys: Vec<String> = (0..n).map(key).collect();
-    link::wait_all_published(setup, &format!("{tag}/transport-barrier"), &keys)?;
+    link::wait_all_published(setup, &format!("{tag}/transport-barrier"), key)?;
     let parse = |raw: &[u8]| {
         let raw = String::from_utf8_lossy(raw).into_owned();
         let mut words = raw.split_whitespace();
@@ -76,9 +75,10 @@ pub(crate) fn open(setup: &LinkSetup<'_>, transport: Transport) -> Result<Option
             host: words.next().unwrap_or_default().to_string(),
         }
     };
-    let published = |peer: usize| -> Result<Published> { Ok(parse(&store.get(&keys[peer])?)) };
+    let published = |peer: usize| -> Result<Published> { Ok(parse(&store.get(&key(peer))?)) };
     // Every rank's, in as few requests as the store allows (not one a peer: n² in all).
     let everyone = || -> Result<Vec<Published>> {
+        let keys: Vec<String> = (0..n).map(key).collect();
         Ok(store.get_many(&keys)?.iter().map(|v| parse(v)).collect())
     };
     if store.add(&count_key, 0)? != n as i64 {
