@@ -13,7 +13,7 @@ use burn_ddp_comm::train::files::path;
 use burn_ddp_comm::DdpError;
 
 use crate::spawned::{
-    children, classifier_args, digests, example, finish, paced, rank_of, wait_for, FAULT_PACE,
+    children, classifier_args, digests, example, finish, paced, rank_of, wait_for_job, FAULT_PACE,
 };
 
 /// A fresh scratch directory for the test `name`.
@@ -144,7 +144,7 @@ fn classifier_losing(
 ) -> (PathBuf, PathBuf, Child, Instant) {
     let dir = scratch(test);
     let log = dir.join("launcher.log");
-    let job = launch(
+    let mut job = launch(
         3,
         restarts,
         &example(name),
@@ -154,7 +154,12 @@ fn classifier_losing(
         ),
         &log,
     );
-    wait_for(&log, "[train] epoch 1/2", Duration::from_secs(300));
+    wait_for_job(
+        &mut job,
+        &log,
+        "[train] epoch 1/2",
+        Duration::from_secs(300),
+    );
     std::thread::sleep(Duration::from_millis(1500));
     let killed = kill_rank(&job, victim);
     (dir, log, job, killed)
@@ -167,7 +172,8 @@ fn classifier_losing(
 /// the survivors' first completed step is measured.
 pub fn classifier_loses_a_rank_mid_epoch(name: &str) {
     let (dir, log, mut job, killed) = classifier_losing(name, &format!("{name}-lose"), 0, 1);
-    let first = wait_for(
+    let first = wait_for_job(
+        &mut job,
         &log,
         "the first step of membership epoch 1 is done",
         Duration::from_secs(60),
@@ -312,11 +318,16 @@ pub fn frozen_rank_zero_rejoins_and_the_new_rank_zero_prints_the_summary(name: &
         &paced(classifier_args(&dir.join("out"), 3, 1536, 128), FAULT_PACE),
         &log,
     );
-    wait_for(&log, "[train] epoch 1/3", Duration::from_secs(300));
+    wait_for_job(
+        &mut job,
+        &log,
+        "[train] epoch 1/3",
+        Duration::from_secs(300),
+    );
     std::thread::sleep(Duration::from_millis(1500));
     let zero = pid_of(&job, 0);
     signal(zero, "-STOP");
-    wait_for(&log, "left: [m0]", Duration::from_secs(60));
+    wait_for_job(&mut job, &log, "left: [m0]", Duration::from_secs(60));
     signal(zero, "-CONT");
     let (ok, text) = finish(&mut job, &log, Duration::from_secs(600));
     assert!(ok, "{text}");
@@ -401,9 +412,10 @@ pub fn rank_zero_frozen_while_it_writes_a_checkpoint(name: &str) {
         // Renamed before the signal landed: the next write.
         signal(zero, "-CONT");
     };
-    wait_for(&log, "left: [m0]", Duration::from_secs(60));
+    wait_for_job(&mut job, &log, "left: [m0]", Duration::from_secs(60));
     // The survivors' end of that epoch waits for their new rank 0's write of its checkpoint.
-    wait_for(
+    wait_for_job(
+        &mut job,
         &log,
         &format!("[train] epoch {}/3", epoch + 1),
         Duration::from_secs(60),
@@ -426,14 +438,15 @@ pub fn rank_zero_frozen_while_it_writes_a_checkpoint(name: &str) {
 fn checkpointing_job(dir: &Path, name: &str, epochs: u32) -> (Child, PathBuf, PathBuf) {
     let log = dir.join("launcher.log");
     let out = dir.join("out");
-    let job = launch(
+    let mut job = launch(
         3,
         0,
         &example(name),
         &classifier_args(&out, epochs, 1536, 128),
         &log,
     );
-    wait_for(
+    wait_for_job(
+        &mut job,
         &log,
         &format!("[train] epoch 1/{epochs}"),
         Duration::from_secs(300),
@@ -519,10 +532,15 @@ pub fn custom_loop_recovers_and_takes_in_a_joiner(child: &str) {
     let port = burn_ddp_comm::launch::spawn::free_port().unwrap();
     let exe = std::env::current_exe().unwrap();
     let mut job = launch_on(port, &["--nproc-per-node", "3"], &exe, &args, &env, &log);
-    wait_for(&log, "member 2 pid", Duration::from_secs(120));
+    wait_for_job(&mut job, &log, "member 2 pid", Duration::from_secs(120));
     std::thread::sleep(Duration::from_millis(1000));
     kill_rank(&job, 2);
-    wait_for(&log, "changed: membership epoch 1", Duration::from_secs(60));
+    wait_for_job(
+        &mut job,
+        &log,
+        "changed: membership epoch 1",
+        Duration::from_secs(60),
+    );
     let mut joiner = launch_on(
         port,
         &["--join", "--nproc-per-node", "1"],

@@ -359,6 +359,32 @@ pub fn wait_for(log: &Path, needle: &str, limit: Duration) -> Instant {
     }
 }
 
+/// Waits until `log` contains `needle`, which `job` (a launcher writing `log`) is to print;
+/// panics with the log when `limit` passes or when `job` ends first (at once: a launcher that
+/// failed prints nothing more).
+pub fn wait_for_job(job: &mut Child, log: &Path, needle: &str, limit: Duration) -> Instant {
+    let deadline = Instant::now() + limit;
+    loop {
+        let ended = job.try_wait().unwrap();
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if text.contains(needle) {
+            return Instant::now();
+        }
+        if let Some(status) = ended {
+            panic!(
+                "the job ended ({status}) before {needle:?} was in {}:\n{text}",
+                log.display()
+            );
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{needle:?} not in {} within {limit:?}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits until every path exists.
 pub fn wait_for_files(paths: &[PathBuf], limit: Duration) {
     let deadline = Instant::now() + limit;
