@@ -826,13 +826,18 @@ impl StoreClient {
             }
         };
         let mut conn = lock(conn);
-        if self.is_broken() || conn.late.is_some() {
+        let deadline = Instant::now() + timeout;
+        if self.is_broken() {
+            return;
+        }
+        // A late reply first, so that the goodbye's is the one read after it.
+        if conn.late.is_some() && conn.read_frame(deadline).is_err() {
             return;
         }
         let (k, p) = Request::Bye.encode();
         let _ = conn.stream.set_write_timeout(Some(timeout));
         if wire::write_frame(&mut conn.stream, k, &p).is_ok() {
-            let _ = conn.read_frame(Instant::now() + timeout);
+            let _ = conn.read_frame(deadline);
         }
     }
 }

@@ -19,6 +19,7 @@
 //! Every call is bounded: each RPC attempt by [`ATTEMPT`], failed attempts (a dead member, a
 //! leader election) are retried on the other endpoints until the request's own deadline.
 
+use std::collections::{HashMap, HashSet};
 use std::io::{self, ErrorKind};
 use std::net::{SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -63,6 +64,10 @@ pub(crate) fn allowed(wait: Duration, slack: Duration) -> Duration {
 const WATCH_SLICE: Duration = Duration::from_secs(1);
 /// etcd refuses transactions of more than 128 operations (`--max-txn-ops`).
 const TXN_OPS: usize = 100;
+/// Keys of one folder (up to their last `/`) a wait watches one by one; more are watched as
+/// the folder, with one watcher (a wait on every member's key would otherwise make a watcher
+/// for each, one round trip each).
+const WATCH_ONE_BY_ONE: usize = 8;
 
 /// Why a request got no reply.
 #[derive(Debug)]
@@ -690,17 +695,27 @@ impl EtcdLink {
                 end.min(tokio::time::Instant::now() + Duration::from_millis(50)),
             )
         };
-        let options = || WatchOptions::new().with_start_revision(revision + 1);
-        let Some((first, rest)) = keys.split_first() else {
+        let options = |folder: bool| {
+            let o = WatchOptions::new().with_start_revision(revision + 1);
+            if folder {
+                o.with_prefix()
+            } else {
+                o
+            }
+        };
+        let watches = watches(keys);
+        let Some(((first, folder), rest)) = watches.split_first() else {
             return pause().await;
         };
-        // One stream, one watcher per key: a write elsewhere in the job (a heartbeat) does not
-        // wake this wait.
+        // One stream, one watcher per key (or folder of many keys): a write elsewhere in the
+        // job (a heartbeat) does not wake this wait.
         let mut client = self.client.clone();
         let watched = tokio::time::timeout_at(end, async {
-            let mut stream = client.watch(first.clone(), Some(options())).await?;
-            for k in rest {
-                stream.watch(k.clone(), Some(options())).await?;
+            let mut stream = client
+                .watch(first.to_string(), Some(options(*folder)))
+                .await?;
+            for (k, folder) in rest {
+                stream.watch(k.to_string(), Some(options(*folder))).await?;
             }
             Ok::<_, etcd_client::Error>(stream)
         })
@@ -992,6 +1007,27 @@ async fn keep_alive(
 }
 
 /// The member id of a [`gone_key`], if `key` is one.
+/// What a wait on `keys` watches: each key, or (`true`) the folder of more than
+/// [`WATCH_ONE_BY_ONE`] of them, in the order they first come.
+fn watches(keys: &[String]) -> Vec<(&str, bool)> {
+    fn folder(k: &str) -> Option<&str> {
+        k.rfind('/').map(|i| &k[..=i])
+    }
+    let mut counts: HashMap<&str, usize> = HashMap::new();
+    for f in keys.iter().filter_map(|k| folder(k)) {
+        *counts.entry(f).or_default() += 1;
+    }
+    let (mut out, mut taken) = (Vec::new(), HashSet::new());
+    for k in keys {
+        match folder(k).filter(|f| counts[f] > WATCH_ONE_BY_ONE) {
+            Some(f) if taken.insert(f) => out.push((f, true)),
+            Some(_) => {}
+            None => out.push((k.as_str(), false)),
+        }
+    }
+    out
+}
+
 fn gone_id(key: &str) -> Option<u32> {
     key.strip_prefix("ft/gone/")?.parse().ok()
 }
@@ -1526,6 +1562,27 @@ mod tests {
             "{:?}",
             t.elapsed()
         );
+    }
+
+    #[test]
+    fn a_wait_on_many_keys_of_a_folder_watches_the_folder() {
+        let keys: Vec<String> = ["p/abort", "p/ft/in/0/7"]
+            .into_iter()
+            .map(String::from)
+            .chain((0..20).map(|r| format!("p/ft/in/1/{r}")))
+            .chain(["p/ft/in/1/all".to_string(), "top".to_string()])
+            .collect();
+        assert_eq!(
+            watches(&keys),
+            [
+                ("p/abort", false),
+                ("p/ft/in/0/7", false),
+                ("p/ft/in/1/", true),
+                ("top", false)
+            ]
+        );
+        let few: Vec<String> = (0..WATCH_ONE_BY_ONE).map(|r| format!("p/k/{r}")).collect();
+        assert!(watches(&few).iter().all(|(_, folder)| !folder));
     }
 
     #[test]

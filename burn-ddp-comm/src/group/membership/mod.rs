@@ -380,10 +380,22 @@ impl MembershipService {
         let started = Instant::now();
         let world = self.initial_world;
         self.store.set(&keys::checkin(0, self.id), &self.host())?;
+        // Arrivals are counted: a wait on one key, not on every process's (a wait on n keys
+        // of each of n processes, and on etcd a watch of each key: 65,000 watches made one by
+        // one for 256 processes).
+        let all = [self.store.arrive(keys::first_arrivals(), world)?];
         let keys: Vec<String> = (0..world).map(|r| keys::checkin(0, r)).collect();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match self.store.wait(&keys, left.min(SAY_EVERY))? {
+            let outcome = match self.store.wait(&all, left.min(SAY_EVERY))? {
+                // Every key is read once the count is full (a process restarted before the job
+                // formed counts twice and must not stand for one that never came), waited on
+                // while one is missing.
+                WaitOutcome::Ready => self.store.wait(&keys, left.min(SAY_EVERY))?,
+                // Who is missing, to say so.
+                WaitOutcome::Missing(_) => self.store.wait(&keys, Duration::ZERO)?,
+            };
+            match outcome {
                 WaitOutcome::Ready => break,
                 WaitOutcome::Missing(missing) if left > SAY_EVERY => tracing::warn!(
                     "[member {}] waiting for {} of the job's {world} processes to start ({:.0?} \

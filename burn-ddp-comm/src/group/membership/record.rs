@@ -19,6 +19,10 @@ pub(super) mod keys {
     pub(crate) fn checkin(e: u64, id: u32) -> String {
         format!("ft/in/{e}/{id}")
     }
+    /// The count of the processes that checked in for epoch 0 (`StoreClient::arrive`).
+    pub(crate) fn first_arrivals() -> &'static str {
+        "ft/in-count/0"
+    }
     /// The scope of epoch `e`'s group: its keys, its abort record.
     pub(crate) fn scope(e: u64) -> String {
         format!("ft/{e}")
