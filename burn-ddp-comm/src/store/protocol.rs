@@ -110,6 +110,14 @@ mod kind {
     pub(super) const R_ERROR: u8 = 0x2f;
 }
 
+/// The refusal of an `add` on `key`, which holds a `len`-byte value of its own.
+pub(crate) fn not_a_counter(key: &str, len: usize) -> String {
+    format!(
+        "`add` on key {key:?}, which holds a {len}-byte value, not a counter set by `add`; use \
+         a different key"
+    )
+}
+
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -86,10 +86,6 @@ pub(super) fn get_within(
     }
 }
 
-pub(super) fn decode_i64(bytes: &[u8]) -> Option<i64> {
-    <[u8; 8]>::try_from(bytes).ok().map(i64::from_le_bytes)
-}
-
 /// Records the world size the job starts with (the same from every process and launcher;
 /// the first record stays). Member ids below it are the first processes' (`RANK`); joining
 /// processes take ids above.
@@ -115,9 +111,8 @@ pub(super) fn first_world(store: &StoreClient) -> Result<u32> {
 
 /// How many member ids were handed to joining processes so far (above the first world size).
 pub(super) fn ids_handed_out(store: &StoreClient) -> Result<u32> {
-    let n = get_now(store, keys::NEXT_ID)?
-        .and_then(|v| decode_i64(&v))
-        .unwrap_or(0);
+    // A counter is read by adding 0 (on etcd it is no key of its own: see `store::etcd`).
+    let n = store.add(keys::NEXT_ID, 0)?;
     Ok(u32::try_from(n.max(0)).unwrap_or(u32::MAX))
 }
 

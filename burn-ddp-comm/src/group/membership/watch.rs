@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::record::{decode_i64, keys};
+use super::record::keys;
 use crate::config::GroupConfig;
 use crate::periodic::Periodic;
 use crate::store::auth::Purpose;
@@ -50,8 +50,7 @@ pub(super) fn watch_joins(
         }
     };
     let thread = Periodic::spawn(format!("burn-ddp-ft-watch-{id}"), interval, move || {
-        if let Ok(v) = store.get_timeout(keys::JOINS, Duration::ZERO) {
-            let n = decode_i64(&v).unwrap_or(0);
+        if let Ok(n) = store.add(keys::JOINS, 0) {
             if n > joins.seen.load(Ordering::SeqCst) {
                 joins.pending.store(true, Ordering::SeqCst);
             }

@@ -28,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-use super::protocol::{self, Reply, Request, MAX_FRAME};
+use super::protocol::{self, not_a_counter, Reply, Request, MAX_FRAME};
 use crate::config::JobToken;
 use crate::store::auth::{self, Purpose, RefuseReason};
 use crate::types::{AbortRecord, Rank, WorldSize};
@@ -349,11 +349,7 @@ impl ServerState {
                     Some(v) => match <[u8; 8]>::try_from(v.as_slice()) {
                         Ok(bytes) => i64::from_le_bytes(bytes),
                         Err(_) => {
-                            let reply = Reply::Rejected(format!(
-                                "`add` on key {key:?}, which holds a {}-byte value, not a \
-                                 counter set by `add`; use a different key",
-                                v.len()
-                            ));
+                            let reply = Reply::Rejected(not_a_counter(&key, v.len()));
                             return Outcome::Reply(reply, Wake::Nothing);
                         }
                     },
