@@ -222,6 +222,29 @@ pub(crate) fn take_frame(
     Ok(Some((header.kind, payload)))
 }
 
+/// One read of what has arrived on `stream` (at most `CHUNK` bytes, retried when interrupted)
+/// onto the end of `input`, for [`take_frame`]: the bytes read; the end of the stream is an
+/// [`io::ErrorKind::UnexpectedEof`] error saying `closed`. `input` grows by what came only (a
+/// server's thousands of idle connections keep small buffers).
+pub(crate) fn read_more<const CHUNK: usize>(
+    stream: &mut impl Read,
+    input: &mut Vec<u8>,
+    closed: &'static str,
+) -> io::Result<usize> {
+    let mut buf = [0u8; CHUNK];
+    loop {
+        return match stream.read(&mut buf) {
+            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, closed)),
+            Ok(n) => {
+                input.extend_from_slice(&buf[..n]);
+                Ok(n)
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => Err(e),
+        };
+    }
+}
+
 /// Builds a payload.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Writer {

@@ -3,7 +3,7 @@
 //! cluster keeps, the same requests answered by etcd (`etcd.rs`).
 
 use crate::error::{CollectiveError, RendezvousError};
-use std::io::{self, ErrorKind, Read};
+use std::io::{self, ErrorKind};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -106,21 +106,8 @@ impl TcpConn {
 
     /// One read into `input`.
     fn read_some(&mut self) -> io::Result<()> {
-        let mut buf = [0u8; 16 * 1024];
-        loop {
-            return match self.stream.read(&mut buf) {
-                Ok(0) => Err(io::Error::new(
-                    ErrorKind::UnexpectedEof,
-                    "the store closed the connection",
-                )),
-                Ok(n) => {
-                    self.input.extend_from_slice(&buf[..n]);
-                    Ok(())
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => Err(e),
-            };
-        }
+        let closed = "the store closed the connection";
+        wire::read_more::<{ 16 * 1024 }>(&mut self.stream, &mut self.input, closed).map(drop)
     }
 }
 
@@ -166,12 +153,7 @@ impl StoreClient {
         deadline: Instant,
     ) -> Result<Self> {
         if let Some(etcd) = &master.etcd {
-            return Self::connect_etcd(etcd, purpose, rank, token, timeout, deadline).map(|c| {
-                Self {
-                    local: master.local,
-                    ..c
-                }
-            });
+            return Self::connect_etcd(master, etcd, purpose, rank, token, timeout, deadline);
         }
         let started = Instant::now();
         let addrs = resolve(master, rank)?;
@@ -234,10 +216,11 @@ impl StoreClient {
         }
     }
 
-    /// A client of the job's keys on the etcd cluster `etcd`; a presence connection
-    /// ([`Purpose::Store`]) claims member id `rank` for this process.
+    /// A client of the job's keys on the etcd cluster `etcd` (`master`'s); a presence
+    /// connection ([`Purpose::Store`]) claims member id `rank` for this process.
     #[cfg(feature = "etcd")]
     fn connect_etcd(
+        master: &MasterAddr,
         etcd: &crate::config::EtcdStore,
         purpose: Purpose,
         rank: Rank,
@@ -256,7 +239,7 @@ impl StoreClient {
                 broken: AtomicBool::new(false),
                 keep_late: None,
                 link: Link::Etcd(Box::new(link)),
-                local: None,
+                local: master.local,
                 scope: None,
             }),
             Err(Ok(reason)) => Err(DdpError::Rendezvous(RendezvousError::StoreRefused {
@@ -275,6 +258,7 @@ impl StoreClient {
     /// Without the `etcd` feature, a store on etcd is refused, saying how to build with it.
     #[cfg(not(feature = "etcd"))]
     fn connect_etcd(
+        _: &MasterAddr,
         _: &crate::config::EtcdStore,
         _: Purpose,
         _: Rank,
@@ -428,6 +412,12 @@ impl StoreClient {
         })
     }
 
+    /// No reply in time (`what`): a lost store, not `StoreTimeout`, which readers take for the
+    /// store's answer that a key is absent.
+    fn unanswered(&self, what: String) -> DdpError {
+        self.lost(io::Error::new(ErrorKind::TimedOut, what))
+    }
+
     /// Sends a request and reads its reply; `wait` (plus the client's slack) bounds the reply
     /// time.
     fn call(
@@ -460,14 +450,11 @@ impl StoreClient {
             Link::Etcd(etcd) => etcd.execute(request, wait, slack).map_err(|f| match f {
                 // No reply at all: not the store's answer that a key is missing (a
                 // `StoreTimeout`, which readers take for "absent").
-                super::etcd::EtcdFailure::Timeout(last) => self.lost(io::Error::new(
-                    ErrorKind::TimedOut,
-                    format!(
-                        "no member of the etcd cluster answered the store {op} within {:?}{}",
-                        super::etcd::allowed(wait, slack),
-                        last.map(|l| format!("; the last attempt: {l}"))
-                            .unwrap_or_default()
-                    ),
+                super::etcd::EtcdFailure::Timeout(last) => self.unanswered(format!(
+                    "no member of the etcd cluster answered the store {op} within {:?}{}",
+                    super::etcd::allowed(wait, slack),
+                    last.map(|l| format!("; the last attempt: {l}"))
+                        .unwrap_or_default()
                 )),
                 super::etcd::EtcdFailure::Lost(e) => self.lost(e),
             })?,
@@ -526,15 +513,10 @@ impl StoreClient {
             {
                 if self.keep_late.is_some() {
                     conn.late = Some(Instant::now());
-                    // Not `StoreTimeout`, which readers take for the store's answer that a
-                    // key is absent.
-                    return Err(self.lost(io::Error::new(
-                        ErrorKind::TimedOut,
-                        format!(
-                            "no reply to the store {op} within {:?} (the connection is kept \
-                             for its late reply)",
-                            wait + slack
-                        ),
+                    return Err(self.unanswered(format!(
+                        "no reply to the store {op} within {:?} (the connection is kept for \
+                         its late reply)",
+                        wait + slack
                     )));
                 }
                 return Err(broken(DdpError::Rendezvous(
@@ -569,17 +551,13 @@ impl StoreClient {
                 conn.late = None;
                 Ok(())
             }
-            Ok(None) if since.elapsed() < limit => Err(self.lost(io::Error::new(
-                ErrorKind::TimedOut,
-                format!(
-                    "the reply to an earlier request has not come yet (awaited for {:?}, up \
-                     to {limit:?})",
-                    since.elapsed()
-                ),
+            Ok(None) if since.elapsed() < limit => Err(self.unanswered(format!(
+                "the reply to an earlier request has not come yet (awaited for {:?}, up to \
+                 {limit:?})",
+                since.elapsed()
             ))),
-            Ok(None) => Err(broken(self.lost(io::Error::new(
-                ErrorKind::TimedOut,
-                format!("the reply to an earlier request did not come within {limit:?}"),
+            Ok(None) => Err(broken(self.unanswered(format!(
+                "the reply to an earlier request did not come within {limit:?}"
             )))),
             Err(error) => Err(broken(self.protocol(error))),
         }

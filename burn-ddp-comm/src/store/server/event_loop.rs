@@ -13,7 +13,7 @@
 //! reading holds at most one reply in the server.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::io::{self, ErrorKind, Read, Write};
+use std::io::{self, ErrorKind, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -123,21 +123,11 @@ impl Conn {
 
     /// Reads what the socket has: whether it had anything (`false`: nothing yet).
     fn fill(&mut self) -> Result<bool, FrameError> {
-        let mut buf = [0u8; READ_CHUNK];
-        loop {
-            return match self.stream.read(&mut buf) {
-                Ok(0) => Err(FrameError::Io(io::Error::new(
-                    ErrorKind::UnexpectedEof,
-                    "the connection closed",
-                ))),
-                Ok(n) => {
-                    self.input.extend_from_slice(&buf[..n]);
-                    Ok(true)
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(false),
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => Err(FrameError::Io(e)),
-            };
+        let closed = "the connection closed";
+        match wire::read_more::<READ_CHUNK>(&mut self.stream, &mut self.input, closed) {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(FrameError::Io(e)),
         }
     }
 
