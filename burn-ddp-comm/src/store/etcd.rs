@@ -74,6 +74,9 @@ const WATCH_ONE_BY_ONE: usize = 8;
 /// Parts of a counter (one per `add`) at whose multiples the `add` that finds them folds them
 /// into the counter's base, so that a counter's folder stays small however often it is added to.
 const COUNTER_FOLD: usize = 64;
+/// What the key of a counter holds on etcd: its count is the sum of its folder
+/// ([`EtcdLink::counter`]). Not 8 bytes, so never taken for a count.
+const COUNTER: &[u8] = b"\0burn-ddp counter: the sum of its folder\0";
 
 /// Why a request got no reply.
 #[derive(Debug)]
@@ -812,11 +815,12 @@ impl EtcdLink {
                 Ok(Reply::Ok)
             }
             Request::Get { key, timeout } => {
-                match self
-                    .wait_for(std::slice::from_ref(key), *timeout, deadline)
-                    .await?
-                {
-                    Ok(mut values) => Ok(Reply::Value(values.remove(0))),
+                let keys = std::slice::from_ref(key);
+                match self.wait_for(keys, *timeout, deadline).await? {
+                    Ok(values) => {
+                        let mut values = self.counted(keys, values, deadline).await?;
+                        Ok(Reply::Value(values.remove(0)))
+                    }
                     Err(reply) => Ok(reply),
                 }
             }
@@ -828,7 +832,7 @@ impl EtcdLink {
             // The keys are read in transactions of up to TXN_OPS gets each.
             Request::GetMany { keys, timeout } => {
                 match self.wait_for(keys, *timeout, deadline).await? {
-                    Ok(values) => Ok(Reply::Values(values)),
+                    Ok(values) => Ok(Reply::Values(self.counted(keys, values, deadline).await?)),
                     Err(reply) => Ok(reply),
                 }
             }
@@ -952,7 +956,9 @@ impl EtcdLink {
     /// compare-and-swap on one key took up to n each (at 256 processes, 40,000 transactions a
     /// member in 20 s at each start-up barrier, read from etcd's metrics). `delta` 0 reads.
     ///
-    /// A key that holds a value of its own (set by `set`) is added to as that value, by a
+    /// The key itself holds [`COUNTER`] from the first `add` on, so that `get` and `wait` find
+    /// the counter as on the launcher's store (a `get` sums its folder: [`Self::counted`]). A
+    /// key that holds a value of its own (set by `set`) is added to as that value, by a
     /// compare-and-swap, or refused when it is not 8 bytes, as on the launcher's store. An
     /// attempt retried after its first landed finds its part there and answers the sum then.
     async fn add(&self, key: &str, delta: i64, deadline: Instant) -> Outcome<Reply> {
@@ -962,21 +968,46 @@ impl EtcdLink {
             format!("{folder}p/{:016x}-{n:x}", self.adder.id)
         });
         let whole = || Some(GetOptions::new().with_prefix());
+        let read = || {
+            [
+                TxnOp::get(plain.clone(), None),
+                TxnOp::get(folder.clone(), whole()),
+            ]
+        };
         let (added, own, parts): (bool, Option<Vec<u8>>, Vec<KeyValue>) = self
             .attempts(deadline, |mut c, _| {
-                let mut when = vec![Compare::version(plain.clone(), CompareOp::Equal, 0)];
-                let mut then = Vec::with_capacity(2);
-                if let Some(p) = &part {
-                    when.push(Compare::create_revision(p.clone(), CompareOp::Equal, 0));
-                    then.push(TxnOp::put(p.clone(), delta.to_le_bytes().to_vec(), None));
-                }
-                then.push(TxnOp::get(folder.clone(), whole()));
-                let txn = Txn::new().when(when).and_then(then).or_else([
-                    TxnOp::get(plain.clone(), None),
-                    TxnOp::get(folder.clone(), whole()),
-                ]);
+                let txn = match &part {
+                    None => Txn::new().and_then(read()),
+                    Some(p) => {
+                        let absent = Compare::create_revision(p.clone(), CompareOp::Equal, 0);
+                        let add = TxnOp::put(p.clone(), delta.to_le_bytes().to_vec(), None);
+                        let first = Compare::version(plain.clone(), CompareOp::Equal, 0);
+                        let counter = Compare::value(plain.clone(), CompareOp::Equal, COUNTER);
+                        // The first add marks the key; later ones find the mark.
+                        Txn::new()
+                            .when([first, absent.clone()])
+                            .and_then([
+                                TxnOp::put(plain.clone(), COUNTER, None),
+                                add.clone(),
+                                TxnOp::get(folder.clone(), whole()),
+                            ])
+                            .or_else([TxnOp::txn(
+                                Txn::new()
+                                    .when([counter, absent])
+                                    .and_then([add, TxnOp::get(folder.clone(), whole())])
+                                    .or_else(read()),
+                            )])
+                    }
+                };
+                let added = part.is_some();
                 async move {
-                    let r = c.txn(txn).await?;
+                    let mut r = c.txn(txn).await?;
+                    if !r.succeeded() && added {
+                        match r.op_responses().into_iter().next() {
+                            Some(TxnOpResponse::Txn(inner)) => r = inner,
+                            _ => return Ok((false, None, Vec::new())),
+                        }
+                    }
                     let mut gets: Vec<Vec<KeyValue>> = r
                         .op_responses()
                         .into_iter()
@@ -987,30 +1018,68 @@ impl EtcdLink {
                         .collect();
                     let parts = gets.pop().unwrap_or_default();
                     let own = gets.pop().and_then(|kvs| kvs.into_iter().next());
-                    Ok((r.succeeded(), own.map(|kv| kv.value().to_vec()), parts))
+                    Ok((
+                        added && r.succeeded(),
+                        own.map(|kv| kv.value().to_vec()),
+                        parts,
+                    ))
                 }
             })
             .await?;
-        let counted = |parts: &[KeyValue]| {
-            sum(parts).ok_or_else(|| {
-                Reply::Rejected(format!(
-                    "counter {key:?} holds a part that is not 8 bytes (written by another \
-                     program?); use a different key"
-                ))
-            })
-        };
-        if !added && own.is_some() {
+        // A value of the key's own (not the mark; none: a counter not added to yet, or this
+        // add's retried attempt that found its part).
+        if own.as_deref().is_some_and(|v| v != COUNTER) {
             return self.add_to_value(&plain, key, delta, deadline).await;
         }
-        let total = match counted(&parts) {
-            Ok(t) => t,
-            Err(refused) => return Ok(refused),
+        let Some(total) = sum(&parts) else {
+            return Ok(Reply::Rejected(damaged(key)));
         };
         let count = parts.len();
-        if added && part.is_some() && count >= COUNTER_FOLD && count % COUNTER_FOLD == 0 {
+        if added && count >= COUNTER_FOLD && count % COUNTER_FOLD == 0 {
             self.fold(&folder, &parts).await;
         }
         Ok(Reply::Int(total))
+    }
+
+    /// `values` (read for `keys`) with each counter's mark ([`COUNTER`]) replaced by its
+    /// count (8 bytes, as the launcher's store holds it), read in one more transaction.
+    async fn counted(
+        &self,
+        keys: &[String],
+        mut values: Vec<Vec<u8>>,
+        deadline: Instant,
+    ) -> Outcome<Vec<Vec<u8>>> {
+        let marked: Vec<usize> = (0..values.len())
+            .filter(|&i| values[i] == COUNTER)
+            .collect();
+        for chunk in marked.chunks(TXN_OPS) {
+            let folders: Vec<String> = chunk.iter().map(|&i| self.counter(&keys[i])).collect();
+            let sums = self
+                .attempts(deadline, |mut c, _| {
+                    let ops: Vec<TxnOp> = folders
+                        .iter()
+                        .map(|f| TxnOp::get(f.clone(), Some(GetOptions::new().with_prefix())))
+                        .collect();
+                    async move {
+                        let r = c.txn(Txn::new().and_then(ops)).await?;
+                        Ok(r.op_responses()
+                            .into_iter()
+                            .map(|op| match op {
+                                TxnOpResponse::Get(g) => sum(g.kvs()),
+                                _ => None,
+                            })
+                            .collect::<Vec<_>>())
+                    }
+                })
+                .await?;
+            for (&i, total) in chunk.iter().zip(sums) {
+                // A damaged part leaves the mark, which no reader takes for a count.
+                if let Some(total) = total {
+                    values[i] = total.to_le_bytes().to_vec();
+                }
+            }
+        }
+        Ok(values)
     }
 
     /// Folds up to [`TXN_OPS`] − 1 parts of a counter (read as `read`) into its base, in one
@@ -1117,6 +1186,14 @@ impl Drop for EtcdLink {
             });
         }
     }
+}
+
+/// The refusal of an `add` on counter `key` whose folder holds a part that is not a count.
+fn damaged(key: &str) -> String {
+    format!(
+        "counter {key:?} holds a part that is not 8 bytes (written by another program?); use a \
+         different key"
+    )
 }
 
 /// The sum of a counter's base and parts (8-byte little-endian integers each); `None` when one
@@ -1361,9 +1438,10 @@ mod tests {
     }
 
     /// Processes that add to one counter at once each count once (every `add` answers a
-    /// different total, the totals are 1..=n, the counter reads n), however its parts are
-    /// folded meanwhile; the folder keeps few parts; a counter is deleted with its folder; a
-    /// key set to 8 bytes of its own is added to as that value.
+    /// different total, the totals are 1..=n, the counter reads n, by `add` of 0 and by `get`),
+    /// however its parts are folded meanwhile; the folder keeps few parts; a counter is deleted
+    /// with its folder; a wait on a counter ends at its first add; a key set to 8 bytes of its
+    /// own is added to as that value.
     #[test]
     fn concurrent_adds_count_once_each_and_fold() {
         const PROCESSES: usize = 6;
@@ -1389,6 +1467,11 @@ mod tests {
         );
         let a = connect(&m.master(), Purpose::StoreAux, 0, "job-n").unwrap();
         assert_eq!(a.add("n", 0).unwrap(), n);
+        // Read as on the launcher's store: its 8 bytes, by `get` too, one key or many.
+        assert_eq!(a.get("n").unwrap(), n.to_le_bytes());
+        a.set("plain", b"p").unwrap();
+        let many = a.get_many(&["plain".into(), "n".into()]).unwrap();
+        assert_eq!(many, [b"p".to_vec(), n.to_le_bytes().to_vec()]);
         let store = EtcdStore::parse(&format!("127.0.0.1:{}", m.client)).unwrap();
         let token = JobToken::new("job-n");
         let link = EtcdLink::connect(
@@ -1423,6 +1506,12 @@ mod tests {
         assert!(a.delete("n").unwrap());
         assert_eq!(held(&link), 0, "the counter's folder outlived its delete");
         assert_eq!(a.add("n", 0).unwrap(), 0);
+        // A wait on a counter ends at its first add.
+        let b = connect(&m.master(), Purpose::StoreAux, 1, "job-n").unwrap();
+        let waiter = std::thread::spawn(move || b.get_timeout("n", Duration::from_secs(20)));
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(a.add("n", 3).unwrap(), 3);
+        assert_eq!(waiter.join().unwrap().unwrap(), 3i64.to_le_bytes());
         a.set("eight", &40i64.to_le_bytes()).unwrap();
         assert_eq!(a.add("eight", 2).unwrap(), 42);
         assert_eq!(a.get("eight").unwrap(), 42i64.to_le_bytes());

@@ -490,7 +490,7 @@ impl MembershipService {
     }
 
     fn joins_now(&self) -> Result<i64> {
-        // A counter is read by adding 0 (on etcd it is no key of its own: see `store::etcd`).
+        // A counter read by adding 0: one request on etcd too (a `get` of it takes two there).
         self.store.add(keys::JOINS, 0)
     }
 

@@ -111,7 +111,7 @@ pub(super) fn first_world(store: &StoreClient) -> Result<u32> {
 
 /// How many member ids were handed to joining processes so far (above the first world size).
 pub(super) fn ids_handed_out(store: &StoreClient) -> Result<u32> {
-    // A counter is read by adding 0 (on etcd it is no key of its own: see `store::etcd`).
+    // A counter read by adding 0: one request on etcd too (a `get` of it takes two there).
     let n = store.add(keys::NEXT_ID, 0)?;
     Ok(u32::try_from(n.max(0)).unwrap_or(u32::MAX))
 }
