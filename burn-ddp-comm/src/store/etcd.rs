@@ -967,13 +967,7 @@ impl EtcdLink {
             let n = self.adder.next.fetch_add(1, Ordering::Relaxed);
             format!("{folder}p/{:016x}-{n:x}", self.adder.id)
         });
-        let whole = || Some(GetOptions::new().with_prefix());
-        let read = || {
-            [
-                TxnOp::get(plain.clone(), None),
-                TxnOp::get(folder.clone(), whole()),
-            ]
-        };
+        let read = || [TxnOp::get(plain.clone(), None), folder_read(&folder)];
         let (added, own, parts): (bool, Option<Vec<u8>>, Vec<KeyValue>) = self
             .attempts(deadline, |mut c, _| {
                 let txn = match &part {
@@ -989,12 +983,12 @@ impl EtcdLink {
                             .and_then([
                                 TxnOp::put(plain.clone(), COUNTER, None),
                                 add.clone(),
-                                TxnOp::get(folder.clone(), whole()),
+                                folder_read(&folder),
                             ])
                             .or_else([TxnOp::txn(
                                 Txn::new()
                                     .when([counter, absent])
-                                    .and_then([add, TxnOp::get(folder.clone(), whole())])
+                                    .and_then([add, folder_read(&folder)])
                                     .or_else(read()),
                             )])
                     }
@@ -1056,10 +1050,7 @@ impl EtcdLink {
             let folders: Vec<String> = chunk.iter().map(|&i| self.counter(&keys[i])).collect();
             let sums = self
                 .attempts(deadline, |mut c, _| {
-                    let ops: Vec<TxnOp> = folders
-                        .iter()
-                        .map(|f| TxnOp::get(f.clone(), Some(GetOptions::new().with_prefix())))
-                        .collect();
+                    let ops: Vec<TxnOp> = folders.iter().map(|f| folder_read(f)).collect();
                     async move {
                         let r = c.txn(Txn::new().and_then(ops)).await?;
                         Ok(r.op_responses()
@@ -1087,20 +1078,11 @@ impl EtcdLink {
     /// Best effort: a later `add` folds what this one did not.
     async fn fold(&self, folder: &str, read: &[KeyValue]) {
         let base = format!("{folder}base");
-        let base_revision = read
-            .iter()
-            .find(|kv| kv.key() == base.as_bytes())
-            .map_or(0, KeyValue::mod_revision);
-        let parts: Vec<&KeyValue> = read
-            .iter()
-            .filter(|kv| kv.key() != base.as_bytes())
-            .take(TXN_OPS - 1)
-            .collect();
-        let Some(total) = sum(read
-            .iter()
-            .filter(|kv| kv.key() == base.as_bytes())
-            .chain(parts.iter().copied()))
-        else {
+        let (bases, parts): (Vec<&KeyValue>, Vec<&KeyValue>) =
+            read.iter().partition(|kv| kv.key() == base.as_bytes());
+        let base_revision = bases.first().map_or(0, |kv| kv.mod_revision());
+        let parts = &parts[..parts.len().min(TXN_OPS - 1)];
+        let Some(total) = sum(bases.iter().chain(parts).copied()) else {
             return;
         };
         let mut when = vec![Compare::mod_revision(
@@ -1194,6 +1176,11 @@ fn damaged(key: &str) -> String {
         "counter {key:?} holds a part that is not 8 bytes (written by another program?); use a \
          different key"
     )
+}
+
+/// A read of everything in counter folder `folder` (its base and parts).
+fn folder_read(folder: &str) -> TxnOp {
+    TxnOp::get(folder, Some(GetOptions::new().with_prefix()))
 }
 
 /// The sum of a counter's base and parts (8-byte little-endian integers each); `None` when one

@@ -785,11 +785,10 @@ impl MembershipService {
             let wait = ballot_wait(members.len() + ballot.joiners.len())
                 .min(window.saturating_sub(checked_in.elapsed()))
                 .max(POLL);
-            match missing.is_empty() {
-                true => std::thread::sleep(wait),
-                false => {
-                    self.store.wait(&missing, wait)?;
-                }
+            if missing.is_empty() {
+                std::thread::sleep(wait);
+            } else {
+                self.store.wait(&missing, wait)?;
             }
         }
     }
